@@ -1,0 +1,13 @@
+//! Switchyard's common crate: the domain types every component shares (names, endpoint
+//! configs, endpoints, instances), their validation, the SageMaker JSON reader, the protobuf
+//! conversions, and small process helpers (logging, exit codes, Prometheus text).
+
+pub mod metrics;
+pub mod model;
+pub mod names;
+pub mod pb;
+pub mod process;
+pub mod sagemaker;
+
+pub use model::*;
+pub use names::{EndpointConfigName, EndpointName, InstanceId, InvalidName, VariantName};

@@ -1,0 +1,363 @@
+//! The one place where protobuf types become domain types and back.
+//!
+//! `TryFrom<pb::X> for X` checks names and enum values and reports the field in SageMaker's
+//! spelling; the rules of the configuration model are then checked by `validate()`.
+
+use switchyard_proto::v1 as pb;
+
+use crate::model::{
+    Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance, InstanceRole,
+    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
+};
+use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
+
+pub fn parse_name<T>(
+    field: &str,
+    value: &str,
+    parse: impl FnOnce(&str) -> Result<T, crate::names::InvalidName>,
+) -> Result<T, ValidationError> {
+    parse(value).map_err(|err| ValidationError::new(field, err.to_string()))
+}
+
+pub fn endpoint_config_name(
+    field: &str,
+    value: &str,
+) -> Result<EndpointConfigName, ValidationError> {
+    parse_name(field, value, EndpointConfigName::new)
+}
+
+pub fn endpoint_name(field: &str, value: &str) -> Result<EndpointName, ValidationError> {
+    parse_name(field, value, EndpointName::new)
+}
+
+pub fn variant_name(field: &str, value: &str) -> Result<VariantName, ValidationError> {
+    parse_name(field, value, VariantName::new)
+}
+
+pub fn instance_id(field: &str, value: &str) -> Result<InstanceId, ValidationError> {
+    parse_name(field, value, InstanceId::new)
+}
+
+impl From<RoutingStrategy> for pb::RoutingStrategy {
+    fn from(strategy: RoutingStrategy) -> Self {
+        match strategy {
+            RoutingStrategy::Random => pb::RoutingStrategy::Random,
+            RoutingStrategy::LeastOutstandingRequests => {
+                pb::RoutingStrategy::LeastOutstandingRequests
+            }
+            RoutingStrategy::PrefixAware => pb::RoutingStrategy::PrefixAware,
+        }
+    }
+}
+
+fn routing_strategy(field: &str, value: i32) -> Result<RoutingStrategy, ValidationError> {
+    match pb::RoutingStrategy::try_from(value) {
+        Ok(pb::RoutingStrategy::Unspecified | pb::RoutingStrategy::Random) => {
+            Ok(RoutingStrategy::Random)
+        }
+        Ok(pb::RoutingStrategy::LeastOutstandingRequests) => {
+            Ok(RoutingStrategy::LeastOutstandingRequests)
+        }
+        Ok(pb::RoutingStrategy::PrefixAware) => Ok(RoutingStrategy::PrefixAware),
+        Err(_) => Err(ValidationError::new(
+            field,
+            format!("{value} is not a known routing strategy"),
+        )),
+    }
+}
+
+impl From<&ProductionVariant> for pb::ProductionVariant {
+    fn from(variant: &ProductionVariant) -> Self {
+        pb::ProductionVariant {
+            variant_name: variant.variant_name.to_string(),
+            model_name: variant.model_name.clone().unwrap_or_default(),
+            initial_instance_count: variant.initial_instance_count.unwrap_or(0),
+            instance_type: variant.instance_type.clone().unwrap_or_default(),
+            initial_variant_weight: variant.initial_variant_weight,
+            routing_config: variant.routing_config.map(|routing| pb::RoutingConfig {
+                routing_strategy: pb::RoutingStrategy::from(routing.routing_strategy) as i32,
+                prefix_aware_routing_config: routing.prefix_aware_routing_config.map(|prefix| {
+                    pb::PrefixAwareRoutingConfig {
+                        prefix_length: prefix.prefix_length,
+                        concurrency_threshold: prefix.concurrency_threshold,
+                    }
+                }),
+            }),
+        }
+    }
+}
+
+fn production_variant(
+    field: &str,
+    variant: pb::ProductionVariant,
+) -> Result<ProductionVariant, ValidationError> {
+    let non_empty = |value: String| (!value.is_empty()).then_some(value);
+    let routing_config = match variant.routing_config {
+        None => None,
+        Some(routing) => Some(RoutingConfig {
+            routing_strategy: routing_strategy(
+                &format!("{field}.RoutingConfig.RoutingStrategy"),
+                routing.routing_strategy,
+            )?,
+            prefix_aware_routing_config: routing.prefix_aware_routing_config.map(|prefix| {
+                PrefixAwareRoutingConfig {
+                    prefix_length: prefix.prefix_length,
+                    concurrency_threshold: prefix.concurrency_threshold,
+                }
+            }),
+        }),
+    };
+    Ok(ProductionVariant {
+        variant_name: variant_name(&format!("{field}.VariantName"), &variant.variant_name)?,
+        model_name: non_empty(variant.model_name),
+        // proto3 cannot tell 0 from absent; 0 is refused by validate() only when given in JSON.
+        initial_instance_count: (variant.initial_instance_count != 0)
+            .then_some(variant.initial_instance_count),
+        instance_type: non_empty(variant.instance_type),
+        initial_variant_weight: variant.initial_variant_weight,
+        routing_config,
+    })
+}
+
+impl From<&HealthCheckConfig> for pb::HealthCheckConfig {
+    fn from(health: &HealthCheckConfig) -> Self {
+        pb::HealthCheckConfig {
+            path: health.path.clone(),
+            interval_ms: health.interval_ms,
+            timeout_ms: health.timeout_ms,
+            unhealthy_threshold: health.unhealthy_threshold,
+            healthy_threshold: health.healthy_threshold,
+        }
+    }
+}
+
+impl From<pb::HealthCheckConfig> for HealthCheckConfig {
+    /// Zero and empty fields take their defaults.
+    fn from(health: pb::HealthCheckConfig) -> Self {
+        let defaults = HealthCheckConfig::default();
+        let or = |value: u32, default: u32| if value == 0 { default } else { value };
+        HealthCheckConfig {
+            path: if health.path.is_empty() {
+                defaults.path
+            } else {
+                health.path
+            },
+            interval_ms: or(health.interval_ms, defaults.interval_ms),
+            timeout_ms: or(health.timeout_ms, defaults.timeout_ms),
+            unhealthy_threshold: or(health.unhealthy_threshold, defaults.unhealthy_threshold),
+            healthy_threshold: or(health.healthy_threshold, defaults.healthy_threshold),
+        }
+    }
+}
+
+impl From<&EndpointConfig> for pb::EndpointConfig {
+    fn from(config: &EndpointConfig) -> Self {
+        pb::EndpointConfig {
+            name: config.endpoint_config_name.to_string(),
+            production_variants: config.production_variants.iter().map(Into::into).collect(),
+            health_check: Some((&config.health_check_config).into()),
+            creation_time_ms: config.creation_time_ms,
+        }
+    }
+}
+
+impl TryFrom<pb::EndpointConfig> for EndpointConfig {
+    type Error = ValidationError;
+    fn try_from(config: pb::EndpointConfig) -> Result<Self, Self::Error> {
+        let production_variants = config
+            .production_variants
+            .into_iter()
+            .enumerate()
+            .map(|(index, variant)| {
+                production_variant(&format!("ProductionVariants[{index}]"), variant)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(EndpointConfig {
+            endpoint_config_name: endpoint_config_name("EndpointConfigName", &config.name)?,
+            production_variants,
+            health_check_config: config.health_check.map(Into::into).unwrap_or_default(),
+            creation_time_ms: config.creation_time_ms,
+        })
+    }
+}
+
+impl From<EndpointStatus> for pb::EndpointStatus {
+    fn from(status: EndpointStatus) -> Self {
+        match status {
+            EndpointStatus::Creating => pb::EndpointStatus::Creating,
+            EndpointStatus::InService => pb::EndpointStatus::InService,
+            EndpointStatus::Updating => pb::EndpointStatus::Updating,
+            EndpointStatus::Deleting => pb::EndpointStatus::Deleting,
+            EndpointStatus::Failed => pb::EndpointStatus::Failed,
+        }
+    }
+}
+
+impl From<&Endpoint> for pb::Endpoint {
+    fn from(endpoint: &Endpoint) -> Self {
+        pb::Endpoint {
+            name: endpoint.endpoint_name.to_string(),
+            endpoint_config_name: endpoint.endpoint_config_name.to_string(),
+            status: pb::EndpointStatus::from(endpoint.endpoint_status) as i32,
+            creation_time_ms: endpoint.creation_time_ms,
+            last_modified_time_ms: endpoint.last_modified_time_ms,
+            failure_reason: endpoint.failure_reason.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::Endpoint> for Endpoint {
+    type Error = ValidationError;
+    fn try_from(endpoint: pb::Endpoint) -> Result<Self, Self::Error> {
+        let endpoint_status = match pb::EndpointStatus::try_from(endpoint.status) {
+            Ok(pb::EndpointStatus::Creating) => EndpointStatus::Creating,
+            Ok(pb::EndpointStatus::InService | pb::EndpointStatus::Unspecified) => {
+                EndpointStatus::InService
+            }
+            Ok(pb::EndpointStatus::Updating) => EndpointStatus::Updating,
+            Ok(pb::EndpointStatus::Deleting) => EndpointStatus::Deleting,
+            Ok(pb::EndpointStatus::Failed) => EndpointStatus::Failed,
+            Err(_) => {
+                return Err(ValidationError::new(
+                    "EndpointStatus",
+                    format!("{} is not a known status", endpoint.status),
+                ));
+            }
+        };
+        Ok(Endpoint {
+            endpoint_name: endpoint_name("EndpointName", &endpoint.name)?,
+            endpoint_config_name: endpoint_config_name(
+                "EndpointConfigName",
+                &endpoint.endpoint_config_name,
+            )?,
+            endpoint_status,
+            creation_time_ms: endpoint.creation_time_ms,
+            last_modified_time_ms: endpoint.last_modified_time_ms,
+            failure_reason: endpoint.failure_reason,
+        })
+    }
+}
+
+impl From<InstanceRole> for pb::InstanceRole {
+    fn from(role: InstanceRole) -> Self {
+        match role {
+            InstanceRole::Both => pb::InstanceRole::Both,
+            InstanceRole::Prefill => pb::InstanceRole::Prefill,
+            InstanceRole::Decode => pb::InstanceRole::Decode,
+        }
+    }
+}
+
+pub fn instance_role(field: &str, value: i32) -> Result<InstanceRole, ValidationError> {
+    match pb::InstanceRole::try_from(value) {
+        Ok(pb::InstanceRole::Unspecified | pb::InstanceRole::Both) => Ok(InstanceRole::Both),
+        Ok(pb::InstanceRole::Prefill) => Ok(InstanceRole::Prefill),
+        Ok(pb::InstanceRole::Decode) => Ok(InstanceRole::Decode),
+        Err(_) => Err(ValidationError::new(
+            field,
+            format!("{value} is not a known role"),
+        )),
+    }
+}
+
+impl From<Health> for pb::HealthStatus {
+    fn from(health: Health) -> Self {
+        match health {
+            Health::Unknown => pb::HealthStatus::Unknown,
+            Health::Healthy => pb::HealthStatus::Healthy,
+            Health::Unhealthy => pb::HealthStatus::Unhealthy,
+        }
+    }
+}
+
+impl From<&Instance> for pb::Instance {
+    fn from(instance: &Instance) -> Self {
+        pb::Instance {
+            id: instance.instance_id.to_string(),
+            endpoint_name: instance.endpoint_name.to_string(),
+            variant_name: instance.variant_name.to_string(),
+            url: instance.url.clone(),
+            role: pb::InstanceRole::from(instance.role) as i32,
+            weight: instance.weight,
+            health: pb::HealthStatus::from(instance.health) as i32,
+            ttl_seconds: instance.ttl_seconds,
+            registered_time_ms: instance.registered_time_ms,
+            health_detail: instance.health_detail.clone(),
+        }
+    }
+}
+
+impl TryFrom<pb::Instance> for Instance {
+    type Error = ValidationError;
+    fn try_from(instance: pb::Instance) -> Result<Self, Self::Error> {
+        let health = match pb::HealthStatus::try_from(instance.health) {
+            Ok(pb::HealthStatus::Healthy) => Health::Healthy,
+            Ok(pb::HealthStatus::Unhealthy) => Health::Unhealthy,
+            _ => Health::Unknown,
+        };
+        Ok(Instance {
+            instance_id: instance_id("InstanceId", &instance.id)?,
+            endpoint_name: endpoint_name("EndpointName", &instance.endpoint_name)?,
+            variant_name: variant_name("VariantName", &instance.variant_name)?,
+            url: instance.url,
+            role: instance_role("Role", instance.role)?,
+            weight: instance.weight,
+            health,
+            health_detail: instance.health_detail,
+            ttl_seconds: instance.ttl_seconds,
+            registered_time_ms: instance.registered_time_ms,
+            lease_id: 0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_config_round_trip() {
+        let json = r#"[{"VariantName":"AllTraffic","ModelName":"m","InitialInstanceCount":3,
+            "InitialVariantWeight":2.5,
+            "RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: crate::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms: 42,
+        };
+        let wire = pb::EndpointConfig::from(&config);
+        assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
+    }
+
+    #[test]
+    fn bad_names_and_enums_name_the_field() {
+        let wire = pb::EndpointConfig {
+            name: "bad name".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            EndpointConfig::try_from(wire).unwrap_err().field,
+            "EndpointConfigName"
+        );
+        let wire = pb::EndpointConfig {
+            name: "ok".into(),
+            production_variants: vec![pb::ProductionVariant {
+                variant_name: "v".into(),
+                routing_config: Some(pb::RoutingConfig {
+                    routing_strategy: 99,
+                    prefix_aware_routing_config: None,
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert_eq!(
+            EndpointConfig::try_from(wire).unwrap_err().field,
+            "ProductionVariants[0].RoutingConfig.RoutingStrategy"
+        );
+    }
+}

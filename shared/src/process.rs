@@ -1,0 +1,73 @@
+//! Process conventions shared by every binary: exit code 64 on a bad flag or config, logs in
+//! text or JSON, and one shutdown signal (SIGTERM or Ctrl-C).
+
+use clap::Parser;
+
+/// `EX_USAGE` from sysexits.h: a bad flag, argument or configuration.
+pub const EXIT_USAGE: i32 = 64;
+
+/// Parses the command line; prints `--help`/`--version` and exits 0, or prints the problem
+/// and exits 64 on a bad flag (clap alone would exit 2).
+pub fn parse_args<T: Parser>() -> T {
+    match T::try_parse() {
+        Ok(args) => args,
+        Err(err) => {
+            let code = if err.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = err.print();
+            std::process::exit(code);
+        }
+    }
+}
+
+/// Prints `error: {message}` and exits 64.
+pub fn exit_usage(message: impl std::fmt::Display) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(EXIT_USAGE)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Installs the global tracing subscriber. `RUST_LOG` overrides `default_filter`.
+pub fn init_logging(format: LogFormat, default_filter: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    // A second call (tests, `switchyard up` running several components) keeps the first.
+    drop(result);
+}
+
+/// Resolves when the process receives SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("received Ctrl-C, shutting down"),
+        () = terminate => tracing::info!("received SIGTERM, shutting down"),
+    }
+}

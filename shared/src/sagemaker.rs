@@ -1,0 +1,186 @@
+//! Reads the JSON that `aws sagemaker create-endpoint-config --production-variants` takes, so
+//! a user can paste it unchanged.
+//!
+//! Fields Switchyard understands are parsed; fields SageMaker knows but Switchyard has no use
+//! for (`ServerlessConfig`, `VolumeSizeInGB`, ...) are accepted and reported back so the caller
+//! can warn; anything else is refused with the path of the field, which catches typos such as
+//! `RoutingStrategyy` before they silently fall back to a default.
+
+use serde_json::Value;
+
+use crate::model::{ProductionVariant, ValidationError};
+
+const VARIANT_FIELDS: &[&str] = &[
+    "VariantName",
+    "ModelName",
+    "InitialInstanceCount",
+    "InstanceType",
+    "InitialVariantWeight",
+    "RoutingConfig",
+];
+
+/// SageMaker ProductionVariant fields that Switchyard accepts and ignores.
+const IGNORED_VARIANT_FIELDS: &[&str] = &[
+    "AcceleratorType",
+    "CoreDumpConfig",
+    "ServerlessConfig",
+    "VolumeSizeInGB",
+    "ModelDataDownloadTimeoutInSeconds",
+    "ContainerStartupHealthCheckTimeoutInSeconds",
+    "EnableSSMAccess",
+    "ManagedInstanceScaling",
+    "InferenceAmiVersion",
+    "CapacityReservationConfig",
+];
+
+const ROUTING_FIELDS: &[&str] = &["RoutingStrategy", "PrefixAwareRoutingConfig"];
+const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
+
+/// Production variants parsed from SageMaker JSON, with the SageMaker-only fields that were
+/// ignored (as `ProductionVariants[i].Field`).
+#[derive(Debug, Clone)]
+pub struct ParsedVariants {
+    pub variants: Vec<ProductionVariant>,
+    pub ignored_fields: Vec<String>,
+}
+
+/// Parses `--production-variants`: a JSON array of ProductionVariant objects (a single object
+/// is accepted too). Only checks shape; `EndpointConfig::validate` checks the rules.
+pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, ValidationError> {
+    let value: Value = serde_json::from_str(json).map_err(|err| {
+        ValidationError::new("ProductionVariants", format!("is not valid JSON: {err}"))
+    })?;
+    let items = match value {
+        Value::Array(items) => items,
+        object @ Value::Object(_) => vec![object],
+        _ => {
+            return Err(ValidationError::new(
+                "ProductionVariants",
+                "must be a JSON array of ProductionVariant objects",
+            ));
+        }
+    };
+    let mut ignored_fields = Vec::new();
+    let mut variants = Vec::with_capacity(items.len());
+    for (index, mut item) in items.into_iter().enumerate() {
+        let path = format!("ProductionVariants[{index}]");
+        let Value::Object(object) = &mut item else {
+            return Err(ValidationError::new(path, "must be a JSON object"));
+        };
+        let keys: Vec<String> = object.keys().cloned().collect();
+        for key in keys {
+            if VARIANT_FIELDS.contains(&key.as_str()) {
+                continue;
+            }
+            if IGNORED_VARIANT_FIELDS.contains(&key.as_str()) {
+                object.remove(&key);
+                ignored_fields.push(format!("{path}.{key}"));
+                continue;
+            }
+            return Err(unknown_field(&path, &key, VARIANT_FIELDS));
+        }
+        if !object.contains_key("VariantName") {
+            return Err(ValidationError::new(
+                format!("{path}.VariantName"),
+                "is required",
+            ));
+        }
+        if let Some(routing) = object.get("RoutingConfig") {
+            check_keys(routing, &format!("{path}.RoutingConfig"), ROUTING_FIELDS)?;
+            if let Some(prefix) = routing.get("PrefixAwareRoutingConfig") {
+                check_keys(
+                    prefix,
+                    &format!("{path}.RoutingConfig.PrefixAwareRoutingConfig"),
+                    PREFIX_FIELDS,
+                )?;
+            }
+        }
+        let variant: ProductionVariant = serde_json::from_value(item)
+            .map_err(|err| ValidationError::new(path.clone(), err.to_string()))?;
+        variants.push(variant);
+    }
+    Ok(ParsedVariants {
+        variants,
+        ignored_fields,
+    })
+}
+
+fn check_keys(value: &Value, path: &str, allowed: &[&str]) -> Result<(), ValidationError> {
+    let Value::Object(object) = value else {
+        return Err(ValidationError::new(path, "must be a JSON object"));
+    };
+    for key in object.keys() {
+        if !allowed.contains(&key.as_str()) {
+            return Err(unknown_field(path, key, allowed));
+        }
+    }
+    Ok(())
+}
+
+fn unknown_field(path: &str, key: &str, allowed: &[&str]) -> ValidationError {
+    ValidationError::new(
+        format!("{path}.{key}"),
+        format!(
+            "is not a known field (expected one of {})",
+            allowed.join(", ")
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RoutingStrategy;
+
+    #[test]
+    fn parses_the_aws_cli_json() {
+        let json = r#"[{"VariantName":"AllTraffic","ModelName":"m","InitialInstanceCount":3,
+            "InstanceType":"ml.p5.48xlarge",
+            "RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
+        let parsed = parse_production_variants(json).unwrap();
+        assert_eq!(parsed.variants.len(), 1);
+        let routing = parsed.variants[0].routing();
+        assert_eq!(routing.routing_strategy, RoutingStrategy::PrefixAware);
+        assert_eq!(
+            routing
+                .prefix_aware_routing_config
+                .unwrap()
+                .concurrency_threshold,
+            10
+        );
+        assert!(parsed.ignored_fields.is_empty());
+    }
+
+    #[test]
+    fn sagemaker_only_fields_are_reported_not_refused() {
+        let json = r#"[{"VariantName":"a","VolumeSizeInGB":100}]"#;
+        let parsed = parse_production_variants(json).unwrap();
+        assert_eq!(
+            parsed.ignored_fields,
+            ["ProductionVariants[0].VolumeSizeInGB"]
+        );
+    }
+
+    #[test]
+    fn typos_are_refused_with_the_path() {
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategyy":"RANDOM"}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "ProductionVariants[0].RoutingConfig.RoutingStrategyy"
+        );
+        let err = parse_production_variants(r#"[{"ModelName":"m"}]"#).unwrap_err();
+        assert_eq!(err.field, "ProductionVariants[0].VariantName");
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"FASTEST"}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "ProductionVariants[0]");
+        assert!(err.message.contains("FASTEST"), "{err}");
+        let err = parse_production_variants("[{").unwrap_err();
+        assert_eq!(err.field, "ProductionVariants");
+    }
+}
