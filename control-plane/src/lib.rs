@@ -1,1 +1,411 @@
-//! placeholder
+//! Switchyard's control plane: the admin gRPC API (SageMaker-shaped endpoint configs and
+//! endpoints, instance membership), state in etcd or an embedded store, health checks on the
+//! elected leader, and the `RouterSync` stream that keeps every router current and carries
+//! fleet-wide load.
+//!
+//! Code map: `store` (the storage trait, etcd and embedded), `keys` (key layout), `registry`
+//! (admin operations as store transactions), `admin` (the gRPC edge and auth), `state` (the
+//! watched view and change broadcast), `sync` (router streams), `load` (fleet-wide load),
+//! `leader` (election), `health` (probing).
+
+pub mod admin;
+pub mod health;
+pub mod keys;
+pub mod leader;
+pub mod load;
+pub mod registry;
+pub mod state;
+pub mod store;
+pub mod sync;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use switchyard_proto::v1 as pb;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StoreKind {
+    /// Single node, persisted under --data-dir.
+    Embedded,
+    /// etcd at --etcd-endpoints; several control-plane replicas may share it.
+    Etcd,
+}
+
+/// Command-line configuration of `switchyard-control`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ControlConfig {
+    /// Address the gRPC API listens on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Where state is kept.
+    #[arg(long, value_enum, default_value_t = StoreKind::Embedded)]
+    pub store: StoreKind,
+    /// Directory of the embedded store (created if missing).
+    #[arg(long, default_value = "switchyard-data")]
+    pub data_dir: PathBuf,
+    /// etcd client URLs, comma-separated (with --store etcd).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix in etcd; several Switchyard clusters can share one etcd with different prefixes.
+    #[arg(long, default_value = "/switchyard/v1/")]
+    pub etcd_prefix: String,
+    /// File holding the bearer token admin calls must present. Unset: no authentication.
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+    /// PEM certificate chain for TLS on the gRPC server (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for TLS on the gRPC server (with --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Name of this replica in leader election and load sharing. Default: random.
+    #[arg(long)]
+    pub replica_id: Option<String>,
+    /// Leader lease TTL in seconds: a dead leader's duties move on after about this long.
+    #[arg(long, default_value_t = 3)]
+    pub leader_ttl_seconds: u32,
+    /// How often fleet-wide load is recomputed and sent to routers, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub load_interval_ms: u64,
+    /// A router that has not reported load for this long is dropped from the sums (ms).
+    #[arg(long, default_value_t = 3000)]
+    pub router_timeout_ms: u64,
+    /// Seconds to finish in-flight calls on shutdown before closing streams.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace_seconds: u64,
+}
+
+impl ControlConfig {
+    /// Defaults for an embedded store in `data_dir`, listening on `listen`.
+    pub fn embedded(listen: SocketAddr, data_dir: PathBuf) -> Self {
+        Self {
+            listen,
+            store: StoreKind::Embedded,
+            data_dir,
+            etcd_endpoints: Vec::new(),
+            etcd_prefix: "/switchyard/v1/".into(),
+            admin_token_file: None,
+            tls_cert: None,
+            tls_key: None,
+            replica_id: None,
+            leader_ttl_seconds: 3,
+            load_interval_ms: 100,
+            router_timeout_ms: 3000,
+            shutdown_grace_seconds: 10,
+        }
+    }
+
+    /// Defaults for etcd at `endpoints`.
+    pub fn etcd(listen: SocketAddr, endpoints: Vec<String>, prefix: &str) -> Self {
+        Self {
+            store: StoreKind::Etcd,
+            etcd_endpoints: endpoints,
+            etcd_prefix: prefix.to_owned(),
+            ..Self::embedded(listen, PathBuf::new())
+        }
+    }
+
+    /// Checks the flags and reads the files they name.
+    pub fn validate(&self) -> Result<Settings, StartError> {
+        let bad = |message: String| Err(StartError::Config(message));
+        if self.store == StoreKind::Etcd {
+            if self.etcd_endpoints.is_empty() {
+                return bad("--store etcd needs --etcd-endpoints http://HOST:PORT[,...]".into());
+            }
+            for endpoint in &self.etcd_endpoints {
+                if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                    return bad(format!(
+                        "--etcd-endpoints: {endpoint:?} must start with http:// or https://"
+                    ));
+                }
+            }
+            if !self.etcd_prefix.starts_with('/') || !self.etcd_prefix.ends_with('/') {
+                return bad(format!(
+                    "--etcd-prefix: {:?} must start and end with '/'",
+                    self.etcd_prefix
+                ));
+            }
+        } else if self.data_dir.as_os_str().is_empty() {
+            return bad("--data-dir must not be empty".into());
+        }
+        if !(2..=60).contains(&self.leader_ttl_seconds) {
+            return bad(format!(
+                "--leader-ttl-seconds: {} is outside 2..=60",
+                self.leader_ttl_seconds
+            ));
+        }
+        if !(10..=10_000).contains(&self.load_interval_ms) {
+            return bad(format!(
+                "--load-interval-ms: {} is outside 10..=10000",
+                self.load_interval_ms
+            ));
+        }
+        if self.router_timeout_ms < self.load_interval_ms * 2 {
+            return bad("--router-timeout-ms must be at least twice --load-interval-ms".into());
+        }
+        let admin_token = match &self.admin_token_file {
+            None => None,
+            Some(path) => {
+                let token = std::fs::read_to_string(path).map_err(|err| {
+                    StartError::Config(format!("--admin-token-file {}: {err}", path.display()))
+                })?;
+                let token = token.trim().to_owned();
+                if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return bad(format!(
+                        "--admin-token-file {}: the token must be one non-empty word",
+                        path.display()
+                    ));
+                }
+                Some(token)
+            }
+        };
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let read = |path: &PathBuf, flag: &str| {
+                    std::fs::read(path).map_err(|err| {
+                        StartError::Config(format!("{flag} {}: {err}", path.display()))
+                    })
+                };
+                Some((read(cert, "--tls-cert")?, read(key, "--tls-key")?))
+            }
+            _ => None,
+        };
+        let replica_id = self.replica_id.clone().unwrap_or_else(|| {
+            format!(
+                "replica-{}-{:06x}",
+                std::process::id(),
+                fastrand::u32(..0xff_ffff)
+            )
+        });
+        Ok(Settings {
+            config: self.clone(),
+            admin_token,
+            tls,
+            replica_id,
+        })
+    }
+}
+
+/// A validated configuration with its files read: nothing left to fail but the network.
+#[derive(Clone)]
+pub struct Settings {
+    pub config: ControlConfig,
+    pub admin_token: Option<String>,
+    /// (certificate PEM, key PEM)
+    pub tls: Option<(Vec<u8>, Vec<u8>)>,
+    pub replica_id: String,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("config", &self.config)
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
+            .field("tls", &self.tls.is_some())
+            .field("replica_id", &self.replica_id)
+            .finish()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A bad flag or file: exit 64.
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Server(String),
+}
+
+/// A running control plane.
+#[derive(Debug)]
+pub struct ControlPlane {
+    pub addr: SocketAddr,
+    pub replica_id: String,
+    shutdown: CancellationToken,
+    server: JoinHandle<Result<(), StartError>>,
+    leading: tokio::sync::watch::Receiver<bool>,
+}
+
+impl ControlPlane {
+    /// Opens the store, binds the listener and starts serving. Returns once the port accepts.
+    pub async fn start(settings: Settings) -> Result<Self, StartError> {
+        let config = &settings.config;
+        let shutdown = CancellationToken::new();
+        let background = CancellationToken::new();
+        let store: Arc<dyn Store> = match config.store {
+            StoreKind::Embedded => Arc::new(store::embedded::EmbeddedStore::open(
+                Some(&config.data_dir),
+                background.clone(),
+            )?),
+            StoreKind::Etcd => Arc::new(
+                store::etcd::EtcdStore::connect(&config.etcd_endpoints, &config.etcd_prefix)
+                    .await?,
+            ),
+        };
+        tracing::info!(store = store.kind(), replica = %settings.replica_id, "store open");
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| StartError::Listen {
+                addr: config.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        let registry = registry::Registry::new(Arc::clone(&store));
+        let cache = state::StateCache::new(settings.replica_id.clone());
+        tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
+        let hub = load::LoadHub::new(
+            settings.replica_id.clone(),
+            load::LoadConfig {
+                interval: Duration::from_millis(config.load_interval_ms),
+                router_timeout: Duration::from_millis(config.router_timeout_ms),
+            },
+        );
+        let share_load = config.store == StoreKind::Etcd;
+        tasks.spawn(Arc::clone(&hub).run(Arc::clone(&store), share_load, background.clone()));
+        if share_load {
+            tasks.spawn(Arc::clone(&hub).follow_remote(Arc::clone(&store), background.clone()));
+        }
+        let leading = leader::spawn(
+            Arc::clone(&store),
+            leader::ElectionConfig {
+                replica_id: settings.replica_id.clone(),
+                ttl_seconds: config.leader_ttl_seconds,
+            },
+            background.clone(),
+            &mut tasks,
+        );
+        tasks.spawn(health::run(
+            registry.clone(),
+            Arc::clone(&cache),
+            leading.clone(),
+            background.clone(),
+        ));
+
+        let (health_reporter, health_service) = tonic_health::server::health_reporter();
+        health_reporter
+            .set_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
+            .await;
+        health_reporter
+            .set_serving::<pb::router_sync_server::RouterSyncServer<sync::SyncService>>()
+            .await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|err| StartError::Server(err.to_string()))?;
+        let admin_service = pb::admin_server::AdminServer::with_interceptor(
+            admin::AdminService { registry },
+            admin::BearerAuth::new(settings.admin_token.clone()),
+        );
+        let sync_service = pb::router_sync_server::RouterSyncServer::new(sync::SyncService {
+            replica_id: settings.replica_id.clone(),
+            cache: Arc::clone(&cache),
+            load: Arc::clone(&hub),
+            shutdown: shutdown.clone(),
+        });
+
+        let mut builder = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(5)));
+        if let Some((cert, key)) = &settings.tls {
+            builder = builder
+                .tls_config(
+                    tonic::transport::ServerTlsConfig::new()
+                        .identity(tonic::transport::Identity::from_pem(cert, key)),
+                )
+                .map_err(|err| StartError::Config(format!("--tls-cert/--tls-key: {err}")))?;
+        }
+        let router = builder
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(admin_service)
+            .add_service(sync_service);
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let grace = Duration::from_secs(config.shutdown_grace_seconds);
+        let stop = shutdown.clone();
+        let server = tokio::spawn(async move {
+            let served = router
+                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                .await;
+            // Streams ended with the shutdown token; stop the background duties, then give
+            // them the grace period (the leader hands over its lease on the way out).
+            health_reporter
+                .set_not_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
+                .await;
+            background.cancel();
+            let drained = async { while tasks.join_next().await.is_some() {} };
+            if tokio::time::timeout(grace, drained).await.is_err() {
+                tracing::warn!("background tasks did not stop within the grace period");
+            }
+            served.map_err(|err| StartError::Server(err.to_string()))
+        });
+        tracing::info!(%addr, "control plane listening");
+        Ok(Self {
+            addr,
+            replica_id: settings.replica_id,
+            shutdown,
+            server,
+            leading,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Whether this replica currently runs the singleton duties.
+    pub fn is_leader(&self) -> bool {
+        *self.leading.borrow()
+    }
+
+    /// Resolves when this replica becomes leader.
+    pub async fn wait_leader(&self) {
+        let mut leading = self.leading.clone();
+        let _ = leading.wait_for(|leading| *leading).await;
+    }
+
+    /// A token that stops the server when cancelled.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Stops accepting, ends router streams, stops background duties, and waits.
+    pub async fn shutdown(self) -> Result<(), StartError> {
+        self.shutdown.cancel();
+        self.wait().await
+    }
+
+    /// Waits until the server stops (after its shutdown token is cancelled).
+    pub async fn wait(self) -> Result<(), StartError> {
+        match self.server.await {
+            Ok(result) => result,
+            Err(err) => Err(StartError::Server(err.to_string())),
+        }
+    }
+
+    /// Stops abruptly, as a crash would: every task is dropped, the leader lease is not
+    /// handed over (tests of fail-over).
+    pub fn abort(self) {
+        // The background tasks live in a JoinSet owned by the server task: aborting it aborts them.
+        self.server.abort();
+    }
+}

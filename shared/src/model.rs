@@ -260,29 +260,29 @@ impl EndpointConfig {
 }
 
 fn validate_variant(variant: &ProductionVariant, field: &str) -> Result<(), ValidationError> {
-    if let Some(model) = &variant.model_name {
-        if model.is_empty() || model.len() > 256 || model.chars().any(char::is_control) {
-            return Err(ValidationError::new(
-                format!("{field}.ModelName"),
-                "must be 1-256 characters without control characters",
-            ));
-        }
+    if let Some(model) = &variant.model_name
+        && (model.is_empty() || model.len() > 256 || model.chars().any(char::is_control))
+    {
+        return Err(ValidationError::new(
+            format!("{field}.ModelName"),
+            "must be 1-256 characters without control characters",
+        ));
     }
-    if let Some(count) = variant.initial_instance_count {
-        if count < 1 {
-            return Err(ValidationError::new(
-                format!("{field}.InitialInstanceCount"),
-                format!("must be at least 1, got {count}"),
-            ));
-        }
+    if let Some(count) = variant.initial_instance_count
+        && count < 1
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InitialInstanceCount"),
+            format!("must be at least 1, got {count}"),
+        ));
     }
-    if let Some(weight) = variant.initial_variant_weight {
-        if !weight.is_finite() || weight < 0.0 {
-            return Err(ValidationError::new(
-                format!("{field}.InitialVariantWeight"),
-                format!("must be a finite number at least 0, got {weight}"),
-            ));
-        }
+    if let Some(weight) = variant.initial_variant_weight
+        && (!weight.is_finite() || weight < 0.0)
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InitialVariantWeight"),
+            format!("must be a finite number at least 0, got {weight}"),
+        ));
     }
     let routing = variant.routing();
     let prefix_field = format!("{field}.RoutingConfig.PrefixAwareRoutingConfig");

@@ -1,0 +1,548 @@
+//! The admin commands: each parses its flags into a request, calls the control plane, and
+//! prints the answer as a table or JSON.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use clap::{Args, Subcommand};
+use switchyard_proto::v1 as pb;
+use switchyard_proto::v1::admin_client::AdminClient;
+use switchyard_shared::{
+    Endpoint, EndpointConfig, EndpointConfigName, HealthCheckConfig, Instance, InstanceRole,
+    sagemaker,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+use crate::output::{self, OutputFormat};
+
+/// How to reach the control plane (global flags).
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// Control-plane gRPC URL.
+    #[arg(
+        long,
+        global = true,
+        env = "SWITCHYARD_CONTROL_PLANE",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub control_plane: String,
+    /// File holding the admin bearer token (also $SWITCHYARD_ADMIN_TOKEN).
+    #[arg(long, global = true)]
+    pub admin_token_file: Option<PathBuf>,
+    /// PEM CA certificate to trust for an https:// control plane.
+    #[arg(long, global = true)]
+    pub tls_ca: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, global = true, value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+}
+
+#[derive(Debug, Clone)]
+pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
+
+pub type Client = AdminClient<InterceptedService<Channel, BearerToken>>;
+
+/// A failure the user caused (bad flag, bad JSON): exit 64.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+impl Connection {
+    pub async fn connect(&self) -> anyhow::Result<Client> {
+        let token = match &self.admin_token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|err| {
+                        UsageError(format!("--admin-token-file {}: {err}", path.display()))
+                    })?
+                    .trim()
+                    .to_owned(),
+            ),
+            None => std::env::var("SWITCHYARD_ADMIN_TOKEN").ok(),
+        };
+        let token = match token {
+            Some(token) => Some(format!("Bearer {token}").parse().map_err(|_| {
+                UsageError("the admin token has characters a header cannot carry".into())
+            })?),
+            None => None,
+        };
+        let mut endpoint = Channel::from_shared(self.control_plane.clone())
+            .map_err(|err| UsageError(format!("--control-plane {:?}: {err}", self.control_plane)))?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(30));
+        if let Some(ca) = &self.tls_ca {
+            let pem = std::fs::read(ca)
+                .map_err(|err| UsageError(format!("--tls-ca {}: {err}", ca.display())))?;
+            endpoint = endpoint
+                .tls_config(
+                    tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+                )
+                .map_err(|err| UsageError(format!("--tls-ca: {err}")))?;
+        }
+        let channel = endpoint.connect().await.with_context(|| {
+            format!(
+                "cannot reach the control plane at {} (is switchyard-control running? set --control-plane or SWITCHYARD_CONTROL_PLANE)",
+                self.control_plane
+            )
+        })?;
+        Ok(AdminClient::with_interceptor(channel, BearerToken(token)))
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Create an endpoint config from SageMaker's ProductionVariants JSON.
+    Create {
+        #[arg(long)]
+        name: String,
+        /// The JSON of `aws sagemaker create-endpoint-config --production-variants`, or
+        /// file://PATH to read it from a file.
+        #[arg(long)]
+        production_variants: String,
+        /// Path probed on every instance (vLLM: /health).
+        #[arg(long, default_value = "/health")]
+        health_check_path: String,
+        /// Milliseconds between probes of one instance.
+        #[arg(long, default_value_t = 1000)]
+        health_check_interval_ms: u32,
+        /// Consecutive failed probes before an instance stops receiving traffic.
+        #[arg(long, default_value_t = 3)]
+        unhealthy_threshold: u32,
+    },
+    /// Show one endpoint config.
+    Describe {
+        #[arg(long)]
+        name: String,
+    },
+    /// List endpoint configs.
+    List,
+    /// Delete an endpoint config no endpoint uses.
+    Delete {
+        #[arg(long)]
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EndpointCommand {
+    /// Create an endpoint that serves an endpoint config.
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        endpoint_config_name: String,
+    },
+    /// Switch an endpoint to another config (no request is dropped).
+    Update {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        endpoint_config_name: String,
+    },
+    /// Show one endpoint.
+    Describe {
+        #[arg(long)]
+        name: String,
+    },
+    /// List endpoints.
+    List,
+    /// Delete an endpoint and its instance registrations.
+    Delete {
+        #[arg(long)]
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InstanceCommand {
+    /// Register an inference server as an instance of an endpoint's variant.
+    Register(RegisterArgs),
+    /// Remove an instance.
+    Deregister {
+        #[arg(long)]
+        endpoint: String,
+        #[arg(long)]
+        id: String,
+    },
+    /// List instances with their health.
+    List {
+        #[arg(long)]
+        endpoint: Option<String>,
+    },
+    /// Renew the lease of an instance registered with --ttl (for scripts and agents).
+    Heartbeat {
+        #[arg(long)]
+        endpoint: String,
+        #[arg(long)]
+        id: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RegisterArgs {
+    #[arg(long)]
+    pub endpoint: String,
+    #[arg(long)]
+    pub variant: String,
+    /// Base URL of the server, e.g. http://10.0.0.7:8000
+    #[arg(long)]
+    pub url: String,
+    /// Instance id; default: VARIANT-<random>.
+    #[arg(long)]
+    pub id: Option<String>,
+    #[arg(long, default_value = "both")]
+    pub role: InstanceRole,
+    /// Relative share of traffic within the variant.
+    #[arg(long)]
+    pub weight: Option<f64>,
+    /// Lease TTL in seconds. Without it the instance stays until deregistered. With it, this
+    /// command keeps running and heartbeats every TTL/3 until interrupted, then deregisters
+    /// (unless --detach).
+    #[arg(long)]
+    pub ttl: Option<u32>,
+    /// With --ttl: register and exit; heartbeats are then up to you (`instance heartbeat`).
+    #[arg(long, requires = "ttl")]
+    pub detach: bool,
+}
+
+fn print_value(format: OutputFormat, value: serde_json::Value, table: impl FnOnce() -> String) {
+    match format {
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        ),
+        OutputFormat::Table => print!("{}", table()),
+    }
+}
+
+fn config(wire: pb::EndpointConfig) -> anyhow::Result<EndpointConfig> {
+    EndpointConfig::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+}
+
+fn endpoint(wire: pb::Endpoint) -> anyhow::Result<Endpoint> {
+    Endpoint::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+}
+
+fn instance(wire: pb::Instance) -> anyhow::Result<Instance> {
+    Instance::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+}
+
+fn read_variants_argument(argument: &str) -> Result<String, UsageError> {
+    match argument.strip_prefix("file://") {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|err| UsageError(format!("--production-variants file://{path}: {err}"))),
+        None => Ok(argument.to_owned()),
+    }
+}
+
+pub async fn endpoint_config(
+    connection: &Connection,
+    command: ConfigCommand,
+) -> anyhow::Result<()> {
+    let format = connection.output;
+    match command {
+        ConfigCommand::Create {
+            name,
+            production_variants,
+            health_check_path,
+            health_check_interval_ms,
+            unhealthy_threshold,
+        } => {
+            let json = read_variants_argument(&production_variants)?;
+            let parsed = sagemaker::parse_production_variants(&json)
+                .map_err(|err| UsageError(format!("--production-variants: {err}")))?;
+            for field in &parsed.ignored_fields {
+                eprintln!("warning: {field} is a SageMaker setting Switchyard ignores");
+            }
+            let config = EndpointConfig {
+                endpoint_config_name: EndpointConfigName::new(&name)
+                    .map_err(|err| UsageError(format!("--name: {err}")))?,
+                production_variants: parsed.variants,
+                health_check_config: HealthCheckConfig {
+                    path: health_check_path,
+                    interval_ms: health_check_interval_ms,
+                    unhealthy_threshold,
+                    ..HealthCheckConfig::default()
+                },
+                creation_time_ms: 0,
+            };
+            // Check locally first for a quick answer; the control plane checks again.
+            config
+                .validate()
+                .map_err(|err| UsageError(err.to_string()))?;
+            let created = connection
+                .connect()
+                .await?
+                .create_endpoint_config(pb::CreateEndpointConfigRequest {
+                    endpoint_config: Some((&config).into()),
+                })
+                .await?
+                .into_inner();
+            let created = self::config(created)?;
+            print_value(format, output::config_json(&created), || {
+                format!("created endpoint config {}\n", created.endpoint_config_name)
+            });
+        }
+        ConfigCommand::Describe { name } => {
+            let found = connection
+                .connect()
+                .await?
+                .describe_endpoint_config(pb::DescribeEndpointConfigRequest { name })
+                .await?
+                .into_inner();
+            let found = config(found)?;
+            print_value(format, output::config_json(&found), || {
+                output::config_rows(std::slice::from_ref(&found))
+            });
+        }
+        ConfigCommand::List => {
+            let configs = connection
+                .connect()
+                .await?
+                .list_endpoint_configs(pb::ListEndpointConfigsRequest {})
+                .await?
+                .into_inner()
+                .endpoint_configs
+                .into_iter()
+                .map(config)
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            print_value(
+                format,
+                serde_json::Value::Array(configs.iter().map(output::config_json).collect()),
+                || output::config_rows(&configs),
+            );
+        }
+        ConfigCommand::Delete { name } => {
+            connection
+                .connect()
+                .await?
+                .delete_endpoint_config(pb::DeleteEndpointConfigRequest { name: name.clone() })
+                .await?;
+            print_value(format, serde_json::json!({"Deleted": name}), || {
+                format!("deleted endpoint config {name}\n")
+            });
+        }
+    }
+    Ok(())
+}
+
+pub async fn endpoint_command(
+    connection: &Connection,
+    command: EndpointCommand,
+) -> anyhow::Result<()> {
+    let format = connection.output;
+    let mut client = connection.connect().await?;
+    match command {
+        EndpointCommand::Create {
+            name,
+            endpoint_config_name,
+        } => {
+            let created = client
+                .create_endpoint(pb::CreateEndpointRequest {
+                    name,
+                    endpoint_config_name,
+                })
+                .await?
+                .into_inner();
+            let created = endpoint(created)?;
+            print_value(format, output::endpoint_json(&created), || {
+                format!(
+                    "created endpoint {} ({})\n",
+                    created.endpoint_name, created.endpoint_status
+                )
+            });
+        }
+        EndpointCommand::Update {
+            name,
+            endpoint_config_name,
+        } => {
+            let updated = client
+                .update_endpoint(pb::UpdateEndpointRequest {
+                    name,
+                    endpoint_config_name,
+                })
+                .await?
+                .into_inner();
+            let updated = endpoint(updated)?;
+            print_value(format, output::endpoint_json(&updated), || {
+                format!(
+                    "endpoint {} now uses config {}\n",
+                    updated.endpoint_name, updated.endpoint_config_name
+                )
+            });
+        }
+        EndpointCommand::Describe { name } => {
+            let found = client
+                .describe_endpoint(pb::DescribeEndpointRequest { name })
+                .await?
+                .into_inner();
+            let found = endpoint(found)?;
+            print_value(format, output::endpoint_json(&found), || {
+                output::endpoint_rows(std::slice::from_ref(&found))
+            });
+        }
+        EndpointCommand::List => {
+            let endpoints = client
+                .list_endpoints(pb::ListEndpointsRequest {})
+                .await?
+                .into_inner()
+                .endpoints
+                .into_iter()
+                .map(endpoint)
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            print_value(
+                format,
+                serde_json::Value::Array(endpoints.iter().map(output::endpoint_json).collect()),
+                || output::endpoint_rows(&endpoints),
+            );
+        }
+        EndpointCommand::Delete { name } => {
+            client
+                .delete_endpoint(pb::DeleteEndpointRequest { name: name.clone() })
+                .await?;
+            print_value(format, serde_json::json!({"Deleted": name}), || {
+                format!("deleted endpoint {name}\n")
+            });
+        }
+    }
+    Ok(())
+}
+
+pub async fn instance_command(
+    connection: &Connection,
+    command: InstanceCommand,
+) -> anyhow::Result<()> {
+    let format = connection.output;
+    let mut client = connection.connect().await?;
+    match command {
+        InstanceCommand::Register(args) => register(&mut client, format, args).await?,
+        InstanceCommand::Deregister { endpoint, id } => {
+            client
+                .deregister_instance(pb::DeregisterInstanceRequest {
+                    endpoint_name: endpoint.clone(),
+                    id: id.clone(),
+                })
+                .await?;
+            print_value(
+                format,
+                serde_json::json!({"Deregistered": id, "EndpointName": endpoint}),
+                || format!("deregistered instance {id} of endpoint {endpoint}\n"),
+            );
+        }
+        InstanceCommand::List { endpoint } => {
+            let instances = client
+                .list_instances(pb::ListInstancesRequest {
+                    endpoint_name: endpoint.unwrap_or_default(),
+                })
+                .await?
+                .into_inner()
+                .instances
+                .into_iter()
+                .map(instance)
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            print_value(
+                format,
+                serde_json::Value::Array(instances.iter().map(output::instance_json).collect()),
+                || output::instance_rows(&instances),
+            );
+        }
+        InstanceCommand::Heartbeat { endpoint, id } => {
+            let response = client
+                .heartbeat(pb::HeartbeatRequest {
+                    endpoint_name: endpoint,
+                    id: id.clone(),
+                })
+                .await?
+                .into_inner();
+            print_value(
+                format,
+                serde_json::json!({"InstanceId": id, "TtlSeconds": response.ttl_seconds}),
+                || format!("renewed instance {id} for {}s\n", response.ttl_seconds),
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn register(
+    client: &mut Client,
+    format: OutputFormat,
+    args: RegisterArgs,
+) -> anyhow::Result<()> {
+    let registered = client
+        .register_instance(pb::RegisterInstanceRequest {
+            endpoint_name: args.endpoint.clone(),
+            variant_name: args.variant,
+            url: args.url,
+            id: args.id.unwrap_or_default(),
+            role: pb::InstanceRole::from(args.role) as i32,
+            weight: args.weight,
+            ttl_seconds: args.ttl.unwrap_or(0),
+        })
+        .await?
+        .into_inner();
+    let registered = instance(registered)?;
+    print_value(format, output::instance_json(&registered), || {
+        format!(
+            "registered instance {} of endpoint {} at {}\n",
+            registered.instance_id, registered.endpoint_name, registered.url
+        )
+    });
+    let Some(ttl) = args.ttl.filter(|ttl| *ttl > 0) else {
+        return Ok(());
+    };
+    if args.detach {
+        return Ok(());
+    }
+    let id = registered.instance_id.to_string();
+    let period = Duration::from_millis(u64::from(ttl) * 1000 / 3);
+    eprintln!("heartbeating every {period:?}; Ctrl-C deregisters and exits");
+    let stop = switchyard_shared::process::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => break,
+            () = tokio::time::sleep(period) => {}
+        }
+        let beat = client
+            .heartbeat(pb::HeartbeatRequest {
+                endpoint_name: args.endpoint.clone(),
+                id: id.clone(),
+            })
+            .await;
+        if let Err(status) = beat {
+            eprintln!("warning: heartbeat failed: {}", status.message());
+            if status.code() == tonic::Code::NotFound {
+                return Err(anyhow!(
+                    "instance {id} lost its lease: {}",
+                    status.message()
+                ));
+            }
+        }
+    }
+    client
+        .deregister_instance(pb::DeregisterInstanceRequest {
+            endpoint_name: args.endpoint,
+            id: id.clone(),
+        })
+        .await?;
+    eprintln!("deregistered instance {id}");
+    Ok(())
+}

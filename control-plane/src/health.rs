@@ -1,0 +1,219 @@
+//! Active health checks, run by the leader only: every instance is probed with
+//! `GET {url}{HealthCheckConfig.Path}` (vLLM serves `/health`) at the endpoint's interval.
+//! `UnhealthyThreshold` consecutive failures mark it unhealthy (routers stop sending to it),
+//! `HealthyThreshold` consecutive successes mark it healthy again; a new instance becomes
+//! healthy at its first success. Transitions are written to the store, so every replica and
+//! every router sees them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use switchyard_shared::{EndpointName, Health, InstanceId};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::registry::Registry;
+use crate::state::{ProbeTarget, StateCache};
+
+const TICK: Duration = Duration::from_millis(50);
+/// Probes in flight at once.
+const MAX_CONCURRENT_PROBES: usize = 256;
+
+type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+#[derive(Debug, Default)]
+struct Tracker {
+    next_due: Option<Instant>,
+    in_flight: bool,
+    successes: u32,
+    failures: u32,
+}
+
+struct ProbeResult {
+    key: (EndpointName, InstanceId),
+    outcome: Result<(), String>,
+}
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(1)
+        .build(connector)
+}
+
+async fn probe(client: HttpClient, target: ProbeTarget) -> ProbeResult {
+    let key = (
+        target.instance.endpoint_name.clone(),
+        target.instance.instance_id.clone(),
+    );
+    let url = format!("{}{}", target.instance.url, target.health_check.path);
+    let timeout = Duration::from_millis(u64::from(target.health_check.timeout_ms));
+    let outcome = match url.parse::<http::Uri>() {
+        Err(err) => Err(format!("bad probe URL {url}: {err}")),
+        Ok(uri) => match tokio::time::timeout(timeout, client.get(uri)).await {
+            Err(_) => Err(format!("no answer within {timeout:?}")),
+            Ok(Err(err)) => Err(describe_client_error(&err)),
+            Ok(Ok(response)) if response.status().is_success() => Ok(()),
+            Ok(Ok(response)) => Err(format!("status {}", response.status())),
+        },
+    };
+    ProbeResult { key, outcome }
+}
+
+/// The innermost cause reads best ("Connection refused (os error 111)").
+fn describe_client_error(err: &hyper_util::client::legacy::Error) -> String {
+    let mut innermost: &dyn std::error::Error = err;
+    while let Some(inner) = innermost.source() {
+        innermost = inner;
+    }
+    innermost.to_string()
+}
+
+/// Probes while this replica leads, until `shutdown`.
+pub async fn run(
+    registry: Registry,
+    cache: Arc<StateCache>,
+    mut leading: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) {
+    let client = client();
+    let mut trackers: HashMap<(EndpointName, InstanceId), Tracker> = HashMap::new();
+    let mut probes: JoinSet<ProbeResult> = JoinSet::new();
+    let mut ticks = tokio::time::interval(TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if !*leading.borrow() {
+            trackers.clear();
+            probes.abort_all();
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = leading.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                probes.abort_all();
+                return;
+            }
+            _ = leading.changed() => continue,
+            _ = ticks.tick() => {
+                let targets = cache.probe_targets();
+                start_due_probes(&client, targets, &mut trackers, &mut probes);
+            }
+            Some(result) = probes.join_next(), if !probes.is_empty() => {
+                let Ok(result) = result else { continue };
+                record(&registry, &cache, &mut trackers, result).await;
+            }
+        }
+    }
+}
+
+fn start_due_probes(
+    client: &HttpClient,
+    targets: Vec<ProbeTarget>,
+    trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
+    probes: &mut JoinSet<ProbeResult>,
+) {
+    let now = Instant::now();
+    let live: std::collections::HashSet<_> = targets
+        .iter()
+        .map(|target| {
+            (
+                target.instance.endpoint_name.clone(),
+                target.instance.instance_id.clone(),
+            )
+        })
+        .collect();
+    trackers.retain(|key, _| live.contains(key));
+    for target in targets {
+        if probes.len() >= MAX_CONCURRENT_PROBES {
+            break;
+        }
+        let key = (
+            target.instance.endpoint_name.clone(),
+            target.instance.instance_id.clone(),
+        );
+        let tracker = trackers.entry(key).or_default();
+        if tracker.in_flight || tracker.next_due.is_some_and(|due| due > now) {
+            continue;
+        }
+        tracker.in_flight = true;
+        tracker.next_due =
+            Some(now + Duration::from_millis(u64::from(target.health_check.interval_ms)));
+        probes.spawn(probe(client.clone(), target));
+    }
+}
+
+async fn record(
+    registry: &Registry,
+    cache: &StateCache,
+    trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
+    result: ProbeResult,
+) {
+    let Some(tracker) = trackers.get_mut(&result.key) else {
+        return;
+    };
+    tracker.in_flight = false;
+    let Some(target) = cache.probe_targets().into_iter().find(|target| {
+        target.instance.endpoint_name == result.key.0 && target.instance.instance_id == result.key.1
+    }) else {
+        return;
+    };
+    let current = target.instance.health;
+    let config = &target.health_check;
+    let (next, detail) = match &result.outcome {
+        Ok(()) => {
+            tracker.failures = 0;
+            tracker.successes = tracker.successes.saturating_add(1);
+            let next = match current {
+                Health::Unknown => Health::Healthy,
+                Health::Unhealthy if tracker.successes >= config.healthy_threshold => {
+                    Health::Healthy
+                }
+                other => other,
+            };
+            (next, String::new())
+        }
+        Err(reason) => {
+            tracker.successes = 0;
+            tracker.failures = tracker.failures.saturating_add(1);
+            let next = if tracker.failures >= config.unhealthy_threshold {
+                Health::Unhealthy
+            } else {
+                current
+            };
+            (next, reason.clone())
+        }
+    };
+    if next == current {
+        return;
+    }
+    let (endpoint, id) = &result.key;
+    match next {
+        Health::Unhealthy => {
+            tracing::warn!(endpoint = %endpoint, instance = %id, reason = %detail, "instance unhealthy")
+        }
+        _ => {
+            tracing::info!(endpoint = %endpoint, instance = %id, health = %next, "instance healthy")
+        }
+    }
+    if let Err(err) = registry.set_health(endpoint, id, next, &detail).await {
+        tracing::warn!(instance = %id, error = %err, "cannot record health");
+    }
+}

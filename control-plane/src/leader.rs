@@ -1,0 +1,105 @@
+//! Leader election among control-plane replicas sharing one store, for the singleton duties
+//! (health probing). The leader holds the `leader` key on a short lease and renews it; when it
+//! dies the lease lapses and another replica takes the key within about one TTL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::keys;
+use crate::store::{Compare, Store, Txn};
+
+#[derive(Debug, Clone)]
+pub struct ElectionConfig {
+    pub replica_id: String,
+    /// Lease TTL of the leader key: how long a dead leader keeps the role.
+    pub ttl_seconds: u32,
+}
+
+/// Campaigns until `shutdown`; the returned receiver says whether this replica leads now.
+pub fn spawn(
+    store: Arc<dyn Store>,
+    config: ElectionConfig,
+    shutdown: CancellationToken,
+    tasks: &mut tokio::task::JoinSet<()>,
+) -> watch::Receiver<bool> {
+    let (leading, receiver) = watch::channel(false);
+    tasks.spawn(campaign(store, config, leading, shutdown));
+    receiver
+}
+
+async fn campaign(
+    store: Arc<dyn Store>,
+    config: ElectionConfig,
+    leading: watch::Sender<bool>,
+    shutdown: CancellationToken,
+) {
+    let ttl = config.ttl_seconds.max(2);
+    let renew_every = Duration::from_millis(u64::from(ttl) * 1000 / 3);
+    let retry_every =
+        Duration::from_millis(u64::from(ttl) * 1000 / 6).max(Duration::from_millis(200));
+    while !shutdown.is_cancelled() {
+        match try_acquire(store.as_ref(), &config.replica_id, ttl).await {
+            Ok(Some(lease)) => {
+                tracing::info!(replica = %config.replica_id, "became leader");
+                leading.send_replace(true);
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => {
+                            // Hand over at once instead of making the others wait a TTL.
+                            let _ = store.revoke_lease(lease).await;
+                            leading.send_replace(false);
+                            return;
+                        }
+                        () = tokio::time::sleep(renew_every) => {}
+                    }
+                    match store.keep_alive(lease).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!("leader lease lapsed; stepping down");
+                            break;
+                        }
+                        Err(err) => {
+                            tracing::warn!(error = %err, "cannot renew leader lease; stepping down");
+                            break;
+                        }
+                    }
+                }
+                leading.send_replace(false);
+            }
+            Ok(None) => {}
+            Err(err) => tracing::debug!(error = %err, "leader campaign failed"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(retry_every) => {}
+        }
+    }
+}
+
+/// Takes the leader key if nobody holds it; returns the lease it lives on.
+async fn try_acquire(
+    store: &dyn Store,
+    replica_id: &str,
+    ttl: u32,
+) -> Result<Option<i64>, crate::store::StoreError> {
+    if store.get(keys::LEADER).await?.is_some() {
+        return Ok(None);
+    }
+    let lease = store.grant_lease(ttl).await?;
+    let won = store
+        .commit(
+            Txn::new()
+                .when(Compare::Absent(keys::LEADER.to_owned()))
+                .put(keys::LEADER, replica_id.as_bytes().to_vec(), lease),
+        )
+        .await?;
+    if won.is_some() {
+        Ok(Some(lease))
+    } else {
+        let _ = store.revoke_lease(lease).await;
+        Ok(None)
+    }
+}

@@ -1,0 +1,240 @@
+//! The simulator's knobs: one `--flag` each, with defaults for Llama-3.1-70B (bf16) served by
+//! vLLM on 8×H100 80 GB (an ml.p5.48xlarge).
+
+use clap::Parser;
+use switchyard_shared::InstanceRole;
+
+use crate::faults::Faults;
+
+/// Configuration of one simulated vLLM instance. Every field is a command-line flag of
+/// `switchyard-engine-sim`; [`Default`] gives the flags' defaults.
+///
+/// Durations are in model time; `--time-scale` multiplies every one of them on the wall clock
+/// (0.1 runs ten times faster). Latency metrics are reported in model time.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimConfig {
+    /// Model name this engine serves; a request naming another model gets vLLM's 404.
+    #[arg(long, default_value = "sim", value_name = "NAME")]
+    pub served_model_name: String,
+
+    /// Disaggregation role: both, prefill or decode. All roles serve every request (a prefill
+    /// instance also serves plain requests whole, a decode instance prefills requests that
+    /// carry no kv_transfer_params), as vLLM with NixlConnector does.
+    #[arg(long, default_value = "both", value_name = "both|prefill|decode")]
+    pub role: InstanceRole,
+
+    /// Multiplies every simulated duration on the wall clock (0.01 runs 100× faster).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    pub time_scale: f64,
+
+    /// Tokens per KV-cache block (vLLM's --block-size).
+    #[arg(long, default_value_t = 16, value_name = "TOKENS")]
+    pub block_size: usize,
+
+    /// KV-cache capacity in blocks. Default: (8 GPUs × 80 GB × 0.9 memory utilization − 141 GB
+    /// of bf16 weights − ~20 GB activations) / 327,680 bytes per token / 16 tokens per block.
+    #[arg(long, default_value_t = 79_000, value_name = "BLOCKS")]
+    pub kv_cache_blocks: usize,
+
+    /// Most requests running (batched) at once (vLLM's --max-num-seqs).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_num_seqs: usize,
+
+    /// Token budget of one engine step: one per decoding request, the rest for prefill chunks
+    /// (vLLM's --max-num-batched-tokens).
+    #[arg(long, default_value_t = 8192, value_name = "TOKENS")]
+    pub max_num_batched_tokens: u64,
+
+    /// Longest prompt plus max_tokens accepted (Llama 3.1's 128 K context).
+    #[arg(long, default_value_t = 131_072, value_name = "TOKENS")]
+    pub max_model_len: u32,
+
+    /// Output tokens of a request that sets neither max_tokens nor max_completion_tokens.
+    #[arg(long, default_value_t = 16, value_name = "TOKENS")]
+    pub default_max_tokens: u32,
+
+    /// Fixed cost of every engine step (scheduling, sampling, kernel launches), in ms.
+    #[arg(long, default_value_t = 4.0, value_name = "MS")]
+    pub step_overhead_ms: f64,
+
+    /// Prefill throughput in uncached prompt tokens per second. Default: 140 GFLOP per token
+    /// for a 70 B model at ~40–50% MFU on 8×H100.
+    #[arg(long, default_value_t = 25_000.0, value_name = "TOKENS")]
+    pub prefill_tokens_per_s: f64,
+
+    /// Added to a step in which any request decodes, in ms: reading 140 GB of weights from
+    /// the HBM of 8 GPUs once per step.
+    #[arg(long, default_value_t = 10.0, value_name = "MS")]
+    pub decode_ms_per_step: f64,
+
+    /// Added to a decoding step per 1,000 tokens of context of its decoding requests, in ms
+    /// (reading their KV cache).
+    #[arg(long = "kv-read-ms-per-1k-tokens", default_value_t = 0.02, value_name = "MS")]
+    pub kv_read_ms_per_1k_tokens: f64,
+
+    /// KV-transfer bandwidth for disaggregated prefill, in gigabytes per second.
+    #[arg(long, default_value_t = 50.0, value_name = "GB_PER_S")]
+    pub kv_transfer_gbps: f64,
+
+    /// KV-cache bytes per token. Default: Llama-70B in bf16, 80 layers × 8 KV heads × 128
+    /// dims × 2 (K and V) × 2 bytes.
+    #[arg(long, default_value_t = 327_680, value_name = "BYTES")]
+    pub kv_bytes_per_token: u64,
+
+    /// Fraction of inference requests answered with a 500 error.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub fail_rate: f64,
+
+    /// Fraction of inference requests accepted and never answered (until the client leaves).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub hang_rate: f64,
+
+    /// Fraction of inference requests whose connection is closed after a few streamed tokens
+    /// (before any body for non-streaming requests).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub die_mid_stream_rate: f64,
+
+    /// Seed of the fault-injection random numbers.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub seed: u64,
+
+    /// How many of the latest requests to keep for GET /sim/requests.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    pub record_requests: usize,
+
+    /// On shutdown, how long in-flight requests may take to finish before their connections
+    /// are dropped, in (wall-clock) seconds.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_grace_s: f64,
+
+    /// This engine's id in kv_transfer_params (`remote_engine_id`). Default: generated at
+    /// start.
+    #[arg(long, value_name = "ID")]
+    pub engine_id: Option<String>,
+}
+
+/// Parses an empty command line, so that [`Default`] always agrees with the flags.
+#[derive(Parser)]
+struct DefaultsOnly {
+    #[command(flatten)]
+    config: SimConfig,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        DefaultsOnly::parse_from(["switchyard-engine-sim"]).config
+    }
+}
+
+impl SimConfig {
+    /// Checks every value; the error names the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        positive("--time-scale", self.time_scale)?;
+        positive("--prefill-tokens-per-s", self.prefill_tokens_per_s)?;
+        positive("--kv-transfer-gbps", self.kv_transfer_gbps)?;
+        non_negative("--step-overhead-ms", self.step_overhead_ms)?;
+        non_negative("--decode-ms-per-step", self.decode_ms_per_step)?;
+        non_negative("--kv-read-ms-per-1k-tokens", self.kv_read_ms_per_1k_tokens)?;
+        non_negative("--shutdown-grace-s", self.shutdown_grace_s)?;
+        at_least_one("--block-size", self.block_size as u64)?;
+        at_least_one("--kv-cache-blocks", self.kv_cache_blocks as u64)?;
+        at_least_one("--max-num-seqs", self.max_num_seqs as u64)?;
+        at_least_one("--max-num-batched-tokens", self.max_num_batched_tokens)?;
+        at_least_one("--max-model-len", u64::from(self.max_model_len))?;
+        at_least_one("--default-max-tokens", u64::from(self.default_max_tokens))?;
+        at_least_one("--kv-bytes-per-token", self.kv_bytes_per_token)?;
+        if self.served_model_name.trim().is_empty() {
+            return Err("--served-model-name must not be empty".into());
+        }
+        if let Some(id) = &self.engine_id
+            && id.trim().is_empty()
+        {
+            return Err("--engine-id must not be empty".into());
+        }
+        self.faults().validate()
+    }
+
+    /// The fault knobs given on the command line.
+    pub fn faults(&self) -> Faults {
+        Faults {
+            fail_rate: self.fail_rate,
+            hang_rate: self.hang_rate,
+            die_mid_stream_rate: self.die_mid_stream_rate,
+        }
+    }
+}
+
+fn positive(flag: &str, value: f64) -> Result<(), String> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{flag} must be a positive number, got {value}"))
+    }
+}
+
+fn non_negative(flag: &str, value: f64) -> Result<(), String> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{flag} must be zero or more, got {value}"))
+    }
+}
+
+fn at_least_one(flag: &str, value: u64) -> Result<(), String> {
+    if value >= 1 {
+        Ok(())
+    } else {
+        Err(format!("{flag} must be at least 1, got {value}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_documented_values_and_validate() {
+        let config = SimConfig::default();
+        assert_eq!(config.served_model_name, "sim");
+        assert_eq!(config.role, InstanceRole::Both);
+        assert_eq!(config.block_size, 16);
+        assert_eq!(config.kv_cache_blocks, 79_000);
+        assert_eq!(config.max_num_seqs, 256);
+        assert_eq!(config.max_num_batched_tokens, 8192);
+        assert_eq!(config.kv_bytes_per_token, 327_680);
+        assert!((config.time_scale - 1.0).abs() < f64::EPSILON);
+        assert_eq!(config.validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_names_the_bad_flag() {
+        let mut config = SimConfig {
+            time_scale: 0.0,
+            ..SimConfig::default()
+        };
+        assert!(config.validate().unwrap_err().contains("--time-scale"));
+        config.time_scale = 1.0;
+        config.fail_rate = 1.5;
+        assert!(config.validate().unwrap_err().contains("--fail-rate"));
+        config.fail_rate = 0.0;
+        config.block_size = 0;
+        assert!(config.validate().unwrap_err().contains("--block-size"));
+    }
+
+    #[test]
+    fn parses_flags() {
+        let parsed = DefaultsOnly::try_parse_from([
+            "sim",
+            "--role",
+            "prefill",
+            "--time-scale",
+            "0.01",
+            "--served-model-name",
+            "llama",
+        ])
+        .expect("valid flags");
+        assert_eq!(parsed.config.role, InstanceRole::Prefill);
+        assert_eq!(parsed.config.served_model_name, "llama");
+        assert!(DefaultsOnly::try_parse_from(["sim", "--role", "neither"]).is_err());
+    }
+}

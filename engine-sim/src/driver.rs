@@ -1,0 +1,316 @@
+//! Runs the [`Scheduler`] in real time: one task per engine, a virtual clock in model seconds
+//! mapped onto the wall clock by `--time-scale`, and one event channel per request.
+//!
+//! Steps are not slept one by one at fine granularity (tokio timers have ~1 ms resolution,
+//! and at `--time-scale 0.01` a step may last 0.1 ms). Instead each step advances the virtual
+//! clock by its model duration and the driver sleeps until the wall instant that corresponds
+//! to the step's end; when that instant has already passed it runs the next step at once, so
+//! the engine catches up and its throughput stays true to the model. While idle, virtual time
+//! follows the wall clock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TryRecvError;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::{FinishedSeq, Rejected, Scheduler, SeqId, SeqSpec, Step, StepReport};
+use crate::metrics::{EngineGauges, Metrics};
+
+/// If the driver falls this far behind the wall clock (a stalled process), it stops catching
+/// up and lets virtual time jump instead of running a long burst of back-to-back steps.
+const MAX_LAG: Duration = Duration::from_millis(250);
+
+/// What the engine tells a request's handler.
+#[derive(Debug)]
+pub(crate) enum EngineEvent {
+    /// One output token, at the end of the step that produced it.
+    Token,
+    /// The request is done; its last token was the previous event.
+    Finished(FinishedSeq),
+    /// The engine refused the request.
+    Rejected(Rejected),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the engine has stopped")]
+pub(crate) struct EngineStopped;
+
+struct Submission {
+    spec: SeqSpec,
+    arrival: Instant,
+    events: mpsc::UnboundedSender<EngineEvent>,
+}
+
+/// The handlers' side: submit a request, get its event stream.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineClient {
+    submissions: mpsc::UnboundedSender<Submission>,
+}
+
+impl EngineClient {
+    /// Queues a request that arrived at `arrival`. Dropping the receiver cancels it.
+    pub(crate) fn submit(
+        &self,
+        spec: SeqSpec,
+        arrival: Instant,
+    ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineStopped> {
+        let (events, receiver) = mpsc::unbounded_channel();
+        self.submissions
+            .send(Submission {
+                spec,
+                arrival,
+                events,
+            })
+            .map_err(|_| EngineStopped)?;
+        Ok(receiver)
+    }
+}
+
+/// An engine that has not started yet; [`EngineDriver::run`] runs it until cancelled.
+pub(crate) struct EngineDriver {
+    scheduler: Scheduler,
+    submissions: mpsc::UnboundedReceiver<Submission>,
+    metrics: Arc<Metrics>,
+    clock: Clock,
+    live: HashMap<SeqId, LiveRequest>,
+    next_id: SeqId,
+}
+
+impl std::fmt::Debug for EngineDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineDriver")
+            .field("live", &self.live.len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct LiveRequest {
+    events: mpsc::UnboundedSender<EngineEvent>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+}
+
+/// Maps virtual (model) seconds to wall-clock instants.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    origin: Instant,
+    time_scale: f64,
+}
+
+impl Clock {
+    fn virtual_now(&self) -> f64 {
+        self.origin.elapsed().as_secs_f64() / self.time_scale
+    }
+
+    fn instant_at(&self, virtual_s: f64) -> Instant {
+        let wall = Duration::try_from_secs_f64((virtual_s * self.time_scale).max(0.0))
+            .unwrap_or(Duration::MAX);
+        self.origin.checked_add(wall).unwrap_or_else(|| {
+            Instant::now() + Duration::from_secs(365 * 24 * 3600) // far future
+        })
+    }
+
+    /// A wall-clock duration in model seconds.
+    fn to_model(&self, wall: Duration) -> f64 {
+        wall.as_secs_f64() / self.time_scale
+    }
+}
+
+/// Creates an engine and the client handlers use to reach it.
+pub(crate) fn engine(
+    scheduler: Scheduler,
+    metrics: Arc<Metrics>,
+    time_scale: f64,
+) -> (EngineClient, EngineDriver) {
+    let (sender, receiver) = mpsc::unbounded_channel();
+    let driver = EngineDriver {
+        scheduler,
+        submissions: receiver,
+        metrics,
+        clock: Clock {
+            origin: Instant::now(),
+            time_scale,
+        },
+        live: HashMap::new(),
+        next_id: 0,
+    };
+    (
+        EngineClient {
+            submissions: sender,
+        },
+        driver,
+    )
+}
+
+impl EngineDriver {
+    /// Runs the step loop until `stop` is cancelled or every client is gone. Requests still
+    /// queued or running then see their event channel close.
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
+        let mut now_v = 0.0_f64;
+        let mut busy = false;
+        loop {
+            if !self.take_submissions() {
+                break;
+            }
+            self.reap_disconnected();
+            let wall_v = self.clock.virtual_now();
+            if !busy || wall_v - now_v > self.clock.to_model(MAX_LAG) {
+                now_v = now_v.max(wall_v);
+            }
+            match self.scheduler.step(now_v) {
+                Step::Ran(report) => {
+                    now_v = report.end_s();
+                    let deadline = self.clock.instant_at(now_v);
+                    if deadline > Instant::now() {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(deadline.into()) => {}
+                            () = stop.cancelled() => break,
+                        }
+                    } else {
+                        // Behind schedule: run the next step now, but let handlers run too.
+                        tokio::task::yield_now().await;
+                    }
+                    self.emit(report);
+                    busy = true;
+                }
+                Step::WaitUntil(lands_at) => {
+                    busy = false;
+                    self.publish();
+                    tokio::select! {
+                        () = tokio::time::sleep_until(self.clock.instant_at(lands_at).into()) => {
+                            now_v = now_v.max(lands_at);
+                        }
+                        submission = self.submissions.recv() => match submission {
+                            Some(submission) => self.accept(submission),
+                            None => break,
+                        },
+                        () = stop.cancelled() => break,
+                    }
+                }
+                Step::Idle => {
+                    busy = false;
+                    self.publish();
+                    tokio::select! {
+                        submission = self.submissions.recv() => match submission {
+                            Some(submission) => self.accept(submission),
+                            None => break,
+                        },
+                        () = stop.cancelled() => break,
+                    }
+                }
+            }
+            self.publish();
+        }
+        for id in self.live.keys().copied().collect::<Vec<_>>() {
+            self.scheduler.abort(id);
+        }
+        self.live.clear();
+        self.publish();
+        tracing::debug!("engine stopped");
+    }
+
+    /// Queues every pending submission; false once all clients are gone and nothing is left.
+    fn take_submissions(&mut self) -> bool {
+        loop {
+            match self.submissions.try_recv() {
+                Ok(submission) => self.accept(submission),
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return !self.live.is_empty(),
+            }
+        }
+    }
+
+    fn accept(&mut self, submission: Submission) {
+        let id = self.next_id;
+        self.next_id += 1;
+        match self.scheduler.add(id, submission.spec) {
+            Ok(()) => {
+                self.live.insert(
+                    id,
+                    LiveRequest {
+                        events: submission.events,
+                        arrival: submission.arrival,
+                        last_token: None,
+                    },
+                );
+            }
+            Err(rejected) => {
+                let _ = submission.events.send(EngineEvent::Rejected(rejected));
+            }
+        }
+    }
+
+    /// Aborts requests whose handler dropped its receiver (client disconnected).
+    fn reap_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self
+            .live
+            .iter()
+            .filter(|(_, request)| request.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.abort(id);
+        }
+    }
+
+    fn abort(&mut self, id: SeqId) {
+        self.live.remove(&id);
+        if self.scheduler.abort(id) {
+            Metrics::increment(&self.metrics.requests_aborted);
+            tracing::debug!(request = id, "client went away, request aborted");
+        }
+    }
+
+    /// Delivers a step's tokens and completions (at the step's end) and records latencies.
+    fn emit(&mut self, report: StepReport) {
+        let now = Instant::now();
+        let mut gone = Vec::new();
+        for id in &report.tokens {
+            let Some(request) = self.live.get_mut(id) else {
+                continue;
+            };
+            match request.last_token {
+                None => self
+                    .metrics
+                    .time_to_first_token
+                    .observe(self.clock.to_model(now - request.arrival)),
+                Some(last) => self
+                    .metrics
+                    .inter_token_latency
+                    .observe(self.clock.to_model(now - last)),
+            }
+            request.last_token = Some(now);
+            if request.events.send(EngineEvent::Token).is_err() {
+                gone.push(*id);
+            }
+        }
+        for finished in report.finished {
+            let Some(request) = self.live.remove(&finished.id) else {
+                continue;
+            };
+            self.metrics
+                .e2e_request_latency
+                .observe(self.clock.to_model(now - request.arrival));
+            Metrics::increment(&self.metrics.requests_completed);
+            let _ = request.events.send(EngineEvent::Finished(finished));
+        }
+        for id in gone {
+            if self.live.contains_key(&id) {
+                self.abort(id);
+            }
+        }
+    }
+
+    fn publish(&self) {
+        self.metrics.publish(EngineGauges {
+            running: self.scheduler.num_running(),
+            waiting: self.scheduler.num_waiting(),
+            kv_cache_usage: self.scheduler.cache().usage(),
+            cached_blocks: self.scheduler.cache().cached_blocks(),
+            counters: self.scheduler.counters(),
+        });
+    }
+}

@@ -1,0 +1,141 @@
+//! Fault injection: seeded, so a test run misbehaves the same way every time.
+
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// Fault knobs, settable by flag, by [`SimHandle::set_faults`](crate::SimHandle::set_faults)
+/// or by `POST /sim/faults` with this JSON (missing fields are 0). Each rate is the
+/// probability, drawn per inference request, of that fault; they are checked in the order
+/// fail, hang, die.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Answer 500 with an OpenAI-style error body.
+    pub fail_rate: f64,
+    /// Accept the request and never answer it; the client has to give up.
+    pub hang_rate: f64,
+    /// Close the connection after a few streamed tokens (non-streaming: before the body).
+    pub die_mid_stream_rate: f64,
+}
+
+impl Faults {
+    /// Each rate must be within 0–1; the error names the flag (and JSON field).
+    pub fn validate(&self) -> Result<(), String> {
+        for (flag, field, value) in [
+            ("--fail-rate", "fail_rate", self.fail_rate),
+            ("--hang-rate", "hang_rate", self.hang_rate),
+            (
+                "--die-mid-stream-rate",
+                "die_mid_stream_rate",
+                self.die_mid_stream_rate,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(format!(
+                    "{flag} ({field}) must be between 0 and 1, got {value}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What to do to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    None,
+    Fail,
+    Hang,
+    DieMidStream,
+}
+
+/// The current knobs and the seeded generator, drawn once per inference request.
+#[derive(Debug)]
+pub(crate) struct FaultInjector {
+    state: Mutex<(Faults, fastrand::Rng)>,
+}
+
+impl FaultInjector {
+    pub(crate) fn new(faults: Faults, seed: u64) -> Self {
+        Self {
+            state: Mutex::new((faults, fastrand::Rng::with_seed(seed))),
+        }
+    }
+
+    pub(crate) fn set(&self, faults: Faults) {
+        self.lock().0 = faults;
+    }
+
+    pub(crate) fn get(&self) -> Faults {
+        self.lock().0
+    }
+
+    /// Draws the fault for the next request. Three draws every time, so the sequence of
+    /// outcomes depends only on the seed, the knobs and the order of requests.
+    pub(crate) fn draw(&self) -> Fault {
+        let mut state = self.lock();
+        let (faults, rng) = &mut *state;
+        let (fail, hang, die) = (rng.f64(), rng.f64(), rng.f64());
+        if fail < faults.fail_rate {
+            Fault::Fail
+        } else if hang < faults.hang_rate {
+            Fault::Hang
+        } else if die < faults.die_mid_stream_rate {
+            Fault::DieMidStream
+        } else {
+            Fault::None
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Faults, fastrand::Rng)> {
+        // The state stays consistent even if a holder panicked.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draws_are_deterministic_for_a_seed() {
+        let faults = Faults {
+            fail_rate: 0.3,
+            hang_rate: 0.2,
+            die_mid_stream_rate: 0.2,
+        };
+        let a = FaultInjector::new(faults, 7);
+        let b = FaultInjector::new(faults, 7);
+        let draws_a: Vec<Fault> = (0..200).map(|_| a.draw()).collect();
+        let draws_b: Vec<Fault> = (0..200).map(|_| b.draw()).collect();
+        assert_eq!(draws_a, draws_b);
+        let failures = draws_a.iter().filter(|f| **f == Fault::Fail).count();
+        assert!((30..=90).contains(&failures), "{failures}");
+        assert!(draws_a.contains(&Fault::Hang));
+        assert!(draws_a.contains(&Fault::DieMidStream));
+    }
+
+    #[test]
+    fn zero_and_one_rates_are_exact() {
+        let never = FaultInjector::new(Faults::default(), 1);
+        assert!((0..100).all(|_| never.draw() == Fault::None));
+        never.set(Faults {
+            fail_rate: 1.0,
+            ..Faults::default()
+        });
+        assert!((0..100).all(|_| never.draw() == Fault::Fail));
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let bad = Faults {
+            hang_rate: -0.1,
+            ..Faults::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("--hang-rate"));
+        assert_eq!(Faults::default().validate(), Ok(()));
+    }
+}

@@ -1,0 +1,492 @@
+//! vLLM's OpenAI-compatible wire format: what the simulator reads from a request body and the
+//! JSON it answers with. Unknown request fields are ignored, as vLLM does.
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::cache::block_hashes;
+use crate::tokenizer::{chat_prompt_text, tokenize};
+
+/// Chat completions or (text) completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ApiKind {
+    Chat,
+    Completion,
+}
+
+/// The request fields the simulator reads.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct InferenceBody {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub messages: Option<Vec<Value>>,
+    #[serde(default)]
+    pub prompt: Option<Value>,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub kv_transfer_params: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+impl InferenceBody {
+    pub(crate) fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    pub(crate) fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|options| options.include_usage)
+            .unwrap_or(false)
+    }
+
+    /// `max_completion_tokens`, else `max_tokens`; None if neither is set.
+    pub(crate) fn requested_max_tokens(&self) -> Result<Option<u32>, ApiError> {
+        let Some(value) = self.max_completion_tokens.or(self.max_tokens) else {
+            return Ok(None);
+        };
+        if value < 1 {
+            return Err(ApiError::bad_request(format!(
+                "max_tokens must be at least 1, got {value}."
+            )));
+        }
+        Ok(Some(u32::try_from(value).unwrap_or(u32::MAX)))
+    }
+
+    pub(crate) fn kv_transfer(&self) -> KvTransfer {
+        self.kv_transfer_params
+            .as_ref()
+            .map(KvTransfer::from_value)
+            .unwrap_or_default()
+    }
+}
+
+/// The NixlConnector fields of `kv_transfer_params` the simulator acts on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct KvTransfer {
+    pub do_remote_decode: bool,
+    pub do_remote_prefill: bool,
+    /// Length of `remote_block_ids`, if given.
+    pub remote_blocks: Option<usize>,
+}
+
+impl KvTransfer {
+    fn from_value(value: &Value) -> Self {
+        let flag = |name: &str| value.get(name).and_then(Value::as_bool).unwrap_or(false);
+        Self {
+            do_remote_decode: flag("do_remote_decode"),
+            do_remote_prefill: flag("do_remote_prefill"),
+            remote_blocks: value
+                .get("remote_block_ids")
+                .and_then(Value::as_array)
+                .map(Vec::len),
+        }
+    }
+}
+
+/// A parsed request and its tokenized prompt (or why the prompt is unusable).
+#[derive(Debug)]
+pub(crate) struct ParsedRequest {
+    pub body: InferenceBody,
+    pub kind: ApiKind,
+    pub prompt: Result<Prompt, ApiError>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Prompt {
+    pub tokens: Vec<u32>,
+    pub block_hashes: Vec<u64>,
+}
+
+/// Parses a body and tokenizes its prompt. `kind` None picks chat if the body has `messages`
+/// (the SageMaker `/invocations` rule). CPU-bound: run large bodies on a blocking thread.
+pub(crate) fn parse_request(
+    bytes: &[u8],
+    kind: Option<ApiKind>,
+    block_size: usize,
+) -> Result<ParsedRequest, ApiError> {
+    let body: InferenceBody = serde_json::from_slice(bytes)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))?;
+    let kind = kind.unwrap_or(if body.messages.is_some() {
+        ApiKind::Chat
+    } else {
+        ApiKind::Completion
+    });
+    let prompt = prompt_tokens(&body, kind).map(|tokens| Prompt {
+        block_hashes: block_hashes(&tokens, block_size),
+        tokens,
+    });
+    Ok(ParsedRequest { body, kind, prompt })
+}
+
+fn prompt_tokens(body: &InferenceBody, kind: ApiKind) -> Result<Vec<u32>, ApiError> {
+    match kind {
+        ApiKind::Chat => {
+            let messages = body.messages.as_deref().ok_or_else(|| {
+                ApiError::bad_request("messages: field required".to_owned()).param("messages")
+            })?;
+            Ok(tokenize(&chat_prompt_text(messages)))
+        }
+        ApiKind::Completion => match &body.prompt {
+            Some(Value::String(text)) => Ok(tokenize(text)),
+            Some(Value::Array(items)) => completion_array_tokens(items),
+            Some(_) => Err(ApiError::bad_request(
+                "prompt must be a string, an array of strings or an array of token ids".to_owned(),
+            )
+            .param("prompt")),
+            None => Err(ApiError::bad_request("prompt: field required".to_owned()).param("prompt")),
+        },
+    }
+}
+
+/// An array prompt: strings (concatenated), token ids, or arrays of token ids (concatenated).
+fn completion_array_tokens(items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    for item in items {
+        match item {
+            Value::String(part) => text.push_str(part),
+            Value::Number(number) => ids.push(token_id(number)?),
+            Value::Array(inner) => {
+                for id in inner {
+                    let Value::Number(number) = id else {
+                        return Err(invalid_token_id());
+                    };
+                    ids.push(token_id(number)?);
+                }
+            }
+            _ => return Err(invalid_token_id()),
+        }
+    }
+    if !text.is_empty() && !ids.is_empty() {
+        return Err(ApiError::bad_request(
+            "prompt must not mix strings and token ids".to_owned(),
+        )
+        .param("prompt"));
+    }
+    if ids.is_empty() {
+        Ok(tokenize(&text))
+    } else {
+        Ok(ids)
+    }
+}
+
+fn token_id(number: &serde_json::Number) -> Result<u32, ApiError> {
+    number
+        .as_u64()
+        .and_then(|id| u32::try_from(id).ok())
+        .ok_or_else(invalid_token_id)
+}
+
+fn invalid_token_id() -> ApiError {
+    ApiError::bad_request("prompt token ids must be non-negative integers".to_owned())
+        .param("prompt")
+}
+
+/// An OpenAI-style error as vLLM sends it: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub error_type: &'static str,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub(crate) fn bad_request(message: String) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message,
+            error_type: "BadRequestError",
+            param: None,
+        }
+    }
+
+    pub(crate) fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            error_type: "NotFoundError",
+            param: Some("model"),
+        }
+    }
+
+    pub(crate) fn internal(message: String) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message,
+            error_type: "InternalServerError",
+            param: None,
+        }
+    }
+
+    pub(crate) fn unavailable(message: String) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message,
+            error_type: "ServiceUnavailableError",
+            param: None,
+        }
+    }
+
+    pub(crate) fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    pub(crate) fn to_json(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status.as_u16(),
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.to_json())).into_response()
+    }
+}
+
+/// Filler words of at most 6 letters: each is exactly one token for [`tokenize`].
+const FILLER: &[&str] = &[
+    "lorem", "ipsum", "dolor", "sit", "amet", "tempor", "magna", "aliqua", "veniam", "quis",
+    "nostra", "ut", "labore", "dolore", "enim", "minim",
+];
+
+/// The text of output token `index` (0-based): a filler word, space-separated after the first.
+pub(crate) fn output_token_text(index: u32) -> String {
+    let word = FILLER[index as usize % FILLER.len()];
+    if index == 0 {
+        word.to_owned()
+    } else {
+        format!(" {word}")
+    }
+}
+
+/// The text of the first `count` output tokens.
+pub(crate) fn output_text(count: u32) -> String {
+    (0..count).map(output_token_text).collect()
+}
+
+/// Token counts reported in `usage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    pub(crate) fn to_json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": { "cached_tokens": self.cached_tokens },
+        })
+    }
+}
+
+/// The fields every response and chunk of one request shares.
+#[derive(Debug, Clone)]
+pub(crate) struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub kind: ApiKind,
+}
+
+impl ResponseMeta {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (ApiKind::Chat, false) => "chat.completion",
+            (ApiKind::Chat, true) => "chat.completion.chunk",
+            (ApiKind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// A whole (non-streaming) response.
+    pub(crate) fn response(
+        &self,
+        text: String,
+        finish_reason: &str,
+        usage: Usage,
+        kv_transfer_params: Option<Value>,
+    ) -> Value {
+        let choice = match self.kind {
+            ApiKind::Chat => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text, "tool_calls": [] },
+                "logprobs": null,
+                "finish_reason": finish_reason,
+                "stop_reason": null,
+            }),
+            ApiKind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_reason,
+                "stop_reason": null,
+            }),
+        };
+        let mut response = self.envelope(false, json!([choice]));
+        response["usage"] = usage.to_json();
+        response["kv_transfer_params"] = kv_transfer_params.unwrap_or(Value::Null);
+        response
+    }
+
+    /// The first chat chunk, announcing the assistant role (vLLM sends it before any text).
+    pub(crate) fn role_chunk(&self, include_usage: bool) -> Value {
+        let choice = json!({
+            "index": 0,
+            "delta": { "role": "assistant", "content": "" },
+            "logprobs": null,
+            "finish_reason": null,
+        });
+        self.with_null_usage(self.envelope(true, json!([choice])), include_usage)
+    }
+
+    /// A chunk carrying one token's text.
+    pub(crate) fn token_chunk(
+        &self,
+        text: String,
+        finish_reason: Option<&str>,
+        include_usage: bool,
+    ) -> Value {
+        let choice = match self.kind {
+            ApiKind::Chat => json!({
+                "index": 0,
+                "delta": { "content": text },
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+            ApiKind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+        };
+        self.with_null_usage(self.envelope(true, json!([choice])), include_usage)
+    }
+
+    /// The final chunk with `stream_options.include_usage`: no choices, the usage.
+    pub(crate) fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut chunk = self.envelope(true, json!([]));
+        chunk["usage"] = usage.to_json();
+        chunk
+    }
+
+    fn with_null_usage(&self, mut chunk: Value, include_usage: bool) -> Value {
+        if include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::count_tokens;
+
+    #[test]
+    fn output_words_are_one_token_each() {
+        for count in [1, 2, 16, 100] {
+            assert_eq!(count_tokens(&output_text(count)), count as usize);
+        }
+        assert_eq!(output_text(3), "lorem ipsum dolor");
+    }
+
+    #[test]
+    fn parses_chat_completion_and_invocation_bodies() {
+        let chat = parse_request(
+            br#"{"model":"sim","messages":[{"role":"user","content":"the cat sat"}],"unknown":1}"#,
+            Some(ApiKind::Chat),
+            16,
+        )
+        .unwrap();
+        assert_eq!(chat.kind, ApiKind::Chat);
+        assert_eq!(chat.prompt.unwrap().tokens.len(), 5 + 3 + 6);
+
+        let completion =
+            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16).unwrap();
+        assert_eq!(completion.kind, ApiKind::Completion);
+        assert_eq!(completion.prompt.unwrap().tokens.len(), 3);
+
+        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16).unwrap();
+        assert_eq!(ids.prompt.unwrap().tokens, vec![1, 2, 3]);
+
+        let invocation = parse_request(br#"{"messages":[]}"#, None, 16).unwrap();
+        assert_eq!(invocation.kind, ApiKind::Chat);
+
+        let missing = parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16).unwrap();
+        assert_eq!(missing.prompt.unwrap_err().param, Some("messages"));
+
+        let bad = parse_request(b"{not json", None, 16).unwrap_err();
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        assert_eq!(bad.to_json()["error"]["type"], "BadRequestError");
+        assert_eq!(bad.to_json()["error"]["code"], 400);
+    }
+
+    #[test]
+    fn reads_max_tokens_and_kv_transfer_params() {
+        let body: InferenceBody = serde_json::from_str(
+            r#"{"max_tokens":5,"max_completion_tokens":7,
+                "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2,3]}}"#,
+        )
+        .unwrap();
+        assert_eq!(body.requested_max_tokens().unwrap(), Some(7));
+        let kv = body.kv_transfer();
+        assert!(kv.do_remote_prefill && !kv.do_remote_decode);
+        assert_eq!(kv.remote_blocks, Some(3));
+
+        let zero: InferenceBody = serde_json::from_str(r#"{"max_tokens":0}"#).unwrap();
+        assert!(zero.requested_max_tokens().is_err());
+    }
+
+    #[test]
+    fn not_found_matches_vllm() {
+        let error = ApiError::model_not_found("other").to_json();
+        assert_eq!(
+            error,
+            json!({"error": {
+                "message": "The model `other` does not exist.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404
+            }})
+        );
+    }
+}

@@ -1,0 +1,132 @@
+//! A bounded record of the latest inference requests, so tests can check what a router sent:
+//! trace context, request ids, SageMaker and Switchyard headers, kv_transfer_params.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+
+use http::HeaderMap;
+use serde::{Deserialize, Serialize};
+
+/// One inference request as the simulator received it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceivedRequest {
+    /// Request path, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// The recorded headers, names lowercase: `traceparent`, `tracestate`, `x-request-id`,
+    /// `x-amzn-sagemaker-*`, `x-switchyard-*` (repeated headers joined with `", "`).
+    pub headers: BTreeMap<String, String>,
+    pub body_bytes: usize,
+    /// The body's `model` field, if the body parsed and had one.
+    pub model: Option<String>,
+    pub stream: bool,
+    /// Whether the body carried `kv_transfer_params`.
+    pub kv_transfer_params: bool,
+    /// `kv_transfer_params.do_remote_decode` (a disaggregated prefill request).
+    pub do_remote_decode: bool,
+    /// `kv_transfer_params.do_remote_prefill` (a disaggregated decode request).
+    pub do_remote_prefill: bool,
+}
+
+impl ReceivedRequest {
+    /// A recorded header by (case-insensitive) name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(&name.to_ascii_lowercase())
+            .map(String::as_str)
+    }
+
+    /// Copies the headers worth recording from `headers`.
+    pub(crate) fn select_headers(headers: &HeaderMap) -> BTreeMap<String, String> {
+        let mut selected: BTreeMap<String, String> = BTreeMap::new();
+        for (name, value) in headers {
+            let name = name.as_str();
+            let wanted = matches!(name, "traceparent" | "tracestate" | "x-request-id")
+                || name.starts_with("x-amzn-sagemaker-")
+                || name.starts_with("x-switchyard-");
+            if !wanted {
+                continue;
+            }
+            let value = String::from_utf8_lossy(value.as_bytes());
+            selected
+                .entry(name.to_owned())
+                .and_modify(|existing| {
+                    existing.push_str(", ");
+                    existing.push_str(&value);
+                })
+                .or_insert_with(|| value.into_owned());
+        }
+        selected
+    }
+}
+
+/// The latest `capacity` requests, oldest first.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    capacity: usize,
+    requests: Mutex<VecDeque<ReceivedRequest>>,
+}
+
+impl Recorder {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            requests: Mutex::new(VecDeque::with_capacity(capacity.min(1024))),
+        }
+    }
+
+    pub(crate) fn record(&self, request: ReceivedRequest) {
+        if self.capacity == 0 {
+            return;
+        }
+        let mut requests = self.lock();
+        if requests.len() == self.capacity {
+            requests.pop_front();
+        }
+        requests.push_back(request);
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<ReceivedRequest> {
+        self.lock().iter().cloned().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<ReceivedRequest>> {
+        self.requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_the_latest_and_selected_headers() {
+        let recorder = Recorder::new(2);
+        for path in ["/a", "/b", "/c"] {
+            recorder.record(ReceivedRequest {
+                path: path.into(),
+                ..ReceivedRequest::default()
+            });
+        }
+        let paths: Vec<String> = recorder.snapshot().into_iter().map(|r| r.path).collect();
+        assert_eq!(paths, ["/b", "/c"]);
+
+        let mut headers = HeaderMap::new();
+        headers.insert("traceparent", "00-abc-def-01".parse().unwrap());
+        headers.insert("X-Amzn-SageMaker-Session-Id", "s1".parse().unwrap());
+        headers.insert("x-switchyard-route", "prefix".parse().unwrap());
+        headers.insert("authorization", "secret".parse().unwrap());
+        headers.append("x-request-id", "a".parse().unwrap());
+        headers.append("x-request-id", "b".parse().unwrap());
+        let request = ReceivedRequest {
+            headers: ReceivedRequest::select_headers(&headers),
+            ..ReceivedRequest::default()
+        };
+        assert_eq!(request.header("TraceParent"), Some("00-abc-def-01"));
+        assert_eq!(request.header("x-amzn-sagemaker-session-id"), Some("s1"));
+        assert_eq!(request.header("x-switchyard-route"), Some("prefix"));
+        assert_eq!(request.header("x-request-id"), Some("a, b"));
+        assert_eq!(request.header("authorization"), None);
+    }
+}
