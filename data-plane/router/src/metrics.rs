@@ -1,0 +1,174 @@
+//! The router's Prometheus metrics. Counters on the request path are atomics (per instance in
+//! its `InstanceCell`, per error kind here); labels are only assembled when `/metrics` is read.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use switchyard_shared::metrics::{Histogram, TextEncoder};
+
+use crate::table::{LoadRegistry, ROUTE_LABELS, RoutingTable};
+
+pub const ERROR_KINDS: [&str; 7] = [
+    "bad_request",
+    "unknown_endpoint",
+    "too_large",
+    "unavailable",
+    "model_error",
+    "upstream_failed",
+    "client_gone",
+];
+
+const LATENCY_BOUNDS: [f64; 14] = [
+    0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.5, 2.5,
+];
+
+#[derive(Debug)]
+pub struct RouterMetrics {
+    errors: [AtomicU64; ERROR_KINDS.len()],
+    /// Time from request arrival to the routing decision (body read and parse included).
+    pub decision_seconds: Histogram,
+    /// Time from sending upstream to the upstream's response head.
+    pub upstream_header_seconds: Histogram,
+    pub control_plane_connected: Arc<AtomicBool>,
+}
+
+impl RouterMetrics {
+    pub fn new(control_plane_connected: Arc<AtomicBool>) -> Self {
+        Self {
+            errors: Default::default(),
+            decision_seconds: Histogram::new(&LATENCY_BOUNDS),
+            upstream_header_seconds: Histogram::new(&LATENCY_BOUNDS),
+            control_plane_connected,
+        }
+    }
+
+    pub fn error(&self, kind: &str) {
+        if let Some(index) = ERROR_KINDS.iter().position(|candidate| *candidate == kind) {
+            self.errors[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn render(&self, table: &RoutingTable, registry: &LoadRegistry) -> String {
+        let mut out = TextEncoder::new();
+        out.family(
+            "switchyard_router_table_version",
+            "gauge",
+            "Version (store revision) of the routing state in use; 0 before any state arrived.",
+        )
+        .sample("switchyard_router_table_version", &[], table.version as f64);
+        out.family(
+            "switchyard_router_control_plane_connected",
+            "gauge",
+            "1 while a sync stream to the control plane is open.",
+        )
+        .sample(
+            "switchyard_router_control_plane_connected",
+            &[],
+            f64::from(u8::from(
+                self.control_plane_connected.load(Ordering::Relaxed),
+            )),
+        );
+        let mut rows = Vec::new();
+        registry.for_each(|(endpoint, id), cell| {
+            let requests: Vec<u64> = cell
+                .requests
+                .iter()
+                .map(|counter| counter.load(Ordering::Relaxed))
+                .collect();
+            rows.push((
+                endpoint.to_string(),
+                id.to_string(),
+                cell.local.load(Ordering::Relaxed),
+                cell.remote.load(Ordering::Relaxed),
+                cell.ejected_until_ms.load(Ordering::Relaxed),
+                requests,
+            ));
+        });
+        rows.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        out.family(
+            "switchyard_router_in_flight",
+            "gauge",
+            "Requests this router has in flight, per instance.",
+        );
+        for (endpoint, id, local, ..) in &rows {
+            out.sample(
+                "switchyard_router_in_flight",
+                &[("endpoint", endpoint), ("instance", id)],
+                f64::from(*local),
+            );
+        }
+        out.family(
+            "switchyard_router_fleet_in_flight",
+            "gauge",
+            "Requests in flight across every router, per instance, as this router sees it.",
+        );
+        for (endpoint, id, local, remote, ..) in &rows {
+            out.sample(
+                "switchyard_router_fleet_in_flight",
+                &[("endpoint", endpoint), ("instance", id)],
+                f64::from(local + remote),
+            );
+        }
+        let now = crate::now_unix_ms();
+        out.family(
+            "switchyard_router_instance_ejected",
+            "gauge",
+            "1 while this router has ejected the instance after repeated connection failures.",
+        );
+        for (endpoint, id, _, _, ejected_until, _) in &rows {
+            out.sample(
+                "switchyard_router_instance_ejected",
+                &[("endpoint", endpoint), ("instance", id)],
+                f64::from(u8::from(*ejected_until > now)),
+            );
+        }
+        out.family(
+            "switchyard_router_requests_total",
+            "counter",
+            "Requests sent to each instance, by why it was chosen.",
+        );
+        for (endpoint, id, _, _, _, requests) in &rows {
+            for (label, count) in ROUTE_LABELS.iter().zip(requests) {
+                out.sample(
+                    "switchyard_router_requests_total",
+                    &[("endpoint", endpoint), ("instance", id), ("route", label)],
+                    *count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_errors_total",
+            "counter",
+            "Requests answered with an error by the router, by kind.",
+        );
+        for (kind, count) in ERROR_KINDS.iter().zip(&self.errors) {
+            out.sample(
+                "switchyard_router_errors_total",
+                &[("kind", kind)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_decision_seconds",
+            "histogram",
+            "From request arrival to routing decision (reading and parsing the body included).",
+        );
+        out.histogram(
+            "switchyard_router_decision_seconds",
+            &[],
+            &self.decision_seconds,
+        );
+        out.family(
+            "switchyard_router_upstream_header_seconds",
+            "histogram",
+            "From sending a request upstream to the instance's response head.",
+        );
+        out.histogram(
+            "switchyard_router_upstream_header_seconds",
+            &[],
+            &self.upstream_header_seconds,
+        );
+        out.finish()
+    }
+}

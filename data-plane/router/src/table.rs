@@ -1,0 +1,281 @@
+//! The routing table: an immutable snapshot of endpoints, variants and routable instances,
+//! swapped in atomically whenever membership changes (no request ever sees half a change).
+//!
+//! Load lives outside the snapshot, in one `InstanceCell` per (endpoint, instance) that
+//! survives table swaps, so in-flight counts stay exact across membership and config changes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use switchyard_policy::hash::instance_hash;
+use switchyard_policy::rank::{InstanceView, Route, Strategy};
+use switchyard_shared::{
+    EndpointConfig, EndpointName, Instance, InstanceId, RoutingStrategy, VariantName,
+};
+
+/// Route labels counted per instance: the policy's routes plus `retry`.
+pub const ROUTE_LABELS: [&str; 6] = [
+    "prefix",
+    "overflow",
+    "random",
+    "least-outstanding",
+    "session",
+    "retry",
+];
+
+pub fn route_index(route: Route) -> usize {
+    Route::ALL
+        .iter()
+        .position(|candidate| *candidate == route)
+        .unwrap_or(0)
+}
+pub const RETRY_INDEX: usize = 5;
+
+/// Live counters of one instance, shared by every table that contains it.
+#[derive(Debug, Default)]
+pub struct InstanceCell {
+    /// Requests this router has in flight on the instance (exact).
+    pub local: AtomicU32,
+    /// Requests every other router has in flight (from the control plane).
+    pub remote: AtomicU32,
+    /// Consecutive connection failures.
+    pub failures: AtomicU32,
+    /// Unix ms until which the instance is ejected locally (0: not ejected).
+    pub ejected_until_ms: AtomicU64,
+    /// Requests sent, by `ROUTE_LABELS` index.
+    pub requests: [AtomicU64; 6],
+}
+
+impl InstanceCell {
+    pub fn fleet_load(&self) -> u32 {
+        self.local
+            .load(Ordering::Relaxed)
+            .saturating_add(self.remote.load(Ordering::Relaxed))
+    }
+
+    pub fn available(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+}
+
+pub type InstanceKey = (EndpointName, InstanceId);
+
+/// Every instance cell by key. Cells of instances that left membership are kept while
+/// requests are still in flight on them, so the counts reported stay exact.
+#[derive(Debug, Default)]
+pub struct LoadRegistry {
+    cells: Mutex<HashMap<InstanceKey, Arc<InstanceCell>>>,
+}
+
+impl LoadRegistry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InstanceKey, Arc<InstanceCell>>> {
+        self.cells
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    pub fn cell(&self, key: &InstanceKey) -> Arc<InstanceCell> {
+        Arc::clone(self.lock().entry(key.clone()).or_default())
+    }
+
+    /// Forgets cells not in `live` that have nothing in flight.
+    pub fn prune(&self, live: &std::collections::HashSet<InstanceKey>) {
+        self.lock()
+            .retain(|key, cell| live.contains(key) || cell.local.load(Ordering::Relaxed) > 0);
+    }
+
+    /// Calls `visit` for every cell (under the registry lock: keep it short).
+    pub fn for_each(&self, mut visit: impl FnMut(&InstanceKey, &InstanceCell)) {
+        for (key, cell) in self.lock().iter() {
+            visit(key, cell);
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct InstanceRoute {
+    pub id: InstanceId,
+    pub url: String,
+    pub invocations: http::Uri,
+    pub chat_completions: http::Uri,
+    pub completions: http::Uri,
+    pub cell: Arc<InstanceCell>,
+}
+
+#[derive(Debug)]
+pub struct VariantRoute {
+    pub name: VariantName,
+    pub model_name: Option<String>,
+    pub strategy: Strategy,
+    /// PrefixLength (PREFIX_AWARE only).
+    pub prefix_length: usize,
+    pub instances: Vec<InstanceRoute>,
+    pub views: Vec<InstanceView>,
+}
+
+impl VariantRoute {
+    /// Views with availability as of `now_ms`.
+    pub fn current_views(&self, now_ms: u64) -> Vec<InstanceView> {
+        self.views
+            .iter()
+            .zip(&self.instances)
+            .map(|(view, instance)| InstanceView {
+                available: instance.cell.available(now_ms),
+                ..*view
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug)]
+pub struct EndpointRoute {
+    pub name: EndpointName,
+    pub variants: Vec<VariantRoute>,
+    pub weights: Vec<f64>,
+}
+
+impl EndpointRoute {
+    pub fn variant(&self, name: &str) -> Option<usize> {
+        self.variants
+            .iter()
+            .position(|variant| variant.name.as_str() == name)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct RoutingTable {
+    /// Store revision (control plane) or 1 (static config); 0: nothing loaded yet.
+    pub version: u64,
+    pub endpoints: HashMap<EndpointName, Arc<EndpointRoute>>,
+    /// ModelName -> (endpoint, variant index), for `/v1/...` requests naming a model.
+    pub models: HashMap<String, (Arc<EndpointRoute>, usize)>,
+}
+
+impl RoutingTable {
+    /// Resolves a `model` from a plain `/v1/...` request: an endpoint name first, then a
+    /// variant's ModelName (which also selects that variant).
+    pub fn resolve_model(&self, model: &str) -> Option<(Arc<EndpointRoute>, Option<usize>)> {
+        if let Some(endpoint) = self.endpoints.get(model) {
+            return Some((Arc::clone(endpoint), None));
+        }
+        self.models
+            .get(model)
+            .map(|(endpoint, variant)| (Arc::clone(endpoint), Some(*variant)))
+    }
+}
+
+fn uri(base: &str, path: &str) -> Option<http::Uri> {
+    format!("{base}{path}").parse().ok()
+}
+
+/// Builds a table from endpoint configs and instances. Unhealthy instances and instances of
+/// unknown variants are left out.
+pub fn build(
+    version: u64,
+    endpoints: &[(EndpointName, EndpointConfig)],
+    instances: &[Instance],
+    registry: &LoadRegistry,
+) -> RoutingTable {
+    let mut by_endpoint: HashMap<&str, Vec<&Instance>> = HashMap::new();
+    for instance in instances {
+        if instance.health.routable() {
+            by_endpoint
+                .entry(instance.endpoint_name.as_str())
+                .or_default()
+                .push(instance);
+        }
+    }
+    let mut live = std::collections::HashSet::new();
+    let mut table = RoutingTable {
+        version,
+        ..RoutingTable::default()
+    };
+    for (name, config) in endpoints {
+        let members = by_endpoint.get(name.as_str()).cloned().unwrap_or_default();
+        let mut variants = Vec::with_capacity(config.production_variants.len());
+        for variant in &config.production_variants {
+            let routing = variant.routing();
+            let (strategy, prefix_length) = match routing.routing_strategy {
+                RoutingStrategy::Random => (Strategy::Random, 0),
+                RoutingStrategy::LeastOutstandingRequests => {
+                    (Strategy::LeastOutstandingRequests, 0)
+                }
+                RoutingStrategy::PrefixAware => {
+                    let prefix = routing.prefix_aware_routing_config.unwrap_or(
+                        switchyard_shared::PrefixAwareRoutingConfig {
+                            prefix_length: 4096,
+                            concurrency_threshold: 10,
+                        },
+                    );
+                    (
+                        Strategy::PrefixAware {
+                            concurrency_threshold: prefix.concurrency_threshold,
+                        },
+                        prefix.prefix_length as usize,
+                    )
+                }
+            };
+            let mut routes = Vec::new();
+            let mut views = Vec::new();
+            for instance in members
+                .iter()
+                .filter(|instance| instance.variant_name == variant.variant_name)
+            {
+                let (Some(invocations), Some(chat_completions), Some(completions)) = (
+                    uri(&instance.url, "/invocations"),
+                    uri(&instance.url, "/v1/chat/completions"),
+                    uri(&instance.url, "/v1/completions"),
+                ) else {
+                    tracing::warn!(instance = %instance.instance_id, url = %instance.url, "skipping instance with an unusable URL");
+                    continue;
+                };
+                let key = (name.clone(), instance.instance_id.clone());
+                let cell = registry.cell(&key);
+                live.insert(key);
+                views.push(InstanceView {
+                    id_hash: instance_hash(instance.instance_id.as_str()),
+                    weight: instance.weight,
+                    available: true,
+                });
+                routes.push(InstanceRoute {
+                    id: instance.instance_id.clone(),
+                    url: instance.url.clone(),
+                    invocations,
+                    chat_completions,
+                    completions,
+                    cell,
+                });
+            }
+            variants.push(VariantRoute {
+                name: variant.variant_name.clone(),
+                model_name: variant.model_name.clone(),
+                strategy,
+                prefix_length,
+                instances: routes,
+                views,
+            });
+        }
+        let weights = config
+            .production_variants
+            .iter()
+            .map(|variant| variant.weight())
+            .collect();
+        let route = Arc::new(EndpointRoute {
+            name: name.clone(),
+            variants,
+            weights,
+        });
+        for (index, variant) in route.variants.iter().enumerate() {
+            if let Some(model) = &variant.model_name {
+                table
+                    .models
+                    .entry(model.clone())
+                    .or_insert_with(|| (Arc::clone(&route), index));
+            }
+        }
+        table.endpoints.insert(name.clone(), route);
+    }
+    registry.prune(&live);
+    table
+}
