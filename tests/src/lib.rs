@@ -1,1 +1,310 @@
-//! placeholder
+//! The integration-test harness: a real etcd on free loopback ports in a temporary directory,
+//! control planes and routers started in-process on `127.0.0.1:0`, the built binaries for
+//! tests that need a real process, and small HTTP/gRPC helpers. Nothing is mocked.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use switchyard_proto::v1 as pb;
+use switchyard_proto::v1::admin_client::AdminClient;
+use tonic::transport::Channel;
+
+/// A free TCP port on 127.0.0.1 (bound then released; etcd needs numbers up front).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free loopback port")
+}
+
+pub fn loopback_any() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("loopback address")
+}
+
+/// Waits until `check` holds, polling every 20 ms, for at most `limit`.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {limit:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A real etcd (Debian's `etcd-server`) for one test, stopped and wiped on drop.
+pub struct Etcd {
+    child: Child,
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    pub async fn start() -> anyhow::Result<Self> {
+        let binary = which("etcd").context(
+            "etcd is not installed: run scripts/test (it installs Debian's etcd-server) or apt-get install etcd-server",
+        )?;
+        let dir = tempfile::tempdir()?;
+        let client_port = free_port();
+        let peer_port = free_port();
+        let url = format!("http://127.0.0.1:{client_port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let log = std::fs::File::create(dir.path().join("etcd.log"))?;
+        let child = Command::new(binary)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(["--name", "default"])
+            .args(["--listen-client-urls", &url])
+            .args(["--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("default={peer}")])
+            .args(["--heartbeat-interval=10", "--election-timeout=100"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("cannot start etcd")?;
+        let mut etcd = Self {
+            child,
+            url,
+            _dir: dir,
+        };
+        let health = format!("{}/health", etcd.url);
+        let ready =
+            eventually(Duration::from_secs(20), "etcd to become healthy", || {
+                let health = health.clone();
+                async move {
+                    matches!(http_get(&health).await, Ok((200, body)) if body.contains("true"))
+                }
+            })
+            .await;
+        if let Err(err) = ready {
+            let _ = etcd.child.kill();
+            return Err(err);
+        }
+        Ok(etcd)
+    }
+
+    /// Stops etcd abruptly (SIGKILL).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    })
+}
+
+/// A built binary of this workspace (`scripts/test` builds them before the tests run).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/debug/deps/<test> -> target/debug/<name>
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory")
+        .to_path_buf();
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins; scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn http_client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+/// GET, returning (status, body).
+pub async fn http_get(url: &str) -> anyhow::Result<(u16, String)> {
+    let response = http_client()
+        .get(url.parse()?)
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// A response read whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|value| value.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// POST a body with headers, reading the whole response.
+pub async fn http_post(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<Reply> {
+    let mut request = http::Request::post(url).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body.into()))?;
+    let response = http_client()
+        .request(request)
+        .await
+        .with_context(|| format!("POST {url}"))?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok(Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+/// An admin client of a control plane.
+pub async fn admin(url: &str) -> anyhow::Result<AdminClient<Channel>> {
+    Ok(AdminClient::connect(url.to_owned()).await?)
+}
+
+/// A SageMaker ProductionVariants JSON for one variant.
+pub fn variant_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
+    let prefix = match prefix {
+        Some((length, threshold)) => format!(
+            r#","PrefixAwareRoutingConfig":{{"PrefixLength":{length},"ConcurrencyThreshold":{threshold}}}"#
+        ),
+        None => String::new(),
+    };
+    format!(
+        r#"[{{"VariantName":"AllTraffic","ModelName":"sim","InitialInstanceCount":1,"RoutingConfig":{{"RoutingStrategy":"{strategy}"{prefix}}}}}]"#
+    )
+}
+
+/// Builds a CreateEndpointConfig request from SageMaker JSON.
+pub fn config_request(name: &str, variants_json: &str) -> pb::CreateEndpointConfigRequest {
+    let variants = switchyard_shared::sagemaker::parse_production_variants(variants_json)
+        .expect("test JSON parses")
+        .variants;
+    let config = switchyard_shared::EndpointConfig {
+        endpoint_config_name: switchyard_shared::EndpointConfigName::new(name).expect("name"),
+        production_variants: variants,
+        health_check_config: switchyard_shared::HealthCheckConfig {
+            interval_ms: 200,
+            unhealthy_threshold: 2,
+            healthy_threshold: 1,
+            ..Default::default()
+        },
+        creation_time_ms: 0,
+    };
+    pb::CreateEndpointConfigRequest {
+        endpoint_config: Some((&config).into()),
+    }
+}
+
+/// Creates config `{endpoint}-cfg` and endpoint `endpoint`.
+pub async fn create_endpoint(
+    admin: &mut AdminClient<Channel>,
+    endpoint: &str,
+    variants_json: &str,
+) -> anyhow::Result<()> {
+    let config = format!("{endpoint}-cfg");
+    admin
+        .create_endpoint_config(config_request(&config, variants_json))
+        .await?;
+    admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: endpoint.into(),
+            endpoint_config_name: config,
+        })
+        .await?;
+    Ok(())
+}
+
+/// Registers an instance without a lease.
+pub async fn register(
+    admin: &mut AdminClient<Channel>,
+    endpoint: &str,
+    id: &str,
+    url: &str,
+) -> anyhow::Result<pb::Instance> {
+    Ok(admin
+        .register_instance(pb::RegisterInstanceRequest {
+            endpoint_name: endpoint.into(),
+            variant_name: "AllTraffic".into(),
+            url: url.into(),
+            id: id.into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner())
+}
+
+/// Starts an in-process control plane.
+pub async fn control_plane(
+    config: switchyard_control::ControlConfig,
+) -> anyhow::Result<switchyard_control::ControlPlane> {
+    let settings = config.validate()?;
+    Ok(switchyard_control::ControlPlane::start(settings).await?)
+}
+
+/// A control plane on a fresh embedded store in `dir`.
+pub async fn embedded_control_plane(
+    dir: &Path,
+) -> anyhow::Result<switchyard_control::ControlPlane> {
+    control_plane(switchyard_control::ControlConfig::embedded(
+        loopback_any(),
+        dir.to_path_buf(),
+    ))
+    .await
+}
+
+/// Starts an in-process router following `control_planes`.
+pub async fn router(control_planes: &[String]) -> anyhow::Result<switchyard_router::RouterHandle> {
+    let settings = switchyard_router::RouterConfig::with_control_plane(
+        loopback_any(),
+        control_planes.to_vec(),
+    )
+    .validate()
+    .map_err(anyhow::Error::msg)?;
+    let router = switchyard_router::RouterHandle::start(settings).await?;
+    Ok(router)
+}

@@ -176,11 +176,20 @@ impl Store for EtcdStore {
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<bool, StoreError> {
-        let mut lease_client = self.client.lease_client();
-        let (mut keeper, mut responses) = deadline(lease_client.keep_alive(lease)).await?;
-        deadline(keeper.keep_alive()).await?;
-        let response = deadline(responses.message()).await?;
-        Ok(response.is_some_and(|response| response.ttl() > 0))
+        let renew = async {
+            let mut lease_client = self.client.lease_client();
+            let (mut keeper, mut responses) = deadline(lease_client.keep_alive(lease)).await?;
+            deadline(keeper.keep_alive()).await?;
+            let response = deadline(responses.message()).await?;
+            Ok(response.is_some_and(|response| response.ttl() > 0))
+        };
+        match renew.await {
+            // etcd answers a lapsed lease with an error rather than a zero TTL.
+            Err(StoreError::Unavailable(message)) if message.contains("lease not found") => {
+                Ok(false)
+            }
+            other => other,
+        }
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {

@@ -1,0 +1,876 @@
+//! Control plane against a real etcd (and the embedded store): admin round trips, validation,
+//! concurrency, the sync stream, leases, restarts, leader fail-over, auth, gRPC conventions.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use switchyard_control::store::contract;
+use switchyard_control::store::etcd::EtcdStore;
+use switchyard_control::{ControlConfig, ControlPlane};
+use switchyard_proto::v1 as pb;
+use switchyard_tests::*;
+use tonic::Code;
+
+async fn etcd_control_plane(etcd: &Etcd, prefix: &str) -> anyhow::Result<ControlPlane> {
+    control_plane(ControlConfig::etcd(
+        loopback_any(),
+        vec![etcd.url.clone()],
+        prefix,
+    ))
+    .await
+}
+
+#[tokio::test]
+async fn etcd_store_keeps_the_storage_contract() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), "/contract/").await?;
+    contract::create_if_absent_and_compare_revision(&store).await;
+    contract::watch_follows_listing(&store).await;
+    contract::lapsed_lease_deletes_its_keys(&store).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn admin_round_trips_on_etcd() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/rt/").await?;
+    let mut admin = admin(&cp.url()).await?;
+
+    let created = admin
+        .create_endpoint_config(config_request(
+            "cfg-a",
+            &variant_json("PREFIX_AWARE", Some((4096, 10))),
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(created.name, "cfg-a");
+    assert!(created.creation_time_ms > 0);
+    let described = admin
+        .describe_endpoint_config(pb::DescribeEndpointConfigRequest {
+            name: "cfg-a".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(described, created);
+    admin
+        .create_endpoint_config(config_request("cfg-b", &variant_json("RANDOM", None)))
+        .await?;
+    let listed = admin
+        .list_endpoint_configs(pb::ListEndpointConfigsRequest {})
+        .await?
+        .into_inner();
+    assert_eq!(listed.endpoint_configs.len(), 2);
+
+    let endpoint = admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: "chat".into(),
+            endpoint_config_name: "cfg-a".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(endpoint.status, pb::EndpointStatus::InService as i32);
+    let updated = admin
+        .update_endpoint(pb::UpdateEndpointRequest {
+            name: "chat".into(),
+            endpoint_config_name: "cfg-b".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(updated.endpoint_config_name, "cfg-b");
+    let described = admin
+        .describe_endpoint(pb::DescribeEndpointRequest {
+            name: "chat".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(described.endpoint_config_name, "cfg-b");
+
+    // A config in use cannot go; an unused one can.
+    let err = admin
+        .delete_endpoint_config(pb::DeleteEndpointConfigRequest {
+            name: "cfg-b".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("chat"), "{err}");
+    admin
+        .delete_endpoint_config(pb::DeleteEndpointConfigRequest {
+            name: "cfg-a".into(),
+        })
+        .await?;
+
+    register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
+    let instances = admin
+        .list_instances(pb::ListInstancesRequest {
+            endpoint_name: "chat".into(),
+        })
+        .await?
+        .into_inner()
+        .instances;
+    assert_eq!(instances.len(), 1);
+    admin
+        .deregister_instance(pb::DeregisterInstanceRequest {
+            endpoint_name: "chat".into(),
+            id: "i1".into(),
+        })
+        .await?;
+
+    admin
+        .delete_endpoint(pb::DeleteEndpointRequest {
+            name: "chat".into(),
+        })
+        .await?;
+    let err = admin
+        .describe_endpoint(pb::DescribeEndpointRequest {
+            name: "chat".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: "x".into(),
+            endpoint_config_name: "missing".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    assert!(err.message().contains("EndpointConfigName"), "{err}");
+    cp.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    let mut admin = admin(&cp.url()).await?;
+    let variant = |name: &str, routing: Option<pb::RoutingConfig>| pb::ProductionVariant {
+        variant_name: name.into(),
+        routing_config: routing,
+        ..Default::default()
+    };
+    let prefix = |strategy: pb::RoutingStrategy, params: Option<(u32, u32)>| {
+        Some(pb::RoutingConfig {
+            routing_strategy: strategy as i32,
+            prefix_aware_routing_config: params.map(|(prefix_length, concurrency_threshold)| {
+                pb::PrefixAwareRoutingConfig {
+                    prefix_length,
+                    concurrency_threshold,
+                }
+            }),
+        })
+    };
+    let config =
+        |name: &str, variants: Vec<pb::ProductionVariant>| pb::CreateEndpointConfigRequest {
+            endpoint_config: Some(pb::EndpointConfig {
+                name: name.into(),
+                production_variants: variants,
+                ..Default::default()
+            }),
+        };
+    let base = "ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig";
+    let cases: Vec<(pb::CreateEndpointConfigRequest, String)> = vec![
+        (
+            config("bad name", vec![variant("v", None)]),
+            "EndpointConfigName".into(),
+        ),
+        (
+            config(&"x".repeat(64), vec![variant("v", None)]),
+            "EndpointConfigName".into(),
+        ),
+        (config("c", vec![]), "ProductionVariants".into()),
+        (
+            config(
+                "c",
+                (0..11).map(|i| variant(&format!("v{i}"), None)).collect(),
+            ),
+            "ProductionVariants".into(),
+        ),
+        (
+            config("c", vec![variant("-v", None)]),
+            "ProductionVariants[0].VariantName".into(),
+        ),
+        (
+            config("c", vec![variant("v", None), variant("v", None)]),
+            "ProductionVariants[1].VariantName".into(),
+        ),
+        (
+            config(
+                "c",
+                vec![pb::ProductionVariant {
+                    initial_variant_weight: Some(-0.5),
+                    ..variant("v", None)
+                }],
+            ),
+            "ProductionVariants[0].InitialVariantWeight".into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    Some(pb::RoutingConfig {
+                        routing_strategy: 42,
+                        prefix_aware_routing_config: None,
+                    }),
+                )],
+            ),
+            "ProductionVariants[0].RoutingConfig.RoutingStrategy".into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant("v", prefix(pb::RoutingStrategy::PrefixAware, None))],
+            ),
+            base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::Random, Some((4096, 10))),
+                )],
+            ),
+            base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(
+                        pb::RoutingStrategy::LeastOutstandingRequests,
+                        Some((4096, 10)),
+                    ),
+                )],
+            ),
+            base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::PrefixAware, Some((1023, 10))),
+                )],
+            ),
+            format!("{base}.PrefixLength"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::PrefixAware, Some((65537, 10))),
+                )],
+            ),
+            format!("{base}.PrefixLength"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::PrefixAware, Some((4096, 0))),
+                )],
+            ),
+            format!("{base}.ConcurrencyThreshold"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::PrefixAware, Some((4096, 1025))),
+                )],
+            ),
+            format!("{base}.ConcurrencyThreshold"),
+        ),
+    ];
+    for (request, field) in cases {
+        let err = admin.create_endpoint_config(request).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
+        assert!(
+            err.message().starts_with(&format!("{field}:")),
+            "expected the message to name {field}, got {:?}",
+            err.message()
+        );
+    }
+    // Nothing invalid was stored.
+    let listed = admin
+        .list_endpoint_configs(pb::ListEndpointConfigsRequest {})
+        .await?
+        .into_inner();
+    assert!(listed.endpoint_configs.is_empty());
+
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    for (request, field) in [
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "not a url".into(),
+                ..Default::default()
+            },
+            "Url",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "Other".into(),
+                url: "http://127.0.0.1:1".into(),
+                ..Default::default()
+            },
+            "VariantName",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "nope".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                ..Default::default()
+            },
+            "EndpointName",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                weight: Some(0.0),
+                ..Default::default()
+            },
+            "Weight",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                ttl_seconds: 1,
+                ..Default::default()
+            },
+            "TtlSeconds",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                id: "a/b".into(),
+                ..Default::default()
+            },
+            "InstanceId",
+        ),
+    ] {
+        let err = admin.register_instance(request).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
+        assert!(
+            err.message().starts_with(&format!("{field}:")),
+            "{field}: {err}"
+        );
+    }
+    cp.shutdown().await?;
+    Ok(())
+}
+
+async fn concurrent_creates_one_wins(cp: &ControlPlane) -> anyhow::Result<()> {
+    for round in 0..5 {
+        let name = format!("race-{round}");
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let url = cp.url();
+            let name = name.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut admin = admin(&url).await.expect("admin client");
+                admin
+                    .create_endpoint_config(config_request(&name, &variant_json("RANDOM", None)))
+                    .await
+            }));
+        }
+        let mut won = 0;
+        for task in tasks {
+            match task.await? {
+                Ok(_) => won += 1,
+                Err(status) => assert_eq!(status.code(), Code::AlreadyExists, "{status}"),
+            }
+        }
+        assert_eq!(won, 1, "exactly one create of {name} wins");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    // Two replicas on one etcd race each other.
+    let first = etcd_control_plane(&etcd, "/race/").await?;
+    let second = etcd_control_plane(&etcd, "/race/").await?;
+    let mut tasks = Vec::new();
+    for replica in [first.url(), second.url()] {
+        for _ in 0..4 {
+            let url = replica.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut admin = admin(&url).await.expect("admin client");
+                admin
+                    .create_endpoint_config(config_request("shared", &variant_json("RANDOM", None)))
+                    .await
+            }));
+        }
+    }
+    let mut won = 0;
+    for task in tasks {
+        if task.await?.is_ok() {
+            won += 1;
+        }
+    }
+    assert_eq!(won, 1, "one create wins across replicas");
+    concurrent_creates_one_wins(&first).await?;
+
+    let dir = tempfile::tempdir()?;
+    let embedded = embedded_control_plane(dir.path()).await?;
+    concurrent_creates_one_wins(&embedded).await?;
+    Ok(())
+}
+
+/// A raw sync client, as a router would hold.
+async fn sync_client(
+    url: &str,
+    router_id: &str,
+) -> anyhow::Result<(
+    tokio::sync::mpsc::Sender<pb::RouterMessage>,
+    tonic::Streaming<pb::SyncMessage>,
+)> {
+    let mut client = pb::router_sync_client::RouterSyncClient::connect(url.to_owned()).await?;
+    let (sender, receiver) = tokio::sync::mpsc::channel(8);
+    sender
+        .send(pb::RouterMessage {
+            message: Some(pb::router_message::Message::Hello(pb::RouterHello {
+                router_id: router_id.into(),
+            })),
+        })
+        .await?;
+    let stream = client
+        .sync(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    Ok((sender, stream))
+}
+
+async fn next_change(
+    stream: &mut tonic::Streaming<pb::SyncMessage>,
+) -> anyhow::Result<pb::sync_message::Message> {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+        match message.message {
+            Some(pb::sync_message::Message::FleetLoad(_)) | None => continue,
+            Some(other) => return Ok(other),
+        }
+    }
+}
+
+#[tokio::test]
+async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/sync/").await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+
+    let (_sender, mut stream) = sync_client(&cp.url(), "r1").await?;
+    match next_change(&mut stream).await? {
+        pb::sync_message::Message::Snapshot(snapshot) => assert!(snapshot.instances.is_empty()),
+        other => panic!("expected a snapshot first, got {other:?}"),
+    }
+    // A config change (endpoint switched to a new config) arrives. (The creation of "chat"
+    // itself may arrive first if the snapshot was taken before the control plane saw it.)
+    admin
+        .create_endpoint_config(config_request(
+            "cfg-prefix",
+            &variant_json("PREFIX_AWARE", Some((2048, 5))),
+        ))
+        .await?;
+    admin
+        .update_endpoint(pb::UpdateEndpointRequest {
+            name: "chat".into(),
+            endpoint_config_name: "cfg-prefix".into(),
+        })
+        .await?;
+    loop {
+        if let pb::sync_message::Message::EndpointChanged(routed) = next_change(&mut stream).await?
+        {
+            let config = routed.config.unwrap();
+            if config.name != "cfg-prefix" {
+                continue;
+            }
+            let routing = config.production_variants[0].routing_config.unwrap();
+            assert_eq!(
+                routing.prefix_aware_routing_config.unwrap().prefix_length,
+                2048
+            );
+            break;
+        }
+    }
+    // An instance registration arrives.
+    register(&mut admin, "chat", "engine-1", "http://127.0.0.1:9").await?;
+    match next_change(&mut stream).await? {
+        pb::sync_message::Message::InstanceChanged(instance) => {
+            assert_eq!(instance.id, "engine-1");
+        }
+        other => panic!("expected InstanceChanged, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn fleet_load_is_the_sum_of_the_other_routers() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
+    let (b, _b_stream) = sync_client(&cp.url(), "router-b").await?;
+    let report = |count: u32| pb::RouterMessage {
+        message: Some(pb::router_message::Message::Load(pb::LoadReport {
+            loads: vec![pb::InstanceLoad {
+                endpoint_name: "chat".into(),
+                instance_id: "i1".into(),
+                in_flight: count,
+            }],
+        })),
+    };
+    a.send(report(3)).await?;
+    b.send(report(4)).await?;
+    // Router A hears about B's 4, never its own 3.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no fleet load for router A"
+        );
+        let message = tokio::time::timeout(Duration::from_secs(10), a_stream.next())
+            .await?
+            .unwrap()?;
+        if let Some(pb::sync_message::Message::FleetLoad(fleet)) = message.message
+            && let Some(load) = fleet.loads.first()
+        {
+            assert_eq!(load.in_flight, 4);
+            break;
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_instance_whose_heartbeats_stop_leaves_after_its_ttl() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/ttl/").await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    admin
+        .register_instance(pb::RegisterInstanceRequest {
+            endpoint_name: "chat".into(),
+            variant_name: "AllTraffic".into(),
+            url: "http://127.0.0.1:9".into(),
+            id: "leased".into(),
+            ttl_seconds: 2,
+            ..Default::default()
+        })
+        .await?;
+    // Heartbeats keep it past its TTL...
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let beat = admin
+            .heartbeat(pb::HeartbeatRequest {
+                endpoint_name: "chat".into(),
+                id: "leased".into(),
+            })
+            .await?
+            .into_inner();
+        assert_eq!(beat.ttl_seconds, 2);
+    }
+    let count = |admin: &pb::admin_client::AdminClient<tonic::transport::Channel>| {
+        let mut admin = admin.clone();
+        async move {
+            admin
+                .list_instances(pb::ListInstancesRequest::default())
+                .await
+                .map(|response| response.into_inner().instances.len())
+                .unwrap_or(usize::MAX)
+        }
+    };
+    assert_eq!(count(&admin).await, 1);
+    // ...and without them it goes.
+    eventually(Duration::from_secs(10), "the lease to lapse", || {
+        let pending = count(&admin);
+        async move { pending.await == 0 }
+    })
+    .await?;
+    let err = admin
+        .heartbeat(pb::HeartbeatRequest {
+            endpoint_name: "chat".into(),
+            id: "leased".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    Ok(())
+}
+
+async fn populate(
+    admin: &mut pb::admin_client::AdminClient<tonic::transport::Channel>,
+) -> anyhow::Result<()> {
+    create_endpoint(
+        admin,
+        "chat",
+        &variant_json("PREFIX_AWARE", Some((4096, 8))),
+    )
+    .await?;
+    register(admin, "chat", "persistent", "http://127.0.0.1:9").await?;
+    admin
+        .register_instance(pb::RegisterInstanceRequest {
+            endpoint_name: "chat".into(),
+            variant_name: "AllTraffic".into(),
+            url: "http://127.0.0.1:10".into(),
+            id: "leased".into(),
+            ttl_seconds: 30,
+            ..Default::default()
+        })
+        .await?;
+    Ok(())
+}
+
+async fn assert_populated(url: &str) -> anyhow::Result<()> {
+    let mut admin = admin(url).await?;
+    let config = admin
+        .describe_endpoint_config(pb::DescribeEndpointConfigRequest {
+            name: "chat-cfg".into(),
+        })
+        .await?
+        .into_inner();
+    let routing = config.production_variants[0].routing_config.unwrap();
+    assert_eq!(
+        routing
+            .prefix_aware_routing_config
+            .unwrap()
+            .concurrency_threshold,
+        8
+    );
+    admin
+        .describe_endpoint(pb::DescribeEndpointRequest {
+            name: "chat".into(),
+        })
+        .await?;
+    let mut ids: Vec<String> = admin
+        .list_instances(pb::ListInstancesRequest::default())
+        .await?
+        .into_inner()
+        .instances
+        .into_iter()
+        .map(|instance| instance.id)
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["leased", "persistent"]);
+    // The leased instance's lease still works after the restart.
+    admin
+        .heartbeat(pb::HeartbeatRequest {
+            endpoint_name: "chat".into(),
+            id: "leased".into(),
+        })
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restart_loses_nothing_on_either_store() -> anyhow::Result<()> {
+    // Embedded: stop, start again on the same directory.
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    populate(&mut admin(&cp.url()).await?).await?;
+    cp.shutdown().await?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    assert_populated(&cp.url()).await?;
+    cp.shutdown().await?;
+
+    // Embedded, crashed instead of stopped: acknowledged writes are on disk.
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    populate(&mut admin(&cp.url()).await?).await?;
+    cp.abort();
+    let cp = embedded_control_plane(dir.path()).await?;
+    assert_populated(&cp.url()).await?;
+    cp.shutdown().await?;
+
+    // etcd: a new control plane finds everything.
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/restart/").await?;
+    populate(&mut admin(&cp.url()).await?).await?;
+    cp.shutdown().await?;
+    let cp = etcd_control_plane(&etcd, "/restart/").await?;
+    assert_populated(&cp.url()).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn killing_the_leader_hands_probing_to_the_other_replica() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let first = etcd_control_plane(&etcd, "/leader/").await?;
+    first.wait_leader().await;
+    let second = etcd_control_plane(&etcd, "/leader/").await?;
+    assert!(first.is_leader());
+    assert!(!second.is_leader());
+
+    let mut admin = admin(&second.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    let engine = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig::default()).await?;
+    register(&mut admin, "chat", "engine", &engine.url).await?;
+    let health = |admin: &pb::admin_client::AdminClient<tonic::transport::Channel>| {
+        let mut admin = admin.clone();
+        async move {
+            admin
+                .list_instances(pb::ListInstancesRequest::default())
+                .await
+                .ok()
+                .and_then(|response| response.into_inner().instances.first().map(|i| i.health))
+                .unwrap_or(-1)
+        }
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the leader to mark the engine healthy",
+        || {
+            let probe = health(&admin);
+            async move { probe.await == pb::HealthStatus::Healthy as i32 }
+        },
+    )
+    .await?;
+
+    // The leader crashes (no hand-over); the other replica takes over within a few seconds.
+    first.abort();
+    eventually(
+        Duration::from_secs(10),
+        "the second replica to lead",
+        || async { second.is_leader() },
+    )
+    .await?;
+    // Probing runs on the new leader: the engine dies and is marked unhealthy.
+    engine.kill();
+    eventually(
+        Duration::from_secs(10),
+        "the new leader to mark the engine unhealthy",
+        || {
+            let probe = health(&admin);
+            async move { probe.await == pb::HealthStatus::Unhealthy as i32 }
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn admin_token_is_required_when_set() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "s3cret\n")?;
+    let mut config = ControlConfig::embedded(loopback_any(), dir.path().join("data"));
+    config.admin_token_file = Some(token_file);
+    let cp = control_plane(config).await?;
+    let channel = tonic::transport::Channel::from_shared(cp.url())?
+        .connect()
+        .await?;
+
+    let mut anonymous = pb::admin_client::AdminClient::new(channel.clone());
+    let err = anonymous
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    let token = |value: &'static str| {
+        move |mut request: tonic::Request<()>| {
+            request
+                .metadata_mut()
+                .insert("authorization", value.parse().unwrap());
+            Ok(request)
+        }
+    };
+    let mut wrong =
+        pb::admin_client::AdminClient::with_interceptor(channel.clone(), token("Bearer nope"));
+    let err = wrong
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    let mut right =
+        pb::admin_client::AdminClient::with_interceptor(channel, token("Bearer s3cret"));
+    right.list_endpoints(pb::ListEndpointsRequest {}).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn grpc_health_and_reflection_are_served() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    let channel = tonic::transport::Channel::from_shared(cp.url())?
+        .connect()
+        .await?;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "switchyard.v1.Admin".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        status.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
+    let request = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            ),
+        ),
+    };
+    let mut responses = reflection
+        .server_reflection_info(futures::stream::iter([request]))
+        .await?
+        .into_inner();
+    let response = responses.next().await.unwrap()?;
+    let names: Vec<String> = match response.message_response {
+        Some(tonic_reflection::pb::v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
+            list.service.into_iter().map(|service| service.name).collect()
+        }
+        other => panic!("unexpected reflection answer {other:?}"),
+    };
+    assert!(
+        names.contains(&"switchyard.v1.Admin".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"switchyard.v1.RouterSync".to_owned()),
+        "{names:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_etcd_store_reports_unavailable_when_etcd_dies() -> anyhow::Result<()> {
+    let mut etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/down/").await?;
+    let mut admin = admin(&cp.url()).await?;
+    admin.list_endpoints(pb::ListEndpointsRequest {}).await?;
+    etcd.kill();
+    let err = admin
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err}");
+    Ok(())
+}
