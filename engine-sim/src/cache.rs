@@ -17,6 +17,7 @@
 //! block i-1)`, with seed 0 for the first block (token ids as little-endian `u32`s). Equal block
 //! contents after different prefixes therefore hash differently. Only full blocks are hashed.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -136,17 +137,15 @@ impl PrefixCache {
     pub fn commit(&mut self, hash: u64) {
         debug_assert!(self.private > 0, "commit without a reserved block");
         self.private = self.private.saturating_sub(1);
-        if self.table.contains_key(&hash) {
-            self.pin(hash);
-        } else {
-            self.table.insert(
-                hash,
-                CachedBlock {
+        match self.table.entry(hash) {
+            Entry::Occupied(_) => self.pin(hash),
+            Entry::Vacant(vacant) => {
+                vacant.insert(CachedBlock {
                     holders: 1,
                     lru_tick: 0,
-                },
-            );
-            self.pinned += 1;
+                });
+                self.pinned += 1;
+            }
         }
     }
 

@@ -69,7 +69,11 @@ pub struct SimConfig {
 
     /// Added to a decoding step per 1,000 tokens of context of its decoding requests, in ms
     /// (reading their KV cache).
-    #[arg(long = "kv-read-ms-per-1k-tokens", default_value_t = 0.02, value_name = "MS")]
+    #[arg(
+        long = "kv-read-ms-per-1k-tokens",
+        default_value_t = 0.02,
+        value_name = "MS"
+    )]
     pub kv_read_ms_per_1k_tokens: f64,
 
     /// KV-transfer bandwidth for disaggregated prefill, in gigabytes per second.

@@ -101,11 +101,11 @@ struct Clock {
 }
 
 impl Clock {
-    fn virtual_now(&self) -> f64 {
+    fn virtual_now(self) -> f64 {
         self.origin.elapsed().as_secs_f64() / self.time_scale
     }
 
-    fn instant_at(&self, virtual_s: f64) -> Instant {
+    fn instant_at(self, virtual_s: f64) -> Instant {
         let wall = Duration::try_from_secs_f64((virtual_s * self.time_scale).max(0.0))
             .unwrap_or(Duration::MAX);
         self.origin.checked_add(wall).unwrap_or_else(|| {
@@ -114,7 +114,7 @@ impl Clock {
     }
 
     /// A wall-clock duration in model seconds.
-    fn to_model(&self, wall: Duration) -> f64 {
+    fn model_seconds(self, wall: Duration) -> f64 {
         wall.as_secs_f64() / self.time_scale
     }
 }
@@ -157,11 +157,13 @@ impl EngineDriver {
             }
             self.reap_disconnected();
             let wall_v = self.clock.virtual_now();
-            if !busy || wall_v - now_v > self.clock.to_model(MAX_LAG) {
+            if !busy || wall_v - now_v > self.clock.model_seconds(MAX_LAG) {
                 now_v = now_v.max(wall_v);
             }
             match self.scheduler.step(now_v) {
                 Step::Ran(report) => {
+                    // Admissions count as running while the step executes.
+                    self.publish();
                     now_v = report.end_s();
                     let deadline = self.clock.instant_at(now_v);
                     if deadline > Instant::now() {
@@ -276,11 +278,11 @@ impl EngineDriver {
                 None => self
                     .metrics
                     .time_to_first_token
-                    .observe(self.clock.to_model(now - request.arrival)),
+                    .observe(self.clock.model_seconds(now - request.arrival)),
                 Some(last) => self
                     .metrics
                     .inter_token_latency
-                    .observe(self.clock.to_model(now - last)),
+                    .observe(self.clock.model_seconds(now - last)),
             }
             request.last_token = Some(now);
             if request.events.send(EngineEvent::Token).is_err() {
@@ -293,7 +295,7 @@ impl EngineDriver {
             };
             self.metrics
                 .e2e_request_latency
-                .observe(self.clock.to_model(now - request.arrival));
+                .observe(self.clock.model_seconds(now - request.arrival));
             Metrics::increment(&self.metrics.requests_completed);
             let _ = request.events.send(EngineEvent::Finished(finished));
         }

@@ -1,7 +1,7 @@
 //! The engine model: a continuous-batching scheduler with chunked prefill, like vLLM V1's,
 //! and the time model that prices each step. Pure code over a virtual clock (model seconds):
 //! no tokio, no wall clock, so the timing math is unit-tested without sleeping. The async
-//! driver in [`crate::driver`] runs it in real time.
+//! driver (`driver.rs`) runs it in real time.
 //!
 //! One step:
 //! 1. requests whose KV transfer has landed become runnable;
@@ -59,8 +59,7 @@ impl TimeModel {
         decode_seqs: usize,
         decode_context_tokens: u64,
     ) -> f64 {
-        let mut seconds =
-            self.step_overhead_s + prefill_tokens as f64 / self.prefill_tokens_per_s;
+        let mut seconds = self.step_overhead_s + prefill_tokens as f64 / self.prefill_tokens_per_s;
         if decode_seqs > 0 {
             seconds +=
                 self.decode_s_per_step + self.kv_read_s_per_token * decode_context_tokens as f64;
@@ -177,8 +176,6 @@ pub struct SeqSpec {
 pub enum Rejected {
     #[error("the request needs {needed} KV-cache blocks but the engine has only {capacity}")]
     TooLarge { needed: usize, capacity: usize },
-    #[error("request id {0} is already in use")]
-    DuplicateId(SeqId),
 }
 
 /// A request that finished at the end of a step.
@@ -230,6 +227,8 @@ pub struct Counters {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub transferred_tokens: u64,
+    /// Prompt tokens actually prefilled (neither cached nor transferred).
+    pub prefill_tokens_computed: u64,
 }
 
 #[derive(Debug)]
@@ -347,11 +346,10 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
-    /// Queues a request. Refused only if it could never fit in the KV cache.
+    /// Queues a request under `id`, which must be unique among queued and running requests.
+    /// Refused only if it could never fit in the KV cache.
     pub fn add(&mut self, id: SeqId, mut spec: SeqSpec) -> Result<(), Rejected> {
-        if self.contains(id) {
-            return Err(Rejected::DuplicateId(id));
-        }
+        debug_assert!(!self.contains(id), "request id {id} is already in use");
         spec.prompt_len = spec.prompt_len.max(1);
         spec.max_tokens = spec.max_tokens.max(1);
         spec.remote_prompt_tokens = spec.remote_prompt_tokens.min(spec.prompt_len - 1);
@@ -454,6 +452,7 @@ impl Scheduler {
             }
         }
         self.counters.generation_tokens += tokens.len() as u64;
+        self.counters.prefill_tokens_computed += batch.prefill_tokens();
 
         let mut finished = Vec::new();
         let cache = &mut self.cache;
@@ -496,7 +495,8 @@ impl Scheduler {
         };
         let prompt_len = seq.spec.prompt_len;
         // At least the last prompt token is computed, so at most prompt − 1 come from cache.
-        let max_hit_blocks = ((prompt_len - 1) as usize / block_size).min(seq.spec.block_hashes.len());
+        let max_hit_blocks =
+            ((prompt_len - 1) as usize / block_size).min(seq.spec.block_hashes.len());
         let hit_blocks = self
             .cache
             .longest_prefix(&seq.spec.block_hashes[..max_hit_blocks]);
@@ -530,7 +530,10 @@ impl Scheduler {
     fn land_transfers(&mut self, now_s: f64) {
         let block_size = self.limits.block_size;
         for seq in &mut self.running {
-            if seq.transfer_lands_at.is_some_and(|lands_at| lands_at <= now_s) {
+            if seq
+                .transfer_lands_at
+                .is_some_and(|lands_at| lands_at <= now_s)
+            {
                 seq.transfer_lands_at = None;
                 seq.computed += seq.transferred_tokens;
                 seq.commit_computed_blocks(&mut self.cache, block_size);
@@ -603,8 +606,14 @@ mod tests {
         let model = model();
         assert!(close(model.step_duration(0, 0, 0), 0.004));
         assert!(close(model.step_duration(25_000, 0, 0), 1.004));
-        assert!(close(model.step_duration(0, 3, 100_000), 0.004 + 0.010 + 0.002));
-        assert!(close(model.step_duration(8_000, 1, 1_000), 0.004 + 0.32 + 0.010 + 0.00002));
+        assert!(close(
+            model.step_duration(0, 3, 100_000),
+            0.004 + 0.010 + 0.002
+        ));
+        assert!(close(
+            model.step_duration(8_000, 1, 1_000),
+            0.004 + 0.32 + 0.010 + 0.00002
+        ));
         // 50 GB/s and 327,680 bytes per token: 8,000 tokens take 52.4 ms.
         assert!(close(model.transfer_duration(8_000), 0.052_428_8));
     }
@@ -619,7 +628,10 @@ mod tests {
         assert_eq!(batch.add_prefill(5), 0);
         assert!(!batch.add_decode(1));
         assert_eq!(batch.prefill_tokens(), 8);
-        assert!(close(batch.duration(&model()), model().step_duration(8, 2, 150)));
+        assert!(close(
+            batch.duration(&model()),
+            model().step_duration(8, 2, 150)
+        ));
     }
 
     #[test]
@@ -822,6 +834,7 @@ mod tests {
         assert_eq!(finished.transferred_tokens, 7_999);
         assert_eq!(finished.cached_tokens, 0);
         assert_eq!(scheduler.counters().transferred_tokens, 7_999);
+        assert_eq!(scheduler.counters().prefill_tokens_computed, 1);
         // The pulled blocks are now in this engine's cache.
         assert_eq!(scheduler.cache().cached_blocks(), 500);
         // Far faster than prefilling 8,000 tokens (0.324 s).

@@ -1,1 +1,52 @@
-//! placeholder
+//! `switchyard-engine-sim`: a simulated vLLM instance (Llama-3.1-70B-class on 8×H100) that
+//! speaks vLLM's real HTTP protocol, so that pointing Switchyard at a real vLLM is only a
+//! configuration change. Used by integration tests, by `switchyard up` (several simulators in
+//! one process through [`spawn`]) and by the benchmarks.
+//!
+//! What it models (see the crate README for the numbers and where they come from):
+//! - a **prefix cache** like vLLM's: 16-token blocks with chained hashes, LRU eviction,
+//!   blocks of running requests pinned ([`cache`]);
+//! - a **continuous-batching engine** with chunked prefill whose step time depends on the
+//!   prefill tokens and the decodes in the step, so TTFT, ITL and prefill/decode interference
+//!   come out of the model ([`engine`]), run in real time scaled by `--time-scale`;
+//! - **NixlConnector disaggregation**: `kv_transfer_params` on prefill and decode requests;
+//! - **faults**: errors, hangs, connections dying mid-stream, a killed instance.
+//!
+//! Code map: [`tokenizer`] (the token-count approximation and chat template), [`cache`],
+//! [`engine`] (pure scheduler and time model), `driver` (the engine task and virtual clock),
+//! `api` and `openai` (HTTP handlers and wire format), `metrics`, `server` (accept loop,
+//! shutdown, [`SimHandle`]).
+
+pub mod cache;
+mod config;
+mod driver;
+pub mod engine;
+mod faults;
+mod metrics;
+mod nixl;
+mod openai;
+mod records;
+mod server;
+pub mod tokenizer;
+
+mod api;
+
+pub use config::SimConfig;
+pub use faults::Faults;
+pub use metrics::SimStats;
+pub use records::ReceivedRequest;
+pub use server::{SimHandle, SimServer, spawn};
+pub use switchyard_shared::InstanceRole;
+pub use tokenizer::{chat_prompt_text, count_tokens, tokenize};
+
+/// Why a simulator could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A bad configuration value; the message names the flag.
+    #[error("{0}")]
+    Config(String),
+    #[error("socket error: {0}")]
+    Io(#[source] std::io::Error),
+    #[error("the engine task panicked")]
+    EnginePanicked,
+}

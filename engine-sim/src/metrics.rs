@@ -18,13 +18,13 @@ const TTFT_BUCKETS: &[f64] = &[
 ];
 /// vLLM's `inter_token_latency_seconds` buckets.
 const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
 ];
 /// vLLM's request latency buckets.
 const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 /// A snapshot of one simulated engine's counters (tokens unless named otherwise).
@@ -58,6 +58,8 @@ pub struct SimStats {
     pub generation_tokens: u64,
     /// Prompt tokens whose KV was pulled from a remote prefill engine.
     pub kv_transfer_tokens: u64,
+    /// Prompt tokens actually prefilled here (neither cached nor transferred).
+    pub prefill_tokens_computed: u64,
     /// Prefill-only requests answered with `kv_transfer_params` for a remote decoder.
     pub kv_handoffs: u64,
 }
@@ -92,6 +94,7 @@ pub(crate) struct Metrics {
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     kv_transfer_tokens: AtomicU64,
+    prefill_tokens_computed: AtomicU64,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub e2e_request_latency: Histogram,
@@ -126,6 +129,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             kv_transfer_tokens: AtomicU64::new(0),
+            prefill_tokens_computed: AtomicU64::new(0),
             time_to_first_token: Histogram::new(TTFT_BUCKETS),
             inter_token_latency: Histogram::new(ITL_BUCKETS),
             e2e_request_latency: Histogram::new(E2E_BUCKETS),
@@ -154,6 +158,10 @@ impl Metrics {
         store(&self.prompt_tokens, counters.prompt_tokens);
         store(&self.generation_tokens, counters.generation_tokens);
         store(&self.kv_transfer_tokens, counters.transferred_tokens);
+        store(
+            &self.prefill_tokens_computed,
+            counters.prefill_tokens_computed,
+        );
     }
 
     pub(crate) fn stats(&self) -> SimStats {
@@ -173,6 +181,7 @@ impl Metrics {
             prompt_tokens: load(&self.prompt_tokens),
             generation_tokens: load(&self.generation_tokens),
             kv_transfer_tokens: load(&self.kv_transfer_tokens),
+            prefill_tokens_computed: load(&self.prefill_tokens_computed),
             kv_handoffs: load(&self.kv_handoffs),
         }
     }
@@ -229,7 +238,11 @@ impl Metrics {
                 .sample(name, &labels, value as f64);
         }
         let success = "vllm:request_success_total";
-        out.family(success, "counter", "Count of successfully processed requests.");
+        out.family(
+            success,
+            "counter",
+            "Count of successfully processed requests.",
+        );
         for (reason, value) in [
             ("stop", 0),
             ("length", stats.requests_completed),

@@ -175,10 +175,10 @@ fn completion_array_tokens(items: &[Value]) -> Result<Vec<u32>, ApiError> {
         }
     }
     if !text.is_empty() && !ids.is_empty() {
-        return Err(ApiError::bad_request(
-            "prompt must not mix strings and token ids".to_owned(),
-        )
-        .param("prompt"));
+        return Err(
+            ApiError::bad_request("prompt must not mix strings and token ids".to_owned())
+                .param("prompt"),
+        );
     }
     if ids.is_empty() {
         Ok(tokenize(&text))
@@ -440,8 +440,7 @@ mod tests {
         assert_eq!(chat.kind, ApiKind::Chat);
         assert_eq!(chat.prompt.unwrap().tokens.len(), 5 + 3 + 6);
 
-        let completion =
-            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16).unwrap();
+        let completion = parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16).unwrap();
         assert_eq!(completion.kind, ApiKind::Completion);
         assert_eq!(completion.prompt.unwrap().tokens.len(), 3);
 

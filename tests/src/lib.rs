@@ -308,3 +308,157 @@ pub async fn router(control_planes: &[String]) -> anyhow::Result<switchyard_rout
     let router = switchyard_router::RouterHandle::start(settings).await?;
     Ok(router)
 }
+
+/// A whole cluster on loopback: etcd, a control plane on it, simulated engines registered as
+/// instances `engine-0..N` of endpoint `chat` (variant `AllTraffic`, ModelName `sim`), and
+/// routers following the control plane.
+pub struct Cluster {
+    pub etcd: Etcd,
+    pub control_plane: Option<switchyard_control::ControlPlane>,
+    pub engines: Vec<switchyard_engine_sim::SimHandle>,
+    pub routers: Vec<switchyard_router::RouterHandle>,
+}
+
+impl Cluster {
+    pub async fn start(
+        engines: usize,
+        routers: usize,
+        variants_json: &str,
+        sim: switchyard_engine_sim::SimConfig,
+    ) -> anyhow::Result<Self> {
+        let etcd = Etcd::start().await?;
+        let control_plane = control_plane(switchyard_control::ControlConfig::etcd(
+            loopback_any(),
+            vec![etcd.url.clone()],
+            "/switchyard/v1/",
+        ))
+        .await?;
+        let mut admin = admin(&control_plane.url()).await?;
+        create_endpoint(&mut admin, "chat", variants_json).await?;
+        let mut handles = Vec::new();
+        for index in 0..engines {
+            let engine = switchyard_engine_sim::spawn(sim.clone()).await?;
+            register(&mut admin, "chat", &format!("engine-{index}"), &engine.url).await?;
+            handles.push(engine);
+        }
+        let mut started = Vec::new();
+        for _ in 0..routers {
+            started.push(router(&[control_plane.url()]).await?);
+        }
+        let cluster = Self {
+            etcd,
+            control_plane: Some(control_plane),
+            engines: handles,
+            routers: started,
+        };
+        cluster.wait_for_instances(engines).await?;
+        Ok(cluster)
+    }
+
+    pub fn control_plane_url(&self) -> String {
+        self.control_plane
+            .as_ref()
+            .map(|control_plane| control_plane.url())
+            .unwrap_or_default()
+    }
+
+    /// Waits until every router routes to `count` instances of `chat`.
+    pub async fn wait_for_instances(&self, count: usize) -> anyhow::Result<()> {
+        for router in &self.routers {
+            eventually(
+                Duration::from_secs(15),
+                "routers to see every instance",
+                || async {
+                    router.table().endpoints.get("chat").map(|endpoint| {
+                        endpoint
+                            .variants
+                            .iter()
+                            .map(|v| v.instances.len())
+                            .sum::<usize>()
+                    }) == Some(count)
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until no router has a request in flight.
+    pub async fn wait_idle(&self) -> anyhow::Result<()> {
+        for router in &self.routers {
+            eventually(
+                Duration::from_secs(10),
+                "in-flight counts to return to 0",
+                || async { router.in_flight() == 0 },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Index of the engine with instance id `engine-N`.
+    pub fn engine_index(id: &str) -> usize {
+        id.trim_start_matches("engine-")
+            .parse()
+            .unwrap_or(usize::MAX)
+    }
+}
+
+/// An OpenAI chat body with one user message.
+pub fn chat_body(text: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "chat",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// A prompt of about `chars` characters that starts with `seed`'s own text, so different
+/// seeds differ within the first characters.
+pub fn prompt(seed: &str, chars: usize) -> String {
+    let mut text = format!("{seed}: ");
+    let words = [
+        "alpha", "bravo", "delta", "echo", "kilo", "lima", "oscar", "tango",
+    ];
+    let mut index = seed.len();
+    while text.len() < chars {
+        text.push_str(words[index % words.len()]);
+        text.push(' ');
+        index += 1;
+    }
+    text
+}
+
+/// POST and read the response frame by frame, noting when each arrived.
+pub async fn http_post_frames(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<(u16, http::HeaderMap, Vec<(Instant, Bytes)>)> {
+    let mut response = post_streaming(url, headers, body).await?;
+    let status = response.status().as_u16();
+    let response_headers = response.headers().clone();
+    let mut frames = Vec::new();
+    while let Some(frame) = response.body_mut().frame().await {
+        if let Ok(data) = frame?.into_data() {
+            frames.push((Instant::now(), data));
+        }
+    }
+    Ok((status, response_headers, frames))
+}
+
+/// POST and return the response with its body unread (to read it slowly, or drop it early).
+pub async fn post_streaming(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<http::Response<hyper::body::Incoming>> {
+    let mut request = http::Request::post(url).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body.into()))?;
+    Ok(http_client().request(request).await?)
+}

@@ -1,0 +1,563 @@
+//! The HTTP API: vLLM's OpenAI-compatible routes, the SageMaker container contract
+//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use serde_json::{Value, json};
+use switchyard_shared::InstanceRole;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::SimConfig;
+use crate::driver::EngineEvent;
+use crate::engine::{FinishedSeq, SeqSpec};
+use crate::faults::{Fault, Faults};
+use crate::metrics::Metrics;
+use crate::nixl::prefill_response_params;
+use crate::openai::{
+    ApiError, ApiKind, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, Usage, output_text,
+    output_token_text, parse_request,
+};
+use crate::records::ReceivedRequest;
+use crate::server::Shared;
+
+/// Bodies up to this size are parsed and tokenized on the async thread; larger ones on a
+/// blocking thread (tokenizing 64 KiB takes a few hundred microseconds).
+const PARSE_INLINE_LIMIT: usize = 64 * 1024;
+/// vLLM has no small body limit; the router's is 6 MiB.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// A die-mid-stream fault cuts the connection after this many streamed tokens.
+const CUT_AFTER_TOKENS: u32 = 2;
+
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/invocations", post(invocations))
+        .route("/v1/models", get(models))
+        .route("/health", get(ok))
+        .route("/ping", get(ok))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/sim/requests", get(sim_requests))
+        .route("/sim/faults", get(sim_faults).post(set_sim_faults))
+        .route("/sim/stats", get(sim_stats))
+        .route("/sim/handoffs", get(sim_handoffs))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+/// The inference routes.
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    ChatCompletions,
+    Completions,
+    Invocations,
+}
+
+impl Route {
+    fn path(self) -> &'static str {
+        match self {
+            Route::ChatCompletions => "/v1/chat/completions",
+            Route::Completions => "/v1/completions",
+            Route::Invocations => "/invocations",
+        }
+    }
+
+    /// None: decided by the body (`messages` means chat), the SageMaker rule.
+    fn kind(self) -> Option<ApiKind> {
+        match self {
+            Route::ChatCompletions => Some(ApiKind::Chat),
+            Route::Completions => Some(ApiKind::Completion),
+            Route::Invocations => None,
+        }
+    }
+}
+
+async fn chat_completions(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    infer(shared, Route::ChatCompletions, headers, body).await
+}
+
+async fn completions(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    infer(shared, Route::Completions, headers, body).await
+}
+
+async fn invocations(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    infer(shared, Route::Invocations, headers, body).await
+}
+
+/// Serves one inference request: record it, validate it, inject faults, run it on the engine.
+async fn infer(shared: Arc<Shared>, route: Route, headers: HeaderMap, body: Bytes) -> Response {
+    let arrival = Instant::now();
+    Metrics::increment(&shared.metrics.requests_received);
+    let body_bytes = body.len();
+    let parsed = parse_off_thread(&shared, body, route.kind()).await;
+
+    let mut record = ReceivedRequest {
+        path: route.path().to_owned(),
+        headers: ReceivedRequest::select_headers(&headers),
+        body_bytes,
+        ..ReceivedRequest::default()
+    };
+    if let Ok(parsed) = &parsed {
+        let kv = parsed.body.kv_transfer();
+        record.model = parsed.body.model.clone();
+        record.stream = parsed.body.stream();
+        record.kv_transfer_params = parsed.body.kv_transfer_params.is_some();
+        record.do_remote_decode = kv.do_remote_decode;
+        record.do_remote_prefill = kv.do_remote_prefill;
+    }
+    shared.records.record(record);
+
+    let request_id = request_id(&headers);
+    let response = match parsed {
+        Ok(parsed) => run_request(&shared, parsed, &request_id, arrival)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Err(error) => error.into_response(),
+    };
+    with_request_id(response, &request_id)
+}
+
+async fn parse_off_thread(
+    shared: &Shared,
+    body: Bytes,
+    kind: Option<ApiKind>,
+) -> Result<ParsedRequest, ApiError> {
+    let block_size = shared.config.block_size;
+    if body.len() <= PARSE_INLINE_LIMIT {
+        return parse_request(&body, kind, block_size);
+    }
+    tokio::task::spawn_blocking(move || parse_request(&body, kind, block_size))
+        .await
+        .unwrap_or_else(|err| Err(ApiError::internal(format!("tokenizer task failed: {err}"))))
+}
+
+/// The client's `X-Request-Id` (vLLM uses it as the request id), else a random one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|value| value.to_str().ok())
+        .filter(|id| !id.is_empty())
+        .map_or_else(|| format!("{:032x}", fastrand::u128(..)), str::to_owned)
+}
+
+fn with_request_id(mut response: Response, request_id: &str) -> Response {
+    if let Ok(value) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// Validates a parsed request, applies fault injection, and runs it on the engine.
+async fn run_request(
+    shared: &Shared,
+    parsed: ParsedRequest,
+    request_id: &str,
+    arrival: Instant,
+) -> Result<Response, ApiError> {
+    let config = &shared.config;
+    let ParsedRequest { body, kind, prompt } = parsed;
+    if let Some(model) = &body.model
+        && *model != config.served_model_name
+    {
+        return Err(ApiError::model_not_found(model));
+    }
+    let prompt = prompt?;
+    let kv = body.kv_transfer();
+    let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
+    let max_tokens = output_budget(config, &body, &kv, prompt_len)?;
+    check_fits(config, prompt_len, max_tokens)?;
+    let streaming = body.stream() && !kv.do_remote_decode;
+    let cut_after = match draw_fault(shared, request_id, streaming, max_tokens).await {
+        Ok(cut_after) => cut_after,
+        Err(response) => return Ok(response),
+    };
+
+    if config.role == InstanceRole::Prefill && !kv.do_remote_decode {
+        tracing::debug!(request_id, "prefill instance serving a whole request");
+    }
+    if config.role == InstanceRole::Decode && !kv.do_remote_prefill {
+        tracing::debug!(request_id, "decode instance prefilling a request itself");
+    }
+    let spec = SeqSpec {
+        prompt_len,
+        block_hashes: prompt.block_hashes,
+        max_tokens,
+        remote_prompt_tokens: remote_prompt_tokens(config, &kv, prompt_len),
+    };
+    let events = shared
+        .engine
+        .submit(spec, arrival)
+        .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
+    let meta = ResponseMeta {
+        id: match kind {
+            ApiKind::Chat => format!("chatcmpl-{request_id}"),
+            ApiKind::Completion => format!("cmpl-{request_id}"),
+        },
+        created: unix_seconds(),
+        model: config.served_model_name.clone(),
+        kind,
+    };
+    if kv.do_remote_decode {
+        return prefill_only_response(shared, &meta, events, request_id, prompt_len).await;
+    }
+    if streaming {
+        let stream = SseStream {
+            meta,
+            prompt_len,
+            max_tokens,
+            include_usage: body.include_usage(),
+            cut_after,
+        };
+        return Ok(stream.into_response(events));
+    }
+    whole_response(&meta, events, prompt_len).await
+}
+
+/// Output tokens to generate: 1 for a disaggregated prefill, else what the request asks,
+/// else `--default-max-tokens` (within the context).
+fn output_budget(
+    config: &SimConfig,
+    body: &InferenceBody,
+    kv: &KvTransfer,
+    prompt_len: u32,
+) -> Result<u32, ApiError> {
+    if kv.do_remote_decode {
+        return Ok(1);
+    }
+    Ok(match body.requested_max_tokens()? {
+        Some(max_tokens) => max_tokens,
+        None => config
+            .default_max_tokens
+            .min(config.max_model_len.saturating_sub(prompt_len))
+            .max(1),
+    })
+}
+
+/// Leading prompt tokens a disaggregated decode request pulls from its prefill engine: those
+/// covered by `remote_block_ids` (all of them if the ids are missing).
+fn remote_prompt_tokens(config: &SimConfig, kv: &KvTransfer, prompt_len: u32) -> u32 {
+    if !kv.do_remote_prefill {
+        return 0;
+    }
+    kv.remote_blocks
+        .map_or(prompt_len, |blocks| {
+            u32::try_from(blocks.saturating_mul(config.block_size)).unwrap_or(u32::MAX)
+        })
+        .min(prompt_len)
+}
+
+/// Draws this request's fault. `Ok(cut_after)` to serve it (a stream to be cut after that
+/// many tokens, if any); `Err(response)` to answer now. A hang never returns.
+async fn draw_fault(
+    shared: &Shared,
+    request_id: &str,
+    streaming: bool,
+    max_tokens: u32,
+) -> Result<Option<u32>, Response> {
+    match shared.faults.draw() {
+        Fault::None => Ok(None),
+        Fault::Fail => {
+            Metrics::increment(&shared.metrics.requests_failed);
+            Err(
+                ApiError::internal("simulated engine failure (fault injection)".to_owned())
+                    .into_response(),
+            )
+        }
+        Fault::Hang => {
+            Metrics::increment(&shared.metrics.requests_hung);
+            tracing::debug!(request_id, "fault injection: never answering");
+            std::future::pending().await
+        }
+        Fault::DieMidStream => {
+            Metrics::increment(&shared.metrics.responses_cut);
+            if streaming {
+                Ok(Some(CUT_AFTER_TOKENS.min(max_tokens - 1)))
+            } else {
+                Err(cut_response())
+            }
+        }
+    }
+}
+
+/// Refuses requests longer than the context or the whole KV cache, like vLLM.
+fn check_fits(config: &SimConfig, prompt_len: u32, max_tokens: u32) -> Result<(), ApiError> {
+    let total = u64::from(prompt_len) + u64::from(max_tokens);
+    if total > u64::from(config.max_model_len) {
+        return Err(ApiError::bad_request(format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} \
+             tokens ({prompt_len} in the messages, {max_tokens} in the completion). Please \
+             reduce the length of the messages or completion.",
+            config.max_model_len
+        )));
+    }
+    let blocks = total.div_ceil(config.block_size as u64);
+    if blocks > config.kv_cache_blocks as u64 {
+        return Err(ApiError::bad_request(format!(
+            "The request needs {blocks} KV-cache blocks but the engine has only {} \
+             (--kv-cache-blocks).",
+            config.kv_cache_blocks
+        )));
+    }
+    Ok(())
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+fn usage(prompt_len: u32, finished: &FinishedSeq) -> Usage {
+    Usage {
+        prompt_tokens: prompt_len,
+        completion_tokens: finished.completion_tokens,
+        // vLLM counts KV pulled from a remote prefill engine as cached.
+        cached_tokens: finished.cached_tokens + finished.transferred_tokens,
+    }
+}
+
+/// Waits for the engine to finish the request.
+async fn wait_finished(
+    events: &mut UnboundedReceiver<EngineEvent>,
+) -> Result<FinishedSeq, ApiError> {
+    while let Some(event) = events.recv().await {
+        match event {
+            EngineEvent::Token => {}
+            EngineEvent::Finished(finished) => return Ok(finished),
+            EngineEvent::Rejected(rejected) => {
+                return Err(ApiError::internal(rejected.to_string()));
+            }
+        }
+    }
+    Err(ApiError::unavailable(
+        "the engine stopped before the request finished".to_owned(),
+    ))
+}
+
+async fn whole_response(
+    meta: &ResponseMeta,
+    mut events: UnboundedReceiver<EngineEvent>,
+    prompt_len: u32,
+) -> Result<Response, ApiError> {
+    let finished = wait_finished(&mut events).await?;
+    let text = output_text(finished.completion_tokens);
+    let body = meta.response(text, "length", usage(prompt_len, &finished), None);
+    Ok(Json(body).into_response())
+}
+
+/// A NixlConnector prefill (`do_remote_decode`): one token, plus the `kv_transfer_params` a
+/// decoder needs to pull the KV cache.
+async fn prefill_only_response(
+    shared: &Shared,
+    meta: &ResponseMeta,
+    mut events: UnboundedReceiver<EngineEvent>,
+    request_id: &str,
+    prompt_len: u32,
+) -> Result<Response, ApiError> {
+    let finished = wait_finished(&mut events).await?;
+    let block_ids = shared
+        .handoffs
+        .record(request_id, prompt_len, shared.config.block_size);
+    Metrics::increment(&shared.metrics.kv_handoffs);
+    let params = prefill_response_params(
+        &shared.engine_id,
+        request_id,
+        &block_ids,
+        shared.local_addr.get().copied(),
+    );
+    let text = output_text(finished.completion_tokens);
+    let body = meta.response(text, "length", usage(prompt_len, &finished), Some(params));
+    Ok(Json(body).into_response())
+}
+
+/// A response whose body fails at once: the connection is closed before a complete answer.
+fn cut_response() -> Response {
+    let failure = futures::stream::iter([Err::<Bytes, std::io::Error>(std::io::Error::other(
+        "simulated crash (fault injection)",
+    ))]);
+    Response::new(Body::from_stream(failure))
+}
+
+/// A streamed (SSE) answer: one `data:` chunk per token, then usage if asked, then `[DONE]`.
+struct SseStream {
+    meta: ResponseMeta,
+    prompt_len: u32,
+    max_tokens: u32,
+    include_usage: bool,
+    /// Fault injection: close the connection after this many tokens.
+    cut_after: Option<u32>,
+}
+
+impl SseStream {
+    fn into_response(self, mut events: UnboundedReceiver<EngineEvent>) -> Response {
+        let stream = async_stream::stream! {
+            let mut sent = 0u32;
+            loop {
+                let Some(event) = events.recv().await else {
+                    let error = ApiError::unavailable(
+                        "the engine stopped before the request finished".to_owned(),
+                    );
+                    yield Ok(sse_data(&error.to_json()));
+                    yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                    break;
+                };
+                match event {
+                    EngineEvent::Token => {
+                        if self.cut_after == Some(sent) {
+                            yield Err(std::io::Error::other("simulated crash (fault injection)"));
+                            break;
+                        }
+                        if sent == 0 && self.meta.kind == ApiKind::Chat {
+                            yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
+                        }
+                        let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
+                        let chunk = self.meta.token_chunk(
+                            output_token_text(sent),
+                            finish_reason,
+                            self.include_usage,
+                        );
+                        yield Ok(sse_data(&chunk));
+                        sent += 1;
+                    }
+                    EngineEvent::Finished(finished) => {
+                        if self.include_usage {
+                            let usage = usage(self.prompt_len, &finished);
+                            yield Ok(sse_data(&self.meta.usage_chunk(usage)));
+                        }
+                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                        break;
+                    }
+                    EngineEvent::Rejected(rejected) => {
+                        yield Ok(sse_data(&ApiError::internal(rejected.to_string()).to_json()));
+                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                        break;
+                    }
+                }
+            }
+        };
+        (
+            [(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream; charset=utf-8"),
+            )],
+            Body::from_stream(stream),
+        )
+            .into_response()
+    }
+}
+
+fn sse_data(value: &Value) -> Bytes {
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(b"data: ");
+    // Serializing a serde_json::Value cannot fail.
+    let _ = serde_json::to_writer(&mut line, value);
+    line.extend_from_slice(b"\n\n");
+    Bytes::from(line)
+}
+
+async fn ok() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
+    let name = &shared.config.served_model_name;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": unix_seconds(),
+            "owned_by": "vllm",
+            "root": name,
+            "parent": null,
+            "max_model_len": shared.config.max_model_len,
+            "permission": [],
+        }],
+    }))
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let text = shared.metrics.render(&shared.config.served_model_name);
+    (
+        [(CONTENT_TYPE, switchyard_shared::metrics::CONTENT_TYPE)],
+        text,
+    )
+        .into_response()
+}
+
+/// vLLM's `/tokenize`: `{"prompt": ...}` or `{"messages": [...]}` → the token count and ids.
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let parsed = match parse_off_thread(&shared, body, None).await {
+        Ok(parsed) => parsed,
+        Err(error) => return error.into_response(),
+    };
+    if let Some(model) = &parsed.body.model
+        && *model != shared.config.served_model_name
+    {
+        return ApiError::model_not_found(model).into_response();
+    }
+    match parsed.prompt {
+        Ok(prompt) => Json(json!({
+            "count": prompt.tokens.len(),
+            "max_model_len": shared.config.max_model_len,
+            "tokens": prompt.tokens,
+            "token_strs": null,
+        }))
+        .into_response(),
+        Err(error) => error.into_response(),
+    }
+}
+
+async fn sim_requests(State(shared): State<Arc<Shared>>) -> Json<Vec<ReceivedRequest>> {
+    Json(shared.records.snapshot())
+}
+
+async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
+    Json(shared.metrics.stats())
+}
+
+async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
+    Json(shared.handoffs.snapshot()).into_response()
+}
+
+async fn sim_faults(State(shared): State<Arc<Shared>>) -> Json<Faults> {
+    Json(shared.faults.get())
+}
+
+/// Sets the fault knobs from a JSON [`Faults`] (missing fields are 0).
+async fn set_sim_faults(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let faults: Faults = match serde_json::from_slice(&body) {
+        Ok(faults) => faults,
+        Err(err) => {
+            return ApiError::bad_request(format!("invalid faults: {err}")).into_response();
+        }
+    };
+    if let Err(message) = faults.validate() {
+        return ApiError::bad_request(message).into_response();
+    }
+    shared.faults.set(faults);
+    tracing::info!(?faults, "fault knobs changed");
+    Json(faults).into_response()
+}

@@ -1,0 +1,733 @@
+//! HTTP tests against real simulators on 127.0.0.1:0, with a hyper client.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use switchyard_engine_sim::{
+    Faults, InstanceRole, SimConfig, SimHandle, SimStats, count_tokens, spawn,
+};
+use tokio::net::TcpStream;
+
+/// Every wait in these tests is bounded by this.
+const WAIT: Duration = Duration::from_secs(10);
+
+fn fast_config() -> SimConfig {
+    SimConfig {
+        time_scale: 0.001,
+        ..SimConfig::default()
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|err| {
+            panic!("not JSON ({err}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+}
+
+/// Sends one request on a fresh connection and returns the response head and its body
+/// stream (the connection lives as long as the body is read).
+async fn open(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<hyper::Response<Incoming>> {
+    let stream = TcpStream::connect(addr).await?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = tokio::time::timeout(
+        WAIT,
+        sender.send_request(request.body(Full::new(Bytes::from(body)))?),
+    )
+    .await
+    .context("no response in time")??;
+    Ok(response)
+}
+
+async fn send(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<Reply> {
+    let response = open(addr, method, path, headers, body).await?;
+    let (parts, body) = response.into_parts();
+    let body = tokio::time::timeout(WAIT, body.collect())
+        .await
+        .context("body not complete in time")??
+        .to_bytes();
+    Ok(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
+async fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<Reply> {
+    send(addr, Method::POST, path, &[], body.to_string().into_bytes()).await
+}
+
+async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
+    send(addr, Method::GET, path, &[], Vec::new()).await
+}
+
+/// Reads a body to its end as text.
+async fn read_text(body: &mut Incoming) -> Result<String> {
+    let mut text = String::new();
+    while let Some(frame) = tokio::time::timeout(WAIT, body.frame())
+        .await
+        .context("stream stalled")?
+    {
+        if let Ok(data) = frame?.into_data() {
+            text.push_str(std::str::from_utf8(&data)?);
+        }
+    }
+    Ok(text)
+}
+
+/// Reads one SSE body to its end; returns the `data:` payloads.
+async fn read_events(body: &mut Incoming) -> Result<Vec<String>> {
+    Ok(sse_payloads(&read_text(body).await?))
+}
+
+fn sse_payloads(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Reads frames until at least one whole `data:` event arrived; returns the text so far.
+async fn read_first_event(body: &mut Incoming) -> Result<String> {
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        let Some(frame) = tokio::time::timeout(WAIT, body.frame())
+            .await
+            .context("stream stalled")?
+        else {
+            bail!("stream ended before any event");
+        };
+        if let Ok(data) = frame?.into_data() {
+            text.push_str(std::str::from_utf8(&data)?);
+        }
+    }
+    Ok(text)
+}
+
+/// Polls the simulator's stats until `done` holds (bounded by [`WAIT`]).
+async fn wait_for_stats(sim: &SimHandle, done: impl Fn(&SimStats) -> bool) -> SimStats {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let stats = sim.stats();
+        if done(&stats) {
+            return stats;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stats never matched: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn words(count: usize) -> String {
+    (0..count)
+        .map(|index| format!("w{index}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test]
+async fn non_streaming_chat_has_vllm_shape() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let reply = send(
+        sim.addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &[("x-request-id", "req-42")],
+        json!({"model": "sim", "messages": [{"role": "user", "content": "the cat sat"}],
+               "max_tokens": 5, "temperature": 0.7})
+        .to_string()
+        .into_bytes(),
+    )
+    .await?;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.headers["x-request-id"], "req-42");
+    let body = reply.json();
+    assert_eq!(body["id"], "chatcmpl-req-42");
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "sim");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let content = choice["message"]["content"].as_str().unwrap();
+    assert_eq!(count_tokens(content), 5);
+    let usage = &body["usage"];
+    assert_eq!(usage["completion_tokens"], 5);
+    assert_eq!(usage["prompt_tokens"], 14);
+    assert_eq!(usage["total_tokens"], 19);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // A missing model is the served model; the default is 16 tokens.
+    let reply = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "the cat sat"}),
+    )
+    .await?;
+    assert_eq!(reply.status, StatusCode::OK);
+    let body = reply.json();
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["completion_tokens"], 16);
+    assert_eq!(
+        count_tokens(body["choices"][0]["text"].as_str().unwrap()),
+        16
+    );
+    assert_eq!(sim.stats().requests_completed, 2);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn streaming_chat_arrives_in_chunks_and_ends_with_done() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let response = open(
+        sim.addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &[],
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+               "stream": true, "stream_options": {"include_usage": true}})
+        .to_string()
+        .into_bytes(),
+    )
+    .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()?
+            .starts_with("text/event-stream")
+    );
+    let mut body = response.into_body();
+    let events = read_events(&mut body).await?;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str(event))
+        .collect::<Result<_, _>>()?;
+    // Role chunk, 6 token chunks, usage chunk.
+    assert_eq!(chunks.len(), 8, "{events:?}");
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks[1..7]
+        .iter()
+        .map(|chunk| chunk["choices"][0]["delta"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(count_tokens(&text), 6);
+    assert!(chunks[1]["choices"][0]["finish_reason"].is_null());
+    assert_eq!(chunks[6]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[7]["choices"], json!([]));
+    assert_eq!(chunks[7]["usage"]["completion_tokens"], 6);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn streaming_completions_and_invocations() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let response = open(
+        sim.addr,
+        Method::POST,
+        "/invocations",
+        &[],
+        json!({"prompt": "hello there", "max_tokens": 3, "stream": true})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    let events = read_events(&mut response.into_body()).await?;
+    assert_eq!(events.len(), 4, "{events:?}");
+    let first: Value = serde_json::from_str(&events[0])?;
+    assert_eq!(first["object"], "text_completion");
+    assert_eq!(first["choices"][0]["text"], "lorem");
+
+    let chat = post(
+        sim.addr,
+        "/invocations",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    )
+    .await?;
+    assert_eq!(chat.json()["object"], "chat.completion");
+    let completion = post(sim.addr, "/invocations", &json!({"prompt": "hi"})).await?;
+    assert_eq!(completion.json()["object"], "text_completion");
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_repeated_long_prompt_hits_the_prefix_cache() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    // ~84 KB of body: large enough to be tokenized on a blocking thread.
+    let request =
+        json!({"messages": [{"role": "user", "content": words(12_000)}], "max_tokens": 2});
+    let first = post(sim.addr, "/v1/chat/completions", &request)
+        .await?
+        .json();
+    let second = post(sim.addr, "/v1/chat/completions", &request)
+        .await?
+        .json();
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(prompt_tokens, 12_000 + 5 + 6);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // Every full block but the one holding the last prompt token.
+    assert_eq!(cached, (prompt_tokens - 1) / 16 * 16);
+    let stats = sim.stats();
+    assert_eq!(stats.prefix_cache_queries, 2 * prompt_tokens);
+    assert_eq!(stats.prefix_cache_hits, cached);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn errors_look_like_vllm() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let wrong = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"model": "gpt-4", "messages": []}),
+    )
+    .await?;
+    assert_eq!(wrong.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        wrong.json(),
+        json!({"error": {"message": "The model `gpt-4` does not exist.",
+                         "type": "NotFoundError", "param": "model", "code": 404}})
+    );
+
+    let malformed = send(
+        sim.addr,
+        Method::POST,
+        "/v1/completions",
+        &[],
+        b"{\"prompt\": ".to_vec(),
+    )
+    .await?;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    let error = malformed.json();
+    assert_eq!(error["error"]["type"], "BadRequestError");
+    assert_eq!(error["error"]["code"], 400);
+
+    let too_long = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 200_000}),
+    )
+    .await?;
+    assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
+    assert!(
+        too_long.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length")
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn health_models_and_metrics() -> Result<()> {
+    let sim = spawn(SimConfig {
+        served_model_name: "llama".into(),
+        ..fast_config()
+    })
+    .await?;
+    post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"model": "llama", "prompt": "x", "max_tokens": 3}),
+    )
+    .await?;
+
+    let health = get(sim.addr, "/health").await?;
+    assert_eq!(health.status, StatusCode::OK);
+    assert!(health.body.is_empty());
+    assert_eq!(get(sim.addr, "/ping").await?.status, StatusCode::OK);
+
+    let models = get(sim.addr, "/v1/models").await?.json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "llama");
+
+    let metrics = get(sim.addr, "/metrics").await?;
+    assert!(
+        metrics.headers["content-type"]
+            .to_str()?
+            .starts_with("text/plain")
+    );
+    let text = String::from_utf8(metrics.body.to_vec())?;
+    for name in [
+        "vllm:num_requests_running{model_name=\"llama\"} 0",
+        "vllm:num_requests_waiting{model_name=\"llama\"} 0",
+        "vllm:kv_cache_usage_perc{model_name=\"llama\"} 0",
+        "vllm:prefix_cache_queries_total{model_name=\"llama\"} 1",
+        "vllm:prefix_cache_hits_total{model_name=\"llama\"} 0",
+        "vllm:prompt_tokens_total{model_name=\"llama\"} 1",
+        "vllm:generation_tokens_total{model_name=\"llama\"} 3",
+        "vllm:request_success_total{model_name=\"llama\",finished_reason=\"length\"} 1",
+        "vllm:time_to_first_token_seconds_count{model_name=\"llama\"} 1",
+        "vllm:inter_token_latency_seconds_count{model_name=\"llama\"} 2",
+        "vllm:e2e_request_latency_seconds_count{model_name=\"llama\"} 1",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+
+    let tokenized = post(sim.addr, "/tokenize", &json!({"prompt": "the cat sat"})).await?;
+    assert_eq!(tokenized.json()["count"], 3);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn records_headers_and_sets_faults_over_http() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    send(
+        sim.addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &[
+            (
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+            ("x-amzn-sagemaker-target-variant", "v1"),
+            ("x-switchyard-route", "prefix"),
+            ("authorization", "Bearer secret"),
+        ],
+        json!({"model": "sim", "messages": [], "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": false}})
+        .to_string()
+        .into_bytes(),
+    )
+    .await?;
+    let received = sim.received();
+    assert_eq!(received.len(), 1);
+    let record = &received[0];
+    assert_eq!(record.path, "/v1/chat/completions");
+    assert_eq!(record.model.as_deref(), Some("sim"));
+    assert!(record.kv_transfer_params);
+    assert_eq!(
+        record.header("traceparent"),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert_eq!(record.header("x-amzn-sagemaker-target-variant"), Some("v1"));
+    assert_eq!(record.header("x-switchyard-route"), Some("prefix"));
+    assert_eq!(record.header("authorization"), None);
+    let over_http = get(sim.addr, "/sim/requests").await?.json();
+    assert_eq!(over_http[0]["headers"]["x-switchyard-route"], "prefix");
+
+    let set = post(sim.addr, "/sim/faults", &json!({"fail_rate": 1.0})).await?;
+    assert_eq!(set.status, StatusCode::OK);
+    assert!((sim.faults().fail_rate - 1.0).abs() < f64::EPSILON);
+    let failed = post(sim.addr, "/v1/completions", &json!({"prompt": "x"})).await?;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(failed.json()["error"]["code"], 500);
+    let bad = post(sim.addr, "/sim/faults", &json!({"fail_rate": 2.0})).await?;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(sim.stats().requests_failed, 1);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn kv_transfer_params_round_trip() -> Result<()> {
+    let prefill = spawn(SimConfig {
+        role: InstanceRole::Prefill,
+        ..fast_config()
+    })
+    .await?;
+    let decode = spawn(SimConfig {
+        role: InstanceRole::Decode,
+        ..fast_config()
+    })
+    .await?;
+    let messages = json!([{"role": "user", "content": words(1000)}]);
+
+    // Hop 1: the proxy's prefill request.
+    let reply = send(
+        prefill.addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &[("x-request-id", "r1")],
+        json!({"model": "sim", "messages": messages, "max_tokens": 1, "stream": false,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+                   "remote_engine_id": null, "remote_block_ids": null,
+                   "remote_host": null, "remote_port": null}})
+        .to_string()
+        .into_bytes(),
+    )
+    .await?;
+    assert_eq!(reply.status, StatusCode::OK);
+    let body = reply.json();
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 1);
+    let params = body["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true);
+    assert_eq!(params["do_remote_decode"], false);
+    assert_eq!(params["remote_engine_id"], prefill.engine_id());
+    assert_eq!(params["remote_request_id"], "r1");
+    assert_eq!(params["remote_host"], "127.0.0.1");
+    assert_eq!(params["remote_port"], prefill.addr.port());
+    assert_eq!(
+        params["remote_block_ids"].as_array().unwrap().len() as u64,
+        prompt_tokens.div_ceil(16)
+    );
+    assert_eq!(prefill.stats().kv_handoffs, 1);
+    assert_eq!(prefill.stats().prefill_tokens_computed, prompt_tokens);
+
+    // Hop 2: the original request plus the prefill's params, to the decoder.
+    let response = open(
+        decode.addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &[("x-request-id", "r1")],
+        json!({"model": "sim", "messages": messages, "max_tokens": 4, "stream": true,
+               "stream_options": {"include_usage": true}, "kv_transfer_params": params})
+        .to_string()
+        .into_bytes(),
+    )
+    .await?;
+    let events = read_events(&mut response.into_body()).await?;
+    let usage_chunk: Value = serde_json::from_str(&events[events.len() - 2])?;
+    let usage = &usage_chunk["usage"];
+    assert_eq!(usage["prompt_tokens"].as_u64(), Some(prompt_tokens));
+    assert_eq!(usage["completion_tokens"], 4);
+    // Everything but the last prompt token came over the wire.
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(prompt_tokens - 1)
+    );
+    let stats = decode.stats();
+    assert_eq!(stats.kv_transfer_tokens, prompt_tokens - 1);
+    assert_eq!(stats.prefill_tokens_computed, 1);
+    assert_eq!(stats.prefix_cache_hits, 0);
+    assert!(decode.received()[0].do_remote_prefill);
+
+    // A plain request to the decoder now hits the blocks it pulled.
+    let plain = post(
+        decode.addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 1}),
+    )
+    .await?
+    .json();
+    assert_eq!(
+        plain["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some((prompt_tokens - 1) / 16 * 16)
+    );
+    prefill.shutdown().await;
+    decode.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_an_in_flight_stream() -> Result<()> {
+    // 400 decode steps of ~14 ms model time: ~56 ms on the wall at this scale.
+    let sim = spawn(SimConfig {
+        time_scale: 0.01,
+        ..SimConfig::default()
+    })
+    .await?;
+    let addr = sim.addr;
+    let response = open(
+        addr,
+        Method::POST,
+        "/v1/completions",
+        &[],
+        json!({"prompt": "go", "max_tokens": 400, "stream": true})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    let mut body = response.into_body();
+    let first = read_first_event(&mut body).await?;
+    let shutdown = tokio::spawn(sim.shutdown());
+    let rest = read_text(&mut body).await?;
+    let events = sse_payloads(&(first + &rest));
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(events.len(), 401);
+    tokio::time::timeout(WAIT, shutdown).await??;
+    assert!(TcpStream::connect(addr).await.is_err());
+    Ok(())
+}
+
+#[tokio::test]
+async fn client_disconnect_frees_the_batch_slot() -> Result<()> {
+    let sim = spawn(SimConfig {
+        time_scale: 0.01,
+        ..SimConfig::default()
+    })
+    .await?;
+    // Streaming: read one chunk, then hang up.
+    let response = open(
+        sim.addr,
+        Method::POST,
+        "/v1/completions",
+        &[],
+        json!({"prompt": "go", "max_tokens": 100_000, "stream": true})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    let mut body = response.into_body();
+    read_first_event(&mut body).await?;
+    assert_eq!(sim.stats().running, 1);
+    drop(body);
+    wait_for_stats(&sim, |stats| {
+        stats.running == 0 && stats.requests_aborted == 1
+    })
+    .await;
+
+    // Non-streaming: the client gives up before the answer.
+    let addr = sim.addr;
+    let pending = tokio::spawn(async move {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "go", "max_tokens": 100_000}),
+        )
+        .await
+    });
+    wait_for_stats(&sim, |stats| stats.running == 1).await;
+    pending.abort();
+    let stats = wait_for_stats(&sim, |stats| {
+        stats.running == 0 && stats.requests_aborted == 2
+    })
+    .await;
+    assert!((stats.kv_cache_usage - 0.0).abs() < f64::EPSILON);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn faults_hang_and_die_mid_stream() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    sim.set_faults(Faults {
+        die_mid_stream_rate: 1.0,
+        ..Faults::default()
+    });
+    let response = open(
+        sim.addr,
+        Method::POST,
+        "/v1/completions",
+        &[],
+        json!({"prompt": "go", "max_tokens": 50, "stream": true})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    let mut body = response.into_body();
+    let mut text = String::new();
+    let mut cut = false;
+    while let Some(frame) = tokio::time::timeout(WAIT, body.frame()).await? {
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    text.push_str(std::str::from_utf8(&data)?);
+                }
+            }
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    assert!(cut, "the stream should break: {text}");
+    assert_eq!(sse_payloads(&text).len(), 2);
+    assert!(!text.contains("[DONE]"));
+    assert!(
+        post(sim.addr, "/v1/completions", &json!({"prompt": "go"}))
+            .await
+            .is_err()
+    );
+
+    sim.set_faults(Faults {
+        hang_rate: 1.0,
+        ..Faults::default()
+    });
+    let hung = tokio::time::timeout(
+        Duration::from_millis(200),
+        post(sim.addr, "/v1/completions", &json!({"prompt": "go"})),
+    )
+    .await;
+    assert!(hung.is_err(), "a hung request must not be answered");
+    assert_eq!(sim.stats().requests_hung, 1);
+
+    sim.set_faults(Faults::default());
+    let ok = post(sim.addr, "/v1/completions", &json!({"prompt": "go"})).await?;
+    assert_eq!(ok.status, StatusCode::OK);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn kill_drops_connections_and_closes_the_port() -> Result<()> {
+    let sim = spawn(SimConfig {
+        time_scale: 0.01,
+        ..SimConfig::default()
+    })
+    .await?;
+    let addr = sim.addr;
+    let response = open(
+        addr,
+        Method::POST,
+        "/v1/completions",
+        &[],
+        json!({"prompt": "go", "max_tokens": 100_000, "stream": true})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    let mut body = response.into_body();
+    read_first_event(&mut body).await?;
+    sim.killed().await;
+    let mut broken = false;
+    while let Some(frame) = tokio::time::timeout(WAIT, body.frame()).await? {
+        if frame.is_err() {
+            broken = true;
+            break;
+        }
+    }
+    assert!(broken, "the stream must not end cleanly");
+    assert!(TcpStream::connect(addr).await.is_err());
+    Ok(())
+}

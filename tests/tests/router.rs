@@ -1,0 +1,605 @@
+//! The router end to end: a real control plane on a real etcd, real routers, simulated
+//! engines, all on loopback.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use switchyard_engine_sim::SimConfig;
+use switchyard_proto::v1 as pb;
+use switchyard_tests::*;
+
+fn fast() -> SimConfig {
+    SimConfig {
+        time_scale: 0.02,
+        ..SimConfig::default()
+    }
+}
+
+fn prefix_aware(threshold: u32) -> String {
+    variant_json("PREFIX_AWARE", Some((1024, threshold)))
+}
+
+fn chat_url(router: &switchyard_router::RouterHandle) -> String {
+    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
+}
+
+async fn instance_for(url: &str, headers: &[(&str, &str)], body: &str) -> anyhow::Result<String> {
+    let reply = http_post(url, headers, body.to_owned()).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    Ok(reply
+        .header("x-switchyard-instance")
+        .expect("x-switchyard-instance header")
+        .to_owned())
+}
+
+#[tokio::test]
+async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> anyhow::Result<()> {
+    let cluster = Cluster::start(4, 2, &prefix_aware(100), fast()).await?;
+    let mut chosen = HashSet::new();
+    for index in 0..24 {
+        let body = chat_body(&prompt(&format!("customer-{index}"), 1500), 4, false);
+        let first = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
+        let second = instance_for(&chat_url(&cluster.routers[1]), &[], &body).await?;
+        let again = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
+        assert_eq!(first, second, "both routers agree on prefix {index}");
+        assert_eq!(first, again, "the same router is stable on prefix {index}");
+        chosen.insert(first);
+    }
+    assert!(
+        chosen.len() >= 3,
+        "24 prefixes over 4 instances used only {chosen:?}"
+    );
+    // The engines saw their cached prefixes hit.
+    let hits: u64 = cluster
+        .engines
+        .iter()
+        .map(|engine| engine.stats().prefix_cache_hits)
+        .sum();
+    assert!(hits > 0, "repeated prefixes should hit the engines' caches");
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
+    let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let body = chat_body(&prompt("shared system prompt", 1500), 2, false);
+    let mut by_header = HashSet::new();
+    for tenant in 0..16 {
+        let id = format!("tenant-{tenant}");
+        let first = instance_for(&url, &[("x-amzn-sagemaker-prefix-aware-id", &id)], &body).await?;
+        let again = instance_for(&url, &[("x-amzn-sagemaker-prefix-aware-id", &id)], &body).await?;
+        assert_eq!(first, again, "one tenant stays on one instance");
+        by_header.insert(first);
+    }
+    assert!(
+        by_header.len() >= 2,
+        "tenant ids should spread: {by_header:?}"
+    );
+    // prompt_cache_key in the body plays the same role.
+    let mut by_key = HashSet::new();
+    for tenant in 0..16 {
+        let body = serde_json::json!({
+            "model": "chat",
+            "messages": [{"role": "user", "content": prompt("shared system prompt", 1500)}],
+            "max_tokens": 2,
+            "prompt_cache_key": format!("tenant-{tenant}"),
+        })
+        .to_string();
+        by_key.insert(instance_for(&url, &[], &body).await?);
+    }
+    assert!(
+        by_key.len() >= 2,
+        "prompt_cache_key should spread: {by_key:?}"
+    );
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+async fn fleet_in_flight(router: &switchyard_router::RouterHandle, instance: &str) -> u32 {
+    let Ok((_, text)) = http_get(&format!("{}/metrics", router.url())).await else {
+        return 0;
+    };
+    let needle =
+        format!("switchyard_router_fleet_in_flight{{endpoint=\"chat\",instance=\"{instance}\"}} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&needle))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .unwrap_or(0.0) as u32
+}
+
+#[tokio::test]
+async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> anyhow::Result<()> {
+    // Slow engines so requests stay in flight while we look.
+    let sim = SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    };
+    let cluster = Cluster::start(4, 2, &prefix_aware(2), sim).await?;
+    let hot = prompt("hot prefix", 1500);
+    let short = chat_body(&hot, 1, false);
+    let owner = instance_for(&chat_url(&cluster.routers[0]), &[], &short).await?;
+    cluster.wait_idle().await?;
+
+    // Two long requests through router A put the owner at the threshold (2) fleet-wide.
+    let long = chat_body(&hot, 400, true);
+    let mut holds = Vec::new();
+    for _ in 0..2 {
+        let response = post_streaming(&chat_url(&cluster.routers[0]), &[], long.clone()).await?;
+        assert_eq!(
+            response
+                .headers()
+                .get("x-switchyard-instance")
+                .unwrap()
+                .to_str()?,
+            owner
+        );
+        holds.push(response);
+    }
+    // Router B learns the fleet-wide load from the control plane.
+    let router_b = &cluster.routers[1];
+    eventually(
+        Duration::from_secs(5),
+        "router B to see the owner's load",
+        || async { fleet_in_flight(router_b, &owner).await >= 2 },
+    )
+    .await?;
+    let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
+    let via_a = http_post(&chat_url(&cluster.routers[0]), &[], short.clone()).await?;
+    for reply in [&via_a, &via_b] {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
+        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
+    }
+    assert_eq!(
+        via_a.header("x-switchyard-instance"),
+        via_b.header("x-switchyard-instance"),
+        "both routers overflow to the same second choice"
+    );
+    drop(holds);
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn least_outstanding_requests_evens_out_load() -> anyhow::Result<()> {
+    let sim = SimConfig {
+        time_scale: 0.2,
+        ..SimConfig::default()
+    };
+    let cluster =
+        Cluster::start(4, 1, &variant_json("LEAST_OUTSTANDING_REQUESTS", None), sim).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let mut tasks = Vec::new();
+    for index in 0..40 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = chat_body(&format!("question {index}"), 64, false);
+            instance_for(&url, &[], &body).await
+        }));
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for task in tasks {
+        *counts.entry(task.await??).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 4, "{counts:?}");
+    for (instance, count) in &counts {
+        assert!(
+            (7..=13).contains(count),
+            "{instance} got {count} of 40: {counts:?}"
+        );
+    }
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Result<()> {
+    let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let mut admin = admin(&cluster.control_plane_url()).await?;
+    admin
+        .create_endpoint_config(config_request("chat-prefix", &prefix_aware(50)))
+        .await?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut workers = Vec::new();
+    for worker in 0..4 {
+        let url = url.clone();
+        let stop = stop.clone();
+        workers.push(tokio::spawn(async move {
+            let mut routes = Vec::new();
+            for round in 0..400 {
+                if stop.is_cancelled() {
+                    break;
+                }
+                let body = chat_body(
+                    &prompt(&format!("w{worker} r{}", round % 5), 1200),
+                    1,
+                    false,
+                );
+                let reply = http_post(&url, &[], body).await.expect("router answers");
+                assert_eq!(reply.status, 200, "{}", reply.body);
+                routes.push(reply.header("x-switchyard-route").unwrap_or("").to_owned());
+            }
+            routes
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    admin
+        .update_endpoint(pb::UpdateEndpointRequest {
+            name: "chat".into(),
+            endpoint_config_name: "chat-prefix".into(),
+        })
+        .await?;
+    let router = &cluster.routers[0];
+    eventually(
+        Duration::from_secs(5),
+        "the router to switch strategy",
+        || async { router.table().endpoints["chat"].variants[0].prefix_length == 1024 },
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let mut routes = Vec::new();
+    for worker in workers {
+        routes.extend(worker.await?);
+    }
+    assert!(
+        routes.iter().any(|route| route == "random"),
+        "ran under RANDOM first"
+    );
+    assert_eq!(
+        routes.last().map(String::as_str),
+        Some("prefix"),
+        "ends under PREFIX_AWARE"
+    );
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Result<()> {
+    let mut cluster = Cluster::start(2, 1, &prefix_aware(10), fast()).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let body = chat_body(&prompt("static stability", 1200), 2, false);
+    let before = instance_for(&url, &[], &body).await?;
+    cluster.control_plane.take().unwrap().abort();
+    cluster.etcd.kill();
+    for _ in 0..10 {
+        assert_eq!(instance_for(&url, &[], &body).await?, before);
+    }
+    let (status, _) = http_get(&format!("{}/readyz", cluster.routers[0].url())).await?;
+    assert_eq!(status, 200, "still ready on the last state");
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Result<()> {
+    let sim = SimConfig {
+        time_scale: 0.1,
+        ..SimConfig::default()
+    };
+    let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), sim).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let mut tasks = Vec::new();
+    for worker in 0..6 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for round in 0..25 {
+                let body = chat_body(&format!("w{worker} r{round}"), 8, false);
+                let reply = http_post(&url, &[], body).await.expect("router answers");
+                statuses.push((reply.status, reply.body));
+            }
+            statuses
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cluster.engines[0].kill();
+    for task in tasks {
+        for (status, body) in task.await? {
+            assert_eq!(status, 200, "a client saw {status}: {body}");
+        }
+    }
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Result<()> {
+    let sim = SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    };
+    let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
+    let url = chat_url(&cluster.routers[0]);
+    let (status, headers, frames) =
+        http_post_frames(&url, &[], chat_body("tell me a story", 20, true)).await?;
+    assert_eq!(status, 200);
+    assert!(
+        headers
+            .get("content-type")
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("text/event-stream")),
+        "{headers:?}"
+    );
+    let text: String = frames
+        .iter()
+        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(
+        frames.len() >= 10,
+        "expected many chunks, got {}",
+        frames.len()
+    );
+    // 20 tokens at ~14 ms each: the first chunk reaches the client long before the last is made.
+    let first = frames.first().unwrap().0;
+    let last = frames.last().unwrap().0;
+    assert!(
+        last.duration_since(first) >= Duration::from_millis(100),
+        "chunks were buffered: all arrived within {:?}",
+        last.duration_since(first)
+    );
+
+    // A client that goes away mid-stream frees the router's slot and the engine's.
+    let mut response = post_streaming(&url, &[], chat_body("a long one", 2000, true)).await?;
+    use http_body_util::BodyExt as _;
+    let _ = response.body_mut().frame().await;
+    assert_eq!(cluster.routers[0].in_flight(), 1);
+    drop(response);
+    cluster.wait_idle().await?;
+    let engine = &cluster.engines[0];
+    eventually(
+        Duration::from_secs(5),
+        "the engine to drop the request",
+        || async { engine.stats().running == 0 },
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result<()> {
+    let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
+    let router = &cluster.routers[0];
+    let reply = http_post(&chat_url(router), &[], "{\"messages\": [").await?;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json()["error"]["type"],
+        "invalid_request_error",
+        "{}",
+        reply.body
+    );
+
+    let reply = http_post(&chat_url(router), &[], r#"{"messages":[],"stream":"yes"}"#).await?;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.json()["error"]["param"], "stream", "{}", reply.body);
+
+    let huge = vec![b'x'; 6_291_457];
+    let reply = http_post(&chat_url(router), &[], huge).await?;
+    assert_eq!(reply.status, 413, "{}", reply.body);
+
+    let reply = http_post(
+        &format!("{}/endpoints/nope/invocations", router.url()),
+        &[],
+        "{}",
+    )
+    .await?;
+    assert_eq!(reply.status, 404);
+    assert_eq!(
+        reply.json()["ErrorCode"],
+        "ValidationError",
+        "{}",
+        reply.body
+    );
+    assert!(reply.body.contains("nope"));
+
+    let long_id = "x".repeat(65);
+    for bad in [long_id.as_str(), "tab\there"] {
+        let reply = http_post(
+            &format!("{}/endpoints/chat/invocations", router.url()),
+            &[("x-amzn-sagemaker-prefix-aware-id", bad)],
+            chat_body("hi", 1, false),
+        )
+        .await?;
+        assert_eq!(reply.status, 400, "{bad}: {}", reply.body);
+        assert!(reply.body.contains("prefix-aware-id"), "{}", reply.body);
+    }
+
+    let reply = http_post(
+        &format!("{}/v1/chat/completions", router.url()),
+        &[],
+        r#"{"model":"unknown","messages":[]}"#,
+    )
+    .await?;
+    assert_eq!(reply.status, 404);
+    assert_eq!(
+        reply.json()["error"]["code"],
+        "model_not_found",
+        "{}",
+        reply.body
+    );
+
+    let reply = http_post(
+        &chat_url(router),
+        &[("x-amzn-sagemaker-target-variant", "Nope")],
+        chat_body("hi", 1, false),
+    )
+    .await?;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+
+    // Still serving everyone else.
+    assert_eq!(
+        http_post(&chat_url(router), &[], chat_body("hi", 1, false))
+            .await?
+            .status,
+        200
+    );
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
+    let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
+    cluster.engines[0].kill();
+    let router = &cluster.routers[0];
+    let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(reply.json()["error"]["type"], "service_unavailable");
+    let reply = http_post(
+        &format!("{}/endpoints/chat/invocations", router.url()),
+        &[],
+        chat_body("hi", 1, false),
+    )
+    .await?;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(reply.json()["ErrorCode"], "ServiceUnavailable");
+    // The control plane's probes take it out of the table too.
+    eventually(
+        Duration::from_secs(10),
+        "the dead instance to leave the table",
+        || async {
+            router.table().endpoints["chat"].variants[0]
+                .instances
+                .is_empty()
+        },
+    )
+    .await?;
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
+    let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
+    let router = &cluster.routers[0];
+    // The client names the endpoint; the engine sees the variant's ModelName ("sim").
+    let reply = http_post(
+        &format!("{}/v1/chat/completions", router.url()),
+        &[(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )],
+        chat_body("hello", 2, false),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        reply.header("x-amzn-invoked-production-variant"),
+        Some("AllTraffic")
+    );
+    let received = cluster.engines[0].received();
+    let last = received.last().unwrap();
+    assert_eq!(last.model.as_deref(), Some("sim"));
+    assert_eq!(
+        last.header("traceparent"),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert!(
+        last.header("x-request-id").is_some(),
+        "the router adds a request id"
+    );
+    let reply = http_post(
+        &format!("{}/v1/completions", router.url()),
+        &[],
+        r#"{"model":"sim","prompt":"once upon a time","max_tokens":3}"#,
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+
+    // Native: the body goes through byte for byte.
+    let native = "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"hi\"} ], \"model\":\"sim\", \"max_tokens\": 2 }";
+    let reply = http_post(
+        &format!("{}/endpoints/chat/invocations", router.url()),
+        &[],
+        native,
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let received = cluster.engines[0].received();
+    let last = received.last().unwrap();
+    assert_eq!(last.path, "/invocations");
+    assert_eq!(last.body_bytes, native.len());
+
+    // An engine error on the native path is SageMaker's 424 ModelError.
+    let reply = http_post(
+        &format!("{}/endpoints/chat/invocations", router.url()),
+        &[],
+        r#"{"model":"other","prompt":"x"}"#,
+    )
+    .await?;
+    assert_eq!(reply.status, 424, "{}", reply.body);
+    assert_eq!(reply.json()["ErrorCode"], "ModelError");
+
+    let (status, models) = http_get(&format!("{}/v1/models", router.url())).await?;
+    assert_eq!(status, 200);
+    assert!(
+        models.contains("\"chat\"") && models.contains("\"sim\""),
+        "{models}"
+    );
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<()> {
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
+        .unwrap_or_else(|_| "target/python/bin/python".into());
+    let python = if std::path::Path::new(&python).is_absolute() {
+        std::path::PathBuf::from(python)
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(python)
+    };
+    assert!(
+        python.is_file(),
+        "{} is missing: scripts/test installs the openai client there",
+        python.display()
+    );
+    let cluster = Cluster::start(2, 1, &prefix_aware(10), fast()).await?;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
+    let base_url = format!("{}/v1", cluster.routers[0].url());
+    let output = tokio::process::Command::new(&python)
+        .arg(&script)
+        .arg(&base_url)
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "openai client failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("all ok"), "{stdout}\n{stderr}");
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_router_runs_from_a_static_file() -> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("switchyard.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n      - Url: {}\n        InstanceId: only\n",
+            engine.url
+        ),
+    )?;
+    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    let router =
+        switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
+            .await?;
+    let reply = http_post(&chat_url(&router), &[], chat_body("hi", 1, false)).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-instance"), Some("only"));
+    router.shutdown().await;
+    Ok(())
+}
