@@ -874,3 +874,69 @@ async fn the_etcd_store_reports_unavailable_when_etcd_dies() -> anyhow::Result<(
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     Ok(())
 }
+
+#[tokio::test]
+async fn the_grpc_server_speaks_tls_when_given_a_certificate() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cert = dir.path().join("cert.pem");
+    let key = dir.path().join("key.pem");
+    let status = std::process::Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+        ])
+        .args([
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-addext",
+            "basicConstraints=critical,CA:FALSE",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()?;
+    assert!(
+        status.success(),
+        "openssl could not make a test certificate"
+    );
+    let mut config = ControlConfig::embedded(loopback_any(), dir.path().join("data"));
+    config.tls_cert = Some(cert.clone());
+    config.tls_key = Some(key);
+    let cp = control_plane(config).await?;
+    let port = cp.addr.port();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(
+            &cert,
+        )?))
+        .domain_name("localhost");
+    let channel = tonic::transport::Channel::from_shared(format!("https://localhost:{port}"))?
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    pb::admin_client::AdminClient::new(channel)
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await?;
+    // Plain text is refused.
+    let plain = admin(&cp.url()).await;
+    let refused = match plain {
+        Err(_) => true,
+        Ok(mut client) => client
+            .list_endpoints(pb::ListEndpointsRequest {})
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a plain-text client must not get through");
+    Ok(())
+}

@@ -303,6 +303,13 @@ async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Resu
             assert_eq!(status, 200, "a client saw {status}: {body}");
         }
     }
+    // The router took the dead instance out of rotation itself (or the control plane did).
+    let router = &cluster.routers[0];
+    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    let ejected = metrics
+        .contains("switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"engine-0\"} 1");
+    let removed = router.table().endpoints["chat"].variants[0].instances.len() == 2;
+    assert!(ejected || removed, "engine-0 still in rotation:\n{metrics}");
     cluster.wait_idle().await?;
     Ok(())
 }
@@ -601,5 +608,44 @@ async fn a_router_runs_from_a_static_file() -> anyhow::Result<()> {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-switchyard-instance"), Some("only"));
     router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
+    let sim = SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    };
+    let mut cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
+    let router = cluster.routers.remove(0);
+    let url = chat_url(&router);
+    // A stream of 30 tokens (~0.4 s) is under way when the router is told to stop.
+    let stream =
+        tokio::spawn(
+            async move { http_post_frames(&url, &[], chat_body("story", 30, true)).await },
+        );
+    eventually(Duration::from_secs(5), "the stream to start", || async {
+        router.in_flight() == 1
+    })
+    .await?;
+    let addr = router.addr;
+    let stopping = tokio::spawn(router.shutdown());
+    // New connections are refused while the old stream finishes.
+    eventually(Duration::from_secs(5), "the listener to close", || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await?;
+    let (status, _, frames) = stream.await??;
+    assert_eq!(status, 200);
+    let text: String = frames
+        .iter()
+        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
+        .collect();
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "the stream was cut: {text}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), stopping).await??;
     Ok(())
 }
