@@ -649,3 +649,104 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
     tokio::time::timeout(Duration::from_secs(10), stopping).await??;
     Ok(())
 }
+
+#[tokio::test]
+async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result<()> {
+    let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
+    let url = chat_url(&cluster.routers[0]);
+    // X-Amzn-SageMaker-Session-Id pins a session to one instance whatever the prompt.
+    for session in ["s-1", "s-2", "s-3"] {
+        let mut seen = HashSet::new();
+        for turn in 0..6 {
+            let reply = http_post(
+                &url,
+                &[("x-amzn-sagemaker-session-id", session)],
+                chat_body(&format!("turn {turn}"), 1, false),
+            )
+            .await?;
+            assert_eq!(reply.header("x-switchyard-route"), Some("session"));
+            seen.insert(
+                reply
+                    .header("x-switchyard-instance")
+                    .unwrap_or("")
+                    .to_owned(),
+            );
+        }
+        assert_eq!(seen.len(), 1, "session {session} moved: {seen:?}");
+    }
+
+    // Two variants weighted 1:3; the target-variant header overrides the weights.
+    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let variants = r#"[{"VariantName":"Small","ModelName":"sim","InitialVariantWeight":1},
+                       {"VariantName":"Large","ModelName":"sim","InitialVariantWeight":3}]"#;
+    admin
+        .create_endpoint_config(config_request("two-variants", variants))
+        .await?;
+    admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: "split".into(),
+            endpoint_config_name: "two-variants".into(),
+        })
+        .await?;
+    for (index, variant) in ["Small", "Large"].iter().enumerate() {
+        admin
+            .register_instance(pb::RegisterInstanceRequest {
+                endpoint_name: "split".into(),
+                variant_name: (*variant).into(),
+                url: cluster.engines[index].url.clone(),
+                id: format!("{variant}-0"),
+                ..Default::default()
+            })
+            .await?;
+    }
+    let router = &cluster.routers[0];
+    eventually(
+        Duration::from_secs(10),
+        "the router to see both variants",
+        || async {
+            router
+                .table()
+                .endpoints
+                .get("split")
+                .is_some_and(|endpoint| {
+                    endpoint
+                        .variants
+                        .iter()
+                        .all(|variant| variant.instances.len() == 1)
+                })
+        },
+    )
+    .await?;
+    let split_url = format!(
+        "{}/endpoints/split/openai/v1/chat/completions",
+        router.url()
+    );
+    let mut large = 0;
+    let total = 400;
+    for index in 0..total {
+        let reply = http_post(&split_url, &[], chat_body(&format!("q{index}"), 1, false)).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        if reply.header("x-amzn-invoked-production-variant") == Some("Large") {
+            large += 1;
+        }
+    }
+    let share = f64::from(large) / f64::from(total);
+    assert!(
+        (0.67..=0.83).contains(&share),
+        "Large got {share:.2} of traffic, expected 0.75"
+    );
+    for _ in 0..10 {
+        let reply = http_post(
+            &split_url,
+            &[("x-amzn-sagemaker-target-variant", "Small")],
+            chat_body("targeted", 1, false),
+        )
+        .await?;
+        assert_eq!(
+            reply.header("x-amzn-invoked-production-variant"),
+            Some("Small")
+        );
+    }
+    cluster.wait_idle().await?;
+    Ok(())
+}
