@@ -1,1 +1,35 @@
-//! placeholder
+//! `switchyard-bench`: Switchyard's load generator and benchmark report.
+//!
+//! - [`cluster`]: [`LocalCluster`], a whole cluster in this process (control plane on an
+//!   embedded store, simulated engines, routers), used by `compare`, `switchyard up` and
+//!   `switchyard demo`;
+//! - [`workload`]: deterministic traces (long context, ShareGPT-like chats, RAG, mixed);
+//! - [`oracle`]: the best hit rate any placement could reach on a trace;
+//! - [`client`] and [`run`]: streaming requests timed on the wall clock, closed or open loop;
+//! - [`compare`]: every strategy on fresh engines, side by side ([`demo`]);
+//! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
+//! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
+//!
+//! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
+//! (`--time-scale`); reports give wall ms and model ms = wall ms / time scale.
+
+pub mod client;
+pub mod cluster;
+pub mod compare;
+pub mod drive;
+pub mod forward;
+pub mod oracle;
+pub mod overhead;
+pub mod report;
+pub mod run;
+pub mod scrape;
+pub mod stats;
+pub mod svg;
+pub mod workload;
+
+pub use cluster::{ClusterSpec, ClusterTuning, LocalCluster};
+pub use compare::{CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
+pub use drive::{DriveArgs, drive};
+pub use overhead::{OverheadArgs, OverheadReport, overhead};
+pub use report::Report;
+pub use workload::{Trace, WorkloadKind, WorkloadSpec};

@@ -3,6 +3,7 @@
 
 mod admin;
 mod output;
+mod up;
 
 use clap::{Parser, Subcommand};
 use switchyard_shared::process::{self, EXIT_USAGE};
@@ -28,10 +29,19 @@ enum Command {
     /// Instances: the inference servers behind an endpoint.
     #[command(subcommand)]
     Instance(admin::InstanceCommand),
+    /// Start a whole local cluster: control plane (embedded store), router(s) and simulated
+    /// engines behind a ready-made endpoint. Ctrl-C stops it.
+    Up(up::UpArgs),
+    /// The prefix-routing article's experiment in miniature: 7 simulated engines, a long-context
+    /// workload, RANDOM vs LEAST_OUTSTANDING_REQUESTS vs PREFIX_AWARE with 1 and 4 routers,
+    /// side by side (table, and --json/--svg files).
+    Demo(switchyard_bench::DemoArgs),
 }
 
 fn exit_for(err: &anyhow::Error) -> i32 {
-    if err.downcast_ref::<admin::UsageError>().is_some() {
+    if err.downcast_ref::<admin::UsageError>().is_some()
+        || err.downcast_ref::<switchyard_bench::UsageError>().is_some()
+    {
         return EXIT_USAGE;
     }
     1
@@ -57,11 +67,18 @@ fn describe(err: &anyhow::Error) -> String {
 #[tokio::main]
 async fn main() {
     let cli: Cli = process::parse_args();
-    process::init_logging(process::LogFormat::Text, "warn");
+    let default_log = if matches!(cli.command, Command::Up(_)) {
+        "warn,switchyard_control=info,switchyard_router=info"
+    } else {
+        "warn"
+    };
+    process::init_logging(process::LogFormat::Text, default_log);
     let result = match cli.command {
         Command::EndpointConfig(command) => admin::endpoint_config(&cli.connection, command).await,
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,
         Command::Instance(command) => admin::instance_command(&cli.connection, command).await,
+        Command::Up(args) => up::run(args).await,
+        Command::Demo(args) => switchyard_bench::demo(args).await.map(drop),
     };
     if let Err(err) = result {
         eprintln!("error: {}", describe(&err));

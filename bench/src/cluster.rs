@@ -1,0 +1,389 @@
+//! A whole local cluster in this process: a control plane on an embedded store, simulated
+//! engines registered as instances, and routers following the control plane. Used by
+//! `switchyard-bench compare`, `switchyard up` and `switchyard demo`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use switchyard_engine_sim::{SimConfig, SimHandle};
+use switchyard_proto::v1 as pb;
+use switchyard_proto::v1::admin_client::AdminClient;
+use switchyard_shared::{EndpointConfig, EndpointConfigName, HealthCheckConfig, sagemaker};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// Simulated engines, registered as instances `engine-0` … `engine-{N-1}`.
+    pub engines: usize,
+    /// Routers following the control plane.
+    pub routers: usize,
+    /// Endpoint name; its config is `{endpoint}-config`.
+    pub endpoint: String,
+    /// SageMaker ProductionVariants JSON of the endpoint config. Engines join its first
+    /// variant; the engines serve the model name `sim.served_model_name`, so the variant's
+    /// `ModelName` should be that (the router rewrites `model` to it).
+    pub variants_json: String,
+    pub sim: SimConfig,
+    /// Embedded store directory; `None`: a temporary directory removed at shutdown.
+    pub data_dir: Option<PathBuf>,
+    pub control_listen: SocketAddr,
+    /// One address per router; empty: `127.0.0.1:0` for each.
+    pub router_listen: Vec<SocketAddr>,
+}
+
+impl Default for ClusterSpec {
+    fn default() -> Self {
+        Self {
+            engines: 4,
+            routers: 1,
+            endpoint: "chat".into(),
+            variants_json: variants_json("PREFIX_AWARE", Some((4096, 10))),
+            sim: SimConfig::default(),
+            data_dir: None,
+            control_listen: loopback_any(),
+            router_listen: Vec::new(),
+        }
+    }
+}
+
+/// Knobs beyond [`ClusterSpec`] that benchmarks change.
+#[derive(Debug, Clone)]
+pub struct ClusterTuning {
+    /// How often routers report their in-flight counts and the control plane sends
+    /// fleet-wide load (both default to 100 ms). A benchmark on a scaled clock scales it too.
+    pub load_interval_ms: u64,
+    /// How long to wait for every router to route to every instance.
+    pub ready_timeout: Duration,
+}
+
+impl Default for ClusterTuning {
+    fn default() -> Self {
+        Self {
+            load_interval_ms: 100,
+            ready_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `127.0.0.1:0`.
+pub fn loopback_any() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// A ProductionVariants JSON of one variant `AllTraffic` serving model `sim` with `strategy`
+/// (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`) and, for `PREFIX_AWARE`,
+/// (PrefixLength, ConcurrencyThreshold).
+pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
+    let mut routing = serde_json::json!({ "RoutingStrategy": strategy });
+    if let Some((length, threshold)) = prefix {
+        routing["PrefixAwareRoutingConfig"] = serde_json::json!({
+            "PrefixLength": length,
+            "ConcurrencyThreshold": threshold,
+        });
+    }
+    serde_json::json!([{
+        "VariantName": "AllTraffic",
+        "ModelName": "sim",
+        "InitialInstanceCount": 1,
+        "RoutingConfig": routing,
+    }])
+    .to_string()
+}
+
+fn tolerate_existing<T>(
+    result: Result<tonic::Response<T>, tonic::Status>,
+    call: &str,
+    name: &str,
+) -> anyhow::Result<()> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(status) if status.code() == tonic::Code::AlreadyExists => {
+            tracing::info!(%name, "{call}: already stored, keeping it");
+            Ok(())
+        }
+        Err(status) => Err(anyhow::anyhow!("{call} {name}: {}", status.message())),
+    }
+}
+
+/// A running local cluster. Shut it down with [`LocalCluster::shutdown`]; dropping it stops
+/// everything abruptly (engines killed, routers and control plane told to stop, not awaited).
+pub struct LocalCluster {
+    /// `http://127.0.0.1:PORT` of the control plane's gRPC API.
+    pub control_plane_url: String,
+    pub router_urls: Vec<String>,
+    pub engine_urls: Vec<String>,
+    pub endpoint: String,
+    control_plane: Option<switchyard_control::ControlPlane>,
+    routers: Vec<switchyard_router::RouterHandle>,
+    engines: Vec<SimHandle>,
+    _temp_dir: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for LocalCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalCluster")
+            .field("control_plane_url", &self.control_plane_url)
+            .field("router_urls", &self.router_urls)
+            .field("engine_urls", &self.engine_urls)
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for router in &self.routers {
+            router.shutdown_token().cancel();
+        }
+        if let Some(control_plane) = &self.control_plane {
+            control_plane.shutdown_token().cancel();
+        }
+        // SimHandle's own Drop kills the engines.
+    }
+}
+
+impl LocalCluster {
+    /// Starts everything with default tuning; returns once every router routes to every
+    /// instance.
+    pub async fn start(spec: ClusterSpec) -> anyhow::Result<Self> {
+        Self::start_with(spec, ClusterTuning::default()).await
+    }
+
+    /// Starts everything; on failure, stops what had started.
+    pub async fn start_with(spec: ClusterSpec, tuning: ClusterTuning) -> anyhow::Result<Self> {
+        if spec.engines == 0 {
+            bail!("a cluster needs at least one engine");
+        }
+        if !spec.router_listen.is_empty() && spec.router_listen.len() != spec.routers {
+            bail!(
+                "{} router addresses given for {} routers",
+                spec.router_listen.len(),
+                spec.routers
+            );
+        }
+        let (data_dir, temp_dir) = match &spec.data_dir {
+            Some(dir) => (dir.clone(), None),
+            None => {
+                let temp = tempfile::Builder::new()
+                    .prefix("switchyard-cluster-")
+                    .tempdir()
+                    .context("cannot create a temporary directory for the embedded store")?;
+                (temp.path().to_path_buf(), Some(temp))
+            }
+        };
+        let mut control =
+            switchyard_control::ControlConfig::embedded(spec.control_listen, data_dir);
+        control.load_interval_ms = tuning.load_interval_ms;
+        control.router_timeout_ms = control.router_timeout_ms.max(tuning.load_interval_ms * 2);
+        let settings = control
+            .validate()
+            .map_err(|err| anyhow::anyhow!("control plane: {err}"))?;
+        let control_plane = switchyard_control::ControlPlane::start(settings)
+            .await
+            .context("cannot start the control plane")?;
+        let mut cluster = Self {
+            control_plane_url: control_plane.url(),
+            router_urls: Vec::new(),
+            engine_urls: Vec::new(),
+            endpoint: spec.endpoint.clone(),
+            control_plane: Some(control_plane),
+            routers: Vec::new(),
+            engines: Vec::new(),
+            _temp_dir: temp_dir,
+        };
+        match cluster.populate(&spec, &tuning).await {
+            Ok(()) => Ok(cluster),
+            Err(err) => {
+                cluster.shutdown().await;
+                Err(err)
+            }
+        }
+    }
+
+    async fn populate(&mut self, spec: &ClusterSpec, tuning: &ClusterTuning) -> anyhow::Result<()> {
+        let variants = sagemaker::parse_production_variants(&spec.variants_json)
+            .map_err(|err| anyhow::anyhow!("variants JSON: {}: {}", err.field, err.message))?
+            .variants;
+        let variant = variants
+            .first()
+            .map(|variant| variant.variant_name.to_string())
+            .context("the variants JSON has no variant")?;
+        let config_name = format!("{}-config", spec.endpoint);
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new(&config_name)
+                .map_err(|err| anyhow::anyhow!("endpoint config name {config_name:?}: {err}"))?,
+            production_variants: variants,
+            health_check_config: HealthCheckConfig {
+                timeout_ms: 2000,
+                ..HealthCheckConfig::default()
+            },
+            creation_time_ms: 0,
+        };
+        config
+            .validate()
+            .map_err(|err| anyhow::anyhow!("endpoint config: {}: {}", err.field, err.message))?;
+
+        let mut admin = AdminClient::connect(self.control_plane_url.clone())
+            .await
+            .context("cannot reach the control plane's admin API")?;
+        // A persistent data directory may already hold them (a restarted `switchyard up`):
+        // what is stored wins, as after any restart.
+        let created = admin
+            .create_endpoint_config(pb::CreateEndpointConfigRequest {
+                endpoint_config: Some((&config).into()),
+            })
+            .await;
+        tolerate_existing(created, "CreateEndpointConfig", &config_name)?;
+        let created = admin
+            .create_endpoint(pb::CreateEndpointRequest {
+                name: spec.endpoint.clone(),
+                endpoint_config_name: config_name,
+            })
+            .await;
+        tolerate_existing(created, "CreateEndpoint", &spec.endpoint)?;
+        // Instances `engine-N` of an earlier, larger cluster are gone for good.
+        let ours: Vec<String> = (0..spec.engines)
+            .map(|index| format!("engine-{index}"))
+            .collect();
+        let listed = admin
+            .list_instances(pb::ListInstancesRequest {
+                endpoint_name: spec.endpoint.clone(),
+            })
+            .await
+            .context("ListInstances")?
+            .into_inner();
+        for stale in listed
+            .instances
+            .iter()
+            .filter(|instance| instance.id.starts_with("engine-") && !ours.contains(&instance.id))
+        {
+            admin
+                .deregister_instance(pb::DeregisterInstanceRequest {
+                    endpoint_name: spec.endpoint.clone(),
+                    id: stale.id.clone(),
+                })
+                .await
+                .context("DeregisterInstance")?;
+        }
+
+        for index in 0..spec.engines {
+            let engine = switchyard_engine_sim::spawn(spec.sim.clone())
+                .await
+                .context("cannot start a simulated engine")?;
+            admin
+                .register_instance(pb::RegisterInstanceRequest {
+                    endpoint_name: spec.endpoint.clone(),
+                    variant_name: variant.clone(),
+                    url: engine.url.clone(),
+                    id: format!("engine-{index}"),
+                    ..Default::default()
+                })
+                .await
+                .context("RegisterInstance")?;
+            self.engine_urls.push(engine.url.clone());
+            self.engines.push(engine);
+        }
+
+        for index in 0..spec.routers {
+            let listen = spec
+                .router_listen
+                .get(index)
+                .copied()
+                .unwrap_or_else(loopback_any);
+            let mut config = switchyard_router::RouterConfig::with_control_plane(
+                listen,
+                vec![self.control_plane_url.clone()],
+            );
+            config.load_report_interval_ms = tuning.load_interval_ms;
+            config.router_id = Some(format!("router-{index}"));
+            let settings = config
+                .validate()
+                .map_err(|err| anyhow::anyhow!("router: {err}"))?;
+            let router = switchyard_router::RouterHandle::start(settings)
+                .await
+                .with_context(|| format!("cannot start a router on {listen}"))?;
+            self.router_urls.push(router.url());
+            self.routers.push(router);
+        }
+        self.wait_routable(tuning.ready_timeout).await
+    }
+
+    /// Instances each router routes to now (healthy or not yet probed), per router.
+    pub fn routable_instances(&self) -> Vec<usize> {
+        self.routers
+            .iter()
+            .map(|router| {
+                router
+                    .table()
+                    .endpoints
+                    .get(self.endpoint.as_str())
+                    .map_or(0, |endpoint| {
+                        endpoint
+                            .variants
+                            .iter()
+                            .map(|variant| variant.instances.len())
+                            .sum()
+                    })
+            })
+            .collect()
+    }
+
+    /// Waits until every router routes to every engine.
+    pub async fn wait_routable(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let routable = self.routable_instances();
+            if routable.iter().all(|&count| count == self.engines.len()) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "routers still see {routable:?} of {} instances after {timeout:?}",
+                    self.engines.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Requests in flight in the routers (0 once every answer is complete).
+    pub fn in_flight(&self) -> u32 {
+        self.routers.iter().map(|router| router.in_flight()).sum()
+    }
+
+    pub fn engines(&self) -> &[SimHandle] {
+        &self.engines
+    }
+
+    pub fn routers(&self) -> &[switchyard_router::RouterHandle] {
+        &self.routers
+    }
+
+    pub fn control_plane(&self) -> Option<&switchyard_control::ControlPlane> {
+        self.control_plane.as_ref()
+    }
+
+    /// Instance ids, in engine order.
+    pub fn instance_ids(&self) -> Vec<String> {
+        (0..self.engines.len())
+            .map(|index| format!("engine-{index}"))
+            .collect()
+    }
+
+    /// Stops the routers (draining), then the engines, then the control plane.
+    pub async fn shutdown(mut self) {
+        for router in self.routers.drain(..) {
+            router.shutdown().await;
+        }
+        for engine in self.engines.drain(..) {
+            engine.shutdown().await;
+        }
+        if let Some(control_plane) = self.control_plane.take()
+            && let Err(err) = control_plane.shutdown().await
+        {
+            tracing::warn!(error = %err, "control plane stopped with an error");
+        }
+    }
+}

@@ -1,0 +1,764 @@
+//! `switchyard-bench compare` (and `switchyard demo`): the same trace through RANDOM,
+//! LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE, each on a fresh in-process cluster (cold
+//! caches), with 1 and with several routers, side by side with the oracle bound.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Serialize;
+use switchyard_engine_sim::SimConfig;
+
+use crate::client::{HttpClient, http_client};
+use crate::cluster::{ClusterSpec, ClusterTuning, LocalCluster, variants_json};
+use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
+use crate::report::{
+    Check, DecisionStats, InstanceShare, KvStats, Machine, Report, RunReport, RunStats, Setup,
+    WorkloadSummary, percent,
+};
+use crate::run::{RunConfig, run};
+use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
+use crate::workload::{Trace, WorkloadKind, WorkloadSpec};
+
+/// A routing strategy of SageMaker's RoutingConfig.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
+pub enum Strategy {
+    #[value(name = "RANDOM", alias = "random")]
+    Random,
+    #[value(
+        name = "LEAST_OUTSTANDING_REQUESTS",
+        alias = "least-outstanding-requests"
+    )]
+    LeastOutstandingRequests,
+    #[value(name = "PREFIX_AWARE", alias = "prefix-aware")]
+    PrefixAware,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 3] = [
+        Strategy::Random,
+        Strategy::LeastOutstandingRequests,
+        Strategy::PrefixAware,
+    ];
+
+    /// The `RoutingStrategy` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Random => "RANDOM",
+            Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
+            Strategy::PrefixAware => "PREFIX_AWARE",
+        }
+    }
+}
+
+/// Documented starting points; every flag overrides one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+pub enum Preset {
+    /// The article's experiment in miniature (docs/benchmarks.md): 7 engines (one p5 each),
+    /// long context (2,000 requests over 300 shared prefixes of 8,000 tokens, 32 output
+    /// tokens), 16 clients, time scale 0.25, PrefixLength 4096 and ConcurrencyThreshold 10,
+    /// 1 and 4 routers. About 3.5 minutes on 2 cores in a release build.
+    Article,
+    /// A smoke run in seconds: 3 engines with small caches, 48 requests over 12 prefixes of
+    /// 400 tokens, 4 clients, time scale 0.1, 1 router.
+    Quick,
+}
+
+/// `switchyard-bench compare` / `switchyard demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Defaults to start from (see docs/benchmarks.md); the flags below override them.
+    #[arg(long, value_enum, default_value = "article")]
+    pub preset: Preset,
+    /// Router counts to run, comma-separated (each strategy runs once per count).
+    #[arg(long, value_delimiter = ',', value_name = "N,..")]
+    pub routers: Option<Vec<usize>>,
+    /// Simulated engines.
+    #[arg(long, value_name = "N")]
+    pub engines: Option<usize>,
+    /// Strategies to compare, comma-separated; the first is the baseline.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "S,..")]
+    pub strategies: Option<Vec<Strategy>>,
+    /// Workload (docs/benchmarks.md). Another workload than the preset's starts from that
+    /// workload's defaults, keeping the preset's --requests and --seed.
+    #[arg(long, value_enum)]
+    pub workload: Option<WorkloadKind>,
+    /// Requests in the trace.
+    #[arg(long, value_name = "N")]
+    pub requests: Option<usize>,
+    /// Closed-loop clients (with --rate: the most sessions in flight).
+    #[arg(long, value_name = "C")]
+    pub concurrency: Option<usize>,
+    /// Open loop: new sessions per second of model time (Poisson). Default: closed loop.
+    #[arg(long, value_name = "PER_S")]
+    pub rate: Option<f64>,
+    /// Engines' clock: 0.25 runs four times faster than the modelled GPUs. Latencies are
+    /// reported in model ms = wall ms / time scale.
+    #[arg(long, value_name = "X")]
+    pub time_scale: Option<f64>,
+    /// Seed of the trace (and of the open loop's arrivals).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Shared prefixes (long-context, mixed), documents (rag) or system prompts (sharegpt).
+    #[arg(long, value_name = "N")]
+    pub prefixes: Option<usize>,
+    /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
+    #[arg(long, value_name = "TOKENS")]
+    pub prefix_tokens: Option<u32>,
+    /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
+    #[arg(long, value_name = "S")]
+    pub zipf: Option<f64>,
+    /// Output tokens per request.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_tokens: Option<u32>,
+    /// mixed: fraction of long prompts.
+    #[arg(long, value_name = "F")]
+    pub long_fraction: Option<f64>,
+    /// KV-cache blocks per engine (16 tokens each; the simulator's default is one p5's).
+    #[arg(long, value_name = "BLOCKS")]
+    pub kv_cache_blocks: Option<usize>,
+    /// PREFIX_AWARE PrefixLength (characters of message text).
+    #[arg(long, value_name = "CHARS")]
+    pub prefix_length: Option<u32>,
+    /// PREFIX_AWARE ConcurrencyThreshold (fleet-wide in-flight requests per instance).
+    #[arg(long, value_name = "N")]
+    pub concurrency_threshold: Option<u32>,
+    /// Stop starting sessions after this many wall seconds per run.
+    #[arg(long, value_name = "SECONDS")]
+    pub max_duration: Option<f64>,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write an SVG chart (hit rate, TTFT p50, instance shares).
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// No progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Everything a comparison needs, after presets and flags.
+#[derive(Debug, Clone)]
+pub struct CompareSettings {
+    pub workload: WorkloadSpec,
+    pub engines: usize,
+    pub router_counts: Vec<usize>,
+    pub strategies: Vec<Strategy>,
+    pub concurrency: usize,
+    /// Open loop: sessions per second of model time.
+    pub rate: Option<f64>,
+    pub sim: SimConfig,
+    pub prefix_length: u32,
+    pub concurrency_threshold: u32,
+    /// Router load reports and control-plane broadcasts (wall ms).
+    pub load_interval_ms: u64,
+    pub max_duration: Duration,
+    pub request_timeout: Duration,
+    pub progress: bool,
+}
+
+impl CompareSettings {
+    /// The documented presets (docs/benchmarks.md explains each value).
+    pub fn preset(preset: Preset) -> Self {
+        match preset {
+            Preset::Article => {
+                let time_scale = 0.25;
+                Self {
+                    workload: WorkloadSpec {
+                        requests: 2000,
+                        seed: 1,
+                        prefixes: 300,
+                        prefix_tokens: 8000,
+                        zipf: 0.0,
+                        max_tokens: 32,
+                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+                    },
+                    engines: 7,
+                    router_counts: vec![1, 4],
+                    strategies: Strategy::ALL.to_vec(),
+                    concurrency: 16,
+                    rate: None,
+                    sim: bench_sim(time_scale, 79_000),
+                    // The article's example configuration.
+                    prefix_length: 4096,
+                    concurrency_threshold: 10,
+                    load_interval_ms: load_interval_for(time_scale),
+                    max_duration: Duration::from_secs(600),
+                    request_timeout: Duration::from_secs(120),
+                    progress: true,
+                }
+            }
+            Preset::Quick => {
+                let time_scale = 0.1;
+                Self {
+                    workload: WorkloadSpec {
+                        requests: 48,
+                        // Seed 3 spreads the 12 prefixes 4/5/3 over the 3 engines (with so
+                        // few keys, some seeds leave an engine without any).
+                        seed: 3,
+                        prefixes: 12,
+                        prefix_tokens: 400,
+                        zipf: 0.0,
+                        max_tokens: 8,
+                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+                    },
+                    engines: 3,
+                    router_counts: vec![1],
+                    strategies: Strategy::ALL.to_vec(),
+                    concurrency: 4,
+                    rate: None,
+                    // About six prefixes' worth of blocks per engine: RANDOM (every engine
+                    // sees all twelve) thrashes, PREFIX_AWARE (four per engine on average) fits.
+                    sim: bench_sim(time_scale, 160),
+                    prefix_length: 1024,
+                    concurrency_threshold: 8,
+                    load_interval_ms: load_interval_for(time_scale),
+                    max_duration: Duration::from_secs(60),
+                    request_timeout: Duration::from_secs(30),
+                    progress: true,
+                }
+            }
+        }
+    }
+
+    pub fn time_scale(&self) -> f64 {
+        self.sim.time_scale
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.workload.validate()?;
+        self.sim.validate()?;
+        if self.engines == 0 {
+            return Err("--engines must be at least 1".into());
+        }
+        if self.router_counts.is_empty() || self.router_counts.contains(&0) {
+            return Err("--routers must list router counts of at least 1".into());
+        }
+        if self.strategies.is_empty() {
+            return Err("--strategies must name at least one strategy".into());
+        }
+        if self.concurrency == 0 {
+            return Err("--concurrency must be at least 1".into());
+        }
+        if let Some(rate) = self.rate
+            && !(rate.is_finite() && rate > 0.0)
+        {
+            return Err(format!("--rate must be a positive number, got {rate}"));
+        }
+        if !(1024..=65536).contains(&self.prefix_length) {
+            return Err(format!(
+                "--prefix-length must be within 1024-65536, got {}",
+                self.prefix_length
+            ));
+        }
+        if !(1..=1024).contains(&self.concurrency_threshold) {
+            return Err(format!(
+                "--concurrency-threshold must be within 1-1024, got {}",
+                self.concurrency_threshold
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The simulator as the benchmarks run it: defaults (one p5), with the time scale and cache
+/// size given, a short grace period and little request recording.
+pub fn bench_sim(time_scale: f64, kv_cache_blocks: usize) -> SimConfig {
+    SimConfig {
+        time_scale,
+        kv_cache_blocks,
+        record_requests: 16,
+        shutdown_grace_s: 5.0,
+        ..SimConfig::default()
+    }
+}
+
+/// The router/control-plane load interval scaled with the clock: 100 ms of model time.
+pub fn load_interval_for(time_scale: f64) -> u64 {
+    ((100.0 * time_scale).round() as u64).clamp(10, 100)
+}
+
+impl DemoArgs {
+    /// The preset with every given flag applied, validated (the error names the flag).
+    pub fn settings(&self) -> Result<CompareSettings, String> {
+        let mut settings = CompareSettings::preset(self.preset);
+        if let Some(kind) = self.workload
+            && kind != settings.workload.kind
+        {
+            let defaults = WorkloadSpec::defaults(kind);
+            settings.workload = WorkloadSpec {
+                requests: settings.workload.requests,
+                seed: settings.workload.seed,
+                ..defaults
+            };
+        }
+        let workload = &mut settings.workload;
+        if let Some(requests) = self.requests {
+            workload.requests = requests;
+        }
+        if let Some(seed) = self.seed {
+            workload.seed = seed;
+        }
+        if let Some(prefixes) = self.prefixes {
+            workload.prefixes = prefixes;
+        }
+        if let Some(tokens) = self.prefix_tokens {
+            workload.prefix_tokens = tokens;
+        }
+        if let Some(zipf) = self.zipf {
+            workload.zipf = zipf;
+        }
+        if let Some(max_tokens) = self.max_tokens {
+            workload.max_tokens = max_tokens;
+        }
+        if let Some(fraction) = self.long_fraction {
+            workload.long_fraction = fraction;
+        }
+        if let Some(routers) = &self.routers {
+            settings.router_counts = routers.clone();
+        }
+        if let Some(engines) = self.engines {
+            settings.engines = engines;
+        }
+        if let Some(strategies) = &self.strategies {
+            settings.strategies = strategies.clone();
+        }
+        if let Some(concurrency) = self.concurrency {
+            settings.concurrency = concurrency;
+        }
+        if self.rate.is_some() {
+            settings.rate = self.rate;
+        }
+        if let Some(time_scale) = self.time_scale {
+            settings.sim.time_scale = time_scale;
+            settings.load_interval_ms = load_interval_for(time_scale);
+        }
+        if let Some(blocks) = self.kv_cache_blocks {
+            settings.sim.kv_cache_blocks = blocks;
+        }
+        if let Some(length) = self.prefix_length {
+            settings.prefix_length = length;
+        }
+        if let Some(threshold) = self.concurrency_threshold {
+            settings.concurrency_threshold = threshold;
+        }
+        if let Some(seconds) = self.max_duration {
+            if !(seconds.is_finite() && seconds > 0.0) {
+                return Err(format!("--max-duration must be positive, got {seconds}"));
+            }
+            settings.max_duration = Duration::from_secs_f64(seconds);
+        }
+        settings.progress = !self.quiet;
+        settings.validate()?;
+        Ok(settings)
+    }
+}
+
+/// Runs the comparison `args` describes, prints the table, writes the JSON and SVG files.
+pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
+    let settings = args.settings().map_err(UsageError)?;
+    let report = compare(&settings).await?;
+    crate::report::print_stdout(&report.table());
+    if let Some(path) = &args.json {
+        report.write_json(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.svg {
+        std::fs::write(path, crate::svg::render(&report))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(report)
+}
+
+/// A bad flag or value (exit 64).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Generates the trace and its oracle bound, then runs every (router count, strategy) on a
+/// fresh cluster.
+pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
+    settings.validate().map_err(UsageError)?;
+    let time_scale = settings.time_scale();
+    let spec = settings.workload.clone();
+    let concurrency = settings.concurrency;
+    let capacity = (settings.engines * settings.sim.kv_cache_blocks) as u64;
+    let block_size = settings.sim.block_size;
+    if settings.progress {
+        eprintln!("generating the {} trace and its oracle bound…", spec.kind);
+    }
+    let (trace, oracle, workload) =
+        tokio::task::spawn_blocking(move || prepare(&spec, concurrency, capacity, block_size))
+            .await
+            .context("trace generation failed")??;
+    let trace = Arc::new(trace);
+    let client = http_client();
+
+    let mut runs = Vec::new();
+    for &routers in &settings.router_counts {
+        for &strategy in &settings.strategies {
+            let label = format!(
+                "{} · {routers} router{}",
+                strategy.as_str(),
+                if routers == 1 { "" } else { "s" }
+            );
+            let run = run_one(
+                settings, strategy, routers, &label, &trace, &oracle, &client,
+            )
+            .await
+            .with_context(|| format!("run {label}"))?;
+            runs.push(run);
+        }
+    }
+    let baseline = settings.strategies[0];
+    for routers in &settings.router_counts {
+        let base = runs
+            .iter()
+            .find(|run| {
+                run.routers == *routers && run.strategy.as_deref() == Some(baseline.as_str())
+            })
+            .cloned();
+        let group = runs.iter().filter(|run| run.routers == *routers).count();
+        if let Some(base) = base
+            && group > 1
+        {
+            for run in runs.iter_mut().filter(|run| run.routers == *routers) {
+                run.compare_to(&base);
+            }
+        }
+    }
+
+    let mut report = Report {
+        tool: "switchyard-bench".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        mode: "compare".into(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: Machine::current(),
+        workload,
+        time_scale,
+        concurrency: settings.concurrency,
+        rate: settings.rate,
+        setup: Some(Setup {
+            engines: settings.engines,
+            kv_cache_blocks: settings.sim.kv_cache_blocks,
+            block_size: settings.sim.block_size,
+            prefill_tokens_per_s: settings.sim.prefill_tokens_per_s,
+            prefix_length: settings.prefix_length,
+            concurrency_threshold: settings.concurrency_threshold,
+            load_interval_ms: settings.load_interval_ms,
+        }),
+        oracle: Some(oracle),
+        runs,
+        prefix_owner_shares: Vec::new(),
+        checks: Vec::new(),
+        notes: Vec::new(),
+    };
+    if settings.strategies.contains(&Strategy::PrefixAware) {
+        report.prefix_owner_shares = prefix_owner_shares(
+            &trace,
+            "bench",
+            settings.prefix_length as usize,
+            settings.engines,
+        );
+    }
+    report.checks = checks(&report, settings.engines);
+    for run in &report.runs {
+        if run
+            .instances_routable_at_end
+            .iter()
+            .any(|&count| count != settings.engines)
+        {
+            report.notes.push(format!(
+                "{}: routers saw {:?} of {} instances at the end (health checks failed?)",
+                run.label, run.instances_routable_at_end, settings.engines
+            ));
+        }
+        if !run.stats.complete {
+            report.notes.push(format!(
+                "{}: the time limit stopped the run after {} of {} requests",
+                run.label, run.stats.requests, report.workload.spec.requests
+            ));
+        }
+    }
+    Ok(report)
+}
+
+/// The share of the trace's requests whose prefix each instance `engine-0..N` owns in
+/// PREFIX_AWARE's rendezvous order (the placement before any overflow), computed with the
+/// router's own prefix extraction, routing key and ranking.
+pub fn prefix_owner_shares(
+    trace: &Trace,
+    model: &str,
+    prefix_length: usize,
+    engines: usize,
+) -> Vec<InstanceShare> {
+    use switchyard_policy::hash::{instance_hash, routing_key};
+    use switchyard_policy::openai::OpenAiRequest;
+    use switchyard_policy::rank::{InstanceView, rendezvous_order};
+    let ids: Vec<String> = (0..engines)
+        .map(|index| format!("engine-{index}"))
+        .collect();
+    let views: Vec<InstanceView> = ids
+        .iter()
+        .map(|id| InstanceView {
+            id_hash: instance_hash(id),
+            weight: 1.0,
+            available: true,
+        })
+        .collect();
+    let mut owned = vec![0u64; engines];
+    let mut order = Vec::with_capacity(engines);
+    for request in trace.requests() {
+        let body = request.body(model);
+        let Ok(parsed) = OpenAiRequest::parse(&body) else {
+            continue;
+        };
+        let key = routing_key(b"", parsed.prefix_text(prefix_length).as_bytes());
+        if let Some(owner) = rendezvous_order(&views, key, &mut order) {
+            owned[owner] += 1;
+        }
+    }
+    let total = owned.iter().sum::<u64>().max(1);
+    ids.into_iter()
+        .zip(owned)
+        .map(|(instance, requests)| InstanceShare {
+            instance,
+            requests,
+            share: requests as f64 / total as f64,
+        })
+        .collect()
+}
+
+/// Generates the trace, tokenizes it in nominal order, and computes the oracle bound.
+pub fn prepare(
+    spec: &WorkloadSpec,
+    concurrency: usize,
+    capacity_blocks: u64,
+    block_size: usize,
+) -> anyhow::Result<(Trace, OracleBound, WorkloadSummary)> {
+    let trace = Trace::generate(spec).map_err(UsageError)?;
+    let texts: Vec<String> = trace
+        .nominal_order(concurrency)
+        .into_iter()
+        .map(|request| request.prompt_text())
+        .collect();
+    let prompts = prompt_blocks(&texts, block_size);
+    let oracle = oracle_bound(&prompts, capacity_blocks, block_size);
+    let requests = trace.request_count();
+    let workload = WorkloadSummary {
+        spec: spec.clone(),
+        sessions: trace.sessions.len(),
+        prompt_tokens: oracle.prompt_tokens,
+        mean_prompt_tokens: oracle.prompt_tokens as f64 / requests.max(1) as f64,
+    };
+    Ok((trace, oracle, workload))
+}
+
+async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<EngineCounters> {
+    let mut total = EngineCounters::default();
+    for url in urls {
+        let samples = scrape(client, &metrics_url(url)).await?;
+        total.add(&EngineCounters::from_samples(&samples));
+    }
+    Ok(total)
+}
+
+async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<Histogram> {
+    let mut total = Histogram::default();
+    for url in urls {
+        let samples = scrape(client, &metrics_url(url)).await?;
+        if let Some(histogram) =
+            Histogram::from_samples(&samples, "switchyard_router_decision_seconds")
+        {
+            total.add(&histogram);
+        }
+    }
+    Ok(total)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_one(
+    settings: &CompareSettings,
+    strategy: Strategy,
+    routers: usize,
+    label: &str,
+    trace: &Arc<Trace>,
+    oracle: &OracleBound,
+    client: &HttpClient,
+) -> anyhow::Result<RunReport> {
+    let prefix = (strategy == Strategy::PrefixAware)
+        .then_some((settings.prefix_length, settings.concurrency_threshold));
+    let spec = ClusterSpec {
+        engines: settings.engines,
+        routers,
+        endpoint: "bench".into(),
+        variants_json: variants_json(strategy.as_str(), prefix),
+        sim: settings.sim.clone(),
+        ..ClusterSpec::default()
+    };
+    let tuning = ClusterTuning {
+        load_interval_ms: settings.load_interval_ms,
+        ..ClusterTuning::default()
+    };
+    let cluster = LocalCluster::start_with(spec, tuning).await?;
+    let result = measure(
+        settings, strategy, routers, label, trace, oracle, client, &cluster,
+    )
+    .await;
+    cluster.shutdown().await;
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure(
+    settings: &CompareSettings,
+    strategy: Strategy,
+    routers: usize,
+    label: &str,
+    trace: &Arc<Trace>,
+    oracle: &OracleBound,
+    client: &HttpClient,
+    cluster: &LocalCluster,
+) -> anyhow::Result<RunReport> {
+    let time_scale = settings.time_scale();
+    let engines_before = scrape_engines(client, &cluster.engine_urls).await?;
+    let decisions_before = scrape_routers(client, &cluster.router_urls).await?;
+    let targets = cluster
+        .router_urls
+        .iter()
+        .map(|url| {
+            format!(
+                "{url}/endpoints/{}/openai/v1/chat/completions",
+                cluster.endpoint
+            )
+            .parse::<http::Uri>()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let config = RunConfig {
+        targets,
+        model: cluster.endpoint.clone(),
+        concurrency: settings.concurrency,
+        rate: settings.rate.map(|rate| rate / time_scale),
+        seed: settings.workload.seed,
+        request_timeout: settings.request_timeout,
+        max_duration: settings.max_duration,
+        label: label.to_owned(),
+        progress: settings.progress,
+    };
+    let output = run(Arc::clone(trace), config, client.clone()).await?;
+    // Every answer is complete when the client has it; the routers' counts follow at once.
+    let settle = std::time::Instant::now();
+    while cluster.in_flight() > 0 && settle.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let engines = scrape_engines(client, &cluster.engine_urls)
+        .await?
+        .since(&engines_before);
+    let decisions = scrape_routers(client, &cluster.router_urls)
+        .await?
+        .since(&decisions_before);
+    let stats = RunStats::from_output(&output, time_scale);
+    let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
+    let report = RunReport {
+        label: label.to_owned(),
+        strategy: Some(strategy.as_str().to_owned()),
+        routers,
+        kv: Some(KvStats::from_engines(&engines, Some(oracle))),
+        kv_from_usage,
+        router_decision: DecisionStats::from_histogram(&decisions),
+        versus_baseline: None,
+        instances_routable_at_end: cluster.routable_instances(),
+        stats,
+    };
+    if settings.progress {
+        eprintln!(
+            "{label}: hit rate {}, TTFT p50 {:.1} model ms, {} errors, {:.1} s",
+            report.hit_rate().map_or_else(|| "-".into(), percent),
+            report.stats.ttft.model_ms.p50,
+            report.stats.errors,
+            report.stats.wall_seconds
+        );
+    }
+    Ok(report)
+}
+
+/// The product targets (PRODUCT.md), checked on the PREFIX_AWARE runs: hit rate against the
+/// oracle and TTFT against RANDOM for long shared prefixes (the long-context workload),
+/// instance shares and 1 vs several routers for any workload.
+pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let long_context = report.workload.spec.kind == WorkloadKind::LongContext;
+    let prefix_runs: Vec<&RunReport> = report
+        .runs
+        .iter()
+        .filter(|run| run.strategy.as_deref() == Some(Strategy::PrefixAware.as_str()))
+        .collect();
+    for run in &prefix_runs {
+        let routers = format!(
+            "{} router{}",
+            run.routers,
+            if run.routers == 1 { "" } else { "s" }
+        );
+        if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle)
+            && long_context
+        {
+            checks.push(Check {
+                what: format!("PREFIX_AWARE hit rate / oracle, {routers}"),
+                target: ">= 90%".into(),
+                measured: percent(fraction),
+                pass: fraction >= 0.9,
+            });
+        }
+        if let Some(change) = run
+            .versus_baseline
+            .as_ref()
+            .and_then(|versus| versus.ttft_p50_change)
+            && run
+                .versus_baseline
+                .as_ref()
+                .is_some_and(|versus| versus.baseline != run.label)
+            && long_context
+        {
+            checks.push(Check {
+                what: format!("TTFT p50 change vs RANDOM, {routers}"),
+                target: "<= -77%".into(),
+                measured: format!("{:+.1}%", change * 100.0),
+                pass: change <= -0.77,
+            });
+        }
+        if let Some((min, max)) = run.stats.share_range() {
+            let even = 1.0 / engines as f64;
+            let off = (min - even).abs().max((max - even).abs());
+            checks.push(Check {
+                what: format!("PREFIX_AWARE instance shares, {routers}"),
+                target: format!("within 1 point of {}", percent(even)),
+                measured: format!("{}-{}", percent(min), percent(max)),
+                pass: off <= 0.01,
+            });
+        }
+    }
+    if let (Some(first), Some(last)) = (prefix_runs.first(), prefix_runs.last())
+        && first.routers != last.routers
+        && let (Some(one), Some(many)) = (first.hit_rate(), last.hit_rate())
+    {
+        checks.push(Check {
+            what: format!(
+                "PREFIX_AWARE hit rate, {} routers vs {}",
+                last.routers, first.routers
+            ),
+            target: "no drop (within 1 point)".into(),
+            measured: format!("{} vs {}", percent(many), percent(one)),
+            pass: many >= one - 0.01,
+        });
+    }
+    checks
+}

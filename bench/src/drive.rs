@@ -1,0 +1,286 @@
+//! `switchyard-bench --target URL --endpoint E --workload W`: drives an existing router (or,
+//! with `--direct`, engines) and reports what the client measured, the engines' KV-cache
+//! hit rate (with `--engine-metrics`) and the oracle bound of the trace.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::client::http_client;
+use crate::compare::{UsageError, prepare};
+use crate::report::{KvStats, Machine, Report, RunReport, RunStats};
+use crate::run::{RunConfig, run};
+use crate::scrape::{EngineCounters, metrics_url, scrape};
+use crate::workload::{WorkloadKind, WorkloadSpec};
+
+/// Flags of the default command.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DriveArgs {
+    /// Router base URL(s), comma-separated; requests are spread over them round-robin.
+    #[arg(long, value_delimiter = ',', value_name = "URL,..")]
+    pub target: Vec<String>,
+    /// Endpoint to call: POST {target}/endpoints/{endpoint}/openai/v1/chat/completions.
+    #[arg(long, value_name = "E")]
+    pub endpoint: Option<String>,
+    /// The targets are engines, not routers: POST {target}/v1/chat/completions.
+    #[arg(long)]
+    pub direct: bool,
+    /// The body's `model`. Default: the endpoint name (the router rewrites it to the
+    /// variant's ModelName); with --direct, `sim`.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Workload (docs/benchmarks.md): each has its documented defaults, which the flags
+    /// below override.
+    #[arg(long, value_enum, default_value = "long-context")]
+    pub workload: WorkloadKind,
+    /// Requests in the trace (conversation turns count one each).
+    #[arg(long, value_name = "N")]
+    pub requests: Option<usize>,
+    /// Closed-loop clients (with --rate: the most sessions in flight).
+    #[arg(long, default_value_t = 8, value_name = "C")]
+    pub concurrency: usize,
+    /// Open loop: new sessions per second of model time (Poisson). Default: closed loop.
+    #[arg(long, value_name = "PER_S")]
+    pub rate: Option<f64>,
+    /// Seed of the trace: same seed, same requests.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Shared prefixes (long-context, mixed), documents (rag) or system prompts (sharegpt).
+    #[arg(long, value_name = "N")]
+    pub prefixes: Option<usize>,
+    /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
+    #[arg(long, value_name = "TOKENS")]
+    pub prefix_tokens: Option<u32>,
+    /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
+    #[arg(long, value_name = "S")]
+    pub zipf: Option<f64>,
+    /// Output tokens per request.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_tokens: Option<u32>,
+    /// mixed: fraction of long prompts.
+    #[arg(long, value_name = "F")]
+    pub long_fraction: Option<f64>,
+    /// Engines' base URLs (or /metrics URLs), comma-separated: the hit rate is computed from
+    /// the deltas of their vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total.
+    /// Without it, from the answers' usage.prompt_tokens_details.cached_tokens.
+    #[arg(long, value_delimiter = ',', value_name = "URL,..")]
+    pub engine_metrics: Vec<String>,
+    /// Engines behind the target, for the oracle's capacity. Default: the number of
+    /// --engine-metrics URLs, else 1.
+    #[arg(long, value_name = "N")]
+    pub engines: Option<usize>,
+    /// KV-cache blocks per engine, for the oracle's capacity (the simulator's default).
+    #[arg(long, default_value_t = 79_000, value_name = "BLOCKS")]
+    pub kv_cache_blocks: usize,
+    /// The engines' --time-scale, to report model ms (= wall ms / X) beside wall ms.
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    pub time_scale: f64,
+    /// Stop starting sessions after this many seconds.
+    #[arg(long, default_value_t = 3600.0, value_name = "SECONDS")]
+    pub max_duration: f64,
+    /// Give up on a request after this many seconds.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub timeout: f64,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write an SVG chart.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// No progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl DriveArgs {
+    fn workload(&self) -> Result<WorkloadSpec, String> {
+        let mut spec = WorkloadSpec::defaults(self.workload);
+        if let Some(requests) = self.requests {
+            spec.requests = requests;
+        }
+        if let Some(seed) = self.seed {
+            spec.seed = seed;
+        }
+        if let Some(prefixes) = self.prefixes {
+            spec.prefixes = prefixes;
+        }
+        if let Some(tokens) = self.prefix_tokens {
+            spec.prefix_tokens = tokens;
+        }
+        if let Some(zipf) = self.zipf {
+            spec.zipf = zipf;
+        }
+        if let Some(max_tokens) = self.max_tokens {
+            spec.max_tokens = max_tokens;
+        }
+        if let Some(fraction) = self.long_fraction {
+            spec.long_fraction = fraction;
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Validated target URLs and body model.
+    fn targets(&self) -> Result<(Vec<http::Uri>, String), String> {
+        if self.target.is_empty() {
+            return Err("--target URL is required (or use the compare or overhead command)".into());
+        }
+        let endpoint = match (&self.endpoint, self.direct) {
+            (Some(endpoint), _) => endpoint.clone(),
+            (None, true) => String::new(),
+            (None, false) => return Err("--endpoint E is required with --target".into()),
+        };
+        let model = self.model.clone().unwrap_or_else(|| {
+            if self.direct {
+                "sim".into()
+            } else {
+                endpoint.clone()
+            }
+        });
+        let mut targets = Vec::new();
+        for base in &self.target {
+            let base = base.trim_end_matches('/');
+            if !(base.starts_with("http://") || base.starts_with("https://")) {
+                return Err(format!("--target {base:?} must start with http://"));
+            }
+            let url = if self.direct {
+                format!("{base}/v1/chat/completions")
+            } else {
+                format!("{base}/endpoints/{endpoint}/openai/v1/chat/completions")
+            };
+            targets.push(
+                url.parse::<http::Uri>()
+                    .map_err(|err| format!("--target {base:?}: {err}"))?,
+            );
+        }
+        Ok((targets, model))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.workload()?;
+        self.targets()?;
+        if self.concurrency == 0 {
+            return Err("--concurrency must be at least 1".into());
+        }
+        for (flag, value) in [
+            ("--time-scale", self.time_scale),
+            ("--max-duration", self.max_duration),
+            ("--timeout", self.timeout),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("{flag} must be a positive number, got {value}"));
+            }
+        }
+        if let Some(rate) = self.rate
+            && !(rate.is_finite() && rate > 0.0)
+        {
+            return Err(format!("--rate must be a positive number, got {rate}"));
+        }
+        Ok(())
+    }
+}
+
+/// Runs the trace against the targets, prints the table, writes the files.
+pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
+    args.validate().map_err(UsageError)?;
+    let spec = args.workload().map_err(UsageError)?;
+    let (targets, model) = args.targets().map_err(UsageError)?;
+    let engines = args.engines.unwrap_or(args.engine_metrics.len().max(1));
+    let capacity = (engines * args.kv_cache_blocks) as u64;
+    let concurrency = args.concurrency;
+    let prepared_spec = spec.clone();
+    let (trace, oracle, workload) =
+        tokio::task::spawn_blocking(move || prepare(&prepared_spec, concurrency, capacity, 16))
+            .await
+            .context("trace generation failed")??;
+    let client = http_client();
+    let metrics: Vec<String> = args
+        .engine_metrics
+        .iter()
+        .map(|url| metrics_url(url))
+        .collect();
+    let before = scrape_all(&client, &metrics).await?;
+    let label = if args.direct { "direct" } else { "router" }.to_owned();
+    let output = run(
+        Arc::new(trace),
+        RunConfig {
+            targets,
+            model,
+            concurrency,
+            rate: args.rate.map(|rate| rate / args.time_scale),
+            seed: spec.seed,
+            request_timeout: Duration::from_secs_f64(args.timeout),
+            max_duration: Duration::from_secs_f64(args.max_duration),
+            label: label.clone(),
+            progress: !args.quiet,
+        },
+        client.clone(),
+    )
+    .await?;
+    let after = scrape_all(&client, &metrics).await?;
+    let stats = RunStats::from_output(&output, args.time_scale);
+    let kv =
+        (!metrics.is_empty()).then(|| KvStats::from_engines(&after.since(&before), Some(&oracle)));
+    let kv_from_usage = KvStats::from_usage(&stats, Some(&oracle));
+    let mut notes = vec![format!(
+        "oracle capacity assumes {engines} engine(s) × {} KV blocks (--engines, --kv-cache-blocks)",
+        args.kv_cache_blocks
+    )];
+    if metrics.is_empty() {
+        notes.push("no --engine-metrics: the hit rate comes from the answers' usage".into());
+    }
+    let report = Report {
+        tool: "switchyard-bench".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        mode: "drive".into(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: Machine::current(),
+        workload,
+        time_scale: args.time_scale,
+        concurrency,
+        rate: args.rate,
+        setup: None,
+        oracle: Some(oracle),
+        runs: vec![RunReport {
+            label,
+            strategy: None,
+            routers: args.target.len(),
+            stats,
+            kv,
+            kv_from_usage,
+            router_decision: None,
+            versus_baseline: None,
+            instances_routable_at_end: Vec::new(),
+        }],
+        prefix_owner_shares: Vec::new(),
+        checks: Vec::new(),
+        notes,
+    };
+    crate::report::print_stdout(&report.table());
+    if let Some(path) = &args.json {
+        report.write_json(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.svg {
+        std::fs::write(path, crate::svg::render(&report))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(report)
+}
+
+async fn scrape_all(
+    client: &crate::client::HttpClient,
+    urls: &[String],
+) -> anyhow::Result<EngineCounters> {
+    let mut total = EngineCounters::default();
+    for url in urls {
+        let samples = scrape(client, url)
+            .await
+            .with_context(|| format!("--engine-metrics {url}"))?;
+        total.add(&EngineCounters::from_samples(&samples));
+    }
+    Ok(total)
+}

@@ -1,0 +1,705 @@
+//! `switchyard-bench overhead`: the latency the router adds, and requests per second per core
+//! of router CPU, measured against baselines in the same run.
+//!
+//! One simulated engine runs in this process with a near-zero time model (it answers at
+//! once); a `switchyard-router` runs as a separate process from a static config, so its CPU
+//! time can be read from `/proc/PID/stat`; so does a bare reverse proxy (`forward`), the cost
+//! of one more hop on this machine. Then:
+//!
+//! 1. **Latency**: one client sends small non-streaming chat requests (`max_tokens` 1) on
+//!    keep-alive connections, one each way per round (direct, router, bare proxy) in rotating
+//!    order. Added latency = router percentile − direct percentile; the per-round differences
+//!    are summarised too.
+//! 2. **Throughput**: `concurrency` closed-loop clients for `duration` seconds each way.
+//!    Requests per core-second = requests / (the proxy process's utime + stime).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde::Serialize;
+
+use crate::client::{HttpClient, http_client};
+use crate::cluster::variants_json;
+use crate::compare::{Strategy, UsageError, bench_sim};
+use crate::report::{DecisionStats, Machine};
+use crate::scrape::{Histogram, scrape};
+use crate::stats::Summary;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct OverheadArgs {
+    /// Rounds in the latency phase: one request direct, one through the router, one through
+    /// the bare proxy, in rotating order.
+    #[arg(long, default_value_t = 2000, value_name = "N")]
+    pub requests: usize,
+    /// Closed-loop clients in the throughput phase.
+    #[arg(long, default_value_t = 16, value_name = "C")]
+    pub concurrency: usize,
+    /// Seconds of each throughput phase (direct, through the router, through the bare proxy).
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub duration: f64,
+    /// The endpoint's routing strategy (PREFIX_AWARE does the most work per request).
+    #[arg(long, value_enum, default_value = "PREFIX_AWARE")]
+    pub strategy: Strategy,
+    /// The switchyard-router executable. Default: next to this one (target/release or
+    /// target/debug: build it with `cargo build --release -p switchyard-router`).
+    #[arg(long, value_name = "FILE")]
+    pub router_bin: Option<PathBuf>,
+    /// The engine's clock scale: tiny, so that it answers at once.
+    #[arg(long, default_value_t = 1e-6, value_name = "X")]
+    pub time_scale: f64,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// No progress messages.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl OverheadArgs {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.requests == 0 {
+            return Err("--requests must be at least 1".into());
+        }
+        if self.concurrency == 0 {
+            return Err("--concurrency must be at least 1".into());
+        }
+        if !(self.duration.is_finite() && self.duration > 0.0) {
+            return Err(format!(
+                "--duration must be positive, got {}",
+                self.duration
+            ));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(format!(
+                "--time-scale must be positive, got {}",
+                self.time_scale
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Closed-loop throughput of one path.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Throughput {
+    pub requests: u64,
+    pub errors: u64,
+    pub seconds: f64,
+    pub requests_per_s: f64,
+}
+
+/// The bare forwarder measured like the router: what one more hop costs here.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForwarderBaseline {
+    pub latency_ms: Summary,
+    pub added_p50_ms: f64,
+    pub added_p99_ms: f64,
+    pub paired_difference_ms: Summary,
+    pub throughput: Option<Throughput>,
+    pub cpu_seconds: f64,
+    pub requests_per_core_second: f64,
+}
+
+/// The overhead benchmark's results (wall-clock milliseconds).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OverheadReport {
+    pub tool: String,
+    pub version: String,
+    pub command: String,
+    pub machine: Machine,
+    pub strategy: String,
+    pub body_bytes: usize,
+    /// Rounds of one request each way (direct, router, forwarder), order rotating.
+    pub rounds: usize,
+    pub direct_ms: Summary,
+    pub router_ms: Summary,
+    /// router p50 − direct p50, and so on.
+    pub added_p50_ms: f64,
+    pub added_p90_ms: f64,
+    pub added_p99_ms: f64,
+    pub added_mean_ms: f64,
+    /// Per round: router − direct.
+    pub paired_difference_ms: Summary,
+    /// The same through a bare reverse proxy (no parsing, no routing).
+    pub forwarder: Option<ForwarderBaseline>,
+    /// router p50 − forwarder p50: the router's cost beyond one more hop.
+    pub router_vs_forwarder_p50_ms: Option<f64>,
+    pub router_vs_forwarder_p99_ms: Option<f64>,
+    pub concurrency: usize,
+    pub direct_throughput: Throughput,
+    pub router_throughput: Throughput,
+    /// Router process CPU (user + system) during its throughput phase.
+    pub router_cpu_seconds: f64,
+    /// Router throughput requests / router CPU seconds.
+    pub router_requests_per_core_second: f64,
+    /// This process (client and engine) CPU during the router phase, for context.
+    pub bench_cpu_seconds: f64,
+    /// The router's own switchyard_router_decision_seconds over the whole run.
+    pub router_decision: Option<DecisionStats>,
+    pub notes: Vec<String>,
+}
+
+impl OverheadReport {
+    pub fn table(&self) -> String {
+        let row = |name: &str, summary: &Summary| {
+            format!(
+                "  {name:<26} p50 {:>7.3}   p90 {:>7.3}   p99 {:>7.3}   mean {:>7.3} ms\n",
+                summary.p50, summary.p90, summary.p99, summary.mean
+            )
+        };
+        let mut out = format!(
+            "\nrouter overhead: {} rounds of small non-streaming chat requests ({} bytes, max_tokens 1), one each way in rotating order, {} endpoint, wall clock\n",
+            self.rounds, self.body_bytes, self.strategy
+        );
+        out.push_str(&row("direct to engine", &self.direct_ms));
+        out.push_str(&row("through the router", &self.router_ms));
+        if let Some(forwarder) = &self.forwarder {
+            out.push_str(&row("through a bare forwarder", &forwarder.latency_ms));
+        }
+        out.push_str(&row(
+            "router - direct, per round",
+            &self.paired_difference_ms,
+        ));
+        out.push_str(&format!(
+            "  added by the router:     p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms (router percentile - direct percentile; targets p50 <= 0.1, p99 <= 0.5)\n",
+            self.added_p50_ms, self.added_p90_ms, self.added_p99_ms
+        ));
+        if let (Some(forwarder), Some(p50), Some(p99)) = (
+            &self.forwarder,
+            self.router_vs_forwarder_p50_ms,
+            self.router_vs_forwarder_p99_ms,
+        ) {
+            out.push_str(&format!(
+                "  added by a bare forwarder: p50 {:.3} ms, p99 {:.3} ms; the router beyond that hop: p50 {:.3} ms, p99 {:.3} ms\n",
+                forwarder.added_p50_ms, forwarder.added_p99_ms, p50, p99
+            ));
+        }
+        if let Some(decision) = &self.router_decision {
+            out.push_str(&format!(
+                "  router's own decision time (arrival to choice, body read and parsed): p50 {:.3} ms, p99 {:.3} ms (histogram buckets)\n",
+                decision.p50_ms, decision.p99_ms
+            ));
+        }
+        out.push_str(&format!(
+            "\nthroughput, {} closed-loop clients:\n  direct to engine          {:>8.0} req/s ({} errors)\n  through the router        {:>8.0} req/s ({} errors), router CPU {:.2} s: {:.0} requests per core-second\n",
+            self.concurrency,
+            self.direct_throughput.requests_per_s,
+            self.direct_throughput.errors,
+            self.router_throughput.requests_per_s,
+            self.router_throughput.errors,
+            self.router_cpu_seconds,
+            self.router_requests_per_core_second,
+        ));
+        if let Some(forwarder) = &self.forwarder
+            && let Some(throughput) = &forwarder.throughput
+        {
+            out.push_str(&format!(
+                "  through a bare forwarder  {:>8.0} req/s ({} errors), forwarder CPU {:.2} s: {:.0} requests per core-second\n",
+                throughput.requests_per_s, throughput.errors, forwarder.cpu_seconds, forwarder.requests_per_core_second
+            ));
+        }
+        for note in &self.notes {
+            out.push_str(&format!("note: {note}\n"));
+        }
+        out
+    }
+}
+
+/// The router executable next to the current one.
+pub fn default_router_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let mut dir = exe.parent()?.to_path_buf();
+    // Tests and examples run from target/{profile}/deps.
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let candidate = dir.join("switchyard-router");
+    candidate.is_file().then_some(candidate)
+}
+
+/// A child process serving HTTP on 127.0.0.1 (a router or the bare forwarder), killed on
+/// drop.
+struct ChildServer {
+    _child: tokio::process::Child,
+    pid: u32,
+    url: String,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Starts `binary` with `args(listen address)` until GET `ready_path` answers 200 (three
+/// tries on fresh ports).
+async fn start_child(
+    binary: &Path,
+    args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
+    ready_path: &str,
+    client: &HttpClient,
+) -> anyhow::Result<ChildServer> {
+    let mut last_error = None;
+    for _ in 0..3 {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let mut child = tokio::process::Command::new(binary)
+            .args(args(&listen))
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start {}", binary.display()))?;
+        let pid = child.id().context("the process exited at once")?;
+        let url = format!("http://{listen}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                last_error = Some(anyhow::anyhow!("{} exited with {status}", binary.display()));
+                break;
+            }
+            if get_status(client, &format!("{url}{ready_path}")).await == Some(200) {
+                return Ok(ChildServer {
+                    _child: child,
+                    pid,
+                    url,
+                });
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill().await;
+                last_error = Some(anyhow::anyhow!(
+                    "{} was not ready within 10 s",
+                    binary.display()
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Err(last_error.unwrap_or_else(|| anyhow::anyhow!("{} did not start", binary.display())))
+}
+
+/// A router process routing endpoint `bench` to the engine from a static config file.
+async fn start_router(
+    binary: &Path,
+    config_dir: &Path,
+    engine_url: &str,
+    strategy: Strategy,
+    client: &HttpClient,
+) -> anyhow::Result<ChildServer> {
+    let prefix = (strategy == Strategy::PrefixAware).then_some((1024, 1024));
+    let variants: serde_json::Value =
+        serde_json::from_str(&variants_json(strategy.as_str(), prefix))?;
+    let config = serde_json::json!({
+        "Endpoints": [{
+            "EndpointName": "bench",
+            "ProductionVariants": variants,
+            "Instances": [{"Url": engine_url, "InstanceId": "engine-0"}],
+        }]
+    });
+    let path = config_dir.join("router.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
+    let args = |listen: &str| -> Vec<std::ffi::OsString> {
+        vec![
+            "--listen".into(),
+            listen.into(),
+            "--config".into(),
+            path.clone().into_os_string(),
+        ]
+    };
+    start_child(binary, &args, "/readyz", client).await
+}
+
+/// This executable's bare forwarder (`switchyard-bench forward`) in front of the engine,
+/// when this executable is switchyard-bench.
+async fn start_forwarder(
+    engine_url: &str,
+    client: &HttpClient,
+) -> Option<anyhow::Result<ChildServer>> {
+    let exe = std::env::current_exe().ok()?;
+    let name = exe.file_name()?.to_str()?;
+    if !name.starts_with("switchyard-bench") {
+        return None;
+    }
+    let args = |listen: &str| -> Vec<std::ffi::OsString> {
+        vec![
+            "forward".into(),
+            "--listen".into(),
+            listen.into(),
+            "--upstream".into(),
+            engine_url.into(),
+        ]
+    };
+    Some(start_child(&exe, &args, "/health", client).await)
+}
+
+async fn get_status(client: &HttpClient, url: &str) -> Option<u16> {
+    let request = http::Request::get(url).body(Full::new(Bytes::new())).ok()?;
+    let response = tokio::time::timeout(Duration::from_secs(2), client.request(request))
+        .await
+        .ok()?
+        .ok()?;
+    let status = response.status().as_u16();
+    let _ = response.into_body().collect().await;
+    Some(status)
+}
+
+/// One non-streaming POST read to its end; its wall time, or why it failed.
+async fn post_once(client: &HttpClient, url: &http::Uri, body: &Bytes) -> Result<Duration, String> {
+    let started = Instant::now();
+    let request = http::Request::post(url.clone())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body.clone()))
+        .map_err(|err| err.to_string())?;
+    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|err| err.to_string())?;
+    let status = response.status();
+    response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|err| err.to_string())?;
+    if !status.is_success() {
+        return Err(format!("status {status}"));
+    }
+    Ok(started.elapsed())
+}
+
+/// (user + system) CPU seconds of a process, from /proc/PID/stat.
+pub fn process_cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / clock_ticks_per_second())
+}
+
+fn clock_ticks_per_second() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|output| String::from_utf8(output.stdout).ok())
+            .and_then(|text| text.trim().parse().ok())
+            .filter(|ticks: &f64| *ticks > 0.0)
+            .unwrap_or(100.0)
+    })
+}
+
+async fn closed_loop(
+    client: &HttpClient,
+    url: &http::Uri,
+    body: &Bytes,
+    concurrency: usize,
+    duration: Duration,
+) -> Throughput {
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (client, url, body) = (client.clone(), url.clone(), body.clone());
+        let (done, errors) = (Arc::clone(&done), Arc::clone(&errors));
+        tasks.spawn(async move {
+            while Instant::now() < deadline {
+                match post_once(&client, &url, &body).await {
+                    Ok(_) => done.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => errors.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    let seconds = started.elapsed().as_secs_f64();
+    let requests = done.load(Ordering::Relaxed);
+    Throughput {
+        requests,
+        errors: errors.load(Ordering::Relaxed),
+        seconds,
+        requests_per_s: requests as f64 / seconds.max(1e-9),
+    }
+}
+
+/// Runs the overhead benchmark and prints its table (and writes the JSON file).
+pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
+    args.validate().map_err(UsageError)?;
+    let binary = match &args.router_bin {
+        Some(path) => path.clone(),
+        None => default_router_bin().ok_or_else(|| {
+            UsageError(
+                "switchyard-router is not next to this executable: build it (cargo build --release -p switchyard-router) or pass --router-bin".into(),
+            )
+        })?,
+    };
+    let mut sim = bench_sim(args.time_scale, 79_000);
+    sim.step_overhead_ms = 0.0;
+    let engine = switchyard_engine_sim::spawn(sim).await?;
+    let client = http_client();
+    let config_dir = tempfile::Builder::new()
+        .prefix("switchyard-overhead-")
+        .tempdir()?;
+    let result = async {
+        let router = start_router(
+            &binary,
+            config_dir.path(),
+            &engine.url,
+            args.strategy,
+            &client,
+        )
+        .await?;
+        let forwarder = match start_forwarder(&engine.url, &client).await {
+            Some(started) => Some(started?),
+            None => None,
+        };
+        measure(&args, &engine.url, &router, forwarder.as_ref(), &client).await
+    }
+    .await;
+    engine.shutdown().await;
+    let report = result?;
+    crate::report::print_stdout(&report.table());
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(report)
+}
+
+/// One way to reach the engine.
+struct Path3 {
+    name: &'static str,
+    url: http::Uri,
+    samples: Vec<f64>,
+}
+
+async fn measure(
+    args: &OverheadArgs,
+    engine_url: &str,
+    router: &ChildServer,
+    forwarder: Option<&ChildServer>,
+    client: &HttpClient,
+) -> anyhow::Result<OverheadReport> {
+    let say = |message: &str| {
+        if !args.quiet {
+            eprintln!("{message}");
+        }
+    };
+    // The same bytes every way: the model is the engine's, so the router forwards unchanged.
+    let body = Bytes::from(
+        serde_json::json!({
+            "model": "sim",
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "max_tokens": 1,
+        })
+        .to_string(),
+    );
+    let mut paths = vec![
+        Path3 {
+            name: "direct",
+            url: format!("{engine_url}/v1/chat/completions").parse()?,
+            samples: Vec::with_capacity(args.requests),
+        },
+        Path3 {
+            name: "router",
+            url: format!("{}/endpoints/bench/openai/v1/chat/completions", router.url).parse()?,
+            samples: Vec::with_capacity(args.requests),
+        },
+    ];
+    if let Some(forwarder) = forwarder {
+        paths.push(Path3 {
+            name: "forwarder",
+            url: format!("{}/v1/chat/completions", forwarder.url).parse()?,
+            samples: Vec::with_capacity(args.requests),
+        });
+    }
+
+    say("warming up…");
+    for _ in 0..200 {
+        for path in &paths {
+            post_once(client, &path.url, &body)
+                .await
+                .map_err(|err| anyhow::anyhow!("{}: {err}", path.name))?;
+        }
+    }
+    say(&format!(
+        "latency: {} rounds, one request each way…",
+        args.requests
+    ));
+    let ways = paths.len();
+    for round in 0..args.requests {
+        // Rotate the order so that no way always follows another.
+        for step in 0..ways {
+            let path = &mut paths[(round + step) % ways];
+            let took = post_once(client, &path.url, &body)
+                .await
+                .map_err(|err| anyhow::anyhow!("{}: {err}", path.name))?;
+            path.samples.push(took.as_secs_f64() * 1e3);
+        }
+    }
+    let direct_ms = Summary::of(&paths[0].samples);
+    let router_ms = Summary::of(&paths[1].samples);
+    let pair = |index: usize| -> Vec<f64> {
+        paths[index]
+            .samples
+            .iter()
+            .zip(&paths[0].samples)
+            .map(|(way, direct)| way - direct)
+            .collect()
+    };
+    let router_differences = pair(1);
+    let forwarder_ms = (ways > 2).then(|| Summary::of(&paths[2].samples));
+    let forwarder_differences = (ways > 2).then(|| pair(2));
+
+    let duration = Duration::from_secs_f64(args.duration);
+    say(&format!(
+        "throughput: {} clients for {:.0} s direct…",
+        args.concurrency, args.duration
+    ));
+    let direct_throughput =
+        closed_loop(client, &paths[0].url, &body, args.concurrency, duration).await;
+    say(&format!(
+        "throughput: {} clients for {:.0} s through the router…",
+        args.concurrency, args.duration
+    ));
+    let (router_throughput, router_cpu, bench_cpu) = loaded(
+        client,
+        &paths[1].url,
+        &body,
+        args.concurrency,
+        duration,
+        router.pid,
+    )
+    .await?;
+    let forwarder_load = match forwarder {
+        Some(forwarder) => {
+            say(&format!(
+                "throughput: {} clients for {:.0} s through the bare forwarder…",
+                args.concurrency, args.duration
+            ));
+            Some(
+                loaded(
+                    client,
+                    &paths[2].url,
+                    &body,
+                    args.concurrency,
+                    duration,
+                    forwarder.pid,
+                )
+                .await?,
+            )
+        }
+        None => None,
+    };
+    let decision = scrape(client, &format!("{}/metrics", router.url))
+        .await
+        .ok()
+        .and_then(|samples| Histogram::from_samples(&samples, "switchyard_router_decision_seconds"))
+        .and_then(|histogram| DecisionStats::from_histogram(&histogram));
+
+    let machine = Machine::current();
+    let mut notes = vec![
+        "the client and the engine run in this process, the router and the forwarder in their own; all share this machine's cores".to_owned(),
+        "a routing decision alone is measured by `cargo bench -p switchyard-policy` (criterion)".to_owned(),
+    ];
+    if forwarder.is_none() {
+        notes.push(
+            "no bare-forwarder baseline: it runs only from the switchyard-bench executable".into(),
+        );
+    }
+    if machine.cpus <= 2 {
+        notes.push(format!(
+            "{} CPUs: in the throughput phases the client and engine compete with the proxy for them",
+            machine.cpus
+        ));
+    }
+    let per_core = |throughput: &Throughput, cpu: f64| {
+        if cpu > 0.0 {
+            throughput.requests as f64 / cpu
+        } else {
+            0.0
+        }
+    };
+    Ok(OverheadReport {
+        tool: "switchyard-bench".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine,
+        strategy: args.strategy.as_str().into(),
+        body_bytes: body.len(),
+        rounds: args.requests,
+        added_p50_ms: router_ms.p50 - direct_ms.p50,
+        added_p90_ms: router_ms.p90 - direct_ms.p90,
+        added_p99_ms: router_ms.p99 - direct_ms.p99,
+        added_mean_ms: router_ms.mean - direct_ms.mean,
+        paired_difference_ms: Summary::of(&router_differences),
+        direct_ms,
+        router_ms,
+        forwarder: forwarder_ms.map(|forwarder_ms| ForwarderBaseline {
+            added_p50_ms: forwarder_ms.p50 - direct_ms.p50,
+            added_p99_ms: forwarder_ms.p99 - direct_ms.p99,
+            paired_difference_ms: Summary::of(&forwarder_differences.unwrap_or_default()),
+            latency_ms: forwarder_ms,
+            throughput: forwarder_load.map(|load| load.0),
+            cpu_seconds: forwarder_load.map_or(0.0, |load| load.1),
+            requests_per_core_second: forwarder_load.map_or(0.0, |load| per_core(&load.0, load.1)),
+        }),
+        router_vs_forwarder_p50_ms: forwarder_ms
+            .map(|forwarder_ms| router_ms.p50 - forwarder_ms.p50),
+        router_vs_forwarder_p99_ms: forwarder_ms
+            .map(|forwarder_ms| router_ms.p99 - forwarder_ms.p99),
+        concurrency: args.concurrency,
+        direct_throughput,
+        router_throughput,
+        router_cpu_seconds: router_cpu,
+        router_requests_per_core_second: per_core(&router_throughput, router_cpu),
+        bench_cpu_seconds: bench_cpu,
+        router_decision: decision,
+        notes,
+    })
+}
+
+/// A closed loop through a proxy process, with that process's CPU seconds and this one's.
+async fn loaded(
+    client: &HttpClient,
+    url: &http::Uri,
+    body: &Bytes,
+    concurrency: usize,
+    duration: Duration,
+    pid: u32,
+) -> anyhow::Result<(Throughput, f64, f64)> {
+    let pid = pid.to_string();
+    let before = process_cpu_seconds(&pid).context("cannot read the proxy's CPU time")?;
+    let bench_before = process_cpu_seconds("self").unwrap_or(0.0);
+    let throughput = closed_loop(client, url, body, concurrency, duration).await;
+    let cpu = process_cpu_seconds(&pid).context("cannot read the proxy's CPU time")? - before;
+    let bench = process_cpu_seconds("self").unwrap_or(0.0) - bench_before;
+    if throughput.requests == 0 {
+        bail!("no request went through {url} in the throughput phase");
+    }
+    Ok((throughput, cpu, bench))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_this_process_cpu_time() {
+        let spent = process_cpu_seconds("self").expect("/proc/self/stat");
+        assert!(spent >= 0.0);
+    }
+}

@@ -1,0 +1,676 @@
+//! The benchmark report: per-run statistics, the comparison against a baseline strategy,
+//! the product-target checks, the terminal table and the JSON file.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context as _;
+use serde::Serialize;
+
+use crate::oracle::OracleBound;
+use crate::run::RunOutput;
+use crate::scrape::{EngineCounters, Histogram};
+use crate::stats::{Latency, relative_change};
+use crate::workload::{RequestClass, WorkloadSpec};
+
+/// Requests one instance served.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InstanceShare {
+    pub instance: String,
+    pub requests: u64,
+    /// Of the successful requests that named an instance.
+    pub share: f64,
+}
+
+/// Latencies of one request class (mixed workload).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassStats {
+    pub requests: usize,
+    pub ttft: Latency,
+    pub itl: Latency,
+    pub e2e: Latency,
+}
+
+/// What the client measured in one run. Latencies: `wall_ms` on the wall clock, `model_ms`
+/// = wall / time scale (the modelled GPU server's time; equal when the time scale is 1).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunStats {
+    pub requests: usize,
+    pub ok: usize,
+    pub errors: usize,
+    pub first_error: Option<String>,
+    /// False if the time limit cut the run short.
+    pub complete: bool,
+    pub wall_seconds: f64,
+    pub ttft: Latency,
+    pub itl: Latency,
+    pub e2e: Latency,
+    pub requests_per_s_wall: f64,
+    pub requests_per_s_model: f64,
+    pub output_tokens_per_s_model: f64,
+    pub instance_shares: Vec<InstanceShare>,
+    /// Requests by `x-switchyard-route`.
+    pub routes: BTreeMap<String, u64>,
+    /// From each answer's `usage`: prompt tokens and `prompt_tokens_details.cached_tokens`.
+    pub usage_prompt_tokens: u64,
+    pub usage_cached_tokens: u64,
+    /// Per request class, when the workload mixes long and short prompts.
+    pub classes: BTreeMap<String, ClassStats>,
+}
+
+impl RunStats {
+    pub fn from_output(output: &RunOutput, time_scale: f64) -> Self {
+        let ok: Vec<_> = output
+            .measured
+            .iter()
+            .filter(|item| item.outcome.ok())
+            .collect();
+        let errors = output.measured.len() - ok.len();
+        let ms = |duration: std::time::Duration| duration.as_secs_f64() * 1e3;
+        let latencies = |items: &[&crate::run::Measured]| {
+            let ttft: Vec<f64> = items
+                .iter()
+                .filter_map(|item| item.outcome.ttft.map(ms))
+                .collect();
+            let itl: Vec<f64> = items
+                .iter()
+                .flat_map(|item| item.outcome.itl.iter().copied().map(ms))
+                .collect();
+            let e2e: Vec<f64> = items.iter().map(|item| ms(item.outcome.e2e)).collect();
+            (
+                Latency::of(&ttft, time_scale),
+                Latency::of(&itl, time_scale),
+                Latency::of(&e2e, time_scale),
+            )
+        };
+        let (ttft, itl, e2e) = latencies(&ok);
+
+        let mut by_instance: BTreeMap<String, u64> = BTreeMap::new();
+        let mut routes: BTreeMap<String, u64> = BTreeMap::new();
+        for item in &ok {
+            if let Some(instance) = &item.outcome.instance {
+                *by_instance.entry(instance.clone()).or_default() += 1;
+            }
+            if let Some(route) = &item.outcome.route {
+                *routes.entry(route.clone()).or_default() += 1;
+            }
+        }
+        let named: u64 = by_instance.values().sum();
+        let mut instance_shares: Vec<InstanceShare> = by_instance
+            .into_iter()
+            .map(|(instance, requests)| InstanceShare {
+                share: requests as f64 / named.max(1) as f64,
+                instance,
+                requests,
+            })
+            .collect();
+        instance_shares.sort_by_key(|share| natural_key(&share.instance));
+
+        let mut classes = BTreeMap::new();
+        let long: Vec<_> = ok
+            .iter()
+            .copied()
+            .filter(|item| item.class == RequestClass::Long)
+            .collect();
+        let short: Vec<_> = ok
+            .iter()
+            .copied()
+            .filter(|item| item.class == RequestClass::Short)
+            .collect();
+        if !long.is_empty() && !short.is_empty() {
+            for (name, items) in [("long", long), ("short", short)] {
+                let (ttft, itl, e2e) = latencies(&items);
+                classes.insert(
+                    name.to_owned(),
+                    ClassStats {
+                        requests: items.len(),
+                        ttft,
+                        itl,
+                        e2e,
+                    },
+                );
+            }
+        }
+
+        let wall_seconds = output.wall.as_secs_f64();
+        let output_tokens: u64 = ok
+            .iter()
+            .map(|item| u64::from(item.outcome.output_tokens()))
+            .sum();
+        let per_second = |count: f64| {
+            if wall_seconds > 0.0 {
+                count / wall_seconds
+            } else {
+                0.0
+            }
+        };
+        Self {
+            requests: output.measured.len(),
+            ok: ok.len(),
+            errors,
+            first_error: output
+                .measured
+                .iter()
+                .find_map(|item| item.outcome.error.clone()),
+            complete: output.complete,
+            wall_seconds,
+            ttft,
+            itl,
+            e2e,
+            requests_per_s_wall: per_second(ok.len() as f64),
+            requests_per_s_model: per_second(ok.len() as f64) * time_scale,
+            output_tokens_per_s_model: per_second(output_tokens as f64) * time_scale,
+            instance_shares,
+            routes,
+            usage_prompt_tokens: ok
+                .iter()
+                .filter_map(|item| item.outcome.prompt_tokens)
+                .map(u64::from)
+                .sum(),
+            usage_cached_tokens: ok
+                .iter()
+                .filter_map(|item| item.outcome.cached_tokens)
+                .map(u64::from)
+                .sum(),
+            classes,
+        }
+    }
+
+    /// (smallest, largest) instance share.
+    pub fn share_range(&self) -> Option<(f64, f64)> {
+        let shares = self.instance_shares.iter().map(|share| share.share);
+        let min = shares.clone().reduce(f64::min)?;
+        let max = shares.reduce(f64::max)?;
+        Some((min, max))
+    }
+}
+
+/// "engine-10" after "engine-9".
+fn natural_key(text: &str) -> (String, u64) {
+    let digits = text.len() - text.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, number) = text.split_at(text.len() - digits);
+    (stem.to_owned(), number.parse().unwrap_or(0))
+}
+
+/// KV-cache hit rate of a run, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct KvStats {
+    pub hit_rate: f64,
+    pub hit_tokens: f64,
+    pub query_tokens: f64,
+    /// `engine-metrics` (vllm:prefix_cache_* deltas) or `usage` (cached_tokens of answers).
+    pub source: &'static str,
+    /// hit_rate / the oracle's.
+    pub fraction_of_oracle: Option<f64>,
+}
+
+impl KvStats {
+    pub fn from_engines(counters: &EngineCounters, oracle: Option<&OracleBound>) -> Self {
+        Self::new(
+            counters.prefix_cache_hits,
+            counters.prefix_cache_queries,
+            "engine-metrics",
+            oracle,
+        )
+    }
+
+    pub fn from_usage(stats: &RunStats, oracle: Option<&OracleBound>) -> Option<Self> {
+        (stats.usage_prompt_tokens > 0).then(|| {
+            Self::new(
+                stats.usage_cached_tokens as f64,
+                stats.usage_prompt_tokens as f64,
+                "usage",
+                oracle,
+            )
+        })
+    }
+
+    fn new(hits: f64, queries: f64, source: &'static str, oracle: Option<&OracleBound>) -> Self {
+        let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
+        Self {
+            hit_rate,
+            hit_tokens: hits,
+            query_tokens: queries,
+            source,
+            fraction_of_oracle: oracle
+                .filter(|oracle| oracle.hit_rate > 0.0)
+                .map(|oracle| hit_rate / oracle.hit_rate),
+        }
+    }
+}
+
+/// The routers' own `switchyard_router_decision_seconds` (arrival to routing decision, body
+/// read and parsed), summed over routers, in milliseconds (bucket-interpolated quantiles).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DecisionStats {
+    pub count: f64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl DecisionStats {
+    pub fn from_histogram(histogram: &Histogram) -> Option<Self> {
+        Some(Self {
+            count: histogram.count,
+            mean_ms: histogram.mean()? * 1e3,
+            p50_ms: histogram.quantile(0.5)? * 1e3,
+            p99_ms: histogram.quantile(0.99)? * 1e3,
+        })
+    }
+}
+
+/// A run against the baseline run of the same group (RANDOM): relative changes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Versus {
+    pub baseline: String,
+    pub ttft_p50_change: Option<f64>,
+    pub ttft_p90_change: Option<f64>,
+    pub ttft_p99_change: Option<f64>,
+    pub e2e_p50_change: Option<f64>,
+    pub throughput_change: Option<f64>,
+    /// Hit rate minus the baseline's, in points (0–1).
+    pub hit_rate_change: Option<f64>,
+}
+
+/// One measured run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunReport {
+    pub label: String,
+    /// Routing strategy of the endpoint (compare), or `None` for an existing router.
+    pub strategy: Option<String>,
+    pub routers: usize,
+    #[serde(flatten)]
+    pub stats: RunStats,
+    pub kv: Option<KvStats>,
+    pub kv_from_usage: Option<KvStats>,
+    pub router_decision: Option<DecisionStats>,
+    pub versus_baseline: Option<Versus>,
+    /// Instances the routers saw at the end (a drop means one was marked unhealthy).
+    pub instances_routable_at_end: Vec<usize>,
+}
+
+impl RunReport {
+    pub fn hit_rate(&self) -> Option<f64> {
+        self.kv.or(self.kv_from_usage).map(|kv| kv.hit_rate)
+    }
+
+    /// Fills `versus_baseline` against `baseline`.
+    pub fn compare_to(&mut self, baseline: &RunReport) {
+        let change = |base: f64, new: f64| relative_change(base, new);
+        self.versus_baseline = Some(Versus {
+            baseline: baseline.label.clone(),
+            ttft_p50_change: change(baseline.stats.ttft.wall_ms.p50, self.stats.ttft.wall_ms.p50),
+            ttft_p90_change: change(baseline.stats.ttft.wall_ms.p90, self.stats.ttft.wall_ms.p90),
+            ttft_p99_change: change(baseline.stats.ttft.wall_ms.p99, self.stats.ttft.wall_ms.p99),
+            e2e_p50_change: change(baseline.stats.e2e.wall_ms.p50, self.stats.e2e.wall_ms.p50),
+            throughput_change: change(
+                baseline.stats.requests_per_s_wall,
+                self.stats.requests_per_s_wall,
+            ),
+            hit_rate_change: match (self.hit_rate(), baseline.hit_rate()) {
+                (Some(new), Some(base)) => Some(new - base),
+                _ => None,
+            },
+        });
+    }
+}
+
+/// A product target checked against this run's numbers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Check {
+    pub what: String,
+    pub target: String,
+    pub measured: String,
+    pub pass: bool,
+}
+
+/// Where the numbers were measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: Option<String>,
+    pub os: String,
+}
+
+impl Machine {
+    pub fn current() -> Self {
+        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|info| {
+                info.lines()
+                    .find(|line| line.starts_with("model name"))
+                    .and_then(|line| line.split_once(':'))
+                    .map(|(_, model)| model.trim().to_owned())
+            });
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|release| release.trim().to_owned())
+            .unwrap_or_default();
+        Self {
+            cpus: std::thread::available_parallelism().map_or(1, usize::from),
+            cpu_model,
+            os: format!("{} {release}", std::env::consts::OS)
+                .trim()
+                .to_owned(),
+        }
+    }
+}
+
+/// The workload as run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkloadSummary {
+    #[serde(flatten)]
+    pub spec: WorkloadSpec,
+    pub sessions: usize,
+    /// By the simulator's tokenizer and chat template.
+    pub prompt_tokens: u64,
+    pub mean_prompt_tokens: f64,
+}
+
+/// The engines and routing configuration of a self-contained run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Setup {
+    pub engines: usize,
+    pub kv_cache_blocks: usize,
+    pub block_size: usize,
+    pub prefill_tokens_per_s: f64,
+    pub prefix_length: u32,
+    pub concurrency_threshold: u32,
+    /// Router load reports and control-plane load broadcasts, wall ms.
+    pub load_interval_ms: u64,
+}
+
+/// Everything one invocation measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub tool: String,
+    pub version: String,
+    /// `compare`, or `drive` (an existing router).
+    pub mode: String,
+    pub command: String,
+    pub machine: Machine,
+    pub workload: WorkloadSummary,
+    /// Engines' clock scale: model ms = wall ms / time_scale.
+    pub time_scale: f64,
+    /// Closed-loop clients (or the open loop's cap on sessions in flight).
+    pub concurrency: usize,
+    /// Open loop: sessions per second of model time.
+    pub rate: Option<f64>,
+    pub setup: Option<Setup>,
+    pub oracle: Option<OracleBound>,
+    pub runs: Vec<RunReport>,
+    /// PREFIX_AWARE placement before overflow: each instance's share of the requests whose
+    /// prefix it owns in rendezvous order (the key imbalance any consistent placement has).
+    pub prefix_owner_shares: Vec<InstanceShare>,
+    pub checks: Vec<Check>,
+    pub notes: Vec<String>,
+}
+
+impl Report {
+    pub fn write_json(&self, path: &Path) -> anyhow::Result<()> {
+        let text = serde_json::to_string_pretty(self)?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    /// Router counts, in run order.
+    pub fn router_groups(&self) -> Vec<usize> {
+        let mut groups: Vec<usize> = Vec::new();
+        for run in &self.runs {
+            if !groups.contains(&run.routers) {
+                groups.push(run.routers);
+            }
+        }
+        groups
+    }
+
+    /// The side-by-side table printed on the terminal.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let spec = &self.workload.spec;
+        let _ = writeln!(
+            out,
+            "\n{} workload: {} requests in {} sessions, mean prompt {:.0} tokens, seed {}",
+            spec.kind,
+            self.workload.spec.requests,
+            self.workload.sessions,
+            self.workload.mean_prompt_tokens,
+            spec.seed
+        );
+        if let Some(setup) = &self.setup {
+            let _ = writeln!(
+                out,
+                "{} engines × {} KV blocks of {} tokens; PrefixLength {}, ConcurrencyThreshold {}; {}",
+                setup.engines,
+                setup.kv_cache_blocks,
+                setup.block_size,
+                setup.prefix_length,
+                setup.concurrency_threshold,
+                self.load_description()
+            );
+        } else {
+            let _ = writeln!(out, "{}", self.load_description());
+        }
+        if let Some(oracle) = &self.oracle {
+            let _ = writeln!(
+                out,
+                "oracle bound: {} of prompt tokens (compulsory misses only: {}, with the fleet's capacity: {})",
+                percent(oracle.hit_rate),
+                percent(oracle.compulsory_hit_tokens as f64 / oracle.prompt_tokens.max(1) as f64),
+                percent(oracle.capacity_hit_tokens as f64 / oracle.prompt_tokens.max(1) as f64),
+            );
+        }
+        let _ = writeln!(
+            out,
+            "latencies in model ms (wall ms / time scale {}); hit rate from {}",
+            self.time_scale,
+            self.runs
+                .first()
+                .and_then(|run| run.kv.or(run.kv_from_usage))
+                .map_or("nowhere (no engine metrics, no usage)", |kv| if kv.source == "usage" {
+                    "the answers' usage.prompt_tokens_details.cached_tokens"
+                } else {
+                    "the engines' vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total"
+                })
+        );
+        for routers in self.router_groups() {
+            let runs: Vec<&RunReport> = self
+                .runs
+                .iter()
+                .filter(|run| run.routers == routers)
+                .collect();
+            let _ = writeln!(out);
+            if self.mode == "compare" {
+                let _ = writeln!(
+                    out,
+                    "{routers} router{}:",
+                    if routers == 1 { "" } else { "s" }
+                );
+            }
+            out.push_str(&render_columns(&runs));
+        }
+        let owners = self.prefix_owner_shares.iter().map(|share| share.share);
+        if let (Some(min), Some(max)) = (owners.clone().reduce(f64::min), owners.reduce(f64::max)) {
+            let _ = writeln!(
+                out,
+                "\nPREFIX_AWARE without overflow (each prefix on its rendezvous owner) would give instances {}-{} of the requests",
+                percent(min),
+                percent(max)
+            );
+        }
+        if !self.checks.is_empty() {
+            let _ = writeln!(out, "\ntargets:");
+            for check in &self.checks {
+                let _ = writeln!(
+                    out,
+                    "  [{}] {}: {} (target {})",
+                    if check.pass { "pass" } else { "FAIL" },
+                    check.what,
+                    check.measured,
+                    check.target
+                );
+            }
+        }
+        for note in &self.notes {
+            let _ = writeln!(out, "note: {note}");
+        }
+        out
+    }
+
+    fn load_description(&self) -> String {
+        match self.rate {
+            Some(rate) => format!(
+                "open loop, {rate} sessions/s (model time), at most {} in flight, time scale {}",
+                self.concurrency, self.time_scale
+            ),
+            None => format!(
+                "closed loop, {} clients, time scale {}",
+                self.concurrency, self.time_scale
+            ),
+        }
+    }
+}
+
+/// Writes `text` and a newline to stdout; a closed pipe (`| head`) is not an error.
+pub fn print_stdout(text: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}");
+    let _ = out.flush();
+}
+
+pub fn percent(fraction: f64) -> String {
+    format!("{:.1}%", fraction * 100.0)
+}
+
+fn signed_percent(fraction: Option<f64>) -> String {
+    fraction.map_or_else(|| "-".into(), |value| format!("{:+.1}%", value * 100.0))
+}
+
+fn render_columns(runs: &[&RunReport]) -> String {
+    let ms = |value: f64| format!("{value:.1}");
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |name: &str, cell: &dyn Fn(&RunReport) -> String| {
+        rows.push((name.to_owned(), runs.iter().map(|run| cell(run)).collect()));
+    };
+    row("", &|run| {
+        run.strategy.clone().unwrap_or_else(|| run.label.clone())
+    });
+    row("KV-cache hit rate", &|run| {
+        run.hit_rate().map_or_else(|| "-".into(), percent)
+    });
+    row("  of the oracle bound", &|run| {
+        run.kv
+            .or(run.kv_from_usage)
+            .and_then(|kv| kv.fraction_of_oracle)
+            .map_or_else(|| "-".into(), percent)
+    });
+    row("TTFT p50 / p90 / p99", &|run| {
+        let ttft = run.stats.ttft.model_ms;
+        format!("{} / {} / {}", ms(ttft.p50), ms(ttft.p90), ms(ttft.p99))
+    });
+    row("  TTFT p50 vs baseline", &|run| {
+        signed_percent(run.versus_baseline.as_ref().and_then(|v| v.ttft_p50_change))
+    });
+    row("  TTFT p90 vs baseline", &|run| {
+        signed_percent(run.versus_baseline.as_ref().and_then(|v| v.ttft_p90_change))
+    });
+    row("ITL p50 / p99", &|run| {
+        let itl = run.stats.itl.model_ms;
+        format!("{} / {}", ms(itl.p50), ms(itl.p99))
+    });
+    row("e2e p50 / p99", &|run| {
+        let e2e = run.stats.e2e.model_ms;
+        format!("{} / {}", ms(e2e.p50), ms(e2e.p99))
+    });
+    row("throughput req/s (model)", &|run| {
+        format!("{:.2}", run.stats.requests_per_s_model)
+    });
+    row("  vs baseline", &|run| {
+        signed_percent(
+            run.versus_baseline
+                .as_ref()
+                .and_then(|v| v.throughput_change),
+        )
+    });
+    row("output tokens/s (model)", &|run| {
+        format!("{:.0}", run.stats.output_tokens_per_s_model)
+    });
+    row("instance shares min-max", &|run| {
+        run.stats.share_range().map_or_else(
+            || "-".into(),
+            |(min, max)| format!("{}-{}", percent(min), percent(max)),
+        )
+    });
+    row("router decision p50/p99 us", &|run| {
+        run.router_decision.map_or_else(
+            || "-".into(),
+            |decision| {
+                format!(
+                    "{:.0} / {:.0}",
+                    decision.p50_ms * 1e3,
+                    decision.p99_ms * 1e3
+                )
+            },
+        )
+    });
+    row("requests ok / errors", &|run| {
+        format!("{} / {}", run.stats.ok, run.stats.errors)
+    });
+    row("wall time s", &|run| {
+        format!("{:.1}", run.stats.wall_seconds)
+    });
+    if runs.iter().any(|run| !run.stats.classes.is_empty()) {
+        for class in ["long", "short"] {
+            let name = format!("{class}: TTFT p50 / ITL p99");
+            row(&name, &|run| {
+                run.stats.classes.get(class).map_or_else(
+                    || "-".into(),
+                    |stats| {
+                        format!(
+                            "{} / {}",
+                            ms(stats.ttft.model_ms.p50),
+                            ms(stats.itl.model_ms.p99)
+                        )
+                    },
+                )
+            });
+        }
+    }
+
+    let name_width = rows
+        .iter()
+        .map(|(name, _)| name.chars().count())
+        .max()
+        .unwrap_or(0);
+    let widths: Vec<usize> = (0..runs.len())
+        .map(|column| {
+            rows.iter()
+                .map(|(_, cells)| cells[column].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for (name, cells) in &rows {
+        let _ = write!(out, "  {name:<name_width$}");
+        for (cell, width) in cells.iter().zip(&widths) {
+            let _ = write!(out, "   {cell:>width$}");
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn natural_order_of_instance_ids() {
+        let mut ids = vec!["engine-10", "engine-2", "engine-1", "other"];
+        ids.sort_by_key(|id| natural_key(id));
+        assert_eq!(ids, ["engine-1", "engine-2", "engine-10", "other"]);
+    }
+}

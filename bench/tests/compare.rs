@@ -1,0 +1,104 @@
+//! A short comparison end to end: a control plane, real routers and simulated engines in this
+//! process, every strategy on the same trace, through real HTTP on 127.0.0.1.
+
+use std::time::Duration;
+
+use switchyard_bench::{CompareSettings, Preset, Strategy, compare};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_compare_reports_every_strategy_through_real_routers() {
+    let mut settings = CompareSettings::preset(Preset::Quick);
+    settings.progress = false;
+    settings.max_duration = Duration::from_secs(20);
+    settings.request_timeout = Duration::from_secs(10);
+    assert_eq!(settings.engines, 3);
+    assert!(settings.workload.requests <= 64);
+
+    let report = tokio::time::timeout(Duration::from_secs(60), compare(&settings))
+        .await
+        .expect("the comparison finishes in time")
+        .expect("the comparison runs");
+
+    assert_eq!(report.runs.len(), Strategy::ALL.len());
+    for (run, strategy) in report.runs.iter().zip(Strategy::ALL) {
+        assert_eq!(run.strategy.as_deref(), Some(strategy.as_str()));
+        assert_eq!(
+            run.stats.errors, 0,
+            "{}: {:?}",
+            run.label, run.stats.first_error
+        );
+        assert_eq!(run.stats.ok, settings.workload.requests, "{}", run.label);
+        assert!(run.stats.complete);
+        assert!(run.stats.ttft.wall_ms.p50 > 0.0);
+        assert!(run.stats.ttft.model_ms.p50 >= run.stats.ttft.wall_ms.p50);
+        let shares: f64 = run
+            .stats
+            .instance_shares
+            .iter()
+            .map(|share| share.share)
+            .sum();
+        assert!(
+            (shares - 1.0).abs() < 1e-9,
+            "{}: shares sum to {shares}",
+            run.label
+        );
+        let requests: u64 = run
+            .stats
+            .instance_shares
+            .iter()
+            .map(|share| share.requests)
+            .sum();
+        assert_eq!(requests as usize, settings.workload.requests);
+        // The engines' counters and the answers' usage agree on what was cached.
+        let (kv, usage) = (run.kv.unwrap(), run.kv_from_usage.unwrap());
+        assert_eq!(kv.query_tokens, usage.query_tokens, "{}", run.label);
+        assert_eq!(kv.hit_tokens, usage.hit_tokens, "{}", run.label);
+        assert_eq!(
+            kv.query_tokens as u64, report.workload.prompt_tokens,
+            "{}",
+            run.label
+        );
+    }
+    let oracle = report.oracle.unwrap();
+    let hit = |strategy: Strategy| {
+        report
+            .runs
+            .iter()
+            .find(|run| run.strategy.as_deref() == Some(strategy.as_str()))
+            .and_then(|run| run.hit_rate())
+            .unwrap()
+    };
+    let (random, prefix) = (hit(Strategy::Random), hit(Strategy::PrefixAware));
+    assert!(prefix >= random, "PREFIX_AWARE {prefix} < RANDOM {random}");
+    assert!(
+        prefix <= oracle.hit_rate + 1e-9,
+        "{prefix} above the oracle {}",
+        oracle.hit_rate
+    );
+    for run in &report.runs {
+        assert!(
+            run.hit_rate().unwrap() <= oracle.hit_rate + 1e-9,
+            "{}",
+            run.label
+        );
+    }
+    // Every request of PREFIX_AWARE went where the rendezvous owner is unless it overflowed.
+    let prefix_run = report.runs.last().unwrap();
+    assert!(
+        prefix_run
+            .stats
+            .routes
+            .keys()
+            .all(|route| route == "prefix" || route == "overflow")
+    );
+    assert_eq!(report.prefix_owner_shares.len(), 3);
+
+    let table = report.table();
+    for strategy in Strategy::ALL {
+        assert!(table.contains(strategy.as_str()));
+    }
+    let svg = switchyard_bench::svg::render(&report);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["runs"].as_array().unwrap().len(), 3);
+}

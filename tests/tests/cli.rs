@@ -1,0 +1,300 @@
+//! The binaries as a user runs them: `switchyard up` and its printed curl, the admin CLI
+//! against a real `switchyard-control` process, `--help`, exit codes, SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use switchyard_tests::*;
+
+fn run(binary: &str, args: &[&str]) -> std::process::Output {
+    Command::new(switchyard_tests::binary(binary))
+        .args(args)
+        .env_remove("SWITCHYARD_CONTROL_PLANE")
+        .output()
+        .expect("the binary runs")
+}
+
+fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait().expect("child status") {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "no exit within 30 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
+    for binary in [
+        "switchyard",
+        "switchyard-control",
+        "switchyard-router",
+        "switchyard-engine-sim",
+        "switchyard-bench",
+    ] {
+        let help = run(binary, &["--help"]);
+        assert!(help.status.success(), "{binary} --help failed");
+        assert!(
+            String::from_utf8_lossy(&help.stdout).contains("Usage"),
+            "{binary}"
+        );
+        let bad = run(binary, &["--no-such-flag"]);
+        assert_eq!(bad.status.code(), Some(64), "{binary} with a bad flag");
+        assert!(
+            String::from_utf8_lossy(&bad.stderr).contains("--no-such-flag"),
+            "{binary}"
+        );
+    }
+    let bad = run("switchyard-control", &["--store", "etcd"]);
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--etcd-endpoints"));
+    let bad = run("switchyard-router", &["--config", "/nonexistent.yaml"]);
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--config"));
+}
+
+struct ControlProcess {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+fn control_process() -> ControlProcess {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = free_port();
+    let child = Command::new(switchyard_tests::binary("switchyard-control"))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("switchyard-control starts");
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "switchyard-control did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ControlProcess {
+        child,
+        url,
+        _dir: dir,
+    }
+}
+
+fn cli(control: &ControlProcess, args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(switchyard_tests::binary("switchyard"))
+        .arg("--control-plane")
+        .arg(&control.url)
+        .args(args)
+        .output()
+        .expect("switchyard runs");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_admin_cli_works_as_a_user_types_it() {
+    let mut control = control_process();
+    let variants = r#"[{"VariantName":"AllTraffic","ModelName":"m","InitialInstanceCount":3,"RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "chat-cfg",
+            "--production-variants",
+            variants,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("created endpoint config chat-cfg"), "{out}");
+
+    let (code, out, _) = cli(&control, &["endpoint-config", "list"]);
+    assert_eq!(code, 0);
+    let header = out.lines().next().unwrap_or_default();
+    assert!(
+        header.starts_with("NAME") && header.contains("STRATEGY"),
+        "{out}"
+    );
+    assert!(
+        out.contains("PREFIX_AWARE") && out.contains("4096/10"),
+        "{out}"
+    );
+
+    // A rule broken locally: exit 64, field named.
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "x",
+            "--production-variants",
+            r#"[{"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":10,"ConcurrencyThreshold":10}}}]"#,
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("PrefixLength"), "{err}");
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "x",
+            "--production-variants",
+            "[{",
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("not valid JSON"), "{err}");
+
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "endpoint",
+            "create",
+            "--name",
+            "chat",
+            "--endpoint-config-name",
+            "chat-cfg",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("InService"), "{out}");
+    let (code, out, _) = cli(
+        &control,
+        &["--output", "json", "endpoint", "describe", "--name", "chat"],
+    );
+    assert_eq!(code, 0);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
+    assert_eq!(json["EndpointConfigName"], "chat-cfg");
+
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:9",
+            "--id",
+            "e1",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("registered instance e1"), "{out}");
+    let (code, out, _) = cli(&control, &["instance", "list"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("e1") && out.contains("http://127.0.0.1:9"),
+        "{out}"
+    );
+
+    // Errors from the server: readable, exit 1.
+    let (code, _, err) = cli(&control, &["endpoint", "describe", "--name", "nope"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("not found: endpoint nope does not exist"),
+        "{err}"
+    );
+    let (code, _, err) = cli(
+        &control,
+        &["endpoint-config", "delete", "--name", "chat-cfg"],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("used by endpoint chat"), "{err}");
+
+    // Unreachable control plane: says so.
+    let output = Command::new(switchyard_tests::binary("switchyard"))
+        .args(["--control-plane", "http://127.0.0.1:1", "endpoint", "list"])
+        .output()
+        .expect("switchyard runs");
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot reach the control plane"));
+
+    assert!(
+        terminate(&mut control.child).success(),
+        "graceful exit on SIGTERM"
+    );
+}
+
+#[test]
+fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
+    let router_port = free_port();
+    let control_port = free_port();
+    let mut child = Command::new(switchyard_tests::binary("switchyard"))
+        .args([
+            "up",
+            "--engines",
+            "2",
+            "--time-scale",
+            "0.05",
+            "--listen",
+            &format!("127.0.0.1:{router_port}"),
+            "--control-listen",
+            &format!("127.0.0.1:{control_port}"),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("switchyard up starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut curl = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let line = lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("switchyard up printed its banner in time");
+        if line.trim_start().starts_with("curl -s") && line.contains("chat/completions") {
+            curl = Some(line.trim().to_owned());
+        }
+        if line.contains("Ctrl-C stops everything") {
+            break;
+        }
+    }
+    let curl = curl.expect("a curl example was printed");
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg(&curl)
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.starts_with("HTTP/1.1 200"), "{curl}\n{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-switchyard-instance: engine-"),
+        "{text}"
+    );
+    assert!(text.contains("chat.completion"), "{text}");
+    assert!(
+        terminate(&mut child).success(),
+        "switchyard up exits cleanly on SIGTERM"
+    );
+}
