@@ -84,30 +84,39 @@ impl Route {
 
 async fn chat_completions(
     State(shared): State<Arc<Shared>>,
+    version: http::Version,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    infer(shared, Route::ChatCompletions, headers, body).await
+    infer(shared, Route::ChatCompletions, version, headers, body).await
 }
 
 async fn completions(
     State(shared): State<Arc<Shared>>,
+    version: http::Version,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    infer(shared, Route::Completions, headers, body).await
+    infer(shared, Route::Completions, version, headers, body).await
 }
 
 async fn invocations(
     State(shared): State<Arc<Shared>>,
+    version: http::Version,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    infer(shared, Route::Invocations, headers, body).await
+    infer(shared, Route::Invocations, version, headers, body).await
 }
 
 /// Serves one inference request: record it, validate it, inject faults, run it on the engine.
-async fn infer(shared: Arc<Shared>, route: Route, headers: HeaderMap, body: Bytes) -> Response {
+async fn infer(
+    shared: Arc<Shared>,
+    route: Route,
+    version: http::Version,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let arrival = Instant::now();
     Metrics::increment(&shared.metrics.requests_received);
     let body_bytes = body.len();
@@ -116,6 +125,7 @@ async fn infer(shared: Arc<Shared>, route: Route, headers: HeaderMap, body: Byte
     let mut record = ReceivedRequest {
         path: route.path().to_owned(),
         headers: ReceivedRequest::select_headers(&headers),
+        http_version: format!("{version:?}"),
         body_bytes,
         ..ReceivedRequest::default()
     };

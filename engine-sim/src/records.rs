@@ -15,6 +15,8 @@ pub struct ReceivedRequest {
     /// The recorded headers, names lowercase: `traceparent`, `tracestate`, `x-request-id`,
     /// `x-amzn-sagemaker-*`, `x-switchyard-*` (repeated headers joined with `", "`).
     pub headers: BTreeMap<String, String>,
+    /// `HTTP/1.1` or `HTTP/2.0`.
+    pub http_version: String,
     pub body_bytes: usize,
     /// The body's `model` field, if the body parsed and had one.
     pub model: Option<String>,

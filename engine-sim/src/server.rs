@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -187,7 +187,8 @@ async fn serve_connections(
     while connections.join_next().await.is_some() {}
 }
 
-/// Serves one HTTP/1.1 connection; on shutdown, finishes the request in flight and closes.
+/// Serves one connection, HTTP/1.1 or HTTP/2 with prior knowledge (h2c), as the client
+/// chooses; on shutdown, finishes the requests in flight and closes.
 async fn serve_connection(
     stream: TcpStream,
     app: axum::Router,
@@ -196,8 +197,8 @@ async fn serve_connection(
 ) {
     // Small SSE chunks must not wait for Nagle's algorithm.
     let _ = stream.set_nodelay(true);
-    let connection = hyper::server::conn::http1::Builder::new()
-        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let connection = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
     tokio::pin!(connection);
     tokio::select! {
         result = connection.as_mut() => {
@@ -214,7 +215,7 @@ async fn serve_connection(
     }
 }
 
-fn log_connection_end(result: Result<(), hyper::Error>) {
+fn log_connection_end(result: Result<(), Box<dyn std::error::Error + Send + Sync>>) {
     if let Err(err) = result {
         tracing::debug!(error = %err, "connection ended with an error");
     }

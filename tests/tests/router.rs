@@ -588,7 +588,7 @@ async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn a_router_runs_from_a_static_file() -> anyhow::Result<()> {
+async fn a_router_runs_from_a_static_file_over_http1_or_h2c() -> anyhow::Result<()> {
     let engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("switchyard.yaml");
@@ -601,12 +601,28 @@ async fn a_router_runs_from_a_static_file() -> anyhow::Result<()> {
     )?;
     let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
     config.config = Some(path);
-    let router =
-        switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
-            .await?;
+    let router = switchyard_router::RouterHandle::start(
+        config.clone().validate().map_err(anyhow::Error::msg)?,
+    )
+    .await?;
     let reply = http_post(&chat_url(&router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-switchyard-instance"), Some("only"));
+    assert_eq!(engine.received().last().unwrap().http_version, "HTTP/1.1");
+    router.shutdown().await;
+
+    // The same over h2c, for engines that speak HTTP/2 without TLS.
+    config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
+    let router =
+        switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
+            .await?;
+    for stream in [false, true] {
+        let (status, _, frames) =
+            http_post_frames(&chat_url(&router), &[], chat_body("hi", 3, stream)).await?;
+        assert_eq!(status, 200);
+        assert!(!frames.is_empty());
+        assert_eq!(engine.received().last().unwrap().http_version, "HTTP/2.0");
+    }
     router.shutdown().await;
     Ok(())
 }

@@ -43,6 +43,12 @@ pub fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum UpstreamProtocol {
+    Http1,
+    H2c,
+}
+
 /// Command-line configuration of `switchyard-router`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RouterConfig {
@@ -82,6 +88,11 @@ pub struct RouterConfig {
     /// Connection timeout to instances (ms).
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,
+    /// Protocol to instances: pooled HTTP/1.1 keep-alive connections (what vLLM's server
+    /// speaks), or h2c (HTTP/2 without TLS, prior knowledge: requests multiplexed on one
+    /// connection per instance) for engines that serve it.
+    #[arg(long, value_enum, default_value_t = UpstreamProtocol::Http1)]
+    pub upstream_protocol: UpstreamProtocol,
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_seconds: u64,
@@ -101,6 +112,7 @@ impl RouterConfig {
             eject_after_failures: 3,
             eject_seconds: 5,
             connect_timeout_ms: 2000,
+            upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
         }
     }
@@ -186,15 +198,23 @@ pub struct RouterHandle {
     server: JoinHandle<()>,
 }
 
-fn upstream_client(connect_timeout: Duration) -> proxy::HttpClient {
+fn upstream_client(connect_timeout: Duration, protocol: UpstreamProtocol) -> proxy::HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_keepalive(Some(Duration::from_secs(30)));
-    Client::builder(TokioExecutor::new())
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .build(connector)
+        .pool_max_idle_per_host(1024);
+    if protocol == UpstreamProtocol::H2c {
+        builder
+            .http2_only(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .http2_keep_alive_while_idle(true);
+    }
+    builder.build(connector)
 }
 
 impl RouterHandle {
@@ -210,7 +230,10 @@ impl RouterHandle {
         let shared = Arc::new(Shared {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
-            client: upstream_client(Duration::from_millis(config.connect_timeout_ms)),
+            client: upstream_client(
+                Duration::from_millis(config.connect_timeout_ms),
+                config.upstream_protocol,
+            ),
             settings: ProxySettings {
                 max_attempts: config.max_attempts,
                 eject_after_failures: config.eject_after_failures,
