@@ -67,12 +67,8 @@ impl Connection {
     pub async fn connect(&self) -> anyhow::Result<Client> {
         let token = match &self.admin_token_file {
             Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|err| {
-                        UsageError(format!("--admin-token-file {}: {err}", path.display()))
-                    })?
-                    .trim()
-                    .to_owned(),
+                switchyard_shared::process::read_token_file(path, "--admin-token-file")
+                    .map_err(UsageError)?,
             ),
             None => std::env::var("SWITCHYARD_ADMIN_TOKEN").ok(),
         };

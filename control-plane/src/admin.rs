@@ -185,7 +185,8 @@ impl pb::admin_server::Admin for AdminService {
     }
 }
 
-/// Requires `authorization: Bearer <token>` on every admin call when a token is configured.
+/// Requires `authorization: Bearer <token>` on every call of a service when a token is
+/// configured (admin calls: the admin token; router streams: the router token).
 #[derive(Clone)]
 pub struct BearerAuth {
     expected: Option<std::sync::Arc<str>>,
@@ -219,10 +220,10 @@ impl tonic::service::Interceptor for BearerAuth {
         };
         match request.metadata().get("authorization") {
             None => Err(Status::unauthenticated(
-                "missing admin token (authorization: Bearer ...)",
+                "missing token (authorization: Bearer ...)",
             )),
             Some(value) if constant_time_eq(value.as_bytes(), expected.as_bytes()) => Ok(request),
-            Some(_) => Err(Status::unauthenticated("wrong admin token")),
+            Some(_) => Err(Status::unauthenticated("wrong token")),
         }
     }
 }

@@ -170,9 +170,7 @@ async fn record(
         return;
     };
     tracker.in_flight = false;
-    let Some(target) = cache.probe_targets().into_iter().find(|target| {
-        target.instance.endpoint_name == result.key.0 && target.instance.instance_id == result.key.1
-    }) else {
+    let Some(target) = cache.probe_target(result.key.0.as_str(), result.key.1.as_str()) else {
         return;
     };
     let current = target.instance.health;

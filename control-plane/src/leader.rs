@@ -55,19 +55,28 @@ async fn campaign(
                         }
                         () = tokio::time::sleep(renew_every) => {}
                     }
-                    match store.keep_alive(lease).await {
-                        Ok(true) => {}
-                        Ok(false) => {
+                    // A renewal must answer within one renewal period: the lease was last
+                    // renewed at most ttl/3 ago, so stepping down now leaves at least ttl/3
+                    // before anyone else can take over; two leaders never overlap.
+                    match tokio::time::timeout(renew_every, store.keep_alive(lease)).await {
+                        Ok(Ok(true)) => {}
+                        Ok(Ok(false)) => {
                             tracing::warn!("leader lease lapsed; stepping down");
                             break;
                         }
-                        Err(err) => {
+                        Ok(Err(err)) => {
                             tracing::warn!(error = %err, "cannot renew leader lease; stepping down");
+                            break;
+                        }
+                        Err(_) => {
+                            tracing::warn!("leader lease renewal too slow; stepping down");
                             break;
                         }
                     }
                 }
                 leading.send_replace(false);
+                // Best effort: free the key now rather than after its TTL.
+                let _ = tokio::time::timeout(renew_every, store.revoke_lease(lease)).await;
             }
             Ok(None) => {}
             Err(err) => tracing::debug!(error = %err, "leader campaign failed"),

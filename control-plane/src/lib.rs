@@ -49,7 +49,7 @@ pub struct ControlConfig {
     /// Directory of the embedded store (created if missing).
     #[arg(long, default_value = "switchyard-data")]
     pub data_dir: PathBuf,
-    /// etcd client URLs, comma-separated (with --store etcd).
+    /// etcd client URLs (http://HOST:PORT), comma-separated (with --store etcd).
     #[arg(long, value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
     /// Key prefix in etcd; several Switchyard clusters can share one etcd with different prefixes.
@@ -58,6 +58,10 @@ pub struct ControlConfig {
     /// File holding the bearer token admin calls must present. Unset: no authentication.
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
+    /// File holding the bearer token routers must present on the RouterSync stream (routers:
+    /// --control-plane-token-file). Unset: routers are not authenticated.
+    #[arg(long)]
+    pub router_token_file: Option<PathBuf>,
     /// PEM certificate chain for TLS on the gRPC server (with --tls-key).
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -91,6 +95,7 @@ impl ControlConfig {
             etcd_endpoints: Vec::new(),
             etcd_prefix: "/switchyard/v1/".into(),
             admin_token_file: None,
+            router_token_file: None,
             tls_cert: None,
             tls_key: None,
             replica_id: None,
@@ -119,9 +124,14 @@ impl ControlConfig {
                 return bad("--store etcd needs --etcd-endpoints http://HOST:PORT[,...]".into());
             }
             for endpoint in &self.etcd_endpoints {
-                if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                if endpoint.starts_with("https://") {
                     return bad(format!(
-                        "--etcd-endpoints: {endpoint:?} must start with http:// or https://"
+                        "--etcd-endpoints: {endpoint:?}: TLS to etcd is not supported yet; use http:// on a private network"
+                    ));
+                }
+                if !endpoint.starts_with("http://") {
+                    return bad(format!(
+                        "--etcd-endpoints: {endpoint:?} must start with http://"
                     ));
                 }
             }
@@ -149,22 +159,14 @@ impl ControlConfig {
         if self.router_timeout_ms < self.load_interval_ms * 2 {
             return bad("--router-timeout-ms must be at least twice --load-interval-ms".into());
         }
-        let admin_token = match &self.admin_token_file {
-            None => None,
-            Some(path) => {
-                let token = std::fs::read_to_string(path).map_err(|err| {
-                    StartError::Config(format!("--admin-token-file {}: {err}", path.display()))
-                })?;
-                let token = token.trim().to_owned();
-                if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                    return bad(format!(
-                        "--admin-token-file {}: the token must be one non-empty word",
-                        path.display()
-                    ));
-                }
-                Some(token)
-            }
+        let token = |path: &Option<PathBuf>, flag: &str| {
+            path.as_deref()
+                .map(|path| switchyard_shared::process::read_token_file(path, flag))
+                .transpose()
+                .map_err(StartError::Config)
         };
+        let admin_token = token(&self.admin_token_file, "--admin-token-file")?;
+        let router_token = token(&self.router_token_file, "--router-token-file")?;
         let tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
                 let read = |path: &PathBuf, flag: &str| {
@@ -186,6 +188,7 @@ impl ControlConfig {
         Ok(Settings {
             config: self.clone(),
             admin_token,
+            router_token,
             tls,
             replica_id,
         })
@@ -197,6 +200,7 @@ impl ControlConfig {
 pub struct Settings {
     pub config: ControlConfig,
     pub admin_token: Option<String>,
+    pub router_token: Option<String>,
     /// (certificate PEM, key PEM)
     pub tls: Option<(Vec<u8>, Vec<u8>)>,
     pub replica_id: String,
@@ -207,6 +211,7 @@ impl std::fmt::Debug for Settings {
         f.debug_struct("Settings")
             .field("config", &self.config)
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
+            .field("router_token", &self.router_token.as_ref().map(|_| "<set>"))
             .field("tls", &self.tls.is_some())
             .field("replica_id", &self.replica_id)
             .finish()
@@ -255,6 +260,16 @@ impl ControlPlane {
                     .await?,
             ),
         };
+        if config.store == StoreKind::Embedded {
+            // Single node: a leader key or load sums left by the previous process are stale.
+            store
+                .commit(
+                    store::Txn::new()
+                        .delete(keys::LEADER)
+                        .delete_prefix(keys::LOAD),
+                )
+                .await?;
+        }
         tracing::info!(store = store.kind(), replica = %settings.replica_id, "store open");
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -278,9 +293,10 @@ impl ControlPlane {
                 router_timeout: Duration::from_millis(config.router_timeout_ms),
             },
         );
-        let share_load = config.store == StoreKind::Etcd;
-        tasks.spawn(Arc::clone(&hub).run(Arc::clone(&store), share_load, background.clone()));
-        if share_load {
+        tasks.spawn(Arc::clone(&hub).run(background.clone()));
+        if config.store == StoreKind::Etcd {
+            // Other replicas may share this etcd: exchange load sums with them.
+            tasks.spawn(Arc::clone(&hub).publish(Arc::clone(&store), background.clone()));
             tasks.spawn(Arc::clone(&hub).follow_remote(Arc::clone(&store), background.clone()));
         }
         let leading = leader::spawn(
@@ -315,12 +331,15 @@ impl ControlPlane {
             admin::AdminService { registry },
             admin::BearerAuth::new(settings.admin_token.clone()),
         );
-        let sync_service = pb::router_sync_server::RouterSyncServer::new(sync::SyncService {
-            replica_id: settings.replica_id.clone(),
-            cache: Arc::clone(&cache),
-            load: Arc::clone(&hub),
-            shutdown: shutdown.clone(),
-        });
+        let sync_service = pb::router_sync_server::RouterSyncServer::with_interceptor(
+            sync::SyncService {
+                replica_id: settings.replica_id.clone(),
+                cache: Arc::clone(&cache),
+                load: Arc::clone(&hub),
+                shutdown: shutdown.clone(),
+            },
+            admin::BearerAuth::new(settings.router_token.clone()),
+        );
 
         let mut builder = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))

@@ -2,12 +2,20 @@
 //! second; each router gets back the sum of every *other* router's counts (it adds its own live
 //! count, so its own part is never stale nor counted twice).
 //!
+//! Every interval the hub takes one snapshot: each router's last report and their sum. A
+//! router's "others" is computed from that one snapshot (the total minus that router's share
+//! *of the same snapshot*), so a report arriving between two ticks never makes a router count
+//! its own finished work as someone else's.
+//!
 //! With several control-plane replicas on one etcd, each replica publishes the sum of its own
 //! routers under `load/{replica}` (on a lease, so a dead replica's share disappears) and adds
-//! the other replicas' sums to what it sends. A router whose reports stop is dropped from the
-//! sums after `router_timeout`.
+//! the other replicas' sums to what it sends. Publishing runs in its own task, so a slow etcd
+//! never delays the local sums. A router whose reports stop is dropped from the sums after
+//! `router_timeout`; if the other replicas' sums cannot be followed, they are dropped too
+//! rather than kept frozen.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,6 +52,8 @@ impl Default for LoadConfig {
 
 #[derive(Debug)]
 struct RouterLoad {
+    /// Which stream of this router reported (a router that reconnects gets a new one).
+    connection: u64,
     counts: Counts,
     updated: Instant,
 }
@@ -55,12 +65,37 @@ struct Inner {
     remote: HashMap<String, Counts>,
 }
 
+/// One consistent view: the fleet totals and each local router's share of them.
+#[derive(Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub totals: Counts,
+    pub per_router: HashMap<String, Counts>,
+}
+
+impl Snapshot {
+    /// The totals minus `router_id`'s own share.
+    pub fn others(&self, router_id: &str) -> Counts {
+        let own = self.per_router.get(router_id);
+        self.totals
+            .iter()
+            .filter_map(|(key, total)| {
+                let mine = own.and_then(|own| own.get(key)).copied().unwrap_or(0);
+                let others = total.saturating_sub(mine);
+                (others > 0).then(|| (key.clone(), others))
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug)]
 pub struct LoadHub {
     replica_id: String,
     config: LoadConfig,
     inner: Mutex<Inner>,
-    totals: watch::Sender<Arc<Counts>>,
+    snapshot: watch::Sender<Arc<Snapshot>>,
+    /// The sum of this replica's routers, for the publisher.
+    local: watch::Sender<Arc<Counts>>,
+    connections: AtomicU64,
 }
 
 /// What a replica publishes under `load/{replica}`.
@@ -69,13 +104,22 @@ struct Published {
     loads: Vec<(String, String, u32)>,
 }
 
+fn add(sum: &mut Counts, counts: &Counts) {
+    for (key, count) in counts {
+        let entry = sum.entry(key.clone()).or_default();
+        *entry = entry.saturating_add(*count);
+    }
+}
+
 impl LoadHub {
     pub fn new(replica_id: String, config: LoadConfig) -> Arc<Self> {
         Arc::new(Self {
             replica_id,
             config,
             inner: Mutex::new(Inner::default()),
-            totals: watch::Sender::new(Arc::new(Counts::new())),
+            snapshot: watch::Sender::new(Arc::new(Snapshot::default())),
+            local: watch::Sender::new(Arc::new(Counts::new())),
+            connections: AtomicU64::new(1),
         })
     }
 
@@ -89,7 +133,12 @@ impl LoadHub {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    pub fn report(&self, router_id: &str, loads: &[pb::InstanceLoad]) {
+    /// A new id for a router's stream.
+    pub fn connection_id(&self) -> u64 {
+        self.connections.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn report(&self, router_id: &str, connection: u64, loads: &[pb::InstanceLoad]) {
         let counts = loads
             .iter()
             .filter(|load| load.in_flight > 0)
@@ -103,106 +152,104 @@ impl LoadHub {
         self.lock().routers.insert(
             router_id.to_owned(),
             RouterLoad {
+                connection,
                 counts,
                 updated: Instant::now(),
             },
         );
     }
 
-    pub fn remove_router(&self, router_id: &str) {
-        self.lock().routers.remove(router_id);
-    }
-
-    /// Fleet totals, refreshed every interval.
-    pub fn totals(&self) -> watch::Receiver<Arc<Counts>> {
-        self.totals.subscribe()
-    }
-
-    /// The totals minus this router's own last report.
-    pub fn others(&self, router_id: &str, totals: &Counts) -> Counts {
-        let inner = self.lock();
-        let own = inner.routers.get(router_id).map(|router| &router.counts);
-        totals
-            .iter()
-            .filter_map(|(key, total)| {
-                let mine = own.and_then(|own| own.get(key)).copied().unwrap_or(0);
-                let others = total.saturating_sub(mine);
-                (others > 0).then(|| (key.clone(), others))
-            })
-            .collect()
-    }
-
-    fn local_sum(&self, now: Instant) -> Counts {
+    /// Forgets a router's load when its stream ends, unless a newer stream of the same router
+    /// has reported since.
+    pub fn remove_router(&self, router_id: &str, connection: u64) {
         let mut inner = self.lock();
-        let timeout = self.config.router_timeout;
-        inner.routers.retain(|router_id, router| {
-            let fresh = now.duration_since(router.updated) < timeout;
-            if !fresh {
-                tracing::info!(router = %router_id, "router stopped reporting load; dropping it from the sums");
-            }
-            fresh
-        });
-        let mut sum = Counts::new();
-        for router in inner.routers.values() {
-            for (key, count) in &router.counts {
-                *sum.entry(key.clone()).or_default() += count;
-            }
-        }
-        sum
-    }
-
-    fn recompute(&self, local: &Counts) {
-        let mut totals = local.clone();
-        for counts in self.lock().remote.values() {
-            for (key, count) in counts {
-                *totals.entry(key.clone()).or_default() += count;
-            }
-        }
-        if **self.totals.borrow() != totals {
-            self.totals.send_replace(Arc::new(totals));
+        if inner
+            .routers
+            .get(router_id)
+            .is_some_and(|router| router.connection == connection)
+        {
+            inner.routers.remove(router_id);
         }
     }
 
-    /// Recomputes totals every interval until `shutdown`. When `share` is set (etcd: other
-    /// replicas may exist) the local sum is published for them (see `follow_remote`).
-    pub async fn run(
-        self: Arc<Self>,
-        store: Arc<dyn Store>,
-        share: bool,
-        shutdown: CancellationToken,
-    ) {
+    /// The latest snapshot, refreshed every interval.
+    pub fn snapshots(&self) -> watch::Receiver<Arc<Snapshot>> {
+        self.snapshot.subscribe()
+    }
+
+    /// Drops silent routers, then takes a snapshot and publishes it (and the local sum).
+    fn recompute(&self, now: Instant) {
+        let snapshot = {
+            let mut inner = self.lock();
+            let timeout = self.config.router_timeout;
+            inner.routers.retain(|router_id, router| {
+                let fresh = now.duration_since(router.updated) < timeout;
+                if !fresh {
+                    tracing::info!(router = %router_id, "router stopped reporting load; dropping it from the sums");
+                }
+                fresh
+            });
+            let mut local = Counts::new();
+            let per_router: HashMap<String, Counts> = inner
+                .routers
+                .iter()
+                .map(|(router_id, router)| {
+                    add(&mut local, &router.counts);
+                    (router_id.clone(), router.counts.clone())
+                })
+                .collect();
+            let mut totals = local.clone();
+            for counts in inner.remote.values() {
+                add(&mut totals, counts);
+            }
+            if **self.local.borrow() != local {
+                self.local.send_replace(Arc::new(local));
+            }
+            Snapshot { totals, per_router }
+        };
+        if **self.snapshot.borrow() != snapshot {
+            self.snapshot.send_replace(Arc::new(snapshot));
+        }
+    }
+
+    /// Recomputes the snapshot every interval until `shutdown`.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         let mut ticks = tokio::time::interval(self.config.interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut published: Option<Counts> = None;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticks.tick() => self.recompute(Instant::now()),
+            }
+        }
+    }
+
+    /// Publishes this replica's sum under `load/{replica}` for the other replicas, whenever it
+    /// changes, on a lease renewed every second, until `shutdown`.
+    pub async fn publish(self: Arc<Self>, store: Arc<dyn Store>, shutdown: CancellationToken) {
+        let mut local = self.local.subscribe();
+        let mut published: Option<Arc<Counts>> = None;
         let mut lease: i64 = 0;
-        let mut last_keep_alive = Instant::now();
+        let mut renewals = tokio::time::interval(Duration::from_secs(1));
+        renewals.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                _ = ticks.tick() => {}
-            }
-            let now = Instant::now();
-            let local = self.local_sum(now);
-            self.recompute(&local);
-            if !share {
-                continue;
-            }
-            if lease != 0 && now.duration_since(last_keep_alive) >= Duration::from_secs(1) {
-                last_keep_alive = now;
-                if !matches!(store.keep_alive(lease).await, Ok(true)) {
-                    lease = 0;
-                    published = None;
+                changed = local.changed() => if changed.is_err() { break },
+                _ = renewals.tick() => {
+                    if lease != 0 && !matches!(store.keep_alive(lease).await, Ok(true)) {
+                        lease = 0;
+                        published = None;
+                    }
                 }
             }
-            if published.as_ref() == Some(&local) {
+            let current = Arc::clone(&local.borrow_and_update());
+            if published.as_ref() == Some(&current) {
                 continue;
             }
             if lease == 0 {
                 match store.grant_lease(3).await {
-                    Ok(granted) => {
-                        lease = granted;
-                        last_keep_alive = now;
-                    }
+                    Ok(granted) => lease = granted,
                     Err(err) => {
                         tracing::debug!(error = %err, "cannot publish load");
                         continue;
@@ -210,7 +257,7 @@ impl LoadHub {
                 }
             }
             let value = Published {
-                loads: local
+                loads: current
                     .iter()
                     .map(|((endpoint, id), count)| (endpoint.clone(), id.clone(), *count))
                     .collect(),
@@ -220,7 +267,7 @@ impl LoadHub {
                 .commit(Txn::new().put(keys::load(&self.replica_id), bytes, lease))
                 .await
             {
-                Ok(_) => published = Some(local),
+                Ok(_) => published = Some(current),
                 Err(err) => {
                     tracing::debug!(error = %err, "cannot publish load");
                     lease = 0;
@@ -273,6 +320,8 @@ impl LoadHub {
                 }
                 Err(err) => tracing::debug!(error = %err, "cannot follow other replicas' load"),
             }
+            // Sums that cannot be followed are not kept frozen.
+            self.lock().remote.clear();
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(Duration::from_millis(500)) => {}
@@ -315,31 +364,61 @@ mod tests {
         }
     }
 
+    fn key(id: &str) -> InstanceKey {
+        ("e".into(), id.into())
+    }
+
     #[tokio::test]
     async fn each_router_sees_the_others() {
         let hub = LoadHub::new("r".into(), LoadConfig::default());
-        hub.report("a", &[load("e", "i1", 3), load("e", "i2", 1)]);
-        hub.report("b", &[load("e", "i1", 2)]);
-        let local = hub.local_sum(Instant::now());
-        hub.recompute(&local);
-        let totals = hub.totals().borrow().clone();
-        assert_eq!(totals[&("e".into(), "i1".into())], 5);
-        let for_a = hub.others("a", &totals);
-        assert_eq!(for_a.get(&("e".into(), "i1".into())), Some(&2));
-        assert_eq!(for_a.get(&("e".into(), "i2".into())), None);
-        let for_b = hub.others("b", &totals);
-        assert_eq!(for_b[&("e".into(), "i1".into())], 3);
-        assert_eq!(for_b[&("e".into(), "i2".into())], 1);
+        hub.report("a", 1, &[load("e", "i1", 3), load("e", "i2", 1)]);
+        hub.report("b", 2, &[load("e", "i1", 2)]);
+        hub.recompute(Instant::now());
+        let snapshot = hub.snapshots().borrow().clone();
+        assert_eq!(snapshot.totals[&key("i1")], 5);
+        let for_a = snapshot.others("a");
+        assert_eq!(for_a.get(&key("i1")), Some(&2));
+        assert_eq!(for_a.get(&key("i2")), None);
+        let for_b = snapshot.others("b");
+        assert_eq!(for_b[&key("i1")], 3);
+        assert_eq!(for_b[&key("i2")], 1);
+    }
+
+    #[tokio::test]
+    async fn a_report_between_ticks_is_not_counted_as_someone_else() {
+        let hub = LoadHub::new("r".into(), LoadConfig::default());
+        hub.report("a", 1, &[load("e", "i1", 10)]);
+        hub.recompute(Instant::now());
+        let snapshot = hub.snapshots().borrow().clone();
+        // Router a's requests finish and it reports 0 before the next tick.
+        hub.report("a", 1, &[]);
+        assert!(
+            snapshot.others("a").is_empty(),
+            "a's own 10 are not others'"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stale_stream_does_not_remove_a_newer_one() {
+        let hub = LoadHub::new("r".into(), LoadConfig::default());
+        hub.report("a", 1, &[load("e", "i1", 1)]);
+        hub.report("a", 2, &[load("e", "i1", 4)]);
+        hub.remove_router("a", 1);
+        hub.recompute(Instant::now());
+        assert_eq!(hub.snapshots().borrow().totals[&key("i1")], 4);
+        hub.remove_router("a", 2);
+        hub.recompute(Instant::now());
+        assert!(hub.snapshots().borrow().totals.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
     async fn silent_routers_are_dropped() {
         let hub = LoadHub::new("r".into(), LoadConfig::default());
-        hub.report("a", &[load("e", "i1", 3)]);
+        hub.report("a", 1, &[load("e", "i1", 3)]);
         tokio::time::advance(Duration::from_secs(4)).await;
-        hub.report("b", &[load("e", "i1", 1)]);
-        let local = hub.local_sum(Instant::now());
-        assert_eq!(local[&("e".into(), "i1".into())], 1);
+        hub.report("b", 2, &[load("e", "i1", 1)]);
+        hub.recompute(Instant::now());
+        assert_eq!(hub.snapshots().borrow().totals[&key("i1")], 1);
     }
 
     #[tokio::test]
@@ -354,15 +433,15 @@ mod tests {
             hub.absorb(&mut inner, "load/r2", Some(&value));
             hub.absorb(&mut inner, "load/r1", Some(&value));
         }
-        hub.report("a", &[load("e", "i1", 1)]);
-        let local = hub.local_sum(Instant::now());
-        hub.recompute(&local);
-        let totals = hub.totals().borrow().clone();
+        hub.report("a", 1, &[load("e", "i1", 1)]);
+        hub.recompute(Instant::now());
+        let snapshot = hub.snapshots().borrow().clone();
         assert_eq!(
-            totals[&("e".into(), "i1".into())],
+            snapshot.totals[&key("i1")],
             5,
             "own replica not counted twice"
         );
-        assert_eq!(hub.others("a", &totals)[&("e".into(), "i1".into())], 4);
+        assert_eq!(snapshot.others("a")[&key("i1")], 4);
+        assert_eq!(**hub.local.borrow(), Counts::from([(key("i1"), 1)]));
     }
 }

@@ -339,7 +339,8 @@ impl Registry {
 
     /// Registers an instance, or replaces the registration with the same id (an agent that
     /// restarts registers again). With a TTL the instance lives on a lease that
-    /// `heartbeat` renews.
+    /// `heartbeat` renews. The write compares the endpoint's revision, so a registration
+    /// racing an endpoint delete or update cannot leave an orphan or a stale variant.
     pub async fn register_instance(&self, request: Registration) -> Result<Instance, AdminError> {
         let url = validate_instance_url(&request.url)?;
         let weight = request
@@ -347,69 +348,87 @@ impl Registry {
             .unwrap_or(switchyard_shared::DEFAULT_INSTANCE_WEIGHT);
         validate_instance_weight(weight)?;
         validate_ttl(request.ttl_seconds)?;
-        let (endpoint, _) =
-            self.read_endpoint(&request.endpoint)
-                .await
-                .map_err(|err| match err {
-                    AdminError::NotFound(message) => {
-                        AdminError::Invalid(ValidationError::new("EndpointName", message))
-                    }
-                    other => other,
-                })?;
-        let (config, _) = self.read_config(&endpoint.endpoint_config_name).await?;
-        if config.variant(request.variant.as_str()).is_none() {
-            let known: Vec<&str> = config
-                .production_variants
-                .iter()
-                .map(|variant| variant.variant_name.as_str())
-                .collect();
-            return Err(AdminError::Invalid(ValidationError::new(
-                "VariantName",
-                format!(
-                    "endpoint {} (config {}) has no variant {}; it has {}",
-                    endpoint.endpoint_name,
-                    config.endpoint_config_name,
-                    request.variant,
-                    known.join(", ")
-                ),
-            )));
-        }
-        let id = match request.id {
-            Some(id) => id,
+        let id = match &request.id {
+            Some(id) => id.clone(),
             None => InstanceId::new(&format!("{}-{:08x}", request.variant, fastrand::u32(..)))
                 .map_err(|err| AdminError::Internal(err.to_string()))?,
         };
-        let lease_id: LeaseId = if request.ttl_seconds > 0 {
-            self.store.grant_lease(request.ttl_seconds).await?
-        } else {
-            0
-        };
-        let instance = Instance {
-            instance_id: id.clone(),
-            endpoint_name: request.endpoint.clone(),
-            variant_name: request.variant,
-            url,
-            role: request.role,
-            weight,
-            health: Health::Unknown,
-            health_detail: String::new(),
-            ttl_seconds: request.ttl_seconds,
-            registered_time_ms: now_ms(),
-            lease_id,
-        };
         let key = keys::instance(request.endpoint.as_str(), id.as_str());
-        let previous = self.read::<Instance>(&key).await?;
-        self.store
-            .commit(Txn::new().put(key, encode(&instance), lease_id))
-            .await?;
-        if let Some((previous, _)) = previous
-            && previous.lease_id != 0
-            && previous.lease_id != lease_id
-        {
-            // The old lease now holds no key; let it go.
-            let _ = self.store.revoke_lease(previous.lease_id).await;
+        for _ in 0..MAX_ATTEMPTS {
+            let (endpoint, endpoint_kv) =
+                self.read_endpoint(&request.endpoint)
+                    .await
+                    .map_err(|err| match err {
+                        AdminError::NotFound(message) => {
+                            AdminError::Invalid(ValidationError::new("EndpointName", message))
+                        }
+                        other => other,
+                    })?;
+            let (config, _) = self.read_config(&endpoint.endpoint_config_name).await?;
+            if config.variant(request.variant.as_str()).is_none() {
+                let known: Vec<&str> = config
+                    .production_variants
+                    .iter()
+                    .map(|variant| variant.variant_name.as_str())
+                    .collect();
+                return Err(AdminError::Invalid(ValidationError::new(
+                    "VariantName",
+                    format!(
+                        "endpoint {} (config {}) has no variant {}; it has {}",
+                        endpoint.endpoint_name,
+                        config.endpoint_config_name,
+                        request.variant,
+                        known.join(", ")
+                    ),
+                )));
+            }
+            let lease_id: LeaseId = if request.ttl_seconds > 0 {
+                self.store.grant_lease(request.ttl_seconds).await?
+            } else {
+                0
+            };
+            let instance = Instance {
+                instance_id: id.clone(),
+                endpoint_name: request.endpoint.clone(),
+                variant_name: request.variant.clone(),
+                url: url.clone(),
+                role: request.role,
+                weight,
+                health: Health::Unknown,
+                health_detail: String::new(),
+                ttl_seconds: request.ttl_seconds,
+                registered_time_ms: now_ms(),
+                lease_id,
+            };
+            let previous = self.read::<Instance>(&key).await?;
+            let committed = self
+                .store
+                .commit(
+                    Txn::new()
+                        .when(Compare::ModRevision(
+                            endpoint_kv.key.clone(),
+                            endpoint_kv.mod_revision,
+                        ))
+                        .put(key.clone(), encode(&instance), lease_id),
+                )
+                .await?;
+            if committed.is_none() {
+                // The endpoint changed under us: read it again.
+                if lease_id != 0 {
+                    let _ = self.store.revoke_lease(lease_id).await;
+                }
+                continue;
+            }
+            if let Some((previous, _)) = previous
+                && previous.lease_id != 0
+                && previous.lease_id != lease_id
+            {
+                // The old lease now holds no key; let it go.
+                let _ = self.store.revoke_lease(previous.lease_id).await;
+            }
+            return Ok(instance);
         }
-        Ok(instance)
+        Err(too_much_contention("instance", id.as_str()))
     }
 
     pub async fn deregister_instance(

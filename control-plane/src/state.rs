@@ -125,6 +125,19 @@ impl View {
         })
     }
 
+    fn probe_target(&self, instance: &Instance) -> ProbeTarget {
+        let health_check = self
+            .endpoints
+            .get(instance.endpoint_name.as_str())
+            .and_then(|endpoint| self.configs.get(endpoint.endpoint_config_name.as_str()))
+            .map(|config| config.health_check_config.clone())
+            .unwrap_or_default();
+        ProbeTarget {
+            instance: instance.clone(),
+            health_check,
+        }
+    }
+
     fn snapshot(&self, replica_id: &str) -> pb::SyncMessage {
         pb::SyncMessage {
             version: self.revision as u64,
@@ -203,19 +216,16 @@ impl StateCache {
         let view = self.lock();
         view.instances
             .values()
-            .map(|instance| {
-                let health_check = view
-                    .endpoints
-                    .get(instance.endpoint_name.as_str())
-                    .and_then(|endpoint| view.configs.get(endpoint.endpoint_config_name.as_str()))
-                    .map(|config| config.health_check_config.clone())
-                    .unwrap_or_default();
-                ProbeTarget {
-                    instance: instance.clone(),
-                    health_check,
-                }
-            })
+            .map(|instance| view.probe_target(instance))
             .collect()
+    }
+
+    /// The current record of one instance, with its health-check settings.
+    pub fn probe_target(&self, endpoint: &str, id: &str) -> Option<ProbeTarget> {
+        let view = self.lock();
+        view.instances
+            .get(&(endpoint.to_owned(), id.to_owned()))
+            .map(|instance| view.probe_target(instance))
     }
 
     fn replace(&self, kvs: &[Kv], revision: Revision) {

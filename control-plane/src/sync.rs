@@ -29,14 +29,19 @@ pub struct SyncService {
 struct Registration {
     load: Arc<LoadHub>,
     router_id: String,
+    connection: u64,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.load.remove_router(&self.router_id);
+        self.load.remove_router(&self.router_id, self.connection);
         tracing::info!(router = %self.router_id, "router disconnected");
     }
 }
+
+/// Fleet load is sent when it changes, and at least this often anyway, so a router that
+/// rebuilt its view (or missed nothing) converges without waiting for a change.
+const FLEET_REFRESH: Duration = Duration::from_secs(1);
 
 fn fleet_message(replica_id: &str, others: &Counts) -> pb::SyncMessage {
     pb::SyncMessage {
@@ -85,20 +90,27 @@ impl pb::router_sync_server::RouterSync for SyncService {
         tracing::info!(router = %router_id, "router connected");
         let service = self.clone();
         let stream = async_stream::try_stream! {
-            let _registration = Registration { load: Arc::clone(&service.load), router_id: router_id.clone() };
+            let connection = service.load.connection_id();
+            let _registration = Registration {
+                load: Arc::clone(&service.load),
+                router_id: router_id.clone(),
+                connection,
+            };
             service.cache.wait_ready().await;
             let (snapshot, mut changes) = service.cache.subscribe();
             yield snapshot;
-            let mut totals = service.load.totals();
+            let load = service.load.snapshots();
             let mut ticks = tokio::time::interval(service.load.config().interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut last_sent = Counts::new();
+            // None: nothing sent yet, so the first tick always sends (possibly empty) figures.
+            let mut last_sent: Option<Counts> = None;
+            let mut last_sent_at = tokio::time::Instant::now();
             loop {
                 tokio::select! {
                     () = service.shutdown.cancelled() => break,
                     inbound = inbound.message() => match inbound {
                         Ok(Some(pb::RouterMessage { message: Some(pb::router_message::Message::Load(report)) })) => {
-                            service.load.report(&router_id, &report.loads);
+                            service.load.report(&router_id, connection, &report.loads);
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => break,
@@ -118,11 +130,12 @@ impl pb::router_sync_server::RouterSync for SyncService {
                         Err(RecvError::Closed) => break,
                     },
                     _ = ticks.tick() => {
-                        let current = totals.borrow_and_update().clone();
-                        let others = service.load.others(&router_id, &current);
-                        if others != last_sent {
+                        let others = load.borrow().others(&router_id);
+                        let due = last_sent_at.elapsed() >= FLEET_REFRESH;
+                        if last_sent.as_ref() != Some(&others) || due {
                             yield fleet_message(&service.replica_id, &others);
-                            last_sent = others;
+                            last_sent = Some(others);
+                            last_sent_at = tokio::time::Instant::now();
                         }
                     }
                 }

@@ -71,3 +71,18 @@ pub async fn shutdown_signal() {
         () = terminate => tracing::info!("received SIGTERM, shutting down"),
     }
 }
+
+/// Reads a bearer token from a file (`flag` names it in errors): one word, surrounding
+/// whitespace and a trailing newline ignored.
+pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<String, String> {
+    let token =
+        std::fs::read_to_string(path).map_err(|err| format!("{flag} {}: {err}", path.display()))?;
+    let token = token.trim();
+    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "{flag} {}: the token must be one non-empty word",
+            path.display()
+        ));
+    }
+    Ok(token.to_owned())
+}

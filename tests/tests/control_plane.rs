@@ -940,3 +940,35 @@ async fn the_grpc_server_speaks_tls_when_given_a_certificate() -> anyhow::Result
     assert!(refused, "a plain-text client must not get through");
     Ok(())
 }
+
+#[tokio::test]
+async fn routers_need_the_router_token_when_one_is_set() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let token_file = dir.path().join("router-token");
+    std::fs::write(&token_file, "r0uter\n")?;
+    let mut config = ControlConfig::embedded(loopback_any(), dir.path().join("data"));
+    config.router_token_file = Some(token_file.clone());
+    let cp = control_plane(config).await?;
+
+    let anonymous = router(&[cp.url()]).await?;
+    let mut with_token =
+        switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![cp.url()]);
+    with_token.control_plane_token_file = Some(token_file);
+    let trusted =
+        switchyard_router::RouterHandle::start(with_token.validate().map_err(anyhow::Error::msg)?)
+            .await?;
+    eventually(
+        Duration::from_secs(10),
+        "the router with the token to sync",
+        || async { trusted.table().version > 0 },
+    )
+    .await?;
+    assert_eq!(
+        anonymous.table().version,
+        0,
+        "a router without the token gets nothing"
+    );
+    let (status, _) = http_get(&format!("{}/readyz", anonymous.url())).await?;
+    assert_eq!(status, 503);
+    Ok(())
+}

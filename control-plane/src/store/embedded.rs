@@ -3,12 +3,17 @@
 //! acknowledged (write to a temporary file, fsync, rename, fsync the directory), so a crash
 //! never loses an acknowledged write and never leaves a half-written file.
 //!
+//! Commits are copy-on-write: a commit applies to a copy of the data, persists the copy, and
+//! only then swaps it in and publishes its events. A failed write (disk full) changes
+//! nothing. Readers take the current version without waiting for a commit's fsync.
+//!
 //! Leases are persisted with their TTL; after a restart each lease gets a fresh TTL, so an
 //! instance that keeps heartbeating survives a control-plane restart.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -35,12 +40,11 @@ struct Lease {
     deadline: Instant,
 }
 
-#[derive(Debug, Default)]
-struct Inner {
+/// One version of the keys.
+#[derive(Debug, Clone, Default)]
+struct Data {
     revision: Revision,
-    next_lease: LeaseId,
     entries: BTreeMap<String, Entry>,
-    leases: HashMap<LeaseId, Lease>,
 }
 
 /// What `state.json` holds.
@@ -69,26 +73,36 @@ struct PersistedLease {
 
 #[derive(Debug)]
 pub struct EmbeddedStore {
-    inner: Mutex<Inner>,
+    /// The current version; swapped whole by commits.
+    data: Mutex<Arc<Data>>,
+    /// Serialises commits (held on a blocking thread only, across the fsync).
+    writer: Mutex<()>,
+    leases: Mutex<HashMap<LeaseId, Lease>>,
+    next_lease: AtomicI64,
     events: broadcast::Sender<Arc<Vec<WatchEvent>>>,
     dir: Option<PathBuf>,
+}
+
+/// A poisoned lock is safe to keep using here: every guarded value is replaced whole or
+/// updated in one step, so a panic cannot leave it half-changed.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
 impl EmbeddedStore {
     /// Opens (or creates) the store in `dir`; `None` keeps everything in memory (tests).
     /// Spawns the lease reaper, which stops when `shutdown` is cancelled.
     pub fn open(dir: Option<&Path>, shutdown: CancellationToken) -> Result<Arc<Self>, StoreError> {
-        let mut inner = Inner {
-            next_lease: 1,
-            ..Inner::default()
-        };
+        let mut data = Data::default();
+        let mut leases = HashMap::new();
+        let mut next_lease = 1;
         if let Some(dir) = dir {
             std::fs::create_dir_all(dir).map_err(|err| {
                 StoreError::Unavailable(format!("cannot create {}: {err}", dir.display()))
             })?;
             let path = dir.join(STATE_FILE);
             match std::fs::read(&path) {
-                Ok(bytes) => inner = load(&bytes, &path)?,
+                Ok(bytes) => (data, leases, next_lease) = load(&bytes, &path)?,
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
                 Err(err) => {
                     return Err(StoreError::Unavailable(format!(
@@ -100,7 +114,10 @@ impl EmbeddedStore {
         }
         let (events, _) = broadcast::channel(WATCH_BUFFER);
         let store = Arc::new(Self {
-            inner: Mutex::new(inner),
+            data: Mutex::new(Arc::new(data)),
+            writer: Mutex::new(()),
+            leases: Mutex::new(leases),
+            next_lease: AtomicI64::new(next_lease),
             events,
             dir: dir.map(Path::to_path_buf),
         });
@@ -125,15 +142,11 @@ impl EmbeddedStore {
 
     async fn expire_leases(self: &Arc<Self>) -> Result<(), StoreError> {
         let now = Instant::now();
-        let expired: Vec<LeaseId> = {
-            let inner = self.lock();
-            inner
-                .leases
-                .iter()
-                .filter(|(_, lease)| lease.deadline <= now)
-                .map(|(id, _)| *id)
-                .collect()
-        };
+        let expired: Vec<LeaseId> = lock(&self.leases)
+            .iter()
+            .filter(|(_, lease)| lease.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
         for lease in expired {
             tracing::debug!(lease, "embedded store lease lapsed");
             self.revoke_lease(lease).await?;
@@ -141,31 +154,46 @@ impl EmbeddedStore {
         Ok(())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves consistent data (every mutation is applied
-        // to a copy first), so a poisoned lock is safe to keep using.
-        self.inner
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+    fn current(&self) -> Arc<Data> {
+        Arc::clone(&lock(&self.data))
     }
 
-    /// Runs a mutation under the lock, persists the result, then publishes its events.
-    /// The file write happens on a blocking thread so the runtime never stalls on fsync.
+    /// Applies a mutation to a copy of the data, persists the copy, then swaps it in and
+    /// publishes its events. Runs on a blocking thread so the runtime never waits on fsync.
     async fn mutate<T: Send + 'static>(
         self: &Arc<Self>,
-        mutation: impl FnOnce(&mut Inner) -> Result<(T, Vec<WatchEvent>), StoreError> + Send + 'static,
+        mutation: impl FnOnce(
+            &mut Data,
+            &HashMap<LeaseId, Lease>,
+        ) -> Result<(T, Vec<WatchEvent>), StoreError>
+        + Send
+        + 'static,
     ) -> Result<T, StoreError> {
         let store = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
-            let mut inner = store.lock();
-            let (result, events) = mutation(&mut inner)?;
-            if !events.is_empty() {
-                if let Some(dir) = &store.dir {
-                    persist(dir, &inner)?;
-                }
-                // No receivers is fine.
-                let _ = store.events.send(Arc::new(events));
+            let _writer = lock(&store.writer);
+            let mut next = (*store.current()).clone();
+            let (result, events) = {
+                let leases = lock(&store.leases);
+                mutation(&mut next, &leases)?
+            };
+            if events.is_empty() {
+                return Ok(result);
             }
+            if let Some(dir) = &store.dir {
+                persist(
+                    dir,
+                    &next,
+                    &store.leases,
+                    store.next_lease.load(Ordering::SeqCst),
+                )?;
+            }
+            // Swap and publish under the data lock, so `list_and_watch` sees either the old
+            // version and then these events, or the new version and not them.
+            let mut current = lock(&store.data);
+            *current = Arc::new(next);
+            // No receivers is fine.
+            let _ = store.events.send(Arc::new(events));
             Ok(result)
         })
         .await
@@ -173,7 +201,9 @@ impl EmbeddedStore {
     }
 }
 
-fn load(bytes: &[u8], path: &Path) -> Result<Inner, StoreError> {
+type Loaded = (Data, HashMap<LeaseId, Lease>, LeaseId);
+
+fn load(bytes: &[u8], path: &Path) -> Result<Loaded, StoreError> {
     let state: PersistedState = serde_json::from_slice(bytes)
         .map_err(|err| StoreError::Corrupt(format!("{}: {err}", path.display())))?;
     let now = Instant::now();
@@ -205,19 +235,30 @@ fn load(bytes: &[u8], path: &Path) -> Result<Inner, StoreError> {
             )
         })
         .collect();
-    Ok(Inner {
+    let data = Data {
         revision: state.revision,
-        next_lease: state.next_lease,
         entries,
-        leases,
-    })
+    };
+    Ok((data, leases, state.next_lease))
 }
 
-fn persist(dir: &Path, inner: &Inner) -> Result<(), StoreError> {
+fn persist(
+    dir: &Path,
+    data: &Data,
+    leases: &Mutex<HashMap<LeaseId, Lease>>,
+    next_lease: LeaseId,
+) -> Result<(), StoreError> {
+    let leases: Vec<PersistedLease> = lock(leases)
+        .iter()
+        .map(|(id, lease)| PersistedLease {
+            id: *id,
+            ttl_seconds: lease.ttl.as_secs(),
+        })
+        .collect();
     let state = PersistedState {
-        revision: inner.revision,
-        next_lease: inner.next_lease,
-        entries: inner
+        revision: data.revision,
+        next_lease,
+        entries: data
             .entries
             .iter()
             .map(|(key, entry)| {
@@ -230,14 +271,7 @@ fn persist(dir: &Path, inner: &Inner) -> Result<(), StoreError> {
                 })
             })
             .collect::<Result<_, StoreError>>()?,
-        leases: inner
-            .leases
-            .iter()
-            .map(|(id, lease)| PersistedLease {
-                id: *id,
-                ttl_seconds: lease.ttl.as_secs(),
-            })
-            .collect(),
+        leases,
     };
     let bytes = serde_json::to_vec(&state)
         .map_err(|err| StoreError::Corrupt(format!("cannot encode state: {err}")))?;
@@ -257,10 +291,10 @@ fn write_atomically(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-fn compare_holds(inner: &Inner, compare: &Compare) -> bool {
+fn compare_holds(data: &Data, compare: &Compare) -> bool {
     match compare {
-        Compare::Absent(key) => !inner.entries.contains_key(key),
-        Compare::ModRevision(key, revision) => inner
+        Compare::Absent(key) => !data.entries.contains_key(key),
+        Compare::ModRevision(key, revision) => data
             .entries
             .get(key)
             .is_some_and(|entry| entry.mod_revision == *revision),
@@ -276,23 +310,27 @@ fn kv(key: &str, entry: &Entry) -> Kv {
     }
 }
 
-fn apply(inner: &mut Inner, txn: Txn) -> Result<(Option<Revision>, Vec<WatchEvent>), StoreError> {
+fn apply(
+    data: &mut Data,
+    leases: &HashMap<LeaseId, Lease>,
+    txn: Txn,
+) -> Result<(Option<Revision>, Vec<WatchEvent>), StoreError> {
     if !txn
         .compares
         .iter()
-        .all(|compare| compare_holds(inner, compare))
+        .all(|compare| compare_holds(data, compare))
     {
         return Ok((None, Vec::new()));
     }
     for op in &txn.ops {
         if let Op::Put { lease, .. } = op
             && *lease != 0
-            && !inner.leases.contains_key(lease)
+            && !leases.contains_key(lease)
         {
             return Err(StoreError::LeaseNotFound(*lease));
         }
     }
-    let revision = inner.revision + 1;
+    let revision = data.revision + 1;
     let mut events = Vec::new();
     for op in txn.ops {
         match op {
@@ -303,36 +341,35 @@ fn apply(inner: &mut Inner, txn: Txn) -> Result<(Option<Revision>, Vec<WatchEven
                     lease,
                 };
                 events.push(WatchEvent::Put(kv(&key, &entry)));
-                inner.entries.insert(key, entry);
+                data.entries.insert(key, entry);
             }
             Op::Delete { key } => {
-                if inner.entries.remove(&key).is_some() {
+                if data.entries.remove(&key).is_some() {
                     events.push(WatchEvent::Delete { key, revision });
                 }
             }
             Op::DeletePrefix { prefix } => {
-                let keys: Vec<String> = inner
+                let keys: Vec<String> = data
                     .entries
                     .range(prefix.clone()..)
                     .take_while(|(key, _)| key.starts_with(&prefix))
                     .map(|(key, _)| key.clone())
                     .collect();
                 for key in keys {
-                    inner.entries.remove(&key);
+                    data.entries.remove(&key);
                     events.push(WatchEvent::Delete { key, revision });
                 }
             }
         }
     }
     if !events.is_empty() {
-        inner.revision = revision;
+        data.revision = revision;
     }
-    Ok((Some(inner.revision), events))
+    Ok((Some(data.revision), events))
 }
 
-fn list_prefix(inner: &Inner, prefix: &str) -> Vec<Kv> {
-    inner
-        .entries
+fn list_prefix(data: &Data, prefix: &str) -> Vec<Kv> {
+    data.entries
         .range(prefix.to_owned()..)
         .take_while(|(key, _)| key.starts_with(prefix))
         .map(|(key, entry)| kv(key, entry))
@@ -346,25 +383,24 @@ impl Store for Arc<EmbeddedStore> {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Kv>, StoreError> {
-        Ok(self.lock().entries.get(key).map(|entry| kv(key, entry)))
+        Ok(self.current().entries.get(key).map(|entry| kv(key, entry)))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<Kv>, StoreError> {
-        Ok(list_prefix(&self.lock(), prefix))
+        Ok(list_prefix(&self.current(), prefix))
     }
 
     async fn commit(&self, txn: Txn) -> Result<Option<Revision>, StoreError> {
-        self.mutate(move |inner| apply(inner, txn)).await
+        self.mutate(move |data, leases| apply(data, leases, txn))
+            .await
     }
 
     async fn grant_lease(&self, ttl_seconds: u32) -> Result<LeaseId, StoreError> {
         let ttl = Duration::from_secs(u64::from(ttl_seconds.max(1)));
-        // A grant is persisted with the next commit that uses it; a lease nobody used is
-        // worth nothing after a restart.
-        let mut inner = self.lock();
-        let id = inner.next_lease;
-        inner.next_lease += 1;
-        inner.leases.insert(
+        // A grant is persisted with the next commit; a lease nobody used is worth nothing
+        // after a restart.
+        let id = self.next_lease.fetch_add(1, Ordering::SeqCst);
+        lock(&self.leases).insert(
             id,
             Lease {
                 ttl,
@@ -375,9 +411,8 @@ impl Store for Arc<EmbeddedStore> {
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<bool, StoreError> {
-        let mut inner = self.lock();
         let now = Instant::now();
-        match inner.leases.get_mut(&lease) {
+        match lock(&self.leases).get_mut(&lease) {
             Some(entry) if entry.deadline > now => {
                 entry.deadline = now + entry.ttl;
                 Ok(true)
@@ -387,11 +422,13 @@ impl Store for Arc<EmbeddedStore> {
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.mutate(move |inner| {
-            if inner.leases.remove(&lease).is_none() {
-                return Ok(((), Vec::new()));
-            }
-            let keys: Vec<String> = inner
+        if !lock(&self.leases).contains_key(&lease) {
+            return Ok(());
+        }
+        // Delete its keys first; the lease goes only once that is on disk, so a failed
+        // write leaves the lease to be reaped again.
+        self.mutate(move |data, leases| {
+            let keys: Vec<String> = data
                 .entries
                 .iter()
                 .filter(|(_, entry)| entry.lease == lease)
@@ -401,19 +438,22 @@ impl Store for Arc<EmbeddedStore> {
             for key in keys {
                 txn = txn.delete(key);
             }
-            let (_, events) = apply(inner, txn)?;
+            let (_, events) = apply(data, leases, txn)?;
             Ok(((), events))
         })
-        .await
+        .await?;
+        lock(&self.leases).remove(&lease);
+        Ok(())
     }
 
     async fn list_and_watch(&self, prefix: &str) -> Result<Listing, StoreError> {
-        // Subscribing under the lock means no commit falls between the listing and the watch.
+        // Subscribing under the data lock means no commit falls between the listing and the
+        // watch (commits swap and publish under the same lock).
         let (kvs, revision, receiver) = {
-            let inner = self.lock();
+            let data = lock(&self.data);
             (
-                list_prefix(&inner, prefix),
-                inner.revision,
+                list_prefix(&data, prefix),
+                data.revision,
                 self.events.subscribe(),
             )
         };
@@ -504,6 +544,31 @@ mod tests {
         assert_eq!(store.get("leased").await.unwrap().unwrap().lease, lease);
         let next = store.grant_lease(5).await.unwrap();
         assert!(next > lease, "lease ids are not reused");
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();
+        let mut listing = store.list_and_watch("").await.unwrap();
+        // A directory where the temporary file must go makes every persist fail.
+        std::fs::create_dir(dir.path().join(format!("{STATE_FILE}.tmp"))).unwrap();
+        let err = store
+            .commit(Txn::new().put("k", b"v".to_vec(), 0))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+        assert!(store.get("k").await.unwrap().is_none(), "not visible");
+        std::fs::remove_dir(dir.path().join(format!("{STATE_FILE}.tmp"))).unwrap();
+        store
+            .commit(Txn::new().put("k2", b"v".to_vec(), 0))
+            .await
+            .unwrap()
+            .unwrap();
+        use futures::StreamExt as _;
+        let batch = listing.watch.next().await.unwrap().unwrap();
+        assert_eq!(batch.len(), 1);
+        assert_eq!(batch[0].key(), "k2", "the failed write published nothing");
     }
 
     #[tokio::test]

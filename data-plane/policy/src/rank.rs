@@ -119,6 +119,10 @@ pub fn rank(
     if instances.is_empty() {
         return Ranking { order, route: None };
     }
+    // Loads are read once: live counters change while we look, and a sort needs a
+    // consistent order.
+    let loads: Vec<u32> = (0..instances.len()).map(load).collect();
+    let load = |index: usize| loads[index];
     let route = match strategy {
         Strategy::PrefixAware {
             concurrency_threshold,

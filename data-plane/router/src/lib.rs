@@ -70,6 +70,10 @@ pub struct RouterConfig {
     /// PEM CA certificate to trust for an https:// control plane.
     #[arg(long)]
     pub tls_ca: Option<PathBuf>,
+    /// File holding the bearer token the control plane asks routers for (its
+    /// --router-token-file).
+    #[arg(long)]
+    pub control_plane_token_file: Option<PathBuf>,
     /// Name of this router in load reports. Default: random.
     #[arg(long)]
     pub router_id: Option<String>,
@@ -106,6 +110,7 @@ impl RouterConfig {
             control_plane: urls,
             config: None,
             tls_ca: None,
+            control_plane_token_file: None,
             router_id: None,
             load_report_interval_ms: 100,
             max_attempts: 3,
@@ -160,6 +165,13 @@ impl RouterConfig {
             ),
             None => None,
         };
+        let control_plane_token = self
+            .control_plane_token_file
+            .as_deref()
+            .map(|path| {
+                switchyard_shared::process::read_token_file(path, "--control-plane-token-file")
+            })
+            .transpose()?;
         let router_id = self
             .router_id
             .clone()
@@ -168,6 +180,7 @@ impl RouterConfig {
             config: self.clone(),
             source,
             tls_ca,
+            control_plane_token,
             router_id,
         })
     }
@@ -185,6 +198,7 @@ pub struct Settings {
     pub config: RouterConfig,
     pub source: Source,
     pub tls_ca: Option<Vec<u8>>,
+    pub control_plane_token: Option<String>,
     pub router_id: String,
 }
 
@@ -258,6 +272,7 @@ impl RouterHandle {
                     router_id: settings.router_id.clone(),
                     report_interval: Duration::from_millis(config.load_report_interval_ms),
                     tls_ca: settings.tls_ca.clone(),
+                    token: settings.control_plane_token.clone(),
                 },
                 membership,
                 Arc::clone(&registry),

@@ -206,6 +206,18 @@ pub async fn handle(
     }
 }
 
+/// Bodies above this size are parsed and routed on a blocking thread: parsing 256 KiB of
+/// JSON takes about a millisecond, too long to hold a runtime thread.
+const OFFLOAD_BYTES: usize = 256 * 1024;
+
+/// A request ready to forward.
+struct Plan {
+    endpoint: Arc<EndpointRoute>,
+    variant_index: usize,
+    ranking: rank::Ranking,
+    body: Bytes,
+}
+
 async fn route(
     shared: &Shared,
     operation: Operation,
@@ -221,7 +233,7 @@ async fn route(
         ));
     }
     // Unknown endpoints are refused before the body is read.
-    let mut endpoint =
+    let endpoint =
         match &endpoint_name {
             Some(name) => {
                 Some(table.endpoints.get(name.as_str()).cloned().ok_or_else(|| {
@@ -231,8 +243,47 @@ async fn route(
             None => None,
         };
     let body = read_body(body, &parts.headers).await?;
+    let headers = parts.headers;
+    let (plan, headers) = if body.len() > OFFLOAD_BYTES {
+        tokio::task::spawn_blocking(move || {
+            let plan = make_plan(&table, operation, endpoint, &headers, body);
+            (plan, headers)
+        })
+        .await
+        .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))?
+    } else {
+        (
+            make_plan(&table, operation, endpoint, &headers, body),
+            headers,
+        )
+    };
+    let plan = plan?;
+    shared
+        .metrics
+        .decision_seconds
+        .observe(arrived.elapsed().as_secs_f64());
+    forward(
+        shared,
+        operation,
+        &plan.endpoint,
+        plan.variant_index,
+        plan.ranking,
+        headers,
+        plan.body,
+    )
+    .await
+}
 
-    let mut prefix_aware_id = header_str(&parts.headers, &PREFIX_AWARE_ID)?.map(str::to_owned);
+/// Reads what routing needs from the headers and body, resolves the endpoint and variant,
+/// ranks the instances, and rewrites `model` for the engine. CPU only.
+fn make_plan(
+    table: &RoutingTable,
+    operation: Operation,
+    mut endpoint: Option<Arc<EndpointRoute>>,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Plan, ApiError> {
+    let mut prefix_aware_id = header_str(headers, &PREFIX_AWARE_ID)?.map(str::to_owned);
     if let Some(id) = &prefix_aware_id
         && !valid_prefix_aware_id(id.as_bytes())
     {
@@ -240,8 +291,8 @@ async fn route(
             "header {PREFIX_AWARE_ID} must be 1-64 printable ASCII characters"
         )));
     }
-    let mut target_variant = header_str(&parts.headers, &TARGET_VARIANT)?.map(str::to_owned);
-    let session = header_str(&parts.headers, &SESSION_ID)?.map(|id| session_key(id.as_bytes()));
+    let mut target_variant = header_str(headers, &TARGET_VARIANT)?.map(str::to_owned);
+    let session = header_str(headers, &SESSION_ID)?.map(|id| session_key(id.as_bytes()));
 
     // OpenAI bodies are parsed once: model, stream, prompt_cache_key, prefix text.
     let openai = match operation.api() {
@@ -303,21 +354,12 @@ async fn route(
         _ => None,
     };
     drop(openai);
-    let upstream_body = rewritten.map(Bytes::from).unwrap_or(body);
-    shared
-        .metrics
-        .decision_seconds
-        .observe(arrived.elapsed().as_secs_f64());
-    forward(
-        shared,
-        operation,
-        &endpoint,
+    Ok(Plan {
+        body: rewritten.map(Bytes::from).unwrap_or(body),
+        endpoint,
         variant_index,
         ranking,
-        parts.headers,
-        upstream_body,
-    )
-    .await
+    })
 }
 
 /// Chooses the variant and ranks its instances.
@@ -475,11 +517,13 @@ async fn forward(
             }
         }
     }
-    shared.metrics.error("upstream_failed");
-    Err(ApiError::unavailable(format!(
-        "no instance of endpoint {} could be reached (last error: {last_error})",
-        endpoint.name
-    )))
+    Err(ApiError {
+        kind: "upstream_failed",
+        ..ApiError::unavailable(format!(
+            "no instance of endpoint {} could be reached (last error: {last_error})",
+            endpoint.name
+        ))
+    })
 }
 
 fn describe(err: &hyper_util::client::legacy::Error) -> String {

@@ -25,6 +25,8 @@ pub struct SyncSettings {
     pub router_id: String,
     pub report_interval: Duration,
     pub tls_ca: Option<Vec<u8>>,
+    /// Bearer token for the control plane's --router-token-file.
+    pub token: Option<String>,
 }
 
 /// Follows the control plane until `shutdown`.
@@ -44,11 +46,18 @@ pub async fn run(
             () = shutdown.cancelled() => return,
             outcome = follow(url, &settings, &mut membership, &registry, &connected) => outcome,
         };
-        connected.store(false, Ordering::Relaxed);
+        let was_synced = connected.swap(false, Ordering::Relaxed);
+        // Other routers' load is unknown from now on: count only our own rather than keep
+        // figures that can only grow stale (a frozen "10 in flight" would push every prefix
+        // off its instance for the whole outage).
+        apply_fleet_load(&registry, &pb::FleetLoad::default());
+        if was_synced {
+            // A stream that worked for a while and broke: reconnect at once.
+            backoff = Duration::from_millis(100);
+        }
         match outcome {
             Ok(()) => {
                 tracing::warn!(control_plane = %url, "sync stream ended; reconnecting (routing continues on the last state)");
-                backoff = Duration::from_millis(100);
             }
             Err(err) => {
                 tracing::warn!(control_plane = %url, error = %err, retry_in = ?backoff, "control plane unreachable; routing continues on the last state");
@@ -58,7 +67,9 @@ pub async fn run(
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(backoff) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        if !was_synced {
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
     }
 }
 
@@ -99,8 +110,15 @@ async fn follow(
         })
         .await
         .map_err(|_| "stream closed".to_owned())?;
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
+    if let Some(token) = &settings.token {
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| "the control-plane token cannot be sent in a header".to_owned())?;
+        request.metadata_mut().insert("authorization", value);
+    }
     let mut inbound = client
-        .sync(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .sync(request)
         .await
         .map_err(|status| format!("{}: {}", status.code(), status.message()))?
         .into_inner();

@@ -79,10 +79,14 @@ impl LoadRegistry {
         Arc::clone(self.lock().entry(key.clone()).or_default())
     }
 
-    /// Forgets cells not in `live` that have nothing in flight.
+    /// Forgets cells not in `live` that nothing else holds (no table a request may still
+    /// use, no request in flight), so every count stays reported until it ends.
     pub fn prune(&self, live: &std::collections::HashSet<InstanceKey>) {
-        self.lock()
-            .retain(|key, cell| live.contains(key) || cell.local.load(Ordering::Relaxed) > 0);
+        self.lock().retain(|key, cell| {
+            live.contains(key)
+                || Arc::strong_count(cell) > 1
+                || cell.local.load(Ordering::Relaxed) > 0
+        });
     }
 
     /// Calls `visit` for every cell (under the registry lock: keep it short).
