@@ -32,7 +32,7 @@ use crate::errors::{Api, ApiError};
 use crate::metrics::RouterMetrics;
 use crate::table::{
     EndpointRoute, InstanceCell, InstanceRoute, LoadRegistry, RETRY_INDEX, RoutingTable,
-    route_index,
+    VariantRoute, route_index,
 };
 
 /// SageMaker's payload limit.
@@ -504,7 +504,7 @@ async fn forward(
                     operation,
                     response,
                     in_flight,
-                    &variant.name,
+                    variant,
                     instance,
                     route_label,
                 )
@@ -554,7 +554,7 @@ async fn respond(
     operation: Operation,
     response: http::Response<hyper::body::Incoming>,
     in_flight: InFlight,
-    variant: &switchyard_shared::VariantName,
+    variant: &VariantRoute,
     instance: &InstanceRoute,
     route_label: &'static str,
 ) -> Result<Response, ApiError> {
@@ -576,11 +576,8 @@ async fn respond(
         add_routing_headers(response.headers_mut(), variant, instance, route_label);
         return Ok(response);
     }
-    let headers = std::mem::take(&mut parts.headers);
-    for (name, value) in &headers {
-        if !is_hop_by_hop(name) || name == header::CONTENT_LENGTH {
-            parts.headers.append(name.clone(), value.clone());
-        }
+    for name in HOP_BY_HOP_RESPONSE {
+        parts.headers.remove(name);
     }
     add_routing_headers(&mut parts.headers, variant, instance, route_label);
     let body = Body::new(TrackedBody {
@@ -590,18 +587,26 @@ async fn respond(
     Ok(Response::from_parts(parts, body))
 }
 
+/// Connection-level headers of an upstream response that must not be passed on (hyper frames
+/// the body to the client itself).
+const HOP_BY_HOP_RESPONSE: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
 fn add_routing_headers(
     headers: &mut HeaderMap,
-    variant: &switchyard_shared::VariantName,
+    variant: &VariantRoute,
     instance: &InstanceRoute,
     route_label: &'static str,
 ) {
-    if let Ok(value) = HeaderValue::from_str(variant.as_str()) {
-        headers.insert(INVOKED_VARIANT, value);
-    }
-    if let Ok(value) = HeaderValue::from_str(instance.id.as_str()) {
-        headers.insert(SWITCHYARD_INSTANCE, value);
-    }
+    headers.insert(INVOKED_VARIANT, variant.name_header.clone());
+    headers.insert(SWITCHYARD_INSTANCE, instance.id_header.clone());
     headers.insert(SWITCHYARD_ROUTE, HeaderValue::from_static(route_label));
 }
 

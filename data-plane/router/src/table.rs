@@ -100,6 +100,8 @@ impl LoadRegistry {
 #[derive(Debug)]
 pub struct InstanceRoute {
     pub id: InstanceId,
+    /// `id` as a response header value, made once.
+    pub id_header: http::HeaderValue,
     pub url: String,
     pub invocations: http::Uri,
     pub chat_completions: http::Uri,
@@ -110,6 +112,8 @@ pub struct InstanceRoute {
 #[derive(Debug)]
 pub struct VariantRoute {
     pub name: VariantName,
+    /// `name` as a response header value, made once.
+    pub name_header: http::HeaderValue,
     pub model_name: Option<String>,
     pub strategy: Strategy,
     /// PrefixLength (PREFIX_AWARE only).
@@ -167,6 +171,11 @@ impl RoutingTable {
             .get(model)
             .map(|(endpoint, variant)| (Arc::clone(endpoint), Some(*variant)))
     }
+}
+
+/// Names and ids are validated ASCII, so this never falls back in practice.
+fn header_value(text: &str) -> http::HeaderValue {
+    http::HeaderValue::from_str(text).unwrap_or_else(|_| http::HeaderValue::from_static("invalid"))
 }
 
 fn uri(base: &str, path: &str) -> Option<http::Uri> {
@@ -243,6 +252,7 @@ pub fn build(
                     available: true,
                 });
                 routes.push(InstanceRoute {
+                    id_header: header_value(instance.instance_id.as_str()),
                     id: instance.instance_id.clone(),
                     url: instance.url.clone(),
                     invocations,
@@ -252,6 +262,7 @@ pub fn build(
                 });
             }
             variants.push(VariantRoute {
+                name_header: header_value(variant.variant_name.as_str()),
                 name: variant.variant_name.clone(),
                 model_name: variant.model_name.clone(),
                 strategy,
