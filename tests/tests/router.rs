@@ -203,10 +203,13 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
         .create_endpoint_config(config_request("chat-prefix", &prefix_aware(50)))
         .await?;
     let stop = tokio_util::sync::CancellationToken::new();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let completed = || done.load(std::sync::atomic::Ordering::Relaxed);
     let mut workers = Vec::new();
     for worker in 0..4 {
         let url = url.clone();
         let stop = stop.clone();
+        let done = std::sync::Arc::clone(&done);
         workers.push(tokio::spawn(async move {
             let mut routes = Vec::new();
             for round in 0..400 {
@@ -221,11 +224,15 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
                 let reply = http_post(&url, &[], body).await.expect("router answers");
                 assert_eq!(reply.status, 200, "{}", reply.body);
                 routes.push(reply.header("x-switchyard-route").unwrap_or("").to_owned());
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             routes
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(10), "traffic under RANDOM", || async {
+        completed() >= 40
+    })
+    .await?;
     admin
         .update_endpoint(pb::UpdateEndpointRequest {
             name: "chat".into(),
@@ -239,7 +246,13 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
         || async { router.table().endpoints["chat"].variants[0].prefix_length == 1024 },
     )
     .await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let switched_at = completed();
+    eventually(
+        Duration::from_secs(10),
+        "traffic under PREFIX_AWARE",
+        || async { completed() >= switched_at + 40 },
+    )
+    .await?;
     stop.cancel();
     let mut routes = Vec::new();
     for worker in workers {
@@ -283,20 +296,27 @@ async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Resu
     };
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), sim).await?;
     let url = chat_url(&cluster.routers[0]);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for worker in 0..6 {
         let url = url.clone();
+        let done = std::sync::Arc::clone(&done);
         tasks.push(tokio::spawn(async move {
             let mut statuses = Vec::new();
             for round in 0..25 {
                 let body = chat_body(&format!("w{worker} r{round}"), 8, false);
                 let reply = http_post(&url, &[], body).await.expect("router answers");
                 statuses.push((reply.status, reply.body));
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             statuses
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Kill an engine once the load is well under way (requests are in flight on it).
+    eventually(Duration::from_secs(10), "load to be under way", || async {
+        done.load(std::sync::atomic::Ordering::Relaxed) >= 20
+    })
+    .await?;
     cluster.engines[0].kill();
     for task in tasks {
         for (status, body) in task.await? {
