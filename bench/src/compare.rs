@@ -19,7 +19,7 @@ use crate::report::{
 };
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
-use crate::workload::{Trace, WorkloadKind, WorkloadSpec};
+use crate::workload::{Trace, TraceArgs, WorkloadKind, WorkloadSpec};
 
 /// A routing strategy of SageMaker's RoutingConfig.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
@@ -84,9 +84,8 @@ pub struct DemoArgs {
     /// workload's defaults, keeping the preset's --requests and --seed.
     #[arg(long, value_enum)]
     pub workload: Option<WorkloadKind>,
-    /// Requests in the trace.
-    #[arg(long, value_name = "N")]
-    pub requests: Option<usize>,
+    #[command(flatten)]
+    pub trace: TraceArgs,
     /// Closed-loop clients (with --rate: the most sessions in flight).
     #[arg(long, value_name = "C")]
     pub concurrency: Option<usize>,
@@ -97,24 +96,6 @@ pub struct DemoArgs {
     /// reported in model ms = wall ms / time scale.
     #[arg(long, value_name = "X")]
     pub time_scale: Option<f64>,
-    /// Seed of the trace (and of the open loop's arrivals).
-    #[arg(long, value_name = "N")]
-    pub seed: Option<u64>,
-    /// Shared prefixes (long-context, mixed), documents (rag) or system prompts (sharegpt).
-    #[arg(long, value_name = "N")]
-    pub prefixes: Option<usize>,
-    /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
-    #[arg(long, value_name = "TOKENS")]
-    pub prefix_tokens: Option<u32>,
-    /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
-    #[arg(long, value_name = "S")]
-    pub zipf: Option<f64>,
-    /// Output tokens per request.
-    #[arg(long, value_name = "TOKENS")]
-    pub max_tokens: Option<u32>,
-    /// mixed: fraction of long prompts.
-    #[arg(long, value_name = "F")]
-    pub long_fraction: Option<f64>,
     /// KV-cache blocks per engine (16 tokens each; the simulator's default is one p5's).
     #[arg(long, value_name = "BLOCKS")]
     pub kv_cache_blocks: Option<usize>,
@@ -294,27 +275,7 @@ impl DemoArgs {
             };
         }
         let workload = &mut settings.workload;
-        if let Some(requests) = self.requests {
-            workload.requests = requests;
-        }
-        if let Some(seed) = self.seed {
-            workload.seed = seed;
-        }
-        if let Some(prefixes) = self.prefixes {
-            workload.prefixes = prefixes;
-        }
-        if let Some(tokens) = self.prefix_tokens {
-            workload.prefix_tokens = tokens;
-        }
-        if let Some(zipf) = self.zipf {
-            workload.zipf = zipf;
-        }
-        if let Some(max_tokens) = self.max_tokens {
-            workload.max_tokens = max_tokens;
-        }
-        if let Some(fraction) = self.long_fraction {
-            workload.long_fraction = fraction;
-        }
+        self.trace.apply(workload);
         if let Some(routers) = &self.routers {
             settings.router_counts = routers.clone();
         }

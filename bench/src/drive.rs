@@ -13,7 +13,7 @@ use crate::compare::{UsageError, prepare};
 use crate::report::{KvStats, Machine, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};
-use crate::workload::{WorkloadKind, WorkloadSpec};
+use crate::workload::{TraceArgs, WorkloadKind, WorkloadSpec};
 
 /// Flags of the default command.
 #[derive(Debug, Clone, clap::Args)]
@@ -35,33 +35,14 @@ pub struct DriveArgs {
     /// below override.
     #[arg(long, value_enum, default_value = "long-context")]
     pub workload: WorkloadKind,
-    /// Requests in the trace (conversation turns count one each).
-    #[arg(long, value_name = "N")]
-    pub requests: Option<usize>,
+    #[command(flatten)]
+    pub trace: TraceArgs,
     /// Closed-loop clients (with --rate: the most sessions in flight).
     #[arg(long, default_value_t = 8, value_name = "C")]
     pub concurrency: usize,
     /// Open loop: new sessions per second of model time (Poisson). Default: closed loop.
     #[arg(long, value_name = "PER_S")]
     pub rate: Option<f64>,
-    /// Seed of the trace: same seed, same requests.
-    #[arg(long, value_name = "N")]
-    pub seed: Option<u64>,
-    /// Shared prefixes (long-context, mixed), documents (rag) or system prompts (sharegpt).
-    #[arg(long, value_name = "N")]
-    pub prefixes: Option<usize>,
-    /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
-    #[arg(long, value_name = "TOKENS")]
-    pub prefix_tokens: Option<u32>,
-    /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
-    #[arg(long, value_name = "S")]
-    pub zipf: Option<f64>,
-    /// Output tokens per request.
-    #[arg(long, value_name = "TOKENS")]
-    pub max_tokens: Option<u32>,
-    /// mixed: fraction of long prompts.
-    #[arg(long, value_name = "F")]
-    pub long_fraction: Option<f64>,
     /// Engines' base URLs (or /metrics URLs), comma-separated: the hit rate is computed from
     /// the deltas of their vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total.
     /// Without it, from the answers' usage.prompt_tokens_details.cached_tokens.
@@ -97,27 +78,7 @@ pub struct DriveArgs {
 impl DriveArgs {
     fn workload(&self) -> Result<WorkloadSpec, String> {
         let mut spec = WorkloadSpec::defaults(self.workload);
-        if let Some(requests) = self.requests {
-            spec.requests = requests;
-        }
-        if let Some(seed) = self.seed {
-            spec.seed = seed;
-        }
-        if let Some(prefixes) = self.prefixes {
-            spec.prefixes = prefixes;
-        }
-        if let Some(tokens) = self.prefix_tokens {
-            spec.prefix_tokens = tokens;
-        }
-        if let Some(zipf) = self.zipf {
-            spec.zipf = zipf;
-        }
-        if let Some(max_tokens) = self.max_tokens {
-            spec.max_tokens = max_tokens;
-        }
-        if let Some(fraction) = self.long_fraction {
-            spec.long_fraction = fraction;
-        }
+        self.trace.apply(&mut spec);
         spec.validate()?;
         Ok(spec)
     }

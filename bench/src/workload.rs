@@ -53,6 +53,59 @@ impl std::fmt::Display for WorkloadKind {
     }
 }
 
+/// Flags that override a workload's defaults (shared by `compare` and driving a router).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TraceArgs {
+    /// Requests in the trace (conversation turns count one each).
+    #[arg(long, value_name = "N")]
+    pub requests: Option<usize>,
+    /// Seed of the trace (and of the open loop's arrivals): same seed, same requests.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Shared prefixes (long-context, mixed), documents (rag) or system prompts (sharegpt).
+    #[arg(long, value_name = "N")]
+    pub prefixes: Option<usize>,
+    /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
+    #[arg(long, value_name = "TOKENS")]
+    pub prefix_tokens: Option<u32>,
+    /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
+    #[arg(long, value_name = "S")]
+    pub zipf: Option<f64>,
+    /// Output tokens per request.
+    #[arg(long, value_name = "TOKENS")]
+    pub max_tokens: Option<u32>,
+    /// mixed: fraction of long prompts.
+    #[arg(long, value_name = "F")]
+    pub long_fraction: Option<f64>,
+}
+
+impl TraceArgs {
+    /// Applies every flag given to `spec`.
+    pub fn apply(&self, spec: &mut WorkloadSpec) {
+        if let Some(requests) = self.requests {
+            spec.requests = requests;
+        }
+        if let Some(seed) = self.seed {
+            spec.seed = seed;
+        }
+        if let Some(prefixes) = self.prefixes {
+            spec.prefixes = prefixes;
+        }
+        if let Some(tokens) = self.prefix_tokens {
+            spec.prefix_tokens = tokens;
+        }
+        if let Some(zipf) = self.zipf {
+            spec.zipf = zipf;
+        }
+        if let Some(max_tokens) = self.max_tokens {
+            spec.max_tokens = max_tokens;
+        }
+        if let Some(fraction) = self.long_fraction {
+            spec.long_fraction = fraction;
+        }
+    }
+}
+
 /// Everything a trace is generated from. Same spec, same trace.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WorkloadSpec {
