@@ -320,16 +320,7 @@ impl DemoArgs {
 pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let settings = args.settings().map_err(UsageError)?;
     let report = compare(&settings).await?;
-    crate::report::print_stdout(&report.table());
-    if let Some(path) = &args.json {
-        report.write_json(path)?;
-        eprintln!("wrote {}", path.display());
-    }
-    if let Some(path) = &args.svg {
-        std::fs::write(path, crate::svg::render(&report))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    report.emit(args.json.as_deref(), args.svg.as_deref())?;
     Ok(report)
 }
 

@@ -219,16 +219,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         checks: Vec::new(),
         notes,
     };
-    crate::report::print_stdout(&report.table());
-    if let Some(path) = &args.json {
-        report.write_json(path)?;
-        eprintln!("wrote {}", path.display());
-    }
-    if let Some(path) = &args.svg {
-        std::fs::write(path, crate::svg::render(&report))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    report.emit(args.json.as_deref(), args.svg.as_deref())?;
     Ok(report)
 }
 

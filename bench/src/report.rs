@@ -408,6 +408,21 @@ pub struct Report {
 }
 
 impl Report {
+    /// Prints the table on stdout and writes the JSON and SVG files that were asked for.
+    pub fn emit(&self, json: Option<&Path>, svg: Option<&Path>) -> anyhow::Result<()> {
+        print_stdout(&self.table());
+        if let Some(path) = json {
+            self.write_json(path)?;
+            eprintln!("wrote {}", path.display());
+        }
+        if let Some(path) = svg {
+            std::fs::write(path, crate::svg::render(self))
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+
     pub fn write_json(&self, path: &Path) -> anyhow::Result<()> {
         let text = serde_json::to_string_pretty(self)?;
         std::fs::write(path, text + "\n")

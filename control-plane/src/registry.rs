@@ -122,6 +122,10 @@ impl Registry {
         }
     }
 
+    async fn list_decoded<T: DeserializeOwned>(&self, prefix: &str) -> Result<Vec<T>, AdminError> {
+        self.store.list(prefix).await?.iter().map(decode).collect()
+    }
+
     async fn read_config(
         &self,
         name: &EndpointConfigName,
@@ -171,12 +175,7 @@ impl Registry {
     }
 
     pub async fn list_configs(&self) -> Result<Vec<EndpointConfig>, AdminError> {
-        self.store
-            .list(keys::CONFIGS)
-            .await?
-            .iter()
-            .map(decode)
-            .collect()
+        self.list_decoded(keys::CONFIGS).await
     }
 
     pub async fn delete_config(&self, name: &EndpointConfigName) -> Result<(), AdminError> {
@@ -262,12 +261,7 @@ impl Registry {
     }
 
     pub async fn list_endpoints(&self) -> Result<Vec<Endpoint>, AdminError> {
-        self.store
-            .list(keys::ENDPOINTS)
-            .await?
-            .iter()
-            .map(decode)
-            .collect()
+        self.list_decoded(keys::ENDPOINTS).await
     }
 
     /// Points the endpoint at another config. Routers swap to it atomically, so no request
@@ -455,7 +449,7 @@ impl Registry {
             Some(endpoint) => keys::instances_of(endpoint.as_str()),
             None => keys::INSTANCES.to_owned(),
         };
-        self.store.list(&prefix).await?.iter().map(decode).collect()
+        self.list_decoded(&prefix).await
     }
 
     /// Renews the lease of an instance registered with a TTL; returns the TTL (0: no lease).
