@@ -297,14 +297,16 @@ pub async fn embedded_control_plane(
     .await
 }
 
-/// Starts an in-process router following `control_planes`.
+/// Starts an in-process router following `control_planes`, serving on two threads (the
+/// test's runtime and one of its own) as the binary does on a 2-CPU machine, so that every
+/// router test also covers requests and connections spread over serving threads.
 pub async fn router(control_planes: &[String]) -> anyhow::Result<switchyard_router::RouterHandle> {
-    let settings = switchyard_router::RouterConfig::with_control_plane(
+    let mut config = switchyard_router::RouterConfig::with_control_plane(
         loopback_any(),
         control_planes.to_vec(),
-    )
-    .validate()
-    .map_err(anyhow::Error::msg)?;
+    );
+    config.worker_threads = Some(2);
+    let settings = config.validate().map_err(anyhow::Error::msg)?;
     let router = switchyard_router::RouterHandle::start(settings).await?;
     Ok(router)
 }

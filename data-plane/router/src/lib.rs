@@ -100,6 +100,11 @@ pub struct RouterConfig {
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_seconds: u64,
+    /// Threads serving HTTP. Each runs its own single-threaded runtime and upstream
+    /// connection pool, so a request never moves between threads (cross-thread wake-ups
+    /// cost more than the routing decision). Default: one per CPU.
+    #[arg(long, value_name = "N")]
+    pub worker_threads: Option<usize>,
 }
 
 impl RouterConfig {
@@ -119,6 +124,7 @@ impl RouterConfig {
             connect_timeout_ms: 2000,
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
+            worker_threads: Some(1),
         }
     }
 
@@ -156,6 +162,11 @@ impl RouterConfig {
                 self.max_attempts
             ));
         }
+        if let Some(threads) = self.worker_threads
+            && !(1..=1024).contains(&threads)
+        {
+            return Err(format!("--worker-threads: {threads} is outside 1..=1024"));
+        }
         if self.eject_after_failures == 0 {
             return Err("--eject-after-failures must be at least 1".into());
         }
@@ -182,6 +193,9 @@ impl RouterConfig {
             tls_ca,
             control_plane_token,
             router_id,
+            worker_threads: self.worker_threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            }),
         })
     }
 }
@@ -200,6 +214,8 @@ pub struct Settings {
     pub tls_ca: Option<Vec<u8>>,
     pub control_plane_token: Option<String>,
     pub router_id: String,
+    /// Serving threads (`--worker-threads`, resolved).
+    pub worker_threads: usize,
 }
 
 /// A running router.
@@ -235,7 +251,8 @@ impl RouterHandle {
     /// Binds the listener and starts serving and syncing. Returns once the port accepts.
     pub async fn start(settings: Settings) -> std::io::Result<Self> {
         let config = &settings.config;
-        let listener = tokio::net::TcpListener::bind(config.listen).await?;
+        let listener = std::net::TcpListener::bind(config.listen)?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
@@ -253,7 +270,7 @@ impl RouterHandle {
                 eject_after_failures: config.eject_after_failures,
                 eject_for: Duration::from_secs(config.eject_seconds),
             },
-            metrics: metrics::RouterMetrics::new(Arc::clone(&connected)),
+            metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
         });
         let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
         let sync_task = match &settings.source {
@@ -280,33 +297,41 @@ impl RouterHandle {
                 shutdown.clone(),
             ))),
         };
-        let app = app(Arc::clone(&shared));
         let grace = Duration::from_secs(config.shutdown_grace_seconds);
+        // Threads 1.. each serve the same listening socket on a runtime of their own; the
+        // calling runtime serves it too (thread 0) and runs the control-plane stream.
+        let mut others = Vec::with_capacity(settings.worker_threads.saturating_sub(1));
+        for index in 1..settings.worker_threads {
+            let listener = listener.try_clone()?;
+            let worker = Arc::new(shared.with_client(upstream_client(
+                Duration::from_millis(config.connect_timeout_ms),
+                config.upstream_protocol,
+            )));
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let stop = shutdown.clone();
+            let (done, finished) = tokio::sync::oneshot::channel::<()>();
+            std::thread::Builder::new()
+                .name(format!("switchyard-http-{index}"))
+                .spawn(move || {
+                    runtime.block_on(serve(listener, app(worker), stop, grace));
+                    let _ = done.send(());
+                })?;
+            others.push(finished);
+        }
         let stop = shutdown.clone();
+        let app = app(Arc::clone(&shared));
         let server = tokio::spawn(async move {
-            let listener = listener.tap_io(|tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            let serve = axum::serve(listener, app)
-                .with_graceful_shutdown(stop.clone().cancelled_owned())
-                .into_future();
-            tokio::pin!(serve);
-            tokio::select! {
-                result = &mut serve => {
-                    if let Err(err) = result {
-                        tracing::error!(error = %err, "router server failed");
-                    }
-                }
-                () = async {
-                    stop.cancelled().await;
-                    tokio::time::sleep(grace).await;
-                } => tracing::warn!(?grace, "in-flight requests outlived the grace period; closing them"),
+            serve(listener, app, stop, grace).await;
+            for finished in others {
+                let _ = finished.await;
             }
             if let Some(task) = sync_task {
                 task.abort();
             }
         });
-        tracing::info!(%addr, router = %settings.router_id, "router listening");
+        tracing::info!(%addr, router = %settings.router_id, threads = settings.worker_threads, "router listening");
         Ok(Self {
             addr,
             router_id: settings.router_id,
@@ -351,6 +376,40 @@ impl RouterHandle {
 }
 
 use std::future::IntoFuture as _;
+
+/// Serves `app` on `listener` in the current runtime until `stop` is cancelled, then lets
+/// in-flight requests finish for up to `grace`.
+async fn serve(
+    listener: std::net::TcpListener,
+    app: AxumRouter,
+    stop: CancellationToken,
+    grace: Duration,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        }),
+        Err(err) => {
+            tracing::error!(error = %err, "cannot serve the listening socket");
+            return;
+        }
+    };
+    let serve = axum::serve(listener, app)
+        .with_graceful_shutdown(stop.clone().cancelled_owned())
+        .into_future();
+    tokio::pin!(serve);
+    tokio::select! {
+        result = &mut serve => {
+            if let Err(err) = result {
+                tracing::error!(error = %err, "router server failed");
+            }
+        }
+        () = async {
+            stop.cancelled().await;
+            tokio::time::sleep(grace).await;
+        } => tracing::warn!(?grace, "in-flight requests outlived the grace period; closing them"),
+    }
+}
 
 fn app(shared: Arc<Shared>) -> AxumRouter {
     async fn native(

@@ -17,7 +17,7 @@ struct Cli {
     log_format: LogFormat,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() {
     let cli: Cli = process::parse_args();
     process::init_logging(cli.log_format, "info");

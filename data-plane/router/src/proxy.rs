@@ -58,13 +58,29 @@ pub struct ProxySettings {
     pub eject_for: Duration,
 }
 
+/// What one serving thread works with: the routing state and metrics every thread shares,
+/// and this thread's own upstream connection pool (so that a request and the upstream
+/// connection it uses are driven by the same thread).
 #[derive(Debug)]
 pub struct Shared {
     pub table: Arc<ArcSwap<RoutingTable>>,
     pub registry: Arc<LoadRegistry>,
     pub client: HttpClient,
     pub settings: ProxySettings,
-    pub metrics: RouterMetrics,
+    pub metrics: Arc<RouterMetrics>,
+}
+
+impl Shared {
+    /// The same routing state and metrics with another connection pool.
+    pub fn with_client(&self, client: HttpClient) -> Self {
+        Self {
+            table: Arc::clone(&self.table),
+            registry: Arc::clone(&self.registry),
+            client,
+            settings: self.settings,
+            metrics: Arc::clone(&self.metrics),
+        }
+    }
 }
 
 /// Which API a request came in on.
