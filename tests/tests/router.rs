@@ -408,6 +408,10 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
     let huge = vec![b'x'; 6_291_457];
     let reply = http_post(&chat_url(router), &[], huge).await?;
     assert_eq!(reply.status, 413, "{}", reply.body);
+    // The same without Content-Length (16 MiB chunked): the router finds out while reading,
+    // reads the rest away, and the client gets the 413, not a broken pipe.
+    let answer = chunked_post(router.addr, "/v1/chat/completions", 16, 1 << 20).await?;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
 
     let reply = http_post(
         &format!("{}/endpoints/nope/invocations", router.url()),
@@ -785,4 +789,32 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
     }
     cluster.wait_idle().await?;
     Ok(())
+}
+
+/// POSTs `chunks` chunks of `chunk_bytes` bytes with chunked transfer encoding over a raw
+/// connection, then reads the answer until the connection closes or 10 s pass.
+async fn chunked_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    chunks: usize,
+    chunk_bytes: usize,
+) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await?;
+    let chunk = vec![b' '; chunk_bytes];
+    for _ in 0..chunks {
+        stream
+            .write_all(format!("{chunk_bytes:x}\r\n").as_bytes())
+            .await?;
+        stream.write_all(&chunk).await?;
+        stream.write_all(b"\r\n").await?;
+    }
+    stream.write_all(b"0\r\n\r\n").await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
 }

@@ -180,28 +180,66 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<Option<&'
     }
 }
 
-async fn read_body(body: Body, headers: &HeaderMap) -> Result<Bytes, ApiError> {
+async fn read_body(mut body: Body, headers: &HeaderMap) -> Result<Bytes, ApiError> {
     if let Some(length) = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<usize>().ok())
         && length > MAX_BODY_BYTES
     {
+        discard(body).await;
         return Err(ApiError::too_large(MAX_BODY_BYTES));
     }
-    match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err)
-            if err
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(ApiError::too_large(MAX_BODY_BYTES))
+    // Most bodies arrive in one frame: keep it without copying.
+    let mut first: Option<Bytes> = None;
+    let mut more: Vec<u8> = Vec::new();
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame
+            .map_err(|err| ApiError::validation(format!("cannot read the request body: {err}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total += data.len();
+        if total > MAX_BODY_BYTES {
+            discard(body).await;
+            return Err(ApiError::too_large(MAX_BODY_BYTES));
         }
-        Err(err) => Err(ApiError::validation(format!(
-            "cannot read the request body: {err}"
-        ))),
+        match &first {
+            None => first = Some(data),
+            Some(head) => {
+                if more.is_empty() {
+                    more.reserve(total);
+                    more.extend_from_slice(head);
+                }
+                more.extend_from_slice(&data);
+            }
+        }
     }
+    Ok(if more.is_empty() {
+        first.unwrap_or_default()
+    } else {
+        Bytes::from(more)
+    })
+}
+
+/// Reads and drops the rest of a request body that is refused (too large), so that the client
+/// can finish sending and read the answer: closing a connection with unread data makes the
+/// kernel reset it, and the client would see a reset instead of the 413. Bounded: at most
+/// 64 MiB or 5 seconds, then the connection is closed anyway.
+async fn discard(mut body: Body) {
+    const MOST_BYTES: usize = 64 << 20;
+    const MOST_TIME: Duration = Duration::from_secs(5);
+    let _ = tokio::time::timeout(MOST_TIME, async {
+        let mut seen = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, Bytes::len);
+            if seen > MOST_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Handles one request on `operation`. `endpoint` is the path's endpoint name (`None` on the
