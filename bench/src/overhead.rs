@@ -1,14 +1,16 @@
 //! `switchyard-bench overhead`: the latency the router adds, and requests per second per core
 //! of router CPU, measured against baselines in the same run.
 //!
-//! One simulated engine runs in this process with a near-zero time model (it answers at
-//! once); a `switchyard-router` runs as a separate process from a static config, so its CPU
-//! time can be read from `/proc/PID/stat`; so does a bare reverse proxy (`forward`), the cost
-//! of one more hop on this machine. Then:
+//! One simulated engine runs with a near-zero time model (it answers at once), in a process of
+//! its own as vLLM would be (`--engine in-process` puts it beside the client instead); a
+//! `switchyard-router` runs as a separate process from a static config, so its CPU time can
+//! be read from `/proc/PID/stat`; so do two baselines (`forward`): a bare HTTP reverse
+//! proxy, the cost of one more HTTP hop on this machine, and a TCP relay that copies bytes
+//! without reading HTTP at all, the floor of any user-space proxy here. Then:
 //!
 //! 1. **Latency**: one client sends small non-streaming chat requests (`max_tokens` 1) on
-//!    keep-alive connections, one each way per round (direct, router, bare proxy) in rotating
-//!    order. Added latency = router percentile − direct percentile; the per-round differences
+//!    keep-alive connections, one each way per round (direct, router, bare proxy, TCP relay)
+//!    in rotating order. Added latency = router percentile − direct percentile; the per-round differences
 //!    are summarised too.
 //! 2. **Throughput**: `concurrency` closed-loop clients for `duration` seconds each way.
 //!    Requests per core-second = requests / (the proxy process's utime + stime).
@@ -33,8 +35,8 @@ use crate::stats::Summary;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverheadArgs {
-    /// Rounds in the latency phase: one request direct, one through the router, one through
-    /// the bare proxy, in rotating order.
+    /// Rounds in the latency phase: one request each way (direct, through the router, the
+    /// bare proxy and the TCP relay), in rotating order.
     #[arg(long, default_value_t = 2000, value_name = "N")]
     pub requests: usize,
     /// Closed-loop clients in the throughput phase.
@@ -50,6 +52,14 @@ pub struct OverheadArgs {
     /// target/debug: build it with `cargo build --release -p switchyard-router`).
     #[arg(long, value_name = "FILE")]
     pub router_bin: Option<PathBuf>,
+    /// Where the simulated engine runs: its own process (as a real engine does, so the direct
+    /// path pays the same process wake-ups a deployment does), or inside this one, beside
+    /// the client.
+    #[arg(long, value_enum, default_value = "process")]
+    pub engine: EnginePlacement,
+    /// The switchyard-engine-sim executable for `--engine process`. Default: next to this one.
+    #[arg(long, value_name = "FILE")]
+    pub engine_bin: Option<PathBuf>,
     /// The engine's clock scale: tiny, so that it answers at once.
     #[arg(long, default_value_t = 1e-6, value_name = "X")]
     pub time_scale: f64,
@@ -59,6 +69,12 @@ pub struct OverheadArgs {
     /// No progress messages.
     #[arg(long)]
     pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EnginePlacement {
+    Process,
+    InProcess,
 }
 
 impl OverheadArgs {
@@ -106,6 +122,15 @@ pub struct ForwarderBaseline {
     pub requests_per_core_second: f64,
 }
 
+/// The TCP relay measured like the router (latency only): the floor of one more hop.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RelayBaseline {
+    pub latency_ms: Summary,
+    pub added_p50_ms: f64,
+    pub added_p99_ms: f64,
+    pub paired_difference_ms: Summary,
+}
+
 /// The overhead benchmark's results (wall-clock milliseconds).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OverheadReport {
@@ -114,6 +139,8 @@ pub struct OverheadReport {
     pub command: String,
     pub machine: Machine,
     pub strategy: String,
+    /// `process` or `in-process` (see `--engine`).
+    pub engine: String,
     pub body_bytes: usize,
     /// Rounds of one request each way (direct, router, forwarder), order rotating.
     pub rounds: usize,
@@ -131,6 +158,8 @@ pub struct OverheadReport {
     /// router p50 − forwarder p50: the router's cost beyond one more hop.
     pub router_vs_forwarder_p50_ms: Option<f64>,
     pub router_vs_forwarder_p99_ms: Option<f64>,
+    /// The same through a TCP relay (no HTTP parsing at all).
+    pub tcp_relay: Option<RelayBaseline>,
     pub concurrency: usize,
     pub direct_throughput: Throughput,
     pub router_throughput: Throughput,
@@ -162,6 +191,9 @@ impl OverheadReport {
         if let Some(forwarder) = &self.forwarder {
             out.push_str(&row("through a bare forwarder", &forwarder.latency_ms));
         }
+        if let Some(relay) = &self.tcp_relay {
+            out.push_str(&row("through a TCP relay", &relay.latency_ms));
+        }
         out.push_str(&row(
             "router - direct, per round",
             &self.paired_difference_ms,
@@ -178,6 +210,12 @@ impl OverheadReport {
             out.push_str(&format!(
                 "  added by a bare forwarder: p50 {:.3} ms, p99 {:.3} ms; the router beyond that hop: p50 {:.3} ms, p99 {:.3} ms\n",
                 forwarder.added_p50_ms, forwarder.added_p99_ms, p50, p99
+            ));
+        }
+        if let Some(relay) = &self.tcp_relay {
+            out.push_str(&format!(
+                "  added by a TCP relay (no HTTP, the floor of one more user-space hop here): p50 {:.3} ms, p99 {:.3} ms\n",
+                relay.added_p50_ms, relay.added_p99_ms
             ));
         }
         if let Some(decision) = &self.router_decision {
@@ -213,14 +251,79 @@ impl OverheadReport {
 
 /// The router executable next to the current one.
 pub fn default_router_bin() -> Option<PathBuf> {
+    sibling_bin("switchyard-router")
+}
+
+/// An executable of this workspace next to the current one.
+fn sibling_bin(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let mut dir = exe.parent()?.to_path_buf();
     // Tests and examples run from target/{profile}/deps.
     if dir.ends_with("deps") {
         dir.pop();
     }
-    let candidate = dir.join("switchyard-router");
+    let candidate = dir.join(name);
     candidate.is_file().then_some(candidate)
+}
+
+/// The simulated engine, in its own process or in this one.
+enum Engine {
+    Process(ChildServer),
+    InProcess(switchyard_engine_sim::SimHandle),
+}
+
+impl Engine {
+    async fn start(args: &OverheadArgs, client: &HttpClient) -> anyhow::Result<Self> {
+        match args.engine {
+            EnginePlacement::InProcess => {
+                let mut sim = bench_sim(args.time_scale, 79_000);
+                sim.step_overhead_ms = 0.0;
+                Ok(Self::InProcess(switchyard_engine_sim::spawn(sim).await?))
+            }
+            EnginePlacement::Process => {
+                let binary = match &args.engine_bin {
+                    Some(path) => path.clone(),
+                    None => sibling_bin("switchyard-engine-sim").ok_or_else(|| {
+                        UsageError(
+                            "switchyard-engine-sim is not next to this executable: build it (cargo build --release -p switchyard-engine-sim), pass --engine-bin, or use --engine in-process".into(),
+                        )
+                    })?,
+                };
+                let time_scale = args.time_scale.to_string();
+                let args = |listen: &str| -> Vec<std::ffi::OsString> {
+                    [
+                        "--listen",
+                        listen,
+                        "--time-scale",
+                        &time_scale,
+                        "--step-overhead-ms",
+                        "0",
+                        "--record-requests",
+                        "16",
+                    ]
+                    .into_iter()
+                    .map(Into::into)
+                    .collect()
+                };
+                Ok(Self::Process(
+                    start_child(&binary, &args, "/health", client).await?,
+                ))
+            }
+        }
+    }
+
+    fn url(&self) -> &str {
+        match self {
+            Self::Process(child) => &child.url,
+            Self::InProcess(sim) => &sim.url,
+        }
+    }
+
+    async fn shutdown(self) {
+        if let Self::InProcess(sim) = self {
+            sim.shutdown().await;
+        }
+    }
 }
 
 /// A child process serving HTTP on 127.0.0.1 (a router or the bare forwarder), killed on
@@ -321,6 +424,7 @@ async fn start_router(
 /// when this executable is switchyard-bench.
 async fn start_forwarder(
     engine_url: &str,
+    mode: &str,
     client: &HttpClient,
 ) -> Option<anyhow::Result<ChildServer>> {
     let exe = std::env::current_exe().ok()?;
@@ -335,8 +439,11 @@ async fn start_forwarder(
             listen.into(),
             "--upstream".into(),
             engine_url.into(),
+            "--mode".into(),
+            mode.into(),
         ]
     };
+    // Both baselines pass the engine's /health through.
     Some(start_child(&exe, &args, "/health", client).await)
 }
 
@@ -445,10 +552,9 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
             )
         })?,
     };
-    let mut sim = bench_sim(args.time_scale, 79_000);
-    sim.step_overhead_ms = 0.0;
-    let engine = switchyard_engine_sim::spawn(sim).await?;
     let client = http_client();
+    let engine = Engine::start(&args, &client).await?;
+    let engine_url = engine.url().to_owned();
     let config_dir = tempfile::Builder::new()
         .prefix("switchyard-overhead-")
         .tempdir()?;
@@ -456,16 +562,24 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         let router = start_router(
             &binary,
             config_dir.path(),
-            &engine.url,
+            &engine_url,
             args.strategy,
             &client,
         )
         .await?;
-        let forwarder = match start_forwarder(&engine.url, &client).await {
+        let forwarder = match start_forwarder(&engine_url, "http", &client).await {
             Some(started) => Some(started?),
             None => None,
         };
-        measure(&args, &engine.url, &router, forwarder.as_ref(), &client).await
+        let relay = match start_forwarder(&engine_url, "tcp", &client).await {
+            Some(started) => Some(started?),
+            None => None,
+        };
+        let baselines = Baselines {
+            forwarder: forwarder.as_ref(),
+            relay: relay.as_ref(),
+        };
+        measure(&args, &engine_url, &router, baselines, &client).await
     }
     .await;
     engine.shutdown().await;
@@ -486,13 +600,20 @@ struct Path3 {
     samples: Vec<f64>,
 }
 
+/// The baseline processes (absent when this executable is not switchyard-bench).
+struct Baselines<'a> {
+    forwarder: Option<&'a ChildServer>,
+    relay: Option<&'a ChildServer>,
+}
+
 async fn measure(
     args: &OverheadArgs,
     engine_url: &str,
     router: &ChildServer,
-    forwarder: Option<&ChildServer>,
+    baselines: Baselines<'_>,
     client: &HttpClient,
 ) -> anyhow::Result<OverheadReport> {
+    let forwarder = baselines.forwarder;
     let say = |message: &str| {
         if !args.quiet {
             eprintln!("{message}");
@@ -519,12 +640,14 @@ async fn measure(
             samples: Vec::with_capacity(args.requests),
         },
     ];
-    if let Some(forwarder) = forwarder {
-        paths.push(Path3 {
-            name: "forwarder",
-            url: format!("{}/v1/chat/completions", forwarder.url).parse()?,
-            samples: Vec::with_capacity(args.requests),
-        });
+    for (name, server) in [("forwarder", forwarder), ("relay", baselines.relay)] {
+        if let Some(server) = server {
+            paths.push(Path3 {
+                name,
+                url: format!("{}/v1/chat/completions", server.url).parse()?,
+                samples: Vec::with_capacity(args.requests),
+            });
+        }
     }
 
     say("warming up…");
@@ -561,8 +684,18 @@ async fn measure(
             .collect()
     };
     let router_differences = pair(1);
-    let forwarder_ms = (ways > 2).then(|| Summary::of(&paths[2].samples));
-    let forwarder_differences = (ways > 2).then(|| pair(2));
+    let index_of = |name: &str| paths.iter().position(|path| path.name == name);
+    let forwarder_ms = index_of("forwarder").map(|index| Summary::of(&paths[index].samples));
+    let forwarder_differences = index_of("forwarder").map(pair);
+    let tcp_relay = index_of("relay").map(|index| {
+        let latency_ms = Summary::of(&paths[index].samples);
+        RelayBaseline {
+            added_p50_ms: latency_ms.p50 - direct_ms.p50,
+            added_p99_ms: latency_ms.p99 - direct_ms.p99,
+            paired_difference_ms: Summary::of(&pair(index)),
+            latency_ms,
+        }
+    });
 
     let duration = Duration::from_secs_f64(args.duration);
     say(&format!(
@@ -584,8 +717,9 @@ async fn measure(
         router.pid,
     )
     .await?;
-    let forwarder_load = match forwarder {
-        Some(forwarder) => {
+    let forwarder_index = index_of("forwarder");
+    let forwarder_load = match forwarder.zip(forwarder_index) {
+        Some((forwarder, index)) => {
             say(&format!(
                 "throughput: {} clients for {:.0} s through the bare forwarder…",
                 args.concurrency, args.duration
@@ -593,7 +727,7 @@ async fn measure(
             Some(
                 loaded(
                     client,
-                    &paths[2].url,
+                    &paths[index].url,
                     &body,
                     args.concurrency,
                     duration,
@@ -612,7 +746,11 @@ async fn measure(
 
     let machine = Machine::current();
     let mut notes = vec![
-        "the client and the engine run in this process, the router and the forwarder in their own; all share this machine's cores".to_owned(),
+        match args.engine {
+            EnginePlacement::Process => "the client runs in this process; the engine, the router and the baselines each in their own; all share this machine's cores",
+            EnginePlacement::InProcess => "the client and the engine run in this process (so the direct path wakes no other process), the router and the baselines in their own; all share this machine's cores",
+        }
+        .to_owned(),
         "a routing decision alone is measured by `cargo bench -p switchyard-policy` (criterion)".to_owned(),
     ];
     if forwarder.is_none() {
@@ -639,6 +777,11 @@ async fn measure(
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine,
         strategy: args.strategy.as_str().into(),
+        engine: match args.engine {
+            EnginePlacement::Process => "process",
+            EnginePlacement::InProcess => "in-process",
+        }
+        .into(),
         body_bytes: body.len(),
         rounds: args.requests,
         added_p50_ms: router_ms.p50 - direct_ms.p50,
@@ -661,6 +804,7 @@ async fn measure(
             .map(|forwarder_ms| router_ms.p50 - forwarder_ms.p50),
         router_vs_forwarder_p99_ms: forwarder_ms
             .map(|forwarder_ms| router_ms.p99 - forwarder_ms.p99),
+        tcp_relay,
         concurrency: args.concurrency,
         direct_throughput,
         router_throughput,

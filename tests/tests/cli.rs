@@ -298,3 +298,61 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
         "switchyard up exits cleanly on SIGTERM"
     );
 }
+
+#[test]
+fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("overhead.json");
+    let json_arg = json.to_str().expect("utf-8 path");
+    let output = run(
+        "switchyard-bench",
+        &[
+            "overhead",
+            "--quiet",
+            "--requests",
+            "40",
+            "--concurrency",
+            "2",
+            "--duration",
+            "0.3",
+            "--json",
+            json_arg,
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let table = String::from_utf8_lossy(&output.stdout);
+    for line in [
+        "through the router",
+        "through a bare forwarder",
+        "through a TCP relay",
+    ] {
+        assert!(table.contains(line), "{line} missing from:\n{table}");
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    assert_eq!(report["engine"], "process");
+    assert_eq!(report["rounds"], 40);
+    for way in [
+        &report["direct_ms"],
+        &report["router_ms"],
+        &report["forwarder"]["latency_ms"],
+        &report["tcp_relay"]["latency_ms"],
+    ] {
+        assert!(way["p50"].as_f64().expect("p50") > 0.0, "{report}");
+    }
+    assert_eq!(report["router_throughput"]["errors"], 0, "{report}");
+    assert!(
+        report["router_requests_per_core_second"]
+            .as_f64()
+            .expect("rate")
+            > 0.0
+    );
+
+    let bad = run("switchyard-bench", &["overhead", "--requests", "0"]);
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--requests"));
+}
