@@ -9,8 +9,8 @@ use clap::{Args, Subcommand};
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
 use switchyard_shared::{
-    Endpoint, EndpointConfig, EndpointConfigName, HealthCheckConfig, Instance, InstanceRole,
-    sagemaker,
+    Endpoint, EndpointConfig, EndpointConfigName, HealthCheckConfig, Instance, InstanceProtocol,
+    InstanceRole, sagemaker,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -205,6 +205,10 @@ pub struct RegisterArgs {
     pub id: Option<String>,
     #[arg(long, default_value = "both")]
     pub role: InstanceRole,
+    /// How routers talk to it: http1 (HTTP/1.1 keep-alive, what vLLM serves) or h2c (HTTP/2
+    /// without TLS). Default: each router's --upstream-protocol.
+    #[arg(long)]
+    pub protocol: Option<InstanceProtocol>,
     /// Relative share of traffic within the variant.
     #[arg(long)]
     pub weight: Option<f64>,
@@ -489,6 +493,7 @@ async fn register(
             url: args.url,
             id: args.id.unwrap_or_default(),
             role: pb::InstanceRole::from(args.role) as i32,
+            protocol: pb::InstanceProtocol::from(args.protocol.unwrap_or_default()) as i32,
             weight: args.weight,
             ttl_seconds: args.ttl.unwrap_or(0),
         })

@@ -1,7 +1,7 @@
 //! Table and JSON output of CLI results.
 
 use serde_json::{Value, json};
-use switchyard_shared::{Endpoint, EndpointConfig, Instance};
+use switchyard_shared::{Endpoint, EndpointConfig, Instance, InstanceProtocol};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum OutputFormat {
@@ -93,6 +93,7 @@ pub fn instance_json(instance: &Instance) -> Value {
         "VariantName": instance.variant_name,
         "Url": instance.url,
         "Role": instance.role.as_str(),
+        "Protocol": instance.protocol.as_str(),
         "Weight": instance.weight,
         "Health": instance.health.to_string(),
         "HealthDetail": instance.health_detail,
@@ -173,6 +174,10 @@ pub fn instance_rows(instances: &[Instance]) -> String {
                 instance.variant_name.to_string(),
                 instance.url.clone(),
                 instance.role.to_string(),
+                match instance.protocol {
+                    InstanceProtocol::Unspecified => "-".into(),
+                    protocol => protocol.to_string(),
+                },
                 instance.weight.to_string(),
                 if instance.ttl_seconds == 0 {
                     "-".into()
@@ -185,7 +190,7 @@ pub fn instance_rows(instances: &[Instance]) -> String {
         .collect();
     table(
         &[
-            "ENDPOINT", "ID", "VARIANT", "URL", "ROLE", "WEIGHT", "TTL", "HEALTH",
+            "ENDPOINT", "ID", "VARIANT", "URL", "ROLE", "PROTOCOL", "WEIGHT", "TTL", "HEALTH",
         ],
         &rows,
     )

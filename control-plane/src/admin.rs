@@ -4,7 +4,8 @@
 use switchyard_proto::v1 as pb;
 use switchyard_shared::EndpointConfig;
 use switchyard_shared::pb::{
-    endpoint_config_name, endpoint_name, instance_id, instance_role, variant_name,
+    endpoint_config_name, endpoint_name, instance_id, instance_protocol, instance_role,
+    variant_name,
 };
 use tonic::{Request, Response, Status};
 
@@ -137,6 +138,7 @@ impl pb::admin_server::Admin for AdminService {
                 Some(instance_id("InstanceId", &request.id).map_err(invalid)?)
             },
             role: instance_role("Role", request.role).map_err(invalid)?,
+            protocol: instance_protocol("Protocol", request.protocol).map_err(invalid)?,
             weight: request.weight,
             ttl_seconds: request.ttl_seconds,
         };

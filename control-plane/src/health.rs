@@ -14,7 +14,7 @@ use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use switchyard_shared::{EndpointName, Health, InstanceId};
+use switchyard_shared::{EndpointName, Health, InstanceId, InstanceProtocol};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -42,17 +42,37 @@ struct ProbeResult {
     outcome: Result<(), String>,
 }
 
-fn client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(2)));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .pool_max_idle_per_host(1)
-        .build(connector)
+/// Probe clients: HTTP/1.1, and h2c for instances registered with protocol h2c (the
+/// control plane does not know a router's --upstream-protocol, so others get HTTP/1.1).
+#[derive(Clone)]
+struct Clients {
+    http1: HttpClient,
+    h2c: HttpClient,
 }
 
-async fn probe(client: HttpClient, target: ProbeTarget) -> ProbeResult {
+fn clients() -> Clients {
+    let build = |h2c: bool| {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(1)
+            .http2_only(h2c);
+        builder.build(connector)
+    };
+    Clients {
+        http1: build(false),
+        h2c: build(true),
+    }
+}
+
+async fn probe(clients: Clients, target: ProbeTarget) -> ProbeResult {
+    let client = match target.instance.protocol {
+        InstanceProtocol::H2c => clients.h2c,
+        InstanceProtocol::Http1 | InstanceProtocol::Unspecified => clients.http1,
+    };
     let key = (
         target.instance.endpoint_name.clone(),
         target.instance.instance_id.clone(),
@@ -87,7 +107,7 @@ pub async fn run(
     mut leading: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) {
-    let client = client();
+    let client = clients();
     let mut trackers: HashMap<(EndpointName, InstanceId), Tracker> = HashMap::new();
     let mut probes: JoinSet<ProbeResult> = JoinSet::new();
     let mut ticks = tokio::time::interval(TICK);
@@ -125,7 +145,7 @@ pub async fn run(
 }
 
 fn start_due_probes(
-    client: &HttpClient,
+    client: &Clients,
     targets: Vec<ProbeTarget>,
     trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
     probes: &mut JoinSet<ProbeResult>,

@@ -15,8 +15,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health, Instance,
-    InstanceId, InstanceRole, ValidationError, VariantName, now_ms, validate_instance_url,
-    validate_instance_weight, validate_ttl,
+    InstanceId, InstanceProtocol, InstanceRole, ValidationError, VariantName, now_ms,
+    validate_instance_url, validate_instance_weight, validate_ttl,
 };
 
 use crate::keys;
@@ -80,6 +80,7 @@ pub struct Registration {
     pub url: String,
     pub id: Option<InstanceId>,
     pub role: InstanceRole,
+    pub protocol: InstanceProtocol,
     pub weight: Option<f64>,
     pub ttl_seconds: u32,
 }
@@ -387,6 +388,7 @@ impl Registry {
                 variant_name: request.variant.clone(),
                 url: url.clone(),
                 role: request.role,
+                protocol: request.protocol,
                 weight,
                 health: Health::Unknown,
                 health_detail: String::new(),

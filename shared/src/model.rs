@@ -399,6 +399,49 @@ impl std::str::FromStr for InstanceRole {
     }
 }
 
+/// How routers talk to an instance: HTTP/1.1 keep-alive (what vLLM and SGLang serve), h2c
+/// (HTTP/2 without TLS, prior knowledge), or unspecified: the router's `--upstream-protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceProtocol {
+    #[default]
+    Unspecified,
+    Http1,
+    H2c,
+}
+
+impl InstanceProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceProtocol::Unspecified => "unspecified",
+            InstanceProtocol::Http1 => "http1",
+            InstanceProtocol::H2c => "h2c",
+        }
+    }
+}
+
+impl fmt::Display for InstanceProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for InstanceProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "unspecified" => Ok(InstanceProtocol::Unspecified),
+            "http1" => Ok(InstanceProtocol::Http1),
+            "h2c" => Ok(InstanceProtocol::H2c),
+            _ => Err(format!("{s:?} is not one of http1, h2c, unspecified")),
+        }
+    }
+}
+
+fn is_unspecified(protocol: &InstanceProtocol) -> bool {
+    *protocol == InstanceProtocol::Unspecified
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Health {
@@ -434,6 +477,10 @@ pub struct Instance {
     pub url: String,
     #[serde(default)]
     pub role: InstanceRole,
+    /// Unspecified is left out of the stored JSON, so records written before this field
+    /// existed and records that do not set it read the same.
+    #[serde(default, skip_serializing_if = "is_unspecified")]
+    pub protocol: InstanceProtocol,
     pub weight: f64,
     #[serde(default)]
     pub health: Health,
@@ -668,5 +715,22 @@ mod tests {
         validate_instance_weight(1.0).unwrap();
         assert!(validate_instance_weight(0.0).is_err());
         assert!(validate_instance_weight(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn instance_records_without_a_protocol_read_as_unspecified() {
+        let stored = r#"{"InstanceId":"a","EndpointName":"chat","VariantName":"v","Url":"http://127.0.0.1:1","Weight":1.0}"#;
+        let instance: Instance = serde_json::from_str(stored).unwrap();
+        assert_eq!(instance.protocol, InstanceProtocol::Unspecified);
+        assert!(!serde_json::to_string(&instance).unwrap().contains("Protocol"));
+        let h2c = Instance {
+            protocol: InstanceProtocol::H2c,
+            ..instance
+        };
+        let text = serde_json::to_string(&h2c).unwrap();
+        assert!(text.contains(r#""Protocol":"h2c""#), "{text}");
+        assert_eq!(serde_json::from_str::<Instance>(&text).unwrap(), h2c);
+        assert_eq!("H2C".parse::<InstanceProtocol>(), Ok(InstanceProtocol::H2c));
+        assert!("h3".parse::<InstanceProtocol>().is_err());
     }
 }

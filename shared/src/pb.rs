@@ -6,8 +6,9 @@
 use switchyard_proto::v1 as pb;
 
 use crate::model::{
-    Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance, InstanceRole,
-    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
+    Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
+    InstanceProtocol, InstanceRole, PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig,
+    RoutingStrategy, ValidationError,
 };
 use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
 
@@ -260,6 +261,28 @@ pub fn instance_role(field: &str, value: i32) -> Result<InstanceRole, Validation
     }
 }
 
+impl From<InstanceProtocol> for pb::InstanceProtocol {
+    fn from(protocol: InstanceProtocol) -> Self {
+        match protocol {
+            InstanceProtocol::Unspecified => pb::InstanceProtocol::Unspecified,
+            InstanceProtocol::Http1 => pb::InstanceProtocol::Http1,
+            InstanceProtocol::H2c => pb::InstanceProtocol::H2c,
+        }
+    }
+}
+
+pub fn instance_protocol(field: &str, value: i32) -> Result<InstanceProtocol, ValidationError> {
+    match pb::InstanceProtocol::try_from(value) {
+        Ok(pb::InstanceProtocol::Unspecified) => Ok(InstanceProtocol::Unspecified),
+        Ok(pb::InstanceProtocol::Http1) => Ok(InstanceProtocol::Http1),
+        Ok(pb::InstanceProtocol::H2c) => Ok(InstanceProtocol::H2c),
+        Err(_) => Err(ValidationError::new(
+            field,
+            format!("{value} is not a known protocol"),
+        )),
+    }
+}
+
 impl From<Health> for pb::HealthStatus {
     fn from(health: Health) -> Self {
         match health {
@@ -283,6 +306,7 @@ impl From<&Instance> for pb::Instance {
             ttl_seconds: instance.ttl_seconds,
             registered_time_ms: instance.registered_time_ms,
             health_detail: instance.health_detail.clone(),
+            protocol: pb::InstanceProtocol::from(instance.protocol) as i32,
         }
     }
 }
@@ -301,6 +325,7 @@ impl TryFrom<pb::Instance> for Instance {
             variant_name: variant_name("VariantName", &instance.variant_name)?,
             url: instance.url,
             role: instance_role("Role", instance.role)?,
+            protocol: instance_protocol("Protocol", instance.protocol)?,
             weight: instance.weight,
             health,
             health_detail: instance.health_detail,

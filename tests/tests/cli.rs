@@ -207,6 +207,45 @@ fn the_admin_cli_works_as_a_user_types_it() {
         out.contains("e1") && out.contains("http://127.0.0.1:9"),
         "{out}"
     );
+    // An engine that serves h2c says so at registration; the listing shows it.
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:10",
+            "--id",
+            "e2",
+            "--protocol",
+            "h2c",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"Protocol\": \"h2c\""), "{out}");
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:11",
+            "--protocol",
+            "h3",
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("--protocol"), "{err}");
 
     // Errors from the server: readable, exit 1.
     let (code, _, err) = cli(&control, &["endpoint", "describe", "--name", "nope"]);

@@ -365,6 +365,16 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
             },
             "InstanceId",
         ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                protocol: 7,
+                ..Default::default()
+            },
+            "Protocol",
+        ),
     ] {
         let err = admin.register_instance(request).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");

@@ -818,3 +818,88 @@ async fn chunked_post(
     tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await??;
     Ok(String::from_utf8_lossy(&answer).into_owned())
 }
+
+#[tokio::test]
+async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> {
+    // Through the control plane: engine-0 registered without a protocol (the router's
+    // default, HTTP/1.1), a second engine registered with protocol h2c.
+    let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
+    let h2c_engine = switchyard_engine_sim::spawn(fast()).await?;
+    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let registered = admin
+        .register_instance(pb::RegisterInstanceRequest {
+            endpoint_name: "chat".into(),
+            variant_name: "AllTraffic".into(),
+            url: h2c_engine.url.clone(),
+            id: "h2c-engine".into(),
+            protocol: pb::InstanceProtocol::H2c as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert_eq!(registered.protocol, pb::InstanceProtocol::H2c as i32);
+    cluster.wait_for_instances(2).await?;
+    let router = &cluster.routers[0];
+    let mut seen = HashSet::new();
+    for _ in 0..40 {
+        let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        seen.insert(
+            reply
+                .header("x-switchyard-instance")
+                .unwrap_or("")
+                .to_owned(),
+        );
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let versions = |engine: &switchyard_engine_sim::SimHandle| -> HashSet<String> {
+        engine
+            .received()
+            .into_iter()
+            .map(|request| request.http_version)
+            .collect()
+    };
+    assert_eq!(
+        versions(&h2c_engine),
+        HashSet::from(["HTTP/2.0".to_owned()])
+    );
+    assert_eq!(
+        versions(&cluster.engines[0]),
+        HashSet::from(["HTTP/1.1".to_owned()])
+    );
+    cluster.wait_idle().await?;
+
+    // From a static file, with h2c as the router's default: `Protocol: http1` wins for its
+    // instance.
+    let http1_engine = switchyard_engine_sim::spawn(fast()).await?;
+    let default_engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("switchyard.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n        RoutingConfig: {{RoutingStrategy: RANDOM}}\n    Instances:\n      - Url: {}\n        InstanceId: old\n        Protocol: http1\n      - Url: {}\n        InstanceId: new\n",
+            http1_engine.url, default_engine.url
+        ),
+    )?;
+    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
+    let router =
+        switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
+            .await?;
+    for _ in 0..40 {
+        let reply = http_post(&chat_url(&router), &[], chat_body("hi", 1, false)).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_eq!(
+        versions(&http1_engine),
+        HashSet::from(["HTTP/1.1".to_owned()])
+    );
+    assert_eq!(
+        versions(&default_engine),
+        HashSet::from(["HTTP/2.0".to_owned()])
+    );
+    router.shutdown().await;
+    Ok(())
+}

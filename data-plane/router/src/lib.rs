@@ -92,9 +92,10 @@ pub struct RouterConfig {
     /// Connection timeout to instances (ms).
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,
-    /// Protocol to instances: pooled HTTP/1.1 keep-alive connections (what vLLM's server
-    /// speaks), or h2c (HTTP/2 without TLS, prior knowledge: requests multiplexed on one
-    /// connection per instance) for engines that serve it.
+    /// Protocol to instances that do not name one (an instance's own `protocol`, set at
+    /// registration or in the static file, wins): pooled HTTP/1.1 keep-alive connections
+    /// (what vLLM's server speaks), or h2c (HTTP/2 without TLS, prior knowledge: requests
+    /// multiplexed on one connection per instance) for engines that serve it.
     #[arg(long, value_enum, default_value_t = UpstreamProtocol::Http1)]
     pub upstream_protocol: UpstreamProtocol,
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
@@ -228,6 +229,16 @@ pub struct RouterHandle {
     server: JoinHandle<()>,
 }
 
+/// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
+fn upstream_clients(config: &RouterConfig) -> proxy::UpstreamClients {
+    let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
+    proxy::UpstreamClients {
+        http1: upstream_client(connect_timeout, UpstreamProtocol::Http1),
+        h2c: upstream_client(connect_timeout, UpstreamProtocol::H2c),
+        default_h2c: config.upstream_protocol == UpstreamProtocol::H2c,
+    }
+}
+
 fn upstream_client(connect_timeout: Duration, protocol: UpstreamProtocol) -> proxy::HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -261,10 +272,7 @@ impl RouterHandle {
         let shared = Arc::new(Shared {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
-            client: upstream_client(
-                Duration::from_millis(config.connect_timeout_ms),
-                config.upstream_protocol,
-            ),
+            clients: upstream_clients(config),
             settings: ProxySettings {
                 max_attempts: config.max_attempts,
                 eject_after_failures: config.eject_after_failures,
@@ -303,10 +311,7 @@ impl RouterHandle {
         let mut others = Vec::with_capacity(settings.worker_threads.saturating_sub(1));
         for index in 1..settings.worker_threads {
             let listener = listener.try_clone()?;
-            let worker = Arc::new(shared.with_client(upstream_client(
-                Duration::from_millis(config.connect_timeout_ms),
-                config.upstream_protocol,
-            )));
+            let worker = Arc::new(shared.with_clients(upstream_clients(config)));
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;

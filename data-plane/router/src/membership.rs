@@ -11,8 +11,8 @@ use serde::Deserialize;
 use switchyard_proto::v1 as pb;
 use switchyard_shared::{
     EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
-    InstanceId, InstanceRole, ProductionVariant, ValidationError, VariantName, sagemaker,
-    validate_instance_url, validate_instance_weight,
+    InstanceId, InstanceProtocol, InstanceRole, ProductionVariant, ValidationError, VariantName,
+    sagemaker, validate_instance_url, validate_instance_weight,
 };
 
 use crate::table::{self, LoadRegistry, RoutingTable};
@@ -179,6 +179,8 @@ struct FileInstance {
     weight: Option<f64>,
     #[serde(default)]
     role: Option<InstanceRole>,
+    #[serde(default)]
+    protocol: InstanceProtocol,
 }
 
 /// Reads a static configuration (JSON, or YAML by extension `.yaml`/`.yml`):
@@ -195,6 +197,7 @@ struct FileInstance {
 ///     Instances:
 ///       - Url: http://10.0.0.7:8000    # InstanceId defaults to the URL's host:port,
 ///       - Url: http://10.0.0.8:8000    # VariantName to the only variant
+///         Protocol: h2c                # http1 or h2c; default: --upstream-protocol
 /// ```
 pub fn read_static_config(path: &Path) -> Result<StaticConfig, String> {
     let text = std::fs::read_to_string(path)
@@ -283,6 +286,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 variant_name: variant,
                 url,
                 role: instance.role.unwrap_or_default(),
+                protocol: instance.protocol,
                 weight,
                 health: Health::Unknown,
                 health_detail: String::new(),

@@ -34,6 +34,7 @@ use crate::table::{
     EndpointRoute, InstanceCell, InstanceRoute, LoadRegistry, RETRY_INDEX, RoutingTable,
     VariantRoute, route_index,
 };
+use switchyard_shared::InstanceProtocol;
 
 /// SageMaker's payload limit.
 pub const MAX_BODY_BYTES: usize = 6_291_456;
@@ -58,25 +59,45 @@ pub struct ProxySettings {
     pub eject_for: Duration,
 }
 
+/// One serving thread's upstream connection pools: HTTP/1.1 keep-alive and h2c, and the one
+/// used for instances that do not name a protocol.
+#[derive(Debug, Clone)]
+pub struct UpstreamClients {
+    pub http1: HttpClient,
+    pub h2c: HttpClient,
+    pub default_h2c: bool,
+}
+
+impl UpstreamClients {
+    pub fn for_instance(&self, protocol: InstanceProtocol) -> &HttpClient {
+        match protocol {
+            InstanceProtocol::Http1 => &self.http1,
+            InstanceProtocol::H2c => &self.h2c,
+            InstanceProtocol::Unspecified if self.default_h2c => &self.h2c,
+            InstanceProtocol::Unspecified => &self.http1,
+        }
+    }
+}
+
 /// What one serving thread works with: the routing state and metrics every thread shares,
-/// and this thread's own upstream connection pool (so that a request and the upstream
+/// and this thread's own upstream connection pools (so that a request and the upstream
 /// connection it uses are driven by the same thread).
 #[derive(Debug)]
 pub struct Shared {
     pub table: Arc<ArcSwap<RoutingTable>>,
     pub registry: Arc<LoadRegistry>,
-    pub client: HttpClient,
+    pub clients: UpstreamClients,
     pub settings: ProxySettings,
     pub metrics: Arc<RouterMetrics>,
 }
 
 impl Shared {
-    /// The same routing state and metrics with another connection pool.
-    pub fn with_client(&self, client: HttpClient) -> Self {
+    /// The same routing state and metrics with other connection pools.
+    pub fn with_clients(&self, clients: UpstreamClients) -> Self {
         Self {
             table: Arc::clone(&self.table),
             registry: Arc::clone(&self.registry),
-            client,
+            clients,
             settings: self.settings,
             metrics: Arc::clone(&self.metrics),
         }
@@ -547,7 +568,8 @@ async fn forward(
         let in_flight = InFlight::start(&instance.cell);
         let request = upstream_request(operation.upstream(instance), &client_headers, body.clone());
         let sent = Instant::now();
-        match shared.client.request(request).await {
+        let client = shared.clients.for_instance(instance.protocol);
+        match client.request(request).await {
             Ok(response) => {
                 shared
                     .metrics

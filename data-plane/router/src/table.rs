@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use switchyard_policy::hash::instance_hash;
 use switchyard_policy::rank::{InstanceView, Route, Strategy};
 use switchyard_shared::{
-    EndpointConfig, EndpointName, Instance, InstanceId, RoutingStrategy, VariantName,
+    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, RoutingStrategy,
+    VariantName,
 };
 
 /// Route labels counted per instance: the policy's routes plus `retry`.
@@ -106,6 +107,8 @@ pub struct InstanceRoute {
     pub invocations: http::Uri,
     pub chat_completions: http::Uri,
     pub completions: http::Uri,
+    /// How to reach it (unspecified: the router's --upstream-protocol).
+    pub protocol: InstanceProtocol,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -258,6 +261,7 @@ pub fn build(
                     invocations,
                     chat_completions,
                     completions,
+                    protocol: instance.protocol,
                     cell,
                 });
             }
