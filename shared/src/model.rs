@@ -722,7 +722,11 @@ mod tests {
         let stored = r#"{"InstanceId":"a","EndpointName":"chat","VariantName":"v","Url":"http://127.0.0.1:1","Weight":1.0}"#;
         let instance: Instance = serde_json::from_str(stored).unwrap();
         assert_eq!(instance.protocol, InstanceProtocol::Unspecified);
-        assert!(!serde_json::to_string(&instance).unwrap().contains("Protocol"));
+        assert!(
+            !serde_json::to_string(&instance)
+                .unwrap()
+                .contains("Protocol")
+        );
         let h2c = Instance {
             protocol: InstanceProtocol::H2c,
             ..instance

@@ -57,6 +57,23 @@ fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
     let bad = run("switchyard-router", &["--config", "/nonexistent.yaml"]);
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--config"));
+    // $SWITCHYARD_CONTROL_PLANE is a default, not a flag: it does not conflict with --config
+    // (the file is what is wrong here), and a bad value is named as the variable.
+    let router = |env: &str, args: &[&str]| {
+        Command::new(switchyard_tests::binary("switchyard-router"))
+            .args(args)
+            .env("SWITCHYARD_CONTROL_PLANE", env)
+            .output()
+            .expect("the router runs")
+    };
+    let bad = router("http://127.0.0.1:1", &["--config", "/nonexistent.yaml"]);
+    assert_eq!(bad.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("--config /nonexistent.yaml"), "{stderr}");
+    let bad = router("ftp://127.0.0.1:1", &[]);
+    assert_eq!(bad.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("$SWITCHYARD_CONTROL_PLANE"), "{stderr}");
 }
 
 struct ControlProcess {

@@ -56,13 +56,9 @@ pub struct RouterConfig {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
     /// Control-plane gRPC URLs, comma-separated; the router fails over between them.
-    /// Default: $SWITCHYARD_CONTROL_PLANE, then http://127.0.0.1:50051.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        env = "SWITCHYARD_CONTROL_PLANE",
-        conflicts_with = "config"
-    )]
+    /// Default: $SWITCHYARD_CONTROL_PLANE (ignored with --config), then
+    /// http://127.0.0.1:50051.
+    #[arg(long, value_delimiter = ',', conflicts_with = "config")]
     pub control_plane: Vec<String>,
     /// Route from a static file instead of a control plane (JSON, or YAML by extension).
     #[arg(long)]
@@ -134,19 +130,27 @@ impl RouterConfig {
         let source = match &self.config {
             Some(path) => Source::Static(membership::read_static_config(path)?),
             None => {
-                let urls = if self.control_plane.is_empty() {
-                    vec!["http://127.0.0.1:50051".to_owned()]
+                let from_env = std::env::var("SWITCHYARD_CONTROL_PLANE")
+                    .ok()
+                    .filter(|value| !value.trim().is_empty());
+                let (urls, origin) = if !self.control_plane.is_empty() {
+                    (self.control_plane.clone(), "--control-plane")
+                } else if let Some(value) = from_env {
+                    (
+                        value.split(',').map(|url| url.trim().to_owned()).collect(),
+                        "$SWITCHYARD_CONTROL_PLANE",
+                    )
                 } else {
-                    self.control_plane.clone()
+                    (vec!["http://127.0.0.1:50051".to_owned()], "--control-plane")
                 };
                 for url in &urls {
                     if !(url.starts_with("http://") || url.starts_with("https://")) {
                         return Err(format!(
-                            "--control-plane: {url:?} must start with http:// or https://"
+                            "{origin}: {url:?} must start with http:// or https://"
                         ));
                     }
                     url.parse::<http::Uri>()
-                        .map_err(|err| format!("--control-plane: {url:?}: {err}"))?;
+                        .map_err(|err| format!("{origin}: {url:?}: {err}"))?;
                 }
                 Source::ControlPlane(urls)
             }
