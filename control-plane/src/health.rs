@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
 use crate::state::{ProbeTarget, StateCache};
+use crate::store::Revision;
 
 const TICK: Duration = Duration::from_millis(50);
 /// Probes in flight at once.
@@ -104,7 +105,7 @@ fn describe_client_error(err: &hyper_util::client::legacy::Error) -> String {
 pub async fn run(
     registry: Registry,
     cache: Arc<StateCache>,
-    mut leading: watch::Receiver<bool>,
+    mut leading: watch::Receiver<Option<Revision>>,
     shutdown: CancellationToken,
 ) {
     let client = clients();
@@ -113,7 +114,7 @@ pub async fn run(
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        if !*leading.borrow() {
+        let Some(fence) = *leading.borrow() else {
             trackers.clear();
             probes.abort_all();
             tokio::select! {
@@ -125,7 +126,7 @@ pub async fn run(
                     continue;
                 }
             }
-        }
+        };
         tokio::select! {
             () = shutdown.cancelled() => {
                 probes.abort_all();
@@ -138,7 +139,7 @@ pub async fn run(
             }
             Some(result) = probes.join_next(), if !probes.is_empty() => {
                 let Ok(result) = result else { continue };
-                record(&registry, &cache, &mut trackers, result).await;
+                record(&registry, &cache, &mut trackers, result, fence).await;
             }
         }
     }
@@ -185,6 +186,7 @@ async fn record(
     cache: &StateCache,
     trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
     result: ProbeResult,
+    fence: Revision,
 ) {
     let Some(tracker) = trackers.get_mut(&result.key) else {
         return;
@@ -231,7 +233,14 @@ async fn record(
             tracing::info!(endpoint = %endpoint, instance = %id, health = %next, "instance healthy")
         }
     }
-    if let Err(err) = registry.set_health(endpoint, id, next, &detail).await {
-        tracing::warn!(instance = %id, error = %err, "cannot record health");
+    match registry
+        .set_health(endpoint, id, next, &detail, fence)
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::debug!(instance = %id, "health not recorded: instance gone, changed, or leadership lost")
+        }
+        Err(err) => tracing::warn!(instance = %id, error = %err, "cannot record health"),
     }
 }

@@ -1,6 +1,11 @@
 //! Leader election among control-plane replicas sharing one store, for the singleton duties
 //! (health probing). The leader holds the `leader` key on a short lease and renews it; when it
 //! dies the lease lapses and another replica takes the key within about one TTL.
+//!
+//! While leading, the watch carries the store revision at which this replica took the key:
+//! the fence of its writes. Health writes compare it, so a replica that lost the key (its
+//! lease lapsed and another took it) cannot overwrite the new leader's view, however late
+//! its write arrives.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +14,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::keys;
-use crate::store::{Compare, Store, Txn};
+use crate::store::{Compare, Revision, Store, Txn};
 
 #[derive(Debug, Clone)]
 pub struct ElectionConfig {
@@ -18,14 +23,15 @@ pub struct ElectionConfig {
     pub ttl_seconds: u32,
 }
 
-/// Campaigns until `shutdown`; the returned receiver says whether this replica leads now.
+/// Campaigns until `shutdown`; the returned receiver holds the leader key's revision while
+/// this replica leads, `None` otherwise.
 pub fn spawn(
     store: Arc<dyn Store>,
     config: ElectionConfig,
     shutdown: CancellationToken,
     tasks: &mut tokio::task::JoinSet<()>,
-) -> watch::Receiver<bool> {
-    let (leading, receiver) = watch::channel(false);
+) -> watch::Receiver<Option<Revision>> {
+    let (leading, receiver) = watch::channel(None);
     tasks.spawn(campaign(store, config, leading, shutdown));
     receiver
 }
@@ -33,7 +39,7 @@ pub fn spawn(
 async fn campaign(
     store: Arc<dyn Store>,
     config: ElectionConfig,
-    leading: watch::Sender<bool>,
+    leading: watch::Sender<Option<Revision>>,
     shutdown: CancellationToken,
 ) {
     let ttl = config.ttl_seconds.max(2);
@@ -42,15 +48,15 @@ async fn campaign(
         Duration::from_millis(u64::from(ttl) * 1000 / 6).max(Duration::from_millis(200));
     while !shutdown.is_cancelled() {
         match try_acquire(store.as_ref(), &config.replica_id, ttl).await {
-            Ok(Some(lease)) => {
-                tracing::info!(replica = %config.replica_id, "became leader");
-                leading.send_replace(true);
+            Ok(Some((lease, revision))) => {
+                tracing::info!(replica = %config.replica_id, revision, "became leader");
+                leading.send_replace(Some(revision));
                 loop {
                     tokio::select! {
                         () = shutdown.cancelled() => {
                             // Hand over at once instead of making the others wait a TTL.
                             let _ = store.revoke_lease(lease).await;
-                            leading.send_replace(false);
+                            leading.send_replace(None);
                             return;
                         }
                         () = tokio::time::sleep(renew_every) => {}
@@ -74,7 +80,7 @@ async fn campaign(
                         }
                     }
                 }
-                leading.send_replace(false);
+                leading.send_replace(None);
                 // Best effort: free the key now rather than after its TTL.
                 let _ = tokio::time::timeout(renew_every, store.revoke_lease(lease)).await;
             }
@@ -88,12 +94,13 @@ async fn campaign(
     }
 }
 
-/// Takes the leader key if nobody holds it; returns the lease it lives on.
+/// Takes the leader key if nobody holds it; returns the lease it lives on and the revision
+/// that wrote it.
 async fn try_acquire(
     store: &dyn Store,
     replica_id: &str,
     ttl: u32,
-) -> Result<Option<i64>, crate::store::StoreError> {
+) -> Result<Option<(i64, Revision)>, crate::store::StoreError> {
     if store.get(keys::LEADER).await?.is_some() {
         return Ok(None);
     }
@@ -105,8 +112,8 @@ async fn try_acquire(
                 .put(keys::LEADER, replica_id.as_bytes().to_vec(), lease),
         )
         .await?;
-    if won.is_some() {
-        Ok(Some(lease))
+    if let Some(revision) = won {
+        Ok(Some((lease, revision)))
     } else {
         let _ = store.revoke_lease(lease).await;
         Ok(None)

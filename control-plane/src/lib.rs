@@ -241,7 +241,7 @@ pub struct ControlPlane {
     pub replica_id: String,
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), StartError>>,
-    leading: tokio::sync::watch::Receiver<bool>,
+    leading: tokio::sync::watch::Receiver<Option<store::Revision>>,
 }
 
 impl ControlPlane {
@@ -393,13 +393,13 @@ impl ControlPlane {
 
     /// Whether this replica currently runs the singleton duties.
     pub fn is_leader(&self) -> bool {
-        *self.leading.borrow()
+        self.leading.borrow().is_some()
     }
 
     /// Resolves when this replica becomes leader.
     pub async fn wait_leader(&self) {
         let mut leading = self.leading.clone();
-        let _ = leading.wait_for(|leading| *leading).await;
+        let _ = leading.wait_for(Option::is_some).await;
     }
 
     /// A token that stops the server when cancelled.

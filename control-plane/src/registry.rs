@@ -20,7 +20,7 @@ use switchyard_shared::{
 };
 
 use crate::keys;
-use crate::store::{Compare, Kv, LeaseId, Store, StoreError, Txn};
+use crate::store::{Compare, Kv, LeaseId, Revision, Store, StoreError, Txn};
 
 /// Optimistic-concurrency attempts before giving up with `ABORTED`.
 const MAX_ATTEMPTS: usize = 16;
@@ -478,14 +478,16 @@ impl Registry {
         }
     }
 
-    /// Records a health transition decided by the prober. Returns false when the instance is
-    /// gone or changed meanwhile.
+    /// Records a health transition decided by the prober, fenced by the leader key's revision
+    /// when this replica took it. Returns false when the instance is gone or changed
+    /// meanwhile, or the leader key is no longer the one this replica wrote.
     pub async fn set_health(
         &self,
         endpoint: &EndpointName,
         id: &InstanceId,
         health: Health,
         detail: &str,
+        leader_revision: Revision,
     ) -> Result<bool, AdminError> {
         let key = keys::instance(endpoint.as_str(), id.as_str());
         let Some((mut instance, kv)) = self.read::<Instance>(&key).await? else {
@@ -501,6 +503,10 @@ impl Registry {
             .commit(
                 Txn::new()
                     .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+                    .when(Compare::ModRevision(
+                        keys::LEADER.to_owned(),
+                        leader_revision,
+                    ))
                     .put(kv.key, encode(&instance), instance.lease_id),
             )
             .await;
@@ -525,4 +531,72 @@ fn too_much_contention(kind: &str, name: &str) -> AdminError {
     AdminError::Aborted(format!(
         "{kind} {name} kept changing under concurrent writes; try again"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::embedded::EmbeddedStore;
+    use tokio_util::sync::CancellationToken;
+
+    async fn put(store: &dyn Store, key: &str, value: Vec<u8>) -> Revision {
+        store
+            .commit(Txn::new().put(key, value, 0))
+            .await
+            .unwrap()
+            .expect("an unguarded put commits")
+    }
+
+    #[tokio::test]
+    async fn health_writes_are_fenced_by_the_leader_key() {
+        let store: Arc<dyn Store> =
+            Arc::new(EmbeddedStore::open(None, CancellationToken::new()).unwrap());
+        let registry = Registry::new(Arc::clone(&store));
+        let endpoint = EndpointName::new("chat").unwrap();
+        let id = InstanceId::new("a").unwrap();
+        let instance: Instance = serde_json::from_str(
+            r#"{"InstanceId":"a","EndpointName":"chat","VariantName":"v","Url":"http://127.0.0.1:1","Weight":1.0}"#,
+        )
+        .unwrap();
+        put(
+            store.as_ref(),
+            &keys::instance("chat", "a"),
+            encode(&instance),
+        )
+        .await;
+        let health = |registry: Registry| async move {
+            let (instance, _) = registry
+                .read::<Instance>(&keys::instance("chat", "a"))
+                .await
+                .unwrap()
+                .unwrap();
+            instance.health
+        };
+
+        let first = put(store.as_ref(), keys::LEADER, b"replica-1".to_vec()).await;
+        assert!(
+            registry
+                .set_health(&endpoint, &id, Health::Healthy, "", first)
+                .await
+                .unwrap()
+        );
+        assert_eq!(health(registry.clone()).await, Health::Healthy);
+
+        // Another replica took the key: the first one's late write is refused.
+        let second = put(store.as_ref(), keys::LEADER, b"replica-2".to_vec()).await;
+        assert!(
+            !registry
+                .set_health(&endpoint, &id, Health::Unhealthy, "late", first)
+                .await
+                .unwrap()
+        );
+        assert_eq!(health(registry.clone()).await, Health::Healthy);
+        assert!(
+            registry
+                .set_health(&endpoint, &id, Health::Unhealthy, "refused", second)
+                .await
+                .unwrap()
+        );
+        assert_eq!(health(registry).await, Health::Unhealthy);
+    }
 }
