@@ -27,6 +27,7 @@ use switchyard_proto::v1 as pb;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::store::etcd::{EtcdTls, EtcdTlsError};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -49,12 +50,24 @@ pub struct ControlConfig {
     /// Directory of the embedded store (created if missing).
     #[arg(long, default_value = "switchyard-data")]
     pub data_dir: PathBuf,
-    /// etcd client URLs (http://HOST:PORT), comma-separated (with --store etcd).
+    /// etcd client URLs, comma-separated (with --store etcd): all http://HOST:PORT, or all
+    /// https://HOST:PORT with --etcd-ca.
     #[arg(long, value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
     /// Key prefix in etcd; several Switchyard clusters can share one etcd with different prefixes.
     #[arg(long, default_value = "/switchyard/v1/")]
     pub etcd_prefix: String,
+    /// PEM CA certificate(s) etcd's server certificate must chain to (https:// endpoints; no
+    /// other roots are trusted).
+    #[arg(long, value_name = "FILE")]
+    pub etcd_ca: Option<PathBuf>,
+    /// PEM client certificate chain presented to etcd, for its --client-cert-auth (with
+    /// --etcd-key and https:// endpoints).
+    #[arg(long, value_name = "FILE", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+    /// PEM private key of --etcd-cert.
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
     /// File holding the bearer token admin calls must present. Unset: no authentication.
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
@@ -94,6 +107,9 @@ impl ControlConfig {
             data_dir,
             etcd_endpoints: Vec::new(),
             etcd_prefix: "/switchyard/v1/".into(),
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
             admin_token_file: None,
             router_token_file: None,
             tls_cert: None,
@@ -124,14 +140,9 @@ impl ControlConfig {
                 return bad("--store etcd needs --etcd-endpoints http://HOST:PORT[,...]".into());
             }
             for endpoint in &self.etcd_endpoints {
-                if endpoint.starts_with("https://") {
+                if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
                     return bad(format!(
-                        "--etcd-endpoints: {endpoint:?}: TLS to etcd is not supported yet; use http:// on a private network"
-                    ));
-                }
-                if !endpoint.starts_with("http://") {
-                    return bad(format!(
-                        "--etcd-endpoints: {endpoint:?} must start with http://"
+                        "--etcd-endpoints: {endpoint:?} must start with http:// or https://"
                     ));
                 }
             }
@@ -167,6 +178,7 @@ impl ControlConfig {
         };
         let admin_token = token(&self.admin_token_file, "--admin-token-file")?;
         let router_token = token(&self.router_token_file, "--router-token-file")?;
+        let etcd_tls = self.etcd_tls()?;
         let tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
                 let read = |path: &PathBuf, flag: &str| {
@@ -190,8 +202,85 @@ impl ControlConfig {
             admin_token,
             router_token,
             tls,
+            etcd_tls,
             replica_id,
         })
+    }
+
+    /// The TLS flags for etcd, checked against the endpoints, with their files read and parsed.
+    fn etcd_tls(&self) -> Result<Option<EtcdTls>, StartError> {
+        let bad = |message: String| Err(StartError::Config(message));
+        let flag = [
+            ("--etcd-ca", &self.etcd_ca),
+            ("--etcd-cert", &self.etcd_cert),
+            ("--etcd-key", &self.etcd_key),
+        ]
+        .into_iter()
+        .find_map(|(flag, path)| path.is_some().then_some(flag));
+        if self.store != StoreKind::Etcd {
+            return match flag {
+                Some(flag) => bad(format!(
+                    "{flag} is for --store etcd with https:// endpoints"
+                )),
+                None => Ok(None),
+            };
+        }
+        let https = self
+            .etcd_endpoints
+            .iter()
+            .filter(|endpoint| endpoint.starts_with("https://"))
+            .count();
+        if https == 0 {
+            return match flag {
+                Some(flag) => bad(format!(
+                    "{flag} is for https:// etcd endpoints; --etcd-endpoints are http://"
+                )),
+                None => Ok(None),
+            };
+        }
+        if https < self.etcd_endpoints.len() {
+            return bad(
+                "--etcd-endpoints: http:// and https:// mixed; use one scheme for all".into(),
+            );
+        }
+        let Some(ca_path) = &self.etcd_ca else {
+            return bad(
+                "--etcd-endpoints are https://: give --etcd-ca, the CA that signed etcd's server certificate"
+                    .into(),
+            );
+        };
+        let read = |path: &PathBuf, flag: &str| {
+            std::fs::read(path)
+                .map_err(|err| StartError::Config(format!("{flag} {}: {err}", path.display())))
+        };
+        let ca = read(ca_path, "--etcd-ca")?;
+        let client_paths = match (&self.etcd_cert, &self.etcd_key) {
+            (None, None) => None,
+            (Some(_), None) => return bad("--etcd-cert needs --etcd-key".into()),
+            (None, Some(_)) => return bad("--etcd-key needs --etcd-cert".into()),
+            (Some(cert), Some(key)) => Some((cert, key)),
+        };
+        let client = match client_paths {
+            Some((cert, key)) => Some((read(cert, "--etcd-cert")?, read(key, "--etcd-key")?)),
+            None => None,
+        };
+        let tls = EtcdTls::new(ca, client).map_err(|err| {
+            StartError::Config(match (err, client_paths) {
+                (EtcdTlsError::Cert(message), Some((cert, _))) => {
+                    format!("--etcd-cert {}: {message}", cert.display())
+                }
+                (EtcdTlsError::Key(message), Some((_, key))) => {
+                    format!("--etcd-key {}: {message}", key.display())
+                }
+                (EtcdTlsError::Pair(message), Some((cert, key))) => format!(
+                    "--etcd-cert {} / --etcd-key {}: {message}",
+                    cert.display(),
+                    key.display()
+                ),
+                (err, _) => format!("--etcd-ca {}: {err}", ca_path.display()),
+            })
+        })?;
+        Ok(Some(tls))
     }
 }
 
@@ -203,6 +292,8 @@ pub struct Settings {
     pub router_token: Option<String>,
     /// (certificate PEM, key PEM)
     pub tls: Option<(Vec<u8>, Vec<u8>)>,
+    /// TLS to etcd (https:// endpoints).
+    pub etcd_tls: Option<EtcdTls>,
     pub replica_id: String,
 }
 
@@ -213,6 +304,7 @@ impl std::fmt::Debug for Settings {
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
             .field("router_token", &self.router_token.as_ref().map(|_| "<set>"))
             .field("tls", &self.tls.is_some())
+            .field("etcd_tls", &self.etcd_tls)
             .field("replica_id", &self.replica_id)
             .finish()
     }
@@ -256,8 +348,12 @@ impl ControlPlane {
                 background.clone(),
             )?),
             StoreKind::Etcd => Arc::new(
-                store::etcd::EtcdStore::connect(&config.etcd_endpoints, &config.etcd_prefix)
-                    .await?,
+                store::etcd::EtcdStore::connect(
+                    &config.etcd_endpoints,
+                    &config.etcd_prefix,
+                    settings.etcd_tls.as_ref(),
+                )
+                .await?,
             ),
         };
         if config.store == StoreKind::Embedded {
@@ -426,5 +522,192 @@ impl ControlPlane {
     pub fn abort(self) {
         // The background tasks live in a JoinSet owned by the server task: aborting it aborts them.
         self.server.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const CA: &str = include_str!("../testdata/etcd-ca.pem");
+    const CLIENT_CERT: &str = include_str!("../testdata/etcd-client.pem");
+    const CLIENT_KEY: &str = include_str!("../testdata/etcd-client.key");
+    const OTHER_KEY: &str = include_str!("../testdata/etcd-other.key");
+
+    /// The fixtures written to `dir`: (ca, client cert, client key, other key).
+    fn pem_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        (
+            write("ca.pem", CA),
+            write("client.pem", CLIENT_CERT),
+            write("client.key", CLIENT_KEY),
+            write("other.key", OTHER_KEY),
+        )
+    }
+
+    fn etcd(endpoints: &[&str]) -> ControlConfig {
+        ControlConfig::etcd(
+            "127.0.0.1:0".parse().unwrap(),
+            endpoints
+                .iter()
+                .map(|endpoint| endpoint.to_string())
+                .collect(),
+            "/switchyard/v1/",
+        )
+    }
+
+    /// The usage error `config` is refused with.
+    fn refusal(config: &ControlConfig) -> String {
+        match config.validate() {
+            Err(StartError::Config(message)) => message,
+            Err(other) => panic!("not a usage error: {other}"),
+            Ok(_) => panic!("accepted: {config:?}"),
+        }
+    }
+
+    #[test]
+    fn http_endpoints_need_no_tls_flags() {
+        let settings = etcd(&["http://127.0.0.1:2379", "http://127.0.0.1:2380"])
+            .validate()
+            .unwrap();
+        assert!(settings.etcd_tls.is_none());
+        let message = refusal(&etcd(&["ftp://127.0.0.1:2379"]));
+        assert!(message.contains("--etcd-endpoints"), "{message}");
+    }
+
+    #[test]
+    fn https_endpoints_take_a_ca_and_optionally_a_client_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key, _) = pem_files(dir.path());
+        let mut config = etcd(&["https://127.0.0.1:2379", "https://127.0.0.1:2380"]);
+        let message = refusal(&config);
+        assert!(
+            message.contains("--etcd-ca") && message.contains("https://"),
+            "{message}"
+        );
+        config.etcd_ca = Some(ca);
+        let settings = config.validate().unwrap();
+        assert!(settings.etcd_tls.is_some());
+        config.etcd_cert = Some(cert);
+        config.etcd_key = Some(key);
+        let settings = config.validate().unwrap();
+        assert!(
+            format!("{settings:?}").contains("client: true"),
+            "{settings:?}"
+        );
+    }
+
+    #[test]
+    fn tls_flags_with_http_endpoints_or_mixed_schemes_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key, _) = pem_files(dir.path());
+        let mut config = etcd(&["http://127.0.0.1:2379"]);
+        config.etcd_ca = Some(ca.clone());
+        let message = refusal(&config);
+        assert!(
+            message.starts_with("--etcd-ca") && message.contains("http://"),
+            "{message}"
+        );
+        config.etcd_ca = None;
+        config.etcd_cert = Some(cert);
+        config.etcd_key = Some(key);
+        assert!(refusal(&config).starts_with("--etcd-cert"));
+
+        let mut mixed = etcd(&["https://127.0.0.1:2379", "http://127.0.0.1:2380"]);
+        mixed.etcd_ca = Some(ca.clone());
+        let message = refusal(&mixed);
+        assert!(
+            message.contains("--etcd-endpoints") && message.contains("mixed"),
+            "{message}"
+        );
+
+        let mut embedded =
+            ControlConfig::embedded("127.0.0.1:0".parse().unwrap(), dir.path().into());
+        embedded.etcd_ca = Some(ca);
+        let message = refusal(&embedded);
+        assert!(
+            message.contains("--etcd-ca") && message.contains("--store etcd"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_client_certificate_needs_its_key_and_the_other_way_round() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key, _) = pem_files(dir.path());
+        let mut config = etcd(&["https://127.0.0.1:2379"]);
+        config.etcd_ca = Some(ca);
+        config.etcd_cert = Some(cert);
+        assert_eq!(refusal(&config), "--etcd-cert needs --etcd-key");
+        config.etcd_cert = None;
+        config.etcd_key = Some(key);
+        assert_eq!(refusal(&config), "--etcd-key needs --etcd-cert");
+    }
+
+    #[test]
+    fn unreadable_or_wrong_files_are_named_with_their_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key, other_key) = pem_files(dir.path());
+        let missing = dir.path().join("missing.pem");
+        let https = || {
+            let mut config = etcd(&["https://127.0.0.1:2379"]);
+            config.etcd_ca = Some(ca.clone());
+            config.etcd_cert = Some(cert.clone());
+            config.etcd_key = Some(key.clone());
+            config
+        };
+        let expect = |config: ControlConfig, start: String| {
+            let message = refusal(&config);
+            assert!(message.starts_with(&start), "{message} (wanted {start})");
+        };
+        let shown = |path: &Path| path.display().to_string();
+
+        let mut config = https();
+        config.etcd_ca = Some(missing.clone());
+        expect(config, format!("--etcd-ca {}: ", shown(&missing)));
+        let mut config = https();
+        config.etcd_cert = Some(missing.clone());
+        expect(config, format!("--etcd-cert {}: ", shown(&missing)));
+        let mut config = https();
+        config.etcd_key = Some(missing.clone());
+        expect(config, format!("--etcd-key {}: ", shown(&missing)));
+
+        // A key where a certificate belongs, a certificate where the key belongs.
+        let mut config = https();
+        config.etcd_ca = Some(key.clone());
+        expect(
+            config,
+            format!("--etcd-ca {}: no PEM certificate", shown(&key)),
+        );
+        let mut config = https();
+        config.etcd_cert = Some(key.clone());
+        expect(
+            config,
+            format!("--etcd-cert {}: no PEM certificate", shown(&key)),
+        );
+        let mut config = https();
+        config.etcd_key = Some(cert.clone());
+        expect(
+            config,
+            format!("--etcd-key {}: no PEM private key", shown(&cert)),
+        );
+
+        // A key that is not the certificate's.
+        let mut config = https();
+        config.etcd_key = Some(other_key.clone());
+        expect(
+            config,
+            format!(
+                "--etcd-cert {} / --etcd-key {}: ",
+                shown(&cert),
+                shown(&other_key)
+            ),
+        );
     }
 }

@@ -1,6 +1,7 @@
-//! The integration-test harness: a real etcd on free loopback ports in a temporary directory,
-//! control planes and routers started in-process on `127.0.0.1:0`, the built binaries for
-//! tests that need a real process, and small HTTP/gRPC helpers. Nothing is mocked.
+//! The integration-test harness: a real etcd on free loopback ports in a temporary directory
+//! (plain, or TLS with client certificates from a throwaway CA), control planes and routers
+//! started in-process on `127.0.0.1:0`, the built binaries for tests that need a real
+//! process, and small HTTP/gRPC helpers. Nothing is mocked.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -47,6 +48,128 @@ where
     }
 }
 
+/// Runs the `openssl` CLI (`scripts/ensure-deps --for-tests` installs it), failing with its
+/// stderr.
+fn openssl(command: &mut Command) -> anyhow::Result<()> {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .context("cannot run openssl: run scripts/test (it installs openssl)")?;
+    if !output.status.success() {
+        bail!(
+            "openssl failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A throwaway PKI made with the `openssl` CLI, as the `--tls-cert` test makes its certificate:
+/// a CA, a server certificate for 127.0.0.1 (IP SAN) and a client certificate, both signed by
+/// the CA. EC P-256 keys (PKCS#8 PEM), valid for a day, in a temporary directory.
+pub struct TestPki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl TestPki {
+    pub fn generate() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let path = |name: &str| dir.path().join(name);
+        let new_key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            Command::new("openssl")
+                .args(["req", "-x509", "-days", "1"])
+                .args(new_key)
+                .args(["-subj", "/CN=switchyard test CA"])
+                .args(["-addext", "basicConstraints=critical,CA:TRUE"])
+                .args(["-addext", "keyUsage=critical,keyCertSign,cRLSign"])
+                .arg("-keyout")
+                .arg(path("ca.key"))
+                .arg("-out")
+                .arg(path("ca.pem")),
+        )?;
+        let pki = Self {
+            ca: path("ca.pem"),
+            server_cert: path("server.pem"),
+            server_key: path("server.key"),
+            client_cert: path("client.pem"),
+            client_key: path("client.key"),
+            dir,
+        };
+        // etcd 3.4's gateway dials its own gRPC port with the server certificate, so that one
+        // is a client too.
+        pki.sign(
+            "server",
+            "/CN=etcd",
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth",
+        )?;
+        pki.sign(
+            "client",
+            "/CN=switchyard-control",
+            "extendedKeyUsage=clientAuth",
+        )?;
+        Ok(pki)
+    }
+
+    /// Makes `{name}.key` and `{name}.pem`, signed by the CA, with the given v3 extensions.
+    fn sign(&self, name: &str, subject: &str, extensions: &str) -> anyhow::Result<()> {
+        let path = |file: String| self.dir.path().join(file);
+        let extensions_file = path(format!("{name}.ext"));
+        std::fs::write(
+            &extensions_file,
+            format!(
+                "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n{extensions}\n"
+            ),
+        )?;
+        openssl(
+            Command::new("openssl")
+                .args(["req", "-new", "-newkey", "ec"])
+                .args(["-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"])
+                .args(["-subj", subject])
+                .arg("-keyout")
+                .arg(path(format!("{name}.key")))
+                .arg("-out")
+                .arg(path(format!("{name}.csr"))),
+        )?;
+        openssl(
+            Command::new("openssl")
+                .args(["x509", "-req", "-days", "1", "-CAcreateserial"])
+                .arg("-in")
+                .arg(path(format!("{name}.csr")))
+                .arg("-CA")
+                .arg(&self.ca)
+                .arg("-CAkey")
+                .arg(path("ca.key".into()))
+                .arg("-extfile")
+                .arg(&extensions_file)
+                .arg("-out")
+                .arg(path(format!("{name}.pem"))),
+        )
+    }
+
+    /// A gRPC client TLS configuration trusting this CA and presenting the client certificate.
+    pub fn client_tls(&self) -> anyhow::Result<tonic::transport::ClientTlsConfig> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        Ok(ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(std::fs::read(&self.ca)?))
+            .identity(Identity::from_pem(
+                std::fs::read(&self.client_cert)?,
+                std::fs::read(&self.client_key)?,
+            )))
+    }
+}
+
 /// A real etcd (Debian's `etcd-server`) for one test, stopped and wiped on drop.
 pub struct Etcd {
     child: Child,
@@ -55,17 +178,31 @@ pub struct Etcd {
 }
 
 impl Etcd {
+    /// etcd on plain HTTP (`http://127.0.0.1:PORT`).
     pub async fn start() -> anyhow::Result<Self> {
+        Self::spawn(None).await
+    }
+
+    /// etcd serving clients over TLS only (`https://127.0.0.1:PORT`) with `pki`'s server
+    /// certificate, and requiring a client certificate signed by `pki`'s CA
+    /// (`--client-cert-auth`). Peers (there are none) stay on plain loopback.
+    pub async fn start_tls(pki: &TestPki) -> anyhow::Result<Self> {
+        Self::spawn(Some(pki)).await
+    }
+
+    async fn spawn(tls: Option<&TestPki>) -> anyhow::Result<Self> {
         let binary = which("etcd").context(
             "etcd is not installed: run scripts/test (it installs Debian's etcd-server) or apt-get install etcd-server",
         )?;
         let dir = tempfile::tempdir()?;
         let client_port = free_port();
         let peer_port = free_port();
-        let url = format!("http://127.0.0.1:{client_port}");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
         let log = std::fs::File::create(dir.path().join("etcd.log"))?;
-        let child = Command::new(binary)
+        let mut command = Command::new(binary);
+        command
             .arg("--data-dir")
             .arg(dir.path().join("data"))
             .args(["--name", "default"])
@@ -74,7 +211,18 @@ impl Etcd {
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("default={peer}")])
-            .args(["--heartbeat-interval=10", "--election-timeout=100"])
+            .args(["--heartbeat-interval=10", "--election-timeout=100"]);
+        if let Some(pki) = tls {
+            command
+                .arg("--cert-file")
+                .arg(&pki.server_cert)
+                .arg("--key-file")
+                .arg(&pki.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&pki.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -84,20 +232,55 @@ impl Etcd {
             url,
             _dir: dir,
         };
-        let health = format!("{}/health", etcd.url);
-        let ready =
-            eventually(Duration::from_secs(20), "etcd to become healthy", || {
-                let health = health.clone();
-                async move {
-                    matches!(http_get(&health).await, Ok((200, body)) if body.contains("true"))
-                }
-            })
-            .await;
+        let ready = match tls {
+            None => etcd.wait_healthy().await,
+            Some(pki) => etcd.wait_serving_tls(pki).await,
+        };
         if let Err(err) = ready {
             let _ = etcd.child.kill();
             return Err(err);
         }
         Ok(etcd)
+    }
+
+    /// Plain HTTP: `/health` says true once etcd has a leader.
+    async fn wait_healthy(&self) -> anyhow::Result<()> {
+        let health = format!("{}/health", self.url);
+        eventually(Duration::from_secs(20), "etcd to become healthy", || {
+            let health = health.clone();
+            async move { matches!(http_get(&health).await, Ok((200, body)) if body.contains("true")) }
+        })
+        .await
+    }
+
+    /// TLS: the gRPC health service answers SERVING to a client with the client certificate
+    /// (the harness has no HTTPS client for `/health`; etcd waits for its leader on requests).
+    async fn wait_serving_tls(&self, pki: &TestPki) -> anyhow::Result<()> {
+        use tonic_health::pb::health_check_response::ServingStatus;
+        let endpoint = tonic::transport::Endpoint::from_shared(self.url.clone())?
+            .tls_config(pki.client_tls()?)?
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(1));
+        eventually(
+            Duration::from_secs(20),
+            "etcd to serve gRPC over TLS",
+            || {
+                let endpoint = endpoint.clone();
+                async move {
+                    let Ok(channel) = endpoint.connect().await else {
+                        return false;
+                    };
+                    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+                    let request = tonic_health::pb::HealthCheckRequest {
+                        service: String::new(),
+                    };
+                    health.check(request).await.is_ok_and(|response| {
+                        response.into_inner().status == ServingStatus::Serving as i32
+                    })
+                }
+            },
+        )
+        .await
     }
 
     /// Stops etcd abruptly (SIGKILL).

@@ -54,6 +54,42 @@ fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
     let bad = run("switchyard-control", &["--store", "etcd"]);
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--etcd-endpoints"));
+    // TLS to etcd: misused flags and unreadable files are usage errors naming the flag.
+    for (args, named) in [
+        (
+            &[
+                "--etcd-endpoints",
+                "http://127.0.0.1:1",
+                "--etcd-ca",
+                "/ca.pem",
+            ][..],
+            "--etcd-ca",
+        ),
+        (
+            &[
+                "--etcd-endpoints",
+                "https://127.0.0.1:1",
+                "--etcd-ca",
+                "/nonexistent/ca.pem",
+            ],
+            "--etcd-ca /nonexistent/ca.pem",
+        ),
+        (&["--etcd-endpoints", "https://127.0.0.1:1"], "--etcd-ca"),
+        (
+            &[
+                "--etcd-endpoints",
+                "https://127.0.0.1:1",
+                "--etcd-cert",
+                "/c.pem",
+            ],
+            "--etcd-key",
+        ),
+    ] {
+        let bad = run("switchyard-control", &[&["--store", "etcd"], args].concat());
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert_eq!(bad.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains(named), "{args:?}: {stderr}");
+    }
     let bad = run("switchyard-router", &["--config", "/nonexistent.yaml"]);
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--config"));

@@ -1,5 +1,6 @@
 //! Control plane against a real etcd (and the embedded store): admin round trips, validation,
-//! concurrency, the sync stream, leases, restarts, leader fail-over, auth, gRPC conventions.
+//! concurrency, the sync stream, leases, restarts, leader fail-over, auth, gRPC conventions,
+//! TLS to etcd (client certificates, refusals).
 
 use std::time::Duration;
 
@@ -23,7 +24,7 @@ async fn etcd_control_plane(etcd: &Etcd, prefix: &str) -> anyhow::Result<Control
 #[tokio::test]
 async fn etcd_store_keeps_the_storage_contract() -> anyhow::Result<()> {
     let etcd = Etcd::start().await?;
-    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), "/contract/").await?;
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), "/contract/", None).await?;
     contract::create_if_absent_and_compare_revision(&store).await;
     contract::watch_follows_listing(&store).await;
     contract::lapsed_lease_deletes_its_keys(&store).await;
@@ -948,6 +949,116 @@ async fn the_grpc_server_speaks_tls_when_given_a_certificate() -> anyhow::Result
             .is_err(),
     };
     assert!(refused, "a plain-text client must not get through");
+    Ok(())
+}
+
+/// A control-plane configuration for the TLS etcd at `etcd`, trusting `ca`, with `pki`'s client
+/// certificate when `client_cert` is set.
+fn etcd_tls_config(
+    etcd: &Etcd,
+    ca: &std::path::Path,
+    pki: &TestPki,
+    client_cert: bool,
+) -> ControlConfig {
+    let mut config = ControlConfig::etcd(loopback_any(), vec![etcd.url.clone()], "/tls/");
+    config.etcd_ca = Some(ca.to_path_buf());
+    if client_cert {
+        config.etcd_cert = Some(pki.client_cert.clone());
+        config.etcd_key = Some(pki.client_key.clone());
+    }
+    config
+}
+
+#[tokio::test]
+async fn a_control_plane_keeps_its_state_in_etcd_over_tls() -> anyhow::Result<()> {
+    let pki = TestPki::generate()?;
+    let etcd = Etcd::start_tls(&pki).await?;
+    assert!(etcd.url.starts_with("https://127.0.0.1:"), "{}", etcd.url);
+    let cp = control_plane(etcd_tls_config(&etcd, &pki.ca, &pki, true)).await?;
+    let mut client = admin(&cp.url()).await?;
+    let created = client
+        .create_endpoint_config(config_request(
+            "cfg-tls",
+            &variant_json("PREFIX_AWARE", Some((4096, 10))),
+        ))
+        .await?
+        .into_inner();
+    let described = client
+        .describe_endpoint_config(pb::DescribeEndpointConfigRequest {
+            name: "cfg-tls".into(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(described, created);
+    cp.shutdown().await?;
+
+    // The write is in etcd, not in the control plane: a fresh one reads it back.
+    let cp = control_plane(etcd_tls_config(&etcd, &pki.ca, &pki, true)).await?;
+    let listed = admin(&cp.url())
+        .await?
+        .list_endpoint_configs(pb::ListEndpointConfigsRequest {})
+        .await?
+        .into_inner();
+    let names: Vec<&str> = listed
+        .endpoint_configs
+        .iter()
+        .map(|config| config.name.as_str())
+        .collect();
+    assert_eq!(names, ["cfg-tls"]);
+    cp.shutdown().await?;
+
+    // Watches and leases ride the same TLS connection.
+    let settings = etcd_tls_config(&etcd, &pki.ca, &pki, true).validate()?;
+    let store = EtcdStore::connect(
+        std::slice::from_ref(&etcd.url),
+        "/tls-contract/",
+        settings.etcd_tls.as_ref(),
+    )
+    .await?;
+    contract::watch_follows_listing(&store).await;
+    contract::lapsed_lease_deletes_its_keys(&store).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn etcd_over_tls_refuses_a_missing_client_certificate_and_a_wrong_ca() -> anyhow::Result<()> {
+    let pki = TestPki::generate()?;
+    let other = TestPki::generate()?;
+    let etcd = Etcd::start_tls(&pki).await?;
+    let cases = [
+        (
+            "no client certificate",
+            etcd_tls_config(&etcd, &pki.ca, &pki, false),
+            "no client certificate was presented",
+        ),
+        (
+            "a client certificate from another CA",
+            etcd_tls_config(&etcd, &pki.ca, &other, true),
+            "etcd refused the client certificate",
+        ),
+        (
+            "another CA for etcd's certificate",
+            etcd_tls_config(&etcd, &other.ca, &pki, true),
+            "invalid peer certificate",
+        ),
+    ];
+    for (case, config, expected) in cases {
+        let started = tokio::time::timeout(Duration::from_secs(20), control_plane(config))
+            .await
+            .map_err(|_| anyhow::anyhow!("{case}: start hung instead of failing"))?;
+        let Err(err) = started else {
+            panic!("{case}: the control plane started");
+        };
+        let err = format!("{err:#}");
+        assert!(
+            err.contains(&format!("etcd at {}", etcd.url)),
+            "{case}: {err}"
+        );
+        assert!(
+            err.contains("TLS") && err.contains(expected),
+            "{case}: {err}"
+        );
+    }
     Ok(())
 }
 

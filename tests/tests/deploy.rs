@@ -661,7 +661,9 @@ fn check_listen(ours: &OurContainer<'_>, problems: &mut Vec<String>) {
 fn check_files_are_mounted(ours: &OurContainer<'_>, problems: &mut Vec<String>) {
     let origin = &ours.origin;
     for (flag, value) in &ours.flags {
-        let is_file = flag.ends_with("-file") || flag.starts_with("--tls-") || flag == "--config";
+        let is_file = flag.ends_with("-file")
+            || flag.starts_with("--tls-")
+            || ["--config", "--etcd-ca", "--etcd-cert", "--etcd-key"].contains(&flag.as_str());
         let Some(path) = value.as_deref().filter(|_| is_file) else {
             continue;
         };

@@ -1,18 +1,179 @@
 //! The etcd store. Every key lives under a namespace prefix (`--etcd-prefix`, default
 //! `/switchyard/v1/`); callers see keys without it. Each call has a deadline, so a dead etcd
 //! turns into `StoreError::Unavailable` (gRPC `UNAVAILABLE` at the API) instead of a hang.
+//! `https://` endpoints are verified against a given CA (`EtcdTls`), with an optional client
+//! certificate for etcd's `--client-cert-auth`; rustls with ring, as tonic uses elsewhere.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, DeleteOptions, EventType,
-    GetOptions, PutOptions, Txn as EtcdTxn, TxnOp, WatchOptions,
+    Certificate, Client, Compare as EtcdCompare, CompareOp, ConnectOptions, DeleteOptions,
+    EventType, GetOptions, Identity, PutOptions, TlsOptions, Txn as EtcdTxn, TxnOp, WatchOptions,
 };
 use futures::StreamExt;
+use tokio::io::AsyncReadExt;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use super::{Compare, Kv, LeaseId, Listing, Op, Revision, Store, StoreError, Txn, WatchEvent};
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// TLS to etcd (`https://` endpoints): the CA that etcd's server certificates must chain to,
+/// and for etcd's `--client-cert-auth` a client certificate chain and its key, all PEM.
+/// Only this CA is trusted: neither the system's roots nor any others.
+#[derive(Clone)]
+pub struct EtcdTls {
+    ca: Vec<u8>,
+    /// (certificate chain, private key)
+    client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// The part of an `EtcdTls` that does not parse.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdTlsError {
+    #[error("{0}")]
+    Ca(String),
+    #[error("{0}")]
+    Cert(String),
+    #[error("{0}")]
+    Key(String),
+    /// The key is not the certificate's, or the provider cannot use it.
+    #[error("{0}")]
+    Pair(String),
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("ca", &format_args!("{} bytes", self.ca.len()))
+            .field("client", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl EtcdTls {
+    /// Checks the PEM as a connection would read it, without connecting: `ca` holds at least
+    /// one certificate, and the client key (if any) is its certificate's.
+    pub fn new(ca: Vec<u8>, client: Option<(Vec<u8>, Vec<u8>)>) -> Result<Self, EtcdTlsError> {
+        let tls = Self { ca, client };
+        tls.rustls_config()?;
+        Ok(tls)
+    }
+
+    /// For etcd-client (tonic's TLS over the same rustls and ring).
+    fn options(&self) -> TlsOptions {
+        let options = TlsOptions::new().ca_certificate(Certificate::from_pem(&self.ca));
+        match &self.client {
+            Some((cert, key)) => options.identity(Identity::from_pem(cert, key)),
+            None => options,
+        }
+    }
+
+    /// The same configuration for a direct handshake (`tls_problem`). The ring provider is
+    /// named here rather than taken from the process default, which nothing installs.
+    fn rustls_config(&self) -> Result<rustls::ClientConfig, EtcdTlsError> {
+        let certificates = |pem: &[u8]| -> Result<Vec<CertificateDer<'static>>, String> {
+            let certificates = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|err| format!("bad PEM: {err}"))?;
+            if certificates.is_empty() {
+                return Err("no PEM certificate in it".into());
+            }
+            Ok(certificates)
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        for certificate in certificates(&self.ca).map_err(EtcdTlsError::Ca)? {
+            roots
+                .add(certificate)
+                .map_err(|err| EtcdTlsError::Ca(format!("not a CA certificate: {err}")))?;
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|err| EtcdTlsError::Ca(err.to_string()))?
+        .with_root_certificates(roots);
+        let mut config = match &self.client {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let chain = certificates(cert).map_err(EtcdTlsError::Cert)?;
+                let key = PrivateKeyDer::from_pem_slice(key)
+                    .map_err(|err| EtcdTlsError::Key(format!("no PEM private key in it: {err}")))?;
+                builder.with_client_auth_cert(chain, key).map_err(|err| {
+                    EtcdTlsError::Pair(format!("the key does not fit the certificate: {err}"))
+                })?
+            }
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+}
+
+/// Why TLS to `endpoint` fails, if it does, by a handshake of its own: the gRPC stack can lose
+/// the reason. A TLS 1.3 server refuses a client certificate (or its absence) after the
+/// client's side of the handshake is done, and its alert may reach hyper as a bare
+/// "connection closed". `None` when TCP does not connect (not a TLS problem) or TLS works.
+async fn tls_problem(endpoint: &str, tls: &EtcdTls) -> Option<String> {
+    let uri: http::Uri = endpoint.parse().ok()?;
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    let server_name = ServerName::try_from(host.to_owned()).ok()?;
+    let port = uri.port_u16().unwrap_or(443);
+    let config = tls.rustls_config().ok()?;
+    let tcp = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect((host, port)),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let handshake = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(server_name, tcp));
+    let mut stream = match handshake.await {
+        Err(_) => return Some(format!("no TLS handshake within {CONNECT_TIMEOUT:?}")),
+        Ok(Err(err)) => return Some(explain_tls_error(&err.to_string(), tls)),
+        Ok(Ok(stream)) => stream,
+    };
+    // A refusal comes as an alert right away; a willing server sends its HTTP/2 settings.
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(Duration::from_secs(2), stream.read(&mut first)).await {
+        Ok(Err(err)) => Some(explain_tls_error(&err.to_string(), tls)),
+        _ => None,
+    }
+}
+
+/// rustls' words, and what they most likely mean here.
+fn explain_tls_error(error: &str, tls: &EtcdTls) -> String {
+    let meaning = if error.contains("invalid peer certificate") {
+        "etcd's server certificate does not verify against the given CA"
+    } else if error.contains("alert") && tls.client.is_none() {
+        "etcd refused the connection: no client certificate was presented, and etcd with --client-cert-auth requires one"
+    } else if error.contains("alert") {
+        "etcd refused the client certificate: is it signed by a CA in etcd's --trusted-ca-file?"
+    } else {
+        return format!("TLS: {error}");
+    };
+    format!("TLS: {error} ({meaning})")
+}
+
+/// An error and its sources, `: `-separated (tonic's transport errors say only "transport
+/// error" themselves; the TLS alert or certificate problem is in a source).
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}
 
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -29,7 +190,7 @@ impl std::fmt::Debug for EtcdStore {
 }
 
 fn unavailable(err: etcd_client::Error) -> StoreError {
-    StoreError::Unavailable(err.to_string())
+    StoreError::Unavailable(error_chain(&err))
 }
 
 async fn deadline<T>(
@@ -44,28 +205,56 @@ async fn deadline<T>(
 }
 
 impl EtcdStore {
-    /// Connects to the given endpoints (`http://host:port`). Fails if none answers in time.
-    pub async fn connect(endpoints: &[String], prefix: &str) -> Result<Self, StoreError> {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(3))
+    /// Connects to the given endpoints (`http://host:port`; `https://` with `tls`). Fails, naming
+    /// the endpoints, if none answers in time or TLS fails (an untrusted server certificate, a
+    /// client certificate etcd refuses).
+    pub async fn connect(
+        endpoints: &[String],
+        prefix: &str,
+        tls: Option<&EtcdTls>,
+    ) -> Result<Self, StoreError> {
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+        if let Some(tls) = tls {
+            options = options.with_tls(tls.options());
+        }
+        let at = endpoints.join(",");
+        let failed = |message: &str| StoreError::Unavailable(format!("etcd at {at}: {message}"));
         let client = tokio::time::timeout(
             Duration::from_secs(10),
             Client::connect(endpoints, Some(options)),
         )
         .await
-        .map_err(|_| {
-            StoreError::Unavailable(format!("etcd at {} did not answer", endpoints.join(",")))
-        })?
-        .map_err(unavailable)?;
+        .map_err(|_| failed("did not answer"))?
+        .map_err(|err| failed(&error_chain(&err)))?;
         let store = Self {
             client,
             prefix: prefix.to_owned(),
         };
-        // Fail fast with a clear message when nothing listens there.
-        store.get("__probe__").await?;
-        Ok(store)
+        // Fail fast with a clear message when nothing listens there, or TLS fails.
+        let message = match store.get("__probe__").await {
+            Ok(_) => return Ok(store),
+            Err(StoreError::Unavailable(message)) => message,
+            Err(err) => return Err(err),
+        };
+        if let Some(tls) = tls {
+            let problems = futures::future::join_all(
+                endpoints
+                    .iter()
+                    .map(|endpoint| async move { (endpoint, tls_problem(endpoint, tls).await) }),
+            )
+            .await;
+            if let Some((endpoint, Some(problem))) =
+                problems.into_iter().find(|(_, problem)| problem.is_some())
+            {
+                return Err(StoreError::Unavailable(format!(
+                    "etcd at {endpoint}: {problem}"
+                )));
+            }
+        }
+        Err(failed(&message))
     }
 
     fn full(&self, key: &str) -> String {
