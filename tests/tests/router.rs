@@ -412,6 +412,10 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
     // reads the rest away, and the client gets the 413, not a broken pipe.
     let answer = chunked_post(router.addr, "/v1/chat/completions", 16, 1 << 20).await?;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    // A client that waits for `100 Continue` (curl does, for large bodies) gets the 413 at
+    // once instead of an invitation to upload 20 MB.
+    let answer = expect_continue_post(router.addr, "/v1/chat/completions", 20_000_000).await?;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
 
     let reply = http_post(
         &format!("{}/endpoints/nope/invocations", router.url()),
@@ -901,5 +905,53 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
         HashSet::from(["HTTP/2.0".to_owned()])
     );
     router.shutdown().await;
+    Ok(())
+}
+
+/// Sends only the head of a POST with `Expect: 100-continue` and `Content-Length: length`,
+/// and returns what the server answers first (within 3 s).
+async fn expect_continue_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    length: usize,
+) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {length}\r\nexpect: 100-continue\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await?;
+    let mut answer = vec![0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(3), stream.read(&mut answer)).await??;
+    Ok(String::from_utf8_lossy(&answer[..read]).into_owned())
+}
+
+#[tokio::test]
+async fn dropping_the_handle_stops_every_serving_thread() -> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("switchyard.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n      - Url: {}\n",
+            engine.url
+        ),
+    )?;
+    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    config.worker_threads = Some(3);
+    let router =
+        switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
+            .await?;
+    let addr = router.addr;
+    let reply = http_post(&chat_url(&router), &[], chat_body("hi", 1, false)).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    drop(router);
+    // Every thread's copy of the listening socket closes: connections are refused.
+    eventually(Duration::from_secs(10), "the port to close", || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await?;
     Ok(())
 }

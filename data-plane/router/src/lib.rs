@@ -91,7 +91,9 @@ pub struct RouterConfig {
     /// Protocol to instances that do not name one (an instance's own `protocol`, set at
     /// registration or in the static file, wins): pooled HTTP/1.1 keep-alive connections
     /// (what vLLM's server speaks), or h2c (HTTP/2 without TLS, prior knowledge: requests
-    /// multiplexed on one connection per instance) for engines that serve it.
+    /// multiplexed on one connection per instance and serving thread) for engines that serve
+    /// it. The control plane probes instances without a protocol over HTTP/1.1: register
+    /// h2c-only engines with `--protocol h2c`.
     #[arg(long, value_enum, default_value_t = UpstreamProtocol::Http1)]
     pub upstream_protocol: UpstreamProtocol,
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
@@ -231,6 +233,8 @@ pub struct RouterHandle {
     shared: Arc<Shared>,
     shutdown: CancellationToken,
     server: JoinHandle<()>,
+    /// Set when a serving thread panicked (and stopped the router).
+    failed: Arc<AtomicBool>,
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -264,11 +268,12 @@ fn upstream_client(connect_timeout: Duration, protocol: UpstreamProtocol) -> pro
 
 impl RouterHandle {
     /// Binds the listener and starts serving and syncing. Returns once the port accepts.
-    pub async fn start(settings: Settings) -> std::io::Result<Self> {
+    pub async fn start(settings: Settings) -> Result<Self, StartError> {
         let config = &settings.config;
-        let listener = std::net::TcpListener::bind(config.listen)?;
-        listener.set_nonblocking(true)?;
-        let addr = listener.local_addr()?;
+        let listen_error = |err| StartError::Listen(config.listen, err);
+        let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
+        listener.set_nonblocking(true).map_err(listen_error)?;
+        let addr = listener.local_addr().map_err(listen_error)?;
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
@@ -284,6 +289,54 @@ impl RouterHandle {
             },
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
         });
+        let grace = Duration::from_secs(config.shutdown_grace_seconds);
+        // Threads 1.. each serve the same listening socket on a runtime of their own; the
+        // calling runtime serves it too (thread 0) and runs the control-plane stream. All
+        // that can fail is prepared before anything starts.
+        let mut prepared = Vec::with_capacity(settings.worker_threads.saturating_sub(1));
+        for index in 1..settings.worker_threads {
+            let thread_error = |err| StartError::Thread(index, err);
+            let listener = listener.try_clone().map_err(thread_error)?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(thread_error)?;
+            let worker = Arc::new(shared.with_clients(upstream_clients(config)));
+            prepared.push((index, listener, runtime, worker));
+        }
+        let failed = Arc::new(AtomicBool::new(false));
+        let mut others = Vec::with_capacity(prepared.len());
+        for (index, listener, runtime, worker) in prepared {
+            let stop = shutdown.clone();
+            let failed = Arc::clone(&failed);
+            let (done, finished) = tokio::sync::oneshot::channel::<()>();
+            let spawned = std::thread::Builder::new()
+                .name(format!("switchyard-http-{index}"))
+                .spawn(move || {
+                    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        runtime.block_on(serve(listener, app(worker), stop.clone(), grace));
+                    }));
+                    // Whatever the grace period left running ends here, before `done`.
+                    runtime.shutdown_timeout(Duration::from_secs(1));
+                    if served.is_err() {
+                        tracing::error!(
+                            thread = index,
+                            "serving thread panicked; stopping the router"
+                        );
+                        failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                        stop.cancel();
+                    }
+                    let _ = done.send(());
+                });
+            match spawned {
+                Ok(_) => others.push(finished),
+                Err(err) => {
+                    // Threads already started see this and stop.
+                    shutdown.cancel();
+                    return Err(StartError::Thread(index, err));
+                }
+            }
+        }
         let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
         let sync_task = match &settings.source {
             Source::Static(file) => {
@@ -309,26 +362,6 @@ impl RouterHandle {
                 shutdown.clone(),
             ))),
         };
-        let grace = Duration::from_secs(config.shutdown_grace_seconds);
-        // Threads 1.. each serve the same listening socket on a runtime of their own; the
-        // calling runtime serves it too (thread 0) and runs the control-plane stream.
-        let mut others = Vec::with_capacity(settings.worker_threads.saturating_sub(1));
-        for index in 1..settings.worker_threads {
-            let listener = listener.try_clone()?;
-            let worker = Arc::new(shared.with_clients(upstream_clients(config)));
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let stop = shutdown.clone();
-            let (done, finished) = tokio::sync::oneshot::channel::<()>();
-            std::thread::Builder::new()
-                .name(format!("switchyard-http-{index}"))
-                .spawn(move || {
-                    runtime.block_on(serve(listener, app(worker), stop, grace));
-                    let _ = done.send(());
-                })?;
-            others.push(finished);
-        }
         let stop = shutdown.clone();
         let app = app(Arc::clone(&shared));
         let server = tokio::spawn(async move {
@@ -347,6 +380,7 @@ impl RouterHandle {
             shared,
             shutdown,
             server,
+            failed,
         })
     }
 
@@ -373,15 +407,33 @@ impl RouterHandle {
     }
 
     /// Stops accepting, finishes in-flight requests (within the grace period), and waits.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         self.shutdown.cancel();
-        let _ = self.server.await;
+        let _ = (&mut self.server).await;
     }
 
-    /// Waits until the server stops (after its shutdown token is cancelled).
-    pub async fn wait(self) {
-        let _ = self.server.await;
+    /// Waits until the server stops (after its shutdown token is cancelled). False when it
+    /// stopped because a serving thread failed.
+    pub async fn wait(mut self) -> bool {
+        let joined = (&mut self.server).await;
+        joined.is_ok() && !self.failed.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// Dropping the handle stops the router: its serving threads would otherwise outlive it.
+impl Drop for RouterHandle {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Why a router did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("--listen {0}: {1}")]
+    Listen(SocketAddr, std::io::Error),
+    #[error("cannot start serving thread {0} (see --worker-threads): {1}")]
+    Thread(usize, std::io::Error),
 }
 
 use std::future::IntoFuture as _;

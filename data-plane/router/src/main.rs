@@ -1,7 +1,7 @@
 //! `switchyard-router`: the HTTP data plane.
 
 use clap::Parser;
-use switchyard_router::{RouterConfig, RouterHandle};
+use switchyard_router::{RouterConfig, RouterHandle, StartError};
 use switchyard_shared::process::{self, LogFormat};
 
 /// Switchyard router: routes OpenAI-compatible and SageMaker-style requests to inference
@@ -25,16 +25,23 @@ async fn main() {
         Ok(settings) => settings,
         Err(message) => process::exit_usage(message),
     };
-    let listen = settings.config.listen;
     let router = match RouterHandle::start(settings).await {
         Ok(router) => router,
-        Err(err) => process::exit_usage(format!("--listen {listen}: {err}")),
+        Err(err @ StartError::Listen(..)) => process::exit_usage(err.to_string()),
+        Err(err) => {
+            tracing::error!(error = %err, "router did not start");
+            std::process::exit(1);
+        }
     };
     let token = router.shutdown_token();
     tokio::spawn(async move {
         process::shutdown_signal().await;
         token.cancel();
     });
-    router.wait().await;
-    tracing::info!("router stopped");
+    if router.wait().await {
+        tracing::info!("router stopped");
+    } else {
+        tracing::error!("router stopped after a failure");
+        std::process::exit(1);
+    }
 }

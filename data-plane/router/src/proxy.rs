@@ -208,7 +208,14 @@ async fn read_body(mut body: Body, headers: &HeaderMap) -> Result<Bytes, ApiErro
         .and_then(|value| value.parse::<usize>().ok())
         && length > MAX_BODY_BYTES
     {
-        discard(body).await;
+        // A client that asked `Expect: 100-continue` has sent nothing yet and will send
+        // nothing once it sees the 413: reading would make hyper invite the upload.
+        let waits_for_continue = headers
+            .get(header::EXPECT)
+            .is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if !waits_for_continue {
+            discard(body).await;
+        }
         return Err(ApiError::too_large(MAX_BODY_BYTES));
     }
     // Most bodies arrive in one frame: keep it without copying.
