@@ -225,22 +225,22 @@ async fn record(
         return;
     }
     let (endpoint, id) = &result.key;
-    match next {
-        Health::Unhealthy => {
-            tracing::warn!(endpoint = %endpoint, instance = %id, reason = %detail, "instance unhealthy")
-        }
-        _ => {
-            tracing::info!(endpoint = %endpoint, instance = %id, health = %next, "instance healthy")
-        }
-    }
     match registry
         .set_health(endpoint, id, next, &detail, fence)
         .await
     {
-        Ok(true) => {}
-        Ok(false) => {
-            tracing::debug!(instance = %id, "health not recorded: instance gone, changed, or leadership lost")
+        Ok(true) if next == Health::Unhealthy => {
+            tracing::warn!(endpoint = %endpoint, instance = %id, reason = %detail, "instance unhealthy")
         }
+        Ok(true) => {
+            tracing::info!(endpoint = %endpoint, instance = %id, health = %next, "instance healthy")
+        }
+        Ok(false) => tracing::info!(
+            endpoint = %endpoint,
+            instance = %id,
+            health = %next,
+            "health not recorded: the instance changed or is gone, or this replica no longer leads"
+        ),
         Err(err) => tracing::warn!(instance = %id, error = %err, "cannot record health"),
     }
 }

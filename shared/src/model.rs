@@ -405,8 +405,11 @@ impl std::str::FromStr for InstanceRole {
 #[serde(rename_all = "lowercase")]
 pub enum InstanceProtocol {
     #[default]
+    #[serde(alias = "UNSPECIFIED")]
     Unspecified,
+    #[serde(alias = "HTTP1")]
     Http1,
+    #[serde(alias = "H2C")]
     H2c,
 }
 
@@ -735,6 +738,11 @@ mod tests {
         assert!(text.contains(r#""Protocol":"h2c""#), "{text}");
         assert_eq!(serde_json::from_str::<Instance>(&text).unwrap(), h2c);
         assert_eq!("H2C".parse::<InstanceProtocol>(), Ok(InstanceProtocol::H2c));
+        // Upper case too, like Role and Health beside it in a static file.
+        assert_eq!(
+            serde_json::from_str::<InstanceProtocol>(r#""H2C""#).unwrap(),
+            InstanceProtocol::H2c
+        );
         assert!("h3".parse::<InstanceProtocol>().is_err());
     }
 }
