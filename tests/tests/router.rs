@@ -615,20 +615,35 @@ async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<(
     Ok(())
 }
 
-#[tokio::test]
-async fn a_router_runs_from_a_static_file_over_http1_or_h2c() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("switchyard.yaml");
+/// A router config that routes endpoint `chat` (one variant, AllTraffic, ModelName sim) from a
+/// static YAML file written in `dir`: `variant` adds lines to the variant, `instances` is the
+/// Instances list (YAML lines indented for it).
+fn static_file_config(
+    dir: &std::path::Path,
+    variant: &str,
+    instances: &str,
+) -> anyhow::Result<switchyard_router::RouterConfig> {
+    let path = dir.join("switchyard.yaml");
     std::fs::write(
         &path,
         format!(
-            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n      - Url: {}\n        InstanceId: only\n",
-            engine.url
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n{variant}    Instances:\n{instances}"
         ),
     )?;
     let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
     config.config = Some(path);
+    Ok(config)
+}
+
+#[tokio::test]
+async fn a_router_runs_from_a_static_file_over_http1_or_h2c() -> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let mut config = static_file_config(
+        dir.path(),
+        "",
+        &format!("      - Url: {}\n        InstanceId: only\n", engine.url),
+    )?;
     let router = switchyard_router::RouterHandle::start(
         config.clone().validate().map_err(anyhow::Error::msg)?,
     )
@@ -878,16 +893,14 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
     let http1_engine = switchyard_engine_sim::spawn(fast()).await?;
     let default_engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
-    let path = dir.path().join("switchyard.yaml");
-    std::fs::write(
-        &path,
-        format!(
-            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n        RoutingConfig: {{RoutingStrategy: RANDOM}}\n    Instances:\n      - Url: {}\n        InstanceId: old\n        Protocol: http1\n      - Url: {}\n        InstanceId: new\n",
+    let mut config = static_file_config(
+        dir.path(),
+        "        RoutingConfig: {RoutingStrategy: RANDOM}\n",
+        &format!(
+            "      - Url: {}\n        InstanceId: old\n        Protocol: http1\n      - Url: {}\n        InstanceId: new\n",
             http1_engine.url, default_engine.url
         ),
     )?;
-    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
     config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
     let router =
         switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
@@ -930,16 +943,7 @@ async fn expect_continue_post(
 async fn dropping_the_handle_stops_every_serving_thread() -> anyhow::Result<()> {
     let engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
-    let path = dir.path().join("switchyard.yaml");
-    std::fs::write(
-        &path,
-        format!(
-            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n      - Url: {}\n",
-            engine.url
-        ),
-    )?;
-    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
+    let mut config = static_file_config(dir.path(), "", &format!("      - Url: {}\n", engine.url))?;
     config.worker_threads = Some(3);
     let router =
         switchyard_router::RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?)
