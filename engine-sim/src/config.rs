@@ -98,6 +98,11 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub die_mid_stream_rate: f64,
 
+    /// Fraction of inference requests that stream a few tokens and then send nothing more,
+    /// keeping the connection open (non-streaming: the response head, then nothing).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub stall_mid_stream_rate: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
@@ -164,6 +169,7 @@ impl SimConfig {
             fail_rate: self.fail_rate,
             hang_rate: self.hang_rate,
             die_mid_stream_rate: self.die_mid_stream_rate,
+            stall_mid_stream_rate: self.stall_mid_stream_rate,
         }
     }
 }

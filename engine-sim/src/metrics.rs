@@ -42,6 +42,8 @@ pub struct SimStats {
     pub requests_hung: u64,
     /// Responses cut off by fault injection (die mid-stream).
     pub responses_cut: u64,
+    /// Responses left stalled, connection open, by fault injection (stall mid-stream).
+    pub responses_stalled: u64,
     /// Requests in the batch now.
     pub running: u64,
     /// Requests queued now (including those waiting for a KV transfer).
@@ -84,6 +86,7 @@ pub(crate) struct Metrics {
     pub requests_failed: AtomicU64,
     pub requests_hung: AtomicU64,
     pub responses_cut: AtomicU64,
+    pub responses_stalled: AtomicU64,
     pub kv_handoffs: AtomicU64,
     running: AtomicU64,
     waiting: AtomicU64,
@@ -119,6 +122,7 @@ impl Default for Metrics {
             requests_failed: AtomicU64::new(0),
             requests_hung: AtomicU64::new(0),
             responses_cut: AtomicU64::new(0),
+            responses_stalled: AtomicU64::new(0),
             kv_handoffs: AtomicU64::new(0),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
@@ -172,6 +176,7 @@ impl Metrics {
             requests_failed: load(&self.requests_failed),
             requests_hung: load(&self.requests_hung),
             responses_cut: load(&self.responses_cut),
+            responses_stalled: load(&self.responses_stalled),
             running: load(&self.running),
             waiting: load(&self.waiting),
             kv_cache_usage: f64::from_bits(load(&self.kv_cache_usage_bits)),

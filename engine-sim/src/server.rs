@@ -281,6 +281,7 @@ impl SimHandle {
             fail_rate: clamp(faults.fail_rate),
             hang_rate: clamp(faults.hang_rate),
             die_mid_stream_rate: clamp(faults.die_mid_stream_rate),
+            stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
         });
     }
 

@@ -239,6 +239,17 @@ impl EndpointConfig {
                 ));
             }
         }
+        let total: f64 = self
+            .production_variants
+            .iter()
+            .map(ProductionVariant::weight)
+            .sum();
+        if !total.is_finite() {
+            return Err(ValidationError::new(
+                "ProductionVariants",
+                "the InitialVariantWeights must add up to a finite number",
+            ));
+        }
         if self
             .production_variants
             .iter()
@@ -530,6 +541,20 @@ pub fn validate_instance_url(url: &str) -> Result<String, ValidationError> {
             format!("{url:?} needs a host and no user info"),
         ));
     }
+    // `http::Uri` accepts any port text and then reports no port: an unusable port would
+    // silently become 80.
+    let after_host = authority
+        .as_str()
+        .rsplit_once(']')
+        .map_or(authority.as_str(), |(_, rest)| rest);
+    if let Some((_, port)) = after_host.rsplit_once(':')
+        && !matches!(port.parse::<u16>(), Ok(1..))
+    {
+        return Err(ValidationError::new(
+            field,
+            format!("{url:?}: the port {port:?} is not a number in 1..=65535"),
+        ));
+    }
     if uri.query().is_some() || url.contains('#') {
         return Err(ValidationError::new(
             field,
@@ -678,6 +703,15 @@ mod tests {
         let mut all_zero = variant("a", None);
         all_zero.initial_variant_weight = Some(0.0);
         assert_eq!(field_of(&config(vec![all_zero])), "ProductionVariants");
+        // Each weight is finite, their sum is not: the weighted draw would break.
+        let mut huge = variant("a", None);
+        huge.initial_variant_weight = Some(1e308);
+        let mut also_huge = variant("b", None);
+        also_huge.initial_variant_weight = Some(1e308);
+        assert_eq!(
+            field_of(&config(vec![huge, also_huge])),
+            "ProductionVariants"
+        );
         let mut bad_health = config(vec![variant("a", None)]);
         bad_health.health_check_config.path = "health".into();
         assert_eq!(field_of(&bad_health), "HealthCheckConfig.Path");
@@ -693,6 +727,16 @@ mod tests {
             validate_instance_url("http://gw.local/v1-pool").unwrap(),
             "http://gw.local/v1-pool"
         );
+        assert_eq!(
+            validate_instance_url("http://[::1]:65535").unwrap(),
+            "http://[::1]:65535"
+        );
+        assert!(
+            validate_instance_url("http://x:80000")
+                .unwrap_err()
+                .message
+                .contains("port")
+        );
         for bad in [
             "127.0.0.1:8000",
             "ftp://x",
@@ -700,6 +744,11 @@ mod tests {
             "http://",
             "http://x?q=1",
             "http://u@x",
+            "http://x:80000",
+            "http://x:abc",
+            "http://x:0",
+            "http://x:",
+            "http://[::1]:99999",
         ] {
             assert_eq!(
                 validate_instance_url(bad).unwrap_err().field,

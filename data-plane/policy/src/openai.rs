@@ -28,9 +28,17 @@ pub enum RequestError {
     },
 }
 
+/// A present field as its raw text, `null` included (plain `Option` would read null as absent).
+fn present<'de, D>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    <&RawValue as Deserialize>::deserialize(deserializer).map(Some)
+}
+
 #[derive(Deserialize)]
 struct Body<'a> {
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "present")]
     model: Option<&'a RawValue>,
     #[serde(default)]
     stream: Option<serde_json::Value>,
@@ -102,7 +110,9 @@ impl<'a> OpenAiRequest<'a> {
             serde_json::from_slice(body).map_err(|err| RequestError::Json(err.to_string()))?;
         let (model, model_span) = match parsed.model {
             None => (None, None),
-            Some(raw) if raw.get() == "null" => (None, None),
+            // A null model names nothing, but its place is kept: a new name replaces it
+            // rather than adding a second `model` key.
+            Some(raw) if raw.get() == "null" => (None, Some(span_in(body, raw))),
             Some(raw) => {
                 let name: Cow<'a, str> =
                     serde_json::from_str(raw.get()).map_err(|_| RequestError::Field {
@@ -370,6 +380,20 @@ mod tests {
             }
         );
         assert!(OpenAiRequest::parse(br#"{"model":5}"#).is_err());
+    }
+
+    #[test]
+    fn a_null_model_is_replaced_not_duplicated() {
+        let body = br#"{"model": null, "prompt": "p"}"#;
+        let request = OpenAiRequest::parse(body).unwrap();
+        assert_eq!(request.model, None);
+        let rewritten = request.with_model("m");
+        assert_eq!(
+            String::from_utf8(rewritten.clone()).unwrap(),
+            r#"{"model": "m", "prompt": "p"}"#
+        );
+        let value: serde_json::Value = serde_json::from_slice(&rewritten).unwrap();
+        assert_eq!(value["model"], "m");
     }
 
     #[test]

@@ -206,12 +206,17 @@ pub fn read_static_config(path: &Path) -> Result<StaticConfig, String> {
         path.extension().and_then(|extension| extension.to_str()),
         Some("yaml" | "yml")
     );
+    parse_static_text(&text, yaml).map_err(|err| format!("--config {}: {err}", path.display()))
+}
+
+/// Parses and validates the text of a static configuration (YAML, or JSON).
+pub fn parse_static_text(text: &str, yaml: bool) -> Result<StaticConfig, String> {
     let root: FileRoot = if yaml {
-        serde_yaml::from_str(&text).map_err(|err| format!("--config {}: {err}", path.display()))?
+        serde_yaml::from_str(text).map_err(|err| err.to_string())?
     } else {
-        serde_json::from_str(&text).map_err(|err| format!("--config {}: {err}", path.display()))?
+        serde_json::from_str(text).map_err(|err| err.to_string())?
     };
-    parse_static(root).map_err(|err| format!("--config {}: {err}", path.display()))
+    parse_static(root).map_err(|err| err.to_string())
 }
 
 fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {

@@ -6,17 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use switchyard_shared::metrics::{Histogram, TextEncoder};
 
-use crate::table::{LoadRegistry, ROUTE_LABELS, RoutingTable};
-
-pub const ERROR_KINDS: [&str; 7] = [
-    "bad_request",
-    "unknown_endpoint",
-    "too_large",
-    "unavailable",
-    "model_error",
-    "upstream_failed",
-    "client_gone",
-];
+use crate::admission::{Admission, Limit};
+use crate::errors::ErrorKind;
+use crate::table::{LoadRegistry, RouteLabel, RoutingTable};
 
 /// Fine at the low end: a routing decision takes microseconds.
 const LATENCY_BOUNDS: [f64; 17] = [
@@ -41,7 +33,7 @@ const LATENCY_BOUNDS: [f64; 17] = [
 
 #[derive(Debug)]
 pub struct RouterMetrics {
-    errors: [AtomicU64; ERROR_KINDS.len()],
+    errors: [AtomicU64; ErrorKind::ALL.len()],
     /// Time from request arrival to the routing decision (body read and parse included).
     pub decision_seconds: Histogram,
     /// Time from sending upstream to the upstream's response head.
@@ -59,13 +51,21 @@ impl RouterMetrics {
         }
     }
 
-    pub fn error(&self, kind: &str) {
-        if let Some(index) = ERROR_KINDS.iter().position(|candidate| *candidate == kind) {
-            self.errors[index].fetch_add(1, Ordering::Relaxed);
-        }
+    pub fn error(&self, kind: ErrorKind) {
+        self.errors[kind.index()].fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn render(&self, table: &RoutingTable, registry: &LoadRegistry) -> String {
+    /// Errors of `kind` counted so far.
+    pub fn errors(&self, kind: ErrorKind) -> u64 {
+        self.errors[kind.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn render(
+        &self,
+        table: &RoutingTable,
+        registry: &LoadRegistry,
+        admission: &Admission,
+    ) -> String {
         let mut out = TextEncoder::new();
         out.family(
             "switchyard_router_table_version",
@@ -145,10 +145,14 @@ impl RouterMetrics {
             "Requests sent to each instance, by why it was chosen.",
         );
         for (endpoint, id, _, _, _, requests) in &rows {
-            for (label, count) in ROUTE_LABELS.iter().zip(requests) {
+            for (label, count) in RouteLabel::ALL.iter().zip(requests) {
                 out.sample(
                     "switchyard_router_requests_total",
-                    &[("endpoint", endpoint), ("instance", id), ("route", label)],
+                    &[
+                        ("endpoint", endpoint),
+                        ("instance", id),
+                        ("route", label.as_str()),
+                    ],
                     *count as f64,
                 );
             }
@@ -158,13 +162,55 @@ impl RouterMetrics {
             "counter",
             "Requests answered with an error by the router, by kind.",
         );
-        for (kind, count) in ERROR_KINDS.iter().zip(&self.errors) {
+        for (kind, count) in ErrorKind::ALL.iter().zip(&self.errors) {
             out.sample(
                 "switchyard_router_errors_total",
-                &[("kind", kind)],
+                &[("kind", kind.as_str())],
                 count.load(Ordering::Relaxed) as f64,
             );
         }
+        out.family(
+            "switchyard_router_admission_refused_total",
+            "counter",
+            "Connections or requests refused with 503 by an admission limit (--max-connections, --max-in-flight, --max-buffered-bytes).",
+        );
+        for limit in Limit::ALL {
+            out.sample(
+                "switchyard_router_admission_refused_total",
+                &[("limit", limit.as_str())],
+                admission.refused(limit) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_open_connections",
+            "gauge",
+            "Client connections open now.",
+        )
+        .sample(
+            "switchyard_router_open_connections",
+            &[],
+            admission.connections() as f64,
+        );
+        out.family(
+            "switchyard_router_requests_in_flight",
+            "gauge",
+            "Requests admitted and not yet answered in full, over all instances.",
+        )
+        .sample(
+            "switchyard_router_requests_in_flight",
+            &[],
+            admission.in_flight() as f64,
+        );
+        out.family(
+            "switchyard_router_buffered_request_bytes",
+            "gauge",
+            "Request-body bytes held in memory now (bounded by --max-buffered-bytes).",
+        )
+        .sample(
+            "switchyard_router_buffered_request_bytes",
+            &[],
+            admission.buffered_bytes() as f64,
+        );
         out.family(
             "switchyard_router_decision_seconds",
             "histogram",

@@ -15,23 +15,56 @@ use switchyard_shared::{
     VariantName,
 };
 
-/// Route labels counted per instance: the policy's routes plus `retry`.
-pub const ROUTE_LABELS: [&str; 6] = [
-    "prefix",
-    "overflow",
-    "random",
-    "least-outstanding",
-    "session",
-    "retry",
-];
-
-pub fn route_index(route: Route) -> usize {
-    Route::ALL
-        .iter()
-        .position(|candidate| *candidate == route)
-        .unwrap_or(0)
+/// Why a request went to an instance: the policy's routes, plus the router's own retries.
+/// The `route` label of `switchyard_router_requests_total` and `x-switchyard-route`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteLabel {
+    Prefix,
+    Overflow,
+    Random,
+    LeastOutstanding,
+    Session,
+    /// The previous candidate provably never received the request.
+    Retry,
+    /// The previous candidate may have received it (`--retry-after-send`).
+    RetryAfterSend,
 }
-pub const RETRY_INDEX: usize = 5;
+
+impl RouteLabel {
+    pub const ALL: [RouteLabel; 7] = [
+        RouteLabel::Prefix,
+        RouteLabel::Overflow,
+        RouteLabel::Random,
+        RouteLabel::LeastOutstanding,
+        RouteLabel::Session,
+        RouteLabel::Retry,
+        RouteLabel::RetryAfterSend,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteLabel::Prefix => Route::Prefix.as_str(),
+            RouteLabel::Overflow => Route::Overflow.as_str(),
+            RouteLabel::Random => Route::Random.as_str(),
+            RouteLabel::LeastOutstanding => Route::LeastOutstanding.as_str(),
+            RouteLabel::Session => Route::Session.as_str(),
+            RouteLabel::Retry => "retry",
+            RouteLabel::RetryAfterSend => "retry-after-send",
+        }
+    }
+}
+
+impl From<Route> for RouteLabel {
+    fn from(route: Route) -> Self {
+        match route {
+            Route::Prefix => RouteLabel::Prefix,
+            Route::Overflow => RouteLabel::Overflow,
+            Route::Random => RouteLabel::Random,
+            Route::LeastOutstanding => RouteLabel::LeastOutstanding,
+            Route::Session => RouteLabel::Session,
+        }
+    }
+}
 
 /// Live counters of one instance, shared by every table that contains it.
 #[derive(Debug, Default)]
@@ -44,8 +77,8 @@ pub struct InstanceCell {
     pub failures: AtomicU32,
     /// Unix ms until which the instance is ejected locally (0: not ejected).
     pub ejected_until_ms: AtomicU64,
-    /// Requests sent, by `ROUTE_LABELS` index.
-    pub requests: [AtomicU64; 6],
+    /// Requests sent, by `RouteLabel`.
+    pub requests: [AtomicU64; RouteLabel::ALL.len()],
 }
 
 impl InstanceCell {
