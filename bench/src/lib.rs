@@ -8,6 +8,7 @@
 //! - [`client`] and [`run`]: streaming requests timed on the wall clock, closed or open loop;
 //! - [`compare`]: every strategy on fresh engines, side by side ([`demo`]);
 //! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
+//!   [`overload`]: the router's memory under a flood of large requests;
 //! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
 //!
 //! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
@@ -20,6 +21,7 @@ pub mod drive;
 pub mod forward;
 pub mod oracle;
 pub mod overhead;
+pub mod overload;
 pub mod report;
 pub mod run;
 pub mod scrape;
@@ -31,5 +33,6 @@ pub use cluster::{ClusterSpec, ClusterTuning, LocalCluster};
 pub use compare::{CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
 pub use drive::{DriveArgs, drive};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};
+pub use overload::{OverloadArgs, OverloadReport, overload};
 pub use report::Report;
 pub use workload::{Trace, WorkloadKind, WorkloadSpec};

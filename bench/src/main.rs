@@ -2,7 +2,7 @@
 //! KV-cache hit rate, TTFT, inter-token and end-to-end latency, throughput and instance shares.
 
 use clap::{Parser, Subcommand};
-use switchyard_bench::{DemoArgs, DriveArgs, OverheadArgs, UsageError};
+use switchyard_bench::{DemoArgs, DriveArgs, OverheadArgs, OverloadArgs, UsageError};
 use switchyard_shared::process::{self, EXIT_USAGE};
 
 /// Switchyard's load generator and benchmark report.
@@ -27,7 +27,7 @@ use switchyard_shared::process::{self, EXIT_USAGE};
     name = "switchyard-bench",
     version,
     args_conflicts_with_subcommands = true,
-    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16"
+    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16\n  switchyard-bench overload --requests 200 --max-buffered-bytes 256MiB"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -47,6 +47,10 @@ enum Command {
     /// interleaved, same client) and its requests per core-second, with the router and the
     /// proxy in separate processes. Needs switchyard-router next to this executable.
     Overhead(OverheadArgs),
+    /// The router's peak memory under a flood of large requests to an engine that never
+    /// answers, with --max-buffered-bytes bounding what it holds. Needs switchyard-router and
+    /// switchyard-engine-sim next to this executable.
+    Overload(OverloadArgs),
     /// A bare reverse proxy (internal: the baseline hop `overhead` starts).
     #[command(hide = true)]
     Forward(switchyard_bench::forward::ForwardArgs),
@@ -59,6 +63,7 @@ async fn main() {
     let result = match cli.command {
         Some(Command::Compare(args)) => switchyard_bench::demo(*args).await.map(drop),
         Some(Command::Overhead(args)) => switchyard_bench::overhead(args).await.map(drop),
+        Some(Command::Overload(args)) => switchyard_bench::overload(args).await.map(drop),
         Some(Command::Forward(args)) => switchyard_bench::forward::forward(args).await,
         None => switchyard_bench::drive(cli.drive).await.map(drop),
     };
