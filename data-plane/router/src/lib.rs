@@ -7,6 +7,7 @@
 //! `metrics` (Prometheus).
 
 pub mod errors;
+pub mod eventstream;
 pub mod membership;
 pub mod metrics;
 pub mod proxy;

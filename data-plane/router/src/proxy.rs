@@ -663,10 +663,17 @@ async fn respond(
         parts.headers.remove(name);
     }
     add_routing_headers(&mut parts.headers, variant, instance, route_label);
-    let body = Body::new(TrackedBody {
+    let tracked = TrackedBody {
         inner: incoming,
         in_flight: Some(in_flight),
-    });
+    };
+    let body = if operation == Operation::InvocationsStream {
+        // SageMaker's streaming invoke: each frame re-framed as a PayloadPart event.
+        crate::eventstream::set_headers(&mut parts.headers);
+        Body::new(crate::eventstream::PayloadParts::new(tracked))
+    } else {
+        Body::new(tracked)
+    };
     Ok(Response::from_parts(parts, body))
 }
 
