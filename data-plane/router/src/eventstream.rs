@@ -110,6 +110,21 @@ impl StreamErrorCode {
     }
 }
 
+/// An error and its sources, `outer: inner: innermost`.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        let inner = current.to_string();
+        if !text.ends_with(&inner) {
+            text.push_str(": ");
+            text.push_str(&inner);
+        }
+        cause = current.source();
+    }
+    text
+}
+
 /// A `ModelStreamError` exception event.
 pub fn model_stream_error(code: StreamErrorCode, message: &str) -> Bytes {
     let payload = serde_json::json!({"Message": message, "ErrorCode": code.as_str()});
@@ -180,8 +195,9 @@ where
                 Some(Err(err)) => {
                     self.done = true;
                     let code = StreamErrorCode::of(&err);
-                    tracing::info!(error = %err, code = code.as_str(), "model stream broke mid-response");
-                    let message = format!("the model's response stream ended early: {err}");
+                    let cause = error_chain(&err);
+                    tracing::info!(error = %cause, code = code.as_str(), "model stream broke mid-response");
+                    let message = format!("the model's response stream ended early: {cause}");
                     return Poll::Ready(Some(Ok(Frame::data(model_stream_error(code, &message)))));
                 }
             }
@@ -202,8 +218,11 @@ mod tests {
     use super::*;
     use http_body_util::BodyExt;
 
-    /// A decoded message: headers and payload, after checking both CRCs and every length.
-    fn decode(mut bytes: &[u8]) -> Vec<(Vec<(String, String)>, Vec<u8>)> {
+    /// A decoded message: its headers and its payload.
+    type Decoded = (Vec<(String, String)>, Vec<u8>);
+
+    /// Decodes messages, checking both CRCs and every length.
+    fn decode(mut bytes: &[u8]) -> Vec<Decoded> {
         let mut messages = Vec::new();
         while !bytes.is_empty() {
             let total = u32::from_be_bytes(bytes[0..4].try_into().unwrap()) as usize;
@@ -312,7 +331,7 @@ mod tests {
 
     async fn reframe(
         frames: Vec<Result<Frame<Bytes>, std::io::Error>>,
-    ) -> Vec<(Vec<(String, String)>, Vec<u8>)> {
+    ) -> Vec<Decoded> {
         let body = PayloadParts::new(Scripted {
             frames: frames.into(),
         });
