@@ -86,6 +86,16 @@ const UNUSED_CONFIG_MEMBERS: &[&str] = &[
 ];
 /// Of those, the ones DescribeEndpointConfig does not return (its output shape lacks them).
 const NOT_DESCRIBED: &[&str] = &["Tags"];
+/// The members of ListEndpointConfigs' input, which ListEndpoints' extends.
+const LIST_MEMBERS: &[&str] = &[
+    "SortBy",
+    "SortOrder",
+    "NextToken",
+    "MaxResults",
+    "NameContains",
+    "CreationTimeBefore",
+    "CreationTimeAfter",
+];
 
 /// An error in the AWS JSON protocol's shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,7 +142,7 @@ impl From<AdminError> for AwsError {
             AdminError::Unavailable(message) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailable",
-                message,
+                format!("the control plane's store is unavailable: {message}"),
             ),
             AdminError::Aborted(message) => {
                 Self::new(StatusCode::BAD_REQUEST, "ThrottlingException", message)
@@ -433,6 +443,9 @@ impl SageMakerApi {
         input: &mut Input<'_>,
         arns: &Arns,
     ) -> Result<Value, AwsError> {
+        let mut known = vec!["EndpointConfigName", "ProductionVariants"];
+        known.extend_from_slice(UNUSED_CONFIG_MEMBERS);
+        input.check_members(&known)?;
         let name = input.config_name()?;
         let variants = input.required("ProductionVariants")?;
         let mut unused = UnusedFields::default();
@@ -441,7 +454,6 @@ impl SageMakerApi {
                 unused.config.insert((*member).to_owned(), value);
             }
         }
-        input.no_other_members()?;
         let parsed = parse_production_variants_value(variants).map_err(AwsError::field)?;
         if parsed
             .ignored_values
@@ -480,8 +492,8 @@ impl SageMakerApi {
         input: &mut Input<'_>,
         arns: &Arns,
     ) -> Result<Value, AwsError> {
+        input.check_members(&["EndpointConfigName"])?;
         let name = input.config_name()?;
-        input.no_other_members()?;
         let config = match self.registry.describe_config(&name).await {
             Ok(config) => config,
             Err(AdminError::NotFound(_)) => return Err(arns.config_missing(&name)),
@@ -532,8 +544,8 @@ impl SageMakerApi {
         input: &mut Input<'_>,
         arns: &Arns,
     ) -> Result<Value, AwsError> {
+        input.check_members(&["EndpointConfigName"])?;
         let name = input.config_name()?;
-        input.no_other_members()?;
         match self.registry.delete_config(&name).await {
             Ok(()) => {
                 tracing::info!(endpoint_config = %name, "endpoint config deleted (SageMaker API)");
@@ -549,8 +561,8 @@ impl SageMakerApi {
         input: &mut Input<'_>,
         arns: &Arns,
     ) -> Result<Value, AwsError> {
+        input.check_members(LIST_MEMBERS)?;
         let query = ListQuery::read(input, &["Name", "CreationTime"])?;
-        input.no_other_members()?;
         let rows = self
             .registry
             .list_configs()
@@ -574,11 +586,16 @@ impl SageMakerApi {
     // ----- endpoints --------------------------------------------------------------------
 
     async fn create_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+        // DeploymentConfig and Tags are accepted, not used: routers switch to a new config
+        // atomically, there is no deployment to shape.
+        input.check_members(&[
+            "EndpointName",
+            "EndpointConfigName",
+            "DeploymentConfig",
+            "Tags",
+        ])?;
         let name = input.endpoint_name()?;
         let config = input.config_name()?;
-        // Accepted, not used: the switch to a new config is atomic, no deployment to shape.
-        input.accept(&["DeploymentConfig", "Tags"]);
-        input.no_other_members()?;
         match self
             .registry
             .create_endpoint(name.clone(), config.clone())
@@ -598,15 +615,16 @@ impl SageMakerApi {
     }
 
     async fn update_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
-        let name = input.endpoint_name()?;
-        let config = input.config_name()?;
-        input.accept(&[
+        input.check_members(&[
+            "EndpointName",
+            "EndpointConfigName",
             "RetainAllVariantProperties",
             "ExcludeRetainedVariantProperties",
             "DeploymentConfig",
             "RetainDeploymentConfig",
-        ]);
-        input.no_other_members()?;
+        ])?;
+        let name = input.endpoint_name()?;
+        let config = input.config_name()?;
         match self.registry.update_endpoint(&name, config.clone()).await {
             Ok(_) => {
                 tracing::info!(endpoint = %name, endpoint_config = %config, "endpoint updated (SageMaker API)");
@@ -628,8 +646,8 @@ impl SageMakerApi {
         input: &mut Input<'_>,
         arns: &Arns,
     ) -> Result<Value, AwsError> {
+        input.check_members(&["EndpointName"])?;
         let name = input.endpoint_name()?;
-        input.no_other_members()?;
         let endpoint = match self.registry.describe_endpoint(&name).await {
             Ok(endpoint) => endpoint,
             Err(AdminError::NotFound(_)) => return Err(arns.endpoint_missing(&name)),
@@ -695,8 +713,8 @@ impl SageMakerApi {
     }
 
     async fn delete_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+        input.check_members(&["EndpointName"])?;
         let name = input.endpoint_name()?;
-        input.no_other_members()?;
         match self.registry.delete_endpoint(&name).await {
             Ok(()) => {
                 tracing::info!(endpoint = %name, "endpoint deleted (SageMaker API)");
@@ -708,11 +726,17 @@ impl SageMakerApi {
     }
 
     async fn list_endpoints(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+        let mut known = LIST_MEMBERS.to_vec();
+        known.extend_from_slice(&[
+            "LastModifiedTimeBefore",
+            "LastModifiedTimeAfter",
+            "StatusEquals",
+        ]);
+        input.check_members(&known)?;
         let mut query = ListQuery::read(input, &["Name", "CreationTime", "Status"])?;
         query.modified_before = input.timestamp("LastModifiedTimeBefore")?;
         query.modified_after = input.timestamp("LastModifiedTimeAfter")?;
         query.status = input.string("StatusEquals")?;
-        input.no_other_members()?;
         let rows = self
             .registry
             .list_endpoints()
@@ -803,15 +827,13 @@ impl Input<'_> {
         }
     }
 
-    /// Members SageMaker defines that Switchyard takes and ignores.
-    fn accept(&mut self, members: &[&str]) {
-        for member in members {
-            self.members.remove(*member);
-        }
-    }
-
-    fn no_other_members(&self) -> Result<(), AwsError> {
-        match self.members.keys().next() {
+    /// Refuses a member the operation's input does not define (a typo, most likely).
+    fn check_members(&self, known: &[&str]) -> Result<(), AwsError> {
+        match self
+            .members
+            .keys()
+            .find(|member| !known.contains(&member.as_str()))
+        {
             None => Ok(()),
             Some(member) => Err(AwsError::validation(format!(
                 "{member}: is not a member of {}'s input",

@@ -210,3 +210,131 @@ async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow
     cluster.wait_idle().await?;
     Ok(())
 }
+
+/// POSTs one AWS JSON 1.1 call (unsigned) and returns (status, `__type`, message).
+async fn call(api: &str, target: &str, body: &str) -> anyhow::Result<(u16, String, String)> {
+    let reply = http_post(
+        api,
+        &[
+            ("x-amz-target", target),
+            ("content-type", "application/x-amz-json-1.1"),
+        ],
+        body.to_owned(),
+    )
+    .await?;
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/x-amz-json-1.1")
+    );
+    let json = reply.json();
+    Ok((
+        reply.status,
+        json["__type"].as_str().unwrap_or_default().to_owned(),
+        json["message"].as_str().unwrap_or_default().to_owned(),
+    ))
+}
+
+#[tokio::test]
+async fn hand_made_requests_get_aws_errors_naming_the_problem() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let control = control_plane_with_sagemaker_api(dir.path(), None).await?;
+    let api = control
+        .sagemaker_url()
+        .expect("the SageMaker API is served");
+
+    let (status, code, _) = call(&format!("{api}/other"), "SageMaker.ListEndpoints", "{}").await?;
+    assert_eq!((status, code.as_str()), (404, "UnknownOperationException"));
+    let (status, code, message) = call(&api, "SageMaker.CreateModel", "{}").await?;
+    assert_eq!((status, code.as_str()), (400, "UnknownOperationException"));
+    assert!(message.contains("CreateEndpointConfig"), "{message}");
+    let (status, code, _) = call(&api, "SageMaker.ListEndpoints", "[1]").await?;
+    assert_eq!((status, code.as_str()), (400, "SerializationException"));
+
+    let cases = [
+        (
+            "SageMaker.CreateEndpointConfig",
+            r#"{"EndpointConfigName":"c","ProductionVariant":[]}"#,
+            "ProductionVariant: is not a member of CreateEndpointConfig's input",
+        ),
+        (
+            "SageMaker.CreateEndpointConfig",
+            r#"{"EndpointConfigName":"bad name","ProductionVariants":[]}"#,
+            "EndpointConfigName: ",
+        ),
+        (
+            "SageMaker.CreateEndpointConfig",
+            r#"{"EndpointConfigName":"c","ProductionVariants":[{"VariantName":"a","RoutingConfig":{"RoutingStrategyy":"RANDOM"}}]}"#,
+            "ProductionVariants[0].RoutingConfig.RoutingStrategyy: is not a known field",
+        ),
+        (
+            "SageMaker.CreateEndpointConfig",
+            r#"{"EndpointConfigName":"c","ProductionVariants":[]}"#,
+            "ProductionVariants: must hold 1 to 10 variants, got 0",
+        ),
+        (
+            "SageMaker.CreateEndpoint",
+            r#"{"EndpointName":"e"}"#,
+            "EndpointConfigName: is required by CreateEndpoint",
+        ),
+        (
+            "SageMaker.ListEndpoints",
+            r#"{"MaxResults":0}"#,
+            "MaxResults: must be between 1 and 100, got 0",
+        ),
+        (
+            "SageMaker.ListEndpointConfigs",
+            r#"{"NextToken":"zzz"}"#,
+            "NextToken: ",
+        ),
+    ];
+    for (target, body, expected) in cases {
+        let (status, code, message) = call(&api, target, body).await?;
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "ValidationException"),
+            "{body}"
+        );
+        assert!(message.starts_with(expected), "{body}: {message}");
+    }
+    // Nothing was stored by any of them.
+    let (status, _, _) = call(
+        &api,
+        "SageMaker.DescribeEndpointConfig",
+        r#"{"EndpointConfigName":"c"}"#,
+    )
+    .await?;
+    assert_eq!(status, 400);
+
+    let huge = format!(
+        r#"{{"EndpointConfigName":"c","KmsKeyId":"{}"}}"#,
+        "k".repeat(2 << 20)
+    );
+    let (status, _, message) = call(&api, "SageMaker.CreateEndpointConfig", &huge).await?;
+    assert_eq!(status, 413, "{message}");
+    control.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn with_etcd_down_calls_answer_service_unavailable() -> anyhow::Result<()> {
+    let mut etcd = Etcd::start().await?;
+    let mut config = ControlConfig::etcd(loopback_any(), vec![etcd.url.clone()], "/sm/");
+    config.sagemaker_api_listen = Some(loopback_any());
+    let control = control_plane(config).await?;
+    let api = control
+        .sagemaker_url()
+        .expect("the SageMaker API is served");
+    let (status, _, _) = call(&api, "SageMaker.ListEndpoints", "{}").await?;
+    assert_eq!(status, 200);
+    etcd.kill();
+    // A 503 that boto3 retries, naming the store, rather than a hang or a 500.
+    let (status, code, message) = call(&api, "SageMaker.ListEndpoints", "{}").await?;
+    assert_eq!(
+        (status, code.as_str()),
+        (503, "ServiceUnavailable"),
+        "{message}"
+    );
+    assert!(message.contains("store is unavailable"), "{message}");
+    control.shutdown().await?;
+    Ok(())
+}

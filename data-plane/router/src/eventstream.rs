@@ -329,9 +329,7 @@ mod tests {
         }
     }
 
-    async fn reframe(
-        frames: Vec<Result<Frame<Bytes>, std::io::Error>>,
-    ) -> Vec<Decoded> {
+    async fn reframe(frames: Vec<Result<Frame<Bytes>, std::io::Error>>) -> Vec<Decoded> {
         let body = PayloadParts::new(Scripted {
             frames: frames.into(),
         });
