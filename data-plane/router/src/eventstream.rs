@@ -163,10 +163,13 @@ impl<B> PayloadParts<B> {
     }
 }
 
+/// What upstream bodies fail with.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl<B> Body for PayloadParts<B>
 where
     B: Body<Data = Bytes> + Unpin,
-    B::Error: std::error::Error + 'static,
+    B::Error: Into<BoxError>,
 {
     type Data = Bytes;
     type Error = std::convert::Infallible;
@@ -194,8 +197,9 @@ where
                 },
                 Some(Err(err)) => {
                     self.done = true;
-                    let code = StreamErrorCode::of(&err);
-                    let cause = error_chain(&err);
+                    let err: BoxError = err.into();
+                    let code = StreamErrorCode::of(err.as_ref());
+                    let cause = error_chain(err.as_ref());
                     tracing::info!(error = %cause, code = code.as_str(), "model stream broke mid-response");
                     let message = format!("the model's response stream ended early: {cause}");
                     return Poll::Ready(Some(Ok(Frame::data(model_stream_error(code, &message)))));
