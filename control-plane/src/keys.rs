@@ -6,6 +6,7 @@
 //! | `state/endpoint-configs/{name}` | `EndpointConfig` | none |
 //! | `state/endpoints/{name}` | `Endpoint` | none |
 //! | `state/instances/{endpoint}/{id}` | `Instance` | the instance's, when registered with a TTL |
+//! | `sagemaker/endpoint-configs/{name}` | the SageMaker API's fields of that config that Switchyard does not use, given back by its DescribeEndpointConfig | none |
 //! | `leader` | replica id of the leader | the leader's |
 //! | `load/{replica}` | in-flight counts of the routers connected to that replica | the replica's |
 //!
@@ -16,11 +17,16 @@ pub const STATE: &str = "state/";
 pub const CONFIGS: &str = "state/endpoint-configs/";
 pub const ENDPOINTS: &str = "state/endpoints/";
 pub const INSTANCES: &str = "state/instances/";
+pub const SAGEMAKER_CONFIGS: &str = "sagemaker/endpoint-configs/";
 pub const LEADER: &str = "leader";
 pub const LOAD: &str = "load/";
 
 pub fn config(name: &str) -> String {
     format!("{CONFIGS}{name}")
+}
+
+pub fn sagemaker_config(name: &str) -> String {
+    format!("{SAGEMAKER_CONFIGS}{name}")
 }
 
 pub fn endpoint(name: &str) -> String {

@@ -6,7 +6,8 @@
 //! Code map: `store` (the storage trait, etcd and embedded), `keys` (key layout), `registry`
 //! (admin operations as store transactions), `admin` (the gRPC edge and auth), `state` (the
 //! watched view and change broadcast), `sync` (router streams), `load` (fleet-wide load),
-//! `leader` (election), `health` (probing).
+//! `leader` (election), `health` (probing), `sagemaker_api` (the SageMaker-compatible HTTP
+//! API over the same registry) with `sigv4` (its signature check).
 
 pub mod admin;
 pub mod health;
@@ -14,6 +15,8 @@ pub mod keys;
 pub mod leader;
 pub mod load;
 pub mod registry;
+pub mod sagemaker_api;
+pub mod sigv4;
 pub mod state;
 pub mod store;
 pub mod sync;
@@ -69,8 +72,15 @@ pub struct ControlConfig {
     #[arg(long, value_name = "FILE", requires = "etcd_cert")]
     pub etcd_key: Option<PathBuf>,
     /// File holding the bearer token admin calls must present. Unset: no authentication.
+    /// On --sagemaker-api-listen it is the secret access key of SigV4 signatures.
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
+    /// Also serve the SageMaker-compatible admin API (AWS JSON 1.1, as boto3's `sagemaker`
+    /// client and `aws sagemaker --endpoint-url http://ADDR` speak it) on this address, plain
+    /// HTTP. Default: off. With --admin-token-file, requests must be SigV4-signed with the
+    /// token as the secret access key (any access key id).
+    #[arg(long, value_name = "ADDR")]
+    pub sagemaker_api_listen: Option<SocketAddr>,
     /// File holding the bearer token routers must present on the RouterSync stream (routers:
     /// --control-plane-token-file). Unset: routers are not authenticated.
     #[arg(long)]
@@ -111,6 +121,7 @@ impl ControlConfig {
             etcd_cert: None,
             etcd_key: None,
             admin_token_file: None,
+            sagemaker_api_listen: None,
             router_token_file: None,
             tls_cert: None,
             tls_key: None,
@@ -322,6 +333,11 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("--sagemaker-api-listen: cannot listen on {addr}: {source}")]
+    SageMakerListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("gRPC server: {0}")]
     Server(String),
 }
@@ -330,6 +346,8 @@ pub enum StartError {
 #[derive(Debug)]
 pub struct ControlPlane {
     pub addr: SocketAddr,
+    /// Where the SageMaker-compatible API listens (`--sagemaker-api-listen`), if it does.
+    pub sagemaker_addr: Option<SocketAddr>,
     pub replica_id: String,
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), StartError>>,
@@ -378,8 +396,37 @@ impl ControlPlane {
             source,
         })?;
 
+        let sagemaker_listener = match config.sagemaker_api_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| StartError::SageMakerListen { addr, source })?,
+            ),
+            None => None,
+        };
+        let sagemaker_addr = match &sagemaker_listener {
+            Some(listener) => {
+                Some(
+                    listener
+                        .local_addr()
+                        .map_err(|source| StartError::SageMakerListen {
+                            addr: config.listen,
+                            source,
+                        })?,
+                )
+            }
+            None => None,
+        };
+
         let mut tasks = tokio::task::JoinSet::new();
         let registry = registry::Registry::new(Arc::clone(&store));
+        if let Some(listener) = sagemaker_listener {
+            let api = Arc::new(sagemaker_api::SageMakerApi::new(
+                registry.clone(),
+                settings.admin_token.clone(),
+            ));
+            tasks.spawn(api.serve(listener, shutdown.clone()));
+        }
         let cache = state::StateCache::new(settings.replica_id.clone());
         tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
         let hub = load::LoadHub::new(
@@ -474,8 +521,12 @@ impl ControlPlane {
             served.map_err(|err| StartError::Server(err.to_string()))
         });
         tracing::info!(%addr, "control plane listening");
+        if let Some(sagemaker_addr) = sagemaker_addr {
+            tracing::info!(addr = %sagemaker_addr, authenticated = settings.admin_token.is_some(), "SageMaker-compatible API listening");
+        }
         Ok(Self {
             addr,
+            sagemaker_addr,
             replica_id: settings.replica_id,
             shutdown,
             server,
@@ -485,6 +536,11 @@ impl ControlPlane {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The SageMaker-compatible API's URL (boto3's `endpoint_url`), if it is served.
+    pub fn sagemaker_url(&self) -> Option<String> {
+        self.sagemaker_addr.map(|addr| format!("http://{addr}"))
     }
 
     /// Whether this replica currently runs the singleton duties.

@@ -146,19 +146,29 @@ impl Registry {
 
     pub async fn create_config(
         &self,
+        config: EndpointConfig,
+    ) -> Result<EndpointConfig, AdminError> {
+        self.create_config_with(config, None).await
+    }
+
+    /// Creates a config, and stores beside it, in the same transaction, the SageMaker API's
+    /// fields of it that Switchyard does not use (opaque here; deleted with the config).
+    pub async fn create_config_with(
+        &self,
         mut config: EndpointConfig,
+        sagemaker_fields: Option<Vec<u8>>,
     ) -> Result<EndpointConfig, AdminError> {
         config.validate()?;
         config.creation_time_ms = now_ms();
-        let key = keys::config(config.endpoint_config_name.as_str());
-        let created = self
-            .store
-            .commit(
-                Txn::new()
-                    .when(Compare::Absent(key.clone()))
-                    .put(key, encode(&config), 0),
-            )
-            .await?;
+        let name = config.endpoint_config_name.as_str();
+        let key = keys::config(name);
+        let mut txn = Txn::new()
+            .when(Compare::Absent(key.clone()))
+            .put(key, encode(&config), 0);
+        if let Some(fields) = sagemaker_fields {
+            txn = txn.put(keys::sagemaker_config(name), fields, 0);
+        }
+        let created = self.store.commit(txn).await?;
         match created {
             Some(_) => Ok(config),
             None => Err(AdminError::AlreadyExists(format!(
@@ -173,6 +183,18 @@ impl Registry {
         name: &EndpointConfigName,
     ) -> Result<EndpointConfig, AdminError> {
         Ok(self.read_config(name).await?.0)
+    }
+
+    /// What [`Registry::create_config_with`] stored beside the config, if anything.
+    pub async fn sagemaker_fields(
+        &self,
+        name: &EndpointConfigName,
+    ) -> Result<Option<Vec<u8>>, AdminError> {
+        Ok(self
+            .store
+            .get(&keys::sagemaker_config(name.as_str()))
+            .await?
+            .map(|kv| kv.value))
     }
 
     pub async fn list_configs(&self) -> Result<Vec<EndpointConfig>, AdminError> {
@@ -200,7 +222,8 @@ impl Registry {
                 .commit(
                     Txn::new()
                         .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
-                        .delete(kv.key),
+                        .delete(kv.key)
+                        .delete(keys::sagemaker_config(name.as_str())),
                 )
                 .await?;
             if deleted.is_some() {

@@ -108,6 +108,11 @@ where
     }
 }
 
+/// This process's limit on open files, where it can be read.
+pub fn open_file_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
 /// Raises this process's soft limit on open files to its hard limit (servers that hold many
 /// sockets need more than the usual 1024) and returns the limit now in force, or `None` where
 /// it cannot be read.

@@ -6,7 +6,7 @@
 //! can warn; anything else is refused with the path of the field, which catches typos such as
 //! `RoutingStrategyy` before they silently fall back to a default.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::model::{ProductionVariant, ValidationError};
 
@@ -19,8 +19,12 @@ const VARIANT_FIELDS: &[&str] = &[
     "RoutingConfig",
 ];
 
-/// SageMaker ProductionVariant fields that Switchyard accepts and ignores.
+/// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's
+/// `sagemaker` model lists them all).
 const IGNORED_VARIANT_FIELDS: &[&str] = &[
+    "InstancePools",
+    "VariantInstanceProvisionTimeoutInSeconds",
+    "AcceleratorPartitionLayouts",
     "AcceleratorType",
     "CoreDumpConfig",
     "ServerlessConfig",
@@ -42,6 +46,9 @@ const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
 pub struct ParsedVariants {
     pub variants: Vec<ProductionVariant>,
     pub ignored_fields: Vec<String>,
+    /// The ignored fields with their values, one map per variant (in order), so that an API
+    /// can give them back as it received them.
+    pub ignored_values: Vec<Map<String, Value>>,
 }
 
 /// Parses `--production-variants`: a JSON array of ProductionVariant objects (a single object
@@ -50,6 +57,11 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
     let value: Value = serde_json::from_str(json).map_err(|err| {
         ValidationError::new("ProductionVariants", format!("is not valid JSON: {err}"))
     })?;
+    parse_production_variants_value(value)
+}
+
+/// [`parse_production_variants`] of JSON already parsed (a request body's member).
+pub fn parse_production_variants_value(value: Value) -> Result<ParsedVariants, ValidationError> {
     let items = match value {
         Value::Array(items) => items,
         object @ Value::Object(_) => vec![object],
@@ -61,6 +73,7 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
         }
     };
     let mut ignored_fields = Vec::new();
+    let mut ignored_values = Vec::with_capacity(items.len());
     let mut variants = Vec::with_capacity(items.len());
     for (index, mut item) in items.into_iter().enumerate() {
         let path = format!("ProductionVariants[{index}]");
@@ -68,12 +81,15 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
             return Err(ValidationError::new(path, "must be a JSON object"));
         };
         let keys: Vec<String> = object.keys().cloned().collect();
+        let mut ignored = Map::new();
         for key in keys {
             if VARIANT_FIELDS.contains(&key.as_str()) {
                 continue;
             }
             if IGNORED_VARIANT_FIELDS.contains(&key.as_str()) {
-                object.remove(&key);
+                if let Some(value) = object.remove(&key) {
+                    ignored.insert(key.clone(), value);
+                }
                 ignored_fields.push(format!("{path}.{key}"));
                 continue;
             }
@@ -98,10 +114,12 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
         let variant: ProductionVariant = serde_json::from_value(item)
             .map_err(|err| ValidationError::new(path.clone(), err.to_string()))?;
         variants.push(variant);
+        ignored_values.push(ignored);
     }
     Ok(ParsedVariants {
         variants,
         ignored_fields,
+        ignored_values,
     })
 }
 
@@ -159,6 +177,10 @@ mod tests {
         assert_eq!(
             parsed.ignored_fields,
             ["ProductionVariants[0].VolumeSizeInGB"]
+        );
+        assert_eq!(
+            Value::Object(parsed.ignored_values[0].clone()),
+            serde_json::json!({"VolumeSizeInGB": 100})
         );
     }
 

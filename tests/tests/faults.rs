@@ -242,6 +242,7 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     ];
     let router = start_router(&dir, &instances, |config| {
         config.upstream_header_timeout_seconds = 1;
+        config.connect_timeout_ms = 500;
     })
     .await?;
     let started = Instant::now();
@@ -279,13 +280,50 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
         .await,
         0.0
     );
-    // The engine's connection was dropped, so the engine can stop working on it.
-    eventually(
-        Duration::from_secs(5),
-        "the engine to see the client leave",
-        || async { hangs.stats().requests_aborted >= 1 || hangs.stats().running == 0 },
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}"
+        )
+        .await,
+        1.0
+    );
+    settles(&router).await?;
+    router.shutdown().await;
+
+    // At the deadline the router drops the engine's connection, so the engine can stop
+    // working on the request: an engine that reads the request and never answers sees the
+    // connection close.
+    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+    let silent_url = format!("http://{}", listener.local_addr()?);
+    let closed = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await?;
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let read = socket.read(&mut chunk).await?;
+            if read == 0 {
+                return anyhow::Ok(seen);
+            }
+            seen.extend_from_slice(&chunk[..read]);
+        }
+    });
+    let router = start_router(&dir, &[("silent", silent_url.as_str(), 1.0)], |config| {
+        config.upstream_header_timeout_seconds = 1;
+        config.connect_timeout_ms = 500;
+    })
+    .await?;
+    let reply = bounded(
+        "a request to a silent engine",
+        http_post(&chat_url(&router), &[], chat_body("wait", 2, false)),
     )
     .await?;
+    assert_eq!(reply.status, 504, "{}", reply.body);
+    let seen = bounded("the engine's connection to close", closed).await??;
+    assert!(
+        String::from_utf8_lossy(&seen).starts_with("POST /v1/chat/completions"),
+        "the engine got the request before the connection closed"
+    );
     settles(&router).await?;
     Ok(())
 }
@@ -359,12 +397,24 @@ async fn half_sent_headers_are_closed_while_others_are_served() -> anyhow::Resul
         config.client_header_timeout_seconds = 1;
     })
     .await?;
+    // 1,000 slow sockets of three kinds: half an HTTP/1 head, nothing at all, and only the
+    // HTTP/2 preface (hyper's HTTP/1 head deadline covers only the first kind).
     let mut slow = Vec::with_capacity(1000);
-    for _ in 0..1000 {
+    for index in 0..1000 {
         let mut socket = tokio::net::TcpStream::connect(router.addr).await?;
-        socket
-            .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n")
-            .await?;
+        match index % 3 {
+            0 => {
+                socket
+                    .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n")
+                    .await?
+            }
+            1 => {}
+            _ => {
+                socket
+                    .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                    .await?
+            }
+        }
         slow.push(socket);
     }
     let last_opened = Instant::now();
@@ -538,14 +588,44 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn a_client_leaving_mid_stream_is_counted_and_releases_everything() -> anyhow::Result<()> {
+async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Result<()> {
     let engine = switchyard_engine_sim::spawn(SimConfig {
-        time_scale: 1.0,
+        time_scale: 0.001,
         ..SimConfig::default()
     })
     .await?;
     let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |_| {}).await?;
+    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    let client_gone = "switchyard_router_errors_total{kind=\"client_gone\"}";
+    // Complete answers of every kind are not counted as clients gone.
+    for stream in [false, true] {
+        let (status, _, _) = bounded(
+            "a complete answer",
+            http_post_frames(&chat_url(&router), &[], chat_body("hi", 3, stream)),
+        )
+        .await?;
+        assert_eq!(status, 200);
+    }
+    let native = format!("{}/endpoints/chat/invocations", router.url());
+    let reply = bounded(
+        "a native answer",
+        http_post(&native, &[], r#"{"prompt":"hi","max_tokens":2}"#),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    settles(&router).await?;
+    assert_eq!(metric(&router, client_gone).await, 0.0);
+
+    // A client that leaves mid-stream is counted once, and the engine stops the request.
+    let slow = switchyard_engine_sim::spawn(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await?;
+    let router = start_router(&dir, &[("slow", slow.url.as_str(), 1.0)], |_| {}).await?;
     let mut response = bounded(
         "a long stream to begin",
         post_streaming(&chat_url(&router), &[], chat_body("story", 200, true)),
@@ -557,21 +637,118 @@ async fn a_client_leaving_mid_stream_is_counted_and_releases_everything() -> any
     eventually(
         Duration::from_secs(5),
         "client_gone to be counted",
-        || async {
-            metric(
-                &router,
-                "switchyard_router_errors_total{kind=\"client_gone\"}",
-            )
-            .await
-                >= 1.0
-        },
+        || async { metric(&router, client_gone).await == 1.0 },
     )
     .await?;
     eventually(
         Duration::from_secs(5),
         "the engine to stop the request",
-        || async { engine.stats().running == 0 },
+        || async { slow.stats().running == 0 },
     )
     .await?;
+
+    // A client that stops reading a long answer (its socket fills up) is disconnected after
+    // the idle deadline; its request and the engine's connection are released.
+    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_recv_buffer_size(4096)?;
+    let mut socket = socket.connect(router.addr).await?;
+    let body = chat_body("a very long story", 100_000, true);
+    socket
+        .write_all(
+            format!(
+                "POST /endpoints/chat/openai/v1/chat/completions HTTP/1.1\r\nHost: router\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
+    eventually(
+        Duration::from_secs(10),
+        "the answer to be under way",
+        || async { router.in_flight() == 1 },
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(20),
+        "the stalled client to be disconnected",
+        || async { router.admission().in_flight() == 0 && router.in_flight() == 0 },
+    )
+    .await?;
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_errors_total{kind=\"client_stalled\"}"
+        )
+        .await,
+        1.0
+    );
+    drop(socket);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_http2_stream_refused_by_the_engine_is_retried_and_another_reset_is_not()
+-> anyhow::Result<()> {
+    for (reason, retried) in [
+        (h2::Reason::REFUSED_STREAM, true),
+        (h2::Reason::INTERNAL_ERROR, false),
+    ] {
+        // An h2c engine that resets every stream it receives with `reason`.
+        let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+        let resetting_url = format!("http://{}", listener.local_addr()?);
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = std::sync::Arc::clone(&received);
+        let server = tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let counter = std::sync::Arc::clone(&counter);
+                tokio::spawn(async move {
+                    let Ok(mut connection) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        respond.send_reset(reason);
+                    }
+                });
+            }
+        });
+        let healthy = switchyard_engine_sim::spawn(fast()).await?;
+        let dir = tempfile::tempdir()?;
+        let instances = [
+            ("resets", resetting_url.as_str(), 1_000_000.0),
+            ("healthy", healthy.url.as_str(), 1.0),
+        ];
+        let router = start_router(&dir, &instances, |config| {
+            config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
+            config.eject_after_failures = 100;
+        })
+        .await?;
+        let reply = bounded(
+            "a request to a resetting engine",
+            http_post(
+                &chat_url(&router),
+                &[("x-request-id", "once")],
+                chat_body("hi", 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
+        if retried {
+            // The engine says it did not process the stream: safe elsewhere.
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-switchyard-route"), Some("retry"));
+            assert!(request_ids(&healthy).contains("once"));
+        } else {
+            assert_eq!(reply.status, 502, "{}", reply.body);
+            assert!(!request_ids(&healthy).contains("once"), "sent twice");
+        }
+        settles(&router).await?;
+        server.abort();
+    }
     Ok(())
 }

@@ -355,9 +355,11 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
             .filter_map(|request| request.headers.get("x-request-id").cloned())
             .collect()
     };
-    let (killed, others) = (ids_on(0), [ids_on(1), ids_on(2)]);
+    let others = [ids_on(1), ids_on(2)];
+    // A failed request reached engine-0 or nothing at all (a connection the dying engine
+    // closed as the request was written cannot be told apart from one that delivered it),
+    // and never another engine.
     for id in &failed {
-        assert!(killed.contains(id), "{id} failed without reaching engine-0");
         assert!(
             others.iter().all(|ids| !ids.contains(id)),
             "{id} was sent again to another engine"

@@ -191,6 +191,18 @@ impl BufferReservation {
         granted
     }
 
+    /// Sets the reservation to `total` bytes, within the bound or not: for a body whose
+    /// final size is known (shrinking it, or a `model` rewrite a few bytes longer).
+    pub fn resize_to(&mut self, total: u64) {
+        let buffered = &self.admission.buffered_bytes;
+        if total >= self.bytes {
+            buffered.fetch_add(total - self.bytes, Ordering::AcqRel);
+        } else {
+            buffered.fetch_sub(self.bytes - total, Ordering::AcqRel);
+        }
+        self.bytes = total;
+    }
+
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

@@ -19,31 +19,25 @@ pub const MAX_BODY_BYTES: usize = 6_291_456;
 /// JSON takes about a millisecond, too long to hold a serving thread.
 pub const OFFLOAD_BYTES: usize = 256 * 1024;
 
-/// Reads the whole body into memory, growing `reservation` as bytes arrive.
+/// Reads the whole body into memory of its own (never a slice pinning a connection's read
+/// buffer), counting the memory it takes against `reservation` as bytes arrive: a client
+/// cannot reserve more than twice what it has actually sent.
 pub async fn read_body(
     body: Body,
     headers: &HeaderMap,
     deadline: Duration,
     reservation: &mut BufferReservation,
 ) -> Result<Bytes, ApiError> {
-    if let Some(length) = headers
+    let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok())
-    {
-        let refusal = if length > MAX_BODY_BYTES as u64 {
-            Some(ApiError::too_large(MAX_BODY_BYTES))
-        } else if !reservation.grow_to(length) {
-            Some(over_budget())
-        } else {
-            None
-        };
-        if let Some(refusal) = refusal {
-            refuse_unread(body, headers).await;
-            return Err(refusal);
-        }
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > MAX_BODY_BYTES as u64) {
+        refuse_unread(body, headers).await;
+        return Err(ApiError::too_large(MAX_BODY_BYTES));
     }
-    match tokio::time::timeout(deadline, collect(body, reservation)).await {
+    let declared = declared.map(|length| length as usize);
+    match tokio::time::timeout(deadline, collect(body, declared, reservation)).await {
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err((refusal, rest))) => {
             if let Some(rest) = rest {
@@ -57,7 +51,6 @@ pub async fn read_body(
         ))),
     }
 }
-
 fn over_budget() -> ApiError {
     ApiError::overloaded(
         "the router holds as many request bodies as it may (--max-buffered-bytes); retry shortly",
@@ -76,15 +69,14 @@ pub async fn refuse_unread(body: Body, headers: &HeaderMap) {
     }
 }
 
-/// Collects the frames. On a refusal the rest of the body comes back to be read away.
+/// Collects the frames into one allocation, grown by doubling (up to the declared length)
+/// and counted by its capacity. On a refusal the rest of the body comes back to be read away.
 async fn collect(
     mut body: Body,
+    declared: Option<usize>,
     reservation: &mut BufferReservation,
 ) -> Result<Bytes, (ApiError, Option<Body>)> {
-    // Most bodies arrive in one frame: keep it without copying.
-    let mut first: Option<Bytes> = None;
-    let mut more: Vec<u8> = Vec::new();
-    let mut total = 0usize;
+    let mut buffer: Vec<u8> = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|err| {
             (
@@ -95,29 +87,29 @@ async fn collect(
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        total += data.len();
-        if total > MAX_BODY_BYTES {
+        let needed = buffer.len() + data.len();
+        if needed > MAX_BODY_BYTES {
             return Err((ApiError::too_large(MAX_BODY_BYTES), Some(body)));
         }
-        if !reservation.grow_to(total as u64) {
-            return Err((over_budget(), Some(body)));
-        }
-        match &first {
-            None => first = Some(data),
-            Some(head) => {
-                if more.is_empty() {
-                    more.reserve(total);
-                    more.extend_from_slice(head);
-                }
-                more.extend_from_slice(&data);
+        if needed > buffer.capacity() {
+            let mut capacity = needed.max(buffer.capacity() * 2).min(MAX_BODY_BYTES);
+            if let Some(declared) = declared
+                && declared >= needed
+            {
+                capacity = capacity.min(declared);
             }
+            if !reservation.grow_to(capacity as u64) {
+                return Err((over_budget(), Some(body)));
+            }
+            buffer.reserve_exact(capacity - buffer.len());
         }
+        buffer.extend_from_slice(&data);
     }
-    Ok(if more.is_empty() {
-        first.unwrap_or_default()
-    } else {
-        Bytes::from(more)
-    })
+    if buffer.capacity() > buffer.len() {
+        buffer.shrink_to_fit();
+    }
+    reservation.resize_to(buffer.capacity() as u64);
+    Ok(Bytes::from(buffer))
 }
 
 /// Reads and drops the rest of a request body that is refused, so that the client can finish
@@ -209,6 +201,28 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Overloaded);
         assert_eq!(reservation.bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_reserves_nothing_before_the_bytes_come() {
+        let admission = admission(8 << 20);
+        let mut reservation = admission.buffer();
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, "6000000".parse().unwrap());
+        let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+        let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        let reading = read_body(body, &headers, Duration::from_secs(5), &mut reservation);
+        tokio::pin!(reading);
+        assert!(futures::poll!(reading.as_mut()).is_pending());
+        assert_eq!(admission.buffered_bytes(), 0, "nothing sent, nothing held");
+        sender.send(Ok(Bytes::from_static(b"abc"))).await.unwrap();
+        assert!(futures::poll!(reading.as_mut()).is_pending());
+        assert_eq!(
+            admission.buffered_bytes(),
+            3,
+            "three bytes sent, three held"
+        );
+        drop(sender);
     }
 
     #[tokio::test]

@@ -64,8 +64,15 @@ pub struct RouterConfig {
     /// next instance.
     #[arg(long, default_value_t = 2000)]
     pub connect_timeout_ms: u64,
-    /// Seconds a client may take to send a request's headers (and an idle keep-alive
-    /// connection may stay open) before the router closes the connection.
+    /// Seconds an idle connection to an instance is kept for reuse. Keep it below the
+    /// engines' own keep-alive timeout (vLLM's uvicorn: 5 s), so that the router never
+    /// writes a request onto a connection the engine is closing (such a request could not
+    /// be proven unsent, so it would fail instead of being retried).
+    #[arg(long, default_value_t = 4, value_name = "SECONDS")]
+    pub upstream_idle_timeout_seconds: u64,
+    /// Seconds a client may take to send a request's headers before the router closes the
+    /// connection; also how long a connection may sit idle (HTTP/1 keep-alive between
+    /// requests, or no traffic at all): keep clients' idle pool timeouts below it.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub client_header_timeout_seconds: u64,
     /// Seconds a client may take to send a request's whole body; then 408.
@@ -155,6 +162,7 @@ impl RouterConfig {
             eject_after_failures: 3,
             eject_seconds: 5,
             connect_timeout_ms: 2000,
+            upstream_idle_timeout_seconds: 4,
             client_header_timeout_seconds: 30,
             client_body_timeout_seconds: 60,
             upstream_header_timeout_seconds: 600,
@@ -191,6 +199,11 @@ impl RouterConfig {
         check_range("--connect-timeout-ms", self.connect_timeout_ms, 1..=600_000)?;
         const DAY: u64 = 86_400;
         check_range(
+            "--upstream-idle-timeout-seconds",
+            self.upstream_idle_timeout_seconds,
+            1..=DAY,
+        )?;
+        check_range(
             "--client-header-timeout-seconds",
             self.client_header_timeout_seconds,
             1..=DAY,
@@ -210,6 +223,14 @@ impl RouterConfig {
             self.stream_idle_timeout_seconds,
             1..=DAY,
         )?;
+        // The head deadline covers connecting too: a connect timeout at or above it would
+        // surface as a 504 instead of a retry on another instance.
+        if self.connect_timeout_ms >= self.upstream_header_timeout_seconds.saturating_mul(1000) {
+            return Err(format!(
+                "--connect-timeout-ms ({}) must be below --upstream-header-timeout-seconds ({} s)",
+                self.connect_timeout_ms, self.upstream_header_timeout_seconds
+            ));
+        }
         check_range("--max-connections", self.max_connections, 1..=10_000_000)?;
         check_range("--max-in-flight", self.max_in_flight, 1..=10_000_000)?;
         // At least one maximal body must fit, or every large request would be refused.
@@ -247,6 +268,7 @@ impl RouterConfig {
             }),
             deadlines: Deadlines {
                 connect: Duration::from_millis(self.connect_timeout_ms),
+                upstream_idle: seconds(self.upstream_idle_timeout_seconds),
                 client_header: seconds(self.client_header_timeout_seconds),
                 client_body: seconds(self.client_body_timeout_seconds),
                 upstream_header: seconds(self.upstream_header_timeout_seconds),
@@ -299,6 +321,8 @@ pub enum Source {
 #[derive(Debug, Clone, Copy)]
 pub struct Deadlines {
     pub connect: Duration,
+    /// How long an idle upstream connection is kept for reuse.
+    pub upstream_idle: Duration,
     pub client_header: Duration,
     pub client_body: Duration,
     pub upstream_header: Duration,
@@ -366,6 +390,9 @@ mod tests {
         let mut bad = config();
         bad.max_in_flight = 0;
         assert!(bad.validate().unwrap_err().contains("--max-in-flight"));
+        let mut bad = config();
+        bad.upstream_header_timeout_seconds = 2;
+        assert!(bad.validate().unwrap_err().contains("--connect-timeout-ms"));
         let mut bad = config();
         bad.max_buffered_bytes = 1 << 20;
         assert!(bad.validate().unwrap_err().contains("--max-buffered-bytes"));

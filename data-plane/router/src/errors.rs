@@ -41,10 +41,13 @@ pub enum ErrorKind {
     StreamIdleTimeout,
     /// The client went away before its answer was complete.
     ClientGone,
+    /// The client stopped reading its answer for `--stream-idle-timeout-seconds`; its
+    /// connection was closed.
+    ClientStalled,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::BadRequest,
         ErrorKind::UnknownEndpoint,
         ErrorKind::TooLarge,
@@ -57,6 +60,7 @@ impl ErrorKind {
         ErrorKind::UpstreamTimeout,
         ErrorKind::StreamIdleTimeout,
         ErrorKind::ClientGone,
+        ErrorKind::ClientStalled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -73,6 +77,7 @@ impl ErrorKind {
             ErrorKind::UpstreamTimeout => "upstream_timeout",
             ErrorKind::StreamIdleTimeout => "stream_idle_timeout",
             ErrorKind::ClientGone => "client_gone",
+            ErrorKind::ClientStalled => "client_stalled",
         }
     }
 

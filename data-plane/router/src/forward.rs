@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use switchyard_policy::rank::Route;
@@ -34,7 +34,9 @@ use crate::admission::{BufferReservation, RequestPermit};
 use crate::errors::{Api, ApiError, ErrorKind};
 use crate::metrics::RouterMetrics;
 use crate::plan::{Operation, Plan};
-use crate::table::{EndpointRoute, InstanceCell, InstanceRoute, RouteLabel, VariantRoute};
+use crate::table::{
+    EndpointRoute, InstanceCell, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
+};
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -158,26 +160,36 @@ impl Forwarder<'_> {
         permit: RequestPermit,
         reservation: BufferReservation,
     ) -> Result<Response, ApiError> {
-        let endpoint = &plan.endpoint;
-        let variant = plan.variant();
+        let Plan {
+            endpoint,
+            variant_index,
+            ranking,
+            body,
+        } = plan;
+        let variant = &endpoint.variants[variant_index];
         ensure_request_id(&mut client_headers);
-        let mut reservation = Some(reservation);
-        let mut label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::Random));
+        // The body and its reservation are held until a response head arrives (a retry may
+        // need them), then released at once: a non-streaming answer can take minutes.
+        let mut held = Some((body, reservation));
+        // True once an attempt may have reached an engine: the final answer then says so,
+        // not that nothing was sent.
+        let mut maybe_delivered = false;
+        let mut label = RouteLabel::from(ranking.route.unwrap_or(Route::Random));
         let mut retry_after_send = self.settings.retry_after_send;
         // What to tell the client if no attempt succeeds: nothing was sent anywhere, or the
         // last attempt may have reached an engine.
         let mut outcome =
             ApiError::upstream_failed(format!("endpoint {} has no instance to try", endpoint.name));
         let attempts = self.settings.max_attempts.max(1);
-        for &index in plan.ranking.order.iter().take(attempts) {
+        for &index in ranking.order.iter().take(attempts) {
             let instance = &variant.instances[index];
+            let Some((body, _)) = &held else {
+                break;
+            };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
             let in_flight = InFlight::start(&instance.cell);
-            let request = upstream_request(
-                operation.upstream(instance),
-                &client_headers,
-                plan.body.clone(),
-            );
+            let request =
+                upstream_request(operation.upstream(instance), &client_headers, body.clone());
             let sent = Instant::now();
             let client = self.clients.for_instance(instance.protocol);
             let failure =
@@ -189,8 +201,7 @@ impl Forwarder<'_> {
                             .upstream_header_seconds
                             .observe(sent.elapsed().as_secs_f64());
                         instance.cell.failures.store(0, Ordering::Relaxed);
-                        // The body is no longer held for a retry.
-                        drop(reservation.take());
+                        drop(held.take());
                         return self
                             .respond(
                                 operation, response, in_flight, permit, variant, instance, label,
@@ -203,15 +214,20 @@ impl Forwarder<'_> {
             drop(in_flight);
             match failure {
                 Failure::NotSent(error) => {
-                    self.note_failure(endpoint, instance, &error);
-                    outcome = ApiError::upstream_failed(format!(
-                        "no instance of endpoint {} could be reached (last error: {error})",
-                        endpoint.name
-                    ));
+                    instance.cell.count_upstream(UpstreamError::Refused);
+                    self.note_failure(&endpoint, instance, &error);
+                    if !maybe_delivered {
+                        outcome = ApiError::upstream_failed(format!(
+                            "no instance of endpoint {} could be reached (last error: {error})",
+                            endpoint.name
+                        ));
+                    }
                     label = RouteLabel::Retry;
                 }
                 Failure::AfterSend(error) => {
-                    self.note_failure(endpoint, instance, &error);
+                    instance.cell.count_upstream(UpstreamError::Reset);
+                    self.note_failure(&endpoint, instance, &error);
+                    maybe_delivered = true;
                     tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
                     outcome = ApiError::upstream_reset(format!(
                         "instance {} of endpoint {} failed after receiving the request ({error}); \
@@ -224,6 +240,8 @@ impl Forwarder<'_> {
                     label = RouteLabel::RetryAfterSend;
                 }
                 Failure::TimedOut => {
+                    instance.cell.count_upstream(UpstreamError::Timeout);
+                    maybe_delivered = true;
                     let seconds = self.settings.upstream_header.as_secs();
                     tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
                     outcome = ApiError::upstream_timeout(format!(
@@ -278,21 +296,29 @@ impl Forwarder<'_> {
         }
         strip_hop_by_hop(&mut parts.headers);
         add_routing_headers(&mut parts.headers, variant, instance, label);
-        let stall = if is_event_stream(&parts.headers) {
+        // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
+        // a stall there ends with its own exception event, not an OpenAI error event.
+        let sagemaker_stream = operation == Operation::InvocationsStream;
+        let stall = if is_event_stream(&parts.headers) && !sagemaker_stream {
             Stall::SseErrorEvent
         } else {
             Stall::Cut
         };
-        let body = Body::new(TrackedBody {
+        let tracked = TrackedBody {
             inner: Some(incoming),
             held: Some((in_flight, permit)),
-            final_event: None,
             idle: self.settings.stream_idle,
             last_frame: Instant::now(),
             timer: None,
             stall,
             metrics: Arc::clone(self.metrics),
-        });
+        };
+        let body = if sagemaker_stream {
+            crate::eventstream::set_headers(&mut parts.headers);
+            Body::new(crate::eventstream::PayloadParts::new(tracked))
+        } else {
+            Body::new(tracked)
+        };
         Ok(Response::from_parts(parts, body))
     }
 
@@ -307,22 +333,38 @@ impl Forwarder<'_> {
         instance: &InstanceRoute,
         label: RouteLabel,
     ) -> Response {
-        let collected = tokio::time::timeout(
-            self.settings.stream_idle,
-            Limited::new(incoming, 64 * 1024).collect(),
-        )
+        // The container's message, its first 64 KiB at most, read within the idle deadline.
+        const MOST: usize = 64 * 1024;
+        let mut message = Vec::new();
+        let mut incoming = incoming;
+        let _ = tokio::time::timeout(self.settings.stream_idle, async {
+            while message.len() < MOST {
+                match incoming.frame().await {
+                    Some(Ok(frame)) => {
+                        if let Some(data) = frame.data_ref() {
+                            message
+                                .extend_from_slice(&data[..data.len().min(MOST - message.len())]);
+                        }
+                    }
+                    _ => break,
+                }
+            }
+        })
         .await;
+        drop(incoming);
         drop(in_flight);
-        let original = match collected {
-            Ok(Ok(body)) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
-            _ => String::new(),
+        // SageMaker's words: a 4xx is a client error of the container, a 5xx a server error.
+        let side = if parts.status.is_client_error() {
+            "client"
+        } else {
+            "server"
         };
         let mut error = ApiError::model_error(
             parts.status,
             format!(
-                "Received server error ({}) from model with message \"{}\"",
+                "Received {side} error ({}) from model with message \"{}\"",
                 parts.status.as_u16(),
-                original
+                String::from_utf8_lossy(&message)
             ),
         );
         error.retry_after = parts
@@ -454,8 +496,6 @@ struct TrackedBody {
     /// `None` once the body ended, failed or stalled.
     inner: Option<hyper::body::Incoming>,
     held: Option<(InFlight, RequestPermit)>,
-    /// The error event still to send after a stall.
-    final_event: Option<Bytes>,
     idle: Duration,
     last_frame: Instant,
     /// Armed on the first wait; reset only when it fires early (frames arrived meanwhile).
@@ -469,6 +509,12 @@ impl TrackedBody {
         self.inner = None;
         self.held = None;
         self.timer = None;
+    }
+
+    fn count_upstream(&self, kind: UpstreamError) {
+        if let Some((in_flight, _)) = &self.held {
+            in_flight.0.count_upstream(kind);
+        }
     }
 
     /// True once the idle deadline passed with no frame.
@@ -499,18 +545,21 @@ impl http_body::Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
-        if let Some(event) = this.final_event.take() {
-            return Poll::Ready(Some(Ok(Frame::data(event))));
-        }
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
-        match Pin::new(inner).poll_frame(cx) {
+        match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                this.last_frame = Instant::now();
+                if http_body::Body::is_end_stream(inner) {
+                    // hyper drops a body as soon as it is complete, without a last poll.
+                    this.end();
+                } else {
+                    this.last_frame = Instant::now();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(err))) => {
+                this.count_upstream(UpstreamError::Reset);
                 this.end();
                 this.metrics.error(ErrorKind::UpstreamReset);
                 tracing::warn!(error = %err, "the instance's answer failed midway");
@@ -524,6 +573,7 @@ impl http_body::Body for TrackedBody {
                 if !this.stalled(cx) {
                     return Poll::Pending;
                 }
+                this.count_upstream(UpstreamError::StreamIdle);
                 this.end();
                 this.metrics.error(ErrorKind::StreamIdleTimeout);
                 tracing::warn!(idle = ?this.idle, "the instance's answer stalled; closing it");
@@ -531,20 +581,21 @@ impl http_body::Body for TrackedBody {
                     Stall::SseErrorEvent => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                         STREAM_IDLE_EVENT.as_bytes(),
                     ))))),
-                    Stall::Cut => Poll::Ready(Some(Err(
-                        "the instance's answer stalled (--stream-idle-timeout-seconds)".into(),
-                    ))),
+                    // A timed-out I/O error: SageMaker's stream says
+                    // ModelInvocationTimeExceeded for it.
+                    Stall::Cut => Poll::Ready(Some(Err(Box::new(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the instance's answer stalled (--stream-idle-timeout-seconds)",
+                    ))))),
                 }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.final_event.is_none()
-            && self
-                .inner
-                .as_ref()
-                .is_none_or(|inner| inner.is_end_stream())
+        self.inner
+            .as_ref()
+            .is_none_or(|inner| inner.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
@@ -557,7 +608,11 @@ impl http_body::Body for TrackedBody {
 
 impl Drop for TrackedBody {
     fn drop(&mut self) {
-        if self.inner.is_some() {
+        if self
+            .inner
+            .as_ref()
+            .is_some_and(|inner| !http_body::Body::is_end_stream(inner))
+        {
             self.metrics.error(ErrorKind::ClientGone);
         }
     }

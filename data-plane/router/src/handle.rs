@@ -114,8 +114,10 @@ async fn route(
     )
     .await?;
     let headers = parts.headers;
-    // Parsing a large JSON body takes long enough to hold up the thread's other requests.
-    let (plan, headers) = if body.len() > OFFLOAD_BYTES {
+    // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
+    // blocking task owns the body's reservation and the request's slot while it holds the
+    // body, so they are released with it even if this request is dropped meanwhile.
+    let (plan, headers, mut reservation, permit) = if body.len() > OFFLOAD_BYTES {
         tokio::task::spawn_blocking(move || {
             let plan = make_plan(
                 &table,
@@ -125,7 +127,7 @@ async fn route(
                 body,
                 &mut fastrand::Rng::new(),
             );
-            (plan, headers)
+            (plan, headers, reservation, permit)
         })
         .await
         .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))?
@@ -138,9 +140,11 @@ async fn route(
             body,
             &mut fastrand::Rng::new(),
         );
-        (plan, headers)
+        (plan, headers, reservation, permit)
     };
     let plan = plan?;
+    // The body now held is the plan's (the original is gone if `model` was rewritten).
+    reservation.resize_to(plan.body.len() as u64);
     worker
         .metrics
         .decision_seconds

@@ -1,8 +1,8 @@
 //! Switchyard's data-plane router: a stateless HTTP server that routes OpenAI-compatible and
 //! SageMaker-style requests to inference instances with the policy of `switchyard-policy`.
 //!
-//! A request's path, in file order: `server` (listeners, serving threads, routes, client
-//! deadlines and connection admission) → `handle` (request admission, `body`, planning,
+//! A request's path, in file order: `server` (listeners, serving threads, routes, connection
+//! admission), `connection` (one client connection and its deadlines) → `handle` (request admission, `body`, planning,
 //! forwarding) → `plan` (CPU only: endpoint, variant, ranked candidates, body rewrite) →
 //! `forward` (attempts under the retry rule and deadlines, the streamed answer). Around it:
 //! `config` (flags → validated `Settings`), `admission` (bounds on connections, requests and
@@ -13,7 +13,9 @@
 pub mod admission;
 pub mod body;
 pub mod config;
+pub mod connection;
 pub mod errors;
+pub mod eventstream;
 pub mod forward;
 pub mod handle;
 pub mod membership;

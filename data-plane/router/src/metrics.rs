@@ -8,7 +8,7 @@ use switchyard_shared::metrics::{Histogram, TextEncoder};
 
 use crate::admission::{Admission, Limit};
 use crate::errors::ErrorKind;
-use crate::table::{LoadRegistry, RouteLabel, RoutingTable};
+use crate::table::{LoadRegistry, RouteLabel, RoutingTable, UpstreamError};
 
 /// Fine at the low end: a routing decision takes microseconds.
 const LATENCY_BOUNDS: [f64; 17] = [
@@ -90,6 +90,7 @@ impl RouterMetrics {
             let requests: Vec<u64> = cell
                 .requests
                 .iter()
+                .chain(&cell.upstream_errors)
                 .map(|counter| counter.load(Ordering::Relaxed))
                 .collect();
             rows.push((
@@ -144,14 +145,33 @@ impl RouterMetrics {
             "counter",
             "Requests sent to each instance, by why it was chosen.",
         );
-        for (endpoint, id, _, _, _, requests) in &rows {
-            for (label, count) in RouteLabel::ALL.iter().zip(requests) {
+        for (endpoint, id, _, _, _, counts) in &rows {
+            for (label, count) in RouteLabel::ALL.iter().zip(counts) {
                 out.sample(
                     "switchyard_router_requests_total",
                     &[
                         ("endpoint", endpoint),
                         ("instance", id),
                         ("route", label.as_str()),
+                    ],
+                    *count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_upstream_errors_total",
+            "counter",
+            "Requests to each instance that failed, by how: refused (not reached, retried elsewhere), reset (after sending: 502 or an answer cut short), timeout (no response head in time: 504), stream_idle (the answer stalled).",
+        );
+        for (endpoint, id, _, _, _, counts) in &rows {
+            let errors = &counts[RouteLabel::ALL.len()..];
+            for (kind, count) in UpstreamError::ALL.iter().zip(errors) {
+                out.sample(
+                    "switchyard_router_upstream_errors_total",
+                    &[
+                        ("endpoint", endpoint),
+                        ("instance", id),
+                        ("kind", kind.as_str()),
                     ],
                     *count as f64,
                 );

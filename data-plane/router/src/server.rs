@@ -18,8 +18,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -56,24 +54,24 @@ pub enum StartError {
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
 fn upstream_clients(settings: &Settings) -> UpstreamClients {
-    let connect_timeout = settings.deadlines.connect;
+    let deadlines = &settings.deadlines;
     UpstreamClients {
-        http1: upstream_client(connect_timeout, UpstreamProtocol::Http1),
-        h2c: upstream_client(connect_timeout, UpstreamProtocol::H2c),
+        http1: upstream_client(deadlines, UpstreamProtocol::Http1),
+        h2c: upstream_client(deadlines, UpstreamProtocol::H2c),
         default_h2c: settings.config.upstream_protocol == UpstreamProtocol::H2c,
     }
 }
 
-fn upstream_client(connect_timeout: Duration, protocol: UpstreamProtocol) -> HttpClient {
+fn upstream_client(deadlines: &Deadlines, protocol: UpstreamProtocol) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_connect_timeout(Some(deadlines.connect));
     connector.set_keepalive(Some(Duration::from_secs(30)));
     let mut builder = Client::builder(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_idle_timeout(deadlines.upstream_idle)
         .pool_max_idle_per_host(1024);
     if protocol == UpstreamProtocol::H2c {
         builder
@@ -92,7 +90,7 @@ impl RouterHandle {
         let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
         listener.set_nonblocking(true).map_err(listen_error)?;
         let addr = listener.local_addr().map_err(listen_error)?;
-        let open_files = switchyard_shared::process::raise_open_file_limit();
+        let open_files = switchyard_shared::process::open_file_limit();
         let limits = settings.limits;
         if let Some(open_files) = open_files
             && (limits.max_connections + limits.max_in_flight) as u64 + 256 > open_files
@@ -303,12 +301,16 @@ async fn serve(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(deadlines.client_header)
-        .keep_alive(true);
+        .keep_alive(true)
+        // A request head must fit; bodies stream through in chunks of at most this.
+        .max_buf_size(64 * 1024);
     builder
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(20));
-    let graceful = GracefulShutdown::new();
+    // Every connection task is owned here: after the grace period, those still running are
+    // aborted with the set.
+    let mut connections = tokio::task::JoinSet::new();
     loop {
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -323,41 +325,49 @@ async fn serve(
                     }
                 }
             },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             () = stop.cancelled() => break,
         };
         let _ = tcp.set_nodelay(true);
-        let io = TokioIo::new(tcp);
         match worker.admission.connection() {
             Some(permit) => {
+                let (socket, service, watch) = crate::connection::watch(tcp, app.clone());
                 let connection = builder
-                    .serve_connection(io, TowerToHyperService::new(app.clone()))
+                    .serve_connection(TokioIo::new(socket), service)
                     .into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    let _ = connection.await;
+                let stop = stop.clone();
+                let metrics = Arc::clone(&worker.metrics);
+                connections.spawn(async move {
+                    crate::connection::drive(connection, watch, deadlines, stop, metrics).await;
                     drop(permit);
                 });
             }
-            None => refuse_connection(io, &worker.admission),
+            None => refuse_connection(TokioIo::new(tcp), &worker),
         }
     }
     // New connections are refused from here on.
     drop(listener);
-    tokio::select! {
-        () = graceful.shutdown() => {}
-        () = tokio::time::sleep(grace) => {
-            tracing::warn!(?grace, "in-flight requests outlived the grace period; closing them");
-        }
+    let drained = tokio::time::timeout(grace, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            "in-flight requests outlived the grace period; closing them"
+        );
+        connections.abort_all();
     }
 }
 
 /// Answers a connection over `--max-connections` with one 503 and closes it; when even the
 /// refusals are too many, closes it at once.
-fn refuse_connection(io: TokioIo<tokio::net::TcpStream>, admission: &Arc<Admission>) {
-    let Some(slot) = admission.refusal() else {
+fn refuse_connection(io: TokioIo<tokio::net::TcpStream>, worker: &Worker) {
+    worker.metrics.error(crate::errors::ErrorKind::Overloaded);
+    let Some(slot) = worker.admission.refusal() else {
         return;
     };
-    let max_connections = admission.limits().max_connections;
+    let max_connections = worker.admission.limits().max_connections;
     tokio::spawn(async move {
         let service = hyper::service::service_fn(move |request: http::Request<_>| {
             let api = api_of_path(request.uri().path());

@@ -66,6 +66,38 @@ impl From<Route> for RouteLabel {
     }
 }
 
+/// How a request to an instance failed: the `kind` label of
+/// `switchyard_router_upstream_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamError {
+    /// Not reached: connection refused or timed out, stream refused (retried elsewhere).
+    Refused,
+    /// The connection failed after the request was sent (answered 502, or cut mid-answer).
+    Reset,
+    /// No response head in time (504).
+    Timeout,
+    /// The answer stalled after it began.
+    StreamIdle,
+}
+
+impl UpstreamError {
+    pub const ALL: [UpstreamError; 4] = [
+        UpstreamError::Refused,
+        UpstreamError::Reset,
+        UpstreamError::Timeout,
+        UpstreamError::StreamIdle,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamError::Refused => "refused",
+            UpstreamError::Reset => "reset",
+            UpstreamError::Timeout => "timeout",
+            UpstreamError::StreamIdle => "stream_idle",
+        }
+    }
+}
+
 /// Live counters of one instance, shared by every table that contains it.
 #[derive(Debug, Default)]
 pub struct InstanceCell {
@@ -79,6 +111,8 @@ pub struct InstanceCell {
     pub ejected_until_ms: AtomicU64,
     /// Requests sent, by `RouteLabel`.
     pub requests: [AtomicU64; RouteLabel::ALL.len()],
+    /// Failed requests, by `UpstreamError`.
+    pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
 }
 
 impl InstanceCell {
@@ -86,6 +120,10 @@ impl InstanceCell {
         self.local
             .load(Ordering::Relaxed)
             .saturating_add(self.remote.load(Ordering::Relaxed))
+    }
+
+    pub fn count_upstream(&self, kind: UpstreamError) {
+        self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn available(&self, now_ms: u64) -> bool {
