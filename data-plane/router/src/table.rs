@@ -11,17 +11,18 @@ use std::sync::{Arc, Mutex};
 use switchyard_policy::hash::instance_hash;
 use switchyard_policy::rank::{InstanceView, Route, Strategy};
 use switchyard_shared::{
-    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, RoutingStrategy,
-    VariantName,
+    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, KvEventsEndpoints,
+    RoutingStrategy, VariantName,
 };
 
-/// Route labels counted per instance: the policy's routes plus `retry`.
-pub const ROUTE_LABELS: [&str; 6] = [
+/// Route labels counted per instance: the policy's routes (in `Route::ALL` order) plus `retry`.
+pub const ROUTE_LABELS: [&str; 7] = [
     "prefix",
     "overflow",
     "random",
     "least-outstanding",
     "session",
+    "kv",
     "retry",
 ];
 
@@ -31,7 +32,7 @@ pub fn route_index(route: Route) -> usize {
         .position(|candidate| *candidate == route)
         .unwrap_or(0)
 }
-pub const RETRY_INDEX: usize = 5;
+pub const RETRY_INDEX: usize = Route::ALL.len();
 
 /// Live counters of one instance, shared by every table that contains it.
 #[derive(Debug, Default)]
@@ -45,7 +46,7 @@ pub struct InstanceCell {
     /// Unix ms until which the instance is ejected locally (0: not ejected).
     pub ejected_until_ms: AtomicU64,
     /// Requests sent, by `ROUTE_LABELS` index.
-    pub requests: [AtomicU64; 6],
+    pub requests: [AtomicU64; ROUTE_LABELS.len()],
 }
 
 impl InstanceCell {
@@ -109,6 +110,8 @@ pub struct InstanceRoute {
     pub completions: http::Uri,
     /// How to reach it (unspecified: the router's --upstream-protocol).
     pub protocol: InstanceProtocol,
+    /// The engine's KV-cache event sockets, if it publishes them (KV_AWARE).
+    pub kv_events: Option<KvEventsEndpoints>,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -231,6 +234,16 @@ pub fn build(
                         prefix.prefix_length as usize,
                     )
                 }
+                RoutingStrategy::KvAware => {
+                    let knobs = routing.kv_aware_routing_config.unwrap_or_default();
+                    (
+                        Strategy::KvAware {
+                            concurrency_threshold: knobs.concurrency_threshold(),
+                            load_weight: knobs.load_weight(),
+                        },
+                        0,
+                    )
+                }
             };
             let mut routes = Vec::new();
             let mut views = Vec::new();
@@ -262,6 +275,7 @@ pub fn build(
                     chat_completions,
                     completions,
                     protocol: instance.protocol,
+                    kv_events: instance.kv_events.clone(),
                     cell,
                 });
             }
