@@ -7,6 +7,7 @@
 //! `metrics` (Prometheus).
 
 pub mod errors;
+pub mod kv;
 pub mod membership;
 pub mod metrics;
 pub mod proxy;

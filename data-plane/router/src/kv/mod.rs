@@ -1,0 +1,199 @@
+//! KV_AWARE's inputs: the engines' KV-cache events, followed by each router directly.
+//!
+//! - [`wire`]: vLLM's msgpack event batches (both layouts vLLM has used).
+//! - [`index`]: per variant, which instance holds which chain of blocks (router-owned hashes
+//!   over token ids), bounded per instance, with metrics.
+//! - [`subscriber`]: one task per instance: ZMQ SUB in sequence order, gap repair by replay,
+//!   rebuild when that fails, staleness.
+//! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
+//!
+//! [`KvEvents::start`] runs the subscribers for the routing table's KV_AWARE variants (one line
+//! for the router's start-up); the request path asks [`KvIndex::variant`] for
+//! `matched_blocks` and ranks with `switchyard_policy::kv::rank_kv`.
+
+pub mod index;
+pub mod subscriber;
+pub mod tokenize;
+pub mod wire;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use switchyard_policy::rank::Strategy;
+use switchyard_shared::{EndpointName, InstanceId, KvEventsEndpoints, VariantName};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, VariantIndex};
+pub use subscriber::SubscriberSettings;
+
+use crate::table::{RoutingTable, VariantRoute};
+
+/// Everything KV_AWARE's event following needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvSettings {
+    pub index: IndexSettings,
+    pub subscriber: SubscriberSettings,
+}
+
+/// Whether a variant's instances are followed: KV_AWARE variants. (The DPD threshold on
+/// uncached tokens will add decode pools here.)
+pub fn follows_events(variant: &VariantRoute) -> bool {
+    matches!(variant.strategy, Strategy::KvAware { .. })
+}
+
+type SubscriberKey = (EndpointName, VariantName, InstanceId);
+
+/// The running subscribers and the index they fill.
+#[derive(Debug)]
+pub struct KvEvents {
+    index: Arc<KvIndex>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KvEvents {
+    /// Follows the KV events of every instance of the table's KV_AWARE variants that declares
+    /// them, starting and stopping subscribers as the table changes (checked every 100 ms),
+    /// until `stop`. The returned handle gives the index to the request path.
+    pub fn start(
+        table: Arc<ArcSwap<RoutingTable>>,
+        settings: KvSettings,
+        stop: CancellationToken,
+    ) -> Self {
+        let index = Arc::new(KvIndex::new(settings.index));
+        let task = tokio::spawn(reconcile_loop(
+            table,
+            Arc::clone(&index),
+            settings,
+            stop.clone(),
+        ));
+        Self { index, stop, task }
+    }
+
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    /// Stops every subscriber and waits until they have ended.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for KvEvents {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+struct Running {
+    endpoints: KvEventsEndpoints,
+    stop: CancellationToken,
+}
+
+async fn reconcile_loop(
+    table: Arc<ArcSwap<RoutingTable>>,
+    index: Arc<KvIndex>,
+    settings: KvSettings,
+    stop: CancellationToken,
+) {
+    let mut running: HashMap<SubscriberKey, Running> = HashMap::new();
+    let mut tasks = JoinSet::new();
+    let mut seen: Option<Arc<RoutingTable>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = tick.tick() => {}
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+        }
+        let current = table.load_full();
+        if seen
+            .as_ref()
+            .is_some_and(|seen| Arc::ptr_eq(seen, &current))
+        {
+            continue;
+        }
+        reconcile(&current, &index, &settings, &mut running, &mut tasks, &stop);
+        seen = Some(current);
+    }
+    for subscriber in running.values() {
+        subscriber.stop.cancel();
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+fn reconcile(
+    table: &RoutingTable,
+    index: &Arc<KvIndex>,
+    settings: &KvSettings,
+    running: &mut HashMap<SubscriberKey, Running>,
+    tasks: &mut JoinSet<()>,
+    stop: &CancellationToken,
+) {
+    let mut wanted: HashMap<SubscriberKey, KvEventsEndpoints> = HashMap::new();
+    let mut variants = HashSet::new();
+    for endpoint in table.endpoints.values() {
+        for variant in endpoint
+            .variants
+            .iter()
+            .filter(|variant| follows_events(variant))
+        {
+            variants.insert((endpoint.name.clone(), variant.name.clone()));
+            for instance in &variant.instances {
+                if let Some(endpoints) = &instance.kv_events {
+                    wanted.insert(
+                        (
+                            endpoint.name.clone(),
+                            variant.name.clone(),
+                            instance.id.clone(),
+                        ),
+                        endpoints.clone(),
+                    );
+                }
+            }
+        }
+    }
+    running.retain(|key, subscriber| {
+        let keep = wanted.get(key) == Some(&subscriber.endpoints);
+        if !keep {
+            subscriber.stop.cancel();
+            if let Some(variant) = index.variant(&key.0, &key.1) {
+                variant.clear(&key.2, false);
+            }
+            tracing::info!(endpoint = %key.0, instance = %key.2, "stopped following KV events");
+        }
+        keep
+    });
+    for (key, endpoints) in wanted {
+        if running.contains_key(&key) {
+            continue;
+        }
+        let variant = index.variant_or_insert(&(key.0.clone(), key.1.clone()));
+        let target = subscriber::Target {
+            instance: key.2.clone(),
+            index: variant,
+            index_settings: index.settings,
+            counters: Arc::clone(&index.counters),
+        };
+        let child = stop.child_token();
+        tasks.spawn(subscriber::run(
+            target,
+            endpoints.clone(),
+            settings.subscriber,
+            child.clone(),
+        ));
+        running.insert(
+            key,
+            Running {
+                endpoints,
+                stop: child,
+            },
+        );
+    }
+    index.retain_variants(&variants);
+}
