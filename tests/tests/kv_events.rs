@@ -200,3 +200,380 @@ async fn the_simulators_kv_events_decode_with_vllms_msgspec_structures() -> anyh
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// The router's subscribers and index, against real simulators.
+// ---------------------------------------------------------------------------------------------
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use switchyard_policy::kv::{KvParams, prefix_key, rank_kv};
+use switchyard_policy::rank::{InstanceView, Route};
+use switchyard_router::kv::tokenize::{PromptKind, Tokenizer, least_loaded, tokenize_body};
+use switchyard_router::kv::{Freshness, KvEvents, KvSettings, SubscriberSettings, VariantIndex};
+use switchyard_router::table::{LoadRegistry, RoutingTable, VariantRoute};
+use switchyard_shared::{
+    EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
+    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, VariantName,
+};
+use switchyard_tests::eventually;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Quick probes, so staleness shows within a second.
+fn settings() -> KvSettings {
+    KvSettings {
+        subscriber: SubscriberSettings {
+            probe_interval: Duration::from_millis(100),
+            reply_timeout: Duration::from_millis(300),
+            stale_after_failures: 2,
+            reconnect_delay: Duration::from_millis(50),
+            ..SubscriberSettings::default()
+        },
+        ..KvSettings::default()
+    }
+}
+
+/// A routing table with endpoint `chat`, one KV_AWARE variant, and the simulators as
+/// instances `e0`, `e1`, … (with their KV-event endpoints).
+fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
+    let variants = switchyard_shared::sagemaker::parse_production_variants(
+        r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"KV_AWARE"}}]"#,
+    )
+    .expect("variants")
+    .variants;
+    let config = EndpointConfig {
+        endpoint_config_name: EndpointConfigName::new("chat").expect("name"),
+        production_variants: variants,
+        health_check_config: HealthCheckConfig::default(),
+        creation_time_ms: 0,
+    };
+    let instances: Vec<Instance> = sims
+        .iter()
+        .enumerate()
+        .map(|(index, sim)| Instance {
+            instance_id: InstanceId::new(&format!("e{index}")).expect("id"),
+            endpoint_name: EndpointName::new("chat").expect("name"),
+            variant_name: VariantName::new("AllTraffic").expect("name"),
+            url: sim.url.clone(),
+            role: InstanceRole::Both,
+            protocol: InstanceProtocol::Unspecified,
+            weight: 1.0,
+            health: Health::Unknown,
+            health_detail: String::new(),
+            ttl_seconds: 0,
+            registered_time_ms: 0,
+            lease_id: 0,
+            kv_events: Some(KvEventsEndpoints {
+                publisher: sim.kv_events_endpoint().expect("events on"),
+                replay: sim.kv_events_replay_endpoint(),
+            }),
+        })
+        .collect();
+    switchyard_router::table::build(
+        1,
+        &[(EndpointName::new("chat").expect("name"), config)],
+        &instances,
+        registry,
+    )
+}
+
+fn variant_route(table: &RoutingTable) -> &VariantRoute {
+    &table.endpoints[&EndpointName::new("chat").expect("name")].variants[0]
+}
+
+fn ids(count: usize) -> Vec<InstanceId> {
+    (0..count)
+        .map(|index| InstanceId::new(&format!("e{index}")).expect("id"))
+        .collect()
+}
+
+/// The variant's index once its first engine has published.
+async fn variant_index(events: &KvEvents) -> anyhow::Result<Arc<VariantIndex>> {
+    let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
+    eventually(WAIT, "the variant's index", || {
+        let found = events
+            .index()
+            .variant(&endpoint, &variant)
+            .is_some_and(|index| index.block_size().is_some());
+        async move { found }
+    })
+    .await?;
+    Ok(events
+        .index()
+        .variant(&endpoint, &variant)
+        .expect("the variant's index"))
+}
+
+/// The router's view of a completions prompt: its block hashes, from the token ids that the
+/// least loaded instance's `/tokenize` returns (the request path's way).
+async fn prompt_hashes(
+    table: &RoutingTable,
+    index: &VariantIndex,
+    prompt: &str,
+) -> anyhow::Result<Vec<u64>> {
+    let variant = variant_route(table);
+    let target = least_loaded(variant, 0).expect("an instance");
+    let body = json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string();
+    let tokens = Tokenizer::default()
+        .tokenize(
+            &variant.instances[target].url,
+            tokenize_body(PromptKind::Completion, body.as_bytes())?,
+        )
+        .await?;
+    Ok(index.request_hashes(&tokens).expect("block size known"))
+}
+
+/// Waits until the index says `matched` blocks of `hashes` for each instance.
+async fn wait_matched(
+    index: &VariantIndex,
+    hashes: &[u64],
+    instances: &[InstanceId],
+    matched: &[u32],
+) -> anyhow::Result<()> {
+    let result = eventually(WAIT, "the index to reflect the engines", || {
+        let now = index.matched_blocks(hashes, instances);
+        async move { now == matched }
+    })
+    .await;
+    result.map_err(|err| {
+        anyhow::anyhow!(
+            "{err}: matched {:?}, wanted {matched:?}",
+            index.matched_blocks(hashes, instances)
+        )
+    })
+}
+
+fn kv_choice(matched: &[u32], blocks: u32, loads: &[u32], key: u64) -> (usize, Option<Route>) {
+    let views: Vec<InstanceView> = (0..matched.len())
+        .map(|index| InstanceView {
+            id_hash: switchyard_policy::hash::instance_hash(&format!("e{index}")),
+            weight: 1.0,
+            available: true,
+        })
+        .collect();
+    let params = KvParams {
+        concurrency_threshold: 10,
+        load_weight: 0.5,
+    };
+    let ranking = rank_kv(params, &views, |i| loads[i], matched, blocks, key, 7);
+    (ranking.first().expect("a choice"), ranking.route)
+}
+
+#[tokio::test]
+async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> anyhow::Result<()> {
+    // 40 blocks each; a 200-token prompt (12 full blocks) + output reserves 13.
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 40)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 40)).await?;
+    let registry = LoadRegistry::default();
+    let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
+    let instances = ids(2);
+
+    // The prefix is placed on e0 by a request sent straight to it, not through a router.
+    let prompt = words(0, 200);
+    complete(&a, &prompt).await?;
+    let index = variant_index(&events).await?;
+    let hashes = prompt_hashes(&table.load(), &index, &prompt).await?;
+    assert_eq!(hashes.len(), 12);
+    wait_matched(&index, &hashes, &instances, &[12, 0]).await?;
+    let key = prefix_key(&hashes);
+    assert_eq!(kv_choice(&[12, 0], 12, &[0, 0], key), (0, Some(Route::Kv)));
+    // A longer prompt with the same start matches its first 12 blocks.
+    let longer = format!("{prompt} {}", words(5000, 40));
+    let longer_hashes = prompt_hashes(&table.load(), &index, &longer).await?;
+    assert_eq!(&index.matched_blocks(&longer_hashes, &instances), &[12, 0]);
+
+    // e0 evicts it (other prompts fill its cache); e1 computes it.
+    for round in 1..=4 {
+        complete(&a, &words(round * 1000, 200)).await?;
+    }
+    complete(&b, &prompt).await?;
+    wait_matched(&index, &hashes, &instances, &[0, 12]).await?;
+    assert_eq!(kv_choice(&[0, 12], 12, &[0, 0], key), (1, Some(Route::Kv)));
+    // A saturated holder loses to an idle non-holder.
+    assert_eq!(
+        kv_choice(&[0, 12], 12, &[0, 10], key),
+        (0, Some(Route::LeastOutstanding))
+    );
+
+    // An engine reset empties its entries.
+    http_post(&format!("{}/reset_prefix_cache", b.url), &[], "").await?;
+    wait_matched(&index, &hashes, &instances, &[0, 0]).await?;
+
+    // An instance that leaves the table is dropped from the index.
+    table.store(Arc::new(kv_table(&[&a], &registry)));
+    eventually(WAIT, "e1 to leave the index", || {
+        let gone = index.freshness(&instances[1]).is_none();
+        async move { gone }
+    })
+    .await?;
+    stop.cancel();
+    events.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuilds()
+-> anyhow::Result<()> {
+    let mut config = kv_sim(KvEventsFormat::Array, 400);
+    config.kv_events_replay_buffer = 3;
+    let sim = switchyard_engine_sim::spawn(config).await?;
+    let registry = LoadRegistry::default();
+    let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&sim], &registry)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
+    let instances = ids(1);
+    let counters = Arc::clone(&events.index().counters);
+    complete(&sim, &words(0, 40)).await?;
+    let index = variant_index(&events).await?;
+
+    // Two batches never reach the wire; the third shows the gap; replay fills it.
+    sim.drop_kv_event_batches(2);
+    let prompts: Vec<String> = (1..=3).map(|round| words(round * 1000, 40)).collect();
+    for prompt in &prompts {
+        complete(&sim, prompt).await?;
+    }
+    for prompt in &prompts {
+        let hashes = prompt_hashes(&table.load(), &index, prompt).await?;
+        wait_matched(&index, &hashes, &instances, &[2]).await?;
+    }
+    assert!(
+        counters
+            .gaps_repaired
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert_eq!(
+        counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+
+    // Five lost batches, but the engine keeps only the last three: the entries are dropped
+    // (a lost BlockRemoved would leave blocks the engine no longer has) and rebuilt from
+    // the batches that follow.
+    sim.drop_kv_event_batches(5);
+    let lost: Vec<String> = (10..16).map(|round| words(round * 1000, 40)).collect();
+    for prompt in &lost {
+        complete(&sim, prompt).await?;
+    }
+    eventually(WAIT, "a rebuild", || {
+        let rebuilt = counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        async move { rebuilt }
+    })
+    .await?;
+    let old = prompt_hashes(&table.load(), &index, &prompts[0]).await?;
+    assert_eq!(index.matched_blocks(&old, &instances), [0], "dropped");
+    let last = prompt_hashes(&table.load(), &index, &lost[5]).await?;
+    wait_matched(&index, &last, &instances, &[2]).await?;
+    stop.cancel();
+    events.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_instance_whose_events_stop_is_stale_until_they_return() -> anyhow::Result<()> {
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let registry = LoadRegistry::default();
+    let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
+    let instances = ids(2);
+    let prompt = words(0, 40);
+    complete(&a, &prompt).await?;
+    let index = variant_index(&events).await?;
+    let hashes = prompt_hashes(&table.load(), &index, &prompt).await?;
+    wait_matched(&index, &hashes, &instances, &[2, 0]).await?;
+
+    // e0's publisher stalls: it stops answering, and after two failed probes its entries no
+    // longer count (routing falls back to load for it).
+    a.stall_kv_events(true);
+    eventually(WAIT, "e0 marked stale", || {
+        let stale = index.freshness(&instances[0]) == Some(Freshness::Stale);
+        async move { stale }
+    })
+    .await?;
+    assert_eq!(index.matched_blocks(&hashes, &instances), [0, 0]);
+    assert_eq!(
+        kv_choice(&[0, 0], 2, &[3, 1], prefix_key(&hashes)),
+        (1, Some(Route::LeastOutstanding))
+    );
+    let (status, text) = http_get(&format!("{}/sim/kv-events", a.url)).await?;
+    assert_eq!(status, 200);
+    assert!(text.contains("\"stalled\":true"), "{text}");
+    // Meanwhile e0 caches more; once its publisher resumes, the queued batches arrive in order.
+    let later = words(7000, 40);
+    complete(&a, &later).await?;
+    a.stall_kv_events(false);
+    let later_hashes = prompt_hashes(&table.load(), &index, &later).await?;
+    wait_matched(&index, &later_hashes, &instances, &[2, 0]).await?;
+    wait_matched(&index, &hashes, &instances, &[2, 0]).await?;
+    assert_eq!(index.freshness(&instances[0]), Some(Freshness::Live));
+
+    // A killed engine goes stale too.
+    b.killed().await;
+    eventually(WAIT, "e1 marked stale", || {
+        let stale = index.freshness(&instances[1]) == Some(Freshness::Stale);
+        async move { stale }
+    })
+    .await?;
+    stop.cancel();
+    events.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Result<()> {
+    let sims = [
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 60)).await?,
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
+    ];
+    let refs: Vec<&SimHandle> = sims.iter().collect();
+    let registry = LoadRegistry::default();
+    let table = Arc::new(ArcSwap::from_pointee(kv_table(&refs, &registry)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let first = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
+    // Prompts sharing starts of various lengths, spread over the engines; some evicted.
+    let shared = words(0, 64);
+    let mut prompts = Vec::new();
+    for round in 0..12usize {
+        let prompt = format!(
+            "{shared} {}",
+            words(1000 + round * 100, 16 * (round % 4) + 20)
+        );
+        complete(&sims[round % 3], &prompt).await?;
+        prompts.push(prompt);
+    }
+    // The second router starts late: it learns the past from the replay buffers.
+    let second = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
+    let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);
+    let instances = ids(3);
+    for prompt in &prompts {
+        let hashes = prompt_hashes(&table.load(), &one, prompt).await?;
+        let expected = one.matched_blocks(&hashes, &instances);
+        wait_matched(&two, &hashes, &instances, &expected).await?;
+        let blocks = hashes.len() as u32;
+        let key = prefix_key(&hashes);
+        assert_eq!(
+            kv_choice(&expected, blocks, &[1, 2, 0], key),
+            kv_choice(
+                &two.matched_blocks(&hashes, &instances),
+                blocks,
+                &[1, 2, 0],
+                key
+            )
+        );
+    }
+    assert!(
+        prompts.iter().enumerate().any(|(round, _)| round % 3 == 0),
+        "sanity"
+    );
+    stop.cancel();
+    first.shutdown().await;
+    second.shutdown().await;
+    Ok(())
+}
