@@ -38,6 +38,59 @@ pub struct KvSettings {
     pub subscriber: SubscriberSettings,
 }
 
+/// The router's KV_AWARE flags (for `#[command(flatten)]` in the router's configuration).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvArgs {
+    /// KV_AWARE: how long an engine may take to tokenize a request (POST /tokenize), in ms;
+    /// past it, or on any error, that request routes as LEAST_OUTSTANDING_REQUESTS.
+    #[arg(long, default_value_t = 250, value_name = "MS")]
+    pub kv_tokenize_timeout_ms: u64,
+    /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
+    /// beyond, the least recently stored are forgotten.
+    #[arg(long, default_value_t = index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
+    pub kv_index_max_blocks: usize,
+    /// KV_AWARE: how often each engine's KV-event replay socket is probed, in ms (two
+    /// unanswered probes mark the instance stale: its cache is ignored until it answers).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub kv_events_probe_ms: u64,
+}
+
+impl KvArgs {
+    /// Checks the flags; the error names the flag.
+    pub fn validate(&self) -> Result<(KvSettings, std::time::Duration), String> {
+        if !(10..=10_000).contains(&self.kv_tokenize_timeout_ms) {
+            return Err(format!(
+                "--kv-tokenize-timeout-ms: {} is outside 10..=10000",
+                self.kv_tokenize_timeout_ms
+            ));
+        }
+        if !(1_000..=100_000_000).contains(&self.kv_index_max_blocks) {
+            return Err(format!(
+                "--kv-index-max-blocks: {} is outside 1000..=100000000",
+                self.kv_index_max_blocks
+            ));
+        }
+        if !(50..=60_000).contains(&self.kv_events_probe_ms) {
+            return Err(format!(
+                "--kv-events-probe-ms: {} is outside 50..=60000",
+                self.kv_events_probe_ms
+            ));
+        }
+        let probe = Duration::from_millis(self.kv_events_probe_ms);
+        let settings = KvSettings {
+            index: IndexSettings {
+                max_blocks_per_instance: self.kv_index_max_blocks,
+            },
+            subscriber: SubscriberSettings {
+                probe_interval: probe,
+                reply_timeout: probe.min(Duration::from_secs(1)),
+                ..SubscriberSettings::default()
+            },
+        };
+        Ok((settings, Duration::from_millis(self.kv_tokenize_timeout_ms)))
+    }
+}
+
 /// Whether a variant's instances are followed: KV_AWARE variants. (The DPD threshold on
 /// uncached tokens will add decode pools here.)
 pub fn follows_events(variant: &VariantRoute) -> bool {
@@ -196,4 +249,33 @@ fn reconcile(
         );
     }
     index.retain_variants(&variants);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        kv: KvArgs,
+    }
+
+    #[test]
+    fn flags_default_and_name_themselves_when_wrong() {
+        let flags = Flags::parse_from(["router"]);
+        let (settings, timeout) = flags.kv.validate().unwrap();
+        assert_eq!(timeout, tokenize::DEFAULT_TIMEOUT);
+        assert_eq!(settings.index, IndexSettings::default());
+        assert_eq!(settings.subscriber, SubscriberSettings::default());
+        for (flag, value) in [
+            ("--kv-tokenize-timeout-ms", "0"),
+            ("--kv-index-max-blocks", "10"),
+            ("--kv-events-probe-ms", "1"),
+        ] {
+            let flags = Flags::parse_from(["router", flag, value]);
+            assert!(flags.kv.validate().unwrap_err().contains(flag), "{flag}");
+        }
+    }
 }
