@@ -361,6 +361,36 @@ fn kv_choice(matched: &[u32], blocks: u32, loads: &[u32], key: u64) -> (usize, O
     (ranking.first().expect("a choice"), ranking.route)
 }
 
+/// What the request path decides for a completions body now (tokens from an engine's
+/// `/tokenize`, matched blocks from the index, loads from the table's cells).
+async fn decide_now(
+    table: &ArcSwap<RoutingTable>,
+    events: &KvEvents,
+    body: &[u8],
+) -> anyhow::Result<switchyard_router::kv::KvDecision> {
+    let table = table.load_full();
+    let variant = variant_route(&table);
+    let tokens = switchyard_router::kv::request_tokens(
+        &Tokenizer::default(),
+        variant,
+        PromptKind::Completion,
+        body,
+        0,
+    )
+    .await?;
+    let index = events.index().variant(
+        &EndpointName::new("chat")?,
+        &VariantName::new("AllTraffic")?,
+    );
+    Ok(switchyard_router::kv::decide(
+        variant,
+        index.as_deref(),
+        Some(&tokens),
+        0,
+        7,
+    ))
+}
+
 #[tokio::test]
 async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> anyhow::Result<()> {
     // 40 blocks each; a 200-token prompt (12 full blocks) + output reserves 13.
@@ -379,8 +409,12 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
     let hashes = prompt_hashes(&table.load(), &index, &prompt).await?;
     assert_eq!(hashes.len(), 12);
     wait_matched(&index, &hashes, &instances, &[12, 0]).await?;
-    let key = prefix_key(&hashes);
-    assert_eq!(kv_choice(&[12, 0], 12, &[0, 0], key), (0, Some(Route::Kv)));
+    // The request path's decision, from the table's live cells: e0, 192 cached tokens.
+    let request = json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string();
+    let decision = decide_now(&table, &events, request.as_bytes()).await?;
+    assert_eq!(decision.ranking.first(), Some(0));
+    assert_eq!(decision.ranking.route, Some(Route::Kv));
+    assert_eq!((decision.cached_tokens, decision.prompt_blocks), (192, 12));
     // A longer prompt with the same start matches its first 12 blocks.
     let longer = format!("{prompt} {}", words(5000, 40));
     let longer_hashes = prompt_hashes(&table.load(), &index, &longer).await?;
@@ -392,12 +426,18 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
     }
     complete(&b, &prompt).await?;
     wait_matched(&index, &hashes, &instances, &[0, 12]).await?;
-    assert_eq!(kv_choice(&[0, 12], 12, &[0, 0], key), (1, Some(Route::Kv)));
-    // A saturated holder loses to an idle non-holder.
-    assert_eq!(
-        kv_choice(&[0, 12], 12, &[0, 10], key),
-        (0, Some(Route::LeastOutstanding))
-    );
+    let decision = decide_now(&table, &events, request.as_bytes()).await?;
+    assert_eq!(decision.ranking.first(), Some(1));
+    assert_eq!(decision.ranking.route, Some(Route::Kv));
+    // A saturated holder (10 in flight, the default threshold) loses to an idle non-holder.
+    let current = table.load_full();
+    let holder = &variant_route(&current).instances[1].cell;
+    holder.local.store(10, std::sync::atomic::Ordering::Relaxed);
+    let decision = decide_now(&table, &events, request.as_bytes()).await?;
+    assert_eq!(decision.ranking.first(), Some(0));
+    assert_eq!(decision.ranking.route, Some(Route::LeastOutstanding));
+    assert_eq!(decision.cached_tokens, 0);
+    holder.local.store(0, std::sync::atomic::Ordering::Relaxed);
 
     // An engine reset empties its entries.
     http_post(&format!("{}/reset_prefix_cache", b.url), &[], "").await?;
@@ -575,5 +615,56 @@ async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Resul
     stop.cancel();
     first.shutdown().await;
     second.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_to_load()
+-> anyhow::Result<()> {
+    use switchyard_router::kv::tokenize::TokenizeError;
+    // An engine that accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let silent = format!("http://{}", listener.local_addr()?);
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    let tokenizer = Tokenizer::new(Duration::from_millis(100));
+    let body = bytes::Bytes::from_static(br#"{"prompt":"hello"}"#);
+    let started = std::time::Instant::now();
+    let err = tokenizer.tokenize(&silent, body.clone()).await.unwrap_err();
+    assert!(matches!(err, TokenizeError::Timeout { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    holder.abort();
+    // Nobody listening.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        format!("http://{}", listener.local_addr()?)
+    };
+    let err = tokenizer.tokenize(&closed, body.clone()).await.unwrap_err();
+    assert!(matches!(err, TokenizeError::Request { .. }), "{err}");
+    // An engine that refuses the request (unknown model: 404).
+    let sim = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 100)).await?;
+    let err = Tokenizer::default()
+        .tokenize(
+            &sim.url,
+            bytes::Bytes::from_static(br#"{"model":"other","prompt":"x"}"#),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Status { status: 404, .. }),
+        "{err}"
+    );
+
+    // Without token ids the decision is LEAST_OUTSTANDING_REQUESTS.
+    let registry = LoadRegistry::default();
+    let table = kv_table(&[&sim], &registry);
+    let decision = switchyard_router::kv::decide(variant_route(&table), None, None, 0, 1);
+    assert_eq!(decision.ranking.route, Some(Route::LeastOutstanding));
+    assert_eq!(decision.cached_tokens, 0);
+    sim.shutdown().await;
     Ok(())
 }

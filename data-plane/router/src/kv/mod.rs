@@ -31,6 +31,109 @@ pub use subscriber::SubscriberSettings;
 
 use crate::table::{RoutingTable, VariantRoute};
 
+/// A KV_AWARE decision for one request: the ranking, and what the first choice holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvDecision {
+    pub ranking: switchyard_policy::Ranking,
+    /// Leading prompt tokens the first choice holds (`x-switchyard-cached-tokens`).
+    pub cached_tokens: u32,
+    /// Full blocks of the prompt (0 when the decision fell back to load).
+    pub prompt_blocks: u32,
+}
+
+/// The request's token ids as the engine sees them: a token-id prompt as given, else the
+/// least loaded available instance's `/tokenize` (see [`tokenize`]). An error means "route by
+/// load".
+pub async fn request_tokens(
+    tokenizer: &tokenize::Tokenizer,
+    variant: &VariantRoute,
+    kind: tokenize::PromptKind,
+    body: &[u8],
+    now_ms: u64,
+) -> Result<Vec<u32>, tokenize::TokenizeError> {
+    if kind == tokenize::PromptKind::Completion
+        && let Some(ids) = tokenize::prompt_token_ids(body)
+    {
+        return Ok(ids);
+    }
+    let instance =
+        tokenize::least_loaded(variant, now_ms).ok_or(tokenize::TokenizeError::NoInstance)?;
+    let request = tokenize::tokenize_body(kind, body)?;
+    tokenizer
+        .tokenize(&variant.instances[instance].url, request)
+        .await
+}
+
+/// Ranks a KV_AWARE variant's instances for a request whose token ids are `tokens` (None: they
+/// could not be had), from the variant's index (None: no instance has published yet). Without
+/// tokens, index or a known block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
+/// availability are read from the instances' cells; `random` breaks load ties.
+pub fn decide(
+    variant: &VariantRoute,
+    index: Option<&VariantIndex>,
+    tokens: Option<&[u32]>,
+    now_ms: u64,
+    random: u64,
+) -> KvDecision {
+    let views = variant.current_views(now_ms);
+    let load = |position: usize| variant.instances[position].cell.fleet_load();
+    let params = match variant.strategy {
+        Strategy::KvAware {
+            concurrency_threshold,
+            load_weight,
+        } => switchyard_policy::kv::KvParams {
+            concurrency_threshold,
+            load_weight,
+        },
+        _ => switchyard_policy::kv::KvParams {
+            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
+            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
+        },
+    };
+    let by_load = || KvDecision {
+        ranking: switchyard_policy::rank::rank(
+            Strategy::LeastOutstandingRequests,
+            &views,
+            load,
+            0,
+            random,
+        ),
+        cached_tokens: 0,
+        prompt_blocks: 0,
+    };
+    let (Some(index), Some(tokens)) = (index, tokens) else {
+        return by_load();
+    };
+    let (Some(block_size), Some(hashes)) = (index.block_size(), index.request_hashes(tokens))
+    else {
+        return by_load();
+    };
+    let ids: Vec<InstanceId> = variant
+        .instances
+        .iter()
+        .map(|instance| instance.id.clone())
+        .collect();
+    let matched = index.matched_blocks(&hashes, &ids);
+    let blocks = hashes.len() as u32;
+    let ranking = switchyard_policy::kv::rank_kv(
+        params,
+        &views,
+        load,
+        &matched,
+        blocks,
+        switchyard_policy::kv::prefix_key(&hashes),
+        random,
+    );
+    let cached_tokens = ranking
+        .first()
+        .map_or(0, |first| matched[first] * block_size as u32);
+    KvDecision {
+        ranking,
+        cached_tokens,
+        prompt_blocks: blocks,
+    }
+}
+
 /// Everything KV_AWARE's event following needs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvSettings {
