@@ -20,7 +20,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use switchyard_policy::kv::{block_hash, chain_hashes, chain_seed, unmatchable_block_hash};
+use switchyard_policy::kv::{
+    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, unmatchable_block_hash,
+};
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 
 use super::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
@@ -332,6 +334,18 @@ fn counted(medium: Option<&str>, group_idx: Option<i64>) -> bool {
         && group_idx.is_none_or(|group| group == 0)
 }
 
+/// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenMatch {
+    /// Per instance asked about, the leading full blocks it holds.
+    pub matched: Vec<u32>,
+    /// Full blocks of the prompt.
+    pub blocks: u32,
+    pub block_size: usize,
+    /// `switchyard_policy::kv::prefix_key` of the prompt's hashes.
+    pub prefix_key: u64,
+}
+
 /// The index of one variant.
 #[derive(Debug, Default)]
 pub struct VariantIndex {
@@ -371,17 +385,7 @@ impl VariantIndex {
         let blocks = self.read();
         let mut matched = vec![0u32; instances.len()];
         // (position in `instances`, slot) of those still matching.
-        let mut active: Vec<(usize, u32)> = instances
-            .iter()
-            .enumerate()
-            .filter_map(|(position, id)| {
-                let slot = *blocks.by_id.get(id)?;
-                let live = blocks.slots[slot as usize]
-                    .as_ref()
-                    .is_some_and(|instance| instance.freshness == Freshness::Live);
-                live.then_some((position, slot))
-            })
-            .collect();
+        let mut active = Self::live_slots(&blocks, instances);
         for (depth, hash) in hashes.iter().enumerate() {
             if active.is_empty() {
                 break;
@@ -399,6 +403,64 @@ impl VariantIndex {
             matched[position] = hashes.len() as u32;
         }
         matched
+    }
+
+    /// [`matched_blocks`](Self::matched_blocks) straight from token ids: hashes each block
+    /// only while some instance still matches (and for the first
+    /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
+    /// holds costs little. None before the block size is known.
+    pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
+        let blocks = self.read();
+        let block_size = blocks.block_size?;
+        let total = token_ids.len() / block_size;
+        let mut matched = vec![0u32; instances.len()];
+        let mut active = Self::live_slots(&blocks, instances);
+        let mut parent = chain_seed(None);
+        let mut prefix_key = 0;
+        for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
+            if active.is_empty() && depth >= PREFIX_KEY_BLOCKS {
+                break;
+            }
+            parent = block_hash(parent, chunk);
+            if depth < PREFIX_KEY_BLOCKS {
+                prefix_key = parent;
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let holders = blocks.holders.get(&parent);
+            active.retain(|&(position, slot)| {
+                let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                if !held {
+                    matched[position] = depth as u32;
+                }
+                held
+            });
+        }
+        for (position, _) in active {
+            matched[position] = total as u32;
+        }
+        Some(TokenMatch {
+            matched,
+            blocks: total as u32,
+            block_size,
+            prefix_key,
+        })
+    }
+
+    /// (position in `instances`, slot) of the instances known and live.
+    fn live_slots(blocks: &VariantBlocks, instances: &[InstanceId]) -> Vec<(usize, u32)> {
+        instances
+            .iter()
+            .enumerate()
+            .filter_map(|(position, id)| {
+                let slot = *blocks.by_id.get(id)?;
+                let live = blocks.slots[slot as usize]
+                    .as_ref()
+                    .is_some_and(|instance| instance.freshness == Freshness::Live);
+                live.then_some((position, slot))
+            })
+            .collect()
     }
 
     /// How many of the leading `hashes` one instance holds (the DPD threshold's question:

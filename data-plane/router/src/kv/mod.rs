@@ -26,7 +26,7 @@ use switchyard_shared::{EndpointName, InstanceId, KvEventsEndpoints, VariantName
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, VariantIndex};
+pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex};
 pub use subscriber::SubscriberSettings;
 
 use crate::table::{RoutingTable, VariantRoute};
@@ -104,33 +104,30 @@ pub fn decide(
     let (Some(index), Some(tokens)) = (index, tokens) else {
         return by_load();
     };
-    let (Some(block_size), Some(hashes)) = (index.block_size(), index.request_hashes(tokens))
-    else {
-        return by_load();
-    };
     let ids: Vec<InstanceId> = variant
         .instances
         .iter()
         .map(|instance| instance.id.clone())
         .collect();
-    let matched = index.matched_blocks(&hashes, &ids);
-    let blocks = hashes.len() as u32;
+    let Some(found) = index.match_tokens(tokens, &ids) else {
+        return by_load();
+    };
     let ranking = switchyard_policy::kv::rank_kv(
         params,
         &views,
         load,
-        &matched,
-        blocks,
-        switchyard_policy::kv::prefix_key(&hashes),
+        &found.matched,
+        found.blocks,
+        found.prefix_key,
         random,
     );
     let cached_tokens = ranking
         .first()
-        .map_or(0, |first| matched[first] * block_size as u32);
+        .map_or(0, |first| found.matched[first] * found.block_size as u32);
     KvDecision {
         ranking,
         cached_tokens,
-        prompt_blocks: blocks,
+        prompt_blocks: found.blocks,
     }
 }
 
