@@ -208,7 +208,11 @@ impl SimConfig {
 
 /// `tcp://HOST:PORT` to bind: an IP address (or `*` for every interface) and a port (0: any).
 fn bindable_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
-    let usage = || format!("{flag} {endpoint:?} must look like tcp://127.0.0.1:5557 (port 0: any)");
+    let usage = || {
+        format!(
+            "{flag} {endpoint:?}: give tcp://IP:PORT to bind (an IP address or *, port 0 for any free port), e.g. tcp://127.0.0.1:5557"
+        )
+    };
     let address = endpoint.strip_prefix("tcp://").ok_or_else(usage)?;
     let (host, port) = address.rsplit_once(':').ok_or_else(usage)?;
     let host = host.trim_start_matches('[').trim_end_matches(']');

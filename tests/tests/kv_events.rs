@@ -668,3 +668,69 @@ async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_t
     sim.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_simulator_binary_reports_its_kv_event_ports_in_its_log_and_info_path()
+-> anyhow::Result<()> {
+    let mut child = tokio::process::Command::new(switchyard_tests::binary("switchyard-engine-sim"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:0",
+            "--kv-events-topic",
+            "kv-events",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(child.stderr.take().expect("piped")).lines();
+    let (mut http, mut endpoint, mut replay) = (None, None, None);
+    let read = async {
+        while let Some(line) = lines.next_line().await? {
+            let Ok(log) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            match log["message"].as_str() {
+                Some("engine simulator listening") => {
+                    http = log["addr"].as_str().map(str::to_owned)
+                }
+                Some("publishing KV-cache events") => {
+                    endpoint = log["endpoint"].as_str().map(str::to_owned);
+                    replay = log["replay"].as_str().map(str::to_owned);
+                }
+                _ => {}
+            }
+            if http.is_some() && endpoint.is_some() {
+                break;
+            }
+        }
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(20), read).await??;
+    let (http, endpoint, replay) = (
+        http.expect("the listening log line"),
+        endpoint.expect("the KV events log line"),
+        replay.expect("the replay endpoint"),
+    );
+    assert!(
+        endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"),
+        "{endpoint}"
+    );
+    let (status, info) = http_get(&format!("http://{http}/sim/kv-events")).await?;
+    assert_eq!(status, 200, "{info}");
+    let info: Value = serde_json::from_str(&info)?;
+    assert_eq!(info["endpoint"], endpoint.as_str());
+    assert_eq!(info["replay_endpoint"], replay.as_str());
+    assert_eq!(info["topic"], "kv-events");
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().expect("running").to_string()])
+        .status();
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
+    assert!(status.success(), "graceful exit on SIGTERM: {status}");
+    Ok(())
+}
