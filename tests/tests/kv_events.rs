@@ -368,16 +368,20 @@ async fn decide_now(
     events: &KvEvents,
     body: &[u8],
 ) -> anyhow::Result<switchyard_router::kv::KvDecision> {
+    decide_for(table, events, PromptKind::Completion, body).await
+}
+
+async fn decide_for(
+    table: &ArcSwap<RoutingTable>,
+    events: &KvEvents,
+    kind: PromptKind,
+    body: &[u8],
+) -> anyhow::Result<switchyard_router::kv::KvDecision> {
     let table = table.load_full();
     let variant = variant_route(&table);
-    let tokens = switchyard_router::kv::request_tokens(
-        &Tokenizer::default(),
-        variant,
-        PromptKind::Completion,
-        body,
-        0,
-    )
-    .await?;
+    let tokens =
+        switchyard_router::kv::request_tokens(&Tokenizer::default(), variant, kind, body, 0)
+            .await?;
     let index = events.index().variant(
         &EndpointName::new("chat")?,
         &VariantName::new("AllTraffic")?,
@@ -438,6 +442,29 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
     assert_eq!(decision.ranking.route, Some(Route::LeastOutstanding));
     assert_eq!(decision.cached_tokens, 0);
     holder.local.store(0, std::sync::atomic::Ordering::Relaxed);
+
+    // A chat request: the tokens come from /tokenize with the messages (template applied),
+    // and match what the engine stored for the same conversation.
+    let chat = json!({"model": "sim", "max_tokens": 2, "messages": [
+        {"role": "system", "content": words(9000, 100)},
+        {"role": "user", "content": "hello"},
+    ]})
+    .to_string();
+    let reply = http_post(&format!("{}/v1/chat/completions", b.url), &[], chat.clone()).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    eventually(WAIT, "the chat prompt on e1", || {
+        let table = Arc::clone(&table);
+        let chat = chat.clone();
+        let events = &events;
+        async move {
+            decide_for(&table, events, PromptKind::Chat, chat.as_bytes())
+                .await
+                .is_ok_and(|decision| {
+                    decision.ranking.first() == Some(1) && decision.cached_tokens >= 96
+                })
+        }
+    })
+    .await?;
 
     // An engine reset empties its entries.
     http_post(&format!("{}/reset_prefix_cache", b.url), &[], "").await?;
