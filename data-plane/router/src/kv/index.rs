@@ -881,4 +881,83 @@ mod tests {
             );
         }
     }
+
+    mod model {
+        //! The index against a plain model of what each engine holds, over random store and
+        //! remove sequences like an engine's (a block is stored only after its parent; any
+        //! held block may be evicted).
+        use super::*;
+        use proptest::prelude::{ProptestConfig, prop_assert_eq, proptest};
+        use std::collections::HashMap;
+
+        const BLOCK: usize = 2;
+        /// Four prompts of 6 blocks; prompts 0-1 share 3 blocks, 2-3 share 1.
+        fn prompt(p: usize) -> Vec<u32> {
+            let shared = [3, 3, 1, 1][p];
+            (0..6 * BLOCK)
+                .map(|t| {
+                    if t / BLOCK < shared {
+                        (p / 2 * 100 + t) as u32
+                    } else {
+                        (p * 1000 + t) as u32
+                    }
+                })
+                .collect()
+        }
+        /// The engine's hash of block j of prompt p: a function of the chain's content.
+        fn engine_hash(p: usize, j: usize) -> u64 {
+            let chain: Vec<u8> = prompt(p)[..(j + 1) * BLOCK]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            xxhash_rust::xxh3::xxh3_64(&chain)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(200))]
+
+            #[test]
+            fn matches_the_model(ops in proptest::collection::vec((0usize..2, 0usize..4, 0usize..6, 1usize..4, proptest::bool::ANY), 1..60)) {
+                let index = VariantIndex::default();
+                // Per instance: engine hash -> copies held.
+                let mut held: Vec<HashMap<u64, u32>> = vec![HashMap::new(); 2];
+                for (instance, p, start, len, store) in ops {
+                    let name = ["x", "y"][instance];
+                    let engine = &mut held[instance];
+                    if store {
+                        // From the first block the engine lacks (or a duplicate run at `start`
+                        // when its parent is held), like a prefill after a cache hit.
+                        let start = if start == 0 || engine.contains_key(&engine_hash(p, start - 1)) { start } else { 0 };
+                        let end = (start + len).min(6);
+                        let hashes: Vec<u64> = (start..end).map(|j| engine_hash(p, j)).collect();
+                        let tokens = prompt(p)[start * BLOCK..end * BLOCK].to_vec();
+                        let parent = start.checked_sub(1).map(|j| engine_hash(p, j));
+                        for hash in &hashes {
+                            *engine.entry(*hash).or_default() += 1;
+                        }
+                        apply(&index, name, vec![stored(parent, &hashes, &tokens)]);
+                    } else {
+                        let hash = engine_hash(p, start);
+                        if let Some(count) = engine.get_mut(&hash) {
+                            *count -= 1;
+                            if *count == 0 {
+                                engine.remove(&hash);
+                            }
+                            apply(&index, name, vec![removed(&[hash])]);
+                        }
+                    }
+                }
+                for p in 0..4 {
+                    let hashes = index.request_hashes(&prompt(p)).unwrap_or_default();
+                    if hashes.is_empty() {
+                        continue;
+                    }
+                    for (instance, name) in ["x", "y"].iter().enumerate() {
+                        let expected = (0..6).take_while(|j| held[instance].contains_key(&engine_hash(p, *j))).count() as u32;
+                        prop_assert_eq!(index.matched_blocks_of(&hashes, &id(name)), expected, "prompt {}", p);
+                    }
+                }
+            }
+        }
+    }
 }
