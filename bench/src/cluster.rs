@@ -278,6 +278,11 @@ impl LocalCluster {
                     variant_name: variant.clone(),
                     url: engine.url.clone(),
                     id: format!("engine-{index}"),
+                    // Set when the simulators publish KV-cache events (`sim.kv_events`).
+                    kv_events_endpoint: engine.kv_events_endpoint().unwrap_or_default(),
+                    kv_events_replay_endpoint: engine
+                        .kv_events_replay_endpoint()
+                        .unwrap_or_default(),
                     ..Default::default()
                 })
                 .await

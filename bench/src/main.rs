@@ -61,7 +61,7 @@ async fn main() {
     let cli: Cli = process::parse_args();
     process::init_logging(process::LogFormat::Text, "warn");
     let result = match cli.command {
-        Some(Command::Compare(args)) => switchyard_bench::demo(*args).await.map(drop),
+        Some(Command::Compare(args)) => Box::pin(switchyard_bench::demo(*args)).await.map(drop),
         Some(Command::Overhead(args)) => switchyard_bench::overhead(args).await.map(drop),
         Some(Command::Overload(args)) => switchyard_bench::overload(args).await.map(drop),
         Some(Command::Forward(args)) => switchyard_bench::forward::forward(args).await,

@@ -78,7 +78,7 @@ async fn main() {
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,
         Command::Instance(command) => admin::instance_command(&cli.connection, command).await,
         Command::Up(args) => up::run(args).await,
-        Command::Demo(args) => switchyard_bench::demo(args).await.map(drop),
+        Command::Demo(args) => Box::pin(switchyard_bench::demo(args)).await.map(drop),
     };
     if let Err(err) = result {
         eprintln!("error: {}", describe(&err));

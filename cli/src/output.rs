@@ -99,6 +99,8 @@ pub fn instance_json(instance: &Instance) -> Value {
         "HealthDetail": instance.health_detail,
         "TtlSeconds": instance.ttl_seconds,
         "RegisteredTime": time(instance.registered_time_ms),
+        "KvEvents": instance.kv_events.as_ref().map(|kv| kv.publisher.as_str()),
+        "KvEventsReplay": instance.kv_events.as_ref().and_then(|kv| kv.replay.as_deref()),
     })
 }
 

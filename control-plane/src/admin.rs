@@ -141,6 +141,11 @@ impl pb::admin_server::Admin for AdminService {
             protocol: instance_protocol("Protocol", request.protocol).map_err(invalid)?,
             weight: request.weight,
             ttl_seconds: request.ttl_seconds,
+            kv_events: switchyard_shared::pb::kv_events(
+                &request.kv_events_endpoint,
+                &request.kv_events_replay_endpoint,
+            )
+            .map_err(invalid)?,
         };
         let instance = self.registry.register_instance(registration).await?;
         tracing::info!(endpoint = %instance.endpoint_name, instance = %instance.instance_id, url = %instance.url, ttl = instance.ttl_seconds, "instance registered");

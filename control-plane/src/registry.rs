@@ -15,8 +15,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, ValidationError, VariantName, now_ms,
-    validate_instance_url, validate_instance_weight, validate_ttl,
+    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ValidationError, VariantName,
+    now_ms, validate_instance_url, validate_instance_weight, validate_ttl,
 };
 
 use crate::keys;
@@ -83,6 +83,8 @@ pub struct Registration {
     pub protocol: InstanceProtocol,
     pub weight: Option<f64>,
     pub ttl_seconds: u32,
+    /// Checked by the edge (`pb::kv_events`).
+    pub kv_events: Option<KvEventsEndpoints>,
 }
 
 #[derive(Clone)]
@@ -418,6 +420,7 @@ impl Registry {
                 ttl_seconds: request.ttl_seconds,
                 registered_time_ms: now_ms(),
                 lease_id,
+                kv_events: request.kv_events.clone(),
             };
             let previous = self.read::<Instance>(&key).await?;
             let committed = self

@@ -59,6 +59,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/sim/faults", get(sim_faults).post(set_sim_faults))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/handoffs", get(sim_handoffs))
+        .route("/sim/kv-events", get(sim_kv_events).post(set_sim_kv_events))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
 }
@@ -221,6 +223,11 @@ async fn run_request(
     let spec = SeqSpec {
         prompt_len,
         block_hashes: prompt.block_hashes,
+        prompt_tokens: if config.kv_events.is_some() {
+            prompt.tokens
+        } else {
+            Vec::new()
+        },
         max_tokens,
         remote_prompt_tokens: remote_prompt_tokens(config, &kv, prompt_len),
     };
@@ -590,6 +597,63 @@ async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
 
 async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
     Json(shared.handoffs.snapshot()).into_response()
+}
+
+/// Where the KV-event sockets are (ports resolved) and the test controls' state; 404 without
+/// `--kv-events`.
+async fn sim_kv_events(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.kv_events.get() {
+        Some(info) => Json(json!({
+            "endpoint": info.endpoint,
+            "replay_endpoint": info.replay_endpoint,
+            "topic": info.topic,
+            "format": info.format,
+            "replay_buffer": info.replay_buffer,
+            "state": shared.kv_control.state(),
+        }))
+        .into_response(),
+        None => ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
+            .into_response(),
+    }
+}
+
+/// Test controls: `{"drop_next": N}` keeps the next N batches off the wire (replay still has
+/// them); `{"stalled": true|false}` stops or resumes publishing and replay.
+async fn set_sim_kv_events(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Controls {
+        stalled: Option<bool>,
+        drop_next: Option<u64>,
+    }
+    if shared.kv_events.get().is_none() {
+        return ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
+            .into_response();
+    }
+    let controls: Controls = match serde_json::from_slice(&body) {
+        Ok(controls) => controls,
+        Err(err) => {
+            return ApiError::bad_request(format!("invalid KV-event controls: {err}"))
+                .into_response();
+        }
+    };
+    shared.kv_control.set(controls.stalled, controls.drop_next);
+    tracing::info!(stalled = ?controls.stalled, drop_next = ?controls.drop_next, "KV-event controls changed");
+    Json(shared.kv_control.state()).into_response()
+}
+
+/// vLLM's `POST /reset_prefix_cache`: empties the prefix cache (an `AllBlocksCleared` event)
+/// unless running requests hold blocks. `{"reset": bool}` says which.
+async fn reset_prefix_cache(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.engine.reset_prefix_cache().await {
+        Ok(reset) => {
+            if !reset {
+                tracing::warn!("prefix cache not reset: running requests hold blocks");
+            }
+            Json(json!({ "reset": reset })).into_response()
+        }
+        Err(stopped) => ApiError::unavailable(stopped.to_string()).into_response(),
+    }
 }
 
 async fn sim_faults(State(shared): State<Arc<Shared>>) -> Json<Faults> {

@@ -64,6 +64,12 @@ pub struct SimStats {
     pub prefill_tokens_computed: u64,
     /// Prefill-only requests answered with `kv_transfer_params` for a remote decoder.
     pub kv_handoffs: u64,
+    /// KV-cache event batches published (`--kv-events`).
+    #[serde(default)]
+    pub kv_event_batches_published: u64,
+    /// KV-cache event batches lost because the publisher's queue was full.
+    #[serde(default)]
+    pub kv_event_batches_lost: u64,
 }
 
 impl SimStats {
@@ -88,6 +94,8 @@ pub(crate) struct Metrics {
     pub responses_cut: AtomicU64,
     pub responses_stalled: AtomicU64,
     pub kv_handoffs: AtomicU64,
+    pub kv_event_batches_published: AtomicU64,
+    pub kv_event_batches_lost: AtomicU64,
     running: AtomicU64,
     waiting: AtomicU64,
     kv_cache_usage_bits: AtomicU64,
@@ -124,6 +132,8 @@ impl Default for Metrics {
             responses_cut: AtomicU64::new(0),
             responses_stalled: AtomicU64::new(0),
             kv_handoffs: AtomicU64::new(0),
+            kv_event_batches_published: AtomicU64::new(0),
+            kv_event_batches_lost: AtomicU64::new(0),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             kv_cache_usage_bits: AtomicU64::new(0f64.to_bits()),
@@ -188,6 +198,8 @@ impl Metrics {
             kv_transfer_tokens: load(&self.kv_transfer_tokens),
             prefill_tokens_computed: load(&self.prefill_tokens_computed),
             kv_handoffs: load(&self.kv_handoffs),
+            kv_event_batches_published: load(&self.kv_event_batches_published),
+            kv_event_batches_lost: load(&self.kv_event_batches_lost),
         }
     }
 

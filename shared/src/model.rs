@@ -16,6 +16,11 @@ pub const MIN_VARIANTS: usize = 1;
 pub const MAX_VARIANTS: usize = 10;
 pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 1024..=65536;
 pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=1024;
+/// KV_AWARE's ConcurrencyThreshold when `KvAwareRoutingConfig` does not set one.
+pub const DEFAULT_KV_CONCURRENCY_THRESHOLD: u32 = 10;
+/// KV_AWARE's LoadWeight when `KvAwareRoutingConfig` does not set one.
+pub const DEFAULT_KV_LOAD_WEIGHT: f64 = 0.5;
+pub const KV_LOAD_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.0..=100.0;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 pub const DEFAULT_INSTANCE_WEIGHT: f64 = 1.0;
 /// Longest instance lease a registration may ask for.
@@ -45,13 +50,15 @@ pub enum RoutingStrategy {
     Random,
     LeastOutstandingRequests,
     PrefixAware,
+    KvAware,
 }
 
 impl RoutingStrategy {
-    pub const ALL: [RoutingStrategy; 3] = [
+    pub const ALL: [RoutingStrategy; 4] = [
         RoutingStrategy::Random,
         RoutingStrategy::LeastOutstandingRequests,
         RoutingStrategy::PrefixAware,
+        RoutingStrategy::KvAware,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -59,6 +66,7 @@ impl RoutingStrategy {
             RoutingStrategy::Random => "RANDOM",
             RoutingStrategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
             RoutingStrategy::PrefixAware => "PREFIX_AWARE",
+            RoutingStrategy::KvAware => "KV_AWARE",
         }
     }
 }
@@ -78,7 +86,9 @@ impl std::str::FromStr for RoutingStrategy {
             .ok_or_else(|| {
                 ValidationError::new(
                     "RoutingStrategy",
-                    format!("{s:?} is not one of RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE"),
+                    format!(
+                        "{s:?} is not one of RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE, KV_AWARE"
+                    ),
                 )
             })
     }
@@ -91,13 +101,69 @@ pub struct PrefixAwareRoutingConfig {
     pub concurrency_threshold: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// KV_AWARE's knobs, Switchyard's extension: every field is optional and defaults to the
+/// documented value, so a pasted SageMaker config (which has no such object) behaves the same.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct KvAwareRoutingConfig {
+    /// Fleet-wide in-flight requests at which an instance stops being preferred for its cached
+    /// blocks (1–1024, default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_threshold: Option<u32>,
+    /// How much load counts against matched blocks in the score (0–100, default 0.5; see
+    /// `switchyard_policy::kv`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_weight: Option<f64>,
+}
+
+impl KvAwareRoutingConfig {
+    pub fn concurrency_threshold(&self) -> u32 {
+        self.concurrency_threshold
+            .unwrap_or(DEFAULT_KV_CONCURRENCY_THRESHOLD)
+    }
+
+    pub fn load_weight(&self) -> f64 {
+        self.load_weight.unwrap_or(DEFAULT_KV_LOAD_WEIGHT)
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        if let Some(threshold) = self.concurrency_threshold
+            && !CONCURRENCY_THRESHOLD_RANGE.contains(&threshold)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.ConcurrencyThreshold"),
+                format!(
+                    "must be between {} and {}, got {threshold}",
+                    CONCURRENCY_THRESHOLD_RANGE.start(),
+                    CONCURRENCY_THRESHOLD_RANGE.end(),
+                ),
+            ));
+        }
+        if let Some(weight) = self.load_weight
+            && !KV_LOAD_WEIGHT_RANGE.contains(&weight)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.LoadWeight"),
+                format!(
+                    "must be a number between {} and {}, got {weight}",
+                    KV_LOAD_WEIGHT_RANGE.start(),
+                    KV_LOAD_WEIGHT_RANGE.end(),
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct RoutingConfig {
     #[serde(default)]
     pub routing_strategy: RoutingStrategy,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_aware_routing_config: Option<PrefixAwareRoutingConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_aware_routing_config: Option<KvAwareRoutingConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -296,6 +362,17 @@ fn validate_variant(variant: &ProductionVariant, field: &str) -> Result<(), Vali
         ));
     }
     let routing = variant.routing();
+    let kv_field = format!("{field}.RoutingConfig.KvAwareRoutingConfig");
+    match (routing.routing_strategy, routing.kv_aware_routing_config) {
+        (RoutingStrategy::KvAware, Some(kv)) => kv.validate(&kv_field)?,
+        (other, Some(_)) if other != RoutingStrategy::KvAware => {
+            return Err(ValidationError::new(
+                kv_field,
+                format!("is only allowed when RoutingStrategy is KV_AWARE, not {other}"),
+            ));
+        }
+        _ => {}
+    }
     let prefix_field = format!("{field}.RoutingConfig.PrefixAwareRoutingConfig");
     match (
         routing.routing_strategy,
@@ -508,6 +585,71 @@ pub struct Instance {
     /// The store lease the instance lives on (0: none). Internal to the control plane.
     #[serde(default)]
     pub lease_id: i64,
+    /// Where the engine publishes its KV-cache events (vLLM's `--kv-events-config`), for
+    /// KV_AWARE routing. Left out of the stored JSON when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsEndpoints>,
+}
+
+/// An engine's KV-cache event sockets: vLLM's ZMQ PUB endpoint and, optionally, its ROUTER
+/// replay endpoint (`tcp://host:port` each; routers connect to them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct KvEventsEndpoints {
+    pub publisher: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+}
+
+impl KvEventsEndpoints {
+    /// Builds the endpoints from the two optional inputs (empty counts as absent), checking
+    /// each is `tcp://host:port` and that a replay endpoint comes with a publisher. The error
+    /// names `publisher_field` or `replay_field`.
+    pub fn parse(
+        publisher: Option<&str>,
+        replay: Option<&str>,
+        publisher_field: &str,
+        replay_field: &str,
+    ) -> Result<Option<Self>, ValidationError> {
+        fn present(value: Option<&str>) -> Option<&str> {
+            value.map(str::trim).filter(|text| !text.is_empty())
+        }
+        match (present(publisher), present(replay)) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(ValidationError::new(
+                replay_field,
+                format!("needs {publisher_field} (the event publisher) as well"),
+            )),
+            (Some(publisher), replay) => Ok(Some(Self {
+                publisher: validate_zmq_tcp_endpoint(publisher, publisher_field)?,
+                replay: replay
+                    .map(|replay| validate_zmq_tcp_endpoint(replay, replay_field))
+                    .transpose()?,
+            })),
+        }
+    }
+}
+
+/// Checks a ZMQ endpoint a router can connect to: `tcp://host:port` (host a name, an IPv4
+/// address or a bracketed IPv6 address; not the bind wildcard `*`; port 1–65535).
+pub fn validate_zmq_tcp_endpoint(endpoint: &str, field: &str) -> Result<String, ValidationError> {
+    let bad = |why: &str| ValidationError::new(field, format!("{endpoint:?} {why}"));
+    let Some(address) = endpoint.strip_prefix("tcp://") else {
+        return Err(bad("must look like tcp://host:port"));
+    };
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err(bad("needs a port (tcp://host:port)"));
+    };
+    if host.is_empty() || host == "*" || host.contains('/') || host.chars().any(char::is_whitespace)
+    {
+        return Err(bad(
+            "needs a host routers can connect to (not *), e.g. tcp://10.0.0.7:5557",
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok(endpoint.to_owned()),
+        _ => Err(bad("needs a port between 1 and 65535")),
+    }
 }
 
 /// Checks an instance base URL: `http://host[:port][/path-prefix]`, no query, no fragment.
@@ -626,7 +768,110 @@ mod tests {
                     concurrency_threshold,
                 }
             }),
+            kv_aware_routing_config: None,
         })
+    }
+
+    fn kv(threshold: Option<u32>, weight: Option<f64>) -> Option<KvAwareRoutingConfig> {
+        Some(KvAwareRoutingConfig {
+            concurrency_threshold: threshold,
+            load_weight: weight,
+        })
+    }
+
+    fn routing(
+        strategy: RoutingStrategy,
+        prefix: Option<(u32, u32)>,
+        kv: Option<KvAwareRoutingConfig>,
+    ) -> Option<RoutingConfig> {
+        let mut routing = self::prefix(strategy, prefix)?;
+        routing.kv_aware_routing_config = kv;
+        Some(routing)
+    }
+
+    #[test]
+    fn kv_aware_takes_optional_knobs_and_refuses_the_prefix_config() {
+        for knobs in [
+            None,
+            kv(None, None),
+            kv(Some(1), Some(0.0)),
+            kv(Some(1024), Some(100.0)),
+        ] {
+            config(vec![variant(
+                "a",
+                routing(RoutingStrategy::KvAware, None, knobs),
+            )])
+            .validate()
+            .unwrap();
+        }
+        let base = "ProductionVariants[0].RoutingConfig";
+        assert_eq!(
+            field_of(&config(vec![variant(
+                "a",
+                routing(RoutingStrategy::KvAware, Some((4096, 10)), None)
+            )])),
+            format!("{base}.PrefixAwareRoutingConfig")
+        );
+        assert_eq!(
+            field_of(&config(vec![variant(
+                "a",
+                routing(
+                    RoutingStrategy::PrefixAware,
+                    Some((4096, 10)),
+                    kv(None, None)
+                )
+            )])),
+            format!("{base}.KvAwareRoutingConfig")
+        );
+        for (threshold, weight, field) in [
+            (Some(0), None, "ConcurrencyThreshold"),
+            (Some(1025), None, "ConcurrencyThreshold"),
+            (None, Some(-0.1), "LoadWeight"),
+            (None, Some(f64::NAN), "LoadWeight"),
+            (None, Some(101.0), "LoadWeight"),
+        ] {
+            assert_eq!(
+                field_of(&config(vec![variant(
+                    "a",
+                    routing(RoutingStrategy::KvAware, None, kv(threshold, weight))
+                )])),
+                format!("{base}.KvAwareRoutingConfig.{field}")
+            );
+        }
+        let defaults = KvAwareRoutingConfig::default();
+        assert_eq!(defaults.concurrency_threshold(), 10);
+        assert!((defaults.load_weight() - 0.5).abs() < f64::EPSILON);
+        assert_eq!("KV_AWARE".parse(), Ok(RoutingStrategy::KvAware));
+    }
+
+    #[test]
+    fn kv_events_endpoints() {
+        let parse = |publisher, replay| KvEventsEndpoints::parse(publisher, replay, "P", "R");
+        assert_eq!(parse(None, None), Ok(None));
+        assert_eq!(parse(Some(""), Some(" ")), Ok(None));
+        assert_eq!(
+            parse(Some("tcp://10.0.0.7:5557"), Some("tcp://[::1]:5558")),
+            Ok(Some(KvEventsEndpoints {
+                publisher: "tcp://10.0.0.7:5557".into(),
+                replay: Some("tcp://[::1]:5558".into()),
+            }))
+        );
+        assert_eq!(parse(None, Some("tcp://h:1")).unwrap_err().field, "R");
+        for bad in [
+            "http://h:1",
+            "tcp://h",
+            "tcp://*:5557",
+            "tcp://h:0",
+            "tcp://h:x",
+            "tcp://:1",
+        ] {
+            assert_eq!(parse(Some(bad), None).unwrap_err().field, "P", "{bad}");
+            assert_eq!(
+                parse(Some("tcp://h:1"), Some(bad)).unwrap_err().field,
+                "R",
+                "{bad}"
+            );
+        }
     }
 
     fn field_of(config: &EndpointConfig) -> String {

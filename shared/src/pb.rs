@@ -7,8 +7,8 @@ use switchyard_proto::v1 as pb;
 
 use crate::model::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
-    InstanceProtocol, InstanceRole, PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig,
-    RoutingStrategy, ValidationError,
+    InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints,
+    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
 };
 use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
 
@@ -47,6 +47,7 @@ impl From<RoutingStrategy> for pb::RoutingStrategy {
                 pb::RoutingStrategy::LeastOutstandingRequests
             }
             RoutingStrategy::PrefixAware => pb::RoutingStrategy::PrefixAware,
+            RoutingStrategy::KvAware => pb::RoutingStrategy::KvAware,
         }
     }
 }
@@ -60,6 +61,7 @@ fn routing_strategy(field: &str, value: i32) -> Result<RoutingStrategy, Validati
             Ok(RoutingStrategy::LeastOutstandingRequests)
         }
         Ok(pb::RoutingStrategy::PrefixAware) => Ok(RoutingStrategy::PrefixAware),
+        Ok(pb::RoutingStrategy::KvAware) => Ok(RoutingStrategy::KvAware),
         Err(_) => Err(ValidationError::new(
             field,
             format!("{value} is not a known routing strategy"),
@@ -83,6 +85,12 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                         concurrency_threshold: prefix.concurrency_threshold,
                     }
                 }),
+                kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
+                    pb::KvAwareRoutingConfig {
+                        concurrency_threshold: kv.concurrency_threshold.unwrap_or(0),
+                        load_weight: kv.load_weight,
+                    }
+                }),
             }),
         }
     }
@@ -104,6 +112,14 @@ fn production_variant(
                 PrefixAwareRoutingConfig {
                     prefix_length: prefix.prefix_length,
                     concurrency_threshold: prefix.concurrency_threshold,
+                }
+            }),
+            // proto3 cannot tell 0 from absent: a 0 threshold means "the default".
+            kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
+                KvAwareRoutingConfig {
+                    concurrency_threshold: (kv.concurrency_threshold != 0)
+                        .then_some(kv.concurrency_threshold),
+                    load_weight: kv.load_weight,
                 }
             }),
         }),
@@ -307,8 +323,31 @@ impl From<&Instance> for pb::Instance {
             registered_time_ms: instance.registered_time_ms,
             health_detail: instance.health_detail.clone(),
             protocol: pb::InstanceProtocol::from(instance.protocol) as i32,
+            kv_events_endpoint: instance
+                .kv_events
+                .as_ref()
+                .map(|kv| kv.publisher.clone())
+                .unwrap_or_default(),
+            kv_events_replay_endpoint: instance
+                .kv_events
+                .as_ref()
+                .and_then(|kv| kv.replay.clone())
+                .unwrap_or_default(),
         }
     }
+}
+
+/// The KV-event endpoints of an `Instance` or a `RegisterInstanceRequest` (empty: none).
+pub fn kv_events(
+    publisher: &str,
+    replay: &str,
+) -> Result<Option<KvEventsEndpoints>, ValidationError> {
+    KvEventsEndpoints::parse(
+        Some(publisher),
+        Some(replay),
+        "KvEventsEndpoint",
+        "KvEventsReplayEndpoint",
+    )
 }
 
 impl TryFrom<pb::Instance> for Instance {
@@ -332,6 +371,10 @@ impl TryFrom<pb::Instance> for Instance {
             ttl_seconds: instance.ttl_seconds,
             registered_time_ms: instance.registered_time_ms,
             lease_id: 0,
+            kv_events: kv_events(
+                &instance.kv_events_endpoint,
+                &instance.kv_events_replay_endpoint,
+            )?,
         })
     }
 }
@@ -359,6 +402,55 @@ mod tests {
     }
 
     #[test]
+    fn kv_aware_and_kv_events_round_trip() {
+        let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
+            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: crate::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms: 1,
+        };
+        let wire = pb::EndpointConfig::from(&config);
+        assert_eq!(
+            wire.production_variants[0]
+                .routing_config
+                .unwrap()
+                .routing_strategy,
+            4
+        );
+        assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
+
+        let instance = pb::Instance {
+            id: "a".into(),
+            endpoint_name: "chat".into(),
+            variant_name: "v".into(),
+            url: "http://127.0.0.1:1".into(),
+            kv_events_endpoint: "tcp://127.0.0.1:5557".into(),
+            kv_events_replay_endpoint: "tcp://127.0.0.1:5558".into(),
+            role: pb::InstanceRole::Both as i32,
+            ..Default::default()
+        };
+        let domain = Instance::try_from(instance.clone()).unwrap();
+        let kv = domain.kv_events.clone().unwrap();
+        assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
+        assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(pb::Instance::from(&domain), instance);
+        let bad = pb::Instance {
+            kv_events_endpoint: "tcp://*:5557".into(),
+            ..instance
+        };
+        assert_eq!(
+            Instance::try_from(bad).unwrap_err().field,
+            "KvEventsEndpoint"
+        );
+    }
+
+    #[test]
     fn bad_names_and_enums_name_the_field() {
         let wire = pb::EndpointConfig {
             name: "bad name".into(),
@@ -375,6 +467,7 @@ mod tests {
                 routing_config: Some(pb::RoutingConfig {
                     routing_strategy: 99,
                     prefix_aware_routing_config: None,
+                    kv_aware_routing_config: None,
                 }),
                 ..Default::default()
             }],

@@ -37,8 +37,13 @@ const IGNORED_VARIANT_FIELDS: &[&str] = &[
     "CapacityReservationConfig",
 ];
 
-const ROUTING_FIELDS: &[&str] = &["RoutingStrategy", "PrefixAwareRoutingConfig"];
+const ROUTING_FIELDS: &[&str] = &[
+    "RoutingStrategy",
+    "PrefixAwareRoutingConfig",
+    "KvAwareRoutingConfig",
+];
 const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
+const KV_FIELDS: &[&str] = &["ConcurrencyThreshold", "LoadWeight"];
 
 /// Production variants parsed from SageMaker JSON, with the SageMaker-only fields that were
 /// ignored (as `ProductionVariants[i].Field`).
@@ -110,6 +115,13 @@ pub fn parse_production_variants_value(value: Value) -> Result<ParsedVariants, V
                     PREFIX_FIELDS,
                 )?;
             }
+            if let Some(kv) = routing.get("KvAwareRoutingConfig") {
+                check_keys(
+                    kv,
+                    &format!("{path}.RoutingConfig.KvAwareRoutingConfig"),
+                    KV_FIELDS,
+                )?;
+            }
         }
         let variant: ProductionVariant = serde_json::from_value(item)
             .map_err(|err| ValidationError::new(path.clone(), err.to_string()))?;
@@ -168,6 +180,36 @@ mod tests {
             10
         );
         assert!(parsed.ignored_fields.is_empty());
+    }
+
+    #[test]
+    fn parses_kv_aware_with_and_without_knobs() {
+        let parsed = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE"}},
+            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"ConcurrencyThreshold":4,"LoadWeight":1.5}}}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            parsed.variants[0].routing().routing_strategy,
+            RoutingStrategy::KvAware
+        );
+        assert_eq!(parsed.variants[0].routing().kv_aware_routing_config, None);
+        let knobs = parsed.variants[1]
+            .routing()
+            .kv_aware_routing_config
+            .unwrap();
+        assert_eq!(knobs.concurrency_threshold(), 4);
+        assert!((knobs.load_weight() - 1.5).abs() < f64::EPSILON);
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"Threshold":4}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "ProductionVariants[0].RoutingConfig.KvAwareRoutingConfig.Threshold"
+        );
     }
 
     #[test]

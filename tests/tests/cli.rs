@@ -299,6 +299,51 @@ fn the_admin_cli_works_as_a_user_types_it() {
     );
     assert_eq!(code, 64);
     assert!(err.contains("--protocol"), "{err}");
+    // An engine that publishes vLLM KV-cache events says where at registration.
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:12",
+            "--id",
+            "e3",
+            "--kv-events",
+            "tcp://127.0.0.1:5557",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:5558",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("\"KvEvents\": \"tcp://127.0.0.1:5557\"")
+            && out.contains("\"KvEventsReplay\": \"tcp://127.0.0.1:5558\""),
+        "{out}"
+    );
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:13",
+            "--kv-events",
+            "tcp://*:5557",
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("--kv-events"), "{err}");
 
     // Errors from the server: readable, exit 1.
     let (code, _, err) = cli(&control, &["endpoint", "describe", "--name", "nope"]);

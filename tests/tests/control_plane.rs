@@ -161,8 +161,20 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                     concurrency_threshold,
                 }
             }),
+            kv_aware_routing_config: None,
         })
     };
+    let kv = |strategy: pb::RoutingStrategy, threshold: u32, weight: Option<f64>| {
+        Some(pb::RoutingConfig {
+            routing_strategy: strategy as i32,
+            prefix_aware_routing_config: None,
+            kv_aware_routing_config: Some(pb::KvAwareRoutingConfig {
+                concurrency_threshold: threshold,
+                load_weight: weight,
+            }),
+        })
+    };
+    let kv_base = "ProductionVariants[0].RoutingConfig.KvAwareRoutingConfig";
     let config =
         |name: &str, variants: Vec<pb::ProductionVariant>| pb::CreateEndpointConfigRequest {
             endpoint_config: Some(pb::EndpointConfig {
@@ -215,6 +227,7 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                     Some(pb::RoutingConfig {
                         routing_strategy: 42,
                         prefix_aware_routing_config: None,
+                        kv_aware_routing_config: None,
                     }),
                 )],
             ),
@@ -289,6 +302,40 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 )],
             ),
             format!("{base}.ConcurrencyThreshold"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::KvAware, Some((4096, 10))),
+                )],
+            ),
+            base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant("v", kv(pb::RoutingStrategy::Random, 0, None))],
+            ),
+            kv_base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant("v", kv(pb::RoutingStrategy::KvAware, 1025, None))],
+            ),
+            format!("{kv_base}.ConcurrencyThreshold"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    kv(pb::RoutingStrategy::KvAware, 0, Some(-1.0)),
+                )],
+            ),
+            format!("{kv_base}.LoadWeight"),
         ),
     ];
     for (request, field) in cases {
@@ -375,6 +422,26 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 ..Default::default()
             },
             "Protocol",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                kv_events_endpoint: "tcp://*:5557".into(),
+                ..Default::default()
+            },
+            "KvEventsEndpoint",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                kv_events_replay_endpoint: "tcp://127.0.0.1:5558".into(),
+                ..Default::default()
+            },
+            "KvEventsReplayEndpoint",
         ),
     ] {
         let err = admin.register_instance(request).await.unwrap_err();

@@ -16,11 +16,19 @@ pub struct InstanceView {
 }
 
 /// The strategy of a variant, with its parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Strategy {
     Random,
     LeastOutstandingRequests,
-    PrefixAware { concurrency_threshold: u32 },
+    PrefixAware {
+        concurrency_threshold: u32,
+    },
+    /// Needs the request's matched blocks per instance: [`crate::kv::rank_kv`]. [`rank`]
+    /// alone (no KV data) ranks it as `LeastOutstandingRequests`.
+    KvAware {
+        concurrency_threshold: u32,
+        load_weight: f64,
+    },
 }
 
 /// Why the first candidate was chosen (`x-switchyard-route`).
@@ -34,15 +42,18 @@ pub enum Route {
     LeastOutstanding,
     /// Sticky session.
     Session,
+    /// KV_AWARE: the instance holds the start of the prompt in its KV cache.
+    Kv,
 }
 
 impl Route {
-    pub const ALL: [Route; 5] = [
+    pub const ALL: [Route; 6] = [
         Route::Prefix,
         Route::Overflow,
         Route::Random,
         Route::LeastOutstanding,
         Route::Session,
+        Route::Kv,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -52,6 +63,7 @@ impl Route {
             Route::Random => "random",
             Route::LeastOutstanding => "least-outstanding",
             Route::Session => "session",
+            Route::Kv => "kv",
         }
     }
 }
@@ -104,7 +116,8 @@ pub fn rendezvous_order(
 ///   load is below the threshold comes first (`Prefix` if it is the top choice, else
 ///   `Overflow`). If all are at the threshold, the least loaded comes first (ties by rank). The
 ///   rest follow in rendezvous order, so retries also go where every router would send them.
-/// - `LeastOutstandingRequests`: fewest in flight; ties broken by `random`.
+/// - `LeastOutstandingRequests` (and `KvAware` without KV data): fewest in flight; ties broken
+///   by `random`.
 /// - `Random`: weighted by instance weight, using `random`.
 ///
 /// `key` is ignored except by `PrefixAware`; `load(i)` is instance i's fleet-wide in-flight count.
@@ -153,7 +166,7 @@ pub fn rank(
                 Route::Overflow
             }
         }
-        Strategy::LeastOutstandingRequests => {
+        Strategy::LeastOutstandingRequests | Strategy::KvAware { .. } => {
             order.extend(0..instances.len());
             // Sort by (unavailable, load, a per-request random tiebreak).
             let tiebreak = |index: usize| crate::hash::rendezvous_draw(random, index as u64);

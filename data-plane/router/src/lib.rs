@@ -18,6 +18,7 @@ pub mod errors;
 pub mod eventstream;
 pub mod forward;
 pub mod handle;
+pub mod kv;
 pub mod membership;
 pub mod metrics;
 pub mod plan;

@@ -11,8 +11,8 @@ use serde::Deserialize;
 use switchyard_proto::v1 as pb;
 use switchyard_shared::{
     EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, ProductionVariant, ValidationError, VariantName,
-    sagemaker, validate_instance_url, validate_instance_weight,
+    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ProductionVariant,
+    ValidationError, VariantName, sagemaker, validate_instance_url, validate_instance_weight,
 };
 
 use crate::table::{self, LoadRegistry, RoutingTable};
@@ -181,6 +181,12 @@ struct FileInstance {
     role: Option<InstanceRole>,
     #[serde(default)]
     protocol: InstanceProtocol,
+    /// vLLM's KV-event publisher, `tcp://host:port` (KV_AWARE).
+    #[serde(default)]
+    kv_events: Option<String>,
+    /// Its replay socket, `tcp://host:port`.
+    #[serde(default)]
+    kv_events_replay: Option<String>,
 }
 
 /// Reads a static configuration (JSON, or YAML by extension `.yaml`/`.yml`):
@@ -198,6 +204,8 @@ struct FileInstance {
 ///       - Url: http://10.0.0.7:8000    # InstanceId defaults to the URL's host:port,
 ///       - Url: http://10.0.0.8:8000    # VariantName to the only variant
 ///         Protocol: h2c                # http1 or h2c; default: --upstream-protocol
+///         KvEvents: tcp://10.0.0.8:5557        # vLLM's KV-event publisher (KV_AWARE)
+///         KvEventsReplay: tcp://10.0.0.8:5558  # and its replay socket
 /// ```
 pub fn read_static_config(path: &Path) -> Result<StaticConfig, String> {
     let text = std::fs::read_to_string(path)
@@ -274,6 +282,12 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 .to_owned();
             let id = InstanceId::new(instance.instance_id.as_deref().unwrap_or(&default_id))
                 .map_err(|err| ValidationError::new(at("InstanceId"), err.to_string()))?;
+            let kv_events = KvEventsEndpoints::parse(
+                instance.kv_events.as_deref(),
+                instance.kv_events_replay.as_deref(),
+                &at("KvEvents"),
+                &at("KvEventsReplay"),
+            )?;
             let weight = instance.weight.unwrap_or(1.0);
             validate_instance_weight(weight)
                 .map_err(|err| ValidationError::new(at("Weight"), err.message))?;
@@ -298,6 +312,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 ttl_seconds: 0,
                 registered_time_ms: 0,
                 lease_id: 0,
+                kv_events,
             });
         }
         if endpoints
@@ -336,6 +351,33 @@ mod tests {
         assert_eq!(config.instances[0].instance_id.as_str(), "127.0.0.1:9001");
         assert_eq!(config.instances[0].variant_name.as_str(), "v");
         assert_eq!(config.instances[1].weight, 2.0);
+    }
+
+    #[test]
+    fn static_config_kv_events() {
+        let config = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v",
+            "RoutingConfig":{"RoutingStrategy":"KV_AWARE"}}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEvents":"tcp://127.0.0.1:5557",
+            "KvEventsReplay":"tcp://127.0.0.1:5558"},{"Url":"http://127.0.0.1:9002"}]}]}"#,
+        )
+        .unwrap();
+        let kv = config.instances[0].kv_events.clone().unwrap();
+        assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
+        assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(config.instances[1].kv_events, None);
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEventsReplay":"tcp://127.0.0.1:5558"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "Endpoints[0].Instances[0].KvEventsReplay");
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEvents":"tcp://*:5557"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "Endpoints[0].Instances[0].KvEvents");
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use switchyard_policy::hash::instance_hash;
 use switchyard_policy::rank::{InstanceView, Route, Strategy};
 use switchyard_shared::{
-    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, RoutingStrategy,
-    VariantName,
+    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, KvEventsEndpoints,
+    RoutingStrategy, VariantName,
 };
 
 /// Why a request went to an instance: the policy's routes, plus the router's own retries.
@@ -24,6 +24,8 @@ pub enum RouteLabel {
     Random,
     LeastOutstanding,
     Session,
+    /// KV_AWARE: the instance holding most of the prompt's KV cache.
+    Kv,
     /// The previous candidate provably never received the request.
     Retry,
     /// The previous candidate may have received it (`--retry-after-send`).
@@ -31,12 +33,13 @@ pub enum RouteLabel {
 }
 
 impl RouteLabel {
-    pub const ALL: [RouteLabel; 7] = [
+    pub const ALL: [RouteLabel; 8] = [
         RouteLabel::Prefix,
         RouteLabel::Overflow,
         RouteLabel::Random,
         RouteLabel::LeastOutstanding,
         RouteLabel::Session,
+        RouteLabel::Kv,
         RouteLabel::Retry,
         RouteLabel::RetryAfterSend,
     ];
@@ -48,6 +51,7 @@ impl RouteLabel {
             RouteLabel::Random => Route::Random.as_str(),
             RouteLabel::LeastOutstanding => Route::LeastOutstanding.as_str(),
             RouteLabel::Session => Route::Session.as_str(),
+            RouteLabel::Kv => Route::Kv.as_str(),
             RouteLabel::Retry => "retry",
             RouteLabel::RetryAfterSend => "retry-after-send",
         }
@@ -62,6 +66,7 @@ impl From<Route> for RouteLabel {
             Route::Random => RouteLabel::Random,
             Route::LeastOutstanding => RouteLabel::LeastOutstanding,
             Route::Session => RouteLabel::Session,
+            Route::Kv => RouteLabel::Kv,
         }
     }
 }
@@ -180,6 +185,8 @@ pub struct InstanceRoute {
     pub completions: http::Uri,
     /// How to reach it (unspecified: the router's --upstream-protocol).
     pub protocol: InstanceProtocol,
+    /// The engine's KV-cache event sockets, if it publishes them (KV_AWARE).
+    pub kv_events: Option<KvEventsEndpoints>,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -302,6 +309,16 @@ pub fn build(
                         prefix.prefix_length as usize,
                     )
                 }
+                RoutingStrategy::KvAware => {
+                    let knobs = routing.kv_aware_routing_config.unwrap_or_default();
+                    (
+                        Strategy::KvAware {
+                            concurrency_threshold: knobs.concurrency_threshold(),
+                            load_weight: knobs.load_weight(),
+                        },
+                        0,
+                    )
+                }
             };
             let mut routes = Vec::new();
             let mut views = Vec::new();
@@ -333,6 +350,7 @@ pub fn build(
                     chat_completions,
                     completions,
                     protocol: instance.protocol,
+                    kv_events: instance.kv_events.clone(),
                     cell,
                 });
             }
