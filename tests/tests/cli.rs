@@ -188,6 +188,57 @@ fn the_admin_cli_works_as_a_user_types_it() {
         "{out}"
     );
 
+    // Switchyard's bounded-load extension is set through the CLI (boto3 would refuse it).
+    let bounded = r#"[{"VariantName":"AllTraffic","ModelName":"m","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}}]"#;
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "hot-cfg",
+            "--production-variants",
+            bounded,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "endpoint-config",
+            "describe",
+            "--name",
+            "hot-cfg",
+        ],
+    );
+    assert_eq!(code, 0);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
+    let prefix = &json["ProductionVariants"][0]["RoutingConfig"]["PrefixAwareRoutingConfig"];
+    assert_eq!(prefix["LoadBalanceFactor"], 1.25, "{out}");
+    assert_eq!(prefix["LoadBalanceSlack"], 2, "{out}");
+    let (_, out, _) = cli(&control, &["endpoint-config", "list"]);
+    assert!(out.contains("4096/16 load≤1.25×mean+2"), "{out}");
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "x",
+            "--production-variants",
+            &bounded.replace("1.25", "0.5"),
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("LoadBalanceFactor"), "{err}");
+    let (code, _, _) = cli(
+        &control,
+        &["endpoint-config", "delete", "--name", "hot-cfg"],
+    );
+    assert_eq!(code, 0);
+
     // A rule broken locally: exit 64, field named.
     let (code, _, err) = cli(
         &control,
