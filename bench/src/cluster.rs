@@ -92,6 +92,21 @@ pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
     .to_string()
 }
 
+/// A ProductionVariants JSON like [`variants_json`] for PREFIX_AWARE with `config` (which may
+/// carry Switchyard's bounded-load extension).
+pub fn prefix_aware_variants_json(config: &switchyard_shared::PrefixAwareRoutingConfig) -> String {
+    serde_json::json!([{
+        "VariantName": "AllTraffic",
+        "ModelName": "sim",
+        "InitialInstanceCount": 1,
+        "RoutingConfig": {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": config,
+        },
+    }])
+    .to_string()
+}
+
 fn tolerate_existing<T>(
     result: Result<tonic::Response<T>, tonic::Status>,
     call: &str,
