@@ -91,11 +91,12 @@ pub enum Preset {
     /// A smoke run in seconds: 3 engines with small caches, 48 requests over 12 prefixes of
     /// 400 tokens, 4 clients, time scale 0.1, 1 router.
     Quick,
-    /// Hot prefixes (docs/benchmarks.md, section 6): 7 engines, 1,000 requests over 32 shared
+    /// Hot prefixes (docs/benchmarks.md, section 6): 7 engines, 4,000 requests over 32 shared
     /// prefixes of 8,000 tokens whose popularity follows a Zipf law (exponent 1.1), 32 output
     /// tokens, 16 clients, time scale 0.25, ConcurrencyThreshold 16; PREFIX_AWARE with
-    /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2, then the SGLang
-    /// gateway (skipped if `smg` is not installed), with 1 and 4 routers.
+    /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 2), then
+    /// the SGLang gateway (skipped if `smg` is not installed), with 1 and 4 routers. About 8
+    /// minutes on 2 cores in a release build.
     Zipf,
 }
 
@@ -159,6 +160,14 @@ pub struct DemoArgs {
     /// The SGLang gateway's `smg` binary. Default: `smg` on PATH, else target/peers/bin/smg.
     #[arg(long, value_name = "FILE")]
     pub sglang_bin: Option<PathBuf>,
+    /// Run each Switchyard router as its own process, as deployed and as the peers run (the
+    /// fair setting beside a peer). Default: inside this process, where the benchmark can also
+    /// sample how often several routers disagree.
+    #[arg(long)]
+    pub router_processes: bool,
+    /// The switchyard-router executable for --router-processes. Default: next to this one.
+    #[arg(long, value_name = "FILE", requires = "router_processes")]
+    pub router_bin: Option<PathBuf>,
     /// Stop starting sessions after this many wall seconds per run.
     #[arg(long, value_name = "SECONDS")]
     pub max_duration: Option<f64>,
@@ -192,6 +201,8 @@ pub struct CompareSettings {
     pub peers: Vec<Peer>,
     /// `smg` (default: found on PATH or in target/peers/bin).
     pub sglang_bin: Option<PathBuf>,
+    /// Run Switchyard's routers as processes of this executable (default: in this process).
+    pub router_binary: Option<PathBuf>,
     /// Router load reports and control-plane broadcasts (wall ms).
     pub load_interval_ms: u64,
     pub max_duration: Duration,
@@ -227,6 +238,7 @@ impl CompareSettings {
                     load_balance: Vec::new(),
                     peers: Vec::new(),
                     sglang_bin: None,
+                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(600),
                     request_timeout: Duration::from_secs(120),
@@ -260,6 +272,7 @@ impl CompareSettings {
                     load_balance: Vec::new(),
                     peers: Vec::new(),
                     sglang_bin: None,
+                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(60),
                     request_timeout: Duration::from_secs(30),
@@ -271,7 +284,7 @@ impl CompareSettings {
                 let slack = switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK;
                 Self {
                     workload: WorkloadSpec {
-                        requests: 1000,
+                        requests: 4000,
                         seed: 1,
                         prefixes: 32,
                         prefix_tokens: 8000,
@@ -294,6 +307,7 @@ impl CompareSettings {
                         .collect(),
                     peers: vec![Peer::Sglang],
                     sglang_bin: None,
+                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(600),
                     request_timeout: Duration::from_secs(120),
@@ -464,6 +478,19 @@ impl DemoArgs {
         if self.sglang_bin.is_some() {
             settings.sglang_bin = self.sglang_bin.clone();
         }
+        if self.router_processes {
+            let binary = self
+                .router_bin
+                .clone()
+                .or_else(crate::overhead::default_router_bin)
+                .ok_or_else(|| {
+                    "--router-processes: no switchyard-router next to this executable (build it: cargo build --release -p switchyard-router), or give --router-bin".to_owned()
+                })?;
+            if !binary.is_file() {
+                return Err(format!("--router-bin {}: no such file", binary.display()));
+            }
+            settings.router_binary = Some(binary);
+        }
         if let Some(seconds) = self.max_duration {
             if !(seconds.is_finite() && seconds > 0.0) {
                 return Err(format!("--max-duration must be positive, got {seconds}"));
@@ -521,6 +548,12 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
         settings.prefix_length as usize,
     ));
     let mut notes = Vec::new();
+    if let Some(binary) = &settings.router_binary {
+        notes.push(format!(
+            "Switchyard's routers ran as processes of {} (--router-processes): no disagreement sampling",
+            binary.display()
+        ));
+    }
     let mut arms = settings.arms();
     arms.retain(|arm| match arm {
         Arm::Peer(peer) if peer_binary(settings, *peer).is_none() => {
@@ -795,6 +828,7 @@ async fn run_one(
     };
     let tuning = ClusterTuning {
         load_interval_ms: settings.load_interval_ms,
+        router_binary: settings.router_binary.clone(),
         ..ClusterTuning::default()
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;

@@ -45,10 +45,10 @@ fn short_name(column: &str) -> String {
     match column {
         "LEAST_OUTSTANDING_REQUESTS" => "LOR".into(),
         "PREFIX_AWARE" => "PREFIX".into(),
-        bounded if bounded.starts_with("PREFIX_AWARE c=") => bounded
-            .trim_start_matches("PREFIX_AWARE ")
-            .replace('=', "")
-            .replace("c", "c="),
+        // "PREFIX_AWARE c=1.25 s=2" → "c=1.25 s=2".
+        bounded if bounded.starts_with("PREFIX_AWARE c=") => {
+            bounded.trim_start_matches("PREFIX_AWARE ").to_owned()
+        }
         other => other.split_whitespace().next().unwrap_or(other).to_owned(),
     }
 }

@@ -118,6 +118,16 @@ struct ControlProcess {
     _dir: tempfile::TempDir,
 }
 
+/// A failing assertion must not leave the control plane running.
+impl Drop for ControlProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn control_process() -> ControlProcess {
     let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();
