@@ -453,6 +453,64 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
 }
 
 #[test]
+fn a_bounded_load_comparison_runs_with_routers_as_processes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("compare.json");
+    let json_arg = json.to_str().expect("utf-8 path");
+    let output = run(
+        "switchyard-bench",
+        &[
+            "compare",
+            "--preset",
+            "quick",
+            "--quiet",
+            "--strategies",
+            "PREFIX_AWARE",
+            "--load-balance-factor",
+            "1.25",
+            "--load-balance-slack",
+            "0",
+            "--router-processes",
+            "--peers",
+            "sglang",
+            "--sglang-bin",
+            "/nonexistent/smg",
+            "--json",
+            json_arg,
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(
+        runs.len(),
+        2,
+        "PREFIX_AWARE twice; the missing peer skipped"
+    );
+    assert_eq!(runs[1]["load_balance"]["factor"], 1.25, "{report}");
+    assert_eq!(runs[1]["load_balance"]["slack"], 0, "{report}");
+    for run in runs {
+        assert_eq!(run["errors"], 0, "{run}");
+        assert_eq!(run["instance_shares"].as_array().map(Vec::len), Some(3));
+    }
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("ran as processes"), "{notes}");
+    assert!(notes.contains("skipped"), "{notes}");
+
+    let bad = run(
+        "switchyard-bench",
+        &["compare", "--load-balance-factor", "0.5"],
+    );
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--load-balance-factor"));
+}
+
+#[test]
 fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
     let dir = tempfile::tempdir().expect("temp dir");
     let json = dir.path().join("overhead.json");
