@@ -113,7 +113,14 @@ pub fn config_rows(configs: &[EndpointConfig]) -> String {
                 let prefix = routing
                     .prefix_aware_routing_config
                     .map(|prefix| {
-                        format!("{}/{}", prefix.prefix_length, prefix.concurrency_threshold)
+                        let bounded = prefix
+                            .load_balance()
+                            .map(|(factor, slack)| format!(" load≤{factor}×mean+{slack}"))
+                            .unwrap_or_default();
+                        format!(
+                            "{}/{}{bounded}",
+                            prefix.prefix_length, prefix.concurrency_threshold
+                        )
                     })
                     .unwrap_or_else(|| "-".into());
                 vec![

@@ -21,6 +21,13 @@ pub const DEFAULT_KV_CONCURRENCY_THRESHOLD: u32 = 10;
 /// KV_AWARE's LoadWeight when `KvAwareRoutingConfig` does not set one.
 pub const DEFAULT_KV_LOAD_WEIGHT: f64 = 0.5;
 pub const KV_LOAD_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.0..=100.0;
+/// `LoadBalanceFactor` (Switchyard's extension of PrefixAwareRoutingConfig).
+pub const LOAD_BALANCE_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 1.0..=100.0;
+/// `LoadBalanceSlack` (Switchyard's extension of PrefixAwareRoutingConfig).
+pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
+/// `LoadBalanceSlack` when `LoadBalanceFactor` is given alone (docs/benchmarks.md, section 6,
+/// shows why).
+pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 2;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 pub const DEFAULT_INSTANCE_WEIGHT: f64 = 1.0;
 /// Longest instance lease a registration may ask for.
@@ -94,11 +101,25 @@ impl std::str::FromStr for RoutingStrategy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// SageMaker's PrefixAwareRoutingConfig, plus Switchyard's optional bounded-load extension.
+/// Without `LoadBalanceFactor` it means exactly what it means on SageMaker: an instance takes
+/// its prefixes until ConcurrencyThreshold requests are in flight on it fleet-wide. With it,
+/// an instance takes a prefix only while its fleet-wide in-flight count is below
+/// `min(ConcurrencyThreshold, ⌈LoadBalanceFactor × (L + 1) / N⌉ + LoadBalanceSlack)`, where
+/// L is the variant's fleet-wide in-flight total and N its routable instances; past it, the
+/// prefix goes to its next instance in rendezvous order (`x-switchyard-route: overflow`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct PrefixAwareRoutingConfig {
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
+    /// Switchyard extension: `c` in 1–100; absent, SageMaker's semantics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_balance_factor: Option<f64>,
+    /// Switchyard extension: `s` in 0–1024, only with a factor (default
+    /// [`DEFAULT_LOAD_BALANCE_SLACK`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_balance_slack: Option<u32>,
 }
 
 /// KV_AWARE's knobs, Switchyard's extension: every field is optional and defaults to the
@@ -152,6 +173,83 @@ impl KvAwareRoutingConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl PrefixAwareRoutingConfig {
+    /// SageMaker's fields only (no extension).
+    pub fn sagemaker(prefix_length: u32, concurrency_threshold: u32) -> Self {
+        Self {
+            prefix_length,
+            concurrency_threshold,
+            load_balance_factor: None,
+            load_balance_slack: None,
+        }
+    }
+
+    /// The bounded-load extension as (factor, slack), if configured.
+    pub fn load_balance(&self) -> Option<(f64, u32)> {
+        self.load_balance_factor.map(|factor| {
+            (
+                factor,
+                self.load_balance_slack
+                    .unwrap_or(DEFAULT_LOAD_BALANCE_SLACK),
+            )
+        })
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        if !PREFIX_LENGTH_RANGE.contains(&self.prefix_length) {
+            return Err(ValidationError::new(
+                format!("{field}.PrefixLength"),
+                format!(
+                    "must be between {} and {}, got {}",
+                    PREFIX_LENGTH_RANGE.start(),
+                    PREFIX_LENGTH_RANGE.end(),
+                    self.prefix_length
+                ),
+            ));
+        }
+        if !CONCURRENCY_THRESHOLD_RANGE.contains(&self.concurrency_threshold) {
+            return Err(ValidationError::new(
+                format!("{field}.ConcurrencyThreshold"),
+                format!(
+                    "must be between {} and {}, got {}",
+                    CONCURRENCY_THRESHOLD_RANGE.start(),
+                    CONCURRENCY_THRESHOLD_RANGE.end(),
+                    self.concurrency_threshold
+                ),
+            ));
+        }
+        if let Some(factor) = self.load_balance_factor
+            && !LOAD_BALANCE_FACTOR_RANGE.contains(&factor)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.LoadBalanceFactor"),
+                format!(
+                    "must be a number between {} and {}, got {factor}",
+                    LOAD_BALANCE_FACTOR_RANGE.start(),
+                    LOAD_BALANCE_FACTOR_RANGE.end(),
+                ),
+            ));
+        }
+        match (self.load_balance_factor, self.load_balance_slack) {
+            (None, Some(_)) => Err(ValidationError::new(
+                format!("{field}.LoadBalanceSlack"),
+                "is only allowed together with LoadBalanceFactor",
+            )),
+            (_, Some(slack)) if !LOAD_BALANCE_SLACK_RANGE.contains(&slack) => {
+                Err(ValidationError::new(
+                    format!("{field}.LoadBalanceSlack"),
+                    format!(
+                        "must be between {} and {}, got {slack}",
+                        LOAD_BALANCE_SLACK_RANGE.start(),
+                        LOAD_BALANCE_SLACK_RANGE.end(),
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -382,31 +480,7 @@ fn validate_variant(variant: &ProductionVariant, field: &str) -> Result<(), Vali
             prefix_field,
             "is required when RoutingStrategy is PREFIX_AWARE (PrefixLength and ConcurrencyThreshold)",
         )),
-        (RoutingStrategy::PrefixAware, Some(prefix)) => {
-            if !PREFIX_LENGTH_RANGE.contains(&prefix.prefix_length) {
-                return Err(ValidationError::new(
-                    format!("{prefix_field}.PrefixLength"),
-                    format!(
-                        "must be between {} and {}, got {}",
-                        PREFIX_LENGTH_RANGE.start(),
-                        PREFIX_LENGTH_RANGE.end(),
-                        prefix.prefix_length
-                    ),
-                ));
-            }
-            if !CONCURRENCY_THRESHOLD_RANGE.contains(&prefix.concurrency_threshold) {
-                return Err(ValidationError::new(
-                    format!("{prefix_field}.ConcurrencyThreshold"),
-                    format!(
-                        "must be between {} and {}, got {}",
-                        CONCURRENCY_THRESHOLD_RANGE.start(),
-                        CONCURRENCY_THRESHOLD_RANGE.end(),
-                        prefix.concurrency_threshold
-                    ),
-                ));
-            }
-            Ok(())
-        }
+        (RoutingStrategy::PrefixAware, Some(prefix)) => prefix.validate(&prefix_field),
         (other, Some(_)) => Err(ValidationError::new(
             prefix_field,
             format!("is only allowed when RoutingStrategy is PREFIX_AWARE, not {other}"),
@@ -763,10 +837,7 @@ mod tests {
         Some(RoutingConfig {
             routing_strategy: strategy,
             prefix_aware_routing_config: prefix.map(|(prefix_length, concurrency_threshold)| {
-                PrefixAwareRoutingConfig {
-                    prefix_length,
-                    concurrency_threshold,
-                }
+                PrefixAwareRoutingConfig::sagemaker(prefix_length, concurrency_threshold)
             }),
             kv_aware_routing_config: None,
         })
@@ -960,6 +1031,63 @@ mod tests {
         let mut bad_health = config(vec![variant("a", None)]);
         bad_health.health_check_config.path = "health".into();
         assert_eq!(field_of(&bad_health), "HealthCheckConfig.Path");
+    }
+
+    #[test]
+    fn the_load_balance_extension_is_optional_and_checked() {
+        let base = "ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig";
+        let with = |factor: Option<f64>, slack: Option<u32>| {
+            let mut routing = prefix(RoutingStrategy::PrefixAware, Some((4096, 16))).unwrap();
+            if let Some(prefix) = routing.prefix_aware_routing_config.as_mut() {
+                prefix.load_balance_factor = factor;
+                prefix.load_balance_slack = slack;
+            }
+            config(vec![variant("a", Some(routing))])
+        };
+        with(None, None).validate().unwrap();
+        with(Some(1.0), None).validate().unwrap();
+        with(Some(1.25), Some(0)).validate().unwrap();
+        with(Some(100.0), Some(1024)).validate().unwrap();
+        for (factor, slack, field) in [
+            (Some(0.99), None, "LoadBalanceFactor"),
+            (Some(100.5), None, "LoadBalanceFactor"),
+            (Some(f64::NAN), None, "LoadBalanceFactor"),
+            (Some(f64::INFINITY), None, "LoadBalanceFactor"),
+            (Some(1.25), Some(1025), "LoadBalanceSlack"),
+            (None, Some(2), "LoadBalanceSlack"),
+        ] {
+            assert_eq!(
+                field_of(&with(factor, slack)),
+                format!("{base}.{field}"),
+                "{factor:?} {slack:?}"
+            );
+        }
+        let sagemaker = PrefixAwareRoutingConfig::sagemaker(4096, 16);
+        assert_eq!(sagemaker.load_balance(), None);
+        let factor_only = PrefixAwareRoutingConfig {
+            load_balance_factor: Some(1.5),
+            ..sagemaker
+        };
+        assert_eq!(
+            factor_only.load_balance(),
+            Some((1.5, DEFAULT_LOAD_BALANCE_SLACK))
+        );
+        // Absent fields stay absent in the stored JSON, so a SageMaker config reads back as itself.
+        let text = serde_json::to_string(&sagemaker).unwrap();
+        assert_eq!(text, r#"{"PrefixLength":4096,"ConcurrencyThreshold":16}"#);
+        let both = PrefixAwareRoutingConfig {
+            load_balance_slack: Some(3),
+            ..factor_only
+        };
+        let text = serde_json::to_string(&both).unwrap();
+        assert_eq!(
+            text,
+            r#"{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.5,"LoadBalanceSlack":3}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<PrefixAwareRoutingConfig>(&text).unwrap(),
+            both
+        );
     }
 
     #[test]

@@ -83,6 +83,8 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                     pb::PrefixAwareRoutingConfig {
                         prefix_length: prefix.prefix_length,
                         concurrency_threshold: prefix.concurrency_threshold,
+                        load_balance_factor: prefix.load_balance_factor,
+                        load_balance_slack: prefix.load_balance_slack,
                     }
                 }),
                 kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
@@ -112,6 +114,8 @@ fn production_variant(
                 PrefixAwareRoutingConfig {
                     prefix_length: prefix.prefix_length,
                     concurrency_threshold: prefix.concurrency_threshold,
+                    load_balance_factor: prefix.load_balance_factor,
+                    load_balance_slack: prefix.load_balance_slack,
                 }
             }),
             // proto3 cannot tell 0 from absent: a 0 threshold means "the default".
@@ -477,5 +481,34 @@ mod tests {
             EndpointConfig::try_from(wire).unwrap_err().field,
             "ProductionVariants[0].RoutingConfig.RoutingStrategy"
         );
+    }
+    #[test]
+    fn the_load_balance_extension_round_trips_and_stays_absent_when_absent() {
+        let json = r#"[{"VariantName":"AllTraffic","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,
+            "LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}},
+            {"VariantName":"SageMaker","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16}}}]"#;
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: crate::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms: 0,
+        };
+        let wire = pb::EndpointConfig::from(&config);
+        let prefix = |index: usize| {
+            wire.production_variants[index]
+                .routing_config
+                .unwrap()
+                .prefix_aware_routing_config
+                .unwrap()
+        };
+        assert_eq!(prefix(0).load_balance_factor, Some(1.25));
+        assert_eq!(prefix(0).load_balance_slack, Some(2));
+        assert_eq!(prefix(1).load_balance_factor, None);
+        assert_eq!(prefix(1).load_balance_slack, None);
+        assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
     }
 }

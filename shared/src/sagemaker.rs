@@ -42,7 +42,14 @@ const ROUTING_FIELDS: &[&str] = &[
     "PrefixAwareRoutingConfig",
     "KvAwareRoutingConfig",
 ];
-const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
+/// SageMaker's two fields, then Switchyard's optional bounded-load extension (a pasted
+/// SageMaker config never has them, so it means what it means on SageMaker).
+const PREFIX_FIELDS: &[&str] = &[
+    "PrefixLength",
+    "ConcurrencyThreshold",
+    "LoadBalanceFactor",
+    "LoadBalanceSlack",
+];
 const KV_FIELDS: &[&str] = &["ConcurrencyThreshold", "LoadWeight"];
 
 /// Production variants parsed from SageMaker JSON, with the SageMaker-only fields that were
@@ -246,5 +253,32 @@ mod tests {
         assert!(err.message.contains("FASTEST"), "{err}");
         let err = parse_production_variants("[{").unwrap_err();
         assert_eq!(err.field, "ProductionVariants");
+    }
+    #[test]
+    fn reads_the_load_balance_extension() {
+        let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,
+            "LoadBalanceFactor":1.25,"LoadBalanceSlack":1}}}]"#;
+        let prefix = parse_production_variants(json).unwrap().variants[0]
+            .routing()
+            .prefix_aware_routing_config
+            .unwrap();
+        assert_eq!(prefix.load_balance(), Some((1.25, 1)));
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactr":1.25}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig.LoadBalanceFactr"
+        );
+        assert!(err.message.contains("LoadBalanceFactor"), "{err}");
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":"high"}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "ProductionVariants[0]");
     }
 }

@@ -118,6 +118,16 @@ struct ControlProcess {
     _dir: tempfile::TempDir,
 }
 
+/// A failing assertion must not leave the control plane running.
+impl Drop for ControlProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn control_process() -> ControlProcess {
     let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();
@@ -187,6 +197,57 @@ fn the_admin_cli_works_as_a_user_types_it() {
         out.contains("PREFIX_AWARE") && out.contains("4096/10"),
         "{out}"
     );
+
+    // Switchyard's bounded-load extension is set through the CLI (boto3 would refuse it).
+    let bounded = r#"[{"VariantName":"AllTraffic","ModelName":"m","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}}]"#;
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "hot-cfg",
+            "--production-variants",
+            bounded,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "endpoint-config",
+            "describe",
+            "--name",
+            "hot-cfg",
+        ],
+    );
+    assert_eq!(code, 0);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
+    let prefix = &json["ProductionVariants"][0]["RoutingConfig"]["PrefixAwareRoutingConfig"];
+    assert_eq!(prefix["LoadBalanceFactor"], 1.25, "{out}");
+    assert_eq!(prefix["LoadBalanceSlack"], 2, "{out}");
+    let (_, out, _) = cli(&control, &["endpoint-config", "list"]);
+    assert!(out.contains("4096/16 load≤1.25×mean+2"), "{out}");
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "x",
+            "--production-variants",
+            &bounded.replace("1.25", "0.5"),
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("LoadBalanceFactor"), "{err}");
+    let (code, _, _) = cli(
+        &control,
+        &["endpoint-config", "delete", "--name", "hot-cfg"],
+    );
+    assert_eq!(code, 0);
 
     // A rule broken locally: exit 64, field named.
     let (code, _, err) = cli(
@@ -434,6 +495,64 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
         terminate(&mut child).success(),
         "switchyard up exits cleanly on SIGTERM"
     );
+}
+
+#[test]
+fn a_bounded_load_comparison_runs_with_routers_as_processes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("compare.json");
+    let json_arg = json.to_str().expect("utf-8 path");
+    let output = run(
+        "switchyard-bench",
+        &[
+            "compare",
+            "--preset",
+            "quick",
+            "--quiet",
+            "--strategies",
+            "PREFIX_AWARE",
+            "--load-balance-factor",
+            "1.25",
+            "--load-balance-slack",
+            "0",
+            "--router-processes",
+            "--peers",
+            "sglang",
+            "--sglang-bin",
+            "/nonexistent/smg",
+            "--json",
+            json_arg,
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(
+        runs.len(),
+        2,
+        "PREFIX_AWARE twice; the missing peer skipped"
+    );
+    assert_eq!(runs[1]["load_balance"]["factor"], 1.25, "{report}");
+    assert_eq!(runs[1]["load_balance"]["slack"], 0, "{report}");
+    for run in runs {
+        assert_eq!(run["errors"], 0, "{run}");
+        assert_eq!(run["instance_shares"].as_array().map(Vec::len), Some(3));
+    }
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("ran as processes"), "{notes}");
+    assert!(notes.contains("skipped"), "{notes}");
+
+    let bad = run(
+        "switchyard-bench",
+        &["compare", "--load-balance-factor", "0.5"],
+    );
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--load-balance-factor"));
 }
 
 #[test]

@@ -159,6 +159,7 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 pb::PrefixAwareRoutingConfig {
                     prefix_length,
                     concurrency_threshold,
+                    ..Default::default()
                 }
             }),
             kv_aware_routing_config: None,
@@ -175,6 +176,19 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
         })
     };
     let kv_base = "ProductionVariants[0].RoutingConfig.KvAwareRoutingConfig";
+    // Switchyard's bounded-load extension of PrefixAwareRoutingConfig.
+    let balanced = |factor: Option<f64>, slack: Option<u32>| {
+        Some(pb::RoutingConfig {
+            routing_strategy: pb::RoutingStrategy::PrefixAware as i32,
+            prefix_aware_routing_config: Some(pb::PrefixAwareRoutingConfig {
+                prefix_length: 4096,
+                concurrency_threshold: 16,
+                load_balance_factor: factor,
+                load_balance_slack: slack,
+            }),
+            kv_aware_routing_config: None,
+        })
+    };
     let config =
         |name: &str, variants: Vec<pb::ProductionVariant>| pb::CreateEndpointConfigRequest {
             endpoint_config: Some(pb::EndpointConfig {
@@ -336,6 +350,22 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 )],
             ),
             format!("{kv_base}.LoadWeight"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(0.5), None))]),
+            format!("{base}.LoadBalanceFactor"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(f64::NAN), Some(2)))]),
+            format!("{base}.LoadBalanceFactor"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(1.25), Some(1025)))]),
+            format!("{base}.LoadBalanceSlack"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(None, Some(2)))]),
+            format!("{base}.LoadBalanceSlack"),
         ),
     ];
     for (request, field) in cases {

@@ -163,6 +163,71 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
 }
 
 #[tokio::test]
+async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_routers_agree()
+-> anyhow::Result<()> {
+    // Slow engines so requests stay in flight while we look. ConcurrencyThreshold 100 is
+    // never reached: only the bound ⌈1.0 × (L + 1) / 4⌉ + 1 moves requests.
+    let sim = SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    };
+    let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+        "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
+    let cluster = Cluster::start(4, 2, variants, sim).await?;
+    let (router_a, router_b) = (&cluster.routers[0], &cluster.routers[1]);
+    let hot = prompt("hot prefix", 1500);
+    let short = chat_body(&hot, 1, false);
+    let owner = instance_for(&chat_url(router_a), &[], &short).await?;
+    cluster.wait_idle().await?;
+
+    let long = chat_body(&hot, 400, true);
+    let hold = |router: &switchyard_router::RouterHandle| {
+        let url = chat_url(router);
+        let long = long.clone();
+        async move {
+            let response = post_streaming(&url, &[], long).await?;
+            let instance = response
+                .headers()
+                .get("x-switchyard-instance")
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            anyhow::Ok((response, instance))
+        }
+    };
+    // One in flight (bound ⌈2/4⌉ + 1 = 2): the slack keeps a lightly loaded fleet on the owner.
+    let (first, on) = hold(router_a).await?;
+    assert_eq!(on, owner);
+    let reply = http_post(&chat_url(router_a), &[], short.clone()).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("prefix"));
+    let (second, on) = hold(router_a).await?;
+    assert_eq!(on, owner);
+    // Two in flight on the owner, none elsewhere: bound ⌈3/4⌉ + 1 = 2, so the prefix spills,
+    // through either router, to the same second choice.
+    eventually(
+        Duration::from_secs(5),
+        "router B to see the owner's load",
+        || async { fleet_in_flight(router_b, &owner).await >= 2 },
+    )
+    .await?;
+    let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
+    let via_a = http_post(&chat_url(router_a), &[], short.clone()).await?;
+    for reply in [&via_a, &via_b] {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
+        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
+    }
+    assert_eq!(
+        via_a.header("x-switchyard-instance"),
+        via_b.header("x-switchyard-instance"),
+        "both routers spill to the same second choice"
+    );
+    drop((first, second));
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn least_outstanding_requests_evens_out_load() -> anyhow::Result<()> {
     let sim = SimConfig {
         time_scale: 0.2,

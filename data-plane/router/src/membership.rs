@@ -200,6 +200,9 @@ struct FileInstance {
 ///         RoutingConfig:
 ///           RoutingStrategy: PREFIX_AWARE
 ///           PrefixAwareRoutingConfig: {PrefixLength: 4096, ConcurrencyThreshold: 10}
+///           # Switchyard's bounded-load extension (optional; absent: SageMaker's semantics):
+///           # PrefixAwareRoutingConfig: {PrefixLength: 4096, ConcurrencyThreshold: 16,
+///           #                            LoadBalanceFactor: 1.25, LoadBalanceSlack: 2}
 ///     Instances:
 ///       - Url: http://10.0.0.7:8000    # InstanceId defaults to the URL's host:port,
 ///       - Url: http://10.0.0.8:8000    # VariantName to the only variant
@@ -378,6 +381,56 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.field, "Endpoints[0].Instances[0].KvEvents");
+    }
+
+    #[test]
+    fn static_config_carries_the_load_balance_extension_into_the_table() {
+        use switchyard_policy::rank::{LoadBalance, Strategy};
+        let config = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
+            {"VariantName":"bounded","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.5,"LoadBalanceSlack":3}}},
+            {"VariantName":"default-slack","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25}}},
+            {"VariantName":"sagemaker","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16}}}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","VariantName":"bounded"}]}]}"#,
+        )
+        .unwrap();
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        let mut membership = Membership::new(Arc::default(), Arc::clone(&table));
+        membership.load_static(config);
+        let table = table.load();
+        let endpoint = &table.endpoints[&EndpointName::new("chat").unwrap()];
+        let strategies: Vec<Strategy> = endpoint
+            .variants
+            .iter()
+            .map(|variant| variant.strategy)
+            .collect();
+        let strategy = |factor: f64, slack: u32| Strategy::PrefixAware {
+            concurrency_threshold: 16,
+            balance: Some(LoadBalance { factor, slack }),
+        };
+        assert_eq!(
+            strategies,
+            [
+                strategy(1.5, 3),
+                strategy(1.25, switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK),
+                Strategy::PrefixAware {
+                    concurrency_threshold: 16,
+                    balance: None
+                },
+            ]
+        );
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":0.5}}}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "Endpoints[0].ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig.LoadBalanceFactor"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use switchyard_policy::hash::instance_hash;
-use switchyard_policy::rank::{InstanceView, Route, Strategy};
+use switchyard_policy::rank::{InstanceView, LoadBalance, Route, Strategy};
 use switchyard_shared::{
     EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, KvEventsEndpoints,
     RoutingStrategy, VariantName,
@@ -296,15 +296,16 @@ pub fn build(
                     (Strategy::LeastOutstandingRequests, 0)
                 }
                 RoutingStrategy::PrefixAware => {
+                    // validate() requires the config; the article's example stands in otherwise.
                     let prefix = routing.prefix_aware_routing_config.unwrap_or(
-                        switchyard_shared::PrefixAwareRoutingConfig {
-                            prefix_length: 4096,
-                            concurrency_threshold: 10,
-                        },
+                        switchyard_shared::PrefixAwareRoutingConfig::sagemaker(4096, 10),
                     );
                     (
                         Strategy::PrefixAware {
                             concurrency_threshold: prefix.concurrency_threshold,
+                            balance: prefix
+                                .load_balance()
+                                .map(|(factor, slack)| LoadBalance { factor, slack }),
                         },
                         prefix.prefix_length as usize,
                     )
