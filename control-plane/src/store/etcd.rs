@@ -1,6 +1,8 @@
 //! The etcd store. Every key lives under a namespace prefix (`--etcd-prefix`, default
 //! `/switchyard/v1/`); callers see keys without it. Each call has a deadline, so a dead etcd
 //! turns into `StoreError::Unavailable` (gRPC `UNAVAILABLE` at the API) instead of a hang.
+//! Every request carries etcd's require-leader flag: a member cut off from its quorum refuses
+//! it (and ends its watches) instead of answering from a frozen copy.
 //! `https://` endpoints are verified against a given CA (`EtcdTls`), with an optional client
 //! certificate for etcd's `--client-cert-auth`; rustls with ring, as tonic uses elsewhere.
 
@@ -17,7 +19,10 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use super::{Compare, Kv, LeaseId, Listing, Op, Revision, Store, StoreError, Txn, WatchEvent};
+use super::{
+    Compare, Kv, LeaseId, Listing, Op, Revision, Store, StoreError, Txn, WatchControl, WatchEvent,
+    WatchItem,
+};
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -216,7 +221,9 @@ impl EtcdStore {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
         if let Some(tls) = tls {
             options = options.with_tls(tls.options());
         }
@@ -410,7 +417,7 @@ impl Store for EtcdStore {
             .map(|kv| self.kv(kv))
             .collect::<Result<_, _>>()?;
         let mut watch_client = self.client.watch_client();
-        let stream = deadline(
+        let watch_stream = deadline(
             watch_client.watch(
                 self.full(prefix),
                 Some(
@@ -421,6 +428,7 @@ impl Store for EtcdStore {
             ),
         )
         .await?;
+        let (requests, stream) = watch_stream.split();
         let store = self.clone();
         let watch = stream.filter_map(move |response| {
             let store = store.clone();
@@ -435,6 +443,16 @@ impl Store for EtcdStore {
                         response.cancel_reason(),
                         response.compact_revision()
                     ))));
+                }
+                if response.created() {
+                    return None;
+                }
+                if response.events().is_empty() {
+                    let revision = response
+                        .header()
+                        .map(|header| header.revision())
+                        .unwrap_or_default();
+                    return Some(Ok(WatchItem::Progress(revision)));
                 }
                 let events: Result<Vec<WatchEvent>, StoreError> = response
                     .events()
@@ -454,7 +472,7 @@ impl Store for EtcdStore {
                     .collect();
                 match events {
                     Ok(events) if events.is_empty() => None,
-                    other => Some(other),
+                    other => Some(other.map(WatchItem::Events)),
                 }
             }
         });
@@ -462,6 +480,16 @@ impl Store for EtcdStore {
             kvs,
             revision,
             watch: Box::pin(watch),
+            control: Box::new(EtcdWatchControl(requests)),
         })
+    }
+}
+
+struct EtcdWatchControl(etcd_client::WatchRequestSender);
+
+#[async_trait::async_trait]
+impl WatchControl for EtcdWatchControl {
+    async fn request_progress(&mut self) -> Result<(), StoreError> {
+        deadline(self.0.request_progress()).await
     }
 }

@@ -277,7 +277,7 @@ impl RouterHandle {
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        let connected = Arc::new(AtomicBool::new(false));
+        let connected = Arc::new(metrics::SyncMetrics::default());
         let shared = Arc::new(Shared {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
@@ -348,19 +348,29 @@ impl RouterHandle {
                 );
                 None
             }
-            Source::ControlPlane(urls) => Some(tokio::spawn(sync_client::run(
-                sync_client::SyncSettings {
+            Source::ControlPlane(urls) => {
+                let settings = sync_client::SyncSettings {
                     urls: urls.clone(),
                     router_id: settings.router_id.clone(),
                     report_interval: Duration::from_millis(config.load_report_interval_ms),
                     tls_ca: settings.tls_ca.clone(),
                     token: settings.control_plane_token.clone(),
-                },
-                membership,
-                Arc::clone(&registry),
-                connected,
-                shutdown.clone(),
-            ))),
+                };
+                let task = sync_client::spawn(
+                    settings,
+                    membership,
+                    Arc::clone(&registry),
+                    connected,
+                    shutdown.clone(),
+                );
+                match task {
+                    Ok(task) => Some(task),
+                    Err(err) => {
+                        shutdown.cancel();
+                        return Err(StartError::SyncThread(err));
+                    }
+                }
+            }
         };
         let stop = shutdown.clone();
         let app = app(Arc::clone(&shared));
@@ -434,6 +444,8 @@ pub enum StartError {
     Listen(SocketAddr, std::io::Error),
     #[error("cannot start serving thread {0} (see --worker-threads): {1}")]
     Thread(usize, std::io::Error),
+    #[error("cannot start the control-plane sync thread: {0}")]
+    SyncThread(std::io::Error),
 }
 
 use std::future::IntoFuture as _;
