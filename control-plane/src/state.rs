@@ -34,9 +34,14 @@ use crate::store::{Compare, Kv, Revision, Store, Txn, WatchEvent, WatchItem};
 const BROADCAST_BUFFER: usize = 16384;
 /// How often the watch is asked how far it has come.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
-/// A watch silent this long (no events, no progress answer) is stalled: the replica turns not
-/// ready and lists again.
+/// A watch silent this long (no events, no progress answer) is stalled: the store moves to
+/// another member (if it has several) and the state is listed again.
 pub const STALL_AFTER: Duration = Duration::from_secs(3);
+/// After a stall (or a watch that failed), a listing that does not succeed within this long
+/// makes the replica not ready. So a replica turns not ready at most about `STALL_AFTER` + the progress period
+/// (1 s) + this after its store stops answering; one that can move to a live member does not
+/// turn not ready at all.
+pub const RELIST_AFTER_STALL: Duration = Duration::from_secs(2);
 
 /// Whether this replica's view is current.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -354,11 +359,27 @@ impl StateCache {
     /// or stall list again (every router stream then takes a fresh snapshot).
     pub async fn run(self: Arc<Self>, store: Arc<dyn Store>, shutdown: CancellationToken) {
         let mut backoff = Duration::from_millis(100);
+        let mut stalled = false;
         while !shutdown.is_cancelled() {
+            let listed = async {
+                if !stalled {
+                    return store.list_and_watch(keys::STATE).await;
+                }
+                match tokio::time::timeout(RELIST_AFTER_STALL, store.list_and_watch(keys::STATE))
+                    .await
+                {
+                    Ok(listing) => listing,
+                    Err(_) => Err(crate::store::StoreError::Unavailable(format!(
+                        "the store watch stalled and no listing came within {} ms",
+                        RELIST_AFTER_STALL.as_millis()
+                    ))),
+                }
+            };
             let listing = tokio::select! {
                 () = shutdown.cancelled() => return,
-                listing = store.list_and_watch(keys::STATE) => listing,
+                listing = listed => listing,
             };
+            stalled = false;
             let mut listing = match listing {
                 Ok(listing) => listing,
                 Err(err) => {
@@ -416,10 +437,9 @@ impl StateCache {
                     _ = progress.tick() => {
                         let silent = last_heard.elapsed();
                         if silent > STALL_AFTER {
-                            self.set_readiness(Readiness::NotReady(format!(
-                                "the store watch answered nothing for {} ms",
-                                silent.as_millis()
-                            )));
+                            tracing::warn!(silent_ms = silent.as_millis() as u64, "the store watch answers nothing; listing again");
+                            listing.control.stalled();
+                            stalled = true;
                             break;
                         }
                         let asked = tokio::time::timeout(
@@ -442,23 +462,24 @@ impl StateCache {
                         }
                     }
                     Some(Ok(WatchItem::Progress(_))) => {}
+                    // Listed again at once, within a deadline: not ready only if that fails.
                     Some(Err(err)) => {
-                        self.set_readiness(Readiness::NotReady(format!(
-                            "the store watch failed: {err}"
-                        )));
                         tracing::warn!(error = %err, "state watch failed; listing again");
+                        stalled = true;
                         break;
                     }
                     None => {
-                        self.set_readiness(Readiness::NotReady("the store watch ended".into()));
                         tracing::warn!("state watch ended; listing again");
+                        stalled = true;
                         break;
                     }
                 }
             }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            if !stalled {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
             }
         }
     }

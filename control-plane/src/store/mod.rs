@@ -151,6 +151,9 @@ pub trait WatchControl: Send {
     /// come (a [`WatchItem::Progress`]). A store that cannot answer (etcd frozen, cut off from
     /// its quorum) never does.
     async fn request_progress(&mut self) -> Result<(), StoreError>;
+
+    /// Says the watch stopped answering: a store with several members moves to another one.
+    fn stalled(&mut self) {}
 }
 
 /// Everything under a prefix at one revision, and the changes after it.

@@ -634,6 +634,223 @@ mod tests {
         parse_static(serde_json::from_str(json).unwrap())
     }
 
+    fn config(name: &str, model: &str) -> Arc<EndpointConfig> {
+        Arc::new(
+            serde_json::from_str(&format!(
+                r#"{{"EndpointConfigName":"{name}","ProductionVariants":[{{"VariantName":"v","ModelName":"{model}"}}]}}"#
+            ))
+            .unwrap(),
+        )
+    }
+
+    fn endpoint(name: &str, config: &str) -> Arc<Endpoint> {
+        Arc::new(Endpoint {
+            endpoint_name: EndpointName::new(name).unwrap(),
+            endpoint_config_name: EndpointConfigName::new(config).unwrap(),
+            endpoint_status: EndpointStatus::InService,
+            creation_time_ms: 0,
+            last_modified_time_ms: 0,
+            failure_reason: String::new(),
+        })
+    }
+
+    fn instance(endpoint: &str, id: &str, health: Health) -> Arc<Instance> {
+        Arc::new(Instance {
+            instance_id: InstanceId::new(id).unwrap(),
+            endpoint_name: EndpointName::new(endpoint).unwrap(),
+            variant_name: VariantName::new("v").unwrap(),
+            url: format!("http://127.0.0.1:9/{id}"),
+            role: InstanceRole::Both,
+            protocol: InstanceProtocol::Unspecified,
+            weight: 1.0,
+            health,
+            health_detail: String::new(),
+            ttl_seconds: 0,
+            registered_time_ms: 0,
+            lease_id: 0,
+        })
+    }
+
+    fn version(cluster: &str, revision: u64) -> StateVersion {
+        StateVersion {
+            cluster: cluster.into(),
+            revision,
+        }
+    }
+
+    fn membership() -> (Membership, Arc<ArcSwap<RoutingTable>>) {
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        (Membership::new(Arc::default(), Arc::clone(&table)), table)
+    }
+
+    /// Instance ids per endpoint in the table.
+    fn routed(table: &RoutingTable) -> BTreeMap<String, Vec<String>> {
+        table
+            .endpoints
+            .iter()
+            .map(|(name, route)| {
+                let ids = route.variants[0]
+                    .instances
+                    .iter()
+                    .map(|instance| instance.id.to_string())
+                    .collect();
+                (name.to_string(), ids)
+            })
+            .collect()
+    }
+
+    fn snapshot() -> StateUpdate {
+        StateUpdate {
+            reset: true,
+            complete: true,
+            configs: vec![config("cfg", "m1"), config("cfg2", "m2")],
+            endpoints: vec![endpoint("a", "cfg"), endpoint("b", "cfg")],
+            instances: vec![
+                instance("a", "a1", Health::Healthy),
+                instance("a", "a2", Health::Unknown),
+                instance("b", "b1", Health::Healthy),
+            ],
+            ..StateUpdate::default()
+        }
+    }
+
+    #[test]
+    fn a_snapshot_in_pieces_swaps_in_once_complete() {
+        let (mut membership, table) = membership();
+        let whole = snapshot();
+        let first = StateUpdate {
+            reset: true,
+            complete: false,
+            configs: whole.configs.clone(),
+            endpoints: whole.endpoints.clone(),
+            ..StateUpdate::default()
+        };
+        let last = StateUpdate {
+            reset: false,
+            complete: true,
+            instances: whole.instances.clone(),
+            ..StateUpdate::default()
+        };
+        let applied = membership.apply(version("c", 5), &first).unwrap();
+        assert!(!applied.swapped);
+        assert_eq!(
+            table.load().version,
+            0,
+            "nothing routable before the last piece"
+        );
+        assert!(membership.apply(version("c", 5), &last).unwrap().swapped);
+        let loaded = table.load();
+        assert_eq!(loaded.version, 5);
+        assert_eq!(routed(&loaded)["a"], ["a1", "a2"]);
+        assert_eq!(routed(&loaded)["b"], ["b1"]);
+        assert_eq!(
+            loaded.models["m1"].0.as_str(),
+            "a",
+            "first endpoint by name"
+        );
+    }
+
+    #[test]
+    fn a_change_rebuilds_only_the_endpoints_it_touches() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 5), &snapshot()).unwrap();
+        let before = table.load_full();
+        let change = StateUpdate {
+            complete: true,
+            instances: vec![instance("a", "a2", Health::Unhealthy)],
+            removed_instances: vec![InstanceKey::new(
+                EndpointName::new("a").unwrap(),
+                InstanceId::new("a1").unwrap(),
+            )],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 6), &change).unwrap();
+        let after = table.load_full();
+        assert_eq!(after.version, 6);
+        assert!(routed(&after)["a"].is_empty(), "a1 left, a2 unhealthy");
+        assert!(
+            Arc::ptr_eq(&before.endpoints["b"], &after.endpoints["b"]),
+            "b untouched and shared"
+        );
+        // The departed instance's cell goes once no table holds it.
+        drop(before);
+        membership.collect_garbage();
+        assert_eq!(membership.registry.len(), 2, "a2 and b1 remain");
+    }
+
+    #[test]
+    fn config_changes_reach_every_endpoint_using_it_and_models_follow() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 5), &snapshot()).unwrap();
+        let change = StateUpdate {
+            complete: true,
+            configs: vec![config("cfg", "m3")],
+            endpoints: vec![endpoint("a", "cfg2")],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 6), &change).unwrap();
+        let loaded = table.load();
+        let model_of = |name: &str| loaded.endpoints[name].variants[0].model_name.clone();
+        assert_eq!(model_of("a").as_deref(), Some("m2"));
+        assert_eq!(model_of("b").as_deref(), Some("m3"));
+        assert!(!loaded.models.contains_key("m1"));
+        assert_eq!(loaded.models["m2"].0.as_str(), "a");
+        assert_eq!(loaded.models["m3"].0.as_str(), "b");
+        // An endpoint removal takes its instances; the other keeps the model.
+        let removal = StateUpdate {
+            complete: true,
+            removed_endpoints: vec![EndpointName::new("a").unwrap()],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 7), &removal).unwrap();
+        let loaded = table.load();
+        assert!(!loaded.endpoints.contains_key("a"));
+        assert!(!loaded.models.contains_key("m2"));
+        assert_eq!(membership.instance_count(), 1);
+    }
+
+    #[test]
+    fn an_older_snapshot_of_the_same_cluster_is_refused_another_cluster_is_taken() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 10), &snapshot()).unwrap();
+        let older = StateUpdate {
+            reset: true,
+            complete: true,
+            ..StateUpdate::default()
+        };
+        let err = membership.apply(version("c", 9), &older).unwrap_err();
+        assert_eq!(
+            err,
+            ApplyError::Stale {
+                held: version("c", 10),
+                offered: version("c", 9)
+            }
+        );
+        assert_eq!(table.load().endpoints.len(), 2, "the state held stays");
+        // The same revision (a reconnect to a replica with nothing new) is fine.
+        membership.apply(version("c", 10), &snapshot()).unwrap();
+        // A control plane that sends no cluster id counts as the same cluster.
+        assert!(membership.apply(version("", 3), &older).is_err());
+        // Another cluster: taken, and said so.
+        let applied = membership.apply(version("d", 2), &older).unwrap();
+        assert_eq!(applied.cluster_changed, Some(("c".into(), "d".into())));
+        assert!(table.load().endpoints.is_empty());
+        assert_eq!(membership.version(), Some(&version("d", 2)));
+    }
+
+    #[test]
+    fn changes_before_any_snapshot_are_refused() {
+        let (mut membership, _) = membership();
+        let change = StateUpdate {
+            complete: true,
+            ..StateUpdate::default()
+        };
+        assert_eq!(
+            membership.apply(version("c", 1), &change),
+            Err(ApplyError::NoSnapshot)
+        );
+    }
+
     #[test]
     fn static_config_defaults() {
         let config = parse(
