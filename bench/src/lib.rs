@@ -8,6 +8,7 @@
 //! - [`client`] and [`run`]: streaming requests timed on the wall clock, closed or open loop;
 //! - [`compare`]: every strategy on fresh engines, side by side ([`demo`]);
 //! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
+//! - [`fleet`]: the control plane and the sync protocol at fleet scale;
 //! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
 //!
 //! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
@@ -17,6 +18,7 @@ pub mod client;
 pub mod cluster;
 pub mod compare;
 pub mod drive;
+pub mod fleet;
 pub mod forward;
 pub mod oracle;
 pub mod overhead;
@@ -30,6 +32,7 @@ pub mod workload;
 pub use cluster::{ClusterSpec, ClusterTuning, LocalCluster};
 pub use compare::{CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
 pub use drive::{DriveArgs, drive};
+pub use fleet::{FleetArgs, FleetReport, fleet};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};
 pub use report::Report;
 pub use workload::{Trace, WorkloadKind, WorkloadSpec};

@@ -31,6 +31,8 @@ use crate::store::Revision;
 const TICK: Duration = Duration::from_millis(50);
 /// Probes in flight at once.
 const MAX_CONCURRENT_PROBES: usize = 256;
+/// Ticks between two prunings of the trackers of departed instances.
+const PRUNE_EVERY_TICKS: u64 = 20;
 /// Longest failure reason recorded (it travels to every router with the instance).
 const MAX_DETAIL_CHARS: usize = 256;
 
@@ -115,6 +117,7 @@ pub async fn run(
     let client = clients();
     let mut trackers: HashMap<InstanceKey, Tracker> = HashMap::new();
     let mut cursor = 0usize;
+    let mut tick = 0u64;
     let mut probes: JoinSet<ProbeResult> = JoinSet::new();
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -140,6 +143,11 @@ pub async fn run(
             _ = leading.changed() => continue,
             _ = ticks.tick() => {
                 let targets = cache.probe_targets();
+                // Trackers of departed instances are dropped about once a second.
+                tick += 1;
+                if tick % PRUNE_EVERY_TICKS == 0 {
+                    prune(&targets, &mut trackers);
+                }
                 let slots = MAX_CONCURRENT_PROBES.saturating_sub(probes.len());
                 for target in pick_due(&targets, &mut trackers, slots, &mut cursor, Instant::now()) {
                     probes.spawn(probe(client.clone(), target));
@@ -162,11 +170,6 @@ fn pick_due(
     cursor: &mut usize,
     now: Instant,
 ) -> Vec<ProbeTarget> {
-    let live: std::collections::HashSet<InstanceKey> = targets
-        .iter()
-        .map(|target| InstanceKey::of(&target.instance))
-        .collect();
-    trackers.retain(|key, _| live.contains(key));
     let mut picked = Vec::new();
     if targets.is_empty() {
         return picked;
@@ -191,6 +194,15 @@ fn pick_due(
         *cursor = index + 1;
     }
     picked
+}
+
+/// Forgets the trackers of instances no longer there.
+fn prune(targets: &[ProbeTarget], trackers: &mut HashMap<InstanceKey, Tracker>) {
+    let live: std::collections::HashSet<InstanceKey> = targets
+        .iter()
+        .map(|target| InstanceKey::of(&target.instance))
+        .collect();
+    trackers.retain(|key, _| live.contains(key));
 }
 
 fn truncate(detail: &str) -> String {

@@ -186,6 +186,47 @@ impl View {
         }
     }
 
+    /// The changes that turn this view into `new`, in the order routers apply them.
+    fn difference(&self, new: &View) -> Vec<StateChange> {
+        let mut changes = Vec::new();
+        for name in self.endpoints.keys() {
+            if !new.endpoints.contains_key(name) {
+                changes.push(StateChange::EndpointRemoved(name.clone()));
+            }
+        }
+        for (name, config) in &new.configs {
+            if self.configs.get(name) != Some(config) {
+                changes.push(StateChange::Config(Arc::clone(config)));
+            }
+        }
+        for name in self.configs.keys() {
+            if !new.configs.contains_key(name) {
+                changes.push(StateChange::ConfigRemoved(name.clone()));
+            }
+        }
+        for (name, endpoint) in &new.endpoints {
+            if self.endpoints.get(name) != Some(endpoint) {
+                changes.push(StateChange::Endpoint(Arc::clone(endpoint)));
+            }
+        }
+        for (key, instance) in &new.instances {
+            // An endpoint removed above took its instances: whatever remains is put again.
+            let removed_with_endpoint = !new.endpoints.contains_key(&key.endpoint)
+                && self.endpoints.contains_key(&key.endpoint);
+            if removed_with_endpoint || self.instances.get(key) != Some(instance) {
+                changes.push(StateChange::Instance(Arc::clone(instance)));
+            }
+        }
+        for key in self.instances.keys() {
+            let endpoint_removed = self.endpoints.contains_key(&key.endpoint)
+                && !new.endpoints.contains_key(&key.endpoint);
+            if !new.instances.contains_key(key) && !endpoint_removed {
+                changes.push(StateChange::InstanceRemoved(key.clone()));
+            }
+        }
+        changes
+    }
+
     fn probe_target(&self, instance: &Arc<Instance>) -> ProbeTarget {
         let config = self
             .endpoints
@@ -324,9 +365,24 @@ impl StateCache {
         before - loads.len()
     }
 
+    /// Takes a new listing. Listed again from the same cluster and not older, the difference
+    /// is published as changes (routers get a batch, not a snapshot each: a relist after a
+    /// stall is cheap); otherwise every stream is told to send a fresh snapshot.
     fn replace(&self, kvs: &[Kv], revision: Revision) {
         let mut view = self.lock();
-        *view = View::from_kvs(kvs, revision);
+        let new = View::from_kvs(kvs, revision);
+        let loaded = view.revision > 0 || !view.cluster.is_empty();
+        if loaded && view.cluster == new.cluster && revision >= view.revision {
+            let changes = view.difference(&new);
+            *view = new;
+            if !changes.is_empty() {
+                let _ = self
+                    .changes
+                    .send(Arc::new(Published::Changes { revision, changes }));
+            }
+            return;
+        }
+        *view = new;
         let _ = self.changes.send(Arc::new(Published::Rebuilt));
     }
 
@@ -432,9 +488,17 @@ impl StateCache {
             let mut last_heard = Instant::now();
             loop {
                 let next = tokio::select! {
+                    // What the watch delivered is looked at before the clock: a replica whose
+                    // threads were busy must not take answers waiting for silence.
+                    biased;
                     () = shutdown.cancelled() => return,
                     next = listing.watch.next() => next,
-                    _ = progress.tick() => {
+                    due = progress.tick() => {
+                        // A tick that comes late means this replica's own threads did not
+                        // run (a starved machine): the store is not to blame for that time.
+                        if due.elapsed() > PROGRESS_EVERY / 2 {
+                            last_heard = Instant::now();
+                        }
                         let silent = last_heard.elapsed();
                         if silent > STALL_AFTER {
                             tracing::warn!(silent_ms = silent.as_millis() as u64, "the store watch answers nothing; listing again");
@@ -489,6 +553,63 @@ impl StateCache {
 mod tests {
     use super::*;
     use crate::store::embedded::EmbeddedStore;
+
+    fn kv(key: String, value: Vec<u8>) -> Kv {
+        Kv {
+            key,
+            value,
+            mod_revision: 1,
+            lease: 0,
+        }
+    }
+
+    #[test]
+    fn a_relist_publishes_only_the_difference() {
+        let endpoint = |name: &str| {
+            kv(
+                keys::endpoint(name),
+                format!(r#"{{"EndpointName":"{name}","EndpointConfigName":"cfg","EndpointStatus":"InService","CreationTimeMs":0,"LastModifiedTimeMs":0}}"#).into_bytes(),
+            )
+        };
+        let instance = |endpoint: &str, id: &str| {
+            kv(keys::instance(endpoint, id), instance_json(endpoint, id))
+        };
+        let old = View::from_kvs(
+            &[
+                endpoint("a"),
+                endpoint("b"),
+                instance("a", "a1"),
+                instance("a", "a2"),
+                instance("b", "b1"),
+            ],
+            5,
+        );
+        let mut moved = instance("a", "a2");
+        moved.value = String::from_utf8(moved.value)
+            .unwrap()
+            .replace("127.0.0.1:1", "127.0.0.1:2")
+            .into_bytes();
+        let new = View::from_kvs(
+            &[
+                endpoint("a"),
+                instance("a", "a1"),
+                moved,
+                instance("a", "a3"),
+            ],
+            9,
+        );
+        let changes = old.difference(&new);
+        let described: Vec<String> = changes
+            .iter()
+            .map(|change| match change {
+                StateChange::EndpointRemoved(name) => format!("-endpoint {name}"),
+                StateChange::Instance(instance) => format!("+{}", instance.instance_id),
+                StateChange::InstanceRemoved(key) => format!("-{key}"),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(described, ["-endpoint b", "+a2", "+a3"]);
+    }
 
     fn instance_json(endpoint: &str, id: &str) -> Vec<u8> {
         format!(

@@ -177,50 +177,120 @@ fn fleet_message(replica_id: &str, others: &Counts) -> pb::SyncMessage {
 }
 
 /// Cuts an update into pieces of about `SYNC_PIECE_BYTES`, in the order the router applies
-/// them; `reset` goes on the first piece and `complete` (if set) on the last.
-fn pieces(update: &StateUpdate) -> Vec<pb::StateUpdate> {
-    let mut out = Vec::new();
-    let mut piece = pb::StateUpdate::default();
-    let mut bytes = 0usize;
-    macro_rules! add {
-        ($field:ident, $value:expr) => {{
-            let value = $value;
-            bytes += value.encoded_len() + 8;
-            piece.$field.push(value);
-            if bytes >= SYNC_PIECE_BYTES {
-                out.push(std::mem::take(&mut piece));
-                bytes = 0;
+/// them; `reset` goes on the first piece and `complete` (if set) on the last. Lazily: each
+/// piece is converted when asked for, so a stream sending a large snapshot yields between
+/// pieces instead of holding its thread for the whole state.
+struct Pieces {
+    update: StateUpdate,
+    /// Where the next piece starts: section (in apply order) and index within it.
+    section: usize,
+    index: usize,
+    first: bool,
+    done: bool,
+}
+
+impl Pieces {
+    fn new(update: StateUpdate) -> Self {
+        Self {
+            update,
+            section: 0,
+            index: 0,
+            first: true,
+            done: false,
+        }
+    }
+
+    /// Adds the record at (section, index) to `piece`; its size, or `None` past the end of
+    /// the section.
+    fn add(&self, piece: &mut pb::StateUpdate) -> Option<usize> {
+        let update = &self.update;
+        let index = self.index;
+        Some(match self.section {
+            0 => {
+                let name = update.removed_endpoints.get(index)?.to_string();
+                let bytes = name.len();
+                piece.removed_endpoints.push(name);
+                bytes
             }
-        }};
+            1 => {
+                let config = pb::EndpointConfig::from(update.configs.get(index)?.as_ref());
+                let bytes = config.encoded_len();
+                piece.configs.push(config);
+                bytes
+            }
+            2 => {
+                let name = update.removed_configs.get(index)?.to_string();
+                let bytes = name.len();
+                piece.removed_configs.push(name);
+                bytes
+            }
+            3 => {
+                let endpoint = pb::Endpoint::from(update.endpoints.get(index)?.as_ref());
+                let bytes = endpoint.encoded_len();
+                piece.endpoints.push(endpoint);
+                bytes
+            }
+            4 => {
+                let instance = pb::Instance::from(update.instances.get(index)?.as_ref());
+                let bytes = instance.encoded_len();
+                piece.instances.push(instance);
+                bytes
+            }
+            5 => {
+                let removed = pb::InstanceRemoved::from(update.removed_instances.get(index)?);
+                let bytes = removed.encoded_len();
+                piece.removed_instances.push(removed);
+                bytes
+            }
+            _ => return None,
+        })
     }
-    for name in &update.removed_endpoints {
-        add!(removed_endpoints, name.to_string());
+}
+
+impl Iterator for Pieces {
+    type Item = pb::StateUpdate;
+
+    fn next(&mut self) -> Option<pb::StateUpdate> {
+        if self.done {
+            return None;
+        }
+        let mut piece = pb::StateUpdate {
+            reset: self.update.reset && self.first,
+            ..pb::StateUpdate::default()
+        };
+        self.first = false;
+        let mut bytes = 0usize;
+        while self.section < 6 {
+            match self.add(&mut piece) {
+                Some(size) => {
+                    bytes += size + 8;
+                    self.index += 1;
+                    if bytes >= SYNC_PIECE_BYTES {
+                        break;
+                    }
+                }
+                None => {
+                    self.section += 1;
+                    self.index = 0;
+                }
+            }
+        }
+        // Past the last record (or exactly at it): this piece is the last one.
+        while self.section < 6 && self.add(&mut pb::StateUpdate::default()).is_none() {
+            self.section += 1;
+            self.index = 0;
+        }
+        if self.section >= 6 {
+            self.done = true;
+            piece.complete = self.update.complete;
+        }
+        Some(piece)
     }
-    for config in &update.configs {
-        add!(configs, pb::EndpointConfig::from(config.as_ref()));
-    }
-    for name in &update.removed_configs {
-        add!(removed_configs, name.to_string());
-    }
-    for endpoint in &update.endpoints {
-        add!(endpoints, pb::Endpoint::from(endpoint.as_ref()));
-    }
-    for instance in &update.instances {
-        add!(instances, pb::Instance::from(instance.as_ref()));
-    }
-    for key in &update.removed_instances {
-        add!(removed_instances, pb::InstanceRemoved::from(key));
-    }
-    if bytes > 0 || out.is_empty() {
-        out.push(piece);
-    }
-    if let Some(first) = out.first_mut() {
-        first.reset = update.reset;
-    }
-    if let Some(last) = out.last_mut() {
-        last.complete = update.complete;
-    }
-    out
+}
+
+#[cfg(test)]
+fn pieces(update: &StateUpdate) -> Vec<pb::StateUpdate> {
+    Pieces::new(update.clone()).collect()
 }
 
 /// Turns the view's snapshots and changes into the messages of one stream's protocol.
@@ -245,22 +315,29 @@ impl Encoder {
         }
     }
 
-    fn snapshot(&mut self, replica_id: &str, snapshot: &StateSnapshot) -> Vec<pb::SyncMessage> {
+    /// The messages of a snapshot, made one at a time as they are sent.
+    fn snapshot(
+        &mut self,
+        replica_id: &str,
+        snapshot: StateSnapshot,
+    ) -> Box<dyn Iterator<Item = pb::SyncMessage> + Send> {
         use pb::sync_message::Message;
         match self {
             Encoder::Pieces => {
+                let version = snapshot.version.clone();
+                let replica_id = replica_id.to_owned();
                 let update = StateUpdate {
                     reset: true,
                     complete: true,
-                    configs: snapshot.configs.clone(),
-                    endpoints: snapshot.endpoints.clone(),
-                    instances: snapshot.instances.clone(),
+                    configs: snapshot.configs,
+                    endpoints: snapshot.endpoints,
+                    instances: snapshot.instances,
                     ..StateUpdate::default()
                 };
-                pieces(&update)
-                    .into_iter()
-                    .map(|piece| frame(replica_id, &snapshot.version, Message::Update(piece)))
-                    .collect()
+                Box::new(
+                    Pieces::new(update)
+                        .map(move |piece| frame(&replica_id, &version, Message::Update(piece))),
+                )
             }
             Encoder::Whole { configs, endpoints } => {
                 *configs = snapshot
@@ -287,11 +364,11 @@ impl Encoder {
                         .map(|instance| pb::Instance::from(instance.as_ref()))
                         .collect(),
                 };
-                vec![frame(
+                Box::new(std::iter::once(frame(
                     replica_id,
                     &snapshot.version,
                     Message::Snapshot(whole),
-                )]
+                )))
             }
         }
     }
@@ -309,9 +386,7 @@ impl Encoder {
         match self {
             Encoder::Pieces => {
                 ordered.clear();
-                let update = coalescer.take();
-                pieces(&update)
-                    .into_iter()
+                Pieces::new(coalescer.take())
                     .map(|piece| frame(replica_id, version, Message::Update(piece)))
                     .collect()
             }
@@ -443,10 +518,9 @@ impl pb::router_sync_server::RouterSync for SyncService {
             let (snapshot, mut changes) = service.cache.subscribe();
             let mut version = snapshot.version.clone();
             service.stats.snapshots.fetch_add(1, Ordering::Relaxed);
-            for message in encoder.snapshot(&replica, &snapshot) {
+            for message in encoder.snapshot(&replica, snapshot) {
                 yield message;
             }
-            drop(snapshot);
             let load = service.load.snapshots();
             let mut ticks = tokio::time::interval(service.load.config().interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -547,7 +621,7 @@ impl pb::router_sync_server::RouterSync for SyncService {
                     changes = receiver;
                     version = snapshot.version.clone();
                     service.stats.snapshots.fetch_add(1, Ordering::Relaxed);
-                    for message in encoder.snapshot(&replica, &snapshot) {
+                    for message in encoder.snapshot(&replica, snapshot) {
                         yield message;
                     }
                 } else if !coalescer.is_empty() {
