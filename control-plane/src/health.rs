@@ -145,7 +145,7 @@ pub async fn run(
                 let targets = cache.probe_targets();
                 // Trackers of departed instances are dropped about once a second.
                 tick += 1;
-                if tick % PRUNE_EVERY_TICKS == 0 {
+                if tick.is_multiple_of(PRUNE_EVERY_TICKS) {
                     prune(&targets, &mut trackers);
                 }
                 let slots = MAX_CONCURRENT_PROBES.saturating_sub(probes.len());
