@@ -91,7 +91,7 @@ pub enum Preset {
     /// A smoke run in seconds: 3 engines with small caches, 48 requests over 12 prefixes of
     /// 400 tokens, 4 clients, time scale 0.1, 1 router.
     Quick,
-    /// Hot prefixes (docs/benchmarks.md, section 6): 7 engines, 4,000 requests over 32 shared
+    /// Hot prefixes (docs/benchmarks.md, section 7): 7 engines, 4,000 requests over 32 shared
     /// prefixes of 8,000 tokens whose popularity follows a Zipf law (exponent 1.1), 32 output
     /// tokens, 16 clients, time scale 0.25, ConcurrencyThreshold 16; PREFIX_AWARE with
     /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 2), then

@@ -11,6 +11,7 @@
 //!   several routers disagree ([`agreement`]);
 //! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
 //!   [`overload`]: the router's memory under a flood of large requests;
+//! - [`fleet`]: the control plane and the sync protocol at fleet scale;
 //! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
 //!
 //! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
@@ -21,6 +22,7 @@ pub mod client;
 pub mod cluster;
 pub mod compare;
 pub mod drive;
+pub mod fleet;
 pub mod forward;
 pub mod oracle;
 pub mod overhead;
@@ -36,6 +38,7 @@ pub mod workload;
 pub use cluster::{ClusterSpec, ClusterTuning, LocalCluster};
 pub use compare::{Arm, CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
 pub use drive::{DriveArgs, drive};
+pub use fleet::{FleetArgs, FleetReport, fleet};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};
 pub use overload::{OverloadArgs, OverloadReport, overload};
 pub use peer::Peer;

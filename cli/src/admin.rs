@@ -182,6 +182,9 @@ pub enum InstanceCommand {
         #[arg(long)]
         endpoint: Option<String>,
     },
+    /// Register many instances from a file of JSON lines, in batched transactions; nothing is
+    /// imported if any line is refused. For moving a fleet in.
+    Import(crate::import::ImportArgs),
     /// Renew the lease of an instance registered with --ttl (for scripts and agents).
     Heartbeat {
         #[arg(long)]
@@ -441,6 +444,7 @@ pub async fn instance_command(
     let mut client = connection.connect().await?;
     match command {
         InstanceCommand::Register(args) => register(&mut client, format, args).await?,
+        InstanceCommand::Import(args) => crate::import::import(&mut client, format, args).await?,
         InstanceCommand::Deregister { endpoint, id } => {
             client
                 .deregister_instance(pb::DeregisterInstanceRequest {

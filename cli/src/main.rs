@@ -2,6 +2,7 @@
 //! a whole local cluster in one command.
 
 mod admin;
+mod import;
 mod output;
 mod up;
 

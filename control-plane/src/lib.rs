@@ -33,6 +33,10 @@ use tokio_util::sync::CancellationToken;
 use crate::store::etcd::{EtcdTls, EtcdTlsError};
 use crate::store::{Store, StoreError};
 
+/// The largest admin request accepted: an `ImportInstances` of a few hundred thousand
+/// instances.
+pub const MAX_ADMIN_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StoreKind {
     /// Single node, persisted under --data-dir.
@@ -352,6 +356,10 @@ pub struct ControlPlane {
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), StartError>>,
     leading: tokio::sync::watch::Receiver<Option<store::Revision>>,
+    cache: Arc<state::StateCache>,
+    sync_stats: Arc<sync::SyncStats>,
+    /// For closing the store once stopped.
+    registry: registry::Registry,
 }
 
 impl ControlPlane {
@@ -361,10 +369,14 @@ impl ControlPlane {
         let shutdown = CancellationToken::new();
         let background = CancellationToken::new();
         let store: Arc<dyn Store> = match config.store {
-            StoreKind::Embedded => Arc::new(store::embedded::EmbeddedStore::open(
-                Some(&config.data_dir),
-                background.clone(),
-            )?),
+            StoreKind::Embedded => Arc::new(
+                store::embedded::EmbeddedStore::open(Some(&config.data_dir), background.clone())
+                    .map_err(|err| match err {
+                        // Another process holds --data-dir: a usage error (exit 64).
+                        StoreError::InUse(message) => StartError::Config(message),
+                        other => StartError::Store(other),
+                    })?,
+            ),
             StoreKind::Etcd => Arc::new(
                 store::etcd::EtcdStore::connect(
                     &config.etcd_endpoints,
@@ -427,7 +439,8 @@ impl ControlPlane {
             ));
             tasks.spawn(api.serve(listener, shutdown.clone()));
         }
-        let cache = state::StateCache::new(settings.replica_id.clone());
+        let closer = registry.clone();
+        let cache = state::StateCache::new();
         tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
         let hub = load::LoadHub::new(
             settings.replica_id.clone(),
@@ -459,28 +472,37 @@ impl ControlPlane {
         ));
 
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
-        health_reporter
-            .set_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
-            .await;
-        health_reporter
-            .set_serving::<pb::router_sync_server::RouterSyncServer<sync::SyncService>>()
-            .await;
+        // Serving while the view of the store is current; NOT_SERVING otherwise (and from the
+        // start of a shutdown on).
+        tasks.spawn(report_readiness(
+            health_reporter.clone(),
+            cache.readiness(),
+            shutdown.clone(),
+        ));
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|err| StartError::Server(err.to_string()))?;
-        let admin_service = pb::admin_server::AdminServer::with_interceptor(
-            admin::AdminService { registry },
+        let admin_service = tonic::service::interceptor::InterceptedService::new(
+            pb::admin_server::AdminServer::new(admin::AdminService { registry })
+                .max_decoding_message_size(MAX_ADMIN_REQUEST_BYTES),
             admin::BearerAuth::new(settings.admin_token.clone()),
         );
-        let sync_service = pb::router_sync_server::RouterSyncServer::with_interceptor(
-            sync::SyncService {
-                replica_id: settings.replica_id.clone(),
-                cache: Arc::clone(&cache),
-                load: Arc::clone(&hub),
-                shutdown: shutdown.clone(),
-            },
+        let sync_stats = Arc::new(sync::SyncStats::default());
+        let streams_stop = CancellationToken::new();
+        let sync_service = pb::router_sync_server::RouterSyncServer::new(sync::SyncService {
+            replica_id: settings.replica_id.clone(),
+            cache: Arc::clone(&cache),
+            load: Arc::clone(&hub),
+            shutdown: streams_stop.clone(),
+            sessions: Arc::default(),
+            stats: Arc::clone(&sync_stats),
+        })
+        .max_decoding_message_size(switchyard_shared::sync::ROUTER_MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(switchyard_shared::sync::SYNC_MAX_MESSAGE_BYTES);
+        let sync_service = tonic::service::interceptor::InterceptedService::new(
+            sync_service,
             admin::BearerAuth::new(settings.router_token.clone()),
         );
 
@@ -505,14 +527,30 @@ impl ControlPlane {
         let grace = Duration::from_secs(config.shutdown_grace_seconds);
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
-            let served = router
-                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
-                .await;
-            // Streams ended with the shutdown token; stop the background duties, then give
-            // them the grace period (the leader hands over its lease on the way out).
-            health_reporter
-                .set_not_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
-                .await;
+            // On shutdown: NOT_SERVING first (health watchers and load balancers hear it while
+            // the server still answers), then router streams end (routers move to another
+            // replica), then the server stops accepting and drains calls within the grace
+            // period (a stream that does not end is cut then), then background duties stop.
+            let signal = {
+                let stop = stop.clone();
+                let reporter = health_reporter.clone();
+                async move {
+                    stop.cancelled().await;
+                    set_all(&reporter, ServingStatus::NotServing).await;
+                    streams_stop.cancel();
+                }
+            };
+            let serving = router.serve_with_incoming_shutdown(incoming, signal);
+            let served = tokio::select! {
+                served = serving => served,
+                () = async {
+                    stop.cancelled().await;
+                    tokio::time::sleep(grace).await;
+                } => {
+                    tracing::warn!(?grace, "calls outlived the grace period; closing them");
+                    Ok(())
+                }
+            };
             background.cancel();
             let drained = async { while tasks.join_next().await.is_some() {} };
             if tokio::time::timeout(grace, drained).await.is_err() {
@@ -531,7 +569,28 @@ impl ControlPlane {
             shutdown,
             server,
             leading,
+            cache,
+            sync_stats,
+            registry: closer,
         })
+    }
+
+    /// Whether this replica's view of the store is current (it serves routers).
+    pub fn is_ready(&self) -> bool {
+        self.cache.is_ready()
+    }
+
+    /// Resolves when this replica's view of the store is current.
+    pub async fn wait_ready(&self) {
+        let mut readiness = self.cache.readiness();
+        let _ = readiness
+            .wait_for(|readiness| *readiness == state::Readiness::Ready)
+            .await;
+    }
+
+    /// What the router sync streams of this replica did.
+    pub fn sync_stats(&self) -> &sync::SyncStats {
+        &self.sync_stats
     }
 
     pub fn url(&self) -> String {
@@ -565,19 +624,65 @@ impl ControlPlane {
         self.wait().await
     }
 
-    /// Waits until the server stops (after its shutdown token is cancelled).
+    /// Waits until the server stops (after its shutdown token is cancelled), then lets go of
+    /// the store (the embedded store's directory lock).
     pub async fn wait(self) -> Result<(), StartError> {
-        match self.server.await {
+        let result = match self.server.await {
             Ok(result) => result,
             Err(err) => Err(StartError::Server(err.to_string())),
-        }
+        };
+        self.registry.store().close();
+        result
     }
 
     /// Stops abruptly, as a crash would: every task is dropped, the leader lease is not
-    /// handed over (tests of fail-over).
+    /// handed over (tests of fail-over), the embedded store's lock is let go as the exit of
+    /// the process would.
     pub fn abort(self) {
         // The background tasks live in a JoinSet owned by the server task: aborting it aborts them.
         self.server.abort();
+        self.registry.store().close();
+    }
+}
+
+use tonic_health::ServingStatus;
+
+/// Sets every service this server reports (and the server as a whole, "") to `status`.
+async fn set_all(reporter: &tonic_health::server::HealthReporter, status: ServingStatus) {
+    reporter.set_service_status("", status).await;
+    reporter
+        .set_service_status(
+            <pb::admin_server::AdminServer<admin::AdminService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+    reporter
+        .set_service_status(
+            <pb::router_sync_server::RouterSyncServer<sync::SyncService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+}
+
+/// Keeps the gRPC health service in step with the view's readiness until shutdown.
+async fn report_readiness(
+    reporter: tonic_health::server::HealthReporter,
+    mut readiness: tokio::sync::watch::Receiver<state::Readiness>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let status = match *readiness.borrow_and_update() {
+            state::Readiness::Ready => ServingStatus::Serving,
+            _ => ServingStatus::NotServing,
+        };
+        if shutdown.is_cancelled() {
+            return;
+        }
+        set_all(&reporter, status).await;
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = readiness.changed() => if changed.is_err() { return },
+        }
     }
 }
 

@@ -25,13 +25,20 @@ pub const KV_LOAD_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.0..=100.0;
 pub const LOAD_BALANCE_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 1.0..=100.0;
 /// `LoadBalanceSlack` (Switchyard's extension of PrefixAwareRoutingConfig).
 pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
-/// `LoadBalanceSlack` when `LoadBalanceFactor` is given alone (docs/benchmarks.md, section 6,
+/// `LoadBalanceSlack` when `LoadBalanceFactor` is given alone (docs/benchmarks.md, section 7,
 /// shows why).
 pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 2;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 pub const DEFAULT_INSTANCE_WEIGHT: f64 = 1.0;
 /// Longest instance lease a registration may ask for.
 pub const MAX_TTL_SECONDS: u32 = 86_400;
+/// Longest instance base URL, in bytes. Every record that travels to routers is bounded, so a
+/// sync message of one record stays small.
+pub const MAX_URL_BYTES: usize = 2048;
+/// Longest `InstanceType`, in characters.
+pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
+/// Longest health-check path, in bytes.
+pub const MAX_HEALTH_PATH_BYTES: usize = 1024;
 
 /// An input that breaks a rule, with the field named.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -331,6 +338,15 @@ impl HealthCheckConfig {
                 format!("{:?} must start with '/' and contain no spaces", self.path),
             ));
         }
+        if self.path.len() > MAX_HEALTH_PATH_BYTES {
+            return Err(ValidationError::new(
+                format!("{field}.Path"),
+                format!(
+                    "is {} bytes long; at most {MAX_HEALTH_PATH_BYTES}",
+                    self.path.len()
+                ),
+            ));
+        }
         if !(100..=3_600_000).contains(&self.interval_ms) {
             return Err(ValidationError::new(
                 format!("{field}.IntervalMs"),
@@ -441,6 +457,17 @@ fn validate_variant(variant: &ProductionVariant, field: &str) -> Result<(), Vali
         return Err(ValidationError::new(
             format!("{field}.ModelName"),
             "must be 1-256 characters without control characters",
+        ));
+    }
+    if let Some(instance_type) = &variant.instance_type
+        && (instance_type.chars().count() > MAX_INSTANCE_TYPE_CHARS
+            || instance_type.chars().any(char::is_control))
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InstanceType"),
+            format!(
+                "must be at most {MAX_INSTANCE_TYPE_CHARS} characters without control characters"
+            ),
         ));
     }
     if let Some(count) = variant.initial_instance_count
@@ -730,6 +757,12 @@ pub fn validate_zmq_tcp_endpoint(endpoint: &str, field: &str) -> Result<String, 
 /// Returns the URL without a trailing slash.
 pub fn validate_instance_url(url: &str) -> Result<String, ValidationError> {
     let field = "Url";
+    if url.len() > MAX_URL_BYTES {
+        return Err(ValidationError::new(
+            field,
+            format!("is {} bytes long; at most {MAX_URL_BYTES}", url.len()),
+        ));
+    }
     let uri: http::Uri = url
         .parse()
         .map_err(|err| ValidationError::new(field, format!("{url:?} is not a URL: {err}")))?;
@@ -1031,6 +1064,14 @@ mod tests {
         let mut bad_health = config(vec![variant("a", None)]);
         bad_health.health_check_config.path = "health".into();
         assert_eq!(field_of(&bad_health), "HealthCheckConfig.Path");
+        bad_health.health_check_config.path = format!("/{}", "h".repeat(MAX_HEALTH_PATH_BYTES));
+        assert_eq!(field_of(&bad_health), "HealthCheckConfig.Path");
+        let mut long_type = variant("a", None);
+        long_type.instance_type = Some("x".repeat(MAX_INSTANCE_TYPE_CHARS + 1));
+        assert_eq!(
+            field_of(&config(vec![long_type])),
+            "ProductionVariants[0].InstanceType"
+        );
     }
 
     #[test]
@@ -1110,7 +1151,9 @@ mod tests {
                 .message
                 .contains("port")
         );
+        let long = format!("http://x/{}", "a".repeat(MAX_URL_BYTES));
         for bad in [
+            long.as_str(),
             "127.0.0.1:8000",
             "ftp://x",
             "https://x",

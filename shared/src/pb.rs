@@ -3,6 +3,8 @@
 //! `TryFrom<pb::X> for X` checks names and enum values and reports the field in SageMaker's
 //! spelling; the rules of the configuration model are then checked by `validate()`.
 
+use std::sync::Arc;
+
 use switchyard_proto::v1 as pb;
 
 use crate::model::{
@@ -11,6 +13,7 @@ use crate::model::{
     PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
 };
 use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
+use crate::sync::{InstanceKey, InstanceLoad, StateUpdate};
 
 pub fn parse_name<T>(
     field: &str,
@@ -381,6 +384,216 @@ impl TryFrom<pb::Instance> for Instance {
             )?,
         })
     }
+}
+
+// ----- RouterSync ---------------------------------------------------------------------------
+
+impl From<&InstanceKey> for pb::InstanceRemoved {
+    fn from(key: &InstanceKey) -> Self {
+        pb::InstanceRemoved {
+            endpoint_name: key.endpoint.to_string(),
+            id: key.id.to_string(),
+        }
+    }
+}
+
+fn instance_key(field: &str, endpoint: &str, id: &str) -> Result<InstanceKey, ValidationError> {
+    Ok(InstanceKey::new(
+        endpoint_name(&format!("{field}.EndpointName"), endpoint)?,
+        instance_id(&format!("{field}.InstanceId"), id)?,
+    ))
+}
+
+impl From<&StateUpdate> for pb::StateUpdate {
+    fn from(update: &StateUpdate) -> Self {
+        pb::StateUpdate {
+            reset: update.reset,
+            complete: update.complete,
+            configs: update
+                .configs
+                .iter()
+                .map(|config| config.as_ref().into())
+                .collect(),
+            removed_configs: update
+                .removed_configs
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            endpoints: update
+                .endpoints
+                .iter()
+                .map(|endpoint| endpoint.as_ref().into())
+                .collect(),
+            removed_endpoints: update
+                .removed_endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            instances: update
+                .instances
+                .iter()
+                .map(|instance| instance.as_ref().into())
+                .collect(),
+            removed_instances: update.removed_instances.iter().map(Into::into).collect(),
+        }
+    }
+}
+
+/// Collects what converts; what does not is kept as an error naming it.
+#[derive(Debug, Default)]
+struct Gather {
+    errors: Vec<ValidationError>,
+}
+
+impl Gather {
+    fn keep<T>(&mut self, field: String, result: Result<T, ValidationError>) -> Option<T> {
+        match result {
+            Ok(value) => Some(value),
+            Err(err) => {
+                self.errors.push(ValidationError::new(
+                    format!("{field}.{}", err.field),
+                    err.message,
+                ));
+                None
+            }
+        }
+    }
+}
+
+/// A received `StateUpdate`, with the records that do not convert left out and named in the
+/// errors (the rest still applies: one bad record does not hold up a fleet's state).
+pub fn state_update(wire: pb::StateUpdate) -> (StateUpdate, Vec<ValidationError>) {
+    let mut gather = Gather::default();
+    let mut update = StateUpdate {
+        reset: wire.reset,
+        complete: wire.complete,
+        ..StateUpdate::default()
+    };
+    for (index, config) in wire.configs.into_iter().enumerate() {
+        let field = format!("StateUpdate.Configs[{index}]");
+        if let Some(config) = gather.keep(field, EndpointConfig::try_from(config)) {
+            update.configs.push(Arc::new(config));
+        }
+    }
+    for (index, name) in wire.removed_configs.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedConfigs[{index}]");
+        if let Some(name) = gather.keep(field, endpoint_config_name("Name", name)) {
+            update.removed_configs.push(name);
+        }
+    }
+    for (index, endpoint) in wire.endpoints.into_iter().enumerate() {
+        let field = format!("StateUpdate.Endpoints[{index}]");
+        if let Some(endpoint) = gather.keep(field, Endpoint::try_from(endpoint)) {
+            update.endpoints.push(Arc::new(endpoint));
+        }
+    }
+    for (index, name) in wire.removed_endpoints.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedEndpoints[{index}]");
+        if let Some(name) = gather.keep(field, endpoint_name("Name", name)) {
+            update.removed_endpoints.push(name);
+        }
+    }
+    for (index, instance) in wire.instances.into_iter().enumerate() {
+        let field = format!("StateUpdate.Instances[{index}]");
+        if let Some(instance) = gather.keep(field, Instance::try_from(instance)) {
+            update.instances.push(Arc::new(instance));
+        }
+    }
+    for (index, removed) in wire.removed_instances.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedInstances[{index}]");
+        let key = instance_key("Instance", &removed.endpoint_name, &removed.id);
+        if let Some(key) = gather.keep(field, key) {
+            update.removed_instances.push(key);
+        }
+    }
+    (update, gather.errors)
+}
+
+/// A protocol-1 message (a whole `Snapshot` or one change) as the `StateUpdate` with the same
+/// effect; `None` for messages that carry no state.
+pub fn legacy_state_update(
+    message: pb::sync_message::Message,
+) -> Option<(StateUpdate, Vec<ValidationError>)> {
+    use pb::sync_message::Message;
+    let wire = match message {
+        Message::Snapshot(snapshot) => {
+            let mut wire = pb::StateUpdate {
+                reset: true,
+                complete: true,
+                instances: snapshot.instances,
+                ..pb::StateUpdate::default()
+            };
+            for routed in snapshot.endpoints {
+                wire.configs.extend(routed.config);
+                wire.endpoints.extend(routed.endpoint);
+            }
+            wire
+        }
+        Message::EndpointChanged(routed) => pb::StateUpdate {
+            complete: true,
+            configs: routed.config.into_iter().collect(),
+            endpoints: routed.endpoint.into_iter().collect(),
+            ..pb::StateUpdate::default()
+        },
+        Message::EndpointRemoved(removed) => pb::StateUpdate {
+            complete: true,
+            removed_endpoints: vec![removed.name],
+            ..pb::StateUpdate::default()
+        },
+        Message::InstanceChanged(instance) => pb::StateUpdate {
+            complete: true,
+            instances: vec![instance],
+            ..pb::StateUpdate::default()
+        },
+        Message::InstanceRemoved(removed) => pb::StateUpdate {
+            complete: true,
+            removed_instances: vec![removed],
+            ..pb::StateUpdate::default()
+        },
+        Message::FleetLoad(_) | Message::Update(_) => return None,
+    };
+    Some(state_update(wire))
+}
+
+/// An endpoint with its config, as protocol 1 sends it.
+pub fn routed_endpoint(endpoint: &Endpoint, config: &EndpointConfig) -> pb::RoutedEndpoint {
+    pb::RoutedEndpoint {
+        endpoint: Some(endpoint.into()),
+        config: Some(config.into()),
+    }
+}
+
+impl From<&InstanceLoad> for pb::InstanceLoad {
+    fn from(load: &InstanceLoad) -> Self {
+        pb::InstanceLoad {
+            endpoint_name: load.key.endpoint.to_string(),
+            instance_id: load.key.id.to_string(),
+            in_flight: load.in_flight,
+        }
+    }
+}
+
+/// Load figures from the wire; entries with names that are not valid cannot name an instance
+/// and are left out (counted in the second value).
+pub fn instance_loads(wire: Vec<pb::InstanceLoad>) -> (Vec<InstanceLoad>, usize) {
+    let mut skipped = 0;
+    let loads = wire
+        .into_iter()
+        .filter_map(|load| {
+            let key = instance_key("Load", &load.endpoint_name, &load.instance_id);
+            match key {
+                Ok(key) => Some(InstanceLoad {
+                    key,
+                    in_flight: load.in_flight,
+                }),
+                Err(_) => {
+                    skipped += 1;
+                    None
+                }
+            }
+        })
+        .collect();
+    (loads, skipped)
 }
 
 #[cfg(test)]

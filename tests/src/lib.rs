@@ -296,6 +296,148 @@ impl Drop for Etcd {
     }
 }
 
+/// One member of an [`EtcdCluster`].
+pub struct EtcdMember {
+    child: Child,
+    /// Client URL, `http://127.0.0.1:PORT`.
+    pub url: String,
+    frozen: bool,
+}
+
+/// Several etcd members forming one cluster on loopback, for tests of a member that stops
+/// answering. A member can be frozen (SIGSTOP: its sockets stay open, nothing answers, as
+/// with a hung process or a partition) and thawed. On drop every member is thawed and killed,
+/// whatever happened before.
+pub struct EtcdCluster {
+    pub members: Vec<EtcdMember>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members and waits until the cluster has a leader. Ports are picked free
+    /// and may be taken meanwhile by someone else: a start that fails is retried (3 tries).
+    pub async fn start(size: usize) -> anyhow::Result<Self> {
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(size).await {
+                Ok(cluster) => return Ok(cluster),
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("etcd cluster did not start")))
+    }
+
+    async fn try_start(size: usize) -> anyhow::Result<Self> {
+        let binary = which("etcd").context(
+            "etcd is not installed: run scripts/test (it installs Debian's etcd-server) or apt-get install etcd-server",
+        )?;
+        let dir = tempfile::tempdir()?;
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (free_port(), free_port())).collect();
+        let initial_cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(index, (_, peer))| format!("m{index}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Self {
+            members: Vec::new(),
+            _dir: dir,
+        };
+        for (index, (client, peer)) in ports.iter().enumerate() {
+            let url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let log = std::fs::File::create(cluster._dir.path().join(format!("m{index}.log")))?;
+            let child = Command::new(&binary)
+                .arg("--data-dir")
+                .arg(cluster._dir.path().join(format!("m{index}")))
+                .args(["--name", &format!("m{index}")])
+                .args(["--listen-client-urls", &url])
+                .args(["--advertise-client-urls", &url])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &initial_cluster])
+                .args(["--initial-cluster-state", "new"])
+                .args(["--heartbeat-interval=50", "--election-timeout=500"])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .context("cannot start etcd")?;
+            cluster.members.push(EtcdMember {
+                child,
+                url,
+                frozen: false,
+            });
+        }
+        // Dropping `cluster` on failure kills what started.
+        for index in 0..size {
+            let health = format!("{}/health", cluster.members[index].url);
+            eventually(
+                Duration::from_secs(20),
+                "etcd members to elect a leader",
+                || {
+                    let health = health.clone();
+                    async move {
+                        matches!(http_get(&health).await, Ok((200, body)) if body.contains("true"))
+                    }
+                },
+            )
+            .await?;
+            if let Ok(Some(status)) = cluster.members[index].child.try_wait() {
+                bail!("etcd member m{index} exited: {status}");
+            }
+        }
+        Ok(cluster)
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|member| member.url.clone())
+            .collect()
+    }
+
+    /// Stops member `index` where it stands (SIGSTOP).
+    pub fn freeze(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.members[index];
+        signal(&member.child, "STOP")?;
+        member.frozen = true;
+        Ok(())
+    }
+
+    /// Lets a frozen member run again (SIGCONT).
+    pub fn thaw(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.members[index];
+        signal(&member.child, "CONT")?;
+        member.frozen = false;
+        Ok(())
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for member in &mut self.members {
+            if member.frozen {
+                let _ = signal(&member.child, "CONT");
+            }
+            let _ = member.child.kill();
+            let _ = member.child.wait();
+        }
+    }
+}
+
+/// Sends a signal by name to a child process (`kill -NAME PID`).
+fn signal(child: &Child, name: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(child.id().to_string())
+        .status()
+        .context("cannot run kill")?;
+    if !status.success() {
+        bail!("kill -{name} {} failed: {status}", child.id());
+    }
+    Ok(())
+}
+
 fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)

@@ -544,7 +544,9 @@ async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<
     Ok(())
 }
 
-/// A raw sync client, as a router would hold.
+/// A raw sync client, as a router built before protocol 2 would hold: its hello names no
+/// protocol, so the control plane answers in protocol 1 (one whole Snapshot, then one message
+/// per change).
 async fn sync_client(
     url: &str,
     router_id: &str,
@@ -558,6 +560,7 @@ async fn sync_client(
         .send(pb::RouterMessage {
             message: Some(pb::router_message::Message::Hello(pb::RouterHello {
                 router_id: router_id.into(),
+                ..Default::default()
             })),
         })
         .await?;
@@ -635,23 +638,28 @@ async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn fleet_load_is_the_sum_of_the_other_routers() -> anyhow::Result<()> {
+async fn fleet_load_is_the_sum_of_the_other_routers_over_known_instances() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cp = embedded_control_plane(dir.path()).await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
     let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
     let (b, _b_stream) = sync_client(&cp.url(), "router-b").await?;
-    let report = |count: u32| pb::RouterMessage {
-        message: Some(pb::router_message::Message::Load(pb::LoadReport {
-            loads: vec![pb::InstanceLoad {
-                endpoint_name: "chat".into(),
-                instance_id: "i1".into(),
-                in_flight: count,
-            }],
-        })),
+    let load = |instance: &str, count: u32| pb::InstanceLoad {
+        endpoint_name: "chat".into(),
+        instance_id: instance.into(),
+        in_flight: count,
     };
-    a.send(report(3)).await?;
-    b.send(report(4)).await?;
-    // Router A hears about B's 4, never its own 3.
+    let report = |loads: Vec<pb::InstanceLoad>| pb::RouterMessage {
+        message: Some(pb::router_message::Message::Load(pb::LoadReport { loads })),
+    };
+    a.send(report(vec![load("i1", 3)])).await?;
+    // Router B also claims load on an instance that does not exist: ignored, so one router
+    // cannot make up load the fleet would route around.
+    b.send(report(vec![load("i1", 4), load("ghost", 1000)]))
+        .await?;
+    // Router A hears about B's 4, never its own 3, nor the ghost.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         assert!(
@@ -662,9 +670,11 @@ async fn fleet_load_is_the_sum_of_the_other_routers() -> anyhow::Result<()> {
             .await?
             .unwrap()?;
         if let Some(pb::sync_message::Message::FleetLoad(fleet)) = message.message
-            && let Some(load) = fleet.loads.first()
+            && !fleet.loads.is_empty()
         {
-            assert_eq!(load.in_flight, 4);
+            assert_eq!(fleet.loads.len(), 1, "{fleet:?}");
+            assert_eq!(fleet.loads[0].instance_id, "i1");
+            assert_eq!(fleet.loads[0].in_flight, 4);
             break;
         }
     }
@@ -925,17 +935,23 @@ async fn grpc_health_and_reflection_are_served() -> anyhow::Result<()> {
     let channel = tonic::transport::Channel::from_shared(cp.url())?
         .connect()
         .await?;
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
-    let status = health
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "switchyard.v1.Admin".into(),
-        })
-        .await?
-        .into_inner();
-    assert_eq!(
-        status.status,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-    );
+    let health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    // SERVING once the replica's view of its store is current (at once, on an embedded store).
+    eventually(Duration::from_secs(10), "Admin to be SERVING", || {
+        let mut health = health.clone();
+        async move {
+            let status = health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: "switchyard.v1.Admin".into(),
+                })
+                .await;
+            status.is_ok_and(|status| {
+                status.into_inner().status
+                    == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+            })
+        }
+    })
+    .await?;
     let mut reflection =
         tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
     let request = tonic_reflection::pb::v1::ServerReflectionRequest {

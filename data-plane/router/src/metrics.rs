@@ -31,6 +31,41 @@ const LATENCY_BOUNDS: [f64; 17] = [
     2.5,
 ];
 
+/// Seconds a sync message takes to apply, on the sync thread (table swap included).
+const APPLY_BOUNDS: [f64; 14] = [
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.1, 0.5, 2.5,
+];
+
+/// What the control-plane stream does, shared by the sync thread and `/metrics`.
+#[derive(Debug)]
+pub struct SyncMetrics {
+    /// True once a stream has delivered a whole snapshot, until it ends.
+    pub connected: AtomicBool,
+    /// Snapshots refused because they were older than the state held (same cluster).
+    pub stale_snapshots_refused: AtomicU64,
+    /// Snapshots taken from another cluster than the state held (a store recreated).
+    pub cluster_changes: AtomicU64,
+    /// Sync messages applied (snapshot pieces and change batches).
+    pub updates_applied: AtomicU64,
+    pub apply_seconds: Histogram,
+    /// Routing tables swapped in so far (watchable: tests and benchmarks wait on it).
+    pub swaps: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for SyncMetrics {
+    fn default() -> Self {
+        Self {
+            connected: AtomicBool::new(false),
+            stale_snapshots_refused: AtomicU64::new(0),
+            cluster_changes: AtomicU64::new(0),
+            updates_applied: AtomicU64::new(0),
+            apply_seconds: Histogram::new(&APPLY_BOUNDS),
+            swaps: tokio::sync::watch::Sender::new(0),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct RouterMetrics {
     errors: [AtomicU64; ErrorKind::ALL.len()],
@@ -38,16 +73,16 @@ pub struct RouterMetrics {
     pub decision_seconds: Histogram,
     /// Time from sending upstream to the upstream's response head.
     pub upstream_header_seconds: Histogram,
-    pub control_plane_connected: Arc<AtomicBool>,
+    pub sync: Arc<SyncMetrics>,
 }
 
 impl RouterMetrics {
-    pub fn new(control_plane_connected: Arc<AtomicBool>) -> Self {
+    pub fn new(sync: Arc<SyncMetrics>) -> Self {
         Self {
             errors: Default::default(),
             decision_seconds: Histogram::new(&LATENCY_BOUNDS),
             upstream_header_seconds: Histogram::new(&LATENCY_BOUNDS),
-            control_plane_connected,
+            sync,
         }
     }
 
@@ -81,12 +116,54 @@ impl RouterMetrics {
         .sample(
             "switchyard_router_control_plane_connected",
             &[],
-            f64::from(u8::from(
-                self.control_plane_connected.load(Ordering::Relaxed),
-            )),
+            f64::from(u8::from(self.sync.connected.load(Ordering::Relaxed))),
+        );
+        let counters = [
+            (
+                "switchyard_router_stale_snapshots_refused_total",
+                "Snapshots refused because they were older than the routing state held (same cluster); the router then tries another control plane.",
+                &self.sync.stale_snapshots_refused,
+            ),
+            (
+                "switchyard_router_cluster_changes_total",
+                "Snapshots taken from another cluster than the state held (its store was recreated).",
+                &self.sync.cluster_changes,
+            ),
+            (
+                "switchyard_router_sync_updates_total",
+                "Sync messages applied: snapshot pieces and batches of changes.",
+                &self.sync.updates_applied,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            out.family(name, "counter", help).sample(
+                name,
+                &[],
+                counter.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_table_swaps_total",
+            "counter",
+            "Routing tables swapped in (one per snapshot or batch of changes).",
+        )
+        .sample(
+            "switchyard_router_table_swaps_total",
+            &[],
+            *self.sync.swaps.borrow() as f64,
+        );
+        out.family(
+            "switchyard_router_sync_apply_seconds",
+            "histogram",
+            "Time to apply one sync message on the sync thread (table swap included).",
+        );
+        out.histogram(
+            "switchyard_router_sync_apply_seconds",
+            &[],
+            &self.sync.apply_seconds,
         );
         let mut rows = Vec::new();
-        registry.for_each(|(endpoint, id), cell| {
+        registry.for_each(|key, cell| {
             let requests: Vec<u64> = cell
                 .requests
                 .iter()
@@ -94,8 +171,8 @@ impl RouterMetrics {
                 .map(|counter| counter.load(Ordering::Relaxed))
                 .collect();
             rows.push((
-                endpoint.to_string(),
-                id.to_string(),
+                key.endpoint.to_string(),
+                key.id.to_string(),
                 cell.local.load(Ordering::Relaxed),
                 cell.remote.load(Ordering::Relaxed),
                 cell.ejected_until_ms.load(Ordering::Relaxed),

@@ -239,7 +239,8 @@ fn rank_instances(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::{LoadRegistry, build};
+    use crate::membership::Membership;
+    use arc_swap::ArcSwap;
     use switchyard_policy::rank::Route;
 
     /// Endpoint `chat`: variant `a` (PREFIX_AWARE, PrefixLength 1024, threshold 2, ModelName
@@ -264,12 +265,9 @@ Endpoints:
       - {Url: "http://127.0.0.1:4", InstanceId: b1, VariantName: b}
 "#;
         let config = crate::membership::parse_static_text(yaml, true).unwrap();
-        build(
-            1,
-            &config.endpoints,
-            &config.instances,
-            &LoadRegistry::default(),
-        )
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
+        RoutingTable::clone(&table.load())
     }
 
     fn chat(table: &RoutingTable) -> Option<Arc<EndpointRoute>> {

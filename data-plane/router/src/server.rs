@@ -50,6 +50,8 @@ pub enum StartError {
     Listen(SocketAddr, std::io::Error),
     #[error("cannot start serving thread {0} (see --worker-threads): {1}")]
     Thread(usize, std::io::Error),
+    #[error("cannot start the control-plane sync thread: {0}")]
+    SyncThread(std::io::Error),
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -106,7 +108,7 @@ impl RouterHandle {
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        let connected = Arc::new(AtomicBool::new(false));
+        let connected = Arc::new(metrics::SyncMetrics::default());
         let worker = Arc::new(Worker {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
@@ -189,19 +191,30 @@ impl RouterHandle {
                 );
                 None
             }
-            Source::ControlPlane(urls) => Some(tokio::spawn(sync_client::run(
-                sync_client::SyncSettings {
+            Source::ControlPlane(urls) => {
+                // The sync stream and the table updates run on a thread of their own, off
+                // the serving threads (which only load the current table).
+                let sync = sync_client::SyncSettings {
                     urls: urls.clone(),
                     router_id: settings.router_id.clone(),
                     report_interval: Duration::from_millis(config.load_report_interval_ms),
                     tls_ca: settings.tls_ca.clone(),
                     token: settings.control_plane_token.clone(),
-                },
-                membership,
-                Arc::clone(&registry),
-                connected,
-                shutdown.clone(),
-            ))),
+                };
+                match sync_client::spawn(
+                    sync,
+                    membership,
+                    Arc::clone(&registry),
+                    connected,
+                    shutdown.clone(),
+                ) {
+                    Ok(task) => Some(task),
+                    Err(err) => {
+                        shutdown.cancel();
+                        return Err(StartError::SyncThread(err));
+                    }
+                }
+            }
         };
         let stop = shutdown.clone();
         let thread_zero = Arc::clone(&worker);
