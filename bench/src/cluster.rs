@@ -242,6 +242,7 @@ impl LocalCluster {
                 ..HealthCheckConfig::default()
             },
             creation_time_ms: 0,
+            disaggregation_config: None,
         };
         config
             .validate()

@@ -64,6 +64,7 @@ impl UpArgs {
             production_variants: parsed.variants,
             health_check_config: Default::default(),
             creation_time_ms: 0,
+            disaggregation_config: None,
         };
         config.validate().map_err(|err| {
             let flag = if err.field.ends_with("PrefixLength") {

@@ -117,6 +117,12 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub shutdown_grace_s: f64,
 
+    /// LMCache disaggregation: as a prefill engine, push each prompt's KV blocks to the decode
+    /// engine at this base URL (http://HOST:PORT) after prefilling it, as LMCache's PD
+    /// backend does for the decoder in its config.
+    #[arg(long, value_name = "URL")]
+    pub kv_push_to: Option<String>,
+
     /// This engine's id in kv_transfer_params (`remote_engine_id`). Default: generated at
     /// start.
     #[arg(long, value_name = "ID")]
@@ -179,6 +185,11 @@ impl SimConfig {
         at_least_one("--kv-bytes-per-token", self.kv_bytes_per_token)?;
         if self.served_model_name.trim().is_empty() {
             return Err("--served-model-name must not be empty".into());
+        }
+        if let Some(url) = &self.kv_push_to
+            && !url.starts_with("http://")
+        {
+            return Err(format!("--kv-push-to {url:?} must be an http:// URL"));
         }
         if let Some(id) = &self.engine_id
             && id.trim().is_empty()

@@ -39,6 +39,8 @@ pub(crate) struct Shared {
     /// The KV-event sockets as bound (with `--kv-events`), known once bound.
     pub kv_events: OnceLock<KvEventsInfo>,
     pub kv_control: Arc<KvEventsControl>,
+    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
+    pub http: crate::handoff::HttpClient,
 }
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -84,6 +86,7 @@ impl SimServer {
             local_addr: OnceLock::new(),
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),
+            http: crate::handoff::http_client(),
             config,
         };
         Ok(Self {

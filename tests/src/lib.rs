@@ -559,6 +559,7 @@ pub fn config_request(name: &str, variants_json: &str) -> pb::CreateEndpointConf
             ..Default::default()
         },
         creation_time_ms: 0,
+        disaggregation_config: None,
     };
     pb::CreateEndpointConfigRequest {
         endpoint_config: Some((&config).into()),

@@ -162,6 +162,22 @@ impl<'a> OpenAiRequest<'a> {
         out.text
     }
 
+    /// How many messages a chat request has (0 for completions).
+    pub fn message_count(&self) -> usize {
+        self.messages.as_ref().map_or(0, Vec::len)
+    }
+
+    /// A completions `prompt` given as token ids (an array of integers): how many.
+    pub fn prompt_token_ids(&self) -> Option<usize> {
+        let raw = self.prompt?.get();
+        if !raw.starts_with('[') {
+            return None;
+        }
+        serde_json::from_str::<Vec<u64>>(raw)
+            .ok()
+            .map(|ids| ids.len())
+    }
+
     /// The body with `model` set to `name` (added when absent); everything else byte for byte.
     pub fn with_model(&self, name: &str) -> Vec<u8> {
         let quoted = serde_json::to_string(name).unwrap_or_else(|_| "\"\"".into());
@@ -380,6 +396,19 @@ mod tests {
             }
         );
         assert!(OpenAiRequest::parse(br#"{"model":5}"#).is_err());
+    }
+
+    #[test]
+    fn counts_messages_and_prompt_token_ids() {
+        let chat =
+            OpenAiRequest::parse(br#"{"messages":[{"content":"a"},{"content":"b"}]}"#).unwrap();
+        assert_eq!(chat.message_count(), 2);
+        assert_eq!(chat.prompt_token_ids(), None);
+        let ids = OpenAiRequest::parse(br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(ids.prompt_token_ids(), Some(3));
+        assert_eq!(ids.message_count(), 0);
+        let text = OpenAiRequest::parse(br#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(text.prompt_token_ids(), None);
     }
 
     #[test]

@@ -112,6 +112,12 @@ pub struct RouterConfig {
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_seconds: u64,
+    /// Directory of Hugging Face tokenizers for disaggregated endpoints whose config names
+    /// one (`Tokenizer: NAME` → `DIR/NAME/tokenizer.json` or `DIR/NAME.json`). Without it,
+    /// or when a file is missing, prompts are counted with cl100k_base (logged, and counted
+    /// in switchyard_router_tokenizer_fallbacks_total).
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
     /// Threads serving HTTP. Each runs its own single-threaded runtime and upstream
     /// connection pool, so a request never moves between threads (cross-thread wake-ups
     /// cost more than the routing decision). Default: one per CPU.
@@ -172,6 +178,7 @@ impl RouterConfig {
             max_buffered_bytes: 512 << 20,
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
+            tokenizer_dir: None,
             worker_threads: Some(1),
         }
     }
@@ -239,6 +246,14 @@ impl RouterConfig {
             self.max_buffered_bytes,
             crate::body::MAX_BODY_BYTES as u64..=u64::MAX,
         )?;
+        if let Some(dir) = &self.tokenizer_dir
+            && !dir.is_dir()
+        {
+            return Err(format!(
+                "--tokenizer-dir {}: not a directory",
+                dir.display()
+            ));
+        }
         let tls_ca = match &self.tls_ca {
             Some(path) => Some(
                 std::fs::read(path).map_err(|err| format!("--tls-ca {}: {err}", path.display()))?,

@@ -26,7 +26,6 @@ use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use switchyard_policy::rank::Route;
 use switchyard_shared::InstanceProtocol;
 use tokio::time::{Instant, Sleep};
 
@@ -62,6 +61,15 @@ pub struct ForwardSettings {
     pub stream_idle: Duration,
 }
 
+/// Who answered, and what the client is told about it.
+struct Answer<'a> {
+    variant: &'a VariantRoute,
+    instance: &'a InstanceRoute,
+    label: RouteLabel,
+    explain: &'a [(HeaderName, HeaderValue)],
+    time_first_frame: bool,
+}
+
 /// One serving thread's upstream connection pools: HTTP/1.1 keep-alive and h2c, and the one
 /// used for instances that do not name a protocol.
 #[derive(Debug, Clone)]
@@ -91,7 +99,7 @@ pub struct Forwarder<'a> {
 
 /// How one attempt failed.
 #[derive(Debug)]
-enum Failure {
+pub(crate) enum Failure {
     /// The request never reached an engine: safe to send elsewhere.
     NotSent(String),
     /// The connection failed after the request was (perhaps) written.
@@ -135,7 +143,7 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
 
 /// Decrements the instance's in-flight count exactly once, when dropped.
 #[derive(Debug)]
-struct InFlight(Arc<InstanceCell>);
+pub(crate) struct InFlight(Arc<InstanceCell>);
 
 impl InFlight {
     fn start(cell: &Arc<InstanceCell>) -> Self {
@@ -150,31 +158,120 @@ impl Drop for InFlight {
     }
 }
 
+/// One hop of a request: where it may go, in order, what to send, and how to label it.
+#[derive(Debug)]
+pub struct Hop {
+    pub endpoint: Arc<EndpointRoute>,
+    pub variant_index: usize,
+    pub ranking: switchyard_policy::rank::Ranking,
+    pub body: Bytes,
+    /// The first candidate's `x-switchyard-route`.
+    pub label: RouteLabel,
+    /// Headers for the client that explain the decision.
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Time the answer's first frame (a disaggregated decode's TTFT).
+    pub time_first_frame: bool,
+}
+
+impl From<Plan> for Hop {
+    fn from(plan: Plan) -> Self {
+        Hop {
+            endpoint: plan.endpoint,
+            variant_index: plan.variant_index,
+            ranking: plan.ranking,
+            body: plan.body,
+            label: plan.label,
+            explain: plan.explain,
+            time_first_frame: false,
+        }
+    }
+}
+
 impl Forwarder<'_> {
-    /// Tries the plan's candidates in order until one answers, under the retry rule.
+    /// Forwards a plan: straight to its candidates, or prefill → decode when the plan says so.
     pub async fn forward(
         &self,
         operation: Operation,
-        plan: Plan,
+        mut plan: Plan,
         mut client_headers: HeaderMap,
         permit: RequestPermit,
         reservation: BufferReservation,
     ) -> Result<Response, ApiError> {
-        let Plan {
+        ensure_request_id(&mut client_headers);
+        match plan.disaggregated.take() {
+            Some(disaggregated) => {
+                self.disaggregate(
+                    operation,
+                    plan,
+                    disaggregated,
+                    client_headers,
+                    permit,
+                    reservation,
+                )
+                .await
+            }
+            None => {
+                if plan.endpoint.disaggregation.is_some() {
+                    self.metrics.count_disaggregation(plan.label);
+                }
+                self.send(operation, plan.into(), &client_headers, permit, reservation)
+                    .await
+            }
+        }
+    }
+
+    /// One attempt at one instance, within the response-head deadline `deadline`: its
+    /// response head (with the instance's in-flight count held), or how it failed.
+    pub(crate) async fn attempt(
+        &self,
+        instance: &InstanceRoute,
+        uri: &http::Uri,
+        client_headers: &HeaderMap,
+        body: Bytes,
+        deadline: Duration,
+    ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
+        let in_flight = InFlight::start(&instance.cell);
+        let request = upstream_request(uri, client_headers, body);
+        let sent = Instant::now();
+        let client = self.clients.for_instance(instance.protocol);
+        match tokio::time::timeout(deadline, client.request(request)).await {
+            Ok(Ok(response)) => {
+                self.metrics
+                    .upstream_header_seconds
+                    .observe(sent.elapsed().as_secs_f64());
+                instance.cell.failures.store(0, Ordering::Relaxed);
+                Ok((response, in_flight))
+            }
+            Ok(Err(err)) => Err(classify(&err)),
+            Err(_elapsed) => Err(Failure::TimedOut),
+        }
+    }
+
+    /// Tries a hop's candidates in order until one answers, under the retry rule.
+    pub(crate) async fn send(
+        &self,
+        operation: Operation,
+        hop: Hop,
+        client_headers: &HeaderMap,
+        permit: RequestPermit,
+        reservation: BufferReservation,
+    ) -> Result<Response, ApiError> {
+        let Hop {
             endpoint,
             variant_index,
             ranking,
             body,
-        } = plan;
+            mut label,
+            explain,
+            time_first_frame,
+        } = hop;
         let variant = &endpoint.variants[variant_index];
-        ensure_request_id(&mut client_headers);
         // The body and its reservation are held until a response head arrives (a retry may
         // need them), then released at once: a non-streaming answer can take minutes.
         let mut held = Some((body, reservation));
         // True once an attempt may have reached an engine: the final answer then says so,
         // not that nothing was sent.
         let mut maybe_delivered = false;
-        let mut label = RouteLabel::from(ranking.route.unwrap_or(Route::Random));
         let mut retry_after_send = self.settings.retry_after_send;
         // What to tell the client if no attempt succeeds: nothing was sent anywhere, or the
         // last attempt may have reached an engine.
@@ -187,31 +284,31 @@ impl Forwarder<'_> {
                 break;
             };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
-            let in_flight = InFlight::start(&instance.cell);
-            let request =
-                upstream_request(operation.upstream(instance), &client_headers, body.clone());
-            let sent = Instant::now();
-            let client = self.clients.for_instance(instance.protocol);
-            let failure =
-                match tokio::time::timeout(self.settings.upstream_header, client.request(request))
-                    .await
-                {
-                    Ok(Ok(response)) => {
-                        self.metrics
-                            .upstream_header_seconds
-                            .observe(sent.elapsed().as_secs_f64());
-                        instance.cell.failures.store(0, Ordering::Relaxed);
-                        drop(held.take());
-                        return self
-                            .respond(
-                                operation, response, in_flight, permit, variant, instance, label,
-                            )
-                            .await;
-                    }
-                    Ok(Err(err)) => classify(&err),
-                    Err(_elapsed) => Failure::TimedOut,
-                };
-            drop(in_flight);
+            let attempt = self
+                .attempt(
+                    instance,
+                    operation.upstream(instance),
+                    client_headers,
+                    body.clone(),
+                    self.settings.upstream_header,
+                )
+                .await;
+            let failure = match attempt {
+                Ok((response, in_flight)) => {
+                    drop(held.take());
+                    let answer = Answer {
+                        variant,
+                        instance,
+                        label,
+                        explain: &explain,
+                        time_first_frame,
+                    };
+                    return self
+                        .respond(operation, response, in_flight, permit, answer)
+                        .await;
+                }
+                Err(failure) => failure,
+            };
             match failure {
                 Failure::NotSent(error) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
@@ -277,25 +374,29 @@ impl Forwarder<'_> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn respond(
         &self,
         operation: Operation,
         response: http::Response<hyper::body::Incoming>,
         in_flight: InFlight,
         permit: RequestPermit,
-        variant: &VariantRoute,
-        instance: &InstanceRoute,
-        label: RouteLabel,
+        answer: Answer<'_>,
     ) -> Result<Response, ApiError> {
+        let Answer {
+            variant,
+            instance,
+            label,
+            explain,
+            time_first_frame,
+        } = answer;
         let (mut parts, incoming) = response.into_parts();
         if operation.api() == Api::Native && !parts.status.is_success() {
-            return Ok(self
-                .model_error(parts, incoming, in_flight, variant, instance, label)
-                .await);
+            let mut response = self.model_error(parts, incoming, in_flight).await;
+            add_routing_headers(response.headers_mut(), variant, instance, label, explain);
+            return Ok(response);
         }
         strip_hop_by_hop(&mut parts.headers);
-        add_routing_headers(&mut parts.headers, variant, instance, label);
+        add_routing_headers(&mut parts.headers, variant, instance, label, explain);
         // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
         // a stall there ends with its own exception event, not an OpenAI error event.
         let sagemaker_stream = operation == Operation::InvocationsStream;
@@ -312,6 +413,7 @@ impl Forwarder<'_> {
             timer: None,
             stall,
             metrics: Arc::clone(self.metrics),
+            first_frame_since: time_first_frame.then(Instant::now),
         };
         let body = if sagemaker_stream {
             crate::eventstream::set_headers(&mut parts.headers);
@@ -329,9 +431,6 @@ impl Forwarder<'_> {
         parts: http::response::Parts,
         incoming: hyper::body::Incoming,
         in_flight: InFlight,
-        variant: &VariantRoute,
-        instance: &InstanceRoute,
-        label: RouteLabel,
     ) -> Response {
         // The container's message, its first 64 KiB at most, read within the idle deadline.
         const MOST: usize = 64 * 1024;
@@ -373,9 +472,7 @@ impl Forwarder<'_> {
             .cloned()
             .map(Box::new);
         self.metrics.error(ErrorKind::ModelError);
-        let mut response = error.into_response_for(Api::Native);
-        add_routing_headers(response.headers_mut(), variant, instance, label);
-        response
+        error.into_response_for(Api::Native)
     }
 }
 
@@ -455,7 +552,7 @@ fn upstream_request(
     request
 }
 
-fn ensure_request_id(headers: &mut HeaderMap) {
+pub(crate) fn ensure_request_id(headers: &mut HeaderMap) {
     if !headers.contains_key(&REQUEST_ID) {
         let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
         if let Ok(value) = HeaderValue::from_str(&id) {
@@ -469,10 +566,14 @@ fn add_routing_headers(
     variant: &VariantRoute,
     instance: &InstanceRoute,
     label: RouteLabel,
+    explain: &[(HeaderName, HeaderValue)],
 ) {
     headers.insert(INVOKED_VARIANT, variant.name_header.clone());
     headers.insert(SWITCHYARD_INSTANCE, instance.id_header.clone());
     headers.insert(SWITCHYARD_ROUTE, HeaderValue::from_static(label.as_str()));
+    for (name, value) in explain {
+        headers.insert(name.clone(), value.clone());
+    }
 }
 
 /// What a stalled answer ends with.
@@ -502,6 +603,8 @@ struct TrackedBody {
     timer: Option<Pin<Box<Sleep>>>,
     stall: Stall,
     metrics: Arc<RouterMetrics>,
+    /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
+    first_frame_since: Option<Instant>,
 }
 
 impl TrackedBody {
@@ -550,6 +653,13 @@ impl http_body::Body for TrackedBody {
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(since) = this.first_frame_since.take()
+                    && frame.is_data()
+                {
+                    this.metrics
+                        .disaggregation_decode_ttft_seconds
+                        .observe(since.elapsed().as_secs_f64());
+                }
                 if http_body::Body::is_end_stream(inner) {
                     // hyper drops a body as soon as it is complete, without a last poll.
                     this.end();

@@ -15,6 +15,7 @@ use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
 use crate::metrics::RouterMetrics;
 use crate::plan::{Operation, make_plan};
 use crate::table::{LoadRegistry, RoutingTable};
+use crate::tokenizer::Tokenizers;
 
 /// What one serving thread works with: the routing state, limits and metrics every thread
 /// shares, and this thread's own upstream connection pools (so that a request and the
@@ -28,6 +29,8 @@ pub struct Worker {
     pub client_body_deadline: Duration,
     pub metrics: Arc<RouterMetrics>,
     pub admission: Arc<Admission>,
+    /// Prompt tokenizers for disaggregated endpoints.
+    pub tokenizers: Arc<Tokenizers>,
 }
 
 impl Worker {
@@ -41,6 +44,7 @@ impl Worker {
             client_body_deadline: self.client_body_deadline,
             metrics: Arc::clone(&self.metrics),
             admission: Arc::clone(&self.admission),
+            tokenizers: Arc::clone(&self.tokenizers),
         }
     }
 }
@@ -117,7 +121,17 @@ async fn route(
     // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
     // blocking task owns the body's reservation and the request's slot while it holds the
     // body, so they are released with it even if this request is dropped meanwhile.
-    let (plan, headers, mut reservation, permit) = if body.len() > OFFLOAD_BYTES {
+    // A disaggregated endpoint counts prompt tokens (milliseconds of CPU, and maybe a
+    // tokenizer file to load): always off the serving thread.
+    let counts_tokens = match &endpoint {
+        Some(endpoint) => endpoint.disaggregation.is_some(),
+        None => table
+            .endpoints
+            .values()
+            .any(|endpoint| endpoint.disaggregation.is_some()),
+    };
+    let (plan, headers, mut reservation, permit) = if body.len() > OFFLOAD_BYTES || counts_tokens {
+        let tokenizers = Arc::clone(&worker.tokenizers);
         tokio::task::spawn_blocking(move || {
             let plan = make_plan(
                 &table,
@@ -125,6 +139,7 @@ async fn route(
                 endpoint,
                 &headers,
                 body,
+                &tokenizers,
                 &mut fastrand::Rng::new(),
             );
             (plan, headers, reservation, permit)
@@ -138,6 +153,7 @@ async fn route(
             endpoint,
             &headers,
             body,
+            &worker.tokenizers,
             &mut fastrand::Rng::new(),
         );
         (plan, headers, reservation, permit)

@@ -14,6 +14,7 @@ pub mod admission;
 pub mod body;
 pub mod config;
 pub mod connection;
+pub mod disaggregated;
 pub mod errors;
 pub mod eventstream;
 pub mod forward;
@@ -25,6 +26,7 @@ pub mod plan;
 pub mod server;
 pub mod sync_client;
 pub mod table;
+pub mod tokenizer;
 
 pub use config::{RouterConfig, Settings, Source, UpstreamProtocol};
 pub use server::{RouterHandle, StartError};

@@ -9,10 +9,15 @@ use http::header::{HeaderMap, HeaderName};
 use switchyard_policy::hash::{routing_key, session_key};
 use switchyard_policy::openai::OpenAiRequest;
 use switchyard_policy::prefix::{native, valid_prefix_aware_id};
-use switchyard_policy::rank::{self, Strategy};
+use switchyard_policy::rank::{self, Route, Strategy};
 
 use crate::errors::{Api, ApiError};
-use crate::table::{EndpointRoute, InstanceRoute, RoutingTable, VariantRoute};
+use crate::table::{
+    Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, RoutingTable, VariantRoute,
+};
+use crate::tokenizer::{Count, Tokenizer, Tokenizers};
+use http::HeaderValue;
+use switchyard_shared::{DecodeRoutingStrategy, PrefillRoutingStrategy};
 
 pub const PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-amzn-sagemaker-prefix-aware-id");
 pub const TARGET_VARIANT: HeaderName = HeaderName::from_static("x-amzn-sagemaker-target-variant");
@@ -52,7 +57,24 @@ pub struct Plan {
     pub variant_index: usize,
     pub ranking: rank::Ranking,
     pub body: Bytes,
+    /// Why the first candidate is chosen (`x-switchyard-route`).
+    pub label: RouteLabel,
+    /// Response headers that explain the decision (`x-switchyard-prompt-tokens`, …).
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Set when the request goes prefill → decode (the ranking is then the decoders').
+    pub disaggregated: Option<Disaggregated>,
 }
+
+/// A long prompt's way through a disaggregated endpoint.
+#[derive(Debug)]
+pub struct Disaggregated {
+    /// Prefill candidates (indices into the prefill variant), in preference order.
+    pub prefill: rank::Ranking,
+    /// The prompt's tokens as counted.
+    pub count: Count,
+}
+
+pub const PROMPT_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-prompt-tokens");
 
 impl Plan {
     pub fn variant(&self) -> &VariantRoute {
@@ -113,9 +135,11 @@ pub fn make_plan(
     mut endpoint: Option<Arc<EndpointRoute>>,
     headers: &HeaderMap,
     body: Bytes,
+    tokenizers: &Tokenizers,
     rng: &mut fastrand::Rng,
 ) -> Result<Plan, ApiError> {
     let mut routing = routing_headers(headers)?;
+    let variant_named_by_header = routing.target_variant.is_some();
     // OpenAI bodies are parsed once: model, stream, prompt_cache_key, prefix text.
     let openai = match operation.api() {
         Api::OpenAi => Some(parse_openai(&body)?),
@@ -153,23 +177,241 @@ pub fn make_plan(
         }
     }
     let endpoint = endpoint.ok_or_else(|| ApiError::unknown_endpoint("no endpoint named"))?;
+    if let Some(pd) = &endpoint.disaggregation {
+        if variant_named_by_header {
+            return Err(ApiError::validation(format!(
+                "header {TARGET_VARIANT}: endpoint {} is disaggregated (prefill and decode \
+                 variants), so a variant cannot be chosen",
+                endpoint.name
+            )));
+        }
+        let decision = decide_disaggregation(
+            &endpoint,
+            pd,
+            &routing,
+            openai.as_ref(),
+            &body,
+            tokenizers,
+            rng,
+        )?;
+        let decode = &endpoint.variants[pd.decode];
+        let body = rewrite_model(openai.as_ref(), decode).map_or(body, Bytes::from);
+        return Ok(Plan {
+            variant_index: pd.decode,
+            ranking: decision.decoders,
+            body,
+            label: decision.label,
+            explain: decision.explain,
+            disaggregated: decision.disaggregated,
+            endpoint,
+        });
+    }
     let variant_index = choose_variant(&endpoint, routing.target_variant.as_deref(), rng.u64(..))?;
     let variant = &endpoint.variants[variant_index];
     let ranking = rank_instances(variant, &routing, openai.as_ref(), &body, rng.u64(..));
-    // The engine sees the variant's ModelName, whatever name the client used.
-    let rewritten = match (&openai, &variant.model_name) {
+    let rewritten = rewrite_model(openai.as_ref(), variant);
+    drop(openai);
+    Ok(Plan {
+        body: rewritten.map(Bytes::from).unwrap_or(body),
+        label: RouteLabel::from(ranking.route.unwrap_or(Route::Random)),
+        endpoint,
+        variant_index,
+        ranking,
+        explain: Vec::new(),
+        disaggregated: None,
+    })
+}
+
+/// The engine sees the variant's ModelName, whatever name the client used: the body with
+/// `model` replaced, if it must change.
+fn rewrite_model(openai: Option<&OpenAiRequest<'_>>, variant: &VariantRoute) -> Option<Vec<u8>> {
+    match (openai, &variant.model_name) {
         (Some(request), Some(model)) if request.model.as_deref() != Some(model.as_str()) => {
             Some(request.with_model(model))
         }
         _ => None,
+    }
+}
+
+/// What a disaggregated endpoint does with one request.
+struct Decision {
+    decoders: rank::Ranking,
+    label: RouteLabel,
+    explain: Vec<(HeaderName, HeaderValue)>,
+    disaggregated: Option<Disaggregated>,
+}
+
+/// Below the threshold (and for native bodies, which are not parsed) a decoder serves the
+/// whole request (`direct`); at or above it, a prefill instance first (`disaggregated`); with
+/// no prefill instance routable, the decoder serves it whole (`fallback`).
+fn decide_disaggregation(
+    endpoint: &EndpointRoute,
+    pd: &Disaggregation,
+    routing: &RoutingHeaders,
+    openai: Option<&OpenAiRequest<'_>>,
+    body: &[u8],
+    tokenizers: &Tokenizers,
+    rng: &mut fastrand::Rng,
+) -> Result<Decision, ApiError> {
+    let decode = &endpoint.variants[pd.decode];
+    if decode.instances.is_empty() {
+        return Err(ApiError::unavailable(format!(
+            "the decode variant {} of endpoint {} has no healthy instance",
+            decode.name, endpoint.name
+        )));
+    }
+    let decoders = rank_decoders(
+        decode,
+        pd.decode_strategy,
+        routing,
+        openai,
+        body,
+        rng.u64(..),
+    );
+    let Some(request) = openai else {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Direct,
+            explain: Vec::new(),
+            disaggregated: None,
+        });
     };
-    drop(openai);
-    Ok(Plan {
-        body: rewritten.map(Bytes::from).unwrap_or(body),
-        endpoint,
-        variant_index,
-        ranking,
+    let count = count_prompt(request, &tokenizers.get(&pd.tokenizer), pd.threshold);
+    let explain = vec![(
+        PROMPT_TOKENS,
+        HeaderValue::from_str(&count.header_text()).unwrap_or(HeaderValue::from_static("0")),
+    )];
+    if count.tokens < pd.threshold {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Direct,
+            explain,
+            disaggregated: None,
+        });
+    }
+    let prefill = &endpoint.variants[pd.prefill];
+    if prefill.instances.is_empty() {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Fallback,
+            explain,
+            disaggregated: None,
+        });
+    }
+    Ok(Decision {
+        decoders,
+        label: RouteLabel::Disaggregated,
+        explain,
+        disaggregated: Some(Disaggregated {
+            prefill: rank_prefill(prefill, pd, routing, request, rng.u64(..)),
+            count,
+        }),
     })
+}
+
+/// Tokens per chat message that the text alone does not show (role markers and separators
+/// of the chat template; Llama 3's and OpenAI's add about this many).
+const CHAT_TOKENS_PER_MESSAGE: usize = 4;
+
+/// The prompt's tokens, counted until `threshold` is certainly reached. A completions prompt
+/// of token ids is its length; a text prompt is tokenized as is; a chat is counted on its
+/// messages' text plus [`CHAT_TOKENS_PER_MESSAGE`] per message (an approximation of the
+/// template the engine applies).
+pub fn count_prompt(request: &OpenAiRequest<'_>, tokenizer: &Tokenizer, threshold: usize) -> Count {
+    if let Some(ids) = request.prompt_token_ids() {
+        return Count {
+            tokens: ids,
+            complete: true,
+        };
+    }
+    let overhead = CHAT_TOKENS_PER_MESSAGE * request.message_count();
+    let goal = threshold.saturating_sub(overhead);
+    // Enough text for the goal at any plausible density; if the text is longer and still
+    // counts below the goal, the whole text is counted.
+    let limit = goal.saturating_add(1).saturating_mul(16);
+    let text = request.prefix_text(limit);
+    let mut count = tokenizer.count_up_to(&text, goal);
+    if count.complete && text.chars().count() >= limit {
+        count = tokenizer.count_up_to(&request.prefix_text(usize::MAX), goal);
+    }
+    Count {
+        tokens: count.tokens + overhead,
+        complete: count.complete,
+    }
+}
+
+/// Ranks the prefill pool by the configured strategy.
+fn rank_prefill(
+    variant: &VariantRoute,
+    pd: &Disaggregation,
+    routing: &RoutingHeaders,
+    request: &OpenAiRequest<'_>,
+    random: u64,
+) -> rank::Ranking {
+    let views = variant.current_views(crate::now_unix_ms());
+    let load = |index: usize| variant.instances[index].cell.fleet_load();
+    let round_robin = || {
+        let turn = pd
+            .next_prefill
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        round_robin(&views, turn)
+    };
+    match pd.prefill_strategy {
+        PrefillRoutingStrategy::RoundRobin => round_robin(),
+        PrefillRoutingStrategy::Session => match routing.session {
+            Some(session) => rank::session(&views, session),
+            None => round_robin(),
+        },
+        PrefillRoutingStrategy::PrefixAware => {
+            let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
+            let key = routing_key(id, request.prefix_text(variant.prefix_length).as_bytes());
+            rank::rank(variant.strategy, &views, load, key, 0)
+        }
+        PrefillRoutingStrategy::KvAware => {
+            rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
+        }
+    }
+}
+
+/// Ranks the decode pool by the configured strategy (its own PREFIX_AWARE config when asked).
+fn rank_decoders(
+    variant: &VariantRoute,
+    strategy: DecodeRoutingStrategy,
+    routing: &RoutingHeaders,
+    openai: Option<&OpenAiRequest<'_>>,
+    body: &[u8],
+    random: u64,
+) -> rank::Ranking {
+    let views = variant.current_views(crate::now_unix_ms());
+    let load = |index: usize| variant.instances[index].cell.fleet_load();
+    match strategy {
+        DecodeRoutingStrategy::LeastOutstandingRequests => {
+            rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
+        }
+        DecodeRoutingStrategy::Random => rank::rank(Strategy::Random, &views, load, 0, random),
+        DecodeRoutingStrategy::PrefixAware => {
+            let without_session = RoutingHeaders {
+                prefix_aware_id: routing.prefix_aware_id.clone(),
+                session: None,
+                target_variant: None,
+            };
+            rank_instances(variant, &without_session, openai, body, random)
+        }
+    }
+}
+
+/// Round robin over the available instances (then the ejected ones), starting at `turn`.
+fn round_robin(views: &[rank::InstanceView], turn: usize) -> rank::Ranking {
+    let count = views.len().max(1);
+    let start = turn % count;
+    let rotated = (0..views.len()).map(|offset| (start + offset) % count);
+    let (mut order, ejected): (Vec<usize>, Vec<usize>) =
+        rotated.partition(|&index| views[index].available);
+    order.extend(ejected);
+    rank::Ranking {
+        order,
+        route: Some(Route::Random),
+    }
 }
 
 /// The target variant if one is named, else one drawn by weight among those with instances.
@@ -296,6 +538,7 @@ Endpoints:
                 chat(&table),
                 &HeaderMap::new(),
                 chat_body("m-a", &format!("{prefix}{suffix}")),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(7),
             )
             .unwrap()
@@ -313,6 +556,7 @@ Endpoints:
                     chat(&table),
                     &HeaderMap::new(),
                     chat_body("m-a", &format!("{index}{prefix}")),
+                    &Tokenizers::new(None),
                     &mut fastrand::Rng::with_seed(7),
                 )
                 .unwrap()
@@ -332,6 +576,7 @@ Endpoints:
             None,
             &HeaderMap::new(),
             chat_body("m-b", "hello"),
+            &Tokenizers::new(None),
             &mut fastrand::Rng::with_seed(1),
         )
         .unwrap();
@@ -344,6 +589,7 @@ Endpoints:
             None,
             &HeaderMap::new(),
             chat_body("chat", "hello"),
+            &Tokenizers::new(None),
             &mut fastrand::Rng::with_seed(1),
         )
         .unwrap();
@@ -362,6 +608,7 @@ Endpoints:
                 endpoint,
                 headers,
                 Bytes::from(body.to_owned()),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(1),
             )
         };
@@ -415,6 +662,7 @@ Endpoints:
                 chat(&table),
                 &headers,
                 Bytes::from(body),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(3),
             )
             .unwrap()
