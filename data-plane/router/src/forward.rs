@@ -165,6 +165,7 @@ impl Forwarder<'_> {
             variant_index,
             ranking,
             body,
+            path,
         } = plan;
         let variant = &endpoint.variants[variant_index];
         ensure_request_id(&mut client_headers);
@@ -186,10 +187,12 @@ impl Forwarder<'_> {
             let Some((body, _)) = &held else {
                 break;
             };
+            let Some(uri) = upstream_uri(operation, path.as_deref(), instance) else {
+                continue;
+            };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
             let in_flight = InFlight::start(&instance.cell);
-            let request =
-                upstream_request(operation.upstream(instance), &client_headers, body.clone());
+            let request = upstream_request(operation.method(), uri, &client_headers, body.clone());
             let sent = Instant::now();
             let client = self.clients.for_instance(instance.protocol);
             let failure =
@@ -202,11 +205,21 @@ impl Forwarder<'_> {
                             .observe(sent.elapsed().as_secs_f64());
                         instance.cell.failures.store(0, Ordering::Relaxed);
                         drop(held.take());
-                        return self
+                        let response = self
                             .respond(
                                 operation, response, in_flight, permit, variant, instance, label,
                             )
-                            .await;
+                            .await?;
+                        // Responses API: the ids in the answer name this instance.
+                        if operation.answers_with_response_ids() && response.status().is_success() {
+                            let issuer = crate::response_ids::Issuer {
+                                endpoint: endpoint.name.to_string(),
+                                variant: variant.name.to_string(),
+                                instance: instance.id.to_string(),
+                            };
+                            return Ok(crate::response_ids::adapt(response, issuer));
+                        }
+                        return Ok(response);
                     }
                     Ok(Err(err)) => classify(&err),
                     Err(_elapsed) => Failure::TimedOut,
@@ -433,14 +446,33 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
+/// The request's URL on `instance` (`path`: the plan's, for operations without a prepared
+/// URL); `None`, logged, if the instance's URL cannot make one.
+fn upstream_uri(
+    operation: Operation,
+    path: Option<&str>,
+    instance: &InstanceRoute,
+) -> Option<http::Uri> {
+    let uri = match path {
+        Some(path) => instance.uri_for(path),
+        None => operation.upstream(instance).cloned(),
+    };
+    if uri.is_none() {
+        tracing::warn!(instance = %instance.id, url = %instance.url, ?path, "cannot make the request's URL on this instance; skipping it");
+    }
+    uri
+}
+
 fn upstream_request(
-    uri: &http::Uri,
+    method: http::Method,
+    uri: http::Uri,
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> http::Request<Full<Bytes>> {
+    let has_body = !body.is_empty();
     let mut request = http::Request::new(Full::new(body));
-    *request.method_mut() = http::Method::POST;
-    *request.uri_mut() = uri.clone();
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
     let listed = connection_listed(client_headers);
     let headers = request.headers_mut();
     for (name, value) in client_headers {
@@ -449,9 +481,11 @@ fn upstream_request(
             headers.append(name.clone(), value.clone());
         }
     }
-    headers
-        .entry(header::CONTENT_TYPE)
-        .or_insert(HeaderValue::from_static("application/json"));
+    if has_body {
+        headers
+            .entry(header::CONTENT_TYPE)
+            .or_insert(HeaderValue::from_static("application/json"));
+    }
     request
 }
 
@@ -652,7 +686,7 @@ mod tests {
         client.insert(header::HOST, "router".parse().unwrap());
         client.insert(header::TE, "trailers".parse().unwrap());
         let uri: http::Uri = "http://127.0.0.1:1/v1/completions".parse().unwrap();
-        let request = upstream_request(&uri, &client, Bytes::new());
+        let request = upstream_request(http::Method::POST, uri, &client, Bytes::from("{}"));
         let sent = request.headers();
         assert!(sent.get("x-secret").is_none());
         assert!(sent.get(header::CONNECTION).is_none());

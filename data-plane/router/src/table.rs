@@ -29,6 +29,8 @@ pub enum RouteLabel {
     Session,
     /// KV_AWARE: the instance holding most of the prompt's KV cache.
     Kv,
+    /// The instance that stores the response a request is about (Responses API).
+    Response,
     /// The previous candidate provably never received the request.
     Retry,
     /// The previous candidate may have received it (`--retry-after-send`).
@@ -36,13 +38,14 @@ pub enum RouteLabel {
 }
 
 impl RouteLabel {
-    pub const ALL: [RouteLabel; 8] = [
+    pub const ALL: [RouteLabel; 9] = [
         RouteLabel::Prefix,
         RouteLabel::Overflow,
         RouteLabel::Random,
         RouteLabel::LeastOutstanding,
         RouteLabel::Session,
         RouteLabel::Kv,
+        RouteLabel::Response,
         RouteLabel::Retry,
         RouteLabel::RetryAfterSend,
     ];
@@ -55,6 +58,7 @@ impl RouteLabel {
             RouteLabel::LeastOutstanding => Route::LeastOutstanding.as_str(),
             RouteLabel::Session => Route::Session.as_str(),
             RouteLabel::Kv => Route::Kv.as_str(),
+            RouteLabel::Response => Route::Response.as_str(),
             RouteLabel::Retry => "retry",
             RouteLabel::RetryAfterSend => "retry-after-send",
         }
@@ -70,6 +74,7 @@ impl From<Route> for RouteLabel {
             Route::LeastOutstanding => RouteLabel::LeastOutstanding,
             Route::Session => RouteLabel::Session,
             Route::Kv => RouteLabel::Kv,
+            Route::Response => RouteLabel::Response,
         }
     }
 }
@@ -307,6 +312,14 @@ impl InstanceRoute {
             kv_events: instance.kv_events.clone(),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
+    }
+}
+
+impl InstanceRoute {
+    /// The instance's URL for `path_and_query` (a path of the operations without a prepared
+    /// URI); `None` if it does not make one.
+    pub fn uri_for(&self, path_and_query: &str) -> Option<http::Uri> {
+        uri(&self.url, path_and_query)
     }
 }
 
