@@ -13,6 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineClient, EngineDriver, engine};
@@ -39,6 +40,8 @@ pub(crate) struct Shared {
     /// The KV-event sockets as bound (with `--kv-events`), known once bound.
     pub kv_events: OnceLock<KvEventsInfo>,
     pub kv_control: Arc<KvEventsControl>,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
 }
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -84,6 +87,7 @@ impl SimServer {
             local_addr: OnceLock::new(),
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),
+            responses: ResponseStore::new(config.max_stored_responses),
             config,
         };
         Ok(Self {
@@ -362,6 +366,11 @@ impl SimHandle {
     /// This engine's id (`remote_engine_id` in kv_transfer_params).
     pub fn engine_id(&self) -> &str {
         &self.shared.engine_id
+    }
+
+    /// Responses API responses this instance stores now.
+    pub fn stored_responses(&self) -> usize {
+        self.shared.responses.len()
     }
 
     pub fn config(&self) -> &SimConfig {
