@@ -24,7 +24,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use base64::Engine as _;
-use http::HeaderMap;
+use http::{HeaderMap, Uri};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -92,7 +92,7 @@ struct PoolingBody {
 /// Records the request, parses it, checks the model, answers with `respond`'s result.
 async fn serve<F, Fut>(
     shared: Arc<Shared>,
-    path: &'static str,
+    path: &str,
     headers: HeaderMap,
     body: Bytes,
     respond: F,
@@ -314,12 +314,13 @@ fn list(shared: &Shared, prefix: &str, data: Vec<Value>, prompt_tokens: u32) -> 
 
 async fn embeddings(
     State(shared): State<Arc<Shared>>,
+    uri: Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     serve(
         shared,
-        "/v1/embeddings",
+        uri.path(),
         headers,
         body,
         |shared, body, request_id| async move {
@@ -345,10 +346,15 @@ async fn embeddings(
     .await
 }
 
-async fn pooling(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn pooling(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     serve(
         shared,
-        "/pooling",
+        uri.path(),
         headers,
         body,
         |shared, body, request_id| async move {
@@ -373,10 +379,15 @@ async fn pooling(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: By
     .await
 }
 
-async fn classify(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn classify(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     serve(
         shared,
-        "/classify",
+        uri.path(),
         headers,
         body,
         |shared, body, request_id| async move {
@@ -429,10 +440,15 @@ fn pairs(
     }
 }
 
-async fn score(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn score(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     serve(
         shared,
-        "/score",
+        uri.path(),
         headers,
         body,
         |shared, body, request_id| async move {
@@ -470,10 +486,15 @@ async fn score(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byte
     .await
 }
 
-async fn rerank(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn rerank(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     serve(
         shared,
-        "/rerank",
+        uri.path(),
         headers,
         body,
         |shared, body, request_id| async move {
@@ -530,12 +551,13 @@ async fn rerank(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
 
 async fn detokenize(
     State(shared): State<Arc<Shared>>,
+    uri: Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     serve(
         shared,
-        "/detokenize",
+        uri.path(),
         headers,
         body,
         |_shared, body, _request_id| async move {
