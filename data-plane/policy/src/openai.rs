@@ -199,12 +199,16 @@ fn span_in(body: &[u8], raw: &RawValue) -> Range<usize> {
     start..start + raw.get().len()
 }
 
-/// A string field's value and its span, `None` when absent or null.
+/// A string field's value (`None` when absent or null) and where its value sits in the body
+/// (`None` when absent).
+type StringField<'a> = (Option<Cow<'a, str>>, Option<Range<usize>>);
+
+/// Reads a field that must be a string (or null).
 fn string_field<'a>(
     body: &'a [u8],
     raw: Option<&'a RawValue>,
     field: &'static str,
-) -> Result<(Option<Cow<'a, str>>, Option<Range<usize>>), RequestError> {
+) -> Result<StringField<'a>, RequestError> {
     match raw {
         None => Ok((None, None)),
         Some(raw) if raw.get() == "null" => Ok((None, Some(span_in(body, raw)))),

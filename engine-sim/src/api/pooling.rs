@@ -207,9 +207,8 @@ async fn run_prefills(
         check_fits(config, u32::try_from(prompt.len()).unwrap_or(u32::MAX), 1)
             .map_err(IntoResponse::into_response)?;
     }
-    if let Err(response) = draw_fault(shared, request_id, false, 1).await {
-        return Err(response);
-    }
+    // Non-streaming: a fault answers now or never (no interruption to come).
+    draw_fault(shared, request_id, false, 1).await?;
     let mut running = Vec::with_capacity(prompts.len());
     for prompt in prompts {
         let spec = SeqSpec {
