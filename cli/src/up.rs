@@ -156,6 +156,12 @@ fn print_welcome(args: &UpArgs, cluster: &LocalCluster) {
         "  reply = client.chat.completions.create(model=\"{endpoint}\", messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])"
     );
     println!("  print(reply.choices[0].message.content)");
+    println!(
+        "  first = client.responses.create(model=\"{endpoint}\", input=\"Hello!\")   # stored on one instance"
+    );
+    println!(
+        "  client.responses.create(model=\"{endpoint}\", input=\"And then?\", previous_response_id=first.id)   # reaches it from any router"
+    );
     println!();
     println!("Look around:");
     println!(

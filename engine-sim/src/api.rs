@@ -1,5 +1,10 @@
 //! The HTTP API: vLLM's OpenAI-compatible routes, the SageMaker container contract
-//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests.
+//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests. The
+//! Responses API (with its store) is in `responses`, the pooling APIs and `/detokenize` in
+//! `pooling`.
+
+mod pooling;
+pub(crate) mod responses;
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -63,6 +68,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/sim/kv-push", post(sim_kv_push))
         .route("/sim/kv-events", get(sim_kv_events).post(set_sim_kv_events))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .merge(responses::routes())
+        .merge(pooling::routes())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
 }

@@ -108,6 +108,11 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
 
+    /// Responses API responses kept for follow-ups and GET /v1/responses/{id} (vLLM with
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1 keeps them all); beyond it the oldest is forgotten.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    pub max_stored_responses: usize,
+
     /// How many of the latest requests to keep for GET /sim/requests.
     #[arg(long, default_value_t = 1000, value_name = "N")]
     pub record_requests: usize,
@@ -182,6 +187,7 @@ impl SimConfig {
         at_least_one("--max-num-batched-tokens", self.max_num_batched_tokens)?;
         at_least_one("--max-model-len", u64::from(self.max_model_len))?;
         at_least_one("--default-max-tokens", u64::from(self.default_max_tokens))?;
+        at_least_one("--max-stored-responses", self.max_stored_responses as u64)?;
         at_least_one("--kv-bytes-per-token", self.kv_bytes_per_token)?;
         if self.served_model_name.trim().is_empty() {
             return Err("--served-model-name must not be empty".into());

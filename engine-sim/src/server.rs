@@ -13,6 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineClient, EngineDriver, engine};
@@ -41,6 +42,8 @@ pub(crate) struct Shared {
     pub kv_control: Arc<KvEventsControl>,
     /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
     pub http: crate::handoff::HttpClient,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
 }
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -87,6 +90,7 @@ impl SimServer {
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),
             http: crate::handoff::http_client(),
+            responses: ResponseStore::new(config.max_stored_responses),
             config,
         };
         Ok(Self {
@@ -365,6 +369,11 @@ impl SimHandle {
     /// This engine's id (`remote_engine_id` in kv_transfer_params).
     pub fn engine_id(&self) -> &str {
         &self.shared.engine_id
+    }
+
+    /// Responses API responses this instance stores now.
+    pub fn stored_responses(&self) -> usize {
+        self.shared.responses.len()
     }
 
     pub fn config(&self) -> &SimConfig {

@@ -526,6 +526,53 @@ pub async fn http_post(
     })
 }
 
+/// Any method, with headers and a body (empty for none), reading the whole response.
+pub async fn http_request(
+    method: http::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<Reply> {
+    let mut request = http::Request::builder().method(method.clone()).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body.into()))?;
+    let response = http_client()
+        .request(request)
+        .await
+        .with_context(|| format!("{method} {url}"))?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok(Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+/// The test venv's Python (`scripts/ensure-deps --for-tests` installs the `openai`, `boto3`,
+/// `msgspec` and `pyzmq` clients there): `$SWITCHYARD_TEST_PYTHON`, else
+/// `target/python/bin/python` of the workspace.
+pub fn test_python() -> PathBuf {
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
+        .unwrap_or_else(|_| "target/python/bin/python".into());
+    let python = if Path::new(&python).is_absolute() {
+        PathBuf::from(python)
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(python)
+    };
+    assert!(
+        python.is_file(),
+        "{} is missing: scripts/test installs the Python clients there",
+        python.display()
+    );
+    python
+}
+
 /// An admin client of a control plane.
 pub async fn admin(url: &str) -> anyhow::Result<AdminClient<Channel>> {
     Ok(AdminClient::connect(url.to_owned()).await?)

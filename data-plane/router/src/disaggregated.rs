@@ -135,12 +135,16 @@ impl Forwarder<'_> {
             let instance = &variant.instances[index];
             instance.cell.requests[RouteLabel::Disaggregated as usize]
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(uri) = crate::forward::upstream_uri(operation, None, instance) else {
+                continue;
+            };
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
                 let (response, in_flight) = self
                     .attempt(
                         instance,
-                        operation.upstream(instance),
+                        operation.method(),
+                        uri,
                         client_headers,
                         body.clone(),
                         deadline,

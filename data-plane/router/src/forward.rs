@@ -171,6 +171,8 @@ pub struct Hop {
     pub explain: Vec<(HeaderName, HeaderValue)>,
     /// Time the answer's first frame (a disaggregated decode's TTFT).
     pub time_first_frame: bool,
+    /// The path on the instance, for operations without a prepared URL.
+    pub path: Option<String>,
 }
 
 impl From<Plan> for Hop {
@@ -183,6 +185,7 @@ impl From<Plan> for Hop {
             label: plan.label,
             explain: plan.explain,
             time_first_frame: false,
+            path: plan.path,
         }
     }
 }
@@ -225,13 +228,14 @@ impl Forwarder<'_> {
     pub(crate) async fn attempt(
         &self,
         instance: &InstanceRoute,
-        uri: &http::Uri,
+        method: http::Method,
+        uri: http::Uri,
         client_headers: &HeaderMap,
         body: Bytes,
         deadline: Duration,
     ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
         let in_flight = InFlight::start(&instance.cell);
-        let request = upstream_request(uri, client_headers, body);
+        let request = upstream_request(method, uri, client_headers, body);
         let sent = Instant::now();
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {
@@ -264,6 +268,7 @@ impl Forwarder<'_> {
             mut label,
             explain,
             time_first_frame,
+            path,
         } = hop;
         let variant = &endpoint.variants[variant_index];
         // The body and its reservation are held until a response head arrives (a retry may
@@ -283,11 +288,15 @@ impl Forwarder<'_> {
             let Some((body, _)) = &held else {
                 break;
             };
+            let Some(uri) = upstream_uri(operation, path.as_deref(), instance) else {
+                continue;
+            };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
             let attempt = self
                 .attempt(
                     instance,
-                    operation.upstream(instance),
+                    operation.method(),
+                    uri,
                     client_headers,
                     body.clone(),
                     self.settings.upstream_header,
@@ -303,9 +312,19 @@ impl Forwarder<'_> {
                         explain: &explain,
                         time_first_frame,
                     };
-                    return self
+                    let response = self
                         .respond(operation, response, in_flight, permit, answer)
-                        .await;
+                        .await?;
+                    // Responses API: the ids in the answer name this instance.
+                    if operation.answers_with_response_ids() && response.status().is_success() {
+                        let issuer = crate::response_ids::Issuer {
+                            endpoint: endpoint.name.to_string(),
+                            variant: variant.name.to_string(),
+                            instance: instance.id.to_string(),
+                        };
+                        return Ok(crate::response_ids::adapt(response, issuer));
+                    }
+                    return Ok(response);
                 }
                 Err(failure) => failure,
             };
@@ -476,6 +495,23 @@ impl Forwarder<'_> {
     }
 }
 
+/// The request's URL on `instance` (`path`: the plan's, for operations without a prepared
+/// URL); `None`, logged, if the instance's URL cannot make one.
+pub(crate) fn upstream_uri(
+    operation: Operation,
+    path: Option<&str>,
+    instance: &InstanceRoute,
+) -> Option<http::Uri> {
+    let uri = match path {
+        Some(path) => instance.uri_for(path),
+        None => operation.upstream(instance).cloned(),
+    };
+    if uri.is_none() {
+        tracing::warn!(instance = %instance.id, url = %instance.url, ?path, "cannot make the request's URL on this instance; skipping it");
+    }
+    uri
+}
+
 fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
@@ -531,13 +567,15 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 ];
 
 fn upstream_request(
-    uri: &http::Uri,
+    method: http::Method,
+    uri: http::Uri,
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> http::Request<Full<Bytes>> {
+    let has_body = !body.is_empty();
     let mut request = http::Request::new(Full::new(body));
-    *request.method_mut() = http::Method::POST;
-    *request.uri_mut() = uri.clone();
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
     let listed = connection_listed(client_headers);
     let headers = request.headers_mut();
     for (name, value) in client_headers {
@@ -546,9 +584,11 @@ fn upstream_request(
             headers.append(name.clone(), value.clone());
         }
     }
-    headers
-        .entry(header::CONTENT_TYPE)
-        .or_insert(HeaderValue::from_static("application/json"));
+    if has_body {
+        headers
+            .entry(header::CONTENT_TYPE)
+            .or_insert(HeaderValue::from_static("application/json"));
+    }
     request
 }
 
@@ -762,7 +802,7 @@ mod tests {
         client.insert(header::HOST, "router".parse().unwrap());
         client.insert(header::TE, "trailers".parse().unwrap());
         let uri: http::Uri = "http://127.0.0.1:1/v1/completions".parse().unwrap();
-        let request = upstream_request(&uri, &client, Bytes::new());
+        let request = upstream_request(http::Method::POST, uri, &client, Bytes::from("{}"));
         let sent = request.headers();
         assert!(sent.get("x-secret").is_none());
         assert!(sent.get(header::CONNECTION).is_none());

@@ -117,7 +117,7 @@ async fn route(
         &mut reservation,
     )
     .await?;
-    let headers = parts.headers;
+    let (uri, headers) = (parts.uri, parts.headers);
     // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
     // blocking task owns the body's reservation and the request's slot while it holds the
     // body, so they are released with it even if this request is dropped meanwhile.
@@ -137,6 +137,7 @@ async fn route(
                 &table,
                 operation,
                 endpoint,
+                &uri,
                 &headers,
                 body,
                 &tokenizers,
@@ -151,6 +152,7 @@ async fn route(
             &table,
             operation,
             endpoint,
+            &uri,
             &headers,
             body,
             &worker.tokenizers,

@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use axum::Router as AxumRouter;
 use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodFilter, MethodRouter, get, on, post};
 use http::StatusCode;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -409,7 +409,8 @@ fn refuse_connection(io: TokioIo<tokio::net::TcpStream>, worker: &Worker) {
     });
 }
 
-/// The API a path belongs to, for errors answered before routing.
+/// The API a path belongs to, for errors answered before routing (and unknown paths): the
+/// native API under `/endpoints/{e}/` outside `openai/`, the OpenAI API everywhere else.
 fn api_of_path(path: &str) -> Api {
     if path.starts_with("/endpoints/") && !path.contains("/openai/") {
         Api::Native
@@ -418,47 +419,74 @@ fn api_of_path(path: &str) -> Api {
     }
 }
 
+/// The OpenAI-compatible paths the router serves (vLLM's), each at its plain path and under
+/// `/endpoints/{endpoint}/openai`, with the method and operation.
+const OPENAI_ROUTES: &[(&str, MethodFilter, Operation)] = &[
+    (
+        "/v1/chat/completions",
+        MethodFilter::POST,
+        Operation::ChatCompletions,
+    ),
+    (
+        "/v1/completions",
+        MethodFilter::POST,
+        Operation::Completions,
+    ),
+    ("/v1/responses", MethodFilter::POST, Operation::Responses),
+    (
+        "/v1/responses/{response_id}",
+        MethodFilter::GET,
+        Operation::ResponseRetrieve,
+    ),
+    (
+        "/v1/responses/{response_id}",
+        MethodFilter::DELETE,
+        Operation::ResponseDelete,
+    ),
+    (
+        "/v1/responses/{response_id}/cancel",
+        MethodFilter::POST,
+        Operation::ResponseCancel,
+    ),
+    ("/v1/embeddings", MethodFilter::POST, Operation::Embeddings),
+    ("/pooling", MethodFilter::POST, Operation::Pooling),
+    ("/classify", MethodFilter::POST, Operation::Classify),
+    ("/score", MethodFilter::POST, Operation::Score),
+    ("/v1/score", MethodFilter::POST, Operation::ScoreV1),
+    ("/rerank", MethodFilter::POST, Operation::Rerank),
+    ("/v1/rerank", MethodFilter::POST, Operation::RerankV1),
+    ("/v2/rerank", MethodFilter::POST, Operation::RerankV2),
+    ("/tokenize", MethodFilter::POST, Operation::Tokenize),
+    ("/detokenize", MethodFilter::POST, Operation::Detokenize),
+];
+
+/// The endpoint named in `/endpoints/{endpoint}/...` (other path parameters are the plan's).
+#[derive(serde::Deserialize)]
+struct EndpointParam {
+    endpoint: String,
+}
+
+/// `operation` on a plain path: the body's `model`, or the response id, names the endpoint.
+fn plain(filter: MethodFilter, operation: Operation) -> MethodRouter<Arc<Worker>> {
+    on(
+        filter,
+        move |State(worker): State<Arc<Worker>>, request: Request| {
+            handle(worker, operation, None, request)
+        },
+    )
+}
+
+/// `operation` under `/endpoints/{endpoint}/...`.
+fn under_endpoint(filter: MethodFilter, operation: Operation) -> MethodRouter<Arc<Worker>> {
+    on(
+        filter,
+        move |State(worker): State<Arc<Worker>>,
+              Path(path): Path<EndpointParam>,
+              request: Request| { handle(worker, operation, Some(path.endpoint), request) },
+    )
+}
+
 fn app(worker: Arc<Worker>) -> AxumRouter {
-    async fn native(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::Invocations, Some(endpoint), request).await
-    }
-    async fn native_stream(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(
-            worker,
-            Operation::InvocationsStream,
-            Some(endpoint),
-            request,
-        )
-        .await
-    }
-    async fn chat(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::ChatCompletions, Some(endpoint), request).await
-    }
-    async fn completions(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::Completions, Some(endpoint), request).await
-    }
-    async fn plain_chat(State(worker): State<Arc<Worker>>, request: Request) -> Response {
-        handle(worker, Operation::ChatCompletions, None, request).await
-    }
-    async fn plain_completions(State(worker): State<Arc<Worker>>, request: Request) -> Response {
-        handle(worker, Operation::Completions, None, request).await
-    }
     async fn models(State(worker): State<Arc<Worker>>) -> Response {
         crate::forward::list_models(&worker.table.load())
     }
@@ -489,32 +517,66 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         )
             .into_response()
     }
-    async fn not_found() -> Response {
-        ApiError::unknown_endpoint("no such path; see the Switchyard README for the API")
-            .into_response_for(Api::Native)
+    async fn not_found(State(worker): State<Arc<Worker>>, request: Request) -> Response {
+        let path = request.uri().path();
+        let api = api_of_path(path);
+        worker
+            .metrics
+            .error(crate::errors::ErrorKind::UnknownEndpoint);
+        match api {
+            Api::OpenAi => ApiError::unknown_path(request.method(), path),
+            Api::Native => {
+                ApiError::unknown_endpoint("no such path; see the Switchyard README for the API")
+            }
+        }
+        .into_response_for(api)
     }
-    AxumRouter::new()
-        .route("/endpoints/{endpoint}/invocations", post(native))
+    async fn method_not_allowed(State(worker): State<Arc<Worker>>, request: Request) -> Response {
+        let path = request.uri().path();
+        let error = ApiError::method_not_allowed(request.method(), path);
+        worker.metrics.error(error.kind);
+        error.into_response_for(api_of_path(path))
+    }
+    let mut router = AxumRouter::new()
+        .route(
+            "/endpoints/{endpoint}/invocations",
+            post(
+                |State(worker): State<Arc<Worker>>,
+                 Path(endpoint): Path<String>,
+                 request: Request| {
+                    handle(worker, Operation::Invocations, Some(endpoint), request)
+                },
+            ),
+        )
         .route(
             "/endpoints/{endpoint}/invocations-response-stream",
-            post(native_stream),
-        )
-        .route(
-            "/endpoints/{endpoint}/openai/v1/chat/completions",
-            post(chat),
-        )
-        .route(
-            "/endpoints/{endpoint}/openai/v1/completions",
-            post(completions),
-        )
-        .route("/v1/chat/completions", post(plain_chat))
-        .route("/v1/completions", post(plain_completions))
+            post(
+                |State(worker): State<Arc<Worker>>,
+                 Path(endpoint): Path<String>,
+                 request: Request| {
+                    handle(
+                        worker,
+                        Operation::InvocationsStream,
+                        Some(endpoint),
+                        request,
+                    )
+                },
+            ),
+        );
+    for &(path, filter, operation) in OPENAI_ROUTES {
+        router = router.route(path, plain(filter, operation)).route(
+            &format!("/endpoints/{{endpoint}}/openai{path}"),
+            under_endpoint(filter, operation),
+        );
+    }
+    router
         .route("/v1/models", get(models))
         .route("/ping", get(|| async { "ok\n" }))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(worker)
 }
 
@@ -534,5 +596,8 @@ mod tests {
             Api::OpenAi
         );
         assert_eq!(api_of_path("/v1/chat/completions"), Api::OpenAi);
+        assert_eq!(api_of_path("/v1/foo"), Api::OpenAi);
+        assert_eq!(api_of_path("/endpoints/chat/openai/v1/foo"), Api::OpenAi);
+        assert_eq!(api_of_path("/endpoints/chat/foo"), Api::Native);
     }
 }

@@ -36,6 +36,8 @@ pub enum RouteLabel {
     Disaggregated,
     /// The prefill failed or timed out: the decoder serves the whole request.
     Fallback,
+    /// The instance that stores the response a request is about (Responses API).
+    Response,
     /// The previous candidate provably never received the request.
     Retry,
     /// The previous candidate may have received it (`--retry-after-send`).
@@ -43,7 +45,7 @@ pub enum RouteLabel {
 }
 
 impl RouteLabel {
-    pub const ALL: [RouteLabel; 11] = [
+    pub const ALL: [RouteLabel; 12] = [
         RouteLabel::Prefix,
         RouteLabel::Overflow,
         RouteLabel::Random,
@@ -53,6 +55,7 @@ impl RouteLabel {
         RouteLabel::Direct,
         RouteLabel::Disaggregated,
         RouteLabel::Fallback,
+        RouteLabel::Response,
         RouteLabel::Retry,
         RouteLabel::RetryAfterSend,
     ];
@@ -68,6 +71,7 @@ impl RouteLabel {
             RouteLabel::Direct => "direct",
             RouteLabel::Disaggregated => "disaggregated",
             RouteLabel::Fallback => "fallback",
+            RouteLabel::Response => Route::Response.as_str(),
             RouteLabel::Retry => "retry",
             RouteLabel::RetryAfterSend => "retry-after-send",
         }
@@ -83,6 +87,7 @@ impl From<Route> for RouteLabel {
             Route::LeastOutstanding => RouteLabel::LeastOutstanding,
             Route::Session => RouteLabel::Session,
             Route::Kv => RouteLabel::Kv,
+            Route::Response => RouteLabel::Response,
         }
     }
 }
@@ -346,6 +351,14 @@ impl InstanceRoute {
             decode_partner: instance.decode_partner.clone(),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
+    }
+}
+
+impl InstanceRoute {
+    /// The instance's URL for `path_and_query` (a path of the operations without a prepared
+    /// URI); `None` if it does not make one.
+    pub fn uri_for(&self, path_and_query: &str) -> Option<http::Uri> {
+        uri(&self.url, path_and_query)
     }
 }
 
