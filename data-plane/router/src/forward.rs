@@ -44,6 +44,9 @@ pub const INVOKED_VARIANT: HeaderName =
     HeaderName::from_static("x-amzn-invoked-production-variant");
 pub const SWITCHYARD_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-instance");
 pub const SWITCHYARD_ROUTE: HeaderName = HeaderName::from_static("x-switchyard-route");
+/// KV_AWARE: leading prompt tokens the KV index says the serving instance holds.
+pub const SWITCHYARD_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-cached-tokens");
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// How requests are forwarded (from the router's flags).
@@ -165,6 +168,8 @@ impl Forwarder<'_> {
             variant_index,
             ranking,
             body,
+            kv: _,
+            cached_tokens,
         } = plan;
         let variant = &endpoint.variants[variant_index];
         ensure_request_id(&mut client_headers);
@@ -202,9 +207,11 @@ impl Forwarder<'_> {
                             .observe(sent.elapsed().as_secs_f64());
                         instance.cell.failures.store(0, Ordering::Relaxed);
                         drop(held.take());
+                        let cached = cached_tokens.get(index).copied();
                         return self
                             .respond(
                                 operation, response, in_flight, permit, variant, instance, label,
+                                cached,
                             )
                             .await;
                     }
@@ -287,15 +294,24 @@ impl Forwarder<'_> {
         variant: &VariantRoute,
         instance: &InstanceRoute,
         label: RouteLabel,
+        cached_tokens: Option<u32>,
     ) -> Result<Response, ApiError> {
         let (mut parts, incoming) = response.into_parts();
         if operation.api() == Api::Native && !parts.status.is_success() {
             return Ok(self
-                .model_error(parts, incoming, in_flight, variant, instance, label)
+                .model_error(
+                    parts,
+                    incoming,
+                    in_flight,
+                    variant,
+                    instance,
+                    label,
+                    cached_tokens,
+                )
                 .await);
         }
         strip_hop_by_hop(&mut parts.headers);
-        add_routing_headers(&mut parts.headers, variant, instance, label);
+        add_routing_headers(&mut parts.headers, variant, instance, label, cached_tokens);
         // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
         // a stall there ends with its own exception event, not an OpenAI error event.
         let sagemaker_stream = operation == Operation::InvocationsStream;
@@ -324,6 +340,7 @@ impl Forwarder<'_> {
 
     /// SageMaker reports a container's error status as 424 ModelError, with the original
     /// status, its message, and its `Retry-After` if it sent one.
+    #[allow(clippy::too_many_arguments)]
     async fn model_error(
         &self,
         parts: http::response::Parts,
@@ -332,6 +349,7 @@ impl Forwarder<'_> {
         variant: &VariantRoute,
         instance: &InstanceRoute,
         label: RouteLabel,
+        cached_tokens: Option<u32>,
     ) -> Response {
         // The container's message, its first 64 KiB at most, read within the idle deadline.
         const MOST: usize = 64 * 1024;
@@ -374,7 +392,13 @@ impl Forwarder<'_> {
             .map(Box::new);
         self.metrics.error(ErrorKind::ModelError);
         let mut response = error.into_response_for(Api::Native);
-        add_routing_headers(response.headers_mut(), variant, instance, label);
+        add_routing_headers(
+            response.headers_mut(),
+            variant,
+            instance,
+            label,
+            cached_tokens,
+        );
         response
     }
 }
@@ -464,15 +488,21 @@ fn ensure_request_id(headers: &mut HeaderMap) {
     }
 }
 
+/// Which variant and instance answered, and why; for a request ranked by the KV index, how
+/// many leading prompt tokens that instance holds.
 fn add_routing_headers(
     headers: &mut HeaderMap,
     variant: &VariantRoute,
     instance: &InstanceRoute,
     label: RouteLabel,
+    cached_tokens: Option<u32>,
 ) {
     headers.insert(INVOKED_VARIANT, variant.name_header.clone());
     headers.insert(SWITCHYARD_INSTANCE, instance.id_header.clone());
     headers.insert(SWITCHYARD_ROUTE, HeaderValue::from_static(label.as_str()));
+    if let Some(tokens) = cached_tokens {
+        headers.insert(SWITCHYARD_CACHED_TOKENS, HeaderValue::from(tokens));
+    }
 }
 
 /// What a stalled answer ends with.
