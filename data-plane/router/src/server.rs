@@ -278,6 +278,11 @@ impl RouterHandle {
         &self.worker.metrics
     }
 
+    /// What the engines' KV events say each instance holds (KV_AWARE variants).
+    pub fn kv_index(&self) -> &Arc<crate::kv::KvIndex> {
+        &self.worker.kv_index
+    }
+
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
