@@ -21,6 +21,7 @@ use switchyard_policy::openai::{OpenAiRequest, TextRule};
 use switchyard_policy::prefix::{native, valid_prefix_aware_id};
 use switchyard_policy::rank::{self, Route, Strategy};
 
+use crate::disaggregated::{KV_TRANSFER_PARAMS, prefill_body};
 use crate::errors::{Api, ApiError};
 use crate::kv::tokenize::{PromptKind, PromptTokens, TokenizeError};
 use crate::response_ids::{self, StoredResponse};
@@ -192,6 +193,8 @@ pub struct Disaggregated {
     pub prefill: rank::Ranking,
     /// The prompt's tokens as counted.
     pub count: Count,
+    /// The request to send to the prefill instance (made here, off the serving thread).
+    pub prefill_body: Option<Bytes>,
 }
 
 pub const PROMPT_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-prompt-tokens");
@@ -345,14 +348,26 @@ pub fn make_plan(
             None => None,
         };
         drop(openai);
+        // Only the router tells a disaggregated endpoint's engines what to do with KV blocks:
+        // a client's `kv_transfer_params` go, on every path.
+        let body = rewritten.map_or(body, Bytes::from);
+        let body = match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
+            Some(stripped) => Bytes::from(stripped),
+            None => body,
+        };
+        let mut disaggregated = decision.disaggregated;
+        if let Some(disaggregated) = &mut disaggregated {
+            let prefill = &endpoint.variants[pd.prefill];
+            disaggregated.prefill_body = prefill_body(&body, pd.protocol, prefill);
+        }
         return Ok(Plan {
             variant_index: pd.decode,
             ranking: decision.decoders,
-            body: rewritten.map_or(body, Bytes::from),
+            body,
             path: operation.fixed_path().map(str::to_owned),
             label: decision.label,
             explain: decision.explain,
-            disaggregated: decision.disaggregated,
+            disaggregated,
             endpoint,
             kv: None,
             cached_tokens: Vec::new(),
@@ -629,6 +644,7 @@ fn decide_disaggregation(
         disaggregated: Some(Disaggregated {
             prefill: rank_prefill(prefill, pd, routing, request, rng.u64(..)),
             count,
+            prefill_body: None,
         }),
     })
 }
