@@ -176,9 +176,7 @@ impl Forwarder<'_> {
         body: Bytes,
         reservation: &mut BufferReservation,
     ) -> Result<Prefilled, NoPrefill> {
-        // The answer is read by the router: an encoded one could not be.
-        let mut headers = client_headers.clone();
-        headers.remove(ACCEPT_ENCODING);
+        let headers = prefill_headers(client_headers);
         let variant = &endpoint.variants[pd.prefill];
         let held = reservation.bytes();
         let attempts = self.settings.max_attempts.max(1);
@@ -290,6 +288,14 @@ impl Forwarder<'_> {
         )))
     }
 }
+/// The client's headers for the prefill copy: all but `Accept-Encoding` (the router reads
+/// the answer, so it must not come encoded). `X-Request-Id` stays: both hops carry it.
+fn prefill_headers(client_headers: &HeaderMap) -> HeaderMap {
+    let mut headers = client_headers.clone();
+    headers.remove(ACCEPT_ENCODING);
+    headers
+}
+
 /// The prefill candidates to try, in the plan's order. With LMCACHE only those whose decode
 /// partner is routable and not ejected here: the KV cache is pushed to the partner, so a
 /// prefill without one is work for nothing.
@@ -501,6 +507,33 @@ mod tests {
         assert!(copy.get("kv_transfer_params").is_none());
         assert!(copy.get("model").is_none());
         assert!(prefill_body(b"[1]", KvTransferProtocol::Nixl, &variant(None)).is_none());
+    }
+
+    #[test]
+    fn a_hand_off_must_name_an_engine_and_blocks() {
+        let good = br#"{"choices":[],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"h","remote_port":1}}"#;
+        assert_eq!(handoff_in(good).unwrap()["remote_engine_id"], "e");
+        for (answer, why) in [
+            (&b"not json"[..], "not a JSON object"),
+            (br#"{"choices":[]}"#, "no kv_transfer_params"),
+            (br#"{"kv_transfer_params":null}"#, "no kv_transfer_params"),
+            (br#"{"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[]}}"#, "do_remote_prefill"),
+            (br#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[]}}"#, "remote_engine_id"),
+            (br#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":"x"}}"#, "remote_block_ids"),
+        ] {
+            let err = handoff_in(answer).unwrap_err();
+            assert!(err.contains(why), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_prefill_copy_asks_for_no_encoding_and_keeps_the_request_id() {
+        let mut client = HeaderMap::new();
+        client.insert(ACCEPT_ENCODING, HeaderValue::from_static("gzip, br"));
+        client.insert("x-request-id", HeaderValue::from_static("r-1"));
+        let headers = prefill_headers(&client);
+        assert!(headers.get(ACCEPT_ENCODING).is_none());
+        assert_eq!(headers["x-request-id"], "r-1");
     }
 
     #[test]
