@@ -44,7 +44,7 @@ use crate::table::{
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
 
 /// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
-pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
 /// The most of a prefill answer read (a one-token answer and its hand-off are small).
 const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
@@ -399,6 +399,17 @@ fn hand_off(
     }
 }
 
+/// A disaggregated endpoint's request without the `kv_transfer_params` a client sent (however
+/// the key is written, every copy): only the router tells its engines what to do with KV
+/// blocks, on every path. CPU work over the whole body: planning calls it, off the serving
+/// thread.
+pub(crate) fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
+    match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
+        Some(stripped) => Bytes::from(stripped),
+        None => body,
+    }
+}
+
 /// The prefill copy of an OpenAI request, as vLLM's disaggregation proxy makes it: one token
 /// (`max_tokens`, and `max_completion_tokens` if present), not streamed, no `stream_options` or
 /// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode.
@@ -452,7 +463,9 @@ fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
         .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
     let mut out = Vec::with_capacity(body.len() + params.len() + 24);
     out.extend_from_slice(&body[..=brace]);
-    out.extend_from_slice(b"\"kv_transfer_params\":");
+    out.push(b'"');
+    out.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
+    out.extend_from_slice(b"\":");
     out.extend_from_slice(&params);
     if !empty {
         out.push(b',');
