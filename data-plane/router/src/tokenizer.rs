@@ -112,6 +112,9 @@ pub struct Tokenizers {
     slots: Mutex<HashMap<String, Arc<Mutex<Slot>>>>,
     fallbacks: AtomicU64,
     retry_after: Duration,
+    /// Tokenizer files read (tests check that concurrent first requests share one read).
+    #[cfg(test)]
+    file_loads: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +135,8 @@ impl Tokenizers {
             slots: Mutex::new(HashMap::new()),
             fallbacks: AtomicU64::new(0),
             retry_after: RETRY_LOAD_AFTER,
+            #[cfg(test)]
+            file_loads: AtomicU64::new(0),
         }
     }
 
@@ -236,6 +241,8 @@ impl Tokenizers {
                 dir.display()
             )
         })?;
+        #[cfg(test)]
+        self.file_loads.fetch_add(1, Ordering::Relaxed);
         load_file(&path).map(|tokenizer| Tokenizer::HuggingFace(Box::new(tokenizer)))
     }
 }
@@ -333,6 +340,17 @@ mod tests {
 
     /// A small valid tokenizer.json (a word-level model: one token per known word).
     fn word_level() -> String {
+        word_level_of(0)
+    }
+
+    /// The same with `extra` more words: a file that takes a while to parse.
+    fn word_level_of(extra: usize) -> String {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("hello".into(), 0.into());
+        vocab.insert("[UNK]".into(), 1.into());
+        for word in 0..extra {
+            vocab.insert(format!("w{word}"), (word + 2).into());
+        }
         serde_json::json!({
             "version": "1.0",
             "truncation": null,
@@ -342,7 +360,7 @@ mod tests {
             "pre_tokenizer": {"type": "Whitespace"},
             "post_processor": null,
             "decoder": null,
-            "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
         })
         .to_string()
     }
@@ -369,11 +387,18 @@ mod tests {
     #[test]
     fn concurrent_first_requests_share_one_load_and_oversized_files_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("words.json"), word_level()).unwrap();
+        // A parse long enough (tens of ms) for the callers to overlap.
+        std::fs::write(dir.path().join("words.json"), word_level_of(50_000)).unwrap();
         let tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        let start = std::sync::Barrier::new(4);
         let loaded: Vec<Arc<Tokenizer>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..4)
-                .map(|_| scope.spawn(|| tokenizers.get("words")))
+                .map(|_| {
+                    scope.spawn(|| {
+                        start.wait();
+                        tokenizers.get("words")
+                    })
+                })
                 .collect();
             handles
                 .into_iter()
@@ -381,6 +406,7 @@ mod tests {
                 .collect()
         });
         // One load: every caller holds the same tokenizer.
+        assert_eq!(tokenizers.file_loads.load(Ordering::Relaxed), 1);
         assert!(
             loaded
                 .iter()
