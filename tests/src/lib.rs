@@ -1,12 +1,21 @@
-//! The integration-test harness: a real etcd on free loopback ports in a temporary directory
+//! The integration-test harness: a real etcd on loopback ports in a temporary directory
 //! (plain, or TLS with client certificates from a throwaway CA), control planes and routers
-//! started in-process on `127.0.0.1:0`, the built binaries for tests that need a real
-//! process, and small HTTP/gRPC helpers. Nothing is mocked.
+//! started in-process on `127.0.0.1:0`, the built binaries as real processes (which report the
+//! port they bound), and small HTTP/gRPC helpers. Nothing is mocked.
+//!
+//! Rules the helpers keep, so that tests run in parallel without taking each other's ports or
+//! hanging CI: every server binds `127.0.0.1:0` and reports the port it got (etcd cannot, so
+//! its start is retried on a conflict); an address meant to refuse connections is held bound
+//! by [`RefusingPort`] so nobody else can take it; every wait and every HTTP exchange has a
+//! deadline; a binary older than its sources is refused ([`binary`]).
 
+use std::io::{BufRead as _, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -18,8 +27,14 @@ use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 
-/// A free TCP port on 127.0.0.1 (bound then released; etcd needs numbers up front).
-pub fn free_port() -> u16 {
+/// The longest any one HTTP exchange of the helpers below may take (response head and whole
+/// body): a stuck server fails the test with a message instead of hanging it.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A loopback port nobody listens on right now, for etcd, which must be told its ports up
+/// front. Bound then released, so another process may take it before etcd does: `Etcd`
+/// retries its start on a conflict. Everything else binds `127.0.0.1:0` itself.
+fn unused_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
@@ -28,6 +43,36 @@ pub fn free_port() -> u16 {
 
 pub fn loopback_any() -> SocketAddr {
     "127.0.0.1:0".parse().expect("loopback address")
+}
+
+/// A loopback address that refuses connections for as long as this value lives: the port is
+/// bound (so no parallel test can take it) but never listens, so a connection attempt gets a
+/// reset at once. For "connection refused" checks, which a released port cannot give reliably.
+pub struct RefusingPort {
+    pub addr: SocketAddr,
+    socket: Option<tokio::net::TcpSocket>,
+}
+
+impl RefusingPort {
+    pub fn new() -> anyhow::Result<Self> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(loopback_any())?;
+        let addr = socket.local_addr()?;
+        Ok(Self {
+            addr,
+            socket: Some(socket),
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Starts listening on the held port (a service coming back on the address it had).
+    pub fn listen(mut self) -> anyhow::Result<tokio::net::TcpListener> {
+        let socket = self.socket.take().context("already listening")?;
+        Ok(socket.listen(128)?)
+    }
 }
 
 /// Waits until `check` holds, polling every 20 ms, for at most `limit`.
@@ -190,17 +235,31 @@ impl Etcd {
         Self::spawn(Some(pki)).await
     }
 
+    /// Starts etcd on two unused ports; when another process takes one of them first (etcd
+    /// cannot bind port 0), starts again on two others, at most 10 times.
     async fn spawn(tls: Option<&TestPki>) -> anyhow::Result<Self> {
         let binary = which("etcd").context(
             "etcd is not installed: run scripts/test (it installs Debian's etcd-server) or apt-get install etcd-server",
         )?;
+        for _ in 0..10 {
+            match Self::spawn_once(&binary, tls).await? {
+                Some(etcd) => return Ok(etcd),
+                None => continue,
+            }
+        }
+        bail!("etcd found its ports taken 10 times in a row")
+    }
+
+    /// `None` when a port was taken.
+    async fn spawn_once(binary: &Path, tls: Option<&TestPki>) -> anyhow::Result<Option<Self>> {
         let dir = tempfile::tempdir()?;
-        let client_port = free_port();
-        let peer_port = free_port();
+        let client_port = unused_port();
+        let peer_port = unused_port();
         let scheme = if tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
-        let log = std::fs::File::create(dir.path().join("etcd.log"))?;
+        let log_path = dir.path().join("etcd.log");
+        let log = std::fs::File::create(&log_path)?;
         let mut command = Command::new(binary);
         command
             .arg("--data-dir")
@@ -232,15 +291,35 @@ impl Etcd {
             url,
             _dir: dir,
         };
+        // This etcd, not another one that took the port, logs that it serves it.
+        let serving = format!("client requests on 127.0.0.1:{client_port}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            if log.contains(&serving) {
+                break;
+            }
+            if let Some(status) = etcd.child.try_wait()? {
+                if log.contains("address already in use") {
+                    return Ok(None);
+                }
+                bail!("etcd exited ({status}) before serving:\n{log}");
+            }
+            if Instant::now() >= deadline {
+                etcd.kill();
+                bail!("etcd did not serve within 20 s:\n{log}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let ready = match tls {
             None => etcd.wait_healthy().await,
             Some(pki) => etcd.wait_serving_tls(pki).await,
         };
         if let Err(err) = ready {
-            let _ = etcd.child.kill();
+            etcd.kill();
             return Err(err);
         }
-        Ok(etcd)
+        Ok(Some(etcd))
     }
 
     /// Plain HTTP: `/health` says true once etcd has a leader.
@@ -304,7 +383,21 @@ fn which(name: &str) -> Option<PathBuf> {
     })
 }
 
+/// Sends `signal` (a name `kill -s` knows: TERM, KILL, STOP, CONT) to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args(["-s", signal, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+    // A process that already exited cannot be signalled; callers check what they expect.
+    drop(status);
+}
+
 /// A built binary of this workspace (`scripts/test` builds them before the tests run).
+///
+/// Refuses (panics) when the binary is missing or older than any source file it was built
+/// from (its cargo dep-info, `target/debug/NAME.d`, lists them), so `cargo test` after an edit
+/// cannot silently test yesterday's binary.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/debug/deps/<test> -> target/debug/<name>
@@ -314,12 +407,179 @@ pub fn binary(name: &str) -> PathBuf {
         .expect("target directory")
         .to_path_buf();
     let path = dir.join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build the binaries first (cargo build --workspace --bins; scripts/test does)",
-        path.display()
-    );
+    let rebuild = "build the binaries first: cargo build --workspace --bins (scripts/test does)";
+    let built = std::fs::metadata(&path)
+        .and_then(|meta| meta.modified())
+        .unwrap_or_else(|_| panic!("{} is missing: {rebuild}", path.display()));
+    let dep_info = dir.join(format!("{name}.d"));
+    let sources = std::fs::read_to_string(&dep_info).unwrap_or_else(|err| {
+        panic!(
+            "{}: {err}: cannot tell whether {name} is up to date; {rebuild}",
+            dep_info.display()
+        )
+    });
+    if let Some(newer) = newer_sources(&sources, built).first() {
+        panic!(
+            "{} is older than its source {}: {rebuild}",
+            path.display(),
+            newer.display()
+        );
+    }
     path
+}
+
+/// The files of a Makefile-style dep-info (`target: a.rs b.rs`, spaces in names escaped with
+/// a backslash) modified after `built`. A source that no longer exists counts as newer.
+fn newer_sources(dep_info: &str, built: SystemTime) -> Vec<PathBuf> {
+    let first_rule = dep_info.lines().next().unwrap_or_default();
+    let Some((_, sources)) = first_rule.split_once(": ") else {
+        return Vec::new();
+    };
+    let mut files = Vec::new();
+    let mut current = String::new();
+    let mut chars = sources.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.peek() == Some(&' ') => {
+                current.push(' ');
+                chars.next();
+            }
+            ' ' => files.push(std::mem::take(&mut current)),
+            c => current.push(c),
+        }
+    }
+    files.push(current);
+    files
+        .into_iter()
+        .filter(|file| !file.is_empty())
+        .map(PathBuf::from)
+        .filter(|file| {
+            let modified = std::fs::metadata(file).and_then(|meta| meta.modified());
+            !modified.is_ok_and(|modified| modified <= built)
+        })
+        .collect()
+}
+
+/// One of the workspace's binaries running as a real process, its JSON log lines collected.
+/// Killed (SIGKILL) on drop.
+pub struct Process {
+    /// The address it reported it listens on.
+    pub addr: SocketAddr,
+    child: Child,
+    logs: Arc<Mutex<Vec<String>>>,
+    name: String,
+}
+
+impl Process {
+    /// Starts `binary` with `args` and `--log-format json`, and waits (at most 30 s) for its
+    /// log line with message `listening`, whose `addr` field is the address it bound (give it
+    /// `--listen 127.0.0.1:0`).
+    pub fn start(binary_name: &str, args: &[&str], listening: &str) -> anyhow::Result<Self> {
+        let mut child = Command::new(binary(binary_name))
+            .args(args)
+            .args(["--log-format", "json"])
+            .env_remove("SWITCHYARD_CONTROL_PLANE")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {binary_name}"))?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+        let collected = Arc::clone(&logs);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                collected
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner())
+                    .push(line.clone());
+                let _ = lines_tx.send(line);
+            }
+        });
+        let mut process = Self {
+            addr: loopback_any(),
+            child,
+            logs,
+            name: binary_name.to_owned(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let line = match lines.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(line) => line,
+                Err(_) => {
+                    process.kill();
+                    bail!(
+                        "{binary_name} did not log {listening:?} within 30 s:\n{}",
+                        process.logs().join("\n")
+                    );
+                }
+            };
+            let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if entry["message"] == listening
+                && let Some(addr) = entry["addr"].as_str()
+            {
+                process.addr = addr.parse().with_context(|| format!("address {addr}"))?;
+                return Ok(process);
+            }
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The log lines so far.
+    pub fn logs(&self) -> Vec<String> {
+        self.logs
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        signal(self.child.id(), "TERM");
+    }
+
+    /// Waits at most `limit` for the process to exit.
+    pub fn wait_exit(&mut self, limit: Duration) -> anyhow::Result<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{} did not exit within {limit:?}:\n{}",
+                    self.name,
+                    self.logs().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops it abruptly (SIGKILL), as a crash would, and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -330,15 +590,26 @@ fn http_client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build(connector)
 }
 
+/// `exchange`, failing after [`HTTP_TIMEOUT`] instead of waiting forever.
+async fn bounded<T>(
+    what: impl std::fmt::Display,
+    exchange: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(HTTP_TIMEOUT, exchange)
+        .await
+        .with_context(|| format!("{what}: no complete answer within {HTTP_TIMEOUT:?}"))?
+        .with_context(|| what.to_string())
+}
+
 /// GET, returning (status, body).
 pub async fn http_get(url: &str) -> anyhow::Result<(u16, String)> {
-    let response = http_client()
-        .get(url.parse()?)
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    let status = response.status().as_u16();
-    let body = response.into_body().collect().await?.to_bytes();
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    bounded(format!("GET {url}"), async {
+        let response = http_client().get(url.parse()?).await?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    })
+    .await
 }
 
 /// A response read whole.
@@ -370,23 +641,47 @@ pub async fn http_post(
         request = request.header(*name, *value);
     }
     let request = request.body(Full::new(body.into()))?;
-    let response = http_client()
-        .request(request)
-        .await
-        .with_context(|| format!("POST {url}"))?;
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response.into_body().collect().await?.to_bytes();
-    Ok(Reply {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
+    bounded(format!("POST {url}"), async {
+        let response = http_client().request(request).await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(Reply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
     })
+    .await
 }
 
-/// An admin client of a control plane.
+/// The longest one admin call may take before the test fails instead of hanging.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An admin client of a control plane (each call bounded by [`RPC_TIMEOUT`]).
 pub async fn admin(url: &str) -> anyhow::Result<AdminClient<Channel>> {
-    Ok(AdminClient::connect(url.to_owned()).await?)
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(RPC_TIMEOUT)
+        .connect()
+        .await
+        .with_context(|| format!("admin client of {url}"))?;
+    Ok(AdminClient::new(channel))
+}
+
+/// Waits at most `limit` for `control_plane` to lead.
+pub async fn wait_leader(
+    control_plane: &switchyard_control::ControlPlane,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    tokio::time::timeout(limit, control_plane.wait_leader())
+        .await
+        .with_context(|| {
+            format!(
+                "replica {} did not lead within {limit:?}",
+                control_plane.replica_id
+            )
+        })
 }
 
 /// A SageMaker ProductionVariants JSON for one variant.
@@ -402,20 +697,34 @@ pub fn variant_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
     )
 }
 
-/// Builds a CreateEndpointConfig request from SageMaker JSON.
+/// Builds a CreateEndpointConfig request from SageMaker JSON (health checks every 200 ms,
+/// unhealthy after 2 failures, healthy again after 1 success).
 pub fn config_request(name: &str, variants_json: &str) -> pb::CreateEndpointConfigRequest {
+    config_request_with_health(
+        name,
+        variants_json,
+        switchyard_shared::HealthCheckConfig {
+            interval_ms: 200,
+            unhealthy_threshold: 2,
+            healthy_threshold: 1,
+            ..Default::default()
+        },
+    )
+}
+
+/// Builds a CreateEndpointConfig request from SageMaker JSON with these health checks.
+pub fn config_request_with_health(
+    name: &str,
+    variants_json: &str,
+    health_check_config: switchyard_shared::HealthCheckConfig,
+) -> pb::CreateEndpointConfigRequest {
     let variants = switchyard_shared::sagemaker::parse_production_variants(variants_json)
         .expect("test JSON parses")
         .variants;
     let config = switchyard_shared::EndpointConfig {
         endpoint_config_name: switchyard_shared::EndpointConfigName::new(name).expect("name"),
         production_variants: variants,
-        health_check_config: switchyard_shared::HealthCheckConfig {
-            interval_ms: 200,
-            unhealthy_threshold: 2,
-            healthy_threshold: 1,
-            ..Default::default()
-        },
+        health_check_config,
         creation_time_ms: 0,
     };
     pb::CreateEndpointConfigRequest {
@@ -484,14 +793,29 @@ pub async fn embedded_control_plane(
 /// test's runtime and one of its own) as the binary does on a 2-CPU machine, so that every
 /// router test also covers requests and connections spread over serving threads.
 pub async fn router(control_planes: &[String]) -> anyhow::Result<switchyard_router::RouterHandle> {
-    let mut config = switchyard_router::RouterConfig::with_control_plane(
+    router_with(switchyard_router::RouterConfig::with_control_plane(
         loopback_any(),
         control_planes.to_vec(),
-    );
+    ))
+    .await
+}
+
+/// Starts an in-process router from `config`, on two serving threads as [`router`] does.
+pub async fn router_with(
+    mut config: switchyard_router::RouterConfig,
+) -> anyhow::Result<switchyard_router::RouterHandle> {
     config.worker_threads = Some(2);
     let settings = config.validate().map_err(anyhow::Error::msg)?;
-    let router = switchyard_router::RouterHandle::start(settings).await?;
-    Ok(router)
+    Ok(switchyard_router::RouterHandle::start(settings).await?)
+}
+
+/// A real `switchyard-control` process listening on `127.0.0.1:0`, with `store_args` (e.g.
+/// `["--data-dir", DIR]` or `["--store", "etcd", "--etcd-endpoints", URL]`): for crashes,
+/// which only a process killed with SIGKILL shows as they are.
+pub fn control_process(store_args: &[&str]) -> anyhow::Result<Process> {
+    let mut args = vec!["--listen", "127.0.0.1:0"];
+    args.extend_from_slice(store_args);
+    Process::start("switchyard-control", &args, "control plane listening")
 }
 
 /// A whole cluster on loopback: etcd, a control plane on it, simulated engines registered as
@@ -625,16 +949,20 @@ pub async fn http_post_frames(
     let mut response = post_streaming(url, headers, body).await?;
     let status = response.status().as_u16();
     let response_headers = response.headers().clone();
-    let mut frames = Vec::new();
-    while let Some(frame) = response.body_mut().frame().await {
-        if let Ok(data) = frame?.into_data() {
-            frames.push((Instant::now(), data));
+    bounded(format!("POST {url} (reading the body)"), async {
+        let mut frames = Vec::new();
+        while let Some(frame) = response.body_mut().frame().await {
+            if let Ok(data) = frame?.into_data() {
+                frames.push((Instant::now(), data));
+            }
         }
-    }
-    Ok((status, response_headers, frames))
+        Ok((status, response_headers, frames))
+    })
+    .await
 }
 
-/// POST and return the response with its body unread (to read it slowly, or drop it early).
+/// POST and return the response with its body unread (to read it slowly, or drop it early);
+/// the response head must come within [`HTTP_TIMEOUT`].
 pub async fn post_streaming(
     url: &str,
     headers: &[(&str, &str)],
@@ -645,5 +973,176 @@ pub async fn post_streaming(
         request = request.header(*name, *value);
     }
     let request = request.body(Full::new(body.into()))?;
-    Ok(http_client().request(request).await?)
+    bounded(format!("POST {url}"), async {
+        Ok(http_client().request(request).await?)
+    })
+    .await
+}
+
+/// The value of the Prometheus sample `name{labels}` in `text` (labels in the order the
+/// exporter writes them, e.g. `endpoint="chat",instance="engine-0"`; empty for none).
+pub fn metric_value(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let series = if labels.is_empty() {
+        format!("{name} ")
+    } else {
+        format!("{name}{{{labels}}} ")
+    };
+    text.lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// A metric of a router (or any component serving `/metrics` at `base_url`); `None` when the
+/// sample is absent or `/metrics` does not answer.
+pub async fn scrape(base_url: &str, name: &str, labels: &str) -> Option<f64> {
+    let (_, text) = http_get(&format!("{base_url}/metrics")).await.ok()?;
+    metric_value(&text, name, labels)
+}
+
+/// A TCP relay on loopback in front of `target` that can be frozen: while frozen, bytes stop
+/// flowing both ways on every connection (connections stay open, new ones are accepted but not
+/// connected through), as in a network partition. For faults between two real components
+/// (a control plane and its etcd) that cannot be had by stopping either of them.
+pub struct Relay {
+    pub addr: SocketAddr,
+    frozen: tokio::sync::watch::Sender<bool>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Relay {
+    pub async fn start(target: SocketAddr) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+        let addr = listener.local_addr()?;
+        let (frozen, _) = tokio::sync::watch::channel(false);
+        let watch = frozen.clone();
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let frozen = watch.subscribe();
+                connections.spawn(async move {
+                    let _ = relay_connection(inbound, target, frozen).await;
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            frozen,
+            _task: tokio_util::task::AbortOnDropHandle::new(task),
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+}
+
+async fn relay_connection(
+    inbound: tokio::net::TcpStream,
+    target: SocketAddr,
+    frozen: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut gate = frozen.clone();
+    let _ = gate.wait_for(|frozen| !*frozen).await;
+    let outbound = tokio::net::TcpStream::connect(target).await?;
+    inbound.set_nodelay(true)?;
+    outbound.set_nodelay(true)?;
+    let (inbound_read, inbound_write) = inbound.into_split();
+    let (outbound_read, outbound_write) = outbound.into_split();
+    tokio::select! {
+        result = pump(inbound_read, outbound_write, frozen.clone()) => result,
+        result = pump(outbound_read, inbound_write, frozen) => result,
+    }
+}
+
+/// Copies `from` to `to`, holding every chunk while the relay is frozen.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buffer = vec![0u8; 16 * 1024];
+    loop {
+        let read = from.read(&mut buffer).await?;
+        if read == 0 {
+            return Ok(());
+        }
+        if frozen.wait_for(|frozen| !*frozen).await.is_err() {
+            return Ok(());
+        }
+        to.write_all(&buffer[..read]).await?;
+    }
+}
+
+/// An HTTP server on loopback whose `GET /health` answers 200 while `healthy` is set and 503
+/// otherwise, counting the 200s: an instance whose health a test controls.
+pub struct HealthServer {
+    pub url: String,
+    healthy: Arc<AtomicBool>,
+    successes: Arc<AtomicU64>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl HealthServer {
+    pub async fn start(healthy: bool) -> anyhow::Result<Self> {
+        use hyper::service::service_fn;
+        let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let state = (
+            Arc::new(AtomicBool::new(healthy)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (serving_health, serving_successes) = (Arc::clone(&state.0), Arc::clone(&state.1));
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                let (healthy, successes) =
+                    (Arc::clone(&serving_health), Arc::clone(&serving_successes));
+                let service = service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                    let status = if request.uri().path() != "/health" {
+                        404
+                    } else if healthy.load(Ordering::SeqCst) {
+                        successes.fetch_add(1, Ordering::SeqCst);
+                        200
+                    } else {
+                        503
+                    };
+                    async move {
+                        http::Response::builder()
+                            .status(status)
+                            .body(Full::new(Bytes::new()))
+                    }
+                });
+                connections.spawn(async move {
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await;
+                });
+            }
+        });
+        Ok(Self {
+            url,
+            healthy: state.0,
+            successes: state.1,
+            _task: tokio_util::task::AbortOnDropHandle::new(task),
+        })
+    }
+
+    pub fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::SeqCst);
+    }
+
+    /// Probes answered 200 so far.
+    pub fn successes(&self) -> u64 {
+        self.successes.load(Ordering::SeqCst)
+    }
 }
