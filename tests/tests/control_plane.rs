@@ -434,8 +434,10 @@ async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<
     }
     let mut won = 0;
     for task in tasks {
-        if task.await?.is_ok() {
-            won += 1;
+        match task.await? {
+            Ok(_) => won += 1,
+            // The losers are told why, as the one-replica race tells them.
+            Err(status) => assert_eq!(status.code(), Code::AlreadyExists, "{status}"),
         }
     }
     assert_eq!(won, 1, "one create wins across replicas");
@@ -705,14 +707,8 @@ async fn a_restart_loses_nothing_on_either_store() -> anyhow::Result<()> {
     assert_populated(&cp.url()).await?;
     cp.shutdown().await?;
 
-    // Embedded, crashed instead of stopped: acknowledged writes are on disk.
-    let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    populate(&mut admin(&cp.url()).await?).await?;
-    cp.abort();
-    let cp = embedded_control_plane(dir.path()).await?;
-    assert_populated(&cp.url()).await?;
-    cp.shutdown().await?;
+    // Crashed instead of stopped: a real process killed with SIGKILL, in
+    // the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_survives_sigkill.
 
     // etcd: a new control plane finds everything.
     let etcd = Etcd::start().await?;
@@ -1071,13 +1067,36 @@ async fn routers_need_the_router_token_when_one_is_set() -> anyhow::Result<()> {
     config.router_token_file = Some(token_file.clone());
     let cp = control_plane(config).await?;
 
+    // The stream itself is refused, with the reason, without the token or with a wrong one
+    // (not merely slow: the call answers UNAUTHENTICATED).
+    let channel = tonic::transport::Channel::from_shared(cp.url())?
+        .connect()
+        .await?;
+    for token in [None, Some("Bearer nope")] {
+        let mut request = tonic::Request::new(futures::stream::iter([pb::RouterMessage {
+            message: Some(pb::router_message::Message::Hello(pb::RouterHello {
+                router_id: "intruder".into(),
+            })),
+        }]));
+        if let Some(token) = token {
+            request
+                .metadata_mut()
+                .insert("authorization", token.parse()?);
+        }
+        let refused = tokio::time::timeout(
+            Duration::from_secs(10),
+            pb::router_sync_client::RouterSyncClient::new(channel.clone()).sync(request),
+        )
+        .await?;
+        let status = refused.map(|_| ()).expect_err("a stream without the token");
+        assert_eq!(status.code(), Code::Unauthenticated, "{token:?}: {status}");
+    }
+
     let anonymous = router(&[cp.url()]).await?;
     let mut with_token =
         switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![cp.url()]);
     with_token.control_plane_token_file = Some(token_file);
-    let trusted =
-        switchyard_router::RouterHandle::start(with_token.validate().map_err(anyhow::Error::msg)?)
-            .await?;
+    let trusted = router_with(with_token).await?;
     eventually(
         Duration::from_secs(10),
         "the router with the token to sync",
@@ -1091,5 +1110,823 @@ async fn routers_need_the_router_token_when_one_is_set() -> anyhow::Result<()> {
     );
     let (status, _) = http_get(&format!("{}/readyz", anonymous.url())).await?;
     assert_eq!(status, 503);
+    Ok(())
+}
+
+// --- Fleet-wide load ----------------------------------------------------------------------
+
+fn load_report(loads: &[(&str, u32)]) -> pb::RouterMessage {
+    pb::RouterMessage {
+        message: Some(pb::router_message::Message::Load(pb::LoadReport {
+            loads: loads
+                .iter()
+                .map(|(instance, in_flight)| pb::InstanceLoad {
+                    endpoint_name: "chat".into(),
+                    instance_id: (*instance).into(),
+                    in_flight: *in_flight,
+                })
+                .collect(),
+        })),
+    }
+}
+
+/// The next fleet-load figures on `stream` (other messages skipped), as instance -> count.
+async fn next_fleet_load(
+    stream: &mut tonic::Streaming<pb::SyncMessage>,
+) -> anyhow::Result<std::collections::BTreeMap<String, u32>> {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+        if let Some(pb::sync_message::Message::FleetLoad(fleet)) = message.message {
+            return Ok(fleet
+                .loads
+                .into_iter()
+                .map(|load| (load.instance_id, load.in_flight))
+                .collect());
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_router_is_never_sent_its_own_load_as_someone_elses() -> anyhow::Result<()> {
+    // Router a's load on i1 comes and goes between the control plane's ticks; b holds 2 on
+    // i2 throughout. Whatever the timing of a's reports against the ticks, a must hear only
+    // of b's 2, never of its own requests (it adds those itself). A hub that mixed a tick's
+    // totals with a's latest report would send a its own finished requests back.
+    let dir = tempfile::tempdir()?;
+    let mut config = ControlConfig::embedded(loopback_any(), dir.path().to_path_buf());
+    config.load_interval_ms = 20;
+    let cp = control_plane(config).await?;
+    let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
+    let (b, _b_stream) = sync_client(&cp.url(), "router-b").await?;
+    b.send(load_report(&[("i2", 2)])).await?;
+    let flipping = tokio::spawn(async move {
+        // 100 flips, 7 ms apart: a's report lands at every phase of the 20 ms ticks.
+        for flip in 0..100 {
+            let report = if flip % 2 == 0 {
+                load_report(&[("i1", 10)])
+            } else {
+                load_report(&[])
+            };
+            if a.send(report).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(7)).await;
+        }
+        a
+    });
+    let mut saw_b = 0;
+    while !flipping.is_finished() {
+        let figures = next_fleet_load(&mut a_stream).await?;
+        assert_eq!(
+            figures.get("i1"),
+            None,
+            "router a was sent its own load: {figures:?}"
+        );
+        if figures.get("i2") == Some(&2) {
+            saw_b += 1;
+        }
+    }
+    drop(flipping.await?);
+    assert!(saw_b > 0, "router a never heard of router b's load");
+    Ok(())
+}
+
+#[tokio::test]
+async fn fleet_load_crosses_replicas_and_a_dead_replicas_share_lapses() -> anyhow::Result<()> {
+    // Two replicas on one etcd: a router on replica 1 reports load; a router on replica 2 must
+    // see it (replica 1 publishes its routers' sum under load/{replica}, replica 2 follows).
+    // Replica 1 is a real process, killed with SIGKILL: its share goes with its lease.
+    let etcd = Etcd::start().await?;
+    let mut first = Process::start(
+        "switchyard-control",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            "etcd",
+            "--etcd-endpoints",
+            &etcd.url,
+            "--etcd-prefix",
+            "/xload/",
+        ],
+        "control plane listening",
+    )?;
+    let second = etcd_control_plane(&etcd, "/xload/").await?;
+    let (a, _a_stream) = sync_client(&first.url(), "router-a").await?;
+    let (_b, mut b_stream) = sync_client(&second.url(), "router-b").await?;
+    // Router a keeps reporting (a silent router would be dropped from the sums anyway).
+    let reporting = tokio::spawn(async move {
+        while a.send(load_report(&[("i1", 3)])).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let figures = next_fleet_load(&mut b_stream).await?;
+        if figures.get("i1") == Some(&3) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "router b never saw router a's load through the other replica: {figures:?}"
+        );
+    }
+    first.kill();
+    // The dead replica's lease (3 s) lapses; its routers' load must not stay frozen.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let figures = next_fleet_load(&mut b_stream).await?;
+        if !figures.contains_key("i1") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a dead replica's load stayed: {figures:?}"
+        );
+    }
+    reporting.abort();
+    Ok(())
+}
+
+// --- Leader election and fencing on etcd ------------------------------------------------------
+
+#[tokio::test]
+async fn a_leader_whose_renewals_stall_steps_down_before_another_takes_over() -> anyhow::Result<()>
+{
+    // Replica 1 reaches etcd through a relay that the test freezes (a partition between it and
+    // etcd; replica 2 still reaches etcd). Replica 1's renewals stop answering: it must step
+    // down before its lease lapses and replica 2 takes the key. At no moment may both lead.
+    let etcd = Etcd::start().await?;
+    let etcd_addr: std::net::SocketAddr = etcd.url.trim_start_matches("http://").parse()?;
+    let relay = Relay::start(etcd_addr).await?;
+    let first = control_plane(ControlConfig::etcd(
+        loopback_any(),
+        vec![relay.url()],
+        "/stepdown/",
+    ))
+    .await?;
+    wait_leader(&first, Duration::from_secs(10)).await?;
+    let second = etcd_control_plane(&etcd, "/stepdown/").await?;
+    assert!(first.is_leader() && !second.is_leader());
+
+    relay.freeze();
+    let frozen_at = tokio::time::Instant::now();
+    let mut stepped_down = None;
+    let deadline = frozen_at + Duration::from_secs(15);
+    loop {
+        let (first_leads, second_leads) = (first.is_leader(), second.is_leader());
+        assert!(
+            !(first_leads && second_leads),
+            "two leaders {:?} after the partition",
+            frozen_at.elapsed()
+        );
+        if !first_leads && stepped_down.is_none() {
+            stepped_down = Some(frozen_at.elapsed());
+        }
+        if second_leads {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "replica 2 did not take over"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let took_over = frozen_at.elapsed();
+    let stepped_down = stepped_down.expect("replica 1 stepped down first");
+    // Renewals every ttl/3 (1 s), each allowed ttl/3: replica 1 gives up at most 2 s after
+    // its last renewal, while its lease lives 3 s from that renewal.
+    assert!(
+        stepped_down < took_over,
+        "stepped down at {stepped_down:?}, taken over at {took_over:?}"
+    );
+    relay.thaw();
+    // The deposed replica does not take the key back while the new leader renews it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(second.is_leader() && !first.is_leader());
+    Ok(())
+}
+
+#[tokio::test]
+async fn health_writes_are_fenced_by_the_leader_key_on_etcd() -> anyhow::Result<()> {
+    // The embedded store's unit test, on a real etcd: a write fenced by a leader-key revision
+    // that is no longer current is refused.
+    use switchyard_control::keys;
+    use switchyard_control::registry::Registry;
+    use switchyard_control::store::{Store, Txn};
+    use switchyard_shared::{EndpointName, Health, Instance, InstanceId};
+
+    let etcd = Etcd::start().await?;
+    let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(
+        EtcdStore::connect(std::slice::from_ref(&etcd.url), "/fence/", None).await?,
+    );
+    let registry = Registry::new(std::sync::Arc::clone(&store));
+    let instance: Instance = serde_json::from_value(serde_json::json!({
+        "InstanceId": "a", "EndpointName": "chat", "VariantName": "v",
+        "Url": "http://127.0.0.1:9", "Weight": 1.0
+    }))?;
+    let key = keys::instance("chat", "a");
+    store
+        .commit(Txn::new().put(&key, serde_json::to_vec(&instance)?, 0))
+        .await?;
+    let put_leader = |replica: &'static str| {
+        let store = std::sync::Arc::clone(&store);
+        async move {
+            store
+                .commit(Txn::new().put(keys::LEADER, replica.as_bytes().to_vec(), 0))
+                .await
+                .map(|revision| revision.expect("an unguarded put commits"))
+        }
+    };
+    let health = || {
+        let store = std::sync::Arc::clone(&store);
+        let key = key.clone();
+        async move {
+            let kv = store.get(&key).await?.expect("the instance");
+            anyhow::Ok(serde_json::from_slice::<Instance>(&kv.value)?.health)
+        }
+    };
+    let (endpoint, id) = (EndpointName::new("chat")?, InstanceId::new("a")?);
+
+    let first = put_leader("replica-1").await?;
+    assert!(
+        registry
+            .set_health(&endpoint, &id, Health::Healthy, "", first)
+            .await?
+    );
+    assert_eq!(health().await?, Health::Healthy);
+    let second = put_leader("replica-2").await?;
+    assert!(
+        !registry
+            .set_health(&endpoint, &id, Health::Unhealthy, "late", first)
+            .await?,
+        "a deposed leader's write went through"
+    );
+    assert_eq!(health().await?, Health::Healthy);
+    assert!(
+        registry
+            .set_health(&endpoint, &id, Health::Unhealthy, "current", second)
+            .await?
+    );
+    assert_eq!(health().await?, Health::Unhealthy);
+    Ok(())
+}
+
+// --- Health transitions ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    let mut admin = admin(&cp.url()).await?;
+    admin
+        .create_endpoint_config(config_request_with_health(
+            "chat-cfg",
+            &variant_json("RANDOM", None),
+            switchyard_shared::HealthCheckConfig {
+                interval_ms: 100,
+                unhealthy_threshold: 2,
+                healthy_threshold: 3,
+                ..Default::default()
+            },
+        ))
+        .await?;
+    admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: "chat".into(),
+            endpoint_config_name: "chat-cfg".into(),
+        })
+        .await?;
+    let server = HealthServer::start(true).await?;
+    register(&mut admin, "chat", "flaky", &server.url).await?;
+    let router = router(&[cp.url()]).await?;
+    let state = |admin: &pb::admin_client::AdminClient<tonic::transport::Channel>| {
+        let mut admin = admin.clone();
+        async move {
+            admin
+                .list_instances(pb::ListInstancesRequest::default())
+                .await
+                .ok()
+                .and_then(|response| response.into_inner().instances.first().map(|i| i.health))
+                .unwrap_or(-1)
+        }
+    };
+    let routed = || {
+        router
+            .table()
+            .endpoints
+            .get("chat")
+            .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
+    };
+    eventually(Duration::from_secs(10), "healthy and routed", || {
+        let health = state(&admin);
+        async move { health.await == pb::HealthStatus::Healthy as i32 && routed() }
+    })
+    .await?;
+
+    server.set_healthy(false);
+    eventually(
+        Duration::from_secs(10),
+        "unhealthy and out of the table",
+        || {
+            let health = state(&admin);
+            async move { health.await == pb::HealthStatus::Unhealthy as i32 && !routed() }
+        },
+    )
+    .await?;
+
+    server.set_healthy(true);
+    let successes_before = server.successes();
+    eventually(Duration::from_secs(10), "healthy again", || {
+        let health = state(&admin);
+        async move { health.await == pb::HealthStatus::Healthy as i32 }
+    })
+    .await?;
+    // Polled every 20 ms against probes every 100 ms: seen within a probe of the transition.
+    let successes = server.successes() - successes_before;
+    assert!(
+        successes >= 3,
+        "healthy again after {successes} successful probes; HealthyThreshold is 3"
+    );
+    eventually(Duration::from_secs(10), "routed again", || async {
+        routed()
+    })
+    .await?;
+    Ok(())
+}
+
+// --- The sync stream: nothing missed or repeated ---------------------------------------------
+
+/// What a router following a sync stream knows of the instances, built from the messages as
+/// a router builds it; checks that no change is repeated (after a snapshot at version V every
+/// change has a version above V, and versions never go down).
+#[derive(Debug, Default)]
+struct Follower {
+    instances: std::collections::BTreeMap<(String, String), String>,
+    snapshot_version: u64,
+    version: u64,
+    snapshots: usize,
+}
+
+impl Follower {
+    fn apply(&mut self, message: pb::SyncMessage) -> anyhow::Result<()> {
+        use pb::sync_message::Message;
+        let version = message.version;
+        match message.message {
+            Some(Message::Snapshot(snapshot)) => {
+                anyhow::ensure!(
+                    version >= self.version,
+                    "a snapshot at {version} after version {}",
+                    self.version
+                );
+                self.instances = snapshot
+                    .instances
+                    .into_iter()
+                    .map(|instance| ((instance.endpoint_name, instance.id), instance.url))
+                    .collect();
+                self.snapshot_version = version;
+                self.version = version;
+                self.snapshots += 1;
+                return Ok(());
+            }
+            Some(Message::FleetLoad(_)) | None => return Ok(()),
+            Some(Message::InstanceChanged(instance)) => {
+                self.instances
+                    .insert((instance.endpoint_name, instance.id), instance.url);
+            }
+            Some(Message::InstanceRemoved(removed)) => {
+                let key = (removed.endpoint_name, removed.id);
+                anyhow::ensure!(
+                    self.instances.remove(&key).is_some(),
+                    "{key:?} removed at version {version}, but its registration never arrived"
+                );
+            }
+            Some(Message::EndpointChanged(_) | Message::EndpointRemoved(_)) => {}
+        }
+        anyhow::ensure!(
+            version > self.snapshot_version && version >= self.version,
+            "change at version {version} repeated (snapshot {}, last {})",
+            self.snapshot_version,
+            self.version
+        );
+        self.version = version;
+        Ok(())
+    }
+
+    /// Reads `stream` until `done` holds of what it knows (at most `limit`).
+    async fn follow_until(
+        &mut self,
+        stream: &mut tonic::Streaming<pb::SyncMessage>,
+        limit: Duration,
+        done: impl Fn(&Self) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + limit;
+        while !done(self) {
+            let message = tokio::time::timeout_at(deadline, stream.next())
+                .await
+                .map_err(|_| anyhow::anyhow!("not done within {limit:?}: {self:?}"))?
+                .ok_or_else(|| anyhow::anyhow!("stream ended"))??;
+            self.apply(message)?;
+        }
+        Ok(())
+    }
+}
+
+/// A raw sync client whose HTTP/2 receive windows are the protocol minimum (64 KiB), so a
+/// client that stops reading stops the control plane's sending within about 64 KiB.
+async fn small_window_sync_client(
+    url: &str,
+    router_id: &str,
+) -> anyhow::Result<(
+    tokio::sync::mpsc::Sender<pb::RouterMessage>,
+    tonic::Streaming<pb::SyncMessage>,
+)> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .connect()
+        .await?;
+    let mut client = pb::router_sync_client::RouterSyncClient::new(channel);
+    let (sender, receiver) = tokio::sync::mpsc::channel(8);
+    sender
+        .send(pb::RouterMessage {
+            message: Some(pb::router_message::Message::Hello(pb::RouterHello {
+                router_id: router_id.into(),
+            })),
+        })
+        .await?;
+    let stream = client
+        .sync(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await?
+        .into_inner();
+    Ok((sender, stream))
+}
+
+fn instance_record(id: &str) -> anyhow::Result<Vec<u8>> {
+    let instance: switchyard_shared::Instance = serde_json::from_value(serde_json::json!({
+        "InstanceId": id, "EndpointName": "chat", "VariantName": "AllTraffic",
+        "Url": "http://127.0.0.1:9", "Weight": 1.0
+    }))?;
+    Ok(serde_json::to_vec(&instance)?)
+}
+
+#[tokio::test]
+async fn a_sync_stream_that_falls_behind_gets_a_fresh_snapshot() -> anyhow::Result<()> {
+    use switchyard_control::keys;
+    use switchyard_control::store::{Store, Txn};
+    const INSTANCES: usize = 3000;
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/lag/").await?;
+    create_endpoint(
+        &mut admin(&cp.url()).await?,
+        "chat",
+        &variant_json("RANDOM", None),
+    )
+    .await?;
+    // One follower reads as fast as it can; the other stops reading after its snapshot.
+    let (_keep, mut reading) = sync_client(&cp.url(), "reading").await?;
+    let (_keep_stalled, mut stalled) = small_window_sync_client(&cp.url(), "stalled").await?;
+    let mut reader = Follower::default();
+    let mut laggard = Follower::default();
+    laggard
+        .follow_until(&mut stalled, Duration::from_secs(10), |f| f.snapshots == 1)
+        .await?;
+    // 3,000 changes (30 transactions of 100, under etcd's 128 operations per transaction):
+    // about 64 KiB of them fill the stalled stream's window, over 1,024 more (the broadcast's
+    // buffer) leave it behind.
+    let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), "/lag/", None).await?;
+    for batch in 0..INSTANCES / 100 {
+        let mut txn = Txn::new();
+        for index in 0..100 {
+            let id = format!("i-{:04}", batch * 100 + index);
+            txn = txn.put(keys::instance("chat", &id), instance_record(&id)?, 0);
+        }
+        store.commit(txn).await?;
+    }
+    let all = |follower: &Follower| follower.instances.len() == INSTANCES;
+    reader
+        .follow_until(&mut reading, Duration::from_secs(30), all)
+        .await?;
+    laggard
+        .follow_until(&mut stalled, Duration::from_secs(30), all)
+        .await?;
+    assert!(
+        laggard.snapshots >= 2,
+        "the stalled stream caught up without a fresh snapshot: it cannot have fallen behind"
+    );
+    assert_eq!(laggard.instances, reader.instances);
+    Ok(())
+}
+
+#[tokio::test]
+async fn concurrent_writers_on_two_replicas_miss_or_repeat_no_change() -> anyhow::Result<()> {
+    // Four writers register and deregister instances through two replicas on one etcd (and
+    // the leader's probes of their dead URLs write health changes) while twelve followers join
+    // at different moments, on either replica. An id is registered once and deregistered at
+    // most once, so a missed change cannot be covered up by a later one: a missed registration
+    // shows as a removal of an unknown instance or a missing instance at the end, a missed
+    // removal as an extra one; a repeated change shows as a version at or below the snapshot's.
+    // The replicas are real processes: their watch applies changes on one thread while a
+    // stream subscribes on another, as in production (in this test's single-threaded runtime
+    // the two could never interleave).
+    let etcd = Etcd::start().await?;
+    let store = [
+        "--store",
+        "etcd",
+        "--etcd-endpoints",
+        etcd.url.as_str(),
+        "--etcd-prefix",
+        "/writers/",
+    ];
+    let replicas = [control_process(&store)?, control_process(&store)?];
+    let urls: Vec<String> = replicas.iter().map(Process::url).collect();
+    create_endpoint(
+        &mut admin(&urls[0]).await?,
+        "chat",
+        &variant_json("RANDOM", None),
+    )
+    .await?;
+    const WRITES: usize = 4 * 40;
+    const FOLLOWERS: usize = 12;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut writers = Vec::new();
+    for writer in 0..4u64 {
+        let url = urls[writer as usize % 2].clone();
+        let done = std::sync::Arc::clone(&done);
+        writers.push(tokio::spawn(async move {
+            let mut admin = admin(&url).await?;
+            let mut random = fastrand::Rng::with_seed(writer);
+            let mut present = Vec::new();
+            for write in 0..WRITES / 4 {
+                if !present.is_empty() && random.bool() {
+                    let id = present.swap_remove(random.usize(..present.len()));
+                    admin
+                        .deregister_instance(pb::DeregisterInstanceRequest {
+                            endpoint_name: "chat".into(),
+                            id,
+                        })
+                        .await?;
+                } else {
+                    let id = format!("w{writer}-{write}");
+                    register(
+                        &mut admin,
+                        "chat",
+                        &id,
+                        &format!("http://127.0.0.1:{writer}"),
+                    )
+                    .await?;
+                    present.push(id);
+                }
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    let mut followers = Vec::new();
+    for follower in 0..FOLLOWERS {
+        let url = urls[follower % 2].clone();
+        let done = std::sync::Arc::clone(&done);
+        followers.push(tokio::spawn(async move {
+            // Join after 0, 12, 24, ... of the 160 writes.
+            eventually(Duration::from_secs(30), "writes to progress", || async {
+                done.load(std::sync::atomic::Ordering::Relaxed) >= follower * WRITES / 13
+            })
+            .await?;
+            let (_keep, mut stream) = sync_client(&url, &format!("follower-{follower}")).await?;
+            let mut known = Follower::default();
+            known
+                .follow_until(&mut stream, Duration::from_secs(60), |known| {
+                    known
+                        .instances
+                        .contains_key(&("chat".to_owned(), "marker".to_owned()))
+                })
+                .await?;
+            anyhow::Ok(known)
+        }));
+    }
+    for writer in writers {
+        writer.await??;
+    }
+    let mut admin = admin(&urls[1]).await?;
+    register(&mut admin, "chat", "marker", "http://127.0.0.1:9").await?;
+    let truth: std::collections::BTreeSet<String> = admin
+        .list_instances(pb::ListInstancesRequest {
+            endpoint_name: "chat".into(),
+        })
+        .await?
+        .into_inner()
+        .instances
+        .into_iter()
+        .map(|instance| instance.id)
+        .collect();
+    for (index, follower) in followers.into_iter().enumerate() {
+        let known = follower
+            .await?
+            .map_err(|err| anyhow::anyhow!("follower {index}: {err:#}"))?;
+        let ids: std::collections::BTreeSet<String> =
+            known.instances.keys().map(|(_, id)| id.clone()).collect();
+        assert_eq!(ids, truth, "follower {index} disagrees with the store");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn routers_sync_over_tls() -> anyhow::Result<()> {
+    let pki = TestPki::generate()?;
+    let dir = tempfile::tempdir()?;
+    let mut config = ControlConfig::embedded(loopback_any(), dir.path().join("data"));
+    config.tls_cert = Some(pki.server_cert.clone());
+    config.tls_key = Some(pki.server_key.clone());
+    let cp = control_plane(config).await?;
+    let url = format!("https://{}", cp.addr);
+    let tls_channel = |ca: &std::path::Path| -> anyhow::Result<tonic::transport::Endpoint> {
+        Ok(tonic::transport::Endpoint::from_shared(url.clone())?
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(std::fs::read(ca)?)),
+            )?
+            .connect_timeout(Duration::from_secs(5)))
+    };
+    let mut admin = pb::admin_client::AdminClient::new(tls_channel(&pki.ca)?.connect().await?);
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    let engine = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig {
+        time_scale: 0.02,
+        ..Default::default()
+    })
+    .await?;
+    register(&mut admin, "chat", "engine-0", &engine.url).await?;
+
+    let mut trusting =
+        switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![url.clone()]);
+    trusting.tls_ca = Some(pki.ca.clone());
+    let router = router_with(trusting).await?;
+    eventually(
+        Duration::from_secs(10),
+        "the router to sync over TLS",
+        || async {
+            router
+                .table()
+                .endpoints
+                .get("chat")
+                .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
+        },
+    )
+    .await?;
+    let reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/chat/completions", router.url()),
+        &[],
+        chat_body("over TLS", 1, false),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+
+    // The stream really is TLS: a client trusting another CA is refused the handshake.
+    let other = TestPki::generate()?;
+    let refused = tls_channel(&other.ca)?.connect().await;
+    let err = refused
+        .map(|_| ())
+        .expect_err("a client trusting another CA connected");
+    assert!(
+        format!("{err:?}").contains("InvalidCertificate"),
+        "not a certificate refusal: {err:?}"
+    );
+    Ok(())
+}
+
+// --- The embedded store on disk ---------------------------------------------------------------
+
+/// Threads of process `pid` not traced yet (TracerPid 0 in /proc/PID/task/*/status).
+fn untraced_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|task| {
+                    std::fs::read_to_string(task.path().join("status"))
+                        .is_ok_and(|status| status.contains("TracerPid:\t0\n"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_survives_sigkill()
+-> anyhow::Result<()> {
+    // No crash on one machine can expose a missing fsync (the page cache survives a killed
+    // process), so the order of the system calls is read with strace (Debian's `strace`,
+    // installed by scripts/ensure-deps) on a real `switchyard-control` process: for every
+    // commit, write the temporary file, fsync it, rename it over state.json, fsync the
+    // directory. Then the process is killed with SIGKILL and a new one finds every
+    // acknowledged write.
+    let strace = std::process::Command::new("strace").arg("-V").output();
+    assert!(
+        strace.is_ok_and(|output| output.status.success()),
+        "strace is not installed: run scripts/test (it installs it) or apt-get install strace"
+    );
+    let dir = tempfile::tempdir()?;
+    let data_dir = dir.path().canonicalize()?;
+    let data = data_dir.to_str().expect("utf-8 path").to_owned();
+    let mut control = control_process(&["--data-dir", &data])?;
+    let trace_dir = tempfile::tempdir()?;
+    let log = trace_dir.path().join("strace.log");
+    let mut tracer = std::process::Command::new("strace")
+        .args(["-f", "-qq", "-y", "-e"])
+        .arg("trace=openat,write,pwrite64,fsync,fdatasync,rename,renameat,renameat2")
+        .arg("-o")
+        .arg(&log)
+        .arg("-p")
+        .arg(control.pid().to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let pid = control.pid();
+    eventually(
+        Duration::from_secs(10),
+        "strace to attach to every thread",
+        || async { untraced_threads(pid) == 0 },
+    )
+    .await?;
+
+    populate(&mut admin(&control.url()).await?).await?;
+    control.kill();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while tracer.try_wait()?.is_none() {
+        assert!(std::time::Instant::now() < deadline, "strace did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let trace = std::fs::read_to_string(&log)?;
+
+    let temporary = format!("{data}/state.json.tmp");
+    let on_temporary = format!("<{temporary}>");
+    let on_directory = format!("<{data}>)");
+    // (thread, call, line) of the calls that matter, in the order each thread made them.
+    let mut calls: Vec<(String, &str, &str)> = Vec::new();
+    for line in trace.lines() {
+        let Some((thread, call)) = line.split_once(' ') else {
+            continue;
+        };
+        let kind = if call.starts_with("write(") && call.contains(&on_temporary) {
+            "write"
+        } else if (call.starts_with("fsync(") || call.starts_with("fdatasync("))
+            && call.contains(&on_temporary)
+        {
+            "fsync file"
+        } else if call.starts_with("rename") && call.contains(&format!("\"{temporary}\"")) {
+            "rename"
+        } else if call.starts_with("fsync(") && call.contains(&on_directory) {
+            "fsync directory"
+        } else if call.starts_with("openat(") && call.contains(&format!("\"{temporary}\"")) {
+            "create"
+        } else {
+            continue;
+        };
+        calls.push((thread.to_owned(), kind, line));
+    }
+    // One commit: from the creation of the temporary file to the next creation. The first
+    // may have begun before strace attached, the last may have been cut by the SIGKILL
+    // (health probes commit too): both are left out when incomplete. Every other commit must
+    // write, fsync the file, rename it, fsync the directory, in that order.
+    let creations: Vec<usize> = (0..calls.len())
+        .filter(|&index| calls[index].1 == "create")
+        .collect();
+    let mut complete = 0;
+    for (number, &start) in creations.iter().enumerate() {
+        let thread = &calls[start].0;
+        let end = creations.get(number + 1).copied().unwrap_or(calls.len());
+        let commit: Vec<&str> = (start + 1..end)
+            .filter(|&index| &calls[index].0 == thread)
+            .map(|index| calls[index].1)
+            .collect();
+        let position = |kind: &str| commit.iter().rposition(|call| *call == kind);
+        let order = [
+            position("write"),
+            position("fsync file"),
+            position("rename"),
+            position("fsync directory"),
+        ];
+        let last = number + 1 == creations.len();
+        if last && order.contains(&None) {
+            continue;
+        }
+        assert!(
+            order.iter().all(Option::is_some) && order.is_sorted(),
+            "commit {number} is not write, fsync, rename, fsync directory: {commit:?}\n{}",
+            calls[start].2
+        );
+        complete += 1;
+    }
+    assert!(
+        complete >= 3,
+        "only {complete} complete commits traced for 4 acknowledged writes:\n{trace}"
+    );
+
+    // SIGKILLed after acknowledging: a new process on the same directory has everything.
+    let control = control_process(&["--data-dir", &data])?;
+    assert_populated(&control.url()).await?;
     Ok(())
 }
