@@ -841,9 +841,40 @@ async fn loaded(
 mod tests {
     use super::*;
 
+    /// CPU time of the calling thread, from the scheduler's own nanosecond count (a second,
+    /// independent reading of what `process_cpu_seconds` reads in clock ticks).
+    fn thread_cpu_seconds() -> f64 {
+        let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")
+            .expect("/proc/thread-self/schedstat");
+        let nanoseconds: f64 = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|field| field.parse().ok())
+            .expect("sum_exec_runtime");
+        nanoseconds / 1e9
+    }
+
     #[test]
     fn reads_this_process_cpu_time() {
-        let spent = process_cpu_seconds("self").expect("/proc/self/stat");
-        assert!(spent >= 0.0);
+        // This thread burns 0.3 s of CPU while the process's other threads idle: the
+        // process's CPU time must grow by as much, within the clock-tick rounding of both
+        // readings (10 ms each) and 10% for the idle threads' wake-ups. However busy the
+        // machine, thread CPU time is what the thread got, so the bound holds under load.
+        let process_before = process_cpu_seconds("self").expect("/proc/self/stat");
+        let thread_before = thread_cpu_seconds();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut spin = 0u64;
+        while thread_cpu_seconds() - thread_before < 0.3 {
+            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
+            for _ in 0..100_000 {
+                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
+            }
+        }
+        let thread = thread_cpu_seconds() - thread_before;
+        let process = process_cpu_seconds("self").expect("/proc/self/stat") - process_before;
+        assert!(
+            (process - thread).abs() <= 0.02 + 0.1 * thread,
+            "process CPU grew {process:.3} s while this thread alone used {thread:.3} s"
+        );
     }
 }
