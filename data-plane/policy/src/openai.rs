@@ -30,7 +30,7 @@ pub enum RequestError {
 
 #[derive(Deserialize)]
 struct Body<'a> {
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "as_written")]
     model: Option<&'a RawValue>,
     #[serde(default)]
     stream: Option<serde_json::Value>,
@@ -40,6 +40,15 @@ struct Body<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
+}
+
+/// A field's value as written, `null` included (serde's `Option` would read `null` as absent,
+/// and a spliced-in `model` would then sit beside the body's own `"model": null`).
+fn as_written<'de, D>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    <&'de RawValue>::deserialize(deserializer).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -102,7 +111,7 @@ impl<'a> OpenAiRequest<'a> {
             serde_json::from_slice(body).map_err(|err| RequestError::Json(err.to_string()))?;
         let (model, model_span) = match parsed.model {
             None => (None, None),
-            Some(raw) if raw.get() == "null" => (None, None),
+            Some(raw) if raw.get() == "null" => (None, Some(span_in(body, raw))),
             Some(raw) => {
                 let name: Cow<'a, str> =
                     serde_json::from_str(raw.get()).map_err(|_| RequestError::Field {
@@ -270,7 +279,7 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
                     out.push(text);
                 }
             } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
-                let mut buffer = itoa_buffer();
+                let mut buffer = String::with_capacity(20);
                 for (index, token) in tokens.iter().enumerate() {
                     if out.full() {
                         break;
@@ -287,10 +296,6 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
         }
         _ => {}
     }
-}
-
-fn itoa_buffer() -> String {
-    String::with_capacity(20)
 }
 
 #[cfg(test)]
@@ -370,6 +375,29 @@ mod tests {
             }
         );
         assert!(OpenAiRequest::parse(br#"{"model":5}"#).is_err());
+    }
+
+    #[test]
+    fn a_null_model_is_no_model_and_is_replaced_in_place() {
+        let request = OpenAiRequest::parse(br#"{"model": null, "prompt":"p"}"#).unwrap();
+        assert_eq!(request.model, None);
+        assert_eq!(
+            String::from_utf8(request.with_model("m")).unwrap(),
+            r#"{"model": "m", "prompt":"p"}"#,
+            "one model key, the new name where null was"
+        );
+    }
+
+    #[test]
+    fn debug_shows_what_routing_read() {
+        let request =
+            OpenAiRequest::parse(br#"{"model":"x","stream":true,"messages":[]}"#).unwrap();
+        let shown = format!("{request:?}");
+        assert!(
+            shown.starts_with("OpenAiRequest") && shown.contains(r#"model: Some("x")"#),
+            "{shown}"
+        );
+        assert!(shown.contains("stream: true"), "{shown}");
     }
 
     #[test]
