@@ -334,59 +334,73 @@ struct ChildServer {
     url: String,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
+/// inode is one of the process's file descriptors. Read from the process itself, so a port
+/// taken by anyone else is never mistaken for its own.
+fn listening_port(pid: u32) -> Option<u16> {
+    let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy();
+            let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(inode.to_owned())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+        if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
+            return None;
+        }
+        u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
+    })
 }
 
-/// Starts `binary` with `args(listen address)` until GET `ready_path` answers 200 (three
-/// tries on fresh ports).
+/// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
+/// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
 async fn start_child(
     binary: &Path,
     args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
     ready_path: &str,
     client: &HttpClient,
 ) -> anyhow::Result<ChildServer> {
-    let mut last_error = None;
-    for _ in 0..3 {
-        let listen = format!("127.0.0.1:{}", free_port()?);
-        let mut child = tokio::process::Command::new(binary)
-            .args(args(&listen))
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary.display()))?;
-        let pid = child.id().context("the process exited at once")?;
-        let url = format!("http://{listen}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                last_error = Some(anyhow::anyhow!("{} exited with {status}", binary.display()));
-                break;
-            }
-            if get_status(client, &format!("{url}{ready_path}")).await == Some(200) {
-                return Ok(ChildServer {
-                    _child: child,
-                    pid,
-                    url,
-                });
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill().await;
-                last_error = Some(anyhow::anyhow!(
-                    "{} was not ready within 10 s",
-                    binary.display()
-                ));
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut child = tokio::process::Command::new(binary)
+        .args(args("127.0.0.1:0"))
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))?;
+    let pid = child.id().context("the process exited at once")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut url = None;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            bail!("{} exited with {status}", binary.display());
         }
+        if url.is_none() {
+            url = listening_port(pid).map(|port| format!("http://127.0.0.1:{port}"));
+        }
+        if let Some(url) = &url
+            && get_status(client, &format!("{url}{ready_path}")).await == Some(200)
+        {
+            return Ok(ChildServer {
+                _child: child,
+                pid,
+                url: url.clone(),
+            });
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill().await;
+            bail!("{} was not ready within 10 s", binary.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Err(last_error.unwrap_or_else(|| anyhow::anyhow!("{} did not start", binary.display())))
 }
 
 /// A router process routing endpoint `bench` to the engine from a static config file.

@@ -75,6 +75,48 @@ impl RefusingPort {
     }
 }
 
+/// Whether this process has a socket listening on `addr` (IPv4). Read from /proc (the
+/// listening sockets of the network namespace, matched to this process's file descriptors),
+/// so "our listener closed" does not depend on the port staying free: a connection attempt
+/// would succeed if a parallel test bound the port after we released it.
+pub fn listens_in_this_process(addr: SocketAddr) -> bool {
+    let std::net::IpAddr::V4(ip) = addr.ip() else {
+        return false;
+    };
+    // /proc/net/tcp writes the address as the little-endian u32 in hex, then the port.
+    let local = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(ip.octets()),
+        addr.port()
+    );
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let listening: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // local_address, state 0A = LISTEN, inode
+            (fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"0A"))
+                .then(|| fields.get(9).map(|inode| format!("socket:[{inode}]")))
+                .flatten()
+        })
+        .collect();
+    if listening.is_empty() {
+        return false;
+    }
+    std::fs::read_dir("/proc/self/fd")
+        .map(|fds| {
+            fds.filter_map(Result::ok).any(|fd| {
+                std::fs::read_link(fd.path()).is_ok_and(|target| {
+                    listening
+                        .iter()
+                        .any(|socket| target.as_os_str() == socket.as_str())
+                })
+            })
+        })
+        .unwrap_or(false)
+}
+
 /// Waits until `check` holds, polling every 20 ms, for at most `limit`.
 pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F) -> anyhow::Result<()>
 where
