@@ -1798,6 +1798,65 @@ async fn routers_sync_over_tls() -> anyhow::Result<()> {
 
 // --- The embedded store on disk ---------------------------------------------------------------
 
+/// What a line of `strace -f -y` output says the embedded store in `data` did: (thread id,
+/// one of create, write, fsync file, rename, fsync directory), or `None` for anything else.
+fn store_call<'a>(line: &'a str, data: &str) -> Option<(&'a str, &'static str)> {
+    // "PID call(...)", the thread id padded with spaces when it is short.
+    let (thread, call) = line.split_once(' ')?;
+    let call = call.trim_start();
+    let temporary = format!("{data}/state.json.tmp");
+    let on_temporary = format!("<{temporary}>");
+    let kind = if call.starts_with("write(") && call.contains(&on_temporary) {
+        "write"
+    } else if (call.starts_with("fsync(") || call.starts_with("fdatasync("))
+        && call.contains(&on_temporary)
+    {
+        "fsync file"
+    } else if call.starts_with("rename") && call.contains(&format!("\"{temporary}\"")) {
+        "rename"
+    } else if call.starts_with("fsync(") && call.contains(&format!("<{data}>)")) {
+        "fsync directory"
+    } else if call.starts_with("openat(") && call.contains(&format!("\"{temporary}\"")) {
+        "create"
+    } else {
+        return None;
+    };
+    Some((thread, kind))
+}
+
+#[test]
+fn strace_lines_are_read_whatever_the_width_of_the_thread_id() {
+    let data = "/tmp/d";
+    for (line, expected) in [
+        (
+            r#"14911 openat(AT_FDCWD</x>, "/tmp/d/state.json.tmp", O_WRONLY|O_CREAT, 0666) = 12</tmp/d/state.json.tmp>"#,
+            Some(("14911", "create")),
+        ),
+        (
+            r#"432   write(12</tmp/d/state.json.tmp>, "{"..., 677) = 677"#,
+            Some(("432", "write")),
+        ),
+        (
+            "432   fsync(12</tmp/d/state.json.tmp>) = 0",
+            Some(("432", "fsync file")),
+        ),
+        (
+            r#"7     rename("/tmp/d/state.json.tmp", "/tmp/d/state.json") = 0"#,
+            Some(("7", "rename")),
+        ),
+        (
+            "432   fsync(12</tmp/d>)        = 0",
+            Some(("432", "fsync directory")),
+        ),
+        (
+            r#"432   write(4<anon_inode:[eventfd]>, "\1\0", 8) = 8"#,
+            None,
+        ),
+    ] {
+        assert_eq!(store_call(line, data), expected, "{line}");
+    }
+}
+
 /// Threads of process `pid` not traced yet (TracerPid 0 in /proc/PID/task/*/status).
 fn untraced_threads(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -1861,32 +1920,11 @@ async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_su
     }
     let trace = std::fs::read_to_string(&log)?;
 
-    let temporary = format!("{data}/state.json.tmp");
-    let on_temporary = format!("<{temporary}>");
-    let on_directory = format!("<{data}>)");
     // (thread, call, line) of the calls that matter, in the order each thread made them.
-    let mut calls: Vec<(String, &str, &str)> = Vec::new();
-    for line in trace.lines() {
-        let Some((thread, call)) = line.split_once(' ') else {
-            continue;
-        };
-        let kind = if call.starts_with("write(") && call.contains(&on_temporary) {
-            "write"
-        } else if (call.starts_with("fsync(") || call.starts_with("fdatasync("))
-            && call.contains(&on_temporary)
-        {
-            "fsync file"
-        } else if call.starts_with("rename") && call.contains(&format!("\"{temporary}\"")) {
-            "rename"
-        } else if call.starts_with("fsync(") && call.contains(&on_directory) {
-            "fsync directory"
-        } else if call.starts_with("openat(") && call.contains(&format!("\"{temporary}\"")) {
-            "create"
-        } else {
-            continue;
-        };
-        calls.push((thread.to_owned(), kind, line));
-    }
+    let calls: Vec<(&str, &str, &str)> = trace
+        .lines()
+        .filter_map(|line| store_call(line, &data).map(|(thread, kind)| (thread, kind, line)))
+        .collect();
     // One commit: from the creation of the temporary file to the next creation. The first
     // may have begun before strace attached, the last may have been cut by the SIGKILL
     // (health probes commit too): both are left out when incomplete. Every other commit must
