@@ -1080,7 +1080,10 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
     let addr = router.addr;
     let stopping = tokio::spawn(router.shutdown());
     // The listener closes (no new connections) while the old stream finishes.
-    assert!(listens_in_this_process(addr), "the router's listener is visible");
+    assert!(
+        listens_in_this_process(addr),
+        "the router's listener is visible"
+    );
     eventually(Duration::from_secs(5), "the listener to close", || async {
         !listens_in_this_process(addr)
     })
@@ -1344,7 +1347,10 @@ async fn dropping_the_handle_stops_every_serving_thread() -> anyhow::Result<()> 
     let addr = router.addr;
     let reply = http_post(&chat_url(&router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    assert!(listens_in_this_process(addr), "the router's listener is visible");
+    assert!(
+        listens_in_this_process(addr),
+        "the router's listener is visible"
+    );
     drop(router);
     // Every thread's copy of the listening socket closes.
     eventually(Duration::from_secs(10), "the port to close", || async {
