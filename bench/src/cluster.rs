@@ -56,6 +56,9 @@ pub struct ClusterTuning {
     pub load_interval_ms: u64,
     /// How long to wait for every router to route to every instance.
     pub ready_timeout: Duration,
+    /// Run each router as a process of this `switchyard-router` executable (as deployed, and
+    /// as peer routers run) instead of inside this process.
+    pub router_binary: Option<PathBuf>,
 }
 
 impl Default for ClusterTuning {
@@ -63,6 +66,7 @@ impl Default for ClusterTuning {
         Self {
             load_interval_ms: 100,
             ready_timeout: Duration::from_secs(30),
+            router_binary: None,
         }
     }
 }
@@ -92,6 +96,21 @@ pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
     .to_string()
 }
 
+/// A ProductionVariants JSON like [`variants_json`] for PREFIX_AWARE with `config` (which may
+/// carry Switchyard's bounded-load extension).
+pub fn prefix_aware_variants_json(config: &switchyard_shared::PrefixAwareRoutingConfig) -> String {
+    serde_json::json!([{
+        "VariantName": "AllTraffic",
+        "ModelName": "sim",
+        "InitialInstanceCount": 1,
+        "RoutingConfig": {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": config,
+        },
+    }])
+    .to_string()
+}
+
 fn tolerate_existing<T>(
     result: Result<tonic::Response<T>, tonic::Status>,
     call: &str,
@@ -117,6 +136,8 @@ pub struct LocalCluster {
     pub endpoint: String,
     control_plane: Option<switchyard_control::ControlPlane>,
     routers: Vec<switchyard_router::RouterHandle>,
+    /// Routers running as processes (`ClusterTuning::router_binary`), killed on drop.
+    router_processes: Vec<tokio::process::Child>,
     engines: Vec<SimHandle>,
     _temp_dir: Option<tempfile::TempDir>,
 }
@@ -190,6 +211,7 @@ impl LocalCluster {
             endpoint: spec.endpoint.clone(),
             control_plane: Some(control_plane),
             routers: Vec::new(),
+            router_processes: Vec::new(),
             engines: Vec::new(),
             _temp_dir: temp_dir,
         };
@@ -278,6 +300,11 @@ impl LocalCluster {
                     variant_name: variant.clone(),
                     url: engine.url.clone(),
                     id: format!("engine-{index}"),
+                    // Set when the simulators publish KV-cache events (`sim.kv_events`).
+                    kv_events_endpoint: engine.kv_events_endpoint().unwrap_or_default(),
+                    kv_events_replay_endpoint: engine
+                        .kv_events_replay_endpoint()
+                        .unwrap_or_default(),
                     ..Default::default()
                 })
                 .await
@@ -286,6 +313,11 @@ impl LocalCluster {
             self.engines.push(engine);
         }
 
+        if let Some(binary) = &tuning.router_binary {
+            return self
+                .start_router_processes(binary, spec.routers, tuning)
+                .await;
+        }
         for index in 0..spec.routers {
             let listen = spec
                 .router_listen
@@ -310,7 +342,67 @@ impl LocalCluster {
         self.wait_routable(tuning.ready_timeout).await
     }
 
-    /// Instances each router routes to now (healthy or not yet probed), per router.
+    /// Starts `count` router processes following the control plane, and waits until each
+    /// lists every engine in its /metrics.
+    async fn start_router_processes(
+        &mut self,
+        binary: &std::path::Path,
+        count: usize,
+        tuning: &ClusterTuning,
+    ) -> anyhow::Result<()> {
+        let client = crate::client::http_client();
+        for index in 0..count {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let child = tokio::process::Command::new(binary)
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--control-plane", &self.control_plane_url])
+                .args(["--router-id", &format!("router-{index}")])
+                .args([
+                    "--load-report-interval-ms",
+                    &tuning.load_interval_ms.to_string(),
+                ])
+                .env("RUST_LOG", "warn")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("cannot start {}", binary.display()))?;
+            self.router_processes.push(child);
+            self.router_urls.push(format!("http://127.0.0.1:{port}"));
+        }
+        let deadline = Instant::now() + tuning.ready_timeout;
+        let needle = format!(
+            "switchyard_router_fleet_in_flight{{endpoint=\"{}\"",
+            self.endpoint
+        );
+        for url in &self.router_urls {
+            loop {
+                let metrics = crate::scrape::get_text(&client, &format!("{url}/metrics")).await;
+                let listed = metrics.map_or(0, |text| {
+                    text.lines()
+                        .filter(|line| line.starts_with(&needle))
+                        .count()
+                });
+                if listed == self.engines.len() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    bail!(
+                        "router {url} lists {listed} of {} instances after {:?}",
+                        self.engines.len(),
+                        tuning.ready_timeout
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Instances each router routes to now (healthy or not yet probed), per router (routers
+    /// in this process only).
     pub fn routable_instances(&self) -> Vec<usize> {
         self.routers
             .iter()
@@ -348,7 +440,7 @@ impl LocalCluster {
         }
     }
 
-    /// Requests in flight in the routers (0 once every answer is complete).
+    /// Requests in flight in the routers in this process (0 once every answer is complete).
     pub fn in_flight(&self) -> u32 {
         self.routers.iter().map(|router| router.in_flight()).sum()
     }
@@ -376,6 +468,9 @@ impl LocalCluster {
     pub async fn shutdown(mut self) {
         for router in self.routers.drain(..) {
             router.shutdown().await;
+        }
+        for mut process in self.router_processes.drain(..) {
+            let _ = process.kill().await;
         }
         for engine in self.engines.drain(..) {
             engine.shutdown().await;

@@ -1,6 +1,8 @@
 //! `switchyard-bench compare` (and `switchyard demo`): the same trace through RANDOM,
-//! LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE, each on a fresh in-process cluster (cold
-//! caches), with 1 and with several routers, side by side with the oracle bound.
+//! LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE (SageMaker's semantics, and with Switchyard's
+//! bounded-load extension for each `--load-balance-factor`), each on a fresh in-process
+//! cluster (cold caches), and optionally through peer routers in front of fresh simulated
+//! engines, with 1 and with several routers, side by side with the oracle bound.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,12 +12,16 @@ use anyhow::Context as _;
 use serde::Serialize;
 use switchyard_engine_sim::SimConfig;
 
+use crate::agreement::{KeyShares, sample_until};
 use crate::client::{HttpClient, http_client};
-use crate::cluster::{ClusterSpec, ClusterTuning, LocalCluster, variants_json};
+use crate::cluster::{
+    ClusterSpec, ClusterTuning, LocalCluster, prefix_aware_variants_json, variants_json,
+};
 use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
+use crate::peer::{Peer, PeerRouters};
 use crate::report::{
-    Check, DecisionStats, InstanceShare, KvStats, Machine, Report, RunReport, RunStats, Setup,
-    WorkloadSummary, percent,
+    Check, DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, Machine, Report, RunReport,
+    RunStats, Setup, WorkloadSummary, percent,
 };
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
@@ -52,6 +58,28 @@ impl Strategy {
     }
 }
 
+/// One column of a comparison.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arm {
+    /// A SageMaker strategy, as SageMaker defines it (PREFIX_AWARE without the extension).
+    Strategy(Strategy),
+    /// PREFIX_AWARE with Switchyard's bounded-load extension.
+    Bounded(LoadBalanceSetting),
+    /// A peer router in front of the same number of fresh simulated engines.
+    Peer(Peer),
+}
+
+impl Arm {
+    /// The column name: the strategy, `PREFIX_AWARE c=1.25 s=2`, or the peer.
+    pub fn name(self) -> String {
+        match self {
+            Arm::Strategy(strategy) => strategy.as_str().to_owned(),
+            Arm::Bounded(balance) => balance.column_name(),
+            Arm::Peer(peer) => peer.name().to_owned(),
+        }
+    }
+}
+
 /// Documented starting points; every flag overrides one value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 pub enum Preset {
@@ -63,6 +91,13 @@ pub enum Preset {
     /// A smoke run in seconds: 3 engines with small caches, 48 requests over 12 prefixes of
     /// 400 tokens, 4 clients, time scale 0.1, 1 router.
     Quick,
+    /// Hot prefixes (docs/benchmarks.md, section 7): 7 engines, 4,000 requests over 32 shared
+    /// prefixes of 8,000 tokens whose popularity follows a Zipf law (exponent 1.1), 32 output
+    /// tokens, 16 clients, time scale 0.25, ConcurrencyThreshold 16; PREFIX_AWARE with
+    /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 2), then
+    /// the SGLang gateway (skipped if `smg` is not installed), with 1 and 4 routers. About 8
+    /// minutes on 2 cores in a release build.
+    Zipf,
 }
 
 /// `switchyard-bench compare` / `switchyard demo`.
@@ -105,6 +140,34 @@ pub struct DemoArgs {
     /// PREFIX_AWARE ConcurrencyThreshold (fleet-wide in-flight requests per instance).
     #[arg(long, value_name = "N")]
     pub concurrency_threshold: Option<u32>,
+    /// Also run PREFIX_AWARE with Switchyard's bounded-load extension, once per factor c
+    /// (1-100, comma-separated): an instance takes a prefix only below
+    /// min(ConcurrencyThreshold, ceil(c × (in flight + 1) / instances) + slack).
+    #[arg(long, value_delimiter = ',', value_name = "C,..")]
+    pub load_balance_factor: Option<Vec<f64>>,
+    /// Additive slack s of the bounded-load runs (requests, 0-1024, comma-separated: each
+    /// factor runs with each slack). Default: 2, the default of LoadBalanceSlack.
+    #[arg(long, value_delimiter = ',', value_name = "S,..")]
+    pub load_balance_slack: Option<Vec<u32>>,
+    /// Peer routers to run in front of the same simulated engines, comma-separated (sglang:
+    /// the SGLang model gateway, `smg launch --policy cache_aware`). A peer whose binary is
+    /// not found is skipped with a note.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "PEER,..")]
+    pub peers: Option<Vec<Peer>>,
+    /// No peer runs (overrides the preset's).
+    #[arg(long, conflicts_with = "peers")]
+    pub no_peers: bool,
+    /// The SGLang gateway's `smg` binary. Default: `smg` on PATH, else target/peers/bin/smg.
+    #[arg(long, value_name = "FILE")]
+    pub sglang_bin: Option<PathBuf>,
+    /// Run each Switchyard router as its own process, as deployed and as the peers run (the
+    /// fair setting beside a peer). Default: inside this process, where the benchmark can also
+    /// sample how often several routers disagree.
+    #[arg(long)]
+    pub router_processes: bool,
+    /// The switchyard-router executable for --router-processes. Default: next to this one.
+    #[arg(long, value_name = "FILE", requires = "router_processes")]
+    pub router_bin: Option<PathBuf>,
     /// Stop starting sessions after this many wall seconds per run.
     #[arg(long, value_name = "SECONDS")]
     pub max_duration: Option<f64>,
@@ -132,6 +195,14 @@ pub struct CompareSettings {
     pub sim: SimConfig,
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
+    /// PREFIX_AWARE runs with the bounded-load extension, after `strategies`.
+    pub load_balance: Vec<LoadBalanceSetting>,
+    /// Peer routers, after the bounded-load runs.
+    pub peers: Vec<Peer>,
+    /// `smg` (default: found on PATH or in target/peers/bin).
+    pub sglang_bin: Option<PathBuf>,
+    /// Run Switchyard's routers as processes of this executable (default: in this process).
+    pub router_binary: Option<PathBuf>,
     /// Router load reports and control-plane broadcasts (wall ms).
     pub load_interval_ms: u64,
     pub max_duration: Duration,
@@ -164,6 +235,10 @@ impl CompareSettings {
                     // The article's example configuration.
                     prefix_length: 4096,
                     concurrency_threshold: 10,
+                    load_balance: Vec::new(),
+                    peers: Vec::new(),
+                    sglang_bin: None,
+                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(600),
                     request_timeout: Duration::from_secs(120),
@@ -194,9 +269,48 @@ impl CompareSettings {
                     sim: bench_sim(time_scale, 160),
                     prefix_length: 1024,
                     concurrency_threshold: 8,
+                    load_balance: Vec::new(),
+                    peers: Vec::new(),
+                    sglang_bin: None,
+                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(60),
                     request_timeout: Duration::from_secs(30),
+                    progress: true,
+                }
+            }
+            Preset::Zipf => {
+                let time_scale = 0.25;
+                let slack = switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK;
+                Self {
+                    workload: WorkloadSpec {
+                        requests: 4000,
+                        seed: 1,
+                        prefixes: 32,
+                        prefix_tokens: 8000,
+                        zipf: 1.1,
+                        max_tokens: 32,
+                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+                    },
+                    engines: 7,
+                    router_counts: vec![1, 4],
+                    strategies: vec![Strategy::PrefixAware],
+                    concurrency: 16,
+                    rate: None,
+                    sim: bench_sim(time_scale, 79_000),
+                    prefix_length: 4096,
+                    // As high as 16 clients can reach: SageMaker's semantics never spill here.
+                    concurrency_threshold: 16,
+                    load_balance: [1.1, 1.25, 1.5, 2.0]
+                        .into_iter()
+                        .map(|factor| LoadBalanceSetting { factor, slack })
+                        .collect(),
+                    peers: vec![Peer::Sglang],
+                    sglang_bin: None,
+                    router_binary: None,
+                    load_interval_ms: load_interval_for(time_scale),
+                    max_duration: Duration::from_secs(600),
+                    request_timeout: Duration::from_secs(120),
                     progress: true,
                 }
             }
@@ -205,6 +319,20 @@ impl CompareSettings {
 
     pub fn time_scale(&self) -> f64 {
         self.sim.time_scale
+    }
+
+    /// Every column, in run order: the strategies, the bounded-load runs, the peers.
+    pub fn arms(&self) -> Vec<Arm> {
+        self.strategies
+            .iter()
+            .map(|strategy| Arm::Strategy(*strategy))
+            .chain(
+                self.load_balance
+                    .iter()
+                    .map(|balance| Arm::Bounded(*balance)),
+            )
+            .chain(self.peers.iter().map(|peer| Arm::Peer(*peer)))
+            .collect()
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -216,8 +344,22 @@ impl CompareSettings {
         if self.router_counts.is_empty() || self.router_counts.contains(&0) {
             return Err("--routers must list router counts of at least 1".into());
         }
-        if self.strategies.is_empty() {
+        if self.strategies.is_empty() && self.load_balance.is_empty() && self.peers.is_empty() {
             return Err("--strategies must name at least one strategy".into());
+        }
+        for balance in &self.load_balance {
+            if !switchyard_shared::LOAD_BALANCE_FACTOR_RANGE.contains(&balance.factor) {
+                return Err(format!(
+                    "--load-balance-factor must be within 1-100, got {}",
+                    balance.factor
+                ));
+            }
+            if !switchyard_shared::LOAD_BALANCE_SLACK_RANGE.contains(&balance.slack) {
+                return Err(format!(
+                    "--load-balance-slack must be within 0-1024, got {}",
+                    balance.slack
+                ));
+            }
         }
         if self.concurrency == 0 {
             return Err("--concurrency must be at least 1".into());
@@ -304,6 +446,51 @@ impl DemoArgs {
         if let Some(threshold) = self.concurrency_threshold {
             settings.concurrency_threshold = threshold;
         }
+        match (&self.load_balance_factor, &self.load_balance_slack) {
+            (None, Some(_)) if settings.load_balance.is_empty() => {
+                return Err("--load-balance-slack needs --load-balance-factor".into());
+            }
+            (factors, slacks) if factors.is_some() || slacks.is_some() => {
+                let factors: Vec<f64> = match factors {
+                    Some(factors) => factors.clone(),
+                    None => settings.load_balance.iter().map(|b| b.factor).collect(),
+                };
+                let slacks = slacks
+                    .clone()
+                    .unwrap_or_else(|| vec![switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK]);
+                settings.load_balance = factors
+                    .iter()
+                    .flat_map(|&factor| {
+                        slacks
+                            .iter()
+                            .map(move |&slack| LoadBalanceSetting { factor, slack })
+                    })
+                    .collect();
+            }
+            _ => {}
+        }
+        if let Some(peers) = &self.peers {
+            settings.peers = peers.clone();
+        }
+        if self.no_peers {
+            settings.peers.clear();
+        }
+        if self.sglang_bin.is_some() {
+            settings.sglang_bin = self.sglang_bin.clone();
+        }
+        if self.router_processes {
+            let binary = self
+                .router_bin
+                .clone()
+                .or_else(crate::overhead::default_router_bin)
+                .ok_or_else(|| {
+                    "--router-processes: no switchyard-router next to this executable (build it: cargo build --release -p switchyard-router), or give --router-bin".to_owned()
+                })?;
+            if !binary.is_file() {
+                return Err(format!("--router-bin {}: no such file", binary.display()));
+            }
+            settings.router_binary = Some(binary);
+        }
         if let Some(seconds) = self.max_duration {
             if !(seconds.is_finite() && seconds > 0.0) {
                 return Err(format!("--max-duration must be positive, got {seconds}"));
@@ -355,30 +542,65 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
     let trace = Arc::new(trace);
     let client = http_client();
 
+    let keys = Arc::new(trace_key_shares(
+        &trace,
+        "bench",
+        settings.prefix_length as usize,
+    ));
+    let mut notes = Vec::new();
+    if let Some(binary) = &settings.router_binary {
+        notes.push(format!(
+            "Switchyard's routers ran as processes of {} (--router-processes): no disagreement sampling",
+            binary.display()
+        ));
+    }
+    let mut arms = settings.arms();
+    arms.retain(|arm| match arm {
+        Arm::Peer(peer) if peer_binary(settings, *peer).is_none() => {
+            let note = format!(
+                "{}: skipped, `{}` not found (install it: {}; or give --sglang-bin)",
+                peer.name(),
+                peer.binary_name(),
+                peer.install_hint()
+            );
+            if settings.progress {
+                eprintln!("{note}");
+            }
+            notes.push(note);
+            false
+        }
+        _ => true,
+    });
     let mut runs = Vec::new();
     for &routers in &settings.router_counts {
-        for &strategy in &settings.strategies {
+        for &arm in &arms {
             let label = format!(
                 "{} · {routers} router{}",
-                strategy.as_str(),
+                arm.name(),
                 if routers == 1 { "" } else { "s" }
             );
-            let run = run_one(
-                settings, strategy, routers, &label, &trace, &oracle, &client,
-            )
-            .await
+            // Boxed: a run is a large future.
+            let run = match arm {
+                Arm::Peer(peer) => {
+                    Box::pin(run_peer(
+                        settings, peer, routers, &label, &trace, &oracle, &client,
+                    ))
+                    .await
+                }
+                Arm::Strategy(_) | Arm::Bounded(_) => {
+                    Box::pin(run_one(
+                        settings, arm, routers, &label, &trace, &oracle, &keys, &client,
+                    ))
+                    .await
+                }
+            }
             .with_context(|| format!("run {label}"))?;
             runs.push(run);
         }
     }
-    let baseline = settings.strategies[0];
+    // Each router group is compared with its first column.
     for routers in &settings.router_counts {
-        let base = runs
-            .iter()
-            .find(|run| {
-                run.routers == *routers && run.strategy.as_deref() == Some(baseline.as_str())
-            })
-            .cloned();
+        let base = runs.iter().find(|run| run.routers == *routers).cloned();
         let group = runs.iter().filter(|run| run.routers == *routers).count();
         if let Some(base) = base
             && group > 1
@@ -412,9 +634,9 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
         runs,
         prefix_owner_shares: Vec::new(),
         checks: Vec::new(),
-        notes: Vec::new(),
+        notes,
     };
-    if settings.strategies.contains(&Strategy::PrefixAware) {
+    if settings.strategies.contains(&Strategy::PrefixAware) || !settings.load_balance.is_empty() {
         report.prefix_owner_shares = prefix_owner_shares(
             &trace,
             "bench",
@@ -423,6 +645,9 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
         );
     }
     report.checks = checks(&report, settings.engines);
+    report
+        .checks
+        .extend(hot_prefix_checks(&report, settings.engines));
     for run in &report.runs {
         if run
             .instances_routable_at_end
@@ -453,8 +678,7 @@ pub fn prefix_owner_shares(
     prefix_length: usize,
     engines: usize,
 ) -> Vec<InstanceShare> {
-    use switchyard_policy::hash::{instance_hash, routing_key};
-    use switchyard_policy::openai::OpenAiRequest;
+    use switchyard_policy::hash::instance_hash;
     use switchyard_policy::rank::{InstanceView, rendezvous_order};
     let ids: Vec<String> = (0..engines)
         .map(|index| format!("engine-{index}"))
@@ -467,27 +691,45 @@ pub fn prefix_owner_shares(
             available: true,
         })
         .collect();
-    let mut owned = vec![0u64; engines];
+    let mut owned = vec![0.0f64; engines];
     let mut order = Vec::with_capacity(engines);
+    for (key, share) in trace_key_shares(trace, model, prefix_length).0 {
+        if let Some(owner) = rendezvous_order(&views, key, &mut order) {
+            owned[owner] += share;
+        }
+    }
+    let requests = trace.request_count() as f64;
+    ids.into_iter()
+        .zip(owned)
+        .map(|(instance, share)| InstanceShare {
+            instance,
+            requests: (share * requests).round() as u64,
+            share,
+        })
+        .collect()
+}
+
+/// The trace's PREFIX_AWARE routing keys (no prefix-aware id), each with its share of the
+/// requests, computed with the router's own prefix extraction and key.
+pub fn trace_key_shares(trace: &Trace, model: &str, prefix_length: usize) -> KeyShares {
+    use switchyard_policy::hash::routing_key;
+    use switchyard_policy::openai::OpenAiRequest;
+    let mut counts: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     for request in trace.requests() {
         let body = request.body(model);
         let Ok(parsed) = OpenAiRequest::parse(&body) else {
             continue;
         };
         let key = routing_key(b"", parsed.prefix_text(prefix_length).as_bytes());
-        if let Some(owner) = rendezvous_order(&views, key, &mut order) {
-            owned[owner] += 1;
-        }
+        *counts.entry(key).or_default() += 1;
     }
-    let total = owned.iter().sum::<u64>().max(1);
-    ids.into_iter()
-        .zip(owned)
-        .map(|(instance, requests)| InstanceShare {
-            instance,
-            requests,
-            share: requests as f64 / total as f64,
-        })
-        .collect()
+    let total = counts.values().sum::<u64>().max(1) as f64;
+    KeyShares(
+        counts
+            .into_iter()
+            .map(|(key, count)| (key, count as f64 / total))
+            .collect(),
+    )
 }
 
 /// Generates the trace, tokenizes it in nominal order, and computes the oracle bound.
@@ -537,34 +779,63 @@ async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<
     Ok(total)
 }
 
+/// The `smg` (or other peer) binary to run, if there is one.
+fn peer_binary(settings: &CompareSettings, peer: Peer) -> Option<std::path::PathBuf> {
+    match peer {
+        Peer::Sglang => peer.find_binary(settings.sglang_bin.as_deref()),
+    }
+}
+
+/// A ProductionVariants JSON of `arm` (a strategy, or PREFIX_AWARE with the extension).
+fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
+    let prefix = |balance: Option<LoadBalanceSetting>| {
+        let mut config = switchyard_shared::PrefixAwareRoutingConfig::sagemaker(
+            settings.prefix_length,
+            settings.concurrency_threshold,
+        );
+        if let Some(balance) = balance {
+            config.load_balance_factor = Some(balance.factor);
+            config.load_balance_slack = Some(balance.slack);
+        }
+        config
+    };
+    match arm {
+        Arm::Strategy(Strategy::PrefixAware) => prefix_aware_variants_json(&prefix(None)),
+        Arm::Bounded(balance) => prefix_aware_variants_json(&prefix(Some(balance))),
+        Arm::Strategy(strategy) => variants_json(strategy.as_str(), None),
+        Arm::Peer(_) => String::new(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run_one(
     settings: &CompareSettings,
-    strategy: Strategy,
+    arm: Arm,
     routers: usize,
     label: &str,
     trace: &Arc<Trace>,
     oracle: &OracleBound,
+    keys: &KeyShares,
     client: &HttpClient,
 ) -> anyhow::Result<RunReport> {
-    let prefix = (strategy == Strategy::PrefixAware)
-        .then_some((settings.prefix_length, settings.concurrency_threshold));
     let spec = ClusterSpec {
         engines: settings.engines,
         routers,
         endpoint: "bench".into(),
-        variants_json: variants_json(strategy.as_str(), prefix),
+        variants_json: arm_variants_json(settings, arm),
         sim: settings.sim.clone(),
         ..ClusterSpec::default()
     };
     let tuning = ClusterTuning {
         load_interval_ms: settings.load_interval_ms,
+        router_binary: settings.router_binary.clone(),
         ..ClusterTuning::default()
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;
-    let result = measure(
-        settings, strategy, routers, label, trace, oracle, client, &cluster,
-    )
+    // Boxed: the run and the sampler side by side make a large future.
+    let result = Box::pin(measure(
+        settings, arm, routers, label, trace, oracle, keys, client, &cluster,
+    ))
     .await;
     cluster.shutdown().await;
     result
@@ -573,11 +844,12 @@ async fn run_one(
 #[allow(clippy::too_many_arguments)]
 async fn measure(
     settings: &CompareSettings,
-    strategy: Strategy,
+    arm: Arm,
     routers: usize,
     label: &str,
     trace: &Arc<Trace>,
     oracle: &OracleBound,
+    keys: &KeyShares,
     client: &HttpClient,
     cluster: &LocalCluster,
 ) -> anyhow::Result<RunReport> {
@@ -606,7 +878,31 @@ async fn measure(
         label: label.to_owned(),
         progress: settings.progress,
     };
-    let output = run(Arc::clone(trace), config, client.clone()).await?;
+    // With several PREFIX_AWARE routers, how often they would disagree, sampled during the run.
+    let prefix_aware = matches!(arm, Arm::Strategy(Strategy::PrefixAware) | Arm::Bounded(_));
+    let stop_sampling = tokio_util::sync::CancellationToken::new();
+    let sampling = async {
+        if prefix_aware {
+            let interval = Duration::from_millis(5);
+            sample_until(
+                cluster.routers(),
+                &cluster.endpoint,
+                keys,
+                interval,
+                stop_sampling.clone(),
+            )
+            .await
+        } else {
+            None
+        }
+    };
+    let running = async {
+        let output = run(Arc::clone(trace), config, client.clone()).await;
+        stop_sampling.cancel();
+        output
+    };
+    let (output, disagreement) = tokio::join!(running, sampling);
+    let output = output?;
     // Every answer is complete when the client has it; the routers' counts follow at once.
     let settle = std::time::Instant::now();
     while cluster.in_flight() > 0 && settle.elapsed() < Duration::from_secs(5) {
@@ -618,29 +914,179 @@ async fn measure(
     let decisions = scrape_routers(client, &cluster.router_urls)
         .await?
         .since(&decisions_before);
-    let stats = RunStats::from_output(&output, time_scale);
+    let mut stats = RunStats::from_output(&output, time_scale);
+    stats.include_idle_instances(&cluster.instance_ids());
     let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
     let report = RunReport {
         label: label.to_owned(),
-        strategy: Some(strategy.as_str().to_owned()),
+        strategy: match arm {
+            Arm::Strategy(strategy) => Some(strategy.as_str().to_owned()),
+            Arm::Bounded(_) => Some(Strategy::PrefixAware.as_str().to_owned()),
+            Arm::Peer(_) => None,
+        },
+        load_balance: match arm {
+            Arm::Bounded(balance) => Some(balance),
+            _ => None,
+        },
+        peer: None,
         routers,
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
         kv_from_usage,
         router_decision: DecisionStats::from_histogram(&decisions),
         versus_baseline: None,
         instances_routable_at_end: cluster.routable_instances(),
+        disagreement,
         stats,
     };
+    progress_line(settings, &report);
+    Ok(report)
+}
+
+fn progress_line(settings: &CompareSettings, report: &RunReport) {
     if settings.progress {
         eprintln!(
-            "{label}: hit rate {}, TTFT p50 {:.1} model ms, {} errors, {:.1} s",
+            "{}: hit rate {}, TTFT p50 {:.1} model ms, {:.2} req/s (model), shares {}, {} errors, {:.1} s",
+            report.label,
             report.hit_rate().map_or_else(|| "-".into(), percent),
             report.stats.ttft.model_ms.p50,
+            report.stats.requests_per_s_model,
+            report.stats.share_range().map_or_else(
+                || "-".into(),
+                |(min, max)| format!("{}-{}", percent(min), percent(max))
+            ),
             report.stats.errors,
             report.stats.wall_seconds
         );
     }
+}
+
+/// A peer router (`routers` processes) in front of fresh simulated engines, driven with the
+/// same trace. Shares come from the engines' own request counters (peers send no
+/// `x-switchyard-instance`).
+async fn run_peer(
+    settings: &CompareSettings,
+    peer: Peer,
+    routers: usize,
+    label: &str,
+    trace: &Arc<Trace>,
+    oracle: &OracleBound,
+    client: &HttpClient,
+) -> anyhow::Result<RunReport> {
+    let binary = peer_binary(settings, peer)
+        .with_context(|| format!("`{}` not found", peer.binary_name()))?;
+    let mut engines = Vec::with_capacity(settings.engines);
+    for _ in 0..settings.engines {
+        engines.push(
+            switchyard_engine_sim::spawn(settings.sim.clone())
+                .await
+                .context("cannot start a simulated engine")?,
+        );
+    }
+    let engine_urls: Vec<String> = engines.iter().map(|engine| engine.url.clone()).collect();
+    let result = match PeerRouters::start(peer, &binary, routers, &engine_urls, client).await {
+        Ok(peers) => {
+            let result = measure_peer(
+                settings,
+                peer,
+                routers,
+                label,
+                trace,
+                oracle,
+                client,
+                &peers.urls,
+                &engine_urls,
+            )
+            .await;
+            peers.shutdown().await;
+            result
+        }
+        Err(err) => Err(err),
+    };
+    for engine in engines {
+        engine.shutdown().await;
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn measure_peer(
+    settings: &CompareSettings,
+    peer: Peer,
+    routers: usize,
+    label: &str,
+    trace: &Arc<Trace>,
+    oracle: &OracleBound,
+    client: &HttpClient,
+    router_urls: &[String],
+    engine_urls: &[String],
+) -> anyhow::Result<RunReport> {
+    let time_scale = settings.time_scale();
+    let per_engine_before = scrape_each(client, engine_urls).await?;
+    let targets = router_urls
+        .iter()
+        .map(|url| format!("{url}/v1/chat/completions").parse::<http::Uri>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let config = RunConfig {
+        targets,
+        model: settings.sim.served_model_name.clone(),
+        concurrency: settings.concurrency,
+        rate: settings.rate.map(|rate| rate / time_scale),
+        seed: settings.workload.seed,
+        request_timeout: settings.request_timeout,
+        max_duration: settings.max_duration,
+        label: label.to_owned(),
+        progress: settings.progress,
+    };
+    let output = run(Arc::clone(trace), config, client.clone()).await?;
+    let per_engine: Vec<EngineCounters> = scrape_each(client, engine_urls)
+        .await?
+        .iter()
+        .zip(&per_engine_before)
+        .map(|(after, before)| after.since(before))
+        .collect();
+    let mut engines = EngineCounters::default();
+    for counters in &per_engine {
+        engines.add(counters);
+    }
+    let mut stats = RunStats::from_output(&output, time_scale);
+    let served: f64 = per_engine
+        .iter()
+        .map(|counters| counters.requests_success)
+        .sum();
+    stats.instance_shares = per_engine
+        .iter()
+        .enumerate()
+        .map(|(index, counters)| InstanceShare {
+            instance: format!("engine-{index}"),
+            requests: counters.requests_success.round() as u64,
+            share: counters.requests_success / served.max(1.0),
+        })
+        .collect();
+    let report = RunReport {
+        label: label.to_owned(),
+        strategy: None,
+        load_balance: None,
+        peer: Some(peer.name().to_owned()),
+        routers,
+        kv: Some(KvStats::from_engines(&engines, Some(oracle))),
+        kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
+        router_decision: None,
+        versus_baseline: None,
+        instances_routable_at_end: Vec::new(),
+        disagreement: None,
+        stats,
+    };
+    progress_line(settings, &report);
     Ok(report)
+}
+
+async fn scrape_each(client: &HttpClient, urls: &[String]) -> anyhow::Result<Vec<EngineCounters>> {
+    let mut each = Vec::with_capacity(urls.len());
+    for url in urls {
+        let samples = scrape(client, &metrics_url(url)).await?;
+        each.push(EngineCounters::from_samples(&samples));
+    }
+    Ok(each)
 }
 
 /// The product targets (PRODUCT.md), checked on the PREFIX_AWARE runs: hit rate against the
@@ -652,7 +1098,10 @@ pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
     let prefix_runs: Vec<&RunReport> = report
         .runs
         .iter()
-        .filter(|run| run.strategy.as_deref() == Some(Strategy::PrefixAware.as_str()))
+        .filter(|run| {
+            run.strategy.as_deref() == Some(Strategy::PrefixAware.as_str())
+                && run.load_balance.is_none()
+        })
         .collect();
     for run in &prefix_runs {
         let routers = format!(
@@ -711,6 +1160,73 @@ pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
             measured: format!("{} vs {}", percent(many), percent(one)),
             pass: many >= one - 0.01,
         });
+    }
+    checks
+}
+
+/// The hot-prefix targets (PRODUCT.md, issue 12), checked on the bounded-load runs against
+/// plain PREFIX_AWARE and the SGLang gateway of the same router count: with 1 router,
+/// throughput at least the gateway's, hit rate within 2 points of plain PREFIX_AWARE, and the
+/// least used instance at least half a fair share; with several, hit rate ≥ 90% of the oracle.
+pub fn hot_prefix_checks(report: &Report, engines: usize) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for routers in report.router_groups() {
+        let group: Vec<&RunReport> = report
+            .runs
+            .iter()
+            .filter(|run| run.routers == routers)
+            .collect();
+        let plain = group.iter().find(|run| {
+            run.strategy.as_deref() == Some(Strategy::PrefixAware.as_str())
+                && run.load_balance.is_none()
+        });
+        let peer = group
+            .iter()
+            .find(|run| run.peer.as_deref() == Some(Peer::Sglang.name()));
+        for run in group.iter().filter(|run| run.load_balance.is_some()) {
+            let name = run.column();
+            let routers_text = format!("{routers} router{}", if routers == 1 { "" } else { "s" });
+            if routers == 1 {
+                if let Some(peer) = peer {
+                    let (ours, theirs) = (
+                        run.stats.requests_per_s_wall,
+                        peer.stats.requests_per_s_wall,
+                    );
+                    checks.push(Check {
+                        what: format!("{name} throughput vs the SGLang gateway, {routers_text}"),
+                        target: ">= 100%".into(),
+                        measured: percent(ours / theirs.max(f64::MIN_POSITIVE)),
+                        pass: ours >= theirs,
+                    });
+                }
+                if let (Some(plain), Some(hit)) = (plain, run.hit_rate())
+                    && let Some(plain_hit) = plain.hit_rate()
+                {
+                    checks.push(Check {
+                        what: format!("{name} hit rate vs plain PREFIX_AWARE, {routers_text}"),
+                        target: "within 2 points".into(),
+                        measured: format!("{} vs {}", percent(hit), percent(plain_hit)),
+                        pass: hit >= plain_hit - 0.02,
+                    });
+                }
+                if let Some((min, _)) = run.stats.share_range() {
+                    let half_fair = 0.5 / engines as f64;
+                    checks.push(Check {
+                        what: format!("{name} least used instance's share, {routers_text}"),
+                        target: format!(">= half a fair share ({})", percent(half_fair)),
+                        measured: percent(min),
+                        pass: min >= half_fair,
+                    });
+                }
+            } else if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle) {
+                checks.push(Check {
+                    what: format!("{name} hit rate / oracle, {routers_text}"),
+                    target: ">= 90%".into(),
+                    measured: percent(fraction),
+                    pass: fraction >= 0.9,
+                });
+            }
+        }
     }
     checks
 }

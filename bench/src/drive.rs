@@ -207,6 +207,8 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         runs: vec![RunReport {
             label,
             strategy: None,
+            load_balance: None,
+            peer: None,
             routers: args.target.len(),
             stats,
             kv,
@@ -214,6 +216,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
             router_decision: None,
             versus_baseline: None,
             instances_routable_at_end: Vec::new(),
+            disagreement: None,
         }],
         prefix_owner_shares: Vec::new(),
         checks: Vec::new(),

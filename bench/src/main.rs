@@ -2,7 +2,7 @@
 //! KV-cache hit rate, TTFT, inter-token and end-to-end latency, throughput and instance shares.
 
 use clap::{Parser, Subcommand};
-use switchyard_bench::{DemoArgs, DriveArgs, OverheadArgs, UsageError};
+use switchyard_bench::{DemoArgs, DriveArgs, FleetArgs, OverheadArgs, OverloadArgs, UsageError};
 use switchyard_shared::process::{self, EXIT_USAGE};
 
 /// Switchyard's load generator and benchmark report.
@@ -27,7 +27,7 @@ use switchyard_shared::process::{self, EXIT_USAGE};
     name = "switchyard-bench",
     version,
     args_conflicts_with_subcommands = true,
-    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16"
+    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16\n  switchyard-bench overload --requests 200 --max-buffered-bytes 256MiB\n  switchyard-bench fleet --etcd http://127.0.0.1:2379"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -47,6 +47,16 @@ enum Command {
     /// interleaved, same client) and its requests per core-second, with the router and the
     /// proxy in separate processes. Needs switchyard-router next to this executable.
     Overhead(OverheadArgs),
+    /// The router's peak memory under a flood of large requests to an engine that never
+    /// answers, with --max-buffered-bytes bounding what it holds. Needs switchyard-router and
+    /// switchyard-engine-sim next to this executable.
+    Overload(OverloadArgs),
+    /// The control plane and the sync protocol at fleet scale: by default 10,000 instances
+    /// over 1,000 endpoints and 100 sync clients running the router's own sync code in this
+    /// process, on the embedded store and (with --etcd URL) on etcd; then real router
+    /// processes. Change → every router p50/p99, a new router's time to ready, apply cost
+    /// (beside a full table rebuild), CPU and memory, a rolling restart of every instance.
+    Fleet(Box<FleetArgs>),
     /// A bare reverse proxy (internal: the baseline hop `overhead` starts).
     #[command(hide = true)]
     Forward(switchyard_bench::forward::ForwardArgs),
@@ -57,8 +67,10 @@ async fn main() {
     let cli: Cli = process::parse_args();
     process::init_logging(process::LogFormat::Text, "warn");
     let result = match cli.command {
-        Some(Command::Compare(args)) => switchyard_bench::demo(*args).await.map(drop),
+        Some(Command::Compare(args)) => Box::pin(switchyard_bench::demo(*args)).await.map(drop),
         Some(Command::Overhead(args)) => switchyard_bench::overhead(args).await.map(drop),
+        Some(Command::Overload(args)) => switchyard_bench::overload(args).await.map(drop),
+        Some(Command::Fleet(args)) => switchyard_bench::fleet(*args).await.map(drop),
         Some(Command::Forward(args)) => switchyard_bench::forward::forward(args).await,
         None => switchyard_bench::drive(cli.drive).await.map(drop),
     };

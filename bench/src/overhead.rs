@@ -52,6 +52,11 @@ pub struct OverheadArgs {
     /// target/debug: build it with `cargo build --release -p switchyard-router`).
     #[arg(long, value_name = "FILE")]
     pub router_bin: Option<PathBuf>,
+    /// A second switchyard-router executable (say, built from an earlier commit) measured
+    /// the same way, interleaved in the same rounds: a before/after comparison free of the
+    /// machine's drift between runs.
+    #[arg(long, value_name = "FILE")]
+    pub baseline_router_bin: Option<PathBuf>,
     /// Where the simulated engine runs: its own process (as a real engine does, so the direct
     /// path pays the same process wake-ups a deployment does), or inside this one, beside
     /// the client.
@@ -110,9 +115,10 @@ pub struct Throughput {
     pub requests_per_s: f64,
 }
 
-/// The bare forwarder measured like the router: what one more hop costs here.
+/// Another proxy measured like the router (the bare forwarder: what one more hop costs here;
+/// or a baseline router executable).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ForwarderBaseline {
+pub struct ProxyBaseline {
     pub latency_ms: Summary,
     pub added_p50_ms: f64,
     pub added_p99_ms: f64,
@@ -154,7 +160,11 @@ pub struct OverheadReport {
     /// Per round: router − direct.
     pub paired_difference_ms: Summary,
     /// The same through a bare reverse proxy (no parsing, no routing).
-    pub forwarder: Option<ForwarderBaseline>,
+    pub forwarder: Option<ProxyBaseline>,
+    /// The same through `--baseline-router-bin`.
+    pub baseline_router: Option<ProxyBaseline>,
+    /// router p50 − baseline router p50 (negative: this router is faster).
+    pub router_vs_baseline_p50_ms: Option<f64>,
     /// router p50 − forwarder p50: the router's cost beyond one more hop.
     pub router_vs_forwarder_p50_ms: Option<f64>,
     pub router_vs_forwarder_p99_ms: Option<f64>,
@@ -194,6 +204,9 @@ impl OverheadReport {
         if let Some(relay) = &self.tcp_relay {
             out.push_str(&row("through a TCP relay", &relay.latency_ms));
         }
+        if let Some(baseline) = &self.baseline_router {
+            out.push_str(&row("through the baseline router", &baseline.latency_ms));
+        }
         out.push_str(&row(
             "router - direct, per round",
             &self.paired_difference_ms,
@@ -216,6 +229,13 @@ impl OverheadReport {
             out.push_str(&format!(
                 "  added by a TCP relay (no HTTP, the floor of one more user-space hop here): p50 {:.3} ms, p99 {:.3} ms\n",
                 relay.added_p50_ms, relay.added_p99_ms
+            ));
+        }
+        if let (Some(baseline), Some(p50)) = (&self.baseline_router, self.router_vs_baseline_p50_ms)
+        {
+            out.push_str(&format!(
+                "  added by the baseline router: p50 {:.3} ms, p99 {:.3} ms; this router minus the baseline: p50 {:+.3} ms\n",
+                baseline.added_p50_ms, baseline.added_p99_ms, p50
             ));
         }
         if let Some(decision) = &self.router_decision {
@@ -242,6 +262,14 @@ impl OverheadReport {
                 throughput.requests_per_s, throughput.errors, forwarder.cpu_seconds, forwarder.requests_per_core_second
             ));
         }
+        if let Some(baseline) = &self.baseline_router
+            && let Some(throughput) = &baseline.throughput
+        {
+            out.push_str(&format!(
+                "  through the baseline router {:>6.0} req/s ({} errors), its CPU {:.2} s: {:.0} requests per core-second\n",
+                throughput.requests_per_s, throughput.errors, baseline.cpu_seconds, baseline.requests_per_core_second
+            ));
+        }
         for note in &self.notes {
             out.push_str(&format!("note: {note}\n"));
         }
@@ -255,7 +283,7 @@ pub fn default_router_bin() -> Option<PathBuf> {
 }
 
 /// An executable of this workspace next to the current one.
-fn sibling_bin(name: &str) -> Option<PathBuf> {
+pub(crate) fn sibling_bin(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let mut dir = exe.parent()?.to_path_buf();
     // Tests and examples run from target/{profile}/deps.
@@ -328,10 +356,10 @@ impl Engine {
 
 /// A child process serving HTTP on 127.0.0.1 (a router or the bare forwarder), killed on
 /// drop.
-struct ChildServer {
+pub(crate) struct ChildServer {
     _child: tokio::process::Child,
-    pid: u32,
-    url: String,
+    pub(crate) pid: u32,
+    pub(crate) url: String,
 }
 
 /// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
@@ -361,7 +389,7 @@ fn listening_port(pid: u32) -> Option<u16> {
 
 /// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
 /// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
-async fn start_child(
+pub(crate) async fn start_child(
     binary: &Path,
     args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
     ready_path: &str,
@@ -403,12 +431,14 @@ async fn start_child(
     }
 }
 
-/// A router process routing endpoint `bench` to the engine from a static config file.
-async fn start_router(
+/// A router process routing endpoint `bench` to the engine from a static config file, with
+/// `extra` flags.
+pub(crate) async fn start_router(
     binary: &Path,
     config_dir: &Path,
     engine_url: &str,
     strategy: Strategy,
+    extra: &[&str],
     client: &HttpClient,
 ) -> anyhow::Result<ChildServer> {
     let prefix = (strategy == Strategy::PrefixAware).then_some((1024, 1024));
@@ -424,12 +454,14 @@ async fn start_router(
     let path = config_dir.join("router.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
     let args = |listen: &str| -> Vec<std::ffi::OsString> {
-        vec![
+        let mut args: Vec<std::ffi::OsString> = vec![
             "--listen".into(),
             listen.into(),
             "--config".into(),
             path.clone().into_os_string(),
-        ]
+        ];
+        args.extend(extra.iter().map(Into::into));
+        args
     };
     start_child(binary, &args, "/readyz", client).await
 }
@@ -578,6 +610,7 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
             config_dir.path(),
             &engine_url,
             args.strategy,
+            &[],
             &client,
         )
         .await?;
@@ -589,9 +622,25 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
             Some(started) => Some(started?),
             None => None,
         };
+        let baseline_router = match &args.baseline_router_bin {
+            Some(binary) => Some(
+                start_router(
+                    binary,
+                    config_dir.path(),
+                    &engine_url,
+                    args.strategy,
+                    &[],
+                    &client,
+                )
+                .await
+                .with_context(|| format!("--baseline-router-bin {}", binary.display()))?,
+            ),
+            None => None,
+        };
         let baselines = Baselines {
             forwarder: forwarder.as_ref(),
             relay: relay.as_ref(),
+            router: baseline_router.as_ref(),
         };
         measure(&args, &engine_url, &router, baselines, &client).await
     }
@@ -618,6 +667,8 @@ struct Path3 {
 struct Baselines<'a> {
     forwarder: Option<&'a ChildServer>,
     relay: Option<&'a ChildServer>,
+    /// `--baseline-router-bin`.
+    router: Option<&'a ChildServer>,
 }
 
 async fn measure(
@@ -663,6 +714,13 @@ async fn measure(
             });
         }
     }
+    if let Some(server) = baselines.router {
+        paths.push(Path3 {
+            name: "baseline-router",
+            url: format!("{}/endpoints/bench/openai/v1/chat/completions", server.url).parse()?,
+            samples: Vec::with_capacity(args.requests),
+        });
+    }
 
     say("warming up…");
     for _ in 0..200 {
@@ -689,6 +747,13 @@ async fn measure(
     }
     let direct_ms = Summary::of(&paths[0].samples);
     let router_ms = Summary::of(&paths[1].samples);
+    let per_core = |throughput: &Throughput, cpu: f64| {
+        if cpu > 0.0 {
+            throughput.requests as f64 / cpu
+        } else {
+            0.0
+        }
+    };
     let pair = |index: usize| -> Vec<f64> {
         paths[index]
             .samples
@@ -699,8 +764,20 @@ async fn measure(
     };
     let router_differences = pair(1);
     let index_of = |name: &str| paths.iter().position(|path| path.name == name);
-    let forwarder_ms = index_of("forwarder").map(|index| Summary::of(&paths[index].samples));
-    let forwarder_differences = index_of("forwarder").map(pair);
+    let baseline = |name: &str, load: Option<(Throughput, f64, f64)>| {
+        index_of(name).map(|index| {
+            let latency_ms = Summary::of(&paths[index].samples);
+            ProxyBaseline {
+                added_p50_ms: latency_ms.p50 - direct_ms.p50,
+                added_p99_ms: latency_ms.p99 - direct_ms.p99,
+                paired_difference_ms: Summary::of(&pair(index)),
+                latency_ms,
+                throughput: load.map(|load| load.0),
+                cpu_seconds: load.map_or(0.0, |load| load.1),
+                requests_per_core_second: load.map_or(0.0, |load| per_core(&load.0, load.1)),
+            }
+        })
+    };
     let tcp_relay = index_of("relay").map(|index| {
         let latency_ms = Summary::of(&paths[index].samples);
         RelayBaseline {
@@ -752,6 +829,28 @@ async fn measure(
         }
         None => None,
     };
+    let baseline_router_load = match baselines.router.zip(index_of("baseline-router")) {
+        Some((server, index)) => {
+            say(&format!(
+                "throughput: {} clients for {:.0} s through the baseline router…",
+                args.concurrency, args.duration
+            ));
+            Some(
+                loaded(
+                    client,
+                    &paths[index].url,
+                    &body,
+                    args.concurrency,
+                    duration,
+                    server.pid,
+                )
+                .await?,
+            )
+        }
+        None => None,
+    };
+    let forwarder = baseline("forwarder", forwarder_load);
+    let baseline_router = baseline("baseline-router", baseline_router_load);
     let decision = scrape(client, &format!("{}/metrics", router.url))
         .await
         .ok()
@@ -767,7 +866,7 @@ async fn measure(
         .to_owned(),
         "a routing decision alone is measured by `cargo bench -p switchyard-policy` (criterion)".to_owned(),
     ];
-    if forwarder.is_none() {
+    if baselines.forwarder.is_none() {
         notes.push(
             "no bare-forwarder baseline: it runs only from the switchyard-bench executable".into(),
         );
@@ -778,13 +877,6 @@ async fn measure(
             machine.cpus
         ));
     }
-    let per_core = |throughput: &Throughput, cpu: f64| {
-        if cpu > 0.0 {
-            throughput.requests as f64 / cpu
-        } else {
-            0.0
-        }
-    };
     Ok(OverheadReport {
         tool: "switchyard-bench".into(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -805,19 +897,17 @@ async fn measure(
         paired_difference_ms: Summary::of(&router_differences),
         direct_ms,
         router_ms,
-        forwarder: forwarder_ms.map(|forwarder_ms| ForwarderBaseline {
-            added_p50_ms: forwarder_ms.p50 - direct_ms.p50,
-            added_p99_ms: forwarder_ms.p99 - direct_ms.p99,
-            paired_difference_ms: Summary::of(&forwarder_differences.unwrap_or_default()),
-            latency_ms: forwarder_ms,
-            throughput: forwarder_load.map(|load| load.0),
-            cpu_seconds: forwarder_load.map_or(0.0, |load| load.1),
-            requests_per_core_second: forwarder_load.map_or(0.0, |load| per_core(&load.0, load.1)),
-        }),
-        router_vs_forwarder_p50_ms: forwarder_ms
-            .map(|forwarder_ms| router_ms.p50 - forwarder_ms.p50),
-        router_vs_forwarder_p99_ms: forwarder_ms
-            .map(|forwarder_ms| router_ms.p99 - forwarder_ms.p99),
+        router_vs_forwarder_p50_ms: forwarder
+            .as_ref()
+            .map(|forwarder| router_ms.p50 - forwarder.latency_ms.p50),
+        router_vs_forwarder_p99_ms: forwarder
+            .as_ref()
+            .map(|forwarder| router_ms.p99 - forwarder.latency_ms.p99),
+        forwarder,
+        router_vs_baseline_p50_ms: baseline_router
+            .as_ref()
+            .map(|baseline| router_ms.p50 - baseline.latency_ms.p50),
+        baseline_router,
         tcp_relay,
         concurrency: args.concurrency,
         direct_throughput,

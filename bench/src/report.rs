@@ -14,6 +14,21 @@ use crate::scrape::{EngineCounters, Histogram};
 use crate::stats::{Latency, relative_change};
 use crate::workload::{RequestClass, WorkloadSpec};
 
+/// PREFIX_AWARE's bounded-load extension as one comparison column ran it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LoadBalanceSetting {
+    /// LoadBalanceFactor c.
+    pub factor: f64,
+    /// LoadBalanceSlack s.
+    pub slack: u32,
+}
+
+impl LoadBalanceSetting {
+    pub fn column_name(self) -> String {
+        format!("PREFIX_AWARE c={} s={}", self.factor, self.slack)
+    }
+}
+
 /// Requests one instance served.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct InstanceShare {
@@ -177,6 +192,26 @@ impl RunStats {
         }
     }
 
+    /// Adds a zero share for every instance in `ids` that served nothing (an idle instance
+    /// names itself in no answer).
+    pub fn include_idle_instances(&mut self, ids: &[String]) {
+        for id in ids {
+            if !self
+                .instance_shares
+                .iter()
+                .any(|share| &share.instance == id)
+            {
+                self.instance_shares.push(InstanceShare {
+                    instance: id.clone(),
+                    requests: 0,
+                    share: 0.0,
+                });
+            }
+        }
+        self.instance_shares
+            .sort_by_key(|share| natural_key(&share.instance));
+    }
+
     /// (smallest, largest) instance share.
     pub fn share_range(&self) -> Option<(f64, f64)> {
         let shares = self.instance_shares.iter().map(|share| share.share);
@@ -278,8 +313,12 @@ pub struct Versus {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RunReport {
     pub label: String,
-    /// Routing strategy of the endpoint (compare), or `None` for an existing router.
+    /// Routing strategy of the endpoint (compare), or `None` for an existing or peer router.
     pub strategy: Option<String>,
+    /// PREFIX_AWARE's bounded-load extension, if the run used it.
+    pub load_balance: Option<LoadBalanceSetting>,
+    /// The peer router (compare), e.g. `SGLang cache_aware`.
+    pub peer: Option<String>,
     pub routers: usize,
     #[serde(flatten)]
     pub stats: RunStats,
@@ -289,9 +328,22 @@ pub struct RunReport {
     pub versus_baseline: Option<Versus>,
     /// Instances the routers saw at the end (a drop means one was marked unhealthy).
     pub instances_routable_at_end: Vec<usize>,
+    /// Several PREFIX_AWARE routers: how often they would have chosen differently.
+    pub disagreement: Option<crate::agreement::Disagreement>,
 }
 
 impl RunReport {
+    /// The column name: the strategy (with its load balance), the peer, or the label.
+    pub fn column(&self) -> String {
+        if let Some(balance) = self.load_balance {
+            return balance.column_name();
+        }
+        self.strategy
+            .clone()
+            .or_else(|| self.peer.clone())
+            .unwrap_or_else(|| self.label.clone())
+    }
+
     pub fn hit_rate(&self) -> Option<f64> {
         self.kv.or(self.kv_from_usage).map(|kv| kv.hit_rate)
     }
@@ -569,9 +621,7 @@ fn render_columns(runs: &[&RunReport]) -> String {
     let mut row = |name: &str, cell: &dyn Fn(&RunReport) -> String| {
         rows.push((name.to_owned(), runs.iter().map(|run| cell(run)).collect()));
     };
-    row("", &|run| {
-        run.strategy.clone().unwrap_or_else(|| run.label.clone())
-    });
+    row("", &RunReport::column);
     row("KV-cache hit rate", &|run| {
         run.hit_rate().map_or_else(|| "-".into(), percent)
     });
@@ -618,6 +668,22 @@ fn render_columns(runs: &[&RunReport]) -> String {
             |(min, max)| format!("{}-{}", percent(min), percent(max)),
         )
     });
+    if runs.iter().any(|run| !run.stats.routes.is_empty()) {
+        row("routes", &|run| {
+            run.stats
+                .routes
+                .iter()
+                .map(|(route, count)| format!("{route} {count}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        });
+    }
+    if runs.iter().any(|run| run.disagreement.is_some()) {
+        row("routers disagree (pairwise)", &|run| {
+            run.disagreement
+                .map_or_else(|| "-".into(), |found| percent(found.pairwise))
+        });
+    }
     row("router decision p50/p99 us", &|run| {
         run.router_decision.map_or_else(
             || "-".into(),

@@ -261,9 +261,12 @@ impl Histogram {
 
 /// GETs a `/metrics` page and parses it.
 pub async fn scrape(client: &HttpClient, url: &str) -> anyhow::Result<Vec<Sample>> {
-    let uri: http::Uri = url
-        .parse()
-        .with_context(|| format!("bad metrics URL {url}"))?;
+    Ok(parse(&get_text(client, url).await?))
+}
+
+/// GETs `url` (10 s at most) and returns the body of a 2xx answer as text.
+pub async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> {
+    let uri: http::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
     let request = http::Request::get(uri).body(Full::new(Bytes::new()))?;
     let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
         .await
@@ -272,7 +275,7 @@ pub async fn scrape(client: &HttpClient, url: &str) -> anyhow::Result<Vec<Sample
     let status = response.status();
     let body = response.into_body().collect().await?.to_bytes();
     anyhow::ensure!(status.is_success(), "GET {url}: status {status}");
-    Ok(parse(&String::from_utf8_lossy(&body)))
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// `base` + `/metrics` unless it already names a path.

@@ -1,26 +1,33 @@
 //! A hand-written SVG chart of a report: KV-cache hit rate (with the oracle bound), TTFT
 //! p50/p90 in model ms, and each instance's share of requests, per strategy and router count.
+//! A comparison with bounded-load or peer columns shows throughput and the idlest instance's
+//! share instead of TTFT and per-instance shares.
 
 use std::fmt::Write as _;
 
 use crate::report::{Report, RunReport};
 
-const WIDTH: f64 = 1240.0;
 const HEIGHT: f64 = 430.0;
-const PANEL_WIDTH: f64 = 330.0;
+const MIN_PANEL_WIDTH: f64 = 330.0;
+/// Room per bar when many runs are compared.
+const BAR_SLOT: f64 = 52.0;
+const PANEL_GAP: f64 = 85.0;
 const PANEL_HEIGHT: f64 = 250.0;
 const PANEL_TOP: f64 = 95.0;
 
-/// Colours per strategy, lighter for later router groups.
-fn color(strategy: &str, group: usize) -> &'static str {
+/// Colours per column (strategy, bounded-load PREFIX_AWARE, peer), lighter for later router
+/// groups.
+fn color(column: &str, group: usize) -> &'static str {
     const RANDOM: [&str; 3] = ["#8d8d8d", "#b5b5b5", "#d2d2d2"];
     const LEAST: [&str; 3] = ["#e3902b", "#f0b56b", "#f6d3a4"];
     const PREFIX: [&str; 3] = ["#1f66c2", "#5a95e0", "#9cc0ee"];
-    const OTHER: [&str; 3] = ["#3c8d5a", "#6bb487", "#a5d4b6"];
-    let palette = match strategy {
+    const BOUNDED: [&str; 3] = ["#3c8d5a", "#6bb487", "#a5d4b6"];
+    const OTHER: [&str; 3] = ["#8e44ad", "#b07cc6", "#d2b4de"];
+    let palette = match column {
         "RANDOM" => RANDOM,
         "LEAST_OUTSTANDING_REQUESTS" => LEAST,
         "PREFIX_AWARE" => PREFIX,
+        bounded if bounded.starts_with("PREFIX_AWARE c=") => BOUNDED,
         _ => OTHER,
     };
     palette[group.min(2)]
@@ -34,11 +41,15 @@ fn escape(text: &str) -> String {
 }
 
 /// Bar labels are narrow: the legend has the full names.
-fn short_name(strategy: &str) -> &str {
-    match strategy {
-        "LEAST_OUTSTANDING_REQUESTS" => "LOR",
-        "PREFIX_AWARE" => "PREFIX",
-        other => other,
+fn short_name(column: &str) -> String {
+    match column {
+        "LEAST_OUTSTANDING_REQUESTS" => "LOR".into(),
+        "PREFIX_AWARE" => "PREFIX".into(),
+        // "PREFIX_AWARE c=1.25 s=2" → "c=1.25 s=2".
+        bounded if bounded.starts_with("PREFIX_AWARE c=") => {
+            bounded.trim_start_matches("PREFIX_AWARE ").to_owned()
+        }
+        other => other.split_whitespace().next().unwrap_or(other).to_owned(),
     }
 }
 
@@ -52,9 +63,11 @@ struct Bar {
 
 /// A bar chart panel at x with a y axis from 0 to `axis.0` in steps of `axis.1`, and an
 /// optional dashed reference line.
+#[allow(clippy::too_many_arguments)]
 fn panel(
     out: &mut String,
     x: f64,
+    width: f64,
     title: &str,
     bars: &[Bar],
     (top, step): (f64, f64),
@@ -79,13 +92,13 @@ fn panel(
         let _ = writeln!(
             out,
             r##"<line x1="{x:.1}" y1="{line_y:.1}" x2="{:.1}" y2="{line_y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" class="axis" text-anchor="end">{}</text>"##,
-            x + PANEL_WIDTH,
+            x + width,
             x - 6.0,
             line_y + 4.0,
             escape(&axis(value))
         );
     }
-    let slot = PANEL_WIDTH / bars.len().max(1) as f64;
+    let slot = width / bars.len().max(1) as f64;
     let bar_width = (slot * 0.7).min(60.0);
     for (index, bar) in bars.iter().enumerate() {
         let center = x + slot * (index as f64 + 0.5);
@@ -119,7 +132,7 @@ fn panel(
         let _ = writeln!(
             out,
             r##"<line x1="{x:.1}" y1="{line_y:.1}" x2="{:.1}" y2="{line_y:.1}" stroke="#c0392b" stroke-dasharray="6 4" stroke-width="1.5"/><text x="{:.1}" y="{:.1}" class="ref">{}</text>"##,
-            x + PANEL_WIDTH,
+            x + width,
             x + 4.0,
             line_y - 5.0,
             escape(&label)
@@ -129,22 +142,22 @@ fn panel(
         out,
         r##"<line x1="{x:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="#444"/>"##,
         y + PANEL_HEIGHT,
-        x + PANEL_WIDTH,
+        x + width,
         y + PANEL_HEIGHT
     );
 }
 
 fn run_label(run: &RunReport, groups: usize) -> String {
-    let strategy = run.strategy.clone().unwrap_or_else(|| run.label.clone());
+    let column = run.column();
     if groups > 1 {
         format!(
             "{}\n{} router{}",
-            short_name(&strategy),
+            short_name(&column),
             run.routers,
             if run.routers == 1 { "" } else { "s" }
         )
     } else {
-        short_name(&strategy).to_owned()
+        short_name(&column)
     }
 }
 
@@ -152,11 +165,18 @@ fn run_label(run: &RunReport, groups: usize) -> String {
 pub fn render(report: &Report) -> String {
     let groups = report.router_groups();
     let group_of = |run: &RunReport| groups.iter().position(|g| *g == run.routers).unwrap_or(0);
-    let strategy_of = |run: &RunReport| run.strategy.clone().unwrap_or_else(|| run.label.clone());
+    let strategy_of = RunReport::column;
+    let sweep = report
+        .runs
+        .iter()
+        .any(|run| run.load_balance.is_some() || run.peer.is_some());
+    let panel_width = (BAR_SLOT * report.runs.len() as f64).max(MIN_PANEL_WIDTH);
+    let panel_x = |index: f64| 60.0 + index * (panel_width + PANEL_GAP);
+    let width = panel_x(3.0) - PANEL_GAP + 20.0;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Helvetica, Arial, sans-serif">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" viewBox="0 0 {width} {HEIGHT}" font-family="Helvetica, Arial, sans-serif">"#
     );
     out.push_str(
         "<style>.title{font-size:14px;font-weight:bold}.axis{font-size:10px;fill:#555}.label{font-size:9px;fill:#333}.value{font-size:10px;fill:#111}.ref{font-size:10px;fill:#c0392b}.head{font-size:16px;font-weight:bold}.sub{font-size:11px;fill:#555}</style>\n",
@@ -201,7 +221,8 @@ pub fn render(report: &Report) -> String {
     });
     panel(
         &mut out,
-        60.0,
+        panel_x(0.0),
+        panel_width,
         "KV-cache hit rate",
         &hit_bars,
         (1.0, 0.25),
@@ -209,6 +230,90 @@ pub fn render(report: &Report) -> String {
         oracle,
     );
 
+    if sweep {
+        sweep_panels(&mut out, report, panel_width, &panel_x);
+    } else {
+        strategy_panels(&mut out, report, panel_width, &panel_x);
+    }
+    legend(&mut out, report, &groups);
+    out.push_str("</svg>\n");
+    out
+}
+
+/// Throughput and the idlest instance's share per run (bounded-load and peer comparisons).
+fn sweep_panels(out: &mut String, report: &Report, panel_width: f64, panel_x: &dyn Fn(f64) -> f64) {
+    let groups = report.router_groups();
+    let group_of = |run: &RunReport| groups.iter().position(|g| *g == run.routers).unwrap_or(0);
+    let throughput_bars: Vec<Bar> = report
+        .runs
+        .iter()
+        .map(|run| Bar {
+            label: run_label(run, groups.len()),
+            value: run.stats.requests_per_s_model,
+            text: format!("{:.1}", run.stats.requests_per_s_model),
+            color: color(&run.column(), group_of(run)),
+        })
+        .collect();
+    let throughput_axis = axis(
+        throughput_bars
+            .iter()
+            .map(|bar| bar.value)
+            .fold(0.0, f64::max)
+            * 1.1,
+    );
+    panel(
+        out,
+        panel_x(1.0),
+        panel_width,
+        "Throughput, requests/s (model time)",
+        &throughput_bars,
+        throughput_axis,
+        &|value| format!("{value:.0}"),
+        None,
+    );
+    let idle_bars: Vec<Bar> = report
+        .runs
+        .iter()
+        .map(|run| {
+            let (min, _) = run.stats.share_range().unwrap_or((0.0, 0.0));
+            Bar {
+                label: run_label(run, groups.len()),
+                value: min,
+                text: format!("{:.0}%", min * 100.0),
+                color: color(&run.column(), group_of(run)),
+            }
+        })
+        .collect();
+    let engines = report
+        .setup
+        .as_ref()
+        .map_or(1, |setup| setup.engines.max(1));
+    let fair = 1.0 / engines as f64;
+    panel(
+        out,
+        panel_x(2.0),
+        panel_width,
+        "Idlest instance's share of requests",
+        &idle_bars,
+        axis(fair * 1.1),
+        &|value| format!("{:.0}%", value * 100.0),
+        Some((
+            fair / 2.0,
+            format!("half a fair share ({:.1}%)", fair * 50.0),
+        )),
+    );
+}
+
+/// TTFT p50 per run and each instance's share (strategy comparisons).
+fn strategy_panels(
+    out: &mut String,
+    report: &Report,
+    panel_width: f64,
+    panel_x: &dyn Fn(f64) -> f64,
+) {
+    let groups = report.router_groups();
+    let group_of = |run: &RunReport| groups.iter().position(|g| *g == run.routers).unwrap_or(0);
+    let strategy_of = RunReport::column;
     // Panel 2: TTFT p50 (bars) with p90 in the label.
     let ttft_bars: Vec<Bar> = report
         .runs
@@ -222,8 +327,9 @@ pub fn render(report: &Report) -> String {
         .collect();
     let ttft_axis = axis(ttft_bars.iter().map(|bar| bar.value).fold(0.0, f64::max) * 1.1);
     panel(
-        &mut out,
-        475.0,
+        out,
+        panel_x(1.0),
+        panel_width,
         "TTFT p50, model ms",
         &ttft_bars,
         ttft_axis,
@@ -280,8 +386,9 @@ pub fn render(report: &Report) -> String {
         )
     });
     panel(
-        &mut out,
-        890.0,
+        out,
+        panel_x(2.0),
+        panel_width,
         &format!(
             "Share of requests per instance{}",
             groups.first().map_or(String::new(), |routers| format!(
@@ -294,8 +401,10 @@ pub fn render(report: &Report) -> String {
         &|value| format!("{:.0}%", value * 100.0),
         even,
     );
+}
 
-    // Legend.
+fn legend(out: &mut String, report: &Report, groups: &[usize]) {
+    let strategy_of = RunReport::column;
     let mut legend_x = 60.0;
     let mut seen = Vec::new();
     for run in &report.runs {
@@ -327,8 +436,6 @@ pub fn render(report: &Report) -> String {
                 .join(", ")
         );
     }
-    out.push_str("</svg>\n");
-    out
 }
 
 /// 1, 2, 2.5 or 5 times a power of ten, at least `value`.

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use switchyard_bench::{CompareSettings, Preset, Strategy, compare};
+use switchyard_bench::{CompareSettings, LoadBalanceSetting, Peer, Preset, Strategy, compare};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_compare_reports_every_strategy_through_real_routers() {
@@ -118,4 +118,58 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     let json = serde_json::to_value(&report).unwrap();
     assert_eq!(json["runs"].as_array().unwrap().len(), 3);
+}
+
+/// The hot-prefix comparison's machinery on the quick preset: a bounded-load PREFIX_AWARE
+/// column through two routers (their agreement sampled), and a peer whose binary is missing
+/// skipped with a note rather than failing the comparison.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_load_column_through_two_routers_and_a_missing_peer_skipped() {
+    let mut settings = CompareSettings::preset(Preset::Quick);
+    settings.progress = false;
+    settings.max_duration = Duration::from_secs(20);
+    settings.request_timeout = Duration::from_secs(10);
+    settings.strategies = Vec::new();
+    settings.router_counts = vec![2];
+    settings.load_balance = vec![LoadBalanceSetting {
+        factor: 1.0,
+        slack: 0,
+    }];
+    settings.peers = vec![Peer::Sglang];
+    settings.sglang_bin = Some("/nonexistent/smg".into());
+
+    let report = tokio::time::timeout(Duration::from_secs(60), compare(&settings))
+        .await
+        .expect("the comparison finishes in time")
+        .expect("the comparison runs");
+
+    assert_eq!(report.runs.len(), 1, "the peer is skipped");
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|note| note.contains("SGLang") && note.contains("skipped")),
+        "{:?}",
+        report.notes
+    );
+    let run = &report.runs[0];
+    assert_eq!(run.column(), "PREFIX_AWARE c=1 s=0");
+    assert_eq!(run.strategy.as_deref(), Some("PREFIX_AWARE"));
+    assert_eq!(run.routers, 2);
+    assert_eq!(run.stats.errors, 0, "{:?}", run.stats.first_error);
+    // Every instance is listed, even one that served nothing.
+    assert_eq!(run.stats.instance_shares.len(), 3);
+    // With c = 1 and no slack, 4 clients over 3 instances move some requests off the owner.
+    assert!(
+        run.stats.routes.get("overflow").copied().unwrap_or(0) > 0,
+        "{:?}",
+        run.stats.routes
+    );
+    let disagreement = run.disagreement.expect("two routers are sampled");
+    assert!(disagreement.samples > 0);
+    assert!((0.0..=1.0).contains(&disagreement.pairwise));
+    assert!(disagreement.pairwise <= disagreement.any + 1e-9);
+    assert!(report.table().contains("PREFIX_AWARE c=1 s=0"));
+    let svg = switchyard_bench::svg::render(&report);
+    assert!(svg.contains("Throughput"), "the sweep chart");
 }

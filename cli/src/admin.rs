@@ -182,6 +182,9 @@ pub enum InstanceCommand {
         #[arg(long)]
         endpoint: Option<String>,
     },
+    /// Register many instances from a file of JSON lines, in batched transactions; nothing is
+    /// imported if any line is refused. For moving a fleet in.
+    Import(crate::import::ImportArgs),
     /// Renew the lease of an instance registered with --ttl (for scripts and agents).
     Heartbeat {
         #[arg(long)]
@@ -220,6 +223,14 @@ pub struct RegisterArgs {
     /// With --ttl: register and exit; heartbeats are then up to you (`instance heartbeat`).
     #[arg(long, requires = "ttl")]
     pub detach: bool,
+    /// The engine's KV-cache event publisher (vLLM's --kv-events-config "endpoint", ZMQ PUB),
+    /// as routers reach it: tcp://HOST:PORT. KV_AWARE variants route from these events.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub kv_events: Option<String>,
+    /// The engine's KV-event replay socket (vLLM's "replay_endpoint", ZMQ ROUTER):
+    /// tcp://HOST:PORT. Lets routers repair missed events; needs --kv-events.
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    pub kv_events_replay: Option<String>,
 }
 
 fn print_value(format: OutputFormat, value: serde_json::Value, table: impl FnOnce() -> String) {
@@ -433,6 +444,7 @@ pub async fn instance_command(
     let mut client = connection.connect().await?;
     match command {
         InstanceCommand::Register(args) => register(&mut client, format, args).await?,
+        InstanceCommand::Import(args) => crate::import::import(&mut client, format, args).await?,
         InstanceCommand::Deregister { endpoint, id } => {
             client
                 .deregister_instance(pb::DeregisterInstanceRequest {
@@ -486,6 +498,14 @@ async fn register(
     format: OutputFormat,
     args: RegisterArgs,
 ) -> anyhow::Result<()> {
+    // Checked here for a quick exit 64; the control plane checks again.
+    let kv_events = switchyard_shared::KvEventsEndpoints::parse(
+        args.kv_events.as_deref(),
+        args.kv_events_replay.as_deref(),
+        "--kv-events",
+        "--kv-events-replay",
+    )
+    .map_err(|err| UsageError(err.to_string()))?;
     let registered = client
         .register_instance(pb::RegisterInstanceRequest {
             endpoint_name: args.endpoint.clone(),
@@ -496,6 +516,11 @@ async fn register(
             protocol: pb::InstanceProtocol::from(args.protocol.unwrap_or_default()) as i32,
             weight: args.weight,
             ttl_seconds: args.ttl.unwrap_or(0),
+            kv_events_endpoint: kv_events
+                .as_ref()
+                .map(|kv| kv.publisher.clone())
+                .unwrap_or_default(),
+            kv_events_replay_endpoint: kv_events.and_then(|kv| kv.replay).unwrap_or_default(),
         })
         .await?
         .into_inner();

@@ -2,6 +2,7 @@
 //! a whole local cluster in one command.
 
 mod admin;
+mod import;
 mod output;
 mod up;
 
@@ -35,7 +36,7 @@ enum Command {
     /// The prefix-routing article's experiment in miniature: 7 simulated engines, a long-context
     /// workload, RANDOM vs LEAST_OUTSTANDING_REQUESTS vs PREFIX_AWARE with 1 and 4 routers,
     /// side by side (table, and --json/--svg files).
-    Demo(switchyard_bench::DemoArgs),
+    Demo(Box<switchyard_bench::DemoArgs>),
 }
 
 fn exit_for(err: &anyhow::Error) -> i32 {
@@ -78,7 +79,7 @@ async fn main() {
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,
         Command::Instance(command) => admin::instance_command(&cli.connection, command).await,
         Command::Up(args) => up::run(args).await,
-        Command::Demo(args) => switchyard_bench::demo(args).await.map(drop),
+        Command::Demo(args) => Box::pin(switchyard_bench::demo(*args)).await.map(drop),
     };
     if let Err(err) = result {
         eprintln!("error: {}", describe(&err));

@@ -99,6 +99,8 @@ pub fn instance_json(instance: &Instance) -> Value {
         "HealthDetail": instance.health_detail,
         "TtlSeconds": instance.ttl_seconds,
         "RegisteredTime": time(instance.registered_time_ms),
+        "KvEvents": instance.kv_events.as_ref().map(|kv| kv.publisher.as_str()),
+        "KvEventsReplay": instance.kv_events.as_ref().and_then(|kv| kv.replay.as_deref()),
     })
 }
 
@@ -111,7 +113,14 @@ pub fn config_rows(configs: &[EndpointConfig]) -> String {
                 let prefix = routing
                     .prefix_aware_routing_config
                     .map(|prefix| {
-                        format!("{}/{}", prefix.prefix_length, prefix.concurrency_threshold)
+                        let bounded = prefix
+                            .load_balance()
+                            .map(|(factor, slack)| format!(" load≤{factor}×mean+{slack}"))
+                            .unwrap_or_default();
+                        format!(
+                            "{}/{}{bounded}",
+                            prefix.prefix_length, prefix.concurrency_threshold
+                        )
                     })
                     .unwrap_or_else(|| "-".into());
                 vec![

@@ -49,18 +49,9 @@ pub struct UpArgs {
 
 impl UpArgs {
     fn spec(&self) -> Result<ClusterSpec, UsageError> {
-        if !(1..=64).contains(&self.engines) {
-            return Err(UsageError(format!(
-                "--engines: {} is outside 1..=64",
-                self.engines
-            )));
-        }
-        if !(1..=16).contains(&self.routers) {
-            return Err(UsageError(format!(
-                "--routers: {} is outside 1..=16",
-                self.routers
-            )));
-        }
+        use switchyard_shared::process::check_range;
+        check_range("--engines", self.engines, 1..=64).map_err(UsageError)?;
+        check_range("--routers", self.routers, 1..=16).map_err(UsageError)?;
         let prefix = (self.strategy == RoutingStrategy::PrefixAware)
             .then_some((self.prefix_length, self.concurrency_threshold));
         let variants = variants_json(self.strategy.as_str(), prefix);

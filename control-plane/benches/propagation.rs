@@ -6,7 +6,7 @@
 //! [--writes 50]`
 //!
 //! Each write registers an instance (a membership change); the clock starts just before the
-//! admin call and stops when a client receives the `InstanceChanged` for it. "all" is the time
+//! admin call and stops when a client receives the `StateUpdate` carrying it. "all" is the time
 //! until the last of the N clients has it, the figure PRODUCT.md's target (p99 ≤ 200 ms with
 //! 100 routers) is about.
 
@@ -84,6 +84,8 @@ async fn client(
         .send(pb::RouterMessage {
             message: Some(pb::router_message::Message::Hello(pb::RouterHello {
                 router_id: format!("bench-{index}"),
+                protocol: 2,
+                incarnation: 0,
             })),
         })
         .await?;
@@ -96,8 +98,10 @@ async fn client(
     Ok(tokio::spawn(async move {
         let _keep_open = sender;
         while let Some(Ok(message)) = stream.next().await {
-            if let Some(pb::sync_message::Message::InstanceChanged(instance)) = message.message {
-                let _ = arrivals.send((index, instance.id, Instant::now()));
+            if let Some(pb::sync_message::Message::Update(update)) = message.message {
+                for instance in update.instances {
+                    let _ = arrivals.send((index, instance.id, Instant::now()));
+                }
             }
         }
     }))

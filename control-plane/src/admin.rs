@@ -20,8 +20,68 @@ fn invalid(err: switchyard_shared::ValidationError) -> Status {
     AdminError::Invalid(err).into()
 }
 
+/// A `RegisterInstanceRequest` with its names parsed (field named on any error).
+fn registration(
+    request: pb::RegisterInstanceRequest,
+) -> Result<Registration, switchyard_shared::ValidationError> {
+    Ok(Registration {
+        endpoint: endpoint_name("EndpointName", &request.endpoint_name)?,
+        variant: variant_name("VariantName", &request.variant_name)?,
+        url: request.url,
+        id: if request.id.is_empty() {
+            None
+        } else {
+            Some(instance_id("InstanceId", &request.id)?)
+        },
+        role: instance_role("Role", request.role)?,
+        protocol: instance_protocol("Protocol", request.protocol)?,
+        weight: request.weight,
+        ttl_seconds: request.ttl_seconds,
+        kv_events: switchyard_shared::pb::kv_events(
+            &request.kv_events_endpoint,
+            &request.kv_events_replay_endpoint,
+        )?,
+    })
+}
+
 #[tonic::async_trait]
 impl pb::admin_server::Admin for AdminService {
+    async fn import_instances(
+        &self,
+        request: Request<pb::ImportInstancesRequest>,
+    ) -> Result<Response<pb::ImportInstancesResponse>, Status> {
+        let request = request.into_inner();
+        let registrations = request
+            .instances
+            .into_iter()
+            .enumerate()
+            .map(|(index, wire)| {
+                registration(wire).map_err(|err| {
+                    invalid(switchyard_shared::ValidationError::new(
+                        format!("Instances[{index}].{}", err.field),
+                        err.message,
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let count = registrations.len();
+        let outcome = self
+            .registry
+            .import_instances(registrations, request.dry_run)
+            .await?;
+        tracing::info!(
+            instances = count,
+            imported = outcome.imported,
+            transactions = outcome.transactions,
+            dry_run = request.dry_run,
+            "instances imported"
+        );
+        Ok(Response::new(pb::ImportInstancesResponse {
+            imported: outcome.imported as u32,
+            transactions: outcome.transactions as u32,
+        }))
+    }
+
     async fn create_endpoint_config(
         &self,
         request: Request<pb::CreateEndpointConfigRequest>,
@@ -127,21 +187,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::RegisterInstanceRequest>,
     ) -> Result<Response<pb::Instance>, Status> {
-        let request = request.into_inner();
-        let registration = Registration {
-            endpoint: endpoint_name("EndpointName", &request.endpoint_name).map_err(invalid)?,
-            variant: variant_name("VariantName", &request.variant_name).map_err(invalid)?,
-            url: request.url,
-            id: if request.id.is_empty() {
-                None
-            } else {
-                Some(instance_id("InstanceId", &request.id).map_err(invalid)?)
-            },
-            role: instance_role("Role", request.role).map_err(invalid)?,
-            protocol: instance_protocol("Protocol", request.protocol).map_err(invalid)?,
-            weight: request.weight,
-            ttl_seconds: request.ttl_seconds,
-        };
+        let registration = registration(request.into_inner()).map_err(invalid)?;
         let instance = self.registry.register_instance(registration).await?;
         tracing::info!(endpoint = %instance.endpoint_name, instance = %instance.instance_id, url = %instance.url, ttl = instance.ttl_seconds, "instance registered");
         Ok(Response::new((&instance).into()))

@@ -4,6 +4,10 @@
 //! `HealthyThreshold` consecutive successes mark it healthy again; a new instance becomes
 //! healthy at its first success. Transitions are written to the store, so every replica and
 //! every router sees them.
+//!
+//! At most `MAX_CONCURRENT_PROBES` probes run at once. Due instances are started in turn from
+//! where the last tick stopped, so when many probes hang until their timeout the others still
+//! get theirs, rather than the first few hundred in name order every time.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +18,7 @@ use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use switchyard_shared::{EndpointName, Health, InstanceId, InstanceProtocol};
+use switchyard_shared::{Health, InstanceKey, InstanceProtocol};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -27,6 +31,10 @@ use crate::store::Revision;
 const TICK: Duration = Duration::from_millis(50);
 /// Probes in flight at once.
 const MAX_CONCURRENT_PROBES: usize = 256;
+/// Ticks between two prunings of the trackers of departed instances.
+const PRUNE_EVERY_TICKS: u64 = 20;
+/// Longest failure reason recorded (it travels to every router with the instance).
+const MAX_DETAIL_CHARS: usize = 256;
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -39,7 +47,7 @@ struct Tracker {
 }
 
 struct ProbeResult {
-    key: (EndpointName, InstanceId),
+    key: InstanceKey,
     outcome: Result<(), String>,
 }
 
@@ -74,12 +82,10 @@ async fn probe(clients: Clients, target: ProbeTarget) -> ProbeResult {
         InstanceProtocol::H2c => clients.h2c,
         InstanceProtocol::Http1 | InstanceProtocol::Unspecified => clients.http1,
     };
-    let key = (
-        target.instance.endpoint_name.clone(),
-        target.instance.instance_id.clone(),
-    );
-    let url = format!("{}{}", target.instance.url, target.health_check.path);
-    let timeout = Duration::from_millis(u64::from(target.health_check.timeout_ms));
+    let key = InstanceKey::of(&target.instance);
+    let health_check = target.health_check();
+    let url = format!("{}{}", target.instance.url, health_check.path);
+    let timeout = Duration::from_millis(u64::from(health_check.timeout_ms));
     let outcome = match url.parse::<http::Uri>() {
         Err(err) => Err(format!("bad probe URL {url}: {err}")),
         Ok(uri) => match tokio::time::timeout(timeout, client.get(uri)).await {
@@ -109,7 +115,9 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let client = clients();
-    let mut trackers: HashMap<(EndpointName, InstanceId), Tracker> = HashMap::new();
+    let mut trackers: HashMap<InstanceKey, Tracker> = HashMap::new();
+    let mut cursor = 0usize;
+    let mut tick = 0u64;
     let mut probes: JoinSet<ProbeResult> = JoinSet::new();
     let mut ticks = tokio::time::interval(TICK);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -135,7 +143,15 @@ pub async fn run(
             _ = leading.changed() => continue,
             _ = ticks.tick() => {
                 let targets = cache.probe_targets();
-                start_due_probes(&client, targets, &mut trackers, &mut probes);
+                // Trackers of departed instances are dropped about once a second.
+                tick += 1;
+                if tick.is_multiple_of(PRUNE_EVERY_TICKS) {
+                    prune(&targets, &mut trackers);
+                }
+                let slots = MAX_CONCURRENT_PROBES.saturating_sub(probes.len());
+                for target in pick_due(&targets, &mut trackers, slots, &mut cursor, Instant::now()) {
+                    probes.spawn(probe(client.clone(), target));
+                }
             }
             Some(result) = probes.join_next(), if !probes.is_empty() => {
                 let Ok(result) = result else { continue };
@@ -145,46 +161,61 @@ pub async fn run(
     }
 }
 
-fn start_due_probes(
-    client: &Clients,
-    targets: Vec<ProbeTarget>,
-    trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
-    probes: &mut JoinSet<ProbeResult>,
-) {
-    let now = Instant::now();
-    let live: std::collections::HashSet<_> = targets
-        .iter()
-        .map(|target| {
-            (
-                target.instance.endpoint_name.clone(),
-                target.instance.instance_id.clone(),
-            )
-        })
-        .collect();
-    trackers.retain(|key, _| live.contains(key));
-    for target in targets {
-        if probes.len() >= MAX_CONCURRENT_PROBES {
+/// The due targets to probe now, at most `slots`, taken in turn from `cursor` (which moves
+/// past the last one taken); marks them in flight and schedules their next probe.
+fn pick_due(
+    targets: &[ProbeTarget],
+    trackers: &mut HashMap<InstanceKey, Tracker>,
+    slots: usize,
+    cursor: &mut usize,
+    now: Instant,
+) -> Vec<ProbeTarget> {
+    let mut picked = Vec::new();
+    if targets.is_empty() {
+        return picked;
+    }
+    let start = *cursor % targets.len();
+    for offset in 0..targets.len() {
+        if picked.len() >= slots {
             break;
         }
-        let key = (
-            target.instance.endpoint_name.clone(),
-            target.instance.instance_id.clone(),
-        );
-        let tracker = trackers.entry(key).or_default();
+        let index = (start + offset) % targets.len();
+        let target = &targets[index];
+        let tracker = trackers
+            .entry(InstanceKey::of(&target.instance))
+            .or_default();
         if tracker.in_flight || tracker.next_due.is_some_and(|due| due > now) {
             continue;
         }
         tracker.in_flight = true;
         tracker.next_due =
-            Some(now + Duration::from_millis(u64::from(target.health_check.interval_ms)));
-        probes.spawn(probe(client.clone(), target));
+            Some(now + Duration::from_millis(u64::from(target.health_check().interval_ms)));
+        picked.push(target.clone());
+        *cursor = index + 1;
+    }
+    picked
+}
+
+/// Forgets the trackers of instances no longer there.
+fn prune(targets: &[ProbeTarget], trackers: &mut HashMap<InstanceKey, Tracker>) {
+    let live: std::collections::HashSet<InstanceKey> = targets
+        .iter()
+        .map(|target| InstanceKey::of(&target.instance))
+        .collect();
+    trackers.retain(|key, _| live.contains(key));
+}
+
+fn truncate(detail: &str) -> String {
+    match detail.char_indices().nth(MAX_DETAIL_CHARS) {
+        Some((end, _)) => format!("{}...", &detail[..end]),
+        None => detail.to_owned(),
     }
 }
 
 async fn record(
     registry: &Registry,
     cache: &StateCache,
-    trackers: &mut HashMap<(EndpointName, InstanceId), Tracker>,
+    trackers: &mut HashMap<InstanceKey, Tracker>,
     result: ProbeResult,
     fence: Revision,
 ) {
@@ -192,11 +223,11 @@ async fn record(
         return;
     };
     tracker.in_flight = false;
-    let Some(target) = cache.probe_target(result.key.0.as_str(), result.key.1.as_str()) else {
+    let Some(target) = cache.probe_target(&result.key) else {
         return;
     };
     let current = target.instance.health;
-    let config = &target.health_check;
+    let config = target.health_check();
     let (next, detail) = match &result.outcome {
         Ok(()) => {
             tracker.failures = 0;
@@ -218,13 +249,13 @@ async fn record(
             } else {
                 current
             };
-            (next, reason.clone())
+            (next, truncate(reason))
         }
     };
     if next == current {
         return;
     }
-    let (endpoint, id) = &result.key;
+    let (endpoint, id) = (&result.key.endpoint, &result.key.id);
     match registry
         .set_health(endpoint, id, next, &detail, fence)
         .await
@@ -242,5 +273,60 @@ async fn record(
             "health not recorded: the instance changed or is gone, or this replica no longer leads"
         ),
         Err(err) => tracing::warn!(instance = %id, error = %err, "cannot record health"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use switchyard_shared::Instance;
+
+    use super::*;
+
+    fn target(index: usize) -> ProbeTarget {
+        let instance: Instance = serde_json::from_str(&format!(
+            r#"{{"InstanceId":"i{index:04}","EndpointName":"chat","VariantName":"v","Url":"http://127.0.0.1:1","Weight":1.0}}"#
+        ))
+        .unwrap();
+        ProbeTarget {
+            instance: Arc::new(instance),
+            config: None,
+        }
+    }
+
+    #[test]
+    fn when_every_probe_hangs_the_rest_still_get_their_turn() {
+        let targets: Vec<ProbeTarget> = (0..1000).map(target).collect();
+        let mut trackers = HashMap::new();
+        let mut cursor = 0;
+        let mut probed = std::collections::HashSet::new();
+        let mut now = Instant::now();
+        // Each round: the probes of the round before time out (they were in flight all along),
+        // and 256 slots free up.
+        for _ in 0..4 {
+            for tracker in trackers.values_mut() {
+                let tracker: &mut Tracker = tracker;
+                tracker.in_flight = false;
+            }
+            let picked = pick_due(&targets, &mut trackers, 256, &mut cursor, now);
+            assert_eq!(picked.len(), 256);
+            for target in picked {
+                probed.insert(target.instance.instance_id.clone());
+            }
+            now += Duration::from_millis(1100);
+        }
+        assert_eq!(
+            probed.len(),
+            1000,
+            "every instance was probed within four rounds"
+        );
+    }
+
+    #[test]
+    fn long_failure_reasons_are_cut() {
+        assert_eq!(truncate("refused"), "refused");
+        let cut = truncate(&"é".repeat(1000));
+        assert_eq!(cut.chars().count(), MAX_DETAIL_CHARS + 3);
     }
 }

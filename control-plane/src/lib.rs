@@ -6,7 +6,8 @@
 //! Code map: `store` (the storage trait, etcd and embedded), `keys` (key layout), `registry`
 //! (admin operations as store transactions), `admin` (the gRPC edge and auth), `state` (the
 //! watched view and change broadcast), `sync` (router streams), `load` (fleet-wide load),
-//! `leader` (election), `health` (probing).
+//! `leader` (election), `health` (probing), `sagemaker_api` (the SageMaker-compatible HTTP
+//! API over the same registry) with `sigv4` (its signature check).
 
 pub mod admin;
 pub mod health;
@@ -14,6 +15,8 @@ pub mod keys;
 pub mod leader;
 pub mod load;
 pub mod registry;
+pub mod sagemaker_api;
+pub mod sigv4;
 pub mod state;
 pub mod store;
 pub mod sync;
@@ -29,6 +32,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store::etcd::{EtcdTls, EtcdTlsError};
 use crate::store::{Store, StoreError};
+
+/// The largest admin request accepted: an `ImportInstances` of a few hundred thousand
+/// instances.
+pub const MAX_ADMIN_REQUEST_BYTES: usize = 64 * 1024 * 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StoreKind {
@@ -69,8 +76,15 @@ pub struct ControlConfig {
     #[arg(long, value_name = "FILE", requires = "etcd_cert")]
     pub etcd_key: Option<PathBuf>,
     /// File holding the bearer token admin calls must present. Unset: no authentication.
+    /// On --sagemaker-api-listen it is the secret access key of SigV4 signatures.
     #[arg(long)]
     pub admin_token_file: Option<PathBuf>,
+    /// Also serve the SageMaker-compatible admin API (AWS JSON 1.1, as boto3's `sagemaker`
+    /// client and `aws sagemaker --endpoint-url http://ADDR` speak it) on this address, plain
+    /// HTTP. Default: off. With --admin-token-file, requests must be SigV4-signed with the
+    /// token as the secret access key (any access key id).
+    #[arg(long, value_name = "ADDR")]
+    pub sagemaker_api_listen: Option<SocketAddr>,
     /// File holding the bearer token routers must present on the RouterSync stream (routers:
     /// --control-plane-token-file). Unset: routers are not authenticated.
     #[arg(long)]
@@ -96,6 +110,11 @@ pub struct ControlConfig {
     /// Seconds to finish in-flight calls on shutdown before closing streams.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Batches of changes a router stream may fall behind by before it is sent a fresh
+    /// snapshot instead. Not a flag: the default suits every fleet; tests lower it to make a
+    /// stream fall behind with few changes.
+    #[arg(skip = state::CHANGE_BUFFER)]
+    pub change_buffer: usize,
 }
 
 impl ControlConfig {
@@ -111,6 +130,7 @@ impl ControlConfig {
             etcd_cert: None,
             etcd_key: None,
             admin_token_file: None,
+            sagemaker_api_listen: None,
             router_token_file: None,
             tls_cert: None,
             tls_key: None,
@@ -119,6 +139,7 @@ impl ControlConfig {
             load_interval_ms: 100,
             router_timeout_ms: 3000,
             shutdown_grace_seconds: 10,
+            change_buffer: state::CHANGE_BUFFER,
         }
     }
 
@@ -322,6 +343,11 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("--sagemaker-api-listen: cannot listen on {addr}: {source}")]
+    SageMakerListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("gRPC server: {0}")]
     Server(String),
 }
@@ -330,10 +356,16 @@ pub enum StartError {
 #[derive(Debug)]
 pub struct ControlPlane {
     pub addr: SocketAddr,
+    /// Where the SageMaker-compatible API listens (`--sagemaker-api-listen`), if it does.
+    pub sagemaker_addr: Option<SocketAddr>,
     pub replica_id: String,
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), StartError>>,
     leading: tokio::sync::watch::Receiver<Option<store::Revision>>,
+    cache: Arc<state::StateCache>,
+    sync_stats: Arc<sync::SyncStats>,
+    /// For closing the store once stopped.
+    registry: registry::Registry,
 }
 
 impl ControlPlane {
@@ -343,10 +375,14 @@ impl ControlPlane {
         let shutdown = CancellationToken::new();
         let background = CancellationToken::new();
         let store: Arc<dyn Store> = match config.store {
-            StoreKind::Embedded => Arc::new(store::embedded::EmbeddedStore::open(
-                Some(&config.data_dir),
-                background.clone(),
-            )?),
+            StoreKind::Embedded => Arc::new(
+                store::embedded::EmbeddedStore::open(Some(&config.data_dir), background.clone())
+                    .map_err(|err| match err {
+                        // Another process holds --data-dir: a usage error (exit 64).
+                        StoreError::InUse(message) => StartError::Config(message),
+                        other => StartError::Store(other),
+                    })?,
+            ),
             StoreKind::Etcd => Arc::new(
                 store::etcd::EtcdStore::connect(
                     &config.etcd_endpoints,
@@ -378,9 +414,39 @@ impl ControlPlane {
             source,
         })?;
 
+        let sagemaker_listener = match config.sagemaker_api_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| StartError::SageMakerListen { addr, source })?,
+            ),
+            None => None,
+        };
+        let sagemaker_addr = match &sagemaker_listener {
+            Some(listener) => {
+                Some(
+                    listener
+                        .local_addr()
+                        .map_err(|source| StartError::SageMakerListen {
+                            addr: config.listen,
+                            source,
+                        })?,
+                )
+            }
+            None => None,
+        };
+
         let mut tasks = tokio::task::JoinSet::new();
         let registry = registry::Registry::new(Arc::clone(&store));
-        let cache = state::StateCache::new(settings.replica_id.clone());
+        if let Some(listener) = sagemaker_listener {
+            let api = Arc::new(sagemaker_api::SageMakerApi::new(
+                registry.clone(),
+                settings.admin_token.clone(),
+            ));
+            tasks.spawn(api.serve(listener, shutdown.clone()));
+        }
+        let closer = registry.clone();
+        let cache = state::StateCache::new(config.change_buffer);
         tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
         let hub = load::LoadHub::new(
             settings.replica_id.clone(),
@@ -412,28 +478,37 @@ impl ControlPlane {
         ));
 
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
-        health_reporter
-            .set_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
-            .await;
-        health_reporter
-            .set_serving::<pb::router_sync_server::RouterSyncServer<sync::SyncService>>()
-            .await;
+        // Serving while the view of the store is current; NOT_SERVING otherwise (and from the
+        // start of a shutdown on).
+        tasks.spawn(report_readiness(
+            health_reporter.clone(),
+            cache.readiness(),
+            shutdown.clone(),
+        ));
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|err| StartError::Server(err.to_string()))?;
-        let admin_service = pb::admin_server::AdminServer::with_interceptor(
-            admin::AdminService { registry },
+        let admin_service = tonic::service::interceptor::InterceptedService::new(
+            pb::admin_server::AdminServer::new(admin::AdminService { registry })
+                .max_decoding_message_size(MAX_ADMIN_REQUEST_BYTES),
             admin::BearerAuth::new(settings.admin_token.clone()),
         );
-        let sync_service = pb::router_sync_server::RouterSyncServer::with_interceptor(
-            sync::SyncService {
-                replica_id: settings.replica_id.clone(),
-                cache: Arc::clone(&cache),
-                load: Arc::clone(&hub),
-                shutdown: shutdown.clone(),
-            },
+        let sync_stats = Arc::new(sync::SyncStats::default());
+        let streams_stop = CancellationToken::new();
+        let sync_service = pb::router_sync_server::RouterSyncServer::new(sync::SyncService {
+            replica_id: settings.replica_id.clone(),
+            cache: Arc::clone(&cache),
+            load: Arc::clone(&hub),
+            shutdown: streams_stop.clone(),
+            sessions: Arc::default(),
+            stats: Arc::clone(&sync_stats),
+        })
+        .max_decoding_message_size(switchyard_shared::sync::ROUTER_MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(switchyard_shared::sync::SYNC_MAX_MESSAGE_BYTES);
+        let sync_service = tonic::service::interceptor::InterceptedService::new(
+            sync_service,
             admin::BearerAuth::new(settings.router_token.clone()),
         );
 
@@ -458,14 +533,30 @@ impl ControlPlane {
         let grace = Duration::from_secs(config.shutdown_grace_seconds);
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
-            let served = router
-                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
-                .await;
-            // Streams ended with the shutdown token; stop the background duties, then give
-            // them the grace period (the leader hands over its lease on the way out).
-            health_reporter
-                .set_not_serving::<pb::admin_server::AdminServer<admin::AdminService>>()
-                .await;
+            // On shutdown: NOT_SERVING first (health watchers and load balancers hear it while
+            // the server still answers), then router streams end (routers move to another
+            // replica), then the server stops accepting and drains calls within the grace
+            // period (a stream that does not end is cut then), then background duties stop.
+            let signal = {
+                let stop = stop.clone();
+                let reporter = health_reporter.clone();
+                async move {
+                    stop.cancelled().await;
+                    set_all(&reporter, ServingStatus::NotServing).await;
+                    streams_stop.cancel();
+                }
+            };
+            let serving = router.serve_with_incoming_shutdown(incoming, signal);
+            let served = tokio::select! {
+                served = serving => served,
+                () = async {
+                    stop.cancelled().await;
+                    tokio::time::sleep(grace).await;
+                } => {
+                    tracing::warn!(?grace, "calls outlived the grace period; closing them");
+                    Ok(())
+                }
+            };
             background.cancel();
             let drained = async { while tasks.join_next().await.is_some() {} };
             if tokio::time::timeout(grace, drained).await.is_err() {
@@ -474,17 +565,47 @@ impl ControlPlane {
             served.map_err(|err| StartError::Server(err.to_string()))
         });
         tracing::info!(%addr, "control plane listening");
+        if let Some(sagemaker_addr) = sagemaker_addr {
+            tracing::info!(addr = %sagemaker_addr, authenticated = settings.admin_token.is_some(), "SageMaker-compatible API listening");
+        }
         Ok(Self {
             addr,
+            sagemaker_addr,
             replica_id: settings.replica_id,
             shutdown,
             server,
             leading,
+            cache,
+            sync_stats,
+            registry: closer,
         })
+    }
+
+    /// Whether this replica's view of the store is current (it serves routers).
+    pub fn is_ready(&self) -> bool {
+        self.cache.is_ready()
+    }
+
+    /// Resolves when this replica's view of the store is current.
+    pub async fn wait_ready(&self) {
+        let mut readiness = self.cache.readiness();
+        let _ = readiness
+            .wait_for(|readiness| *readiness == state::Readiness::Ready)
+            .await;
+    }
+
+    /// What the router sync streams of this replica did.
+    pub fn sync_stats(&self) -> &sync::SyncStats {
+        &self.sync_stats
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The SageMaker-compatible API's URL (boto3's `endpoint_url`), if it is served.
+    pub fn sagemaker_url(&self) -> Option<String> {
+        self.sagemaker_addr.map(|addr| format!("http://{addr}"))
     }
 
     /// Whether this replica currently runs the singleton duties.
@@ -509,19 +630,65 @@ impl ControlPlane {
         self.wait().await
     }
 
-    /// Waits until the server stops (after its shutdown token is cancelled).
+    /// Waits until the server stops (after its shutdown token is cancelled), then lets go of
+    /// the store (the embedded store's directory lock).
     pub async fn wait(self) -> Result<(), StartError> {
-        match self.server.await {
+        let result = match self.server.await {
             Ok(result) => result,
             Err(err) => Err(StartError::Server(err.to_string())),
-        }
+        };
+        self.registry.store().close();
+        result
     }
 
     /// Stops abruptly, as a crash would: every task is dropped, the leader lease is not
-    /// handed over (tests of fail-over).
+    /// handed over (tests of fail-over), the embedded store's lock is let go as the exit of
+    /// the process would.
     pub fn abort(self) {
         // The background tasks live in a JoinSet owned by the server task: aborting it aborts them.
         self.server.abort();
+        self.registry.store().close();
+    }
+}
+
+use tonic_health::ServingStatus;
+
+/// Sets every service this server reports (and the server as a whole, "") to `status`.
+async fn set_all(reporter: &tonic_health::server::HealthReporter, status: ServingStatus) {
+    reporter.set_service_status("", status).await;
+    reporter
+        .set_service_status(
+            <pb::admin_server::AdminServer<admin::AdminService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+    reporter
+        .set_service_status(
+            <pb::router_sync_server::RouterSyncServer<sync::SyncService> as tonic::server::NamedService>::NAME,
+            status,
+        )
+        .await;
+}
+
+/// Keeps the gRPC health service in step with the view's readiness until shutdown.
+async fn report_readiness(
+    reporter: tonic_health::server::HealthReporter,
+    mut readiness: tokio::sync::watch::Receiver<state::Readiness>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let status = match *readiness.borrow_and_update() {
+            state::Readiness::Ready => ServingStatus::Serving,
+            _ => ServingStatus::NotServing,
+        };
+        if shutdown.is_cancelled() {
+            return;
+        }
+        set_all(&reporter, status).await;
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = readiness.changed() => if changed.is_err() { return },
+        }
     }
 }
 

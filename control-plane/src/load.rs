@@ -13,6 +13,10 @@
 //! never delays the local sums. A router whose reports stop is dropped from the sums after
 //! `router_timeout`; if the other replicas' sums cannot be followed, they are dropped too
 //! rather than kept frozen.
+//!
+//! A report is trusted only so far: the sync stream keeps the figures of instances the control
+//! plane knows (`StateCache::retain_known`), and each count is capped at
+//! [`MAX_IN_FLIGHT_PER_ROUTER`], so one router token cannot steer the whole fleet's view.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,17 +25,20 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use switchyard_proto::v1 as pb;
+use switchyard_shared::sync::InstanceLoad;
+use switchyard_shared::{EndpointName, InstanceId, InstanceKey};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::keys;
-use crate::store::{Store, Txn, WatchEvent};
+use crate::store::{Store, Txn, WatchEvent, WatchItem};
 
-/// (endpoint, instance id).
-pub type InstanceKey = (String, String);
 pub type Counts = HashMap<InstanceKey, u32>;
+
+/// The most in-flight requests one router may claim on one instance (a router's
+/// `--max-in-flight` is far below it; more is a broken or hostile report).
+pub const MAX_IN_FLIGHT_PER_ROUTER: u32 = 100_000;
 
 #[derive(Debug, Clone, Copy)]
 pub struct LoadConfig {
@@ -138,14 +145,15 @@ impl LoadHub {
         self.connections.fetch_add(1, Ordering::Relaxed)
     }
 
-    pub fn report(&self, router_id: &str, connection: u64, loads: &[pb::InstanceLoad]) {
+    /// Records a router's report (figures of known instances: the caller filters).
+    pub fn report(&self, router_id: &str, connection: u64, loads: &[InstanceLoad]) {
         let counts = loads
             .iter()
             .filter(|load| load.in_flight > 0)
             .map(|load| {
                 (
-                    (load.endpoint_name.clone(), load.instance_id.clone()),
-                    load.in_flight,
+                    load.key.clone(),
+                    load.in_flight.min(MAX_IN_FLIGHT_PER_ROUTER),
                 )
             })
             .collect();
@@ -259,7 +267,7 @@ impl LoadHub {
             let value = Published {
                 loads: current
                     .iter()
-                    .map(|((endpoint, id), count)| (endpoint.clone(), id.clone(), *count))
+                    .map(|(key, count)| (key.endpoint.to_string(), key.id.to_string(), *count))
                     .collect(),
             };
             let bytes = serde_json::to_vec(&value).unwrap_or_default();
@@ -304,7 +312,11 @@ impl LoadHub {
                             () = shutdown.cancelled() => return,
                             next = listing.watch.next() => next,
                         };
-                        let Some(Ok(events)) = next else { break };
+                        let events = match next {
+                            Some(Ok(WatchItem::Events(events))) => events,
+                            Some(Ok(WatchItem::Progress(_))) => continue,
+                            _ => break,
+                        };
                         let mut inner = self.lock();
                         for event in events {
                             match &event {
@@ -341,7 +353,13 @@ impl LoadHub {
                 let counts = published
                     .loads
                     .into_iter()
-                    .map(|(endpoint, id, count)| ((endpoint, id), count))
+                    .filter_map(|(endpoint, id, count)| {
+                        let key = InstanceKey::new(
+                            EndpointName::new(&endpoint).ok()?,
+                            InstanceId::new(&id).ok()?,
+                        );
+                        Some((key, count))
+                    })
                     .collect();
                 inner.remote.insert(replica.to_owned(), counts);
             }
@@ -356,16 +374,33 @@ impl LoadHub {
 mod tests {
     use super::*;
 
-    fn load(endpoint: &str, id: &str, in_flight: u32) -> pb::InstanceLoad {
-        pb::InstanceLoad {
-            endpoint_name: endpoint.into(),
-            instance_id: id.into(),
+    fn key_of(endpoint: &str, id: &str) -> InstanceKey {
+        InstanceKey::new(
+            EndpointName::new(endpoint).unwrap(),
+            InstanceId::new(id).unwrap(),
+        )
+    }
+
+    fn load(endpoint: &str, id: &str, in_flight: u32) -> InstanceLoad {
+        InstanceLoad {
+            key: key_of(endpoint, id),
             in_flight,
         }
     }
 
     fn key(id: &str) -> InstanceKey {
-        ("e".into(), id.into())
+        key_of("e", id)
+    }
+
+    #[tokio::test]
+    async fn a_count_beyond_reason_is_capped() {
+        let hub = LoadHub::new("r".into(), LoadConfig::default());
+        hub.report("a", 1, &[load("e", "i1", u32::MAX)]);
+        hub.recompute(Instant::now());
+        assert_eq!(
+            hub.snapshots().borrow().totals[&key("i1")],
+            MAX_IN_FLIGHT_PER_ROUTER
+        );
     }
 
     #[tokio::test]

@@ -15,8 +15,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, ValidationError, VariantName, now_ms,
-    validate_instance_url, validate_instance_weight, validate_ttl,
+    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ValidationError, VariantName,
+    now_ms, validate_instance_url, validate_instance_weight, validate_ttl,
 };
 
 use crate::keys;
@@ -24,6 +24,12 @@ use crate::store::{Compare, Kv, LeaseId, Revision, Store, StoreError, Txn};
 
 /// Optimistic-concurrency attempts before giving up with `ABORTED`.
 const MAX_ATTEMPTS: usize = 16;
+/// Writes per import transaction: etcd refuses more than 128 operations (or comparisons) in
+/// one transaction by default (`--max-txn-ops`).
+const IMPORT_BATCH_OPS: usize = 127;
+/// Bytes of values per import transaction: etcd refuses requests above 1.5 MiB by default
+/// (`--max-request-bytes`).
+const IMPORT_BATCH_BYTES: usize = 1024 * 1024;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AdminError {
@@ -46,9 +52,9 @@ pub enum AdminError {
 impl From<StoreError> for AdminError {
     fn from(err: StoreError) -> Self {
         match err {
-            StoreError::Unavailable(message) | StoreError::WatchLost(message) => {
-                AdminError::Unavailable(message)
-            }
+            StoreError::Unavailable(message)
+            | StoreError::WatchLost(message)
+            | StoreError::InUse(message) => AdminError::Unavailable(message),
             StoreError::LeaseNotFound(lease) => {
                 AdminError::NotFound(format!("lease {lease} has lapsed"))
             }
@@ -83,6 +89,15 @@ pub struct Registration {
     pub protocol: InstanceProtocol,
     pub weight: Option<f64>,
     pub ttl_seconds: u32,
+    /// Checked by the edge (`pb::kv_events`).
+    pub kv_events: Option<KvEventsEndpoints>,
+}
+
+/// What an import did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportOutcome {
+    pub imported: usize,
+    pub transactions: usize,
 }
 
 #[derive(Clone)]
@@ -146,19 +161,29 @@ impl Registry {
 
     pub async fn create_config(
         &self,
+        config: EndpointConfig,
+    ) -> Result<EndpointConfig, AdminError> {
+        self.create_config_with(config, None).await
+    }
+
+    /// Creates a config, and stores beside it, in the same transaction, the SageMaker API's
+    /// fields of it that Switchyard does not use (opaque here; deleted with the config).
+    pub async fn create_config_with(
+        &self,
         mut config: EndpointConfig,
+        sagemaker_fields: Option<Vec<u8>>,
     ) -> Result<EndpointConfig, AdminError> {
         config.validate()?;
         config.creation_time_ms = now_ms();
-        let key = keys::config(config.endpoint_config_name.as_str());
-        let created = self
-            .store
-            .commit(
-                Txn::new()
-                    .when(Compare::Absent(key.clone()))
-                    .put(key, encode(&config), 0),
-            )
-            .await?;
+        let name = config.endpoint_config_name.as_str();
+        let key = keys::config(name);
+        let mut txn = Txn::new()
+            .when(Compare::Absent(key.clone()))
+            .put(key, encode(&config), 0);
+        if let Some(fields) = sagemaker_fields {
+            txn = txn.put(keys::sagemaker_config(name), fields, 0);
+        }
+        let created = self.store.commit(txn).await?;
         match created {
             Some(_) => Ok(config),
             None => Err(AdminError::AlreadyExists(format!(
@@ -173,6 +198,18 @@ impl Registry {
         name: &EndpointConfigName,
     ) -> Result<EndpointConfig, AdminError> {
         Ok(self.read_config(name).await?.0)
+    }
+
+    /// What [`Registry::create_config_with`] stored beside the config, if anything.
+    pub async fn sagemaker_fields(
+        &self,
+        name: &EndpointConfigName,
+    ) -> Result<Option<Vec<u8>>, AdminError> {
+        Ok(self
+            .store
+            .get(&keys::sagemaker_config(name.as_str()))
+            .await?
+            .map(|kv| kv.value))
     }
 
     pub async fn list_configs(&self) -> Result<Vec<EndpointConfig>, AdminError> {
@@ -200,7 +237,8 @@ impl Registry {
                 .commit(
                     Txn::new()
                         .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
-                        .delete(kv.key),
+                        .delete(kv.key)
+                        .delete(keys::sagemaker_config(name.as_str())),
                 )
                 .await?;
             if deleted.is_some() {
@@ -395,6 +433,7 @@ impl Registry {
                 ttl_seconds: request.ttl_seconds,
                 registered_time_ms: now_ms(),
                 lease_id,
+                kv_events: request.kv_events.clone(),
             };
             let previous = self.read::<Instance>(&key).await?;
             let committed = self
@@ -427,6 +466,9 @@ impl Registry {
         Err(too_much_contention("instance", id.as_str()))
     }
 
+    /// Removes an instance. The delete compares the revision it read, so a registration that
+    /// lands in between (an agent re-registering the same id) is not deleted with it: the call
+    /// then fails with `ABORTED` and the new registration stays.
     pub async fn deregister_instance(
         &self,
         endpoint: &EndpointName,
@@ -436,11 +478,238 @@ impl Registry {
         let (instance, kv) = self.read::<Instance>(&key).await?.ok_or_else(|| {
             AdminError::NotFound(format!("endpoint {endpoint} has no instance {id}"))
         })?;
-        self.store.commit(Txn::new().delete(kv.key)).await?;
+        self.deregister_read(&instance, &kv).await
+    }
+
+    /// Deletes the instance record `kv` if it is still the one read.
+    async fn deregister_read(&self, instance: &Instance, kv: &Kv) -> Result<(), AdminError> {
+        let deleted = self
+            .store
+            .commit(
+                Txn::new()
+                    .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+                    .delete(kv.key.clone()),
+            )
+            .await?;
+        if deleted.is_none() {
+            return Err(AdminError::Aborted(format!(
+                "instance {} of endpoint {} changed while it was being deregistered (registered again?); nothing was deleted",
+                instance.instance_id, instance.endpoint_name
+            )));
+        }
         if instance.lease_id != 0 {
             self.store.revoke_lease(instance.lease_id).await?;
         }
         Ok(())
+    }
+
+    /// Registers many instances without leases, in transactions of at most
+    /// `IMPORT_BATCH_OPS` writes and about `IMPORT_BATCH_BYTES`. Everything is checked first
+    /// (each registration, duplicates, endpoints and variants): if anything is refused,
+    /// nothing is written, and the error names the registration by its index
+    /// (`Instances[7].Url: ...`). Each transaction compares the revisions of the endpoints it
+    /// writes to, as a single registration does; if one of them changes meanwhile, that
+    /// transaction is checked and tried again, and if an endpoint or variant went away the
+    /// import stops, saying how many were imported before.
+    pub async fn import_instances(
+        &self,
+        requests: Vec<Registration>,
+        dry_run: bool,
+    ) -> Result<ImportOutcome, AdminError> {
+        let at = |index: usize, err: ValidationError| {
+            AdminError::Invalid(ValidationError::new(
+                format!("Instances[{index}].{}", err.field),
+                err.message,
+            ))
+        };
+        let now = now_ms();
+        let mut instances = Vec::with_capacity(requests.len());
+        let mut seen = std::collections::HashMap::new();
+        for (index, request) in requests.into_iter().enumerate() {
+            if request.ttl_seconds != 0 {
+                return Err(at(
+                    index,
+                    ValidationError::new(
+                        "TtlSeconds",
+                        "an import cannot heartbeat; register instances with a TTL one by one",
+                    ),
+                ));
+            }
+            let Some(id) = request.id.clone() else {
+                return Err(at(
+                    index,
+                    ValidationError::new("InstanceId", "is required in an import"),
+                ));
+            };
+            let url = validate_instance_url(&request.url).map_err(|err| at(index, err))?;
+            let weight = request
+                .weight
+                .unwrap_or(switchyard_shared::DEFAULT_INSTANCE_WEIGHT);
+            validate_instance_weight(weight).map_err(|err| at(index, err))?;
+            if let Some(first) = seen.insert((request.endpoint.clone(), id.clone()), index) {
+                return Err(at(
+                    index,
+                    ValidationError::new(
+                        "InstanceId",
+                        format!(
+                            "{id} of endpoint {} is also Instances[{first}]",
+                            request.endpoint
+                        ),
+                    ),
+                ));
+            }
+            instances.push(Instance {
+                instance_id: id,
+                endpoint_name: request.endpoint,
+                variant_name: request.variant,
+                url,
+                role: request.role,
+                protocol: request.protocol,
+                weight,
+                health: Health::Unknown,
+                health_detail: String::new(),
+                ttl_seconds: 0,
+                registered_time_ms: now,
+                lease_id: 0,
+                kv_events: request.kv_events.clone(),
+            });
+        }
+        let mut endpoints = self.import_endpoints(&instances, 0).await?;
+        if dry_run {
+            return Ok(ImportOutcome::default());
+        }
+        // Leases of the registrations the import replaces (they hold no key once replaced).
+        let mut replaced: std::collections::HashMap<(EndpointName, InstanceId), LeaseId> = self
+            .list_instances(None)
+            .await?
+            .into_iter()
+            .filter(|existing| existing.lease_id != 0)
+            .map(|existing| {
+                (
+                    (existing.endpoint_name, existing.instance_id),
+                    existing.lease_id,
+                )
+            })
+            .collect();
+        let mut outcome = ImportOutcome::default();
+        let mut start = 0;
+        while start < instances.len() {
+            let mut end = start;
+            let mut bytes = 0;
+            let mut compared = std::collections::BTreeSet::new();
+            while end < instances.len()
+                && end - start < IMPORT_BATCH_OPS
+                && bytes < IMPORT_BATCH_BYTES
+            {
+                let endpoint = &instances[end].endpoint_name;
+                if !compared.contains(endpoint) && compared.len() == IMPORT_BATCH_OPS {
+                    break;
+                }
+                compared.insert(endpoint.clone());
+                bytes += encode(&instances[end]).len();
+                end += 1;
+            }
+            let batch = &instances[start..end];
+            let mut committed = false;
+            for _ in 0..MAX_ATTEMPTS {
+                let mut txn = Txn::new();
+                for endpoint in &compared {
+                    let revision = endpoints[endpoint].1;
+                    txn = txn.when(Compare::ModRevision(
+                        keys::endpoint(endpoint.as_str()),
+                        revision,
+                    ));
+                }
+                for instance in batch {
+                    txn = txn.put(
+                        keys::instance(
+                            instance.endpoint_name.as_str(),
+                            instance.instance_id.as_str(),
+                        ),
+                        encode(instance),
+                        0,
+                    );
+                }
+                if self.store.commit(txn).await?.is_some() {
+                    outcome.transactions += 1;
+                    outcome.imported += batch.len();
+                    let leases = batch.iter().filter_map(|instance| {
+                        replaced
+                            .remove(&(instance.endpoint_name.clone(), instance.instance_id.clone()))
+                    });
+                    for lease in leases.collect::<Vec<_>>() {
+                        if let Err(err) = self.store.revoke_lease(lease).await {
+                            tracing::warn!(lease, error = %err, "could not revoke the lease of a replaced registration");
+                        }
+                    }
+                    committed = true;
+                    break;
+                }
+                // An endpoint changed: check this batch against it again.
+                endpoints = self
+                    .import_endpoints(batch, start)
+                    .await
+                    .map_err(|err| match err {
+                        AdminError::Invalid(err) => AdminError::FailedPrecondition(format!(
+                            "{} instances imported, then {}: {} (an endpoint changed during the import)",
+                            outcome.imported, err.field, err.message
+                        )),
+                        other => other,
+                    })?;
+            }
+            if !committed {
+                return Err(AdminError::Aborted(format!(
+                    "{} instances imported, then the endpoints kept changing under the import; try again",
+                    outcome.imported
+                )));
+            }
+            start = end;
+        }
+        Ok(outcome)
+    }
+
+    /// The endpoints `instances` belong to, with their revisions; checks that each exists and
+    /// has the instance's variant (errors name `Instances[offset + i]`).
+    async fn import_endpoints(
+        &self,
+        instances: &[Instance],
+        offset: usize,
+    ) -> Result<std::collections::HashMap<EndpointName, (Endpoint, Revision)>, AdminError> {
+        let configs: std::collections::HashMap<EndpointConfigName, EndpointConfig> = self
+            .list_configs()
+            .await?
+            .into_iter()
+            .map(|config| (config.endpoint_config_name.clone(), config))
+            .collect();
+        let mut endpoints = std::collections::HashMap::new();
+        for kv in self.store.list(keys::ENDPOINTS).await? {
+            let endpoint: Endpoint = decode(&kv)?;
+            endpoints.insert(endpoint.endpoint_name.clone(), (endpoint, kv.mod_revision));
+        }
+        for (index, instance) in instances.iter().enumerate() {
+            let field = |name: &str| format!("Instances[{}].{name}", offset + index);
+            let Some((endpoint, _)) = endpoints.get(&instance.endpoint_name) else {
+                return Err(AdminError::Invalid(ValidationError::new(
+                    field("EndpointName"),
+                    format!("endpoint {} does not exist", instance.endpoint_name),
+                )));
+            };
+            let has_variant = configs
+                .get(&endpoint.endpoint_config_name)
+                .is_some_and(|config| config.variant(instance.variant_name.as_str()).is_some());
+            if !has_variant {
+                return Err(AdminError::Invalid(ValidationError::new(
+                    field("VariantName"),
+                    format!(
+                        "endpoint {} (config {}) has no variant {}",
+                        endpoint.endpoint_name,
+                        endpoint.endpoint_config_name,
+                        instance.variant_name
+                    ),
+                )));
+            }
+        }
+        Ok(endpoints)
     }
 
     pub async fn list_instances(
@@ -545,6 +814,39 @@ mod tests {
             .await
             .unwrap()
             .expect("an unguarded put commits")
+    }
+
+    #[tokio::test]
+    async fn a_deregistration_does_not_delete_a_registration_that_came_in_between() {
+        let store: Arc<dyn Store> =
+            Arc::new(EmbeddedStore::open(None, CancellationToken::new()).unwrap());
+        let registry = Registry::new(Arc::clone(&store));
+        let key = keys::instance("chat", "a");
+        let instance: Instance = serde_json::from_str(
+            r#"{"InstanceId":"a","EndpointName":"chat","VariantName":"v","Url":"http://127.0.0.1:1","Weight":1.0}"#,
+        )
+        .unwrap();
+        put(store.as_ref(), &key, encode(&instance)).await;
+        // Read for deregistration; meanwhile the agent registers again.
+        let (read, kv) = registry.read::<Instance>(&key).await.unwrap().unwrap();
+        let again = Instance {
+            url: "http://127.0.0.1:2".into(),
+            ..instance
+        };
+        put(store.as_ref(), &key, encode(&again)).await;
+        let err = registry.deregister_read(&read, &kv).await.unwrap_err();
+        assert!(matches!(err, AdminError::Aborted(_)), "{err}");
+        let (kept, _) = registry.read::<Instance>(&key).await.unwrap().unwrap();
+        assert_eq!(kept.url, "http://127.0.0.1:2", "the new registration stays");
+        // Deregistering what is there now works.
+        registry
+            .deregister_instance(
+                &EndpointName::new("chat").unwrap(),
+                &InstanceId::new("a").unwrap(),
+            )
+            .await
+            .unwrap();
+        assert!(store.get(&key).await.unwrap().is_none());
     }
 
     #[tokio::test]

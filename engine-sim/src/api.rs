@@ -34,8 +34,16 @@ use crate::server::Shared;
 const PARSE_INLINE_LIMIT: usize = 64 * 1024;
 /// vLLM has no small body limit; the router's is 6 MiB.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
-/// A die-mid-stream fault cuts the connection after this many streamed tokens.
+/// A die- or stall-mid-stream fault strikes after this many streamed tokens.
 const CUT_AFTER_TOKENS: u32 = 2;
+
+/// A fault that strikes a streamed answer after some tokens.
+#[derive(Debug, Clone, Copy)]
+struct Interruption {
+    after_tokens: u32,
+    /// Close the connection (die), or keep it open and send nothing more (stall).
+    close: bool,
+}
 
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -51,6 +59,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/sim/faults", get(sim_faults).post(set_sim_faults))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/handoffs", get(sim_handoffs))
+        .route("/sim/kv-events", get(sim_kv_events).post(set_sim_kv_events))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
 }
@@ -199,8 +209,8 @@ async fn run_request(
     let max_tokens = output_budget(config, &body, &kv, prompt_len)?;
     check_fits(config, prompt_len, max_tokens)?;
     let streaming = body.stream() && !kv.do_remote_decode;
-    let cut_after = match draw_fault(shared, request_id, streaming, max_tokens).await {
-        Ok(cut_after) => cut_after,
+    let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
+        Ok(interruption) => interruption,
         Err(response) => return Ok(response),
     };
 
@@ -213,6 +223,11 @@ async fn run_request(
     let spec = SeqSpec {
         prompt_len,
         block_hashes: prompt.block_hashes,
+        prompt_tokens: if config.kv_events.is_some() {
+            prompt.tokens
+        } else {
+            Vec::new()
+        },
         max_tokens,
         remote_prompt_tokens: remote_prompt_tokens(config, &kv, prompt_len),
     };
@@ -238,7 +253,7 @@ async fn run_request(
             prompt_len,
             max_tokens,
             include_usage: body.include_usage(),
-            cut_after,
+            interruption,
         };
         return Ok(stream.into_response(events));
     }
@@ -278,14 +293,14 @@ fn remote_prompt_tokens(config: &SimConfig, kv: &KvTransfer, prompt_len: u32) ->
         .min(prompt_len)
 }
 
-/// Draws this request's fault. `Ok(cut_after)` to serve it (a stream to be cut after that
-/// many tokens, if any); `Err(response)` to answer now. A hang never returns.
+/// Draws this request's fault. `Ok(interruption)` to serve it (a stream to be cut or stalled
+/// after some tokens, if any); `Err(response)` to answer now. A hang never returns.
 async fn draw_fault(
     shared: &Shared,
     request_id: &str,
     streaming: bool,
     max_tokens: u32,
-) -> Result<Option<u32>, Response> {
+) -> Result<Option<Interruption>, Response> {
     match shared.faults.draw() {
         Fault::None => Ok(None),
         Fault::Fail => {
@@ -303,9 +318,24 @@ async fn draw_fault(
         Fault::DieMidStream => {
             Metrics::increment(&shared.metrics.responses_cut);
             if streaming {
-                Ok(Some(CUT_AFTER_TOKENS.min(max_tokens - 1)))
+                Ok(Some(Interruption {
+                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                    close: true,
+                }))
             } else {
                 Err(cut_response())
+            }
+        }
+        Fault::StallMidStream => {
+            Metrics::increment(&shared.metrics.responses_stalled);
+            tracing::debug!(request_id, "fault injection: stalling the answer");
+            if streaming {
+                Ok(Some(Interruption {
+                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                    close: false,
+                }))
+            } else {
+                Err(stalled_response())
             }
         }
     }
@@ -410,14 +440,24 @@ fn cut_response() -> Response {
     Response::new(Body::from_stream(failure))
 }
 
+/// A response whose head is sent and whose body never comes (the connection stays open).
+fn stalled_response() -> Response {
+    let never = futures::stream::pending::<Result<Bytes, std::io::Error>>();
+    (
+        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        Body::from_stream(never),
+    )
+        .into_response()
+}
+
 /// A streamed (SSE) answer: one `data:` chunk per token, then usage if asked, then `[DONE]`.
 struct SseStream {
     meta: ResponseMeta,
     prompt_len: u32,
     max_tokens: u32,
     include_usage: bool,
-    /// Fault injection: close the connection after this many tokens.
-    cut_after: Option<u32>,
+    /// Fault injection: close or stall the stream after some tokens.
+    interruption: Option<Interruption>,
 }
 
 impl SseStream {
@@ -435,9 +475,16 @@ impl SseStream {
                 };
                 match event {
                     EngineEvent::Token => {
-                        if self.cut_after == Some(sent) {
-                            yield Err(std::io::Error::other("simulated crash (fault injection)"));
-                            break;
+                        if let Some(fault) = self.interruption
+                            && fault.after_tokens == sent
+                        {
+                            if fault.close {
+                                yield Err(std::io::Error::other("simulated crash (fault injection)"));
+                                break;
+                            }
+                            // Keep the connection, send nothing more; the request's engine
+                            // work is dropped with `events` when the client leaves.
+                            std::future::pending::<()>().await;
                         }
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
                             yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
@@ -550,6 +597,63 @@ async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
 
 async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
     Json(shared.handoffs.snapshot()).into_response()
+}
+
+/// Where the KV-event sockets are (ports resolved) and the test controls' state; 404 without
+/// `--kv-events`.
+async fn sim_kv_events(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.kv_events.get() {
+        Some(info) => Json(json!({
+            "endpoint": info.endpoint,
+            "replay_endpoint": info.replay_endpoint,
+            "topic": info.topic,
+            "format": info.format,
+            "replay_buffer": info.replay_buffer,
+            "state": shared.kv_control.state(),
+        }))
+        .into_response(),
+        None => ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
+            .into_response(),
+    }
+}
+
+/// Test controls: `{"drop_next": N}` keeps the next N batches off the wire (replay still has
+/// them); `{"stalled": true|false}` stops or resumes publishing and replay.
+async fn set_sim_kv_events(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Controls {
+        stalled: Option<bool>,
+        drop_next: Option<u64>,
+    }
+    if shared.kv_events.get().is_none() {
+        return ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
+            .into_response();
+    }
+    let controls: Controls = match serde_json::from_slice(&body) {
+        Ok(controls) => controls,
+        Err(err) => {
+            return ApiError::bad_request(format!("invalid KV-event controls: {err}"))
+                .into_response();
+        }
+    };
+    shared.kv_control.set(controls.stalled, controls.drop_next);
+    tracing::info!(stalled = ?controls.stalled, drop_next = ?controls.drop_next, "KV-event controls changed");
+    Json(shared.kv_control.state()).into_response()
+}
+
+/// vLLM's `POST /reset_prefix_cache`: empties the prefix cache (an `AllBlocksCleared` event)
+/// unless running requests hold blocks. `{"reset": bool}` says which.
+async fn reset_prefix_cache(State(shared): State<Arc<Shared>>) -> Response {
+    match shared.engine.reset_prefix_cache().await {
+        Ok(reset) => {
+            if !reset {
+                tracing::warn!("prefix cache not reset: running requests hold blocks");
+            }
+            Json(json!({ "reset": reset })).into_response()
+        }
+        Err(stopped) => ApiError::unavailable(stopped.to_string()).into_response(),
+    }
 }
 
 async fn sim_faults(State(shared): State<Arc<Shared>>) -> Json<Faults> {

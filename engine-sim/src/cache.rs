@@ -16,6 +16,11 @@
 //! Block hashes chain: block `i`'s hash is `xxh3_64_with_seed(token ids of block i, hash of
 //! block i-1)`, with seed 0 for the first block (token ids as little-endian `u32`s). Equal block
 //! contents after different prefixes therefore hash differently. Only full blocks are hashed.
+//!
+//! With [`record_events`](PrefixCache::record_events) on, every change to the table is logged
+//! as vLLM's KV-cache events describe it: blocks entering the table ([`CacheEvent::Stored`],
+//! runs of consecutive blocks of one sequence with their parent and token ids), blocks evicted
+//! ([`CacheEvent::Removed`]) and a reset ([`CacheEvent::Cleared`]).
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
@@ -39,6 +44,23 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     hashes
 }
 
+/// A change to the prefix-cache table, as vLLM's KV-cache events report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive blocks of one sequence entered the table: `hashes[i]` holds
+    /// `tokens[i * block_size..(i + 1) * block_size]`; `parent` is the hash of the block before
+    /// the first (None: the first is the sequence's first block).
+    Stored {
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+    },
+    /// Blocks evicted from the table.
+    Removed { hashes: Vec<u64> },
+    /// Every block left the table.
+    Cleared,
+}
+
 #[derive(Debug)]
 struct CachedBlock {
     /// Running requests holding this block; 0 means evictable.
@@ -59,6 +81,8 @@ pub struct PrefixCache {
     pinned: usize,
     /// Blocks reserved by running requests and not (yet) in the table.
     private: usize,
+    /// The event log, while recording.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl PrefixCache {
@@ -70,7 +94,51 @@ impl PrefixCache {
             next_tick: 0,
             pinned: 0,
             private: 0,
+            events: None,
         }
+    }
+
+    /// Starts (or stops) logging table changes as [`CacheEvent`]s.
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(Vec::new);
+    }
+
+    pub fn recording_events(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// The events logged since the last call (none when not recording).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn log(&mut self, event: CacheEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
+    }
+
+    /// Logs that blocks of one sequence entered the table (see [`CacheEvent::Stored`]).
+    pub fn log_stored(&mut self, parent: Option<u64>, hashes: Vec<u64>, tokens: Vec<u32>) {
+        if !hashes.is_empty() {
+            self.log(CacheEvent::Stored {
+                parent,
+                hashes,
+                tokens,
+            });
+        }
+    }
+
+    /// Empties the table, like vLLM's `reset_prefix_cache`: only when no running request holds
+    /// a block (returns false, changing nothing, otherwise).
+    pub fn reset(&mut self) -> bool {
+        if self.pinned > 0 || self.private > 0 {
+            return false;
+        }
+        self.table.clear();
+        self.lru.clear();
+        self.log(CacheEvent::Cleared);
+        true
     }
 
     pub fn capacity(&self) -> usize {
@@ -133,18 +201,23 @@ impl PrefixCache {
     /// Registers one newly computed full block of a running request: one of its private
     /// blocks becomes the cached block `hash`, which the request now holds. If the table
     /// already has `hash` (another request computed it), the request shares that one and its
-    /// private block goes back to the pool.
-    pub fn commit(&mut self, hash: u64) {
+    /// private block goes back to the pool. Returns true when `hash` is new to the table (the
+    /// caller logs it with [`log_stored`](Self::log_stored)).
+    pub fn commit(&mut self, hash: u64) -> bool {
         debug_assert!(self.private > 0, "commit without a reserved block");
         self.private = self.private.saturating_sub(1);
         match self.table.entry(hash) {
-            Entry::Occupied(_) => self.pin(hash),
+            Entry::Occupied(_) => {
+                self.pin(hash);
+                false
+            }
             Entry::Vacant(vacant) => {
                 vacant.insert(CachedBlock {
                     holders: 1,
                     lru_tick: 0,
                 });
                 self.pinned += 1;
+                true
             }
         }
     }
@@ -183,13 +256,18 @@ impl PrefixCache {
     /// that they fit.
     fn reserve(&mut self, blocks: usize) {
         let free = self.capacity - self.pinned - self.private - self.lru.len();
+        let mut evicted = Vec::new();
         for _ in free..blocks {
             let Some((_, hash)) = self.lru.pop_first() else {
                 break;
             };
             self.table.remove(&hash);
+            evicted.push(hash);
         }
         self.private += blocks;
+        if !evicted.is_empty() {
+            self.log(CacheEvent::Removed { hashes: evicted });
+        }
     }
 }
 
@@ -292,6 +370,30 @@ mod tests {
         cache.release(&[], 1);
         assert!(cache.admit(&[], 4));
         assert_eq!(cache.cached_blocks(), 0);
+    }
+
+    #[test]
+    fn evictions_and_resets_are_logged_while_recording() {
+        let mut cache = PrefixCache::new(2);
+        let a = block_hashes(&tokens(0..32), 16);
+        run_request(&mut cache, &a);
+        assert!(cache.take_events().is_empty(), "not recording");
+        cache.record_events(true);
+        // The two cached blocks are evicted tail first for a new one.
+        assert!(cache.admit(&[], 2));
+        assert!(!cache.reset(), "a running request holds blocks");
+        cache.release(&[], 2);
+        assert!(cache.reset());
+        assert_eq!(
+            cache.take_events(),
+            vec![
+                CacheEvent::Removed {
+                    hashes: vec![a[1], a[0]]
+                },
+                CacheEvent::Cleared
+            ]
+        );
+        assert!(cache.take_events().is_empty());
     }
 
     #[test]

@@ -5,6 +5,7 @@ use clap::Parser;
 use switchyard_shared::InstanceRole;
 
 use crate::faults::Faults;
+use crate::kv_events::KvEventsFormat;
 
 /// Configuration of one simulated vLLM instance. Every field is a command-line flag of
 /// `switchyard-engine-sim`; [`Default`] gives the flags' defaults.
@@ -98,6 +99,11 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub die_mid_stream_rate: f64,
 
+    /// Fraction of inference requests that stream a few tokens and then send nothing more,
+    /// keeping the connection open (non-streaming: the response head, then nothing).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub stall_mid_stream_rate: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
@@ -115,6 +121,30 @@ pub struct SimConfig {
     /// start.
     #[arg(long, value_name = "ID")]
     pub engine_id: Option<String>,
+
+    /// Publish KV-cache events as vLLM's `--kv-events-config` does (ZMQ PUB, vLLM's wire
+    /// format) on this endpoint. Port 0 picks a free port, shown in the log and at
+    /// GET /sim/kv-events; tcp://*:PORT binds every interface. Default: no events.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub kv_events: Option<String>,
+
+    /// Serve vLLM's KV-event replay socket (ZMQ ROUTER: "send me the batches from sequence N")
+    /// on this endpoint; needs --kv-events. Port 0 picks a free port.
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    pub kv_events_replay: Option<String>,
+
+    /// Topic frame of every KV-event message (vLLM's "topic"; empty, vLLM's default).
+    #[arg(long, default_value = "", value_name = "TOPIC")]
+    pub kv_events_topic: String,
+
+    /// msgpack layout of each KV event: array (a tagged positional array, vLLM up to 0.23 and
+    /// its example subscriber) or map (a tagged map, later vLLM). The batch is an array in both.
+    #[arg(long, value_enum, default_value_t = KvEventsFormat::Array)]
+    pub kv_events_format: KvEventsFormat,
+
+    /// KV-event batches kept for replay (vLLM's buffer_steps).
+    #[arg(long, default_value_t = 10_000, value_name = "BATCHES")]
+    pub kv_events_replay_buffer: usize,
 }
 
 /// Parses an empty command line, so that [`Default`] always agrees with the flags.
@@ -155,6 +185,19 @@ impl SimConfig {
         {
             return Err("--engine-id must not be empty".into());
         }
+        if let Some(endpoint) = &self.kv_events {
+            bindable_endpoint("--kv-events", endpoint)?;
+        }
+        if let Some(endpoint) = &self.kv_events_replay {
+            if self.kv_events.is_none() {
+                return Err("--kv-events-replay needs --kv-events".into());
+            }
+            bindable_endpoint("--kv-events-replay", endpoint)?;
+        }
+        at_least_one(
+            "--kv-events-replay-buffer",
+            self.kv_events_replay_buffer as u64,
+        )?;
         self.faults().validate()
     }
 
@@ -164,8 +207,25 @@ impl SimConfig {
             fail_rate: self.fail_rate,
             hang_rate: self.hang_rate,
             die_mid_stream_rate: self.die_mid_stream_rate,
+            stall_mid_stream_rate: self.stall_mid_stream_rate,
         }
     }
+}
+
+/// `tcp://HOST:PORT` to bind: an IP address (or `*` for every interface) and a port (0: any).
+fn bindable_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
+    let usage = || {
+        format!(
+            "{flag} {endpoint:?}: give tcp://IP:PORT to bind (an IP address or *, port 0 for any free port), e.g. tcp://127.0.0.1:5557"
+        )
+    };
+    let address = endpoint.strip_prefix("tcp://").ok_or_else(usage)?;
+    let (host, port) = address.rsplit_once(':').ok_or_else(usage)?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host != "*" && host.parse::<std::net::IpAddr>().is_err() {
+        return Err(usage());
+    }
+    port.parse::<u16>().map(|_| ()).map_err(|_| usage())
 }
 
 fn positive(flag: &str, value: f64) -> Result<(), String> {
@@ -223,6 +283,29 @@ mod tests {
         config.fail_rate = 0.0;
         config.block_size = 0;
         assert!(config.validate().unwrap_err().contains("--block-size"));
+        config.block_size = 16;
+        for bad in [
+            "127.0.0.1:5557",
+            "tcp://localhost:5557",
+            "tcp://127.0.0.1",
+            "tcp://1.2.3.4:x",
+        ] {
+            config.kv_events = Some(bad.into());
+            assert!(
+                config.validate().unwrap_err().contains("--kv-events"),
+                "{bad}"
+            );
+        }
+        config.kv_events = Some("tcp://*:0".into());
+        config.kv_events_replay = Some("tcp://[::1]:0".into());
+        assert_eq!(config.validate(), Ok(()));
+        config.kv_events = None;
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .contains("--kv-events-replay")
+        );
     }
 
     #[test]

@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::cache::CacheEvent;
 use crate::engine::{FinishedSeq, Rejected, Scheduler, SeqId, SeqSpec, Step, StepReport};
 use crate::metrics::{EngineGauges, Metrics};
 
@@ -44,10 +45,17 @@ struct Submission {
     events: mpsc::UnboundedSender<EngineEvent>,
 }
 
+/// What handlers ask of the engine task.
+enum Command {
+    Submit(Submission),
+    /// vLLM's `reset_prefix_cache`; answers whether it happened.
+    ResetPrefixCache(oneshot::Sender<bool>),
+}
+
 /// The handlers' side: submit a request, get its event stream.
 #[derive(Debug, Clone)]
 pub(crate) struct EngineClient {
-    submissions: mpsc::UnboundedSender<Submission>,
+    submissions: mpsc::UnboundedSender<Command>,
 }
 
 impl EngineClient {
@@ -59,20 +67,33 @@ impl EngineClient {
     ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, EngineStopped> {
         let (events, receiver) = mpsc::unbounded_channel();
         self.submissions
-            .send(Submission {
+            .send(Command::Submit(Submission {
                 spec,
                 arrival,
                 events,
-            })
+            }))
             .map_err(|_| EngineStopped)?;
         Ok(receiver)
     }
+
+    /// Empties the prefix cache unless a running request holds blocks (then false).
+    pub(crate) async fn reset_prefix_cache(&self) -> Result<bool, EngineStopped> {
+        let (answer, answered) = oneshot::channel();
+        self.submissions
+            .send(Command::ResetPrefixCache(answer))
+            .map_err(|_| EngineStopped)?;
+        answered.await.map_err(|_| EngineStopped)
+    }
 }
+
+/// Where the engine sends its prefix-cache changes after each step (the KV-event publisher).
+pub(crate) type CacheEventSink = mpsc::Sender<Vec<CacheEvent>>;
 
 /// An engine that has not started yet; [`EngineDriver::run`] runs it until cancelled.
 pub(crate) struct EngineDriver {
     scheduler: Scheduler,
-    submissions: mpsc::UnboundedReceiver<Submission>,
+    submissions: mpsc::UnboundedReceiver<Command>,
+    cache_events: Option<CacheEventSink>,
     metrics: Arc<Metrics>,
     clock: Clock,
     live: HashMap<SeqId, LiveRequest>,
@@ -119,16 +140,20 @@ impl Clock {
     }
 }
 
-/// Creates an engine and the client handlers use to reach it.
+/// Creates an engine and the client handlers use to reach it. With `cache_events`, the
+/// engine records its prefix-cache changes and sends them there after every step.
 pub(crate) fn engine(
-    scheduler: Scheduler,
+    mut scheduler: Scheduler,
     metrics: Arc<Metrics>,
     time_scale: f64,
+    cache_events: Option<CacheEventSink>,
 ) -> (EngineClient, EngineDriver) {
     let (sender, receiver) = mpsc::unbounded_channel();
+    scheduler.record_cache_events(cache_events.is_some());
     let driver = EngineDriver {
         scheduler,
         submissions: receiver,
+        cache_events,
         metrics,
         clock: Clock {
             origin: Instant::now(),
@@ -185,8 +210,8 @@ impl EngineDriver {
                         () = tokio::time::sleep_until(self.clock.instant_at(lands_at).into()) => {
                             now_v = now_v.max(lands_at);
                         }
-                        submission = self.submissions.recv() => match submission {
-                            Some(submission) => self.accept(submission),
+                        command = self.submissions.recv() => match command {
+                            Some(command) => self.handle(command),
                             None => break,
                         },
                         () = stop.cancelled() => break,
@@ -196,8 +221,8 @@ impl EngineDriver {
                     busy = false;
                     self.publish();
                     tokio::select! {
-                        submission = self.submissions.recv() => match submission {
-                            Some(submission) => self.accept(submission),
+                        command = self.submissions.recv() => match command {
+                            Some(command) => self.handle(command),
                             None => break,
                         },
                         () = stop.cancelled() => break,
@@ -205,6 +230,7 @@ impl EngineDriver {
                 }
             }
             self.publish();
+            self.send_cache_events();
         }
         for id in self.live.keys().copied().collect::<Vec<_>>() {
             self.scheduler.abort(id);
@@ -218,10 +244,36 @@ impl EngineDriver {
     fn take_submissions(&mut self) -> bool {
         loop {
             match self.submissions.try_recv() {
-                Ok(submission) => self.accept(submission),
+                Ok(command) => self.handle(command),
                 Err(TryRecvError::Empty) => return true,
                 Err(TryRecvError::Disconnected) => return !self.live.is_empty(),
             }
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Submit(submission) => self.accept(submission),
+            Command::ResetPrefixCache(answer) => {
+                let reset = self.scheduler.reset_prefix_cache();
+                self.send_cache_events();
+                let _ = answer.send(reset);
+            }
+        }
+    }
+
+    /// Hands the step's prefix-cache changes to the publisher. Never waits: if its queue is
+    /// full the changes are lost (counted), as a stalled vLLM publisher loses them.
+    fn send_cache_events(&mut self) {
+        let Some(sink) = &self.cache_events else {
+            return;
+        };
+        let events = self.scheduler.take_cache_events();
+        if events.is_empty() {
+            return;
+        }
+        if sink.try_send(events).is_err() {
+            Metrics::increment(&self.metrics.kv_event_batches_lost);
         }
     }
 

@@ -164,6 +164,9 @@ pub struct SeqSpec {
     pub prompt_len: u32,
     /// Chained hashes of the prompt's full blocks (see [`crate::cache::block_hashes`]).
     pub block_hashes: Vec<u64>,
+    /// The prompt's token ids (what KV-cache events report for each stored block). May be
+    /// empty when events are off.
+    pub prompt_tokens: Vec<u32>,
     /// Output tokens to generate (the request always runs to this length).
     pub max_tokens: u32,
     /// Leading prompt tokens whose KV a remote prefill engine computed
@@ -269,14 +272,44 @@ impl Seq {
         self.generated >= self.spec.max_tokens
     }
 
-    /// Moves the blocks that `computed` now covers into the cache table.
+    /// Moves the blocks that `computed` now covers into the cache table, logging each run of
+    /// blocks new to the table when the cache records events.
     fn commit_computed_blocks(&mut self, cache: &mut PrefixCache, block_size: usize) {
         let full = (self.computed as usize / block_size).min(self.spec.block_hashes.len());
-        for hash in &self.spec.block_hashes[self.held_blocks.min(full)..full] {
-            cache.commit(*hash);
+        let start = self.held_blocks.min(full);
+        let recording =
+            cache.recording_events() && self.spec.prompt_tokens.len() >= full * block_size;
+        // The run of consecutive new blocks being gathered for one event: (first index, hashes).
+        let mut run: Option<(usize, Vec<u64>)> = None;
+        for index in start..full {
+            let hash = self.spec.block_hashes[index];
+            let new = cache.commit(hash);
             self.private_blocks = self.private_blocks.saturating_sub(1);
+            if !recording {
+                continue;
+            }
+            match (&mut run, new) {
+                (Some((_, hashes)), true) => hashes.push(hash),
+                (None, true) => run = Some((index, vec![hash])),
+                (Some(_), false) => self.log_run(cache, run.take(), block_size),
+                (None, false) => {}
+            }
         }
+        self.log_run(cache, run, block_size);
         self.held_blocks = self.held_blocks.max(full);
+    }
+
+    fn log_run(&self, cache: &mut PrefixCache, run: Option<(usize, Vec<u64>)>, block_size: usize) {
+        let Some((first, hashes)) = run else {
+            return;
+        };
+        let parent = first
+            .checked_sub(1)
+            .map(|index| self.spec.block_hashes[index]);
+        let tokens = self.spec.prompt_tokens
+            [first * block_size..(first + hashes.len()) * block_size]
+            .to_vec();
+        cache.log_stored(parent, hashes, tokens);
     }
 
     fn release(&self, cache: &mut PrefixCache) {
@@ -326,6 +359,22 @@ impl Scheduler {
 
     pub fn cache(&self) -> &PrefixCache {
         &self.cache
+    }
+
+    /// Starts (or stops) logging prefix-cache changes ([`crate::cache::CacheEvent`]).
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.cache.record_events(on);
+    }
+
+    /// The prefix-cache changes since the last call.
+    pub fn take_cache_events(&mut self) -> Vec<crate::cache::CacheEvent> {
+        self.cache.take_events()
+    }
+
+    /// vLLM's `reset_prefix_cache`: empties the prefix cache unless a running request holds
+    /// blocks (then false).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.cache.reset()
     }
 
     pub fn counters(&self) -> Counters {
@@ -567,6 +616,7 @@ mod tests {
         SeqSpec {
             prompt_len,
             block_hashes: block_hashes(&tokens, 16),
+            prompt_tokens: tokens,
             max_tokens,
             remote_prompt_tokens: 0,
         }
@@ -839,6 +889,39 @@ mod tests {
         assert_eq!(scheduler.cache().cached_blocks(), 500);
         // Far faster than prefilling 8,000 tokens (0.324 s).
         assert!(now < 0.1, "{now}");
+    }
+
+    #[test]
+    fn stored_blocks_are_logged_in_runs_with_their_parent_and_tokens() {
+        use crate::cache::CacheEvent;
+        let mut scheduler = Scheduler::new(model(), limits());
+        scheduler.record_cache_events(true);
+        let mut now = 0.0;
+        scheduler.add(1, spec(0, 40, 1)).unwrap();
+        run(&mut scheduler, &mut now);
+        let first = spec(0, 40, 1);
+        assert_eq!(
+            scheduler.take_cache_events(),
+            vec![CacheEvent::Stored {
+                parent: None,
+                hashes: first.block_hashes.clone(),
+                tokens: first.prompt_tokens[..32].to_vec(),
+            }]
+        );
+        // A longer prompt with the same start: only the new blocks, chained to the last old one.
+        scheduler.add(2, spec(0, 70, 1)).unwrap();
+        run(&mut scheduler, &mut now);
+        let second = spec(0, 70, 1);
+        assert_eq!(
+            scheduler.take_cache_events(),
+            vec![CacheEvent::Stored {
+                parent: Some(second.block_hashes[1]),
+                hashes: second.block_hashes[2..4].to_vec(),
+                tokens: second.prompt_tokens[32..64].to_vec(),
+            }]
+        );
+        assert!(scheduler.reset_prefix_cache());
+        assert_eq!(scheduler.take_cache_events(), vec![CacheEvent::Cleared]);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Fault knobs, settable by flag, by [`SimHandle::set_faults`](crate::SimHandle::set_faults)
 /// or by `POST /sim/faults` with this JSON (missing fields are 0). Each rate is the
 /// probability, drawn per inference request, of that fault; they are checked in the order
-/// fail, hang, die.
+/// fail, hang, die, stall.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Faults {
@@ -17,6 +17,9 @@ pub struct Faults {
     pub hang_rate: f64,
     /// Close the connection after a few streamed tokens (non-streaming: before the body).
     pub die_mid_stream_rate: f64,
+    /// Stream a few tokens, then send nothing more while keeping the connection open
+    /// (non-streaming: send the response head, then nothing).
+    pub stall_mid_stream_rate: f64,
 }
 
 impl Faults {
@@ -29,6 +32,11 @@ impl Faults {
                 "--die-mid-stream-rate",
                 "die_mid_stream_rate",
                 self.die_mid_stream_rate,
+            ),
+            (
+                "--stall-mid-stream-rate",
+                "stall_mid_stream_rate",
+                self.stall_mid_stream_rate,
             ),
         ] {
             if !(0.0..=1.0).contains(&value) {
@@ -48,6 +56,7 @@ pub(crate) enum Fault {
     Fail,
     Hang,
     DieMidStream,
+    StallMidStream,
 }
 
 /// The current knobs and the seeded generator, drawn once per inference request.
@@ -71,18 +80,20 @@ impl FaultInjector {
         self.lock().0
     }
 
-    /// Draws the fault for the next request. Three draws every time, so the sequence of
+    /// Draws the fault for the next request. Four draws every time, so the sequence of
     /// outcomes depends only on the seed, the knobs and the order of requests.
     pub(crate) fn draw(&self) -> Fault {
         let mut state = self.lock();
         let (faults, rng) = &mut *state;
-        let (fail, hang, die) = (rng.f64(), rng.f64(), rng.f64());
+        let (fail, hang, die, stall) = (rng.f64(), rng.f64(), rng.f64(), rng.f64());
         if fail < faults.fail_rate {
             Fault::Fail
         } else if hang < faults.hang_rate {
             Fault::Hang
         } else if die < faults.die_mid_stream_rate {
             Fault::DieMidStream
+        } else if stall < faults.stall_mid_stream_rate {
+            Fault::StallMidStream
         } else {
             Fault::None
         }
@@ -106,6 +117,7 @@ mod tests {
             fail_rate: 0.3,
             hang_rate: 0.2,
             die_mid_stream_rate: 0.2,
+            stall_mid_stream_rate: 0.5,
         };
         let a = FaultInjector::new(faults, 7);
         let b = FaultInjector::new(faults, 7);
@@ -116,6 +128,7 @@ mod tests {
         assert!((30..=90).contains(&failures), "{failures}");
         assert!(draws_a.contains(&Fault::Hang));
         assert!(draws_a.contains(&Fault::DieMidStream));
+        assert!(draws_a.contains(&Fault::StallMidStream));
     }
 
     #[test]

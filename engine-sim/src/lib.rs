@@ -10,9 +10,12 @@
 //!   prefill tokens and the decodes in the step, so TTFT, ITL and prefill/decode interference
 //!   come out of the model ([`engine`]), run in real time scaled by `--time-scale`;
 //! - **NixlConnector disaggregation**: `kv_transfer_params` on prefill and decode requests;
-//! - **faults**: errors, hangs, connections dying mid-stream, a killed instance.
+//! - **faults**: errors, hangs, connections dying mid-stream, a killed instance;
+//! - **KV-cache events** in vLLM's wire format (ZMQ PUB + replay ROUTER, msgpack), from the
+//!   prefix cache's real stores and evictions.
 //!
 //! Code map: [`tokenizer`] (the token-count approximation and chat template), [`cache`],
+//! `kv_events` (the publisher),
 //! [`engine`] (pure scheduler and time model), `driver` (the engine task and virtual clock),
 //! `api` and `openai` (HTTP handlers and wire format), `metrics`, `server` (accept loop,
 //! shutdown, [`SimHandle`]).
@@ -22,6 +25,7 @@ mod config;
 mod driver;
 pub mod engine;
 mod faults;
+mod kv_events;
 mod metrics;
 mod nixl;
 mod openai;
@@ -33,6 +37,7 @@ mod api;
 
 pub use config::SimConfig;
 pub use faults::Faults;
+pub use kv_events::KvEventsFormat;
 pub use metrics::SimStats;
 pub use records::ReceivedRequest;
 pub use server::{SimHandle, SimServer, spawn};

@@ -42,6 +42,8 @@ pub struct SimStats {
     pub requests_hung: u64,
     /// Responses cut off by fault injection (die mid-stream).
     pub responses_cut: u64,
+    /// Responses left stalled, connection open, by fault injection (stall mid-stream).
+    pub responses_stalled: u64,
     /// Requests in the batch now.
     pub running: u64,
     /// Requests queued now (including those waiting for a KV transfer).
@@ -62,6 +64,12 @@ pub struct SimStats {
     pub prefill_tokens_computed: u64,
     /// Prefill-only requests answered with `kv_transfer_params` for a remote decoder.
     pub kv_handoffs: u64,
+    /// KV-cache event batches published (`--kv-events`).
+    #[serde(default)]
+    pub kv_event_batches_published: u64,
+    /// KV-cache event batches lost because the publisher's queue was full.
+    #[serde(default)]
+    pub kv_event_batches_lost: u64,
 }
 
 impl SimStats {
@@ -84,7 +92,10 @@ pub(crate) struct Metrics {
     pub requests_failed: AtomicU64,
     pub requests_hung: AtomicU64,
     pub responses_cut: AtomicU64,
+    pub responses_stalled: AtomicU64,
     pub kv_handoffs: AtomicU64,
+    pub kv_event_batches_published: AtomicU64,
+    pub kv_event_batches_lost: AtomicU64,
     running: AtomicU64,
     waiting: AtomicU64,
     kv_cache_usage_bits: AtomicU64,
@@ -119,7 +130,10 @@ impl Default for Metrics {
             requests_failed: AtomicU64::new(0),
             requests_hung: AtomicU64::new(0),
             responses_cut: AtomicU64::new(0),
+            responses_stalled: AtomicU64::new(0),
             kv_handoffs: AtomicU64::new(0),
+            kv_event_batches_published: AtomicU64::new(0),
+            kv_event_batches_lost: AtomicU64::new(0),
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             kv_cache_usage_bits: AtomicU64::new(0f64.to_bits()),
@@ -172,6 +186,7 @@ impl Metrics {
             requests_failed: load(&self.requests_failed),
             requests_hung: load(&self.requests_hung),
             responses_cut: load(&self.responses_cut),
+            responses_stalled: load(&self.responses_stalled),
             running: load(&self.running),
             waiting: load(&self.waiting),
             kv_cache_usage: f64::from_bits(load(&self.kv_cache_usage_bits)),
@@ -183,6 +198,8 @@ impl Metrics {
             kv_transfer_tokens: load(&self.kv_transfer_tokens),
             prefill_tokens_computed: load(&self.prefill_tokens_computed),
             kv_handoffs: load(&self.kv_handoffs),
+            kv_event_batches_published: load(&self.kv_event_batches_published),
+            kv_event_batches_lost: load(&self.kv_event_batches_lost),
         }
     }
 

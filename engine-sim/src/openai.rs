@@ -227,6 +227,15 @@ impl ApiError {
         }
     }
 
+    pub(crate) fn not_found(message: String) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message,
+            error_type: "NotFoundError",
+            param: None,
+        }
+    }
+
     pub(crate) fn internal(message: String) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,

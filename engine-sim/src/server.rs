@@ -8,14 +8,17 @@ use std::time::Duration;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineClient, EngineDriver, engine};
 use crate::engine::Scheduler;
 use crate::faults::{FaultInjector, Faults};
+use crate::kv_events::{KvEventsControl, KvEventsInfo, KvEventsPublisher, QUEUE_BATCHES};
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::Handoffs;
 use crate::records::{ReceivedRequest, Recorder};
@@ -33,6 +36,9 @@ pub(crate) struct Shared {
     pub handoffs: Handoffs,
     /// The listening address, known once serving starts.
     pub local_addr: OnceLock<SocketAddr>,
+    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
+    pub kv_events: OnceLock<KvEventsInfo>,
+    pub kv_control: Arc<KvEventsControl>,
 }
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -41,6 +47,9 @@ pub struct SimServer {
     shared: Arc<Shared>,
     driver: EngineDriver,
     kill: CancellationToken,
+    /// The engine's prefix-cache changes, for the KV-event publisher (with `--kv-events`).
+    kv_batches: Option<mpsc::Receiver<Vec<CacheEvent>>>,
+    kv_publisher: Option<KvEventsPublisher>,
 }
 
 impl SimServer {
@@ -48,10 +57,18 @@ impl SimServer {
     pub fn new(config: SimConfig) -> Result<Self, SimError> {
         config.validate().map_err(SimError::Config)?;
         let metrics = Arc::new(Metrics::default());
+        let (sink, kv_batches) = match config.kv_events {
+            Some(_) => {
+                let (sink, batches) = mpsc::channel(QUEUE_BATCHES);
+                (Some(sink), Some(batches))
+            }
+            None => (None, None),
+        };
         let (client, driver) = engine(
             Scheduler::from_config(&config),
             Arc::clone(&metrics),
             config.time_scale,
+            sink,
         );
         let engine_id = config
             .engine_id
@@ -65,13 +82,48 @@ impl SimServer {
             records: Recorder::new(config.record_requests),
             handoffs: Handoffs::new(config.kv_cache_blocks),
             local_addr: OnceLock::new(),
+            kv_events: OnceLock::new(),
+            kv_control: Arc::default(),
             config,
         };
         Ok(Self {
             shared: Arc::new(shared),
             driver,
             kill: CancellationToken::new(),
+            kv_batches,
+            kv_publisher: None,
         })
+    }
+
+    /// Binds the KV-event sockets (with `--kv-events`; otherwise does nothing), so that their
+    /// endpoints are known before serving starts. [`run`](Self::run) does it if not done yet.
+    pub async fn bind_kv_events(&mut self) -> Result<(), SimError> {
+        let config = &self.shared.config;
+        let Some(endpoint) = &config.kv_events else {
+            return Ok(());
+        };
+        if self.kv_publisher.is_some() {
+            return Ok(());
+        }
+        let publisher = KvEventsPublisher::bind(
+            endpoint,
+            config.kv_events_replay.as_deref(),
+            &config.kv_events_topic,
+            config.kv_events_format,
+            config.kv_events_replay_buffer,
+        )
+        .await?;
+        let info = publisher.info();
+        tracing::info!(
+            endpoint = %info.endpoint,
+            replay = info.replay_endpoint.as_deref().unwrap_or("-"),
+            topic = %info.topic,
+            format = ?info.format,
+            "publishing KV-cache events"
+        );
+        let _ = self.shared.kv_events.set(info.clone());
+        self.kv_publisher = Some(publisher);
+        Ok(())
     }
 
     /// Binds nothing itself: serves on `listener` until `shutdown` is cancelled, then stops
@@ -96,14 +148,17 @@ impl SimServer {
 
     /// Serves on `listener` until `shutdown` is cancelled (see [`serve`](Self::serve)).
     pub async fn run(
-        self,
+        mut self,
         listener: TcpListener,
         shutdown: CancellationToken,
     ) -> Result<(), SimError> {
+        self.bind_kv_events().await?;
         let SimServer {
             shared,
             driver,
             kill,
+            kv_batches,
+            kv_publisher,
         } = self;
         let addr = listener.local_addr().map_err(SimError::Io)?;
         let _ = shared.local_addr.set(addr);
@@ -119,6 +174,17 @@ impl SimServer {
 
         let engine_stop = CancellationToken::new();
         let engine_task = AbortOnDropHandle::new(tokio::spawn(driver.run(engine_stop.clone())));
+        let publisher_task = match (kv_publisher, kv_batches) {
+            (Some(publisher), Some(batches)) => {
+                Some(AbortOnDropHandle::new(tokio::spawn(publisher.run(
+                    batches,
+                    Arc::clone(&shared.kv_control),
+                    Arc::clone(&shared.metrics),
+                    engine_stop.clone(),
+                ))))
+            }
+            _ => None,
+        };
         let grace = Duration::try_from_secs_f64(config.shutdown_grace_s).unwrap_or(Duration::MAX);
         let app = api::router(Arc::clone(&shared));
         serve_connections(listener, app, &shutdown, &kill, grace).await;
@@ -129,6 +195,9 @@ impl SimServer {
             && err.is_panic()
         {
             return Err(SimError::EnginePanicked);
+        }
+        if let Some(publisher) = publisher_task {
+            let _ = publisher.await;
         }
         tracing::info!(%addr, "engine simulator stopped");
         Ok(())
@@ -237,7 +306,8 @@ pub struct SimHandle {
 /// Starts a simulator on `127.0.0.1:0` in the current runtime. Returns once the listener is
 /// bound, so the simulator accepts connections right away.
 pub async fn spawn(config: SimConfig) -> Result<SimHandle, SimError> {
-    let server = SimServer::new(config)?;
+    let mut server = SimServer::new(config)?;
+    server.bind_kv_events().await?;
     let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
         .await
         .map_err(SimError::Io)?;
@@ -281,6 +351,7 @@ impl SimHandle {
             fail_rate: clamp(faults.fail_rate),
             hang_rate: clamp(faults.hang_rate),
             die_mid_stream_rate: clamp(faults.die_mid_stream_rate),
+            stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
         });
     }
 
@@ -295,6 +366,34 @@ impl SimHandle {
 
     pub fn config(&self) -> &SimConfig {
         &self.shared.config
+    }
+
+    /// The KV-event PUB endpoint as bound (`tcp://127.0.0.1:PORT`), with `--kv-events`.
+    pub fn kv_events_endpoint(&self) -> Option<String> {
+        self.shared
+            .kv_events
+            .get()
+            .map(|info| info.endpoint.clone())
+    }
+
+    /// The KV-event replay endpoint as bound, with `--kv-events-replay`.
+    pub fn kv_events_replay_endpoint(&self) -> Option<String> {
+        self.shared
+            .kv_events
+            .get()
+            .and_then(|info| info.replay_endpoint.clone())
+    }
+
+    /// Test control: the next `batches` KV-event batches reach the replay buffer but not the
+    /// wire (subscribers see a gap).
+    pub fn drop_kv_event_batches(&self, batches: u64) {
+        self.shared.kv_control.set(None, Some(batches));
+    }
+
+    /// Test control: stop (or resume) publishing KV events and answering replay requests,
+    /// like a stuck publisher thread. Batches queue meanwhile and go out in order on resume.
+    pub fn stall_kv_events(&self, stalled: bool) {
+        self.shared.kv_control.set(Some(stalled), None);
     }
 
     /// Graceful stop: stop accepting, let in-flight requests and streams finish (within

@@ -8,6 +8,8 @@ pub mod names;
 pub mod pb;
 pub mod process;
 pub mod sagemaker;
+pub mod sync;
 
 pub use model::*;
 pub use names::{EndpointConfigName, EndpointName, InstanceId, InvalidName, VariantName};
+pub use sync::InstanceKey;

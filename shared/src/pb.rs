@@ -3,14 +3,17 @@
 //! `TryFrom<pb::X> for X` checks names and enum values and reports the field in SageMaker's
 //! spelling; the rules of the configuration model are then checked by `validate()`.
 
+use std::sync::Arc;
+
 use switchyard_proto::v1 as pb;
 
 use crate::model::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
-    InstanceProtocol, InstanceRole, PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig,
-    RoutingStrategy, ValidationError,
+    InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints,
+    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
 };
 use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
+use crate::sync::{InstanceKey, InstanceLoad, StateUpdate};
 
 pub fn parse_name<T>(
     field: &str,
@@ -47,6 +50,7 @@ impl From<RoutingStrategy> for pb::RoutingStrategy {
                 pb::RoutingStrategy::LeastOutstandingRequests
             }
             RoutingStrategy::PrefixAware => pb::RoutingStrategy::PrefixAware,
+            RoutingStrategy::KvAware => pb::RoutingStrategy::KvAware,
         }
     }
 }
@@ -60,6 +64,7 @@ fn routing_strategy(field: &str, value: i32) -> Result<RoutingStrategy, Validati
             Ok(RoutingStrategy::LeastOutstandingRequests)
         }
         Ok(pb::RoutingStrategy::PrefixAware) => Ok(RoutingStrategy::PrefixAware),
+        Ok(pb::RoutingStrategy::KvAware) => Ok(RoutingStrategy::KvAware),
         Err(_) => Err(ValidationError::new(
             field,
             format!("{value} is not a known routing strategy"),
@@ -81,6 +86,14 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                     pb::PrefixAwareRoutingConfig {
                         prefix_length: prefix.prefix_length,
                         concurrency_threshold: prefix.concurrency_threshold,
+                        load_balance_factor: prefix.load_balance_factor,
+                        load_balance_slack: prefix.load_balance_slack,
+                    }
+                }),
+                kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
+                    pb::KvAwareRoutingConfig {
+                        concurrency_threshold: kv.concurrency_threshold.unwrap_or(0),
+                        load_weight: kv.load_weight,
                     }
                 }),
             }),
@@ -104,6 +117,16 @@ fn production_variant(
                 PrefixAwareRoutingConfig {
                     prefix_length: prefix.prefix_length,
                     concurrency_threshold: prefix.concurrency_threshold,
+                    load_balance_factor: prefix.load_balance_factor,
+                    load_balance_slack: prefix.load_balance_slack,
+                }
+            }),
+            // proto3 cannot tell 0 from absent: a 0 threshold means "the default".
+            kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
+                KvAwareRoutingConfig {
+                    concurrency_threshold: (kv.concurrency_threshold != 0)
+                        .then_some(kv.concurrency_threshold),
+                    load_weight: kv.load_weight,
                 }
             }),
         }),
@@ -307,8 +330,31 @@ impl From<&Instance> for pb::Instance {
             registered_time_ms: instance.registered_time_ms,
             health_detail: instance.health_detail.clone(),
             protocol: pb::InstanceProtocol::from(instance.protocol) as i32,
+            kv_events_endpoint: instance
+                .kv_events
+                .as_ref()
+                .map(|kv| kv.publisher.clone())
+                .unwrap_or_default(),
+            kv_events_replay_endpoint: instance
+                .kv_events
+                .as_ref()
+                .and_then(|kv| kv.replay.clone())
+                .unwrap_or_default(),
         }
     }
+}
+
+/// The KV-event endpoints of an `Instance` or a `RegisterInstanceRequest` (empty: none).
+pub fn kv_events(
+    publisher: &str,
+    replay: &str,
+) -> Result<Option<KvEventsEndpoints>, ValidationError> {
+    KvEventsEndpoints::parse(
+        Some(publisher),
+        Some(replay),
+        "KvEventsEndpoint",
+        "KvEventsReplayEndpoint",
+    )
 }
 
 impl TryFrom<pb::Instance> for Instance {
@@ -332,8 +378,222 @@ impl TryFrom<pb::Instance> for Instance {
             ttl_seconds: instance.ttl_seconds,
             registered_time_ms: instance.registered_time_ms,
             lease_id: 0,
+            kv_events: kv_events(
+                &instance.kv_events_endpoint,
+                &instance.kv_events_replay_endpoint,
+            )?,
         })
     }
+}
+
+// ----- RouterSync ---------------------------------------------------------------------------
+
+impl From<&InstanceKey> for pb::InstanceRemoved {
+    fn from(key: &InstanceKey) -> Self {
+        pb::InstanceRemoved {
+            endpoint_name: key.endpoint.to_string(),
+            id: key.id.to_string(),
+        }
+    }
+}
+
+fn instance_key(field: &str, endpoint: &str, id: &str) -> Result<InstanceKey, ValidationError> {
+    Ok(InstanceKey::new(
+        endpoint_name(&format!("{field}.EndpointName"), endpoint)?,
+        instance_id(&format!("{field}.InstanceId"), id)?,
+    ))
+}
+
+impl From<&StateUpdate> for pb::StateUpdate {
+    fn from(update: &StateUpdate) -> Self {
+        pb::StateUpdate {
+            reset: update.reset,
+            complete: update.complete,
+            configs: update
+                .configs
+                .iter()
+                .map(|config| config.as_ref().into())
+                .collect(),
+            removed_configs: update
+                .removed_configs
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            endpoints: update
+                .endpoints
+                .iter()
+                .map(|endpoint| endpoint.as_ref().into())
+                .collect(),
+            removed_endpoints: update
+                .removed_endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            instances: update
+                .instances
+                .iter()
+                .map(|instance| instance.as_ref().into())
+                .collect(),
+            removed_instances: update.removed_instances.iter().map(Into::into).collect(),
+        }
+    }
+}
+
+/// Collects what converts; what does not is kept as an error naming it.
+#[derive(Debug, Default)]
+struct Gather {
+    errors: Vec<ValidationError>,
+}
+
+impl Gather {
+    fn keep<T>(&mut self, field: String, result: Result<T, ValidationError>) -> Option<T> {
+        match result {
+            Ok(value) => Some(value),
+            Err(err) => {
+                self.errors.push(ValidationError::new(
+                    format!("{field}.{}", err.field),
+                    err.message,
+                ));
+                None
+            }
+        }
+    }
+}
+
+/// A received `StateUpdate`, with the records that do not convert left out and named in the
+/// errors (the rest still applies: one bad record does not hold up a fleet's state).
+pub fn state_update(wire: pb::StateUpdate) -> (StateUpdate, Vec<ValidationError>) {
+    let mut gather = Gather::default();
+    let mut update = StateUpdate {
+        reset: wire.reset,
+        complete: wire.complete,
+        ..StateUpdate::default()
+    };
+    for (index, config) in wire.configs.into_iter().enumerate() {
+        let field = format!("StateUpdate.Configs[{index}]");
+        if let Some(config) = gather.keep(field, EndpointConfig::try_from(config)) {
+            update.configs.push(Arc::new(config));
+        }
+    }
+    for (index, name) in wire.removed_configs.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedConfigs[{index}]");
+        if let Some(name) = gather.keep(field, endpoint_config_name("Name", name)) {
+            update.removed_configs.push(name);
+        }
+    }
+    for (index, endpoint) in wire.endpoints.into_iter().enumerate() {
+        let field = format!("StateUpdate.Endpoints[{index}]");
+        if let Some(endpoint) = gather.keep(field, Endpoint::try_from(endpoint)) {
+            update.endpoints.push(Arc::new(endpoint));
+        }
+    }
+    for (index, name) in wire.removed_endpoints.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedEndpoints[{index}]");
+        if let Some(name) = gather.keep(field, endpoint_name("Name", name)) {
+            update.removed_endpoints.push(name);
+        }
+    }
+    for (index, instance) in wire.instances.into_iter().enumerate() {
+        let field = format!("StateUpdate.Instances[{index}]");
+        if let Some(instance) = gather.keep(field, Instance::try_from(instance)) {
+            update.instances.push(Arc::new(instance));
+        }
+    }
+    for (index, removed) in wire.removed_instances.iter().enumerate() {
+        let field = format!("StateUpdate.RemovedInstances[{index}]");
+        let key = instance_key("Instance", &removed.endpoint_name, &removed.id);
+        if let Some(key) = gather.keep(field, key) {
+            update.removed_instances.push(key);
+        }
+    }
+    (update, gather.errors)
+}
+
+/// A protocol-1 message (a whole `Snapshot` or one change) as the `StateUpdate` with the same
+/// effect; `None` for messages that carry no state.
+pub fn legacy_state_update(
+    message: pb::sync_message::Message,
+) -> Option<(StateUpdate, Vec<ValidationError>)> {
+    use pb::sync_message::Message;
+    let wire = match message {
+        Message::Snapshot(snapshot) => {
+            let mut wire = pb::StateUpdate {
+                reset: true,
+                complete: true,
+                instances: snapshot.instances,
+                ..pb::StateUpdate::default()
+            };
+            for routed in snapshot.endpoints {
+                wire.configs.extend(routed.config);
+                wire.endpoints.extend(routed.endpoint);
+            }
+            wire
+        }
+        Message::EndpointChanged(routed) => pb::StateUpdate {
+            complete: true,
+            configs: routed.config.into_iter().collect(),
+            endpoints: routed.endpoint.into_iter().collect(),
+            ..pb::StateUpdate::default()
+        },
+        Message::EndpointRemoved(removed) => pb::StateUpdate {
+            complete: true,
+            removed_endpoints: vec![removed.name],
+            ..pb::StateUpdate::default()
+        },
+        Message::InstanceChanged(instance) => pb::StateUpdate {
+            complete: true,
+            instances: vec![instance],
+            ..pb::StateUpdate::default()
+        },
+        Message::InstanceRemoved(removed) => pb::StateUpdate {
+            complete: true,
+            removed_instances: vec![removed],
+            ..pb::StateUpdate::default()
+        },
+        Message::FleetLoad(_) | Message::Update(_) => return None,
+    };
+    Some(state_update(wire))
+}
+
+/// An endpoint with its config, as protocol 1 sends it.
+pub fn routed_endpoint(endpoint: &Endpoint, config: &EndpointConfig) -> pb::RoutedEndpoint {
+    pb::RoutedEndpoint {
+        endpoint: Some(endpoint.into()),
+        config: Some(config.into()),
+    }
+}
+
+impl From<&InstanceLoad> for pb::InstanceLoad {
+    fn from(load: &InstanceLoad) -> Self {
+        pb::InstanceLoad {
+            endpoint_name: load.key.endpoint.to_string(),
+            instance_id: load.key.id.to_string(),
+            in_flight: load.in_flight,
+        }
+    }
+}
+
+/// Load figures from the wire; entries with names that are not valid cannot name an instance
+/// and are left out (counted in the second value).
+pub fn instance_loads(wire: Vec<pb::InstanceLoad>) -> (Vec<InstanceLoad>, usize) {
+    let mut skipped = 0;
+    let loads = wire
+        .into_iter()
+        .filter_map(|load| {
+            let key = instance_key("Load", &load.endpoint_name, &load.instance_id);
+            match key {
+                Ok(key) => Some(InstanceLoad {
+                    key,
+                    in_flight: load.in_flight,
+                }),
+                Err(_) => {
+                    skipped += 1;
+                    None
+                }
+            }
+        })
+        .collect();
+    (loads, skipped)
 }
 
 #[cfg(test)]
@@ -359,6 +619,55 @@ mod tests {
     }
 
     #[test]
+    fn kv_aware_and_kv_events_round_trip() {
+        let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
+            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: crate::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms: 1,
+        };
+        let wire = pb::EndpointConfig::from(&config);
+        assert_eq!(
+            wire.production_variants[0]
+                .routing_config
+                .unwrap()
+                .routing_strategy,
+            4
+        );
+        assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
+
+        let instance = pb::Instance {
+            id: "a".into(),
+            endpoint_name: "chat".into(),
+            variant_name: "v".into(),
+            url: "http://127.0.0.1:1".into(),
+            kv_events_endpoint: "tcp://127.0.0.1:5557".into(),
+            kv_events_replay_endpoint: "tcp://127.0.0.1:5558".into(),
+            role: pb::InstanceRole::Both as i32,
+            ..Default::default()
+        };
+        let domain = Instance::try_from(instance.clone()).unwrap();
+        let kv = domain.kv_events.clone().unwrap();
+        assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
+        assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(pb::Instance::from(&domain), instance);
+        let bad = pb::Instance {
+            kv_events_endpoint: "tcp://*:5557".into(),
+            ..instance
+        };
+        assert_eq!(
+            Instance::try_from(bad).unwrap_err().field,
+            "KvEventsEndpoint"
+        );
+    }
+
+    #[test]
     fn bad_names_and_enums_name_the_field() {
         let wire = pb::EndpointConfig {
             name: "bad name".into(),
@@ -375,6 +684,7 @@ mod tests {
                 routing_config: Some(pb::RoutingConfig {
                     routing_strategy: 99,
                     prefix_aware_routing_config: None,
+                    kv_aware_routing_config: None,
                 }),
                 ..Default::default()
             }],
@@ -384,5 +694,34 @@ mod tests {
             EndpointConfig::try_from(wire).unwrap_err().field,
             "ProductionVariants[0].RoutingConfig.RoutingStrategy"
         );
+    }
+    #[test]
+    fn the_load_balance_extension_round_trips_and_stays_absent_when_absent() {
+        let json = r#"[{"VariantName":"AllTraffic","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,
+            "LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}},
+            {"VariantName":"SageMaker","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16}}}]"#;
+        let config = EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: crate::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms: 0,
+        };
+        let wire = pb::EndpointConfig::from(&config);
+        let prefix = |index: usize| {
+            wire.production_variants[index]
+                .routing_config
+                .unwrap()
+                .prefix_aware_routing_config
+                .unwrap()
+        };
+        assert_eq!(prefix(0).load_balance_factor, Some(1.25));
+        assert_eq!(prefix(0).load_balance_slack, Some(2));
+        assert_eq!(prefix(1).load_balance_factor, None);
+        assert_eq!(prefix(1).load_balance_slack, None);
+        assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
     }
 }

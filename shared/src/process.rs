@@ -86,3 +86,68 @@ pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<String, Str
     }
     Ok(token.to_owned())
 }
+
+/// Checks that a flag's value lies in `range`; the error names the flag:
+/// `--max-attempts: 0 is outside 1..=10`.
+pub fn check_range<T>(
+    flag: &str,
+    value: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<(), String>
+where
+    T: PartialOrd + std::fmt::Display,
+{
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{flag}: {value} is outside {}..={}",
+            range.start(),
+            range.end()
+        ))
+    }
+}
+
+/// This process's limit on open files, where it can be read.
+pub fn open_file_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// Raises this process's soft limit on open files to its hard limit (servers that hold many
+/// sockets need more than the usual 1024) and returns the limit now in force, or `None` where
+/// it cannot be read.
+pub fn raise_open_file_limit() -> Option<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(hard)) = (limit.current, limit.maximum)
+        && current < hard
+    {
+        limit.current = Some(hard);
+        if setrlimit(Resource::Nofile, limit).is_err() {
+            limit.current = Some(current);
+        }
+    }
+    limit.current
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_name_the_flag() {
+        assert_eq!(check_range("--n", 3, 1..=10), Ok(()));
+        assert_eq!(
+            check_range("--n", 0, 1..=10).unwrap_err(),
+            "--n: 0 is outside 1..=10"
+        );
+        assert!(check_range("--n", 11, 1..=10).is_err());
+    }
+
+    #[test]
+    fn the_open_file_limit_is_at_least_what_it_was() {
+        let before = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        let after = raise_open_file_limit();
+        assert!(after >= before, "{after:?} < {before:?}");
+    }
+}

@@ -6,7 +6,7 @@
 //! can warn; anything else is refused with the path of the field, which catches typos such as
 //! `RoutingStrategyy` before they silently fall back to a default.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::model::{ProductionVariant, ValidationError};
 
@@ -19,8 +19,12 @@ const VARIANT_FIELDS: &[&str] = &[
     "RoutingConfig",
 ];
 
-/// SageMaker ProductionVariant fields that Switchyard accepts and ignores.
+/// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's
+/// `sagemaker` model lists them all).
 const IGNORED_VARIANT_FIELDS: &[&str] = &[
+    "InstancePools",
+    "VariantInstanceProvisionTimeoutInSeconds",
+    "AcceleratorPartitionLayouts",
     "AcceleratorType",
     "CoreDumpConfig",
     "ServerlessConfig",
@@ -33,8 +37,20 @@ const IGNORED_VARIANT_FIELDS: &[&str] = &[
     "CapacityReservationConfig",
 ];
 
-const ROUTING_FIELDS: &[&str] = &["RoutingStrategy", "PrefixAwareRoutingConfig"];
-const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
+const ROUTING_FIELDS: &[&str] = &[
+    "RoutingStrategy",
+    "PrefixAwareRoutingConfig",
+    "KvAwareRoutingConfig",
+];
+/// SageMaker's two fields, then Switchyard's optional bounded-load extension (a pasted
+/// SageMaker config never has them, so it means what it means on SageMaker).
+const PREFIX_FIELDS: &[&str] = &[
+    "PrefixLength",
+    "ConcurrencyThreshold",
+    "LoadBalanceFactor",
+    "LoadBalanceSlack",
+];
+const KV_FIELDS: &[&str] = &["ConcurrencyThreshold", "LoadWeight"];
 
 /// Production variants parsed from SageMaker JSON, with the SageMaker-only fields that were
 /// ignored (as `ProductionVariants[i].Field`).
@@ -42,6 +58,9 @@ const PREFIX_FIELDS: &[&str] = &["PrefixLength", "ConcurrencyThreshold"];
 pub struct ParsedVariants {
     pub variants: Vec<ProductionVariant>,
     pub ignored_fields: Vec<String>,
+    /// The ignored fields with their values, one map per variant (in order), so that an API
+    /// can give them back as it received them.
+    pub ignored_values: Vec<Map<String, Value>>,
 }
 
 /// Parses `--production-variants`: a JSON array of ProductionVariant objects (a single object
@@ -50,6 +69,11 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
     let value: Value = serde_json::from_str(json).map_err(|err| {
         ValidationError::new("ProductionVariants", format!("is not valid JSON: {err}"))
     })?;
+    parse_production_variants_value(value)
+}
+
+/// [`parse_production_variants`] of JSON already parsed (a request body's member).
+pub fn parse_production_variants_value(value: Value) -> Result<ParsedVariants, ValidationError> {
     let items = match value {
         Value::Array(items) => items,
         object @ Value::Object(_) => vec![object],
@@ -61,6 +85,7 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
         }
     };
     let mut ignored_fields = Vec::new();
+    let mut ignored_values = Vec::with_capacity(items.len());
     let mut variants = Vec::with_capacity(items.len());
     for (index, mut item) in items.into_iter().enumerate() {
         let path = format!("ProductionVariants[{index}]");
@@ -68,12 +93,15 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
             return Err(ValidationError::new(path, "must be a JSON object"));
         };
         let keys: Vec<String> = object.keys().cloned().collect();
+        let mut ignored = Map::new();
         for key in keys {
             if VARIANT_FIELDS.contains(&key.as_str()) {
                 continue;
             }
             if IGNORED_VARIANT_FIELDS.contains(&key.as_str()) {
-                object.remove(&key);
+                if let Some(value) = object.remove(&key) {
+                    ignored.insert(key.clone(), value);
+                }
                 ignored_fields.push(format!("{path}.{key}"));
                 continue;
             }
@@ -94,14 +122,23 @@ pub fn parse_production_variants(json: &str) -> Result<ParsedVariants, Validatio
                     PREFIX_FIELDS,
                 )?;
             }
+            if let Some(kv) = routing.get("KvAwareRoutingConfig") {
+                check_keys(
+                    kv,
+                    &format!("{path}.RoutingConfig.KvAwareRoutingConfig"),
+                    KV_FIELDS,
+                )?;
+            }
         }
         let variant: ProductionVariant = serde_json::from_value(item)
             .map_err(|err| ValidationError::new(path.clone(), err.to_string()))?;
         variants.push(variant);
+        ignored_values.push(ignored);
     }
     Ok(ParsedVariants {
         variants,
         ignored_fields,
+        ignored_values,
     })
 }
 
@@ -153,12 +190,46 @@ mod tests {
     }
 
     #[test]
+    fn parses_kv_aware_with_and_without_knobs() {
+        let parsed = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE"}},
+            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"ConcurrencyThreshold":4,"LoadWeight":1.5}}}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            parsed.variants[0].routing().routing_strategy,
+            RoutingStrategy::KvAware
+        );
+        assert_eq!(parsed.variants[0].routing().kv_aware_routing_config, None);
+        let knobs = parsed.variants[1]
+            .routing()
+            .kv_aware_routing_config
+            .unwrap();
+        assert_eq!(knobs.concurrency_threshold(), 4);
+        assert!((knobs.load_weight() - 1.5).abs() < f64::EPSILON);
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            "KvAwareRoutingConfig":{"Threshold":4}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "ProductionVariants[0].RoutingConfig.KvAwareRoutingConfig.Threshold"
+        );
+    }
+
+    #[test]
     fn sagemaker_only_fields_are_reported_not_refused() {
         let json = r#"[{"VariantName":"a","VolumeSizeInGB":100}]"#;
         let parsed = parse_production_variants(json).unwrap();
         assert_eq!(
             parsed.ignored_fields,
             ["ProductionVariants[0].VolumeSizeInGB"]
+        );
+        assert_eq!(
+            Value::Object(parsed.ignored_values[0].clone()),
+            serde_json::json!({"VolumeSizeInGB": 100})
         );
     }
 
@@ -182,5 +253,32 @@ mod tests {
         assert!(err.message.contains("FASTEST"), "{err}");
         let err = parse_production_variants("[{").unwrap_err();
         assert_eq!(err.field, "ProductionVariants");
+    }
+    #[test]
+    fn reads_the_load_balance_extension() {
+        let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,
+            "LoadBalanceFactor":1.25,"LoadBalanceSlack":1}}}]"#;
+        let prefix = parse_production_variants(json).unwrap().variants[0]
+            .routing()
+            .prefix_aware_routing_config
+            .unwrap();
+        assert_eq!(prefix.load_balance(), Some((1.25, 1)));
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactr":1.25}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig.LoadBalanceFactr"
+        );
+        assert!(err.message.contains("LoadBalanceFactor"), "{err}");
+        let err = parse_production_variants(
+            r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":"high"}}}]"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "ProductionVariants[0]");
     }
 }

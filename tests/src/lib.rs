@@ -333,25 +333,13 @@ impl Etcd {
             url,
             _dir: dir,
         };
-        // This etcd, not another one that took the port, logs that it serves it.
-        let serving = format!("client requests on 127.0.0.1:{client_port}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            if log.contains(&serving) {
-                break;
-            }
-            if let Some(status) = etcd.child.try_wait()? {
-                if log.contains("address already in use") {
-                    return Ok(None);
-                }
-                bail!("etcd exited ({status}) before serving:\n{log}");
-            }
-            if Instant::now() >= deadline {
+        match wait_serving(&mut [(&mut etcd.child, &log_path, client_port)]).await {
+            Ok(EtcdStart::Serving) => {}
+            Ok(EtcdStart::PortTaken) => return Ok(None),
+            Err(err) => {
                 etcd.kill();
-                bail!("etcd did not serve within 20 s:\n{log}");
+                return Err(err);
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let ready = match tls {
             None => etcd.wait_healthy().await,
@@ -417,6 +405,183 @@ impl Drop for Etcd {
     }
 }
 
+/// One member of an [`EtcdCluster`].
+pub struct EtcdMember {
+    child: Child,
+    /// Client URL, `http://127.0.0.1:PORT`.
+    pub url: String,
+    frozen: bool,
+}
+
+/// Several etcd members forming one cluster on loopback, for tests of a member that stops
+/// answering. A member can be frozen (SIGSTOP: its sockets stay open, nothing answers, as
+/// with a hung process or a partition) and thawed. On drop every member is thawed and killed,
+/// whatever happened before.
+pub struct EtcdCluster {
+    pub members: Vec<EtcdMember>,
+    _dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members and waits until each serves clients (which an etcd member does
+    /// once the cluster has a leader). etcd cannot bind port 0: when a port turns out taken,
+    /// the whole cluster starts again on other ports, at most 10 times.
+    pub async fn start(size: usize) -> anyhow::Result<Self> {
+        let binary = which("etcd").context(
+            "etcd is not installed: run scripts/test (it installs Debian's etcd-server) or apt-get install etcd-server",
+        )?;
+        for _ in 0..10 {
+            if let Some(cluster) = Self::start_once(&binary, size).await? {
+                return Ok(cluster);
+            }
+        }
+        bail!("an etcd cluster found its ports taken 10 times in a row")
+    }
+
+    /// `None` when a port was taken.
+    async fn start_once(binary: &Path, size: usize) -> anyhow::Result<Option<Self>> {
+        let dir = tempfile::tempdir()?;
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (unused_port(), unused_port())).collect();
+        let initial_cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(index, (_, peer))| format!("m{index}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cluster = Self {
+            members: Vec::new(),
+            _dir: dir,
+        };
+        let mut logs = Vec::new();
+        // Dropping `cluster` (on an error or a taken port) kills what started.
+        for (index, (client, peer)) in ports.iter().enumerate() {
+            let url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let log_path = cluster._dir.path().join(format!("m{index}.log"));
+            let log = std::fs::File::create(&log_path)?;
+            let child = Command::new(binary)
+                .arg("--data-dir")
+                .arg(cluster._dir.path().join(format!("m{index}")))
+                .args(["--name", &format!("m{index}")])
+                .args(["--listen-client-urls", &url])
+                .args(["--advertise-client-urls", &url])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &initial_cluster])
+                .args(["--initial-cluster-state", "new"])
+                .args(["--heartbeat-interval=50", "--election-timeout=500"])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .context("cannot start etcd")?;
+            cluster.members.push(EtcdMember {
+                child,
+                url,
+                frozen: false,
+            });
+            logs.push((log_path, *client));
+        }
+        let mut waiting: Vec<(&mut Child, &Path, u16)> = cluster
+            .members
+            .iter_mut()
+            .zip(&logs)
+            .map(|(member, (log, port))| (&mut member.child, log.as_path(), *port))
+            .collect();
+        match wait_serving(&mut waiting).await? {
+            EtcdStart::Serving => Ok(Some(cluster)),
+            EtcdStart::PortTaken => Ok(None),
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|member| member.url.clone())
+            .collect()
+    }
+
+    /// Stops member `index` where it stands (SIGSTOP).
+    pub fn freeze(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.members[index];
+        signal_child(&member.child, "STOP")?;
+        member.frozen = true;
+        Ok(())
+    }
+
+    /// Lets a frozen member run again (SIGCONT).
+    pub fn thaw(&mut self, index: usize) -> anyhow::Result<()> {
+        let member = &mut self.members[index];
+        signal_child(&member.child, "CONT")?;
+        member.frozen = false;
+        Ok(())
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for member in &mut self.members {
+            if member.frozen {
+                let _ = signal_child(&member.child, "CONT");
+            }
+            let _ = member.child.kill();
+            let _ = member.child.wait();
+        }
+    }
+}
+
+/// Sends a signal by name to a child process that must still be there (`kill -NAME PID`).
+fn signal_child(child: &Child, name: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(child.id().to_string())
+        .status()
+        .context("cannot run kill")?;
+    if !status.success() {
+        bail!("kill -{name} {} failed: {status}", child.id());
+    }
+    Ok(())
+}
+
+/// How the start of etcd processes on ports picked by [`unused_port`] ended.
+enum EtcdStart {
+    /// Each one logged that it serves clients on its own port.
+    Serving,
+    /// One exited because another process had taken one of its ports first.
+    PortTaken,
+}
+
+/// Waits (at most 20 s) until each etcd `(process, log file, client port)` logs that it serves
+/// client requests on its port (so an answer on the port is this etcd's, not another one's
+/// that took the port), or one of them exits because a port was taken.
+async fn wait_serving(etcds: &mut [(&mut Child, &Path, u16)]) -> anyhow::Result<EtcdStart> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut serving = 0;
+        for (child, log_path, client_port) in etcds.iter_mut() {
+            let log = std::fs::read_to_string(*log_path).unwrap_or_default();
+            if log.contains(&format!("client requests on 127.0.0.1:{client_port}")) {
+                serving += 1;
+            } else if let Some(status) = child.try_wait()? {
+                if log.contains("address already in use") {
+                    return Ok(EtcdStart::PortTaken);
+                }
+                bail!("etcd exited ({status}) before serving:\n{log}");
+            }
+        }
+        if serving == etcds.len() {
+            return Ok(EtcdStart::Serving);
+        }
+        if Instant::now() >= deadline {
+            let logs: Vec<String> = etcds
+                .iter()
+                .map(|(_, log_path, _)| std::fs::read_to_string(log_path).unwrap_or_default())
+                .collect();
+            bail!("etcd did not serve within 20 s:\n{}", logs.join("\n---\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -471,7 +636,10 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// The files of a Makefile-style dep-info (`target: a.rs b.rs`, spaces in names escaped with
-/// a backslash) modified after `built`. A source that no longer exists counts as newer.
+/// a backslash) changed after `built`. A source that no longer exists counts as changed. A
+/// source a build script generated (`.../build/PKG-HASH/out/...`) is rewritten, with the same
+/// text, whenever cargo runs the script again (another build's features, say), so it counts
+/// by the script's own inputs, its `rerun-if-changed` paths (see [`generated_inputs`]).
 fn newer_sources(dep_info: &str, built: SystemTime) -> Vec<PathBuf> {
     let first_rule = dep_info.lines().next().unwrap_or_default();
     let Some((_, sources)) = first_rule.split_once(": ") else {
@@ -491,15 +659,74 @@ fn newer_sources(dep_info: &str, built: SystemTime) -> Vec<PathBuf> {
         }
     }
     files.push(current);
-    files
+    let files: Vec<PathBuf> = files
         .into_iter()
         .filter(|file| !file.is_empty())
         .map(PathBuf::from)
-        .filter(|file| {
-            let modified = std::fs::metadata(file).and_then(|meta| meta.modified());
-            !modified.is_ok_and(|modified| modified <= built)
+        .collect();
+    let changed = |file: &Path| {
+        let modified = std::fs::metadata(file).and_then(|meta| meta.modified());
+        !modified.is_ok_and(|modified| modified <= built)
+    };
+    let mut newer = Vec::new();
+    for file in &files {
+        if !changed(file) {
+            continue;
+        }
+        match generated_inputs(file, &files) {
+            Some(inputs) => newer.extend(inputs.into_iter().filter(|input| changed(input))),
+            None => newer.push(file.clone()),
+        }
+    }
+    newer
+}
+
+/// For a file a build script wrote (`.../build/PKG-HASH/out/...`): the files its script said
+/// to rerun on (`cargo:rerun-if-changed` in `.../build/PKG-HASH/output`, relative to the
+/// package's directory, a directory standing for every file in it). The package's directory
+/// is found among the ancestors of the other `sources` (the package's own sources are among
+/// them). `None` when the file is not generated or this cannot be told: then it counts as is.
+fn generated_inputs(file: &Path, sources: &[PathBuf]) -> Option<Vec<PathBuf>> {
+    let build_dir = file
+        .ancestors()
+        .find(|dir| dir.file_name() == Some("out".as_ref()))?
+        .parent()?;
+    if build_dir.parent()?.file_name() != Some("build".as_ref()) {
+        return None;
+    }
+    let (package, _hash) = build_dir.file_name()?.to_str()?.rsplit_once('-')?;
+    let output = std::fs::read_to_string(build_dir.join("output")).ok()?;
+    let reruns: Vec<&str> = output
+        .lines()
+        .filter_map(|line| {
+            line.strip_prefix("cargo:rerun-if-changed=")
+                .or_else(|| line.strip_prefix("cargo::rerun-if-changed="))
         })
-        .collect()
+        .collect();
+    if reruns.is_empty() {
+        // Without it, cargo reruns the script on any change in the package: not told here.
+        return None;
+    }
+    let name_line = format!("name = \"{package}\"");
+    let package_dir = sources
+        .iter()
+        .flat_map(|source| source.ancestors().skip(1))
+        .find(|dir| {
+            std::fs::read_to_string(dir.join("Cargo.toml"))
+                .is_ok_and(|manifest| manifest.lines().any(|line| line.trim() == name_line))
+        })?;
+    let mut inputs = Vec::new();
+    for rerun in reruns {
+        let mut pending = vec![package_dir.join(rerun)];
+        while let Some(path) = pending.pop() {
+            match std::fs::read_dir(&path) {
+                Ok(entries) => pending.extend(entries.filter_map(Result::ok).map(|e| e.path())),
+                // A file, or a path that does not exist (which cargo also reruns on).
+                Err(_) => inputs.push(path),
+            }
+        }
+    }
+    Some(inputs)
 }
 
 /// One of the workspace's binaries running as a real process, its JSON log lines collected.
@@ -1186,5 +1413,44 @@ impl HealthServer {
     /// Probes answered 200 so far.
     pub fn successes(&self) -> u64 {
         self.successes.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_regenerated_file_counts_by_its_build_scripts_inputs() {
+        let root = tempfile::tempdir().unwrap();
+        let package = root.path().join("proto");
+        let source = package.join("src/lib.rs");
+        let input = package.join("defs/a.proto");
+        let build = root.path().join("target/debug/build/my-proto-0123abcd");
+        let generated = build.join("out/a.rs");
+        for dir in [source.parent(), input.parent(), generated.parent()] {
+            std::fs::create_dir_all(dir.unwrap()).unwrap();
+        }
+        std::fs::write(
+            package.join("Cargo.toml"),
+            "[package]\nname = \"my-proto\"\n",
+        )
+        .unwrap();
+        std::fs::write(build.join("output"), "cargo:rerun-if-changed=defs\n").unwrap();
+        for file in [&source, &input] {
+            std::fs::write(file, "").unwrap();
+        }
+        let built = SystemTime::now();
+        std::thread::sleep(Duration::from_millis(20));
+        // The script ran again and wrote its output anew: the inputs did not change.
+        std::fs::write(&generated, "").unwrap();
+        let dep_info = format!("/t/bin: {} {}\n", source.display(), generated.display());
+        assert_eq!(newer_sources(&dep_info, built), Vec::<PathBuf>::new());
+        // An input changed: that is what is named.
+        std::fs::write(&input, "message A {}").unwrap();
+        assert_eq!(newer_sources(&dep_info, built), vec![input.clone()]);
+        // A plain source changed.
+        std::fs::write(&source, "").unwrap();
+        assert!(newer_sources(&dep_info, built).contains(&source));
     }
 }

@@ -179,6 +179,57 @@ fn the_admin_cli_works_as_a_user_types_it() {
         "{out}"
     );
 
+    // Switchyard's bounded-load extension is set through the CLI (boto3 would refuse it).
+    let bounded = r#"[{"VariantName":"AllTraffic","ModelName":"m","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}}]"#;
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "hot-cfg",
+            "--production-variants",
+            bounded,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "endpoint-config",
+            "describe",
+            "--name",
+            "hot-cfg",
+        ],
+    );
+    assert_eq!(code, 0);
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
+    let prefix = &json["ProductionVariants"][0]["RoutingConfig"]["PrefixAwareRoutingConfig"];
+    assert_eq!(prefix["LoadBalanceFactor"], 1.25, "{out}");
+    assert_eq!(prefix["LoadBalanceSlack"], 2, "{out}");
+    let (_, out, _) = cli(&control, &["endpoint-config", "list"]);
+    assert!(out.contains("4096/16 load≤1.25×mean+2"), "{out}");
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "endpoint-config",
+            "create",
+            "--name",
+            "x",
+            "--production-variants",
+            &bounded.replace("1.25", "0.5"),
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("LoadBalanceFactor"), "{err}");
+    let (code, _, _) = cli(
+        &control,
+        &["endpoint-config", "delete", "--name", "hot-cfg"],
+    );
+    assert_eq!(code, 0);
+
     // A rule broken locally: exit 64, field named.
     let (code, _, err) = cli(
         &control,
@@ -290,6 +341,51 @@ fn the_admin_cli_works_as_a_user_types_it() {
     );
     assert_eq!(code, 64);
     assert!(err.contains("--protocol"), "{err}");
+    // An engine that publishes vLLM KV-cache events says where at registration.
+    let (code, out, err) = cli(
+        &control,
+        &[
+            "--output",
+            "json",
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:12",
+            "--id",
+            "e3",
+            "--kv-events",
+            "tcp://127.0.0.1:5557",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:5558",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("\"KvEvents\": \"tcp://127.0.0.1:5557\"")
+            && out.contains("\"KvEventsReplay\": \"tcp://127.0.0.1:5558\""),
+        "{out}"
+    );
+    let (code, _, err) = cli(
+        &control,
+        &[
+            "instance",
+            "register",
+            "--endpoint",
+            "chat",
+            "--variant",
+            "AllTraffic",
+            "--url",
+            "http://127.0.0.1:13",
+            "--kv-events",
+            "tcp://*:5557",
+        ],
+    );
+    assert_eq!(code, 64);
+    assert!(err.contains("--kv-events"), "{err}");
 
     // Errors from the server: readable, exit 1.
     let (code, _, err) = cli(&control, &["endpoint", "describe", "--name", "nope"]);
@@ -381,6 +477,64 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
         terminate(&mut child).success(),
         "switchyard up exits cleanly on SIGTERM"
     );
+}
+
+#[test]
+fn a_bounded_load_comparison_runs_with_routers_as_processes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("compare.json");
+    let json_arg = json.to_str().expect("utf-8 path");
+    let output = run(
+        "switchyard-bench",
+        &[
+            "compare",
+            "--preset",
+            "quick",
+            "--quiet",
+            "--strategies",
+            "PREFIX_AWARE",
+            "--load-balance-factor",
+            "1.25",
+            "--load-balance-slack",
+            "0",
+            "--router-processes",
+            "--peers",
+            "sglang",
+            "--sglang-bin",
+            "/nonexistent/smg",
+            "--json",
+            json_arg,
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(
+        runs.len(),
+        2,
+        "PREFIX_AWARE twice; the missing peer skipped"
+    );
+    assert_eq!(runs[1]["load_balance"]["factor"], 1.25, "{report}");
+    assert_eq!(runs[1]["load_balance"]["slack"], 0, "{report}");
+    for run in runs {
+        assert_eq!(run["errors"], 0, "{run}");
+        assert_eq!(run["instance_shares"].as_array().map(Vec::len), Some(3));
+    }
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("ran as processes"), "{notes}");
+    assert!(notes.contains("skipped"), "{notes}");
+
+    let bad = run(
+        "switchyard-bench",
+        &["compare", "--load-balance-factor", "0.5"],
+    );
+    assert_eq!(bad.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--load-balance-factor"));
 }
 
 #[test]

@@ -159,8 +159,34 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 pb::PrefixAwareRoutingConfig {
                     prefix_length,
                     concurrency_threshold,
+                    ..Default::default()
                 }
             }),
+            kv_aware_routing_config: None,
+        })
+    };
+    let kv = |strategy: pb::RoutingStrategy, threshold: u32, weight: Option<f64>| {
+        Some(pb::RoutingConfig {
+            routing_strategy: strategy as i32,
+            prefix_aware_routing_config: None,
+            kv_aware_routing_config: Some(pb::KvAwareRoutingConfig {
+                concurrency_threshold: threshold,
+                load_weight: weight,
+            }),
+        })
+    };
+    let kv_base = "ProductionVariants[0].RoutingConfig.KvAwareRoutingConfig";
+    // Switchyard's bounded-load extension of PrefixAwareRoutingConfig.
+    let balanced = |factor: Option<f64>, slack: Option<u32>| {
+        Some(pb::RoutingConfig {
+            routing_strategy: pb::RoutingStrategy::PrefixAware as i32,
+            prefix_aware_routing_config: Some(pb::PrefixAwareRoutingConfig {
+                prefix_length: 4096,
+                concurrency_threshold: 16,
+                load_balance_factor: factor,
+                load_balance_slack: slack,
+            }),
+            kv_aware_routing_config: None,
         })
     };
     let config =
@@ -215,6 +241,7 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                     Some(pb::RoutingConfig {
                         routing_strategy: 42,
                         prefix_aware_routing_config: None,
+                        kv_aware_routing_config: None,
                     }),
                 )],
             ),
@@ -289,6 +316,56 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
                 )],
             ),
             format!("{base}.ConcurrencyThreshold"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    prefix(pb::RoutingStrategy::KvAware, Some((4096, 10))),
+                )],
+            ),
+            base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant("v", kv(pb::RoutingStrategy::Random, 0, None))],
+            ),
+            kv_base.into(),
+        ),
+        (
+            config(
+                "c",
+                vec![variant("v", kv(pb::RoutingStrategy::KvAware, 1025, None))],
+            ),
+            format!("{kv_base}.ConcurrencyThreshold"),
+        ),
+        (
+            config(
+                "c",
+                vec![variant(
+                    "v",
+                    kv(pb::RoutingStrategy::KvAware, 0, Some(-1.0)),
+                )],
+            ),
+            format!("{kv_base}.LoadWeight"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(0.5), None))]),
+            format!("{base}.LoadBalanceFactor"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(f64::NAN), Some(2)))]),
+            format!("{base}.LoadBalanceFactor"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(Some(1.25), Some(1025)))]),
+            format!("{base}.LoadBalanceSlack"),
+        ),
+        (
+            config("c", vec![variant("v", balanced(None, Some(2)))]),
+            format!("{base}.LoadBalanceSlack"),
         ),
     ];
     for (request, field) in cases {
@@ -376,6 +453,26 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
             },
             "Protocol",
         ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                kv_events_endpoint: "tcp://*:5557".into(),
+                ..Default::default()
+            },
+            "KvEventsEndpoint",
+        ),
+        (
+            pb::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: "http://127.0.0.1:1".into(),
+                kv_events_replay_endpoint: "tcp://127.0.0.1:5558".into(),
+                ..Default::default()
+            },
+            "KvEventsReplayEndpoint",
+        ),
     ] {
         let err = admin.register_instance(request).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err}");
@@ -449,7 +546,9 @@ async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<
     Ok(())
 }
 
-/// A raw sync client, as a router would hold.
+/// A raw sync client, as a router built before protocol 2 would hold: its hello names no
+/// protocol, so the control plane answers in protocol 1 (one whole Snapshot, then one message
+/// per change).
 async fn sync_client(
     url: &str,
     router_id: &str,
@@ -457,12 +556,33 @@ async fn sync_client(
     tokio::sync::mpsc::Sender<pb::RouterMessage>,
     tonic::Streaming<pb::SyncMessage>,
 )> {
-    let mut client = pb::router_sync_client::RouterSyncClient::connect(url.to_owned()).await?;
+    sync_client_speaking(
+        tonic::transport::Endpoint::from_shared(url.to_owned())?,
+        router_id,
+        0,
+    )
+    .await
+}
+
+/// A raw sync client on `endpoint` whose hello announces `protocol` (0: none, which the
+/// control plane reads as 1; 2: snapshots and change batches as `StateUpdate`s, as routers
+/// speak it).
+async fn sync_client_speaking(
+    endpoint: tonic::transport::Endpoint,
+    router_id: &str,
+    protocol: u32,
+) -> anyhow::Result<(
+    tokio::sync::mpsc::Sender<pb::RouterMessage>,
+    tonic::Streaming<pb::SyncMessage>,
+)> {
+    let mut client = pb::router_sync_client::RouterSyncClient::new(endpoint.connect().await?);
     let (sender, receiver) = tokio::sync::mpsc::channel(8);
     sender
         .send(pb::RouterMessage {
             message: Some(pb::router_message::Message::Hello(pb::RouterHello {
                 router_id: router_id.into(),
+                protocol,
+                ..Default::default()
             })),
         })
         .await?;
@@ -540,23 +660,30 @@ async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn fleet_load_is_the_sum_of_the_other_routers() -> anyhow::Result<()> {
+async fn fleet_load_is_the_sum_of_the_other_routers_over_known_instances() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cp = embedded_control_plane(dir.path()).await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
     let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
     let (b, _b_stream) = sync_client(&cp.url(), "router-b").await?;
-    let report = |count: u32| pb::RouterMessage {
-        message: Some(pb::router_message::Message::Load(pb::LoadReport {
-            loads: vec![pb::InstanceLoad {
-                endpoint_name: "chat".into(),
-                instance_id: "i1".into(),
-                in_flight: count,
-            }],
-        })),
+    // The control plane takes reports only about instances it knows: wait until it does.
+    until_known(&mut a_stream, &["i1"]).await?;
+    let load = |instance: &str, count: u32| pb::InstanceLoad {
+        endpoint_name: "chat".into(),
+        instance_id: instance.into(),
+        in_flight: count,
     };
-    a.send(report(3)).await?;
-    b.send(report(4)).await?;
-    // Router A hears about B's 4, never its own 3.
+    let report = |loads: Vec<pb::InstanceLoad>| pb::RouterMessage {
+        message: Some(pb::router_message::Message::Load(pb::LoadReport { loads })),
+    };
+    a.send(report(vec![load("i1", 3)])).await?;
+    // Router B also claims load on an instance that does not exist: ignored, so one router
+    // cannot make up load the fleet would route around.
+    b.send(report(vec![load("i1", 4), load("ghost", 1000)]))
+        .await?;
+    // Router A hears about B's 4, never its own 3, nor the ghost.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         assert!(
@@ -567,9 +694,11 @@ async fn fleet_load_is_the_sum_of_the_other_routers() -> anyhow::Result<()> {
             .await?
             .unwrap()?;
         if let Some(pb::sync_message::Message::FleetLoad(fleet)) = message.message
-            && let Some(load) = fleet.loads.first()
+            && !fleet.loads.is_empty()
         {
-            assert_eq!(load.in_flight, 4);
+            assert_eq!(fleet.loads.len(), 1, "{fleet:?}");
+            assert_eq!(fleet.loads[0].instance_id, "i1");
+            assert_eq!(fleet.loads[0].in_flight, 4);
             break;
         }
     }
@@ -677,7 +806,9 @@ async fn assert_populated(url: &str) -> anyhow::Result<()> {
         })
         .await?;
     let mut ids: Vec<String> = admin
-        .list_instances(pb::ListInstancesRequest::default())
+        .list_instances(pb::ListInstancesRequest {
+            endpoint_name: "chat".into(),
+        })
         .await?
         .into_inner()
         .instances
@@ -824,17 +955,23 @@ async fn grpc_health_and_reflection_are_served() -> anyhow::Result<()> {
     let channel = tonic::transport::Channel::from_shared(cp.url())?
         .connect()
         .await?;
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
-    let status = health
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "switchyard.v1.Admin".into(),
-        })
-        .await?
-        .into_inner();
-    assert_eq!(
-        status.status,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-    );
+    let health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    // SERVING once the replica's view of its store is current (at once, on an embedded store).
+    eventually(Duration::from_secs(10), "Admin to be SERVING", || {
+        let mut health = health.clone();
+        async move {
+            let status = health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: "switchyard.v1.Admin".into(),
+                })
+                .await;
+            status.is_ok_and(|status| {
+                status.into_inner().status
+                    == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+            })
+        }
+    })
+    .await?;
     let mut reflection =
         tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
     let request = tonic_reflection::pb::v1::ServerReflectionRequest {
@@ -1076,6 +1213,7 @@ async fn routers_need_the_router_token_when_one_is_set() -> anyhow::Result<()> {
         let mut request = tonic::Request::new(futures::stream::iter([pb::RouterMessage {
             message: Some(pb::router_message::Message::Hello(pb::RouterHello {
                 router_id: "intruder".into(),
+                ..Default::default()
             })),
         }]));
         if let Some(token) = token {
@@ -1148,6 +1286,24 @@ async fn next_fleet_load(
     }
 }
 
+/// Reads `stream` until it has been sent instances `ids` of endpoint `chat`: from then on the
+/// replica behind it knows them and takes load reports about them (it drops figures for
+/// instances it does not know).
+async fn until_known(
+    stream: &mut tonic::Streaming<pb::SyncMessage>,
+    ids: &[&str],
+) -> anyhow::Result<()> {
+    Follower::default()
+        .follow_until(stream, Duration::from_secs(10), |known| {
+            ids.iter().all(|id| {
+                known
+                    .instances
+                    .contains_key(&("chat".to_owned(), (*id).to_owned()))
+            })
+        })
+        .await
+}
+
 #[tokio::test]
 async fn a_router_is_never_sent_its_own_load_as_someone_elses() -> anyhow::Result<()> {
     // Router a's load on i1 comes and goes between the control plane's ticks; b holds 2 on
@@ -1158,8 +1314,14 @@ async fn a_router_is_never_sent_its_own_load_as_someone_elses() -> anyhow::Resul
     let mut config = ControlConfig::embedded(loopback_any(), dir.path().to_path_buf());
     config.load_interval_ms = 20;
     let cp = control_plane(config).await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    for id in ["i1", "i2"] {
+        register(&mut admin, "chat", id, "http://127.0.0.1:9").await?;
+    }
     let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
     let (b, _b_stream) = sync_client(&cp.url(), "router-b").await?;
+    until_known(&mut a_stream, &["i1", "i2"]).await?;
     b.send(load_report(&[("i2", 2)])).await?;
     let flipping = tokio::spawn(async move {
         // 100 flips, 7 ms apart: a's report lands at every phase of the 20 ms ticks.
@@ -1214,8 +1376,14 @@ async fn fleet_load_crosses_replicas_and_a_dead_replicas_share_lapses() -> anyho
         "control plane listening",
     )?;
     let second = etcd_control_plane(&etcd, "/xload/").await?;
-    let (a, _a_stream) = sync_client(&first.url(), "router-a").await?;
+    let mut admin = admin(&second.url()).await?;
+    create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
+    register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
+    let (a, mut a_stream) = sync_client(&first.url(), "router-a").await?;
     let (_b, mut b_stream) = sync_client(&second.url(), "router-b").await?;
+    for stream in [&mut a_stream, &mut b_stream] {
+        until_known(stream, &["i1"]).await?;
+    }
     // Router a keeps reporting (a silent router would be dropped from the sums anyway).
     let reporting = tokio::spawn(async move {
         while a.send(load_report(&[("i1", 3)])).await.is_ok() {
@@ -1461,11 +1629,16 @@ async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() 
 // --- The sync stream: nothing missed or repeated ---------------------------------------------
 
 /// What a router following a sync stream knows of the instances, built from the messages as
-/// a router builds it; checks that no change is repeated (after a snapshot at version V every
-/// change has a version above V, and versions never go down).
+/// a router builds it, in either protocol; checks that no change is repeated (after a
+/// snapshot at version V every change has a version above V, and versions never go down).
+/// In protocol 1, where every change comes on its own, it also checks that a removal follows
+/// the registration it removes (protocol 2 folds a registration and its removal into one
+/// batch, so there a removal of an unknown instance is normal).
 #[derive(Debug, Default)]
 struct Follower {
     instances: std::collections::BTreeMap<(String, String), String>,
+    /// Protocol 2: the snapshot being received (from its `reset` piece to its `complete` one).
+    incoming: Option<std::collections::BTreeMap<(String, String), String>>,
     snapshot_version: u64,
     version: u64,
     snapshots: usize,
@@ -1492,6 +1665,7 @@ impl Follower {
                 self.snapshots += 1;
                 return Ok(());
             }
+            Some(Message::Update(update)) => return self.apply_update(version, update),
             Some(Message::FleetLoad(_)) | None => return Ok(()),
             Some(Message::InstanceChanged(instance)) => {
                 self.instances
@@ -1506,6 +1680,11 @@ impl Follower {
             }
             Some(Message::EndpointChanged(_) | Message::EndpointRemoved(_)) => {}
         }
+        self.check_change(version)
+    }
+
+    /// A change (protocol 1) or a batch of changes (protocol 2) at `version`.
+    fn check_change(&mut self, version: u64) -> anyhow::Result<()> {
         anyhow::ensure!(
             version > self.snapshot_version && version >= self.version,
             "change at version {version} repeated (snapshot {}, last {})",
@@ -1513,6 +1692,40 @@ impl Follower {
             self.version
         );
         self.version = version;
+        Ok(())
+    }
+
+    /// Protocol 2: a piece of a snapshot (the first with `reset`, the last with `complete`)
+    /// or a batch of changes (`complete`, without `reset`).
+    fn apply_update(&mut self, version: u64, update: pb::StateUpdate) -> anyhow::Result<()> {
+        if update.reset {
+            anyhow::ensure!(
+                version >= self.version,
+                "a snapshot at {version} after version {}",
+                self.version
+            );
+            self.incoming = Some(Default::default());
+        }
+        let in_snapshot = self.incoming.is_some();
+        let target = self.incoming.as_mut().unwrap_or(&mut self.instances);
+        for endpoint in update.removed_endpoints {
+            target.retain(|(name, _), _| *name != endpoint);
+        }
+        for instance in update.instances {
+            target.insert((instance.endpoint_name, instance.id), instance.url);
+        }
+        for removed in update.removed_instances {
+            target.remove(&(removed.endpoint_name, removed.id));
+        }
+        if !in_snapshot {
+            return self.check_change(version);
+        }
+        if update.complete {
+            self.instances = self.incoming.take().unwrap_or_default();
+            self.snapshot_version = version;
+            self.version = version;
+            self.snapshots += 1;
+        }
         Ok(())
     }
 
@@ -1535,8 +1748,9 @@ impl Follower {
     }
 }
 
-/// A raw sync client whose HTTP/2 receive windows are the protocol minimum (64 KiB), so a
-/// client that stops reading stops the control plane's sending within about 64 KiB.
+/// A raw protocol-2 sync client whose HTTP/2 receive windows are the protocol minimum
+/// (64 KiB), so a client that stops reading stops the control plane's sending within about
+/// 64 KiB.
 async fn small_window_sync_client(
     url: &str,
     router_id: &str,
@@ -1544,31 +1758,19 @@ async fn small_window_sync_client(
     tokio::sync::mpsc::Sender<pb::RouterMessage>,
     tonic::Streaming<pb::SyncMessage>,
 )> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())?
         .initial_stream_window_size(65_535)
-        .initial_connection_window_size(65_535)
-        .connect()
-        .await?;
-    let mut client = pb::router_sync_client::RouterSyncClient::new(channel);
-    let (sender, receiver) = tokio::sync::mpsc::channel(8);
-    sender
-        .send(pb::RouterMessage {
-            message: Some(pb::router_message::Message::Hello(pb::RouterHello {
-                router_id: router_id.into(),
-            })),
-        })
-        .await?;
-    let stream = client
-        .sync(tokio_stream::wrappers::ReceiverStream::new(receiver))
-        .await?
-        .into_inner();
-    Ok((sender, stream))
+        .initial_connection_window_size(65_535);
+    sync_client_speaking(endpoint, router_id, 2).await
 }
 
-fn instance_record(id: &str) -> anyhow::Result<Vec<u8>> {
+/// An instance record of endpoint `chat` whose URL is about `url_bytes` long.
+fn instance_record(id: &str, url_bytes: usize) -> anyhow::Result<Vec<u8>> {
+    let base = "http://127.0.0.1:9/";
+    let url = format!("{base}{}", "p".repeat(url_bytes.saturating_sub(base.len())));
     let instance: switchyard_shared::Instance = serde_json::from_value(serde_json::json!({
         "InstanceId": id, "EndpointName": "chat", "VariantName": "AllTraffic",
-        "Url": "http://127.0.0.1:9", "Weight": 1.0
+        "Url": url, "Weight": 1.0
     }))?;
     Ok(serde_json::to_vec(&instance)?)
 }
@@ -1577,39 +1779,54 @@ fn instance_record(id: &str) -> anyhow::Result<Vec<u8>> {
 async fn a_sync_stream_that_falls_behind_gets_a_fresh_snapshot() -> anyhow::Result<()> {
     use switchyard_control::keys;
     use switchyard_control::store::{Store, Txn};
-    const INSTANCES: usize = 3000;
+    const TRANSACTIONS: usize = 60;
+    const PER_TRANSACTION: usize = 50;
+    const INSTANCES: usize = TRANSACTIONS * PER_TRANSACTION;
+    // A stream falls behind once it has not taken 16,384 published batches (one per store
+    // transaction; a stream folds whatever is waiting into one batch whenever it sends). This
+    // control plane keeps 16, so that 60 transactions are plenty.
+    const CHANGE_BUFFER: usize = 16;
     let etcd = Etcd::start().await?;
-    let cp = etcd_control_plane(&etcd, "/lag/").await?;
+    let mut config = ControlConfig::etcd(loopback_any(), vec![etcd.url.clone()], "/lag/");
+    config.change_buffer = CHANGE_BUFFER;
+    let cp = control_plane(config).await?;
     create_endpoint(
         &mut admin(&cp.url()).await?,
         "chat",
         &variant_json("RANDOM", None),
     )
     .await?;
-    // One follower reads as fast as it can; the other stops reading after its snapshot.
-    let (_keep, mut reading) = sync_client(&cp.url(), "reading").await?;
+    // Two followers speaking the routers' protocol: one reads as fast as it can, the other
+    // stops reading after its snapshot.
+    let reading_endpoint = tonic::transport::Endpoint::from_shared(cp.url())?;
+    let (_keep, mut reading) = sync_client_speaking(reading_endpoint, "reading", 2).await?;
     let (_keep_stalled, mut stalled) = small_window_sync_client(&cp.url(), "stalled").await?;
-    let mut reader = Follower::default();
     let mut laggard = Follower::default();
     laggard
         .follow_until(&mut stalled, Duration::from_secs(10), |f| f.snapshots == 1)
         .await?;
-    // 3,000 changes (30 transactions of 100, under etcd's 128 operations per transaction):
-    // about 64 KiB of them fill the stalled stream's window, over 1,024 more (the broadcast's
-    // buffer) leave it behind.
+    let all = |follower: &Follower| follower.instances.len() == INSTANCES;
+    let reader = tokio::spawn(async move {
+        let mut reader = Follower::default();
+        reader
+            .follow_until(&mut reading, Duration::from_secs(60), all)
+            .await
+            .map(|()| reader)
+    });
+    // 60 transactions of 50 instances with 300-byte URLs, about 18 KiB of records each: the
+    // first few fill the stalled stream's 64 KiB window (and what gRPC buffers before it),
+    // and the rest are far more than the 16 batches it may fall behind. The reading stream
+    // takes each batch as it comes (and has a 2 MiB window), so it never falls behind.
     let store = EtcdStore::connect(std::slice::from_ref(&etcd.url), "/lag/", None).await?;
-    for batch in 0..INSTANCES / 100 {
+    for batch in 0..TRANSACTIONS {
         let mut txn = Txn::new();
-        for index in 0..100 {
-            let id = format!("i-{:04}", batch * 100 + index);
-            txn = txn.put(keys::instance("chat", &id), instance_record(&id)?, 0);
+        for index in 0..PER_TRANSACTION {
+            let id = format!("i-{:04}", batch * PER_TRANSACTION + index);
+            txn = txn.put(keys::instance("chat", &id), instance_record(&id, 300)?, 0);
         }
         store.commit(txn).await?;
     }
-    let all = |follower: &Follower| follower.instances.len() == INSTANCES;
-    reader
-        .follow_until(&mut reading, Duration::from_secs(30), all)
-        .await?;
+    let reader = reader.await??;
     laggard
         .follow_until(&mut stalled, Duration::from_secs(30), all)
         .await?;
@@ -1617,6 +1834,14 @@ async fn a_sync_stream_that_falls_behind_gets_a_fresh_snapshot() -> anyhow::Resu
         laggard.snapshots >= 2,
         "the stalled stream caught up without a fresh snapshot: it cannot have fallen behind"
     );
+    assert!(
+        cp.sync_stats()
+            .fell_behind
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1,
+        "the control plane did not count a stream falling behind"
+    );
+    assert_eq!(reader.snapshots, 1, "the reading stream never fell behind");
     assert_eq!(laggard.instances, reader.instances);
     Ok(())
 }
@@ -1662,20 +1887,35 @@ async fn concurrent_writers_on_two_replicas_miss_or_repeat_no_change() -> anyhow
             let mut present = Vec::new();
             for write in 0..WRITES / 4 {
                 if !present.is_empty() && random.bool() {
-                    let id = present.swap_remove(random.usize(..present.len()));
-                    admin
-                        .deregister_instance(pb::DeregisterInstanceRequest {
-                            endpoint_name: "chat".into(),
-                            id,
-                        })
-                        .await?;
+                    let id: String = present.swap_remove(random.usize(..present.len()));
+                    // A health write landing between the deregistration's read and its delete
+                    // makes it refuse (ABORTED, nothing deleted); a client tries again.
+                    let mut attempts = 0;
+                    loop {
+                        let deregistered = admin
+                            .deregister_instance(pb::DeregisterInstanceRequest {
+                                endpoint_name: "chat".into(),
+                                id: id.clone(),
+                            })
+                            .await;
+                        match deregistered {
+                            Err(status) if status.code() == Code::Aborted && attempts < 10 => {
+                                attempts += 1;
+                            }
+                            other => {
+                                other?;
+                                break;
+                            }
+                        }
+                    }
                 } else {
                     let id = format!("w{writer}-{write}");
                     register(
                         &mut admin,
                         "chat",
                         &id,
-                        &format!("http://127.0.0.1:{writer}"),
+                        // Ports 1-4 (an instance URL may not name port 0).
+                        &format!("http://127.0.0.1:{}", writer + 1),
                     )
                     .await?;
                     present.push(id);
@@ -1695,7 +1935,15 @@ async fn concurrent_writers_on_two_replicas_miss_or_repeat_no_change() -> anyhow
                 done.load(std::sync::atomic::Ordering::Relaxed) >= follower * WRITES / 13
             })
             .await?;
-            let (_keep, mut stream) = sync_client(&url, &format!("follower-{follower}")).await?;
+            // Both protocols on both replicas: 1 (each change on its own, so a removal must
+            // follow its registration) and 2 (batches and pieces, as routers speak it).
+            let protocol = if (follower / 2) % 2 == 0 { 0 } else { 2 };
+            let (_keep, mut stream) = sync_client_speaking(
+                tonic::transport::Endpoint::from_shared(url)?,
+                &format!("follower-{follower}"),
+                protocol,
+            )
+            .await?;
             let mut known = Follower::default();
             known
                 .follow_until(&mut stream, Duration::from_secs(60), |known| {
@@ -1798,30 +2046,57 @@ async fn routers_sync_over_tls() -> anyhow::Result<()> {
 
 // --- The embedded store on disk ---------------------------------------------------------------
 
+/// A system call of the embedded store on its files, as `strace -f -y` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreCall {
+    /// A write to `wal.jsonl` (a commit's log line, or part of it).
+    LogWrite,
+    /// fsync or fdatasync of `wal.jsonl`.
+    LogSync,
+    /// ftruncate of `wal.jsonl` (the log emptied once the state holds it).
+    LogTruncate,
+    /// Creation of `state.json.tmp`.
+    StateCreate,
+    StateWrite,
+    StateSync,
+    /// `state.json.tmp` renamed over `state.json`.
+    Rename,
+    /// fsync of the data directory.
+    DirectorySync,
+}
+
 /// What a line of `strace -f -y` output says the embedded store in `data` did: (thread id,
-/// one of create, write, fsync file, rename, fsync directory), or `None` for anything else.
-fn store_call<'a>(line: &'a str, data: &str) -> Option<(&'a str, &'static str)> {
+/// call), or `None` for anything else. A call another thread interrupted is shown as
+/// `NAME(ARGS <unfinished ...>` and counted there; its `<... NAME resumed>` line is not.
+fn store_call<'a>(line: &'a str, data: &str) -> Option<(&'a str, StoreCall)> {
     // "PID call(...)", the thread id padded with spaces when it is short.
     let (thread, call) = line.split_once(' ')?;
-    let call = call.trim_start();
+    let (name, args) = call.trim_start().split_once('(')?;
+    // The first argument: a descriptor decorated with its path, "7</dir/wal.jsonl>".
+    let fd_path = args
+        .trim_start_matches(|c: char| c.is_ascii_digit())
+        .strip_prefix('<')
+        .and_then(|rest| rest.split_once('>'))
+        .map(|(path, _)| path);
+    let log = format!("{data}/wal.jsonl");
     let temporary = format!("{data}/state.json.tmp");
-    let on_temporary = format!("<{temporary}>");
-    let kind = if call.starts_with("write(") && call.contains(&on_temporary) {
-        "write"
-    } else if (call.starts_with("fsync(") || call.starts_with("fdatasync("))
-        && call.contains(&on_temporary)
-    {
-        "fsync file"
-    } else if call.starts_with("rename") && call.contains(&format!("\"{temporary}\"")) {
-        "rename"
-    } else if call.starts_with("fsync(") && call.contains(&format!("<{data}>)")) {
-        "fsync directory"
-    } else if call.starts_with("openat(") && call.contains(&format!("\"{temporary}\"")) {
-        "create"
-    } else {
-        return None;
+    let call = match (name, fd_path) {
+        ("write" | "pwrite64" | "writev", Some(path)) if path == log => StoreCall::LogWrite,
+        ("fsync" | "fdatasync", Some(path)) if path == log => StoreCall::LogSync,
+        ("ftruncate", Some(path)) if path == log => StoreCall::LogTruncate,
+        ("write" | "pwrite64" | "writev", Some(path)) if path == temporary => StoreCall::StateWrite,
+        ("fsync" | "fdatasync", Some(path)) if path == temporary => StoreCall::StateSync,
+        ("fsync", Some(path)) if path == data => StoreCall::DirectorySync,
+        ("openat", _) if args.contains(&format!("\"{temporary}\"")) => StoreCall::StateCreate,
+        ("rename" | "renameat" | "renameat2", _)
+            if args.contains(&format!("\"{temporary}\""))
+                && args.contains(&format!("\"{data}/state.json\"")) =>
+        {
+            StoreCall::Rename
+        }
+        _ => return None,
     };
-    Some((thread, kind))
+    Some((thread, call))
 }
 
 #[test]
@@ -1829,32 +2104,164 @@ fn strace_lines_are_read_whatever_the_width_of_the_thread_id() {
     let data = "/tmp/d";
     for (line, expected) in [
         (
-            r#"14911 openat(AT_FDCWD</x>, "/tmp/d/state.json.tmp", O_WRONLY|O_CREAT, 0666) = 12</tmp/d/state.json.tmp>"#,
-            Some(("14911", "create")),
+            r#"432   write(12</tmp/d/wal.jsonl>, "{\"revision\":7"..., 677) = 677"#,
+            Some(("432", StoreCall::LogWrite)),
         ),
         (
-            r#"432   write(12</tmp/d/state.json.tmp>, "{"..., 677) = 677"#,
-            Some(("432", "write")),
+            "14911 fdatasync(12</tmp/d/wal.jsonl>) = 0",
+            Some(("14911", StoreCall::LogSync)),
         ),
         (
-            "432   fsync(12</tmp/d/state.json.tmp>) = 0",
-            Some(("432", "fsync file")),
+            "7 fdatasync(12</tmp/d/wal.jsonl> <unfinished ...>",
+            Some(("7", StoreCall::LogSync)),
+        ),
+        ("7     <... fdatasync resumed>) = 0", None),
+        (
+            r#"14911 openat(AT_FDCWD</x>, "/tmp/d/state.json.tmp", O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0666) = 13</tmp/d/state.json.tmp>"#,
+            Some(("14911", StoreCall::StateCreate)),
+        ),
+        (
+            r#"432   write(13</tmp/d/state.json.tmp>, "{"..., 4194304) = 4194304"#,
+            Some(("432", StoreCall::StateWrite)),
+        ),
+        (
+            "432   fsync(13</tmp/d/state.json.tmp>) = 0",
+            Some(("432", StoreCall::StateSync)),
         ),
         (
             r#"7     rename("/tmp/d/state.json.tmp", "/tmp/d/state.json") = 0"#,
-            Some(("7", "rename")),
+            Some(("7", StoreCall::Rename)),
         ),
         (
-            "432   fsync(12</tmp/d>)        = 0",
-            Some(("432", "fsync directory")),
+            "432   fsync(14</tmp/d>)        = 0",
+            Some(("432", StoreCall::DirectorySync)),
+        ),
+        (
+            "432   ftruncate(12</tmp/d/wal.jsonl>, 0) = 0",
+            Some(("432", StoreCall::LogTruncate)),
+        ),
+        (
+            "432   fsync(12</tmp/d/wal.jsonl>) = 0",
+            Some(("432", StoreCall::LogSync)),
         ),
         (
             r#"432   write(4<anon_inode:[eventfd]>, "\1\0", 8) = 8"#,
             None,
         ),
+        ("432   fsync(9</tmp/d/LOCK>) = 0", None),
+        ("432   fsync(9</tmp/dd>) = 0", None),
     ] {
         assert_eq!(store_call(line, data), expected, "{line}");
     }
+}
+
+/// Checks the order of the embedded store's calls on its files, as traced: each write to the
+/// log (one per commit) is followed by a sync of the log, and each compaction creates,
+/// writes and syncs the temporary state, renames it over `state.json`, syncs the directory,
+/// and only then empties the log and syncs it. The trace may begin in the middle of a commit
+/// (strace attached while it ran) and end in the middle of one (the SIGKILL). Returns (log
+/// syncs after a write, compactions).
+fn check_store_calls(calls: &[StoreCall]) -> Result<(usize, usize), String> {
+    use StoreCall::*;
+    let mut log_syncs = 0;
+    let mut compactions = 0;
+    let mut index = calls
+        .iter()
+        .position(|call| matches!(call, LogWrite | StateCreate))
+        .unwrap_or(calls.len());
+    // Each step must be the expected one, or the end of the trace.
+    let expect = |at: usize, step: StoreCall, what: &str| match calls.get(at) {
+        Some(call) if *call == step => Ok(true),
+        None => Ok(false),
+        Some(other) => Err(format!(
+            "call {at}: {what} did {other:?} where {step:?} was due"
+        )),
+    };
+    while index < calls.len() {
+        match calls[index] {
+            LogWrite => {
+                if !expect(index + 1, LogSync, "a commit")? {
+                    break;
+                }
+                log_syncs += 1;
+                index += 2;
+            }
+            StateCreate => {
+                let mut next = index + 1;
+                if !expect(next, StateWrite, "a compaction")? {
+                    break;
+                }
+                while calls.get(next) == Some(&StateWrite) {
+                    next += 1;
+                }
+                let mut complete = true;
+                for step in [StateSync, Rename, DirectorySync, LogTruncate, LogSync] {
+                    if !expect(next, step, "a compaction")? {
+                        complete = false;
+                        break;
+                    }
+                    next += 1;
+                }
+                compactions += usize::from(complete);
+                index = next;
+            }
+            other => {
+                return Err(format!(
+                    "call {index}: {other:?} outside a commit or a compaction"
+                ));
+            }
+        }
+    }
+    Ok((log_syncs, compactions))
+}
+
+#[test]
+fn the_store_call_checker_refuses_each_missing_or_misplaced_step() {
+    use StoreCall::*;
+    let commit = [LogWrite, LogSync];
+    let compaction = [
+        StateCreate,
+        StateWrite,
+        StateWrite,
+        StateSync,
+        Rename,
+        DirectorySync,
+        LogTruncate,
+        LogSync,
+    ];
+    // Calls 0-3 two commits, 4-11 a compaction, 12-13 a commit, 14 a commit cut short.
+    let good: Vec<StoreCall> = [&commit[..], &commit, &compaction, &commit, &[LogWrite]].concat();
+    assert_eq!(check_store_calls(&good), Ok((3, 1)));
+    // Traced from the middle of a commit; killed in the middle of a compaction.
+    let partial = [&[LogSync][..], &commit, &compaction[..4]].concat();
+    assert_eq!(check_store_calls(&partial), Ok((1, 0)));
+    let broken = |edit: &dyn Fn(&mut Vec<StoreCall>)| {
+        let mut calls = good.clone();
+        edit(&mut calls);
+        check_store_calls(&calls)
+    };
+    // A commit without a sync of the log.
+    assert!(
+        broken(&|calls| {
+            calls.remove(1);
+        })
+        .is_err()
+    );
+    // Each step of the compaction after its writes left out, in turn.
+    for step in 7..=11 {
+        assert!(
+            broken(&|calls| {
+                calls.remove(step);
+            })
+            .is_err(),
+            "{step}"
+        );
+    }
+    // No write of the state at all.
+    assert!(broken(&|calls| calls.retain(|call| *call != StateWrite)).is_err());
+    // The rename before the sync of the state; the log emptied before the rename.
+    assert!(broken(&|calls| calls.swap(7, 8)).is_err());
+    assert!(broken(&|calls| calls.swap(8, 10)).is_err());
 }
 
 /// Threads of process `pid` not traced yet (TracerPid 0 in /proc/PID/task/*/status).
@@ -1873,14 +2280,15 @@ fn untraced_threads(pid: u32) -> usize {
 }
 
 #[tokio::test]
-async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_survives_sigkill()
+async fn the_embedded_store_syncs_its_log_and_compacts_in_order_and_survives_sigkill()
 -> anyhow::Result<()> {
     // No crash on one machine can expose a missing fsync (the page cache survives a killed
     // process), so the order of the system calls is read with strace (Debian's `strace`,
-    // installed by scripts/ensure-deps) on a real `switchyard-control` process: for every
-    // commit, write the temporary file, fsync it, rename it over state.json, fsync the
-    // directory. Then the process is killed with SIGKILL and a new one finds every
-    // acknowledged write.
+    // installed by scripts/ensure-deps) on a real `switchyard-control` process: every commit
+    // appends its line to wal.jsonl and syncs it; once the log outgrows the state (and
+    // 4 MiB), a compaction writes the state to a temporary file, syncs it, renames it over
+    // state.json, syncs the directory, and only then empties the log and syncs it. Then the
+    // process is killed with SIGKILL and a new one finds every acknowledged write.
     let strace = std::process::Command::new("strace").arg("-V").output();
     assert!(
         strace.is_ok_and(|output| output.status.success()),
@@ -1894,7 +2302,7 @@ async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_su
     let log = trace_dir.path().join("strace.log");
     let mut tracer = std::process::Command::new("strace")
         .args(["-f", "-qq", "-y", "-e"])
-        .arg("trace=openat,write,pwrite64,fsync,fdatasync,rename,renameat,renameat2")
+        .arg("trace=openat,write,pwrite64,writev,ftruncate,fsync,fdatasync,rename,renameat,renameat2")
         .arg("-o")
         .arg(&log)
         .arg("-p")
@@ -1911,7 +2319,44 @@ async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_su
     )
     .await?;
 
-    populate(&mut admin(&control.url()).await?).await?;
+    let mut admin = admin(&control.url()).await?;
+    populate(&mut admin).await?;
+    // 2,400 instances with 2,000-byte URLs, over 4 MiB of log lines, on an endpoint whose
+    // instances are probed once an hour (no health writes): at least one compaction.
+    let mut quiet = config_request("bulk-cfg", &variant_json("RANDOM", None));
+    if let Some(config) = quiet.endpoint_config.as_mut() {
+        config.health_check = Some(pb::HealthCheckConfig {
+            interval_ms: 3_600_000,
+            unhealthy_threshold: 100,
+            ..Default::default()
+        });
+    }
+    admin.create_endpoint_config(quiet).await?;
+    admin
+        .create_endpoint(pb::CreateEndpointRequest {
+            name: "bulk".into(),
+            endpoint_config_name: "bulk-cfg".into(),
+        })
+        .await?;
+    let long_path = "p".repeat(2000 - "http://127.0.0.1:9/".len() - 5);
+    let imported = admin
+        .import_instances(pb::ImportInstancesRequest {
+            instances: (0..2400)
+                .map(|index| pb::RegisterInstanceRequest {
+                    endpoint_name: "bulk".into(),
+                    variant_name: "AllTraffic".into(),
+                    url: format!("http://127.0.0.1:9/{long_path}{index:05}"),
+                    id: format!("b-{index}"),
+                    ..Default::default()
+                })
+                .collect(),
+            dry_run: false,
+        })
+        .await?
+        .into_inner();
+    assert_eq!(imported.imported, 2400);
+    // populate's 4 writes, the bulk endpoint's 2 and the import's transactions.
+    let acknowledged = 6 + imported.transactions as usize;
     control.kill();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while tracer.try_wait()?.is_none() {
@@ -1919,52 +2364,37 @@ async fn the_embedded_store_fsyncs_then_renames_then_fsyncs_its_directory_and_su
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let trace = std::fs::read_to_string(&log)?;
-
-    // (thread, call, line) of the calls that matter, in the order each thread made them.
-    let calls: Vec<(&str, &str, &str)> = trace
+    // Commits are serialised by the store's writer lock (on whichever blocking thread), so
+    // the trace's order is their order.
+    let calls: Vec<StoreCall> = trace
         .lines()
-        .filter_map(|line| store_call(line, &data).map(|(thread, kind)| (thread, kind, line)))
+        .filter_map(|line| store_call(line, &data).map(|(_, call)| call))
         .collect();
-    // One commit: from the creation of the temporary file to the next creation. The first
-    // may have begun before strace attached, the last may have been cut by the SIGKILL
-    // (health probes commit too): both are left out when incomplete. Every other commit must
-    // write, fsync the file, rename it, fsync the directory, in that order.
-    let creations: Vec<usize> = (0..calls.len())
-        .filter(|&index| calls[index].1 == "create")
-        .collect();
-    let mut complete = 0;
-    for (number, &start) in creations.iter().enumerate() {
-        let thread = &calls[start].0;
-        let end = creations.get(number + 1).copied().unwrap_or(calls.len());
-        let commit: Vec<&str> = (start + 1..end)
-            .filter(|&index| &calls[index].0 == thread)
-            .map(|index| calls[index].1)
+    let (log_syncs, compactions) = check_store_calls(&calls).map_err(|err| {
+        let traced: Vec<&str> = trace
+            .lines()
+            .filter(|line| store_call(line, &data).is_some())
             .collect();
-        let position = |kind: &str| commit.iter().rposition(|call| *call == kind);
-        let order = [
-            position("write"),
-            position("fsync file"),
-            position("rename"),
-            position("fsync directory"),
-        ];
-        let last = number + 1 == creations.len();
-        if last && order.contains(&None) {
-            continue;
-        }
-        assert!(
-            order.iter().all(Option::is_some) && order.is_sorted(),
-            "commit {number} is not write, fsync, rename, fsync directory: {commit:?}\n{}",
-            calls[start].2
-        );
-        complete += 1;
-    }
+        anyhow::anyhow!("{err}\n{}", traced.join("\n"))
+    })?;
     assert!(
-        complete >= 3,
-        "only {complete} complete commits traced for 4 acknowledged writes:\n{trace}"
+        log_syncs >= acknowledged,
+        "{log_syncs} synced log writes traced for {acknowledged} acknowledged commits"
     );
+    assert!(compactions >= 1, "no compaction traced: {calls:?}");
 
     // SIGKILLed after acknowledging: a new process on the same directory has everything.
     let control = control_process(&["--data-dir", &data])?;
     assert_populated(&control.url()).await?;
+    let bulk = switchyard_tests::admin(&control.url())
+        .await?
+        .max_decoding_message_size(64 << 20)
+        .list_instances(pb::ListInstancesRequest {
+            endpoint_name: "bulk".into(),
+        })
+        .await?
+        .into_inner()
+        .instances;
+    assert_eq!(bulk.len(), 2400, "every imported instance is there");
     Ok(())
 }

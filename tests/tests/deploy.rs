@@ -636,24 +636,29 @@ fn flag_value<'a>(flags: &'a Flags, flag: &str) -> Option<&'a str> {
     flags.get(flag).and_then(|value| value.as_deref())
 }
 
-/// It must listen where the pod's ports and probes expect it, not on the loopback default.
+/// It must listen where the pod's ports and probes expect it, not on the loopback default:
+/// `--listen`, and every other `--…-listen` it is given (`--sagemaker-api-listen`, …).
 fn check_listen(ours: &OurContainer<'_>, problems: &mut Vec<String>) {
     let origin = &ours.origin;
     let (numbers, _) = container_ports(ours.container);
-    let Some(listen) = flag_value(&ours.flags, "--listen") else {
+    if flag_value(&ours.flags, "--listen").is_none() {
         problems.push(format!(
             "{origin}: no --listen, so it listens on loopback only"
         ));
-        return;
-    };
-    let (host, port) = listen.rsplit_once(':').unwrap_or_default();
-    if host.starts_with("127.") || host == "localhost" || host == "[::1]" {
-        problems.push(format!("{origin}: --listen {listen} is loopback only"));
     }
-    if !port.parse().is_ok_and(|port: u64| numbers.contains(&port)) {
-        problems.push(format!(
-            "{origin}: --listen {listen} is not one of its containerPorts {numbers:?}"
-        ));
+    for (flag, value) in &ours.flags {
+        let Some(listen) = value.as_deref().filter(|_| flag.ends_with("-listen")) else {
+            continue;
+        };
+        let (host, port) = listen.rsplit_once(':').unwrap_or_default();
+        if host.starts_with("127.") || host == "localhost" || host == "[::1]" {
+            problems.push(format!("{origin}: {flag} {listen} is loopback only"));
+        }
+        if !port.parse().is_ok_and(|port: u64| numbers.contains(&port)) {
+            problems.push(format!(
+                "{origin}: {flag} {listen} is not one of its containerPorts {numbers:?}"
+            ));
+        }
     }
 }
 

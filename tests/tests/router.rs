@@ -333,6 +333,71 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
 }
 
 #[tokio::test]
+async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_routers_agree()
+-> anyhow::Result<()> {
+    // Slow engines so requests stay in flight while we look. ConcurrencyThreshold 100 is
+    // never reached: only the bound ⌈1.0 × (L + 1) / 4⌉ + 1 moves requests.
+    let sim = SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    };
+    let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+        "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
+    let cluster = Cluster::start(4, 2, variants, sim).await?;
+    let (router_a, router_b) = (&cluster.routers[0], &cluster.routers[1]);
+    let hot = prompt("hot prefix", 1500);
+    let short = chat_body(&hot, 1, false);
+    let owner = instance_for(&chat_url(router_a), &[], &short).await?;
+    cluster.wait_idle().await?;
+
+    let long = chat_body(&hot, 400, true);
+    let hold = |router: &switchyard_router::RouterHandle| {
+        let url = chat_url(router);
+        let long = long.clone();
+        async move {
+            let response = post_streaming(&url, &[], long).await?;
+            let instance = response
+                .headers()
+                .get("x-switchyard-instance")
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            anyhow::Ok((response, instance))
+        }
+    };
+    // One in flight (bound ⌈2/4⌉ + 1 = 2): the slack keeps a lightly loaded fleet on the owner.
+    let (first, on) = hold(router_a).await?;
+    assert_eq!(on, owner);
+    let reply = http_post(&chat_url(router_a), &[], short.clone()).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("prefix"));
+    let (second, on) = hold(router_a).await?;
+    assert_eq!(on, owner);
+    // Two in flight on the owner, none elsewhere: bound ⌈3/4⌉ + 1 = 2, so the prefix spills,
+    // through either router, to the same second choice.
+    eventually(
+        Duration::from_secs(5),
+        "router B to see the owner's load",
+        || async { fleet_in_flight(router_b, &owner).await >= 2 },
+    )
+    .await?;
+    let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
+    let via_a = http_post(&chat_url(router_a), &[], short.clone()).await?;
+    for reply in [&via_a, &via_b] {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
+        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
+    }
+    assert_eq!(
+        via_a.header("x-switchyard-instance"),
+        via_b.header("x-switchyard-instance"),
+        "both routers spill to the same second choice"
+    );
+    drop((first, second));
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instance()
 -> anyhow::Result<()> {
     // Streams are held open, so the router's in-flight counts are exactly what the test holds.
@@ -677,8 +742,12 @@ async fn a_router_fails_over_across_its_control_plane_urls() -> anyhow::Result<(
     Ok(())
 }
 
+/// Killing an engine under load fails exactly the requests it held (a clear 502, never sent
+/// to a second engine: it may have done the work) and nothing else: later requests that pick
+/// it are refused a connection and retried elsewhere. The router's own ejection, with no
+/// control plane to remove the instance, is shown in tests/faults.rs.
 #[tokio::test]
-async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Result<()> {
+async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result<()> {
     let sim = SimConfig {
         time_scale: 0.1,
         ..SimConfig::default()
@@ -687,18 +756,22 @@ async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Resu
     let url = chat_url(&cluster.routers[0]);
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
-    for worker in 0..6 {
+    const WORKERS: usize = 6;
+    for worker in 0..WORKERS {
         let url = url.clone();
         let done = std::sync::Arc::clone(&done);
         tasks.push(tokio::spawn(async move {
-            let mut statuses = Vec::new();
+            let mut replies = Vec::new();
             for round in 0..25 {
-                let body = chat_body(&format!("w{worker} r{round}"), 8, false);
-                let reply = http_post(&url, &[], body).await.expect("router answers");
-                statuses.push((reply.status, reply.body));
+                let id = format!("w{worker}-r{round}");
+                let body = chat_body(&id, 8, false);
+                let reply = http_post(&url, &[("x-request-id", &id)], body)
+                    .await
+                    .expect("router answers");
+                replies.push((id, reply));
                 done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            statuses
+            replies
         }));
     }
     // Kill an engine once the load is well under way (requests are in flight on it).
@@ -707,12 +780,47 @@ async fn an_instance_killed_mid_load_costs_no_client_a_failure() -> anyhow::Resu
     })
     .await?;
     cluster.engines[0].kill();
+    let mut failed = Vec::new();
+    let mut ok = 0;
     for task in tasks {
-        for (status, body) in task.await? {
-            assert_eq!(status, 200, "a client saw {status}: {body}");
+        for (id, reply) in task.await? {
+            match reply.status {
+                200 => ok += 1,
+                502 => {
+                    assert_eq!(
+                        reply.json()["error"]["code"],
+                        "upstream_reset",
+                        "{}",
+                        reply.body
+                    );
+                    failed.push(id);
+                }
+                status => panic!("{id}: a client saw {status}: {}", reply.body),
+            }
         }
     }
-    // The router took the dead instance out of rotation itself (or the control plane did).
+    // At most one request per worker was in flight on the engine when it died.
+    assert!(failed.len() <= WORKERS, "{failed:?}");
+    assert_eq!(ok + failed.len(), WORKERS * 25);
+    let ids_on = |engine: usize| -> HashSet<String> {
+        cluster.engines[engine]
+            .received()
+            .into_iter()
+            .filter_map(|request| request.headers.get("x-request-id").cloned())
+            .collect()
+    };
+    let others = [ids_on(1), ids_on(2)];
+    // A failed request reached engine-0 or nothing at all (a connection the dying engine
+    // closed as the request was written cannot be told apart from one that delivered it),
+    // and never another engine.
+    for id in &failed {
+        assert!(
+            others.iter().all(|ids| !ids.contains(id)),
+            "{id} was sent again to another engine"
+        );
+    }
+    // The dead instance is out of rotation: ejected by the router or removed by the
+    // control plane's health checks, whichever came first.
     let router = &cluster.routers[0];
     let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
     let ejected = metrics

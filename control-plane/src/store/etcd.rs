@@ -1,10 +1,18 @@
 //! The etcd store. Every key lives under a namespace prefix (`--etcd-prefix`, default
 //! `/switchyard/v1/`); callers see keys without it. Each call has a deadline, so a dead etcd
 //! turns into `StoreError::Unavailable` (gRPC `UNAVAILABLE` at the API) instead of a hang.
+//! Every request carries etcd's require-leader flag: a member cut off from its quorum refuses
+//! it (and ends its watches) instead of answering from a frozen copy.
+//!
+//! Each endpoint gets a client of its own and calls go to one member at a time: when that
+//! member does not answer (a call fails or times out, its watch breaks or stalls), the store
+//! moves on to the next. A balanced channel over all members would keep sending some calls,
+//! and the watch, to a member that accepts connections but never answers (a hung process).
 //! `https://` endpoints are verified against a given CA (`EtcdTls`), with an optional client
 //! certificate for etcd's `--client-cert-auth`; rustls with ring, as tonic uses elsewhere.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -17,7 +25,10 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use super::{Compare, Kv, LeaseId, Listing, Op, Revision, Store, StoreError, Txn, WatchEvent};
+use super::{
+    Compare, Kv, LeaseId, Listing, Op, Revision, Store, StoreError, Txn, WatchControl, WatchEvent,
+    WatchItem,
+};
 
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -175,15 +186,23 @@ fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     message
 }
 
+/// One client per etcd member, and the member in use.
+struct Members {
+    urls: Vec<String>,
+    clients: Vec<Client>,
+    current: AtomicUsize,
+}
+
 #[derive(Clone)]
 pub struct EtcdStore {
-    client: Client,
+    members: Arc<Members>,
     prefix: String,
 }
 
 impl std::fmt::Debug for EtcdStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdStore")
+            .field("members", &self.members.urls)
             .field("prefix", &self.prefix)
             .finish()
     }
@@ -216,29 +235,43 @@ impl EtcdStore {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(CALL_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true);
         if let Some(tls) = tls {
             options = options.with_tls(tls.options());
         }
         let at = endpoints.join(",");
         let failed = |message: &str| StoreError::Unavailable(format!("etcd at {at}: {message}"));
-        let client = tokio::time::timeout(
-            Duration::from_secs(10),
-            Client::connect(endpoints, Some(options)),
-        )
-        .await
-        .map_err(|_| failed("did not answer"))?
-        .map_err(|err| failed(&error_chain(&err)))?;
+        let mut clients = Vec::with_capacity(endpoints.len());
+        for endpoint in endpoints {
+            let client = tokio::time::timeout(
+                Duration::from_secs(10),
+                Client::connect([endpoint], Some(options.clone())),
+            )
+            .await
+            .map_err(|_| failed("did not answer"))?
+            .map_err(|err| failed(&error_chain(&err)))?;
+            clients.push(client);
+        }
         let store = Self {
-            client,
+            members: Arc::new(Members {
+                urls: endpoints.to_vec(),
+                clients,
+                current: AtomicUsize::new(0),
+            }),
             prefix: prefix.to_owned(),
         };
-        // Fail fast with a clear message when nothing listens there, or TLS fails.
-        let message = match store.get("__probe__").await {
-            Ok(_) => return Ok(store),
-            Err(StoreError::Unavailable(message)) => message,
-            Err(err) => return Err(err),
-        };
+        // Fail fast with a clear message when nothing listens there, or TLS fails; start on
+        // the first member that answers.
+        let mut message = String::new();
+        for _ in endpoints {
+            match store.get("__probe__").await {
+                Ok(_) => return Ok(store),
+                Err(StoreError::Unavailable(problem)) => message = problem,
+                Err(err) => return Err(err),
+            }
+        }
         if let Some(tls) = tls {
             let problems = futures::future::join_all(
                 endpoints
@@ -255,6 +288,42 @@ impl EtcdStore {
             }
         }
         Err(failed(&message))
+    }
+
+    /// The member in use: its index and client.
+    fn member(&self) -> (usize, Client) {
+        let members = &self.members;
+        let index = members.current.load(Ordering::Relaxed) % members.clients.len();
+        (index, members.clients[index].clone())
+    }
+
+    /// Moves to the next member if `index` is still the one in use (it did not answer).
+    fn move_on(&self, index: usize) {
+        let members = &self.members;
+        let count = members.clients.len();
+        if count < 2 {
+            return;
+        }
+        let next = (index + 1) % count;
+        if members
+            .current
+            .compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            tracing::warn!(
+                member = %members.urls[index],
+                next = %members.urls[next],
+                "etcd member does not answer; using the next one"
+            );
+        }
+    }
+
+    /// Passes a call's result on, moving to the next member if this one did not answer.
+    fn checked<T>(&self, index: usize, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        if matches!(result, Err(StoreError::Unavailable(_))) {
+            self.move_on(index);
+        }
+        result
     }
 
     fn full(&self, key: &str) -> String {
@@ -284,16 +353,19 @@ impl Store for EtcdStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Kv>, StoreError> {
-        let mut kv_client = self.client.kv_client();
-        let response = deadline(kv_client.get(self.full(key), None)).await?;
+        let (index, client) = self.member();
+        let mut kv_client = client.kv_client();
+        let response = deadline(kv_client.get(self.full(key), None)).await;
+        let response = self.checked(index, response)?;
         response.kvs().first().map(|kv| self.kv(kv)).transpose()
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<Kv>, StoreError> {
-        let mut kv_client = self.client.kv_client();
+        let (index, client) = self.member();
+        let mut kv_client = client.kv_client();
         let response =
-            deadline(kv_client.get(self.full(prefix), Some(GetOptions::new().with_prefix())))
-                .await?;
+            deadline(kv_client.get(self.full(prefix), Some(GetOptions::new().with_prefix()))).await;
+        let response = self.checked(index, response)?;
         response.kvs().iter().map(|kv| self.kv(kv)).collect()
     }
 
@@ -330,10 +402,12 @@ impl Store for EtcdStore {
                 }
             })
             .collect();
-        let mut kv_client = self.client.kv_client();
+        let (index, client) = self.member();
+        let mut kv_client = client.kv_client();
         let request = EtcdTxn::new().when(compares).and_then(ops);
         let response = match tokio::time::timeout(CALL_TIMEOUT, kv_client.txn(request)).await {
             Err(_) => {
+                self.move_on(index);
                 return Err(StoreError::Unavailable(format!(
                     "etcd did not answer within {CALL_TIMEOUT:?}"
                 )));
@@ -345,7 +419,7 @@ impl Store for EtcdStore {
                     leases.first().copied().unwrap_or_default(),
                 ));
             }
-            Ok(result) => result.map_err(unavailable)?,
+            Ok(result) => self.checked(index, result.map_err(unavailable))?,
         };
         if !response.succeeded() {
             return Ok(None);
@@ -359,31 +433,35 @@ impl Store for EtcdStore {
     }
 
     async fn grant_lease(&self, ttl_seconds: u32) -> Result<LeaseId, StoreError> {
-        let mut lease_client = self.client.lease_client();
-        let response = deadline(lease_client.grant(i64::from(ttl_seconds.max(1)), None)).await?;
-        Ok(response.id())
+        let (index, client) = self.member();
+        let mut lease_client = client.lease_client();
+        let response = deadline(lease_client.grant(i64::from(ttl_seconds.max(1)), None)).await;
+        Ok(self.checked(index, response)?.id())
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<bool, StoreError> {
+        let (index, client) = self.member();
         let renew = async {
-            let mut lease_client = self.client.lease_client();
+            let mut lease_client = client.lease_client();
             let (mut keeper, mut responses) = deadline(lease_client.keep_alive(lease)).await?;
             deadline(keeper.keep_alive()).await?;
             let response = deadline(responses.message()).await?;
             Ok(response.is_some_and(|response| response.ttl() > 0))
         };
-        match renew.await {
+        let renewed = match renew.await {
             // etcd answers a lapsed lease with an error rather than a zero TTL.
             Err(StoreError::Unavailable(message)) if message.contains("lease not found") => {
                 Ok(false)
             }
             other => other,
-        }
+        };
+        self.checked(index, renewed)
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        let mut lease_client = self.client.lease_client();
-        match tokio::time::timeout(CALL_TIMEOUT, lease_client.revoke(lease)).await {
+        let (index, client) = self.member();
+        let mut lease_client = client.lease_client();
+        let revoked = match tokio::time::timeout(CALL_TIMEOUT, lease_client.revoke(lease)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(etcd_client::Error::GRpcStatus(status)))
                 if status.message().contains("lease not found") =>
@@ -392,14 +470,16 @@ impl Store for EtcdStore {
             }
             Ok(Err(err)) => Err(unavailable(err)),
             Err(_) => Err(StoreError::Unavailable("lease revoke timed out".into())),
-        }
+        };
+        self.checked(index, revoked)
     }
 
     async fn list_and_watch(&self, prefix: &str) -> Result<Listing, StoreError> {
-        let mut kv_client = self.client.kv_client();
+        let (index, client) = self.member();
+        let mut kv_client = client.kv_client();
         let response =
-            deadline(kv_client.get(self.full(prefix), Some(GetOptions::new().with_prefix())))
-                .await?;
+            deadline(kv_client.get(self.full(prefix), Some(GetOptions::new().with_prefix()))).await;
+        let response = self.checked(index, response)?;
         let revision = response
             .header()
             .map(|header| header.revision())
@@ -409,8 +489,8 @@ impl Store for EtcdStore {
             .iter()
             .map(|kv| self.kv(kv))
             .collect::<Result<_, _>>()?;
-        let mut watch_client = self.client.watch_client();
-        let stream = deadline(
+        let mut watch_client = client.watch_client();
+        let watch_stream = deadline(
             watch_client.watch(
                 self.full(prefix),
                 Some(
@@ -420,21 +500,40 @@ impl Store for EtcdStore {
                 ),
             ),
         )
-        .await?;
+        .await;
+        let watch_stream = self.checked(index, watch_stream)?;
+        let (requests, stream) = watch_stream.split();
         let store = self.clone();
         let watch = stream.filter_map(move |response| {
             let store = store.clone();
             async move {
                 let response = match response {
                     Ok(response) => response,
-                    Err(err) => return Some(Err(StoreError::WatchLost(err.to_string()))),
+                    Err(err) => {
+                        store.move_on(index);
+                        return Some(Err(StoreError::WatchLost(err.to_string())));
+                    }
                 };
+                if response.canceled() && response.compact_revision() == 0 {
+                    // Cancelled by the member (no leader, with require-leader): try another.
+                    store.move_on(index);
+                }
                 if response.canceled() || response.compact_revision() > 0 {
                     return Some(Err(StoreError::WatchLost(format!(
                         "watch cancelled: {} (compacted at {})",
                         response.cancel_reason(),
                         response.compact_revision()
                     ))));
+                }
+                if response.created() {
+                    return None;
+                }
+                if response.events().is_empty() {
+                    let revision = response
+                        .header()
+                        .map(|header| header.revision())
+                        .unwrap_or_default();
+                    return Some(Ok(WatchItem::Progress(revision)));
                 }
                 let events: Result<Vec<WatchEvent>, StoreError> = response
                     .events()
@@ -454,7 +553,7 @@ impl Store for EtcdStore {
                     .collect();
                 match events {
                     Ok(events) if events.is_empty() => None,
-                    other => Some(other),
+                    other => Some(other.map(WatchItem::Events)),
                 }
             }
         });
@@ -462,6 +561,29 @@ impl Store for EtcdStore {
             kvs,
             revision,
             watch: Box::pin(watch),
+            control: Box::new(EtcdWatchControl {
+                requests,
+                store: self.clone(),
+                index,
+            }),
         })
+    }
+}
+
+struct EtcdWatchControl {
+    requests: etcd_client::WatchRequestSender,
+    store: EtcdStore,
+    /// The member the watch is on.
+    index: usize,
+}
+
+#[async_trait::async_trait]
+impl WatchControl for EtcdWatchControl {
+    async fn request_progress(&mut self) -> Result<(), StoreError> {
+        deadline(self.requests.request_progress()).await
+    }
+
+    fn stalled(&mut self) {
+        self.store.move_on(self.index);
     }
 }

@@ -4,7 +4,8 @@
 //! The trait is the small part of etcd's model the control plane needs: keys with a
 //! modification revision, multi-key transactions guarded by comparisons (create-if-absent,
 //! compare-revision-on-update), leases that delete their keys when they lapse, and a watch that
-//! starts exactly where a listing ended.
+//! starts exactly where a listing ended and can be asked how far it has come (so that a stalled
+//! watch is noticed rather than taken for a quiet one).
 
 pub mod embedded;
 pub mod etcd;
@@ -110,6 +111,16 @@ impl WatchEvent {
     }
 }
 
+/// What a watch delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchItem {
+    /// The events of one committed transaction (or several), in revision order.
+    Events(Vec<WatchEvent>),
+    /// The answer to [`WatchControl::request_progress`]: every event up to this revision has
+    /// been delivered.
+    Progress(Revision),
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The store cannot be reached or did not answer in time.
@@ -124,17 +135,33 @@ pub enum StoreError {
     /// Stored data could not be read back.
     #[error("store data corrupt: {0}")]
     Corrupt(String),
+    /// Another process holds the embedded store's directory.
+    #[error("{0}")]
+    InUse(String),
 }
 
-/// Batches of events, one batch per committed transaction, in revision order.
-pub type WatchStream =
-    Pin<Box<dyn Stream<Item = Result<Vec<WatchEvent>, StoreError>> + Send + 'static>>;
+/// Batches of events, one batch per committed transaction, in revision order, and progress
+/// answers.
+pub type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchItem, StoreError>> + Send + 'static>>;
+
+/// The request side of a watch.
+#[async_trait::async_trait]
+pub trait WatchControl: Send {
+    /// Asks the store to confirm in the watch stream, as soon as it can, how far the watch has
+    /// come (a [`WatchItem::Progress`]). A store that cannot answer (etcd frozen, cut off from
+    /// its quorum) never does.
+    async fn request_progress(&mut self) -> Result<(), StoreError>;
+
+    /// Says the watch stopped answering: a store with several members moves to another one.
+    fn stalled(&mut self) {}
+}
 
 /// Everything under a prefix at one revision, and the changes after it.
 pub struct Listing {
     pub kvs: Vec<Kv>,
     pub revision: Revision,
     pub watch: WatchStream,
+    pub control: Box<dyn WatchControl>,
 }
 
 impl std::fmt::Debug for Listing {
@@ -161,6 +188,9 @@ pub trait Store: Send + Sync + 'static {
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError>;
     /// Lists a prefix and watches it from the listing's revision on, with no gap between.
     async fn list_and_watch(&self, prefix: &str) -> Result<Listing, StoreError>;
+    /// Lets go of what the store holds for this process (the embedded store's directory lock):
+    /// every call after it fails. For a shutdown, or a simulated crash in tests.
+    fn close(&self) {}
 }
 
 #[doc(hidden)]
@@ -245,16 +275,32 @@ pub mod contract {
         store.commit(Txn::new().delete("w/1")).await.unwrap();
         let mut seen = Vec::new();
         while seen.len() < 2 {
-            let batch = tokio::time::timeout(Duration::from_secs(5), listing.watch.next())
+            let item = tokio::time::timeout(Duration::from_secs(5), listing.watch.next())
                 .await
                 .expect("watch event in time")
                 .expect("stream open")
                 .unwrap();
-            seen.extend(batch);
+            if let WatchItem::Events(batch) = item {
+                seen.extend(batch);
+            }
         }
         assert!(matches!(&seen[0], WatchEvent::Put(kv) if kv.key == "w/2" && kv.value == b"two"));
         assert!(matches!(&seen[1], WatchEvent::Delete { key, .. } if key == "w/1"));
         assert!(seen[0].revision() > listing.revision);
+        // Asked how far it has come, the watch answers with a revision that covers both.
+        listing.control.request_progress().await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let item = tokio::time::timeout_at(deadline, listing.watch.next())
+                .await
+                .expect("progress answer in time")
+                .expect("stream open")
+                .unwrap();
+            if let WatchItem::Progress(revision) = item {
+                assert!(revision >= seen[1].revision(), "{revision}");
+                break;
+            }
+        }
     }
 
     pub async fn lapsed_lease_deletes_its_keys(store: &dyn Store) {

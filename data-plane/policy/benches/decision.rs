@@ -1,13 +1,14 @@
 //! The cost of one routing decision: parse an OpenAI chat body, extract the prefix text,
 //! hash it, and rank the instances (PREFIX_AWARE), at PrefixLength 4096 and 65536, plus the
-//! native-API path (byte prefix). `cargo bench -p switchyard-policy`.
+//! native-API path (byte prefix), and the ranking alone with SageMaker's semantics and with
+//! the bounded-load extension. `cargo bench -p switchyard-policy`.
 
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use switchyard_policy::hash::{instance_hash, routing_key};
 use switchyard_policy::openai::OpenAiRequest;
-use switchyard_policy::rank::{InstanceView, Strategy, rank};
+use switchyard_policy::rank::{InstanceView, LoadBalance, Strategy, rank};
 
 fn chat_body(prompt_chars: usize) -> Vec<u8> {
     let words = [
@@ -45,6 +46,7 @@ fn decision(c: &mut Criterion) {
     let fleet = instances(7);
     let strategy = Strategy::PrefixAware {
         concurrency_threshold: 10,
+        balance: None,
     };
     let mut group = c.benchmark_group("openai_decision");
     for prefix_length in [4096usize, 65536] {
@@ -82,16 +84,31 @@ fn decision(c: &mut Criterion) {
     }
     group.finish();
 
+    // Loads as a busy fleet has them (the bounded walk sums them and may pass the owner).
+    let bounded = Strategy::PrefixAware {
+        concurrency_threshold: 16,
+        balance: Some(LoadBalance {
+            factor: 1.25,
+            slack: 2,
+        }),
+    };
     let mut group = c.benchmark_group("rank_only");
     for count in [7usize, 64] {
         let fleet = instances(count);
-        group.bench_with_input(BenchmarkId::from_parameter(count), &fleet, |b, fleet| {
-            let mut key = 0u64;
-            b.iter(|| {
-                key = key.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                black_box(rank(strategy, fleet, |_| 0, key, 1).first())
-            });
-        });
+        let loads: Vec<u32> = (0..count as u32).map(|index| (index * 7) % 9).collect();
+        for (name, strategy) in [("sagemaker", strategy), ("bounded", bounded)] {
+            group.bench_with_input(
+                BenchmarkId::new(name, count),
+                &(&fleet, &loads),
+                |b, (fleet, loads)| {
+                    let mut key = 0u64;
+                    b.iter(|| {
+                        key = key.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                        black_box(rank(strategy, fleet, |i| loads[i], key, 1).first())
+                    });
+                },
+            );
+        }
     }
     group.finish();
 }

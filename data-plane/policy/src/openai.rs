@@ -28,9 +28,17 @@ pub enum RequestError {
     },
 }
 
+/// A present field as its raw text, `null` included (plain `Option` would read null as absent).
+fn present<'de, D>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    <&RawValue as Deserialize>::deserialize(deserializer).map(Some)
+}
+
 #[derive(Deserialize)]
 struct Body<'a> {
-    #[serde(borrow, default, deserialize_with = "as_written")]
+    #[serde(borrow, default, deserialize_with = "present")]
     model: Option<&'a RawValue>,
     #[serde(default)]
     stream: Option<serde_json::Value>,
@@ -40,15 +48,6 @@ struct Body<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
-}
-
-/// A field's value as written, `null` included (serde's `Option` would read `null` as absent,
-/// and a spliced-in `model` would then sit beside the body's own `"model": null`).
-fn as_written<'de, D>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error>
-where
-    D: serde::Deserializer<'de>,
-{
-    <&'de RawValue>::deserialize(deserializer).map(Some)
 }
 
 #[derive(Deserialize)]
@@ -111,6 +110,8 @@ impl<'a> OpenAiRequest<'a> {
             serde_json::from_slice(body).map_err(|err| RequestError::Json(err.to_string()))?;
         let (model, model_span) = match parsed.model {
             None => (None, None),
+            // A null model names nothing, but its place is kept: a new name replaces it
+            // rather than adding a second `model` key.
             Some(raw) if raw.get() == "null" => (None, Some(span_in(body, raw))),
             Some(raw) => {
                 let name: Cow<'a, str> =
@@ -378,14 +379,17 @@ mod tests {
     }
 
     #[test]
-    fn a_null_model_is_no_model_and_is_replaced_in_place() {
-        let request = OpenAiRequest::parse(br#"{"model": null, "prompt":"p"}"#).unwrap();
+    fn a_null_model_is_replaced_not_duplicated() {
+        let body = br#"{"model": null, "prompt": "p"}"#;
+        let request = OpenAiRequest::parse(body).unwrap();
         assert_eq!(request.model, None);
+        let rewritten = request.with_model("m");
         assert_eq!(
-            String::from_utf8(request.with_model("m")).unwrap(),
-            r#"{"model": "m", "prompt":"p"}"#,
-            "one model key, the new name where null was"
+            String::from_utf8(rewritten.clone()).unwrap(),
+            r#"{"model": "m", "prompt": "p"}"#
         );
+        let value: serde_json::Value = serde_json::from_slice(&rewritten).unwrap();
+        assert_eq!(value["model"], "m");
     }
 
     #[test]

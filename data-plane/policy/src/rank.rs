@@ -16,11 +16,71 @@ pub struct InstanceView {
 }
 
 /// The strategy of a variant, with its parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Strategy {
     Random,
     LeastOutstandingRequests,
-    PrefixAware { concurrency_threshold: u32 },
+    /// `balance: None` is SageMaker's PREFIX_AWARE exactly; `Some` is Switchyard's
+    /// bounded-load extension (see [`LoadBalance`]).
+    PrefixAware {
+        concurrency_threshold: u32,
+        balance: Option<LoadBalance>,
+    },
+    /// Needs the request's matched blocks per instance: [`crate::kv::rank_kv`]. [`rank`]
+    /// alone (no KV data) ranks it as `LeastOutstandingRequests`.
+    KvAware {
+        concurrency_threshold: u32,
+        load_weight: f64,
+    },
+}
+
+/// Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018) for
+/// PREFIX_AWARE: a key walks its rendezvous order past every instance that already has
+/// [`LoadBalance::bound`] requests in flight fleet-wide, a bound that follows the variant's
+/// mean load, so a hot prefix spills before its owner drowns while another instance idles.
+///
+/// Every router computes the same bound from the same fleet-wide loads, so routers keep
+/// agreeing, and a hot prefix spills to the same second choice everywhere.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadBalance {
+    /// `c ≥ 1`: how far above the mean load an instance may go.
+    pub factor: f64,
+    /// `s`: requests an instance may always take beyond `c ×` the mean, so a lightly loaded
+    /// fleet does not spill at all (a miss costs a whole prefill; one more request in a
+    /// continuous batch costs little).
+    pub slack: u32,
+}
+
+impl LoadBalance {
+    /// `⌈factor × (total_load + 1) / instances⌉ + slack`: the in-flight count at which an
+    /// instance stops taking keys it does not come first for. `total_load` is the variant's
+    /// fleet-wide in-flight total, `+ 1` the request being placed; `instances` counts every
+    /// instance of the variant in the routing table (those the control plane reports
+    /// routable, whatever this router ejected locally, so that every router divides by the
+    /// same number).
+    pub fn bound(&self, total_load: u64, instances: usize) -> u32 {
+        let mean_with_this_one = (total_load as f64 + 1.0) / instances.max(1) as f64;
+        let bound = (self.factor * mean_with_this_one).ceil();
+        // Saturating float-to-int conversion; the threshold caps the result anyway.
+        (bound as u32).saturating_add(self.slack)
+    }
+}
+
+/// The in-flight count below which an instance takes a PREFIX_AWARE key: the
+/// ConcurrencyThreshold (SageMaker's meaning), or with a [`LoadBalance`] the smaller of the
+/// threshold and the bounded-load bound. `loads` are the variant's fleet-wide counts.
+pub fn prefix_aware_bound(
+    concurrency_threshold: u32,
+    balance: Option<LoadBalance>,
+    loads: &[u32],
+) -> u32 {
+    match balance {
+        None => concurrency_threshold,
+        Some(balance) => {
+            let total: u64 = loads.iter().map(|&load| u64::from(load)).sum();
+            concurrency_threshold.min(balance.bound(total, loads.len()))
+        }
+    }
 }
 
 /// Why the first candidate was chosen (`x-switchyard-route`).
@@ -34,15 +94,18 @@ pub enum Route {
     LeastOutstanding,
     /// Sticky session.
     Session,
+    /// KV_AWARE: the instance holds the start of the prompt in its KV cache.
+    Kv,
 }
 
 impl Route {
-    pub const ALL: [Route; 5] = [
+    pub const ALL: [Route; 6] = [
         Route::Prefix,
         Route::Overflow,
         Route::Random,
         Route::LeastOutstanding,
         Route::Session,
+        Route::Kv,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -52,6 +115,7 @@ impl Route {
             Route::Random => "random",
             Route::LeastOutstanding => "least-outstanding",
             Route::Session => "session",
+            Route::Kv => "kv",
         }
     }
 }
@@ -101,10 +165,13 @@ pub fn rendezvous_order(
 /// Selects for one request.
 ///
 /// - `PrefixAware`: rendezvous order of `key`; the first available instance whose fleet-wide
-///   load is below the threshold comes first (`Prefix` if it is the top choice, else
-///   `Overflow`). If all are at the threshold, the least loaded comes first (ties by rank). The
-///   rest follow in rendezvous order, so retries also go where every router would send them.
-/// - `LeastOutstandingRequests`: fewest in flight; ties broken by `random`.
+///   load is below the bound ([`prefix_aware_bound`]: the ConcurrencyThreshold, or with a
+///   [`LoadBalance`] the bounded-load bound if lower) comes first (`Prefix` if it is the top
+///   choice, else `Overflow`). If all are at the bound, the least loaded comes first (ties by
+///   rank). The rest follow in rendezvous order, so retries also go where every router would
+///   send them.
+/// - `LeastOutstandingRequests` (and `KvAware` without KV data): fewest in flight; ties broken
+///   by `random`.
 /// - `Random`: weighted by instance weight, using `random`.
 ///
 /// `key` is ignored except by `PrefixAware`; `load(i)` is instance i's fleet-wide in-flight count.
@@ -126,15 +193,17 @@ pub fn rank(
     let route = match strategy {
         Strategy::PrefixAware {
             concurrency_threshold,
+            balance,
         } => {
+            let bound = prefix_aware_bound(concurrency_threshold, balance, &loads);
             let owner = rendezvous_order(instances, key, &mut order);
-            let below = order.iter().position(|&index| {
-                instances[index].available && load(index) < concurrency_threshold
-            });
+            let below = order
+                .iter()
+                .position(|&index| instances[index].available && load(index) < bound);
             let chosen = match below {
                 Some(position) => position,
                 None => {
-                    // Everyone is at the threshold: least loaded available, earliest rank wins ties.
+                    // Everyone is at the bound: least loaded available, earliest rank wins ties.
                     let available = order
                         .iter()
                         .take_while(|&&index| instances[index].available)
@@ -153,7 +222,7 @@ pub fn rank(
                 Route::Overflow
             }
         }
-        Strategy::LeastOutstandingRequests => {
+        Strategy::LeastOutstandingRequests | Strategy::KvAware { .. } => {
             order.extend(0..instances.len());
             // Sort by (unavailable, load, a per-request random tiebreak).
             let tiebreak = |index: usize| crate::hash::rendezvous_draw(random, index as u64);
@@ -259,6 +328,7 @@ mod tests {
 
     const PREFIX: Strategy = Strategy::PrefixAware {
         concurrency_threshold: 10,
+        balance: None,
     };
 
     #[test]
@@ -429,9 +499,156 @@ mod tests {
                 "overflow",
                 "random",
                 "least-outstanding",
-                "session"
+                "session",
+                "kv"
             ]
         );
+    }
+
+    fn bounded(factor: f64, slack: u32, concurrency_threshold: u32) -> Strategy {
+        Strategy::PrefixAware {
+            concurrency_threshold,
+            balance: Some(LoadBalance { factor, slack }),
+        }
+    }
+
+    /// SageMaker's PREFIX_AWARE as it was before the bounded-load extension, kept verbatim
+    /// so that `balance: None` can be checked against it.
+    fn sagemaker_prefix_aware(
+        threshold: u32,
+        instances: &[InstanceView],
+        loads: &[u32],
+        key: u64,
+    ) -> Ranking {
+        let mut order = Vec::new();
+        if instances.is_empty() {
+            return Ranking { order, route: None };
+        }
+        let owner = rendezvous_order(instances, key, &mut order);
+        let below = order
+            .iter()
+            .position(|&index| instances[index].available && loads[index] < threshold);
+        let chosen = match below {
+            Some(position) => position,
+            None => {
+                let available = order
+                    .iter()
+                    .take_while(|&&index| instances[index].available)
+                    .count()
+                    .max(1);
+                (0..available)
+                    .min_by_key(|&position| (loads[order[position]], position))
+                    .unwrap_or(0)
+            }
+        };
+        let index = order.remove(chosen);
+        order.insert(0, index);
+        let route = if Some(index) == owner {
+            Route::Prefix
+        } else {
+            Route::Overflow
+        };
+        Ranking {
+            order,
+            route: Some(route),
+        }
+    }
+
+    #[test]
+    fn the_bound_follows_the_mean_load() {
+        let balance = LoadBalance {
+            factor: 1.25,
+            slack: 0,
+        };
+        // 16 in flight over 7: ⌈1.25 × 17 / 7⌉ = ⌈3.04⌉ = 4.
+        assert_eq!(balance.bound(16, 7), 4);
+        // An idle fleet: ⌈1.25 / 7⌉ = 1, so the owner takes the first request.
+        assert_eq!(balance.bound(0, 7), 1);
+        // An exact multiple is not rounded up further: ⌈1.0 × 14 / 7⌉ = 2.
+        let exact = LoadBalance {
+            factor: 1.0,
+            slack: 0,
+        };
+        assert_eq!(exact.bound(13, 7), 2);
+        let slack = LoadBalance {
+            factor: 1.25,
+            slack: 2,
+        };
+        assert_eq!(slack.bound(16, 7), 6);
+        // The threshold still caps it; without a balance it is the bound.
+        assert_eq!(
+            prefix_aware_bound(5, Some(slack), &[16, 0, 0, 0, 0, 0, 0]),
+            5
+        );
+        assert_eq!(
+            prefix_aware_bound(10, Some(slack), &[16, 0, 0, 0, 0, 0, 0]),
+            6
+        );
+        assert_eq!(prefix_aware_bound(10, None, &[100; 7]), 10);
+        // Never a panic or a wrap on absurd inputs.
+        let huge = LoadBalance {
+            factor: 100.0,
+            slack: u32::MAX,
+        };
+        assert_eq!(huge.bound(u64::MAX, 1), u32::MAX);
+        assert_eq!(huge.bound(0, 0), u32::MAX);
+    }
+
+    #[test]
+    fn a_hot_prefix_spills_below_the_threshold_once_its_owner_is_above_the_bound() {
+        let instances = views(7);
+        let strategy = bounded(1.25, 2, 16);
+        let idle = rank(strategy, &instances, |_| 0, 7, 0);
+        let owner = idle.first().unwrap();
+        let second = idle.order[1];
+        assert_eq!(idle.route, Some(Route::Prefix));
+        // Owner at 5, the rest idle: bound ⌈1.25 × 6 / 7⌉ + 2 = 3, so it spills, though far
+        // below the ConcurrencyThreshold of 16.
+        let loads = |i: usize| if i == owner { 5 } else { 0 };
+        let busy = rank(strategy, &instances, loads, 7, 0);
+        assert_eq!(busy.route, Some(Route::Overflow));
+        assert_eq!(
+            busy.first(),
+            Some(second),
+            "the spill goes to the second choice"
+        );
+        // Without the extension it stays (SageMaker's semantics).
+        let sagemaker = Strategy::PrefixAware {
+            concurrency_threshold: 16,
+            balance: None,
+        };
+        assert_eq!(
+            rank(sagemaker, &instances, loads, 7, 0).first(),
+            Some(owner)
+        );
+        // The same owner load on a busy fleet is below the mean: no spill.
+        let loaded = |i: usize| if i == owner { 5 } else { 4 };
+        assert_eq!(
+            rank(strategy, &instances, loaded, 7, 0).first(),
+            Some(owner)
+        );
+    }
+
+    #[test]
+    fn locally_ejected_instances_still_count_in_the_bound() {
+        // Two routers may eject different instances; the bound must not depend on it.
+        let mut instances = views(4);
+        let loads = [3u32, 1, 0, 0];
+        let strategy = bounded(1.0, 0, 100);
+        let before = prefix_aware_bound(
+            100,
+            Some(LoadBalance {
+                factor: 1.0,
+                slack: 0,
+            }),
+            &loads,
+        );
+        instances[2].available = false;
+        let ranking = rank(strategy, &instances, |i| loads[i], 11, 0);
+        assert_eq!(before, 2, "⌈1.0 × 5 / 4⌉ = 2 over all four instances");
+        let first = ranking.first().unwrap();
+        assert_ne!(first, 2);
+        assert!(loads[first] < before, "{ranking:?}");
     }
 
     proptest! {
@@ -479,6 +696,115 @@ mod tests {
             let fraction = moved as f64 / keys as f64;
             let ideal = 1.0 / (count + 1) as f64;
             // Only keys won by the newcomer move; sampling noise on 4000 keys stays well inside this.
+            prop_assert!(fraction <= ideal * 1.1 + 0.02, "moved {fraction}, ideal {ideal}");
+            prop_assert!(fraction >= ideal * 0.9 - 0.02, "moved {fraction}, ideal {ideal}");
+        }
+
+        #[test]
+        fn with_a_balance_the_choice_is_below_the_bound_whenever_one_is(
+            key in any::<u64>(),
+            loads in proptest::collection::vec(0u32..40, 1..30),
+            ejected in proptest::collection::vec(any::<bool>(), 30),
+            factor in 1.0f64..3.0,
+            slack in 0u32..4,
+            threshold in 1u32..64,
+        ) {
+            let mut instances = views(loads.len());
+            for (instance, ejected) in instances.iter_mut().zip(&ejected) {
+                instance.available = !ejected;
+            }
+            let balance = LoadBalance { factor, slack };
+            let strategy = bounded(factor, slack, threshold);
+            let bound = prefix_aware_bound(threshold, Some(balance), &loads);
+            prop_assert!(bound <= threshold);
+            let ranking = rank(strategy, &instances, |i| loads[i], key, 0);
+            let first = ranking.first().unwrap();
+            let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
+            if available.iter().any(|&i| loads[i] < bound) {
+                prop_assert!(instances[first].available);
+                prop_assert!(loads[first] < bound, "chose load {} at bound {bound}", loads[first]);
+                // And it is the earliest such instance in the key's rendezvous order.
+                let mut order = Vec::new();
+                rendezvous_order(&instances, key, &mut order);
+                let earliest = order.iter().copied().find(|&i| instances[i].available && loads[i] < bound);
+                prop_assert_eq!(Some(first), earliest);
+            } else if !available.is_empty() {
+                let least = available.iter().map(|&i| loads[i]).min().unwrap();
+                prop_assert_eq!(loads[first], least);
+            }
+            // With c ≥ 1 and no threshold in the way, some instance is always below the bound.
+            let uncapped = prefix_aware_bound(u32::MAX, Some(balance), &loads);
+            prop_assert!(loads.iter().any(|&load| load < uncapped));
+            let mut sorted = ranking.order.clone();
+            sorted.sort_unstable();
+            prop_assert_eq!(sorted, (0..loads.len()).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn every_router_given_the_same_loads_makes_the_same_choice(
+            key in any::<u64>(),
+            loads in proptest::collection::vec(0u32..40, 1..30),
+            factor in 1.0f64..3.0,
+            slack in 0u32..4,
+            rotation in 0usize..30,
+        ) {
+            let instances = views(loads.len());
+            let strategy = bounded(factor, slack, 1024);
+            // Another router lists the same instances (with the same loads) in another order,
+            // and draws other random numbers.
+            let rotation = rotation % loads.len();
+            let mut other_instances = instances.clone();
+            let mut other_loads = loads.clone();
+            other_instances.rotate_left(rotation);
+            other_loads.rotate_left(rotation);
+            other_instances.reverse();
+            other_loads.reverse();
+            let a = rank(strategy, &instances, |i| loads[i], key, 1);
+            let b = rank(strategy, &other_instances, |i| other_loads[i], key, 99);
+            let ids_a: Vec<u64> = a.order.iter().map(|&i| instances[i].id_hash).collect();
+            let ids_b: Vec<u64> = b.order.iter().map(|&i| other_instances[i].id_hash).collect();
+            prop_assert_eq!(ids_a, ids_b);
+            prop_assert_eq!(a.route, b.route);
+        }
+
+        #[test]
+        fn without_the_extension_the_ranking_is_exactly_sagemakers(
+            key in any::<u64>(),
+            loads in proptest::collection::vec(0u32..20, 0..30),
+            ejected in proptest::collection::vec(any::<bool>(), 30),
+            threshold in 1u32..24,
+        ) {
+            let mut instances = views(loads.len());
+            for (instance, ejected) in instances.iter_mut().zip(&ejected) {
+                instance.available = !ejected;
+            }
+            let strategy = Strategy::PrefixAware { concurrency_threshold: threshold, balance: None };
+            prop_assert_eq!(
+                rank(strategy, &instances, |i| loads[i], key, 5),
+                sagemaker_prefix_aware(threshold, &instances, &loads, key)
+            );
+        }
+
+        #[test]
+        fn with_a_balance_adding_one_instance_moves_about_one_in_n_plus_one(
+            count in 2usize..20,
+            factor in 1.0f64..3.0,
+            slack in 0u32..4,
+        ) {
+            let strategy = bounded(factor, slack, 10);
+            let before = views(count);
+            let after = views(count + 1);
+            let keys = 4000u64;
+            let moved = (0..keys)
+                .filter(|key| {
+                    let key = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    let old = before[rank(strategy, &before, |_| 0, key, 0).first().unwrap()].id_hash;
+                    let new = after[rank(strategy, &after, |_| 0, key, 0).first().unwrap()].id_hash;
+                    old != new
+                })
+                .count();
+            let fraction = moved as f64 / keys as f64;
+            let ideal = 1.0 / (count + 1) as f64;
             prop_assert!(fraction <= ideal * 1.1 + 0.02, "moved {fraction}, ideal {ideal}");
             prop_assert!(fraction >= ideal * 0.9 - 0.02, "moved {fraction}, ideal {ideal}");
         }

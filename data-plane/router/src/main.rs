@@ -21,6 +21,8 @@ struct Cli {
 async fn main() {
     let cli: Cli = process::parse_args();
     process::init_logging(cli.log_format, "info");
+    // Each client connection and each upstream request holds a descriptor.
+    process::raise_open_file_limit();
     let settings = match cli.config.validate() {
         Ok(settings) => settings,
         Err(message) => process::exit_usage(message),

@@ -1,147 +1,461 @@
-//! Where the routing table comes from: the control plane's sync stream (snapshot, then
-//! changes) or a static file for users who run no control plane. Protobuf stops here: sync
-//! messages are converted to domain types once, in `apply`.
+//! Where the routing table comes from: the control plane's sync stream (a snapshot, then
+//! batches of changes, as domain `StateUpdate`s) or a static file for users who run no control
+//! plane. The sync client converts the wire messages (`switchyard_shared::pb`); this module
+//! keeps the membership and builds the table from it.
+//!
+//! A change costs time in proportion to what it touches: an instance's route is prepared (its
+//! URIs parsed) when the instance arrives, and only the endpoints a batch touches are rebuilt;
+//! the new table shares the others with the old one, and is swapped in once per batch.
+//! Replaced tables are kept here until no request holds them any more, so a serving thread
+//! never pays for freeing one.
+//!
+//! Views never go back: a snapshot older than the state held, from the same cluster, is
+//! refused (the sync client then tries another control plane); a snapshot from another
+//! cluster (a store recreated on purpose) is taken, and said so.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use serde::Deserialize;
-use switchyard_proto::v1 as pb;
+use switchyard_shared::sync::{StateUpdate, StateVersion};
 use switchyard_shared::{
-    EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, ProductionVariant, ValidationError, VariantName,
-    sagemaker, validate_instance_url, validate_instance_weight,
+    Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health,
+    HealthCheckConfig, Instance, InstanceId, InstanceKey, InstanceProtocol, InstanceRole,
+    KvEventsEndpoints, ProductionVariant, ValidationError, VariantName, sagemaker,
+    validate_instance_url, validate_instance_weight,
 };
 
-use crate::table::{self, LoadRegistry, RoutingTable};
+use crate::table::{self, EndpointRoute, InstanceRoute, LoadRegistry, RoutingTable};
 
-/// Membership as the router knows it, and the table built from it.
+/// An instance and its prepared route (`None`: its URL cannot be routed to).
+#[derive(Debug)]
+struct Member {
+    instance: Arc<Instance>,
+    route: Option<InstanceRoute>,
+}
+
+/// Membership as this router knows it.
+#[derive(Debug, Default)]
+struct State {
+    configs: HashMap<EndpointConfigName, Arc<EndpointConfig>>,
+    endpoints: BTreeMap<EndpointName, Arc<Endpoint>>,
+    /// Endpoints by the config they use.
+    users: HashMap<EndpointConfigName, BTreeSet<EndpointName>>,
+    members: HashMap<EndpointName, BTreeMap<InstanceId, Member>>,
+}
+
+impl State {
+    fn is_member(&self, key: &InstanceKey) -> bool {
+        self.members
+            .get(&key.endpoint)
+            .is_some_and(|members| members.contains_key(&key.id))
+    }
+
+    fn member_count(&self) -> usize {
+        self.members.values().map(BTreeMap::len).sum()
+    }
+
+    /// Applies an update; records the endpoints whose route changed in `dirty` and the
+    /// instances that left in `left`.
+    fn apply(
+        &mut self,
+        update: &StateUpdate,
+        registry: &LoadRegistry,
+        dirty: &mut BTreeSet<EndpointName>,
+        left: &mut Vec<InstanceKey>,
+    ) {
+        for name in &update.removed_endpoints {
+            if let Some(endpoint) = self.endpoints.remove(name) {
+                self.unuse(&endpoint);
+            }
+            if let Some(members) = self.members.remove(name) {
+                left.extend(
+                    members
+                        .into_keys()
+                        .map(|id| InstanceKey::new(name.clone(), id)),
+                );
+            }
+            dirty.insert(name.clone());
+        }
+        for config in &update.configs {
+            if let Err(err) = config.validate() {
+                tracing::warn!(config = %config.endpoint_config_name, error = %err, "ignored an endpoint config this router cannot use");
+                continue;
+            }
+            let name = config.endpoint_config_name.clone();
+            if let Some(users) = self.users.get(&name) {
+                dirty.extend(users.iter().cloned());
+            }
+            self.configs.insert(name, Arc::clone(config));
+        }
+        for name in &update.removed_configs {
+            self.configs.remove(name);
+            if let Some(users) = self.users.get(name) {
+                dirty.extend(users.iter().cloned());
+            }
+        }
+        for endpoint in &update.endpoints {
+            let name = endpoint.endpoint_name.clone();
+            if let Some(previous) = self.endpoints.insert(name.clone(), Arc::clone(endpoint)) {
+                self.unuse(&previous);
+            }
+            self.users
+                .entry(endpoint.endpoint_config_name.clone())
+                .or_default()
+                .insert(name.clone());
+            dirty.insert(name);
+        }
+        for instance in &update.instances {
+            let members = self
+                .members
+                .entry(instance.endpoint_name.clone())
+                .or_default();
+            // A health or weight change keeps the route (URIs, cell) it had.
+            let route = match members.get(&instance.instance_id) {
+                Some(previous)
+                    if previous.instance.url == instance.url
+                        && previous.instance.protocol == instance.protocol =>
+                {
+                    previous.route.clone()
+                }
+                _ => InstanceRoute::prepare(instance, registry),
+            };
+            members.insert(
+                instance.instance_id.clone(),
+                Member {
+                    instance: Arc::clone(instance),
+                    route,
+                },
+            );
+            dirty.insert(instance.endpoint_name.clone());
+        }
+        for key in &update.removed_instances {
+            let removed = self
+                .members
+                .get_mut(&key.endpoint)
+                .and_then(|members| members.remove(&key.id));
+            if removed.is_some() {
+                left.push(key.clone());
+                dirty.insert(key.endpoint.clone());
+            }
+        }
+    }
+
+    fn unuse(&mut self, endpoint: &Endpoint) {
+        if let Some(users) = self.users.get_mut(&endpoint.endpoint_config_name) {
+            users.remove(&endpoint.endpoint_name);
+            if users.is_empty() {
+                self.users.remove(&endpoint.endpoint_config_name);
+            }
+        }
+    }
+
+    /// The route of an endpoint, if it is routable (its record and its config are known).
+    fn route(&self, name: &EndpointName) -> Option<EndpointRoute> {
+        let endpoint = self.endpoints.get(name)?;
+        let config = self.configs.get(&endpoint.endpoint_config_name)?;
+        let members = self.members.get(name);
+        let routed = members.into_iter().flat_map(|members| {
+            members.values().filter_map(|member| {
+                member
+                    .route
+                    .as_ref()
+                    .map(|route| (member.instance.as_ref(), route))
+            })
+        });
+        Some(table::endpoint_route(name, config, routed))
+    }
+}
+
+/// Why an update was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    /// A snapshot older than the state held, from the same cluster.
+    #[error("the control plane offers {offered}, older than the {held} this router holds")]
+    Stale {
+        held: StateVersion,
+        offered: StateVersion,
+    },
+    /// Changes before any snapshot: a broken stream.
+    #[error("changes arrived before a snapshot")]
+    NoSnapshot,
+}
+
+/// What applying an update did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// A table was swapped in.
+    pub swapped: bool,
+    /// The state now comes from another cluster than before: (before, now).
+    pub cluster_changed: Option<(String, String)>,
+}
+
+/// Membership, and the table built from it.
 #[derive(Debug)]
 pub struct Membership {
-    version: u64,
-    endpoints: BTreeMap<EndpointName, EndpointConfig>,
-    instances: BTreeMap<(EndpointName, InstanceId), Instance>,
+    state: State,
+    /// The version of `state`; `None` before the first snapshot.
+    version: Option<StateVersion>,
+    /// A snapshot being received: applied once its last piece has arrived.
+    staged: Option<(StateVersion, State)>,
+    /// ModelName -> endpoints with a variant of it (and that variant), for the table's models.
+    model_owners: HashMap<String, BTreeMap<EndpointName, usize>>,
     registry: Arc<LoadRegistry>,
     table: Arc<ArcSwap<RoutingTable>>,
+    /// Tables replaced but maybe still used by a request.
+    retired_tables: Vec<Arc<RoutingTable>>,
+    /// Instances that left while their cell may still be in use.
+    retired_cells: Vec<InstanceKey>,
+    /// Endpoints touched by the pieces of a batch whose last piece has not arrived.
+    pending: BTreeSet<EndpointName>,
 }
 
 impl Membership {
     pub fn new(registry: Arc<LoadRegistry>, table: Arc<ArcSwap<RoutingTable>>) -> Self {
         Self {
-            version: 0,
-            endpoints: BTreeMap::new(),
-            instances: BTreeMap::new(),
+            state: State::default(),
+            version: None,
+            staged: None,
+            model_owners: HashMap::new(),
             registry,
             table,
+            retired_tables: Vec::new(),
+            retired_cells: Vec::new(),
+            pending: BTreeSet::new(),
         }
     }
 
-    fn publish(&self) {
-        let endpoints: Vec<(EndpointName, EndpointConfig)> = self
-            .endpoints
-            .iter()
-            .map(|(name, config)| (name.clone(), config.clone()))
-            .collect();
-        let instances: Vec<Instance> = self.instances.values().cloned().collect();
-        let table = table::build(self.version.max(1), &endpoints, &instances, &self.registry);
-        self.table.store(Arc::new(table));
+    /// The version of the state held (its cluster and revision).
+    pub fn version(&self) -> Option<&StateVersion> {
+        self.version.as_ref()
     }
 
-    fn upsert_endpoint(&mut self, routed: pb::RoutedEndpoint) -> Result<(), ValidationError> {
-        let endpoint = routed
-            .endpoint
-            .ok_or_else(|| ValidationError::new("RoutedEndpoint.Endpoint", "missing"))?;
-        let name = switchyard_shared::pb::endpoint_name("EndpointName", &endpoint.name)?;
-        let config = EndpointConfig::try_from(
-            routed
-                .config
-                .ok_or_else(|| ValidationError::new("RoutedEndpoint.Config", "missing"))?,
-        )?;
-        config.validate()?;
-        self.endpoints.insert(name, config);
-        Ok(())
+    /// Instances known (routable or not).
+    pub fn instance_count(&self) -> usize {
+        self.state.member_count()
     }
 
-    fn upsert_instance(&mut self, wire: pb::Instance) -> Result<(), ValidationError> {
-        let instance = Instance::try_from(wire)?;
-        self.instances.insert(
-            (instance.endpoint_name.clone(), instance.instance_id.clone()),
-            instance,
-        );
-        Ok(())
+    /// Forgets a snapshot half received (its stream broke).
+    pub fn abandon_staged(&mut self) {
+        self.staged = None;
     }
 
-    /// Applies one sync message (not FleetLoad) and swaps in the new table.
-    pub fn apply(&mut self, message: pb::SyncMessage) {
-        use pb::sync_message::Message;
-        let version = message.version;
-        let result = match message.message {
-            Some(Message::Snapshot(snapshot)) => {
-                self.endpoints.clear();
-                self.instances.clear();
-                let mut result = Ok(());
-                for routed in snapshot.endpoints {
-                    if let Err(err) = self.upsert_endpoint(routed) {
-                        result = Err(err);
-                    }
+    /// Applies one update at `version`; swaps a new table in when the update completes a
+    /// snapshot or a batch.
+    pub fn apply(
+        &mut self,
+        version: StateVersion,
+        update: &StateUpdate,
+    ) -> Result<Applied, ApplyError> {
+        if update.reset {
+            if let Some(held) = &self.version {
+                let same_cluster = version.cluster.is_empty()
+                    || held.cluster.is_empty()
+                    || version.cluster == held.cluster;
+                if same_cluster && version.revision < held.revision {
+                    self.staged = None;
+                    return Err(ApplyError::Stale {
+                        held: held.clone(),
+                        offered: version,
+                    });
                 }
-                for instance in snapshot.instances {
-                    if let Err(err) = self.upsert_instance(instance) {
-                        result = Err(err);
-                    }
-                }
-                tracing::info!(
-                    version,
-                    endpoints = self.endpoints.len(),
-                    instances = self.instances.len(),
-                    "routing state from snapshot"
-                );
-                result
             }
-            Some(Message::EndpointChanged(routed)) => self.upsert_endpoint(routed),
-            Some(Message::EndpointRemoved(removed)) => {
-                if let Ok(name) = EndpointName::new(&removed.name) {
-                    self.endpoints.remove(&name);
-                    self.instances.retain(|(endpoint, _), _| *endpoint != name);
-                }
-                Ok(())
+            self.staged = Some((version.clone(), State::default()));
+        }
+        let mut dirty = BTreeSet::new();
+        let mut left = Vec::new();
+        if let Some((staged_version, staged)) = &mut self.staged {
+            staged.apply(update, &self.registry, &mut dirty, &mut left);
+            *staged_version = version;
+            if !update.complete {
+                return Ok(Applied::default());
             }
-            Some(Message::InstanceChanged(instance)) => self.upsert_instance(instance),
-            Some(Message::InstanceRemoved(removed)) => {
-                if let (Ok(endpoint), Ok(id)) = (
-                    EndpointName::new(&removed.endpoint_name),
-                    InstanceId::new(&removed.id),
-                ) {
-                    self.instances.remove(&(endpoint, id));
-                }
-                Ok(())
-            }
-            Some(Message::FleetLoad(_)) | None => return,
+            let (version, staged) = self.staged.take().expect("staged above");
+            return Ok(self.replace(version, staged));
+        }
+        let Some(held) = &mut self.version else {
+            return Err(ApplyError::NoSnapshot);
         };
-        if let Err(err) = result {
-            tracing::warn!(error = %err, "ignored an unreadable part of a sync message");
+        held.revision = held.revision.max(version.revision);
+        self.state
+            .apply(update, &self.registry, &mut dirty, &mut left);
+        self.retired_cells.extend(left);
+        if !update.complete {
+            // Pieces of one batch: the table is swapped with the last (nothing is lost: the
+            // endpoints touched are rebuilt from the state then).
+            self.pending.extend(dirty);
+            return Ok(Applied::default());
         }
-        self.version = self.version.max(version);
-        self.publish();
+        let mut dirty_all = std::mem::take(&mut self.pending);
+        dirty_all.extend(dirty);
+        self.publish_changes(&dirty_all);
+        Ok(Applied {
+            swapped: true,
+            cluster_changed: None,
+        })
+    }
+
+    /// Takes a whole new state (a snapshot, or a static file).
+    fn replace(&mut self, version: StateVersion, state: State) -> Applied {
+        let cluster_changed = match &self.version {
+            Some(held)
+                if !held.cluster.is_empty()
+                    && !version.cluster.is_empty()
+                    && held.cluster != version.cluster =>
+            {
+                Some((held.cluster.clone(), version.cluster.clone()))
+            }
+            _ => None,
+        };
+        let old = std::mem::replace(&mut self.state, state);
+        self.retired_cells
+            .extend(old.members.into_iter().flat_map(|(endpoint, members)| {
+                members
+                    .into_keys()
+                    .map(move |id| InstanceKey::new(endpoint.clone(), id))
+            }));
+        self.pending.clear();
+        tracing::info!(
+            version = %version,
+            endpoints = self.state.endpoints.len(),
+            instances = self.state.member_count(),
+            "routing state from snapshot"
+        );
+        self.version = Some(version);
+        let mut table = RoutingTable {
+            version: self.table_version(),
+            ..RoutingTable::default()
+        };
+        self.model_owners.clear();
+        let names: Vec<EndpointName> = self.state.endpoints.keys().cloned().collect();
+        for name in names {
+            if let Some(route) = self.state.route(&name) {
+                for (model, variant) in table::route_models(&route) {
+                    self.model_owners
+                        .entry(model)
+                        .or_default()
+                        .insert(name.clone(), variant);
+                }
+                table.endpoints.insert(name, Arc::new(route));
+            }
+        }
+        for (model, owners) in &self.model_owners {
+            if let Some((name, variant)) = owners.first_key_value() {
+                table.models.insert(model.clone(), (name.clone(), *variant));
+            }
+        }
+        self.swap(table);
+        Applied {
+            swapped: true,
+            cluster_changed,
+        }
+    }
+
+    fn table_version(&self) -> u64 {
+        self.version
+            .as_ref()
+            .map_or(0, |version| version.revision)
+            .max(1)
+    }
+
+    /// Rebuilds the routes of `dirty` endpoints into a copy of the current table.
+    fn publish_changes(&mut self, dirty: &BTreeSet<EndpointName>) {
+        let current = self.table.load_full();
+        let mut table = RoutingTable {
+            version: self.table_version(),
+            endpoints: current.endpoints.clone(),
+            models: current.models.clone(),
+        };
+        let mut models_touched = BTreeSet::new();
+        for name in dirty {
+            if let Some(previous) = current.endpoints.get(name) {
+                for (model, _) in table::route_models(previous) {
+                    if let Some(owners) = self.model_owners.get_mut(&model) {
+                        owners.remove(name);
+                    }
+                    models_touched.insert(model);
+                }
+            }
+            match self.state.route(name) {
+                Some(route) => {
+                    for (model, variant) in table::route_models(&route) {
+                        self.model_owners
+                            .entry(model.clone())
+                            .or_default()
+                            .insert(name.clone(), variant);
+                        models_touched.insert(model);
+                    }
+                    table.endpoints.insert(name.clone(), Arc::new(route));
+                }
+                None => {
+                    table.endpoints.remove(name);
+                }
+            }
+        }
+        for model in models_touched {
+            let first = self
+                .model_owners
+                .get(&model)
+                .and_then(|owners| owners.first_key_value())
+                .map(|(name, variant)| (name.clone(), *variant));
+            match first {
+                Some(owner) => {
+                    table.models.insert(model, owner);
+                }
+                None => {
+                    self.model_owners.remove(&model);
+                    table.models.remove(&model);
+                }
+            }
+        }
+        drop(current);
+        self.swap(table);
+    }
+
+    fn swap(&mut self, table: RoutingTable) {
+        let old = self.table.swap(Arc::new(table));
+        self.retired_tables.push(old);
+        self.collect_garbage();
+    }
+
+    /// Frees replaced tables no request holds any more, and the cells of departed instances
+    /// no request uses any more. Called after every swap and periodically by the sync client.
+    pub fn collect_garbage(&mut self) {
+        self.retired_tables
+            .retain(|table| Arc::strong_count(table) > 1);
+        let state = &self.state;
+        self.registry
+            .prune(&mut self.retired_cells, |key| state.is_member(key));
     }
 
     /// Replaces everything with a static configuration.
     pub fn load_static(&mut self, file: StaticConfig) {
-        self.endpoints = file.endpoints.into_iter().collect();
-        self.instances = file
-            .instances
-            .into_iter()
-            .map(|instance| {
-                (
-                    (instance.endpoint_name.clone(), instance.instance_id.clone()),
-                    instance,
-                )
-            })
-            .collect();
-        self.version = 1;
-        self.publish();
+        let mut update = StateUpdate {
+            reset: true,
+            complete: true,
+            ..StateUpdate::default()
+        };
+        for (name, config) in file.endpoints {
+            update.endpoints.push(Arc::new(Endpoint {
+                endpoint_name: name,
+                endpoint_config_name: config.endpoint_config_name.clone(),
+                endpoint_status: EndpointStatus::InService,
+                creation_time_ms: 0,
+                last_modified_time_ms: 0,
+                failure_reason: String::new(),
+            }));
+            update.configs.push(Arc::new(config));
+        }
+        update.instances = file.instances.into_iter().map(Arc::new).collect();
+        let version = StateVersion {
+            cluster: String::new(),
+            revision: 1,
+        };
+        if let Err(err) = self.apply(version, &update) {
+            tracing::error!(error = %err, "cannot load the static config");
+        }
     }
 }
 
@@ -181,6 +495,12 @@ struct FileInstance {
     role: Option<InstanceRole>,
     #[serde(default)]
     protocol: InstanceProtocol,
+    /// vLLM's KV-event publisher, `tcp://host:port` (KV_AWARE).
+    #[serde(default)]
+    kv_events: Option<String>,
+    /// Its replay socket, `tcp://host:port`.
+    #[serde(default)]
+    kv_events_replay: Option<String>,
 }
 
 /// Reads a static configuration (JSON, or YAML by extension `.yaml`/`.yml`):
@@ -194,10 +514,15 @@ struct FileInstance {
 ///         RoutingConfig:
 ///           RoutingStrategy: PREFIX_AWARE
 ///           PrefixAwareRoutingConfig: {PrefixLength: 4096, ConcurrencyThreshold: 10}
+///           # Switchyard's bounded-load extension (optional; absent: SageMaker's semantics):
+///           # PrefixAwareRoutingConfig: {PrefixLength: 4096, ConcurrencyThreshold: 16,
+///           #                            LoadBalanceFactor: 1.25, LoadBalanceSlack: 2}
 ///     Instances:
 ///       - Url: http://10.0.0.7:8000    # InstanceId defaults to the URL's host:port,
 ///       - Url: http://10.0.0.8:8000    # VariantName to the only variant
 ///         Protocol: h2c                # http1 or h2c; default: --upstream-protocol
+///         KvEvents: tcp://10.0.0.8:5557        # vLLM's KV-event publisher (KV_AWARE)
+///         KvEventsReplay: tcp://10.0.0.8:5558  # and its replay socket
 /// ```
 pub fn read_static_config(path: &Path) -> Result<StaticConfig, String> {
     let text = std::fs::read_to_string(path)
@@ -206,12 +531,17 @@ pub fn read_static_config(path: &Path) -> Result<StaticConfig, String> {
         path.extension().and_then(|extension| extension.to_str()),
         Some("yaml" | "yml")
     );
+    parse_static_text(&text, yaml).map_err(|err| format!("--config {}: {err}", path.display()))
+}
+
+/// Parses and validates the text of a static configuration (YAML, or JSON).
+pub fn parse_static_text(text: &str, yaml: bool) -> Result<StaticConfig, String> {
     let root: FileRoot = if yaml {
-        serde_yaml::from_str(&text).map_err(|err| format!("--config {}: {err}", path.display()))?
+        serde_yaml::from_str(text).map_err(|err| err.to_string())?
     } else {
-        serde_json::from_str(&text).map_err(|err| format!("--config {}: {err}", path.display()))?
+        serde_json::from_str(text).map_err(|err| err.to_string())?
     };
-    parse_static(root).map_err(|err| format!("--config {}: {err}", path.display()))
+    parse_static(root).map_err(|err| err.to_string())
 }
 
 fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
@@ -269,6 +599,12 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 .to_owned();
             let id = InstanceId::new(instance.instance_id.as_deref().unwrap_or(&default_id))
                 .map_err(|err| ValidationError::new(at("InstanceId"), err.to_string()))?;
+            let kv_events = KvEventsEndpoints::parse(
+                instance.kv_events.as_deref(),
+                instance.kv_events_replay.as_deref(),
+                &at("KvEvents"),
+                &at("KvEventsReplay"),
+            )?;
             let weight = instance.weight.unwrap_or(1.0);
             validate_instance_weight(weight)
                 .map_err(|err| ValidationError::new(at("Weight"), err.message))?;
@@ -293,6 +629,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 ttl_seconds: 0,
                 registered_time_ms: 0,
                 lease_id: 0,
+                kv_events,
             });
         }
         if endpoints
@@ -320,6 +657,224 @@ mod tests {
         parse_static(serde_json::from_str(json).unwrap())
     }
 
+    fn config(name: &str, model: &str) -> Arc<EndpointConfig> {
+        Arc::new(
+            serde_json::from_str(&format!(
+                r#"{{"EndpointConfigName":"{name}","ProductionVariants":[{{"VariantName":"v","ModelName":"{model}"}}]}}"#
+            ))
+            .unwrap(),
+        )
+    }
+
+    fn endpoint(name: &str, config: &str) -> Arc<Endpoint> {
+        Arc::new(Endpoint {
+            endpoint_name: EndpointName::new(name).unwrap(),
+            endpoint_config_name: EndpointConfigName::new(config).unwrap(),
+            endpoint_status: EndpointStatus::InService,
+            creation_time_ms: 0,
+            last_modified_time_ms: 0,
+            failure_reason: String::new(),
+        })
+    }
+
+    fn instance(endpoint: &str, id: &str, health: Health) -> Arc<Instance> {
+        Arc::new(Instance {
+            instance_id: InstanceId::new(id).unwrap(),
+            endpoint_name: EndpointName::new(endpoint).unwrap(),
+            variant_name: VariantName::new("v").unwrap(),
+            url: format!("http://127.0.0.1:9/{id}"),
+            role: InstanceRole::Both,
+            protocol: InstanceProtocol::Unspecified,
+            weight: 1.0,
+            health,
+            health_detail: String::new(),
+            ttl_seconds: 0,
+            registered_time_ms: 0,
+            lease_id: 0,
+            kv_events: None,
+        })
+    }
+
+    fn version(cluster: &str, revision: u64) -> StateVersion {
+        StateVersion {
+            cluster: cluster.into(),
+            revision,
+        }
+    }
+
+    fn membership() -> (Membership, Arc<ArcSwap<RoutingTable>>) {
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        (Membership::new(Arc::default(), Arc::clone(&table)), table)
+    }
+
+    /// Instance ids per endpoint in the table.
+    fn routed(table: &RoutingTable) -> BTreeMap<String, Vec<String>> {
+        table
+            .endpoints
+            .iter()
+            .map(|(name, route)| {
+                let ids = route.variants[0]
+                    .instances
+                    .iter()
+                    .map(|instance| instance.id.to_string())
+                    .collect();
+                (name.to_string(), ids)
+            })
+            .collect()
+    }
+
+    fn snapshot() -> StateUpdate {
+        StateUpdate {
+            reset: true,
+            complete: true,
+            configs: vec![config("cfg", "m1"), config("cfg2", "m2")],
+            endpoints: vec![endpoint("a", "cfg"), endpoint("b", "cfg")],
+            instances: vec![
+                instance("a", "a1", Health::Healthy),
+                instance("a", "a2", Health::Unknown),
+                instance("b", "b1", Health::Healthy),
+            ],
+            ..StateUpdate::default()
+        }
+    }
+
+    #[test]
+    fn a_snapshot_in_pieces_swaps_in_once_complete() {
+        let (mut membership, table) = membership();
+        let whole = snapshot();
+        let first = StateUpdate {
+            reset: true,
+            complete: false,
+            configs: whole.configs.clone(),
+            endpoints: whole.endpoints.clone(),
+            ..StateUpdate::default()
+        };
+        let last = StateUpdate {
+            reset: false,
+            complete: true,
+            instances: whole.instances.clone(),
+            ..StateUpdate::default()
+        };
+        let applied = membership.apply(version("c", 5), &first).unwrap();
+        assert!(!applied.swapped);
+        assert_eq!(
+            table.load().version,
+            0,
+            "nothing routable before the last piece"
+        );
+        assert!(membership.apply(version("c", 5), &last).unwrap().swapped);
+        let loaded = table.load();
+        assert_eq!(loaded.version, 5);
+        assert_eq!(routed(&loaded)["a"], ["a1", "a2"]);
+        assert_eq!(routed(&loaded)["b"], ["b1"]);
+        assert_eq!(
+            loaded.models["m1"].0.as_str(),
+            "a",
+            "first endpoint by name"
+        );
+    }
+
+    #[test]
+    fn a_change_rebuilds_only_the_endpoints_it_touches() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 5), &snapshot()).unwrap();
+        let before = table.load_full();
+        let change = StateUpdate {
+            complete: true,
+            instances: vec![instance("a", "a2", Health::Unhealthy)],
+            removed_instances: vec![InstanceKey::new(
+                EndpointName::new("a").unwrap(),
+                InstanceId::new("a1").unwrap(),
+            )],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 6), &change).unwrap();
+        let after = table.load_full();
+        assert_eq!(after.version, 6);
+        assert!(routed(&after)["a"].is_empty(), "a1 left, a2 unhealthy");
+        assert!(
+            Arc::ptr_eq(&before.endpoints["b"], &after.endpoints["b"]),
+            "b untouched and shared"
+        );
+        // The departed instance's cell goes once no table holds it.
+        drop(before);
+        membership.collect_garbage();
+        assert_eq!(membership.registry.len(), 2, "a2 and b1 remain");
+    }
+
+    #[test]
+    fn config_changes_reach_every_endpoint_using_it_and_models_follow() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 5), &snapshot()).unwrap();
+        let change = StateUpdate {
+            complete: true,
+            configs: vec![config("cfg", "m3")],
+            endpoints: vec![endpoint("a", "cfg2")],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 6), &change).unwrap();
+        let loaded = table.load();
+        let model_of = |name: &str| loaded.endpoints[name].variants[0].model_name.clone();
+        assert_eq!(model_of("a").as_deref(), Some("m2"));
+        assert_eq!(model_of("b").as_deref(), Some("m3"));
+        assert!(!loaded.models.contains_key("m1"));
+        assert_eq!(loaded.models["m2"].0.as_str(), "a");
+        assert_eq!(loaded.models["m3"].0.as_str(), "b");
+        // An endpoint removal takes its instances; the other keeps the model.
+        let removal = StateUpdate {
+            complete: true,
+            removed_endpoints: vec![EndpointName::new("a").unwrap()],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 7), &removal).unwrap();
+        let loaded = table.load();
+        assert!(!loaded.endpoints.contains_key("a"));
+        assert!(!loaded.models.contains_key("m2"));
+        assert_eq!(membership.instance_count(), 1);
+    }
+
+    #[test]
+    fn an_older_snapshot_of_the_same_cluster_is_refused_another_cluster_is_taken() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 10), &snapshot()).unwrap();
+        let older = StateUpdate {
+            reset: true,
+            complete: true,
+            ..StateUpdate::default()
+        };
+        let err = membership.apply(version("c", 9), &older).unwrap_err();
+        assert_eq!(
+            err,
+            ApplyError::Stale {
+                held: version("c", 10),
+                offered: version("c", 9)
+            }
+        );
+        assert_eq!(table.load().endpoints.len(), 2, "the state held stays");
+        // The same revision (a reconnect to a replica with nothing new) is fine.
+        membership.apply(version("c", 10), &snapshot()).unwrap();
+        // A control plane that sends no cluster id counts as the same cluster.
+        assert!(membership.apply(version("", 3), &older).is_err());
+        // Another cluster: taken, and said so.
+        let applied = membership.apply(version("d", 2), &older).unwrap();
+        assert_eq!(applied.cluster_changed, Some(("c".into(), "d".into())));
+        assert!(table.load().endpoints.is_empty());
+        assert_eq!(membership.version(), Some(&version("d", 2)));
+    }
+
+    #[test]
+    fn changes_before_any_snapshot_are_refused() {
+        let (mut membership, _) = membership();
+        let change = StateUpdate {
+            complete: true,
+            ..StateUpdate::default()
+        };
+        assert_eq!(
+            membership.apply(version("c", 1), &change),
+            Err(ApplyError::NoSnapshot)
+        );
+    }
+
     #[test]
     fn static_config_defaults() {
         let config = parse(
@@ -331,6 +886,83 @@ mod tests {
         assert_eq!(config.instances[0].instance_id.as_str(), "127.0.0.1:9001");
         assert_eq!(config.instances[0].variant_name.as_str(), "v");
         assert_eq!(config.instances[1].weight, 2.0);
+    }
+
+    #[test]
+    fn static_config_kv_events() {
+        let config = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v",
+            "RoutingConfig":{"RoutingStrategy":"KV_AWARE"}}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEvents":"tcp://127.0.0.1:5557",
+            "KvEventsReplay":"tcp://127.0.0.1:5558"},{"Url":"http://127.0.0.1:9002"}]}]}"#,
+        )
+        .unwrap();
+        let kv = config.instances[0].kv_events.clone().unwrap();
+        assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
+        assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(config.instances[1].kv_events, None);
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEventsReplay":"tcp://127.0.0.1:5558"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "Endpoints[0].Instances[0].KvEventsReplay");
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEvents":"tcp://*:5557"}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(err.field, "Endpoints[0].Instances[0].KvEvents");
+    }
+
+    #[test]
+    fn static_config_carries_the_load_balance_extension_into_the_table() {
+        use switchyard_policy::rank::{LoadBalance, Strategy};
+        let config = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
+            {"VariantName":"bounded","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.5,"LoadBalanceSlack":3}}},
+            {"VariantName":"default-slack","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25}}},
+            {"VariantName":"sagemaker","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {"PrefixLength":4096,"ConcurrencyThreshold":16}}}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","VariantName":"bounded"}]}]}"#,
+        )
+        .unwrap();
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        let mut membership = Membership::new(Arc::default(), Arc::clone(&table));
+        membership.load_static(config);
+        let table = table.load();
+        let endpoint = &table.endpoints[&EndpointName::new("chat").unwrap()];
+        let strategies: Vec<Strategy> = endpoint
+            .variants
+            .iter()
+            .map(|variant| variant.strategy)
+            .collect();
+        let strategy = |factor: f64, slack: u32| Strategy::PrefixAware {
+            concurrency_threshold: 16,
+            balance: Some(LoadBalance { factor, slack }),
+        };
+        assert_eq!(
+            strategies,
+            [
+                strategy(1.5, 3),
+                strategy(1.25, switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK),
+                Strategy::PrefixAware {
+                    concurrency_threshold: 16,
+                    balance: None
+                },
+            ]
+        );
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+            "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":0.5}}}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "Endpoints[0].ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig.LoadBalanceFactor"
+        );
     }
 
     #[test]

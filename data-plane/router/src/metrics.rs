@@ -6,17 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use switchyard_shared::metrics::{Histogram, TextEncoder};
 
-use crate::table::{LoadRegistry, ROUTE_LABELS, RoutingTable};
-
-pub const ERROR_KINDS: [&str; 7] = [
-    "bad_request",
-    "unknown_endpoint",
-    "too_large",
-    "unavailable",
-    "model_error",
-    "upstream_failed",
-    "client_gone",
-];
+use crate::admission::{Admission, Limit};
+use crate::errors::ErrorKind;
+use crate::table::{LoadRegistry, RouteLabel, RoutingTable, UpstreamError};
 
 /// Fine at the low end: a routing decision takes microseconds.
 const LATENCY_BOUNDS: [f64; 17] = [
@@ -39,33 +31,76 @@ const LATENCY_BOUNDS: [f64; 17] = [
     2.5,
 ];
 
+/// Seconds a sync message takes to apply, on the sync thread (table swap included).
+const APPLY_BOUNDS: [f64; 14] = [
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.1, 0.5, 2.5,
+];
+
+/// What the control-plane stream does, shared by the sync thread and `/metrics`.
+#[derive(Debug)]
+pub struct SyncMetrics {
+    /// True once a stream has delivered a whole snapshot, until it ends.
+    pub connected: AtomicBool,
+    /// Snapshots refused because they were older than the state held (same cluster).
+    pub stale_snapshots_refused: AtomicU64,
+    /// Snapshots taken from another cluster than the state held (a store recreated).
+    pub cluster_changes: AtomicU64,
+    /// Sync messages applied (snapshot pieces and change batches).
+    pub updates_applied: AtomicU64,
+    pub apply_seconds: Histogram,
+    /// Routing tables swapped in so far (watchable: tests and benchmarks wait on it).
+    pub swaps: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for SyncMetrics {
+    fn default() -> Self {
+        Self {
+            connected: AtomicBool::new(false),
+            stale_snapshots_refused: AtomicU64::new(0),
+            cluster_changes: AtomicU64::new(0),
+            updates_applied: AtomicU64::new(0),
+            apply_seconds: Histogram::new(&APPLY_BOUNDS),
+            swaps: tokio::sync::watch::Sender::new(0),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct RouterMetrics {
-    errors: [AtomicU64; ERROR_KINDS.len()],
+    errors: [AtomicU64; ErrorKind::ALL.len()],
     /// Time from request arrival to the routing decision (body read and parse included).
     pub decision_seconds: Histogram,
     /// Time from sending upstream to the upstream's response head.
     pub upstream_header_seconds: Histogram,
-    pub control_plane_connected: Arc<AtomicBool>,
+    pub sync: Arc<SyncMetrics>,
 }
 
 impl RouterMetrics {
-    pub fn new(control_plane_connected: Arc<AtomicBool>) -> Self {
+    pub fn new(sync: Arc<SyncMetrics>) -> Self {
         Self {
             errors: Default::default(),
             decision_seconds: Histogram::new(&LATENCY_BOUNDS),
             upstream_header_seconds: Histogram::new(&LATENCY_BOUNDS),
-            control_plane_connected,
+            sync,
         }
     }
 
-    pub fn error(&self, kind: &str) {
-        if let Some(index) = ERROR_KINDS.iter().position(|candidate| *candidate == kind) {
-            self.errors[index].fetch_add(1, Ordering::Relaxed);
-        }
+    pub fn error(&self, kind: ErrorKind) {
+        self.errors[kind.index()].fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn render(&self, table: &RoutingTable, registry: &LoadRegistry) -> String {
+    /// Errors of `kind` counted so far.
+    pub fn errors(&self, kind: ErrorKind) -> u64 {
+        self.errors[kind.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn render(
+        &self,
+        table: &RoutingTable,
+        registry: &LoadRegistry,
+        admission: &Admission,
+    ) -> String {
         let mut out = TextEncoder::new();
         out.family(
             "switchyard_router_table_version",
@@ -81,20 +116,63 @@ impl RouterMetrics {
         .sample(
             "switchyard_router_control_plane_connected",
             &[],
-            f64::from(u8::from(
-                self.control_plane_connected.load(Ordering::Relaxed),
-            )),
+            f64::from(u8::from(self.sync.connected.load(Ordering::Relaxed))),
+        );
+        let counters = [
+            (
+                "switchyard_router_stale_snapshots_refused_total",
+                "Snapshots refused because they were older than the routing state held (same cluster); the router then tries another control plane.",
+                &self.sync.stale_snapshots_refused,
+            ),
+            (
+                "switchyard_router_cluster_changes_total",
+                "Snapshots taken from another cluster than the state held (its store was recreated).",
+                &self.sync.cluster_changes,
+            ),
+            (
+                "switchyard_router_sync_updates_total",
+                "Sync messages applied: snapshot pieces and batches of changes.",
+                &self.sync.updates_applied,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            out.family(name, "counter", help).sample(
+                name,
+                &[],
+                counter.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_table_swaps_total",
+            "counter",
+            "Routing tables swapped in (one per snapshot or batch of changes).",
+        )
+        .sample(
+            "switchyard_router_table_swaps_total",
+            &[],
+            *self.sync.swaps.borrow() as f64,
+        );
+        out.family(
+            "switchyard_router_sync_apply_seconds",
+            "histogram",
+            "Time to apply one sync message on the sync thread (table swap included).",
+        );
+        out.histogram(
+            "switchyard_router_sync_apply_seconds",
+            &[],
+            &self.sync.apply_seconds,
         );
         let mut rows = Vec::new();
-        registry.for_each(|(endpoint, id), cell| {
+        registry.for_each(|key, cell| {
             let requests: Vec<u64> = cell
                 .requests
                 .iter()
+                .chain(&cell.upstream_errors)
                 .map(|counter| counter.load(Ordering::Relaxed))
                 .collect();
             rows.push((
-                endpoint.to_string(),
-                id.to_string(),
+                key.endpoint.to_string(),
+                key.id.to_string(),
                 cell.local.load(Ordering::Relaxed),
                 cell.remote.load(Ordering::Relaxed),
                 cell.ejected_until_ms.load(Ordering::Relaxed),
@@ -144,11 +222,34 @@ impl RouterMetrics {
             "counter",
             "Requests sent to each instance, by why it was chosen.",
         );
-        for (endpoint, id, _, _, _, requests) in &rows {
-            for (label, count) in ROUTE_LABELS.iter().zip(requests) {
+        for (endpoint, id, _, _, _, counts) in &rows {
+            for (label, count) in RouteLabel::ALL.iter().zip(counts) {
                 out.sample(
                     "switchyard_router_requests_total",
-                    &[("endpoint", endpoint), ("instance", id), ("route", label)],
+                    &[
+                        ("endpoint", endpoint),
+                        ("instance", id),
+                        ("route", label.as_str()),
+                    ],
+                    *count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_upstream_errors_total",
+            "counter",
+            "Requests to each instance that failed, by how: refused (not reached, retried elsewhere), reset (after sending: 502 or an answer cut short), timeout (no response head in time: 504), stream_idle (the answer stalled).",
+        );
+        for (endpoint, id, _, _, _, counts) in &rows {
+            let errors = &counts[RouteLabel::ALL.len()..];
+            for (kind, count) in UpstreamError::ALL.iter().zip(errors) {
+                out.sample(
+                    "switchyard_router_upstream_errors_total",
+                    &[
+                        ("endpoint", endpoint),
+                        ("instance", id),
+                        ("kind", kind.as_str()),
+                    ],
                     *count as f64,
                 );
             }
@@ -158,13 +259,55 @@ impl RouterMetrics {
             "counter",
             "Requests answered with an error by the router, by kind.",
         );
-        for (kind, count) in ERROR_KINDS.iter().zip(&self.errors) {
+        for (kind, count) in ErrorKind::ALL.iter().zip(&self.errors) {
             out.sample(
                 "switchyard_router_errors_total",
-                &[("kind", kind)],
+                &[("kind", kind.as_str())],
                 count.load(Ordering::Relaxed) as f64,
             );
         }
+        out.family(
+            "switchyard_router_admission_refused_total",
+            "counter",
+            "Connections or requests refused with 503 by an admission limit (--max-connections, --max-in-flight, --max-buffered-bytes).",
+        );
+        for limit in Limit::ALL {
+            out.sample(
+                "switchyard_router_admission_refused_total",
+                &[("limit", limit.as_str())],
+                admission.refused(limit) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_open_connections",
+            "gauge",
+            "Client connections open now.",
+        )
+        .sample(
+            "switchyard_router_open_connections",
+            &[],
+            admission.connections() as f64,
+        );
+        out.family(
+            "switchyard_router_requests_in_flight",
+            "gauge",
+            "Requests admitted and not yet answered in full, over all instances.",
+        )
+        .sample(
+            "switchyard_router_requests_in_flight",
+            &[],
+            admission.in_flight() as f64,
+        );
+        out.family(
+            "switchyard_router_buffered_request_bytes",
+            "gauge",
+            "Request-body bytes held in memory now (bounded by --max-buffered-bytes).",
+        )
+        .sample(
+            "switchyard_router_buffered_request_bytes",
+            &[],
+            admission.buffered_bytes() as f64,
+        );
         out.family(
             "switchyard_router_decision_seconds",
             "histogram",

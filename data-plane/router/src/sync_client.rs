@@ -2,22 +2,39 @@
 //! (trying the configured URLs in turn, with backoff), applies what it receives to the
 //! membership, and reports this router's in-flight counts several times a second.
 //!
+//! It runs on a thread of its own (`switchyard-sync`, with its own single-threaded runtime):
+//! decoding the stream and applying changes never take time from the serving threads, which
+//! only ever load the current table.
+//!
+//! Wire messages are converted to domain types as they arrive (`switchyard_shared::pb`); the
+//! router announces protocol 2 and also understands control planes that speak only 1.
+//!
 //! Static stability: while no replica answers, the router keeps routing with the last table
-//! it had. Nothing on the request path waits for the control plane.
+//! it had. Nothing on the request path waits for the control plane. A replica whose state is
+//! older than the one held (same cluster) is refused and the next one tried.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::router_sync_client::RouterSyncClient;
+use switchyard_shared::InstanceKey;
+use switchyard_shared::sync::{
+    InstanceLoad, ROUTER_MAX_MESSAGE_BYTES, SYNC_MAX_MESSAGE_BYTES, SYNC_PROTOCOL, StateUpdate,
+    StateVersion,
+};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::membership::Membership;
+use crate::membership::{ApplyError, Membership};
+use crate::metrics::SyncMetrics;
 use crate::table::LoadRegistry;
+
+/// How often replaced tables and departed instances' cells are checked for freeing.
+const GARBAGE_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct SyncSettings {
@@ -29,38 +46,112 @@ pub struct SyncSettings {
     pub token: Option<String>,
 }
 
-/// Follows the control plane until `shutdown`.
+/// The sync thread. Dropping or aborting it stops the thread (it ends within a moment).
+#[derive(Debug)]
+pub struct SyncTask {
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SyncTask {
+    /// Stops the thread without waiting for it.
+    pub fn abort(mut self) {
+        self.stop.cancel();
+        self.thread.take();
+    }
+
+    /// Stops the thread and waits for it to end (blocking: not from a serving thread).
+    pub fn join(mut self) {
+        self.stop.cancel();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for SyncTask {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Starts following the control plane on a thread of its own, until `shutdown` (or the
+/// task's abort).
+pub fn spawn(
+    settings: SyncSettings,
+    membership: Membership,
+    registry: Arc<LoadRegistry>,
+    metrics: Arc<SyncMetrics>,
+    shutdown: CancellationToken,
+) -> std::io::Result<SyncTask> {
+    let stop = shutdown.child_token();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let token = stop.clone();
+    let thread = std::thread::Builder::new()
+        .name("switchyard-sync".into())
+        .spawn(move || {
+            runtime.block_on(run(settings, membership, registry, metrics, token));
+            runtime.shutdown_timeout(Duration::from_secs(1));
+        })?;
+    Ok(SyncTask {
+        stop,
+        thread: Some(thread),
+    })
+}
+
+/// How a stream ended.
+enum Ended {
+    /// The control plane closed it.
+    Closed,
+    /// It could not be opened, or broke.
+    Failed(String),
+    /// The control plane's state is older than ours: try another.
+    Stale(ApplyError),
+}
+
+/// Follows the control plane until `shutdown`, on the calling runtime.
 pub async fn run(
     settings: SyncSettings,
     mut membership: Membership,
     registry: Arc<LoadRegistry>,
-    connected: Arc<AtomicBool>,
+    metrics: Arc<SyncMetrics>,
     shutdown: CancellationToken,
 ) {
+    // Tells this process from another one using the same --router-id.
+    let incarnation = fastrand::u64(1..);
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0usize;
     while !shutdown.is_cancelled() {
         let url = &settings.urls[attempt % settings.urls.len()];
         attempt += 1;
-        let outcome = tokio::select! {
+        let ended = tokio::select! {
             () = shutdown.cancelled() => return,
-            outcome = follow(url, &settings, &mut membership, &registry, &connected) => outcome,
+            ended = follow(url, &settings, incarnation, &mut membership, &registry, &metrics) => ended,
         };
-        let was_synced = connected.swap(false, Ordering::Relaxed);
+        membership.abandon_staged();
+        let was_synced = metrics.connected.swap(false, Ordering::Relaxed);
         // Other routers' load is unknown from now on: count only our own rather than keep
         // figures that can only grow stale (a frozen "10 in flight" would push every prefix
         // off its instance for the whole outage).
-        apply_fleet_load(&registry, &pb::FleetLoad::default());
+        apply_fleet_load(&registry, &[]);
         if was_synced {
             // A stream that worked for a while and broke: reconnect at once.
             backoff = Duration::from_millis(100);
         }
-        match outcome {
-            Ok(()) => {
+        match ended {
+            Ended::Closed => {
                 tracing::warn!(control_plane = %url, "sync stream ended; reconnecting (routing continues on the last state)");
             }
-            Err(err) => {
+            Ended::Failed(err) => {
                 tracing::warn!(control_plane = %url, error = %err, retry_in = ?backoff, "control plane unreachable; routing continues on the last state");
+            }
+            Ended::Stale(err) => {
+                metrics
+                    .stale_snapshots_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(control_plane = %url, error = %err, "refused a stale snapshot; trying another control plane");
             }
         }
         tokio::select! {
@@ -92,53 +183,120 @@ async fn connect(url: &str, settings: &SyncSettings) -> Result<Channel, String> 
     endpoint.connect().await.map_err(|err| err.to_string())
 }
 
+/// A received message as domain types.
+enum Received {
+    State(StateVersion, StateUpdate),
+    FleetLoad(Vec<InstanceLoad>),
+    Nothing,
+}
+
+fn receive(message: pb::SyncMessage) -> Received {
+    use pb::sync_message::Message;
+    let version = StateVersion {
+        cluster: message.cluster_id,
+        revision: message.version,
+    };
+    let converted = match message.message {
+        None => return Received::Nothing,
+        Some(Message::FleetLoad(fleet)) => {
+            let (loads, skipped) = switchyard_shared::pb::instance_loads(fleet.loads);
+            if skipped > 0 {
+                tracing::debug!(skipped, "fleet load names unreadable instances; ignored");
+            }
+            return Received::FleetLoad(loads);
+        }
+        Some(Message::Update(update)) => switchyard_shared::pb::state_update(update),
+        Some(legacy) => match switchyard_shared::pb::legacy_state_update(legacy) {
+            Some(converted) => converted,
+            None => return Received::Nothing,
+        },
+    };
+    let (update, errors) = converted;
+    for err in errors {
+        tracing::warn!(error = %err, "ignored an unreadable part of a sync message");
+    }
+    Received::State(version, update)
+}
+
 async fn follow(
     url: &str,
     settings: &SyncSettings,
+    incarnation: u64,
     membership: &mut Membership,
     registry: &LoadRegistry,
-    connected: &AtomicBool,
-) -> Result<(), String> {
-    let channel = connect(url, settings).await?;
-    let mut client = RouterSyncClient::new(channel);
+    metrics: &SyncMetrics,
+) -> Ended {
+    let channel = match connect(url, settings).await {
+        Ok(channel) => channel,
+        Err(err) => return Ended::Failed(err),
+    };
+    let mut client = RouterSyncClient::new(channel)
+        .max_decoding_message_size(SYNC_MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(ROUTER_MAX_MESSAGE_BYTES);
     let (outbound, receiver) = mpsc::channel::<pb::RouterMessage>(16);
-    outbound
-        .send(pb::RouterMessage {
-            message: Some(pb::router_message::Message::Hello(pb::RouterHello {
-                router_id: settings.router_id.clone(),
-            })),
-        })
-        .await
-        .map_err(|_| "stream closed".to_owned())?;
+    let hello = pb::RouterMessage {
+        message: Some(pb::router_message::Message::Hello(pb::RouterHello {
+            router_id: settings.router_id.clone(),
+            protocol: SYNC_PROTOCOL,
+            incarnation,
+        })),
+    };
+    if outbound.send(hello).await.is_err() {
+        return Ended::Failed("stream closed".into());
+    }
     let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
     if let Some(token) = &settings.token {
-        let value = format!("Bearer {token}")
-            .parse()
-            .map_err(|_| "the control-plane token cannot be sent in a header".to_owned())?;
+        let Ok(value) = format!("Bearer {token}").parse() else {
+            return Ended::Failed("the control-plane token cannot be sent in a header".into());
+        };
         request.metadata_mut().insert("authorization", value);
     }
-    let mut inbound = client
-        .sync(request)
-        .await
-        .map_err(|status| format!("{}: {}", status.code(), status.message()))?
-        .into_inner();
+    let status = |status: tonic::Status| format!("{}: {}", status.code(), status.message());
+    let mut inbound = match client.sync(request).await {
+        Ok(response) => response.into_inner(),
+        Err(err) => return Ended::Failed(status(err)),
+    };
     let mut reports = tokio::time::interval(settings.report_interval);
     reports.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_report: Option<Vec<pb::InstanceLoad>> = None;
+    let mut garbage = tokio::time::interval(GARBAGE_EVERY);
+    garbage.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_report: Option<Vec<InstanceLoad>> = None;
     let mut since_report = 0u32;
     loop {
         tokio::select! {
             message = inbound.message() => {
-                let message = message.map_err(|status| format!("{}: {}", status.code(), status.message()))?;
-                let Some(message) = message else { return Ok(()) };
-                if !connected.swap(true, Ordering::Relaxed) {
-                    tracing::info!(control_plane = %url, replica = %message.replica_id, "synced with control plane");
-                }
-                match message.message {
-                    Some(pb::sync_message::Message::FleetLoad(fleet)) => apply_fleet_load(registry, &fleet),
-                    _ => membership.apply(message),
+                let message = match message {
+                    Ok(Some(message)) => message,
+                    Ok(None) => return Ended::Closed,
+                    Err(err) => return Ended::Failed(status(err)),
+                };
+                let replica = message.replica_id.clone();
+                match receive(message) {
+                    Received::Nothing => {}
+                    Received::FleetLoad(loads) => apply_fleet_load(registry, &loads),
+                    Received::State(version, update) => {
+                        let started = Instant::now();
+                        let applied = match membership.apply(version, &update) {
+                            Ok(applied) => applied,
+                            Err(err @ ApplyError::Stale { .. }) => return Ended::Stale(err),
+                            Err(err) => return Ended::Failed(err.to_string()),
+                        };
+                        metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
+                        metrics.updates_applied.fetch_add(1, Ordering::Relaxed);
+                        if let Some((before, now)) = &applied.cluster_changed {
+                            metrics.cluster_changes.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(control_plane = %url, before = %before, now = %now, "the control plane serves another cluster (its store was recreated?); taking its state");
+                        }
+                        if applied.swapped {
+                            metrics.swaps.send_modify(|swaps| *swaps += 1);
+                            if !metrics.connected.swap(true, Ordering::Relaxed) {
+                                tracing::info!(control_plane = %url, replica = %replica, instances = membership.instance_count(), "synced with control plane");
+                            }
+                        }
+                    }
                 }
             }
+            _ = garbage.tick() => membership.collect_garbage(),
             _ = reports.tick() => {
                 let loads = local_loads(registry);
                 since_report += 1;
@@ -150,10 +308,12 @@ async fn follow(
                 }
                 since_report = 0;
                 let message = pb::RouterMessage {
-                    message: Some(pb::router_message::Message::Load(pb::LoadReport { loads: loads.clone() })),
+                    message: Some(pb::router_message::Message::Load(pb::LoadReport {
+                        loads: loads.iter().map(Into::into).collect(),
+                    })),
                 };
                 if outbound.send(message).await.is_err() {
-                    return Ok(());
+                    return Ended::Closed;
                 }
                 last_report = Some(loads);
             }
@@ -161,41 +321,29 @@ async fn follow(
     }
 }
 
-fn local_loads(registry: &LoadRegistry) -> Vec<pb::InstanceLoad> {
+fn local_loads(registry: &LoadRegistry) -> Vec<InstanceLoad> {
     let mut loads = Vec::new();
-    registry.for_each(|(endpoint, id), cell| {
+    registry.for_each(|key, cell| {
         let in_flight = cell.local.load(Ordering::Relaxed);
         if in_flight > 0 {
-            loads.push(pb::InstanceLoad {
-                endpoint_name: endpoint.to_string(),
-                instance_id: id.to_string(),
+            loads.push(InstanceLoad {
+                key: key.clone(),
                 in_flight,
             });
         }
     });
-    loads.sort_by(|a, b| {
-        (&a.endpoint_name, &a.instance_id).cmp(&(&b.endpoint_name, &b.instance_id))
-    });
+    loads.sort_by(|a, b| a.key.cmp(&b.key));
     loads
 }
 
 /// Sets every cell's remote count from the control plane's figures (absent means zero).
-pub fn apply_fleet_load(registry: &LoadRegistry, fleet: &pb::FleetLoad) {
-    let figures: HashMap<(&str, &str), u32> = fleet
-        .loads
+pub fn apply_fleet_load(registry: &LoadRegistry, loads: &[InstanceLoad]) {
+    let figures: HashMap<&InstanceKey, u32> = loads
         .iter()
-        .map(|load| {
-            (
-                (load.endpoint_name.as_str(), load.instance_id.as_str()),
-                load.in_flight,
-            )
-        })
+        .map(|load| (&load.key, load.in_flight))
         .collect();
-    registry.for_each(|(endpoint, id), cell| {
-        let remote = figures
-            .get(&(endpoint.as_str(), id.as_str()))
-            .copied()
-            .unwrap_or(0);
+    registry.for_each(|key, cell| {
+        let remote = figures.get(key).copied().unwrap_or(0);
         cell.remote.store(remote, Ordering::Relaxed);
     });
 }

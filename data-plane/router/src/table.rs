@@ -1,5 +1,8 @@
 //! The routing table: an immutable snapshot of endpoints, variants and routable instances,
 //! swapped in atomically whenever membership changes (no request ever sees half a change).
+//! `membership` builds it incrementally: an instance's route (its URIs parsed) is made once
+//! when the instance arrives, and a change rebuilds only the endpoints it touches; the new
+//! table shares every other endpoint with the old one.
 //!
 //! Load lives outside the snapshot, in one `InstanceCell` per (endpoint, instance) that
 //! survives table swaps, so in-flight counts stay exact across membership and config changes.
@@ -9,29 +12,99 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use switchyard_policy::hash::instance_hash;
-use switchyard_policy::rank::{InstanceView, Route, Strategy};
+use switchyard_policy::rank::{InstanceView, LoadBalance, Route, Strategy};
 use switchyard_shared::{
-    EndpointConfig, EndpointName, Instance, InstanceId, InstanceProtocol, RoutingStrategy,
-    VariantName,
+    EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey, InstanceProtocol,
+    KvEventsEndpoints, RoutingStrategy, VariantName,
 };
 
-/// Route labels counted per instance: the policy's routes plus `retry`.
-pub const ROUTE_LABELS: [&str; 6] = [
-    "prefix",
-    "overflow",
-    "random",
-    "least-outstanding",
-    "session",
-    "retry",
-];
-
-pub fn route_index(route: Route) -> usize {
-    Route::ALL
-        .iter()
-        .position(|candidate| *candidate == route)
-        .unwrap_or(0)
+/// Why a request went to an instance: the policy's routes, plus the router's own retries.
+/// The `route` label of `switchyard_router_requests_total` and `x-switchyard-route`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteLabel {
+    Prefix,
+    Overflow,
+    Random,
+    LeastOutstanding,
+    Session,
+    /// KV_AWARE: the instance holding most of the prompt's KV cache.
+    Kv,
+    /// The previous candidate provably never received the request.
+    Retry,
+    /// The previous candidate may have received it (`--retry-after-send`).
+    RetryAfterSend,
 }
-pub const RETRY_INDEX: usize = 5;
+
+impl RouteLabel {
+    pub const ALL: [RouteLabel; 8] = [
+        RouteLabel::Prefix,
+        RouteLabel::Overflow,
+        RouteLabel::Random,
+        RouteLabel::LeastOutstanding,
+        RouteLabel::Session,
+        RouteLabel::Kv,
+        RouteLabel::Retry,
+        RouteLabel::RetryAfterSend,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteLabel::Prefix => Route::Prefix.as_str(),
+            RouteLabel::Overflow => Route::Overflow.as_str(),
+            RouteLabel::Random => Route::Random.as_str(),
+            RouteLabel::LeastOutstanding => Route::LeastOutstanding.as_str(),
+            RouteLabel::Session => Route::Session.as_str(),
+            RouteLabel::Kv => Route::Kv.as_str(),
+            RouteLabel::Retry => "retry",
+            RouteLabel::RetryAfterSend => "retry-after-send",
+        }
+    }
+}
+
+impl From<Route> for RouteLabel {
+    fn from(route: Route) -> Self {
+        match route {
+            Route::Prefix => RouteLabel::Prefix,
+            Route::Overflow => RouteLabel::Overflow,
+            Route::Random => RouteLabel::Random,
+            Route::LeastOutstanding => RouteLabel::LeastOutstanding,
+            Route::Session => RouteLabel::Session,
+            Route::Kv => RouteLabel::Kv,
+        }
+    }
+}
+
+/// How a request to an instance failed: the `kind` label of
+/// `switchyard_router_upstream_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamError {
+    /// Not reached: connection refused or timed out, stream refused (retried elsewhere).
+    Refused,
+    /// The connection failed after the request was sent (answered 502, or cut mid-answer).
+    Reset,
+    /// No response head in time (504).
+    Timeout,
+    /// The answer stalled after it began.
+    StreamIdle,
+}
+
+impl UpstreamError {
+    pub const ALL: [UpstreamError; 4] = [
+        UpstreamError::Refused,
+        UpstreamError::Reset,
+        UpstreamError::Timeout,
+        UpstreamError::StreamIdle,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamError::Refused => "refused",
+            UpstreamError::Reset => "reset",
+            UpstreamError::Timeout => "timeout",
+            UpstreamError::StreamIdle => "stream_idle",
+        }
+    }
+}
 
 /// Live counters of one instance, shared by every table that contains it.
 #[derive(Debug, Default)]
@@ -44,8 +117,10 @@ pub struct InstanceCell {
     pub failures: AtomicU32,
     /// Unix ms until which the instance is ejected locally (0: not ejected).
     pub ejected_until_ms: AtomicU64,
-    /// Requests sent, by `ROUTE_LABELS` index.
-    pub requests: [AtomicU64; 6],
+    /// Requests sent, by `RouteLabel`.
+    pub requests: [AtomicU64; RouteLabel::ALL.len()],
+    /// Failed requests, by `UpstreamError`.
+    pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
 }
 
 impl InstanceCell {
@@ -55,12 +130,14 @@ impl InstanceCell {
             .saturating_add(self.remote.load(Ordering::Relaxed))
     }
 
+    pub fn count_upstream(&self, kind: UpstreamError) {
+        self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn available(&self, now_ms: u64) -> bool {
         self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
     }
 }
-
-pub type InstanceKey = (EndpointName, InstanceId);
 
 /// Every instance cell by key. Cells of instances that left membership are kept while
 /// requests are still in flight on them, so the counts reported stay exact.
@@ -80,14 +157,33 @@ impl LoadRegistry {
         Arc::clone(self.lock().entry(key.clone()).or_default())
     }
 
-    /// Forgets cells not in `live` that nothing else holds (no table a request may still
-    /// use, no request in flight), so every count stays reported until it ends.
-    pub fn prune(&self, live: &std::collections::HashSet<InstanceKey>) {
-        self.lock().retain(|key, cell| {
-            live.contains(key)
-                || Arc::strong_count(cell) > 1
-                || cell.local.load(Ordering::Relaxed) > 0
+    /// Forgets the cells of `retired` instances (no longer members: `is_member` says) that
+    /// nothing else holds (no table a request may still use, no request in flight), so every
+    /// count stays reported until it ends. Keeps in `retired` the keys still held.
+    pub fn prune(&self, retired: &mut Vec<InstanceKey>, is_member: impl Fn(&InstanceKey) -> bool) {
+        let mut cells = self.lock();
+        retired.retain(|key| {
+            if is_member(key) {
+                return false;
+            }
+            let Some(cell) = cells.get(key) else {
+                return false;
+            };
+            if Arc::strong_count(cell) > 1 || cell.local.load(Ordering::Relaxed) > 0 {
+                return true;
+            }
+            cells.remove(key);
+            false
         });
+    }
+
+    /// Cells held, for tests and metrics.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
     }
 
     /// Calls `visit` for every cell (under the registry lock: keep it short).
@@ -98,7 +194,7 @@ impl LoadRegistry {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct InstanceRoute {
     pub id: InstanceId,
     /// `id` as a response header value, made once.
@@ -109,6 +205,8 @@ pub struct InstanceRoute {
     pub completions: http::Uri,
     /// How to reach it (unspecified: the router's --upstream-protocol).
     pub protocol: InstanceProtocol,
+    /// Where it publishes KV-cache events (KV_AWARE), if it does.
+    pub kv_events: Option<KvEventsEndpoints>,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -154,13 +252,14 @@ impl EndpointRoute {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct RoutingTable {
     /// Store revision (control plane) or 1 (static config); 0: nothing loaded yet.
     pub version: u64,
     pub endpoints: HashMap<EndpointName, Arc<EndpointRoute>>,
-    /// ModelName -> (endpoint, variant index), for `/v1/...` requests naming a model.
-    pub models: HashMap<String, (Arc<EndpointRoute>, usize)>,
+    /// ModelName -> (endpoint, variant index), for `/v1/...` requests naming a model: the
+    /// first endpoint by name with a variant of that ModelName, and its first such variant.
+    pub models: HashMap<String, (EndpointName, usize)>,
 }
 
 impl RoutingTable {
@@ -170,9 +269,9 @@ impl RoutingTable {
         if let Some(endpoint) = self.endpoints.get(model) {
             return Some((Arc::clone(endpoint), None));
         }
-        self.models
-            .get(model)
-            .map(|(endpoint, variant)| (Arc::clone(endpoint), Some(*variant)))
+        let (name, variant) = self.models.get(model)?;
+        let endpoint = self.endpoints.get(name)?;
+        Some((Arc::clone(endpoint), Some(*variant)))
     }
 }
 
@@ -185,116 +284,181 @@ fn uri(base: &str, path: &str) -> Option<http::Uri> {
     format!("{base}{path}").parse().ok()
 }
 
-/// Builds a table from endpoint configs and instances. Unhealthy instances and instances of
-/// unknown variants are left out.
+impl InstanceRoute {
+    /// The route of an instance of `endpoint`, with its URIs parsed once; `None` when its URL
+    /// cannot make them (logged).
+    pub fn prepare(instance: &Instance, registry: &LoadRegistry) -> Option<InstanceRoute> {
+        let (Some(invocations), Some(chat_completions), Some(completions)) = (
+            uri(&instance.url, "/invocations"),
+            uri(&instance.url, "/v1/chat/completions"),
+            uri(&instance.url, "/v1/completions"),
+        ) else {
+            tracing::warn!(instance = %instance.instance_id, url = %instance.url, "skipping instance with an unusable URL");
+            return None;
+        };
+        Some(InstanceRoute {
+            id_header: header_value(instance.instance_id.as_str()),
+            id: instance.instance_id.clone(),
+            url: instance.url.clone(),
+            invocations,
+            chat_completions,
+            completions,
+            protocol: instance.protocol,
+            kv_events: instance.kv_events.clone(),
+            cell: registry.cell(&InstanceKey::of(instance)),
+        })
+    }
+}
+
+/// The route of one endpoint: for each variant of `config`, its routable `members` (healthy
+/// or not probed yet) in the order given.
+pub fn endpoint_route<'a>(
+    name: &EndpointName,
+    config: &EndpointConfig,
+    members: impl Iterator<Item = (&'a Instance, &'a InstanceRoute)> + Clone,
+) -> EndpointRoute {
+    let mut variants = Vec::with_capacity(config.production_variants.len());
+    for variant in &config.production_variants {
+        let routing = variant.routing();
+        let (strategy, prefix_length) = match routing.routing_strategy {
+            RoutingStrategy::Random => (Strategy::Random, 0),
+            RoutingStrategy::LeastOutstandingRequests => (Strategy::LeastOutstandingRequests, 0),
+            RoutingStrategy::PrefixAware => {
+                // validate() requires the config; the article's example stands in otherwise.
+                let prefix = routing.prefix_aware_routing_config.unwrap_or(
+                    switchyard_shared::PrefixAwareRoutingConfig::sagemaker(4096, 10),
+                );
+                (
+                    Strategy::PrefixAware {
+                        concurrency_threshold: prefix.concurrency_threshold,
+                        balance: prefix
+                            .load_balance()
+                            .map(|(factor, slack)| LoadBalance { factor, slack }),
+                    },
+                    prefix.prefix_length as usize,
+                )
+            }
+            RoutingStrategy::KvAware => {
+                let knobs = routing.kv_aware_routing_config.unwrap_or_default();
+                (
+                    Strategy::KvAware {
+                        concurrency_threshold: knobs.concurrency_threshold(),
+                        load_weight: knobs.load_weight(),
+                    },
+                    0,
+                )
+            }
+        };
+        let mut routes = Vec::new();
+        let mut views = Vec::new();
+        for (instance, route) in members.clone().filter(|(instance, _)| {
+            instance.health.routable() && instance.variant_name == variant.variant_name
+        }) {
+            views.push(InstanceView {
+                id_hash: instance_hash(instance.instance_id.as_str()),
+                weight: instance.weight,
+                available: true,
+            });
+            routes.push(route.clone());
+        }
+        variants.push(VariantRoute {
+            name_header: header_value(variant.variant_name.as_str()),
+            name: variant.variant_name.clone(),
+            model_name: variant.model_name.clone(),
+            strategy,
+            prefix_length,
+            instances: routes,
+            views,
+        });
+    }
+    EndpointRoute {
+        name: name.clone(),
+        variants,
+        weights: config
+            .production_variants
+            .iter()
+            .map(|variant| variant.weight())
+            .collect(),
+    }
+}
+
+/// The ModelNames an endpoint route answers to, each with its first variant of that name.
+pub fn route_models(route: &EndpointRoute) -> Vec<(String, usize)> {
+    let mut models: Vec<(String, usize)> = Vec::new();
+    for (index, variant) in route.variants.iter().enumerate() {
+        if let Some(model) = &variant.model_name
+            && !models.iter().any(|(known, _)| known == model)
+        {
+            models.push((model.clone(), index));
+        }
+    }
+    models
+}
+
+/// A whole table at once, for tests and tools (the router itself builds its table
+/// incrementally in `membership`): every instance's route prepared, every endpoint built.
 pub fn build(
     version: u64,
     endpoints: &[(EndpointName, EndpointConfig)],
     instances: &[Instance],
     registry: &LoadRegistry,
 ) -> RoutingTable {
-    let mut by_endpoint: HashMap<&str, Vec<&Instance>> = HashMap::new();
-    for instance in instances {
-        if instance.health.routable() {
-            by_endpoint
-                .entry(instance.endpoint_name.as_str())
-                .or_default()
-                .push(instance);
-        }
-    }
-    let mut live = std::collections::HashSet::new();
+    let routes: Vec<(&Instance, InstanceRoute)> = instances
+        .iter()
+        .filter_map(|instance| {
+            InstanceRoute::prepare(instance, registry).map(|route| (instance, route))
+        })
+        .collect();
     let mut table = RoutingTable {
         version,
         ..RoutingTable::default()
     };
     for (name, config) in endpoints {
-        let members = by_endpoint.get(name.as_str()).cloned().unwrap_or_default();
-        let mut variants = Vec::with_capacity(config.production_variants.len());
-        for variant in &config.production_variants {
-            let routing = variant.routing();
-            let (strategy, prefix_length) = match routing.routing_strategy {
-                RoutingStrategy::Random => (Strategy::Random, 0),
-                RoutingStrategy::LeastOutstandingRequests => {
-                    (Strategy::LeastOutstandingRequests, 0)
-                }
-                RoutingStrategy::PrefixAware => {
-                    let prefix = routing.prefix_aware_routing_config.unwrap_or(
-                        switchyard_shared::PrefixAwareRoutingConfig {
-                            prefix_length: 4096,
-                            concurrency_threshold: 10,
-                        },
-                    );
-                    (
-                        Strategy::PrefixAware {
-                            concurrency_threshold: prefix.concurrency_threshold,
-                        },
-                        prefix.prefix_length as usize,
-                    )
-                }
-            };
-            let mut routes = Vec::new();
-            let mut views = Vec::new();
-            for instance in members
-                .iter()
-                .filter(|instance| instance.variant_name == variant.variant_name)
-            {
-                let (Some(invocations), Some(chat_completions), Some(completions)) = (
-                    uri(&instance.url, "/invocations"),
-                    uri(&instance.url, "/v1/chat/completions"),
-                    uri(&instance.url, "/v1/completions"),
-                ) else {
-                    tracing::warn!(instance = %instance.instance_id, url = %instance.url, "skipping instance with an unusable URL");
-                    continue;
-                };
-                let key = (name.clone(), instance.instance_id.clone());
-                let cell = registry.cell(&key);
-                live.insert(key);
-                views.push(InstanceView {
-                    id_hash: instance_hash(instance.instance_id.as_str()),
-                    weight: instance.weight,
-                    available: true,
-                });
-                routes.push(InstanceRoute {
-                    id_header: header_value(instance.instance_id.as_str()),
-                    id: instance.instance_id.clone(),
-                    url: instance.url.clone(),
-                    invocations,
-                    chat_completions,
-                    completions,
-                    protocol: instance.protocol,
-                    cell,
-                });
-            }
-            variants.push(VariantRoute {
-                name_header: header_value(variant.variant_name.as_str()),
-                name: variant.variant_name.clone(),
-                model_name: variant.model_name.clone(),
-                strategy,
-                prefix_length,
-                instances: routes,
-                views,
-            });
-        }
-        let weights = config
-            .production_variants
+        let members = routes
             .iter()
-            .map(|variant| variant.weight())
-            .collect();
-        let route = Arc::new(EndpointRoute {
-            name: name.clone(),
-            variants,
-            weights,
-        });
-        for (index, variant) in route.variants.iter().enumerate() {
-            if let Some(model) = &variant.model_name {
-                table
-                    .models
-                    .entry(model.clone())
-                    .or_insert_with(|| (Arc::clone(&route), index));
-            }
+            .filter(|(instance, _)| instance.endpoint_name == *name)
+            .map(|(instance, route)| (*instance, route));
+        let route = Arc::new(endpoint_route(name, config, members));
+        for (model, index) in route_models(&route) {
+            table
+                .models
+                .entry(model)
+                .or_insert_with(|| (name.clone(), index));
         }
         table.endpoints.insert(name.clone(), route);
     }
-    registry.prune(&live);
     table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_labels_and_upstream_error_kinds_are_the_documented_values() {
+        // x-switchyard-route and the `route` label (README.md), the `kind` label of
+        // switchyard_router_upstream_errors_total (docs/failure-behaviour.md).
+        let routes: Vec<&str> = RouteLabel::ALL.iter().map(|label| label.as_str()).collect();
+        assert_eq!(
+            routes,
+            [
+                "prefix",
+                "overflow",
+                "random",
+                "least-outstanding",
+                "session",
+                "kv",
+                "retry",
+                "retry-after-send"
+            ]
+        );
+        for route in Route::ALL {
+            assert_eq!(RouteLabel::from(route).as_str(), route.as_str());
+        }
+        let kinds: Vec<&str> = UpstreamError::ALL
+            .iter()
+            .map(|kind| kind.as_str())
+            .collect();
+        assert_eq!(kinds, ["refused", "reset", "timeout", "stream_idle"]);
+    }
 }

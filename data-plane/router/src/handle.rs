@@ -1,0 +1,159 @@
+//! One request from arrival to answer: admission, the body, the plan, forwarding. Every
+//! refusal is answered in the shape of the API the request came in on.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use axum::extract::Request;
+use axum::response::Response;
+
+use crate::admission::Admission;
+use crate::body::{OFFLOAD_BYTES, read_body};
+use crate::errors::{ApiError, ErrorKind};
+use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
+use crate::metrics::RouterMetrics;
+use crate::plan::{Operation, make_plan};
+use crate::table::{LoadRegistry, RoutingTable};
+
+/// What one serving thread works with: the routing state, limits and metrics every thread
+/// shares, and this thread's own upstream connection pools (so that a request and the
+/// upstream connection it uses are driven by the same thread).
+#[derive(Debug)]
+pub struct Worker {
+    pub table: Arc<ArcSwap<RoutingTable>>,
+    pub registry: Arc<LoadRegistry>,
+    pub clients: UpstreamClients,
+    pub forwarding: ForwardSettings,
+    pub client_body_deadline: Duration,
+    pub metrics: Arc<RouterMetrics>,
+    pub admission: Arc<Admission>,
+}
+
+impl Worker {
+    /// The same shared state with other connection pools (another serving thread's).
+    pub fn with_clients(&self, clients: UpstreamClients) -> Self {
+        Self {
+            table: Arc::clone(&self.table),
+            registry: Arc::clone(&self.registry),
+            clients,
+            forwarding: self.forwarding,
+            client_body_deadline: self.client_body_deadline,
+            metrics: Arc::clone(&self.metrics),
+            admission: Arc::clone(&self.admission),
+        }
+    }
+}
+
+/// Counts `client_gone` if the request is dropped before it was answered (hyper drops the
+/// handler when the client's connection closes).
+struct Unanswered<'a>(Option<&'a RouterMetrics>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(metrics) = self.0 {
+            metrics.error(ErrorKind::ClientGone);
+        }
+    }
+}
+
+/// Handles one request on `operation`. `endpoint` is the path's endpoint name (`None` on the
+/// plain `/v1/...` paths, where the body's `model` names it).
+pub async fn handle(
+    worker: Arc<Worker>,
+    operation: Operation,
+    endpoint: Option<String>,
+    request: Request,
+) -> Response {
+    let mut unanswered = Unanswered(Some(&worker.metrics));
+    let result = route(&worker, operation, endpoint, request).await;
+    unanswered.0 = None;
+    result.unwrap_or_else(|err| {
+        worker.metrics.error(err.kind);
+        err.into_response_for(operation.api())
+    })
+}
+
+async fn route(
+    worker: &Worker,
+    operation: Operation,
+    endpoint_name: Option<String>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let (parts, body) = request.into_parts();
+    let Some(permit) = worker.admission.request() else {
+        crate::body::refuse_unread(body, &parts.headers).await;
+        return Err(ApiError::overloaded(format!(
+            "the router has {} requests in flight (--max-in-flight); retry shortly",
+            worker.admission.limits().max_in_flight
+        )));
+    };
+    let table = worker.table.load_full();
+    if table.version == 0 {
+        return Err(ApiError::unavailable(
+            "the router has no routing state yet (control plane not reached)",
+        ));
+    }
+    // Unknown endpoints are refused before the body is read.
+    let endpoint =
+        match &endpoint_name {
+            Some(name) => {
+                Some(table.endpoints.get(name.as_str()).cloned().ok_or_else(|| {
+                    ApiError::unknown_endpoint(format!("Endpoint {name} not found"))
+                })?)
+            }
+            None => None,
+        };
+    let mut reservation = worker.admission.buffer();
+    let body = read_body(
+        body,
+        &parts.headers,
+        worker.client_body_deadline,
+        &mut reservation,
+    )
+    .await?;
+    let headers = parts.headers;
+    // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
+    // blocking task owns the body's reservation and the request's slot while it holds the
+    // body, so they are released with it even if this request is dropped meanwhile.
+    let (plan, headers, mut reservation, permit) = if body.len() > OFFLOAD_BYTES {
+        tokio::task::spawn_blocking(move || {
+            let plan = make_plan(
+                &table,
+                operation,
+                endpoint,
+                &headers,
+                body,
+                &mut fastrand::Rng::new(),
+            );
+            (plan, headers, reservation, permit)
+        })
+        .await
+        .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))?
+    } else {
+        let plan = make_plan(
+            &table,
+            operation,
+            endpoint,
+            &headers,
+            body,
+            &mut fastrand::Rng::new(),
+        );
+        (plan, headers, reservation, permit)
+    };
+    let plan = plan?;
+    // The body now held is the plan's (the original is gone if `model` was rewritten).
+    reservation.resize_to(plan.body.len() as u64);
+    worker
+        .metrics
+        .decision_seconds
+        .observe(arrived.elapsed().as_secs_f64());
+    Forwarder {
+        clients: &worker.clients,
+        settings: worker.forwarding,
+        metrics: &worker.metrics,
+    }
+    .forward(operation, plan, headers, permit, reservation)
+    .await
+}

@@ -1,0 +1,963 @@
+//! The KV index: per variant, which instance holds which chain of full blocks, fed by the
+//! engines' KV-cache events.
+//!
+//! Blocks are keyed by the router's own chained hash (`switchyard_policy::kv`), computed from
+//! each `BlockStored`'s token ids and its parent's router hash; the engine's hashes (which
+//! depend on the engine's hash function and seed) are only mapped to it, for `BlockRemoved`.
+//! A request is then scored by walking its own block hashes in order: instance X holds the
+//! first `j` blocks if the first `j` hashes list X among their holders.
+//!
+//! Bounds: each instance keeps at most `max_blocks_per_instance` blocks; beyond that its least
+//! recently stored blocks are dropped (a chain's tail before its head, as engines evict). A
+//! `BlockStored` whose parent the index does not know (stored before the router subscribed,
+//! or dropped) cannot be placed in a chain and is skipped (counted).
+//!
+//! Concurrency: one `RwLock` per variant. Subscribers take it for writing once per batch;
+//! the request path takes it for reading for one walk over the request's hashes (no await
+//! while held).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use switchyard_policy::kv::{
+    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, unmatchable_block_hash,
+};
+use switchyard_shared::{EndpointName, InstanceId, VariantName};
+
+use super::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+
+/// An index's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexSettings {
+    /// Blocks kept per instance. Default 131,072 (2 M tokens of 16, above the 79,000-block
+    /// cache of a Llama-70B on 8×H100). An engine's own evictions keep the index at the size
+    /// of its cache; the budget bounds a misbehaving one. Measured: ~310 bytes of router
+    /// memory per block (1 M blocks, RSS).
+    pub max_blocks_per_instance: usize,
+}
+
+pub const DEFAULT_MAX_BLOCKS_PER_INSTANCE: usize = 131_072;
+
+impl Default for IndexSettings {
+    fn default() -> Self {
+        Self {
+            max_blocks_per_instance: DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+        }
+    }
+}
+
+/// Whether an instance's entries may be used for routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    /// Events arrive (or the replay socket answers): entries are current.
+    Live,
+    /// Its events stopped: entries are kept but not used (it scores 0 blocks).
+    Stale,
+}
+
+/// Counters over every variant (Prometheus: `switchyard_kv_*`).
+#[derive(Debug, Default)]
+pub struct IndexCounters {
+    pub batches: AtomicU64,
+    pub blocks_stored: AtomicU64,
+    pub blocks_removed: AtomicU64,
+    /// Stored blocks whose parent the index did not know.
+    pub blocks_orphaned: AtomicU64,
+    /// Blocks dropped to keep an instance within `max_blocks_per_instance`.
+    pub blocks_evicted: AtomicU64,
+    /// Events skipped: another medium (CPU offload) or KV-cache group, a mismatched block size,
+    /// malformed.
+    pub events_ignored: AtomicU64,
+    /// Sequence gaps filled from an engine's replay socket.
+    pub gaps_repaired: AtomicU64,
+    /// Instances whose entries were dropped because their events could not be followed
+    /// (replay failed or missing, an engine restart, an unreadable batch).
+    pub rebuilds: AtomicU64,
+}
+
+#[derive(Debug)]
+struct OwnEntry {
+    /// The engine hashes that map here (almost always one).
+    engine_hashes: Vec<EngineHash>,
+    tick: u64,
+}
+
+#[derive(Debug)]
+struct EngineEntry {
+    own: u64,
+    /// Stores minus removals of this engine hash (vLLM may cache one hash twice).
+    count: u32,
+}
+
+#[derive(Debug)]
+struct InstanceBlocks {
+    id: InstanceId,
+    freshness: Freshness,
+    blocks: HashMap<u64, OwnEntry>,
+    engine: HashMap<EngineHash, EngineEntry>,
+    /// Blocks by store order (oldest first).
+    lru: BTreeMap<u64, u64>,
+    next_tick: u64,
+}
+
+impl InstanceBlocks {
+    fn new(id: InstanceId) -> Self {
+        Self {
+            id,
+            freshness: Freshness::Live,
+            blocks: HashMap::new(),
+            engine: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+        }
+    }
+}
+
+/// The holders of one block: instance slots, sorted (rarely more than a few).
+type Holders = Vec<u32>;
+
+#[derive(Debug, Default)]
+struct VariantBlocks {
+    /// Block size of the variant's engines, from their first event.
+    block_size: Option<usize>,
+    holders: HashMap<u64, Holders>,
+    slots: Vec<Option<InstanceBlocks>>,
+    by_id: HashMap<InstanceId, u32>,
+}
+
+impl VariantBlocks {
+    fn slot(&mut self, id: &InstanceId) -> u32 {
+        if let Some(slot) = self.by_id.get(id) {
+            return *slot;
+        }
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        } as u32;
+        self.slots[slot as usize] = Some(InstanceBlocks::new(id.clone()));
+        self.by_id.insert(id.clone(), slot);
+        slot
+    }
+
+    fn instance(&mut self, slot: u32) -> &mut InstanceBlocks {
+        self.slots[slot as usize]
+            .as_mut()
+            .expect("a slot in by_id is occupied")
+    }
+
+    fn add_holder(&mut self, own: u64, slot: u32) {
+        let holders = self.holders.entry(own).or_default();
+        if let Err(position) = holders.binary_search(&slot) {
+            holders.insert(position, slot);
+        }
+    }
+
+    fn remove_holder(&mut self, own: u64, slot: u32) {
+        if let Some(holders) = self.holders.get_mut(&own) {
+            if let Ok(position) = holders.binary_search(&slot) {
+                holders.remove(position);
+            }
+            if holders.is_empty() {
+                self.holders.remove(&own);
+            }
+        }
+    }
+
+    /// Drops one of `slot`'s blocks and the engine hashes mapped to it.
+    fn drop_block(&mut self, slot: u32, own: u64) {
+        let instance = self.instance(slot);
+        if let Some(entry) = instance.blocks.remove(&own) {
+            instance.lru.remove(&entry.tick);
+            for engine in entry.engine_hashes {
+                instance.engine.remove(&engine);
+            }
+        }
+        self.remove_holder(own, slot);
+    }
+
+    fn clear_instance(&mut self, slot: u32) {
+        let instance = self.instance(slot);
+        let owns: Vec<u64> = instance.blocks.keys().copied().collect();
+        instance.blocks.clear();
+        instance.engine.clear();
+        instance.lru.clear();
+        for own in owns {
+            self.remove_holder(own, slot);
+        }
+    }
+
+    fn store(&mut self, slot: u32, event: &BlockStored, counters: &IndexCounters) {
+        let block_size = event.block_size as usize;
+        if block_size == 0 || event.token_ids.len() != event.block_hashes.len() * block_size {
+            counters.events_ignored.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        match self.block_size {
+            None => self.block_size = Some(block_size),
+            Some(known) if known != block_size => {
+                counters.events_ignored.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            Some(_) => {}
+        }
+        let parent = match event.parent_block_hash {
+            None => Some(chain_seed(event.lora_name.as_deref())),
+            Some(engine) => self
+                .instance(slot)
+                .engine
+                .get(&engine)
+                .map(|entry| entry.own),
+        };
+        let Some(mut parent) = parent else {
+            counters
+                .blocks_orphaned
+                .fetch_add(event.block_hashes.len() as u64, Ordering::Relaxed);
+            return;
+        };
+        // Ticks: a chain's head gets the newest, so the budget drops tails first.
+        let count = event.block_hashes.len() as u64;
+        let first_tick = {
+            let instance = self.instance(slot);
+            let first = instance.next_tick;
+            instance.next_tick += count;
+            first
+        };
+        for (index, (engine, tokens)) in event
+            .block_hashes
+            .iter()
+            .zip(event.token_ids.chunks_exact(block_size))
+            .enumerate()
+        {
+            let extra = event.extra_keys.get(index).copied().unwrap_or(false);
+            let own = if extra {
+                unmatchable_block_hash(parent, tokens)
+            } else {
+                block_hash(parent, tokens)
+            };
+            parent = own;
+            let tick = first_tick + count - 1 - index as u64;
+            let instance = self.instance(slot);
+            if let Some(previous) = instance.engine.get_mut(engine) {
+                if previous.own == own {
+                    previous.count += 1;
+                } else {
+                    // The engine reused a hash for other content: trust the newest.
+                    let old = previous.own;
+                    previous.own = own;
+                    previous.count = 1;
+                    if let Some(entry) = instance.blocks.get_mut(&old) {
+                        entry.engine_hashes.retain(|hash| hash != engine);
+                        if entry.engine_hashes.is_empty() {
+                            self.drop_block(slot, old);
+                        }
+                    }
+                }
+            } else {
+                instance
+                    .engine
+                    .insert(*engine, EngineEntry { own, count: 1 });
+            }
+            let instance = self.instance(slot);
+            match instance.blocks.get_mut(&own) {
+                Some(entry) => {
+                    instance.lru.remove(&entry.tick);
+                    entry.tick = tick;
+                    if !entry.engine_hashes.contains(engine) {
+                        entry.engine_hashes.push(*engine);
+                    }
+                }
+                None => {
+                    instance.blocks.insert(
+                        own,
+                        OwnEntry {
+                            engine_hashes: vec![*engine],
+                            tick,
+                        },
+                    );
+                }
+            }
+            instance.lru.insert(tick, own);
+            self.add_holder(own, slot);
+        }
+        counters.blocks_stored.fetch_add(count, Ordering::Relaxed);
+    }
+
+    fn remove(&mut self, slot: u32, event: &BlockRemoved, counters: &IndexCounters) {
+        for engine in &event.block_hashes {
+            let instance = self.instance(slot);
+            let Some(entry) = instance.engine.get_mut(engine) else {
+                continue;
+            };
+            entry.count = entry.count.saturating_sub(1);
+            if entry.count > 0 {
+                continue;
+            }
+            let own = entry.own;
+            instance.engine.remove(engine);
+            let now_unmapped = match instance.blocks.get_mut(&own) {
+                Some(block) => {
+                    block.engine_hashes.retain(|hash| hash != engine);
+                    block.engine_hashes.is_empty()
+                }
+                None => false,
+            };
+            if now_unmapped {
+                self.drop_block(slot, own);
+            }
+            counters.blocks_removed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn enforce_budget(&mut self, slot: u32, max_blocks: usize, counters: &IndexCounters) {
+        loop {
+            let instance = self.instance(slot);
+            if instance.blocks.len() <= max_blocks {
+                return;
+            }
+            let Some((_, own)) = instance.lru.pop_first() else {
+                return;
+            };
+            self.drop_block(slot, own);
+            counters.blocks_evicted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Only GPU blocks of the first KV-cache group count (CPU-offloaded copies and other groups of
+/// hybrid models are not what a prefill reuses directly).
+fn counted(medium: Option<&str>, group_idx: Option<i64>) -> bool {
+    medium.is_none_or(|medium| medium.eq_ignore_ascii_case("GPU"))
+        && group_idx.is_none_or(|group| group == 0)
+}
+
+/// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenMatch {
+    /// Per instance asked about, the leading full blocks it holds.
+    pub matched: Vec<u32>,
+    /// Full blocks of the prompt.
+    pub blocks: u32,
+    pub block_size: usize,
+    /// `switchyard_policy::kv::prefix_key` of the prompt's hashes.
+    pub prefix_key: u64,
+}
+
+/// The index of one variant.
+#[derive(Debug, Default)]
+pub struct VariantIndex {
+    blocks: RwLock<VariantBlocks>,
+}
+
+impl VariantIndex {
+    fn read(&self) -> RwLockReadGuard<'_, VariantBlocks> {
+        self.blocks
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, VariantBlocks> {
+        self.blocks
+            .write()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// The block size of the variant's engines, once one has published.
+    pub fn block_size(&self) -> Option<usize> {
+        self.read().block_size
+    }
+
+    /// The router's block hashes of a request's token ids (base model), or None before any
+    /// engine of the variant has published (the block size is unknown).
+    pub fn request_hashes(&self, token_ids: &[u32]) -> Option<Vec<u64>> {
+        let block_size = self.block_size()?;
+        let mut hashes = Vec::with_capacity(token_ids.len() / block_size);
+        chain_hashes(chain_seed(None), token_ids, block_size, &mut hashes);
+        Some(hashes)
+    }
+
+    /// For each of `instances`, how many of the leading `hashes` it holds (0 for an instance
+    /// that is unknown or stale). One walk over the hashes, stopping when no instance matches.
+    pub fn matched_blocks(&self, hashes: &[u64], instances: &[InstanceId]) -> Vec<u32> {
+        let blocks = self.read();
+        let mut matched = vec![0u32; instances.len()];
+        // (position in `instances`, slot) of those still matching.
+        let mut active = Self::live_slots(&blocks, instances);
+        for (depth, hash) in hashes.iter().enumerate() {
+            if active.is_empty() {
+                break;
+            }
+            let holders = blocks.holders.get(hash);
+            active.retain(|&(position, slot)| {
+                let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                if !held {
+                    matched[position] = depth as u32;
+                }
+                held
+            });
+        }
+        for (position, _) in active {
+            matched[position] = hashes.len() as u32;
+        }
+        matched
+    }
+
+    /// [`matched_blocks`](Self::matched_blocks) straight from token ids: hashes each block
+    /// only while some instance still matches (and for the first
+    /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
+    /// holds costs little. None before the block size is known.
+    pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
+        let blocks = self.read();
+        let block_size = blocks.block_size?;
+        let total = token_ids.len() / block_size;
+        let mut matched = vec![0u32; instances.len()];
+        let mut active = Self::live_slots(&blocks, instances);
+        let mut parent = chain_seed(None);
+        let mut prefix_key = 0;
+        for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
+            if active.is_empty() && depth >= PREFIX_KEY_BLOCKS {
+                break;
+            }
+            parent = block_hash(parent, chunk);
+            if depth < PREFIX_KEY_BLOCKS {
+                prefix_key = parent;
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let holders = blocks.holders.get(&parent);
+            active.retain(|&(position, slot)| {
+                let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                if !held {
+                    matched[position] = depth as u32;
+                }
+                held
+            });
+        }
+        for (position, _) in active {
+            matched[position] = total as u32;
+        }
+        Some(TokenMatch {
+            matched,
+            blocks: total as u32,
+            block_size,
+            prefix_key,
+        })
+    }
+
+    /// (position in `instances`, slot) of the instances known and live.
+    fn live_slots(blocks: &VariantBlocks, instances: &[InstanceId]) -> Vec<(usize, u32)> {
+        instances
+            .iter()
+            .enumerate()
+            .filter_map(|(position, id)| {
+                let slot = *blocks.by_id.get(id)?;
+                let live = blocks.slots[slot as usize]
+                    .as_ref()
+                    .is_some_and(|instance| instance.freshness == Freshness::Live);
+                live.then_some((position, slot))
+            })
+            .collect()
+    }
+
+    /// How many of the leading `hashes` one instance holds (the DPD threshold's question:
+    /// leading tokens = this × block size).
+    pub fn matched_blocks_of(&self, hashes: &[u64], instance: &InstanceId) -> u32 {
+        self.matched_blocks(hashes, std::slice::from_ref(instance))[0]
+    }
+
+    /// Applies one batch of `instance`'s events.
+    pub fn apply(
+        &self,
+        instance: &InstanceId,
+        batch: &EventBatch,
+        settings: &IndexSettings,
+        counters: &IndexCounters,
+    ) {
+        let mut blocks = self.write();
+        let slot = blocks.slot(instance);
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored(stored)
+                    if counted(stored.medium.as_deref(), stored.group_idx) =>
+                {
+                    blocks.store(slot, stored, counters);
+                }
+                KvEvent::BlockRemoved(removed)
+                    if counted(removed.medium.as_deref(), removed.group_idx) =>
+                {
+                    blocks.remove(slot, removed, counters);
+                }
+                KvEvent::AllBlocksCleared => blocks.clear_instance(slot),
+                _ => {
+                    counters.events_ignored.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        blocks.enforce_budget(slot, settings.max_blocks_per_instance, counters);
+        counters.batches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Drops everything known about `instance` (its events could not be followed, or it
+    /// left), keeping its slot if `keep` (it is still subscribed).
+    pub fn clear(&self, instance: &InstanceId, keep: bool) {
+        let mut blocks = self.write();
+        let Some(slot) = blocks.by_id.get(instance).copied() else {
+            return;
+        };
+        blocks.clear_instance(slot);
+        if !keep {
+            blocks.slots[slot as usize] = None;
+            blocks.by_id.remove(instance);
+        }
+    }
+
+    pub fn set_freshness(&self, instance: &InstanceId, freshness: Freshness) {
+        let mut blocks = self.write();
+        let slot = blocks.slot(instance);
+        blocks.instance(slot).freshness = freshness;
+    }
+
+    pub fn freshness(&self, instance: &InstanceId) -> Option<Freshness> {
+        let blocks = self.read();
+        let slot = *blocks.by_id.get(instance)?;
+        blocks.slots[slot as usize]
+            .as_ref()
+            .map(|instance| instance.freshness)
+    }
+
+    /// Blocks indexed for `instance`.
+    pub fn block_count(&self, instance: &InstanceId) -> usize {
+        let blocks = self.read();
+        blocks
+            .by_id
+            .get(instance)
+            .and_then(|slot| blocks.slots[*slot as usize].as_ref())
+            .map_or(0, |instance| instance.blocks.len())
+    }
+
+    /// Instances indexed, with their block count and freshness.
+    pub fn instances(&self) -> Vec<(InstanceId, usize, Freshness)> {
+        self.read()
+            .slots
+            .iter()
+            .flatten()
+            .map(|instance| {
+                (
+                    instance.id.clone(),
+                    instance.blocks.len(),
+                    instance.freshness,
+                )
+            })
+            .collect()
+    }
+}
+
+pub type VariantKey = (EndpointName, VariantName);
+
+/// Every variant's index, with the bounds and counters they share.
+#[derive(Debug, Default)]
+pub struct KvIndex {
+    variants: RwLock<HashMap<VariantKey, Arc<VariantIndex>>>,
+    pub settings: IndexSettings,
+    pub counters: Arc<IndexCounters>,
+}
+
+impl KvIndex {
+    pub fn new(settings: IndexSettings) -> Self {
+        Self {
+            settings,
+            ..Self::default()
+        }
+    }
+
+    /// A variant's index, if any of its instances publishes events.
+    pub fn variant(
+        &self,
+        endpoint: &EndpointName,
+        variant: &VariantName,
+    ) -> Option<Arc<VariantIndex>> {
+        self.variants
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get(&(endpoint.clone(), variant.clone()))
+            .cloned()
+    }
+
+    /// A variant's index, made if missing.
+    pub fn variant_or_insert(&self, key: &VariantKey) -> Arc<VariantIndex> {
+        if let Some(index) = self.variant(&key.0, &key.1) {
+            return index;
+        }
+        Arc::clone(
+            self.variants
+                .write()
+                .unwrap_or_else(|poison| poison.into_inner())
+                .entry(key.clone())
+                .or_default(),
+        )
+    }
+
+    /// Forgets variants not in `live`.
+    pub fn retain_variants(&self, live: &std::collections::HashSet<VariantKey>) {
+        self.variants
+            .write()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .retain(|key, _| live.contains(key));
+    }
+
+    /// Every variant's index.
+    pub fn variants(&self) -> Vec<(VariantKey, Arc<VariantIndex>)> {
+        self.variants
+            .read()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .iter()
+            .map(|(key, index)| (key.clone(), Arc::clone(index)))
+            .collect()
+    }
+
+    /// Prometheus text for the index: blocks per instance, stale instances, counters.
+    pub fn render_metrics(&self) -> String {
+        let mut out = switchyard_shared::metrics::TextEncoder::new();
+        out.family(
+            "switchyard_kv_index_blocks",
+            "gauge",
+            "Blocks the KV index holds per instance (bounded by the per-instance budget).",
+        );
+        let mut stale = 0usize;
+        for ((endpoint, variant), index) in self.variants() {
+            for (id, blocks, freshness) in index.instances() {
+                stale += usize::from(freshness == Freshness::Stale);
+                out.sample(
+                    "switchyard_kv_index_blocks",
+                    &[
+                        ("endpoint", endpoint.as_str()),
+                        ("variant", variant.as_str()),
+                        ("instance", id.as_str()),
+                    ],
+                    blocks as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_kv_stale_instances",
+            "gauge",
+            "Instances whose KV events stopped (routed as if they held nothing).",
+        );
+        out.sample("switchyard_kv_stale_instances", &[], stale as f64);
+        let counters = &self.counters;
+        for (name, help, value) in [
+            (
+                "switchyard_kv_event_batches_total",
+                "KV event batches applied.",
+                &counters.batches,
+            ),
+            (
+                "switchyard_kv_blocks_stored_total",
+                "Blocks stored by KV events.",
+                &counters.blocks_stored,
+            ),
+            (
+                "switchyard_kv_blocks_removed_total",
+                "Blocks removed by KV events.",
+                &counters.blocks_removed,
+            ),
+            (
+                "switchyard_kv_blocks_orphaned_total",
+                "Stored blocks skipped: their parent was unknown.",
+                &counters.blocks_orphaned,
+            ),
+            (
+                "switchyard_kv_blocks_evicted_total",
+                "Blocks dropped to stay within the per-instance budget.",
+                &counters.blocks_evicted,
+            ),
+            (
+                "switchyard_kv_events_ignored_total",
+                "KV events skipped (other medium or group, bad block size, unknown type).",
+                &counters.events_ignored,
+            ),
+            (
+                "switchyard_kv_gaps_repaired_total",
+                "KV event sequence gaps filled by replay.",
+                &counters.gaps_repaired,
+            ),
+            (
+                "switchyard_kv_rebuilds_total",
+                "Instance entries dropped and rebuilt from new events.",
+                &counters.rebuilds,
+            ),
+        ] {
+            out.family(name, "counter", help);
+            out.sample(name, &[], value.load(Ordering::Relaxed) as f64);
+        }
+        out.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(name: &str) -> InstanceId {
+        InstanceId::new(name).unwrap()
+    }
+
+    fn stored(parent: Option<u64>, hashes: &[u64], tokens: &[u32]) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.iter().map(|hash| EngineHash(*hash)).collect(),
+            parent_block_hash: parent.map(EngineHash),
+            token_ids: tokens.to_vec(),
+            block_size: 2,
+            medium: Some("GPU".into()),
+            ..BlockStored::default()
+        })
+    }
+
+    fn removed(hashes: &[u64]) -> KvEvent {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes.iter().map(|hash| EngineHash(*hash)).collect(),
+            medium: None,
+            group_idx: None,
+        })
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: None,
+        }
+    }
+
+    fn apply(index: &VariantIndex, instance: &str, events: Vec<KvEvent>) {
+        index.apply(
+            &id(instance),
+            &batch(events),
+            &IndexSettings::default(),
+            &IndexCounters::default(),
+        );
+    }
+
+    #[test]
+    fn chains_are_keyed_by_token_ids_not_engine_hashes() {
+        let index = VariantIndex::default();
+        // Two engines with different hash functions store the same tokens.
+        apply(&index, "a", vec![stored(None, &[1, 2], &[10, 11, 12, 13])]);
+        apply(&index, "b", vec![stored(None, &[900], &[10, 11])]);
+        apply(&index, "b", vec![stored(Some(900), &[901], &[12, 13])]);
+        let hashes = index.request_hashes(&[10, 11, 12, 13, 14]).unwrap();
+        assert_eq!(hashes.len(), 2);
+        assert_eq!(
+            index.matched_blocks(&hashes, &[id("a"), id("b"), id("c")]),
+            [2, 2, 0]
+        );
+        // Same tokens after another first block: no match.
+        let other = index.request_hashes(&[99, 11, 12, 13]).unwrap();
+        assert_eq!(index.matched_blocks(&other, &[id("a")]), [0]);
+        assert_eq!(index.matched_blocks_of(&hashes[..1], &id("b")), 1);
+    }
+
+    #[test]
+    fn removal_cuts_the_chain_and_clearing_empties_the_instance() {
+        let index = VariantIndex::default();
+        apply(
+            &index,
+            "a",
+            vec![stored(None, &[1, 2, 3], &[1, 2, 3, 4, 5, 6])],
+        );
+        let hashes = index.request_hashes(&[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 3);
+        apply(&index, "a", vec![removed(&[2])]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
+        apply(&index, "a", vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+        assert_eq!(index.block_count(&id("a")), 0);
+    }
+
+    #[test]
+    fn a_hash_stored_twice_needs_two_removals() {
+        let index = VariantIndex::default();
+        apply(
+            &index,
+            "a",
+            vec![stored(None, &[1], &[1, 2]), stored(None, &[1], &[1, 2])],
+        );
+        let hashes = index.request_hashes(&[1, 2]).unwrap();
+        apply(&index, "a", vec![removed(&[1])]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
+        apply(&index, "a", vec![removed(&[1])]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+    }
+
+    #[test]
+    fn orphans_other_media_and_extra_keys_never_match() {
+        let index = VariantIndex::default();
+        let counters = IndexCounters::default();
+        let settings = IndexSettings::default();
+        let mut cpu = stored(None, &[5], &[1, 2]);
+        if let KvEvent::BlockStored(event) = &mut cpu {
+            event.medium = Some("CPU".into());
+        }
+        let mut salted = stored(None, &[6, 7], &[1, 2, 3, 4]);
+        if let KvEvent::BlockStored(event) = &mut salted {
+            event.extra_keys = vec![true, false];
+        }
+        index.apply(
+            &id("a"),
+            &batch(vec![cpu, stored(Some(404), &[8], &[1, 2]), salted]),
+            &settings,
+            &counters,
+        );
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+        assert_eq!(counters.blocks_orphaned.load(Ordering::Relaxed), 1);
+        assert_eq!(counters.events_ignored.load(Ordering::Relaxed), 1);
+        assert_eq!(index.block_count(&id("a")), 2);
+    }
+
+    #[test]
+    fn the_budget_drops_the_oldest_tails_first() {
+        let index = VariantIndex::default();
+        let counters = IndexCounters::default();
+        let settings = IndexSettings {
+            max_blocks_per_instance: 3,
+        };
+        let apply = |events| index.apply(&id("a"), &batch(events), &settings, &counters);
+        apply(vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        apply(vec![stored(None, &[3, 4], &[7, 8, 9, 10])]);
+        assert_eq!(index.block_count(&id("a")), 3);
+        assert_eq!(counters.blocks_evicted.load(Ordering::Relaxed), 1);
+        let first = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        let second = index.request_hashes(&[7, 8, 9, 10]).unwrap();
+        assert_eq!(
+            index.matched_blocks_of(&first, &id("a")),
+            1,
+            "the old tail went"
+        );
+        assert_eq!(index.matched_blocks_of(&second, &id("a")), 2);
+        // The evicted block's engine hash is forgotten too: a child of it is an orphan.
+        apply(vec![stored(Some(2), &[5], &[5, 6])]);
+        assert_eq!(counters.blocks_orphaned.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn stale_instances_score_nothing_and_leaving_drops_them() {
+        let index = VariantIndex::default();
+        apply(&index, "a", vec![stored(None, &[1], &[1, 2])]);
+        let hashes = index.request_hashes(&[1, 2]).unwrap();
+        index.set_freshness(&id("a"), Freshness::Stale);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+        index.set_freshness(&id("a"), Freshness::Live);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
+        index.clear(&id("a"), false);
+        assert_eq!(index.freshness(&id("a")), None);
+        assert!(index.instances().is_empty());
+    }
+
+    #[test]
+    fn two_indexes_fed_the_same_events_agree() {
+        let events = || {
+            vec![
+                stored(None, &[1, 2, 3], &[1, 2, 3, 4, 5, 6]),
+                stored(Some(2), &[9], &[7, 7]),
+                removed(&[3]),
+            ]
+        };
+        let (a, b) = (VariantIndex::default(), VariantIndex::default());
+        for index in [&a, &b] {
+            apply(index, "x", events());
+            apply(index, "y", vec![stored(None, &[50], &[1, 2])]);
+        }
+        let ids = [id("x"), id("y")];
+        for tokens in [&[1, 2, 3, 4, 5, 6][..], &[1, 2, 3, 4, 7, 7], &[1, 2]] {
+            let hashes = a.request_hashes(tokens).unwrap();
+            assert_eq!(
+                a.matched_blocks(&hashes, &ids),
+                b.matched_blocks(&hashes, &ids)
+            );
+        }
+    }
+
+    mod model {
+        //! The index against a plain model of what each engine holds, over random store and
+        //! remove sequences like an engine's (a block is stored only after its parent; any
+        //! held block may be evicted).
+        use super::*;
+        use proptest::prelude::{ProptestConfig, prop_assert_eq, proptest};
+        use std::collections::HashMap;
+
+        const BLOCK: usize = 2;
+        /// Four prompts of 6 blocks; prompts 0-1 share 3 blocks, 2-3 share 1.
+        fn prompt(p: usize) -> Vec<u32> {
+            let shared = [3, 3, 1, 1][p];
+            (0..6 * BLOCK)
+                .map(|t| {
+                    if t / BLOCK < shared {
+                        (p / 2 * 100 + t) as u32
+                    } else {
+                        (p * 1000 + t) as u32
+                    }
+                })
+                .collect()
+        }
+        /// The engine's hash of block j of prompt p: a function of the chain's content.
+        fn engine_hash(p: usize, j: usize) -> u64 {
+            let chain: Vec<u8> = prompt(p)[..(j + 1) * BLOCK]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            xxhash_rust::xxh3::xxh3_64(&chain)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(200))]
+
+            #[test]
+            fn matches_the_model(ops in proptest::collection::vec((0usize..2, 0usize..4, 0usize..6, 1usize..4, proptest::bool::ANY), 1..60)) {
+                let index = VariantIndex::default();
+                // Per instance: engine hash -> copies held.
+                let mut held: Vec<HashMap<u64, u32>> = vec![HashMap::new(); 2];
+                for (instance, p, start, len, store) in ops {
+                    let name = ["x", "y"][instance];
+                    let engine = &mut held[instance];
+                    if store {
+                        // From the first block the engine lacks (or a duplicate run at `start`
+                        // when its parent is held), like a prefill after a cache hit.
+                        let start = if start == 0 || engine.contains_key(&engine_hash(p, start - 1)) { start } else { 0 };
+                        let end = (start + len).min(6);
+                        let hashes: Vec<u64> = (start..end).map(|j| engine_hash(p, j)).collect();
+                        let tokens = prompt(p)[start * BLOCK..end * BLOCK].to_vec();
+                        let parent = start.checked_sub(1).map(|j| engine_hash(p, j));
+                        for hash in &hashes {
+                            *engine.entry(*hash).or_default() += 1;
+                        }
+                        apply(&index, name, vec![stored(parent, &hashes, &tokens)]);
+                    } else {
+                        let hash = engine_hash(p, start);
+                        if let Some(count) = engine.get_mut(&hash) {
+                            *count -= 1;
+                            if *count == 0 {
+                                engine.remove(&hash);
+                            }
+                            apply(&index, name, vec![removed(&[hash])]);
+                        }
+                    }
+                }
+                for p in 0..4 {
+                    let hashes = index.request_hashes(&prompt(p)).unwrap_or_default();
+                    if hashes.is_empty() {
+                        continue;
+                    }
+                    for (instance, name) in ["x", "y"].iter().enumerate() {
+                        let expected = (0..6).take_while(|j| held[instance].contains_key(&engine_hash(p, *j))).count() as u32;
+                        prop_assert_eq!(index.matched_blocks_of(&hashes, &id(name)), expected, "prompt {}", p);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! KV_AWARE's inputs: the engines' KV-cache events, followed by each router directly.
+//!
+//! - [`wire`]: vLLM's msgpack event batches (both layouts vLLM has used).
+//! - [`index`]: per variant, which instance holds which chain of blocks (router-owned hashes
+//!   over token ids), bounded per instance, with metrics.
+//! - [`subscriber`]: one task per instance: ZMQ SUB in sequence order, gap repair by replay,
+//!   rebuild when that fails, staleness.
+//! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
+//!
+//! [`KvEvents::start`] runs the subscribers for the routing table's KV_AWARE variants (one line
+//! for the router's start-up); the request path asks [`KvIndex::variant`] for
+//! `matched_blocks` and ranks with `switchyard_policy::kv::rank_kv`.
+
+pub mod index;
+pub mod subscriber;
+pub mod tokenize;
+pub mod wire;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use switchyard_policy::rank::Strategy;
+use switchyard_shared::{EndpointName, InstanceId, KvEventsEndpoints, VariantName};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex};
+pub use subscriber::SubscriberSettings;
+
+use crate::table::{RoutingTable, VariantRoute};
+
+/// A KV_AWARE decision for one request: the ranking, and what the first choice holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvDecision {
+    pub ranking: switchyard_policy::Ranking,
+    /// Leading prompt tokens the first choice holds (`x-switchyard-cached-tokens`).
+    pub cached_tokens: u32,
+    /// Full blocks of the prompt (0 when the decision fell back to load).
+    pub prompt_blocks: u32,
+}
+
+/// The request's token ids as the engine sees them: a token-id prompt as given, else the
+/// least loaded available instance's `/tokenize` (see [`tokenize`]). An error means "route by
+/// load".
+pub async fn request_tokens(
+    tokenizer: &tokenize::Tokenizer,
+    variant: &VariantRoute,
+    kind: tokenize::PromptKind,
+    body: &[u8],
+    now_ms: u64,
+) -> Result<Vec<u32>, tokenize::TokenizeError> {
+    if kind == tokenize::PromptKind::Completion
+        && let Some(ids) = tokenize::prompt_token_ids(body)
+    {
+        return Ok(ids);
+    }
+    let instance =
+        tokenize::least_loaded(variant, now_ms).ok_or(tokenize::TokenizeError::NoInstance)?;
+    let request = tokenize::tokenize_body(kind, body)?;
+    tokenizer
+        .tokenize(&variant.instances[instance].url, request)
+        .await
+}
+
+/// Ranks a KV_AWARE variant's instances for a request whose token ids are `tokens` (None: they
+/// could not be had), from the variant's index (None: no instance has published yet). Without
+/// tokens, index or a known block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
+/// availability are read from the instances' cells; `random` breaks load ties.
+pub fn decide(
+    variant: &VariantRoute,
+    index: Option<&VariantIndex>,
+    tokens: Option<&[u32]>,
+    now_ms: u64,
+    random: u64,
+) -> KvDecision {
+    let views = variant.current_views(now_ms);
+    let load = |position: usize| variant.instances[position].cell.fleet_load();
+    let params = match variant.strategy {
+        Strategy::KvAware {
+            concurrency_threshold,
+            load_weight,
+        } => switchyard_policy::kv::KvParams {
+            concurrency_threshold,
+            load_weight,
+        },
+        _ => switchyard_policy::kv::KvParams {
+            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
+            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
+        },
+    };
+    let by_load = || KvDecision {
+        ranking: switchyard_policy::rank::rank(
+            Strategy::LeastOutstandingRequests,
+            &views,
+            load,
+            0,
+            random,
+        ),
+        cached_tokens: 0,
+        prompt_blocks: 0,
+    };
+    let (Some(index), Some(tokens)) = (index, tokens) else {
+        return by_load();
+    };
+    let ids: Vec<InstanceId> = variant
+        .instances
+        .iter()
+        .map(|instance| instance.id.clone())
+        .collect();
+    let Some(found) = index.match_tokens(tokens, &ids) else {
+        return by_load();
+    };
+    let ranking = switchyard_policy::kv::rank_kv(
+        params,
+        &views,
+        load,
+        &found.matched,
+        found.blocks,
+        found.prefix_key,
+        random,
+    );
+    let cached_tokens = ranking
+        .first()
+        .map_or(0, |first| found.matched[first] * found.block_size as u32);
+    KvDecision {
+        ranking,
+        cached_tokens,
+        prompt_blocks: found.blocks,
+    }
+}
+
+/// Everything KV_AWARE's event following needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvSettings {
+    pub index: IndexSettings,
+    pub subscriber: SubscriberSettings,
+}
+
+/// The router's KV_AWARE flags (for `#[command(flatten)]` in the router's configuration).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvArgs {
+    /// KV_AWARE: how long an engine may take to tokenize a request (POST /tokenize), in ms;
+    /// past it, or on any error, that request routes as LEAST_OUTSTANDING_REQUESTS.
+    #[arg(long, default_value_t = 250, value_name = "MS")]
+    pub kv_tokenize_timeout_ms: u64,
+    /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
+    /// beyond, the least recently stored are forgotten.
+    #[arg(long, default_value_t = index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
+    pub kv_index_max_blocks: usize,
+    /// KV_AWARE: how often each engine's KV-event replay socket is probed, in ms (two
+    /// unanswered probes mark the instance stale: its cache is ignored until it answers).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub kv_events_probe_ms: u64,
+}
+
+impl KvArgs {
+    /// Checks the flags; the error names the flag.
+    pub fn validate(&self) -> Result<(KvSettings, std::time::Duration), String> {
+        if !(10..=10_000).contains(&self.kv_tokenize_timeout_ms) {
+            return Err(format!(
+                "--kv-tokenize-timeout-ms: {} is outside 10..=10000",
+                self.kv_tokenize_timeout_ms
+            ));
+        }
+        if !(1_000..=100_000_000).contains(&self.kv_index_max_blocks) {
+            return Err(format!(
+                "--kv-index-max-blocks: {} is outside 1000..=100000000",
+                self.kv_index_max_blocks
+            ));
+        }
+        if !(50..=60_000).contains(&self.kv_events_probe_ms) {
+            return Err(format!(
+                "--kv-events-probe-ms: {} is outside 50..=60000",
+                self.kv_events_probe_ms
+            ));
+        }
+        let probe = Duration::from_millis(self.kv_events_probe_ms);
+        let settings = KvSettings {
+            index: IndexSettings {
+                max_blocks_per_instance: self.kv_index_max_blocks,
+            },
+            subscriber: SubscriberSettings {
+                probe_interval: probe,
+                reply_timeout: probe.min(Duration::from_secs(1)),
+                ..SubscriberSettings::default()
+            },
+        };
+        Ok((settings, Duration::from_millis(self.kv_tokenize_timeout_ms)))
+    }
+}
+
+/// Whether a variant's instances are followed: KV_AWARE variants. (The DPD threshold on
+/// uncached tokens will add decode pools here.)
+pub fn follows_events(variant: &VariantRoute) -> bool {
+    matches!(variant.strategy, Strategy::KvAware { .. })
+}
+
+type SubscriberKey = (EndpointName, VariantName, InstanceId);
+
+/// The running subscribers and the index they fill.
+#[derive(Debug)]
+pub struct KvEvents {
+    index: Arc<KvIndex>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KvEvents {
+    /// Follows the KV events of every instance of the table's KV_AWARE variants that declares
+    /// them, starting and stopping subscribers as the table changes (checked every 100 ms),
+    /// until `stop`. The returned handle gives the index to the request path.
+    pub fn start(
+        table: Arc<ArcSwap<RoutingTable>>,
+        settings: KvSettings,
+        stop: CancellationToken,
+    ) -> Self {
+        let index = Arc::new(KvIndex::new(settings.index));
+        let task = tokio::spawn(reconcile_loop(
+            table,
+            Arc::clone(&index),
+            settings,
+            stop.clone(),
+        ));
+        Self { index, stop, task }
+    }
+
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    /// Stops every subscriber and waits until they have ended.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for KvEvents {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+struct Running {
+    endpoints: KvEventsEndpoints,
+    stop: CancellationToken,
+}
+
+async fn reconcile_loop(
+    table: Arc<ArcSwap<RoutingTable>>,
+    index: Arc<KvIndex>,
+    settings: KvSettings,
+    stop: CancellationToken,
+) {
+    let mut running: HashMap<SubscriberKey, Running> = HashMap::new();
+    let mut tasks = JoinSet::new();
+    let mut seen: Option<Arc<RoutingTable>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = tick.tick() => {}
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+        }
+        let current = table.load_full();
+        if seen
+            .as_ref()
+            .is_some_and(|seen| Arc::ptr_eq(seen, &current))
+        {
+            continue;
+        }
+        reconcile(&current, &index, &settings, &mut running, &mut tasks, &stop);
+        seen = Some(current);
+    }
+    for subscriber in running.values() {
+        subscriber.stop.cancel();
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+fn reconcile(
+    table: &RoutingTable,
+    index: &Arc<KvIndex>,
+    settings: &KvSettings,
+    running: &mut HashMap<SubscriberKey, Running>,
+    tasks: &mut JoinSet<()>,
+    stop: &CancellationToken,
+) {
+    let mut wanted: HashMap<SubscriberKey, KvEventsEndpoints> = HashMap::new();
+    let mut variants = HashSet::new();
+    for endpoint in table.endpoints.values() {
+        for variant in endpoint
+            .variants
+            .iter()
+            .filter(|variant| follows_events(variant))
+        {
+            variants.insert((endpoint.name.clone(), variant.name.clone()));
+            for instance in &variant.instances {
+                if let Some(endpoints) = &instance.kv_events {
+                    wanted.insert(
+                        (
+                            endpoint.name.clone(),
+                            variant.name.clone(),
+                            instance.id.clone(),
+                        ),
+                        endpoints.clone(),
+                    );
+                }
+            }
+        }
+    }
+    running.retain(|key, subscriber| {
+        let keep = wanted.get(key) == Some(&subscriber.endpoints);
+        if !keep {
+            subscriber.stop.cancel();
+            if let Some(variant) = index.variant(&key.0, &key.1) {
+                variant.clear(&key.2, false);
+            }
+            tracing::info!(endpoint = %key.0, instance = %key.2, "stopped following KV events");
+        }
+        keep
+    });
+    for (key, endpoints) in wanted {
+        if running.contains_key(&key) {
+            continue;
+        }
+        let variant = index.variant_or_insert(&(key.0.clone(), key.1.clone()));
+        let target = subscriber::Target {
+            instance: key.2.clone(),
+            index: variant,
+            index_settings: index.settings,
+            counters: Arc::clone(&index.counters),
+        };
+        let child = stop.child_token();
+        tasks.spawn(subscriber::run(
+            target,
+            endpoints.clone(),
+            settings.subscriber,
+            child.clone(),
+        ));
+        running.insert(
+            key,
+            Running {
+                endpoints,
+                stop: child,
+            },
+        );
+    }
+    index.retain_variants(&variants);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        kv: KvArgs,
+    }
+
+    #[test]
+    fn flags_default_and_name_themselves_when_wrong() {
+        let flags = Flags::parse_from(["router"]);
+        let (settings, timeout) = flags.kv.validate().unwrap();
+        assert_eq!(timeout, tokenize::DEFAULT_TIMEOUT);
+        assert_eq!(settings.index, IndexSettings::default());
+        assert_eq!(settings.subscriber, SubscriberSettings::default());
+        for (flag, value) in [
+            ("--kv-tokenize-timeout-ms", "0"),
+            ("--kv-index-max-blocks", "10"),
+            ("--kv-events-probe-ms", "1"),
+        ] {
+            let flags = Flags::parse_from(["router", flag, value]);
+            assert!(flags.kv.validate().unwrap_err().contains(flag), "{flag}");
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The request's token ids, exactly as the engine sees them (chat template included), from the
+//! engine itself: vLLM's `POST /tokenize`, as vLLM's own router does.
+//!
+//! The request path asks the least loaded available instance of the variant
+//! ([`least_loaded`]) with a short deadline ([`DEFAULT_TIMEOUT`], 250 ms: a tokenization takes
+//! about a millisecond on a vLLM server that is not saturated). On any failure (no instance,
+//! refused connection, timeout, an error status, an unreadable answer) the caller routes that
+//! request as LEAST_OUTSTANDING_REQUESTS; nothing is retried, so a slow engine costs at most
+//! the deadline.
+//!
+//! Body sent: completions `{"model", "prompt"}` (a string prompt; a token-id prompt needs no
+//! round trip: [`prompt_token_ids`]); chat `{"model", "messages", …}` with the fields that
+//! change the templated prompt copied over (`add_generation_prompt`,
+//! `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
+//! `tools`, `documents`). The answer's `tokens` are the ids.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::table::VariantRoute;
+
+/// How long the engine may take to answer `/tokenize`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
+/// Largest `/tokenize` answer read (a 128 K-token prompt is about 1 MB of JSON).
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// Chat fields that change the prompt the template renders.
+const CHAT_TEMPLATE_FIELDS: &[&str] = &[
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("no available instance to ask")]
+    NoInstance,
+    #[error("the request has nothing to tokenize: {0}")]
+    Input(String),
+    #[error("POST {url}: {message}")]
+    Request { url: String, message: String },
+    #[error("POST {url}: no answer within {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+    #[error("POST {url}: status {status}")]
+    Status { url: String, status: u16 },
+    #[error("POST {url}: unreadable answer: {message}")]
+    Answer { url: String, message: String },
+}
+
+/// Which OpenAI API the request body belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    Chat,
+    Completion,
+}
+
+/// The top-level fields of a request body, values unparsed.
+type Fields<'a> = std::collections::BTreeMap<String, &'a RawValue>;
+
+/// A completions prompt given as token ids (`[1, 2, 3]`): no need to ask the engine.
+pub fn prompt_token_ids(request: &[u8]) -> Option<Vec<u32>> {
+    let fields: Fields<'_> = serde_json::from_slice(request).ok()?;
+    serde_json::from_str(fields.get("prompt")?.get()).ok()
+}
+
+/// vLLM's `/tokenize` body for an OpenAI request body.
+pub fn tokenize_body(kind: PromptKind, request: &[u8]) -> Result<Bytes, TokenizeError> {
+    let fields: Fields<'_> = serde_json::from_slice(request)
+        .map_err(|err| TokenizeError::Input(format!("invalid JSON: {err}")))?;
+    let mut out: Vec<(&str, &RawValue)> = Vec::new();
+    if let Some(model) = fields.get("model") {
+        out.push(("model", model));
+    }
+    match kind {
+        PromptKind::Completion => {
+            let prompt = fields
+                .get("prompt")
+                .filter(|prompt| prompt.get().trim_start().starts_with('"'))
+                .ok_or_else(|| TokenizeError::Input("prompt is not a string".into()))?;
+            out.push(("prompt", prompt));
+        }
+        PromptKind::Chat => {
+            let messages = fields
+                .get("messages")
+                .ok_or_else(|| TokenizeError::Input("no messages".into()))?;
+            out.push(("messages", messages));
+            for name in CHAT_TEMPLATE_FIELDS {
+                if let Some(value) = fields.get(*name) {
+                    out.push((name, value));
+                }
+            }
+        }
+    }
+    let mut body = Vec::with_capacity(request.len() + 16);
+    body.push(b'{');
+    for (position, (name, value)) in out.iter().enumerate() {
+        if position > 0 {
+            body.push(b',');
+        }
+        // Field names are the constants above: plain ASCII, no escaping needed.
+        body.push(b'"');
+        body.extend_from_slice(name.as_bytes());
+        body.extend_from_slice(b"\":");
+        body.extend_from_slice(value.get().as_bytes());
+    }
+    body.push(b'}');
+    Ok(Bytes::from(body))
+}
+
+/// The instance to ask: the available one with the fewest fleet-wide requests in flight
+/// (the first such in table order on a tie).
+pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
+    variant
+        .instances
+        .iter()
+        .enumerate()
+        .filter(|(_, instance)| instance.cell.available(now_ms))
+        .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
+        .map(|(position, _)| position)
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    tokens: Vec<u32>,
+}
+
+/// A `/tokenize` client (HTTP/1.1 keep-alive, `TCP_NODELAY`).
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    client: Client<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
+}
+
+impl Tokenizer {
+    pub fn new(timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            timeout,
+        }
+    }
+
+    /// Asks the engine at `base_url` to tokenize `body` (see [`tokenize_body`]).
+    pub async fn tokenize(&self, base_url: &str, body: Bytes) -> Result<Vec<u32>, TokenizeError> {
+        let url = format!("{base_url}/tokenize");
+        let request_error = |message: String| TokenizeError::Request {
+            url: url.clone(),
+            message,
+        };
+        let request = http::Request::post(&url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|err| request_error(err.to_string()))?;
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|err| request_error(err.to_string()))?;
+            let status = response.status().as_u16();
+            if status != 200 {
+                return Err(TokenizeError::Status {
+                    url: url.clone(),
+                    status,
+                });
+            }
+            let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+                .collect()
+                .await
+                .map_err(|err| TokenizeError::Answer {
+                    url: url.clone(),
+                    message: err.to_string(),
+                })?
+                .to_bytes();
+            serde_json::from_slice::<Answer>(&body)
+                .map(|answer| answer.tokens)
+                .map_err(|err| TokenizeError::Answer {
+                    url: url.clone(),
+                    message: err.to_string(),
+                })
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| TokenizeError::Timeout {
+                url: url.clone(),
+                timeout: self.timeout,
+            })?
+    }
+}
+
+impl Default for Tokenizer {
+    fn default() -> Self {
+        Self::new(DEFAULT_TIMEOUT)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_carry_the_prompt_or_the_messages_and_template_fields() {
+        let body = tokenize_body(
+            PromptKind::Completion,
+            br#"{"model":"m","prompt":"hi there","max_tokens":3,"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!(body, r#"{"model":"m","prompt":"hi there"}"#);
+        let body = tokenize_body(
+            PromptKind::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0,
+            "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":true}"#,
+        )
+        .unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["messages"][0]["content"], "x");
+        assert_eq!(value["chat_template_kwargs"]["enable_thinking"], false);
+        assert_eq!(value["add_generation_prompt"], true);
+        assert!(value.get("temperature").is_none());
+        assert!(tokenize_body(PromptKind::Chat, br#"{"prompt":"x"}"#).is_err());
+        assert!(tokenize_body(PromptKind::Completion, br#"{"prompt":[1,2]}"#).is_err());
+        assert_eq!(prompt_token_ids(br#"{"prompt":[1,2]}"#), Some(vec![1, 2]));
+        assert_eq!(prompt_token_ids(br#"{"prompt":"x"}"#), None);
+    }
+}

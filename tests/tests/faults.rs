@@ -1,0 +1,753 @@
+//! The router under faults and overload, with simulated engines that misbehave on purpose:
+//! the retry rule (no work sent twice), every deadline, every admission bound, and in-flight
+//! counts back to zero after each case. Routers run from a static file (no control plane:
+//! what is shown here is the router's own doing).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use switchyard_engine_sim::{SimConfig, SimHandle};
+use switchyard_router::{RouterConfig, RouterHandle};
+use switchyard_tests::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn fast() -> SimConfig {
+    SimConfig {
+        time_scale: 0.02,
+        ..SimConfig::default()
+    }
+}
+
+/// Every test step is bounded: a router that hangs fails the test instead of the suite.
+async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+/// A router for endpoint `chat` (RANDOM) over `instances`: (id, url, weight), from a static
+/// file, with `tune` applied to its flags.
+async fn start_router(
+    dir: &tempfile::TempDir,
+    instances: &[(&str, &str, f64)],
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<RouterHandle> {
+    let mut yaml = String::from(
+        "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n",
+    );
+    for (id, url, weight) in instances {
+        yaml.push_str(&format!(
+            "      - {{Url: \"{url}\", InstanceId: {id}, Weight: {weight}}}\n"
+        ));
+    }
+    let path = dir.path().join("routes.yaml");
+    std::fs::write(&path, yaml)?;
+    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    tune(&mut config);
+    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+}
+
+fn chat_url(router: &RouterHandle) -> String {
+    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
+}
+
+fn request_ids(engine: &SimHandle) -> HashSet<String> {
+    engine
+        .received()
+        .into_iter()
+        .filter_map(|request| request.headers.get("x-request-id").cloned())
+        .collect()
+}
+
+async fn metric(router: &RouterHandle, sample: &str) -> f64 {
+    let (_, text) = http_get(&format!("{}/metrics", router.url()))
+        .await
+        .expect("metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(sample))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// After every case: nothing is counted in flight any more, per instance or per router.
+async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
+    eventually(
+        Duration::from_secs(10),
+        "in-flight counts back to 0",
+        || async {
+            router.in_flight() == 0
+                && router.admission().in_flight() == 0
+                && router.admission().buffered_bytes() == 0
+        },
+    )
+    .await
+}
+
+fn dying(config: SimConfig) -> SimConfig {
+    SimConfig {
+        die_mid_stream_rate: 1.0,
+        ..config
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> anyhow::Result<()> {
+    let dies = switchyard_engine_sim::spawn(dying(fast())).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    // The dying engine is first choice for all but one in a million draws.
+    let instances = [
+        ("dies", dies.url.as_str(), 1_000_000.0),
+        ("healthy", healthy.url.as_str(), 1.0),
+    ];
+    let router = start_router(&dir, &instances, |config| config.eject_after_failures = 100).await?;
+    for (round, stream) in [false, true, false, true].into_iter().enumerate() {
+        let id = format!("dies-{round}");
+        let body = chat_body("crash me", 8, stream);
+        let mut response = bounded(
+            "a request to a dying engine",
+            post_streaming(&chat_url(&router), &[("x-request-id", &id)], body),
+        )
+        .await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let mut text = String::new();
+        let mut failed = false;
+        while let Some(frame) = bounded("a frame", response.body_mut().frame()).await {
+            match frame {
+                Ok(frame) => {
+                    if let Some(data) = frame.data_ref() {
+                        text.push_str(&String::from_utf8_lossy(data));
+                    }
+                }
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        if stream {
+            // The answer had begun (200, SSE): it ends cut short, never with [DONE].
+            assert_eq!(status, 200);
+            assert!(failed, "a cut stream ended cleanly: {text}");
+            assert!(!text.contains("[DONE]"), "a cut stream completed: {text}");
+        } else {
+            assert_eq!(status, 502, "{text}");
+            assert!(headers.get("x-switchyard-instance").is_none());
+            let json: serde_json::Value = serde_json::from_str(&text)?;
+            assert_eq!(json["error"]["code"], "upstream_reset", "{text}");
+        }
+        assert!(
+            request_ids(&dies).contains(&id),
+            "the dying engine got {id}"
+        );
+        assert!(
+            !request_ids(&healthy).contains(&id),
+            "{id} was sent again to another engine"
+        );
+    }
+    assert!(
+        metric(
+            &router,
+            "switchyard_router_errors_total{kind=\"upstream_reset\"}"
+        )
+        .await
+            >= 2.0
+    );
+    settles(&router).await?;
+    router.shutdown().await;
+
+    // With --retry-after-send, one retry goes to the other engine, and says so.
+    let router = start_router(&dir, &instances, |config| {
+        config.eject_after_failures = 100;
+        config.retry_after_send = true;
+    })
+    .await?;
+    let reply = bounded(
+        "a retried request",
+        http_post(
+            &chat_url(&router),
+            &[("x-request-id", "opt-in")],
+            chat_body("crash me", 4, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("retry-after-send"));
+    assert_eq!(reply.header("x-switchyard-instance"), Some("healthy"));
+    assert!(request_ids(&dies).contains("opt-in") && request_ids(&healthy).contains("opt-in"));
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> anyhow::Result<()> {
+    // A bound socket that never listens: connections to it are refused, and no other test
+    // can take the port meanwhile.
+    let refusing = RefusingPort::new()?;
+    let refusing_url = refusing.url();
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let instances = [
+        ("refusing", refusing_url.as_str(), 1_000_000.0),
+        ("healthy", healthy.url.as_str(), 1.0),
+    ];
+    let router = start_router(&dir, &instances, |config| config.eject_after_failures = 3).await?;
+    let mut routes = Vec::new();
+    for round in 0..6 {
+        let reply = bounded(
+            "a request past a refusing engine",
+            http_post(
+                &chat_url(&router),
+                &[],
+                chat_body(&format!("r{round}"), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-instance"), Some("healthy"));
+        routes.push(reply.header("x-switchyard-route").unwrap_or("").to_owned());
+    }
+    // Three refusals, each retried; then the router ejected the instance itself (no control
+    // plane here could have removed it) and went straight to the healthy one.
+    assert_eq!(routes[..3], ["retry", "retry", "retry"], "{routes:?}");
+    assert_eq!(routes[3..], ["random", "random", "random"], "{routes:?}");
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"refusing\"}"
+        )
+        .await,
+        1.0
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Result<()> {
+    let hangs = switchyard_engine_sim::spawn(SimConfig {
+        hang_rate: 1.0,
+        ..fast()
+    })
+    .await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let instances = [
+        ("hangs", hangs.url.as_str(), 1_000_000.0),
+        ("healthy", healthy.url.as_str(), 1.0),
+    ];
+    let router = start_router(&dir, &instances, |config| {
+        config.upstream_header_timeout_seconds = 1;
+        config.connect_timeout_ms = 500;
+    })
+    .await?;
+    let started = Instant::now();
+    let reply = bounded(
+        "a request to a hung engine",
+        http_post(
+            &format!("{}/endpoints/chat/invocations", router.url()),
+            &[("x-request-id", "hung")],
+            r#"{"prompt":"wait","max_tokens":2}"#,
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 504, "{}", reply.body);
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "answered early"
+    );
+    assert_eq!(reply.json()["ErrorCode"], "ModelError", "{}", reply.body);
+    assert!(reply.body.contains("--upstream-header-timeout-seconds"));
+    assert!(!request_ids(&healthy).contains("hung"), "sent twice");
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_errors_total{kind=\"upstream_timeout\"}"
+        )
+        .await,
+        1.0
+    );
+    // A timeout is not a connection failure: the instance stays in rotation.
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"hangs\"}"
+        )
+        .await,
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}"
+        )
+        .await,
+        1.0
+    );
+    settles(&router).await?;
+    router.shutdown().await;
+
+    // At the deadline the router drops the engine's connection, so the engine can stop
+    // working on the request: an engine that reads the request and never answers sees the
+    // connection close.
+    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+    let silent_url = format!("http://{}", listener.local_addr()?);
+    let closed = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await?;
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let read = socket.read(&mut chunk).await?;
+            if read == 0 {
+                return anyhow::Ok(seen);
+            }
+            seen.extend_from_slice(&chunk[..read]);
+        }
+    });
+    let router = start_router(&dir, &[("silent", silent_url.as_str(), 1.0)], |config| {
+        config.upstream_header_timeout_seconds = 1;
+        config.connect_timeout_ms = 500;
+    })
+    .await?;
+    let reply = bounded(
+        "a request to a silent engine",
+        http_post(&chat_url(&router), &[], chat_body("wait", 2, false)),
+    )
+    .await?;
+    assert_eq!(reply.status, 504, "{}", reply.body);
+    let seen = bounded("the engine's connection to close", closed).await??;
+    assert!(
+        String::from_utf8_lossy(&seen).starts_with("POST /v1/chat/completions"),
+        "the engine got the request before the connection closed"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
+    let stalls = switchyard_engine_sim::spawn(SimConfig {
+        stall_mid_stream_rate: 1.0,
+        ..fast()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("stalls", stalls.url.as_str(), 1.0)], |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    // A stream: two tokens, then the final error event, and no [DONE].
+    let (status, _, frames) = bounded(
+        "a stalled stream",
+        http_post_frames(&chat_url(&router), &[], chat_body("tell me", 20, true)),
+    )
+    .await?;
+    assert_eq!(status, 200);
+    let text: String = frames
+        .iter()
+        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
+        .collect();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|event| !event.trim().is_empty())
+        .collect();
+    assert!(events.len() >= 2, "{text}");
+    let last: serde_json::Value = serde_json::from_str(
+        events
+            .last()
+            .and_then(|event| event.strip_prefix("data: "))
+            .unwrap_or("null"),
+    )?;
+    assert_eq!(last["error"]["code"], "stream_idle_timeout", "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    let gap = frames[frames.len() - 1].0 - frames[frames.len() - 2].0;
+    assert!(
+        gap >= Duration::from_secs(1),
+        "the error came after {gap:?}"
+    );
+    // A non-streaming answer whose body never comes is cut.
+    let cut = bounded(
+        "a stalled body",
+        http_post(&chat_url(&router), &[], chat_body("tell me", 20, false)),
+    )
+    .await;
+    assert!(cut.is_err(), "a stalled body arrived whole: {cut:?}");
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_errors_total{kind=\"stream_idle_timeout\"}"
+        )
+        .await,
+        2.0
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn half_sent_headers_are_closed_while_others_are_served() -> anyhow::Result<()> {
+    switchyard_shared::process::raise_open_file_limit();
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {
+        config.client_header_timeout_seconds = 1;
+    })
+    .await?;
+    // 1,000 slow sockets of three kinds: half an HTTP/1 head, nothing at all, and only the
+    // HTTP/2 preface (hyper's HTTP/1 head deadline covers only the first kind).
+    let mut slow = Vec::with_capacity(1000);
+    for index in 0..1000 {
+        let mut socket = tokio::net::TcpStream::connect(router.addr).await?;
+        match index % 3 {
+            0 => {
+                socket
+                    .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n")
+                    .await?
+            }
+            1 => {}
+            _ => {
+                socket
+                    .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                    .await?
+            }
+        }
+        slow.push(socket);
+    }
+    let last_opened = Instant::now();
+    // Other clients are served meanwhile.
+    for round in 0..5 {
+        let reply = bounded(
+            "a request beside 1,000 slow sockets",
+            http_post(
+                &chat_url(&router),
+                &[],
+                chat_body(&format!("r{round}"), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    // Every slow socket is closed by the router (`bounded` fails the test otherwise), and
+    // not before its deadline: the last one opened is read first.
+    for mut socket in slow.into_iter().rev() {
+        let mut rest = Vec::new();
+        // A reset is as good as an end of stream here: the router let go of the socket.
+        let _ = bounded("a slow socket to be closed", socket.read_to_end(&mut rest)).await;
+        assert!(
+            last_opened.elapsed() >= Duration::from_millis(900),
+            "a socket was closed {:?} after it was opened",
+            last_opened.elapsed()
+        );
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the connections to be released",
+        || async { router.admission().connections() <= 1 },
+    )
+    .await?;
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()> {
+    let hangs = switchyard_engine_sim::spawn(SimConfig {
+        hang_rate: 1.0,
+        ..fast()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("hangs", hangs.url.as_str(), 1.0)], |config| {
+        config.max_in_flight = 2;
+        config.max_connections = 4;
+        config.max_buffered_bytes = 7 << 20;
+    })
+    .await?;
+    let url = chat_url(&router);
+    // Two requests hang, one of them holding a 5 MiB body (the instance has not answered).
+    let big = serde_json::json!({
+        "model": "sim",
+        "messages": [{"role": "user", "content": "x".repeat(5 << 20)}],
+        "max_tokens": 1,
+    })
+    .to_string();
+    let native_url = format!("{}/endpoints/chat/invocations", router.url());
+    let held = big.clone();
+    let first = tokio::spawn(async move { http_post(&native_url, &[], held).await });
+    eventually(
+        Duration::from_secs(10),
+        "the big body to be held",
+        || async { router.admission().buffered_bytes() >= 5 << 20 },
+    )
+    .await?;
+    // A second 5 MiB body does not fit in 7 MiB.
+    let refused = bounded("an over-budget body", http_post(&url, &[], big)).await?;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.json()["error"]["code"], "overloaded");
+    let second_url = url.clone();
+    let second =
+        tokio::spawn(async move { http_post(&second_url, &[], chat_body("wait", 1, false)).await });
+    eventually(
+        Duration::from_secs(10),
+        "two requests in flight",
+        || async { router.admission().in_flight() == 2 },
+    )
+    .await?;
+    let refused = bounded(
+        "a third request",
+        http_post(&url, &[], chat_body("x", 1, false)),
+    )
+    .await?;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert!(refused.body.contains("--max-in-flight"), "{}", refused.body);
+    for limit in ["in_flight", "buffered_bytes"] {
+        let sample = format!("switchyard_router_admission_refused_total{{limit=\"{limit}\"}}");
+        assert!(metric(&router, &sample).await >= 1.0, "{limit}");
+    }
+    // Connections: two are busy with the hung requests; fill the rest, then one more.
+    let mut idle = Vec::new();
+    while router.admission().connections() < 4 {
+        idle.push(tokio::net::TcpStream::connect(router.addr).await?);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut extra = tokio::net::TcpStream::connect(router.addr).await?;
+    extra
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n")
+        .await?;
+    let mut answer = Vec::new();
+    bounded(
+        "the refusal of a connection",
+        extra.read_to_end(&mut answer),
+    )
+    .await?;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    use switchyard_router::admission::Limit;
+    for limit in Limit::ALL {
+        assert!(router.admission().refused(limit) >= 1, "{limit:?}");
+    }
+    // The hung requests end when their clients give up; every count returns to 0.
+    first.abort();
+    second.abort();
+    drop(idle);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<()> {
+    // An engine that sheds load (as SGLang or TGI do with a full queue): 429 + Retry-After.
+    let app = axum::Router::new().fallback(|| async {
+        (
+            http::StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", "7")],
+            r#"{"error":{"message":"queue full","type":"overloaded","param":null,"code":429}}"#,
+        )
+    });
+    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("busy", url.as_str(), 1.0)], |_| {}).await?;
+    // OpenAI clients see the engine's answer unchanged.
+    let reply = bounded(
+        "an OpenAI request",
+        http_post(&chat_url(&router), &[], chat_body("hi", 1, false)),
+    )
+    .await?;
+    assert_eq!(reply.status, 429);
+    assert_eq!(reply.header("retry-after"), Some("7"));
+    assert_eq!(reply.json()["error"]["message"], "queue full");
+    // SageMaker clients see 424 ModelError carrying the engine's status and Retry-After.
+    let reply = bounded(
+        "a native request",
+        http_post(
+            &format!("{}/endpoints/chat/invocations", router.url()),
+            &[],
+            "{}",
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 424);
+    assert_eq!(reply.json()["ErrorCode"], "ModelError");
+    assert_eq!(reply.json()["OriginalStatusCode"], 429);
+    assert_eq!(reply.header("retry-after"), Some("7"));
+    settles(&router).await?;
+    server.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(SimConfig {
+        time_scale: 0.001,
+        ..SimConfig::default()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    let client_gone = "switchyard_router_errors_total{kind=\"client_gone\"}";
+    // Complete answers of every kind are not counted as clients gone.
+    for stream in [false, true] {
+        let (status, _, _) = bounded(
+            "a complete answer",
+            http_post_frames(&chat_url(&router), &[], chat_body("hi", 3, stream)),
+        )
+        .await?;
+        assert_eq!(status, 200);
+    }
+    let native = format!("{}/endpoints/chat/invocations", router.url());
+    let reply = bounded(
+        "a native answer",
+        http_post(&native, &[], r#"{"prompt":"hi","max_tokens":2}"#),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    settles(&router).await?;
+    assert_eq!(metric(&router, client_gone).await, 0.0);
+
+    // A client that leaves mid-stream is counted once, and the engine stops the request.
+    let slow = switchyard_engine_sim::spawn(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await?;
+    let router = start_router(&dir, &[("slow", slow.url.as_str(), 1.0)], |_| {}).await?;
+    let mut response = bounded(
+        "a long stream to begin",
+        post_streaming(&chat_url(&router), &[], chat_body("story", 200, true)),
+    )
+    .await?;
+    bounded("the first frame", response.body_mut().frame()).await;
+    drop(response);
+    settles(&router).await?;
+    eventually(
+        Duration::from_secs(5),
+        "client_gone to be counted",
+        || async { metric(&router, client_gone).await == 1.0 },
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(5),
+        "the engine to stop the request",
+        || async { slow.stats().running == 0 },
+    )
+    .await?;
+
+    // A client that stops reading a long answer (its socket fills up) is disconnected after
+    // the idle deadline; its request and the engine's connection are released.
+    let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_recv_buffer_size(4096)?;
+    let mut socket = socket.connect(router.addr).await?;
+    let body = chat_body("a very long story", 100_000, true);
+    socket
+        .write_all(
+            format!(
+                "POST /endpoints/chat/openai/v1/chat/completions HTTP/1.1\r\nHost: router\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
+    eventually(
+        Duration::from_secs(10),
+        "the answer to be under way",
+        || async { router.in_flight() == 1 },
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(20),
+        "the stalled client to be disconnected",
+        || async { router.admission().in_flight() == 0 && router.in_flight() == 0 },
+    )
+    .await?;
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_errors_total{kind=\"client_stalled\"}"
+        )
+        .await,
+        1.0
+    );
+    drop(socket);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_http2_stream_refused_by_the_engine_is_retried_and_another_reset_is_not()
+-> anyhow::Result<()> {
+    for (reason, retried) in [
+        (h2::Reason::REFUSED_STREAM, true),
+        (h2::Reason::INTERNAL_ERROR, false),
+    ] {
+        // An h2c engine that resets every stream it receives with `reason`.
+        let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+        let resetting_url = format!("http://{}", listener.local_addr()?);
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = std::sync::Arc::clone(&received);
+        let server = tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let counter = std::sync::Arc::clone(&counter);
+                tokio::spawn(async move {
+                    let Ok(mut connection) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        respond.send_reset(reason);
+                    }
+                });
+            }
+        });
+        let healthy = switchyard_engine_sim::spawn(fast()).await?;
+        let dir = tempfile::tempdir()?;
+        let instances = [
+            ("resets", resetting_url.as_str(), 1_000_000.0),
+            ("healthy", healthy.url.as_str(), 1.0),
+        ];
+        let router = start_router(&dir, &instances, |config| {
+            config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
+            config.eject_after_failures = 100;
+        })
+        .await?;
+        let reply = bounded(
+            "a request to a resetting engine",
+            http_post(
+                &chat_url(&router),
+                &[("x-request-id", "once")],
+                chat_body("hi", 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
+        if retried {
+            // The engine says it did not process the stream: safe elsewhere.
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-switchyard-route"), Some("retry"));
+            assert!(request_ids(&healthy).contains("once"));
+        } else {
+            assert_eq!(reply.status, 502, "{}", reply.body);
+            assert!(!request_ids(&healthy).contains("once"), "sent twice");
+        }
+        settles(&router).await?;
+        server.abort();
+    }
+    Ok(())
+}
