@@ -302,6 +302,7 @@ fn config(index: usize) -> EndpointConfig {
         }],
         health_check_config: health_check(),
         creation_time_ms: 0,
+        disaggregation_config: None,
     }
 }
 
@@ -804,6 +805,7 @@ fn instance(index: usize, endpoints: usize, weight: f64) -> Instance {
         registered_time_ms: 0,
         lease_id: 0,
         kv_events: None,
+        decode_partner: None,
     }
 }
 

@@ -121,6 +121,15 @@ pub enum ConfigCommand {
         /// Consecutive failed probes before an instance stops receiving traffic.
         #[arg(long, default_value_t = 3)]
         unhealthy_threshold: u32,
+        /// Disaggregated prefill/decode, as JSON (or file://PATH): {"PrefillVariantName",
+        /// "DecodeVariantName", "RouteThreshold" (tokens, default 4096),
+        /// "PrefillRoutingStrategy" (ROUND_ROBIN default, PREFIX_AWARE, KV_AWARE, SESSION),
+        /// "DecodeRoutingStrategy" (LEAST_OUTSTANDING_REQUESTS default, RANDOM, PREFIX_AWARE),
+        /// "ThresholdBasis" (PROMPT_TOKENS default, UNCACHED_TOKENS), "KvTransferProtocol" (NIXL
+        /// default, LMCACHE), "Tokenizer" (cl100k_base default, o200k_base, or a tokenizer.json
+        /// name under the routers' --tokenizer-dir), "PrefillTimeoutSeconds" (default 120)}.
+        #[arg(long)]
+        disaggregation_config: Option<String>,
     },
     /// Show one endpoint config.
     Describe {
@@ -231,6 +240,10 @@ pub struct RegisterArgs {
     /// tcp://HOST:PORT. Lets routers repair missed events; needs --kv-events.
     #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
     pub kv_events_replay: Option<String>,
+    /// LMCACHE disaggregation: the InstanceId of the decode instance this prefill instance
+    /// pushes its KV cache to (the decoder its LMCache config names).
+    #[arg(long, value_name = "ID")]
+    pub decode_partner: Option<String>,
 }
 
 fn print_value(format: OutputFormat, value: serde_json::Value, table: impl FnOnce() -> String) {
@@ -275,8 +288,21 @@ pub async fn endpoint_config(
             health_check_path,
             health_check_interval_ms,
             unhealthy_threshold,
+            disaggregation_config,
         } => {
             let json = read_variants_argument(&production_variants)?;
+            let disaggregation_config = disaggregation_config
+                .map(|argument| {
+                    let json = match argument.strip_prefix("file://") {
+                        Some(path) => std::fs::read_to_string(path).map_err(|err| {
+                            UsageError(format!("--disaggregation-config file://{path}: {err}"))
+                        })?,
+                        None => argument,
+                    };
+                    sagemaker::parse_disaggregation_config(&json)
+                        .map_err(|err| UsageError(format!("--disaggregation-config: {err}")))
+                })
+                .transpose()?;
             let parsed = sagemaker::parse_production_variants(&json)
                 .map_err(|err| UsageError(format!("--production-variants: {err}")))?;
             for field in &parsed.ignored_fields {
@@ -293,6 +319,7 @@ pub async fn endpoint_config(
                     ..HealthCheckConfig::default()
                 },
                 creation_time_ms: 0,
+                disaggregation_config,
             };
             // Check locally first for a quick answer; the control plane checks again.
             config
@@ -521,6 +548,7 @@ async fn register(
                 .map(|kv| kv.publisher.clone())
                 .unwrap_or_default(),
             kv_events_replay_endpoint: kv_events.and_then(|kv| kv.replay).unwrap_or_default(),
+            decode_partner: args.decode_partner.unwrap_or_default(),
         })
         .await?
         .into_inner();

@@ -30,7 +30,7 @@ const MAX_ERRORS_SHOWN: usize = 20;
 pub struct ImportArgs {
     /// JSON lines, one instance each: EndpointName, VariantName, InstanceId, Url (required),
     /// Role (both|prefill|decode), Protocol (http1|h2c), Weight, KvEvents, KvEventsReplay
-    /// (tcp://host:port; optional). Blank lines are
+    /// (tcp://host:port), DecodePartner (optional). Blank lines are
     /// skipped. Instances live until deregistered (no TTL: nothing would heartbeat them).
     #[arg(long)]
     pub file: PathBuf,
@@ -59,6 +59,9 @@ struct Line {
     kv_events: Option<String>,
     #[serde(default)]
     kv_events_replay: Option<String>,
+    /// LMCACHE disaggregation: the decode instance a prefill instance pushes to.
+    #[serde(default)]
+    decode_partner: Option<String>,
     /// Only to refuse it with a clear message.
     #[serde(default, alias = "Ttl")]
     ttl_seconds: Option<u32>,
@@ -93,6 +96,9 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, String> {
     let kv_events_replay = line.kv_events_replay.unwrap_or_default();
     switchyard_shared::pb::kv_events(&kv_events, &kv_events_replay)
         .map_err(|err| err.to_string())?;
+    if let Some(partner) = &line.decode_partner {
+        InstanceId::new(partner).map_err(|err| format!("DecodePartner: {err}"))?;
+    }
     Ok(pb::RegisterInstanceRequest {
         endpoint_name: line.endpoint_name,
         variant_name: line.variant_name,
@@ -104,6 +110,7 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, String> {
         ttl_seconds: 0,
         kv_events_endpoint: kv_events,
         kv_events_replay_endpoint: kv_events_replay,
+        decode_partner: line.decode_partner.unwrap_or_default(),
     })
 }
 

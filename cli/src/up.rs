@@ -64,6 +64,7 @@ impl UpArgs {
             production_variants: parsed.variants,
             health_check_config: Default::default(),
             creation_time_ms: 0,
+            disaggregation_config: None,
         };
         config.validate().map_err(|err| {
             let flag = if err.field.ends_with("PrefixLength") {
@@ -155,6 +156,12 @@ fn print_welcome(args: &UpArgs, cluster: &LocalCluster) {
         "  reply = client.chat.completions.create(model=\"{endpoint}\", messages=[{{\"role\": \"user\", \"content\": \"Hello!\"}}])"
     );
     println!("  print(reply.choices[0].message.content)");
+    println!(
+        "  first = client.responses.create(model=\"{endpoint}\", input=\"Hello!\")   # stored on one instance"
+    );
+    println!(
+        "  client.responses.create(model=\"{endpoint}\", input=\"And then?\", previous_response_id=first.id)   # reaches it from any router"
+    );
     println!();
     println!("Look around:");
     println!(

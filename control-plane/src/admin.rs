@@ -41,6 +41,7 @@ fn registration(
             &request.kv_events_endpoint,
             &request.kv_events_replay_endpoint,
         )?,
+        decode_partner: switchyard_shared::pb::decode_partner(&request.decode_partner)?,
     })
 }
 

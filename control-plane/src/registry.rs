@@ -91,6 +91,8 @@ pub struct Registration {
     pub ttl_seconds: u32,
     /// Checked by the edge (`pb::kv_events`).
     pub kv_events: Option<KvEventsEndpoints>,
+    /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
+    pub decode_partner: Option<InstanceId>,
 }
 
 /// What an import did.
@@ -415,6 +417,12 @@ impl Registry {
                     ),
                 )));
             }
+            switchyard_shared::disaggregation::check_instance_place(
+                config.disaggregation_config.as_ref(),
+                &request.variant,
+                request.role,
+                request.decode_partner.is_some(),
+            )?;
             let lease_id: LeaseId = if request.ttl_seconds > 0 {
                 self.store.grant_lease(request.ttl_seconds).await?
             } else {
@@ -434,6 +442,7 @@ impl Registry {
                 registered_time_ms: now_ms(),
                 lease_id,
                 kv_events: request.kv_events.clone(),
+                decode_partner: request.decode_partner.clone(),
             };
             let previous = self.read::<Instance>(&key).await?;
             let committed = self
@@ -572,6 +581,7 @@ impl Registry {
                 registered_time_ms: now,
                 lease_id: 0,
                 kv_events: request.kv_events.clone(),
+                decode_partner: request.decode_partner.clone(),
             });
         }
         let mut endpoints = self.import_endpoints(&instances, 0).await?;
@@ -694,9 +704,20 @@ impl Registry {
                     format!("endpoint {} does not exist", instance.endpoint_name),
                 )));
             };
-            let has_variant = configs
-                .get(&endpoint.endpoint_config_name)
+            let config = configs.get(&endpoint.endpoint_config_name);
+            let has_variant = config
                 .is_some_and(|config| config.variant(instance.variant_name.as_str()).is_some());
+            if let Some(config) = config {
+                switchyard_shared::disaggregation::check_instance_place(
+                    config.disaggregation_config.as_ref(),
+                    &instance.variant_name,
+                    instance.role,
+                    instance.decode_partner.is_some(),
+                )
+                .map_err(|err| {
+                    AdminError::Invalid(ValidationError::new(field(&err.field), err.message))
+                })?;
+            }
             if !has_variant {
                 return Err(AdminError::Invalid(ValidationError::new(
                     field("VariantName"),

@@ -473,6 +473,8 @@ impl SageMakerApi {
             production_variants: parsed.variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 0,
+            // SageMaker's API has no disaggregation; the switchyard CLI sets it.
+            disaggregation_config: None,
         };
         match self.registry.create_config_with(config, stored).await {
             Ok(_) => {

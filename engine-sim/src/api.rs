@@ -1,5 +1,10 @@
 //! The HTTP API: vLLM's OpenAI-compatible routes, the SageMaker container contract
-//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests.
+//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests. The
+//! Responses API (with its store) is in `responses`, the pooling APIs and `/detokenize` in
+//! `pooling`.
+
+mod pooling;
+pub(crate) mod responses;
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -19,7 +24,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::SimConfig;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
-use crate::faults::{Fault, Faults};
+use crate::faults::{Fault, Faults, TokenizeFault};
 use crate::metrics::Metrics;
 use crate::nixl::prefill_response_params;
 use crate::openai::{
@@ -59,8 +64,12 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/sim/faults", get(sim_faults).post(set_sim_faults))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/handoffs", get(sim_handoffs))
+        .route("/sim/handoffs/{request_id}", get(sim_handoff))
+        .route("/sim/kv-push", post(sim_kv_push))
         .route("/sim/kv-events", get(sim_kv_events).post(set_sim_kv_events))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .merge(responses::routes())
+        .merge(pooling::routes())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
 }
@@ -132,6 +141,7 @@ async fn infer(
     let body_bytes = body.len();
     let parsed = parse_off_thread(&shared, body, route.kind()).await;
 
+    let request_id = request_id(&headers);
     let mut record = ReceivedRequest {
         path: route.path().to_owned(),
         headers: ReceivedRequest::select_headers(&headers),
@@ -139,24 +149,52 @@ async fn infer(
         body_bytes,
         ..ReceivedRequest::default()
     };
+    // A decode request's hand-off is checked with the prefill engine it names before the
+    // pull; a hand-off that does not check out is recomputed here, as vLLM does.
+    let mut pull = Pull::None;
     if let Ok(parsed) = &parsed {
         let kv = parsed.body.kv_transfer();
         record.model = parsed.body.model.clone();
         record.stream = parsed.body.stream();
         record.kv_transfer_params = parsed.body.kv_transfer_params.is_some();
+        record.kv_transfer = parsed.body.kv_transfer_params.clone();
         record.do_remote_decode = kv.do_remote_decode;
         record.do_remote_prefill = kv.do_remote_prefill;
+        if kv.do_remote_prefill {
+            match crate::handoff::verify(&shared.http, &kv, &request_id).await {
+                Ok(()) => {
+                    record.handoff = Some("accepted".into());
+                    pull = Pull::Accepted;
+                }
+                Err(why) => {
+                    Metrics::increment(&shared.metrics.kv_pull_failures);
+                    tracing::warn!(request_id, why, "KV pull failed; recomputing the prompt");
+                    record.handoff = Some(format!("rejected: {why}"));
+                    pull = Pull::Rejected;
+                }
+            }
+        }
     }
     shared.records.record(record);
 
-    let request_id = request_id(&headers);
     let response = match parsed {
-        Ok(parsed) => run_request(&shared, parsed, &request_id, arrival)
+        Ok(parsed) => run_request(&shared, parsed, &request_id, arrival, pull)
             .await
             .unwrap_or_else(IntoResponse::into_response),
         Err(error) => error.into_response(),
     };
     with_request_id(response, &request_id)
+}
+
+/// A decode request's remote prefill, as checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pull {
+    /// Not a disaggregated decode request.
+    None,
+    /// The hand-off checked out: the prompt's KV is pulled.
+    Accepted,
+    /// It did not: the prompt is recomputed here.
+    Rejected,
 }
 
 async fn parse_off_thread(
@@ -195,6 +233,7 @@ async fn run_request(
     parsed: ParsedRequest,
     request_id: &str,
     arrival: Instant,
+    pull: Pull,
 ) -> Result<Response, ApiError> {
     let config = &shared.config;
     let ParsedRequest { body, kind, prompt } = parsed;
@@ -220,6 +259,22 @@ async fn run_request(
     if config.role == InstanceRole::Decode && !kv.do_remote_prefill {
         tracing::debug!(request_id, "decode instance prefilling a request itself");
     }
+    // LMCache's PD backend on a prefill engine: the prompt's blocks go to the decode partner
+    // once computed (a request that is not itself a NixlConnector prefill, not streamed).
+    let push = config
+        .kv_push_to
+        .as_ref()
+        .filter(|_| config.role == InstanceRole::Prefill && !kv.do_remote_decode && !streaming)
+        .map(|partner| {
+            let full = prompt.block_hashes.len() * config.block_size;
+            (
+                partner.clone(),
+                crate::handoff::Push {
+                    block_hashes: prompt.block_hashes.clone(),
+                    token_ids: prompt.tokens[..full.min(prompt.tokens.len())].to_vec(),
+                },
+            )
+        });
     let spec = SeqSpec {
         prompt_len,
         block_hashes: prompt.block_hashes,
@@ -229,7 +284,11 @@ async fn run_request(
             Vec::new()
         },
         max_tokens,
-        remote_prompt_tokens: remote_prompt_tokens(config, &kv, prompt_len),
+        remote_prompt_tokens: if pull == Pull::Rejected {
+            0
+        } else {
+            remote_prompt_tokens(config, &kv, prompt_len)
+        },
     };
     let events = shared
         .engine
@@ -246,6 +305,24 @@ async fn run_request(
     };
     if kv.do_remote_decode {
         return prefill_only_response(shared, &meta, events, request_id, prompt_len).await;
+    }
+    if let Some((partner, blocks)) = push {
+        let mut events = events;
+        let finished = wait_finished(&mut events).await?;
+        let note = match crate::handoff::push(&shared.http, &partner, &blocks).await {
+            Ok(stored) => format!(
+                "pushed {} blocks ({stored} new) to {partner}",
+                blocks.block_hashes.len()
+            ),
+            Err(why) => {
+                tracing::warn!(request_id, why, "LMCache push to the decode partner failed");
+                format!("push failed: {why}")
+            }
+        };
+        shared
+            .records
+            .update(request_id, |record| record.kv_push = Some(note));
+        return Ok(finished_response(&meta, &finished, prompt_len));
     }
     if streaming {
         let stream = SseStream {
@@ -402,9 +479,13 @@ async fn whole_response(
     prompt_len: u32,
 ) -> Result<Response, ApiError> {
     let finished = wait_finished(&mut events).await?;
+    Ok(finished_response(meta, &finished, prompt_len))
+}
+
+fn finished_response(meta: &ResponseMeta, finished: &FinishedSeq, prompt_len: u32) -> Response {
     let text = output_text(finished.completion_tokens);
-    let body = meta.response(text, "length", usage(prompt_len, &finished), None);
-    Ok(Json(body).into_response())
+    let body = meta.response(text, "length", usage(prompt_len, finished), None);
+    Json(body).into_response()
 }
 
 /// A NixlConnector prefill (`do_remote_decode`): one token, plus the `kv_transfer_params` a
@@ -566,6 +647,17 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
 
 /// vLLM's `/tokenize`: `{"prompt": ...}` or `{"messages": [...]}` → the token count and ids.
 async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    match shared.faults.draw_tokenize() {
+        TokenizeFault::None => {}
+        TokenizeFault::Fail => {
+            return ApiError::internal("simulated tokenizer failure (fault injection)".to_owned())
+                .into_response();
+        }
+        TokenizeFault::Hang => {
+            tracing::debug!("fault injection: never answering /tokenize");
+            std::future::pending::<()>().await;
+        }
+    }
     let parsed = match parse_off_thread(&shared, body, None).await {
         Ok(parsed) => parsed,
         Err(error) => return error.into_response(),
@@ -597,6 +689,52 @@ async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
 
 async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
     Json(shared.handoffs.snapshot()).into_response()
+}
+
+/// What this (prefill) engine handed off for one request: what a decoder checks before it
+/// pulls. 404 if it issued nothing for that request id.
+async fn sim_handoff(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Path(request_id): axum::extract::Path<String>,
+) -> Response {
+    match shared
+        .handoffs
+        .snapshot()
+        .into_iter()
+        .rev()
+        .find(|handoff| handoff.request_id == request_id)
+    {
+        Some(handoff) => Json(crate::handoff::IssuedHandoff {
+            engine_id: shared.engine_id.clone(),
+            request_id: handoff.request_id,
+            block_ids: handoff.block_ids,
+            prompt_tokens: handoff.prompt_tokens,
+        })
+        .into_response(),
+        None => ApiError::not_found(format!("no hand-off issued for request {request_id}"))
+            .into_response(),
+    }
+}
+
+/// Blocks a prefill engine pushes here (LMCache): cached as if computed here.
+async fn sim_kv_push(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let push: crate::handoff::Push = match serde_json::from_slice(&body) {
+        Ok(push) => push,
+        Err(err) => {
+            return ApiError::bad_request(format!("invalid push: {err}")).into_response();
+        }
+    };
+    match shared
+        .engine
+        .store_pushed(push.block_hashes, push.token_ids)
+        .await
+    {
+        Ok(stored) => {
+            Metrics::increment(&shared.metrics.kv_pushes_received);
+            Json(json!({"stored": stored})).into_response()
+        }
+        Err(stopped) => ApiError::unavailable(stopped.to_string()).into_response(),
+    }
 }
 
 /// Where the KV-event sockets are (ports resolved) and the test controls' state; 404 without

@@ -104,9 +104,22 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub stall_mid_stream_rate: f64,
 
+    /// Fraction of `POST /tokenize` requests answered with a 500 error.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub tokenize_fail_rate: f64,
+
+    /// Fraction of `POST /tokenize` requests accepted and never answered.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub tokenize_hang_rate: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
+
+    /// Responses API responses kept for follow-ups and GET /v1/responses/{id} (vLLM with
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1 keeps them all); beyond it the oldest is forgotten.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    pub max_stored_responses: usize,
 
     /// How many of the latest requests to keep for GET /sim/requests.
     #[arg(long, default_value_t = 1000, value_name = "N")]
@@ -116,6 +129,12 @@ pub struct SimConfig {
     /// are dropped, in (wall-clock) seconds.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub shutdown_grace_s: f64,
+
+    /// LMCache disaggregation: as a prefill engine, push each prompt's KV blocks to the decode
+    /// engine at this base URL (http://HOST:PORT) after prefilling it, as LMCache's PD
+    /// backend does for the decoder in its config.
+    #[arg(long, value_name = "URL")]
+    pub kv_push_to: Option<String>,
 
     /// This engine's id in kv_transfer_params (`remote_engine_id`). Default: generated at
     /// start.
@@ -176,9 +195,15 @@ impl SimConfig {
         at_least_one("--max-num-batched-tokens", self.max_num_batched_tokens)?;
         at_least_one("--max-model-len", u64::from(self.max_model_len))?;
         at_least_one("--default-max-tokens", u64::from(self.default_max_tokens))?;
+        at_least_one("--max-stored-responses", self.max_stored_responses as u64)?;
         at_least_one("--kv-bytes-per-token", self.kv_bytes_per_token)?;
         if self.served_model_name.trim().is_empty() {
             return Err("--served-model-name must not be empty".into());
+        }
+        if let Some(url) = &self.kv_push_to
+            && !url.starts_with("http://")
+        {
+            return Err(format!("--kv-push-to {url:?} must be an http:// URL"));
         }
         if let Some(id) = &self.engine_id
             && id.trim().is_empty()
@@ -208,6 +233,8 @@ impl SimConfig {
             hang_rate: self.hang_rate,
             die_mid_stream_rate: self.die_mid_stream_rate,
             stall_mid_stream_rate: self.stall_mid_stream_rate,
+            tokenize_fail_rate: self.tokenize_fail_rate,
+            tokenize_hang_rate: self.tokenize_hang_rate,
         }
     }
 }

@@ -50,6 +50,13 @@ enum Command {
     Submit(Submission),
     /// vLLM's `reset_prefix_cache`; answers whether it happened.
     ResetPrefixCache(oneshot::Sender<bool>),
+    /// KV blocks pushed by a prefill engine (LMCache): cached as if computed here; answers
+    /// how many were new.
+    StorePushed {
+        block_hashes: Vec<u64>,
+        tokens: Vec<u32>,
+        answer: oneshot::Sender<usize>,
+    },
 }
 
 /// The handlers' side: submit a request, get its event stream.
@@ -74,6 +81,24 @@ impl EngineClient {
             }))
             .map_err(|_| EngineStopped)?;
         Ok(receiver)
+    }
+
+    /// Caches KV blocks another engine pushed here (LMCache's PD backend): `block_hashes`
+    /// chained as this engine hashes prompts, `tokens` their tokens. Answers how many were new.
+    pub(crate) async fn store_pushed(
+        &self,
+        block_hashes: Vec<u64>,
+        tokens: Vec<u32>,
+    ) -> Result<usize, EngineStopped> {
+        let (answer, answered) = oneshot::channel();
+        self.submissions
+            .send(Command::StorePushed {
+                block_hashes,
+                tokens,
+                answer,
+            })
+            .map_err(|_| EngineStopped)?;
+        answered.await.map_err(|_| EngineStopped)
     }
 
     /// Empties the prefix cache unless a running request holds blocks (then false).
@@ -258,6 +283,15 @@ impl EngineDriver {
                 let reset = self.scheduler.reset_prefix_cache();
                 self.send_cache_events();
                 let _ = answer.send(reset);
+            }
+            Command::StorePushed {
+                block_hashes,
+                tokens,
+                answer,
+            } => {
+                let stored = self.scheduler.store_pushed(&block_hashes, &tokens);
+                self.send_cache_events();
+                let _ = answer.send(stored);
             }
         }
     }

@@ -371,6 +371,33 @@ impl Scheduler {
         self.cache.take_events()
     }
 
+    /// Caches blocks pushed by a prefill engine (LMCache) as if computed here: the run of
+    /// `block_hashes` not yet cached, after the cached start, becomes cached (evictable, LRU),
+    /// logged as stored for the KV events. `tokens` are the blocks' tokens (may be empty when
+    /// events are off). Returns how many blocks were new; 0 when they do not fit.
+    pub fn store_pushed(&mut self, block_hashes: &[u64], tokens: &[u32]) -> usize {
+        let block_size = self.limits.block_size;
+        let cache = &mut self.cache;
+        let known = cache.longest_prefix(block_hashes);
+        let new = &block_hashes[known..];
+        if new.is_empty() || !cache.admit(&block_hashes[..known], new.len()) {
+            return 0;
+        }
+        let mut stored = Vec::with_capacity(new.len());
+        for hash in new {
+            if cache.commit(*hash) {
+                stored.push(*hash);
+            }
+        }
+        if cache.recording_events() && tokens.len() >= block_hashes.len() * block_size {
+            let parent = known.checked_sub(1).map(|index| block_hashes[index]);
+            let run = tokens[known * block_size..block_hashes.len() * block_size].to_vec();
+            cache.log_stored(parent, new.to_vec(), run);
+        }
+        cache.release(block_hashes, 0);
+        stored.len()
+    }
+
     /// vLLM's `reset_prefix_cache`: empties the prefix cache unless a running request holds
     /// blocks (then false).
     pub fn reset_prefix_cache(&mut self) -> bool {

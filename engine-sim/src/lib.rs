@@ -25,6 +25,7 @@ mod config;
 mod driver;
 pub mod engine;
 mod faults;
+mod handoff;
 mod kv_events;
 mod metrics;
 mod nixl;

@@ -44,6 +44,10 @@ pub struct SimStats {
     pub responses_cut: u64,
     /// Responses left stalled, connection open, by fault injection (stall mid-stream).
     pub responses_stalled: u64,
+    /// Decode requests whose hand-off did not check out (the prompt was recomputed).
+    pub kv_pull_failures: u64,
+    /// LMCache pushes received from prefill engines.
+    pub kv_pushes_received: u64,
     /// Requests in the batch now.
     pub running: u64,
     /// Requests queued now (including those waiting for a KV transfer).
@@ -93,6 +97,10 @@ pub(crate) struct Metrics {
     pub requests_hung: AtomicU64,
     pub responses_cut: AtomicU64,
     pub responses_stalled: AtomicU64,
+    /// Decode requests whose hand-off did not check out (the prompt was recomputed).
+    pub kv_pull_failures: AtomicU64,
+    /// LMCache pushes received from prefill engines.
+    pub kv_pushes_received: AtomicU64,
     pub kv_handoffs: AtomicU64,
     pub kv_event_batches_published: AtomicU64,
     pub kv_event_batches_lost: AtomicU64,
@@ -131,6 +139,8 @@ impl Default for Metrics {
             requests_hung: AtomicU64::new(0),
             responses_cut: AtomicU64::new(0),
             responses_stalled: AtomicU64::new(0),
+            kv_pull_failures: AtomicU64::new(0),
+            kv_pushes_received: AtomicU64::new(0),
             kv_handoffs: AtomicU64::new(0),
             kv_event_batches_published: AtomicU64::new(0),
             kv_event_batches_lost: AtomicU64::new(0),
@@ -187,6 +197,8 @@ impl Metrics {
             requests_hung: load(&self.requests_hung),
             responses_cut: load(&self.responses_cut),
             responses_stalled: load(&self.responses_stalled),
+            kv_pull_failures: load(&self.kv_pull_failures),
+            kv_pushes_received: load(&self.kv_pushes_received),
             running: load(&self.running),
             waiting: load(&self.waiting),
             kv_cache_usage: f64::from_bits(load(&self.kv_cache_usage_bits)),

@@ -84,18 +84,35 @@ pub(crate) struct KvTransfer {
     pub do_remote_prefill: bool,
     /// Length of `remote_block_ids`, if given.
     pub remote_blocks: Option<usize>,
+    /// The hand-off a decoder pulls: which engine prefilled which request into which blocks,
+    /// and where that engine is.
+    pub remote_block_ids: Option<Vec<u64>>,
+    pub remote_engine_id: Option<String>,
+    pub remote_request_id: Option<String>,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
 }
 
 impl KvTransfer {
     fn from_value(value: &Value) -> Self {
         let flag = |name: &str| value.get(name).and_then(Value::as_bool).unwrap_or(false);
+        let text = |name: &str| value.get(name).and_then(Value::as_str).map(str::to_owned);
+        let remote_block_ids: Option<Vec<u64>> = value
+            .get("remote_block_ids")
+            .and_then(Value::as_array)
+            .map(|ids| ids.iter().filter_map(Value::as_u64).collect());
         Self {
             do_remote_decode: flag("do_remote_decode"),
             do_remote_prefill: flag("do_remote_prefill"),
-            remote_blocks: value
-                .get("remote_block_ids")
-                .and_then(Value::as_array)
-                .map(Vec::len),
+            remote_blocks: remote_block_ids.as_ref().map(Vec::len),
+            remote_block_ids,
+            remote_engine_id: text("remote_engine_id"),
+            remote_request_id: text("remote_request_id"),
+            remote_host: text("remote_host"),
+            remote_port: value
+                .get("remote_port")
+                .and_then(Value::as_u64)
+                .and_then(|port| u16::try_from(port).ok()),
         }
     }
 }

@@ -27,6 +27,18 @@ pub struct ReceivedRequest {
     pub do_remote_decode: bool,
     /// `kv_transfer_params.do_remote_prefill` (a disaggregated decode request).
     pub do_remote_prefill: bool,
+    /// The body's `kv_transfer_params`, verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer: Option<serde_json::Value>,
+    /// A decode request's hand-off, as this engine judged it: `accepted` (the prefill engine
+    /// named issued exactly these blocks for this request: the KV was pulled), or `rejected:
+    /// …` (then the engine recomputed the prompt, as vLLM does when a KV load fails).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff: Option<String>,
+    /// A prefill instance's LMCache push to its decode partner: `pushed N blocks` or
+    /// `push failed: …`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_push: Option<String>,
 }
 
 impl ReceivedRequest {
@@ -85,6 +97,18 @@ impl Recorder {
             requests.pop_front();
         }
         requests.push_back(request);
+    }
+
+    /// Changes the latest record whose `x-request-id` is `request_id`, if it is still kept.
+    pub(crate) fn update(&self, request_id: &str, change: impl FnOnce(&mut ReceivedRequest)) {
+        let mut requests = self.lock();
+        if let Some(record) = requests
+            .iter_mut()
+            .rev()
+            .find(|record| record.header("x-request-id") == Some(request_id))
+        {
+            change(record);
+        }
     }
 
     pub(crate) fn snapshot(&self) -> Vec<ReceivedRequest> {

@@ -13,6 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineClient, EngineDriver, engine};
@@ -39,6 +40,10 @@ pub(crate) struct Shared {
     /// The KV-event sockets as bound (with `--kv-events`), known once bound.
     pub kv_events: OnceLock<KvEventsInfo>,
     pub kv_control: Arc<KvEventsControl>,
+    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
+    pub http: crate::handoff::HttpClient,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
 }
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -84,6 +89,8 @@ impl SimServer {
             local_addr: OnceLock::new(),
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),
+            http: crate::handoff::http_client(),
+            responses: ResponseStore::new(config.max_stored_responses),
             config,
         };
         Ok(Self {
@@ -352,6 +359,8 @@ impl SimHandle {
             hang_rate: clamp(faults.hang_rate),
             die_mid_stream_rate: clamp(faults.die_mid_stream_rate),
             stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
+            tokenize_fail_rate: clamp(faults.tokenize_fail_rate),
+            tokenize_hang_rate: clamp(faults.tokenize_hang_rate),
         });
     }
 
@@ -362,6 +371,11 @@ impl SimHandle {
     /// This engine's id (`remote_engine_id` in kv_transfer_params).
     pub fn engine_id(&self) -> &str {
         &self.shared.engine_id
+    }
+
+    /// Responses API responses this instance stores now.
+    pub fn stored_responses(&self) -> usize {
+        self.shared.responses.len()
     }
 
     pub fn config(&self) -> &SimConfig {

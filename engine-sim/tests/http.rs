@@ -731,3 +731,270 @@ async fn kill_drops_connections_and_closes_the_port() -> Result<()> {
     assert!(TcpStream::connect(addr).await.is_err());
     Ok(())
 }
+
+#[tokio::test]
+async fn responses_are_stored_and_a_follow_up_sees_the_stored_turns() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let first = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"model": "sim", "input": words(40), "instructions": "be brief", "max_output_tokens": 5}),
+    )
+    .await?;
+    assert_eq!(
+        first.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    let first = first.json();
+    let id = first["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("resp_"), "{id}");
+    assert_eq!(first["object"], "response");
+    assert_eq!(
+        first["status"], "incomplete",
+        "stopped at max_output_tokens"
+    );
+    assert_eq!(first["output"][0]["type"], "message");
+    assert_eq!(first["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(first["usage"]["output_tokens"], 5);
+    let first_input = first["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(first_input > 40, "{first_input}");
+
+    // The follow-up's prompt starts with the stored turns: more input tokens than its own.
+    let follow = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"model": "sim", "input": "and then?", "previous_response_id": id}),
+    )
+    .await?
+    .json();
+    assert_eq!(follow["previous_response_id"], id.as_str());
+    assert_eq!(follow["status"], "completed");
+    let follow_input = follow["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(
+        follow_input > first_input,
+        "{follow_input} vs {first_input}"
+    );
+    assert!(
+        follow["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "the stored turns are in the prefix cache: {follow}"
+    );
+
+    let retrieved = get(sim.addr, &format!("/v1/responses/{id}")).await?;
+    assert_eq!(retrieved.status, StatusCode::OK);
+    assert_eq!(retrieved.json()["id"], id.as_str());
+    let cancel = post(sim.addr, &format!("/v1/responses/{id}/cancel"), &json!({})).await?;
+    assert_eq!(cancel.status, StatusCode::BAD_REQUEST);
+    assert_eq!(sim.stored_responses(), 2);
+    let deleted = send(
+        sim.addr,
+        Method::DELETE,
+        &format!("/v1/responses/{id}"),
+        &[],
+        Vec::new(),
+    )
+    .await?;
+    assert_eq!(
+        deleted.json(),
+        json!({"id": id, "object": "response", "deleted": true})
+    );
+    let gone = get(sim.addr, &format!("/v1/responses/{id}")).await?;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+    assert_eq!(gone.json()["error"]["param"], "response_id");
+    let unknown = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": id}),
+    )
+    .await?;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    let invalid = get(sim.addr, "/v1/responses/abc").await?;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    // store: false keeps nothing.
+    let unstored = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": "x", "store": false}),
+    )
+    .await?
+    .json();
+    let missing = get(
+        sim.addr,
+        &format!("/v1/responses/{}", unstored["id"].as_str().unwrap()),
+    )
+    .await?;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn streamed_responses_send_vllms_events_in_order() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let mut response = open(
+        sim.addr,
+        Method::POST,
+        "/v1/responses",
+        &[],
+        json!({"input": "hi", "stream": true, "max_output_tokens": 3})
+            .to_string()
+            .into_bytes(),
+    )
+    .await?;
+    assert!(
+        response.headers()["content-type"]
+            .to_str()?
+            .starts_with("text/event-stream")
+    );
+    let text = read_text(response.body_mut()).await?;
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|event| event["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (index, event) in events.iter().enumerate() {
+        assert_eq!(event["sequence_number"], index);
+    }
+    assert!(
+        text.starts_with("event: response.created\ndata: "),
+        "{text}"
+    );
+    let id = events[0]["response"]["id"].as_str().unwrap();
+    assert_eq!(events.last().unwrap()["response"]["id"], id);
+    assert_eq!(
+        get(sim.addr, &format!("/v1/responses/{id}")).await?.status,
+        StatusCode::OK
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn pooling_apis_answer_in_vllms_shapes() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let embeddings = post(
+        sim.addr,
+        "/v1/embeddings",
+        &json!({"model": "sim", "input": ["a b", "c"]}),
+    )
+    .await?
+    .json();
+    assert_eq!(embeddings["object"], "list");
+    assert_eq!(embeddings["data"][1]["index"], 1);
+    assert_eq!(embeddings["data"][0]["object"], "embedding");
+    assert_eq!(
+        embeddings["data"][0]["embedding"].as_array().unwrap().len(),
+        64
+    );
+    assert_eq!(embeddings["usage"]["prompt_tokens"], 3);
+    let base64 = post(
+        sim.addr,
+        "/v1/embeddings",
+        &json!({"input": "a b", "encoding_format": "base64", "dimensions": 8}),
+    )
+    .await?
+    .json();
+    assert_eq!(
+        base64["data"][0]["embedding"].as_str().unwrap().len(),
+        44,
+        "8 f32s in base64"
+    );
+    let bad = post(
+        sim.addr,
+        "/v1/embeddings",
+        &json!({"input": "a", "dimensions": 1000}),
+    )
+    .await?;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad.json()["error"]["param"], "dimensions");
+
+    let pooling = post(sim.addr, "/pooling", &json!({"input": "a"}))
+        .await?
+        .json();
+    assert_eq!(pooling["data"][0]["object"], "pooling");
+    let classify = post(sim.addr, "/classify", &json!({"input": ["a", "b"]}))
+        .await?
+        .json();
+    assert_eq!(classify["data"][1]["num_classes"], 2);
+    for path in ["/score", "/v1/score"] {
+        let score = post(
+            sim.addr,
+            path,
+            &json!({"text_1": "q", "text_2": ["d1", "d2"]}),
+        )
+        .await?
+        .json();
+        assert_eq!(score["data"].as_array().unwrap().len(), 2, "{score}");
+        assert_eq!(score["data"][0]["object"], "score");
+    }
+    for path in ["/rerank", "/v1/rerank", "/v2/rerank"] {
+        let rerank = post(
+            sim.addr,
+            path,
+            &json!({"query": "q", "documents": ["d1", "d2", "d3"], "top_n": 2}),
+        )
+        .await?
+        .json();
+        let results = rerank["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2, "{rerank}");
+        assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
+        let index = results[0]["index"].as_u64().unwrap() as usize;
+        assert_eq!(results[0]["document"]["text"], format!("d{}", index + 1));
+    }
+    let generated = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    )
+    .await?
+    .json();
+    let text = generated["choices"][0]["text"].as_str().unwrap();
+    let tokens = post(sim.addr, "/tokenize", &json!({"prompt": text}))
+        .await?
+        .json();
+    let back = post(
+        sim.addr,
+        "/detokenize",
+        &json!({"tokens": tokens["tokens"]}),
+    )
+    .await?
+    .json();
+    assert_eq!(
+        back["prompt"], text,
+        "the simulator's output words detokenize"
+    );
+    let wrong = post(
+        sim.addr,
+        "/rerank",
+        &json!({"model": "other", "query": "q", "documents": ["d"]}),
+    )
+    .await?;
+    assert_eq!(wrong.status, StatusCode::NOT_FOUND);
+    assert_eq!(sim.stats().requests_received, 13);
+    sim.shutdown().await;
+    Ok(())
+}

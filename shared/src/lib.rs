@@ -2,6 +2,7 @@
 //! configs, endpoints, instances), their validation, the SageMaker JSON reader, the protobuf
 //! conversions, and small process helpers (logging, exit codes, Prometheus text).
 
+pub mod disaggregation;
 pub mod metrics;
 pub mod model;
 pub mod names;
@@ -10,6 +11,10 @@ pub mod process;
 pub mod sagemaker;
 pub mod sync;
 
+pub use disaggregation::{
+    DecodeRoutingStrategy, DisaggregationConfig, KvTransferProtocol, PrefillRoutingStrategy,
+    ThresholdBasis,
+};
 pub use model::*;
 pub use names::{EndpointConfigName, EndpointName, InstanceId, InvalidName, VariantName};
 pub use sync::InstanceKey;

@@ -395,6 +395,9 @@ pub struct EndpointConfig {
     pub health_check_config: HealthCheckConfig,
     #[serde(default)]
     pub creation_time_ms: i64,
+    /// Disaggregated prefill/decode (Switchyard's extension); absent: colocated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation_config: Option<crate::disaggregation::DisaggregationConfig>,
 }
 
 impl EndpointConfig {
@@ -430,10 +433,14 @@ impl EndpointConfig {
                 "the InitialVariantWeights must add up to a finite number",
             ));
         }
-        if self
-            .production_variants
-            .iter()
-            .all(|variant| variant.weight() == 0.0)
+        if let Some(disaggregation) = &self.disaggregation_config {
+            disaggregation.validate(&self.production_variants, "DisaggregationConfig")?;
+        }
+        if self.disaggregation_config.is_none()
+            && self
+                .production_variants
+                .iter()
+                .all(|variant| variant.weight() == 0.0)
         {
             return Err(ValidationError::new(
                 "ProductionVariants",
@@ -690,6 +697,10 @@ pub struct Instance {
     /// KV_AWARE routing. Left out of the stored JSON when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsEndpoints>,
+    /// LMCACHE disaggregation: the decode instance this prefill instance pushes its KV cache
+    /// to (named in the engine's own LMCache config). Left out of the stored JSON when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_partner: Option<InstanceId>,
 }
 
 /// An engine's KV-cache event sockets: vLLM's ZMQ PUB endpoint and, optionally, its ROUTER
@@ -852,6 +863,7 @@ mod tests {
             production_variants: variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 0,
+            disaggregation_config: None,
         }
     }
 

@@ -7,6 +7,10 @@ use std::sync::Arc;
 
 use switchyard_proto::v1 as pb;
 
+use crate::disaggregation::{
+    DecodeRoutingStrategy, DisaggregationConfig, KvTransferProtocol, PrefillRoutingStrategy,
+    ThresholdBasis,
+};
 use crate::model::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
     InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints,
@@ -181,8 +185,122 @@ impl From<&EndpointConfig> for pb::EndpointConfig {
             production_variants: config.production_variants.iter().map(Into::into).collect(),
             health_check: Some((&config.health_check_config).into()),
             creation_time_ms: config.creation_time_ms,
+            disaggregation_config: config.disaggregation_config.as_ref().map(Into::into),
         }
     }
+}
+
+impl From<&DisaggregationConfig> for pb::DisaggregationConfig {
+    fn from(config: &DisaggregationConfig) -> Self {
+        pb::DisaggregationConfig {
+            prefill_variant_name: config.prefill_variant_name.to_string(),
+            decode_variant_name: config.decode_variant_name.to_string(),
+            route_threshold: config.route_threshold,
+            prefill_routing_strategy: match config.prefill_routing_strategy {
+                None => pb::PrefillRoutingStrategy::Unspecified,
+                Some(PrefillRoutingStrategy::RoundRobin) => pb::PrefillRoutingStrategy::RoundRobin,
+                Some(PrefillRoutingStrategy::PrefixAware) => {
+                    pb::PrefillRoutingStrategy::PrefixAware
+                }
+                Some(PrefillRoutingStrategy::KvAware) => pb::PrefillRoutingStrategy::KvAware,
+                Some(PrefillRoutingStrategy::Session) => pb::PrefillRoutingStrategy::Session,
+            } as i32,
+            decode_routing_strategy: match config.decode_routing_strategy {
+                None => pb::DecodeRoutingStrategy::Unspecified,
+                Some(DecodeRoutingStrategy::LeastOutstandingRequests) => {
+                    pb::DecodeRoutingStrategy::LeastOutstandingRequests
+                }
+                Some(DecodeRoutingStrategy::Random) => pb::DecodeRoutingStrategy::Random,
+                Some(DecodeRoutingStrategy::PrefixAware) => pb::DecodeRoutingStrategy::PrefixAware,
+            } as i32,
+            threshold_basis: match config.threshold_basis {
+                None => pb::ThresholdBasis::Unspecified,
+                Some(ThresholdBasis::PromptTokens) => pb::ThresholdBasis::PromptTokens,
+                Some(ThresholdBasis::UncachedTokens) => pb::ThresholdBasis::UncachedTokens,
+            } as i32,
+            kv_transfer_protocol: match config.kv_transfer_protocol {
+                None => pb::KvTransferProtocol::Unspecified,
+                Some(KvTransferProtocol::Nixl) => pb::KvTransferProtocol::Nixl,
+                Some(KvTransferProtocol::Lmcache) => pb::KvTransferProtocol::Lmcache,
+            } as i32,
+            tokenizer: config.tokenizer.clone(),
+            prefill_timeout_seconds: config.prefill_timeout_seconds,
+        }
+    }
+}
+
+/// An enum field: unspecified is absent; an unknown number is refused with the field named.
+fn wire_enum<W, T>(
+    field: &str,
+    value: i32,
+    convert: impl Fn(W) -> Option<T>,
+) -> Result<Option<T>, ValidationError>
+where
+    W: TryFrom<i32>,
+{
+    let known = W::try_from(value)
+        .map_err(|_| ValidationError::new(field, format!("{value} is not a known value")))?;
+    Ok(convert(known))
+}
+
+fn disaggregation_config(
+    config: pb::DisaggregationConfig,
+) -> Result<DisaggregationConfig, ValidationError> {
+    let field = |name: &str| format!("DisaggregationConfig.{name}");
+    Ok(DisaggregationConfig {
+        prefill_variant_name: variant_name(
+            &field("PrefillVariantName"),
+            &config.prefill_variant_name,
+        )?,
+        decode_variant_name: variant_name(
+            &field("DecodeVariantName"),
+            &config.decode_variant_name,
+        )?,
+        route_threshold: config.route_threshold,
+        prefill_routing_strategy: wire_enum(
+            &field("PrefillRoutingStrategy"),
+            config.prefill_routing_strategy,
+            |wire| match wire {
+                pb::PrefillRoutingStrategy::Unspecified => None,
+                pb::PrefillRoutingStrategy::RoundRobin => Some(PrefillRoutingStrategy::RoundRobin),
+                pb::PrefillRoutingStrategy::PrefixAware => {
+                    Some(PrefillRoutingStrategy::PrefixAware)
+                }
+                pb::PrefillRoutingStrategy::KvAware => Some(PrefillRoutingStrategy::KvAware),
+                pb::PrefillRoutingStrategy::Session => Some(PrefillRoutingStrategy::Session),
+            },
+        )?,
+        decode_routing_strategy: wire_enum(
+            &field("DecodeRoutingStrategy"),
+            config.decode_routing_strategy,
+            |wire| match wire {
+                pb::DecodeRoutingStrategy::Unspecified => None,
+                pb::DecodeRoutingStrategy::LeastOutstandingRequests => {
+                    Some(DecodeRoutingStrategy::LeastOutstandingRequests)
+                }
+                pb::DecodeRoutingStrategy::Random => Some(DecodeRoutingStrategy::Random),
+                pb::DecodeRoutingStrategy::PrefixAware => Some(DecodeRoutingStrategy::PrefixAware),
+            },
+        )?,
+        threshold_basis: wire_enum(&field("ThresholdBasis"), config.threshold_basis, |wire| {
+            match wire {
+                pb::ThresholdBasis::Unspecified => None,
+                pb::ThresholdBasis::PromptTokens => Some(ThresholdBasis::PromptTokens),
+                pb::ThresholdBasis::UncachedTokens => Some(ThresholdBasis::UncachedTokens),
+            }
+        })?,
+        kv_transfer_protocol: wire_enum(
+            &field("KvTransferProtocol"),
+            config.kv_transfer_protocol,
+            |wire| match wire {
+                pb::KvTransferProtocol::Unspecified => None,
+                pb::KvTransferProtocol::Nixl => Some(KvTransferProtocol::Nixl),
+                pb::KvTransferProtocol::Lmcache => Some(KvTransferProtocol::Lmcache),
+            },
+        )?,
+        tokenizer: config.tokenizer,
+        prefill_timeout_seconds: config.prefill_timeout_seconds,
+    })
 }
 
 impl TryFrom<pb::EndpointConfig> for EndpointConfig {
@@ -201,6 +319,10 @@ impl TryFrom<pb::EndpointConfig> for EndpointConfig {
             production_variants,
             health_check_config: config.health_check.map(Into::into).unwrap_or_default(),
             creation_time_ms: config.creation_time_ms,
+            disaggregation_config: config
+                .disaggregation_config
+                .map(disaggregation_config)
+                .transpose()?,
         })
     }
 }
@@ -340,7 +462,21 @@ impl From<&Instance> for pb::Instance {
                 .as_ref()
                 .and_then(|kv| kv.replay.clone())
                 .unwrap_or_default(),
+            decode_partner: instance
+                .decode_partner
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
         }
+    }
+}
+
+/// A decode partner id (empty: none).
+pub fn decode_partner(id: &str) -> Result<Option<InstanceId>, ValidationError> {
+    if id.is_empty() {
+        Ok(None)
+    } else {
+        instance_id("DecodePartner", id).map(Some)
     }
 }
 
@@ -382,6 +518,7 @@ impl TryFrom<pb::Instance> for Instance {
                 &instance.kv_events_endpoint,
                 &instance.kv_events_replay_endpoint,
             )?,
+            decode_partner: decode_partner(&instance.decode_partner)?,
         })
     }
 }
@@ -613,6 +750,7 @@ mod tests {
                 .variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 42,
+            disaggregation_config: None,
         };
         let wire = pb::EndpointConfig::from(&config);
         assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
@@ -631,6 +769,7 @@ mod tests {
                 .variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 1,
+            disaggregation_config: None,
         };
         let wire = pb::EndpointConfig::from(&config);
         assert_eq!(
@@ -709,6 +848,7 @@ mod tests {
                 .variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 0,
+            disaggregation_config: None,
         };
         let wire = pb::EndpointConfig::from(&config);
         let prefix = |index: usize| {

@@ -154,6 +154,63 @@ fn check_keys(value: &Value, path: &str, allowed: &[&str]) -> Result<(), Validat
     Ok(())
 }
 
+/// The fields of `--disaggregation-config` (Switchyard's extension; see
+/// [`crate::disaggregation`]).
+const DISAGGREGATION_FIELDS: &[&str] = &[
+    "PrefillVariantName",
+    "DecodeVariantName",
+    "RouteThreshold",
+    "PrefillRoutingStrategy",
+    "DecodeRoutingStrategy",
+    "ThresholdBasis",
+    "KvTransferProtocol",
+    "Tokenizer",
+    "PrefillTimeoutSeconds",
+];
+
+/// Parses `--disaggregation-config` (a JSON object). Only checks shape, naming the field;
+/// `EndpointConfig::validate` checks it against the variants.
+pub fn parse_disaggregation_config(
+    json: &str,
+) -> Result<crate::disaggregation::DisaggregationConfig, ValidationError> {
+    let value: Value = serde_json::from_str(json).map_err(|err| {
+        ValidationError::new("DisaggregationConfig", format!("is not valid JSON: {err}"))
+    })?;
+    parse_disaggregation_config_value(value)
+}
+
+/// [`parse_disaggregation_config`] of JSON already parsed (a static file's member).
+pub fn parse_disaggregation_config_value(
+    value: Value,
+) -> Result<crate::disaggregation::DisaggregationConfig, ValidationError> {
+    const PATH: &str = "DisaggregationConfig";
+    let Value::Object(object) = &value else {
+        return Err(ValidationError::new(PATH, "must be a JSON object"));
+    };
+    for key in object.keys() {
+        if !DISAGGREGATION_FIELDS.contains(&key.as_str()) {
+            return Err(unknown_field(PATH, key, DISAGGREGATION_FIELDS));
+        }
+    }
+    for key in ["PrefillVariantName", "DecodeVariantName"] {
+        if !object.contains_key(key) {
+            return Err(ValidationError::new(format!("{PATH}.{key}"), "is required"));
+        }
+    }
+    for (key, value) in object {
+        // Each field alone, so that a bad value is named by its field.
+        let mut single = Map::new();
+        single.insert("PrefillVariantName".into(), Value::String("p".into()));
+        single.insert("DecodeVariantName".into(), Value::String("d".into()));
+        single.insert(key.clone(), value.clone());
+        serde_json::from_value::<crate::disaggregation::DisaggregationConfig>(Value::Object(
+            single,
+        ))
+        .map_err(|err| ValidationError::new(format!("{PATH}.{key}"), err.to_string()))?;
+    }
+    serde_json::from_value(value).map_err(|err| ValidationError::new(PATH, err.to_string()))
+}
+
 fn unknown_field(path: &str, key: &str, allowed: &[&str]) -> ValidationError {
     ValidationError::new(
         format!("{path}.{key}"),
@@ -168,6 +225,44 @@ fn unknown_field(path: &str, key: &str, allowed: &[&str]) -> ValidationError {
 mod tests {
     use super::*;
     use crate::model::RoutingStrategy;
+
+    #[test]
+    fn reads_a_disaggregation_config_naming_bad_fields() {
+        let config = parse_disaggregation_config(
+            r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode","RouteThreshold":4096,"PrefillRoutingStrategy":"PREFIX_AWARE","KvTransferProtocol":"LMCACHE"}"#,
+        )
+        .unwrap();
+        assert_eq!(config.route_threshold(), 4096);
+        for (json, field) in [
+            (
+                r#"{"PrefillVariantName":"p","DecodeVariantName":"d","Treshold":1}"#,
+                "DisaggregationConfig.Treshold",
+            ),
+            (
+                r#"{"PrefillVariantName":"p"}"#,
+                "DisaggregationConfig.DecodeVariantName",
+            ),
+            (
+                r#"{"PrefillVariantName":"p","DecodeVariantName":"d","PrefillRoutingStrategy":"FASTEST"}"#,
+                "DisaggregationConfig.PrefillRoutingStrategy",
+            ),
+            (
+                r#"{"PrefillVariantName":"p","DecodeVariantName":"d","RouteThreshold":"many"}"#,
+                "DisaggregationConfig.RouteThreshold",
+            ),
+            (
+                r#"{"PrefillVariantName":"-bad-","DecodeVariantName":"d"}"#,
+                "DisaggregationConfig.PrefillVariantName",
+            ),
+            ("[]", "DisaggregationConfig"),
+        ] {
+            assert_eq!(
+                parse_disaggregation_config(json).unwrap_err().field,
+                field,
+                "{json}"
+            );
+        }
+    }
 
     #[test]
     fn parses_the_aws_cli_json() {

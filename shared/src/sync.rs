@@ -239,6 +239,7 @@ mod tests {
             registered_time_ms: 0,
             lease_id: 0,
             kv_events: None,
+            decode_partner: None,
         })
     }
 

@@ -924,6 +924,54 @@ pub async fn http_post(
     .await
 }
 
+/// Any method, with headers and a body (empty for none), reading the whole response (bounded
+/// like [`http_get`]).
+pub async fn http_request(
+    method: http::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<Reply> {
+    let mut request = http::Request::builder().method(method.clone()).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(body.into()))?;
+    bounded(format!("{method} {url}"), async {
+        let response = http_client().request(request).await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(Reply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    })
+    .await
+}
+
+/// The test venv's Python (`scripts/ensure-deps --for-tests` installs the `openai`, `boto3`,
+/// `msgspec` and `pyzmq` clients there): `$SWITCHYARD_TEST_PYTHON`, else
+/// `target/python/bin/python` of the workspace.
+pub fn test_python() -> PathBuf {
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
+        .unwrap_or_else(|_| "target/python/bin/python".into());
+    let python = if Path::new(&python).is_absolute() {
+        PathBuf::from(python)
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(python)
+    };
+    assert!(
+        python.is_file(),
+        "{} is missing: scripts/test installs the Python clients there",
+        python.display()
+    );
+    python
+}
+
 /// The longest one admin call may take before the test fails instead of hanging.
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -995,6 +1043,7 @@ pub fn config_request_with_health(
         production_variants: variants,
         health_check_config,
         creation_time_ms: 0,
+        disaggregation_config: None,
     };
     pb::CreateEndpointConfigRequest {
         endpoint_config: Some((&config).into()),

@@ -248,6 +248,7 @@ fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
         production_variants: variants,
         health_check_config: HealthCheckConfig::default(),
         creation_time_ms: 0,
+        disaggregation_config: None,
     };
     let instances: Vec<Instance> = sims
         .iter()
@@ -269,6 +270,7 @@ fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
                 publisher: sim.kv_events_endpoint().expect("events on"),
                 replay: sim.kv_events_replay_endpoint(),
             }),
+            decode_partner: None,
         })
         .collect();
     switchyard_router::table::build(

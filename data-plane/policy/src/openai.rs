@@ -1,15 +1,35 @@
 //! Reads what routing needs from an OpenAI-style request body, in one borrowed pass, without
 //! re-serialising it: the `model` (and where it sits, to splice in a new name), `stream`,
-//! `prompt_cache_key`, and the message text the prefix is taken from.
+//! `prompt_cache_key`, `previous_response_id` (Responses API), and the text the prefix is
+//! taken from.
 //!
 //! ## The prefix text rule
-//! - Chat (`messages`): for each message in order, its text followed by `"\n"`. A message's
-//!   text is its `content` when that is a string; when it is an array of parts, the `text` of
-//!   each `{"type":"text"}` part and the `url` of each `{"type":"image_url"}` part, concatenated
-//!   (other part types add nothing). The role is not part of the text.
-//! - Completions (`prompt`): a string as is; an array of strings joined with `"\n"`; an array
-//!   of token ids written in decimal, separated by single spaces.
-//! - The prefix is the first `PrefixLength` characters (Unicode scalar values) of that text.
+//! Each API takes its text from its own fields ([`TextRule`]); the prefix is the first
+//! `PrefixLength` characters (Unicode scalar values) of that text.
+//!
+//! - **Chat** (chat completions, completions, `/tokenize`): with `messages`, for each message
+//!   in order, its text followed by `"\n"`. A message's text is its `content` when that is a
+//!   string; when it is an array of parts, the `text` of each `text`, `input_text` or
+//!   `output_text` part and the `url` of each `image_url` part (the string `image_url` of an
+//!   `input_image` part), concatenated (other part types add nothing). The role is not part
+//!   of the text. Without `messages`, `prompt`: a string as is; an array of strings joined
+//!   with `"\n"`; an array of token ids written in decimal, separated by single spaces.
+//! - **Responses** (`/v1/responses`): `instructions` followed by `"\n"` (when present), then
+//!   `input` by the value rule below (an array of input items: each item's `content` as a
+//!   message's text above, items separated by `"\n"`).
+//! - **Input** (embeddings, `/pooling`, `/classify`): `input` by the value rule; without
+//!   `input`, `messages` as for Chat.
+//! - **Score** (`/score`, `/v1/score`): the first side (`queries`, `text_1` or `data_1`), `"\n"`,
+//!   then the second (`documents`, `items`, `text_2` or `data_2`), each by the value rule.
+//! - **Rerank** (`/rerank`, `/v1/rerank`, `/v2/rerank`): `query`, `"\n"`, then `documents`, each
+//!   by the value rule.
+//! - **Tokens** (`/detokenize`): `tokens` by the value rule (token ids in decimal).
+//!
+//! The value rule: a string as is; a number (a token id) in decimal; an object by its
+//! `content` (as a message's text), else its `text` string; an array by its elements in
+//! order, separated by `" "` when the array holds numbers and by `"\n"` otherwise (so an
+//! array of strings is its strings in order, joined with `"\n"`; an array of arrays of token
+//! ids is each array's ids, the arrays joined with `"\n"`).
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -36,6 +56,23 @@ where
     <&RawValue as Deserialize>::deserialize(deserializer).map(Some)
 }
 
+/// Which fields of a body its prefix text comes from (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextRule {
+    /// Chat completions, completions, `/tokenize`: `messages`, else `prompt`.
+    Chat,
+    /// The Responses API: `instructions`, then `input`.
+    Responses,
+    /// Embeddings, pooling, classification: `input`, else `messages`.
+    Input,
+    /// Score: the first side, then the second.
+    Score,
+    /// Rerank: `query`, then `documents`.
+    Rerank,
+    /// Detokenize: `tokens`.
+    Tokens,
+}
+
 #[derive(Deserialize)]
 struct Body<'a> {
     #[serde(borrow, default, deserialize_with = "present")]
@@ -48,6 +85,41 @@ struct Body<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    query: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    documents: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    queries: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    items: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text_1: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text_2: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    data_1: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    data_2: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tokens: Option<&'a RawValue>,
+}
+
+/// The fields other APIs than chat and completions take their text from.
+#[derive(Default)]
+struct OtherText<'a> {
+    instructions: Option<&'a RawValue>,
+    input: Option<&'a RawValue>,
+    query: Option<&'a RawValue>,
+    first_side: Option<&'a RawValue>,
+    second_side: Option<&'a RawValue>,
+    tokens: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -66,10 +138,33 @@ struct Part<'a> {
     image_url: Option<ImageUrl<'a>>,
 }
 
+/// `{"url": ...}` in chat parts; a plain string in the Responses API's `input_image` parts.
 #[derive(Deserialize)]
-struct ImageUrl<'a> {
+#[serde(untagged)]
+enum ImageUrl<'a> {
+    Url(#[serde(borrow)] Cow<'a, str>),
+    Object {
+        #[serde(borrow, default)]
+        url: Option<Cow<'a, str>>,
+    },
+}
+
+impl ImageUrl<'_> {
+    fn url(&self) -> Option<&str> {
+        match self {
+            ImageUrl::Url(url) => Some(url),
+            ImageUrl::Object { url } => url.as_deref(),
+        }
+    }
+}
+
+/// An object in a value: a message or input item (`content`), or a document (`text`).
+#[derive(Deserialize)]
+struct Item<'a> {
     #[serde(borrow, default)]
-    url: Option<Cow<'a, str>>,
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
 }
 
 /// An OpenAI request body, parsed just enough to route it.
@@ -81,8 +176,13 @@ pub struct OpenAiRequest<'a> {
     model_span: Option<Range<usize>>,
     pub stream: bool,
     pub prompt_cache_key: Option<Cow<'a, str>>,
+    /// The Responses API's `previous_response_id`, if the body has a string one.
+    pub previous_response_id: Option<Cow<'a, str>>,
+    /// Byte range of the `previous_response_id` value (including its quotes) in the body.
+    previous_response_id_span: Option<Range<usize>>,
     messages: Option<Vec<Message<'a>>>,
     prompt: Option<&'a RawValue>,
+    other: OtherText<'a>,
 }
 
 impl std::fmt::Debug for OpenAiRequest<'_> {
@@ -99,8 +199,32 @@ fn span_in(body: &[u8], raw: &RawValue) -> Range<usize> {
     start..start + raw.get().len()
 }
 
+/// A string field's value (`None` when absent or null) and where its value sits in the body
+/// (`None` when absent).
+type StringField<'a> = (Option<Cow<'a, str>>, Option<Range<usize>>);
+
+/// Reads a field that must be a string (or null).
+fn string_field<'a>(
+    body: &'a [u8],
+    raw: Option<&'a RawValue>,
+    field: &'static str,
+) -> Result<StringField<'a>, RequestError> {
+    match raw {
+        None => Ok((None, None)),
+        Some(raw) if raw.get() == "null" => Ok((None, Some(span_in(body, raw)))),
+        Some(raw) => {
+            let value: Cow<'a, str> =
+                serde_json::from_str(raw.get()).map_err(|_| RequestError::Field {
+                    field,
+                    message: "must be a string",
+                })?;
+            Ok((Some(value), Some(span_in(body, raw))))
+        }
+    }
+}
+
 impl<'a> OpenAiRequest<'a> {
-    /// Parses a chat or completions body. The whole body must be valid JSON (an object).
+    /// Parses an OpenAI-style body. The whole body must be valid JSON (an object).
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
         // serde would also read a struct from an array; OpenAI bodies are objects.
         if body.iter().find(|byte| !byte.is_ascii_whitespace()) != Some(&b'{') {
@@ -108,20 +232,11 @@ impl<'a> OpenAiRequest<'a> {
         }
         let parsed: Body<'a> =
             serde_json::from_slice(body).map_err(|err| RequestError::Json(err.to_string()))?;
-        let (model, model_span) = match parsed.model {
-            None => (None, None),
-            // A null model names nothing, but its place is kept: a new name replaces it
-            // rather than adding a second `model` key.
-            Some(raw) if raw.get() == "null" => (None, Some(span_in(body, raw))),
-            Some(raw) => {
-                let name: Cow<'a, str> =
-                    serde_json::from_str(raw.get()).map_err(|_| RequestError::Field {
-                        field: "model",
-                        message: "must be a string",
-                    })?;
-                (Some(name), Some(span_in(body, raw)))
-            }
-        };
+        // A null model names nothing, but its place is kept: a new name replaces it rather
+        // than adding a second `model` key.
+        let (model, model_span) = string_field(body, parsed.model, "model")?;
+        let (previous_response_id, previous_response_id_span) =
+            string_field(body, parsed.previous_response_id, "previous_response_id")?;
         let stream = match parsed.stream {
             None | Some(serde_json::Value::Null) => false,
             Some(serde_json::Value::Bool(stream)) => stream,
@@ -138,59 +253,193 @@ impl<'a> OpenAiRequest<'a> {
             model_span,
             stream,
             prompt_cache_key: parsed.prompt_cache_key,
+            previous_response_id,
+            previous_response_id_span,
             messages: parsed.messages,
             prompt: parsed.prompt,
+            other: OtherText {
+                instructions: parsed.instructions,
+                input: parsed.input,
+                query: parsed.query,
+                first_side: parsed.queries.or(parsed.text_1).or(parsed.data_1),
+                second_side: parsed
+                    .documents
+                    .or(parsed.items)
+                    .or(parsed.text_2)
+                    .or(parsed.data_2),
+                tokens: parsed.tokens,
+            },
         })
     }
 
-    /// The first `max_chars` characters of the prefix text (see the module docs).
+    /// The first `max_chars` characters of the prefix text of a chat or completions body
+    /// ([`TextRule::Chat`]).
     pub fn prefix_text(&self, max_chars: usize) -> String {
+        self.prefix_text_for(TextRule::Chat, max_chars)
+    }
+
+    /// The first `max_chars` characters of the prefix text under `rule` (see the module docs).
+    pub fn prefix_text_for(&self, rule: TextRule, max_chars: usize) -> String {
         let mut out = PrefixBuilder::new(max_chars);
+        let other = &self.other;
+        match rule {
+            TextRule::Chat => self.chat_text(&mut out),
+            TextRule::Responses => {
+                if let Some(instructions) = other.instructions.filter(|raw| raw.get() != "null") {
+                    value_text(instructions, &mut out);
+                    out.push("\n");
+                }
+                if let Some(input) = other.input {
+                    value_text(input, &mut out);
+                }
+            }
+            TextRule::Input => match other.input {
+                Some(input) => value_text(input, &mut out),
+                None => self.chat_text(&mut out),
+            },
+            TextRule::Score => two_sides(other.first_side, other.second_side, &mut out),
+            TextRule::Rerank => two_sides(other.query, other.second_side, &mut out),
+            TextRule::Tokens => {
+                if let Some(tokens) = other.tokens {
+                    value_text(tokens, &mut out);
+                }
+            }
+        }
+        out.text
+    }
+
+    /// `messages`, else `prompt`.
+    fn chat_text(&self, out: &mut PrefixBuilder) {
         if let Some(messages) = &self.messages {
             for message in messages {
                 if out.full() {
                     break;
                 }
                 if let Some(content) = message.content {
-                    content_text(content, &mut out);
+                    content_text(content, out);
                 }
                 out.push("\n");
             }
         } else if let Some(prompt) = self.prompt {
-            prompt_text(prompt, &mut out);
+            prompt_text(prompt, out);
         }
-        out.text
+    }
+
+    /// How many messages a chat request has (0 for completions).
+    pub fn message_count(&self) -> usize {
+        self.messages.as_ref().map_or(0, Vec::len)
+    }
+
+    /// A completions `prompt` given as token ids (an array of integers): how many.
+    pub fn prompt_token_ids(&self) -> Option<usize> {
+        let raw = self.prompt?.get();
+        if !raw.starts_with('[') {
+            return None;
+        }
+        serde_json::from_str::<Vec<u64>>(raw)
+            .ok()
+            .map(|ids| ids.len())
     }
 
     /// The body with `model` set to `name` (added when absent); everything else byte for byte.
     pub fn with_model(&self, name: &str) -> Vec<u8> {
-        let quoted = serde_json::to_string(name).unwrap_or_else(|_| "\"\"".into());
-        match &self.model_span {
-            Some(span) => {
-                let mut out = Vec::with_capacity(self.body.len() + quoted.len());
-                out.extend_from_slice(&self.body[..span.start]);
-                out.extend_from_slice(quoted.as_bytes());
-                out.extend_from_slice(&self.body[span.end..]);
-                out
-            }
-            None => {
-                // Insert right after the opening brace.
-                let brace = self.body.iter().position(|byte| *byte == b'{').unwrap_or(0);
-                let rest = &self.body[brace + 1..];
-                let empty = rest
-                    .iter()
-                    .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
-                let mut out = Vec::with_capacity(self.body.len() + quoted.len() + 10);
-                out.extend_from_slice(&self.body[..=brace]);
-                out.extend_from_slice(b"\"model\":");
-                out.extend_from_slice(quoted.as_bytes());
-                if !empty {
-                    out.push(b',');
+        self.rewrite(Some(name), None)
+    }
+
+    /// The body with `model` set to `model` (added when absent) and the value of
+    /// `previous_response_id` (when present) replaced by `previous_response_id`; everything
+    /// else byte for byte.
+    pub fn rewrite(&self, model: Option<&str>, previous_response_id: Option<&str>) -> Vec<u8> {
+        let quote = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
+        // (where, replacement), in body order: spans never overlap.
+        let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::with_capacity(2);
+        if let Some(name) = model {
+            match &self.model_span {
+                Some(span) => edits.push((span.clone(), quote(name).into_bytes())),
+                None => {
+                    // Insert right after the opening brace.
+                    let brace = self.body.iter().position(|byte| *byte == b'{').unwrap_or(0);
+                    let empty = self.body[brace + 1..]
+                        .iter()
+                        .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
+                    let mut inserted = b"\"model\":".to_vec();
+                    inserted.extend_from_slice(quote(name).as_bytes());
+                    if !empty {
+                        inserted.push(b',');
+                    }
+                    edits.push((brace + 1..brace + 1, inserted));
                 }
-                out.extend_from_slice(rest);
-                out
             }
         }
+        if let (Some(id), Some(span)) = (previous_response_id, &self.previous_response_id_span) {
+            edits.push((span.clone(), quote(id).into_bytes()));
+        }
+        edits.sort_by_key(|(span, _)| span.start);
+        let added: usize = edits.iter().map(|(_, bytes)| bytes.len()).sum();
+        let mut out = Vec::with_capacity(self.body.len() + added);
+        let mut at = 0;
+        for (span, replacement) in edits {
+            out.extend_from_slice(&self.body[at..span.start]);
+            out.extend_from_slice(&replacement);
+            at = span.end;
+        }
+        out.extend_from_slice(&self.body[at..]);
+        out
+    }
+}
+
+/// `first`, `"\n"`, then `second` (each when present) by the value rule.
+fn two_sides(first: Option<&RawValue>, second: Option<&RawValue>, out: &mut PrefixBuilder) {
+    if let Some(first) = first {
+        value_text(first, out);
+        out.push("\n");
+    }
+    if let Some(second) = second {
+        value_text(second, out);
+    }
+}
+
+/// The value rule (module docs): strings as they are, numbers in decimal, objects by their
+/// `content` or `text`, arrays element by element.
+fn value_text(value: &RawValue, out: &mut PrefixBuilder) {
+    if out.full() {
+        return;
+    }
+    let raw = value.get();
+    match raw.as_bytes().first() {
+        Some(b'"') => {
+            if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
+                out.push(&text);
+            }
+        }
+        Some(b'-' | b'0'..=b'9') => out.push(raw),
+        Some(b'{') => {
+            if let Ok(item) = serde_json::from_str::<Item<'_>>(raw) {
+                match (item.content, &item.text) {
+                    (Some(content), _) => content_text(content, out),
+                    (None, Some(text)) => out.push(text),
+                    (None, None) => {}
+                }
+            }
+        }
+        Some(b'[') => {
+            if let Ok(elements) = serde_json::from_str::<Vec<&RawValue>>(raw) {
+                let numbers = elements.first().is_some_and(|first| {
+                    matches!(first.get().as_bytes().first(), Some(b'-' | b'0'..=b'9'))
+                });
+                let separator = if numbers { " " } else { "\n" };
+                for (index, element) in elements.iter().enumerate() {
+                    if out.full() {
+                        break;
+                    }
+                    if index > 0 {
+                        out.push(separator);
+                    }
+                    value_text(element, out);
+                }
+            }
+        }
+        _ => {}
     }
 }
 
@@ -243,14 +492,13 @@ fn content_text(content: &RawValue, out: &mut PrefixBuilder) {
             if let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(raw) {
                 for part in parts {
                     match part.kind.as_deref() {
-                        Some("text") => {
+                        Some("text" | "input_text" | "output_text") => {
                             if let Some(text) = &part.text {
                                 out.push(text);
                             }
                         }
-                        Some("image_url") => {
-                            if let Some(url) = part.image_url.as_ref().and_then(|i| i.url.as_ref())
-                            {
+                        Some("image_url" | "input_image") => {
+                            if let Some(url) = part.image_url.as_ref().and_then(ImageUrl::url) {
                                 out.push(url);
                             }
                         }
@@ -379,6 +627,19 @@ mod tests {
     }
 
     #[test]
+    fn counts_messages_and_prompt_token_ids() {
+        let chat =
+            OpenAiRequest::parse(br#"{"messages":[{"content":"a"},{"content":"b"}]}"#).unwrap();
+        assert_eq!(chat.message_count(), 2);
+        assert_eq!(chat.prompt_token_ids(), None);
+        let ids = OpenAiRequest::parse(br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(ids.prompt_token_ids(), Some(3));
+        assert_eq!(ids.message_count(), 0);
+        let text = OpenAiRequest::parse(br#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(text.prompt_token_ids(), None);
+    }
+
+    #[test]
     fn a_null_model_is_replaced_not_duplicated() {
         let body = br#"{"model": null, "prompt": "p"}"#;
         let request = OpenAiRequest::parse(body).unwrap();
@@ -421,6 +682,137 @@ mod tests {
         assert_eq!(
             String::from_utf8(request.with_model("m")).unwrap(),
             r#" {"model":"m" } "#
+        );
+    }
+
+    fn text(rule: TextRule, body: &str, max: usize) -> String {
+        OpenAiRequest::parse(body.as_bytes())
+            .unwrap()
+            .prefix_text_for(rule, max)
+    }
+
+    #[test]
+    fn responses_text_is_instructions_then_input() {
+        let body = r#"{"model":"m","instructions":"Be brief.","input":"Hello"}"#;
+        assert_eq!(text(TextRule::Responses, body, 100), "Be brief.\nHello");
+        assert_eq!(
+            text(
+                TextRule::Responses,
+                r#"{"input":"Hello","instructions":null}"#,
+                100
+            ),
+            "Hello"
+        );
+        let items = r#"{"input":[
+            {"role":"user","content":"first"},
+            {"type":"message","role":"user","content":[{"type":"input_text","text":"second "},{"type":"input_image","image_url":"http://x/i.png"}]},
+            {"type":"function_call_output","call_id":"c","output":"42"}]}"#;
+        assert_eq!(
+            text(TextRule::Responses, items, 100),
+            "first\nsecond http://x/i.png\n"
+        );
+        // The chat rule ignores `input`; the responses rule ignores `messages`.
+        assert_eq!(text(TextRule::Chat, body, 100), "");
+    }
+
+    #[test]
+    fn input_text_takes_strings_in_order_and_token_ids_in_decimal() {
+        assert_eq!(text(TextRule::Input, r#"{"input":"abc"}"#, 100), "abc");
+        assert_eq!(
+            text(TextRule::Input, r#"{"input":["a","b","c"]}"#, 100),
+            "a\nb\nc"
+        );
+        assert_eq!(
+            text(TextRule::Input, r#"{"input":[1,22,333]}"#, 100),
+            "1 22 333"
+        );
+        assert_eq!(
+            text(TextRule::Input, r#"{"input":[[1,2],[3]]}"#, 100),
+            "1 2\n3"
+        );
+        // vLLM's chat-style embeddings: `messages` when there is no `input`.
+        assert_eq!(
+            text(
+                TextRule::Input,
+                r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+                100
+            ),
+            "hi\n"
+        );
+        assert_eq!(
+            text(TextRule::Input, r#"{"input":["abc","def"]}"#, 5),
+            "abc\nd"
+        );
+    }
+
+    #[test]
+    fn score_rerank_and_tokens_text() {
+        assert_eq!(
+            text(
+                TextRule::Rerank,
+                r#"{"query":"q","documents":["d1",{"text":"d2"}],"top_n":1}"#,
+                100
+            ),
+            "q\nd1\nd2"
+        );
+        assert_eq!(
+            text(TextRule::Score, r#"{"text_1":"a","text_2":["b","c"]}"#, 100),
+            "a\nb\nc"
+        );
+        assert_eq!(
+            text(
+                TextRule::Score,
+                r#"{"queries":["a"],"documents":["b"]}"#,
+                100
+            ),
+            "a\nb"
+        );
+        assert_eq!(
+            text(
+                TextRule::Score,
+                r#"{"data_1":"a","data_2":{"content":[{"type":"text","text":"b"}]}}"#,
+                100
+            ),
+            "a\nb"
+        );
+        assert_eq!(text(TextRule::Tokens, r#"{"tokens":[7,8]}"#, 100), "7 8");
+        assert_eq!(
+            text(TextRule::Chat, r#"{"prompt":"tokenize me"}"#, 100),
+            "tokenize me"
+        );
+    }
+
+    #[test]
+    fn previous_response_id_is_read_and_spliced_with_the_model() {
+        let body = br#"{"model": "chat", "input": "next", "previous_response_id": "resp_X"}"#;
+        let request = OpenAiRequest::parse(body).unwrap();
+        assert_eq!(request.previous_response_id.as_deref(), Some("resp_X"));
+        assert_eq!(
+            String::from_utf8(request.rewrite(Some("sim"), Some("resp_engine"))).unwrap(),
+            r#"{"model": "sim", "input": "next", "previous_response_id": "resp_engine"}"#
+        );
+        assert_eq!(
+            String::from_utf8(request.rewrite(None, Some("r"))).unwrap(),
+            r#"{"model": "chat", "input": "next", "previous_response_id": "r"}"#
+        );
+        // The order of the two fields does not matter, nor does a missing model.
+        let request = OpenAiRequest::parse(br#"{"previous_response_id":"a","input":"x"}"#).unwrap();
+        assert_eq!(
+            String::from_utf8(request.rewrite(Some("m"), Some("b"))).unwrap(),
+            r#"{"model":"m","previous_response_id":"b","input":"x"}"#
+        );
+        assert_eq!(
+            OpenAiRequest::parse(br#"{"previous_response_id":null}"#)
+                .unwrap()
+                .previous_response_id,
+            None
+        );
+        assert_eq!(
+            OpenAiRequest::parse(br#"{"previous_response_id":7}"#).unwrap_err(),
+            RequestError::Field {
+                field: "previous_response_id",
+                message: "must be a string"
+            }
         );
     }
 }

@@ -96,16 +96,19 @@ pub enum Route {
     Session,
     /// KV_AWARE: the instance holds the start of the prompt in its KV cache.
     Kv,
+    /// A stored response's follow-up, retrieval or deletion: the instance that holds it.
+    Response,
 }
 
 impl Route {
-    pub const ALL: [Route; 6] = [
+    pub const ALL: [Route; 7] = [
         Route::Prefix,
         Route::Overflow,
         Route::Random,
         Route::LeastOutstanding,
         Route::Session,
         Route::Kv,
+        Route::Response,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -116,11 +119,14 @@ impl Route {
             Route::LeastOutstanding => "least-outstanding",
             Route::Session => "session",
             Route::Kv => "kv",
+            Route::Response => "response",
         }
     }
 }
 
-/// The outcome: instance indices in preference order (every instance appears once).
+/// The outcome: instance indices in preference order (every instance appears once, except
+/// under [`affinity`], where the one instance that holds the request's state is the only
+/// candidate).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Ranking {
     pub order: Vec<usize>,
@@ -253,6 +259,17 @@ pub fn session(instances: &[InstanceView], session_key: u64) -> Ranking {
     Ranking {
         order,
         route: (!instances.is_empty()).then_some(Route::Session),
+    }
+}
+
+/// Response affinity: a request about a stored response (a Responses API follow-up, a
+/// retrieval, a deletion) can only be served by the instance `holder` that stores it, so it is
+/// the only candidate, whatever its load (the ConcurrencyThreshold does not apply) or its
+/// local ejection: another instance would answer "not found".
+pub fn affinity(holder: usize) -> Ranking {
+    Ranking {
+        order: vec![holder],
+        route: Some(Route::Response),
     }
 }
 
@@ -500,7 +517,8 @@ mod tests {
                 "random",
                 "least-outstanding",
                 "session",
-                "kv"
+                "kv",
+                "response"
             ]
         );
     }

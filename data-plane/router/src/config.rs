@@ -112,11 +112,19 @@ pub struct RouterConfig {
     /// Seconds to finish in-flight requests (streams included) after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_seconds: u64,
+    /// Directory of Hugging Face tokenizers for disaggregated endpoints whose config names
+    /// one (`Tokenizer: NAME` → `DIR/NAME/tokenizer.json` or `DIR/NAME.json`). Without it,
+    /// or when a file is missing, prompts are counted with cl100k_base (logged, and counted
+    /// in switchyard_router_tokenizer_fallbacks_total).
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
     /// Threads serving HTTP. Each runs its own single-threaded runtime and upstream
     /// connection pool, so a request never moves between threads (cross-thread wake-ups
     /// cost more than the routing decision). Default: one per CPU.
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+    #[command(flatten)]
+    pub kv: crate::kv::KvArgs,
 }
 
 /// Parses a byte count: digits with an optional `KiB`, `MiB` or `GiB` suffix.
@@ -172,7 +180,9 @@ impl RouterConfig {
             max_buffered_bytes: 512 << 20,
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
+            tokenizer_dir: None,
             worker_threads: Some(1),
+            kv: crate::kv::KvArgs::default(),
         }
     }
 
@@ -239,6 +249,14 @@ impl RouterConfig {
             self.max_buffered_bytes,
             crate::body::MAX_BODY_BYTES as u64..=u64::MAX,
         )?;
+        if let Some(dir) = &self.tokenizer_dir
+            && !dir.is_dir()
+        {
+            return Err(format!(
+                "--tokenizer-dir {}: not a directory",
+                dir.display()
+            ));
+        }
         let tls_ca = match &self.tls_ca {
             Some(path) => Some(
                 std::fs::read(path).map_err(|err| format!("--tls-ca {}: {err}", path.display()))?,
@@ -256,6 +274,7 @@ impl RouterConfig {
             .router_id
             .clone()
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        let (kv, kv_tokenize_timeout) = self.kv.validate()?;
         let seconds = Duration::from_secs;
         Ok(Settings {
             config: self.clone(),
@@ -279,6 +298,8 @@ impl RouterConfig {
                 max_in_flight: self.max_in_flight,
                 max_buffered_bytes: self.max_buffered_bytes,
             },
+            kv,
+            kv_tokenize_timeout,
         })
     }
 
@@ -349,6 +370,10 @@ pub struct Settings {
     pub worker_threads: usize,
     pub deadlines: Deadlines,
     pub limits: Limits,
+    /// KV_AWARE: the index's bounds and the subscribers' probes.
+    pub kv: crate::kv::KvSettings,
+    /// KV_AWARE: the deadline of a request's `/tokenize` round trip.
+    pub kv_tokenize_timeout: Duration,
 }
 
 #[cfg(test)]
@@ -396,8 +421,16 @@ mod tests {
         let mut bad = config();
         bad.max_buffered_bytes = 1 << 20;
         assert!(bad.validate().unwrap_err().contains("--max-buffered-bytes"));
+        let mut bad = config();
+        bad.kv.kv_tokenize_timeout_ms = 0;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .contains("--kv-tokenize-timeout-ms")
+        );
         let settings = config().validate().unwrap();
         assert_eq!(settings.deadlines.stream_idle, Duration::from_secs(120));
+        assert_eq!(settings.kv_tokenize_timeout, Duration::from_millis(250));
         assert_eq!(settings.limits.max_buffered_bytes, 512 << 20);
     }
 

@@ -44,10 +44,13 @@ pub enum ErrorKind {
     /// The client stopped reading its answer for `--stream-idle-timeout-seconds`; its
     /// connection was closed.
     ClientStalled,
+    /// A request about a stored response (Responses API) whose instance is not routable now,
+    /// or whose id no Switchyard router issued (404 `response_not_found`).
+    ResponseNotFound,
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::BadRequest,
         ErrorKind::UnknownEndpoint,
         ErrorKind::TooLarge,
@@ -61,6 +64,7 @@ impl ErrorKind {
         ErrorKind::StreamIdleTimeout,
         ErrorKind::ClientGone,
         ErrorKind::ClientStalled,
+        ErrorKind::ResponseNotFound,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +82,7 @@ impl ErrorKind {
             ErrorKind::StreamIdleTimeout => "stream_idle_timeout",
             ErrorKind::ClientGone => "client_gone",
             ErrorKind::ClientStalled => "client_stalled",
+            ErrorKind::ResponseNotFound => "response_not_found",
         }
     }
 
@@ -141,6 +146,47 @@ impl ApiError {
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 ErrorKind::UnknownEndpoint,
+                message.into(),
+            )
+        }
+    }
+
+    /// A path the router does not serve (OpenAI answers `Invalid URL (METHOD /path)`).
+    pub fn unknown_path(method: &http::Method, path: &str) -> Self {
+        Self {
+            openai_code: "unknown_url",
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                ErrorKind::UnknownEndpoint,
+                format!(
+                    "Invalid URL ({method} {path}): no such path on this router (see the \
+                     Switchyard README for the paths it serves)"
+                ),
+            )
+        }
+    }
+
+    /// A path the router serves, with a method it does not serve there (405).
+    pub fn method_not_allowed(method: &http::Method, path: &str) -> Self {
+        Self {
+            openai_code: "method_not_allowed",
+            ..Self::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                ErrorKind::BadRequest,
+                format!("Method not allowed: {path} does not take {method}"),
+            )
+        }
+    }
+
+    /// A stored response the router cannot reach: its instance is gone, or its id was not
+    /// issued by a Switchyard router (404, OpenAI's `response_not_found`).
+    pub fn response_not_found(message: impl Into<String>, param: &'static str) -> Self {
+        Self {
+            openai_code: "response_not_found",
+            param: Some(param),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                ErrorKind::ResponseNotFound,
                 message.into(),
             )
         }

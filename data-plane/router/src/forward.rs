@@ -26,7 +26,6 @@ use http_body::Frame;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use switchyard_policy::rank::Route;
 use switchyard_shared::InstanceProtocol;
 use tokio::time::{Instant, Sleep};
 
@@ -44,6 +43,9 @@ pub const INVOKED_VARIANT: HeaderName =
     HeaderName::from_static("x-amzn-invoked-production-variant");
 pub const SWITCHYARD_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-instance");
 pub const SWITCHYARD_ROUTE: HeaderName = HeaderName::from_static("x-switchyard-route");
+/// KV_AWARE: leading prompt tokens the KV index says the serving instance holds.
+pub const SWITCHYARD_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-cached-tokens");
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// How requests are forwarded (from the router's flags).
@@ -60,6 +62,17 @@ pub struct ForwardSettings {
     pub upstream_header: Duration,
     /// Longest gap between two frames of an answer.
     pub stream_idle: Duration,
+}
+
+/// Who answered, and what the client is told about it.
+struct Answer<'a> {
+    variant: &'a VariantRoute,
+    instance: &'a InstanceRoute,
+    label: RouteLabel,
+    explain: &'a [(HeaderName, HeaderValue)],
+    time_first_frame: bool,
+    /// KV_AWARE: the leading prompt tokens the index says the instance holds.
+    cached_tokens: Option<u32>,
 }
 
 /// One serving thread's upstream connection pools: HTTP/1.1 keep-alive and h2c, and the one
@@ -91,7 +104,7 @@ pub struct Forwarder<'a> {
 
 /// How one attempt failed.
 #[derive(Debug)]
-enum Failure {
+pub(crate) enum Failure {
     /// The request never reached an engine: safe to send elsewhere.
     NotSent(String),
     /// The connection failed after the request was (perhaps) written.
@@ -135,7 +148,7 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
 
 /// Decrements the instance's in-flight count exactly once, when dropped.
 #[derive(Debug)]
-struct InFlight(Arc<InstanceCell>);
+pub(crate) struct InFlight(Arc<InstanceCell>);
 
 impl InFlight {
     fn start(cell: &Arc<InstanceCell>) -> Self {
@@ -150,31 +163,129 @@ impl Drop for InFlight {
     }
 }
 
+/// One hop of a request: where it may go, in order, what to send, and how to label it.
+#[derive(Debug)]
+pub struct Hop {
+    pub endpoint: Arc<EndpointRoute>,
+    pub variant_index: usize,
+    pub ranking: switchyard_policy::rank::Ranking,
+    pub body: Bytes,
+    /// The first candidate's `x-switchyard-route`.
+    pub label: RouteLabel,
+    /// Headers for the client that explain the decision.
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Time the answer's first frame (a disaggregated decode's TTFT).
+    pub time_first_frame: bool,
+    /// The path on the instance, for operations without a prepared URL.
+    pub path: Option<String>,
+    /// KV_AWARE: the leading prompt tokens each instance holds, by position in the variant.
+    pub cached_tokens: Vec<u32>,
+}
+
+impl From<Plan> for Hop {
+    fn from(plan: Plan) -> Self {
+        Hop {
+            endpoint: plan.endpoint,
+            variant_index: plan.variant_index,
+            ranking: plan.ranking,
+            body: plan.body,
+            label: plan.label,
+            explain: plan.explain,
+            time_first_frame: false,
+            path: plan.path,
+            cached_tokens: plan.cached_tokens,
+        }
+    }
+}
+
 impl Forwarder<'_> {
-    /// Tries the plan's candidates in order until one answers, under the retry rule.
+    /// Forwards a plan: straight to its candidates, or prefill → decode when the plan says so.
     pub async fn forward(
         &self,
         operation: Operation,
-        plan: Plan,
+        mut plan: Plan,
         mut client_headers: HeaderMap,
         permit: RequestPermit,
         reservation: BufferReservation,
     ) -> Result<Response, ApiError> {
-        let Plan {
+        ensure_request_id(&mut client_headers);
+        match plan.disaggregated.take() {
+            Some(disaggregated) => {
+                self.disaggregate(
+                    operation,
+                    plan,
+                    disaggregated,
+                    client_headers,
+                    permit,
+                    reservation,
+                )
+                .await
+            }
+            None => {
+                if plan.endpoint.disaggregation.is_some() {
+                    self.metrics.count_disaggregation(plan.label);
+                }
+                self.send(operation, plan.into(), &client_headers, permit, reservation)
+                    .await
+            }
+        }
+    }
+
+    /// One attempt at one instance, within the response-head deadline `deadline`: its
+    /// response head (with the instance's in-flight count held), or how it failed.
+    pub(crate) async fn attempt(
+        &self,
+        instance: &InstanceRoute,
+        method: http::Method,
+        uri: http::Uri,
+        client_headers: &HeaderMap,
+        body: Bytes,
+        deadline: Duration,
+    ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
+        let in_flight = InFlight::start(&instance.cell);
+        let request = upstream_request(method, uri, client_headers, body);
+        let sent = Instant::now();
+        let client = self.clients.for_instance(instance.protocol);
+        match tokio::time::timeout(deadline, client.request(request)).await {
+            Ok(Ok(response)) => {
+                self.metrics
+                    .upstream_header_seconds
+                    .observe(sent.elapsed().as_secs_f64());
+                instance.cell.failures.store(0, Ordering::Relaxed);
+                Ok((response, in_flight))
+            }
+            Ok(Err(err)) => Err(classify(&err)),
+            Err(_elapsed) => Err(Failure::TimedOut),
+        }
+    }
+
+    /// Tries a hop's candidates in order until one answers, under the retry rule.
+    pub(crate) async fn send(
+        &self,
+        operation: Operation,
+        hop: Hop,
+        client_headers: &HeaderMap,
+        permit: RequestPermit,
+        reservation: BufferReservation,
+    ) -> Result<Response, ApiError> {
+        let Hop {
             endpoint,
             variant_index,
             ranking,
             body,
-        } = plan;
+            mut label,
+            explain,
+            time_first_frame,
+            path,
+            cached_tokens,
+        } = hop;
         let variant = &endpoint.variants[variant_index];
-        ensure_request_id(&mut client_headers);
         // The body and its reservation are held until a response head arrives (a retry may
         // need them), then released at once: a non-streaming answer can take minutes.
         let mut held = Some((body, reservation));
         // True once an attempt may have reached an engine: the final answer then says so,
         // not that nothing was sent.
         let mut maybe_delivered = false;
-        let mut label = RouteLabel::from(ranking.route.unwrap_or(Route::Random));
         let mut retry_after_send = self.settings.retry_after_send;
         // What to tell the client if no attempt succeeds: nothing was sent anywhere, or the
         // last attempt may have reached an engine.
@@ -186,32 +297,47 @@ impl Forwarder<'_> {
             let Some((body, _)) = &held else {
                 break;
             };
+            let Some(uri) = upstream_uri(operation, path.as_deref(), instance) else {
+                continue;
+            };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
-            let in_flight = InFlight::start(&instance.cell);
-            let request =
-                upstream_request(operation.upstream(instance), &client_headers, body.clone());
-            let sent = Instant::now();
-            let client = self.clients.for_instance(instance.protocol);
-            let failure =
-                match tokio::time::timeout(self.settings.upstream_header, client.request(request))
-                    .await
-                {
-                    Ok(Ok(response)) => {
-                        self.metrics
-                            .upstream_header_seconds
-                            .observe(sent.elapsed().as_secs_f64());
-                        instance.cell.failures.store(0, Ordering::Relaxed);
-                        drop(held.take());
-                        return self
-                            .respond(
-                                operation, response, in_flight, permit, variant, instance, label,
-                            )
-                            .await;
+            let attempt = self
+                .attempt(
+                    instance,
+                    operation.method(),
+                    uri,
+                    client_headers,
+                    body.clone(),
+                    self.settings.upstream_header,
+                )
+                .await;
+            let failure = match attempt {
+                Ok((response, in_flight)) => {
+                    drop(held.take());
+                    let answer = Answer {
+                        variant,
+                        instance,
+                        label,
+                        explain: &explain,
+                        time_first_frame,
+                        cached_tokens: cached_tokens.get(index).copied(),
+                    };
+                    let response = self
+                        .respond(operation, response, in_flight, permit, answer)
+                        .await?;
+                    // Responses API: the ids in the answer name this instance.
+                    if operation.answers_with_response_ids() && response.status().is_success() {
+                        let issuer = crate::response_ids::Issuer {
+                            endpoint: endpoint.name.to_string(),
+                            variant: variant.name.to_string(),
+                            instance: instance.id.to_string(),
+                        };
+                        return Ok(crate::response_ids::adapt(response, issuer));
                     }
-                    Ok(Err(err)) => classify(&err),
-                    Err(_elapsed) => Failure::TimedOut,
-                };
-            drop(in_flight);
+                    return Ok(response);
+                }
+                Err(failure) => failure,
+            };
             match failure {
                 Failure::NotSent(error) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
@@ -277,25 +403,44 @@ impl Forwarder<'_> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn respond(
         &self,
         operation: Operation,
         response: http::Response<hyper::body::Incoming>,
         in_flight: InFlight,
         permit: RequestPermit,
-        variant: &VariantRoute,
-        instance: &InstanceRoute,
-        label: RouteLabel,
+        answer: Answer<'_>,
     ) -> Result<Response, ApiError> {
+        let Answer {
+            variant,
+            instance,
+            label,
+            explain,
+            time_first_frame,
+            cached_tokens,
+        } = answer;
         let (mut parts, incoming) = response.into_parts();
         if operation.api() == Api::Native && !parts.status.is_success() {
-            return Ok(self
-                .model_error(parts, incoming, in_flight, variant, instance, label)
-                .await);
+            let mut response = self.model_error(parts, incoming, in_flight).await;
+            add_routing_headers(
+                response.headers_mut(),
+                variant,
+                instance,
+                label,
+                explain,
+                cached_tokens,
+            );
+            return Ok(response);
         }
         strip_hop_by_hop(&mut parts.headers);
-        add_routing_headers(&mut parts.headers, variant, instance, label);
+        add_routing_headers(
+            &mut parts.headers,
+            variant,
+            instance,
+            label,
+            explain,
+            cached_tokens,
+        );
         // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
         // a stall there ends with its own exception event, not an OpenAI error event.
         let sagemaker_stream = operation == Operation::InvocationsStream;
@@ -312,6 +457,7 @@ impl Forwarder<'_> {
             timer: None,
             stall,
             metrics: Arc::clone(self.metrics),
+            first_frame_since: time_first_frame.then(Instant::now),
         };
         let body = if sagemaker_stream {
             crate::eventstream::set_headers(&mut parts.headers);
@@ -324,14 +470,12 @@ impl Forwarder<'_> {
 
     /// SageMaker reports a container's error status as 424 ModelError, with the original
     /// status, its message, and its `Retry-After` if it sent one.
+    #[allow(clippy::too_many_arguments)]
     async fn model_error(
         &self,
         parts: http::response::Parts,
         incoming: hyper::body::Incoming,
         in_flight: InFlight,
-        variant: &VariantRoute,
-        instance: &InstanceRoute,
-        label: RouteLabel,
     ) -> Response {
         // The container's message, its first 64 KiB at most, read within the idle deadline.
         const MOST: usize = 64 * 1024;
@@ -373,10 +517,25 @@ impl Forwarder<'_> {
             .cloned()
             .map(Box::new);
         self.metrics.error(ErrorKind::ModelError);
-        let mut response = error.into_response_for(Api::Native);
-        add_routing_headers(response.headers_mut(), variant, instance, label);
-        response
+        error.into_response_for(Api::Native)
     }
+}
+
+/// The request's URL on `instance` (`path`: the plan's, for operations without a prepared
+/// URL); `None`, logged, if the instance's URL cannot make one.
+pub(crate) fn upstream_uri(
+    operation: Operation,
+    path: Option<&str>,
+    instance: &InstanceRoute,
+) -> Option<http::Uri> {
+    let uri = match path {
+        Some(path) => instance.uri_for(path),
+        None => operation.upstream(instance).cloned(),
+    };
+    if uri.is_none() {
+        tracing::warn!(instance = %instance.id, url = %instance.url, ?path, "cannot make the request's URL on this instance; skipping it");
+    }
+    uri
 }
 
 fn is_event_stream(headers: &HeaderMap) -> bool {
@@ -434,13 +593,15 @@ const HOP_BY_HOP: [HeaderName; 7] = [
 ];
 
 fn upstream_request(
-    uri: &http::Uri,
+    method: http::Method,
+    uri: http::Uri,
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> http::Request<Full<Bytes>> {
+    let has_body = !body.is_empty();
     let mut request = http::Request::new(Full::new(body));
-    *request.method_mut() = http::Method::POST;
-    *request.uri_mut() = uri.clone();
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
     let listed = connection_listed(client_headers);
     let headers = request.headers_mut();
     for (name, value) in client_headers {
@@ -449,13 +610,15 @@ fn upstream_request(
             headers.append(name.clone(), value.clone());
         }
     }
-    headers
-        .entry(header::CONTENT_TYPE)
-        .or_insert(HeaderValue::from_static("application/json"));
+    if has_body {
+        headers
+            .entry(header::CONTENT_TYPE)
+            .or_insert(HeaderValue::from_static("application/json"));
+    }
     request
 }
 
-fn ensure_request_id(headers: &mut HeaderMap) {
+pub(crate) fn ensure_request_id(headers: &mut HeaderMap) {
     if !headers.contains_key(&REQUEST_ID) {
         let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
         if let Ok(value) = HeaderValue::from_str(&id) {
@@ -464,15 +627,25 @@ fn ensure_request_id(headers: &mut HeaderMap) {
     }
 }
 
+/// Which variant and instance answered, and why; for a request ranked by the KV index, how
+/// many leading prompt tokens that instance holds.
 fn add_routing_headers(
     headers: &mut HeaderMap,
     variant: &VariantRoute,
     instance: &InstanceRoute,
     label: RouteLabel,
+    explain: &[(HeaderName, HeaderValue)],
+    cached_tokens: Option<u32>,
 ) {
     headers.insert(INVOKED_VARIANT, variant.name_header.clone());
     headers.insert(SWITCHYARD_INSTANCE, instance.id_header.clone());
     headers.insert(SWITCHYARD_ROUTE, HeaderValue::from_static(label.as_str()));
+    for (name, value) in explain {
+        headers.insert(name.clone(), value.clone());
+    }
+    if let Some(tokens) = cached_tokens {
+        headers.insert(SWITCHYARD_CACHED_TOKENS, HeaderValue::from(tokens));
+    }
 }
 
 /// What a stalled answer ends with.
@@ -502,6 +675,8 @@ struct TrackedBody {
     timer: Option<Pin<Box<Sleep>>>,
     stall: Stall,
     metrics: Arc<RouterMetrics>,
+    /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
+    first_frame_since: Option<Instant>,
 }
 
 impl TrackedBody {
@@ -550,6 +725,13 @@ impl http_body::Body for TrackedBody {
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(since) = this.first_frame_since.take()
+                    && frame.is_data()
+                {
+                    this.metrics
+                        .disaggregation_decode_ttft_seconds
+                        .observe(since.elapsed().as_secs_f64());
+                }
                 if http_body::Body::is_end_stream(inner) {
                     // hyper drops a body as soon as it is complete, without a last poll.
                     this.end();
@@ -652,7 +834,7 @@ mod tests {
         client.insert(header::HOST, "router".parse().unwrap());
         client.insert(header::TE, "trailers".parse().unwrap());
         let uri: http::Uri = "http://127.0.0.1:1/v1/completions".parse().unwrap();
-        let request = upstream_request(&uri, &client, Bytes::new());
+        let request = upstream_request(http::Method::POST, uri, &client, Bytes::from("{}"));
         let sent = request.headers();
         assert!(sent.get("x-secret").is_none());
         assert!(sent.get(header::CONNECTION).is_none());

@@ -477,6 +477,9 @@ struct FileRoot {
 struct FileEndpoint {
     endpoint_name: String,
     production_variants: serde_json::Value,
+    /// Disaggregated prefill/decode, the JSON of `--disaggregation-config`.
+    #[serde(default)]
+    disaggregation_config: Option<serde_json::Value>,
     #[serde(default)]
     instances: Vec<FileInstance>,
 }
@@ -491,8 +494,9 @@ struct FileInstance {
     variant_name: Option<String>,
     #[serde(default)]
     weight: Option<f64>,
+    /// both, prefill or decode, in any case.
     #[serde(default)]
-    role: Option<InstanceRole>,
+    role: Option<String>,
     #[serde(default)]
     protocol: InstanceProtocol,
     /// vLLM's KV-event publisher, `tcp://host:port` (KV_AWARE).
@@ -501,6 +505,9 @@ struct FileInstance {
     /// Its replay socket, `tcp://host:port`.
     #[serde(default)]
     kv_events_replay: Option<String>,
+    /// LMCACHE disaggregation: the InstanceId of the decoder this prefill instance pushes to.
+    #[serde(default)]
+    decode_partner: Option<String>,
 }
 
 /// Reads a static configuration (JSON, or YAML by extension `.yaml`/`.yml`):
@@ -554,12 +561,18 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
         let parsed =
             sagemaker::parse_production_variants(&endpoint.production_variants.to_string())
                 .map_err(|err| ValidationError::new(at(&err.field), err.message))?;
+        let disaggregation_config = endpoint
+            .disaggregation_config
+            .map(sagemaker::parse_disaggregation_config_value)
+            .transpose()
+            .map_err(|err| ValidationError::new(at(&err.field), err.message))?;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new(name.as_str())
                 .map_err(|err| ValidationError::new(at("EndpointName"), err.to_string()))?,
             production_variants: parsed.variants,
             health_check_config: HealthCheckConfig::default(),
             creation_time_ms: 0,
+            disaggregation_config,
         };
         config
             .validate()
@@ -608,6 +621,26 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
             let weight = instance.weight.unwrap_or(1.0);
             validate_instance_weight(weight)
                 .map_err(|err| ValidationError::new(at("Weight"), err.message))?;
+            let decode_partner = instance
+                .decode_partner
+                .as_deref()
+                .map(InstanceId::new)
+                .transpose()
+                .map_err(|err| ValidationError::new(at("DecodePartner"), err.to_string()))?;
+            let role = instance
+                .role
+                .as_deref()
+                .map(str::parse::<InstanceRole>)
+                .transpose()
+                .map_err(|err| ValidationError::new(at("Role"), err))?
+                .unwrap_or_default();
+            switchyard_shared::disaggregation::check_instance_place(
+                config.disaggregation_config.as_ref(),
+                &variant,
+                role,
+                decode_partner.is_some(),
+            )
+            .map_err(|err| ValidationError::new(at(&err.field), err.message))?;
             if instances.iter().any(|existing: &Instance| {
                 existing.endpoint_name == name && existing.instance_id == id
             }) {
@@ -621,7 +654,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 endpoint_name: name.clone(),
                 variant_name: variant,
                 url,
-                role: instance.role.unwrap_or_default(),
+                role,
                 protocol: instance.protocol,
                 weight,
                 health: Health::Unknown,
@@ -630,6 +663,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 registered_time_ms: 0,
                 lease_id: 0,
                 kv_events,
+                decode_partner,
             });
         }
         if endpoints
@@ -692,6 +726,7 @@ mod tests {
             registered_time_ms: 0,
             lease_id: 0,
             kv_events: None,
+            decode_partner: None,
         })
     }
 

@@ -8,6 +8,7 @@ use switchyard_shared::metrics::{Histogram, TextEncoder};
 
 use crate::admission::{Admission, Limit};
 use crate::errors::ErrorKind;
+use crate::kv::tokenize::TokenizeError;
 use crate::table::{LoadRegistry, RouteLabel, RoutingTable, UpstreamError};
 
 /// Fine at the low end: a routing decision takes microseconds.
@@ -73,8 +74,45 @@ pub struct RouterMetrics {
     pub decision_seconds: Histogram,
     /// Time from sending upstream to the upstream's response head.
     pub upstream_header_seconds: Histogram,
+    /// Disaggregated endpoints: the prefill hop (sending to the prefill answer read).
+    pub disaggregation_prefill_seconds: Histogram,
+    /// From the prefill answer to the decode request sent (reading its hand-off, building the
+    /// decode request).
+    pub disaggregation_handoff_seconds: Histogram,
+    /// From sending the decode request to the answer's first frame.
+    pub disaggregation_decode_ttft_seconds: Histogram,
+    /// Requests of disaggregated endpoints by path: direct, disaggregated, fallback.
+    disaggregation_paths: [AtomicU64; 3],
+    /// Fallbacks by reason (`FALLBACK_REASONS`).
+    disaggregation_fallbacks: [AtomicU64; FALLBACK_REASONS.len()],
+    /// KV_AWARE: a request's `/tokenize` round trip to an engine (answered ones).
+    pub kv_tokenize_seconds: Histogram,
+    /// KV_AWARE: requests routed by load because their token ids could not be had, by
+    /// `TokenizeError::reason`.
+    kv_tokenize_failures: [AtomicU64; TokenizeError::REASONS.len()],
     pub sync: Arc<SyncMetrics>,
 }
+
+/// Why a disaggregated request fell back to its decoder alone: the `reason` label of
+/// `switchyard_router_disaggregation_fallbacks_total`.
+pub const FALLBACK_REASONS: [&str; 5] = [
+    "no_prefill_instance",
+    "prefill_unreachable",
+    "prefill_failed",
+    "prefill_timeout",
+    "no_decode_partner",
+];
+
+const DISAGGREGATION_PATHS: [RouteLabel; 3] = [
+    RouteLabel::Direct,
+    RouteLabel::Disaggregated,
+    RouteLabel::Fallback,
+];
+
+/// Seconds, for hops that take whole prefills.
+const HOP_BOUNDS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
 
 impl RouterMetrics {
     pub fn new(sync: Arc<SyncMetrics>) -> Self {
@@ -82,12 +120,65 @@ impl RouterMetrics {
             errors: Default::default(),
             decision_seconds: Histogram::new(&LATENCY_BOUNDS),
             upstream_header_seconds: Histogram::new(&LATENCY_BOUNDS),
+            disaggregation_prefill_seconds: Histogram::new(&HOP_BOUNDS),
+            disaggregation_handoff_seconds: Histogram::new(&LATENCY_BOUNDS),
+            disaggregation_decode_ttft_seconds: Histogram::new(&HOP_BOUNDS),
+            disaggregation_paths: Default::default(),
+            disaggregation_fallbacks: Default::default(),
+            kv_tokenize_seconds: Histogram::new(&LATENCY_BOUNDS),
+            kv_tokenize_failures: Default::default(),
             sync,
         }
     }
 
+    /// Counts a disaggregated endpoint's request by its path (`direct`, `disaggregated`,
+    /// `fallback`); other labels are not paths and are ignored.
+    pub fn count_disaggregation(&self, label: RouteLabel) {
+        if let Some(index) = DISAGGREGATION_PATHS.iter().position(|path| *path == label) {
+            self.disaggregation_paths[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a fallback by its reason (one of [`FALLBACK_REASONS`]).
+    pub fn count_fallback(&self, reason: &str) {
+        self.count_disaggregation(RouteLabel::Fallback);
+        if let Some(index) = FALLBACK_REASONS.iter().position(|known| *known == reason) {
+            self.disaggregation_fallbacks[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Requests of disaggregated endpoints that took `label`'s path so far.
+    pub fn disaggregation_count(&self, label: RouteLabel) -> u64 {
+        DISAGGREGATION_PATHS
+            .iter()
+            .position(|path| *path == label)
+            .map_or(0, |index| {
+                self.disaggregation_paths[index].load(Ordering::Relaxed)
+            })
+    }
+
     pub fn error(&self, kind: ErrorKind) {
         self.errors[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a KV_AWARE request routed by load because its token ids could not be had.
+    pub fn kv_tokenize_failed(&self, error: &TokenizeError) {
+        if let Some(position) = TokenizeError::REASONS
+            .iter()
+            .position(|reason| *reason == error.reason())
+        {
+            self.kv_tokenize_failures[position].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// KV_AWARE requests routed by load for `reason` so far.
+    pub fn kv_tokenize_failures(&self, reason: &str) -> u64 {
+        TokenizeError::REASONS
+            .iter()
+            .position(|known| *known == reason)
+            .map_or(0, |position| {
+                self.kv_tokenize_failures[position].load(Ordering::Relaxed)
+            })
     }
 
     /// Errors of `kind` counted so far.
@@ -100,6 +191,7 @@ impl RouterMetrics {
         table: &RoutingTable,
         registry: &LoadRegistry,
         admission: &Admission,
+        tokenizer_fallbacks: u64,
     ) -> String {
         let mut out = TextEncoder::new();
         out.family(
@@ -311,7 +403,7 @@ impl RouterMetrics {
         out.family(
             "switchyard_router_decision_seconds",
             "histogram",
-            "From request arrival to routing decision (reading and parsing the body included).",
+            "From request arrival to routing decision (reading and parsing the body included; for KV_AWARE, the /tokenize round trip too).",
         );
         out.histogram(
             "switchyard_router_decision_seconds",
@@ -328,6 +420,85 @@ impl RouterMetrics {
             &[],
             &self.upstream_header_seconds,
         );
+        out.family(
+            "switchyard_router_tokenizer_fallbacks_total",
+            "counter",
+            "Tokenizers named by a disaggregation config that could not be loaded (missing under --tokenizer-dir, unreadable): prompts counted with cl100k_base instead.",
+        )
+        .sample(
+            "switchyard_router_tokenizer_fallbacks_total",
+            &[],
+            tokenizer_fallbacks as f64,
+        );
+        out.family(
+            "switchyard_router_disaggregation_requests_total",
+            "counter",
+            "Requests of disaggregated endpoints by path: direct (below the threshold, a decoder alone), disaggregated (prefill then decode), fallback (the prefill could not be done; the decoder served it whole).",
+        );
+        for (path, count) in DISAGGREGATION_PATHS.iter().zip(&self.disaggregation_paths) {
+            out.sample(
+                "switchyard_router_disaggregation_requests_total",
+                &[("path", path.as_str())],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_disaggregation_fallbacks_total",
+            "counter",
+            "Disaggregated requests the decoder served whole, by why the prefill was not used.",
+        );
+        for (reason, count) in FALLBACK_REASONS.iter().zip(&self.disaggregation_fallbacks) {
+            out.sample(
+                "switchyard_router_disaggregation_fallbacks_total",
+                &[("reason", reason)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_kv_tokenize_seconds",
+            "histogram",
+            "KV_AWARE: a request's POST /tokenize round trip to an engine (answered ones).",
+        );
+        out.histogram(
+            "switchyard_router_kv_tokenize_seconds",
+            &[],
+            &self.kv_tokenize_seconds,
+        );
+        out.family(
+            "switchyard_router_kv_tokenize_failures_total",
+            "counter",
+            "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
+        );
+        for (reason, count) in TokenizeError::REASONS
+            .iter()
+            .zip(&self.kv_tokenize_failures)
+        {
+            out.sample(
+                "switchyard_router_kv_tokenize_failures_total",
+                &[("reason", reason)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        for (name, help, histogram) in [
+            (
+                "switchyard_router_disaggregation_prefill_seconds",
+                "Disaggregated requests: from sending the prefill request to its answer read.",
+                &self.disaggregation_prefill_seconds,
+            ),
+            (
+                "switchyard_router_disaggregation_handoff_seconds",
+                "Disaggregated requests: from the prefill answer to the decode request sent.",
+                &self.disaggregation_handoff_seconds,
+            ),
+            (
+                "switchyard_router_disaggregation_decode_ttft_seconds",
+                "Disaggregated requests: from sending the decode request to its answer's first frame.",
+                &self.disaggregation_decode_ttft_seconds,
+            ),
+        ] {
+            out.family(name, "histogram", help);
+            out.histogram(name, &[], histogram);
+        }
         out.finish()
     }
 }

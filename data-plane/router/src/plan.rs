@@ -1,47 +1,154 @@
 //! Planning a request: CPU only, no sockets. From the operation, the headers and the body,
 //! resolve the endpoint and the variant, rank the variant's instances with the policy, and
-//! rewrite `model` for the engine. Forwarding the plan is `forward`'s job.
+//! rewrite `model` for the engine. A KV_AWARE variant's plan also says how to get the
+//! prompt's token ids (`Plan::kv`); `handle` fetches them and ranks by the KV index.
+//! Forwarding the plan is `forward`'s job.
+//!
+//! Response affinity (the Responses API): a request about a stored response (a follow-up
+//! with `previous_response_id`, or `/v1/responses/{id}` and its `cancel`) goes to the
+//! instance holding it, found from the wrapped id alone (`response_ids`): endpoint, variant
+//! and instance come from the id, the instance is the only candidate (ahead of any
+//! ConcurrencyThreshold), and if it is not routable now the answer is 404
+//! `response_not_found`, never another instance.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName};
 use switchyard_policy::hash::{routing_key, session_key};
-use switchyard_policy::openai::OpenAiRequest;
+use switchyard_policy::openai::{OpenAiRequest, TextRule};
 use switchyard_policy::prefix::{native, valid_prefix_aware_id};
-use switchyard_policy::rank::{self, Strategy};
+use switchyard_policy::rank::{self, Route, Strategy};
 
 use crate::errors::{Api, ApiError};
-use crate::table::{EndpointRoute, InstanceRoute, RoutingTable, VariantRoute};
+use crate::kv::tokenize::{PromptKind, PromptTokens, TokenizeError};
+use crate::response_ids::{self, StoredResponse};
+use crate::table::{
+    Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, RoutingTable, VariantRoute,
+};
+use crate::tokenizer::{Count, Tokenizer, Tokenizers};
+use http::HeaderValue;
+use switchyard_shared::{DecodeRoutingStrategy, PrefillRoutingStrategy};
 
 pub const PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-amzn-sagemaker-prefix-aware-id");
 pub const TARGET_VARIANT: HeaderName = HeaderName::from_static("x-amzn-sagemaker-target-variant");
 pub const SESSION_ID: HeaderName = HeaderName::from_static("x-amzn-sagemaker-session-id");
 
-/// Which API a request came in on.
+/// What a request asks for: the API it came in on and the path it takes on the instance.
+/// The OpenAI operations are served at vLLM's paths, plain (the body's `model`, or a response
+/// id, names the endpoint) and under `/endpoints/{e}/openai/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {
     Invocations,
     InvocationsStream,
     ChatCompletions,
     Completions,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `GET /v1/responses/{id}`.
+    ResponseRetrieve,
+    /// `DELETE /v1/responses/{id}` (OpenAI's; vLLM does not serve it).
+    ResponseDelete,
+    /// `POST /v1/responses/{id}/cancel`.
+    ResponseCancel,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /pooling`.
+    Pooling,
+    /// `POST /classify`.
+    Classify,
+    /// `POST /score`.
+    Score,
+    /// `POST /v1/score`.
+    ScoreV1,
+    /// `POST /rerank`.
+    Rerank,
+    /// `POST /v1/rerank`.
+    RerankV1,
+    /// `POST /v2/rerank`.
+    RerankV2,
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /detokenize`.
+    Detokenize,
 }
 
 impl Operation {
     pub fn api(self) -> Api {
         match self {
             Operation::Invocations | Operation::InvocationsStream => Api::Native,
-            Operation::ChatCompletions | Operation::Completions => Api::OpenAi,
+            _ => Api::OpenAi,
         }
     }
 
-    /// The instance's URL for this operation.
-    pub fn upstream(self, instance: &InstanceRoute) -> &http::Uri {
+    /// The HTTP method, here and on the instance.
+    pub fn method(self) -> http::Method {
         match self {
-            Operation::Invocations | Operation::InvocationsStream => &instance.invocations,
-            Operation::ChatCompletions => &instance.chat_completions,
-            Operation::Completions => &instance.completions,
+            Operation::ResponseRetrieve => http::Method::GET,
+            Operation::ResponseDelete => http::Method::DELETE,
+            _ => http::Method::POST,
         }
+    }
+
+    /// The instance's URL for this operation, when it is made once per instance (the
+    /// busiest paths); the others are made per request from [`Plan::path`].
+    pub fn upstream(self, instance: &InstanceRoute) -> Option<&http::Uri> {
+        match self {
+            Operation::Invocations | Operation::InvocationsStream => Some(&instance.invocations),
+            Operation::ChatCompletions => Some(&instance.chat_completions),
+            Operation::Completions => Some(&instance.completions),
+            _ => None,
+        }
+    }
+
+    /// The path on the instance of an operation with a fixed one and no prepared URL.
+    fn fixed_path(self) -> Option<&'static str> {
+        Some(match self {
+            Operation::Responses => "/v1/responses",
+            Operation::Embeddings => "/v1/embeddings",
+            Operation::Pooling => "/pooling",
+            Operation::Classify => "/classify",
+            Operation::Score => "/score",
+            Operation::ScoreV1 => "/v1/score",
+            Operation::Rerank => "/rerank",
+            Operation::RerankV1 => "/v1/rerank",
+            Operation::RerankV2 => "/v2/rerank",
+            Operation::Tokenize => "/tokenize",
+            Operation::Detokenize => "/detokenize",
+            _ => return None,
+        })
+    }
+
+    /// Where PREFIX_AWARE takes the prefix text from (`policy::openai`).
+    pub fn text_rule(self) -> TextRule {
+        match self {
+            Operation::Responses => TextRule::Responses,
+            Operation::Embeddings | Operation::Pooling | Operation::Classify => TextRule::Input,
+            Operation::Score | Operation::ScoreV1 => TextRule::Score,
+            Operation::Rerank | Operation::RerankV1 | Operation::RerankV2 => TextRule::Rerank,
+            Operation::Detokenize => TextRule::Tokens,
+            _ => TextRule::Chat,
+        }
+    }
+
+    /// Chat and completions: generation whose prompt a disaggregated endpoint may prefill
+    /// elsewhere.
+    pub fn is_generation(self) -> bool {
+        matches!(self, Operation::ChatCompletions | Operation::Completions)
+    }
+
+    /// A request about the stored response its path names (`/v1/responses/{id}[/cancel]`).
+    pub fn names_stored_response(self) -> bool {
+        matches!(
+            self,
+            Operation::ResponseRetrieve | Operation::ResponseDelete | Operation::ResponseCancel
+        )
+    }
+
+    /// Answers carry response ids, which `response_ids::adapt` wraps.
+    pub fn answers_with_response_ids(self) -> bool {
+        self == Operation::Responses || self.names_stored_response()
     }
 }
 
@@ -52,7 +159,42 @@ pub struct Plan {
     pub variant_index: usize,
     pub ranking: rank::Ranking,
     pub body: Bytes,
+    /// The path (and query) on the instance, for operations without a prepared URL
+    /// ([`Operation::upstream`]).
+    pub path: Option<String>,
+    /// Why the first candidate is chosen (`x-switchyard-route`).
+    pub label: RouteLabel,
+    /// Response headers that explain the decision (`x-switchyard-prompt-tokens`, …).
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Set when the request goes prefill → decode (the ranking is then the decoders').
+    pub disaggregated: Option<Disaggregated>,
+    /// KV_AWARE (without a session): what ranking by the variant's KV index needs; until
+    /// then `ranking` is LEAST_OUTSTANDING_REQUESTS', the fallback. None: `ranking` is final.
+    pub kv: Option<KvInput>,
+    /// Once ranked by the KV index: the leading prompt tokens each instance holds, by
+    /// position in the variant (`x-switchyard-cached-tokens`); empty otherwise.
+    pub cached_tokens: Vec<u32>,
 }
+
+/// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
+#[derive(Debug)]
+pub enum KvInput {
+    /// Token ids given, or the `/tokenize` body to ask an engine with.
+    Tokens(PromptTokens),
+    /// The body has no prompt to tokenize: the request is routed by load.
+    Unusable(TokenizeError),
+}
+
+/// A long prompt's way through a disaggregated endpoint.
+#[derive(Debug)]
+pub struct Disaggregated {
+    /// Prefill candidates (indices into the prefill variant), in preference order.
+    pub prefill: rank::Ranking,
+    /// The prompt's tokens as counted.
+    pub count: Count,
+}
+
+pub const PROMPT_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-prompt-tokens");
 
 impl Plan {
     pub fn variant(&self) -> &VariantRoute {
@@ -106,22 +248,44 @@ fn parse_openai(body: &[u8]) -> Result<OpenAiRequest<'_>, ApiError> {
 
 /// Reads what routing needs from the headers and body, resolves the endpoint (`endpoint` is
 /// the path's, `None` on the plain `/v1/...` paths where the body's `model` names it) and the
-/// variant, ranks the instances, and rewrites `model` for the engine.
+/// variant, ranks the instances, and rewrites `model` for the engine. `uri` is the request's
+/// (the response id of `/v1/responses/{id}`, and its query, are read from it).
+#[allow(clippy::too_many_arguments)] // one call site per thread kind; a struct would only rename them
 pub fn make_plan(
     table: &RoutingTable,
     operation: Operation,
     mut endpoint: Option<Arc<EndpointRoute>>,
+    uri: &http::Uri,
     headers: &HeaderMap,
     body: Bytes,
+    tokenizers: &Tokenizers,
     rng: &mut fastrand::Rng,
 ) -> Result<Plan, ApiError> {
+    if operation.names_stored_response() {
+        return stored_response_plan(table, operation, endpoint, uri, body);
+    }
     let mut routing = routing_headers(headers)?;
+    let variant_named_by_header = routing.target_variant.is_some();
     // OpenAI bodies are parsed once: model, stream, prompt_cache_key, prefix text.
     let openai = match operation.api() {
         Api::OpenAi => Some(parse_openai(&body)?),
         Api::Native => None,
     };
+    // A Responses follow-up names the response it continues, and so its instance.
+    let previous = match openai
+        .as_ref()
+        .and_then(|request| request.previous_response_id.as_deref())
+    {
+        Some(id) => Some(stored_response(id, "previous_response_id")?),
+        None => None,
+    };
     if let Some(openai) = &openai {
+        if endpoint.is_none()
+            && openai.model.is_none()
+            && let Some(previous) = &previous
+        {
+            endpoint = Some(stored_endpoint(table, previous, "previous_response_id")?);
+        }
         if endpoint.is_none() {
             let model = openai.model.as_deref().ok_or_else(|| {
                 ApiError::validation("'model' is required to choose an endpoint on /v1 paths")
@@ -153,23 +317,443 @@ pub fn make_plan(
         }
     }
     let endpoint = endpoint.ok_or_else(|| ApiError::unknown_endpoint("no endpoint named"))?;
-    let variant_index = choose_variant(&endpoint, routing.target_variant.as_deref(), rng.u64(..))?;
-    let variant = &endpoint.variants[variant_index];
-    let ranking = rank_instances(variant, &routing, openai.as_ref(), &body, rng.u64(..));
-    // The engine sees the variant's ModelName, whatever name the client used.
-    let rewritten = match (&openai, &variant.model_name) {
-        (Some(request), Some(model)) if request.model.as_deref() != Some(model.as_str()) => {
-            Some(request.with_model(model))
+    if let Some(pd) = &endpoint.disaggregation
+        && previous.is_none()
+    {
+        if variant_named_by_header {
+            return Err(ApiError::validation(format!(
+                "header {TARGET_VARIANT}: endpoint {} is disaggregated (prefill and decode \
+                 variants), so a variant cannot be chosen",
+                endpoint.name
+            )));
         }
-        _ => None,
+        // Chat and completions prompts are counted against the threshold; every other
+        // operation (and native bodies, which are not parsed) goes straight to a decoder.
+        let counted = openai
+            .as_ref()
+            .filter(|_| operation.is_generation())
+            .map(|request| (request, operation.text_rule()));
+        let decision =
+            decide_disaggregation(&endpoint, pd, &routing, counted, &body, tokenizers, rng)?;
+        let decode = &endpoint.variants[pd.decode];
+        let rewritten = match &openai {
+            Some(request) => decode
+                .model_name
+                .as_deref()
+                .filter(|model| request.model.as_deref() != Some(*model))
+                .map(|model| request.rewrite(Some(model), None)),
+            None => None,
+        };
+        drop(openai);
+        return Ok(Plan {
+            variant_index: pd.decode,
+            ranking: decision.decoders,
+            body: rewritten.map_or(body, Bytes::from),
+            path: operation.fixed_path().map(str::to_owned),
+            label: decision.label,
+            explain: decision.explain,
+            disaggregated: decision.disaggregated,
+            endpoint,
+            kv: None,
+            cached_tokens: Vec::new(),
+        });
+    }
+    // Affinity: the instance holding the previous response, whatever the strategy.
+    let (variant_index, ranking) = match &previous {
+        Some(previous) => {
+            let (variant, instance) = holder(&endpoint, previous, "previous_response_id")?;
+            (variant, rank::affinity(instance))
+        }
+        None => {
+            let index = choose_variant(&endpoint, routing.target_variant.as_deref(), rng.u64(..))?;
+            let variant = &endpoint.variants[index];
+            let ranking = rank_instances(
+                variant,
+                &routing,
+                openai
+                    .as_ref()
+                    .map(|request| (request, operation.text_rule())),
+                &body,
+                rng.u64(..),
+            );
+            (index, ranking)
+        }
+    };
+    let variant = &endpoint.variants[variant_index];
+    // The engine sees the variant's ModelName, whatever name the client used, and its own
+    // id of the previous response.
+    let rewritten = match &openai {
+        Some(request) => {
+            let model = variant
+                .model_name
+                .as_deref()
+                .filter(|model| request.model.as_deref() != Some(*model));
+            let previous_id = previous
+                .as_ref()
+                .map(|previous| previous.engine_id.as_str());
+            (model.is_some() || previous_id.is_some()).then(|| request.rewrite(model, previous_id))
+        }
+        None => None,
     };
     drop(openai);
+    let body = rewritten.map(Bytes::from).unwrap_or(body);
+    // A session, or a stored response, sticks to its instance whatever the strategy.
+    let kv = match (routing.session, variant.strategy) {
+        _ if previous.is_some() => None,
+        (None, Strategy::KvAware { .. }) => Some(kv_input(operation, &body)),
+        _ => None,
+    };
     Ok(Plan {
-        body: rewritten.map(Bytes::from).unwrap_or(body),
+        body,
+        label: RouteLabel::from(ranking.route.unwrap_or(Route::Random)),
         endpoint,
         variant_index,
         ranking,
+        path: operation.fixed_path().map(str::to_owned),
+        explain: Vec::new(),
+        disaggregated: None,
+        kv,
+        cached_tokens: Vec::new(),
     })
+}
+
+/// Unwraps a response id a client sent (`param` names where it came from).
+fn stored_response(id: &str, param: &'static str) -> Result<StoredResponse, ApiError> {
+    response_ids::unwrap(id).ok_or_else(|| {
+        ApiError::response_not_found(
+            format!(
+                "Response with id '{id}' not found: it was not issued by a Switchyard router, \
+                 so the instance holding it is unknown"
+            ),
+            param,
+        )
+    })
+}
+
+/// The endpoint a stored response belongs to.
+fn stored_endpoint(
+    table: &RoutingTable,
+    stored: &StoredResponse,
+    param: &'static str,
+) -> Result<Arc<EndpointRoute>, ApiError> {
+    table
+        .endpoints
+        .get(stored.endpoint.as_str())
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::response_not_found(
+                format!(
+                    "Response not found: it was stored by instance {} of endpoint {}, which no \
+                     longer exists",
+                    stored.instance, stored.endpoint
+                ),
+                param,
+            )
+        })
+}
+
+/// The (variant, instance) indices of the instance holding `stored` in `endpoint`; 404
+/// `response_not_found` if it is not routable now (deregistered, failed its health checks)
+/// or the response belongs to another endpoint.
+fn holder(
+    endpoint: &EndpointRoute,
+    stored: &StoredResponse,
+    param: &'static str,
+) -> Result<(usize, usize), ApiError> {
+    if endpoint.name.as_str() != stored.endpoint {
+        return Err(ApiError::response_not_found(
+            format!(
+                "Response not found in endpoint {}: it belongs to endpoint {}",
+                endpoint.name, stored.endpoint
+            ),
+            param,
+        ));
+    }
+    let found = endpoint.variant(&stored.variant).and_then(|variant_index| {
+        endpoint.variants[variant_index]
+            .instances
+            .iter()
+            .position(|instance| instance.id.as_str() == stored.instance)
+            .map(|instance_index| (variant_index, instance_index))
+    });
+    found.ok_or_else(|| {
+        ApiError::response_not_found(
+            format!(
+                "Response not found: it was stored by instance {} (variant {} of endpoint {}), \
+                 which has left or is not routable now (failed its health checks); a response \
+                 lives only on the instance that made it",
+                stored.instance, stored.variant, stored.endpoint
+            ),
+            param,
+        )
+    })
+}
+
+/// `GET`/`DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: the instance the
+/// id names, the engine's id in the path, the query and body passed on as they are.
+fn stored_response_plan(
+    table: &RoutingTable,
+    operation: Operation,
+    endpoint: Option<Arc<EndpointRoute>>,
+    uri: &http::Uri,
+    body: Bytes,
+) -> Result<Plan, ApiError> {
+    let id = response_id_in_path(uri.path()).ok_or_else(|| {
+        ApiError::validation("the path has no response id").with_param("response_id")
+    })?;
+    let stored = stored_response(id, "response_id")?;
+    let endpoint = match endpoint {
+        Some(endpoint) => endpoint,
+        None => stored_endpoint(table, &stored, "response_id")?,
+    };
+    let (variant_index, instance) = holder(&endpoint, &stored, "response_id")?;
+    let mut path = format!("/v1/responses/{}", percent_encode(&stored.engine_id));
+    if operation == Operation::ResponseCancel {
+        path.push_str("/cancel");
+    }
+    if let Some(query) = uri.query() {
+        path.push('?');
+        path.push_str(query);
+    }
+    Ok(Plan {
+        endpoint,
+        variant_index,
+        ranking: rank::affinity(instance),
+        body: match operation.method() {
+            http::Method::POST => body,
+            _ => Bytes::new(),
+        },
+        path: Some(path),
+        label: RouteLabel::Response,
+        explain: Vec::new(),
+        disaggregated: None,
+        kv: None,
+        cached_tokens: Vec::new(),
+    })
+}
+
+/// The `{id}` of `.../v1/responses/{id}[/cancel]`.
+fn response_id_in_path(path: &str) -> Option<&str> {
+    let (_, rest) = path.rsplit_once("/v1/responses/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// `text` with everything but RFC 3986's unreserved characters percent-encoded (an engine's
+/// response id in a path).
+fn percent_encode(text: &str) -> Cow<'_, str> {
+    let unreserved = |byte: u8| byte.is_ascii_alphanumeric() || b"-._~".contains(&byte);
+    if text.bytes().all(unreserved) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        if unreserved(byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// What a disaggregated endpoint does with one request.
+struct Decision {
+    decoders: rank::Ranking,
+    label: RouteLabel,
+    explain: Vec<(HeaderName, HeaderValue)>,
+    disaggregated: Option<Disaggregated>,
+}
+
+/// Below the threshold (and for native bodies, which are not parsed) a decoder serves the
+/// whole request (`direct`); at or above it, a prefill instance first (`disaggregated`); with
+/// no prefill instance routable, the decoder serves it whole (`fallback`).
+fn decide_disaggregation(
+    endpoint: &EndpointRoute,
+    pd: &Disaggregation,
+    routing: &RoutingHeaders,
+    openai: Option<(&OpenAiRequest<'_>, TextRule)>,
+    body: &[u8],
+    tokenizers: &Tokenizers,
+    rng: &mut fastrand::Rng,
+) -> Result<Decision, ApiError> {
+    let decode = &endpoint.variants[pd.decode];
+    if decode.instances.is_empty() {
+        return Err(ApiError::unavailable(format!(
+            "the decode variant {} of endpoint {} has no healthy instance",
+            decode.name, endpoint.name
+        )));
+    }
+    let decoders = rank_decoders(
+        decode,
+        pd.decode_strategy,
+        routing,
+        openai,
+        body,
+        rng.u64(..),
+    );
+    let Some((request, _)) = openai else {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Direct,
+            explain: Vec::new(),
+            disaggregated: None,
+        });
+    };
+    let count = count_prompt(request, &tokenizers.get(&pd.tokenizer), pd.threshold);
+    let explain = vec![(
+        PROMPT_TOKENS,
+        HeaderValue::from_str(&count.header_text()).unwrap_or(HeaderValue::from_static("0")),
+    )];
+    if count.tokens < pd.threshold {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Direct,
+            explain,
+            disaggregated: None,
+        });
+    }
+    let prefill = &endpoint.variants[pd.prefill];
+    if prefill.instances.is_empty() {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Fallback,
+            explain,
+            disaggregated: None,
+        });
+    }
+    Ok(Decision {
+        decoders,
+        label: RouteLabel::Disaggregated,
+        explain,
+        disaggregated: Some(Disaggregated {
+            prefill: rank_prefill(prefill, pd, routing, request, rng.u64(..)),
+            count,
+        }),
+    })
+}
+
+/// Tokens per chat message that the text alone does not show (role markers and separators
+/// of the chat template; Llama 3's and OpenAI's add about this many).
+const CHAT_TOKENS_PER_MESSAGE: usize = 4;
+
+/// The prompt's tokens, counted until `threshold` is certainly reached. A completions prompt
+/// of token ids is its length; a text prompt is tokenized as is; a chat is counted on its
+/// messages' text plus [`CHAT_TOKENS_PER_MESSAGE`] per message (an approximation of the
+/// template the engine applies).
+pub fn count_prompt(request: &OpenAiRequest<'_>, tokenizer: &Tokenizer, threshold: usize) -> Count {
+    if let Some(ids) = request.prompt_token_ids() {
+        return Count {
+            tokens: ids,
+            complete: true,
+        };
+    }
+    let overhead = CHAT_TOKENS_PER_MESSAGE * request.message_count();
+    let goal = threshold.saturating_sub(overhead);
+    // Enough text for the goal at any plausible density; if the text is longer and still
+    // counts below the goal, the whole text is counted.
+    let limit = goal.saturating_add(1).saturating_mul(16);
+    let text = request.prefix_text(limit);
+    let mut count = tokenizer.count_up_to(&text, goal);
+    if count.complete && text.chars().count() >= limit {
+        count = tokenizer.count_up_to(&request.prefix_text(usize::MAX), goal);
+    }
+    Count {
+        tokens: count.tokens + overhead,
+        complete: count.complete,
+    }
+}
+
+/// Ranks the prefill pool by the configured strategy.
+fn rank_prefill(
+    variant: &VariantRoute,
+    pd: &Disaggregation,
+    routing: &RoutingHeaders,
+    request: &OpenAiRequest<'_>,
+    random: u64,
+) -> rank::Ranking {
+    let views = variant.current_views(crate::now_unix_ms());
+    let load = |index: usize| variant.instances[index].cell.fleet_load();
+    let round_robin = || {
+        let turn = pd
+            .next_prefill
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        round_robin(&views, turn)
+    };
+    match pd.prefill_strategy {
+        PrefillRoutingStrategy::RoundRobin => round_robin(),
+        PrefillRoutingStrategy::Session => match routing.session {
+            Some(session) => rank::session(&views, session),
+            None => round_robin(),
+        },
+        PrefillRoutingStrategy::PrefixAware => {
+            let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
+            let key = routing_key(id, request.prefix_text(variant.prefix_length).as_bytes());
+            rank::rank(variant.strategy, &views, load, key, 0)
+        }
+        PrefillRoutingStrategy::KvAware => {
+            rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
+        }
+    }
+}
+
+/// Ranks the decode pool by the configured strategy (its own PREFIX_AWARE config when asked).
+fn rank_decoders(
+    variant: &VariantRoute,
+    strategy: DecodeRoutingStrategy,
+    routing: &RoutingHeaders,
+    openai: Option<(&OpenAiRequest<'_>, TextRule)>,
+    body: &[u8],
+    random: u64,
+) -> rank::Ranking {
+    let views = variant.current_views(crate::now_unix_ms());
+    let load = |index: usize| variant.instances[index].cell.fleet_load();
+    match strategy {
+        DecodeRoutingStrategy::LeastOutstandingRequests => {
+            rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
+        }
+        DecodeRoutingStrategy::Random => rank::rank(Strategy::Random, &views, load, 0, random),
+        DecodeRoutingStrategy::PrefixAware => {
+            let without_session = RoutingHeaders {
+                prefix_aware_id: routing.prefix_aware_id.clone(),
+                session: None,
+                target_variant: None,
+            };
+            rank_instances(variant, &without_session, openai, body, random)
+        }
+    }
+}
+
+/// Round robin over the available instances (then the ejected ones), starting at `turn`.
+fn round_robin(views: &[rank::InstanceView], turn: usize) -> rank::Ranking {
+    let count = views.len().max(1);
+    let start = turn % count;
+    let rotated = (0..views.len()).map(|offset| (start + offset) % count);
+    let (mut order, ejected): (Vec<usize>, Vec<usize>) =
+        rotated.partition(|&index| views[index].available);
+    order.extend(ejected);
+    rank::Ranking {
+        order,
+        route: Some(Route::Random),
+    }
+}
+
+/// How a KV_AWARE request gets its token ids: OpenAI bodies by their API; a native body as a
+/// chat request if it is a JSON object with `messages`, as a completions request if it has
+/// `prompt`, else not at all (routed by load).
+fn kv_input(operation: Operation, body: &[u8]) -> KvInput {
+    let tokens = match operation {
+        Operation::ChatCompletions => PromptTokens::of(PromptKind::Chat, body),
+        Operation::Completions => PromptTokens::of(PromptKind::Completion, body),
+        Operation::Invocations | Operation::InvocationsStream => PromptTokens::of_native(body),
+        _ => Err(TokenizeError::Input(format!(
+            "{operation:?} requests are routed by load under KV_AWARE"
+        ))),
+    };
+    match tokens {
+        Ok(tokens) => KvInput::Tokens(tokens),
+        Err(err) => KvInput::Unusable(err),
+    }
 }
 
 /// The target variant if one is named, else one drawn by weight among those with instances.
@@ -210,11 +794,12 @@ fn choose_variant(
 }
 
 /// Ranks the variant's instances: a session sticks to its instance; PREFIX_AWARE hashes the
-/// prefix-aware id and the prefix; the other strategies read load and `random`.
+/// prefix-aware id and the prefix; the other strategies read load and `random` (KV_AWARE as
+/// LEAST_OUTSTANDING_REQUESTS, until `handle` ranks it by the KV index).
 fn rank_instances(
     variant: &VariantRoute,
     routing: &RoutingHeaders,
-    openai: Option<&OpenAiRequest<'_>>,
+    openai: Option<(&OpenAiRequest<'_>, TextRule)>,
     body: &[u8],
     random: u64,
 ) -> rank::Ranking {
@@ -225,9 +810,12 @@ fn rank_instances(
         (None, Strategy::PrefixAware { .. }) => {
             let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
             let key = match openai {
-                Some(request) => {
-                    routing_key(id, request.prefix_text(variant.prefix_length).as_bytes())
-                }
+                Some((request, rule)) => routing_key(
+                    id,
+                    request
+                        .prefix_text_for(rule, variant.prefix_length)
+                        .as_bytes(),
+                ),
                 None => routing_key(id, native(body, variant.prefix_length)),
             };
             rank::rank(variant.strategy, &views, load, key, 0)
@@ -241,10 +829,10 @@ mod tests {
     use super::*;
     use crate::membership::Membership;
     use arc_swap::ArcSwap;
-    use switchyard_policy::rank::Route;
 
     /// Endpoint `chat`: variant `a` (PREFIX_AWARE, PrefixLength 1024, threshold 2, ModelName
-    /// `m-a`, 3 instances) and variant `b` (RANDOM, ModelName `m-b`, 1 instance).
+    /// `m-a`, 3 instances), variant `b` (RANDOM, ModelName `m-b`, 1 instance) and variant `k`
+    /// (KV_AWARE, ModelName `m-k`, 2 instances), `b` and `k` with weight 0.
     fn table() -> RoutingTable {
         let yaml = r#"
 Endpoints:
@@ -258,11 +846,17 @@ Endpoints:
       - VariantName: b
         ModelName: m-b
         InitialVariantWeight: 0
+      - VariantName: k
+        ModelName: m-k
+        InitialVariantWeight: 0
+        RoutingConfig: {RoutingStrategy: KV_AWARE}
     Instances:
       - {Url: "http://127.0.0.1:1", InstanceId: a1, VariantName: a}
       - {Url: "http://127.0.0.1:2", InstanceId: a2, VariantName: a}
       - {Url: "http://127.0.0.1:3", InstanceId: a3, VariantName: a}
       - {Url: "http://127.0.0.1:4", InstanceId: b1, VariantName: b}
+      - {Url: "http://127.0.0.1:5", InstanceId: k1, VariantName: k}
+      - {Url: "http://127.0.0.1:6", InstanceId: k2, VariantName: k}
 "#;
         let config = crate::membership::parse_static_text(yaml, true).unwrap();
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
@@ -294,8 +888,10 @@ Endpoints:
                 &table,
                 Operation::ChatCompletions,
                 chat(&table),
+                &http::Uri::from_static("/"),
                 &HeaderMap::new(),
                 chat_body("m-a", &format!("{prefix}{suffix}")),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(7),
             )
             .unwrap()
@@ -311,8 +907,10 @@ Endpoints:
                     &table,
                     Operation::ChatCompletions,
                     chat(&table),
+                    &http::Uri::from_static("/"),
                     &HeaderMap::new(),
                     chat_body("m-a", &format!("{index}{prefix}")),
+                    &Tokenizers::new(None),
                     &mut fastrand::Rng::with_seed(7),
                 )
                 .unwrap()
@@ -330,8 +928,10 @@ Endpoints:
             &table,
             Operation::ChatCompletions,
             None,
+            &http::Uri::from_static("/"),
             &HeaderMap::new(),
             chat_body("m-b", "hello"),
+            &Tokenizers::new(None),
             &mut fastrand::Rng::with_seed(1),
         )
         .unwrap();
@@ -342,8 +942,10 @@ Endpoints:
             &table,
             Operation::ChatCompletions,
             None,
+            &http::Uri::from_static("/"),
             &HeaderMap::new(),
             chat_body("chat", "hello"),
+            &Tokenizers::new(None),
             &mut fastrand::Rng::with_seed(1),
         )
         .unwrap();
@@ -360,8 +962,10 @@ Endpoints:
                 &table,
                 operation,
                 endpoint,
+                &http::Uri::from_static("/"),
                 headers,
                 Bytes::from(body.to_owned()),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(1),
             )
         };
@@ -413,8 +1017,10 @@ Endpoints:
                 &table,
                 Operation::Invocations,
                 chat(&table),
+                &http::Uri::from_static("/"),
                 &headers,
                 Bytes::from(body),
+                &Tokenizers::new(None),
                 &mut fastrand::Rng::with_seed(3),
             )
             .unwrap()
@@ -423,5 +1029,260 @@ Endpoints:
         let second = plan(format!("{prefix}-two"));
         assert_eq!(first.ranking.order, second.ranking.order);
         assert_eq!(&second.body[..], format!("{prefix}-two").as_bytes());
+    }
+
+    fn plan_at(
+        table: &RoutingTable,
+        operation: Operation,
+        endpoint: Option<Arc<EndpointRoute>>,
+        uri: &str,
+        body: &str,
+    ) -> Result<Plan, ApiError> {
+        make_plan(
+            table,
+            operation,
+            endpoint,
+            &uri.parse().unwrap(),
+            &HeaderMap::new(),
+            Bytes::from(body.to_owned()),
+            &Tokenizers::new(None),
+            &mut fastrand::Rng::with_seed(5),
+        )
+    }
+
+    #[test]
+    fn a_follow_up_goes_to_the_holder_even_past_the_threshold() {
+        let table = table();
+        let wrapped = response_ids::wrap("chat", "a", "a2", "resp_engine");
+        // a2 is far above ConcurrencyThreshold (2): the state lives there, so it still wins.
+        let endpoint = chat(&table).unwrap();
+        endpoint.variants[0].instances[1]
+            .cell
+            .local
+            .store(50, std::sync::atomic::Ordering::Relaxed);
+        let body =
+            format!(r#"{{"model":"chat","input":"and then?","previous_response_id":"{wrapped}"}}"#);
+        for endpoint in [None, chat(&table)] {
+            let plan = plan_at(
+                &table,
+                Operation::Responses,
+                endpoint,
+                "/v1/responses",
+                &body,
+            )
+            .unwrap();
+            assert_eq!(plan.ranking.route, Some(Route::Response));
+            assert_eq!(
+                plan.ranking.order.len(),
+                1,
+                "the holder is the only candidate"
+            );
+            assert_eq!(first_choice(&plan), "a2");
+            assert_eq!(plan.path.as_deref(), Some("/v1/responses"));
+            let sent: serde_json::Value = serde_json::from_slice(&plan.body).unwrap();
+            assert_eq!(sent["previous_response_id"], "resp_engine");
+            assert_eq!(sent["model"], "m-a");
+        }
+        // On a plain path the id alone names the endpoint: `model` may be left out.
+        let body = format!(r#"{{"input":"x","previous_response_id":"{wrapped}"}}"#);
+        let plan = plan_at(&table, Operation::Responses, None, "/v1/responses", &body).unwrap();
+        assert_eq!(first_choice(&plan), "a2");
+    }
+
+    #[test]
+    fn a_response_whose_instance_left_is_not_found_never_elsewhere() {
+        let table = table();
+        let gone = response_ids::wrap("chat", "a", "a9", "resp_engine");
+        let body = format!(r#"{{"model":"chat","input":"x","previous_response_id":"{gone}"}}"#);
+        let error =
+            plan_at(&table, Operation::Responses, None, "/v1/responses", &body).unwrap_err();
+        assert_eq!(error.status, http::StatusCode::NOT_FOUND);
+        assert_eq!(error.openai_code, "response_not_found");
+        assert_eq!(error.param, Some("previous_response_id"));
+        assert!(error.message.contains("instance a9"), "{error:?}");
+        for operation in [Operation::ResponseRetrieve, Operation::ResponseDelete] {
+            let error = plan_at(
+                &table,
+                operation,
+                None,
+                &format!("/v1/responses/{gone}"),
+                "",
+            )
+            .unwrap_err();
+            assert_eq!(error.openai_code, "response_not_found");
+            assert_eq!(error.param, Some("response_id"));
+        }
+        // An id no router made, an endpoint that is gone, another endpoint's response.
+        let not_ours = plan_at(
+            &table,
+            Operation::ResponseRetrieve,
+            None,
+            "/v1/responses/resp_0123abcd",
+            "",
+        )
+        .unwrap_err();
+        assert!(not_ours.message.contains("not issued"), "{not_ours:?}");
+        let other = response_ids::wrap("other", "a", "a1", "resp_engine");
+        let error = plan_at(
+            &table,
+            Operation::ResponseRetrieve,
+            None,
+            &format!("/v1/responses/{other}"),
+            "",
+        )
+        .unwrap_err();
+        assert!(error.message.contains("no longer exists"), "{error:?}");
+        let error = plan_at(
+            &table,
+            Operation::ResponseCancel,
+            chat(&table),
+            &format!("/endpoints/chat/openai/v1/responses/{other}/cancel"),
+            "",
+        )
+        .unwrap_err();
+        assert!(
+            error.message.contains("belongs to endpoint other"),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn retrieve_delete_and_cancel_go_to_the_holder_with_the_engines_id() {
+        let table = table();
+        let wrapped = response_ids::wrap("chat", "b", "b1", "resp_x/y");
+        let retrieve = plan_at(
+            &table,
+            Operation::ResponseRetrieve,
+            None,
+            &format!("/v1/responses/{wrapped}?stream=true&starting_after=3"),
+            "ignored",
+        )
+        .unwrap();
+        assert_eq!(first_choice(&retrieve), "b1");
+        assert_eq!(retrieve.ranking.route, Some(Route::Response));
+        assert_eq!(
+            retrieve.path.as_deref(),
+            Some("/v1/responses/resp_x%2Fy?stream=true&starting_after=3")
+        );
+        assert!(retrieve.body.is_empty(), "GET sends no body");
+        let cancel = plan_at(
+            &table,
+            Operation::ResponseCancel,
+            chat(&table),
+            &format!("/endpoints/chat/openai/v1/responses/{wrapped}/cancel"),
+            "{}",
+        )
+        .unwrap();
+        assert_eq!(
+            cancel.path.as_deref(),
+            Some("/v1/responses/resp_x%2Fy/cancel")
+        );
+        assert_eq!(&cancel.body[..], b"{}");
+    }
+
+    #[test]
+    fn embeddings_route_on_their_input_and_keep_their_path() {
+        let table = table();
+        let prefix = "e".repeat(1024);
+        let plan = |input: String| {
+            plan_at(
+                &table,
+                Operation::Embeddings,
+                None,
+                "/v1/embeddings",
+                &serde_json::json!({"model": "chat", "input": input}).to_string(),
+            )
+            .unwrap()
+        };
+        let first = plan(format!("{prefix} one"));
+        let second = plan(format!("{prefix} two, longer"));
+        assert_eq!(first.ranking.route, Some(Route::Prefix));
+        assert_eq!(first.ranking.order, second.ranking.order);
+        assert_eq!(first.path.as_deref(), Some("/v1/embeddings"));
+        let others: std::collections::HashSet<Vec<usize>> = (0..8)
+            .map(|index| plan(format!("{index}{prefix}")).ranking.order)
+            .collect();
+        assert!(others.len() > 1, "{others:?}");
+    }
+
+    #[test]
+    fn kv_aware_plans_say_how_to_get_the_tokens_and_rank_by_load_meanwhile() {
+        let table = table();
+        let plan = |operation, headers: &HeaderMap, body: &str| {
+            make_plan(
+                &table,
+                operation,
+                chat(&table),
+                &"/v1/chat/completions".parse().unwrap(),
+                headers,
+                Bytes::from(body.to_owned()),
+                &Tokenizers::new(None),
+                &mut fastrand::Rng::with_seed(5),
+            )
+            .unwrap()
+        };
+        let mut to_k = HeaderMap::new();
+        to_k.insert(TARGET_VARIANT, "k".parse().unwrap());
+        let ask = |plan: &Plan| -> serde_json::Value {
+            match &plan.kv {
+                Some(KvInput::Tokens(PromptTokens::Ask(body))) => {
+                    serde_json::from_slice(body).unwrap()
+                }
+                other => panic!("expected a /tokenize body, got {other:?}"),
+            }
+        };
+        // Chat: the engine is asked with the messages and the variant's ModelName.
+        let chat_plan = plan(
+            Operation::ChatCompletions,
+            &to_k,
+            r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":3}"#,
+        );
+        assert_eq!(chat_plan.variant().name.as_str(), "k");
+        assert_eq!(chat_plan.ranking.route, Some(rank::Route::LeastOutstanding));
+        assert_eq!(chat_plan.ranking.order.len(), 2);
+        assert_eq!(
+            ask(&chat_plan),
+            serde_json::json!({"model": "m-k", "messages": [{"role": "user", "content": "hi"}]})
+        );
+        assert!(chat_plan.cached_tokens.is_empty());
+        // A token-id prompt needs no round trip.
+        let ids = plan(
+            Operation::Completions,
+            &to_k,
+            r#"{"model":"m-k","prompt":[1,2,3]}"#,
+        );
+        assert!(matches!(
+            ids.kv,
+            Some(KvInput::Tokens(PromptTokens::Known(ref ids))) if ids == &[1, 2, 3]
+        ));
+        // Native bodies: `messages` is a chat, `prompt` a completion, anything else by load.
+        let native_chat = plan(
+            Operation::Invocations,
+            &to_k,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert!(ask(&native_chat).get("messages").is_some());
+        let native_prompt = plan(Operation::Invocations, &to_k, r#"{"prompt":"x y"}"#);
+        assert_eq!(ask(&native_prompt), serde_json::json!({"prompt": "x y"}));
+        let opaque = plan(Operation::InvocationsStream, &to_k, "raw text");
+        assert!(matches!(opaque.kv, Some(KvInput::Unusable(_))));
+        assert_eq!(
+            &opaque.body[..],
+            b"raw text",
+            "native bodies stay untouched"
+        );
+        // A session sticks to its instance: no KV ranking.
+        let mut session = to_k.clone();
+        session.insert(SESSION_ID, "s-1".parse().unwrap());
+        let sticky = plan(Operation::Completions, &session, r#"{"prompt":"x"}"#);
+        assert!(sticky.kv.is_none());
+        assert_eq!(sticky.ranking.route, Some(rank::Route::Session));
+        // Other strategies have nothing to fetch.
+        let prefix = plan(
+            Operation::ChatCompletions,
+            &HeaderMap::new(),
+            r#"{"model":"m-a","messages":[]}"#,
+        );
+        assert!(prefix.kv.is_none());
     }
 }

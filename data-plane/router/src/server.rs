@@ -1,6 +1,7 @@
 //! Serving: the listening socket, the serving threads (one single-threaded runtime each,
 //! with its own upstream pools), connection admission and client deadlines, the HTTP routes,
-//! the control-plane sync task, and the handle that stops it all.
+//! the control-plane sync task, the KV-event thread (KV_AWARE), and the handle that stops it
+//! all.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -12,7 +13,7 @@ use arc_swap::ArcSwap;
 use axum::Router as AxumRouter;
 use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodFilter, MethodRouter, get, on, post};
 use http::StatusCode;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -26,9 +27,12 @@ use crate::config::{Deadlines, Settings, Source, UpstreamProtocol};
 use crate::errors::{Api, ApiError};
 use crate::forward::{ForwardSettings, HttpClient, UpstreamClients};
 use crate::handle::{Worker, handle};
+use crate::kv::KvThread;
+use crate::kv::tokenize::Tokenizer;
 use crate::membership::Membership;
 use crate::plan::Operation;
 use crate::table::{LoadRegistry, RoutingTable};
+use crate::tokenizer::Tokenizers;
 use crate::{metrics, sync_client};
 
 /// A running router.
@@ -52,6 +56,8 @@ pub enum StartError {
     Thread(usize, std::io::Error),
     #[error("cannot start the control-plane sync thread: {0}")]
     SyncThread(std::io::Error),
+    #[error("cannot start the KV-event thread: {0}")]
+    KvThread(std::io::Error),
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -109,6 +115,10 @@ impl RouterHandle {
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         let connected = Arc::new(metrics::SyncMetrics::default());
+        // KV_AWARE: the engines' KV events, followed on a thread of their own for the
+        // table's KV_AWARE variants (idle while there are none).
+        let kv_events = KvThread::spawn(Arc::clone(&table), settings.kv, &shutdown)
+            .map_err(StartError::KvThread)?;
         let worker = Arc::new(Worker {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
@@ -124,7 +134,16 @@ impl RouterHandle {
             client_body_deadline: settings.deadlines.client_body,
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
+            tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
+            kv_index: Arc::clone(kv_events.index()),
+            tokenizer: Tokenizer::new(settings.kv_tokenize_timeout),
         });
+        // The default tokenizer takes about 0.1 s to load: not on a request's time.
+        let tokenizers = Arc::clone(&worker.tokenizers);
+        std::thread::Builder::new()
+            .name("switchyard-tokenizer".into())
+            .spawn(move || tokenizers.warm_up())
+            .map_err(|err| StartError::Thread(0, err))?;
         let grace = Duration::from_secs(config.shutdown_grace_seconds);
         let deadlines = settings.deadlines;
         // Threads 1.. each serve the same listening socket on a runtime of their own; the
@@ -226,6 +245,8 @@ impl RouterHandle {
             if let Some(task) = sync_task {
                 task.abort();
             }
+            // Subscribers close their sockets; the thread's runtime ends within a second.
+            let _ = tokio::task::spawn_blocking(move || kv_events.join()).await;
         });
         tracing::info!(%addr, router = %settings.router_id, threads = settings.worker_threads, "router listening");
         Ok(Self {
@@ -263,6 +284,11 @@ impl RouterHandle {
 
     pub fn metrics(&self) -> &metrics::RouterMetrics {
         &self.worker.metrics
+    }
+
+    /// What the engines' KV events say each instance holds (KV_AWARE variants).
+    pub fn kv_index(&self) -> &Arc<crate::kv::KvIndex> {
+        &self.worker.kv_index
     }
 
     pub fn shutdown_token(&self) -> CancellationToken {
@@ -401,7 +427,8 @@ fn refuse_connection(io: TokioIo<tokio::net::TcpStream>, worker: &Worker) {
     });
 }
 
-/// The API a path belongs to, for errors answered before routing.
+/// The API a path belongs to, for errors answered before routing (and unknown paths): the
+/// native API under `/endpoints/{e}/` outside `openai/`, the OpenAI API everywhere else.
 fn api_of_path(path: &str) -> Api {
     if path.starts_with("/endpoints/") && !path.contains("/openai/") {
         Api::Native
@@ -410,47 +437,74 @@ fn api_of_path(path: &str) -> Api {
     }
 }
 
+/// The OpenAI-compatible paths the router serves (vLLM's), each at its plain path and under
+/// `/endpoints/{endpoint}/openai`, with the method and operation.
+const OPENAI_ROUTES: &[(&str, MethodFilter, Operation)] = &[
+    (
+        "/v1/chat/completions",
+        MethodFilter::POST,
+        Operation::ChatCompletions,
+    ),
+    (
+        "/v1/completions",
+        MethodFilter::POST,
+        Operation::Completions,
+    ),
+    ("/v1/responses", MethodFilter::POST, Operation::Responses),
+    (
+        "/v1/responses/{response_id}",
+        MethodFilter::GET,
+        Operation::ResponseRetrieve,
+    ),
+    (
+        "/v1/responses/{response_id}",
+        MethodFilter::DELETE,
+        Operation::ResponseDelete,
+    ),
+    (
+        "/v1/responses/{response_id}/cancel",
+        MethodFilter::POST,
+        Operation::ResponseCancel,
+    ),
+    ("/v1/embeddings", MethodFilter::POST, Operation::Embeddings),
+    ("/pooling", MethodFilter::POST, Operation::Pooling),
+    ("/classify", MethodFilter::POST, Operation::Classify),
+    ("/score", MethodFilter::POST, Operation::Score),
+    ("/v1/score", MethodFilter::POST, Operation::ScoreV1),
+    ("/rerank", MethodFilter::POST, Operation::Rerank),
+    ("/v1/rerank", MethodFilter::POST, Operation::RerankV1),
+    ("/v2/rerank", MethodFilter::POST, Operation::RerankV2),
+    ("/tokenize", MethodFilter::POST, Operation::Tokenize),
+    ("/detokenize", MethodFilter::POST, Operation::Detokenize),
+];
+
+/// The endpoint named in `/endpoints/{endpoint}/...` (other path parameters are the plan's).
+#[derive(serde::Deserialize)]
+struct EndpointParam {
+    endpoint: String,
+}
+
+/// `operation` on a plain path: the body's `model`, or the response id, names the endpoint.
+fn plain(filter: MethodFilter, operation: Operation) -> MethodRouter<Arc<Worker>> {
+    on(
+        filter,
+        move |State(worker): State<Arc<Worker>>, request: Request| {
+            handle(worker, operation, None, request)
+        },
+    )
+}
+
+/// `operation` under `/endpoints/{endpoint}/...`.
+fn under_endpoint(filter: MethodFilter, operation: Operation) -> MethodRouter<Arc<Worker>> {
+    on(
+        filter,
+        move |State(worker): State<Arc<Worker>>,
+              Path(path): Path<EndpointParam>,
+              request: Request| { handle(worker, operation, Some(path.endpoint), request) },
+    )
+}
+
 fn app(worker: Arc<Worker>) -> AxumRouter {
-    async fn native(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::Invocations, Some(endpoint), request).await
-    }
-    async fn native_stream(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(
-            worker,
-            Operation::InvocationsStream,
-            Some(endpoint),
-            request,
-        )
-        .await
-    }
-    async fn chat(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::ChatCompletions, Some(endpoint), request).await
-    }
-    async fn completions(
-        State(worker): State<Arc<Worker>>,
-        Path(endpoint): Path<String>,
-        request: Request,
-    ) -> Response {
-        handle(worker, Operation::Completions, Some(endpoint), request).await
-    }
-    async fn plain_chat(State(worker): State<Arc<Worker>>, request: Request) -> Response {
-        handle(worker, Operation::ChatCompletions, None, request).await
-    }
-    async fn plain_completions(State(worker): State<Arc<Worker>>, request: Request) -> Response {
-        handle(worker, Operation::Completions, None, request).await
-    }
     async fn models(State(worker): State<Arc<Worker>>) -> Response {
         crate::forward::list_models(&worker.table.load())
     }
@@ -466,9 +520,13 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         }
     }
     async fn metrics(State(worker): State<Arc<Worker>>) -> Response {
-        let text = worker
-            .metrics
-            .render(&worker.table.load(), &worker.registry, &worker.admission);
+        let mut text = worker.metrics.render(
+            &worker.table.load(),
+            &worker.registry,
+            &worker.admission,
+            worker.tokenizers.fallbacks(),
+        );
+        text.push_str(&worker.kv_index.render_metrics());
         (
             [(
                 http::header::CONTENT_TYPE,
@@ -478,32 +536,66 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         )
             .into_response()
     }
-    async fn not_found() -> Response {
-        ApiError::unknown_endpoint("no such path; see the Switchyard README for the API")
-            .into_response_for(Api::Native)
+    async fn not_found(State(worker): State<Arc<Worker>>, request: Request) -> Response {
+        let path = request.uri().path();
+        let api = api_of_path(path);
+        worker
+            .metrics
+            .error(crate::errors::ErrorKind::UnknownEndpoint);
+        match api {
+            Api::OpenAi => ApiError::unknown_path(request.method(), path),
+            Api::Native => {
+                ApiError::unknown_endpoint("no such path; see the Switchyard README for the API")
+            }
+        }
+        .into_response_for(api)
     }
-    AxumRouter::new()
-        .route("/endpoints/{endpoint}/invocations", post(native))
+    async fn method_not_allowed(State(worker): State<Arc<Worker>>, request: Request) -> Response {
+        let path = request.uri().path();
+        let error = ApiError::method_not_allowed(request.method(), path);
+        worker.metrics.error(error.kind);
+        error.into_response_for(api_of_path(path))
+    }
+    let mut router = AxumRouter::new()
+        .route(
+            "/endpoints/{endpoint}/invocations",
+            post(
+                |State(worker): State<Arc<Worker>>,
+                 Path(endpoint): Path<String>,
+                 request: Request| {
+                    handle(worker, Operation::Invocations, Some(endpoint), request)
+                },
+            ),
+        )
         .route(
             "/endpoints/{endpoint}/invocations-response-stream",
-            post(native_stream),
-        )
-        .route(
-            "/endpoints/{endpoint}/openai/v1/chat/completions",
-            post(chat),
-        )
-        .route(
-            "/endpoints/{endpoint}/openai/v1/completions",
-            post(completions),
-        )
-        .route("/v1/chat/completions", post(plain_chat))
-        .route("/v1/completions", post(plain_completions))
+            post(
+                |State(worker): State<Arc<Worker>>,
+                 Path(endpoint): Path<String>,
+                 request: Request| {
+                    handle(
+                        worker,
+                        Operation::InvocationsStream,
+                        Some(endpoint),
+                        request,
+                    )
+                },
+            ),
+        );
+    for &(path, filter, operation) in OPENAI_ROUTES {
+        router = router.route(path, plain(filter, operation)).route(
+            &format!("/endpoints/{{endpoint}}/openai{path}"),
+            under_endpoint(filter, operation),
+        );
+    }
+    router
         .route("/v1/models", get(models))
         .route("/ping", get(|| async { "ok\n" }))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(worker)
 }
 
@@ -523,5 +615,8 @@ mod tests {
             Api::OpenAi
         );
         assert_eq!(api_of_path("/v1/chat/completions"), Api::OpenAi);
+        assert_eq!(api_of_path("/v1/foo"), Api::OpenAi);
+        assert_eq!(api_of_path("/endpoints/chat/openai/v1/foo"), Api::OpenAi);
+        assert_eq!(api_of_path("/endpoints/chat/foo"), Api::Native);
     }
 }

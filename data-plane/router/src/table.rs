@@ -14,8 +14,9 @@ use std::sync::{Arc, Mutex};
 use switchyard_policy::hash::instance_hash;
 use switchyard_policy::rank::{InstanceView, LoadBalance, Route, Strategy};
 use switchyard_shared::{
-    EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey, InstanceProtocol,
-    KvEventsEndpoints, RoutingStrategy, VariantName,
+    DecodeRoutingStrategy, EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey,
+    InstanceProtocol, KvEventsEndpoints, KvTransferProtocol, PrefillRoutingStrategy,
+    RoutingStrategy, ThresholdBasis, VariantName,
 };
 
 /// Why a request went to an instance: the policy's routes, plus the router's own retries.
@@ -29,6 +30,14 @@ pub enum RouteLabel {
     Session,
     /// KV_AWARE: the instance holding most of the prompt's KV cache.
     Kv,
+    /// A disaggregated endpoint's short prompt, served whole by a decoder.
+    Direct,
+    /// A long prompt prefilled on one instance and decoded on another.
+    Disaggregated,
+    /// The prefill failed or timed out: the decoder serves the whole request.
+    Fallback,
+    /// The instance that stores the response a request is about (Responses API).
+    Response,
     /// The previous candidate provably never received the request.
     Retry,
     /// The previous candidate may have received it (`--retry-after-send`).
@@ -36,13 +45,17 @@ pub enum RouteLabel {
 }
 
 impl RouteLabel {
-    pub const ALL: [RouteLabel; 8] = [
+    pub const ALL: [RouteLabel; 12] = [
         RouteLabel::Prefix,
         RouteLabel::Overflow,
         RouteLabel::Random,
         RouteLabel::LeastOutstanding,
         RouteLabel::Session,
         RouteLabel::Kv,
+        RouteLabel::Direct,
+        RouteLabel::Disaggregated,
+        RouteLabel::Fallback,
+        RouteLabel::Response,
         RouteLabel::Retry,
         RouteLabel::RetryAfterSend,
     ];
@@ -55,6 +68,10 @@ impl RouteLabel {
             RouteLabel::LeastOutstanding => Route::LeastOutstanding.as_str(),
             RouteLabel::Session => Route::Session.as_str(),
             RouteLabel::Kv => Route::Kv.as_str(),
+            RouteLabel::Direct => "direct",
+            RouteLabel::Disaggregated => "disaggregated",
+            RouteLabel::Fallback => "fallback",
+            RouteLabel::Response => Route::Response.as_str(),
             RouteLabel::Retry => "retry",
             RouteLabel::RetryAfterSend => "retry-after-send",
         }
@@ -70,6 +87,7 @@ impl From<Route> for RouteLabel {
             Route::LeastOutstanding => RouteLabel::LeastOutstanding,
             Route::Session => RouteLabel::Session,
             Route::Kv => RouteLabel::Kv,
+            Route::Response => RouteLabel::Response,
         }
     }
 }
@@ -207,6 +225,8 @@ pub struct InstanceRoute {
     pub protocol: InstanceProtocol,
     /// Where it publishes KV-cache events (KV_AWARE), if it does.
     pub kv_events: Option<KvEventsEndpoints>,
+    /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
+    pub decode_partner: Option<InstanceId>,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -242,6 +262,29 @@ pub struct EndpointRoute {
     pub name: EndpointName,
     pub variants: Vec<VariantRoute>,
     pub weights: Vec<f64>,
+    /// Disaggregated prefill/decode, when the endpoint's config asks for it.
+    pub disaggregation: Option<Disaggregation>,
+}
+
+/// A disaggregated endpoint's routing: its two pools and how requests cross them.
+#[derive(Debug)]
+pub struct Disaggregation {
+    /// Variant indices.
+    pub prefill: usize,
+    pub decode: usize,
+    /// Prompts of at least this many tokens go prefill → decode.
+    pub threshold: usize,
+    pub prefill_strategy: PrefillRoutingStrategy,
+    pub decode_strategy: DecodeRoutingStrategy,
+    pub basis: ThresholdBasis,
+    pub protocol: KvTransferProtocol,
+    pub tokenizer: String,
+    pub prefill_timeout: std::time::Duration,
+    /// LMCACHE: per prefill instance (by index), its decode partner's index in the decode
+    /// variant, if that partner is routable now.
+    pub partners: Vec<Option<usize>>,
+    /// ROUND_ROBIN's turn (per router, per table).
+    pub next_prefill: std::sync::atomic::AtomicUsize,
 }
 
 impl EndpointRoute {
@@ -305,8 +348,17 @@ impl InstanceRoute {
             completions,
             protocol: instance.protocol,
             kv_events: instance.kv_events.clone(),
+            decode_partner: instance.decode_partner.clone(),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
+    }
+}
+
+impl InstanceRoute {
+    /// The instance's URL for `path_and_query` (a path of the operations without a prepared
+    /// URI); `None` if it does not make one.
+    pub fn uri_for(&self, path_and_query: &str) -> Option<http::Uri> {
+        uri(&self.url, path_and_query)
     }
 }
 
@@ -371,6 +423,10 @@ pub fn endpoint_route<'a>(
             views,
         });
     }
+    let disaggregation = config
+        .disaggregation_config
+        .as_ref()
+        .and_then(|pd| disaggregation(pd, &variants));
     EndpointRoute {
         name: name.clone(),
         variants,
@@ -379,7 +435,45 @@ pub fn endpoint_route<'a>(
             .iter()
             .map(|variant| variant.weight())
             .collect(),
+        disaggregation,
     }
+}
+
+fn disaggregation(
+    config: &switchyard_shared::DisaggregationConfig,
+    variants: &[VariantRoute],
+) -> Option<Disaggregation> {
+    let index = |name: &VariantName| variants.iter().position(|variant| variant.name == *name);
+    let (prefill, decode) = (
+        index(&config.prefill_variant_name)?,
+        index(&config.decode_variant_name)?,
+    );
+    let partners = variants[prefill]
+        .instances
+        .iter()
+        .map(|instance| {
+            let partner = instance.decode_partner.as_ref()?;
+            variants[decode]
+                .instances
+                .iter()
+                .position(|decoder| decoder.id == *partner)
+        })
+        .collect();
+    Some(Disaggregation {
+        prefill,
+        decode,
+        threshold: config.route_threshold() as usize,
+        prefill_strategy: config.prefill_routing_strategy(),
+        decode_strategy: config.decode_routing_strategy(),
+        basis: config.threshold_basis(),
+        protocol: config.kv_transfer_protocol(),
+        tokenizer: config.tokenizer().to_owned(),
+        prefill_timeout: std::time::Duration::from_secs(u64::from(
+            config.prefill_timeout_seconds(),
+        )),
+        partners,
+        next_prefill: std::sync::atomic::AtomicUsize::new(0),
+    })
 }
 
 /// The ModelNames an endpoint route answers to, each with its first variant of that name.
@@ -448,6 +542,10 @@ mod tests {
                 "least-outstanding",
                 "session",
                 "kv",
+                "direct",
+                "disaggregated",
+                "fallback",
+                "response",
                 "retry",
                 "retry-after-send"
             ]

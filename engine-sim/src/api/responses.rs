@@ -1,0 +1,637 @@
+//! vLLM's Responses API (`/v1/responses`), with the response store vLLM keeps when started
+//! with `VLLM_ENABLE_RESPONSES_API_STORE=1`: a stored response's conversation (its input and
+//! its output) is the start of a follow-up's prompt (`previous_response_id`), so the
+//! follow-up's `usage.input_tokens` counts the stored turns, and only the instance that
+//! stored a response knows it.
+//!
+//! - `POST /v1/responses`: `input` (a string, or message items whose `content` is a string or
+//!   `input_text` / `output_text` parts), `instructions` (a system message, not carried into
+//!   follow-ups, as OpenAI), `previous_response_id`, `store` (default true), `stream`,
+//!   `max_output_tokens`. The prompt is the chat template over [system(instructions)] +
+//!   the previous response's conversation + the input. Streams vLLM's events
+//!   (`response.created` … `response.completed`, `event:` and `data:` lines, no `[DONE]`).
+//! - `GET /v1/responses/{id}`: the stored response. `DELETE /v1/responses/{id}` (OpenAI's;
+//!   vLLM has none): forgets it. `POST /v1/responses/{id}/cancel`: vLLM's answer for a
+//!   response that is not running in the background (background mode is not simulated).
+//!
+//! The store is bounded (`--max-stored-responses`): the oldest response is forgotten first.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderValue};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::{Interruption, check_fits, draw_fault, output_budget, request_id, unix_seconds};
+use crate::cache::block_hashes;
+use crate::driver::EngineEvent;
+use crate::engine::{FinishedSeq, SeqSpec};
+use crate::metrics::Metrics;
+use crate::openai::{ApiError, InferenceBody, KvTransfer, output_text, output_token_text};
+use crate::records::ReceivedRequest;
+use crate::server::Shared;
+use crate::tokenizer::{chat_prompt_text, tokenize};
+
+pub(super) fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/v1/responses", post(create))
+        .route("/v1/responses/{id}", get(retrieve).delete(delete))
+        .route("/v1/responses/{id}/cancel", post(cancel))
+}
+
+/// A stored response and the conversation a follow-up continues.
+#[derive(Debug, Clone)]
+struct Stored {
+    response: Value,
+    /// Chat messages: the request's input turns (with their system message) and the output.
+    conversation: Vec<Value>,
+}
+
+/// The responses this instance stores, oldest first out.
+#[derive(Debug)]
+pub(crate) struct ResponseStore {
+    capacity: usize,
+    inner: Mutex<(HashMap<String, Stored>, VecDeque<String>)>,
+}
+
+impl ResponseStore {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (HashMap<String, Stored>, VecDeque<String>)> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    fn insert(&self, id: String, stored: Stored) {
+        let mut guard = self.lock();
+        let (map, order) = &mut *guard;
+        if map.insert(id.clone(), stored).is_none() {
+            order.push_back(id);
+        }
+        while map.len() > self.capacity {
+            let Some(oldest) = order.pop_front() else {
+                break;
+            };
+            map.remove(&oldest);
+        }
+    }
+
+    fn get(&self, id: &str) -> Option<Stored> {
+        self.lock().0.get(id).cloned()
+    }
+
+    fn remove(&self, id: &str) -> bool {
+        let mut guard = self.lock();
+        let (map, order) = &mut *guard;
+        if map.remove(id).is_none() {
+            return false;
+        }
+        order.retain(|kept| kept != id);
+        true
+    }
+
+    /// Responses stored now.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().0.len()
+    }
+}
+
+/// The request fields the simulator reads (others are ignored, as vLLM ignores unknown ones).
+#[derive(Debug, Deserialize)]
+struct CreateBody {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(default)]
+    instructions: Option<String>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+    #[serde(default)]
+    store: Option<bool>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    background: Option<bool>,
+    #[serde(default)]
+    max_output_tokens: Option<i64>,
+    #[serde(default)]
+    metadata: Option<Value>,
+}
+
+/// The text of a message item's `content`: a string, or its text parts concatenated.
+fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter(|part| {
+                matches!(
+                    part.get("type").and_then(Value::as_str),
+                    Some("input_text" | "output_text" | "text")
+                )
+            })
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+/// `input` as chat messages.
+fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
+    match input {
+        Value::String(text) => Ok(vec![json!({"role": "user", "content": text})]),
+        Value::Array(items) => items
+            .iter()
+            .map(|item| {
+                if let Some(content) = item.get("content") {
+                    let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+                    Ok(json!({"role": role, "content": content_text(content)}))
+                } else if let Some(output) = item.get("output").and_then(Value::as_str) {
+                    // A function call's output.
+                    Ok(json!({"role": "tool", "content": output}))
+                } else {
+                    Err(ApiError::bad_request(
+                        "input items must be messages (with content) or function call outputs"
+                            .to_owned(),
+                    )
+                    .param("input"))
+                }
+            })
+            .collect(),
+        _ => Err(
+            ApiError::bad_request("input must be a string or an array of items".to_owned())
+                .param("input"),
+        ),
+    }
+}
+
+fn random_id(prefix: &str) -> String {
+    format!("{prefix}{:032x}", fastrand::u128(..))
+}
+
+/// What one response shares between its events and its final object.
+#[derive(Debug, Clone)]
+struct Meta {
+    id: String,
+    message_id: String,
+    created_at: u64,
+    model: String,
+    instructions: Option<String>,
+    previous_response_id: Option<String>,
+    store: bool,
+    max_output_tokens: Option<i64>,
+    metadata: Value,
+}
+
+impl Meta {
+    /// The response object: `output` and `usage` once done, `status` as given.
+    fn response(&self, status: &str, output: Option<(&str, &FinishedSeq, u32)>) -> Value {
+        let (output, usage, incomplete) = match output {
+            Some((text, finished, prompt_len)) => {
+                let cached = finished.cached_tokens + finished.transferred_tokens;
+                (
+                    json!([self.message(text, "completed")]),
+                    json!({
+                        "input_tokens": prompt_len,
+                        "input_tokens_details": {"cached_tokens": cached},
+                        "output_tokens": finished.completion_tokens,
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": prompt_len + finished.completion_tokens,
+                    }),
+                    (status == "incomplete").then(|| json!({"reason": "max_output_tokens"})),
+                )
+            }
+            None => (json!([]), Value::Null, None),
+        };
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": false,
+            "error": null,
+            "incomplete_details": incomplete,
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": null,
+            "metadata": self.metadata,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": true,
+            "previous_response_id": self.previous_response_id,
+            "prompt": null,
+            "reasoning": null,
+            "service_tier": "auto",
+            "store": self.store,
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_logprobs": 0,
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": null,
+        })
+    }
+
+    fn message(&self, text: &str, status: &str) -> Value {
+        let content = if status == "completed" {
+            json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+        } else {
+            json!([])
+        };
+        json!({
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        })
+    }
+
+    /// `completed`, or `incomplete` when the output stopped at the client's
+    /// `max_output_tokens` (vLLM's rule; without one the simulated model stops by itself).
+    fn final_status(&self, finished: &FinishedSeq) -> &'static str {
+        match self.max_output_tokens {
+            Some(max) if i64::from(finished.completion_tokens) >= max => "incomplete",
+            _ => "completed",
+        }
+    }
+}
+
+async fn create(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let arrival = Instant::now();
+    Metrics::increment(&shared.metrics.requests_received);
+    let request_id = request_id(&headers);
+    let parsed = serde_json::from_slice::<CreateBody>(&body)
+        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")));
+    shared.records.record(ReceivedRequest {
+        path: "/v1/responses".to_owned(),
+        headers: ReceivedRequest::select_headers(&headers),
+        body_bytes: body.len(),
+        model: parsed.as_ref().ok().and_then(|body| body.model.clone()),
+        stream: parsed
+            .as_ref()
+            .is_ok_and(|body| body.stream.unwrap_or(false)),
+        ..ReceivedRequest::default()
+    });
+    let response = match parsed {
+        Ok(body) => run(&shared, body, &request_id, arrival)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Err(error) => error.into_response(),
+    };
+    super::with_request_id(response, &request_id)
+}
+
+async fn run(
+    shared: &Arc<Shared>,
+    body: CreateBody,
+    request_id: &str,
+    arrival: Instant,
+) -> Result<Response, ApiError> {
+    let config = &shared.config;
+    if let Some(model) = &body.model
+        && *model != config.served_model_name
+    {
+        return Err(ApiError::model_not_found(model));
+    }
+    if body.background.unwrap_or(false) {
+        return Err(ApiError::bad_request(
+            "background mode is not simulated; send background: false".to_owned(),
+        )
+        .param("background"));
+    }
+    let input = body
+        .input
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_request("input: field required".to_owned()).param("input"))?;
+    let mut conversation = Vec::new();
+    if let Some(instructions) = &body.instructions {
+        conversation.push(json!({"role": "system", "content": instructions}));
+    }
+    if let Some(previous) = &body.previous_response_id {
+        let stored = shared
+            .responses
+            .get(previous)
+            .ok_or_else(|| not_found(previous).param("previous_response_id"))?;
+        conversation.extend(stored.conversation);
+    }
+    conversation.extend(input_messages(input)?);
+    let tokens = tokenize(&chat_prompt_text(&conversation));
+    let prompt_len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    let budget = InferenceBody {
+        max_tokens: body.max_output_tokens,
+        ..InferenceBody::default()
+    };
+    let max_tokens = output_budget(config, &budget, &KvTransfer::default(), prompt_len)
+        .map_err(|error| error.param("max_output_tokens"))?;
+    check_fits(config, prompt_len, max_tokens)?;
+    let streaming = body.stream.unwrap_or(false);
+    let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
+        Ok(interruption) => interruption,
+        Err(response) => return Ok(response),
+    };
+    let spec = SeqSpec {
+        prompt_len,
+        block_hashes: block_hashes(&tokens, config.block_size),
+        prompt_tokens: if config.kv_events.is_some() {
+            tokens
+        } else {
+            Vec::new()
+        },
+        max_tokens,
+        remote_prompt_tokens: 0,
+    };
+    let events = shared
+        .engine
+        .submit(spec, arrival)
+        .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
+    let meta = Meta {
+        id: random_id("resp_"),
+        message_id: random_id("msg_"),
+        created_at: unix_seconds(),
+        model: config.served_model_name.clone(),
+        instructions: body.instructions,
+        previous_response_id: body.previous_response_id,
+        store: body.store.unwrap_or(true),
+        max_output_tokens: body.max_output_tokens,
+        metadata: body.metadata.unwrap_or(Value::Null),
+    };
+    let done = Done {
+        shared: Arc::clone(shared),
+        meta,
+        conversation,
+        prompt_len,
+    };
+    if streaming {
+        return Ok(done.stream(events, interruption));
+    }
+    let mut events = events;
+    let finished = super::wait_finished(&mut events).await?;
+    Ok(Json(done.finish(&finished)).into_response())
+}
+
+/// A response being made: what storing it and its last event need.
+struct Done {
+    shared: Arc<Shared>,
+    meta: Meta,
+    conversation: Vec<Value>,
+    prompt_len: u32,
+}
+
+impl Done {
+    /// The final response object, stored unless `store: false`.
+    fn finish(&self, finished: &FinishedSeq) -> Value {
+        let text = output_text(finished.completion_tokens);
+        let status = self.meta.final_status(finished);
+        let response = self
+            .meta
+            .response(status, Some((&text, finished, self.prompt_len)));
+        if self.meta.store {
+            let mut conversation = self.conversation.clone();
+            conversation.push(json!({"role": "assistant", "content": text}));
+            self.shared.responses.insert(
+                self.meta.id.clone(),
+                Stored {
+                    response: response.clone(),
+                    conversation,
+                },
+            );
+        }
+        response
+    }
+
+    /// vLLM's streamed events, one per engine token in between.
+    fn stream(
+        self,
+        mut events: UnboundedReceiver<EngineEvent>,
+        interruption: Option<Interruption>,
+    ) -> Response {
+        let stream = async_stream::stream! {
+            let meta = self.meta.clone();
+            let mut sequence = 0u64;
+            let mut event = |kind: &str, mut data: Value| {
+                data["type"] = json!(kind);
+                data["sequence_number"] = json!(sequence);
+                sequence += 1;
+                sse_event(kind, &data)
+            };
+            yield Ok(event("response.created", json!({"response": meta.response("in_progress", None)})));
+            yield Ok(event("response.in_progress", json!({"response": meta.response("in_progress", None)})));
+            yield Ok(event("response.output_item.added", json!({
+                "output_index": 0,
+                "item": meta.message("", "in_progress"),
+            })));
+            yield Ok(event("response.content_part.added", json!({
+                "item_id": meta.message_id,
+                "output_index": 0,
+                "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            })));
+            let mut sent = 0u32;
+            loop {
+                let Some(engine_event) = events.recv().await else {
+                    yield Ok(event("error", json!({
+                        "code": "engine_stopped",
+                        "message": "the engine stopped before the request finished",
+                        "param": null,
+                    })));
+                    break;
+                };
+                match engine_event {
+                    EngineEvent::Token => {
+                        if let Some(fault) = interruption
+                            && fault.after_tokens == sent
+                        {
+                            if fault.close {
+                                yield Err(std::io::Error::other("simulated crash (fault injection)"));
+                                break;
+                            }
+                            std::future::pending::<()>().await;
+                        }
+                        yield Ok(event("response.output_text.delta", json!({
+                            "item_id": meta.message_id,
+                            "output_index": 0,
+                            "content_index": 0,
+                            "delta": output_token_text(sent),
+                            "logprobs": [],
+                        })));
+                        sent += 1;
+                    }
+                    EngineEvent::Finished(finished) => {
+                        let text = output_text(finished.completion_tokens);
+                        yield Ok(event("response.output_text.done", json!({
+                            "item_id": meta.message_id,
+                            "output_index": 0,
+                            "content_index": 0,
+                            "text": text,
+                            "logprobs": [],
+                        })));
+                        yield Ok(event("response.content_part.done", json!({
+                            "item_id": meta.message_id,
+                            "output_index": 0,
+                            "content_index": 0,
+                            "part": {"type": "output_text", "text": text, "annotations": [], "logprobs": []},
+                        })));
+                        yield Ok(event("response.output_item.done", json!({
+                            "output_index": 0,
+                            "item": meta.message(&text, "completed"),
+                        })));
+                        let response = self.finish(&finished);
+                        let kind = if response["status"] == "incomplete" {
+                            "response.incomplete"
+                        } else {
+                            "response.completed"
+                        };
+                        yield Ok(event(kind, json!({"response": response})));
+                        break;
+                    }
+                    EngineEvent::Rejected(rejected) => {
+                        yield Ok(event("error", json!({
+                            "code": "rejected",
+                            "message": rejected.to_string(),
+                            "param": null,
+                        })));
+                        break;
+                    }
+                }
+            }
+        };
+        (
+            [(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream; charset=utf-8"),
+            )],
+            Body::from_stream(stream),
+        )
+            .into_response()
+    }
+}
+
+/// One server-sent event: `event: KIND` and one `data:` line.
+fn sse_event(kind: &str, data: &Value) -> Bytes {
+    let mut bytes = Vec::with_capacity(256);
+    bytes.extend_from_slice(b"event: ");
+    bytes.extend_from_slice(kind.as_bytes());
+    bytes.extend_from_slice(b"\ndata: ");
+    // Serializing a serde_json::Value cannot fail.
+    let _ = serde_json::to_writer(&mut bytes, data);
+    bytes.extend_from_slice(b"\n\n");
+    Bytes::from(bytes)
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("Response with id '{id}' not found.")).param("response_id")
+}
+
+/// vLLM refuses ids that do not start with `resp` before looking them up.
+fn check_id(id: &str) -> Result<(), ApiError> {
+    if id.starts_with("resp") {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "Invalid 'response_id': '{id}'. Expected an ID that begins with 'resp'."
+        ))
+        .param("response_id"))
+    }
+}
+
+async fn retrieve(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    let found =
+        check_id(&id).and_then(|()| shared.responses.get(&id).ok_or_else(|| not_found(&id)));
+    match found {
+        Ok(stored) => Json(stored.response).into_response(),
+        Err(error) => error.into_response(),
+    }
+}
+
+async fn delete(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    if let Err(error) = check_id(&id) {
+        return error.into_response();
+    }
+    if shared.responses.remove(&id) {
+        Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+    } else {
+        not_found(&id).into_response()
+    }
+}
+
+async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    if let Err(error) = check_id(&id) {
+        return error.into_response();
+    }
+    match shared.responses.get(&id) {
+        // Only background responses can be cancelled, and none runs in the background here.
+        Some(_) => ApiError::bad_request("Cannot cancel a synchronous response.".to_owned())
+            .param("response_id")
+            .into_response(),
+        None => not_found(&id).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+
+    #[test]
+    fn the_store_is_bounded_oldest_first() {
+        let store = ResponseStore::new(2);
+        for id in ["a", "b", "c"] {
+            store.insert(
+                id.to_owned(),
+                Stored {
+                    response: json!({}),
+                    conversation: Vec::new(),
+                },
+            );
+        }
+        assert_eq!(store.len(), 2);
+        assert!(store.get("a").is_none());
+        assert!(store.get("c").is_some());
+        assert!(store.remove("b"));
+        assert!(!store.remove("b"));
+        assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn input_items_become_chat_messages() {
+        let messages = input_messages(&json!([
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "42"},
+        ]))
+        .unwrap();
+        assert_eq!(
+            messages,
+            vec![
+                json!({"role": "user", "content": "hi"}),
+                json!({"role": "assistant", "content": "hello"}),
+                json!({"role": "tool", "content": "42"}),
+            ]
+        );
+        assert_eq!(
+            input_messages(&json!(7)).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
+    }
+}

