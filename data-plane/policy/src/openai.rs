@@ -590,7 +590,7 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
                     out.push(text);
                 }
             } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
-                let mut buffer = itoa_buffer();
+                let mut buffer = String::with_capacity(20);
                 for (index, token) in tokens.iter().enumerate() {
                     if out.full() {
                         break;
@@ -607,10 +607,6 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
         }
         _ => {}
     }
-}
-
-fn itoa_buffer() -> String {
-    String::with_capacity(20)
 }
 
 #[cfg(test)]
@@ -756,6 +752,18 @@ mod tests {
         );
         let value: serde_json::Value = serde_json::from_slice(&rewritten).unwrap();
         assert_eq!(value["model"], "m");
+    }
+
+    #[test]
+    fn debug_shows_what_routing_read() {
+        let request =
+            OpenAiRequest::parse(br#"{"model":"x","stream":true,"messages":[]}"#).unwrap();
+        let shown = format!("{request:?}");
+        assert!(
+            shown.starts_with("OpenAiRequest") && shown.contains(r#"model: Some("x")"#),
+            "{shown}"
+        );
+        assert!(shown.contains("stream: true"), "{shown}");
     }
 
     #[test]
