@@ -132,7 +132,8 @@ fn control_process() -> ControlProcess {
     let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();
     let child = Command::new(switchyard_tests::binary("switchyard-control"))
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--metrics-listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

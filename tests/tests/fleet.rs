@@ -566,6 +566,7 @@ impl ControlProcess {
         let port = free_port();
         let child = std::process::Command::new(binary("switchyard-control"))
             .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--metrics-listen", "127.0.0.1:0"])
             .arg("--data-dir")
             .arg(dir)
             .stdout(std::process::Stdio::null())

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use switchyard_shared::process::check_range;
+use switchyard_shared::telemetry::{TelemetryArgs, TelemetrySettings};
 
 use crate::membership::{self, StaticConfig};
 
@@ -123,6 +124,8 @@ pub struct RouterConfig {
     /// cost more than the routing decision). Default: one per CPU.
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 /// Parses a byte count: digits with an optional `KiB`, `MiB` or `GiB` suffix.
@@ -180,6 +183,7 @@ impl RouterConfig {
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
             worker_threads: Some(1),
+            telemetry: TelemetryArgs::default(),
         }
     }
 
@@ -272,7 +276,9 @@ impl RouterConfig {
             .clone()
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
         let seconds = Duration::from_secs;
+        let telemetry = self.telemetry.validate()?;
         Ok(Settings {
+            telemetry,
             config: self.clone(),
             source,
             tls_ca,
@@ -364,6 +370,8 @@ pub struct Settings {
     pub worker_threads: usize,
     pub deadlines: Deadlines,
     pub limits: Limits,
+    /// OpenTelemetry traces, when on.
+    pub telemetry: Option<TelemetrySettings>,
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@ use crate::errors::ApiError;
 use crate::forward::{Failure, Forwarder, Hop};
 use crate::plan::{Disaggregated, Operation, Plan};
 use crate::table::{Disaggregation, RouteLabel, UpstreamError, VariantRoute};
+use crate::trace::request_id;
 
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
 
@@ -106,12 +107,12 @@ impl Forwarder<'_> {
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);
@@ -140,16 +141,14 @@ impl Forwarder<'_> {
             };
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
-                let (response, in_flight) = self
-                    .attempt(
-                        instance,
-                        operation.method(),
-                        uri,
-                        client_headers,
-                        body.clone(),
-                        deadline,
-                    )
-                    .await?;
+                let request = crate::forward::upstream_request(
+                    operation.method(),
+                    uri,
+                    client_headers,
+                    body.clone(),
+                );
+                let (response, in_flight) =
+                    self.attempt(instance, request, deadline, "prefill").await?;
                 let status = response.status();
                 let read =
                     http_body_util::Limited::new(response.into_body(), MOST_PREFILL_ANSWER_BYTES)
@@ -163,22 +162,22 @@ impl Forwarder<'_> {
                 Ok(Ok(answer)) => answer,
                 Ok(Err(Failure::NotSent(error))) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
-                    tracing::info!(instance = %instance.id, error, "prefill instance unreachable; trying the next");
+                    tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, error, "prefill instance unreachable; trying the next");
                     continue;
                 }
                 Ok(Err(Failure::AfterSend(error))) => {
                     instance.cell.count_upstream(UpstreamError::Reset);
-                    tracing::warn!(instance = %instance.id, error, "prefill failed after the request was sent");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, error, "prefill failed after the request was sent");
                     return Err("prefill_failed");
                 }
                 Ok(Err(Failure::TimedOut)) | Err(_) => {
                     instance.cell.count_upstream(UpstreamError::Timeout);
-                    tracing::warn!(instance = %instance.id, ?deadline, "prefill took longer than PrefillTimeoutSeconds");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, ?deadline, "prefill took longer than PrefillTimeoutSeconds");
                     return Err("prefill_timeout");
                 }
             };
             if !status.is_success() {
-                tracing::warn!(instance = %instance.id, %status, "prefill answered an error");
+                tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, %status, "prefill answered an error");
                 return Err("prefill_failed");
             }
             let kv_transfer_params = match pd.protocol {
@@ -191,7 +190,7 @@ impl Forwarder<'_> {
                         })
                         .filter(Value::is_object);
                     if params.is_none() {
-                        tracing::warn!(instance = %instance.id, "the prefill answer has no kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
+                        tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, "the prefill answer has no kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
                         return Err("prefill_failed");
                     }
                     params

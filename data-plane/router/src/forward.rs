@@ -36,6 +36,8 @@ use crate::plan::{Operation, Plan};
 use crate::table::{
     EndpointRoute, InstanceCell, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
 };
+use crate::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
+use opentelemetry::KeyValue;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -95,6 +97,8 @@ pub struct Forwarder<'a> {
     pub clients: &'a UpstreamClients,
     pub settings: ForwardSettings,
     pub metrics: &'a Arc<RouterMetrics>,
+    /// The request's spans, when tracing is on.
+    pub trace: Option<&'a RequestTrace>,
 }
 
 /// How one attempt failed.
@@ -141,14 +145,15 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
     innermost.to_string()
 }
 
-/// Decrements the instance's in-flight count exactly once, when dropped.
+/// Decrements the instance's in-flight count exactly once, when dropped; ends the
+/// attempt's span (when traced) with it.
 #[derive(Debug)]
-pub(crate) struct InFlight(Arc<InstanceCell>);
+pub(crate) struct InFlight(Arc<InstanceCell>, SpanGuard);
 
 impl InFlight {
-    fn start(cell: &Arc<InstanceCell>) -> Self {
+    fn start(cell: &Arc<InstanceCell>, span: SpanGuard) -> Self {
         cell.local.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(cell))
+        Self(Arc::clone(cell), span)
     }
 }
 
@@ -196,11 +201,10 @@ impl Forwarder<'_> {
         &self,
         operation: Operation,
         mut plan: Plan,
-        mut client_headers: HeaderMap,
+        client_headers: HeaderMap,
         permit: RequestPermit,
         reservation: BufferReservation,
     ) -> Result<Response, ApiError> {
-        ensure_request_id(&mut client_headers);
         match plan.disaggregated.take() {
             Some(disaggregated) => {
                 self.disaggregate(
@@ -223,19 +227,26 @@ impl Forwarder<'_> {
         }
     }
 
-    /// One attempt at one instance, within the response-head deadline `deadline`: its
-    /// response head (with the instance's in-flight count held), or how it failed.
+    /// One attempt at one instance (`hop`: `forward`, `prefill` or `decode`, as its span
+    /// says) with a request made by [`upstream_request`], within the response-head deadline
+    /// `deadline`: its response head (with the instance's in-flight count held), or how it
+    /// failed.
     pub(crate) async fn attempt(
         &self,
         instance: &InstanceRoute,
-        method: http::Method,
-        uri: http::Uri,
-        client_headers: &HeaderMap,
-        body: Bytes,
+        mut request: http::Request<Full<Bytes>>,
         deadline: Duration,
+        hop: &'static str,
     ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
-        let in_flight = InFlight::start(&instance.cell);
-        let request = upstream_request(method, uri, client_headers, body);
+        // Traced, the engine's parent is this attempt's span (not the client's).
+        let span = match self.trace {
+            Some(trace) => {
+                let uri = request.uri().clone();
+                trace.upstream(instance, &uri, hop, request.headers_mut())
+            }
+            None => SpanGuard::default(),
+        };
+        let in_flight = InFlight::start(&instance.cell, span);
         let sent = Instant::now();
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {
@@ -244,11 +255,29 @@ impl Forwarder<'_> {
                     .upstream_header_seconds
                     .observe(sent.elapsed().as_secs_f64());
                 instance.cell.failures.store(0, Ordering::Relaxed);
+                in_flight.1.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(response.status().as_u16()),
+                ));
                 Ok((response, in_flight))
             }
-            Ok(Err(err)) => Err(classify(&err)),
-            Err(_elapsed) => Err(Failure::TimedOut),
+            Ok(Err(err)) => {
+                let failure = classify(&err);
+                if let Failure::NotSent(error) | Failure::AfterSend(error) = &failure {
+                    in_flight.1.fail(error);
+                }
+                Err(failure)
+            }
+            Err(_elapsed) => {
+                in_flight.1.fail("no response head in time");
+                Err(Failure::TimedOut)
+            }
         }
+    }
+
+    /// The trace id for log lines (empty when the request is not traced).
+    pub(crate) fn trace_id(&self) -> ShowTraceId {
+        ShowTraceId(self.trace.map(RequestTrace::trace_id))
     }
 
     /// Tries a hop's candidates in order until one answers, under the retry rule.
@@ -283,6 +312,11 @@ impl Forwarder<'_> {
         let mut outcome =
             ApiError::upstream_failed(format!("endpoint {} has no instance to try", endpoint.name));
         let attempts = self.settings.max_attempts.max(1);
+        let hop = if endpoint.disaggregation.is_some() {
+            "decode"
+        } else {
+            "forward"
+        };
         for &index in ranking.order.iter().take(attempts) {
             let instance = &variant.instances[index];
             let Some((body, _)) = &held else {
@@ -292,15 +326,9 @@ impl Forwarder<'_> {
                 continue;
             };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
+            let request = upstream_request(operation.method(), uri, client_headers, body.clone());
             let attempt = self
-                .attempt(
-                    instance,
-                    operation.method(),
-                    uri,
-                    client_headers,
-                    body.clone(),
-                    self.settings.upstream_header,
-                )
+                .attempt(instance, request, self.settings.upstream_header, hop)
                 .await;
             let failure = match attempt {
                 Ok((response, in_flight)) => {
@@ -331,7 +359,7 @@ impl Forwarder<'_> {
             match failure {
                 Failure::NotSent(error) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
-                    self.note_failure(&endpoint, instance, &error);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
                     if !maybe_delivered {
                         outcome = ApiError::upstream_failed(format!(
                             "no instance of endpoint {} could be reached (last error: {error})",
@@ -342,9 +370,9 @@ impl Forwarder<'_> {
                 }
                 Failure::AfterSend(error) => {
                     instance.cell.count_upstream(UpstreamError::Reset);
-                    self.note_failure(&endpoint, instance, &error);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
                     maybe_delivered = true;
-                    tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
                     outcome = ApiError::upstream_reset(format!(
                         "instance {} of endpoint {} failed after receiving the request ({error}); \
                          not retried, since it may have done the work",
@@ -359,7 +387,7 @@ impl Forwarder<'_> {
                     instance.cell.count_upstream(UpstreamError::Timeout);
                     maybe_delivered = true;
                     let seconds = self.settings.upstream_header.as_secs();
-                    tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
                     outcome = ApiError::upstream_timeout(format!(
                         "instance {} of endpoint {} sent no response within {seconds} s \
                          (--upstream-header-timeout-seconds)",
@@ -376,7 +404,14 @@ impl Forwarder<'_> {
     }
 
     /// Counts a connection failure toward the instance's local ejection.
-    fn note_failure(&self, endpoint: &EndpointRoute, instance: &InstanceRoute, error: &str) {
+    fn note_failure(
+        &self,
+        endpoint: &EndpointRoute,
+        instance: &InstanceRoute,
+        error: &str,
+        client_headers: &HeaderMap,
+    ) {
+        let (request_id, trace_id) = (request_id(client_headers), self.trace_id());
         let failures = instance.cell.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= self.settings.eject_after_failures {
             let now = crate::now_unix_ms();
@@ -386,10 +421,10 @@ impl Forwarder<'_> {
                 .ejected_until_ms
                 .swap(until, Ordering::Relaxed);
             if previous <= now {
-                tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, failures, error, eject_for = ?self.settings.eject_for, "instance ejected locally after repeated failures");
+                tracing::warn!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, failures, error, eject_for = ?self.settings.eject_for, "instance ejected locally after repeated failures");
             }
         } else {
-            tracing::info!(endpoint = %endpoint.name, instance = %instance.id, error, "instance connection failed");
+            tracing::info!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, error, "instance connection failed");
         }
     }
 
@@ -566,7 +601,7 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
-fn upstream_request(
+pub(crate) fn upstream_request(
     method: http::Method,
     uri: http::Uri,
     client_headers: &HeaderMap,

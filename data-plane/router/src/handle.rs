@@ -11,11 +11,14 @@ use axum::response::Response;
 use crate::admission::Admission;
 use crate::body::{OFFLOAD_BYTES, read_body};
 use crate::errors::{ApiError, ErrorKind};
-use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
+use crate::forward::{ForwardSettings, Forwarder, UpstreamClients, ensure_request_id};
 use crate::metrics::RouterMetrics;
 use crate::plan::{Operation, make_plan};
 use crate::table::{LoadRegistry, RoutingTable};
 use crate::tokenizer::Tokenizers;
+use crate::trace::{RequestTrace, TracedBody, request_id};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::trace::SdkTracer;
 
 /// What one serving thread works with: the routing state, limits and metrics every thread
 /// shares, and this thread's own upstream connection pools (so that a request and the
@@ -31,6 +34,8 @@ pub struct Worker {
     pub admission: Arc<Admission>,
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
+    /// Starts the requests' spans when tracing is on.
+    pub tracer: Option<SdkTracer>,
 }
 
 impl Worker {
@@ -45,6 +50,7 @@ impl Worker {
             metrics: Arc::clone(&self.metrics),
             admission: Arc::clone(&self.admission),
             tokenizers: Arc::clone(&self.tokenizers),
+            tracer: self.tracer.clone(),
         }
     }
 }
@@ -70,12 +76,23 @@ pub async fn handle(
     request: Request,
 ) -> Response {
     let mut unanswered = Unanswered(Some(&worker.metrics));
-    let result = route(&worker, operation, endpoint, request).await;
+    let trace = worker.tracer.as_ref().map(|tracer| {
+        RequestTrace::start(tracer, request.method(), request.uri(), request.headers())
+    });
+    let result = route(&worker, operation, endpoint, request, trace.as_ref()).await;
     unanswered.0 = None;
-    result.unwrap_or_else(|err| {
+    let response = result.unwrap_or_else(|err| {
         worker.metrics.error(err.kind);
         err.into_response_for(operation.api())
-    })
+    });
+    match trace {
+        None => response,
+        Some(trace) => {
+            // The server span ends with the body (a stream ends long after its head).
+            let span = trace.finish(response.status());
+            response.map(|inner| axum::body::Body::new(TracedBody { inner, span }))
+        }
+    }
 }
 
 async fn route(
@@ -83,6 +100,7 @@ async fn route(
     operation: Operation,
     endpoint_name: Option<String>,
     request: Request,
+    trace: Option<&RequestTrace>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let (parts, body) = request.into_parts();
@@ -117,7 +135,15 @@ async fn route(
         &mut reservation,
     )
     .await?;
-    let (uri, headers) = (parts.uri, parts.headers);
+    let (uri, mut headers) = (parts.uri, parts.headers);
+    ensure_request_id(&mut headers);
+    if let Some(trace) = trace {
+        trace.set_attribute(KeyValue::new(
+            "switchyard.request_id",
+            request_id(&headers).to_owned(),
+        ));
+    }
+    let decision = trace.map(RequestTrace::decision);
     // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
     // blocking task owns the body's reservation and the request's slot while it holds the
     // body, so they are released with it even if this request is dropped meanwhile.
@@ -160,7 +186,15 @@ async fn route(
         );
         (plan, headers, reservation, permit)
     };
-    let plan = plan?;
+    let plan = plan.inspect_err(|err| {
+        if let Some(decision) = &decision {
+            decision.fail(&err.message);
+        }
+    })?;
+    drop(decision);
+    if let Some(trace) = trace {
+        trace.record_plan(&plan);
+    }
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(plan.body.len() as u64);
     worker
@@ -171,6 +205,7 @@ async fn route(
         clients: &worker.clients,
         settings: worker.forwarding,
         metrics: &worker.metrics,
+        trace,
     }
     .forward(operation, plan, headers, permit, reservation)
     .await

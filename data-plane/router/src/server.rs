@@ -31,6 +31,7 @@ use crate::plan::Operation;
 use crate::table::{LoadRegistry, RoutingTable};
 use crate::tokenizer::Tokenizers;
 use crate::{metrics, sync_client};
+use switchyard_shared::telemetry::Telemetry;
 
 /// A running router.
 #[derive(Debug)]
@@ -53,6 +54,8 @@ pub enum StartError {
     Thread(usize, std::io::Error),
     #[error("cannot start the control-plane sync thread: {0}")]
     SyncThread(std::io::Error),
+    #[error(transparent)]
+    Telemetry(#[from] switchyard_shared::telemetry::TelemetryError),
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -106,6 +109,10 @@ impl RouterHandle {
                  the open-file limit; raise `ulimit -n` or lower them"
             );
         }
+        let telemetry = match &settings.telemetry {
+            Some(telemetry) => Some(Telemetry::start(telemetry, "switchyard-router")?),
+            None => None,
+        };
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
@@ -126,6 +133,7 @@ impl RouterHandle {
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
             tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
+            tracer: telemetry.as_ref().map(|telemetry| telemetry.tracer.clone()),
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
         let tokenizers = Arc::clone(&worker.tokenizers);
@@ -233,6 +241,10 @@ impl RouterHandle {
             }
             if let Some(task) = sync_task {
                 task.abort();
+            }
+            // The last spans go out (within about two seconds).
+            if let Some(telemetry) = telemetry {
+                let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
             }
         });
         tracing::info!(%addr, router = %settings.router_id, threads = settings.worker_threads, "router listening");
