@@ -6,13 +6,14 @@
 //! sends them in batches over OTLP/gRPC. When the queue is full (the collector is slow or
 //! gone) a span is dropped and counted, never waited for.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opentelemetry::Context;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{
     Sampler, SdkTracer, SdkTracerProvider, Span, SpanData, SpanExporter as _, SpanProcessor,
@@ -277,18 +278,23 @@ pub mod propagation {
 struct QueueProcessor {
     sender: Mutex<Option<mpsc::Sender<SpanData>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The provider's resource (service name), for the exporter to send with the spans.
+    resource: Arc<Mutex<Option<Resource>>>,
 }
 
 impl QueueProcessor {
     fn start(endpoint: String, capacity: usize) -> Result<Self, TelemetryError> {
         let (sender, receiver) = mpsc::channel(capacity);
+        let resource = Arc::new(Mutex::new(None));
+        let pending = Arc::clone(&resource);
         let thread = std::thread::Builder::new()
             .name("otlp-export".into())
-            .spawn(move || export_loop(endpoint, receiver))
+            .spawn(move || export_loop(endpoint, receiver, pending))
             .map_err(TelemetryError::Thread)?;
         Ok(Self {
             sender: Mutex::new(Some(sender)),
             thread: Mutex::new(Some(thread)),
+            resource,
         })
     }
 }
@@ -317,6 +323,10 @@ impl SpanProcessor for QueueProcessor {
         Ok(())
     }
 
+    fn set_resource(&mut self, resource: &Resource) {
+        *lock(&self.resource) = Some(resource.clone());
+    }
+
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
         // Closing the queue lets the thread send what is left and stop.
         drop(lock(&self.sender).take());
@@ -335,7 +345,11 @@ impl SpanProcessor for QueueProcessor {
     }
 }
 
-fn export_loop(endpoint: String, mut receiver: mpsc::Receiver<SpanData>) {
+fn export_loop(
+    endpoint: String,
+    mut receiver: mpsc::Receiver<SpanData>,
+    resource: Arc<Mutex<Option<Resource>>>,
+) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -350,7 +364,7 @@ fn export_loop(endpoint: String, mut receiver: mpsc::Receiver<SpanData>) {
         }
     };
     runtime.block_on(async move {
-        let exporter = match opentelemetry_otlp::SpanExporter::builder()
+        let mut exporter = match opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(endpoint.clone())
             .with_timeout(EXPORT_TIMEOUT)
@@ -379,6 +393,9 @@ fn export_loop(endpoint: String, mut receiver: mpsc::Receiver<SpanData>) {
             };
             let _ = tokio::time::timeout(BATCH_DELAY, fill).await;
             let spans = batch.len() as u64;
+            if let (Some(exporter), Some(resource)) = (&mut exporter, lock(&resource).take()) {
+                exporter.set_resource(&resource);
+            }
             let sent = match &exporter {
                 Some(exporter) => {
                     let export = exporter.export(std::mem::take(&mut batch));

@@ -148,12 +148,13 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the
 /// attempt's span (when traced) with it.
 #[derive(Debug)]
-pub(crate) struct InFlight(Arc<InstanceCell>, SpanGuard);
+pub(crate) struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
 
 impl InFlight {
+    /// Counts the attempt, sent now.
     fn start(cell: &Arc<InstanceCell>, span: SpanGuard) -> Self {
         cell.local.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(cell), span)
+        Self(Arc::clone(cell), span, Instant::now())
     }
 }
 
@@ -247,7 +248,7 @@ impl Forwarder<'_> {
             None => SpanGuard::default(),
         };
         let in_flight = InFlight::start(&instance.cell, span);
-        let sent = Instant::now();
+        let sent = in_flight.2;
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {
             Ok(Ok(response)) => {
@@ -459,6 +460,7 @@ impl Forwarder<'_> {
         } else {
             Stall::Cut
         };
+        let in_flight_sent = in_flight.2;
         let tracked = TrackedBody {
             inner: Some(incoming),
             held: Some((in_flight, permit)),
@@ -467,7 +469,11 @@ impl Forwarder<'_> {
             timer: None,
             stall,
             metrics: Arc::clone(self.metrics),
-            first_frame_since: time_first_frame.then(Instant::now),
+            first_frame: Some(FirstFrame {
+                sent: in_flight_sent,
+                answered: Instant::now(),
+                disaggregated_decode: time_first_frame,
+            }),
         };
         let body = if sagemaker_stream {
             crate::eventstream::set_headers(&mut parts.headers);
@@ -679,7 +685,17 @@ struct TrackedBody {
     stall: Stall,
     metrics: Arc<RouterMetrics>,
     /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
-    first_frame_since: Option<Instant>,
+    first_frame: Option<FirstFrame>,
+}
+
+/// Timing the answer's first data frame (TTFT).
+struct FirstFrame {
+    /// The request sent upstream.
+    sent: Instant,
+    /// Its response head received.
+    answered: Instant,
+    /// Also a disaggregated decode's TTFT (from the head).
+    disaggregated_decode: bool,
 }
 
 impl TrackedBody {
@@ -728,12 +744,17 @@ impl http_body::Body for TrackedBody {
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(since) = this.first_frame_since.take()
-                    && frame.is_data()
+                if frame.is_data()
+                    && let Some(first) = this.first_frame.take()
                 {
                     this.metrics
-                        .disaggregation_decode_ttft_seconds
-                        .observe(since.elapsed().as_secs_f64());
+                        .upstream_ttft_seconds
+                        .observe(first.sent.elapsed().as_secs_f64());
+                    if first.disaggregated_decode {
+                        this.metrics
+                            .disaggregation_decode_ttft_seconds
+                            .observe(first.answered.elapsed().as_secs_f64());
+                    }
                 }
                 if http_body::Body::is_end_stream(inner) {
                     // hyper drops a body as soon as it is complete, without a last poll.

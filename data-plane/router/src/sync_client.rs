@@ -270,6 +270,7 @@ async fn follow(
                     Ok(None) => return Ended::Closed,
                     Err(err) => return Ended::Failed(status(err)),
                 };
+                metrics.last_message_ms.store(crate::now_unix_ms(), Ordering::Relaxed);
                 let replica = message.replica_id.clone();
                 match receive(message) {
                     Received::Nothing => {}
