@@ -67,8 +67,11 @@ pub fn write_metrics(encoder: &mut crate::metrics::TextEncoder) {
         );
 }
 
+/// Spans the export queue holds by default.
+const QUEUE_SPANS: usize = 4096;
+
 /// The tracing flags every server binary takes.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct TelemetryArgs {
     /// Send OpenTelemetry traces over OTLP/gRPC to this collector URL
     /// (e.g. http://127.0.0.1:4317). Off when unset. Sampling follows OTEL_TRACES_SAMPLER and
@@ -83,8 +86,17 @@ pub struct TelemetryArgs {
     pub otlp_endpoint: Option<String>,
     /// Finished spans waiting for export at most (spans); past it spans are dropped and
     /// counted in switchyard_trace_spans_dropped_total.
-    #[arg(long, default_value_t = 4096, value_name = "SPANS")]
+    #[arg(long, default_value_t = QUEUE_SPANS, value_name = "SPANS")]
     pub otlp_queue_spans: usize,
+}
+
+impl Default for TelemetryArgs {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            otlp_queue_spans: QUEUE_SPANS,
+        }
+    }
 }
 
 /// Checked tracing settings; `None` when tracing is off.

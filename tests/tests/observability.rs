@@ -566,3 +566,197 @@ async fn every_metric_is_documented_and_every_documented_metric_is_exported() ->
     router.shutdown().await;
     Ok(())
 }
+
+fn repo_file(path: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path);
+    std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
+}
+
+/// Every PromQL expression of a Grafana dashboard (panels, nested rows included).
+fn dashboard_expressions(dashboard: &serde_json::Value) -> Vec<(String, String)> {
+    fn walk(panels: &serde_json::Value, out: &mut Vec<(String, String)>) {
+        for panel in panels.as_array().into_iter().flatten() {
+            let title = panel["title"].as_str().unwrap_or("").to_owned();
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                if let Some(expr) = target["expr"].as_str() {
+                    out.push((title.clone(), expr.to_owned()));
+                }
+            }
+            walk(&panel["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+/// Grafana's variables replaced by values PromQL accepts.
+fn without_variables(expr: &str) -> String {
+    expr.replace("$__rate_interval", "5m")
+        .replace("$__interval", "1m")
+        .replace("$__range", "1h")
+        .replace("${endpoint}", ".*")
+        .replace("$endpoint", ".*")
+}
+
+#[test]
+fn the_dashboards_promql_parses_and_names_only_documented_metrics() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&repo_file("deploy/grafana/switchyard.json")).expect("dashboard JSON");
+    let expressions = dashboard_expressions(&dashboard);
+    assert!(expressions.len() >= 20, "{expressions:?}");
+    // promtool parses rules files: one recording rule per expression.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (index, (_, expr)) in expressions.iter().enumerate() {
+        let expr = serde_json::to_string(&without_variables(expr)).expect("quoted");
+        rules.push_str(&format!(
+            "      - record: dashboard:expression_{index}\n        expr: {expr}\n"
+        ));
+    }
+    let path = dir.path().join("dashboard.rules.yaml");
+    std::fs::write(&path, &rules).expect("write rules");
+    let output = std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&path)
+        .output()
+        .expect("promtool runs (scripts/ensure-deps --for-tests installs Debian's prometheus)");
+    assert!(
+        output.status.success(),
+        "promtool check rules:\n{}{}\n{rules}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // Only documented names (histograms by their family).
+    let documented = documented();
+    let mut problems = Vec::new();
+    for (title, expr) in &expressions {
+        let mut rest = expr.as_str();
+        while let Some(at) = rest.find("switchyard_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| {
+                    let base = name.strip_suffix(suffix)?;
+                    documented
+                        .get(base)
+                        .is_some_and(|(kind, _)| kind == "histogram")
+                        .then_some(base)
+                })
+                .unwrap_or(&name);
+            if !documented.contains_key(family) {
+                problems.push(format!(
+                    "panel {title:?} uses {name}, not in docs/metrics.md"
+                ));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // The panels the dashboard is for.
+    let titles: Vec<&str> = expressions
+        .iter()
+        .map(|(title, _)| title.as_str())
+        .collect();
+    for wanted in [
+        "Traffic share per instance",
+        "Fleet in-flight per instance",
+        "Retries",
+        "Ejected instances",
+        "Sync lag",
+    ] {
+        assert!(titles.contains(&wanted), "no panel {wanted:?}");
+    }
+    assert!(
+        titles
+            .iter()
+            .any(|title| title.starts_with("Route reasons"))
+    );
+}
+
+#[test]
+fn the_collector_example_receives_otlp_and_exports_traces() {
+    let config: serde_yaml::Value =
+        serde_yaml::from_str(&repo_file("deploy/otel-collector.yaml")).expect("collector YAML");
+    let grpc = &config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"];
+    assert_eq!(grpc.as_str(), Some("0.0.0.0:4317"));
+    let traces = &config["service"]["pipelines"]["traces"];
+    let names = |list: &serde_yaml::Value| -> Vec<String> {
+        list.as_sequence()
+            .into_iter()
+            .flatten()
+            .filter_map(|name| name.as_str().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(names(&traces["receivers"]), ["otlp"]);
+    let exporters = names(&traces["exporters"]);
+    assert!(
+        exporters.iter().any(|name| name.starts_with("otlp")),
+        "{exporters:?}"
+    );
+    // Every component a pipeline names is defined.
+    for (section, listed) in [
+        ("receivers", names(&traces["receivers"])),
+        ("processors", names(&traces["processors"])),
+        ("exporters", exporters.clone()),
+        ("extensions", names(&config["service"]["extensions"])),
+    ] {
+        for name in listed {
+            assert!(
+                config[section].get(name.as_str()).is_some(),
+                "{section}.{name} is used but not defined"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switchyard_up_passes_its_otlp_endpoint_to_the_control_plane_and_routers()
+-> anyhow::Result<()> {
+    let sink = OtlpSink::start(true).await?;
+    let router_port = free_port();
+    let control_port = free_port();
+    let mut child = std::process::Command::new(binary("switchyard"))
+        .args(["up", "--engines", "1", "--time-scale", "0.05"])
+        .args(["--listen", &format!("127.0.0.1:{router_port}")])
+        .args(["--control-listen", &format!("127.0.0.1:{control_port}")])
+        .args(["--otlp-endpoint", &sink.url()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let router = format!("http://127.0.0.1:{router_port}");
+    let result = async {
+        eventually(
+            Duration::from_secs(60),
+            "switchyard up to route",
+            || async {
+                chat(&router, &[("x-request-id", "up-1")])
+                    .await
+                    .is_ok_and(|reply| reply.status == 200)
+            },
+        )
+        .await?;
+        trace_spans(
+            &sink,
+            "spans of the router and the control plane",
+            |spans| {
+                spans.iter().any(|span| span.service == "switchyard-router")
+                    && spans.iter().any(|span| {
+                        span.service == "switchyard-control"
+                            && span.name.ends_with("RegisterInstance")
+                    })
+            },
+        )
+        .await?;
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
