@@ -760,3 +760,78 @@ async fn switchyard_up_passes_its_otlp_endpoint_to_the_control_plane_and_routers
     let _ = child.wait();
     result
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_lines_about_a_request_carry_its_ids_and_no_colour_codes_off_a_terminal()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    // One instance that refuses connections: the router logs the failure.
+    let config = serde_json::json!({
+        "Endpoints": [{
+            "EndpointName": "chat",
+            "ProductionVariants": serde_json::from_str::<serde_json::Value>(&variant_json("RANDOM", None))?,
+            "Instances": [{"Url": format!("http://127.0.0.1:{}", free_port()), "InstanceId": "gone"}],
+        }]
+    });
+    let path = dir.path().join("routes.json");
+    std::fs::write(&path, config.to_string())?;
+    let port = free_port();
+    let log = dir.path().join("router.log");
+    let mut child = std::process::Command::new(binary("switchyard-router"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--config")
+        .arg(&path)
+        .args([
+            "--otlp-endpoint",
+            &format!("http://127.0.0.1:{}", free_port()),
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()?;
+    let router = format!("http://127.0.0.1:{port}");
+    let result = async {
+        eventually(
+            Duration::from_secs(20),
+            "the router to be ready",
+            || async {
+                http_get(&format!("{router}/readyz"))
+                    .await
+                    .is_ok_and(|(status, _)| status == 200)
+            },
+        )
+        .await?;
+        let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+        let reply = chat(
+            &router,
+            &[("traceparent", &traceparent), ("x-request-id", "logged-1")],
+        )
+        .await?;
+        assert_eq!(reply.status, 503, "{}", reply.body);
+        eventually(
+            Duration::from_secs(10),
+            "the failure's log line",
+            || async { std::fs::read_to_string(&log).is_ok_and(|text| text.contains("logged-1")) },
+        )
+        .await?;
+        let text = std::fs::read_to_string(&log)?;
+        assert!(
+            !text.contains('\u{1b}'),
+            "colour codes in a log file:\n{text}"
+        );
+        let about: Vec<&str> = text.lines().filter(|line| line.contains("gone")).collect();
+        assert!(!about.is_empty(), "{text}");
+        for line in about {
+            assert!(
+                line.contains("request_id=\"logged-1\"") || line.contains("request_id=logged-1"),
+                "{line}"
+            );
+            assert!(line.contains(&format!("trace_id={CLIENT_TRACE}")), "{line}");
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}

@@ -70,6 +70,8 @@ struct Answer<'a> {
     label: RouteLabel,
     explain: &'a [(HeaderName, HeaderValue)],
     time_first_frame: bool,
+    /// The client's request (its id goes on the answer's log lines).
+    client_headers: &'a HeaderMap,
 }
 
 /// One serving thread's upstream connection pools: HTTP/1.1 keep-alive and h2c, and the one
@@ -340,6 +342,7 @@ impl Forwarder<'_> {
                         label,
                         explain: &explain,
                         time_first_frame,
+                        client_headers,
                     };
                     let response = self
                         .respond(operation, response, in_flight, permit, answer)
@@ -443,6 +446,7 @@ impl Forwarder<'_> {
             label,
             explain,
             time_first_frame,
+            client_headers,
         } = answer;
         let (mut parts, incoming) = response.into_parts();
         if operation.api() == Api::Native && !parts.status.is_success() {
@@ -461,7 +465,12 @@ impl Forwarder<'_> {
             Stall::Cut
         };
         let in_flight_sent = in_flight.2;
+        let ids = LogIds {
+            request_id: client_headers.get(&REQUEST_ID).cloned(),
+            trace_id: self.trace.map(RequestTrace::trace_id),
+        };
         let tracked = TrackedBody {
+            ids,
             inner: Some(incoming),
             held: Some((in_flight, permit)),
             idle: self.settings.stream_idle,
@@ -686,6 +695,22 @@ struct TrackedBody {
     metrics: Arc<RouterMetrics>,
     /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
     first_frame: Option<FirstFrame>,
+    ids: LogIds,
+}
+
+/// A request's ids for the log lines of its answer.
+struct LogIds {
+    request_id: Option<HeaderValue>,
+    trace_id: Option<opentelemetry::trace::TraceId>,
+}
+
+impl LogIds {
+    fn request_id(&self) -> &str {
+        self.request_id
+            .as_ref()
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+    }
 }
 
 /// Timing the answer's first data frame (TTFT).
@@ -768,7 +793,7 @@ impl http_body::Body for TrackedBody {
                 this.count_upstream(UpstreamError::Reset);
                 this.end();
                 this.metrics.error(ErrorKind::UpstreamReset);
-                tracing::warn!(error = %err, "the instance's answer failed midway");
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), error = %err, "the instance's answer failed midway");
                 Poll::Ready(Some(Err(err.into())))
             }
             Poll::Ready(None) => {
@@ -782,7 +807,7 @@ impl http_body::Body for TrackedBody {
                 this.count_upstream(UpstreamError::StreamIdle);
                 this.end();
                 this.metrics.error(ErrorKind::StreamIdleTimeout);
-                tracing::warn!(idle = ?this.idle, "the instance's answer stalled; closing it");
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), idle = ?this.idle, "the instance's answer stalled; closing it");
                 match this.stall {
                     Stall::SseErrorEvent => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                         STREAM_IDLE_EVENT.as_bytes(),
