@@ -126,6 +126,8 @@ pub struct RouterConfig {
     pub worker_threads: Option<usize>,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
+    #[command(flatten)]
+    pub kv: crate::kv::KvArgs,
 }
 
 /// Parses a byte count: digits with an optional `KiB`, `MiB` or `GiB` suffix.
@@ -184,6 +186,7 @@ impl RouterConfig {
             tokenizer_dir: None,
             worker_threads: Some(1),
             telemetry: TelemetryArgs::default(),
+            kv: crate::kv::KvArgs::default(),
         }
     }
 
@@ -275,6 +278,7 @@ impl RouterConfig {
             .router_id
             .clone()
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        let (kv, kv_tokenize_timeout) = self.kv.validate()?;
         let seconds = Duration::from_secs;
         let telemetry = self.telemetry.validate()?;
         Ok(Settings {
@@ -300,6 +304,8 @@ impl RouterConfig {
                 max_in_flight: self.max_in_flight,
                 max_buffered_bytes: self.max_buffered_bytes,
             },
+            kv,
+            kv_tokenize_timeout,
         })
     }
 
@@ -372,6 +378,10 @@ pub struct Settings {
     pub limits: Limits,
     /// OpenTelemetry traces, when on.
     pub telemetry: Option<TelemetrySettings>,
+    /// KV_AWARE: the index's bounds and the subscribers' probes.
+    pub kv: crate::kv::KvSettings,
+    /// KV_AWARE: the deadline of a request's `/tokenize` round trip.
+    pub kv_tokenize_timeout: Duration,
 }
 
 #[cfg(test)]
@@ -419,8 +429,16 @@ mod tests {
         let mut bad = config();
         bad.max_buffered_bytes = 1 << 20;
         assert!(bad.validate().unwrap_err().contains("--max-buffered-bytes"));
+        let mut bad = config();
+        bad.kv.kv_tokenize_timeout_ms = 0;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .contains("--kv-tokenize-timeout-ms")
+        );
         let settings = config().validate().unwrap();
         assert_eq!(settings.deadlines.stream_idle, Duration::from_secs(120));
+        assert_eq!(settings.kv_tokenize_timeout, Duration::from_millis(250));
         assert_eq!(settings.limits.max_buffered_bytes, 512 << 20);
     }
 
