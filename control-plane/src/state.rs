@@ -61,6 +61,8 @@ pub enum Published {
     Changes {
         revision: Revision,
         changes: Vec<StateChange>,
+        /// When this replica's view took them in (the sync push lag is measured from here).
+        at: std::time::Instant,
     },
     /// The view was rebuilt from a new listing: subscribe again for a fresh snapshot.
     Rebuilt,
@@ -342,6 +344,16 @@ impl StateCache {
         self.lock().revision
     }
 
+    /// Endpoint configs, endpoints and instances in the view.
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        let view = self.lock();
+        (
+            view.configs.len(),
+            view.endpoints.len(),
+            view.instances.len(),
+        )
+    }
+
     pub fn probe_targets(&self) -> Vec<ProbeTarget> {
         let view = self.lock();
         view.instances
@@ -378,9 +390,11 @@ impl StateCache {
             let changes = view.difference(&new);
             *view = new;
             if !changes.is_empty() {
-                let _ = self
-                    .changes
-                    .send(Arc::new(Published::Changes { revision, changes }));
+                let _ = self.changes.send(Arc::new(Published::Changes {
+                    revision,
+                    changes,
+                    at: std::time::Instant::now(),
+                }));
             }
             return;
         }
@@ -406,9 +420,11 @@ impl StateCache {
         }
         view.revision = revision;
         if !changes.is_empty() {
-            let _ = self
-                .changes
-                .send(Arc::new(Published::Changes { revision, changes }));
+            let _ = self.changes.send(Arc::new(Published::Changes {
+                revision,
+                changes,
+                at: std::time::Instant::now(),
+            }));
         }
         true
     }

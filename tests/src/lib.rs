@@ -1131,7 +1131,7 @@ pub async fn router_with(
 /// `["--data-dir", DIR]` or `["--store", "etcd", "--etcd-endpoints", URL]`): for crashes,
 /// which only a process killed with SIGKILL shows as they are.
 pub fn control_process(store_args: &[&str]) -> anyhow::Result<Process> {
-    let mut args = vec!["--listen", "127.0.0.1:0"];
+    let mut args = vec!["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"];
     args.extend_from_slice(store_args);
     Process::start("switchyard-control", &args, "control plane listening")
 }

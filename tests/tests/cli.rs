@@ -124,7 +124,14 @@ fn control_process() -> ControlProcess {
     let data_dir = dir.path().to_str().expect("utf-8 path").to_owned();
     let process = Process::start(
         "switchyard-control",
-        &["--listen", "127.0.0.1:0", "--data-dir", &data_dir],
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_dir,
+        ],
         "control plane listening",
     )
     .expect("switchyard-control starts");
@@ -553,6 +560,7 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
             "2",
             "--duration",
             "0.3",
+            "--tracing",
             "--json",
             json_arg,
         ],
@@ -589,6 +597,29 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
             .expect("rate")
             > 0.0
     );
+    // --tracing: a router exporting to a dead collector, one tracing every request.
+    let modes = report["tracing"].as_array().expect("tracing modes");
+    let mode = |name: &str| {
+        modes
+            .iter()
+            .find(|mode| mode["mode"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {report}"))
+    };
+    let dead = mode("dead-collector");
+    assert_eq!(dead["throughput"]["errors"], 0, "{report}");
+    assert!(
+        dead["spans_dropped"].as_f64().expect("drops") > 0.0,
+        "{report}"
+    );
+    assert_eq!(dead["spans_exported"], 0.0, "{report}");
+    let sampled = mode("sampled-100pct");
+    assert_eq!(sampled["throughput"]["errors"], 0, "{report}");
+    assert!(sampled["latency_ms"]["p50"].as_f64().expect("p50") > 0.0);
+    assert!(
+        report["otlp_sink_spans"].as_u64().expect("sink spans") > 0,
+        "{report}"
+    );
+    assert!(table.contains("dead-collector"), "{table}");
 
     let bad = run("switchyard-bench", &["overhead", "--requests", "0"]);
     assert_eq!(bad.status.code(), Some(64));

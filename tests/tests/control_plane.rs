@@ -1366,6 +1366,8 @@ async fn fleet_load_crosses_replicas_and_a_dead_replicas_share_lapses() -> anyho
         &[
             "--listen",
             "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
             "--store",
             "etcd",
             "--etcd-endpoints",

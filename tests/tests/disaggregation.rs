@@ -1137,3 +1137,72 @@ async fn a_prefill_answer_without_a_usable_hand_off_falls_back() -> anyhow::Resu
     server.abort();
     Ok(())
 }
+
+#[tokio::test]
+async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_context()
+-> anyhow::Result<()> {
+    let sink = switchyard_bench::otlp_sink::OtlpSink::start(true).await?;
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let endpoint = sink.url();
+    let router = router(&dir, &pool, NIXL, "", |config| {
+        config.telemetry.otlp_endpoint = Some(endpoint);
+    })
+    .await?;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
+    let reply = bounded(
+        "a disaggregated request",
+        http_post(
+            &url(&router),
+            &[("traceparent", &traceparent), ("x-request-id", "pd-traced")],
+            completion(&hellos(5000), 2, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    let hop = |spans: &[switchyard_bench::otlp_sink::ReceivedSpan], name: &str| {
+        spans
+            .iter()
+            .find(|span| span.trace_id == trace && span.attribute("switchyard.hop") == Some(name))
+            .cloned()
+    };
+    eventually(Duration::from_secs(15), "both hops' spans", || async {
+        let spans = sink.spans();
+        hop(&spans, "prefill").is_some() && hop(&spans, "decode").is_some()
+    })
+    .await?;
+    let spans = sink.spans();
+    let server = spans
+        .iter()
+        .find(|span| span.trace_id == trace && span.kind == 2)
+        .expect("server span");
+    assert_eq!(server.attribute("switchyard.route"), Some("disaggregated"));
+    assert_eq!(server.attribute("gen_ai.usage.input_tokens"), Some("5000"));
+    let (prefill, decode) = (
+        hop(&spans, "prefill").unwrap(),
+        hop(&spans, "decode").unwrap(),
+    );
+    for span in [&prefill, &decode] {
+        assert_eq!(span.parent_span_id, server.span_id, "{span:?}");
+        assert_eq!(span.kind, 3);
+    }
+    // Each engine's parent is its own hop's span.
+    let parent_of = |sims: &[SimHandle]| {
+        Pool::received(sims)
+            .into_iter()
+            .find(|request| request.header("x-request-id") == Some("pd-traced"))
+            .and_then(|request| request.header("traceparent").map(str::to_owned))
+    };
+    assert_eq!(
+        parent_of(&pool.prefill),
+        Some(format!("00-{trace}-{}-01", prefill.span_id))
+    );
+    assert_eq!(
+        parent_of(&pool.decode),
+        Some(format!("00-{trace}-{}-01", decode.span_id))
+    );
+    settles(&router).await?;
+    Ok(())
+}

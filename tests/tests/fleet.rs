@@ -580,7 +580,13 @@ async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keep
     }
     // The second one binds nothing: it stops at the lock, before its listener.
     let second = tokio::process::Command::new(binary("switchyard-control"))
-        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
         .arg(dir.path())
         .kill_on_drop(true)
         .output();

@@ -40,6 +40,7 @@ use crate::plan::{Disaggregated, Operation, Plan};
 use crate::table::{
     Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
 };
+use crate::trace::request_id;
 
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
 
@@ -149,12 +150,12 @@ impl Forwarder<'_> {
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);
@@ -189,16 +190,14 @@ impl Forwarder<'_> {
             };
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
-                let (response, in_flight) = self
-                    .attempt(
-                        instance,
-                        operation.method(),
-                        uri,
-                        &headers,
-                        body.clone(),
-                        deadline,
-                    )
-                    .await?;
+                let request = crate::forward::upstream_request(
+                    operation.method(),
+                    uri,
+                    &headers,
+                    body.clone(),
+                );
+                let (response, in_flight) =
+                    self.attempt(instance, request, deadline, "prefill").await?;
                 let status = response.status();
                 let read = read_answer(response.into_body(), reservation, held).await;
                 drop(in_flight);
@@ -209,12 +208,18 @@ impl Forwarder<'_> {
                 Ok(Ok(answer)) => answer,
                 Ok(Err(Failure::NotSent(error))) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
-                    self.note_failure(endpoint, instance, &error);
-                    tracing::info!(instance = %instance.id, error, "prefill instance unreachable; trying the next");
+                    self.note_failure(endpoint, instance, &error, client_headers);
+                    tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, error, "prefill instance unreachable; trying the next");
                     continue;
                 }
                 Ok(Err(Failure::AfterSend(error))) => {
-                    return Err(self.failed_after_send(endpoint, variant, instance, error));
+                    return Err(self.failed_after_send(
+                        endpoint,
+                        variant,
+                        instance,
+                        error,
+                        client_headers,
+                    ));
                 }
                 Ok(Err(Failure::TimedOut)) | Err(_) => {
                     instance.cell.count_upstream(UpstreamError::Timeout);
@@ -229,7 +234,13 @@ impl Forwarder<'_> {
             let answer = match answer {
                 Ok(answer) => answer,
                 Err(ReadError::Cut(error)) => {
-                    return Err(self.failed_after_send(endpoint, variant, instance, error));
+                    return Err(self.failed_after_send(
+                        endpoint,
+                        variant,
+                        instance,
+                        error,
+                        client_headers,
+                    ));
                 }
                 Err(ReadError::TooLarge) => {
                     tracing::warn!(instance = %instance.id, most = MOST_PREFILL_ANSWER_BYTES, "the prefill answer is too large");
@@ -273,11 +284,12 @@ impl Forwarder<'_> {
         variant: &VariantRoute,
         instance: &InstanceRoute,
         error: String,
+        client_headers: &HeaderMap,
     ) -> NoPrefill {
         instance.cell.count_upstream(UpstreamError::Reset);
-        self.note_failure(endpoint, instance, &error);
+        self.note_failure(endpoint, instance, &error, client_headers);
         let retry = self.settings.retry_after_send;
-        tracing::warn!(variant = %variant.name, instance = %instance.id, error, retry, "prefill failed after the request was sent");
+        tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), variant = %variant.name, instance = %instance.id, error, retry, "prefill failed after the request was sent");
         if retry {
             return NoPrefill::Fallback("prefill_failed");
         }

@@ -12,13 +12,16 @@ use axum::response::Response;
 use crate::admission::Admission;
 use crate::body::{OFFLOAD_BYTES, read_body};
 use crate::errors::{ApiError, ErrorKind};
-use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
+use crate::forward::{ForwardSettings, Forwarder, UpstreamClients, ensure_request_id};
 use crate::kv::tokenize::{PromptTokens, Tokenizer};
 use crate::kv::{self, KvIndex};
 use crate::metrics::RouterMetrics;
 use crate::plan::{KvInput, Operation, Plan, make_plan};
 use crate::table::{LoadRegistry, RouteLabel, RoutingTable};
 use crate::tokenizer::Tokenizers;
+use crate::trace::{RequestTrace, TracedBody, request_id};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::trace::SdkTracer;
 use switchyard_policy::rank::Route;
 
 /// What one serving thread works with: the routing state, limits and metrics every thread
@@ -35,6 +38,8 @@ pub struct Worker {
     pub admission: Arc<Admission>,
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
+    /// Starts the requests' spans when tracing is on.
+    pub tracer: Option<SdkTracer>,
     /// KV_AWARE: what the engines' KV events say each instance holds.
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.
@@ -54,6 +59,7 @@ impl Worker {
             metrics: Arc::clone(&self.metrics),
             admission: Arc::clone(&self.admission),
             tokenizers: Arc::clone(&self.tokenizers),
+            tracer: self.tracer.clone(),
             kv_index: Arc::clone(&self.kv_index),
             tokenizer: Tokenizer::new(self.tokenizer.timeout()),
         }
@@ -81,12 +87,23 @@ pub async fn handle(
     request: Request,
 ) -> Response {
     let mut unanswered = Unanswered(Some(&worker.metrics));
-    let result = route(&worker, operation, endpoint, request).await;
+    let trace = worker.tracer.as_ref().map(|tracer| {
+        RequestTrace::start(tracer, request.method(), request.uri(), request.headers())
+    });
+    let result = route(&worker, operation, endpoint, request, trace.as_ref()).await;
     unanswered.0 = None;
-    result.unwrap_or_else(|err| {
+    let response = result.unwrap_or_else(|err| {
         worker.metrics.error(err.kind);
         err.into_response_for(operation.api())
-    })
+    });
+    match trace {
+        None => response,
+        Some(trace) => {
+            // The server span ends with the body (a stream ends long after its head).
+            let span = trace.finish(response.status());
+            response.map(|inner| axum::body::Body::new(TracedBody { inner, span }))
+        }
+    }
 }
 
 async fn route(
@@ -94,6 +111,7 @@ async fn route(
     operation: Operation,
     endpoint_name: Option<String>,
     request: Request,
+    trace: Option<&RequestTrace>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let (parts, body) = request.into_parts();
@@ -128,7 +146,15 @@ async fn route(
         &mut reservation,
     )
     .await?;
-    let (uri, headers) = (parts.uri, parts.headers);
+    let (uri, mut headers) = (parts.uri, parts.headers);
+    ensure_request_id(&mut headers);
+    if let Some(trace) = trace {
+        trace.set_attribute(KeyValue::new(
+            "switchyard.request_id",
+            request_id(&headers).to_owned(),
+        ));
+    }
+    let decision = trace.map(RequestTrace::decision);
     // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
     // blocking task owns the body's reservation and the request's slot while it holds the
     // body, so they are released with it even if this request is dropped meanwhile.
@@ -171,11 +197,19 @@ async fn route(
         );
         (plan, headers, reservation, permit)
     };
-    let mut plan = plan?;
+    let mut plan = plan.inspect_err(|err| {
+        if let Some(decision) = &decision {
+            decision.fail(&err.message);
+        }
+    })?;
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(plan.body.len() as u64);
     if let Some(input) = plan.kv.take() {
         rank_by_kv(worker, &mut plan, input).await;
+    }
+    drop(decision);
+    if let Some(trace) = trace {
+        trace.record_plan(&plan);
     }
     worker
         .metrics
@@ -185,6 +219,7 @@ async fn route(
         clients: &worker.clients,
         settings: worker.forwarding,
         metrics: &worker.metrics,
+        trace,
     }
     .forward(operation, plan, headers, permit, reservation)
     .await

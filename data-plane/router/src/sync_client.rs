@@ -284,6 +284,7 @@ async fn follow(
                     Err(err) => return Ended::Failed(status(err)),
                 };
                 silence.as_mut().reset(tokio::time::Instant::now() + SILENCE_LIMIT);
+                metrics.last_message_ms.store(crate::now_unix_ms(), Ordering::Relaxed);
                 let replica = message.replica_id.clone();
                 match receive(message) {
                     Received::Nothing => {}

@@ -221,20 +221,17 @@ impl PromptTokens {
     }
 }
 
-/// The instance to ask: the available one with the fewest fleet-wide requests in flight,
-/// a tie broken at random (an idle fleet would otherwise send every router's `/tokenize` to
-/// the first instance).
+/// The instance to ask: the available one with the fewest fleet-wide requests in flight
+/// (the first such in table order on a tie: an idle fleet sends every `/tokenize` to the
+/// same instance; spreading ties at random would send half of them to an instance that has
+/// just died and is not yet ejected, as a test showed).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
-    let count = variant.instances.len().max(1);
-    let offset = fastrand::usize(..count);
     variant
         .instances
         .iter()
         .enumerate()
         .filter(|(_, instance)| instance.cell.available(now_ms))
-        .min_by_key(|(position, instance)| {
-            (instance.cell.fleet_load(), (position + offset) % count)
-        })
+        .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
         .map(|(position, _)| position)
 }
 
