@@ -33,6 +33,10 @@ use crate::plan::{Disaggregated, Operation, Plan};
 use crate::table::{Disaggregation, RouteLabel, UpstreamError, VariantRoute};
 
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
+/// KV_AWARE prefill: leading prompt tokens the prefill pool's KV index says the prefill
+/// instance held.
+pub const PREFILL_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-prefill-cached-tokens");
 
 /// The most of a prefill answer read (a one-token answer and its hand-off are small).
 const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
@@ -93,6 +97,12 @@ impl Forwarder<'_> {
                 hand_off(&mut hop, pd, &prefilled).map(|()| {
                     hop.explain
                         .push((PREFILL_INSTANCE, prefill_instance.id_header.clone()));
+                    if let Some(&cached) =
+                        disaggregated.prefill_cached_tokens.get(prefilled.instance)
+                    {
+                        hop.explain
+                            .push((PREFILL_CACHED_TOKENS, http::HeaderValue::from(cached)));
+                    }
                     hop.label = RouteLabel::Disaggregated;
                     hop.time_first_frame = true;
                     self.metrics
@@ -106,12 +116,12 @@ impl Forwarder<'_> {
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);

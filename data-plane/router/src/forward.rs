@@ -223,7 +223,11 @@ impl Forwarder<'_> {
             }
             None => {
                 if plan.endpoint.disaggregation.is_some() {
-                    self.metrics.count_disaggregation(plan.label);
+                    match plan.label {
+                        // Planned so: a long prompt and no routable prefill instance.
+                        RouteLabel::Fallback => self.metrics.count_fallback("no_prefill_instance"),
+                        label => self.metrics.count_disaggregation(label),
+                    }
                 }
                 self.send(operation, plan.into(), &client_headers, permit, reservation)
                     .await
