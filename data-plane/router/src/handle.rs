@@ -1,7 +1,7 @@
 //! One request from arrival to answer: admission, the body, the plan (for KV_AWARE, the
 //! prompt's token ids and the ranking by the KV index; on a disaggregated endpoint, the same
-//! token ids for a KV_AWARE prefill pool and the UNCACHED_TOKENS decision), forwarding. Every refusal is answered
-//! in the shape of the API the request came in on.
+//! token ids for a KV_AWARE prefill pool and the UNCACHED_TOKENS decision), forwarding. Every
+//! refusal is answered in the shape of the API the request came in on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

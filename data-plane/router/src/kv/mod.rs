@@ -8,9 +8,10 @@
 //! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
 //!
 //! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants (and the
-//! disaggregated pools whose caches DPD reads: [`follows_events`]) on a thread of their own (the router's start-up; [`KvEvents::start`] does the same on the
-//! calling runtime); the request path gets the prompt's token ids
-//! ([`tokenize::PromptTokens`]), asks [`KvIndex::variant`] for the variant's index and ranks
+//! disaggregated pools whose caches DPD reads: [`follows_events`]) on a thread of their own
+//! (the router's start-up; [`KvEvents::start`] does the same on the calling runtime); the
+//! request path gets the prompt's token ids ([`tokenize::PromptTokens`]), asks
+//! [`KvIndex::variant`] for the variant's index and ranks
 //! with [`decide`].
 
 pub mod index;
@@ -248,7 +249,8 @@ pub struct KvEvents {
 impl KvEvents {
     /// Follows the KV events of every instance that declares them in the variants
     /// [`follows_events`] names, starting and stopping subscribers as the table changes
-    /// (checked every 100 ms), until `stop`. The returned handle gives the index to the request path.
+    /// (checked every 100 ms), until `stop`. The returned handle gives the index to the
+    /// request path.
     pub fn start(
         table: Arc<ArcSwap<RoutingTable>>,
         settings: KvSettings,
