@@ -50,6 +50,8 @@ pub struct SyncMetrics {
     /// Sync messages applied (snapshot pieces and change batches).
     pub updates_applied: AtomicU64,
     pub apply_seconds: Histogram,
+    /// Load reports not sent because the stream's send queue was full.
+    pub reports_skipped: AtomicU64,
     /// Routing tables swapped in so far (watchable: tests and benchmarks wait on it).
     pub swaps: tokio::sync::watch::Sender<u64>,
 }
@@ -62,6 +64,7 @@ impl Default for SyncMetrics {
             cluster_changes: AtomicU64::new(0),
             updates_applied: AtomicU64::new(0),
             apply_seconds: Histogram::new(&APPLY_BOUNDS),
+            reports_skipped: AtomicU64::new(0),
             swaps: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -225,6 +228,11 @@ impl RouterMetrics {
                 "switchyard_router_sync_updates_total",
                 "Sync messages applied: snapshot pieces and batches of changes.",
                 &self.sync.updates_applied,
+            ),
+            (
+                "switchyard_router_sync_reports_skipped_total",
+                "Load reports to the control plane skipped because the stream's send queue was full (the control plane is not reading; the next report carries the same figures).",
+                &self.sync.reports_skipped,
             ),
         ];
         for (name, help, counter) in counters {

@@ -584,10 +584,12 @@ fn response_id_in_path(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
-/// `text` with everything but RFC 3986's unreserved characters percent-encoded (an engine's
+/// `text` with everything but RFC 3986's unreserved characters (less `.`) percent-encoded (an engine's
 /// response id in a path).
 fn percent_encode(text: &str) -> Cow<'_, str> {
-    let unreserved = |byte: u8| byte.is_ascii_alphanumeric() || b"-._~".contains(&byte);
+    // `.` is encoded too: an id of `.` or `..` must not become a path segment a proxy or
+    // server would normalise away.
+    let unreserved = |byte: u8| byte.is_ascii_alphanumeric() || b"-_~".contains(&byte);
     if text.bytes().all(unreserved) {
         return Cow::Borrowed(text);
     }

@@ -221,15 +221,20 @@ impl PromptTokens {
     }
 }
 
-/// The instance to ask: the available one with the fewest fleet-wide requests in flight
-/// (the first such in table order on a tie).
+/// The instance to ask: the available one with the fewest fleet-wide requests in flight,
+/// a tie broken at random (an idle fleet would otherwise send every router's `/tokenize` to
+/// the first instance).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
+    let count = variant.instances.len().max(1);
+    let offset = fastrand::usize(..count);
     variant
         .instances
         .iter()
         .enumerate()
         .filter(|(_, instance)| instance.cell.available(now_ms))
-        .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
+        .min_by_key(|(position, instance)| {
+            (instance.cell.fleet_load(), (position + offset) % count)
+        })
         .map(|(position, _)| position)
 }
 
