@@ -410,59 +410,73 @@ pub(crate) struct ChildServer {
     pub(crate) url: String,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
+/// inode is one of the process's file descriptors. Read from the process itself, so a port
+/// taken by anyone else is never mistaken for its own.
+fn listening_port(pid: u32) -> Option<u16> {
+    let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy();
+            let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(inode.to_owned())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+        if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
+            return None;
+        }
+        u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
+    })
 }
 
-/// Starts `binary` with `args(listen address)` until GET `ready_path` answers 200 (three
-/// tries on fresh ports).
+/// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
+/// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
 pub(crate) async fn start_child(
     binary: &Path,
     args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
     ready_path: &str,
     client: &HttpClient,
 ) -> anyhow::Result<ChildServer> {
-    let mut last_error = None;
-    for _ in 0..3 {
-        let listen = format!("127.0.0.1:{}", free_port()?);
-        let mut child = tokio::process::Command::new(binary)
-            .args(args(&listen))
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary.display()))?;
-        let pid = child.id().context("the process exited at once")?;
-        let url = format!("http://{listen}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                last_error = Some(anyhow::anyhow!("{} exited with {status}", binary.display()));
-                break;
-            }
-            if get_status(client, &format!("{url}{ready_path}")).await == Some(200) {
-                return Ok(ChildServer {
-                    _child: child,
-                    pid,
-                    url,
-                });
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill().await;
-                last_error = Some(anyhow::anyhow!(
-                    "{} was not ready within 10 s",
-                    binary.display()
-                ));
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut child = tokio::process::Command::new(binary)
+        .args(args("127.0.0.1:0"))
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))?;
+    let pid = child.id().context("the process exited at once")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut url = None;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            bail!("{} exited with {status}", binary.display());
         }
+        if url.is_none() {
+            url = listening_port(pid).map(|port| format!("http://127.0.0.1:{port}"));
+        }
+        if let Some(url) = &url
+            && get_status(client, &format!("{url}{ready_path}")).await == Some(200)
+        {
+            return Ok(ChildServer {
+                _child: child,
+                pid,
+                url: url.clone(),
+            });
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill().await;
+            bail!("{} was not ready within 10 s", binary.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Err(last_error.unwrap_or_else(|| anyhow::anyhow!("{} did not start", binary.display())))
 }
 
 /// A router process routing endpoint `bench` to the engine from a static config file, with
@@ -1055,9 +1069,40 @@ async fn loaded(
 mod tests {
     use super::*;
 
+    /// CPU time of the calling thread, from the scheduler's own nanosecond count (a second,
+    /// independent reading of what `process_cpu_seconds` reads in clock ticks).
+    fn thread_cpu_seconds() -> f64 {
+        let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")
+            .expect("/proc/thread-self/schedstat");
+        let nanoseconds: f64 = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|field| field.parse().ok())
+            .expect("sum_exec_runtime");
+        nanoseconds / 1e9
+    }
+
     #[test]
     fn reads_this_process_cpu_time() {
-        let spent = process_cpu_seconds("self").expect("/proc/self/stat");
-        assert!(spent >= 0.0);
+        // This thread burns 0.3 s of CPU while the process's other threads idle: the
+        // process's CPU time must grow by as much, within the clock-tick rounding of both
+        // readings (10 ms each) and 10% for the idle threads' wake-ups. However busy the
+        // machine, thread CPU time is what the thread got, so the bound holds under load.
+        let process_before = process_cpu_seconds("self").expect("/proc/self/stat");
+        let thread_before = thread_cpu_seconds();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut spin = 0u64;
+        while thread_cpu_seconds() - thread_before < 0.3 {
+            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
+            for _ in 0..100_000 {
+                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
+            }
+        }
+        let thread = thread_cpu_seconds() - thread_before;
+        let process = process_cpu_seconds("self").expect("/proc/self/stat") - process_before;
+        assert!(
+            (process - thread).abs() <= 0.02 + 0.1 * thread,
+            "process CPU grew {process:.3} s while this thread alone used {thread:.3} s"
+        );
     }
 }

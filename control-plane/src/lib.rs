@@ -110,6 +110,11 @@ pub struct ControlConfig {
     /// Seconds to finish in-flight calls on shutdown before closing streams.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Batches of changes a router stream may fall behind by before it is sent a fresh
+    /// snapshot instead. Not a flag: the default suits every fleet; tests lower it to make a
+    /// stream fall behind with few changes.
+    #[arg(skip = state::CHANGE_BUFFER)]
+    pub change_buffer: usize,
 }
 
 impl ControlConfig {
@@ -134,6 +139,7 @@ impl ControlConfig {
             load_interval_ms: 100,
             router_timeout_ms: 3000,
             shutdown_grace_seconds: 10,
+            change_buffer: state::CHANGE_BUFFER,
         }
     }
 
@@ -440,7 +446,7 @@ impl ControlPlane {
             tasks.spawn(api.serve(listener, shutdown.clone()));
         }
         let closer = registry.clone();
-        let cache = state::StateCache::new();
+        let cache = state::StateCache::new(config.change_buffer);
         tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
         let hub = load::LoadHub::new(
             settings.replica_id.clone(),

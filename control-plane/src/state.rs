@@ -30,8 +30,9 @@ use crate::keys;
 use crate::registry::decode;
 use crate::store::{Compare, Kv, Revision, Store, Txn, WatchEvent, WatchItem};
 
-/// Batches of changes a stream may fall behind by before it gets a fresh snapshot instead.
-const BROADCAST_BUFFER: usize = 16384;
+/// Batches of changes a stream may fall behind by before it gets a fresh snapshot instead
+/// (the default of `ControlConfig::change_buffer`).
+pub const CHANGE_BUFFER: usize = 16384;
 /// How often the watch is asked how far it has come.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// A watch silent this long (no events, no progress answer) is stalled: the store moves to
@@ -288,8 +289,9 @@ pub struct StateCache {
 }
 
 impl StateCache {
-    pub fn new() -> Arc<Self> {
-        let (changes, _) = broadcast::channel(BROADCAST_BUFFER);
+    /// A view whose change broadcast holds `buffer` batches (at least 1).
+    pub fn new(buffer: usize) -> Arc<Self> {
+        let (changes, _) = broadcast::channel(buffer.max(1));
         Arc::new(Self {
             view: Mutex::new(View::default()),
             changes,
@@ -629,7 +631,7 @@ mod tests {
             txn = txn.put(keys::instance("chat", &id), instance_json("chat", &id), 0);
         }
         store.commit(txn).await.unwrap();
-        let cache = StateCache::new();
+        let cache = StateCache::new(CHANGE_BUFFER);
         let shutdown = CancellationToken::new();
         tokio::spawn(Arc::clone(&cache).run(Arc::clone(&store), shutdown.clone()));
         let mut readiness = cache.readiness();

@@ -224,7 +224,7 @@ impl Forwarder<'_> {
             None => {
                 if plan.endpoint.disaggregation.is_some() {
                     match plan.label {
-                        // Planned so: a long prompt and no routable prefill instance.
+                        // Planned so: the prefill variant had no routable instance.
                         RouteLabel::Fallback => self.metrics.count_fallback("no_prefill_instance"),
                         label => self.metrics.count_disaggregation(label),
                     }
@@ -390,7 +390,12 @@ impl Forwarder<'_> {
     }
 
     /// Counts a connection failure toward the instance's local ejection.
-    fn note_failure(&self, endpoint: &EndpointRoute, instance: &InstanceRoute, error: &str) {
+    pub(crate) fn note_failure(
+        &self,
+        endpoint: &EndpointRoute,
+        instance: &InstanceRoute,
+        error: &str,
+    ) {
         let failures = instance.cell.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= self.settings.eject_after_failures {
             let now = crate::now_unix_ms();

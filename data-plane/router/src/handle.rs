@@ -277,8 +277,9 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
 /// A disaggregated endpoint's plan that needs the prompt's token ids (KV_AWARE prefill,
 /// UNCACHED_TOKENS): gets them once ([`token_ids`], asked of the decode pool) if an index that
 /// needs them has data (the decode pool's for UNCACHED_TOKENS, the prefill pool's for a
-/// KV_AWARE prefill), then finishes the plan (`plan::settle_disaggregation`; long prompts on a
-/// blocking thread). With no index ready, nothing is asked: UNCACHED_TOKENS counts every
+/// KV_AWARE prefill), then finishes the plan (`plan::settle_disaggregation`, on a blocking
+/// thread for UNCACHED_TOKENS, which may make the prefill copy, and for long prompts). With no
+/// index ready, nothing is asked: UNCACHED_TOKENS counts every
 /// prompt token as uncached, and the prefill pool is ranked by load.
 async fn settle_dpd(worker: &Worker, plan: Plan, dpd: DpdKv) -> Result<Plan, ApiError> {
     let endpoint = Arc::clone(&plan.endpoint);
@@ -308,9 +309,11 @@ async fn settle_dpd(worker: &Worker, plan: Plan, dpd: DpdKv) -> Result<Plan, Api
     } else {
         None
     };
-    let long = tokens
-        .as_ref()
-        .is_some_and(|tokens| tokens.len() > kv::OFFLOAD_TOKENS);
+    // UNCACHED_TOKENS may make the prefill copy (a parse of the body): off the serving thread.
+    let offload = undecided.is_some()
+        || tokens
+            .as_ref()
+            .is_some_and(|tokens| tokens.len() > kv::OFFLOAD_TOKENS);
     let settle = move |mut plan: Plan| {
         let indexes = PoolIndexes {
             decode: decode_index.as_deref(),
@@ -327,7 +330,7 @@ async fn settle_dpd(worker: &Worker, plan: Plan, dpd: DpdKv) -> Result<Plan, Api
         );
         plan
     };
-    if long {
+    if offload {
         return tokio::task::spawn_blocking(move || settle(plan))
             .await
             .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")));

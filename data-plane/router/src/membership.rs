@@ -28,6 +28,7 @@ use switchyard_shared::{
 };
 
 use crate::table::{self, EndpointRoute, InstanceRoute, LoadRegistry, RoutingTable};
+use crate::tokenizer::Tokenizers;
 
 /// An instance and its prepared route (`None`: its URL cannot be routed to).
 #[derive(Debug)]
@@ -213,6 +214,8 @@ pub struct Membership {
     retired_cells: Vec<InstanceKey>,
     /// Endpoints touched by the pieces of a batch whose last piece has not arrived.
     pending: BTreeSet<EndpointName>,
+    /// Loads the tokenizers disaggregation configs name as they arrive.
+    tokenizers: Option<Arc<Tokenizers>>,
 }
 
 impl Membership {
@@ -227,7 +230,14 @@ impl Membership {
             retired_tables: Vec::new(),
             retired_cells: Vec::new(),
             pending: BTreeSet::new(),
+            tokenizers: None,
         }
+    }
+
+    /// Has the tokenizers that disaggregation configs name loaded as the configs arrive.
+    pub fn with_tokenizers(mut self, tokenizers: Arc<Tokenizers>) -> Self {
+        self.tokenizers = Some(tokenizers);
+        self
     }
 
     /// The version of the state held (its cluster and revision).
@@ -418,6 +428,15 @@ impl Membership {
     }
 
     fn swap(&mut self, table: RoutingTable) {
+        if let Some(tokenizers) = &self.tokenizers {
+            let names = table
+                .endpoints
+                .values()
+                .filter_map(|endpoint| endpoint.disaggregation.as_ref())
+                .map(|pd| pd.tokenizer.clone())
+                .collect();
+            tokenizers.preload(names);
+        }
         let old = self.table.swap(Arc::new(table));
         self.retired_tables.push(old);
         self.collect_garbage();

@@ -98,12 +98,14 @@ pub struct RouterMetrics {
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
-pub const FALLBACK_REASONS: [&str; 5] = [
+pub const FALLBACK_REASONS: [&str; 7] = [
     "no_prefill_instance",
     "prefill_unreachable",
     "prefill_failed",
     "prefill_timeout",
     "no_decode_partner",
+    "bad_handoff",
+    "buffer_full",
 ];
 
 const DISAGGREGATION_PATHS: [RouteLabel; 3] = [

@@ -21,6 +21,7 @@ use switchyard_policy::openai::{OpenAiRequest, TextRule};
 use switchyard_policy::prefix::{native, valid_prefix_aware_id};
 use switchyard_policy::rank::{self, Route, Strategy};
 
+use crate::disaggregated::{prefill_body, without_client_kv_transfer_params};
 use crate::errors::{Api, ApiError};
 use crate::kv::VariantIndex;
 use crate::kv::tokenize::{PromptKind, PromptTokens, TokenizeError};
@@ -228,6 +229,8 @@ pub struct Disaggregated {
     /// tokens each prefill instance holds, by position (`x-switchyard-prefill-cached-tokens`);
     /// empty otherwise.
     pub prefill_cached_tokens: Vec<u32>,
+    /// The request to send to the prefill instance (made here, off the serving thread).
+    pub prefill_body: Option<Bytes>,
 }
 
 pub const PROMPT_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-prompt-tokens");
@@ -381,7 +384,12 @@ pub fn make_plan(
             None => None,
         };
         drop(openai);
-        let body = rewritten.map_or(body, Bytes::from);
+        let body = without_client_kv_transfer_params(rewritten.map_or(body, Bytes::from));
+        let mut disaggregated = decision.disaggregated;
+        if let Some(disaggregated) = &mut disaggregated {
+            let prefill = &endpoint.variants[pd.prefill];
+            disaggregated.prefill_body = prefill_body(&body, pd.protocol, prefill);
+        }
         let dpd = decision.needs_tokens.map(|(undecided, prefill_key)| DpdKv {
             input: kv_input(operation, &body),
             undecided,
@@ -394,7 +402,7 @@ pub fn make_plan(
             path: operation.fixed_path().map(str::to_owned),
             label: decision.label,
             explain: decision.explain,
-            disaggregated: decision.disaggregated,
+            disaggregated,
             endpoint,
             kv: None,
             cached_tokens: Vec::new(),
@@ -440,6 +448,11 @@ pub fn make_plan(
     };
     drop(openai);
     let body = rewritten.map(Bytes::from).unwrap_or(body);
+    // A Responses follow-up on a disaggregated endpoint (to the instance holding it).
+    let body = match &endpoint.disaggregation {
+        Some(_) => without_client_kv_transfer_params(body),
+        None => body,
+    };
     // A session, or a stored response, sticks to its instance whatever the strategy.
     let kv = match (routing.session, variant.strategy) {
         _ if previous.is_some() => None,
@@ -693,6 +706,7 @@ fn decide_disaggregation(
             prefill: rank_prefill(prefill, pd, &key, rng.u64(..)),
             count,
             prefill_cached_tokens: Vec::new(),
+            prefill_body: None,
         }),
         needs_tokens: (pd.prefill_strategy == PrefillRoutingStrategy::KvAware)
             .then_some((None, key)),
@@ -780,6 +794,7 @@ pub fn settle_disaggregation(
                 prefill: rank_prefill(prefill, pd, prefill_key, random),
                 count,
                 prefill_cached_tokens: Vec::new(),
+                prefill_body: prefill_body(&plan.body, pd.protocol, prefill),
             });
             RouteLabel::Disaggregated
         };
@@ -1228,6 +1243,60 @@ Endpoints:
             &Tokenizers::new(None),
             &mut fastrand::Rng::with_seed(5),
         )
+    }
+
+    #[test]
+    fn a_disaggregated_endpoint_drops_a_clients_kv_transfer_params_on_every_path() {
+        let yaml = r#"
+Endpoints:
+  - EndpointName: pd
+    ProductionVariants:
+      - {VariantName: prefill, ModelName: m}
+      - {VariantName: decode, ModelName: m}
+    DisaggregationConfig: {PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 16}
+    Instances:
+      - {Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}
+      - {Url: "http://127.0.0.1:2", InstanceId: d1, VariantName: decode, Role: decode}
+"#;
+        let config = crate::membership::parse_static_text(yaml, true).unwrap();
+        let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
+        let table = RoutingTable::clone(&shared.load());
+        let pd = table.endpoints.get("pd").cloned();
+        let body = |prompt: &str| {
+            format!(
+                r#"{{"model":"m","kv_transfer_para\u006ds":{{"do_remote_prefill":true}},"prompt":"{prompt}","kv_transfer_params":{{"remote_engine_id":"x"}}}}"#
+            )
+        };
+        let no_params = |body: &[u8]| {
+            let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+            assert!(value.get("kv_transfer_params").is_none(), "{value}");
+            value
+        };
+        let short = plan_at(&table, Operation::Completions, pd.clone(), "/", &body("hi")).unwrap();
+        assert!(short.disaggregated.is_none());
+        assert_eq!(no_params(&short.body)["prompt"], "hi");
+        let long = "hello ".repeat(20);
+        let plan = plan_at(
+            &table,
+            Operation::Completions,
+            pd.clone(),
+            "/",
+            &body(&long),
+        )
+        .unwrap();
+        no_params(&plan.body);
+        let copy = plan.disaggregated.unwrap().prefill_body.unwrap();
+        let copy: serde_json::Value = serde_json::from_slice(&copy).unwrap();
+        assert_eq!(copy["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(copy["kv_transfer_params"]["remote_engine_id"].is_null());
+        // A Responses follow-up, to the decoder holding the response.
+        let wrapped = response_ids::wrap("pd", "decode", "d1", "resp_engine");
+        let follow_up = format!(
+            r#"{{"input":"x","kv_transfer_params":{{"do_remote_prefill":true}},"previous_response_id":"{wrapped}"}}"#
+        );
+        let plan = plan_at(&table, Operation::Responses, pd, "/", &follow_up).unwrap();
+        assert_eq!(no_params(&plan.body)["previous_response_id"], "resp_engine");
     }
 
     #[test]

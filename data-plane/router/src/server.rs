@@ -199,7 +199,8 @@ impl RouterHandle {
                 }
             }
         }
-        let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
+        let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table))
+            .with_tokenizers(Arc::clone(&worker.tokenizers));
         let sync_task = match &settings.source {
             Source::Static(file) => {
                 membership.load_static(file.clone());
