@@ -1206,3 +1206,317 @@ async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_
     settles(&router).await?;
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// The pools' KV caches: a KV_AWARE prefill pool and the UNCACHED_TOKENS threshold, read from the
+// engines' KV events. Prefixes are placed by requests sent straight to the simulators, so a
+// router that only remembered its own dispatches could not pass.
+// ---------------------------------------------------------------------------------------------
+
+/// An engine of `role` publishing KV events on free loopback ports (one token per word, blocks
+/// of 16 tokens).
+fn kv_engine(role: InstanceRole) -> SimConfig {
+    SimConfig {
+        kv_events: Some("tcp://127.0.0.1:0".into()),
+        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
+        kv_cache_blocks: 400,
+        ..engine(role)
+    }
+}
+
+/// `count` distinct words (one simulator token each) starting at `first`.
+fn words(first: usize, count: usize) -> String {
+    (first..first + count)
+        .map(|index| format!("w{index}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl Pool {
+    /// Both pools publishing KV events.
+    async fn with_kv_events() -> anyhow::Result<Self> {
+        let mut pool = Pool {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+        };
+        for _ in 0..2 {
+            pool.decode
+                .push(switchyard_engine_sim::spawn(kv_engine(InstanceRole::Decode)).await?);
+            pool.prefill
+                .push(switchyard_engine_sim::spawn(kv_engine(InstanceRole::Prefill)).await?);
+        }
+        Ok(pool)
+    }
+
+    /// The static file's instance lines with the engines' KV-event sockets.
+    fn instances_with_events(&self) -> String {
+        let line = |sim: &SimHandle, id: String, variant: &str| {
+            format!(
+                "      - {{Url: \"{}\", InstanceId: {id}, VariantName: {variant}, Role: {variant}, KvEvents: \"{}\", KvEventsReplay: \"{}\"}}\n",
+                sim.url,
+                sim.kv_events_endpoint().unwrap_or_default(),
+                sim.kv_events_replay_endpoint().unwrap_or_default(),
+            )
+        };
+        let prefill = self
+            .prefill
+            .iter()
+            .enumerate()
+            .map(|(index, sim)| line(sim, format!("p{index}"), "prefill"));
+        let decode = self
+            .decode
+            .iter()
+            .enumerate()
+            .map(|(index, sim)| line(sim, format!("d{index}"), "decode"));
+        prefill.chain(decode).collect()
+    }
+}
+
+/// A router for endpoint `pd` whose engines publish KV events (probed every 100 ms).
+async fn kv_router(
+    dir: &tempfile::TempDir,
+    pool: &Pool,
+    disaggregation: &str,
+) -> anyhow::Result<RouterHandle> {
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{}",
+        pool.instances_with_events()
+    );
+    let path = dir.path().join("pd-kv.yaml");
+    std::fs::write(&path, yaml)?;
+    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    config.kv.kv_events_probe_ms = 100;
+    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+}
+
+/// A completion sent straight to a simulator: it caches the prompt's full blocks.
+async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/v1/completions", sim.url),
+        &[],
+        serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
+    Ok(())
+}
+
+/// Waits until the router's index of `pool` (`prefill` or `decode`) says its instances
+/// (`p0`, `p1` or `d0`, `d1`) hold `matched` leading blocks of `prompt` (the engines' events
+/// have arrived).
+async fn wait_matched(
+    router: &RouterHandle,
+    sim: &SimHandle,
+    pool: &str,
+    prompt: &str,
+    matched: [u32; 2],
+) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/tokenize", sim.url),
+        &[],
+        serde_json::json!({"model": "sim", "prompt": prompt}).to_string(),
+    )
+    .await?;
+    let tokens: Vec<u32> = serde_json::from_value(reply.json()["tokens"].clone())?;
+    let endpoint = switchyard_shared::EndpointName::new("pd")?;
+    let variant = switchyard_shared::VariantName::new(pool)?;
+    let instances: Vec<switchyard_shared::InstanceId> = (0..2)
+        .map(|index| switchyard_shared::InstanceId::new(&format!("{}{index}", &pool[..1])))
+        .collect::<Result<_, _>>()?;
+    let now = || {
+        router
+            .kv_index()
+            .variant(&endpoint, &variant)
+            .and_then(|index| index.match_tokens(&tokens, &instances))
+            .map(|found| found.matched)
+    };
+    let reached = eventually(
+        Duration::from_secs(10),
+        "the router's index to reflect the engines",
+        || {
+            let reached = now().as_deref() == Some(&matched[..]);
+            async move { reached }
+        },
+    )
+    .await;
+    reached.map_err(|err| anyhow::anyhow!("{err}: {pool} matched {:?}", now()))
+}
+
+#[tokio::test]
+async fn a_kv_aware_prefill_pool_sends_a_prompt_to_the_prefill_instance_holding_it()
+-> anyhow::Result<()> {
+    let pool = Pool::with_kv_events().await?;
+    let dir = tempfile::tempdir()?;
+    // Only the prefill pool is followed: its variant's own RoutingStrategy is the default.
+    let router = kv_router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, PrefillRoutingStrategy: KV_AWARE}",
+    )
+    .await?;
+    for (holder, first) in [(1, 0), (0, 1000)] {
+        // 200 tokens, 12 full blocks, placed on prefill engine `holder` only.
+        let prompt = words(first, 200);
+        place(&pool.prefill[holder], &prompt).await?;
+        let mut matched = [0, 0];
+        matched[holder] = 12;
+        wait_matched(&router, &pool.prefill[0], "prefill", &prompt, matched).await?;
+        for _ in 0..2 {
+            let reply = bounded(
+                "a long prompt",
+                http_post(&url(&router), &[], completion(&prompt, 2, false)),
+            )
+            .await?;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+            let holder_id = format!("p{holder}");
+            assert_eq!(
+                reply.header("x-switchyard-prefill-instance"),
+                Some(holder_id.as_str())
+            );
+            assert_eq!(
+                reply.header("x-switchyard-prefill-cached-tokens"),
+                Some("192"),
+                "12 blocks of 16 tokens"
+            );
+        }
+    }
+    // The decode pool is not followed (PROMPT_TOKENS), so the decoders' caches say nothing.
+    let decode = switchyard_shared::VariantName::new("decode")?;
+    assert!(
+        router
+            .kv_index()
+            .variant(&switchyard_shared::EndpointName::new("pd")?, &decode)
+            .is_none()
+    );
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 0);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_back()
+-> anyhow::Result<()> {
+    let pool = Pool::with_kv_events().await?;
+    let dir = tempfile::tempdir()?;
+    let router = kv_router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, ThresholdBasis: UNCACHED_TOKENS, PrefillRoutingStrategy: KV_AWARE}",
+    )
+    .await?;
+    let post = |prompt: String| {
+        let url = url(&router);
+        async move {
+            let reply = bounded(
+                "a request",
+                http_post(&url, &[], completion(&prompt, 2, false)),
+            )
+            .await?;
+            anyhow::ensure!(reply.status == 200, "{}", reply.body);
+            Ok::<_, anyhow::Error>(reply)
+        }
+    };
+    let header = |reply: &Reply, name: &str| reply.header(name).map(str::to_owned);
+
+    // 200 tokens held by both decoders (whichever is first in the decode ranking holds 192):
+    // 8 uncached tokens, below the threshold of 64: a decoder serves it whole.
+    let held = words(0, 200);
+    for decoder in &pool.decode {
+        place(decoder, &held).await?;
+    }
+    wait_matched(&router, &pool.decode[0], "decode", &held, [12, 12]).await?;
+    let reply = post(held.clone()).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
+        Some("200")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("192")
+    );
+    assert!(Pool::received(&pool.prefill).is_empty(), "it was prefilled");
+
+    // The same start and 100 more tokens: 108 uncached, so it is disaggregated, and the
+    // prefill instance holding most of it (p1, where it is placed) prefills it.
+    place(&pool.prefill[1], &held).await?;
+    wait_matched(&router, &pool.prefill[0], "prefill", &held, [0, 12]).await?;
+    let longer = format!("{held} {}", words(5000, 100));
+    let reply = post(longer).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
+        Some("300")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("192")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prefill-instance").as_deref(),
+        Some("p1")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prefill-cached-tokens").as_deref(),
+        Some("192")
+    );
+    // A prompt no decoder holds: all 200 tokens uncached.
+    let reply = post(words(9000, 200)).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("0")
+    );
+    // One /tokenize round trip per request, shared by the decision and the prefill ranking.
+    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    assert!(
+        metrics.contains("switchyard_router_kv_tokenize_seconds_count 3"),
+        "{metrics}"
+    );
+
+    // /tokenize fails on the decoders (which are asked): the held prompt is counted whole by
+    // the router's tokenizer (every token uncached), disaggregated with the prefill pool
+    // ranked by load, and answered; the failure is counted. A short prompt still goes direct.
+    for decoder in &pool.decode {
+        decoder.set_faults(switchyard_engine_sim::Faults {
+            tokenize_fail_rate: 1.0,
+            ..Default::default()
+        });
+    }
+    let reply = post(held.clone()).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(header(&reply, "x-switchyard-cached-tokens"), None);
+    assert_eq!(header(&reply, "x-switchyard-prefill-cached-tokens"), None);
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
+    let reply = post(words(0, 10)).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
+    // The tokenizer is back: so is the decision on uncached tokens.
+    for decoder in &pool.decode {
+        decoder.set_faults(switchyard_engine_sim::Faults::default());
+    }
+    let reply = post(held).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    settles(&router).await?;
+    Ok(())
+}

@@ -43,6 +43,10 @@ use crate::table::{
 use crate::trace::request_id;
 
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
+/// KV_AWARE prefill: leading prompt tokens the prefill pool's KV index says the prefill
+/// instance held.
+pub const PREFILL_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-prefill-cached-tokens");
 
 /// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
 const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
@@ -136,6 +140,12 @@ impl Forwarder<'_> {
                 hand_off(&mut hop, pd, &prefilled, partner).map(|()| {
                     hop.explain
                         .push((PREFILL_INSTANCE, prefill_instance.id_header.clone()));
+                    if let Some(&cached) =
+                        disaggregated.prefill_cached_tokens.get(prefilled.instance)
+                    {
+                        hop.explain
+                            .push((PREFILL_CACHED_TOKENS, http::HeaderValue::from(cached)));
+                    }
                     hop.label = RouteLabel::Disaggregated;
                     hop.time_first_frame = true;
                     self.metrics
@@ -150,12 +160,12 @@ impl Forwarder<'_> {
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);
