@@ -92,7 +92,7 @@ pub fn loopback_any() -> SocketAddr {
 }
 
 /// A ProductionVariants JSON of one variant `AllTraffic` serving model `sim` with `strategy`
-/// (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`) and, for `PREFIX_AWARE`,
+/// (`RANDOM`, `LEAST_OUTSTANDING_REQUESTS`, `PREFIX_AWARE`, `KV_AWARE`) and, for `PREFIX_AWARE`,
 /// (PrefixLength, ConcurrencyThreshold).
 pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
     let mut routing = serde_json::json!({ "RoutingStrategy": strategy });
@@ -107,6 +107,21 @@ pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
         "ModelName": "sim",
         "InitialInstanceCount": 1,
         "RoutingConfig": routing,
+    }])
+    .to_string()
+}
+
+/// A ProductionVariants JSON like [`variants_json`] for KV_AWARE with ConcurrencyThreshold
+/// `threshold` (LoadWeight at its default).
+pub fn kv_aware_variants_json(threshold: u32) -> String {
+    serde_json::json!([{
+        "VariantName": "AllTraffic",
+        "ModelName": "sim",
+        "InitialInstanceCount": 1,
+        "RoutingConfig": {
+            "RoutingStrategy": "KV_AWARE",
+            "KvAwareRoutingConfig": {"ConcurrencyThreshold": threshold},
+        },
     }])
     .to_string()
 }

@@ -1,6 +1,7 @@
 //! `switchyard-bench compare` (and `switchyard demo`): the same trace through RANDOM,
-//! LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE (SageMaker's semantics, and with Switchyard's
-//! bounded-load extension for each `--load-balance-factor`), each on a fresh in-process
+//! LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE (SageMaker's semantics, and with Switchyard's
+//! bounded-load extension for each `--load-balance-factor`) and KV_AWARE (the engines
+//! publishing their KV-cache events), each on a fresh in-process
 //! cluster (cold caches), and optionally through peer routers in front of fresh simulated
 //! engines, with 1 and with several routers, side by side with the oracle bound.
 
@@ -15,7 +16,8 @@ use switchyard_engine_sim::SimConfig;
 use crate::agreement::{KeyShares, sample_until};
 use crate::client::{HttpClient, http_client};
 use crate::cluster::{
-    ClusterSpec, ClusterTuning, LocalCluster, prefix_aware_variants_json, variants_json,
+    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
+    variants_json,
 };
 use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
 use crate::peer::{Peer, PeerRouters};
@@ -39,13 +41,17 @@ pub enum Strategy {
     LeastOutstandingRequests,
     #[value(name = "PREFIX_AWARE", alias = "prefix-aware")]
     PrefixAware,
+    /// The engines publish their KV-cache events (vLLM's format) for these runs.
+    #[value(name = "KV_AWARE", alias = "kv-aware")]
+    KvAware,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 3] = [
+    pub const ALL: [Strategy; 4] = [
         Strategy::Random,
         Strategy::LeastOutstandingRequests,
         Strategy::PrefixAware,
+        Strategy::KvAware,
     ];
 
     /// The `RoutingStrategy` value.
@@ -54,6 +60,7 @@ impl Strategy {
             Strategy::Random => "RANDOM",
             Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
             Strategy::PrefixAware => "PREFIX_AWARE",
+            Strategy::KvAware => "KV_AWARE",
         }
     }
 }
@@ -86,7 +93,7 @@ pub enum Preset {
     /// The article's experiment in miniature (docs/benchmarks.md): 7 engines (one p5 each),
     /// long context (2,000 requests over 300 shared prefixes of 8,000 tokens, 32 output
     /// tokens), 16 clients, time scale 0.25, PrefixLength 4096 and ConcurrencyThreshold 10,
-    /// 1 and 4 routers. About 3.5 minutes on 2 cores in a release build.
+    /// every strategy, 1 and 4 routers. About 4.5 minutes on 2 cores in a release build.
     Article,
     /// A smoke run in seconds: 3 engines with small caches, 48 requests over 12 prefixes of
     /// 400 tokens, 4 clients, time scale 0.1, 1 router.
@@ -137,7 +144,8 @@ pub struct DemoArgs {
     /// PREFIX_AWARE PrefixLength (characters of message text).
     #[arg(long, value_name = "CHARS")]
     pub prefix_length: Option<u32>,
-    /// PREFIX_AWARE ConcurrencyThreshold (fleet-wide in-flight requests per instance).
+    /// PREFIX_AWARE's ConcurrencyThreshold (fleet-wide in-flight requests per instance), and
+    /// KV_AWARE's (its KvAwareRoutingConfig; LoadWeight stays at its default, 0.5).
     #[arg(long, value_name = "N")]
     pub concurrency_threshold: Option<u32>,
     /// Also run PREFIX_AWARE with Switchyard's bounded-load extension, once per factor c
@@ -766,14 +774,35 @@ async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<
     Ok(total)
 }
 
-async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<Histogram> {
-    let mut total = Histogram::default();
+/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip.
+#[derive(Debug, Default)]
+struct RouterHistograms {
+    decision: Histogram,
+    tokenize: Histogram,
+}
+
+impl RouterHistograms {
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            decision: self.decision.since(&before.decision),
+            tokenize: self.tokenize.since(&before.tokenize),
+        }
+    }
+}
+
+async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<RouterHistograms> {
+    let mut total = RouterHistograms::default();
     for url in urls {
         let samples = scrape(client, &metrics_url(url)).await?;
         if let Some(histogram) =
             Histogram::from_samples(&samples, "switchyard_router_decision_seconds")
         {
-            total.add(&histogram);
+            total.decision.add(&histogram);
+        }
+        if let Some(histogram) =
+            Histogram::from_samples(&samples, "switchyard_router_kv_tokenize_seconds")
+        {
+            total.tokenize.add(&histogram);
         }
     }
     Ok(total)
@@ -786,7 +815,8 @@ fn peer_binary(settings: &CompareSettings, peer: Peer) -> Option<std::path::Path
     }
 }
 
-/// A ProductionVariants JSON of `arm` (a strategy, or PREFIX_AWARE with the extension).
+/// A ProductionVariants JSON of `arm` (a strategy, or PREFIX_AWARE with the extension;
+/// KV_AWARE with the same ConcurrencyThreshold as PREFIX_AWARE).
 fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
     let prefix = |balance: Option<LoadBalanceSetting>| {
         let mut config = switchyard_shared::PrefixAwareRoutingConfig::sagemaker(
@@ -802,6 +832,7 @@ fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
     match arm {
         Arm::Strategy(Strategy::PrefixAware) => prefix_aware_variants_json(&prefix(None)),
         Arm::Bounded(balance) => prefix_aware_variants_json(&prefix(Some(balance))),
+        Arm::Strategy(Strategy::KvAware) => kv_aware_variants_json(settings.concurrency_threshold),
         Arm::Strategy(strategy) => variants_json(strategy.as_str(), None),
         Arm::Peer(_) => String::new(),
     }
@@ -818,12 +849,18 @@ async fn run_one(
     keys: &KeyShares,
     client: &HttpClient,
 ) -> anyhow::Result<RunReport> {
+    let mut sim = settings.sim.clone();
+    if arm == Arm::Strategy(Strategy::KvAware) {
+        // The engines publish their KV-cache events; the routers follow them.
+        sim.kv_events = Some("tcp://127.0.0.1:0".into());
+        sim.kv_events_replay = Some("tcp://127.0.0.1:0".into());
+    }
     let spec = ClusterSpec {
         engines: settings.engines,
         routers,
         endpoint: "bench".into(),
         variants_json: arm_variants_json(settings, arm),
-        sim: settings.sim.clone(),
+        sim,
         ..ClusterSpec::default()
     };
     let tuning = ClusterTuning {
@@ -932,7 +969,10 @@ async fn measure(
         routers,
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
         kv_from_usage,
-        router_decision: DecisionStats::from_histogram(&decisions),
+        router_decision: DecisionStats::from_histogram(&decisions.decision),
+        kv_tokenize: (decisions.tokenize.count > 0.0)
+            .then(|| DecisionStats::from_histogram(&decisions.tokenize))
+            .flatten(),
         versus_baseline: None,
         instances_routable_at_end: cluster.routable_instances(),
         disagreement,
@@ -1071,6 +1111,7 @@ async fn measure_peer(
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
         kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
         router_decision: None,
+        kv_tokenize: None,
         versus_baseline: None,
         instances_routable_at_end: Vec::new(),
         disagreement: None,
@@ -1154,6 +1195,47 @@ pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
         checks.push(Check {
             what: format!(
                 "PREFIX_AWARE hit rate, {} routers vs {}",
+                last.routers, first.routers
+            ),
+            target: "no drop (within 1 point)".into(),
+            measured: format!("{} vs {}", percent(many), percent(one)),
+            pass: many >= one - 0.01,
+        });
+    }
+    checks.extend(kv_aware_checks(report));
+    checks
+}
+
+/// KV_AWARE's targets (issue 10), on any workload: hit rate ≥ 95% of the oracle with every
+/// router count, and several routers no worse than one (within 1 point).
+pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let kv_runs: Vec<&RunReport> = report
+        .runs
+        .iter()
+        .filter(|run| run.strategy.as_deref() == Some(Strategy::KvAware.as_str()))
+        .collect();
+    for run in &kv_runs {
+        if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle) {
+            checks.push(Check {
+                what: format!(
+                    "KV_AWARE hit rate / oracle, {} router{}",
+                    run.routers,
+                    if run.routers == 1 { "" } else { "s" }
+                ),
+                target: ">= 95%".into(),
+                measured: percent(fraction),
+                pass: fraction >= 0.95,
+            });
+        }
+    }
+    if let (Some(first), Some(last)) = (kv_runs.first(), kv_runs.last())
+        && first.routers != last.routers
+        && let (Some(one), Some(many)) = (first.hit_rate(), last.hit_rate())
+    {
+        checks.push(Check {
+            what: format!(
+                "KV_AWARE hit rate, {} routers vs {}",
                 last.routers, first.routers
             ),
             target: "no drop (within 1 point)".into(),

@@ -214,6 +214,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
             kv,
             kv_from_usage,
             router_decision: None,
+            kv_tokenize: None,
             versus_baseline: None,
             instances_routable_at_end: Vec::new(),
             disagreement: None,

@@ -181,6 +181,8 @@ pub struct OverheadReport {
     pub bench_cpu_seconds: f64,
     /// The router's own switchyard_router_decision_seconds over the whole run.
     pub router_decision: Option<DecisionStats>,
+    /// KV_AWARE: the router's `/tokenize` round trips (switchyard_router_kv_tokenize_seconds).
+    pub kv_tokenize: Option<DecisionStats>,
     pub notes: Vec<String>,
 }
 
@@ -244,6 +246,12 @@ impl OverheadReport {
                 decision.p50_ms, decision.p99_ms
             ));
         }
+        if let Some(tokenize) = &self.kv_tokenize {
+            out.push_str(&format!(
+                "  of which KV_AWARE's /tokenize round trip to the engine: p50 {:.3} ms, p99 {:.3} ms (histogram buckets)\n",
+                tokenize.p50_ms, tokenize.p99_ms
+            ));
+        }
         out.push_str(&format!(
             "\nthroughput, {} closed-loop clients:\n  direct to engine          {:>8.0} req/s ({} errors)\n  through the router        {:>8.0} req/s ({} errors), router CPU {:.2} s: {:.0} requests per core-second\n",
             self.concurrency,
@@ -300,12 +308,27 @@ enum Engine {
     InProcess(switchyard_engine_sim::SimHandle),
 }
 
+/// Where an engine publishes its KV-cache events.
+#[derive(Debug, Clone, serde::Deserialize)]
+struct KvSockets {
+    #[serde(rename = "endpoint")]
+    publisher: String,
+    #[serde(rename = "replay_endpoint")]
+    replay: String,
+}
+
 impl Engine {
+    /// Starts the engine; for KV_AWARE it publishes KV events on free loopback ports.
     async fn start(args: &OverheadArgs, client: &HttpClient) -> anyhow::Result<Self> {
+        let kv_events = args.strategy == Strategy::KvAware;
         match args.engine {
             EnginePlacement::InProcess => {
                 let mut sim = bench_sim(args.time_scale, 79_000);
                 sim.step_overhead_ms = 0.0;
+                if kv_events {
+                    sim.kv_events = Some("tcp://127.0.0.1:0".into());
+                    sim.kv_events_replay = Some("tcp://127.0.0.1:0".into());
+                }
                 Ok(Self::InProcess(switchyard_engine_sim::spawn(sim).await?))
             }
             EnginePlacement::Process => {
@@ -319,7 +342,7 @@ impl Engine {
                 };
                 let time_scale = args.time_scale.to_string();
                 let args = |listen: &str| -> Vec<std::ffi::OsString> {
-                    [
+                    let mut args: Vec<std::ffi::OsString> = [
                         "--listen",
                         listen,
                         "--time-scale",
@@ -331,7 +354,14 @@ impl Engine {
                     ]
                     .into_iter()
                     .map(Into::into)
-                    .collect()
+                    .collect();
+                    if kv_events {
+                        for flag in ["--kv-events", "--kv-events-replay"] {
+                            args.push(flag.into());
+                            args.push("tcp://127.0.0.1:0".into());
+                        }
+                    }
+                    args
                 };
                 Ok(Self::Process(
                     start_child(&binary, &args, "/health", client).await?,
@@ -344,6 +374,24 @@ impl Engine {
         match self {
             Self::Process(child) => &child.url,
             Self::InProcess(sim) => &sim.url,
+        }
+    }
+
+    /// Where it publishes KV events (ports resolved), if it does.
+    async fn kv_sockets(&self, client: &HttpClient) -> anyhow::Result<Option<KvSockets>> {
+        match self {
+            Self::InProcess(sim) => Ok(sim.kv_events_endpoint().map(|publisher| KvSockets {
+                publisher,
+                replay: sim.kv_events_replay_endpoint().unwrap_or_default(),
+            })),
+            Self::Process(child) => {
+                let url = format!("{}/sim/kv-events", child.url);
+                if get_status(client, &url).await != Some(200) {
+                    return Ok(None);
+                }
+                let text = crate::scrape::get_text(client, &url).await?;
+                Ok(Some(serde_json::from_str(&text)?))
+            }
         }
     }
 
@@ -427,14 +475,35 @@ pub(crate) async fn start_router(
     extra: &[&str],
     client: &HttpClient,
 ) -> anyhow::Result<ChildServer> {
+    start_router_with(
+        binary, config_dir, engine_url, None, strategy, extra, client,
+    )
+    .await
+}
+
+/// [`start_router`], the engine declaring its KV-event sockets (KV_AWARE) if given.
+async fn start_router_with(
+    binary: &Path,
+    config_dir: &Path,
+    engine_url: &str,
+    kv_events: Option<&KvSockets>,
+    strategy: Strategy,
+    extra: &[&str],
+    client: &HttpClient,
+) -> anyhow::Result<ChildServer> {
     let prefix = (strategy == Strategy::PrefixAware).then_some((1024, 1024));
     let variants: serde_json::Value =
         serde_json::from_str(&variants_json(strategy.as_str(), prefix))?;
+    let mut instance = serde_json::json!({"Url": engine_url, "InstanceId": "engine-0"});
+    if let Some(sockets) = kv_events {
+        instance["KvEvents"] = sockets.publisher.clone().into();
+        instance["KvEventsReplay"] = sockets.replay.clone().into();
+    }
     let config = serde_json::json!({
         "Endpoints": [{
             "EndpointName": "bench",
             "ProductionVariants": variants,
-            "Instances": [{"Url": engine_url, "InstanceId": "engine-0"}],
+            "Instances": [instance],
         }]
     });
     let path = config_dir.join("router.json");
@@ -450,6 +519,47 @@ pub(crate) async fn start_router(
         args
     };
     start_child(binary, &args, "/readyz", client).await
+}
+
+/// KV_AWARE: one prompt of several blocks sent straight to the engine, so that it publishes
+/// (until an engine has, the router does not ask it to tokenize), then a wait until the router
+/// has applied that batch. From then on every request through the router makes its `/tokenize`
+/// round trip (the measured prompt is shorter than a block: it matches nothing and is routed
+/// by load, so the round trip is the whole difference).
+async fn kv_warm_up(
+    engine_url: &str,
+    router: &ChildServer,
+    client: &HttpClient,
+) -> anyhow::Result<()> {
+    let words: Vec<String> = (0..64).map(|index| format!("w{index}")).collect();
+    let body = serde_json::json!({"model": "sim", "prompt": words.join(" "), "max_tokens": 1});
+    post_once(
+        client,
+        &format!("{engine_url}/v1/completions").parse()?,
+        &Bytes::from(body.to_string()),
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let applied = scrape(client, &format!("{}/metrics", router.url))
+            .await
+            .ok()
+            .and_then(|samples| {
+                samples
+                    .iter()
+                    .find(|sample| sample.name == "switchyard_kv_event_batches_total")
+                    .map(|sample| sample.value)
+            })
+            .unwrap_or(0.0);
+        if applied >= 1.0 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("the router applied no KV event of the engine within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// This executable's bare forwarder (`switchyard-bench forward`) in front of the engine,
@@ -591,15 +701,20 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         .prefix("switchyard-overhead-")
         .tempdir()?;
     let result = async {
-        let router = start_router(
+        let kv_sockets = engine.kv_sockets(&client).await?;
+        let router = start_router_with(
             &binary,
             config_dir.path(),
             &engine_url,
+            kv_sockets.as_ref(),
             args.strategy,
             &[],
             &client,
         )
         .await?;
+        if kv_sockets.is_some() {
+            kv_warm_up(&engine_url, &router, &client).await?;
+        }
         let forwarder = match start_forwarder(&engine_url, "http", &client).await {
             Some(started) => Some(started?),
             None => None,
@@ -610,10 +725,11 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         };
         let baseline_router = match &args.baseline_router_bin {
             Some(binary) => Some(
-                start_router(
+                start_router_with(
                     binary,
                     config_dir.path(),
                     &engine_url,
+                    kv_sockets.as_ref(),
                     args.strategy,
                     &[],
                     &client,
@@ -837,11 +953,18 @@ async fn measure(
     };
     let forwarder = baseline("forwarder", forwarder_load);
     let baseline_router = baseline("baseline-router", baseline_router_load);
-    let decision = scrape(client, &format!("{}/metrics", router.url))
+    let router_samples = scrape(client, &format!("{}/metrics", router.url))
         .await
-        .ok()
-        .and_then(|samples| Histogram::from_samples(&samples, "switchyard_router_decision_seconds"))
-        .and_then(|histogram| DecisionStats::from_histogram(&histogram));
+        .ok();
+    let histogram = |name: &str| {
+        router_samples
+            .as_ref()
+            .and_then(|samples| Histogram::from_samples(samples, name))
+            .filter(|histogram| histogram.count > 0.0)
+            .and_then(|histogram| DecisionStats::from_histogram(&histogram))
+    };
+    let decision = histogram("switchyard_router_decision_seconds");
+    let kv_tokenize = histogram("switchyard_router_kv_tokenize_seconds");
 
     let machine = Machine::current();
     let mut notes = vec![
@@ -902,6 +1025,7 @@ async fn measure(
         router_requests_per_core_second: per_core(&router_throughput, router_cpu),
         bench_cpu_seconds: bench_cpu,
         router_decision: decision,
+        kv_tokenize,
         notes,
     })
 }

@@ -325,6 +325,9 @@ pub struct RunReport {
     pub kv: Option<KvStats>,
     pub kv_from_usage: Option<KvStats>,
     pub router_decision: Option<DecisionStats>,
+    /// KV_AWARE: the routers' `/tokenize` round trips to the engines
+    /// (`switchyard_router_kv_tokenize_seconds`).
+    pub kv_tokenize: Option<DecisionStats>,
     pub versus_baseline: Option<Versus>,
     /// Instances the routers saw at the end (a drop means one was marked unhealthy).
     pub instances_routable_at_end: Vec<usize>,
@@ -696,6 +699,20 @@ fn render_columns(runs: &[&RunReport]) -> String {
             },
         )
     });
+    if runs.iter().any(|run| run.kv_tokenize.is_some()) {
+        row("KV tokenize round trip p50/p99 us", &|run| {
+            run.kv_tokenize.map_or_else(
+                || "-".into(),
+                |tokenize| {
+                    format!(
+                        "{:.0} / {:.0}",
+                        tokenize.p50_ms * 1e3,
+                        tokenize.p99_ms * 1e3
+                    )
+                },
+            )
+        });
+    }
     row("requests ok / errors", &|run| {
         format!("{} / {}", run.stats.ok, run.stats.errors)
     });

@@ -82,8 +82,15 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
             run.label
         );
     }
+    let run_of = |strategy: Strategy| {
+        report
+            .runs
+            .iter()
+            .find(|run| run.strategy.as_deref() == Some(strategy.as_str()))
+            .unwrap()
+    };
     // Every request of PREFIX_AWARE went where the rendezvous owner is unless it overflowed.
-    let prefix_run = report.runs.last().unwrap();
+    let prefix_run = run_of(Strategy::PrefixAware);
     assert!(
         prefix_run
             .stats
@@ -92,6 +99,20 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
             .all(|route| route == "prefix" || route == "overflow")
     );
     assert_eq!(report.prefix_owner_shares.len(), 3);
+    // KV_AWARE followed the engines' KV events: repeated prefixes went where they were held,
+    // and each such request cost one /tokenize round trip.
+    let kv_run = run_of(Strategy::KvAware);
+    assert!(
+        kv_run.stats.routes.get("kv").copied().unwrap_or(0) > 0,
+        "{:?}",
+        kv_run.stats.routes
+    );
+    assert!(
+        kv_run
+            .kv_tokenize
+            .is_some_and(|tokenize| tokenize.count > 0.0)
+    );
+    assert!(hit(Strategy::KvAware) >= random, "KV_AWARE below RANDOM");
 
     let table = report.table();
     for strategy in Strategy::ALL {
@@ -100,7 +121,7 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
     let svg = switchyard_bench::svg::render(&report);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     let json = serde_json::to_value(&report).unwrap();
-    assert_eq!(json["runs"].as_array().unwrap().len(), 3);
+    assert_eq!(json["runs"].as_array().unwrap().len(), Strategy::ALL.len());
 }
 
 /// The hot-prefix comparison's machinery on the quick preset: a bounded-load PREFIX_AWARE

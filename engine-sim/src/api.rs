@@ -24,7 +24,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::SimConfig;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
-use crate::faults::{Fault, Faults};
+use crate::faults::{Fault, Faults, TokenizeFault};
 use crate::metrics::Metrics;
 use crate::nixl::prefill_response_params;
 use crate::openai::{
@@ -647,6 +647,17 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
 
 /// vLLM's `/tokenize`: `{"prompt": ...}` or `{"messages": [...]}` → the token count and ids.
 async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    match shared.faults.draw_tokenize() {
+        TokenizeFault::None => {}
+        TokenizeFault::Fail => {
+            return ApiError::internal("simulated tokenizer failure (fault injection)".to_owned())
+                .into_response();
+        }
+        TokenizeFault::Hang => {
+            tracing::debug!("fault injection: never answering /tokenize");
+            std::future::pending::<()>().await;
+        }
+    }
     let parsed = match parse_off_thread(&shared, body, None).await {
         Ok(parsed) => parsed,
         Err(error) => return error.into_response(),

@@ -104,6 +104,14 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub stall_mid_stream_rate: f64,
 
+    /// Fraction of `POST /tokenize` requests answered with a 500 error.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub tokenize_fail_rate: f64,
+
+    /// Fraction of `POST /tokenize` requests accepted and never answered.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub tokenize_hang_rate: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
@@ -225,6 +233,8 @@ impl SimConfig {
             hang_rate: self.hang_rate,
             die_mid_stream_rate: self.die_mid_stream_rate,
             stall_mid_stream_rate: self.stall_mid_stream_rate,
+            tokenize_fail_rate: self.tokenize_fail_rate,
+            tokenize_hang_rate: self.tokenize_hang_rate,
         }
     }
 }

@@ -20,6 +20,11 @@ pub struct Faults {
     /// Stream a few tokens, then send nothing more while keeping the connection open
     /// (non-streaming: send the response head, then nothing).
     pub stall_mid_stream_rate: f64,
+    /// `POST /tokenize` (drawn per tokenize request, apart from inference requests): answer
+    /// 500.
+    pub tokenize_fail_rate: f64,
+    /// `POST /tokenize`: accept and never answer.
+    pub tokenize_hang_rate: f64,
 }
 
 impl Faults {
@@ -37,6 +42,16 @@ impl Faults {
                 "--stall-mid-stream-rate",
                 "stall_mid_stream_rate",
                 self.stall_mid_stream_rate,
+            ),
+            (
+                "--tokenize-fail-rate",
+                "tokenize_fail_rate",
+                self.tokenize_fail_rate,
+            ),
+            (
+                "--tokenize-hang-rate",
+                "tokenize_hang_rate",
+                self.tokenize_hang_rate,
             ),
         ] {
             if !(0.0..=1.0).contains(&value) {
@@ -59,16 +74,28 @@ pub(crate) enum Fault {
     StallMidStream,
 }
 
-/// The current knobs and the seeded generator, drawn once per inference request.
+/// What to do to one `/tokenize` request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TokenizeFault {
+    None,
+    Fail,
+    Hang,
+}
+
+/// The current knobs and the seeded generators, drawn once per inference request (and, with
+/// a generator of their own so that inference draws do not depend on them, once per
+/// `/tokenize` request).
 #[derive(Debug)]
 pub(crate) struct FaultInjector {
     state: Mutex<(Faults, fastrand::Rng)>,
+    tokenize: Mutex<fastrand::Rng>,
 }
 
 impl FaultInjector {
     pub(crate) fn new(faults: Faults, seed: u64) -> Self {
         Self {
             state: Mutex::new((faults, fastrand::Rng::with_seed(seed))),
+            tokenize: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x746f_6b65_6e69_7a65)),
         }
     }
 
@@ -78,6 +105,25 @@ impl FaultInjector {
 
     pub(crate) fn get(&self) -> Faults {
         self.lock().0
+    }
+
+    /// Draws the fault for the next `/tokenize` request (two draws every time).
+    pub(crate) fn draw_tokenize(&self) -> TokenizeFault {
+        let faults = self.get();
+        let (fail, hang) = {
+            let mut rng = self
+                .tokenize
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (rng.f64(), rng.f64())
+        };
+        if fail < faults.tokenize_fail_rate {
+            TokenizeFault::Fail
+        } else if hang < faults.tokenize_hang_rate {
+            TokenizeFault::Hang
+        } else {
+            TokenizeFault::None
+        }
     }
 
     /// Draws the fault for the next request. Four draws every time, so the sequence of
@@ -118,6 +164,7 @@ mod tests {
             hang_rate: 0.2,
             die_mid_stream_rate: 0.2,
             stall_mid_stream_rate: 0.5,
+            ..Faults::default()
         };
         let a = FaultInjector::new(faults, 7);
         let b = FaultInjector::new(faults, 7);
@@ -140,6 +187,13 @@ mod tests {
             ..Faults::default()
         });
         assert!((0..100).all(|_| never.draw() == Fault::Fail));
+        assert!((0..100).all(|_| never.draw_tokenize() == TokenizeFault::None));
+        never.set(Faults {
+            tokenize_hang_rate: 1.0,
+            ..Faults::default()
+        });
+        assert!((0..100).all(|_| never.draw_tokenize() == TokenizeFault::Hang));
+        assert!((0..100).all(|_| never.draw() == Fault::None));
     }
 
     #[test]

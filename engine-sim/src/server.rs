@@ -359,6 +359,8 @@ impl SimHandle {
             hang_rate: clamp(faults.hang_rate),
             die_mid_stream_rate: clamp(faults.die_mid_stream_rate),
             stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
+            tokenize_fail_rate: clamp(faults.tokenize_fail_rate),
+            tokenize_hang_rate: clamp(faults.tokenize_hang_rate),
         });
     }
 

@@ -9,6 +9,8 @@ AWS_EC2_METADATA_DISABLED=true and points the AWS config files at /dev/null):
   sagemaker_client.py invoke ROUTER_URL ENGINE_URL
                                                `sagemaker-runtime` invoke and streaming invoke
   sagemaker_client.py stream-broken ROUTER_URL the engine dies mid-stream: EventStreamError
+  sagemaker_client.py crash ROUTER_URL         the engine dies after reading: ModelError (424),
+                                               which boto3's retrying client does not resend
 
 Prints "ok: ..." lines and "all ok" at the end; a failed check raises (non-zero exit).
 """
@@ -308,6 +310,34 @@ def stream_broken(router_url):
     raise AssertionError(f"the stream ended without an error after {len(parts)} parts")
 
 
+def crash(router_url):
+    # boto3's standard retry mode resends 500/502/503/504 up to twice: a request that crashed
+    # its engine must come back as something it does not resend.
+    runtime = boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=router_url,
+        region_name=REGION,
+        aws_access_key_id="AKIDSWITCHYARDTEST",
+        aws_secret_access_key="unused-secret",
+        config=Config(retries={"mode": "standard", "max_attempts": 3}, read_timeout=30),
+    )
+    try:
+        runtime.invoke_endpoint(
+            EndpointName="chat",
+            ContentType="application/json",
+            Body=json.dumps({"prompt": "crash", "max_tokens": 4}),
+        )
+    except ClientError as err:
+        assert err.response["Error"]["Code"] == "ModelError", err.response
+        status = err.response["ResponseMetadata"]["HTTPStatusCode"]
+        assert status == 424, err.response
+        attempts = err.response["ResponseMetadata"].get("RetryAttempts", 0)
+        assert attempts == 0, f"boto3 resent it {attempts} times"
+        print(f"ok: ModelError ({status}), not resent: {err.response['Error']['Message']}")
+        return
+    raise AssertionError("the call to a dying engine succeeded")
+
+
 def main():
     step, args = sys.argv[1], sys.argv[2:]
     {
@@ -316,6 +346,7 @@ def main():
         "auth": auth,
         "invoke": invoke,
         "stream-broken": stream_broken,
+        "crash": crash,
     }[step](*args)
     print("all ok")
 

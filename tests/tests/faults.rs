@@ -255,7 +255,11 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
         ),
     )
     .await?;
-    assert_eq!(reply.status, 504, "{}", reply.body);
+    // SageMaker's answer to a container that timed out: 424 ModelError, which boto3 does not
+    // resend (it would resend a 504).
+    assert_eq!(reply.status, 424, "{}", reply.body);
+    assert_eq!(reply.json()["ErrorCode"], "ModelError", "{}", reply.body);
+    assert_eq!(reply.json()["OriginalStatusCode"], 0, "{}", reply.body);
     assert!(
         started.elapsed() >= Duration::from_secs(1),
         "answered early"
@@ -319,6 +323,8 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     )
     .await?;
     assert_eq!(reply.status, 504, "{}", reply.body);
+    // openai-python would resend a 504: the answer tells it not to.
+    assert_eq!(reply.header("x-should-retry"), Some("false"));
     let seen = bounded("the engine's connection to close", closed).await??;
     assert!(
         String::from_utf8_lossy(&seen).starts_with("POST /v1/chat/completions"),

@@ -207,6 +207,16 @@ async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow
         ..Faults::default()
     });
     boto3("stream-broken", &[&router_url]).await?;
+
+    // The engine dies after reading a non-streaming request: boto3 gets ModelError (424) and,
+    // retrying client as it is, sends it once.
+    let before = cluster.engines[0].received().len();
+    boto3("crash", &[&router_url]).await?;
+    assert_eq!(
+        cluster.engines[0].received().len(),
+        before + 1,
+        "the engine got the request exactly once"
+    );
     cluster.wait_idle().await?;
     Ok(())
 }

@@ -114,6 +114,9 @@ struct Disk {
     log: File,
     log_bytes: u64,
     state_bytes: u64,
+    /// Set when a failed append could not be undone: the log's end is unknown, so no further
+    /// write is taken until a restart replays the log.
+    broken: Option<String>,
     /// Held open for the lock on it.
     _lock: File,
 }
@@ -215,6 +218,7 @@ impl EmbeddedStore {
                 log,
                 log_bytes,
                 state_bytes,
+                broken: None,
                 _lock: lock,
             });
         }
@@ -330,12 +334,39 @@ impl Disk {
             .map_err(|err| StoreError::Corrupt(format!("cannot encode a log record: {err}")))?;
         line.push(b'\n');
         let path = self.dir.join(LOG_FILE);
-        self.log
+        if let Some(why) = &self.broken {
+            return Err(StoreError::Unavailable(format!(
+                "{} is in an unknown state since a failed write ({why}); restart to replay it",
+                path.display()
+            )));
+        }
+        let written = self
+            .log
             .write_all(&line)
-            .and_then(|()| self.log.sync_data())
-            .map_err(unavailable(format!("cannot persist to {}", path.display())))?;
+            .and_then(|()| self.log.sync_data());
+        if let Err(err) = written {
+            // Part of the line may be in the file (a full disk), or all of it without the
+            // fsync: cut the log back to its last acknowledged commit, or a later commit would
+            // follow a torn or unacknowledged line. If even that fails, take no more writes.
+            if let Err(undo) = self.cut_back(&path) {
+                tracing::error!(error = %err, undo = %undo, path = %path.display(), "the embedded store could not undo a failed append; refusing writes until restarted");
+                self.broken = Some(err.to_string());
+            }
+            return Err(StoreError::Unavailable(format!(
+                "cannot persist to {}: {err}",
+                path.display()
+            )));
+        }
         self.log_bytes += line.len() as u64;
         Ok(())
+    }
+
+    /// Truncates the log to what has been acknowledged (through a handle of its own: the
+    /// failed one may be the problem).
+    fn cut_back(&self, path: &Path) -> std::io::Result<()> {
+        let file = std::fs::OpenOptions::new().write(true).open(path)?;
+        file.set_len(self.log_bytes)?;
+        file.sync_all()
     }
 
     /// Writes the whole state, then empties the log.
@@ -905,6 +936,46 @@ mod tests {
         };
         assert_eq!(batch.len(), 1);
         assert_eq!(batch[0].key(), "k2", "the failed write published nothing");
+    }
+
+    #[tokio::test]
+    async fn a_torn_append_is_cut_back_so_later_commits_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = dir.path().join(LOG_FILE);
+        {
+            let store = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();
+            store
+                .commit(Txn::new().put("k1", b"v".to_vec(), 0))
+                .await
+                .unwrap()
+                .unwrap();
+            // A full disk: half a line reaches the file, then the append fails.
+            let writable = {
+                let mut disk = lock(&store.writer);
+                let disk = disk.as_mut().unwrap();
+                let mut torn = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&log_path)
+                    .unwrap();
+                torn.write_all(br#"{"revision":99,"ops":[{"put"#).unwrap();
+                std::mem::replace(&mut disk.log, File::open(&log_path).unwrap())
+            };
+            store
+                .commit(Txn::new().put("lost", b"v".to_vec(), 0))
+                .await
+                .unwrap_err();
+            lock(&store.writer).as_mut().unwrap().log = writable;
+            store
+                .commit(Txn::new().put("k2", b"v".to_vec(), 0))
+                .await
+                .unwrap()
+                .unwrap();
+            store.close();
+        }
+        let reopened = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();
+        assert!(reopened.get("k1").await.unwrap().is_some());
+        assert!(reopened.get("k2").await.unwrap().is_some(), "acknowledged");
+        assert!(reopened.get("lost").await.unwrap().is_none(), "refused");
     }
 
     #[tokio::test]

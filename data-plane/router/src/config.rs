@@ -123,6 +123,8 @@ pub struct RouterConfig {
     /// cost more than the routing decision). Default: one per CPU.
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
+    #[command(flatten)]
+    pub kv: crate::kv::KvArgs,
 }
 
 /// Parses a byte count: digits with an optional `KiB`, `MiB` or `GiB` suffix.
@@ -180,6 +182,7 @@ impl RouterConfig {
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
             worker_threads: Some(1),
+            kv: crate::kv::KvArgs::default(),
         }
     }
 
@@ -271,6 +274,7 @@ impl RouterConfig {
             .router_id
             .clone()
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
+        let (kv, kv_tokenize_timeout) = self.kv.validate()?;
         let seconds = Duration::from_secs;
         Ok(Settings {
             config: self.clone(),
@@ -294,6 +298,8 @@ impl RouterConfig {
                 max_in_flight: self.max_in_flight,
                 max_buffered_bytes: self.max_buffered_bytes,
             },
+            kv,
+            kv_tokenize_timeout,
         })
     }
 
@@ -364,6 +370,10 @@ pub struct Settings {
     pub worker_threads: usize,
     pub deadlines: Deadlines,
     pub limits: Limits,
+    /// KV_AWARE: the index's bounds and the subscribers' probes.
+    pub kv: crate::kv::KvSettings,
+    /// KV_AWARE: the deadline of a request's `/tokenize` round trip.
+    pub kv_tokenize_timeout: Duration,
 }
 
 #[cfg(test)]
@@ -411,8 +421,16 @@ mod tests {
         let mut bad = config();
         bad.max_buffered_bytes = 1 << 20;
         assert!(bad.validate().unwrap_err().contains("--max-buffered-bytes"));
+        let mut bad = config();
+        bad.kv.kv_tokenize_timeout_ms = 0;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .contains("--kv-tokenize-timeout-ms")
+        );
         let settings = config().validate().unwrap();
         assert_eq!(settings.deadlines.stream_idle, Duration::from_secs(120));
+        assert_eq!(settings.kv_tokenize_timeout, Duration::from_millis(250));
         assert_eq!(settings.limits.max_buffered_bytes, 512 << 20);
     }
 

@@ -293,12 +293,28 @@ impl ApiError {
     }
 
     pub fn into_response_for(self, api: Api) -> Response {
+        // The request may have reached the engine: the client must not resend it. SageMaker's
+        // own answer to a container that failed or timed out is 424 ModelError with
+        // OriginalStatusCode 0, which boto3 does not retry (it retries 500/502/503/504);
+        // OpenAI's Python client retries 502/504 unless told `x-should-retry: false`.
+        let maybe_delivered = matches!(
+            self.kind,
+            ErrorKind::UpstreamReset | ErrorKind::UpstreamTimeout
+        );
+        let status = match api {
+            Api::Native if maybe_delivered => StatusCode::FAILED_DEPENDENCY,
+            _ => self.status,
+        };
+        let original_status = match api {
+            Api::Native if maybe_delivered => Some(0),
+            _ => self.original_status.map(|status| status.as_u16()),
+        };
         let body = match api {
-            Api::Native => match self.original_status {
+            Api::Native => match original_status {
                 Some(original) => serde_json::json!({
                     "ErrorCode": self.sagemaker_code,
                     "Message": self.message,
-                    "OriginalStatusCode": original.as_u16(),
+                    "OriginalStatusCode": original,
                 }),
                 None => serde_json::json!({
                     "ErrorCode": self.sagemaker_code,
@@ -314,8 +330,11 @@ impl ApiError {
                 }
             }),
         };
-        let mut response = (self.status, axum::Json(body)).into_response();
+        let mut response = (status, axum::Json(body)).into_response();
         let headers = response.headers_mut();
+        if api == Api::OpenAi && maybe_delivered {
+            headers.insert("x-should-retry", HeaderValue::from_static("false"));
+        }
         if api == Api::Native {
             headers.insert(
                 "x-amzn-errortype",
@@ -341,6 +360,23 @@ mod tests {
         let labels: std::collections::HashSet<&str> =
             ErrorKind::ALL.iter().map(|kind| kind.as_str()).collect();
         assert_eq!(labels.len(), ErrorKind::ALL.len());
+    }
+
+    #[test]
+    fn an_answer_that_may_have_reached_the_engine_tells_clients_not_to_resend() {
+        for error in [
+            ApiError::upstream_reset("reset"),
+            ApiError::upstream_timeout("timeout"),
+        ] {
+            let openai = error.clone().into_response_for(Api::OpenAi);
+            assert!(openai.status().is_server_error());
+            assert_eq!(openai.headers()["x-should-retry"], "false");
+            let native = error.into_response_for(Api::Native);
+            assert_eq!(native.status(), StatusCode::FAILED_DEPENDENCY);
+            assert_eq!(native.headers()["x-amzn-errortype"], "ModelError");
+        }
+        let refused = ApiError::upstream_failed("nothing sent").into_response_for(Api::OpenAi);
+        assert!(refused.headers().get("x-should-retry").is_none());
     }
 
     #[tokio::test]

@@ -43,6 +43,9 @@ pub const INVOKED_VARIANT: HeaderName =
     HeaderName::from_static("x-amzn-invoked-production-variant");
 pub const SWITCHYARD_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-instance");
 pub const SWITCHYARD_ROUTE: HeaderName = HeaderName::from_static("x-switchyard-route");
+/// KV_AWARE: leading prompt tokens the KV index says the serving instance holds.
+pub const SWITCHYARD_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-cached-tokens");
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// How requests are forwarded (from the router's flags).
@@ -68,6 +71,8 @@ struct Answer<'a> {
     label: RouteLabel,
     explain: &'a [(HeaderName, HeaderValue)],
     time_first_frame: bool,
+    /// KV_AWARE: the leading prompt tokens the index says the instance holds.
+    cached_tokens: Option<u32>,
 }
 
 /// One serving thread's upstream connection pools: HTTP/1.1 keep-alive and h2c, and the one
@@ -173,6 +178,8 @@ pub struct Hop {
     pub time_first_frame: bool,
     /// The path on the instance, for operations without a prepared URL.
     pub path: Option<String>,
+    /// KV_AWARE: the leading prompt tokens each instance holds, by position in the variant.
+    pub cached_tokens: Vec<u32>,
 }
 
 impl From<Plan> for Hop {
@@ -186,6 +193,7 @@ impl From<Plan> for Hop {
             explain: plan.explain,
             time_first_frame: false,
             path: plan.path,
+            cached_tokens: plan.cached_tokens,
         }
     }
 }
@@ -269,6 +277,7 @@ impl Forwarder<'_> {
             explain,
             time_first_frame,
             path,
+            cached_tokens,
         } = hop;
         let variant = &endpoint.variants[variant_index];
         // The body and its reservation are held until a response head arrives (a retry may
@@ -311,6 +320,7 @@ impl Forwarder<'_> {
                         label,
                         explain: &explain,
                         time_first_frame,
+                        cached_tokens: cached_tokens.get(index).copied(),
                     };
                     let response = self
                         .respond(operation, response, in_flight, permit, answer)
@@ -407,15 +417,30 @@ impl Forwarder<'_> {
             label,
             explain,
             time_first_frame,
+            cached_tokens,
         } = answer;
         let (mut parts, incoming) = response.into_parts();
         if operation.api() == Api::Native && !parts.status.is_success() {
             let mut response = self.model_error(parts, incoming, in_flight).await;
-            add_routing_headers(response.headers_mut(), variant, instance, label, explain);
+            add_routing_headers(
+                response.headers_mut(),
+                variant,
+                instance,
+                label,
+                explain,
+                cached_tokens,
+            );
             return Ok(response);
         }
         strip_hop_by_hop(&mut parts.headers);
-        add_routing_headers(&mut parts.headers, variant, instance, label, explain);
+        add_routing_headers(
+            &mut parts.headers,
+            variant,
+            instance,
+            label,
+            explain,
+            cached_tokens,
+        );
         // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
         // a stall there ends with its own exception event, not an OpenAI error event.
         let sagemaker_stream = operation == Operation::InvocationsStream;
@@ -445,6 +470,7 @@ impl Forwarder<'_> {
 
     /// SageMaker reports a container's error status as 424 ModelError, with the original
     /// status, its message, and its `Retry-After` if it sent one.
+    #[allow(clippy::too_many_arguments)]
     async fn model_error(
         &self,
         parts: http::response::Parts,
@@ -601,18 +627,24 @@ pub(crate) fn ensure_request_id(headers: &mut HeaderMap) {
     }
 }
 
+/// Which variant and instance answered, and why; for a request ranked by the KV index, how
+/// many leading prompt tokens that instance holds.
 fn add_routing_headers(
     headers: &mut HeaderMap,
     variant: &VariantRoute,
     instance: &InstanceRoute,
     label: RouteLabel,
     explain: &[(HeaderName, HeaderValue)],
+    cached_tokens: Option<u32>,
 ) {
     headers.insert(INVOKED_VARIANT, variant.name_header.clone());
     headers.insert(SWITCHYARD_INSTANCE, instance.id_header.clone());
     headers.insert(SWITCHYARD_ROUTE, HeaderValue::from_static(label.as_str()));
     for (name, value) in explain {
         headers.insert(name.clone(), value.clone());
+    }
+    if let Some(tokens) = cached_tokens {
+        headers.insert(SWITCHYARD_CACHED_TOKENS, HeaderValue::from(tokens));
     }
 }
 

@@ -1,5 +1,6 @@
-//! One request from arrival to answer: admission, the body, the plan, forwarding. Every
-//! refusal is answered in the shape of the API the request came in on.
+//! One request from arrival to answer: admission, the body, the plan (for KV_AWARE, the
+//! prompt's token ids and the ranking by the KV index), forwarding. Every refusal is answered
+//! in the shape of the API the request came in on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,10 +13,13 @@ use crate::admission::Admission;
 use crate::body::{OFFLOAD_BYTES, read_body};
 use crate::errors::{ApiError, ErrorKind};
 use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
+use crate::kv::tokenize::{PromptTokens, Tokenizer};
+use crate::kv::{self, KvIndex};
 use crate::metrics::RouterMetrics;
-use crate::plan::{Operation, make_plan};
-use crate::table::{LoadRegistry, RoutingTable};
+use crate::plan::{KvInput, Operation, Plan, make_plan};
+use crate::table::{LoadRegistry, RouteLabel, RoutingTable};
 use crate::tokenizer::Tokenizers;
+use switchyard_policy::rank::Route;
 
 /// What one serving thread works with: the routing state, limits and metrics every thread
 /// shares, and this thread's own upstream connection pools (so that a request and the
@@ -31,10 +35,15 @@ pub struct Worker {
     pub admission: Arc<Admission>,
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
+    /// KV_AWARE: what the engines' KV events say each instance holds.
+    pub kv_index: Arc<KvIndex>,
+    /// KV_AWARE: this thread's `/tokenize` client.
+    pub tokenizer: Tokenizer,
 }
 
 impl Worker {
-    /// The same shared state with other connection pools (another serving thread's).
+    /// The same shared state with other connection pools (another serving thread's, its
+    /// `/tokenize` client included).
     pub fn with_clients(&self, clients: UpstreamClients) -> Self {
         Self {
             table: Arc::clone(&self.table),
@@ -45,6 +54,8 @@ impl Worker {
             metrics: Arc::clone(&self.metrics),
             admission: Arc::clone(&self.admission),
             tokenizers: Arc::clone(&self.tokenizers),
+            kv_index: Arc::clone(&self.kv_index),
+            tokenizer: Tokenizer::new(self.tokenizer.timeout()),
         }
     }
 }
@@ -160,9 +171,12 @@ async fn route(
         );
         (plan, headers, reservation, permit)
     };
-    let plan = plan?;
+    let mut plan = plan?;
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(plan.body.len() as u64);
+    if let Some(input) = plan.kv.take() {
+        rank_by_kv(worker, &mut plan, input).await;
+    }
     worker
         .metrics
         .decision_seconds
@@ -174,4 +188,75 @@ async fn route(
     }
     .forward(operation, plan, headers, permit, reservation)
     .await
+}
+
+/// KV_AWARE: gets the request's token ids (one `/tokenize` round trip to the least loaded
+/// instance, within `--kv-tokenize-timeout-ms`, unless the prompt is token ids) and ranks the
+/// variant's instances by what the KV index says they hold (`kv::decide`; long prompts on a
+/// blocking thread). Before any engine of the variant has published, the plan's
+/// LEAST_OUTSTANDING_REQUESTS ranking stands and nothing is asked; without token ids (no
+/// prompt in the body, or the engine did not answer) the request is ranked by load, counted
+/// in `switchyard_router_kv_tokenize_failures_total`.
+async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
+    let endpoint = Arc::clone(&plan.endpoint);
+    let variant_index = plan.variant_index;
+    let variant = &endpoint.variants[variant_index];
+    let Some(index) = worker
+        .kv_index
+        .variant(&endpoint.name, &variant.name)
+        .filter(|index| index.block_size().is_some())
+    else {
+        return;
+    };
+    let tokens = match input {
+        KvInput::Unusable(err) => Err(err),
+        KvInput::Tokens(tokens) => {
+            let asked = Instant::now();
+            let round_trip = matches!(tokens, PromptTokens::Ask(_));
+            let fetched = tokens
+                .fetch(&worker.tokenizer, variant, crate::now_unix_ms())
+                .await;
+            if round_trip && fetched.is_ok() {
+                worker
+                    .metrics
+                    .kv_tokenize_seconds
+                    .observe(asked.elapsed().as_secs_f64());
+            }
+            fetched
+        }
+    };
+    let random = fastrand::u64(..);
+    let decision = match tokens {
+        Err(err) => {
+            worker.metrics.kv_tokenize_failed(&err);
+            tracing::debug!(endpoint = %endpoint.name, variant = %variant.name, error = %err, "no token ids for a KV_AWARE request; routing it by load");
+            kv::decide(variant, None, None, crate::now_unix_ms(), random)
+        }
+        Ok(tokens) if tokens.len() > kv::OFFLOAD_TOKENS => {
+            let endpoint = Arc::clone(&endpoint);
+            let decided = tokio::task::spawn_blocking(move || {
+                let variant = &endpoint.variants[variant_index];
+                kv::decide(
+                    variant,
+                    Some(&index),
+                    Some(&tokens),
+                    crate::now_unix_ms(),
+                    random,
+                )
+            })
+            .await;
+            decided
+                .unwrap_or_else(|_| kv::decide(variant, None, None, crate::now_unix_ms(), random))
+        }
+        Ok(tokens) => kv::decide(
+            variant,
+            Some(&index),
+            Some(&tokens),
+            crate::now_unix_ms(),
+            random,
+        ),
+    };
+    plan.ranking = decision.ranking;
+    plan.label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::LeastOutstanding));
+    plan.cached_tokens = decision.cached_tokens_by_instance;
 }

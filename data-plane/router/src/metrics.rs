@@ -8,6 +8,7 @@ use switchyard_shared::metrics::{Histogram, TextEncoder};
 
 use crate::admission::{Admission, Limit};
 use crate::errors::ErrorKind;
+use crate::kv::tokenize::TokenizeError;
 use crate::table::{LoadRegistry, RouteLabel, RoutingTable, UpstreamError};
 
 /// Fine at the low end: a routing decision takes microseconds.
@@ -84,6 +85,11 @@ pub struct RouterMetrics {
     disaggregation_paths: [AtomicU64; 3],
     /// Fallbacks by reason (`FALLBACK_REASONS`).
     disaggregation_fallbacks: [AtomicU64; FALLBACK_REASONS.len()],
+    /// KV_AWARE: a request's `/tokenize` round trip to an engine (answered ones).
+    pub kv_tokenize_seconds: Histogram,
+    /// KV_AWARE: requests routed by load because their token ids could not be had, by
+    /// `TokenizeError::reason`.
+    kv_tokenize_failures: [AtomicU64; TokenizeError::REASONS.len()],
     pub sync: Arc<SyncMetrics>,
 }
 
@@ -119,6 +125,8 @@ impl RouterMetrics {
             disaggregation_decode_ttft_seconds: Histogram::new(&HOP_BOUNDS),
             disaggregation_paths: Default::default(),
             disaggregation_fallbacks: Default::default(),
+            kv_tokenize_seconds: Histogram::new(&LATENCY_BOUNDS),
+            kv_tokenize_failures: Default::default(),
             sync,
         }
     }
@@ -151,6 +159,26 @@ impl RouterMetrics {
 
     pub fn error(&self, kind: ErrorKind) {
         self.errors[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a KV_AWARE request routed by load because its token ids could not be had.
+    pub fn kv_tokenize_failed(&self, error: &TokenizeError) {
+        if let Some(position) = TokenizeError::REASONS
+            .iter()
+            .position(|reason| *reason == error.reason())
+        {
+            self.kv_tokenize_failures[position].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// KV_AWARE requests routed by load for `reason` so far.
+    pub fn kv_tokenize_failures(&self, reason: &str) -> u64 {
+        TokenizeError::REASONS
+            .iter()
+            .position(|known| *known == reason)
+            .map_or(0, |position| {
+                self.kv_tokenize_failures[position].load(Ordering::Relaxed)
+            })
     }
 
     /// Errors of `kind` counted so far.
@@ -375,7 +403,7 @@ impl RouterMetrics {
         out.family(
             "switchyard_router_decision_seconds",
             "histogram",
-            "From request arrival to routing decision (reading and parsing the body included).",
+            "From request arrival to routing decision (reading and parsing the body included; for KV_AWARE, the /tokenize round trip too).",
         );
         out.histogram(
             "switchyard_router_decision_seconds",
@@ -422,6 +450,31 @@ impl RouterMetrics {
         for (reason, count) in FALLBACK_REASONS.iter().zip(&self.disaggregation_fallbacks) {
             out.sample(
                 "switchyard_router_disaggregation_fallbacks_total",
+                &[("reason", reason)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_kv_tokenize_seconds",
+            "histogram",
+            "KV_AWARE: a request's POST /tokenize round trip to an engine (answered ones).",
+        );
+        out.histogram(
+            "switchyard_router_kv_tokenize_seconds",
+            &[],
+            &self.kv_tokenize_seconds,
+        );
+        out.family(
+            "switchyard_router_kv_tokenize_failures_total",
+            "counter",
+            "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
+        );
+        for (reason, count) in TokenizeError::REASONS
+            .iter()
+            .zip(&self.kv_tokenize_failures)
+        {
+            out.sample(
+                "switchyard_router_kv_tokenize_failures_total",
                 &[("reason", reason)],
                 count.load(Ordering::Relaxed) as f64,
             );

@@ -1,6 +1,8 @@
 //! Planning a request: CPU only, no sockets. From the operation, the headers and the body,
 //! resolve the endpoint and the variant, rank the variant's instances with the policy, and
-//! rewrite `model` for the engine. Forwarding the plan is `forward`'s job.
+//! rewrite `model` for the engine. A KV_AWARE variant's plan also says how to get the
+//! prompt's token ids (`Plan::kv`); `handle` fetches them and ranks by the KV index.
+//! Forwarding the plan is `forward`'s job.
 //!
 //! Response affinity (the Responses API): a request about a stored response (a follow-up
 //! with `previous_response_id`, or `/v1/responses/{id}` and its `cancel`) goes to the
@@ -20,6 +22,7 @@ use switchyard_policy::prefix::{native, valid_prefix_aware_id};
 use switchyard_policy::rank::{self, Route, Strategy};
 
 use crate::errors::{Api, ApiError};
+use crate::kv::tokenize::{PromptKind, PromptTokens, TokenizeError};
 use crate::response_ids::{self, StoredResponse};
 use crate::table::{
     Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, RoutingTable, VariantRoute,
@@ -165,6 +168,21 @@ pub struct Plan {
     pub explain: Vec<(HeaderName, HeaderValue)>,
     /// Set when the request goes prefill → decode (the ranking is then the decoders').
     pub disaggregated: Option<Disaggregated>,
+    /// KV_AWARE (without a session): what ranking by the variant's KV index needs; until
+    /// then `ranking` is LEAST_OUTSTANDING_REQUESTS', the fallback. None: `ranking` is final.
+    pub kv: Option<KvInput>,
+    /// Once ranked by the KV index: the leading prompt tokens each instance holds, by
+    /// position in the variant (`x-switchyard-cached-tokens`); empty otherwise.
+    pub cached_tokens: Vec<u32>,
+}
+
+/// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
+#[derive(Debug)]
+pub enum KvInput {
+    /// Token ids given, or the `/tokenize` body to ask an engine with.
+    Tokens(PromptTokens),
+    /// The body has no prompt to tokenize: the request is routed by load.
+    Unusable(TokenizeError),
 }
 
 /// A long prompt's way through a disaggregated endpoint.
@@ -336,6 +354,8 @@ pub fn make_plan(
             explain: decision.explain,
             disaggregated: decision.disaggregated,
             endpoint,
+            kv: None,
+            cached_tokens: Vec::new(),
         });
     }
     // Affinity: the instance holding the previous response, whatever the strategy.
@@ -376,8 +396,15 @@ pub fn make_plan(
         None => None,
     };
     drop(openai);
+    let body = rewritten.map(Bytes::from).unwrap_or(body);
+    // A session, or a stored response, sticks to its instance whatever the strategy.
+    let kv = match (routing.session, variant.strategy) {
+        _ if previous.is_some() => None,
+        (None, Strategy::KvAware { .. }) => Some(kv_input(operation, &body)),
+        _ => None,
+    };
     Ok(Plan {
-        body: rewritten.map(Bytes::from).unwrap_or(body),
+        body,
         label: RouteLabel::from(ranking.route.unwrap_or(Route::Random)),
         endpoint,
         variant_index,
@@ -385,6 +412,8 @@ pub fn make_plan(
         path: operation.fixed_path().map(str::to_owned),
         explain: Vec::new(),
         disaggregated: None,
+        kv,
+        cached_tokens: Vec::new(),
     })
 }
 
@@ -498,6 +527,8 @@ fn stored_response_plan(
         label: RouteLabel::Response,
         explain: Vec::new(),
         disaggregated: None,
+        kv: None,
+        cached_tokens: Vec::new(),
     })
 }
 
@@ -707,6 +738,24 @@ fn round_robin(views: &[rank::InstanceView], turn: usize) -> rank::Ranking {
     }
 }
 
+/// How a KV_AWARE request gets its token ids: OpenAI bodies by their API; a native body as a
+/// chat request if it is a JSON object with `messages`, as a completions request if it has
+/// `prompt`, else not at all (routed by load).
+fn kv_input(operation: Operation, body: &[u8]) -> KvInput {
+    let tokens = match operation {
+        Operation::ChatCompletions => PromptTokens::of(PromptKind::Chat, body),
+        Operation::Completions => PromptTokens::of(PromptKind::Completion, body),
+        Operation::Invocations | Operation::InvocationsStream => PromptTokens::of_native(body),
+        _ => Err(TokenizeError::Input(format!(
+            "{operation:?} requests are routed by load under KV_AWARE"
+        ))),
+    };
+    match tokens {
+        Ok(tokens) => KvInput::Tokens(tokens),
+        Err(err) => KvInput::Unusable(err),
+    }
+}
+
 /// The target variant if one is named, else one drawn by weight among those with instances.
 fn choose_variant(
     endpoint: &EndpointRoute,
@@ -745,7 +794,8 @@ fn choose_variant(
 }
 
 /// Ranks the variant's instances: a session sticks to its instance; PREFIX_AWARE hashes the
-/// prefix-aware id and the prefix; the other strategies read load and `random`.
+/// prefix-aware id and the prefix; the other strategies read load and `random` (KV_AWARE as
+/// LEAST_OUTSTANDING_REQUESTS, until `handle` ranks it by the KV index).
 fn rank_instances(
     variant: &VariantRoute,
     routing: &RoutingHeaders,
@@ -781,7 +831,8 @@ mod tests {
     use arc_swap::ArcSwap;
 
     /// Endpoint `chat`: variant `a` (PREFIX_AWARE, PrefixLength 1024, threshold 2, ModelName
-    /// `m-a`, 3 instances) and variant `b` (RANDOM, ModelName `m-b`, 1 instance).
+    /// `m-a`, 3 instances), variant `b` (RANDOM, ModelName `m-b`, 1 instance) and variant `k`
+    /// (KV_AWARE, ModelName `m-k`, 2 instances), `b` and `k` with weight 0.
     fn table() -> RoutingTable {
         let yaml = r#"
 Endpoints:
@@ -795,11 +846,17 @@ Endpoints:
       - VariantName: b
         ModelName: m-b
         InitialVariantWeight: 0
+      - VariantName: k
+        ModelName: m-k
+        InitialVariantWeight: 0
+        RoutingConfig: {RoutingStrategy: KV_AWARE}
     Instances:
       - {Url: "http://127.0.0.1:1", InstanceId: a1, VariantName: a}
       - {Url: "http://127.0.0.1:2", InstanceId: a2, VariantName: a}
       - {Url: "http://127.0.0.1:3", InstanceId: a3, VariantName: a}
       - {Url: "http://127.0.0.1:4", InstanceId: b1, VariantName: b}
+      - {Url: "http://127.0.0.1:5", InstanceId: k1, VariantName: k}
+      - {Url: "http://127.0.0.1:6", InstanceId: k2, VariantName: k}
 "#;
         let config = crate::membership::parse_static_text(yaml, true).unwrap();
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
@@ -1146,5 +1203,86 @@ Endpoints:
             .map(|index| plan(format!("{index}{prefix}")).ranking.order)
             .collect();
         assert!(others.len() > 1, "{others:?}");
+    }
+
+    #[test]
+    fn kv_aware_plans_say_how_to_get_the_tokens_and_rank_by_load_meanwhile() {
+        let table = table();
+        let plan = |operation, headers: &HeaderMap, body: &str| {
+            make_plan(
+                &table,
+                operation,
+                chat(&table),
+                &"/v1/chat/completions".parse().unwrap(),
+                headers,
+                Bytes::from(body.to_owned()),
+                &Tokenizers::new(None),
+                &mut fastrand::Rng::with_seed(5),
+            )
+            .unwrap()
+        };
+        let mut to_k = HeaderMap::new();
+        to_k.insert(TARGET_VARIANT, "k".parse().unwrap());
+        let ask = |plan: &Plan| -> serde_json::Value {
+            match &plan.kv {
+                Some(KvInput::Tokens(PromptTokens::Ask(body))) => {
+                    serde_json::from_slice(body).unwrap()
+                }
+                other => panic!("expected a /tokenize body, got {other:?}"),
+            }
+        };
+        // Chat: the engine is asked with the messages and the variant's ModelName.
+        let chat_plan = plan(
+            Operation::ChatCompletions,
+            &to_k,
+            r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":3}"#,
+        );
+        assert_eq!(chat_plan.variant().name.as_str(), "k");
+        assert_eq!(chat_plan.ranking.route, Some(rank::Route::LeastOutstanding));
+        assert_eq!(chat_plan.ranking.order.len(), 2);
+        assert_eq!(
+            ask(&chat_plan),
+            serde_json::json!({"model": "m-k", "messages": [{"role": "user", "content": "hi"}]})
+        );
+        assert!(chat_plan.cached_tokens.is_empty());
+        // A token-id prompt needs no round trip.
+        let ids = plan(
+            Operation::Completions,
+            &to_k,
+            r#"{"model":"m-k","prompt":[1,2,3]}"#,
+        );
+        assert!(matches!(
+            ids.kv,
+            Some(KvInput::Tokens(PromptTokens::Known(ref ids))) if ids == &[1, 2, 3]
+        ));
+        // Native bodies: `messages` is a chat, `prompt` a completion, anything else by load.
+        let native_chat = plan(
+            Operation::Invocations,
+            &to_k,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert!(ask(&native_chat).get("messages").is_some());
+        let native_prompt = plan(Operation::Invocations, &to_k, r#"{"prompt":"x y"}"#);
+        assert_eq!(ask(&native_prompt), serde_json::json!({"prompt": "x y"}));
+        let opaque = plan(Operation::InvocationsStream, &to_k, "raw text");
+        assert!(matches!(opaque.kv, Some(KvInput::Unusable(_))));
+        assert_eq!(
+            &opaque.body[..],
+            b"raw text",
+            "native bodies stay untouched"
+        );
+        // A session sticks to its instance: no KV ranking.
+        let mut session = to_k.clone();
+        session.insert(SESSION_ID, "s-1".parse().unwrap());
+        let sticky = plan(Operation::Completions, &session, r#"{"prompt":"x"}"#);
+        assert!(sticky.kv.is_none());
+        assert_eq!(sticky.ranking.route, Some(rank::Route::Session));
+        // Other strategies have nothing to fetch.
+        let prefix = plan(
+            Operation::ChatCompletions,
+            &HeaderMap::new(),
+            r#"{"model":"m-a","messages":[]}"#,
+        );
+        assert!(prefix.kv.is_none());
     }
 }

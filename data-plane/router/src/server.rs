@@ -1,6 +1,7 @@
 //! Serving: the listening socket, the serving threads (one single-threaded runtime each,
 //! with its own upstream pools), connection admission and client deadlines, the HTTP routes,
-//! the control-plane sync task, and the handle that stops it all.
+//! the control-plane sync task, the KV-event thread (KV_AWARE), and the handle that stops it
+//! all.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -26,6 +27,8 @@ use crate::config::{Deadlines, Settings, Source, UpstreamProtocol};
 use crate::errors::{Api, ApiError};
 use crate::forward::{ForwardSettings, HttpClient, UpstreamClients};
 use crate::handle::{Worker, handle};
+use crate::kv::KvThread;
+use crate::kv::tokenize::Tokenizer;
 use crate::membership::Membership;
 use crate::plan::Operation;
 use crate::table::{LoadRegistry, RoutingTable};
@@ -53,6 +56,8 @@ pub enum StartError {
     Thread(usize, std::io::Error),
     #[error("cannot start the control-plane sync thread: {0}")]
     SyncThread(std::io::Error),
+    #[error("cannot start the KV-event thread: {0}")]
+    KvThread(std::io::Error),
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -110,6 +115,10 @@ impl RouterHandle {
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         let connected = Arc::new(metrics::SyncMetrics::default());
+        // KV_AWARE: the engines' KV events, followed on a thread of their own for the
+        // table's KV_AWARE variants (idle while there are none).
+        let kv_events = KvThread::spawn(Arc::clone(&table), settings.kv, &shutdown)
+            .map_err(StartError::KvThread)?;
         let worker = Arc::new(Worker {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
@@ -126,6 +135,8 @@ impl RouterHandle {
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
             tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
+            kv_index: Arc::clone(kv_events.index()),
+            tokenizer: Tokenizer::new(settings.kv_tokenize_timeout),
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
         let tokenizers = Arc::clone(&worker.tokenizers);
@@ -234,6 +245,8 @@ impl RouterHandle {
             if let Some(task) = sync_task {
                 task.abort();
             }
+            // Subscribers close their sockets; the thread's runtime ends within a second.
+            let _ = tokio::task::spawn_blocking(move || kv_events.join()).await;
         });
         tracing::info!(%addr, router = %settings.router_id, threads = settings.worker_threads, "router listening");
         Ok(Self {
@@ -271,6 +284,11 @@ impl RouterHandle {
 
     pub fn metrics(&self) -> &metrics::RouterMetrics {
         &self.worker.metrics
+    }
+
+    /// What the engines' KV events say each instance holds (KV_AWARE variants).
+    pub fn kv_index(&self) -> &Arc<crate::kv::KvIndex> {
+        &self.worker.kv_index
     }
 
     pub fn shutdown_token(&self) -> CancellationToken {
@@ -502,12 +520,13 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         }
     }
     async fn metrics(State(worker): State<Arc<Worker>>) -> Response {
-        let text = worker.metrics.render(
+        let mut text = worker.metrics.render(
             &worker.table.load(),
             &worker.registry,
             &worker.admission,
             worker.tokenizers.fallbacks(),
         );
+        text.push_str(&worker.kv_index.render_metrics());
         (
             [(
                 http::header::CONTENT_TYPE,

@@ -7,9 +7,11 @@
 //!   rebuild when that fails, staleness.
 //! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
 //!
-//! [`KvEvents::start`] runs the subscribers for the routing table's KV_AWARE variants (one line
-//! for the router's start-up); the request path asks [`KvIndex::variant`] for
-//! `matched_blocks` and ranks with `switchyard_policy::kv::rank_kv`.
+//! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants on a
+//! thread of their own (the router's start-up; [`KvEvents::start`] does the same on the
+//! calling runtime); the request path gets the prompt's token ids
+//! ([`tokenize::PromptTokens`]), asks [`KvIndex::variant`] for the variant's index and ranks
+//! with [`decide`].
 
 pub mod index;
 pub mod subscriber;
@@ -39,11 +41,15 @@ pub struct KvDecision {
     pub cached_tokens: u32,
     /// Full blocks of the prompt (0 when the decision fell back to load).
     pub prompt_blocks: u32,
+    /// Leading prompt tokens each instance holds, by position in the variant's instances
+    /// (empty when the decision fell back to load): what a retry's instance holds.
+    pub cached_tokens_by_instance: Vec<u32>,
 }
 
 /// The request's token ids as the engine sees them: a token-id prompt as given, else the
 /// least loaded available instance's `/tokenize` (see [`tokenize`]). An error means "route by
-/// load".
+/// load". (The request path does the same in two steps: [`tokenize::PromptTokens::of`] on the
+/// CPU side, [`tokenize::PromptTokens::fetch`] on the async side.)
 pub async fn request_tokens(
     tokenizer: &tokenize::Tokenizer,
     variant: &VariantRoute,
@@ -51,18 +57,14 @@ pub async fn request_tokens(
     body: &[u8],
     now_ms: u64,
 ) -> Result<Vec<u32>, tokenize::TokenizeError> {
-    if kind == tokenize::PromptKind::Completion
-        && let Some(ids) = tokenize::prompt_token_ids(body)
-    {
-        return Ok(ids);
-    }
-    let instance =
-        tokenize::least_loaded(variant, now_ms).ok_or(tokenize::TokenizeError::NoInstance)?;
-    let request = tokenize::tokenize_body(kind, body)?;
-    tokenizer
-        .tokenize(&variant.instances[instance].url, request)
+    tokenize::PromptTokens::of(kind, body)?
+        .fetch(tokenizer, variant, now_ms)
         .await
 }
+
+/// Prompts longer than this are matched against the index on a blocking thread: hashing and
+/// walking 64 K tokens takes about 0.4 ms when one instance holds them all (STYLE habit 9).
+pub const OFFLOAD_TOKENS: usize = 64 * 1024;
 
 /// Ranks a KV_AWARE variant's instances for a request whose token ids are `tokens` (None: they
 /// could not be had), from the variant's index (None: no instance has published yet). Without
@@ -100,6 +102,7 @@ pub fn decide(
         ),
         cached_tokens: 0,
         prompt_blocks: 0,
+        cached_tokens_by_instance: Vec::new(),
     };
     let (Some(index), Some(tokens)) = (index, tokens) else {
         return by_load();
@@ -121,13 +124,19 @@ pub fn decide(
         found.prefix_key,
         random,
     );
-    let cached_tokens = ranking
-        .first()
-        .map_or(0, |first| found.matched[first] * found.block_size as u32);
+    let block_size = found.block_size as u32;
+    let cached_tokens_by_instance: Vec<u32> = found
+        .matched
+        .iter()
+        .map(|blocks| blocks * block_size)
+        .collect();
     KvDecision {
+        cached_tokens: ranking
+            .first()
+            .map_or(0, |first| cached_tokens_by_instance[first]),
         ranking,
-        cached_tokens,
         prompt_blocks: found.blocks,
+        cached_tokens_by_instance,
     }
 }
 
@@ -153,6 +162,17 @@ pub struct KvArgs {
     /// unanswered probes mark the instance stale: its cache is ignored until it answers).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub kv_events_probe_ms: u64,
+}
+
+/// The flags' defaults.
+impl Default for KvArgs {
+    fn default() -> Self {
+        Self {
+            kv_tokenize_timeout_ms: 250,
+            kv_index_max_blocks: index::DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+            kv_events_probe_ms: 1000,
+        }
+    }
 }
 
 impl KvArgs {
@@ -238,6 +258,62 @@ impl KvEvents {
 }
 
 impl Drop for KvEvents {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The router's KV-event following: what [`KvEvents`] does, on a thread of its own
+/// (`switchyard-kv`, with its own runtime), so that decoding and applying batches never holds
+/// up a serving thread (as the control-plane stream runs on `switchyard-sync`).
+#[derive(Debug)]
+pub struct KvThread {
+    index: Arc<KvIndex>,
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl KvThread {
+    /// Starts following the table's KV_AWARE variants until `shutdown` (or [`join`](Self::join)).
+    pub fn spawn(
+        table: Arc<ArcSwap<RoutingTable>>,
+        settings: KvSettings,
+        shutdown: &CancellationToken,
+    ) -> std::io::Result<Self> {
+        let stop = shutdown.child_token();
+        let index = Arc::new(KvIndex::new(settings.index));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (thread_index, token) = (Arc::clone(&index), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("switchyard-kv".into())
+            .spawn(move || {
+                runtime.block_on(reconcile_loop(table, thread_index, settings, token));
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        Ok(Self {
+            index,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    /// Stops every subscriber and waits for the thread to end (blocking: from async code, on
+    /// a blocking thread).
+    pub fn join(mut self) {
+        self.stop.cancel();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for KvThread {
     fn drop(&mut self) {
         self.stop.cancel();
     }
@@ -366,6 +442,10 @@ mod tests {
     fn flags_default_and_name_themselves_when_wrong() {
         let flags = Flags::parse_from(["router"]);
         let (settings, timeout) = flags.kv.validate().unwrap();
+        assert_eq!(
+            format!("{:?}", flags.kv),
+            format!("{:?}", KvArgs::default())
+        );
         assert_eq!(timeout, tokenize::DEFAULT_TIMEOUT);
         assert_eq!(settings.index, IndexSettings::default());
         assert_eq!(settings.subscriber, SubscriberSettings::default());

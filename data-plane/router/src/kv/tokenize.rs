@@ -30,6 +30,8 @@ use crate::table::VariantRoute;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 /// Largest `/tokenize` answer read (a 128 K-token prompt is about 1 MB of JSON).
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+/// Answers above this are parsed on a blocking thread (about 40 K tokens, ~0.5 ms of parsing).
+const OFFLOAD_ANSWER_BYTES: usize = 256 * 1024;
 
 /// Chat fields that change the prompt the template renders.
 const CHAT_TEMPLATE_FIELDS: &[&str] = &[
@@ -58,6 +60,29 @@ pub enum TokenizeError {
     Answer { url: String, message: String },
 }
 
+impl TokenizeError {
+    /// The `reason` label of `switchyard_router_kv_tokenize_failures_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TokenizeError::NoInstance => "no_instance",
+            TokenizeError::Input(_) => "input",
+            TokenizeError::Request { .. } => "request",
+            TokenizeError::Timeout { .. } => "timeout",
+            TokenizeError::Status { .. } => "status",
+            TokenizeError::Answer { .. } => "answer",
+        }
+    }
+
+    pub const REASONS: [&'static str; 6] = [
+        "no_instance",
+        "input",
+        "request",
+        "timeout",
+        "status",
+        "answer",
+    ];
+}
+
 /// Which OpenAI API the request body belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PromptKind {
@@ -68,16 +93,30 @@ pub enum PromptKind {
 /// The top-level fields of a request body, values unparsed.
 type Fields<'a> = std::collections::BTreeMap<String, &'a RawValue>;
 
+fn fields(request: &[u8]) -> Result<Fields<'_>, TokenizeError> {
+    serde_json::from_slice(request)
+        .map_err(|err| TokenizeError::Input(format!("invalid JSON: {err}")))
+}
+
 /// A completions prompt given as token ids (`[1, 2, 3]`): no need to ask the engine.
 pub fn prompt_token_ids(request: &[u8]) -> Option<Vec<u32>> {
-    let fields: Fields<'_> = serde_json::from_slice(request).ok()?;
+    token_ids_of(&fields(request).ok()?)
+}
+
+fn token_ids_of(fields: &Fields<'_>) -> Option<Vec<u32>> {
     serde_json::from_str(fields.get("prompt")?.get()).ok()
 }
 
 /// vLLM's `/tokenize` body for an OpenAI request body.
 pub fn tokenize_body(kind: PromptKind, request: &[u8]) -> Result<Bytes, TokenizeError> {
-    let fields: Fields<'_> = serde_json::from_slice(request)
-        .map_err(|err| TokenizeError::Input(format!("invalid JSON: {err}")))?;
+    body_of(kind, &fields(request)?, request.len())
+}
+
+fn body_of(
+    kind: PromptKind,
+    fields: &Fields<'_>,
+    size_hint: usize,
+) -> Result<Bytes, TokenizeError> {
     let mut out: Vec<(&str, &RawValue)> = Vec::new();
     if let Some(model) = fields.get("model") {
         out.push(("model", model));
@@ -102,7 +141,7 @@ pub fn tokenize_body(kind: PromptKind, request: &[u8]) -> Result<Bytes, Tokenize
             }
         }
     }
-    let mut body = Vec::with_capacity(request.len() + 16);
+    let mut body = Vec::with_capacity(size_hint + 16);
     body.push(b'{');
     for (position, (name, value)) in out.iter().enumerate() {
         if position > 0 {
@@ -116,6 +155,70 @@ pub fn tokenize_body(kind: PromptKind, request: &[u8]) -> Result<Bytes, Tokenize
     }
     body.push(b'}');
     Ok(Bytes::from(body))
+}
+
+/// A request's token ids, known from its body or to be asked of an engine. Made on the CPU
+/// side of the request path ([`PromptTokens::of`], one parse of the body), fetched on the async
+/// side ([`PromptTokens::fetch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptTokens {
+    /// A completions prompt given as token ids.
+    Known(Vec<u32>),
+    /// The `/tokenize` body to send (see [`tokenize_body`]).
+    Ask(Bytes),
+}
+
+impl PromptTokens {
+    /// For an OpenAI body of `kind`.
+    pub fn of(kind: PromptKind, request: &[u8]) -> Result<Self, TokenizeError> {
+        let fields = fields(request)?;
+        if kind == PromptKind::Completion
+            && let Some(ids) = token_ids_of(&fields)
+        {
+            return Ok(Self::Known(ids));
+        }
+        body_of(kind, &fields, request.len()).map(Self::Ask)
+    }
+
+    /// For a native (`/invocations`) body: a JSON object with `messages` is read as a chat
+    /// request, else one with `prompt` as a completions request (the rule the simulator's
+    /// `/invocations` follows); anything else has no prompt to tokenize.
+    pub fn of_native(request: &[u8]) -> Result<Self, TokenizeError> {
+        let fields = fields(request)?;
+        let kind = if fields.contains_key("messages") {
+            PromptKind::Chat
+        } else if fields.contains_key("prompt") {
+            PromptKind::Completion
+        } else {
+            return Err(TokenizeError::Input(
+                "the body has neither `messages` nor `prompt`".into(),
+            ));
+        };
+        if kind == PromptKind::Completion
+            && let Some(ids) = token_ids_of(&fields)
+        {
+            return Ok(Self::Known(ids));
+        }
+        body_of(kind, &fields, request.len()).map(Self::Ask)
+    }
+
+    /// The token ids: as given, or from the least loaded available instance of `variant`.
+    pub async fn fetch(
+        self,
+        tokenizer: &Tokenizer,
+        variant: &VariantRoute,
+        now_ms: u64,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        match self {
+            Self::Known(ids) => Ok(ids),
+            Self::Ask(body) => {
+                let instance = least_loaded(variant, now_ms).ok_or(TokenizeError::NoInstance)?;
+                tokenizer
+                    .tokenize(&variant.instances[instance].url, body)
+                    .await
+            }
+        }
+    }
 }
 
 /// The instance to ask: the available one with the fewest fleet-wide requests in flight
@@ -153,6 +256,11 @@ impl Tokenizer {
         }
     }
 
+    /// The deadline of one `/tokenize` exchange.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Asks the engine at `base_url` to tokenize `body` (see [`tokenize_body`]).
     pub async fn tokenize(&self, base_url: &str, body: Bytes) -> Result<Vec<u32>, TokenizeError> {
         let url = format!("{base_url}/tokenize");
@@ -185,12 +293,23 @@ impl Tokenizer {
                     message: err.to_string(),
                 })?
                 .to_bytes();
-            serde_json::from_slice::<Answer>(&body)
-                .map(|answer| answer.tokens)
-                .map_err(|err| TokenizeError::Answer {
-                    url: url.clone(),
-                    message: err.to_string(),
-                })
+            let large = body.len() > OFFLOAD_ANSWER_BYTES;
+            let parse = move || {
+                serde_json::from_slice::<Answer>(&body)
+                    .map(|answer| answer.tokens)
+                    .map_err(|err| err.to_string())
+            };
+            let parsed = if large {
+                tokio::task::spawn_blocking(parse)
+                    .await
+                    .unwrap_or_else(|err| Err(err.to_string()))
+            } else {
+                parse()
+            };
+            parsed.map_err(|message| TokenizeError::Answer {
+                url: url.clone(),
+                message,
+            })
         };
         tokio::time::timeout(self.timeout, exchange)
             .await

@@ -1,0 +1,673 @@
+//! KV_AWARE through a real router: prefixes are placed on the simulators and evicted there by
+//! requests sent straight to them (never through the router, so a router that only remembered
+//! its own dispatches could not pass), and the router's choice is read from its answers'
+//! `x-switchyard-instance`, `x-switchyard-route` and `x-switchyard-cached-tokens`.
+//!
+//! The tests wait on the router's KV index (`RouterHandle::kv_index`) only to know when the
+//! engines' events have arrived; every decision checked is the router's own, on a request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
+use switchyard_router::RouterHandle;
+use switchyard_router::kv::{Freshness, VariantIndex};
+use switchyard_shared::{EndpointName, InstanceId, VariantName};
+use switchyard_tests::{Reply, eventually, http_get, http_post, loopback_any, post_streaming};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A simulator publishing KV events on free loopback ports, 1,000× faster than real time, with
+/// a small KV cache so that evictions come quickly.
+fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
+    SimConfig {
+        time_scale: 0.001,
+        kv_cache_blocks,
+        kv_events: Some("tcp://127.0.0.1:0".into()),
+        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
+        kv_events_format: format,
+        ..SimConfig::default()
+    }
+}
+
+/// `count` distinct words (one simulator token each) starting at `first`.
+fn words(first: usize, count: usize) -> String {
+    (first..first + count)
+        .map(|index| format!("w{index}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn completion(prompt: &str) -> String {
+    json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+/// A completion sent straight to a simulator (it caches the prompt's full blocks).
+async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/v1/completions", sim.url),
+        &[],
+        completion(prompt),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
+    Ok(())
+}
+
+/// The prompt's token ids, from a simulator's `/tokenize`.
+async fn tokens(sim: &SimHandle, body: Value) -> anyhow::Result<Vec<u32>> {
+    let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;
+    anyhow::ensure!(reply.status == 200, "tokenize failed: {}", reply.body);
+    Ok(serde_json::from_value(reply.json()["tokens"].clone())?)
+}
+
+async fn prompt_tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>> {
+    tokens(sim, json!({"model": "sim", "prompt": prompt})).await
+}
+
+/// A completion through the router (endpoint `chat`).
+async fn route(router: &RouterHandle, prompt: &str) -> anyhow::Result<Reply> {
+    let reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
+        &[],
+        completion(prompt),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
+    Ok(reply)
+}
+
+/// (instance, route, cached tokens) of a routed answer.
+fn choice(reply: &Reply) -> (String, String, Option<u32>) {
+    (
+        reply.header("x-switchyard-instance").unwrap_or("").into(),
+        reply.header("x-switchyard-route").unwrap_or("").into(),
+        reply
+            .header("x-switchyard-cached-tokens")
+            .and_then(|value| value.parse().ok()),
+    )
+}
+
+fn ids(names: &[&str]) -> Vec<InstanceId> {
+    names
+        .iter()
+        .map(|name| InstanceId::new(name).expect("id"))
+        .collect()
+}
+
+/// The router's index of `chat`/`AllTraffic`, once an engine of it has published.
+async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
+    let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
+    eventually(WAIT, "the router's KV index of the variant", || {
+        let ready = router
+            .kv_index()
+            .variant(&endpoint, &variant)
+            .is_some_and(|index| index.block_size().is_some());
+        async move { ready }
+    })
+    .await?;
+    Ok(router
+        .kv_index()
+        .variant(&endpoint, &variant)
+        .expect("the variant's index"))
+}
+
+/// Waits until the router's index says each instance holds `matched` leading blocks of
+/// `tokens` (the engines' events have arrived).
+async fn wait_matched(
+    router: &RouterHandle,
+    tokens: &[u32],
+    instances: &[InstanceId],
+    matched: &[u32],
+) -> anyhow::Result<()> {
+    let index = variant_index(router).await?;
+    let now = || {
+        index
+            .match_tokens(tokens, instances)
+            .map(|found| found.matched)
+            .unwrap_or_default()
+    };
+    let result = eventually(WAIT, "the router's index to reflect the engines", || {
+        let reached = now() == matched;
+        async move { reached }
+    })
+    .await;
+    result.map_err(|err| anyhow::anyhow!("{err}: matched {:?}, wanted {matched:?}", now()))
+}
+
+/// A router from a static file routing endpoint `chat` (KV_AWARE, `kv_config` the
+/// KvAwareRoutingConfig JSON or empty) to the simulators as `e0`, `e1`, …, with quick probes
+/// of their replay sockets and a `/tokenize` deadline of `tokenize_timeout_ms`.
+async fn static_router(
+    dir: &std::path::Path,
+    sims: &[&SimHandle],
+    kv_config: Value,
+    tokenize_timeout_ms: u64,
+) -> anyhow::Result<RouterHandle> {
+    let mut routing = json!({"RoutingStrategy": "KV_AWARE"});
+    if !kv_config.is_null() {
+        routing["KvAwareRoutingConfig"] = kv_config;
+    }
+    let instances: Vec<Value> = sims
+        .iter()
+        .enumerate()
+        .map(|(index, sim)| {
+            json!({
+                "Url": sim.url,
+                "InstanceId": format!("e{index}"),
+                "KvEvents": sim.kv_events_endpoint(),
+                "KvEventsReplay": sim.kv_events_replay_endpoint(),
+            })
+        })
+        .collect();
+    let file = json!({"Endpoints": [{
+        "EndpointName": "chat",
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": routing}],
+        "Instances": instances,
+    }]});
+    let path = dir.join("switchyard.json");
+    std::fs::write(&path, file.to_string())?;
+    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    config.worker_threads = Some(2);
+    config.kv.kv_events_probe_ms = 100;
+    config.kv.kv_tokenize_timeout_ms = tokenize_timeout_ms;
+    let settings = config.validate().map_err(anyhow::Error::msg)?;
+    Ok(RouterHandle::start(settings).await?)
+}
+
+/// A sample of the router's `/metrics`, by its exact name and labels.
+async fn metric(router: &RouterHandle, series: &str) -> anyhow::Result<f64> {
+    let (status, text) = http_get(&format!("{}/metrics", router.url())).await?;
+    anyhow::ensure!(status == 200, "/metrics: {status}");
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .and_then(|value| value.trim().parse().ok())
+        })
+        .ok_or_else(|| anyhow::anyhow!("{series} is not in /metrics"))
+}
+
+#[tokio::test]
+async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_eviction()
+-> anyhow::Result<()> {
+    // Through the control plane: the instances declare their KV-event sockets at registration.
+    let dir = tempfile::tempdir()?;
+    let control_plane = switchyard_tests::embedded_control_plane(dir.path()).await?;
+    let mut admin = switchyard_tests::admin(&control_plane.url()).await?;
+    switchyard_tests::create_endpoint(
+        &mut admin,
+        "chat",
+        r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"KV_AWARE"}}]"#,
+    )
+    .await?;
+    // 40 blocks each; a 200-token prompt (12 full blocks) and its output reserve 13.
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 40)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 40)).await?;
+    for (id, sim) in [("engine-0", &a), ("engine-1", &b)] {
+        admin
+            .register_instance(switchyard_proto::v1::RegisterInstanceRequest {
+                endpoint_name: "chat".into(),
+                variant_name: "AllTraffic".into(),
+                url: sim.url.clone(),
+                id: id.into(),
+                kv_events_endpoint: sim.kv_events_endpoint().expect("events on"),
+                kv_events_replay_endpoint: sim.kv_events_replay_endpoint().unwrap_or_default(),
+                ..Default::default()
+            })
+            .await?;
+    }
+    let router = switchyard_tests::router(&[control_plane.url()]).await?;
+    eventually(WAIT, "the router to route to both engines", || {
+        let routable = router
+            .table()
+            .endpoints
+            .get("chat")
+            .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 2);
+        async move { routable }
+    })
+    .await?;
+    let instances = ids(&["engine-0", "engine-1"]);
+
+    // The prefix is placed on engine-0 by a request sent straight to it.
+    let prompt = words(0, 200);
+    place(&a, &prompt).await?;
+    let prompt_ids = prompt_tokens(&a, &prompt).await?;
+    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+    for _ in 0..3 {
+        let reply = route(&router, &prompt).await?;
+        assert_eq!(
+            choice(&reply),
+            ("engine-0".into(), "kv".into(), Some(192)),
+            "12 blocks of 16 tokens"
+        );
+    }
+    // A longer prompt with the same start goes there too, for its first 12 blocks.
+    let longer = format!("{prompt} {}", words(5000, 40));
+    assert_eq!(
+        choice(&route(&router, &longer).await?),
+        ("engine-0".into(), "kv".into(), Some(192))
+    );
+
+    // A chat request: its token ids come from /tokenize with the messages (template applied),
+    // and match what engine-1 stored for the same conversation.
+    let chat = json!({"model": "sim", "max_tokens": 2, "messages": [
+        {"role": "system", "content": words(9000, 100)},
+        {"role": "user", "content": "hello"},
+    ]});
+    let reply = http_post(
+        &format!("{}/v1/chat/completions", b.url),
+        &[],
+        chat.to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let mut template_fields = chat.clone();
+    template_fields
+        .as_object_mut()
+        .expect("object")
+        .remove("max_tokens");
+    let chat_ids = tokens(&b, template_fields).await?;
+    let chat_blocks = (chat_ids.len() / 16) as u32;
+    wait_matched(&router, &chat_ids, &instances, &[0, chat_blocks]).await?;
+    let mut via_router = chat.clone();
+    via_router["model"] = json!("chat");
+    let reply = http_post(
+        &format!("{}/v1/chat/completions", router.url()),
+        &[],
+        via_router.to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        choice(&reply),
+        ("engine-1".into(), "kv".into(), Some(chat_blocks * 16))
+    );
+
+    // engine-0 evicts the prefix (other prompts, sent straight to it, fill its cache) and
+    // engine-1 computes it: the router follows.
+    for round in 1..=4 {
+        place(&a, &words(round * 1000, 200)).await?;
+    }
+    place(&b, &prompt).await?;
+    wait_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
+    assert_eq!(
+        choice(&route(&router, &prompt).await?),
+        ("engine-1".into(), "kv".into(), Some(192))
+    );
+    // A native invocation with a `prompt` is tokenized as a completion.
+    let reply = http_post(
+        &format!("{}/endpoints/chat/invocations", router.url()),
+        &[],
+        completion(&prompt),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(choice(&reply), ("engine-1".into(), "kv".into(), Some(192)));
+    // One with no prompt to tokenize is routed by load, and counted.
+    let reply = http_post(
+        &format!("{}/endpoints/chat/invocations", router.url()),
+        &[],
+        r#"{"inputs": "not an OpenAI body"}"#,
+    )
+    .await?;
+    assert_eq!(
+        reply.header("x-switchyard-route"),
+        Some("least-outstanding")
+    );
+    assert_eq!(reply.header("x-switchyard-cached-tokens"), None);
+    assert_eq!(router.metrics().kv_tokenize_failures("input"), 1);
+
+    // The round trips and the index are in /metrics.
+    assert!(metric(&router, "switchyard_router_kv_tokenize_seconds_count").await? >= 7.0);
+    assert!(
+        metric(
+            &router,
+            r#"switchyard_kv_index_blocks{endpoint="chat",variant="AllTraffic",instance="engine-1"}"#
+        )
+        .await?
+            >= 12.0
+    );
+    assert!(
+        metric(
+            &router,
+            r#"switchyard_router_requests_total{endpoint="chat",instance="engine-1",route="kv"}"#
+        )
+        .await?
+            >= 3.0
+    );
+    router.shutdown().await;
+    control_plane.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_chooses()
+-> anyhow::Result<()> {
+    // engine e0 keeps its last 3 batches for replay.
+    let mut config = kv_sim(KvEventsFormat::Array, 400);
+    config.kv_events_replay_buffer = 3;
+    let a = switchyard_engine_sim::spawn(config).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
+    let instances = ids(&["e0", "e1"]);
+    let first = words(0, 40);
+    place(&a, &first).await?;
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, &first).await?,
+        &instances,
+        &[2, 0],
+    )
+    .await?;
+
+    // Two batches never reach the wire; the third shows the gap; replay fills it.
+    a.drop_kv_event_batches(2);
+    let prompts: Vec<String> = (1..=3).map(|round| words(round * 1000, 40)).collect();
+    for prompt in &prompts {
+        place(&a, prompt).await?;
+    }
+    for prompt in &prompts {
+        wait_matched(
+            &router,
+            &prompt_tokens(&a, prompt).await?,
+            &instances,
+            &[2, 0],
+        )
+        .await?;
+        assert_eq!(
+            choice(&route(&router, prompt).await?),
+            ("e0".into(), "kv".into(), Some(32))
+        );
+    }
+    let counters = &router.kv_index().counters;
+    assert!(
+        counters
+            .gaps_repaired
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert_eq!(
+        counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+
+    // Five lost batches, but e0 keeps only three: its entries are dropped and rebuilt from the
+    // batches that follow. Meanwhile what it held before routes by load, not to a guess.
+    a.drop_kv_event_batches(5);
+    let lost: Vec<String> = (10..16).map(|round| words(round * 1000, 40)).collect();
+    for prompt in &lost {
+        place(&a, prompt).await?;
+    }
+    eventually(WAIT, "a rebuild", || {
+        let rebuilt = counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        async move { rebuilt }
+    })
+    .await?;
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, &first).await?,
+        &instances,
+        &[0, 0],
+    )
+    .await?;
+    let (_, route_taken, cached) = choice(&route(&router, &first).await?);
+    assert_eq!(
+        (route_taken.as_str(), cached),
+        ("least-outstanding", Some(0))
+    );
+    let last = &lost[5];
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, last).await?,
+        &instances,
+        &[2, 0],
+    )
+    .await?;
+    assert_eq!(
+        choice(&route(&router, last).await?),
+        ("e0".into(), "kv".into(), Some(32))
+    );
+    assert!(metric(&router, "switchyard_kv_rebuilds_total").await? >= 1.0);
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> anyhow::Result<()> {
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
+    let instances = ids(&["e0", "e1"]);
+    let prompt = words(0, 200);
+    place(&a, &prompt).await?;
+    let prompt_ids = prompt_tokens(&a, &prompt).await?;
+    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+
+    // e0's publisher stalls: after two unanswered probes of its replay socket its entries no
+    // longer count, and its prompt is routed by load, answered as usual.
+    a.stall_kv_events(true);
+    let index = variant_index(&router).await?;
+    eventually(WAIT, "e0 marked stale", || {
+        let stale = index.freshness(&instances[0]) == Some(Freshness::Stale);
+        async move { stale }
+    })
+    .await?;
+    assert_eq!(metric(&router, "switchyard_kv_stale_instances").await?, 1.0);
+    let reply = route(&router, &prompt).await?;
+    let (went_to, route_taken, cached) = choice(&reply);
+    assert_eq!(
+        (route_taken.as_str(), cached),
+        ("least-outstanding", Some(0))
+    );
+
+    // Its publisher resumes: the queued batches arrive and KV routing returns.
+    a.stall_kv_events(false);
+    eventually(WAIT, "e0 live again", || {
+        let live = index.freshness(&instances[0]) == Some(Freshness::Live);
+        async move { live }
+    })
+    .await?;
+    let expected = if went_to == "e1" { [12, 12] } else { [12, 0] };
+    wait_matched(&router, &prompt_ids, &instances, &expected).await?;
+    let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
+    assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
+
+    // A killed engine goes stale too; the other keeps serving.
+    b.killed().await;
+    eventually(WAIT, "e1 marked stale", || {
+        let stale = index.freshness(&instances[1]) == Some(Freshness::Stale);
+        async move { stale }
+    })
+    .await?;
+    assert_eq!(
+        choice(&route(&router, &prompt).await?),
+        ("e0".into(), "kv".into(), Some(192))
+    );
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> {
+    // Real time, so that streams stay in flight; ConcurrencyThreshold 2.
+    let real_time = |format| SimConfig {
+        time_scale: 1.0,
+        ..kv_sim(format, 400)
+    };
+    let a = switchyard_engine_sim::spawn(real_time(KvEventsFormat::Array)).await?;
+    let b = switchyard_engine_sim::spawn(real_time(KvEventsFormat::Map)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router(
+        dir.path(),
+        &[&a, &b],
+        json!({"ConcurrencyThreshold": 2}),
+        250,
+    )
+    .await?;
+    let instances = ids(&["e0", "e1"]);
+    let prompt = words(0, 200);
+    place(&a, &prompt).await?;
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, &prompt).await?,
+        &instances,
+        &[12, 0],
+    )
+    .await?;
+
+    // Two long streams of the prompt: the holder takes both (its score, 1 − 0.5 × load / 2,
+    // stays above the idle non-holder's 0 while it is below the threshold).
+    let stream =
+        json!({"model": "sim", "prompt": prompt, "max_tokens": 1000, "stream": true}).to_string();
+    let url = format!("{}/endpoints/chat/openai/v1/completions", router.url());
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let response = post_streaming(&url, &[], stream.clone()).await?;
+        assert_eq!(response.status(), 200);
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned)
+        };
+        assert_eq!(header("x-switchyard-instance").as_deref(), Some("e0"));
+        assert_eq!(header("x-switchyard-route").as_deref(), Some("kv"));
+        streams.push(response);
+    }
+    // At the threshold the holder is no candidate: the idle non-holder gets the request.
+    assert_eq!(
+        choice(&route(&router, &prompt).await?),
+        ("e1".into(), "least-outstanding".into(), Some(0))
+    );
+    drop(streams);
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyhow::Result<()> {
+    let sims = [
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 60)).await?,
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
+    ];
+    let refs: Vec<&SimHandle> = sims.iter().collect();
+    let dir = tempfile::tempdir()?;
+    let first = static_router(dir.path(), &refs, Value::Null, 250).await?;
+    // Prompts sharing starts of various lengths, spread over the engines; some evicted.
+    let shared = words(0, 64);
+    let mut prompts = Vec::new();
+    for round in 0..12usize {
+        let prompt = format!(
+            "{shared} {}",
+            words(1000 + round * 100, 16 * (round % 4) + 20)
+        );
+        place(&sims[round % 3], &prompt).await?;
+        prompts.push(prompt);
+    }
+    // The second router starts late: it learns the past from the engines' replay buffers.
+    let second = static_router(dir.path(), &refs, Value::Null, 250).await?;
+    let instances = ids(&["e0", "e1", "e2"]);
+    let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);
+    let mut kv_routes = 0;
+    for prompt in &prompts {
+        let prompt_ids = prompt_tokens(&sims[0], prompt).await?;
+        let holds = |index: &VariantIndex| {
+            index
+                .match_tokens(&prompt_ids, &instances)
+                .map(|found| found.matched)
+        };
+        // Both have applied the same events (the requests below may add some: wait again).
+        eventually(WAIT, "both routers' indexes to agree", || {
+            let agree = holds(&one) == holds(&two);
+            async move { agree }
+        })
+        .await?;
+        let (one_choice, two_choice) = (
+            choice(&route(&first, prompt).await?),
+            choice(&route(&second, prompt).await?),
+        );
+        assert_eq!(one_choice.0, two_choice.0, "{prompt}");
+        assert_eq!(one_choice.1, two_choice.1, "{prompt}");
+        // The first request may have made its instance hold more of the prompt.
+        assert!(
+            two_choice.2 >= one_choice.2,
+            "{one_choice:?} {two_choice:?}"
+        );
+        kv_routes += usize::from(one_choice.1 == "kv");
+    }
+    assert!(
+        kv_routes >= 6,
+        "most prompts are held somewhere: {kv_routes}"
+    );
+    first.shutdown().await;
+    second.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() -> anyhow::Result<()>
+{
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router(dir.path(), &[&a, &b], Value::Null, 100).await?;
+    let instances = ids(&["e0", "e1"]);
+    let prompt = words(0, 200);
+    place(&a, &prompt).await?;
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, &prompt).await?,
+        &instances,
+        &[12, 0],
+    )
+    .await?;
+
+    for (faults, reason) in [
+        (
+            Faults {
+                tokenize_hang_rate: 1.0,
+                ..Faults::default()
+            },
+            "timeout",
+        ),
+        (
+            Faults {
+                tokenize_fail_rate: 1.0,
+                ..Faults::default()
+            },
+            "status",
+        ),
+    ] {
+        a.set_faults(faults);
+        b.set_faults(faults);
+        let reply = route(&router, &prompt).await?;
+        assert_eq!(
+            reply.header("x-switchyard-route"),
+            Some("least-outstanding")
+        );
+        assert_eq!(reply.header("x-switchyard-cached-tokens"), None);
+        assert_eq!(router.metrics().kv_tokenize_failures(reason), 1, "{reason}");
+        assert_eq!(
+            metric(
+                &router,
+                &format!(r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#)
+            )
+            .await?,
+            1.0
+        );
+    }
+    // The tokenizer is back: so is KV routing.
+    a.set_faults(Faults::default());
+    b.set_faults(Faults::default());
+    let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
+    assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
+    router.shutdown().await;
+    Ok(())
+}
