@@ -90,7 +90,7 @@ async fn a_quick_dpd_run_disaggregates_every_long_prompt_and_reports_both_arms()
     let table = report.table();
     assert!(table.contains("1P1D vs 2 engines"), "{table}");
     assert!(table.contains("as intended"), "{table}");
-    let svg = switchyard_bench::svg::render_dpd(&report);
+    let svg = switchyard_bench::dpd::render_chart(&report);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert!(svg.contains("TPOT p50"));
     serde_json::to_value(&report).unwrap();
