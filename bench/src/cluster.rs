@@ -33,6 +33,8 @@ pub struct ClusterSpec {
     pub control_listen: SocketAddr,
     /// One address per router; empty: `127.0.0.1:0` for each.
     pub router_listen: Vec<SocketAddr>,
+    /// OTLP/gRPC collector for the routers' and the control plane's traces.
+    pub otlp_endpoint: Option<String>,
     /// Disaggregated prefill/decode; `None`: every engine joins the first variant.
     pub disaggregation: Option<ClusterDisaggregation>,
 }
@@ -59,6 +61,7 @@ impl Default for ClusterSpec {
             control_listen: loopback_any(),
             router_listen: Vec::new(),
             disaggregation: None,
+            otlp_endpoint: None,
         }
     }
 }
@@ -198,6 +201,13 @@ impl Drop for LocalCluster {
 impl LocalCluster {
     /// Starts everything with default tuning; returns once every router routes to every
     /// instance.
+    /// `http://ADDR/metrics` of the control plane (Prometheus).
+    pub fn control_metrics_url(&self) -> Option<String> {
+        self.control_plane
+            .as_ref()
+            .map(|control_plane| format!("http://{}/metrics", control_plane.metrics_addr))
+    }
+
     pub async fn start(spec: ClusterSpec) -> anyhow::Result<Self> {
         Self::start_with(spec, ClusterTuning::default()).await
     }
@@ -227,6 +237,7 @@ impl LocalCluster {
         let mut control =
             switchyard_control::ControlConfig::embedded(spec.control_listen, data_dir);
         control.load_interval_ms = tuning.load_interval_ms;
+        control.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
         control.router_timeout_ms = control.router_timeout_ms.max(tuning.load_interval_ms * 2);
         let settings = control
             .validate()
@@ -391,6 +402,7 @@ impl LocalCluster {
             );
             config.load_report_interval_ms = tuning.load_interval_ms;
             config.router_id = Some(format!("router-{index}"));
+            config.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
             let settings = config
                 .validate()
                 .map_err(|err| anyhow::anyhow!("router: {err}"))?;

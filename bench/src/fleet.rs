@@ -911,6 +911,7 @@ async fn measure_processes(args: &FleetArgs) -> anyhow::Result<ProcessReport> {
     let cp = RouterProcess {
         child: std::process::Command::new(&control)
             .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--metrics-listen", "127.0.0.1:0"])
             .arg("--data-dir")
             .arg(dir.path())
             .stdout(std::process::Stdio::null())

@@ -29,6 +29,7 @@ use serde::Serialize;
 use crate::client::{HttpClient, http_client};
 use crate::cluster::variants_json;
 use crate::compare::{Strategy, UsageError, bench_sim};
+use crate::peer::free_port;
 use crate::report::{DecisionStats, Machine};
 use crate::scrape::{Histogram, scrape};
 use crate::stats::Summary;
@@ -68,6 +69,12 @@ pub struct OverheadArgs {
     /// The engine's clock scale: tiny, so that it answers at once.
     #[arg(long, default_value_t = 1e-6, value_name = "X")]
     pub time_scale: f64,
+    /// Also measure tracing, interleaved in the same rounds: the router with its OTLP
+    /// exporter pointed at a dead collector, and with every request traced (100% sampling)
+    /// to an OTLP sink in this process that accepts every span; both against the router with
+    /// tracing off.
+    #[arg(long)]
+    pub tracing: bool,
     /// Write the report as JSON.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -137,6 +144,28 @@ pub struct RelayBaseline {
     pub paired_difference_ms: Summary,
 }
 
+/// One tracing mode of the router against the router with tracing off, same rounds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TracingMode {
+    /// `dead-collector` or `sampled-100pct`.
+    pub mode: String,
+    pub latency_ms: Summary,
+    /// This mode's p50 − the untraced router's p50.
+    pub added_p50_ms: f64,
+    /// This mode's p50 / the untraced router's p50.
+    pub p50_ratio: f64,
+    pub throughput: Throughput,
+    /// This mode's requests/s / the untraced router's.
+    pub throughput_ratio: f64,
+    /// 1 − throughput_ratio.
+    pub throughput_cost: f64,
+    pub cpu_seconds: f64,
+    /// Latency-phase errors (requests that did not answer 200).
+    pub latency_errors: u64,
+    pub spans_exported: f64,
+    pub spans_dropped: f64,
+}
+
 /// The overhead benchmark's results (wall-clock milliseconds).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OverheadReport {
@@ -181,6 +210,10 @@ pub struct OverheadReport {
     pub bench_cpu_seconds: f64,
     /// The router's own switchyard_router_decision_seconds over the whole run.
     pub router_decision: Option<DecisionStats>,
+    /// `--tracing`: the dead-collector and 100%-sampled routers against the untraced one.
+    pub tracing: Vec<TracingMode>,
+    /// Spans the in-process OTLP sink received.
+    pub otlp_sink_spans: Option<u64>,
     /// KV_AWARE: the router's `/tokenize` round trips (switchyard_router_kv_tokenize_seconds).
     pub kv_tokenize: Option<DecisionStats>,
     pub notes: Vec<String>,
@@ -277,6 +310,35 @@ impl OverheadReport {
                 "  through the baseline router {:>6.0} req/s ({} errors), its CPU {:.2} s: {:.0} requests per core-second\n",
                 throughput.requests_per_s, throughput.errors, baseline.cpu_seconds, baseline.requests_per_core_second
             ));
+        }
+        if !self.tracing.is_empty() {
+            out.push_str(&format!(
+                "\ntracing, against the router with tracing off ({}: p50 {:.3} ms, {:.0} req/s), same rounds:\n",
+                "untraced", self.router_ms.p50, self.router_throughput.requests_per_s
+            ));
+            for mode in &self.tracing {
+                out.push_str(&format!(
+                    "  {:<16} p50 {:>7.3} ms ({:+.3} ms, x{:.3})  p99 {:>7.3} ms  {:>8.0} req/s (x{:.3}, cost {:.1}%)  errors {}+{}  spans exported {:.0}, dropped {:.0}\n",
+                    mode.mode,
+                    mode.latency_ms.p50,
+                    mode.added_p50_ms,
+                    mode.p50_ratio,
+                    mode.latency_ms.p99,
+                    mode.throughput.requests_per_s,
+                    mode.throughput_ratio,
+                    mode.throughput_cost * 100.0,
+                    mode.latency_errors,
+                    mode.throughput.errors,
+                    mode.spans_exported,
+                    mode.spans_dropped,
+                ));
+            }
+            if let Some(spans) = self.otlp_sink_spans {
+                out.push_str(&format!(
+                    "  the in-process OTLP sink received {spans} spans\n"
+                ));
+            }
+            out.push_str("  targets: dead collector p50 within 5% and no errors; 100% sampled: throughput cost < 10%, p50 added < 0.02 ms\n");
         }
         for note in &self.notes {
             out.push_str(&format!("note: {note}\n"));
@@ -410,59 +472,73 @@ pub(crate) struct ChildServer {
     pub(crate) url: String,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
+/// inode is one of the process's file descriptors. Read from the process itself, so a port
+/// taken by anyone else is never mistaken for its own.
+fn listening_port(pid: u32) -> Option<u16> {
+    let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy();
+            let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(inode.to_owned())
+        })
+        .collect();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+        if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
+            return None;
+        }
+        u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
+    })
 }
 
-/// Starts `binary` with `args(listen address)` until GET `ready_path` answers 200 (three
-/// tries on fresh ports).
+/// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
+/// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
 pub(crate) async fn start_child(
     binary: &Path,
     args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
     ready_path: &str,
     client: &HttpClient,
 ) -> anyhow::Result<ChildServer> {
-    let mut last_error = None;
-    for _ in 0..3 {
-        let listen = format!("127.0.0.1:{}", free_port()?);
-        let mut child = tokio::process::Command::new(binary)
-            .args(args(&listen))
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary.display()))?;
-        let pid = child.id().context("the process exited at once")?;
-        let url = format!("http://{listen}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                last_error = Some(anyhow::anyhow!("{} exited with {status}", binary.display()));
-                break;
-            }
-            if get_status(client, &format!("{url}{ready_path}")).await == Some(200) {
-                return Ok(ChildServer {
-                    _child: child,
-                    pid,
-                    url,
-                });
-            }
-            if Instant::now() >= deadline {
-                let _ = child.kill().await;
-                last_error = Some(anyhow::anyhow!(
-                    "{} was not ready within 10 s",
-                    binary.display()
-                ));
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut child = tokio::process::Command::new(binary)
+        .args(args("127.0.0.1:0"))
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))?;
+    let pid = child.id().context("the process exited at once")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut url = None;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            bail!("{} exited with {status}", binary.display());
         }
+        if url.is_none() {
+            url = listening_port(pid).map(|port| format!("http://127.0.0.1:{port}"));
+        }
+        if let Some(url) = &url
+            && get_status(client, &format!("{url}{ready_path}")).await == Some(200)
+        {
+            return Ok(ChildServer {
+                _child: child,
+                pid,
+                url: url.clone(),
+            });
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill().await;
+            bail!("{} was not ready within 10 s", binary.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Err(last_error.unwrap_or_else(|| anyhow::anyhow!("{} did not start", binary.display())))
 }
 
 /// A router process routing endpoint `bench` to the engine from a static config file, with
@@ -739,12 +815,41 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
             ),
             None => None,
         };
+        // Tracing modes: a port nothing listens on, and a sink here that takes every span.
+        let sink = match args.tracing {
+            true => Some(crate::otlp_sink::OtlpSink::start(false).await?),
+            false => None,
+        };
+        let mut traced = Vec::new();
+        if let Some(sink) = &sink {
+            let dead = format!("http://127.0.0.1:{}", free_port()?);
+            for (mode, endpoint) in [("dead-collector", dead), ("sampled-100pct", sink.url())] {
+                let flags = ["--otlp-endpoint", endpoint.as_str()];
+                let server = start_router(
+                    &binary,
+                    config_dir.path(),
+                    &engine_url,
+                    args.strategy,
+                    &flags,
+                    &client,
+                )
+                .await
+                .with_context(|| format!("router with tracing ({mode})"))?;
+                traced.push((mode, server));
+            }
+        }
         let baselines = Baselines {
             forwarder: forwarder.as_ref(),
             relay: relay.as_ref(),
             router: baseline_router.as_ref(),
+            traced: traced
+                .iter()
+                .map(|(mode, server)| (*mode, server))
+                .collect(),
         };
-        measure(&args, &engine_url, &router, baselines, &client).await
+        let mut report = measure(&args, &engine_url, &router, baselines, &client).await?;
+        report.otlp_sink_spans = sink.as_ref().map(crate::otlp_sink::OtlpSink::count);
+        anyhow::Ok(report)
     }
     .await;
     engine.shutdown().await;
@@ -771,6 +876,8 @@ struct Baselines<'a> {
     relay: Option<&'a ChildServer>,
     /// `--baseline-router-bin`.
     router: Option<&'a ChildServer>,
+    /// `--tracing`: routers with tracing on, by mode.
+    traced: Vec<(&'static str, &'a ChildServer)>,
 }
 
 async fn measure(
@@ -815,6 +922,13 @@ async fn measure(
                 samples: Vec::with_capacity(args.requests),
             });
         }
+    }
+    for (mode, server) in &baselines.traced {
+        paths.push(Path3 {
+            name: mode,
+            url: format!("{}/endpoints/bench/openai/v1/chat/completions", server.url).parse()?,
+            samples: Vec::with_capacity(args.requests),
+        });
     }
     if let Some(server) = baselines.router {
         paths.push(Path3 {
@@ -951,6 +1065,59 @@ async fn measure(
         }
         None => None,
     };
+    let mut tracing = Vec::new();
+    for (mode, server) in &baselines.traced {
+        let Some(index) = index_of(mode) else {
+            continue;
+        };
+        say(&format!(
+            "throughput: {} clients for {:.0} s through the router with tracing ({mode})…",
+            args.concurrency, args.duration
+        ));
+        let (throughput, cpu, _) = loaded(
+            client,
+            &paths[index].url,
+            &body,
+            args.concurrency,
+            duration,
+            server.pid,
+        )
+        .await?;
+        let samples = scrape(client, &format!("{}/metrics", server.url))
+            .await
+            .unwrap_or_default();
+        let counter = |name: &str| {
+            samples
+                .iter()
+                .filter(|sample| sample.name == name)
+                .map(|sample| sample.value)
+                .sum::<f64>()
+        };
+        let latency_ms = Summary::of(&paths[index].samples);
+        let throughput_ratio = if router_throughput.requests_per_s > 0.0 {
+            throughput.requests_per_s / router_throughput.requests_per_s
+        } else {
+            0.0
+        };
+        tracing.push(TracingMode {
+            mode: (*mode).to_owned(),
+            added_p50_ms: latency_ms.p50 - router_ms.p50,
+            p50_ratio: if router_ms.p50 > 0.0 {
+                latency_ms.p50 / router_ms.p50
+            } else {
+                0.0
+            },
+            latency_ms,
+            throughput,
+            throughput_ratio,
+            throughput_cost: 1.0 - throughput_ratio,
+            cpu_seconds: cpu,
+            // The latency phase stops at the first failed request.
+            latency_errors: 0,
+            spans_exported: counter("switchyard_trace_spans_exported_total"),
+            spans_dropped: counter("switchyard_trace_spans_dropped_total"),
+        });
+    }
     let forwarder = baseline("forwarder", forwarder_load);
     let baseline_router = baseline("baseline-router", baseline_router_load);
     let router_samples = scrape(client, &format!("{}/metrics", router.url))
@@ -1025,6 +1192,8 @@ async fn measure(
         router_requests_per_core_second: per_core(&router_throughput, router_cpu),
         bench_cpu_seconds: bench_cpu,
         router_decision: decision,
+        tracing,
+        otlp_sink_spans: None,
         kv_tokenize,
         notes,
     })
@@ -1055,9 +1224,40 @@ async fn loaded(
 mod tests {
     use super::*;
 
+    /// CPU time of the calling thread, from the scheduler's own nanosecond count (a second,
+    /// independent reading of what `process_cpu_seconds` reads in clock ticks).
+    fn thread_cpu_seconds() -> f64 {
+        let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")
+            .expect("/proc/thread-self/schedstat");
+        let nanoseconds: f64 = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|field| field.parse().ok())
+            .expect("sum_exec_runtime");
+        nanoseconds / 1e9
+    }
+
     #[test]
     fn reads_this_process_cpu_time() {
-        let spent = process_cpu_seconds("self").expect("/proc/self/stat");
-        assert!(spent >= 0.0);
+        // This thread burns 0.3 s of CPU while the process's other threads idle: the
+        // process's CPU time must grow by as much, within the clock-tick rounding of both
+        // readings (10 ms each) and 10% for the idle threads' wake-ups. However busy the
+        // machine, thread CPU time is what the thread got, so the bound holds under load.
+        let process_before = process_cpu_seconds("self").expect("/proc/self/stat");
+        let thread_before = thread_cpu_seconds();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut spin = 0u64;
+        while thread_cpu_seconds() - thread_before < 0.3 {
+            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
+            for _ in 0..100_000 {
+                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
+            }
+        }
+        let thread = thread_cpu_seconds() - thread_before;
+        let process = process_cpu_seconds("self").expect("/proc/self/stat") - process_before;
+        assert!(
+            (process - thread).abs() <= 0.02 + 0.1 * thread,
+            "process CPU grew {process:.3} s while this thread alone used {thread:.3} s"
+        );
     }
 }

@@ -69,7 +69,24 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
             .unwrap()
     };
     let (random, prefix) = (hit(Strategy::Random), hit(Strategy::PrefixAware));
-    assert!(prefix >= random, "PREFIX_AWARE {prefix} < RANDOM {random}");
+    // 12 prefixes, 4 requests each, over 3 engines. PREFIX_AWARE sends every repeat to the
+    // prefix's owner (4 clients never reach the threshold of 8): it reaches the oracle bound,
+    // whatever the draws. RANDOM sends a repeat to an engine that saw the prefix with
+    // probability 1/3, 5/9, 19/27 for the 2nd, 3rd, 4th request: 53% of the bound on average
+    // without evictions (fewer hits with them), standard deviation 5.4% over 12 prefixes
+    // (simulated, 200,000 draws: RANDOM reached 80% of the bound once in 200,000). So
+    // PREFIX_AWARE must reach 90% of the bound (the project's target) and beat RANDOM by 20%
+    // of it; a PREFIX_AWARE that routes like RANDOM fails both.
+    assert!(
+        prefix >= 0.9 * oracle.hit_rate,
+        "PREFIX_AWARE {prefix:.3} below 90% of the oracle's {:.3}",
+        oracle.hit_rate
+    );
+    assert!(
+        prefix - random >= 0.2 * oracle.hit_rate,
+        "PREFIX_AWARE {prefix:.3} barely beats RANDOM {random:.3} (oracle {:.3})",
+        oracle.hit_rate
+    );
     assert!(
         prefix <= oracle.hit_rate + 1e-9,
         "{prefix} above the oracle {}",

@@ -123,11 +123,16 @@ pub enum ConfigCommand {
         unhealthy_threshold: u32,
         /// Disaggregated prefill/decode, as JSON (or file://PATH): {"PrefillVariantName",
         /// "DecodeVariantName", "RouteThreshold" (tokens, default 4096),
-        /// "PrefillRoutingStrategy" (ROUND_ROBIN default, PREFIX_AWARE, KV_AWARE, SESSION),
+        /// "PrefillRoutingStrategy" (ROUND_ROBIN default, PREFIX_AWARE, KV_AWARE: the prefill
+        /// instance holding most of the prompt by its KV events, SESSION),
         /// "DecodeRoutingStrategy" (LEAST_OUTSTANDING_REQUESTS default, RANDOM, PREFIX_AWARE),
-        /// "ThresholdBasis" (PROMPT_TOKENS default, UNCACHED_TOKENS), "KvTransferProtocol" (NIXL
+        /// "ThresholdBasis" (PROMPT_TOKENS default; UNCACHED_TOKENS: the prompt tokens the
+        /// first-choice decoder does not hold, by its KV events), "KvTransferProtocol" (NIXL
         /// default, LMCACHE), "Tokenizer" (cl100k_base default, o200k_base, or a tokenizer.json
         /// name under the routers' --tokenizer-dir), "PrefillTimeoutSeconds" (default 120)}.
+        /// KV_AWARE and UNCACHED_TOKENS read the KV events of the pool's instances (registered
+        /// with --kv-events) and the engines' /tokenize; without them they route by load and
+        /// count every prompt token as uncached.
         #[arg(long)]
         disaggregation_config: Option<String>,
     },
@@ -233,7 +238,8 @@ pub struct RegisterArgs {
     #[arg(long, requires = "ttl")]
     pub detach: bool,
     /// The engine's KV-cache event publisher (vLLM's --kv-events-config "endpoint", ZMQ PUB),
-    /// as routers reach it: tcp://HOST:PORT. KV_AWARE variants route from these events.
+    /// as routers reach it: tcp://HOST:PORT. KV_AWARE variants route from these events, and
+    /// so do a disaggregated endpoint's KV_AWARE prefill pool and UNCACHED_TOKENS decoders.
     #[arg(long, value_name = "tcp://HOST:PORT")]
     pub kv_events: Option<String>,
     /// The engine's KV-event replay socket (vLLM's "replay_endpoint", ZMQ ROUTER):

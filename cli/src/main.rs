@@ -73,7 +73,27 @@ async fn main() {
     } else {
         "warn"
     };
-    process::init_logging(process::LogFormat::Text, default_log);
+    // `up` runs the control plane in this process: its spans need the subscriber's layer.
+    let telemetry = match &cli.command {
+        Command::Up(args) => match args.telemetry.validate() {
+            Ok(Some(settings)) => {
+                match switchyard_shared::telemetry::Telemetry::start(
+                    &settings,
+                    "switchyard-control",
+                ) {
+                    Ok(telemetry) => Some(telemetry),
+                    Err(err) => {
+                        eprintln!("error: {err}");
+                        std::process::exit(1);
+                    }
+                }
+            }
+            Ok(None) => None,
+            Err(message) => process::exit_usage(message),
+        },
+        _ => None,
+    };
+    process::init_logging_with(process::LogFormat::Text, default_log, telemetry.as_ref());
     let result = match cli.command {
         Command::EndpointConfig(command) => admin::endpoint_config(&cli.connection, command).await,
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,
@@ -81,6 +101,9 @@ async fn main() {
         Command::Up(args) => up::run(args).await,
         Command::Demo(args) => Box::pin(switchyard_bench::demo(*args)).await.map(drop),
     };
+    if let Some(telemetry) = telemetry {
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
     if let Err(err) = result {
         eprintln!("error: {}", describe(&err));
         std::process::exit(exit_for(&err));

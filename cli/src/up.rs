@@ -45,6 +45,9 @@ pub struct UpArgs {
     /// Keep the control plane's state here (default: a temporary directory, removed on exit).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Traces of the control plane and the routers go to this OTLP/gRPC collector.
+    #[command(flatten)]
+    pub telemetry: switchyard_shared::telemetry::TelemetryArgs,
 }
 
 impl UpArgs {
@@ -100,6 +103,7 @@ impl UpArgs {
             control_listen: self.control_listen,
             router_listen,
             disaggregation: None,
+            otlp_endpoint: self.telemetry.otlp_endpoint.clone(),
         })
     }
 }
@@ -137,8 +141,14 @@ fn print_welcome(args: &UpArgs, cluster: &LocalCluster) {
         "  control plane  {}   (gRPC admin API)",
         cluster.control_plane_url
     );
+    if let Some(url) = cluster.control_metrics_url() {
+        println!("  control plane  {url}   (Prometheus metrics)");
+    }
     for (index, url) in cluster.router_urls.iter().enumerate() {
         println!("  router {index}       {url}");
+    }
+    if let Some(url) = &args.telemetry.otlp_endpoint {
+        println!("  traces         {url}   (OTLP/gRPC collector)");
     }
     for (index, url) in cluster.engine_urls.iter().enumerate() {
         println!("  engine-{index}       {url}   (simulated vLLM)");

@@ -112,6 +112,7 @@ pub async fn run(
     registry: Registry,
     cache: Arc<StateCache>,
     mut leading: watch::Receiver<Option<Revision>>,
+    metrics: Arc<crate::observe::ControlMetrics>,
     shutdown: CancellationToken,
 ) {
     let client = clients();
@@ -155,6 +156,7 @@ pub async fn run(
             }
             Some(result) = probes.join_next(), if !probes.is_empty() => {
                 let Ok(result) = result else { continue };
+                metrics.count_probe(result.outcome.is_ok());
                 record(&registry, &cache, &mut trackers, result, fence).await;
             }
         }

@@ -14,6 +14,7 @@ pub mod health;
 pub mod keys;
 pub mod leader;
 pub mod load;
+pub mod observe;
 pub mod registry;
 pub mod sagemaker_api;
 pub mod sigv4;
@@ -110,6 +111,16 @@ pub struct ControlConfig {
     /// Seconds to finish in-flight calls on shutdown before closing streams.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Batches of changes a router stream may fall behind by before it is sent a fresh
+    /// snapshot instead. Not a flag: the default suits every fleet; tests lower it to make a
+    /// stream fall behind with few changes.
+    #[arg(skip = state::CHANGE_BUFFER)]
+    pub change_buffer: usize,
+    /// Address of the Prometheus endpoint (GET /metrics, plain HTTP).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+    #[command(flatten)]
+    pub telemetry: switchyard_shared::telemetry::TelemetryArgs,
 }
 
 impl ControlConfig {
@@ -134,6 +145,10 @@ impl ControlConfig {
             load_interval_ms: 100,
             router_timeout_ms: 3000,
             shutdown_grace_seconds: 10,
+            change_buffer: state::CHANGE_BUFFER,
+            // Tests and embedded uses run several control planes: any free port.
+            metrics_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            telemetry: Default::default(),
         }
     }
 
@@ -212,7 +227,9 @@ impl ControlConfig {
                 fastrand::u32(..0xff_ffff)
             )
         });
+        let telemetry = self.telemetry.validate().map_err(StartError::Config)?;
         Ok(Settings {
+            telemetry,
             config: self.clone(),
             admin_token,
             router_token,
@@ -310,6 +327,8 @@ pub struct Settings {
     /// TLS to etcd (https:// endpoints).
     pub etcd_tls: Option<EtcdTls>,
     pub replica_id: String,
+    /// OpenTelemetry traces, when on (started by the binary, which owns the subscriber).
+    pub telemetry: Option<switchyard_shared::telemetry::TelemetrySettings>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -337,6 +356,11 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("--metrics-listen: cannot listen on {addr}: {source}")]
+    MetricsListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("--sagemaker-api-listen: cannot listen on {addr}: {source}")]
     SageMakerListen {
         addr: SocketAddr,
@@ -350,6 +374,8 @@ pub enum StartError {
 #[derive(Debug)]
 pub struct ControlPlane {
     pub addr: SocketAddr,
+    /// Where `GET /metrics` is served (`--metrics-listen`).
+    pub metrics_addr: SocketAddr,
     /// Where the SageMaker-compatible API listens (`--sagemaker-api-listen`), if it does.
     pub sagemaker_addr: Option<SocketAddr>,
     pub replica_id: String,
@@ -397,6 +423,19 @@ impl ControlPlane {
                 .await?;
         }
         tracing::info!(store = store.kind(), replica = %settings.replica_id, "store open");
+        let metrics = Arc::new(observe::ControlMetrics::default());
+        let store: Arc<dyn Store> = Arc::new(observe::ObservedStore {
+            inner: store,
+            metrics: Arc::clone(&metrics),
+        });
+        let metrics_error = |source| StartError::MetricsListen {
+            addr: config.metrics_listen,
+            source,
+        };
+        let metrics_listener = tokio::net::TcpListener::bind(config.metrics_listen)
+            .await
+            .map_err(metrics_error)?;
+        let metrics_addr = metrics_listener.local_addr().map_err(metrics_error)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| StartError::Listen {
@@ -440,7 +479,7 @@ impl ControlPlane {
             tasks.spawn(api.serve(listener, shutdown.clone()));
         }
         let closer = registry.clone();
-        let cache = state::StateCache::new();
+        let cache = state::StateCache::new(config.change_buffer);
         tasks.spawn(Arc::clone(&cache).run(Arc::clone(&store), background.clone()));
         let hub = load::LoadHub::new(
             settings.replica_id.clone(),
@@ -468,6 +507,7 @@ impl ControlPlane {
             registry.clone(),
             Arc::clone(&cache),
             leading.clone(),
+            Arc::clone(&metrics),
             background.clone(),
         ));
 
@@ -498,6 +538,7 @@ impl ControlPlane {
             shutdown: streams_stop.clone(),
             sessions: Arc::default(),
             stats: Arc::clone(&sync_stats),
+            metrics: Arc::clone(&metrics),
         })
         .max_decoding_message_size(switchyard_shared::sync::ROUTER_MAX_MESSAGE_BYTES)
         .max_encoding_message_size(switchyard_shared::sync::SYNC_MAX_MESSAGE_BYTES);
@@ -517,7 +558,20 @@ impl ControlPlane {
                 )
                 .map_err(|err| StartError::Config(format!("--tls-cert/--tls-key: {err}")))?;
         }
+        tasks.spawn(observe::serve_metrics(
+            metrics_listener,
+            observe::Sources {
+                metrics: Arc::clone(&metrics),
+                cache: Arc::clone(&cache),
+                sync: Arc::clone(&sync_stats),
+                leading: leading.clone(),
+            },
+            shutdown.clone(),
+        ));
         let router = builder
+            .layer(observe::AdminRpcLayer {
+                metrics: Arc::clone(&metrics),
+            })
             .add_service(health_service)
             .add_service(reflection)
             .add_service(admin_service)
@@ -562,8 +616,10 @@ impl ControlPlane {
         if let Some(sagemaker_addr) = sagemaker_addr {
             tracing::info!(addr = %sagemaker_addr, authenticated = settings.admin_token.is_some(), "SageMaker-compatible API listening");
         }
+        tracing::info!(%metrics_addr, "metrics listening");
         Ok(Self {
             addr,
+            metrics_addr,
             sagemaker_addr,
             replica_id: settings.replica_id,
             shutdown,

@@ -3,6 +3,7 @@
 use clap::Parser;
 use switchyard_control::{ControlConfig, ControlPlane, StartError};
 use switchyard_shared::process::{self, LogFormat};
+use switchyard_shared::telemetry::Telemetry;
 
 /// Switchyard control plane: admin gRPC API (endpoint configs, endpoints, instances), state in
 /// an embedded store or etcd, health checks, and the stream that keeps routers up to date.
@@ -19,11 +20,22 @@ struct Cli {
 #[tokio::main]
 async fn main() {
     let cli: Cli = process::parse_args();
-    process::init_logging(cli.log_format, "info");
     let settings = match cli.config.validate() {
         Ok(settings) => settings,
         Err(err) => process::exit_usage(err),
     };
+    // Traces first: the log subscriber carries the layer that turns spans into OpenTelemetry's.
+    let telemetry = match &settings.telemetry {
+        Some(telemetry) => match Telemetry::start(telemetry, "switchyard-control") {
+            Ok(telemetry) => Some(telemetry),
+            Err(err) => {
+                eprintln!("error: {err}");
+                std::process::exit(1);
+            }
+        },
+        None => None,
+    };
+    process::init_logging_with(cli.log_format, "info", telemetry.as_ref());
     let control_plane = match ControlPlane::start(settings).await {
         Ok(control_plane) => control_plane,
         Err(StartError::Config(message)) => process::exit_usage(message),
@@ -37,7 +49,11 @@ async fn main() {
         process::shutdown_signal().await;
         token.cancel();
     });
-    if let Err(err) = control_plane.wait().await {
+    let stopped = control_plane.wait().await;
+    if let Some(telemetry) = telemetry {
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
+    if let Err(err) = stopped {
         tracing::error!(error = %err, "control plane stopped with an error");
         std::process::exit(1);
     }

@@ -30,8 +30,9 @@ use crate::keys;
 use crate::registry::decode;
 use crate::store::{Compare, Kv, Revision, Store, Txn, WatchEvent, WatchItem};
 
-/// Batches of changes a stream may fall behind by before it gets a fresh snapshot instead.
-const BROADCAST_BUFFER: usize = 16384;
+/// Batches of changes a stream may fall behind by before it gets a fresh snapshot instead
+/// (the default of `ControlConfig::change_buffer`).
+pub const CHANGE_BUFFER: usize = 16384;
 /// How often the watch is asked how far it has come.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// A watch silent this long (no events, no progress answer) is stalled: the store moves to
@@ -60,6 +61,8 @@ pub enum Published {
     Changes {
         revision: Revision,
         changes: Vec<StateChange>,
+        /// When this replica's view took them in (the sync push lag is measured from here).
+        at: std::time::Instant,
     },
     /// The view was rebuilt from a new listing: subscribe again for a fresh snapshot.
     Rebuilt,
@@ -288,8 +291,9 @@ pub struct StateCache {
 }
 
 impl StateCache {
-    pub fn new() -> Arc<Self> {
-        let (changes, _) = broadcast::channel(BROADCAST_BUFFER);
+    /// A view whose change broadcast holds `buffer` batches (at least 1).
+    pub fn new(buffer: usize) -> Arc<Self> {
+        let (changes, _) = broadcast::channel(buffer.max(1));
         Arc::new(Self {
             view: Mutex::new(View::default()),
             changes,
@@ -340,6 +344,16 @@ impl StateCache {
         self.lock().revision
     }
 
+    /// Endpoint configs, endpoints and instances in the view.
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        let view = self.lock();
+        (
+            view.configs.len(),
+            view.endpoints.len(),
+            view.instances.len(),
+        )
+    }
+
     pub fn probe_targets(&self) -> Vec<ProbeTarget> {
         let view = self.lock();
         view.instances
@@ -376,9 +390,11 @@ impl StateCache {
             let changes = view.difference(&new);
             *view = new;
             if !changes.is_empty() {
-                let _ = self
-                    .changes
-                    .send(Arc::new(Published::Changes { revision, changes }));
+                let _ = self.changes.send(Arc::new(Published::Changes {
+                    revision,
+                    changes,
+                    at: std::time::Instant::now(),
+                }));
             }
             return;
         }
@@ -404,9 +420,11 @@ impl StateCache {
         }
         view.revision = revision;
         if !changes.is_empty() {
-            let _ = self
-                .changes
-                .send(Arc::new(Published::Changes { revision, changes }));
+            let _ = self.changes.send(Arc::new(Published::Changes {
+                revision,
+                changes,
+                at: std::time::Instant::now(),
+            }));
         }
         true
     }
@@ -629,7 +647,7 @@ mod tests {
             txn = txn.put(keys::instance("chat", &id), instance_json("chat", &id), 0);
         }
         store.commit(txn).await.unwrap();
-        let cache = StateCache::new();
+        let cache = StateCache::new(CHANGE_BUFFER);
         let shutdown = CancellationToken::new();
         tokio::spawn(Arc::clone(&cache).run(Arc::clone(&store), shutdown.clone()));
         let mut readiness = cache.readiness();

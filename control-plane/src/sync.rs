@@ -52,6 +52,8 @@ pub struct SyncStats {
     pub changes: AtomicU64,
     /// Streams refused or ended because this replica was not ready.
     pub not_ready: AtomicU64,
+    /// Router streams open now.
+    pub open_streams: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -124,10 +126,12 @@ pub struct SyncService {
     pub shutdown: CancellationToken,
     pub sessions: Arc<Sessions>,
     pub stats: Arc<SyncStats>,
+    pub metrics: Arc<crate::observe::ControlMetrics>,
 }
 
 /// Removes a router from the load sums and the sessions when its stream ends, however it ends.
 struct Registration {
+    stats: Arc<SyncStats>,
     load: Arc<LoadHub>,
     sessions: Arc<Sessions>,
     router_id: String,
@@ -136,6 +140,7 @@ struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        self.stats.open_streams.fetch_sub(1, Ordering::Relaxed);
         self.load.remove_router(&self.router_id, self.connection);
         self.sessions.close(&self.router_id, self.connection);
         tracing::info!(router = %self.router_id, "router disconnected");
@@ -506,7 +511,9 @@ impl pb::router_sync_server::RouterSync for SyncService {
         tracing::info!(router = %router_id, protocol, "router connected");
         let service = self.clone();
         let stream = async_stream::try_stream! {
+            service.stats.open_streams.fetch_add(1, Ordering::Relaxed);
             let _registration = Registration {
+                stats: Arc::clone(&service.stats),
                 load: Arc::clone(&service.load),
                 sessions: Arc::clone(&service.sessions),
                 router_id: router_id.clone(),
@@ -518,7 +525,11 @@ impl pb::router_sync_server::RouterSync for SyncService {
             let (snapshot, mut changes) = service.cache.subscribe();
             let mut version = snapshot.version.clone();
             service.stats.snapshots.fetch_add(1, Ordering::Relaxed);
-            for message in encoder.snapshot(&replica, snapshot) {
+            let messages = {
+                let _span = tracing::info_span!("sync snapshot", router = %router_id, instances = snapshot.instances.len(), reason = "connected").entered();
+                encoder.snapshot(&replica, snapshot)
+            };
+            for message in messages {
                 yield message;
             }
             let load = service.load.snapshots();
@@ -529,6 +540,8 @@ impl pb::router_sync_server::RouterSync for SyncService {
             let mut last_sent_at = tokio::time::Instant::now();
             let mut coalescer = Coalescer::default();
             let mut ordered: Vec<StateChange> = Vec::new();
+            // When the oldest change not yet pushed reached this replica's view.
+            let mut oldest_change: Option<std::time::Instant> = None;
             loop {
                 // What to do once the select is over: end with an error, send a fresh snapshot,
                 // or send the changes.
@@ -573,8 +586,9 @@ impl pb::router_sync_server::RouterSync for SyncService {
                         while let Some(published) = next.take() {
                             match published {
                                 Ok(published) => match published.as_ref() {
-                                    Published::Changes { revision, changes: batch } => {
+                                    Published::Changes { revision, changes: batch, at } => {
                                         version.revision = (*revision).max(0) as u64;
+                                        oldest_change.get_or_insert(*at);
                                         for change in batch {
                                             coalescer.push(change);
                                             if matches!(encoder, Encoder::Whole { .. }) {
@@ -621,12 +635,23 @@ impl pb::router_sync_server::RouterSync for SyncService {
                     changes = receiver;
                     version = snapshot.version.clone();
                     service.stats.snapshots.fetch_add(1, Ordering::Relaxed);
-                    for message in encoder.snapshot(&replica, snapshot) {
+                    oldest_change = None;
+                    let messages = {
+                        let _span = tracing::info_span!("sync snapshot", router = %router_id, instances = snapshot.instances.len(), reason = "fresh").entered();
+                        encoder.snapshot(&replica, snapshot)
+                    };
+                    for message in messages {
                         yield message;
                     }
                 } else if !coalescer.is_empty() {
                     service.stats.changes.fetch_add(coalescer.changes() as u64, Ordering::Relaxed);
-                    let messages = encoder.changes(&replica, &version, &mut coalescer, &mut ordered);
+                    if let Some(at) = oldest_change.take() {
+                        service.metrics.sync_push_lag_seconds.observe(at.elapsed().as_secs_f64());
+                    }
+                    let messages = {
+                        let _span = tracing::info_span!("sync changes", router = %router_id, changes = coalescer.changes()).entered();
+                        encoder.changes(&replica, &version, &mut coalescer, &mut ordered)
+                    };
                     service.stats.batches.fetch_add(messages.len() as u64, Ordering::Relaxed);
                     for message in messages {
                         yield message;

@@ -35,7 +35,10 @@ pub enum PrefillRoutingStrategy {
     /// Rendezvous hashing of the prompt's prefix (the prefill variant's
     /// PrefixAwareRoutingConfig): repeated prefixes find their prefill cache warm.
     PrefixAware,
-    /// The instance whose KV cache holds the longest start of the prompt (its KV events).
+    /// The instance whose KV cache holds the longest start of the prompt, weighed against its
+    /// load (`kv::decide` over the prefill instances' KV events, with the prefill variant's
+    /// KvAwareRoutingConfig if its own RoutingStrategy is KV_AWARE, else the defaults);
+    /// LEAST_OUTSTANDING_REQUESTS when the prompt's token ids or the events are missing.
     KvAware,
     /// `X-Amzn-SageMaker-Session-Id` keeps a session on one prefill instance.
     Session,
@@ -82,8 +85,10 @@ pub enum ThresholdBasis {
     /// The prompt's tokens, as the source counts them.
     #[default]
     PromptTokens,
-    /// Only the tokens the decoder that would serve the request directly does not already
-    /// hold in its KV cache (known from its KV events): the prefill work it would do.
+    /// Only the tokens the decoder that would serve the request directly (the first of the
+    /// decode ranking) does not already hold in its KV cache, known from the decode instances'
+    /// KV events and the prompt's token ids (the engine's `/tokenize`): the prefill work it
+    /// would do. Without token ids or events, every prompt token counts as uncached.
     UncachedTokens,
 }
 

@@ -10,6 +10,7 @@ pub mod pb;
 pub mod process;
 pub mod sagemaker;
 pub mod sync;
+pub mod telemetry;
 
 pub use disaggregation::{
     DecodeRoutingStrategy, DisaggregationConfig, KvTransferProtocol, PrefillRoutingStrategy,

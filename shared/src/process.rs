@@ -34,16 +34,46 @@ pub enum LogFormat {
 
 /// Installs the global tracing subscriber. `RUST_LOG` overrides `default_filter`.
 pub fn init_logging(format: LogFormat, default_filter: &str) {
-    use tracing_subscriber::EnvFilter;
+    init_logging_with(format, default_filter, None);
+}
+
+/// Installs the global tracing subscriber, and with `telemetry` the layer that turns this
+/// project's own `tracing` spans into OpenTelemetry spans. Text logs carry colour codes only
+/// when stderr is a terminal.
+pub fn init_logging_with(
+    format: LogFormat,
+    default_filter: &str,
+    telemetry: Option<&crate::telemetry::Telemetry>,
+) {
+    use std::io::IsTerminal as _;
+    use tracing_subscriber::filter::filter_fn;
+    use tracing_subscriber::prelude::*;
+    use tracing_subscriber::{EnvFilter, fmt};
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let result = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    let logs = match format {
+        LogFormat::Text => fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .boxed(),
+        LogFormat::Json => fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_writer(std::io::stderr)
+            .boxed(),
     };
+    // Only Switchyard's spans become OpenTelemetry spans (not its libraries', nor the
+    // exporter's own gRPC client's).
+    let spans = telemetry.map(|telemetry| {
+        tracing_opentelemetry::layer()
+            .with_tracer(telemetry.tracer.clone())
+            .with_filter(filter_fn(|meta| meta.target().starts_with("switchyard")))
+    });
+    let result = tracing_subscriber::registry()
+        .with(filter)
+        .with(logs)
+        .with(spans)
+        .try_init();
     // A second call (tests, `switchyard up` running several components) keeps the first.
     drop(result);
 }

@@ -112,44 +112,32 @@ fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
     assert!(stderr.contains("$SWITCHYARD_CONTROL_PLANE"), "{stderr}");
 }
 
+/// A `switchyard-control` process on an embedded store in a temporary directory.
 struct ControlProcess {
-    child: std::process::Child,
+    process: Process,
     url: String,
     _dir: tempfile::TempDir,
 }
 
-/// A failing assertion must not leave the control plane running.
-impl Drop for ControlProcess {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
 fn control_process() -> ControlProcess {
     let dir = tempfile::tempdir().expect("temp dir");
-    let port = free_port();
-    let child = Command::new(switchyard_tests::binary("switchyard-control"))
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("switchyard-control starts");
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "switchyard-control did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let data_dir = dir.path().to_str().expect("utf-8 path").to_owned();
+    let process = Process::start(
+        "switchyard-control",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_dir,
+        ],
+        "control plane listening",
+    )
+    .expect("switchyard-control starts");
     ControlProcess {
-        child,
-        url,
+        url: process.url(),
+        process,
         _dir: dir,
     }
 }
@@ -421,23 +409,24 @@ fn the_admin_cli_works_as_a_user_types_it() {
     assert!(err.contains("used by endpoint chat"), "{err}");
 
     // Unreachable control plane: says so.
+    let refusing = RefusingPort::new().expect("a refusing port");
     let output = Command::new(switchyard_tests::binary("switchyard"))
-        .args(["--control-plane", "http://127.0.0.1:1", "endpoint", "list"])
+        .args(["--control-plane", &refusing.url(), "endpoint", "list"])
         .output()
         .expect("switchyard runs");
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("cannot reach the control plane"));
 
-    assert!(
-        terminate(&mut control.child).success(),
-        "graceful exit on SIGTERM"
-    );
+    control.process.terminate();
+    let status = control
+        .process
+        .wait_exit(Duration::from_secs(30))
+        .expect("exit after SIGTERM");
+    assert!(status.success(), "graceful exit on SIGTERM: {status}");
 }
 
 #[test]
 fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
-    let router_port = free_port();
-    let control_port = free_port();
     let mut child = Command::new(switchyard_tests::binary("switchyard"))
         .args([
             "up",
@@ -446,9 +435,9 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
             "--time-scale",
             "0.05",
             "--listen",
-            &format!("127.0.0.1:{router_port}"),
+            "127.0.0.1:0",
             "--control-listen",
-            &format!("127.0.0.1:{control_port}"),
+            "127.0.0.1:0",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -571,6 +560,7 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
             "2",
             "--duration",
             "0.3",
+            "--tracing",
             "--json",
             json_arg,
         ],
@@ -607,8 +597,123 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
             .expect("rate")
             > 0.0
     );
+    // --tracing: a router exporting to a dead collector, one tracing every request.
+    let modes = report["tracing"].as_array().expect("tracing modes");
+    let mode = |name: &str| {
+        modes
+            .iter()
+            .find(|mode| mode["mode"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {report}"))
+    };
+    let dead = mode("dead-collector");
+    assert_eq!(dead["throughput"]["errors"], 0, "{report}");
+    assert!(
+        dead["spans_dropped"].as_f64().expect("drops") > 0.0,
+        "{report}"
+    );
+    assert_eq!(dead["spans_exported"], 0.0, "{report}");
+    let sampled = mode("sampled-100pct");
+    assert_eq!(sampled["throughput"]["errors"], 0, "{report}");
+    assert!(sampled["latency_ms"]["p50"].as_f64().expect("p50") > 0.0);
+    assert!(
+        report["otlp_sink_spans"].as_u64().expect("sink spans") > 0,
+        "{report}"
+    );
+    assert!(table.contains("dead-collector"), "{table}");
 
     let bad = run("switchyard-bench", &["overhead", "--requests", "0"]);
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--requests"));
+}
+
+/// Reads the rest of a streamed response (bounded), returning its text.
+async fn read_rest(mut response: http::Response<hyper::body::Incoming>) -> anyhow::Result<String> {
+    use http_body_util::BodyExt as _;
+    let mut text = String::new();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(frame) = response.body_mut().frame().await {
+            if let Ok(data) = frame?.into_data() {
+                text.push_str(&String::from_utf8_lossy(&data));
+            }
+        }
+        anyhow::Ok(())
+    })
+    .await??;
+    Ok(text)
+}
+
+/// Starts a stream of `tokens` tokens from model `model` at `url`, and waits for its first
+/// frame.
+async fn stream_under_way(
+    url: &str,
+    model: &str,
+    tokens: u32,
+) -> anyhow::Result<(http::Response<hyper::body::Incoming>, String)> {
+    use http_body_util::BodyExt as _;
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "a story"}],
+        "max_tokens": tokens,
+        "stream": true,
+    });
+    let mut response = post_streaming(url, &[], body.to_string()).await?;
+    assert_eq!(response.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(10), response.body_mut().frame())
+        .await?
+        .expect("a first frame")?;
+    let first = String::from_utf8_lossy(&first.into_data().unwrap_or_default()).into_owned();
+    Ok((response, first))
+}
+
+#[tokio::test]
+async fn sigterm_lets_router_and_simulator_processes_finish_their_streams() -> anyhow::Result<()> {
+    // Real processes: an engine simulator and a router routing to it from a static file. Each
+    // gets SIGTERM while a stream (~60 tokens at 14 ms) is under way through it: the stream
+    // must end complete ([DONE]) and the process exit 0.
+    let mut sim = Process::start(
+        "switchyard-engine-sim",
+        &["--listen", "127.0.0.1:0", "--time-scale", "1"],
+        "engine simulator listening",
+    )?;
+    let dir = tempfile::tempdir()?;
+    let routes = dir.path().join("routes.yaml");
+    std::fs::write(
+        &routes,
+        format!(
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n    Instances:\n      - Url: {}\n",
+            sim.url()
+        ),
+    )?;
+    let mut router = Process::start(
+        "switchyard-router",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            routes.to_str().expect("utf-8 path"),
+        ],
+        "router listening",
+    )?;
+    let through_router = format!("{}/endpoints/chat/openai/v1/chat/completions", router.url());
+    let (response, first) = stream_under_way(&through_router, "chat", 60).await?;
+    router.terminate();
+    let text = first + &read_rest(response).await?;
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "the router cut the stream on SIGTERM: {text}"
+    );
+    let status = router.wait_exit(Duration::from_secs(30))?;
+    assert!(status.success(), "router exit after SIGTERM: {status}");
+
+    let direct = format!("{}/v1/chat/completions", sim.url());
+    let (response, first) = stream_under_way(&direct, "sim", 60).await?;
+    sim.terminate();
+    let text = first + &read_rest(response).await?;
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "the simulator cut the stream on SIGTERM: {text}"
+    );
+    let status = sim.wait_exit(Duration::from_secs(30))?;
+    assert!(status.success(), "simulator exit after SIGTERM: {status}");
+    Ok(())
 }

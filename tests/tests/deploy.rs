@@ -57,7 +57,7 @@ fn file_name(path: &Path) -> String {
 fn fail_on(problems: &[String]) {
     assert!(
         problems.is_empty(),
-        "deploy/ has drifted from the code:\n  {}",
+        "deploy/ or the documentation has drifted from the code:\n  {}",
         problems.join("\n  ")
     );
 }
@@ -743,21 +743,66 @@ fn check_service_urls(
     }
 }
 
+/// Each long-running binary's shutdown grace flag (what SIGTERM waits for in-flight work),
+/// spelled as that binary spells it. A binary run by deploy/ must be listed here, and its
+/// flag must be in its `--help`: a renamed flag is a problem, never a silently skipped check.
+const GRACE_FLAGS: [(&str, &str); 3] = [
+    ("switchyard-control", "--shutdown-grace-seconds"),
+    ("switchyard-router", "--shutdown-grace-seconds"),
+    ("switchyard-engine-sim", "--shutdown-grace-s"),
+];
+
+/// The shutdown grace period (seconds) `binary` runs with given `flags`: the flag's value, else
+/// its default from `--help`. `None`, with a problem recorded, when it cannot be known.
+fn grace_seconds(
+    helps: &mut Helps,
+    binary: &str,
+    flags: &Flags,
+    origin: &str,
+    problems: &mut Vec<String>,
+) -> Option<f64> {
+    let Some((_, flag)) = GRACE_FLAGS.iter().find(|(name, _)| *name == binary) else {
+        problems.push(format!(
+            "{origin}: runs {binary}, whose shutdown grace flag is not known (add it to GRACE_FLAGS)"
+        ));
+        return None;
+    };
+    if !helps.get(binary, &[]).options.contains_key(*flag) {
+        problems.push(format!(
+            "{origin}: {binary} --help lists no {flag} (renamed? update GRACE_FLAGS)"
+        ));
+        return None;
+    }
+    let Some(value) = flag_or_default(helps, binary, flags, flag) else {
+        problems.push(format!(
+            "{origin}: {binary} {flag} has no value and no default"
+        ));
+        return None;
+    };
+    match value.parse::<f64>() {
+        Ok(seconds) => Some(seconds),
+        Err(_) => {
+            problems.push(format!(
+                "{origin}: {binary} {flag} {value:?} is not a number"
+            ));
+            None
+        }
+    }
+}
+
 /// Kubernetes must wait out the preStop sleep plus the binary's own shutdown grace period.
 fn check_termination_grace(ours: &OurContainer<'_>, helps: &mut Helps, problems: &mut Vec<String>) {
-    let Some(grace) = flag_or_default(helps, ours.binary, &ours.flags, "--shutdown-grace-seconds")
-    else {
+    let Some(grace) = grace_seconds(helps, ours.binary, &ours.flags, &ours.origin, problems) else {
         return;
     };
-    let grace: u64 = grace.parse().expect("--shutdown-grace-seconds is a number");
-    let pre_stop = pre_stop_seconds(ours.container);
+    let pre_stop = pre_stop_seconds(ours.container) as f64;
     let termination = ours.workload.pod["terminationGracePeriodSeconds"]
         .as_u64()
-        .unwrap_or(30);
+        .unwrap_or(30) as f64;
     if termination <= pre_stop + grace {
         problems.push(format!(
             "{}: terminationGracePeriodSeconds {termination} does not exceed preStop {pre_stop} s \
-             + --shutdown-grace-seconds {grace}",
+             + the shutdown grace period {grace} s",
             ours.origin
         ));
     }
@@ -968,19 +1013,15 @@ fn systemd_units_use_real_flags_and_stop_after_the_grace_period() {
             check_flags(&mut helps, invocation, &mut problems);
         }
         let flags = check_flags(&mut helps, main, &mut Vec::new());
-        if let Some(grace) = flag_or_default(
-            &mut helps,
-            expected_binary,
-            &flags,
-            "--shutdown-grace-seconds",
-        ) {
-            let grace: u64 = grace.parse().expect("a number of seconds");
+        if let Some(grace) =
+            grace_seconds(&mut helps, expected_binary, &flags, &origin, &mut problems)
+        {
             let stop = settings
                 .get("TimeoutStopSec")
                 .and_then(|value| unit_seconds(value));
-            if stop.is_none_or(|stop| stop <= grace) {
+            if stop.is_none_or(|stop| stop as f64 <= grace) {
                 problems.push(format!(
-                    "{origin}: TimeoutStopSec {stop:?} must exceed --shutdown-grace-seconds {grace}"
+                    "{origin}: TimeoutStopSec {stop:?} must exceed the shutdown grace period {grace} s"
                 ));
             }
         }
@@ -1021,23 +1062,47 @@ fn the_dockerfile_builds_locked_and_ships_every_binary_with_real_flags() {
     fail_on(&problems);
 }
 
+/// Every Markdown file a user reads commands from: the READMEs, ARCHITECTURE.md, docs/.
+fn documentation() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut found = vec![
+        root.join("README.md"),
+        root.join("ARCHITECTURE.md"),
+        deploy_dir().join("README.md"),
+    ];
+    found.extend(files(&root.join("docs"), &["md"]));
+    found
+}
+
 #[test]
-fn the_deploy_readme_commands_use_real_subcommands_and_flags() {
-    let path = deploy_dir().join("README.md");
-    let code = markdown_code(&read(&path));
-    let invocations = invocations_in_text(&code, "deploy/README.md");
+fn commands_in_the_documentation_use_real_subcommands_and_flags() {
     let mut helps = Helps::default();
     let mut problems = Vec::new();
-    for binary in ["switchyard", "switchyard-control", "switchyard-router"] {
-        if !invocations
-            .iter()
-            .any(|invocation| invocation.binary == binary)
-        {
-            problems.push(format!("deploy/README.md: no command runs {binary}"));
+    for path in documentation() {
+        let origin = path
+            .strip_prefix(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+            .unwrap_or(&path)
+            .display()
+            .to_string();
+        let code = markdown_code(&read(&path));
+        let invocations = invocations_in_text(&code, &origin);
+        // The scan must find what these are known to show (a scan that finds nothing passes).
+        let expected: &[&str] = match origin.as_str() {
+            "deploy/README.md" => &["switchyard", "switchyard-control", "switchyard-router"],
+            "README.md" => &["switchyard"],
+            _ => &[],
+        };
+        for binary in expected {
+            if !invocations
+                .iter()
+                .any(|invocation| invocation.binary == *binary)
+            {
+                problems.push(format!("{origin}: no command runs {binary}"));
+            }
         }
-    }
-    for invocation in &invocations {
-        check_flags(&mut helps, invocation, &mut problems);
+        for invocation in &invocations {
+            check_flags(&mut helps, invocation, &mut problems);
+        }
     }
     fail_on(&problems);
 }
@@ -1093,4 +1158,24 @@ fn the_flag_checker_catches_what_it_should() {
         .as_deref(),
         Some("30")
     );
+    // The grace period is found for every binary that has one, however it spells its flag,
+    // and a binary whose flag is unknown is a problem, not a skipped check.
+    let mut problems = Vec::new();
+    for (binary, _) in GRACE_FLAGS {
+        assert!(
+            grace_seconds(&mut helps, binary, &Flags::new(), "sample", &mut problems)
+                .is_some_and(|seconds| seconds > 0.0),
+            "{binary}: {problems:?}"
+        );
+    }
+    let bench = grace_seconds(
+        &mut helps,
+        "switchyard-bench",
+        &Flags::new(),
+        "sample",
+        &mut problems,
+    );
+    assert_eq!(bench, None);
+    assert_eq!(problems.len(), 1, "{problems:#?}");
+    assert!(problems[0].contains("GRACE_FLAGS"), "{problems:#?}");
 }

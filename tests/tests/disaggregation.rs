@@ -95,9 +95,26 @@ async fn router(
     prefill_routing: &str,
     tune: impl FnOnce(&mut RouterConfig),
 ) -> anyhow::Result<RouterHandle> {
+    router_over(
+        dir,
+        &pool.instances(),
+        disaggregation,
+        prefill_routing,
+        tune,
+    )
+    .await
+}
+
+/// [`router`] over the static file's instance lines `instances`.
+async fn router_over(
+    dir: &tempfile::TempDir,
+    instances: &str,
+    disaggregation: &str,
+    prefill_routing: &str,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<RouterHandle> {
     let yaml = format!(
-        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim{prefill_routing}}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{}",
-        pool.instances()
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim{prefill_routing}}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{instances}"
     );
     let path = dir.path().join("pd.yaml");
     std::fs::write(&path, yaml)?;
@@ -117,9 +134,40 @@ async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
     eventually(
         Duration::from_secs(10),
         "in-flight counts back to 0",
-        || async { router.in_flight() == 0 && router.admission().in_flight() == 0 },
+        || async {
+            router.in_flight() == 0
+                && router.admission().in_flight() == 0
+                && router.admission().buffered_bytes() == 0
+        },
     )
     .await
+}
+
+/// The value of one sample (`name{labels}`) of the router's metrics; 0 if absent.
+async fn metric(router: &RouterHandle, sample: &str) -> f64 {
+    let (_, text) = http_get(&format!("{}/metrics", router.url()))
+        .await
+        .expect("metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(sample))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn fallbacks(router: &RouterHandle, reason: &str) -> f64 {
+    metric(
+        router,
+        &format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}"),
+    )
+    .await
+}
+
+/// The requests `sims` received with X-Request-Id `id`.
+fn received_as(sims: &[SimHandle], id: &str) -> Vec<switchyard_engine_sim::ReceivedRequest> {
+    Pool::received(sims)
+        .into_iter()
+        .filter(|request| request.header("x-request-id") == Some(id))
+        .collect()
 }
 
 #[tokio::test]
@@ -671,5 +719,804 @@ async fn a_decoder_refuses_a_hand_off_no_prefill_engine_issued() -> anyhow::Resu
     http_post(&url, &[("x-request-id", "real")], decode(forged)).await?;
     assert!(verdict("real").await.starts_with("rejected"));
     assert_eq!(decoder.stats().kv_pull_failures, 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_engine_that_dies_after_reading_is_not_resent_and_is_ejected()
+-> anyhow::Result<()> {
+    // p0 crashes on every request it reads; p1 is healthy.
+    let pool = Pool::start(|index| SimConfig {
+        die_mid_stream_rate: if index == 0 { 1.0 } else { 0.0 },
+        ..engine(InstanceRole::Prefill)
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let ejecting = router(&dir, &pool, NIXL, "", |config| {
+        config.eject_after_failures = 1;
+        config.eject_seconds = 600;
+    })
+    .await?;
+    // Round robin reaches p0 within two requests: its crash is the client's 502, and nothing
+    // is sent again, not to a decoder either (a poison prompt takes down one engine, not two).
+    let mut crashed = None;
+    for round in 0..2 {
+        let id = format!("crash-{round}");
+        let reply = bounded(
+            "a long prompt",
+            http_post(
+                &url(&ejecting),
+                &[("x-request-id", &id)],
+                completion(&hellos(5000), 2, false),
+            ),
+        )
+        .await?;
+        if reply.status == 502 {
+            assert_eq!(
+                reply.json()["error"]["code"],
+                "upstream_reset",
+                "{}",
+                reply.body
+            );
+            crashed = Some(id);
+            break;
+        }
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
+    }
+    let crashed = crashed.expect("p0 was never tried");
+    assert_eq!(received_as(&pool.prefill, &crashed).len(), 1);
+    assert!(
+        received_as(&pool.decode, &crashed).is_empty(),
+        "resent to a decoder"
+    );
+    // The crash counted toward p0's ejection: the next requests prefill on p1 alone.
+    assert_eq!(
+        metric(
+            &ejecting,
+            "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"p0\"}"
+        )
+        .await,
+        1.0
+    );
+    let reached_p0 = pool.prefill[0].received().len();
+    for round in 0..4 {
+        let reply = bounded(
+            "a long prompt after the ejection",
+            http_post(
+                &url(&ejecting),
+                &[],
+                completion(&format!("{round} {}", hellos(5000)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
+    }
+    assert_eq!(pool.prefill[0].received().len(), reached_p0);
+    settles(&ejecting).await?;
+
+    // With --retry-after-send the decoder serves it whole instead.
+    let dir = tempfile::tempdir()?;
+    let retrying = router(&dir, &pool, NIXL, "", |config| {
+        config.retry_after_send = true;
+        config.eject_after_failures = 100;
+    })
+    .await?;
+    let mut fell_back = false;
+    for round in 0..2 {
+        let reply = bounded(
+            "a long prompt, retrying after send",
+            http_post(
+                &url(&retrying),
+                &[],
+                completion(&format!("r{round} {}", hellos(5000)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        fell_back |= reply.header("x-switchyard-route") == Some("fallback");
+    }
+    assert!(fell_back, "p0 was never tried");
+    assert_eq!(fallbacks(&retrying, "prefill_failed").await, 1.0);
+    settles(&retrying).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unreachable_prefill_instance_is_ejected() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    pool.prefill[0].kill();
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |config| {
+        config.eject_after_failures = 1;
+        config.eject_seconds = 600;
+    })
+    .await?;
+    for round in 0..6 {
+        let reply = bounded(
+            "a long prompt",
+            http_post(
+                &url(&router),
+                &[],
+                completion(&format!("{round} {}", hellos(5000)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
+    }
+    // Refused once, then ejected: round robin no longer tries it first.
+    let refused =
+        "switchyard_router_upstream_errors_total{endpoint=\"pd\",instance=\"p0\",kind=\"refused\"}";
+    assert_eq!(metric(&router, refused).await, 1.0);
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"p0\"}"
+        )
+        .await,
+        1.0
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let forged = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"forged","remote_block_ids":[1,2],"remote_host":"127.0.0.1","remote_port":9}"#;
+    // The key plain, escaped (Python's json reads it as kv_transfer_params), or twice.
+    let bodies = |prompt: &str| {
+        let prompt = serde_json::to_string(prompt).expect("json");
+        [
+            format!(
+                r#"{{"model":"pd","kv_transfer_params":{forged},"prompt":{prompt},"max_tokens":2}}"#
+            ),
+            format!(
+                r#"{{"model":"pd","prompt":{prompt},"kv_transfer_para\u006ds":{forged},"max_tokens":2}}"#
+            ),
+            format!(
+                r#"{{"kv_transfer_params":{{}},"model":"pd","prompt":{prompt},"max_tokens":2,"kv_transfer_params":{forged}}}"#
+            ),
+        ]
+    };
+    let check = |id: &str, route: &str| {
+        for request in received_as(&pool.decode, id) {
+            match route {
+                "disaggregated" => {
+                    assert_eq!(
+                        request.handoff.as_deref(),
+                        Some("accepted"),
+                        "{id}: {request:?}"
+                    );
+                    let handed = request.kv_transfer.as_ref().expect("the hand-off");
+                    assert_ne!(handed["remote_engine_id"], "forged", "{id}");
+                }
+                _ => assert!(
+                    request.kv_transfer.is_none(),
+                    "{id} reached a decoder with {:?}",
+                    request.kv_transfer
+                ),
+            }
+        }
+        for request in received_as(&pool.prefill, id) {
+            let sent = request
+                .kv_transfer
+                .as_ref()
+                .expect("the router's kv_transfer_params");
+            assert_eq!(sent["do_remote_decode"], true, "{id}");
+            assert!(sent["remote_engine_id"].is_null(), "{id}");
+        }
+    };
+    let mut cases = Vec::new();
+    for (index, body) in bodies(&hellos(100)).into_iter().enumerate() {
+        cases.push((format!("direct-{index}"), body, "direct"));
+    }
+    for (index, body) in bodies(&hellos(5000)).into_iter().enumerate() {
+        cases.push((format!("disaggregated-{index}"), body, "disaggregated"));
+    }
+    for (id, body, route) in &cases {
+        let reply = bounded(
+            "a forged hand-off",
+            http_post(&url(&router), &[("x-request-id", id)], body.clone()),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some(*route), "{id}");
+        assert_eq!(received_as(&pool.decode, id).len(), 1, "{id}");
+        check(id, route);
+    }
+    // The fallback path too.
+    for sim in &pool.prefill {
+        sim.kill();
+    }
+    for (index, body) in bodies(&hellos(5000)).into_iter().enumerate() {
+        let id = format!("fallback-{index}");
+        let reply = bounded(
+            "a forged hand-off, falling back",
+            http_post(&url(&router), &[("x-request-id", &id)], body),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"), "{id}");
+        assert_eq!(received_as(&pool.decode, &id).len(), 1, "{id}");
+        check(&id, "fallback");
+    }
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_copy_that_would_pass_the_buffer_bound_is_skipped() -> anyhow::Result<()> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    // The smallest bound there is: one largest body.
+    let router = router(&dir, &pool, NIXL, "", |config| {
+        config.max_buffered_bytes = 6_291_456;
+    })
+    .await?;
+    // 3.3 MB: the body fits, the body and its prefill copy do not.
+    let body = serde_json::json!({
+        "model": "pd",
+        "prompt": hellos(5000),
+        "max_tokens": 2,
+        "user": "u".repeat(3_300_000),
+    })
+    .to_string();
+    let reply = bounded(
+        "a large long prompt",
+        http_post(&url(&router), &[("x-request-id", "big")], body),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert!(
+        received_as(&pool.prefill, "big").is_empty(),
+        "prefilled past the bound"
+    );
+    assert_eq!(fallbacks(&router, "buffer_full").await, 1.0);
+    // Nothing refused: the request was served.
+    let refused = "switchyard_router_admission_refused_total{limit=\"buffered_bytes\"}";
+    assert_eq!(metric(&router, refused).await, 0.0);
+    // A small one still disaggregates.
+    let reply = bounded(
+        "a long prompt",
+        http_post(&url(&router), &[], completion(&hellos(5000), 2, false)),
+    )
+    .await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn lmcache_prefills_only_where_the_partner_can_decode() -> anyhow::Result<()> {
+    let decoders = [
+        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
+        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
+    ];
+    let mut prefill = Vec::new();
+    for decoder in &decoders {
+        prefill.push(
+            switchyard_engine_sim::spawn(SimConfig {
+                kv_push_to: Some(decoder.url.clone()),
+                ..engine(InstanceRole::Prefill)
+            })
+            .await?,
+        );
+    }
+    let pool = Pool {
+        prefill,
+        decode: decoders.into(),
+    };
+    const LMCACHE: &str =
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}";
+    // Partners that are not in the decode variant: nothing is prefilled for nothing.
+    let dir = tempfile::tempdir()?;
+    let mut lines = String::new();
+    for (index, sim) in pool.prefill.iter().enumerate() {
+        lines.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill, DecodePartner: gone{index}}}\n",
+            sim.url
+        ));
+    }
+    for (index, sim) in pool.decode.iter().enumerate() {
+        lines.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode}}\n",
+            sim.url
+        ));
+    }
+    let orphans = router_over(&dir, &lines, LMCACHE, "", |_| {}).await?;
+    let reply = bounded(
+        "no partner",
+        http_post(&url(&orphans), &[], completion(&hellos(5000), 2, false)),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert!(
+        Pool::received(&pool.prefill).is_empty(),
+        "prefilled without a partner"
+    );
+    assert_eq!(fallbacks(&orphans, "no_decode_partner").await, 1.0);
+    settles(&orphans).await?;
+
+    // d0 (p0's partner) gone and ejected here: p1 prefills everything, d1 decodes it.
+    pool.decode[0].kill();
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, LMCACHE, "", |config| {
+        config.eject_after_failures = 1;
+        config.eject_seconds = 600;
+    })
+    .await?;
+    let d0_ejected = "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"d0\"}";
+    for round in 0..20 {
+        if metric(&router, d0_ejected).await == 1.0 {
+            break;
+        }
+        let reply = bounded(
+            "a short prompt",
+            http_post(
+                &url(&router),
+                &[],
+                completion(&format!("{round} {}", hellos(10)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_eq!(metric(&router, d0_ejected).await, 1.0, "d0 was never tried");
+    let prefilled_before = pool.prefill[0].received().len();
+    for round in 0..4 {
+        let reply = bounded(
+            "a long prompt",
+            http_post(
+                &url(&router),
+                &[],
+                completion(&format!("{round} {}", hellos(5000)), 2, false),
+            ),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
+        assert_eq!(reply.header("x-switchyard-instance"), Some("d1"));
+    }
+    assert_eq!(pool.prefill[0].received().len(), prefilled_before);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_answer_without_a_usable_hand_off_falls_back() -> anyhow::Result<()> {
+    // A prefill engine answering 200 with kv_transfer_params that name no engine or blocks.
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async {
+            axum::Json(serde_json::json!({
+                "id": "cmpl-1",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": "none"},
+            }))
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+    let lines = format!(
+        "      - {{Url: \"http://{address}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n",
+        decoder.url
+    );
+    let dir = tempfile::tempdir()?;
+    let router = router_over(&dir, &lines, NIXL, "", |_| {}).await?;
+    let reply = bounded(
+        "a long prompt",
+        http_post(
+            &url(&router),
+            &[("x-request-id", "garbage")],
+            completion(&hellos(5000), 2, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    let served = decoder.received();
+    assert_eq!(served.len(), 1);
+    assert!(
+        served[0].kv_transfer.is_none(),
+        "the garbage was handed to the decoder"
+    );
+    assert_eq!(fallbacks(&router, "bad_handoff").await, 1.0);
+    settles(&router).await?;
+    server.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_context()
+-> anyhow::Result<()> {
+    let sink = switchyard_bench::otlp_sink::OtlpSink::start(true).await?;
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let endpoint = sink.url();
+    let router = router(&dir, &pool, NIXL, "", |config| {
+        config.telemetry.otlp_endpoint = Some(endpoint);
+    })
+    .await?;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
+    let reply = bounded(
+        "a disaggregated request",
+        http_post(
+            &url(&router),
+            &[("traceparent", &traceparent), ("x-request-id", "pd-traced")],
+            completion(&hellos(5000), 2, false),
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    let hop = |spans: &[switchyard_bench::otlp_sink::ReceivedSpan], name: &str| {
+        spans
+            .iter()
+            .find(|span| span.trace_id == trace && span.attribute("switchyard.hop") == Some(name))
+            .cloned()
+    };
+    eventually(Duration::from_secs(15), "both hops' spans", || async {
+        let spans = sink.spans();
+        hop(&spans, "prefill").is_some() && hop(&spans, "decode").is_some()
+    })
+    .await?;
+    let spans = sink.spans();
+    let server = spans
+        .iter()
+        .find(|span| span.trace_id == trace && span.kind == 2)
+        .expect("server span");
+    assert_eq!(server.attribute("switchyard.route"), Some("disaggregated"));
+    assert_eq!(server.attribute("gen_ai.usage.input_tokens"), Some("5000"));
+    let (prefill, decode) = (
+        hop(&spans, "prefill").unwrap(),
+        hop(&spans, "decode").unwrap(),
+    );
+    for span in [&prefill, &decode] {
+        assert_eq!(span.parent_span_id, server.span_id, "{span:?}");
+        assert_eq!(span.kind, 3);
+    }
+    // Each engine's parent is its own hop's span.
+    let parent_of = |sims: &[SimHandle]| {
+        Pool::received(sims)
+            .into_iter()
+            .find(|request| request.header("x-request-id") == Some("pd-traced"))
+            .and_then(|request| request.header("traceparent").map(str::to_owned))
+    };
+    assert_eq!(
+        parent_of(&pool.prefill),
+        Some(format!("00-{trace}-{}-01", prefill.span_id))
+    );
+    assert_eq!(
+        parent_of(&pool.decode),
+        Some(format!("00-{trace}-{}-01", decode.span_id))
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pools' KV caches: a KV_AWARE prefill pool and the UNCACHED_TOKENS threshold, read from the
+// engines' KV events. Prefixes are placed by requests sent straight to the simulators, so a
+// router that only remembered its own dispatches could not pass.
+// ---------------------------------------------------------------------------------------------
+
+/// An engine of `role` publishing KV events on free loopback ports (one token per word, blocks
+/// of 16 tokens).
+fn kv_engine(role: InstanceRole) -> SimConfig {
+    SimConfig {
+        kv_events: Some("tcp://127.0.0.1:0".into()),
+        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
+        kv_cache_blocks: 400,
+        ..engine(role)
+    }
+}
+
+/// `count` distinct words (one simulator token each) starting at `first`.
+fn words(first: usize, count: usize) -> String {
+    (first..first + count)
+        .map(|index| format!("w{index}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl Pool {
+    /// Both pools publishing KV events.
+    async fn with_kv_events() -> anyhow::Result<Self> {
+        let mut pool = Pool {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+        };
+        for _ in 0..2 {
+            pool.decode
+                .push(switchyard_engine_sim::spawn(kv_engine(InstanceRole::Decode)).await?);
+            pool.prefill
+                .push(switchyard_engine_sim::spawn(kv_engine(InstanceRole::Prefill)).await?);
+        }
+        Ok(pool)
+    }
+
+    /// The static file's instance lines with the engines' KV-event sockets.
+    fn instances_with_events(&self) -> String {
+        let line = |sim: &SimHandle, id: String, variant: &str| {
+            format!(
+                "      - {{Url: \"{}\", InstanceId: {id}, VariantName: {variant}, Role: {variant}, KvEvents: \"{}\", KvEventsReplay: \"{}\"}}\n",
+                sim.url,
+                sim.kv_events_endpoint().unwrap_or_default(),
+                sim.kv_events_replay_endpoint().unwrap_or_default(),
+            )
+        };
+        let prefill = self
+            .prefill
+            .iter()
+            .enumerate()
+            .map(|(index, sim)| line(sim, format!("p{index}"), "prefill"));
+        let decode = self
+            .decode
+            .iter()
+            .enumerate()
+            .map(|(index, sim)| line(sim, format!("d{index}"), "decode"));
+        prefill.chain(decode).collect()
+    }
+}
+
+/// A router for endpoint `pd` whose engines publish KV events (probed every 100 ms).
+async fn kv_router(
+    dir: &tempfile::TempDir,
+    pool: &Pool,
+    disaggregation: &str,
+) -> anyhow::Result<RouterHandle> {
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{}",
+        pool.instances_with_events()
+    );
+    let path = dir.path().join("pd-kv.yaml");
+    std::fs::write(&path, yaml)?;
+    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
+    config.config = Some(path);
+    config.kv.kv_events_probe_ms = 100;
+    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+}
+
+/// A completion sent straight to a simulator: it caches the prompt's full blocks.
+async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/v1/completions", sim.url),
+        &[],
+        serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
+    Ok(())
+}
+
+/// Waits until the router's index of `pool` (`prefill` or `decode`) says its instances
+/// (`p0`, `p1` or `d0`, `d1`) hold `matched` leading blocks of `prompt` (the engines' events
+/// have arrived).
+async fn wait_matched(
+    router: &RouterHandle,
+    sim: &SimHandle,
+    pool: &str,
+    prompt: &str,
+    matched: [u32; 2],
+) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/tokenize", sim.url),
+        &[],
+        serde_json::json!({"model": "sim", "prompt": prompt}).to_string(),
+    )
+    .await?;
+    let tokens: Vec<u32> = serde_json::from_value(reply.json()["tokens"].clone())?;
+    let endpoint = switchyard_shared::EndpointName::new("pd")?;
+    let variant = switchyard_shared::VariantName::new(pool)?;
+    let instances: Vec<switchyard_shared::InstanceId> = (0..2)
+        .map(|index| switchyard_shared::InstanceId::new(&format!("{}{index}", &pool[..1])))
+        .collect::<Result<_, _>>()?;
+    let now = || {
+        router
+            .kv_index()
+            .variant(&endpoint, &variant)
+            .and_then(|index| index.match_tokens(&tokens, &instances))
+            .map(|found| found.matched)
+    };
+    let reached = eventually(
+        Duration::from_secs(10),
+        "the router's index to reflect the engines",
+        || {
+            let reached = now().as_deref() == Some(&matched[..]);
+            async move { reached }
+        },
+    )
+    .await;
+    reached.map_err(|err| anyhow::anyhow!("{err}: {pool} matched {:?}", now()))
+}
+
+#[tokio::test]
+async fn a_kv_aware_prefill_pool_sends_a_prompt_to_the_prefill_instance_holding_it()
+-> anyhow::Result<()> {
+    let pool = Pool::with_kv_events().await?;
+    let dir = tempfile::tempdir()?;
+    // Only the prefill pool is followed: its variant's own RoutingStrategy is the default.
+    let router = kv_router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, PrefillRoutingStrategy: KV_AWARE}",
+    )
+    .await?;
+    for (holder, first) in [(1, 0), (0, 1000)] {
+        // 200 tokens, 12 full blocks, placed on prefill engine `holder` only.
+        let prompt = words(first, 200);
+        place(&pool.prefill[holder], &prompt).await?;
+        let mut matched = [0, 0];
+        matched[holder] = 12;
+        wait_matched(&router, &pool.prefill[0], "prefill", &prompt, matched).await?;
+        for _ in 0..2 {
+            let reply = bounded(
+                "a long prompt",
+                http_post(&url(&router), &[], completion(&prompt, 2, false)),
+            )
+            .await?;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+            let holder_id = format!("p{holder}");
+            assert_eq!(
+                reply.header("x-switchyard-prefill-instance"),
+                Some(holder_id.as_str())
+            );
+            assert_eq!(
+                reply.header("x-switchyard-prefill-cached-tokens"),
+                Some("192"),
+                "12 blocks of 16 tokens"
+            );
+        }
+    }
+    // The decode pool is not followed (PROMPT_TOKENS), so the decoders' caches say nothing.
+    let decode = switchyard_shared::VariantName::new("decode")?;
+    assert!(
+        router
+            .kv_index()
+            .variant(&switchyard_shared::EndpointName::new("pd")?, &decode)
+            .is_none()
+    );
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 0);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_back()
+-> anyhow::Result<()> {
+    let pool = Pool::with_kv_events().await?;
+    let dir = tempfile::tempdir()?;
+    let router = kv_router(
+        &dir,
+        &pool,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, ThresholdBasis: UNCACHED_TOKENS, PrefillRoutingStrategy: KV_AWARE}",
+    )
+    .await?;
+    let post = |prompt: String| {
+        let url = url(&router);
+        async move {
+            let reply = bounded(
+                "a request",
+                http_post(&url, &[], completion(&prompt, 2, false)),
+            )
+            .await?;
+            anyhow::ensure!(reply.status == 200, "{}", reply.body);
+            Ok::<_, anyhow::Error>(reply)
+        }
+    };
+    let header = |reply: &Reply, name: &str| reply.header(name).map(str::to_owned);
+
+    // 200 tokens held by both decoders (whichever is first in the decode ranking holds 192):
+    // 8 uncached tokens, below the threshold of 64: a decoder serves it whole.
+    let held = words(0, 200);
+    for decoder in &pool.decode {
+        place(decoder, &held).await?;
+    }
+    wait_matched(&router, &pool.decode[0], "decode", &held, [12, 12]).await?;
+    let reply = post(held.clone()).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
+        Some("200")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("192")
+    );
+    assert!(Pool::received(&pool.prefill).is_empty(), "it was prefilled");
+
+    // The same start and 100 more tokens: 108 uncached, so it is disaggregated, and the
+    // prefill instance holding most of it (p1, where it is placed) prefills it.
+    place(&pool.prefill[1], &held).await?;
+    wait_matched(&router, &pool.prefill[0], "prefill", &held, [0, 12]).await?;
+    let longer = format!("{held} {}", words(5000, 100));
+    let reply = post(longer).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
+        Some("300")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("192")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prefill-instance").as_deref(),
+        Some("p1")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-prefill-cached-tokens").as_deref(),
+        Some("192")
+    );
+    // A prompt no decoder holds: all 200 tokens uncached.
+    let reply = post(words(9000, 200)).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(
+        header(&reply, "x-switchyard-cached-tokens").as_deref(),
+        Some("0")
+    );
+    // One /tokenize round trip per request, shared by the decision and the prefill ranking.
+    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    assert!(
+        metrics.contains("switchyard_router_kv_tokenize_seconds_count 3"),
+        "{metrics}"
+    );
+
+    // /tokenize fails on the decoders (which are asked): the held prompt is counted whole by
+    // the router's tokenizer (every token uncached), disaggregated with the prefill pool
+    // ranked by load, and answered; the failure is counted. A short prompt still goes direct.
+    for decoder in &pool.decode {
+        decoder.set_faults(switchyard_engine_sim::Faults {
+            tokenize_fail_rate: 1.0,
+            ..Default::default()
+        });
+    }
+    let reply = post(held.clone()).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("disaggregated")
+    );
+    assert_eq!(header(&reply, "x-switchyard-cached-tokens"), None);
+    assert_eq!(header(&reply, "x-switchyard-prefill-cached-tokens"), None);
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
+    let reply = post(words(0, 10)).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
+    // The tokenizer is back: so is the decision on uncached tokens.
+    for decoder in &pool.decode {
+        decoder.set_faults(switchyard_engine_sim::Faults::default());
+    }
+    let reply = post(held).await?;
+    assert_eq!(
+        header(&reply, "x-switchyard-route").as_deref(),
+        Some("direct")
+    );
+    settles(&router).await?;
     Ok(())
 }

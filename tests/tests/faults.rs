@@ -186,9 +186,8 @@ async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> any
 async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> anyhow::Result<()> {
     // A bound socket that never listens: connections to it are refused, and no other test
     // can take the port meanwhile.
-    let refusing = tokio::net::TcpSocket::new_v4()?;
-    refusing.bind(loopback_any())?;
-    let refusing_url = format!("http://{}", refusing.local_addr()?);
+    let refusing = RefusingPort::new()?;
+    let refusing_url = refusing.url();
     let healthy = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
     let instances = [

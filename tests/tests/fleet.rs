@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use futures::Stream;
 use prost::Message as _;
 use switchyard_control::ControlConfig;
@@ -555,60 +556,18 @@ async fn shutdown_says_not_serving_before_it_stops() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A `switchyard-control` process on an embedded store, killed on drop.
-struct ControlProcess {
-    child: std::process::Child,
-    url: String,
-}
-
-impl ControlProcess {
-    fn spawn(dir: &std::path::Path) -> anyhow::Result<(std::process::Child, String)> {
-        let port = free_port();
-        let child = std::process::Command::new(binary("switchyard-control"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--data-dir")
-            .arg(dir)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        Ok((child, format!("http://127.0.0.1:{port}")))
-    }
-
-    async fn start(dir: &std::path::Path) -> anyhow::Result<Self> {
-        let (child, url) = Self::spawn(dir)?;
-        let process = Self { child, url };
-        eventually(
-            Duration::from_secs(20),
-            "the control plane to answer",
-            || async { admin(&process.url).await.is_ok() },
-        )
-        .await?;
-        Ok(process)
-    }
-
-    /// SIGTERM, and the exit status.
-    fn stop(mut self) -> anyhow::Result<std::process::ExitStatus> {
-        let status = std::process::Command::new("kill")
-            .arg(self.child.id().to_string())
-            .status()?;
-        anyhow::ensure!(status.success(), "kill failed");
-        Ok(self.child.wait()?)
-    }
-}
-
-impl Drop for ControlProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A `switchyard-control` process on the embedded store in `dir` (killed on drop).
+fn embedded_control_process(dir: &std::path::Path) -> anyhow::Result<Process> {
+    let data_dir = dir.to_str().context("a UTF-8 data directory")?;
+    control_process(&["--data-dir", data_dir])
 }
 
 #[tokio::test]
 async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keeps_every_write()
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let first = ControlProcess::start(dir.path()).await?;
-    let mut admin_first = admin(&first.url).await?;
+    let mut first = embedded_control_process(dir.path())?;
+    let mut admin_first = admin(&first.url()).await?;
     create_quiet_endpoint(&mut admin_first).await?;
     for index in 0..5 {
         register(
@@ -619,12 +578,25 @@ async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keep
         )
         .await?;
     }
-    let (second, _) = ControlProcess::spawn(dir.path())?;
-    let output = tokio::task::spawn_blocking(move || second.wait_with_output()).await??;
+    // The second one binds nothing: it stops at the lock, before its listener.
+    let second = tokio::process::Command::new(binary("switchyard-control"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(30), second)
+        .await
+        .context("the second control plane did not exit within 30 s")??;
     assert_eq!(output.status.code(), Some(64), "{output:?}");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains(&format!("in use by process {}", first.child.id())),
+        stderr.contains(&format!("in use by process {}", first.pid())),
         "{stderr}"
     );
     assert!(stderr.contains("--data-dir"), "{stderr}");
@@ -638,11 +610,13 @@ async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keep
         .await?;
     }
     drop(admin_first);
+    first.terminate();
     // Waited for off this runtime, so that the test's closed connections can go meanwhile.
-    let stopped = tokio::task::spawn_blocking(move || first.stop()).await??;
+    let stopped =
+        tokio::task::spawn_blocking(move || first.wait_exit(Duration::from_secs(30))).await??;
     assert_eq!(stopped.code(), Some(0));
-    let again = ControlProcess::start(dir.path()).await?;
-    let listed = admin(&again.url)
+    let again = embedded_control_process(dir.path())?;
+    let listed = admin(&again.url())
         .await?
         .list_instances(pb::ListInstancesRequest {
             endpoint_name: "chat".into(),

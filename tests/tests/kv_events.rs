@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use switchyard_engine_sim::{KvEventsFormat, SimConfig, SimHandle};
-use switchyard_tests::{http_get, http_post};
+use switchyard_tests::{RefusingPort, http_get, http_post};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// A simulator publishing KV events on free loopback ports, running 1,000× faster than real
@@ -667,12 +667,12 @@ async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_t
     assert!(matches!(err, TokenizeError::Timeout { .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(2));
     holder.abort();
-    // Nobody listening.
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        format!("http://{}", listener.local_addr()?)
-    };
-    let err = tokenizer.tokenize(&closed, body.clone()).await.unwrap_err();
+    // Nobody listening (a port held bound, so no parallel test can take it meanwhile).
+    let closed = RefusingPort::new()?;
+    let err = tokenizer
+        .tokenize(&closed.url(), body.clone())
+        .await
+        .unwrap_err();
     assert!(matches!(err, TokenizeError::Request { .. }), "{err}");
     // An engine that refuses the request (unknown model: 404).
     let sim = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 100)).await?;

@@ -138,12 +138,23 @@ async fn wait_matched(
 
 /// A router from a static file routing endpoint `chat` (KV_AWARE, `kv_config` the
 /// KvAwareRoutingConfig JSON or empty) to the simulators as `e0`, `e1`, …, with quick probes
-/// of their replay sockets and a `/tokenize` deadline of `tokenize_timeout_ms`.
+/// (100 ms) of their replay sockets and a `/tokenize` deadline of `tokenize_timeout_ms`.
 async fn static_router(
     dir: &std::path::Path,
     sims: &[&SimHandle],
     kv_config: Value,
     tokenize_timeout_ms: u64,
+) -> anyhow::Result<RouterHandle> {
+    static_router_probing(dir, sims, kv_config, tokenize_timeout_ms, 100).await
+}
+
+/// [`static_router`] probing the replay sockets every `probe_ms`.
+async fn static_router_probing(
+    dir: &std::path::Path,
+    sims: &[&SimHandle],
+    kv_config: Value,
+    tokenize_timeout_ms: u64,
+    probe_ms: u64,
 ) -> anyhow::Result<RouterHandle> {
     let mut routing = json!({"RoutingStrategy": "KV_AWARE"});
     if !kv_config.is_null() {
@@ -171,7 +182,7 @@ async fn static_router(
     let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
     config.config = Some(path);
     config.worker_threads = Some(2);
-    config.kv.kv_events_probe_ms = 100;
+    config.kv.kv_events_probe_ms = probe_ms;
     config.kv.kv_tokenize_timeout_ms = tokenize_timeout_ms;
     let settings = config.validate().map_err(anyhow::Error::msg)?;
     Ok(RouterHandle::start(settings).await?)
@@ -352,7 +363,13 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     let a = switchyard_engine_sim::spawn(config).await?;
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
     let dir = tempfile::tempdir()?;
-    let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
+    // No periodic probe of the replay socket during the test (the longest interval allowed,
+    // 60 s): a probe asks for the batches from the next one expected, so one landing between
+    // the lost batches and the next live one would fill the gap before the live stream shows
+    // it (not counted as a repaired gap), and one landing among the five lost batches below
+    // would repair the first two of them and leave a gap the buffer still covers (no
+    // rebuild). The gaps here must be found by the live stream.
+    let router = static_router_probing(dir.path(), &[&a, &b], Value::Null, 250, 60_000).await?;
     let instances = ids(&["e0", "e1"]);
     let first = words(0, 40);
     place(&a, &first).await?;

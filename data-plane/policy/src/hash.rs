@@ -63,6 +63,29 @@ mod tests {
         assert_eq!(instance_hash("engine-0"), 0x1c1c_cf1c_628f_2563);
     }
 
+    /// The draw decides the rendezvous order, so its exact values are golden too (as bits of
+    /// the f64; cross-checked with Python's `xxhash` 4.1: `((xxh3_64_intdigest(struct.pack(
+    /// '<QQ', key, instance_hash)) >> 11) + 0.5) / 2**53`).
+    #[test]
+    fn golden_draws() {
+        assert_eq!(rendezvous_draw(0, 0).to_bits(), 0x3fea_14cd_4cb8_ea52);
+        assert_eq!(
+            rendezvous_draw(7, instance_hash("engine-0")).to_bits(),
+            0x3fee_386f_2d85_87e2
+        );
+        assert_eq!(
+            rendezvous_draw(u64::MAX, 42).to_bits(),
+            0x3fcb_4783_22a5_5fc2
+        );
+    }
+
+    #[test]
+    fn session_keys_are_routing_keys_in_their_own_namespace() {
+        assert_eq!(session_key(b"s-1"), routing_key(b"session", b"s-1"));
+        assert_ne!(session_key(b"s-1"), session_key(b"s-2"));
+        assert_ne!(session_key(b"s-1"), routing_key(b"", b"s-1"));
+    }
+
     #[test]
     fn streaming_equals_one_shot_layout() {
         let id = b"tenant";

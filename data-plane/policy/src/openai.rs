@@ -388,6 +388,68 @@ impl<'a> OpenAiRequest<'a> {
     }
 }
 
+/// Reads the top-level members of a JSON object body: each key (escapes decoded) and where
+/// its value sits in the body.
+struct MembersVisitor<'a>(&'a [u8]);
+
+impl<'de> serde::de::Visitor<'de> for MembersVisitor<'de> {
+    type Value = Vec<(String, Range<usize>)>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut members = Vec::new();
+        while let Some((key, value)) = map.next_entry::<String, &'de RawValue>()? {
+            members.push((key, span_in(self.0, value)));
+        }
+        Ok(members)
+    }
+}
+
+/// `body` (a JSON object) without any top-level member named `field`, however its key is
+/// written (escaped, or repeated: every copy goes); every other byte kept but for the
+/// separators between members. `None` when there is no such member or the body is not a
+/// JSON object.
+pub fn without_field(body: &[u8], field: &str) -> Option<Vec<u8>> {
+    let brace = body.iter().position(|byte| !byte.is_ascii_whitespace())?;
+    if body[brace] != b'{' {
+        return None;
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let members =
+        serde::Deserializer::deserialize_map(&mut deserializer, MembersVisitor(body)).ok()?;
+    deserializer.end().ok()?;
+    if members.iter().all(|(key, _)| key != field) {
+        return None;
+    }
+    // A member's text runs from the end of the one before (or the brace) to the end of its
+    // value; the separating comma and the whitespace around it are dropped.
+    let mut out = Vec::with_capacity(body.len());
+    out.extend_from_slice(&body[..=brace]);
+    let mut start = brace + 1;
+    let mut first = true;
+    for (key, value) in &members {
+        let text = &body[start..value.end];
+        start = value.end;
+        if key == field {
+            continue;
+        }
+        let text = match text.iter().position(|byte| !byte.is_ascii_whitespace()) {
+            Some(at) if text[at] == b',' => &text[at + 1..],
+            _ => text,
+        };
+        if !first {
+            out.push(b',');
+        }
+        out.extend_from_slice(text);
+        first = false;
+    }
+    out.extend_from_slice(&body[start..]);
+    Some(out)
+}
+
 /// `first`, `"\n"`, then `second` (each when present) by the value rule.
 fn two_sides(first: Option<&RawValue>, second: Option<&RawValue>, out: &mut PrefixBuilder) {
     if let Some(first) = first {
@@ -528,7 +590,7 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
                     out.push(text);
                 }
             } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
-                let mut buffer = itoa_buffer();
+                let mut buffer = String::with_capacity(20);
                 for (index, token) in tokens.iter().enumerate() {
                     if out.full() {
                         break;
@@ -547,13 +609,48 @@ fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
     }
 }
 
-fn itoa_buffer() -> String {
-    String::with_capacity(20)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_field_goes_however_its_key_is_written() {
+        let strip = |body: &str| {
+            without_field(body.as_bytes(), "kv_transfer_params")
+                .map(|out| String::from_utf8(out).unwrap())
+        };
+        assert_eq!(
+            strip(r#"{"kv_transfer_params":{"a":1}, "model": "m" }"#).as_deref(),
+            Some(r#"{ "model": "m" }"#)
+        );
+        assert_eq!(
+            strip(r#"{"model":"m" , "kv_transfer_params":{"a":[1,2]}}"#).as_deref(),
+            Some(r#"{"model":"m"}"#)
+        );
+        // Escaped and repeated keys: every copy goes (Python's json would take the last).
+        assert_eq!(
+            strip(
+                r#"{"kv_transfer_para\u006ds":1,"model":"m","kv_transfer_params":2,"x":{"kv_transfer_params":3}}"#
+            )
+            .as_deref(),
+            Some(r#"{"model":"m","x":{"kv_transfer_params":3}}"#)
+        );
+        assert_eq!(
+            strip(r#" {"kv_transfer_params":null} "#).as_deref(),
+            Some(" {} ")
+        );
+        // Nothing to remove, or not an object: None.
+        assert_eq!(strip(r#"{"x":{"kv_transfer_params":3}}"#), None);
+        assert_eq!(strip(r#"[{"kv_transfer_params":3}]"#), None);
+        assert_eq!(strip(r#"{"kv_transfer_params":3"#), None);
+        assert_eq!(strip("plain text"), None);
+        // What remains is valid JSON with every other member.
+        let out =
+            strip(r#"{"a":1,"kv_transfer_params":{},"b":[2],"kv_transfer_params":0,"c":"}"}"#)
+                .unwrap();
+        let value: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(value, serde_json::json!({"a": 1, "b": [2], "c": "}"}));
+    }
 
     fn prefix(body: &str, max: usize) -> String {
         OpenAiRequest::parse(body.as_bytes())
@@ -655,6 +752,18 @@ mod tests {
         );
         let value: serde_json::Value = serde_json::from_slice(&rewritten).unwrap();
         assert_eq!(value["model"], "m");
+    }
+
+    #[test]
+    fn debug_shows_what_routing_read() {
+        let request =
+            OpenAiRequest::parse(br#"{"model":"x","stream":true,"messages":[]}"#).unwrap();
+        let shown = format!("{request:?}");
+        assert!(
+            shown.starts_with("OpenAiRequest") && shown.contains(r#"model: Some("x")"#),
+            "{shown}"
+        );
+        assert!(shown.contains("stream: true"), "{shown}");
     }
 
     #[test]

@@ -302,7 +302,17 @@ pub fn choose_variant(weights: &[f64], servable: &[bool], random: u64) -> Option
         // explicit target header still can; here the first servable one takes it.
         return servable.iter().position(|servable| *servable);
     }
-    let mut point = crate::hash::rendezvous_draw(random, u64::MAX) * total;
+    variant_at(
+        weights,
+        servable,
+        crate::hash::rendezvous_draw(random, u64::MAX) * total,
+    )
+}
+
+/// The variant whose share holds `point`: servable variants of weight w > 0 own consecutive
+/// intervals [start, start + w) from 0 in index order. A point at or past the end (rounding)
+/// goes to the last of them.
+fn variant_at(weights: &[f64], servable: &[bool], mut point: f64) -> Option<usize> {
     let mut last = None;
     for (index, (weight, servable)) in weights.iter().zip(servable).enumerate() {
         if !*servable || *weight <= 0.0 {
@@ -453,6 +463,64 @@ mod tests {
         assert!((share - 0.75).abs() < 0.02, "share {share}");
         assert_eq!(choose_variant(&weights, &[false, true, false], 1), Some(1));
         assert_eq!(choose_variant(&weights, &[false, false, false], 1), None);
+    }
+
+    #[test]
+    fn a_variant_owns_its_interval_and_no_more() {
+        let all = [true, true, true];
+        // Weights 1, 0, 3: [0, 1) is the first's, [1, 4) the third's; 0 owns nothing.
+        for (point, expected) in [(0.0, 0), (0.999, 0), (1.0, 2), (2.5, 2), (3.999, 2)] {
+            assert_eq!(
+                variant_at(&[1.0, 0.0, 3.0], &all, point),
+                Some(expected),
+                "point {point}"
+            );
+        }
+        // Equal weights: [0, 1), [1, 2), [2, 3); past the end, the last.
+        for (point, expected) in [(0.5, 0), (1.5, 1), (2.0, 2), (7.0, 2)] {
+            assert_eq!(
+                variant_at(&[1.0, 1.0, 1.0], &all, point),
+                Some(expected),
+                "point {point}"
+            );
+        }
+        // A variant that cannot serve owns nothing, whatever its weight.
+        assert_eq!(
+            variant_at(&[1.0, 1.0, 1.0], &[false, true, true], 0.5),
+            Some(1)
+        );
+        assert_eq!(variant_at(&[2.0, 1.0], &[false, false], 0.5), None);
+    }
+
+    #[test]
+    fn sessions_follow_their_key_whatever_the_load() {
+        let instances = views(5);
+        for id in [b"s-1".as_slice(), b"s-2", b"another session"] {
+            let key = crate::hash::session_key(id);
+            let ranking = session(&instances, key);
+            let mut expected = Vec::new();
+            rendezvous_order(&instances, key, &mut expected);
+            assert_eq!(ranking.order, expected, "{id:?}");
+            assert_eq!(ranking.route, Some(Route::Session));
+        }
+        assert_eq!(session(&[], 7), Ranking::default());
+    }
+
+    #[test]
+    fn route_names_are_the_documented_header_values() {
+        let names: Vec<&str> = Route::ALL.iter().map(|route| route.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "prefix",
+                "overflow",
+                "random",
+                "least-outstanding",
+                "session",
+                "kv",
+                "response"
+            ]
+        );
     }
 
     fn bounded(factor: f64, slack: u32, concurrency_threshold: u32) -> Strategy {

@@ -171,6 +171,16 @@ impl BufferReservation {
     /// Grows the reservation to `total` bytes; false (and unchanged) if that would pass
     /// the bound.
     pub fn grow_to(&mut self, total: u64) -> bool {
+        let granted = self.grow_within(total);
+        if !granted {
+            self.admission.count_refused(Limit::BufferedBytes);
+        }
+        granted
+    }
+
+    /// [`grow_to`](Self::grow_to) for memory the request can do without (a disaggregated
+    /// request's prefill copy): not counted as a refusal when it fails.
+    pub fn grow_within(&mut self, total: u64) -> bool {
         if total <= self.bytes {
             return true;
         }
@@ -185,8 +195,6 @@ impl BufferReservation {
             .is_ok();
         if granted {
             self.bytes = total;
-        } else {
-            self.admission.count_refused(Limit::BufferedBytes);
         }
         granted
     }

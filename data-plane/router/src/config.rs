@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use switchyard_shared::process::check_range;
+use switchyard_shared::telemetry::{TelemetryArgs, TelemetrySettings};
 
 use crate::membership::{self, StaticConfig};
 
@@ -124,6 +125,8 @@ pub struct RouterConfig {
     #[arg(long, value_name = "N")]
     pub worker_threads: Option<usize>,
     #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+    #[command(flatten)]
     pub kv: crate::kv::KvArgs,
 }
 
@@ -182,6 +185,7 @@ impl RouterConfig {
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
             worker_threads: Some(1),
+            telemetry: TelemetryArgs::default(),
             kv: crate::kv::KvArgs::default(),
         }
     }
@@ -276,7 +280,9 @@ impl RouterConfig {
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
         let (kv, kv_tokenize_timeout) = self.kv.validate()?;
         let seconds = Duration::from_secs;
+        let telemetry = self.telemetry.validate()?;
         Ok(Settings {
+            telemetry,
             config: self.clone(),
             source,
             tls_ca,
@@ -370,6 +376,8 @@ pub struct Settings {
     pub worker_threads: usize,
     pub deadlines: Deadlines,
     pub limits: Limits,
+    /// OpenTelemetry traces, when on.
+    pub telemetry: Option<TelemetrySettings>,
     /// KV_AWARE: the index's bounds and the subscribers' probes.
     pub kv: crate::kv::KvSettings,
     /// KV_AWARE: the deadline of a request's `/tokenize` round trip.

@@ -9,18 +9,25 @@
 //! the KV cache to the decoder its own LMCache config names, and the original request goes to
 //! that decoder (the instance's registered decode partner).
 //!
-//! If the prefill cannot be done (no prefill instance reachable, an error, no answer within
-//! the config's `PrefillTimeoutSeconds`, no hand-off in the answer, no partner), the decoder
-//! serves the whole request (`x-switchyard-route: fallback`). The retry rule holds on both
-//! hops: a prefill instance that provably never got the request is replaced by the next; one
-//! that may have got it is not retried (the decoder does the work instead); the decode hop is
-//! `forward`'s, with its retries, deadlines and streaming. Dropping the request (the client
-//! left) cancels whichever hop is running.
+//! If the prefill cannot be done (no prefill instance reachable, an error status, no answer
+//! within the config's `PrefillTimeoutSeconds`, no usable hand-off in the answer, no usable
+//! partner, no room under `--max-buffered-bytes`), the decoder serves the whole request
+//! (`x-switchyard-route: fallback`, counted by reason). The retry rule holds on both hops: a
+//! prefill instance that provably never got the request is replaced by the next (and the
+//! failure counts toward its ejection); one whose connection failed after the request was
+//! sent gets the direct path's answer, 502 `upstream_reset`, and nothing is resent, not even
+//! to a decoder (a prompt that crashes engines takes down one, not two) unless
+//! `--retry-after-send`, where the decoder serves it whole; the decode hop is `forward`'s,
+//! with its retries, deadlines and streaming. Dropping the request (the client left) cancels
+//! whichever hop is running.
+//!
+//! Planning (on a blocking thread) removes any `kv_transfer_params` a client sent, on every
+//! path, and makes the prefill copy; this module only splices the prefill's hand-off in.
 
 use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderMap;
-use http::header::HeaderName;
+use http::header::{ACCEPT_ENCODING, HeaderName};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use switchyard_shared::KvTransferProtocol;
@@ -30,15 +37,43 @@ use crate::admission::{BufferReservation, RequestPermit};
 use crate::errors::ApiError;
 use crate::forward::{Failure, Forwarder, Hop};
 use crate::plan::{Disaggregated, Operation, Plan};
-use crate::table::{Disaggregation, RouteLabel, UpstreamError, VariantRoute};
+use crate::table::{
+    Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
+};
+use crate::trace::request_id;
 
 pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
+/// KV_AWARE prefill: leading prompt tokens the prefill pool's KV index says the prefill
+/// instance held.
+pub const PREFILL_CACHED_TOKENS: HeaderName =
+    HeaderName::from_static("x-switchyard-prefill-cached-tokens");
+
+/// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
+const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
 /// The most of a prefill answer read (a one-token answer and its hand-off are small).
 const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
 
 /// Why a prefill was not used (the `reason` label of the fallback counter).
 type FallbackReason = &'static str;
+
+/// Why a request is not prefilled: the decoder serves it whole, or it ends with an error.
+enum NoPrefill {
+    /// The decoder serves the whole request (`fallback`, counted by this reason).
+    Fallback(FallbackReason),
+    /// The answer to the client: a prefill engine failed after it may have read the request,
+    /// which the retry rule does not resend (not to a decoder either).
+    Fail(ApiError),
+}
+
+/// How reading a prefill answer's body went wrong.
+enum ReadError {
+    /// The connection failed mid-answer.
+    Cut(String),
+    TooLarge,
+    /// Holding it would pass `--max-buffered-bytes`.
+    BufferFull,
+}
 
 /// A prefill that succeeded: which instance, and the hand-off its answer carried (NIXL).
 struct Prefilled {
@@ -53,7 +88,7 @@ impl Forwarder<'_> {
         &self,
         operation: Operation,
         plan: Plan,
-        disaggregated: Disaggregated,
+        mut disaggregated: Disaggregated,
         client_headers: HeaderMap,
         permit: RequestPermit,
         mut reservation: BufferReservation,
@@ -66,20 +101,30 @@ impl Forwarder<'_> {
         };
         let prefill_variant = &endpoint.variants[pd.prefill];
         let started = Instant::now();
-        let prefilled = match prefill_body(&plan.body, pd.protocol, prefill_variant) {
-            Some(body) => {
-                reservation.resize_to((plan.body.len() + body.len()) as u64);
-                self.prefill(
-                    operation,
-                    prefill_variant,
-                    pd,
-                    &disaggregated,
-                    &client_headers,
-                    body,
-                )
-                .await
+        let prefilled = match disaggregated.prefill_body.take() {
+            None => Err(NoPrefill::Fallback("prefill_failed")),
+            // The prefill copy is held beside the body: both count against the bound.
+            Some(copy) if !reservation.grow_within((plan.body.len() + copy.len()) as u64) => {
+                drop(copy);
+                Err(NoPrefill::Fallback("buffer_full"))
             }
-            None => Err("prefill_failed"),
+            Some(copy) => {
+                let order = prefill_order(pd, &endpoint.variants[pd.decode], &disaggregated);
+                if order.is_empty() {
+                    Err(NoPrefill::Fallback("no_decode_partner"))
+                } else {
+                    self.prefill(
+                        operation,
+                        &endpoint,
+                        pd,
+                        &order,
+                        &client_headers,
+                        copy,
+                        &mut reservation,
+                    )
+                    .await
+                }
+            }
         };
         let tokens = disaggregated.count.header_text();
         let mut hop = Hop::from(plan);
@@ -90,9 +135,17 @@ impl Forwarder<'_> {
                     .observe(started.elapsed().as_secs_f64());
                 let handoff = Instant::now();
                 let prefill_instance = &prefill_variant.instances[prefilled.instance];
-                hand_off(&mut hop, pd, &prefilled).map(|()| {
+                let decode_variant = &hop.endpoint.variants[pd.decode];
+                let partner = usable_partner(pd, decode_variant, prefilled.instance);
+                hand_off(&mut hop, pd, &prefilled, partner).map(|()| {
                     hop.explain
                         .push((PREFILL_INSTANCE, prefill_instance.id_header.clone()));
+                    if let Some(&cached) =
+                        disaggregated.prefill_cached_tokens.get(prefilled.instance)
+                    {
+                        hop.explain
+                            .push((PREFILL_CACHED_TOKENS, http::HeaderValue::from(cached)));
+                    }
                     hop.label = RouteLabel::Disaggregated;
                     hop.time_first_frame = true;
                     self.metrics
@@ -101,17 +154,18 @@ impl Forwarder<'_> {
                     prefill_instance.id.to_string()
                 })
             }
-            Err(reason) => Err(reason),
+            Err(NoPrefill::Fallback(reason)) => Err(reason),
+            Err(NoPrefill::Fail(error)) => return Err(error),
         };
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(endpoint = %hop.endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);
@@ -119,19 +173,25 @@ impl Forwarder<'_> {
             .await
     }
 
-    /// Sends the prefill copy to the prefill candidates in order: the next one only when the
-    /// previous one provably never got it.
+    /// Sends the prefill copy to the prefill candidates in `order`: the next one only when
+    /// the previous one provably never got it. The answer's bytes are counted in
+    /// `reservation` as they arrive.
+    #[allow(clippy::too_many_arguments)] // the two hops' shared state, passed through once
     async fn prefill(
         &self,
         operation: Operation,
-        variant: &VariantRoute,
+        endpoint: &EndpointRoute,
         pd: &Disaggregation,
-        disaggregated: &Disaggregated,
+        order: &[usize],
         client_headers: &HeaderMap,
         body: Bytes,
-    ) -> Result<Prefilled, FallbackReason> {
+        reservation: &mut BufferReservation,
+    ) -> Result<Prefilled, NoPrefill> {
+        let headers = prefill_headers(client_headers);
+        let variant = &endpoint.variants[pd.prefill];
+        let held = reservation.bytes();
         let attempts = self.settings.max_attempts.max(1);
-        for &index in disaggregated.prefill.order.iter().take(attempts) {
+        for &index in order.iter().take(attempts) {
             let instance = &variant.instances[index];
             instance.cell.requests[RouteLabel::Disaggregated as usize]
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -140,61 +200,81 @@ impl Forwarder<'_> {
             };
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
-                let (response, in_flight) = self
-                    .attempt(
-                        instance,
-                        operation.method(),
-                        uri,
-                        client_headers,
-                        body.clone(),
-                        deadline,
-                    )
-                    .await?;
+                let request = crate::forward::upstream_request(
+                    operation.method(),
+                    uri,
+                    &headers,
+                    body.clone(),
+                );
+                let (response, in_flight) =
+                    self.attempt(instance, request, deadline, "prefill").await?;
                 let status = response.status();
-                let read =
-                    http_body_util::Limited::new(response.into_body(), MOST_PREFILL_ANSWER_BYTES)
-                        .collect()
-                        .await;
+                let read = read_answer(response.into_body(), reservation, held).await;
                 drop(in_flight);
-                Ok::<_, Failure>((status, read.map(|body| body.to_bytes()).ok()))
+                Ok::<_, Failure>((status, read))
             })
             .await;
             let (status, answer) = match answer {
                 Ok(Ok(answer)) => answer,
                 Ok(Err(Failure::NotSent(error))) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
-                    tracing::info!(instance = %instance.id, error, "prefill instance unreachable; trying the next");
+                    self.note_failure(endpoint, instance, &error, client_headers);
+                    tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), instance = %instance.id, error, "prefill instance unreachable; trying the next");
                     continue;
                 }
                 Ok(Err(Failure::AfterSend(error))) => {
-                    instance.cell.count_upstream(UpstreamError::Reset);
-                    tracing::warn!(instance = %instance.id, error, "prefill failed after the request was sent");
-                    return Err("prefill_failed");
+                    return Err(self.failed_after_send(
+                        endpoint,
+                        variant,
+                        instance,
+                        error,
+                        client_headers,
+                    ));
                 }
                 Ok(Err(Failure::TimedOut)) | Err(_) => {
                     instance.cell.count_upstream(UpstreamError::Timeout);
                     tracing::warn!(instance = %instance.id, ?deadline, "prefill took longer than PrefillTimeoutSeconds");
-                    return Err("prefill_timeout");
+                    return Err(NoPrefill::Fallback("prefill_timeout"));
                 }
             };
             if !status.is_success() {
                 tracing::warn!(instance = %instance.id, %status, "prefill answered an error");
-                return Err("prefill_failed");
+                return Err(NoPrefill::Fallback("prefill_failed"));
             }
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(ReadError::Cut(error)) => {
+                    return Err(self.failed_after_send(
+                        endpoint,
+                        variant,
+                        instance,
+                        error,
+                        client_headers,
+                    ));
+                }
+                Err(ReadError::TooLarge) => {
+                    tracing::warn!(instance = %instance.id, most = MOST_PREFILL_ANSWER_BYTES, "the prefill answer is too large");
+                    return Err(NoPrefill::Fallback("prefill_failed"));
+                }
+                Err(ReadError::BufferFull) => return Err(NoPrefill::Fallback("buffer_full")),
+            };
             let kv_transfer_params = match pd.protocol {
                 KvTransferProtocol::Lmcache => None,
                 KvTransferProtocol::Nixl => {
-                    let params = answer
-                        .and_then(|answer| serde_json::from_slice::<Value>(&answer).ok())
-                        .and_then(|mut answer| {
-                            answer.get_mut("kv_transfer_params").map(Value::take)
-                        })
-                        .filter(Value::is_object);
-                    if params.is_none() {
-                        tracing::warn!(instance = %instance.id, "the prefill answer has no kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
-                        return Err("prefill_failed");
+                    let params = if answer.len() > crate::body::OFFLOAD_BYTES {
+                        tokio::task::spawn_blocking(move || handoff_in(&answer))
+                            .await
+                            .unwrap_or(Err("the answer could not be read"))
+                    } else {
+                        handoff_in(&answer)
+                    };
+                    match params {
+                        Ok(params) => Some(params),
+                        Err(why) => {
+                            tracing::warn!(instance = %instance.id, why, "the prefill answer has no usable kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
+                            return Err(NoPrefill::Fallback("bad_handoff"));
+                        }
                     }
-                    params
                 }
             };
             return Ok(Prefilled {
@@ -202,34 +282,137 @@ impl Forwarder<'_> {
                 kv_transfer_params,
             });
         }
-        Err("prefill_unreachable")
+        Err(NoPrefill::Fallback("prefill_unreachable"))
     }
+
+    /// A prefill instance failed after it may have read the request: counted toward its
+    /// ejection, and, by the retry rule, the request is not sent again (the decoder would
+    /// redo the same work) unless `--retry-after-send`, where the decoder serves it whole.
+    fn failed_after_send(
+        &self,
+        endpoint: &EndpointRoute,
+        variant: &VariantRoute,
+        instance: &InstanceRoute,
+        error: String,
+        client_headers: &HeaderMap,
+    ) -> NoPrefill {
+        instance.cell.count_upstream(UpstreamError::Reset);
+        self.note_failure(endpoint, instance, &error, client_headers);
+        let retry = self.settings.retry_after_send;
+        tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), variant = %variant.name, instance = %instance.id, error, retry, "prefill failed after the request was sent");
+        if retry {
+            return NoPrefill::Fallback("prefill_failed");
+        }
+        NoPrefill::Fail(ApiError::upstream_reset(format!(
+            "prefill instance {} (variant {} of endpoint {}) failed after receiving the \
+             request ({error}); not retried, since it may have done the work",
+            instance.id, variant.name, endpoint.name
+        )))
+    }
+}
+/// The client's headers for the prefill copy: all but `Accept-Encoding` (the router reads
+/// the answer, so it must not come encoded). `X-Request-Id` stays: both hops carry it.
+fn prefill_headers(client_headers: &HeaderMap) -> HeaderMap {
+    let mut headers = client_headers.clone();
+    headers.remove(ACCEPT_ENCODING);
+    headers
+}
+
+/// The prefill candidates to try, in the plan's order. With LMCACHE only those whose decode
+/// partner is routable and not ejected here: the KV cache is pushed to the partner, so a
+/// prefill without one is work for nothing.
+fn prefill_order(
+    pd: &Disaggregation,
+    decode: &VariantRoute,
+    disaggregated: &Disaggregated,
+) -> Vec<usize> {
+    let order = disaggregated.prefill.order.iter().copied();
+    match pd.protocol {
+        KvTransferProtocol::Nixl => order.collect(),
+        KvTransferProtocol::Lmcache => order
+            .filter(|&index| usable_partner(pd, decode, index).is_some())
+            .collect(),
+    }
+}
+
+/// The decode partner of prefill instance `prefill` (an index into the decode variant), if
+/// it is routable and not ejected here.
+fn usable_partner(pd: &Disaggregation, decode: &VariantRoute, prefill: usize) -> Option<usize> {
+    let partner = pd.partners.get(prefill).copied().flatten()?;
+    decode
+        .instances
+        .get(partner)?
+        .cell
+        .available(crate::now_unix_ms())
+        .then_some(partner)
+}
+
+/// Reads a prefill answer's body, at most [`MOST_PREFILL_ANSWER_BYTES`], counting what it
+/// holds in `reservation` on top of the `held` bytes.
+async fn read_answer(
+    mut body: hyper::body::Incoming,
+    reservation: &mut BufferReservation,
+    held: u64,
+) -> Result<Bytes, ReadError> {
+    let mut answer = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|err| ReadError::Cut(err.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let total = answer.len() + data.len();
+        if total > MOST_PREFILL_ANSWER_BYTES {
+            return Err(ReadError::TooLarge);
+        }
+        if !reservation.grow_within(held + total as u64) {
+            return Err(ReadError::BufferFull);
+        }
+        answer.extend_from_slice(&data);
+    }
+    Ok(Bytes::from(answer))
+}
+
+/// The hand-off in a NIXL prefill answer: its `kv_transfer_params`, which must say
+/// `do_remote_prefill: true` and name the engine (`remote_engine_id`) and the blocks
+/// (`remote_block_ids`) a decoder is to pull.
+fn handoff_in(answer: &[u8]) -> Result<Value, &'static str> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<Value>,
+    }
+    let params = serde_json::from_slice::<Answer>(answer)
+        .map_err(|_| "the answer is not a JSON object")?
+        .kv_transfer_params
+        .ok_or("the answer has no kv_transfer_params")?;
+    if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
+        return Err("kv_transfer_params.do_remote_prefill is not true");
+    }
+    if !params.get("remote_engine_id").is_some_and(Value::is_string) {
+        return Err("kv_transfer_params.remote_engine_id is not a string");
+    }
+    if !params.get("remote_block_ids").is_some_and(Value::is_array) {
+        return Err("kv_transfer_params.remote_block_ids is not an array");
+    }
+    Ok(params)
 }
 
 /// Turns the decode hop into the hand-off's: NIXL puts the prefill's `kv_transfer_params`
 /// into the request (any decoder may pull); LMCACHE sends it to the prefill instance's decode
-/// partner first (where the KV cache was pushed).
+/// partner first (where the KV cache was pushed), if that is still usable.
 fn hand_off(
     hop: &mut Hop,
     pd: &Disaggregation,
     prefilled: &Prefilled,
+    partner: Option<usize>,
 ) -> Result<(), FallbackReason> {
     match pd.protocol {
         KvTransferProtocol::Nixl => {
-            let params = prefilled
-                .kv_transfer_params
-                .as_ref()
-                .ok_or("prefill_failed")?;
-            hop.body = with_kv_transfer_params(&hop.body, params).ok_or("prefill_failed")?;
+            let params = prefilled.kv_transfer_params.as_ref().ok_or("bad_handoff")?;
+            hop.body = with_kv_transfer_params(&hop.body, params).ok_or("bad_handoff")?;
             Ok(())
         }
         KvTransferProtocol::Lmcache => {
-            let partner = pd
-                .partners
-                .get(prefilled.instance)
-                .copied()
-                .flatten()
-                .ok_or("no_decode_partner")?;
+            let partner = partner.ok_or("no_decode_partner")?;
             let order = &mut hop.ranking.order;
             order.retain(|&index| index != partner);
             order.insert(0, partner);
@@ -238,11 +421,22 @@ fn hand_off(
     }
 }
 
+/// A disaggregated endpoint's request without the `kv_transfer_params` a client sent (however
+/// the key is written, every copy): only the router tells its engines what to do with KV
+/// blocks, on every path. CPU work over the whole body: planning calls it, off the serving
+/// thread.
+pub(crate) fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
+    match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
+        Some(stripped) => Bytes::from(stripped),
+        None => body,
+    }
+}
+
 /// The prefill copy of an OpenAI request, as vLLM's disaggregation proxy makes it: one token
 /// (`max_tokens`, and `max_completion_tokens` if present), not streamed, no `stream_options` or
 /// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode.
 /// `None` if the body is not a JSON object (planning already refused that).
-fn prefill_body(
+pub(crate) fn prefill_body(
     body: &[u8],
     protocol: KvTransferProtocol,
     variant: &VariantRoute,
@@ -280,21 +474,10 @@ fn prefill_body(
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
-/// The request with `kv_transfer_params` set to `params`: spliced in after the opening brace
-/// when the client sent none (every other byte kept), else replaced.
+/// The request with `kv_transfer_params` set to `params`, spliced in after the opening brace
+/// (every other byte kept). Planning removed any the client sent, so this is the only one.
 fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
     let params = serde_json::to_vec(params).ok()?;
-    let has_field = body
-        .windows(b"\"kv_transfer_params\"".len())
-        .any(|window| window == b"\"kv_transfer_params\"");
-    if has_field {
-        let mut value: Value = serde_json::from_slice(body).ok()?;
-        value.as_object_mut()?.insert(
-            "kv_transfer_params".into(),
-            serde_json::from_slice(&params).ok()?,
-        );
-        return serde_json::to_vec(&value).ok().map(Bytes::from);
-    }
     let brace = body.iter().position(|byte| *byte == b'{')?;
     let rest = &body[brace + 1..];
     let empty = rest
@@ -302,7 +485,9 @@ fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
         .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
     let mut out = Vec::with_capacity(body.len() + params.len() + 24);
     out.extend_from_slice(&body[..=brace]);
-    out.extend_from_slice(b"\"kv_transfer_params\":");
+    out.push(b'"');
+    out.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
+    out.extend_from_slice(b"\":");
     out.extend_from_slice(&params);
     if !empty {
         out.push(b',');
@@ -360,6 +545,33 @@ mod tests {
     }
 
     #[test]
+    fn a_hand_off_must_name_an_engine_and_blocks() {
+        let good = br#"{"choices":[],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"h","remote_port":1}}"#;
+        assert_eq!(handoff_in(good).unwrap()["remote_engine_id"], "e");
+        for (answer, why) in [
+            (&b"not json"[..], "not a JSON object"),
+            (br#"{"choices":[]}"#, "no kv_transfer_params"),
+            (br#"{"kv_transfer_params":null}"#, "no kv_transfer_params"),
+            (br#"{"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[]}}"#, "do_remote_prefill"),
+            (br#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[]}}"#, "remote_engine_id"),
+            (br#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":"x"}}"#, "remote_block_ids"),
+        ] {
+            let err = handoff_in(answer).unwrap_err();
+            assert!(err.contains(why), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_prefill_copy_asks_for_no_encoding_and_keeps_the_request_id() {
+        let mut client = HeaderMap::new();
+        client.insert(ACCEPT_ENCODING, HeaderValue::from_static("gzip, br"));
+        client.insert("x-request-id", HeaderValue::from_static("r-1"));
+        let headers = prefill_headers(&client);
+        assert!(headers.get(ACCEPT_ENCODING).is_none());
+        assert_eq!(headers["x-request-id"], "r-1");
+    }
+
+    #[test]
     fn the_hand_off_is_spliced_into_the_original_bytes() {
         let params = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2]});
         let spliced =
@@ -371,12 +583,5 @@ mod tests {
         let empty = with_kv_transfer_params(b"{}", &params).unwrap();
         let value: Value = serde_json::from_slice(&empty).unwrap();
         assert_eq!(value["kv_transfer_params"], params);
-        // A client's own kv_transfer_params are replaced, never duplicated.
-        let replaced =
-            with_kv_transfer_params(br#"{"kv_transfer_params":{"x":1},"prompt":"p"}"#, &params)
-                .unwrap();
-        let value: Value = serde_json::from_slice(&replaced).unwrap();
-        assert_eq!(value["kv_transfer_params"], params);
-        assert_eq!(value["prompt"], "p");
     }
 }

@@ -36,6 +36,8 @@ use crate::plan::{Operation, Plan};
 use crate::table::{
     EndpointRoute, InstanceCell, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
 };
+use crate::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
+use opentelemetry::KeyValue;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -71,6 +73,8 @@ struct Answer<'a> {
     label: RouteLabel,
     explain: &'a [(HeaderName, HeaderValue)],
     time_first_frame: bool,
+    /// The client's request (its id goes on the answer's log lines).
+    client_headers: &'a HeaderMap,
     /// KV_AWARE: the leading prompt tokens the index says the instance holds.
     cached_tokens: Option<u32>,
 }
@@ -100,6 +104,8 @@ pub struct Forwarder<'a> {
     pub clients: &'a UpstreamClients,
     pub settings: ForwardSettings,
     pub metrics: &'a Arc<RouterMetrics>,
+    /// The request's spans, when tracing is on.
+    pub trace: Option<&'a RequestTrace>,
 }
 
 /// How one attempt failed.
@@ -146,14 +152,16 @@ fn describe(err: &hyper_util::client::legacy::Error) -> String {
     innermost.to_string()
 }
 
-/// Decrements the instance's in-flight count exactly once, when dropped.
+/// Decrements the instance's in-flight count exactly once, when dropped; ends the
+/// attempt's span (when traced) with it.
 #[derive(Debug)]
-pub(crate) struct InFlight(Arc<InstanceCell>);
+pub(crate) struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
 
 impl InFlight {
-    fn start(cell: &Arc<InstanceCell>) -> Self {
+    /// Counts the attempt, sent now.
+    fn start(cell: &Arc<InstanceCell>, span: SpanGuard) -> Self {
         cell.local.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(cell))
+        Self(Arc::clone(cell), span, Instant::now())
     }
 }
 
@@ -204,11 +212,10 @@ impl Forwarder<'_> {
         &self,
         operation: Operation,
         mut plan: Plan,
-        mut client_headers: HeaderMap,
+        client_headers: HeaderMap,
         permit: RequestPermit,
         reservation: BufferReservation,
     ) -> Result<Response, ApiError> {
-        ensure_request_id(&mut client_headers);
         match plan.disaggregated.take() {
             Some(disaggregated) => {
                 self.disaggregate(
@@ -223,7 +230,11 @@ impl Forwarder<'_> {
             }
             None => {
                 if plan.endpoint.disaggregation.is_some() {
-                    self.metrics.count_disaggregation(plan.label);
+                    match plan.label {
+                        // Planned so: the prefill variant had no routable instance.
+                        RouteLabel::Fallback => self.metrics.count_fallback("no_prefill_instance"),
+                        label => self.metrics.count_disaggregation(label),
+                    }
                 }
                 self.send(operation, plan.into(), &client_headers, permit, reservation)
                     .await
@@ -231,20 +242,27 @@ impl Forwarder<'_> {
         }
     }
 
-    /// One attempt at one instance, within the response-head deadline `deadline`: its
-    /// response head (with the instance's in-flight count held), or how it failed.
+    /// One attempt at one instance (`hop`: `forward`, `prefill` or `decode`, as its span
+    /// says) with a request made by [`upstream_request`], within the response-head deadline
+    /// `deadline`: its response head (with the instance's in-flight count held), or how it
+    /// failed.
     pub(crate) async fn attempt(
         &self,
         instance: &InstanceRoute,
-        method: http::Method,
-        uri: http::Uri,
-        client_headers: &HeaderMap,
-        body: Bytes,
+        mut request: http::Request<Full<Bytes>>,
         deadline: Duration,
+        hop: &'static str,
     ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
-        let in_flight = InFlight::start(&instance.cell);
-        let request = upstream_request(method, uri, client_headers, body);
-        let sent = Instant::now();
+        // Traced, the engine's parent is this attempt's span (not the client's).
+        let span = match self.trace {
+            Some(trace) => {
+                let uri = request.uri().clone();
+                trace.upstream(instance, &uri, hop, request.headers_mut())
+            }
+            None => SpanGuard::default(),
+        };
+        let in_flight = InFlight::start(&instance.cell, span);
+        let sent = in_flight.2;
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {
             Ok(Ok(response)) => {
@@ -252,11 +270,29 @@ impl Forwarder<'_> {
                     .upstream_header_seconds
                     .observe(sent.elapsed().as_secs_f64());
                 instance.cell.failures.store(0, Ordering::Relaxed);
+                in_flight.1.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(response.status().as_u16()),
+                ));
                 Ok((response, in_flight))
             }
-            Ok(Err(err)) => Err(classify(&err)),
-            Err(_elapsed) => Err(Failure::TimedOut),
+            Ok(Err(err)) => {
+                let failure = classify(&err);
+                if let Failure::NotSent(error) | Failure::AfterSend(error) = &failure {
+                    in_flight.1.fail(error);
+                }
+                Err(failure)
+            }
+            Err(_elapsed) => {
+                in_flight.1.fail("no response head in time");
+                Err(Failure::TimedOut)
+            }
         }
+    }
+
+    /// The trace id for log lines (empty when the request is not traced).
+    pub(crate) fn trace_id(&self) -> ShowTraceId {
+        ShowTraceId(self.trace.map(RequestTrace::trace_id))
     }
 
     /// Tries a hop's candidates in order until one answers, under the retry rule.
@@ -292,6 +328,11 @@ impl Forwarder<'_> {
         let mut outcome =
             ApiError::upstream_failed(format!("endpoint {} has no instance to try", endpoint.name));
         let attempts = self.settings.max_attempts.max(1);
+        let hop = if endpoint.disaggregation.is_some() {
+            "decode"
+        } else {
+            "forward"
+        };
         for &index in ranking.order.iter().take(attempts) {
             let instance = &variant.instances[index];
             let Some((body, _)) = &held else {
@@ -301,15 +342,9 @@ impl Forwarder<'_> {
                 continue;
             };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
+            let request = upstream_request(operation.method(), uri, client_headers, body.clone());
             let attempt = self
-                .attempt(
-                    instance,
-                    operation.method(),
-                    uri,
-                    client_headers,
-                    body.clone(),
-                    self.settings.upstream_header,
-                )
+                .attempt(instance, request, self.settings.upstream_header, hop)
                 .await;
             let failure = match attempt {
                 Ok((response, in_flight)) => {
@@ -320,6 +355,7 @@ impl Forwarder<'_> {
                         label,
                         explain: &explain,
                         time_first_frame,
+                        client_headers,
                         cached_tokens: cached_tokens.get(index).copied(),
                     };
                     let response = self
@@ -341,7 +377,7 @@ impl Forwarder<'_> {
             match failure {
                 Failure::NotSent(error) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
-                    self.note_failure(&endpoint, instance, &error);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
                     if !maybe_delivered {
                         outcome = ApiError::upstream_failed(format!(
                             "no instance of endpoint {} could be reached (last error: {error})",
@@ -352,9 +388,9 @@ impl Forwarder<'_> {
                 }
                 Failure::AfterSend(error) => {
                     instance.cell.count_upstream(UpstreamError::Reset);
-                    self.note_failure(&endpoint, instance, &error);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
                     maybe_delivered = true;
-                    tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
                     outcome = ApiError::upstream_reset(format!(
                         "instance {} of endpoint {} failed after receiving the request ({error}); \
                          not retried, since it may have done the work",
@@ -369,7 +405,7 @@ impl Forwarder<'_> {
                     instance.cell.count_upstream(UpstreamError::Timeout);
                     maybe_delivered = true;
                     let seconds = self.settings.upstream_header.as_secs();
-                    tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
                     outcome = ApiError::upstream_timeout(format!(
                         "instance {} of endpoint {} sent no response within {seconds} s \
                          (--upstream-header-timeout-seconds)",
@@ -386,7 +422,14 @@ impl Forwarder<'_> {
     }
 
     /// Counts a connection failure toward the instance's local ejection.
-    fn note_failure(&self, endpoint: &EndpointRoute, instance: &InstanceRoute, error: &str) {
+    pub(crate) fn note_failure(
+        &self,
+        endpoint: &EndpointRoute,
+        instance: &InstanceRoute,
+        error: &str,
+        client_headers: &HeaderMap,
+    ) {
+        let (request_id, trace_id) = (request_id(client_headers), self.trace_id());
         let failures = instance.cell.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= self.settings.eject_after_failures {
             let now = crate::now_unix_ms();
@@ -396,10 +439,10 @@ impl Forwarder<'_> {
                 .ejected_until_ms
                 .swap(until, Ordering::Relaxed);
             if previous <= now {
-                tracing::warn!(endpoint = %endpoint.name, instance = %instance.id, failures, error, eject_for = ?self.settings.eject_for, "instance ejected locally after repeated failures");
+                tracing::warn!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, failures, error, eject_for = ?self.settings.eject_for, "instance ejected locally after repeated failures");
             }
         } else {
-            tracing::info!(endpoint = %endpoint.name, instance = %instance.id, error, "instance connection failed");
+            tracing::info!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, error, "instance connection failed");
         }
     }
 
@@ -417,6 +460,7 @@ impl Forwarder<'_> {
             label,
             explain,
             time_first_frame,
+            client_headers,
             cached_tokens,
         } = answer;
         let (mut parts, incoming) = response.into_parts();
@@ -449,7 +493,13 @@ impl Forwarder<'_> {
         } else {
             Stall::Cut
         };
+        let in_flight_sent = in_flight.2;
+        let ids = LogIds {
+            request_id: client_headers.get(&REQUEST_ID).cloned(),
+            trace_id: self.trace.map(RequestTrace::trace_id),
+        };
         let tracked = TrackedBody {
+            ids,
             inner: Some(incoming),
             held: Some((in_flight, permit)),
             idle: self.settings.stream_idle,
@@ -457,7 +507,11 @@ impl Forwarder<'_> {
             timer: None,
             stall,
             metrics: Arc::clone(self.metrics),
-            first_frame_since: time_first_frame.then(Instant::now),
+            first_frame: Some(FirstFrame {
+                sent: in_flight_sent,
+                answered: Instant::now(),
+                disaggregated_decode: time_first_frame,
+            }),
         };
         let body = if sagemaker_stream {
             crate::eventstream::set_headers(&mut parts.headers);
@@ -592,7 +646,7 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
-fn upstream_request(
+pub(crate) fn upstream_request(
     method: http::Method,
     uri: http::Uri,
     client_headers: &HeaderMap,
@@ -676,7 +730,33 @@ struct TrackedBody {
     stall: Stall,
     metrics: Arc<RouterMetrics>,
     /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
-    first_frame_since: Option<Instant>,
+    first_frame: Option<FirstFrame>,
+    ids: LogIds,
+}
+
+/// A request's ids for the log lines of its answer.
+struct LogIds {
+    request_id: Option<HeaderValue>,
+    trace_id: Option<opentelemetry::trace::TraceId>,
+}
+
+impl LogIds {
+    fn request_id(&self) -> &str {
+        self.request_id
+            .as_ref()
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+/// Timing the answer's first data frame (TTFT).
+struct FirstFrame {
+    /// The request sent upstream.
+    sent: Instant,
+    /// Its response head received.
+    answered: Instant,
+    /// Also a disaggregated decode's TTFT (from the head).
+    disaggregated_decode: bool,
 }
 
 impl TrackedBody {
@@ -725,12 +805,17 @@ impl http_body::Body for TrackedBody {
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(since) = this.first_frame_since.take()
-                    && frame.is_data()
+                if frame.is_data()
+                    && let Some(first) = this.first_frame.take()
                 {
                     this.metrics
-                        .disaggregation_decode_ttft_seconds
-                        .observe(since.elapsed().as_secs_f64());
+                        .upstream_ttft_seconds
+                        .observe(first.sent.elapsed().as_secs_f64());
+                    if first.disaggregated_decode {
+                        this.metrics
+                            .disaggregation_decode_ttft_seconds
+                            .observe(first.answered.elapsed().as_secs_f64());
+                    }
                 }
                 if http_body::Body::is_end_stream(inner) {
                     // hyper drops a body as soon as it is complete, without a last poll.
@@ -744,7 +829,7 @@ impl http_body::Body for TrackedBody {
                 this.count_upstream(UpstreamError::Reset);
                 this.end();
                 this.metrics.error(ErrorKind::UpstreamReset);
-                tracing::warn!(error = %err, "the instance's answer failed midway");
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), error = %err, "the instance's answer failed midway");
                 Poll::Ready(Some(Err(err.into())))
             }
             Poll::Ready(None) => {
@@ -758,7 +843,7 @@ impl http_body::Body for TrackedBody {
                 this.count_upstream(UpstreamError::StreamIdle);
                 this.end();
                 this.metrics.error(ErrorKind::StreamIdleTimeout);
-                tracing::warn!(idle = ?this.idle, "the instance's answer stalled; closing it");
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), idle = ?this.idle, "the instance's answer stalled; closing it");
                 match this.stall {
                     Stall::SseErrorEvent => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
                         STREAM_IDLE_EVENT.as_bytes(),

@@ -1,6 +1,7 @@
 //! One request from arrival to answer: admission, the body, the plan (for KV_AWARE, the
-//! prompt's token ids and the ranking by the KV index), forwarding. Every refusal is answered
-//! in the shape of the API the request came in on.
+//! prompt's token ids and the ranking by the KV index; on a disaggregated endpoint, the same
+//! token ids for a KV_AWARE prefill pool and the UNCACHED_TOKENS decision), forwarding. Every
+//! refusal is answered in the shape of the API the request came in on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,14 +13,18 @@ use axum::response::Response;
 use crate::admission::Admission;
 use crate::body::{OFFLOAD_BYTES, read_body};
 use crate::errors::{ApiError, ErrorKind};
-use crate::forward::{ForwardSettings, Forwarder, UpstreamClients};
+use crate::forward::{ForwardSettings, Forwarder, UpstreamClients, ensure_request_id};
 use crate::kv::tokenize::{PromptTokens, Tokenizer};
 use crate::kv::{self, KvIndex};
 use crate::metrics::RouterMetrics;
-use crate::plan::{KvInput, Operation, Plan, make_plan};
-use crate::table::{LoadRegistry, RouteLabel, RoutingTable};
+use crate::plan::{DpdKv, KvInput, Operation, Plan, PoolIndexes, make_plan, settle_disaggregation};
+use crate::table::{LoadRegistry, RouteLabel, RoutingTable, VariantRoute};
 use crate::tokenizer::Tokenizers;
+use crate::trace::{RequestTrace, TracedBody, request_id};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::trace::SdkTracer;
 use switchyard_policy::rank::Route;
+use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
 
 /// What one serving thread works with: the routing state, limits and metrics every thread
 /// shares, and this thread's own upstream connection pools (so that a request and the
@@ -35,6 +40,8 @@ pub struct Worker {
     pub admission: Arc<Admission>,
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
+    /// Starts the requests' spans when tracing is on.
+    pub tracer: Option<SdkTracer>,
     /// KV_AWARE: what the engines' KV events say each instance holds.
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.
@@ -54,6 +61,7 @@ impl Worker {
             metrics: Arc::clone(&self.metrics),
             admission: Arc::clone(&self.admission),
             tokenizers: Arc::clone(&self.tokenizers),
+            tracer: self.tracer.clone(),
             kv_index: Arc::clone(&self.kv_index),
             tokenizer: Tokenizer::new(self.tokenizer.timeout()),
         }
@@ -81,12 +89,23 @@ pub async fn handle(
     request: Request,
 ) -> Response {
     let mut unanswered = Unanswered(Some(&worker.metrics));
-    let result = route(&worker, operation, endpoint, request).await;
+    let trace = worker.tracer.as_ref().map(|tracer| {
+        RequestTrace::start(tracer, request.method(), request.uri(), request.headers())
+    });
+    let result = route(&worker, operation, endpoint, request, trace.as_ref()).await;
     unanswered.0 = None;
-    result.unwrap_or_else(|err| {
+    let response = result.unwrap_or_else(|err| {
         worker.metrics.error(err.kind);
         err.into_response_for(operation.api())
-    })
+    });
+    match trace {
+        None => response,
+        Some(trace) => {
+            // The server span ends with the body (a stream ends long after its head).
+            let span = trace.finish(response.status());
+            response.map(|inner| axum::body::Body::new(TracedBody { inner, span }))
+        }
+    }
 }
 
 async fn route(
@@ -94,6 +113,7 @@ async fn route(
     operation: Operation,
     endpoint_name: Option<String>,
     request: Request,
+    trace: Option<&RequestTrace>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let (parts, body) = request.into_parts();
@@ -128,7 +148,15 @@ async fn route(
         &mut reservation,
     )
     .await?;
-    let (uri, headers) = (parts.uri, parts.headers);
+    let (uri, mut headers) = (parts.uri, parts.headers);
+    ensure_request_id(&mut headers);
+    if let Some(trace) = trace {
+        trace.set_attribute(KeyValue::new(
+            "switchyard.request_id",
+            request_id(&headers).to_owned(),
+        ));
+    }
+    let decision = trace.map(RequestTrace::decision);
     // Parsing a large JSON body takes long enough to hold up the thread's other requests. The
     // blocking task owns the body's reservation and the request's slot while it holds the
     // body, so they are released with it even if this request is dropped meanwhile.
@@ -171,11 +199,22 @@ async fn route(
         );
         (plan, headers, reservation, permit)
     };
-    let mut plan = plan?;
+    let mut plan = plan.inspect_err(|err| {
+        if let Some(decision) = &decision {
+            decision.fail(&err.message);
+        }
+    })?;
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(plan.body.len() as u64);
     if let Some(input) = plan.kv.take() {
         rank_by_kv(worker, &mut plan, input).await;
+    }
+    if let Some(dpd) = plan.dpd.take() {
+        plan = settle_dpd(worker, plan, dpd).await?;
+    }
+    drop(decision);
+    if let Some(trace) = trace {
+        trace.record_plan(&plan);
     }
     worker
         .metrics
@@ -185,30 +224,18 @@ async fn route(
         clients: &worker.clients,
         settings: worker.forwarding,
         metrics: &worker.metrics,
+        trace,
     }
     .forward(operation, plan, headers, permit, reservation)
     .await
 }
 
-/// KV_AWARE: gets the request's token ids (one `/tokenize` round trip to the least loaded
-/// instance, within `--kv-tokenize-timeout-ms`, unless the prompt is token ids) and ranks the
-/// variant's instances by what the KV index says they hold (`kv::decide`; long prompts on a
-/// blocking thread). Before any engine of the variant has published, the plan's
-/// LEAST_OUTSTANDING_REQUESTS ranking stands and nothing is asked; without token ids (no
-/// prompt in the body, or the engine did not answer) the request is ranked by load, counted
-/// in `switchyard_router_kv_tokenize_failures_total`.
-async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
-    let endpoint = Arc::clone(&plan.endpoint);
-    let variant_index = plan.variant_index;
-    let variant = &endpoint.variants[variant_index];
-    let Some(index) = worker
-        .kv_index
-        .variant(&endpoint.name, &variant.name)
-        .filter(|index| index.block_size().is_some())
-    else {
-        return;
-    };
-    let tokens = match input {
+/// The request's token ids for `variant`'s engines: as given, or one `/tokenize` round trip to
+/// its least loaded instance within `--kv-tokenize-timeout-ms` (timed in
+/// `switchyard_router_kv_tokenize_seconds`). A failure is counted in
+/// `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by load.
+async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> Option<Vec<u32>> {
+    let fetched = match input {
         KvInput::Unusable(err) => Err(err),
         KvInput::Tokens(tokens) => {
             let asked = Instant::now();
@@ -225,14 +252,35 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
             fetched
         }
     };
+    fetched
+        .inspect_err(|err| {
+            worker.metrics.kv_tokenize_failed(err);
+            tracing::debug!(variant = %variant.name, error = %err, "no token ids for the request; routing it by load");
+        })
+        .ok()
+}
+
+/// KV_AWARE: gets the request's token ids ([`token_ids`]) and ranks the variant's instances by
+/// what the KV index says they hold (`kv::decide`; long prompts on a blocking thread). Before
+/// any engine of the variant has published, the plan's LEAST_OUTSTANDING_REQUESTS ranking
+/// stands and nothing is asked; without token ids (no prompt in the body, or the engine did
+/// not answer) the request is ranked by load.
+async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
+    let endpoint = Arc::clone(&plan.endpoint);
+    let variant_index = plan.variant_index;
+    let variant = &endpoint.variants[variant_index];
+    let Some(index) = worker
+        .kv_index
+        .variant(&endpoint.name, &variant.name)
+        .filter(|index| index.block_size().is_some())
+    else {
+        return;
+    };
+    let tokens = token_ids(worker, variant, input).await;
     let random = fastrand::u64(..);
     let decision = match tokens {
-        Err(err) => {
-            worker.metrics.kv_tokenize_failed(&err);
-            tracing::debug!(endpoint = %endpoint.name, variant = %variant.name, error = %err, "no token ids for a KV_AWARE request; routing it by load");
-            kv::decide(variant, None, None, crate::now_unix_ms(), random)
-        }
-        Ok(tokens) if tokens.len() > kv::OFFLOAD_TOKENS => {
+        None => kv::decide(variant, None, None, crate::now_unix_ms(), random),
+        Some(tokens) if tokens.len() > kv::OFFLOAD_TOKENS => {
             let endpoint = Arc::clone(&endpoint);
             let decided = tokio::task::spawn_blocking(move || {
                 let variant = &endpoint.variants[variant_index];
@@ -248,7 +296,7 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
             decided
                 .unwrap_or_else(|_| kv::decide(variant, None, None, crate::now_unix_ms(), random))
         }
-        Ok(tokens) => kv::decide(
+        Some(tokens) => kv::decide(
             variant,
             Some(&index),
             Some(&tokens),
@@ -259,4 +307,68 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
     plan.ranking = decision.ranking;
     plan.label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::LeastOutstanding));
     plan.cached_tokens = decision.cached_tokens_by_instance;
+}
+
+/// A disaggregated endpoint's plan that needs the prompt's token ids (KV_AWARE prefill,
+/// UNCACHED_TOKENS): gets them once ([`token_ids`], asked of the decode pool) if an index that
+/// needs them has data (the decode pool's for UNCACHED_TOKENS, the prefill pool's for a
+/// KV_AWARE prefill), then finishes the plan (`plan::settle_disaggregation`, on a blocking
+/// thread for UNCACHED_TOKENS, which may make the prefill copy, and for long prompts). With no
+/// index ready, nothing is asked: UNCACHED_TOKENS counts every
+/// prompt token as uncached, and the prefill pool is ranked by load.
+async fn settle_dpd(worker: &Worker, plan: Plan, dpd: DpdKv) -> Result<Plan, ApiError> {
+    let endpoint = Arc::clone(&plan.endpoint);
+    let Some(pd) = endpoint.disaggregation.as_ref() else {
+        return Ok(plan);
+    };
+    let ready = |position: usize| {
+        worker
+            .kv_index
+            .variant(&endpoint.name, &endpoint.variants[position].name)
+            .filter(|index| index.block_size().is_some())
+    };
+    let decode_index = (pd.basis == ThresholdBasis::UncachedTokens)
+        .then(|| ready(pd.decode))
+        .flatten();
+    let prefill_index = (pd.prefill_strategy == PrefillRoutingStrategy::KvAware
+        && (dpd.undecided.is_some() || plan.disaggregated.is_some()))
+    .then(|| ready(pd.prefill))
+    .flatten();
+    let DpdKv {
+        input,
+        undecided,
+        prefill_key,
+    } = dpd;
+    let tokens = if decode_index.is_some() || prefill_index.is_some() {
+        token_ids(worker, &endpoint.variants[pd.decode], input).await
+    } else {
+        None
+    };
+    // UNCACHED_TOKENS may make the prefill copy (a parse of the body): off the serving thread.
+    let offload = undecided.is_some()
+        || tokens
+            .as_ref()
+            .is_some_and(|tokens| tokens.len() > kv::OFFLOAD_TOKENS);
+    let settle = move |mut plan: Plan| {
+        let indexes = PoolIndexes {
+            decode: decode_index.as_deref(),
+            prefill: prefill_index.as_deref(),
+        };
+        settle_disaggregation(
+            &mut plan,
+            undecided,
+            &prefill_key,
+            tokens.as_deref(),
+            indexes,
+            crate::now_unix_ms(),
+            fastrand::u64(..),
+        );
+        plan
+    };
+    if offload {
+        return tokio::task::spawn_blocking(move || settle(plan))
+            .await
+            .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")));
+    }
+    Ok(settle(plan))
 }

@@ -9,7 +9,7 @@
 //! `config` (flags → validated `Settings`), `admission` (bounds on connections, requests and
 //! buffered bytes), `table` (the immutable routing snapshot and per-instance load cells),
 //! `membership` (sync messages or a static file → table), `sync_client` (the control-plane
-//! stream, load reports), `errors` (API-shaped errors), `metrics` (Prometheus).
+//! stream, load reports), `errors` (API-shaped errors), `metrics` (Prometheus), `trace` (OpenTelemetry spans).
 
 pub mod admission;
 pub mod body;
@@ -29,6 +29,7 @@ pub mod server;
 pub mod sync_client;
 pub mod table;
 pub mod tokenizer;
+pub mod trace;
 
 pub use config::{RouterConfig, Settings, Source, UpstreamProtocol};
 pub use server::{RouterHandle, StartError};

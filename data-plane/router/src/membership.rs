@@ -28,6 +28,7 @@ use switchyard_shared::{
 };
 
 use crate::table::{self, EndpointRoute, InstanceRoute, LoadRegistry, RoutingTable};
+use crate::tokenizer::Tokenizers;
 
 /// An instance and its prepared route (`None`: its URL cannot be routed to).
 #[derive(Debug)]
@@ -112,11 +113,14 @@ impl State {
                 .members
                 .entry(instance.endpoint_name.clone())
                 .or_default();
-            // A health or weight change keeps the route (URIs, cell) it had.
+            // A health or weight change keeps the route (URIs, cell) it had; anything the
+            // route carries (URL, protocol, KV-event sockets, decode partner) makes a new one.
             let route = match members.get(&instance.instance_id) {
                 Some(previous)
                     if previous.instance.url == instance.url
-                        && previous.instance.protocol == instance.protocol =>
+                        && previous.instance.protocol == instance.protocol
+                        && previous.instance.kv_events == instance.kv_events
+                        && previous.instance.decode_partner == instance.decode_partner =>
                 {
                     previous.route.clone()
                 }
@@ -210,6 +214,8 @@ pub struct Membership {
     retired_cells: Vec<InstanceKey>,
     /// Endpoints touched by the pieces of a batch whose last piece has not arrived.
     pending: BTreeSet<EndpointName>,
+    /// Loads the tokenizers disaggregation configs name as they arrive.
+    tokenizers: Option<Arc<Tokenizers>>,
 }
 
 impl Membership {
@@ -224,7 +230,14 @@ impl Membership {
             retired_tables: Vec::new(),
             retired_cells: Vec::new(),
             pending: BTreeSet::new(),
+            tokenizers: None,
         }
+    }
+
+    /// Has the tokenizers that disaggregation configs name loaded as the configs arrive.
+    pub fn with_tokenizers(mut self, tokenizers: Arc<Tokenizers>) -> Self {
+        self.tokenizers = Some(tokenizers);
+        self
     }
 
     /// The version of the state held (its cluster and revision).
@@ -415,6 +428,15 @@ impl Membership {
     }
 
     fn swap(&mut self, table: RoutingTable) {
+        if let Some(tokenizers) = &self.tokenizers {
+            let names = table
+                .endpoints
+                .values()
+                .filter_map(|endpoint| endpoint.disaggregation.as_ref())
+                .map(|pd| pd.tokenizer.clone())
+                .collect();
+            tokenizers.preload(names);
+        }
         let old = self.table.swap(Arc::new(table));
         self.retired_tables.push(old);
         self.collect_garbage();
@@ -835,6 +857,28 @@ mod tests {
         drop(before);
         membership.collect_garbage();
         assert_eq!(membership.registry.len(), 2, "a2 and b1 remain");
+    }
+
+    #[test]
+    fn a_re_registration_with_a_new_partner_or_kv_sockets_takes_effect() {
+        let (mut membership, table) = membership();
+        membership.apply(version("c", 5), &snapshot()).unwrap();
+        let mut moved = (*instance("a", "a1", Health::Healthy)).clone();
+        moved.decode_partner = Some(InstanceId::new("d9").unwrap());
+        moved.kv_events = Some(switchyard_shared::KvEventsEndpoints {
+            publisher: "tcp://127.0.0.1:5557".into(),
+            replay: None,
+        });
+        let change = StateUpdate {
+            complete: true,
+            instances: vec![Arc::new(moved)],
+            ..StateUpdate::default()
+        };
+        membership.apply(version("c", 6), &change).unwrap();
+        let loaded = table.load();
+        let a1 = &loaded.endpoints["a"].variants[0].instances[0];
+        assert_eq!(a1.decode_partner.as_ref().map(|id| id.as_str()), Some("d9"));
+        assert!(a1.kv_events.is_some(), "the new sockets, not the old none");
     }
 
     #[test]

@@ -49,7 +49,11 @@ pub struct SyncMetrics {
     pub cluster_changes: AtomicU64,
     /// Sync messages applied (snapshot pieces and change batches).
     pub updates_applied: AtomicU64,
+    /// When the last message of any kind arrived (Unix ms; 0: none yet).
+    pub last_message_ms: AtomicU64,
     pub apply_seconds: Histogram,
+    /// Load reports not sent because the stream's send queue was full.
+    pub reports_skipped: AtomicU64,
     /// Routing tables swapped in so far (watchable: tests and benchmarks wait on it).
     pub swaps: tokio::sync::watch::Sender<u64>,
 }
@@ -61,7 +65,9 @@ impl Default for SyncMetrics {
             stale_snapshots_refused: AtomicU64::new(0),
             cluster_changes: AtomicU64::new(0),
             updates_applied: AtomicU64::new(0),
+            last_message_ms: AtomicU64::new(0),
             apply_seconds: Histogram::new(&APPLY_BOUNDS),
+            reports_skipped: AtomicU64::new(0),
             swaps: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -74,6 +80,8 @@ pub struct RouterMetrics {
     pub decision_seconds: Histogram,
     /// Time from sending upstream to the upstream's response head.
     pub upstream_header_seconds: Histogram,
+    /// Time from sending upstream to the answer's first data frame.
+    pub upstream_ttft_seconds: Histogram,
     /// Disaggregated endpoints: the prefill hop (sending to the prefill answer read).
     pub disaggregation_prefill_seconds: Histogram,
     /// From the prefill answer to the decode request sent (reading its hand-off, building the
@@ -95,12 +103,14 @@ pub struct RouterMetrics {
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
-pub const FALLBACK_REASONS: [&str; 5] = [
+pub const FALLBACK_REASONS: [&str; 7] = [
     "no_prefill_instance",
     "prefill_unreachable",
     "prefill_failed",
     "prefill_timeout",
     "no_decode_partner",
+    "bad_handoff",
+    "buffer_full",
 ];
 
 const DISAGGREGATION_PATHS: [RouteLabel; 3] = [
@@ -120,6 +130,7 @@ impl RouterMetrics {
             errors: Default::default(),
             decision_seconds: Histogram::new(&LATENCY_BOUNDS),
             upstream_header_seconds: Histogram::new(&LATENCY_BOUNDS),
+            upstream_ttft_seconds: Histogram::new(&HOP_BOUNDS),
             disaggregation_prefill_seconds: Histogram::new(&HOP_BOUNDS),
             disaggregation_handoff_seconds: Histogram::new(&LATENCY_BOUNDS),
             disaggregation_decode_ttft_seconds: Histogram::new(&HOP_BOUNDS),
@@ -225,6 +236,11 @@ impl RouterMetrics {
                 "switchyard_router_sync_updates_total",
                 "Sync messages applied: snapshot pieces and batches of changes.",
                 &self.sync.updates_applied,
+            ),
+            (
+                "switchyard_router_sync_reports_skipped_total",
+                "Load reports to the control plane skipped because the stream's send queue was full (the control plane is not reading; the next report carries the same figures).",
+                &self.sync.reports_skipped,
             ),
         ];
         for (name, help, counter) in counters {
@@ -420,6 +436,32 @@ impl RouterMetrics {
             &[],
             &self.upstream_header_seconds,
         );
+        out.family(
+            "switchyard_router_upstream_ttft_seconds",
+            "histogram",
+            "From sending a request upstream to the first byte of the instance's answer (time to first token for a streamed answer).",
+        );
+        out.histogram(
+            "switchyard_router_upstream_ttft_seconds",
+            &[],
+            &self.upstream_ttft_seconds,
+        );
+        let last_message_ms = self.sync.last_message_ms.load(Ordering::Relaxed);
+        out.family(
+            "switchyard_router_sync_message_age_seconds",
+            "gauge",
+            "Seconds since the last message from the control plane (a live stream sends fleet load at least every second); 0 before the first.",
+        )
+        .sample(
+            "switchyard_router_sync_message_age_seconds",
+            &[],
+            if last_message_ms == 0 {
+                0.0
+            } else {
+                crate::now_unix_ms().saturating_sub(last_message_ms) as f64 / 1000.0
+            },
+        );
+        switchyard_shared::telemetry::write_metrics(&mut out);
         out.family(
             "switchyard_router_tokenizer_fallbacks_total",
             "counter",

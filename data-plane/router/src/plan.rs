@@ -21,7 +21,9 @@ use switchyard_policy::openai::{OpenAiRequest, TextRule};
 use switchyard_policy::prefix::{native, valid_prefix_aware_id};
 use switchyard_policy::rank::{self, Route, Strategy};
 
+use crate::disaggregated::{prefill_body, without_client_kv_transfer_params};
 use crate::errors::{Api, ApiError};
+use crate::kv::VariantIndex;
 use crate::kv::tokenize::{PromptKind, PromptTokens, TokenizeError};
 use crate::response_ids::{self, StoredResponse};
 use crate::table::{
@@ -29,7 +31,9 @@ use crate::table::{
 };
 use crate::tokenizer::{Count, Tokenizer, Tokenizers};
 use http::HeaderValue;
-use switchyard_shared::{DecodeRoutingStrategy, PrefillRoutingStrategy};
+use switchyard_shared::{
+    DecodeRoutingStrategy, InstanceId, PrefillRoutingStrategy, ThresholdBasis,
+};
 
 pub const PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-amzn-sagemaker-prefix-aware-id");
 pub const TARGET_VARIANT: HeaderName = HeaderName::from_static("x-amzn-sagemaker-target-variant");
@@ -174,6 +178,35 @@ pub struct Plan {
     /// Once ranked by the KV index: the leading prompt tokens each instance holds, by
     /// position in the variant (`x-switchyard-cached-tokens`); empty otherwise.
     pub cached_tokens: Vec<u32>,
+    /// A disaggregated endpoint's request that needs the prompt's token ids before it is
+    /// forwarded (see [`DpdKv`]). None: the plan is final.
+    pub dpd: Option<DpdKv>,
+}
+
+/// A disaggregated endpoint's request whose plan needs the prompt's token ids: to rank the
+/// prefill pool by its KV index (PrefillRoutingStrategy KV_AWARE), or to make the decision
+/// itself (ThresholdBasis UNCACHED_TOKENS). `handle` gets them (one `/tokenize` round trip at
+/// most, asked of the decode pool: the plan's body names its ModelName) and finishes the plan
+/// with [`settle_disaggregation`].
+#[derive(Debug)]
+pub struct DpdKv {
+    /// How to get the token ids.
+    pub input: KvInput,
+    /// UNCACHED_TOKENS: the prompt as counted by the router's tokenizer, for when the token
+    /// ids cannot be had (then every token counts as uncached). Until the decision is made
+    /// the plan reads `direct`.
+    pub undecided: Option<Count>,
+    /// What ranking the prefill pool needs besides the token ids.
+    pub prefill_key: PrefillKey,
+}
+
+/// What the prefill strategies read from the request, kept for a decision made later.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillKey {
+    /// SESSION: the session's key.
+    session: Option<u64>,
+    /// PREFIX_AWARE: the routing key of the prefix (0 for the other strategies).
+    prefix: u64,
 }
 
 /// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
@@ -192,6 +225,12 @@ pub struct Disaggregated {
     pub prefill: rank::Ranking,
     /// The prompt's tokens as counted.
     pub count: Count,
+    /// KV_AWARE prefill, once ranked by the prefill pool's KV index: the leading prompt
+    /// tokens each prefill instance holds, by position (`x-switchyard-prefill-cached-tokens`);
+    /// empty otherwise.
+    pub prefill_cached_tokens: Vec<u32>,
+    /// The request to send to the prefill instance (made here, off the serving thread).
+    pub prefill_body: Option<Bytes>,
 }
 
 pub const PROMPT_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-prompt-tokens");
@@ -345,17 +384,29 @@ pub fn make_plan(
             None => None,
         };
         drop(openai);
+        let body = without_client_kv_transfer_params(rewritten.map_or(body, Bytes::from));
+        let mut disaggregated = decision.disaggregated;
+        if let Some(disaggregated) = &mut disaggregated {
+            let prefill = &endpoint.variants[pd.prefill];
+            disaggregated.prefill_body = prefill_body(&body, pd.protocol, prefill);
+        }
+        let dpd = decision.needs_tokens.map(|(undecided, prefill_key)| DpdKv {
+            input: kv_input(operation, &body),
+            undecided,
+            prefill_key,
+        });
         return Ok(Plan {
             variant_index: pd.decode,
             ranking: decision.decoders,
-            body: rewritten.map_or(body, Bytes::from),
+            body,
             path: operation.fixed_path().map(str::to_owned),
             label: decision.label,
             explain: decision.explain,
-            disaggregated: decision.disaggregated,
+            disaggregated,
             endpoint,
             kv: None,
             cached_tokens: Vec::new(),
+            dpd,
         });
     }
     // Affinity: the instance holding the previous response, whatever the strategy.
@@ -397,6 +448,11 @@ pub fn make_plan(
     };
     drop(openai);
     let body = rewritten.map(Bytes::from).unwrap_or(body);
+    // A Responses follow-up on a disaggregated endpoint (to the instance holding it).
+    let body = match &endpoint.disaggregation {
+        Some(_) => without_client_kv_transfer_params(body),
+        None => body,
+    };
     // A session, or a stored response, sticks to its instance whatever the strategy.
     let kv = match (routing.session, variant.strategy) {
         _ if previous.is_some() => None,
@@ -414,6 +470,7 @@ pub fn make_plan(
         disaggregated: None,
         kv,
         cached_tokens: Vec::new(),
+        dpd: None,
     })
 }
 
@@ -529,6 +586,7 @@ fn stored_response_plan(
         disaggregated: None,
         kv: None,
         cached_tokens: Vec::new(),
+        dpd: None,
     })
 }
 
@@ -539,10 +597,12 @@ fn response_id_in_path(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
-/// `text` with everything but RFC 3986's unreserved characters percent-encoded (an engine's
+/// `text` with everything but RFC 3986's unreserved characters (less `.`) percent-encoded (an engine's
 /// response id in a path).
 fn percent_encode(text: &str) -> Cow<'_, str> {
-    let unreserved = |byte: u8| byte.is_ascii_alphanumeric() || b"-._~".contains(&byte);
+    // `.` is encoded too: an id of `.` or `..` must not become a path segment a proxy or
+    // server would normalise away.
+    let unreserved = |byte: u8| byte.is_ascii_alphanumeric() || b"-_~".contains(&byte);
     if text.bytes().all(unreserved) {
         return Cow::Borrowed(text);
     }
@@ -563,11 +623,17 @@ struct Decision {
     label: RouteLabel,
     explain: Vec<(HeaderName, HeaderValue)>,
     disaggregated: Option<Disaggregated>,
+    /// The token ids are needed to finish the plan ([`DpdKv`]): the decision waits for them
+    /// (UNCACHED_TOKENS, with the router's own count), and what the prefill ranking reads.
+    needs_tokens: Option<(Option<Count>, PrefillKey)>,
 }
 
 /// Below the threshold (and for native bodies, which are not parsed) a decoder serves the
 /// whole request (`direct`); at or above it, a prefill instance first (`disaggregated`); with
-/// no prefill instance routable, the decoder serves it whole (`fallback`).
+/// no prefill instance routable, the decoder serves it whole (`fallback`). PROMPT_TOKENS
+/// decides here; UNCACHED_TOKENS, which needs the prompt's token ids and the decoders' KV
+/// index, only counts and leaves the decision to [`settle_disaggregation`]; a KV_AWARE prefill
+/// ranking is LEAST_OUTSTANDING_REQUESTS' until then.
 fn decide_disaggregation(
     endpoint: &EndpointRoute,
     pd: &Disaggregation,
@@ -598,39 +664,149 @@ fn decide_disaggregation(
             label: RouteLabel::Direct,
             explain: Vec::new(),
             disaggregated: None,
+            needs_tokens: None,
         });
     };
     let count = count_prompt(request, &tokenizers.get(&pd.tokenizer), pd.threshold);
-    let explain = vec![(
-        PROMPT_TOKENS,
-        HeaderValue::from_str(&count.header_text()).unwrap_or(HeaderValue::from_static("0")),
-    )];
+    let explain = vec![prompt_tokens_header(&count)];
+    let prefill = &endpoint.variants[pd.prefill];
+    if pd.basis == ThresholdBasis::UncachedTokens {
+        return Ok(Decision {
+            decoders,
+            label: RouteLabel::Direct,
+            explain,
+            disaggregated: None,
+            needs_tokens: Some((Some(count), prefill_key(prefill, pd, routing, request))),
+        });
+    }
     if count.tokens < pd.threshold {
         return Ok(Decision {
             decoders,
             label: RouteLabel::Direct,
             explain,
             disaggregated: None,
+            needs_tokens: None,
         });
     }
-    let prefill = &endpoint.variants[pd.prefill];
     if prefill.instances.is_empty() {
         return Ok(Decision {
             decoders,
             label: RouteLabel::Fallback,
             explain,
             disaggregated: None,
+            needs_tokens: None,
         });
     }
+    let key = prefill_key(prefill, pd, routing, request);
     Ok(Decision {
         decoders,
         label: RouteLabel::Disaggregated,
         explain,
         disaggregated: Some(Disaggregated {
-            prefill: rank_prefill(prefill, pd, routing, request, rng.u64(..)),
+            prefill: rank_prefill(prefill, pd, &key, rng.u64(..)),
             count,
+            prefill_cached_tokens: Vec::new(),
+            prefill_body: None,
         }),
+        needs_tokens: (pd.prefill_strategy == PrefillRoutingStrategy::KvAware)
+            .then_some((None, key)),
     })
+}
+
+fn prompt_tokens_header(count: &Count) -> (HeaderName, HeaderValue) {
+    (
+        PROMPT_TOKENS,
+        HeaderValue::from_str(&count.header_text()).unwrap_or(HeaderValue::from_static("0")),
+    )
+}
+
+/// What the KV indexes of a disaggregated endpoint's pools say (None: not read, or no engine
+/// of the pool has published yet).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PoolIndexes<'a> {
+    /// The decode pool's (UNCACHED_TOKENS).
+    pub decode: Option<&'a VariantIndex>,
+    /// The prefill pool's (KV_AWARE prefill).
+    pub prefill: Option<&'a VariantIndex>,
+}
+
+/// Finishes a disaggregated plan ([`DpdKv`]'s `undecided` and `prefill_key`) with the
+/// prompt's token ids (`None`: they could not be had, or no index needed them). CPU only.
+///
+/// UNCACHED_TOKENS: the prompt's tokens (the token ids' count; without them the router's own
+/// count) minus the leading tokens the decoder that would serve the request directly (the
+/// first of the decode ranking) holds by the decode pool's index (none without token ids or
+/// index) decide: below the threshold `direct`, else `disaggregated` (or `fallback` with no
+/// prefill instance). `x-switchyard-cached-tokens` then says what the serving decoder holds
+/// whenever the index was read. A KV_AWARE prefill ranking is then made by `kv::decide` over
+/// the prefill pool's index; without ids or index it stays LEAST_OUTSTANDING_REQUESTS'.
+pub fn settle_disaggregation(
+    plan: &mut Plan,
+    undecided: Option<Count>,
+    prefill_key: &PrefillKey,
+    tokens: Option<&[u32]>,
+    indexes: PoolIndexes<'_>,
+    now_ms: u64,
+    random: u64,
+) {
+    let endpoint = Arc::clone(&plan.endpoint);
+    let Some(pd) = endpoint.disaggregation.as_ref() else {
+        return;
+    };
+    let prefill = &endpoint.variants[pd.prefill];
+    if let Some(local_count) = undecided {
+        let decode = &endpoint.variants[pd.decode];
+        let count = match tokens {
+            Some(ids) => Count {
+                tokens: ids.len(),
+                complete: true,
+            },
+            None => local_count,
+        };
+        if let (Some(ids), Some(index)) = (tokens, indexes.decode) {
+            let instances: Vec<InstanceId> = decode
+                .instances
+                .iter()
+                .map(|instance| instance.id.clone())
+                .collect();
+            if let Some(found) = index.match_tokens(ids, &instances) {
+                let block_size = found.block_size as u32;
+                plan.cached_tokens = found
+                    .matched
+                    .iter()
+                    .map(|blocks| blocks * block_size)
+                    .collect();
+            }
+        }
+        let cached = plan
+            .ranking
+            .order
+            .first()
+            .and_then(|&first| plan.cached_tokens.get(first))
+            .map_or(0, |&cached| cached as usize);
+        plan.explain = vec![prompt_tokens_header(&count)];
+        plan.label = if count.tokens.saturating_sub(cached) < pd.threshold {
+            RouteLabel::Direct
+        } else if prefill.instances.is_empty() {
+            RouteLabel::Fallback
+        } else {
+            plan.disaggregated = Some(Disaggregated {
+                prefill: rank_prefill(prefill, pd, prefill_key, random),
+                count,
+                prefill_cached_tokens: Vec::new(),
+                prefill_body: prefill_body(&plan.body, pd.protocol, prefill),
+            });
+            RouteLabel::Disaggregated
+        };
+    }
+    if pd.prefill_strategy == PrefillRoutingStrategy::KvAware
+        && let Some(disaggregated) = plan.disaggregated.as_mut()
+        && let (Some(ids), Some(index)) = (tokens, indexes.prefill)
+    {
+        let decision = crate::kv::decide(prefill, Some(index), Some(ids), now_ms, random);
+        disaggregated.prefill = decision.ranking;
+        disaggregated.prefill_cached_tokens = decision.cached_tokens_by_instance;
+    }
 }
 
 /// Tokens per chat message that the text alone does not show (role markers and separators
@@ -664,12 +840,33 @@ pub fn count_prompt(request: &OpenAiRequest<'_>, tokenizer: &Tokenizer, threshol
     }
 }
 
-/// Ranks the prefill pool by the configured strategy.
-fn rank_prefill(
+/// What the prefill strategies read from the request: the session, and PREFIX_AWARE's key
+/// (the prefix-aware id and the prefill variant's PrefixLength of the prompt).
+fn prefill_key(
     variant: &VariantRoute,
     pd: &Disaggregation,
     routing: &RoutingHeaders,
     request: &OpenAiRequest<'_>,
+) -> PrefillKey {
+    let prefix = match pd.prefill_strategy {
+        PrefillRoutingStrategy::PrefixAware => {
+            let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
+            routing_key(id, request.prefix_text(variant.prefix_length).as_bytes())
+        }
+        _ => 0,
+    };
+    PrefillKey {
+        session: routing.session,
+        prefix,
+    }
+}
+
+/// Ranks the prefill pool by the configured strategy (KV_AWARE as LEAST_OUTSTANDING_REQUESTS,
+/// until [`settle_disaggregation`] ranks it by the pool's KV index).
+fn rank_prefill(
+    variant: &VariantRoute,
+    pd: &Disaggregation,
+    key: &PrefillKey,
     random: u64,
 ) -> rank::Ranking {
     let views = variant.current_views(crate::now_unix_ms());
@@ -682,14 +879,12 @@ fn rank_prefill(
     };
     match pd.prefill_strategy {
         PrefillRoutingStrategy::RoundRobin => round_robin(),
-        PrefillRoutingStrategy::Session => match routing.session {
+        PrefillRoutingStrategy::Session => match key.session {
             Some(session) => rank::session(&views, session),
             None => round_robin(),
         },
         PrefillRoutingStrategy::PrefixAware => {
-            let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
-            let key = routing_key(id, request.prefix_text(variant.prefix_length).as_bytes());
-            rank::rank(variant.strategy, &views, load, key, 0)
+            rank::rank(variant.strategy, &views, load, key.prefix, 0)
         }
         PrefillRoutingStrategy::KvAware => {
             rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
@@ -1051,6 +1246,60 @@ Endpoints:
     }
 
     #[test]
+    fn a_disaggregated_endpoint_drops_a_clients_kv_transfer_params_on_every_path() {
+        let yaml = r#"
+Endpoints:
+  - EndpointName: pd
+    ProductionVariants:
+      - {VariantName: prefill, ModelName: m}
+      - {VariantName: decode, ModelName: m}
+    DisaggregationConfig: {PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 16}
+    Instances:
+      - {Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}
+      - {Url: "http://127.0.0.1:2", InstanceId: d1, VariantName: decode, Role: decode}
+"#;
+        let config = crate::membership::parse_static_text(yaml, true).unwrap();
+        let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
+        let table = RoutingTable::clone(&shared.load());
+        let pd = table.endpoints.get("pd").cloned();
+        let body = |prompt: &str| {
+            format!(
+                r#"{{"model":"m","kv_transfer_para\u006ds":{{"do_remote_prefill":true}},"prompt":"{prompt}","kv_transfer_params":{{"remote_engine_id":"x"}}}}"#
+            )
+        };
+        let no_params = |body: &[u8]| {
+            let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+            assert!(value.get("kv_transfer_params").is_none(), "{value}");
+            value
+        };
+        let short = plan_at(&table, Operation::Completions, pd.clone(), "/", &body("hi")).unwrap();
+        assert!(short.disaggregated.is_none());
+        assert_eq!(no_params(&short.body)["prompt"], "hi");
+        let long = "hello ".repeat(20);
+        let plan = plan_at(
+            &table,
+            Operation::Completions,
+            pd.clone(),
+            "/",
+            &body(&long),
+        )
+        .unwrap();
+        no_params(&plan.body);
+        let copy = plan.disaggregated.unwrap().prefill_body.unwrap();
+        let copy: serde_json::Value = serde_json::from_slice(&copy).unwrap();
+        assert_eq!(copy["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(copy["kv_transfer_params"]["remote_engine_id"].is_null());
+        // A Responses follow-up, to the decoder holding the response.
+        let wrapped = response_ids::wrap("pd", "decode", "d1", "resp_engine");
+        let follow_up = format!(
+            r#"{{"input":"x","kv_transfer_params":{{"do_remote_prefill":true}},"previous_response_id":"{wrapped}"}}"#
+        );
+        let plan = plan_at(&table, Operation::Responses, pd, "/", &follow_up).unwrap();
+        assert_eq!(no_params(&plan.body)["previous_response_id"], "resp_engine");
+    }
+
+    #[test]
     fn a_follow_up_goes_to_the_holder_even_past_the_threshold() {
         let table = table();
         let wrapped = response_ids::wrap("chat", "a", "a2", "resp_engine");
@@ -1284,5 +1533,111 @@ Endpoints:
             r#"{"model":"m-a","messages":[]}"#,
         );
         assert!(prefix.kv.is_none());
+    }
+
+    /// Endpoint `pd`: prefill `p1`, `p2`, decode `d1`, `d2`, with `disaggregation` (YAML).
+    fn pd_table(disaggregation: &str) -> RoutingTable {
+        let yaml = format!(
+            r#"
+Endpoints:
+  - EndpointName: pd
+    ProductionVariants:
+      - {{VariantName: prefill, ModelName: m}}
+      - {{VariantName: decode, ModelName: m}}
+    DisaggregationConfig: {disaggregation}
+    Instances:
+      - {{Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}}
+      - {{Url: "http://127.0.0.1:2", InstanceId: p2, VariantName: prefill, Role: prefill}}
+      - {{Url: "http://127.0.0.1:3", InstanceId: d1, VariantName: decode, Role: decode}}
+      - {{Url: "http://127.0.0.1:4", InstanceId: d2, VariantName: decode, Role: decode}}
+"#
+        );
+        let config = crate::membership::parse_static_text(&yaml, true).unwrap();
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
+        RoutingTable::clone(&table.load())
+    }
+
+    #[test]
+    fn kv_aware_prefill_and_uncached_tokens_wait_for_the_token_ids() {
+        let long = || {
+            Bytes::from(
+                serde_json::json!({"model": "pd", "prompt": "word ".repeat(300)}).to_string(),
+            )
+        };
+        let plan = |table: &RoutingTable, body: Bytes| {
+            make_plan(
+                table,
+                Operation::Completions,
+                None,
+                &"/v1/completions".parse().unwrap(),
+                &HeaderMap::new(),
+                body,
+                &Tokenizers::new(None),
+                &mut fastrand::Rng::with_seed(5),
+            )
+            .unwrap()
+        };
+        // PROMPT_TOKENS with a KV_AWARE prefill pool: decided now, the prefill pool ranked by
+        // load until the token ids come.
+        let kv_prefill = pd_table(
+            "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 100, PrefillRoutingStrategy: KV_AWARE}",
+        );
+        let decided = plan(&kv_prefill, long());
+        assert_eq!(decided.label, RouteLabel::Disaggregated);
+        let prefill = decided.disaggregated.as_ref().expect("disaggregated");
+        assert_eq!(prefill.prefill.route, Some(Route::LeastOutstanding));
+        let dpd = decided.dpd.as_ref().expect("token ids wanted");
+        assert!(dpd.undecided.is_none());
+        assert!(matches!(dpd.input, KvInput::Tokens(PromptTokens::Ask(_))));
+        // A short prompt goes direct with nothing to fetch.
+        let short = plan(
+            &kv_prefill,
+            Bytes::from_static(br#"{"model":"pd","prompt":"hi"}"#),
+        );
+        assert_eq!(short.label, RouteLabel::Direct);
+        assert!(short.dpd.is_none());
+
+        // UNCACHED_TOKENS: undecided (direct meanwhile), with the router's own count kept.
+        let uncached = pd_table(
+            "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 100, ThresholdBasis: UNCACHED_TOKENS}",
+        );
+        let mut undecided = plan(&uncached, long());
+        assert_eq!(undecided.label, RouteLabel::Direct);
+        assert!(undecided.disaggregated.is_none());
+        let dpd = undecided.dpd.take().expect("token ids wanted");
+        let count = dpd.undecided.expect("undecided");
+        assert!(count.tokens >= 100, "{count:?}");
+        // Without token ids every counted token is uncached: disaggregated, round robin.
+        settle_disaggregation(
+            &mut undecided,
+            dpd.undecided,
+            &dpd.prefill_key,
+            None,
+            PoolIndexes::default(),
+            0,
+            1,
+        );
+        assert_eq!(undecided.label, RouteLabel::Disaggregated);
+        assert!(undecided.cached_tokens.is_empty());
+        assert_eq!(
+            undecided.disaggregated.expect("disaggregated").count.tokens,
+            count.tokens
+        );
+        // With token ids (and no index yet), their number is the count: 99 is direct.
+        let mut ids = plan(&uncached, long());
+        let dpd = ids.dpd.take().expect("token ids wanted");
+        let tokens: Vec<u32> = (0..99).collect();
+        settle_disaggregation(
+            &mut ids,
+            dpd.undecided,
+            &dpd.prefill_key,
+            Some(&tokens),
+            PoolIndexes::default(),
+            0,
+            1,
+        );
+        assert_eq!(ids.label, RouteLabel::Direct);
+        assert_eq!(ids.explain[0].1, "99");
     }
 }

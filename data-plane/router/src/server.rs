@@ -34,6 +34,7 @@ use crate::plan::Operation;
 use crate::table::{LoadRegistry, RoutingTable};
 use crate::tokenizer::Tokenizers;
 use crate::{metrics, sync_client};
+use switchyard_shared::telemetry::Telemetry;
 
 /// A running router.
 #[derive(Debug)]
@@ -56,6 +57,8 @@ pub enum StartError {
     Thread(usize, std::io::Error),
     #[error("cannot start the control-plane sync thread: {0}")]
     SyncThread(std::io::Error),
+    #[error(transparent)]
+    Telemetry(#[from] switchyard_shared::telemetry::TelemetryError),
     #[error("cannot start the KV-event thread: {0}")]
     KvThread(std::io::Error),
 }
@@ -111,6 +114,10 @@ impl RouterHandle {
                  the open-file limit; raise `ulimit -n` or lower them"
             );
         }
+        let telemetry = match &settings.telemetry {
+            Some(telemetry) => Some(Telemetry::start(telemetry, "switchyard-router")?),
+            None => None,
+        };
         let shutdown = CancellationToken::new();
         let registry = Arc::new(LoadRegistry::default());
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
@@ -135,6 +142,7 @@ impl RouterHandle {
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
             tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
+            tracer: telemetry.as_ref().map(|telemetry| telemetry.tracer.clone()),
             kv_index: Arc::clone(kv_events.index()),
             tokenizer: Tokenizer::new(settings.kv_tokenize_timeout),
         });
@@ -199,7 +207,8 @@ impl RouterHandle {
                 }
             }
         }
-        let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
+        let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table))
+            .with_tokenizers(Arc::clone(&worker.tokenizers));
         let sync_task = match &settings.source {
             Source::Static(file) => {
                 membership.load_static(file.clone());
@@ -244,6 +253,10 @@ impl RouterHandle {
             }
             if let Some(task) = sync_task {
                 task.abort();
+            }
+            // The last spans go out (within about two seconds).
+            if let Some(telemetry) = telemetry {
+                let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
             }
             // Subscribers close their sockets; the thread's runtime ends within a second.
             let _ = tokio::task::spawn_blocking(move || kv_events.join()).await;

@@ -35,6 +35,9 @@ use crate::table::LoadRegistry;
 
 /// How often replaced tables and departed instances' cells are checked for freeing.
 const GARBAGE_EVERY: Duration = Duration::from_secs(1);
+/// A stream with no message for this long is given up (the control plane sends fleet load
+/// at least once a second), and the router reconnects, to another replica if there is one.
+const SILENCE_LIMIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct SyncSettings {
@@ -262,14 +265,26 @@ async fn follow(
     garbage.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_report: Option<Vec<InstanceLoad>> = None;
     let mut since_report = 0u32;
+    // The control plane sends fleet load at least once a second: a stream silent for longer
+    // than SILENCE_LIMIT is stuck (HTTP/2 pings may still pass), and another replica is tried.
+    let silence = tokio::time::sleep(SILENCE_LIMIT);
+    tokio::pin!(silence);
     loop {
         tokio::select! {
+            () = &mut silence => {
+                return Ended::Failed(format!(
+                    "no message from the control plane for {} s",
+                    SILENCE_LIMIT.as_secs()
+                ));
+            }
             message = inbound.message() => {
                 let message = match message {
                     Ok(Some(message)) => message,
                     Ok(None) => return Ended::Closed,
                     Err(err) => return Ended::Failed(status(err)),
                 };
+                silence.as_mut().reset(tokio::time::Instant::now() + SILENCE_LIMIT);
+                metrics.last_message_ms.store(crate::now_unix_ms(), Ordering::Relaxed);
                 let replica = message.replica_id.clone();
                 match receive(message) {
                     Received::Nothing => {}
@@ -312,10 +327,16 @@ async fn follow(
                         loads: loads.iter().map(Into::into).collect(),
                     })),
                 };
-                if outbound.send(message).await.is_err() {
-                    return Ended::Closed;
+                // Never wait here: a router blocked on sending stops reading the stream, and a
+                // control plane blocked on a full stream stops reading reports. A report that
+                // does not fit is skipped; the next one carries the same figures.
+                match outbound.try_send(message) {
+                    Ok(()) => last_report = Some(loads),
+                    Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                        metrics.reports_skipped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Ended::Closed,
                 }
-                last_report = Some(loads);
             }
         }
     }

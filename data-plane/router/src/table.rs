@@ -523,3 +523,40 @@ pub fn build(
     }
     table
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_labels_and_upstream_error_kinds_are_the_documented_values() {
+        // x-switchyard-route and the `route` label (README.md), the `kind` label of
+        // switchyard_router_upstream_errors_total (docs/failure-behaviour.md).
+        let routes: Vec<&str> = RouteLabel::ALL.iter().map(|label| label.as_str()).collect();
+        assert_eq!(
+            routes,
+            [
+                "prefix",
+                "overflow",
+                "random",
+                "least-outstanding",
+                "session",
+                "kv",
+                "direct",
+                "disaggregated",
+                "fallback",
+                "response",
+                "retry",
+                "retry-after-send"
+            ]
+        );
+        for route in Route::ALL {
+            assert_eq!(RouteLabel::from(route).as_str(), route.as_str());
+        }
+        let kinds: Vec<&str> = UpstreamError::ALL
+            .iter()
+            .map(|kind| kind.as_str())
+            .collect();
+        assert_eq!(kinds, ["refused", "reset", "timeout", "stream_idle"]);
+    }
+}

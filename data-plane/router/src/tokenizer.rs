@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use switchyard_shared::disaggregation::DEFAULT_TOKENIZER;
 
@@ -94,20 +95,48 @@ fn floor_char_boundary(text: &str, at: usize) -> usize {
     at
 }
 
+/// The largest tokenizer file read (Llama 3's is 9 MB; the largest published ones are a few
+/// tens of MB).
+pub const MOST_TOKENIZER_BYTES: u64 = 64 << 20;
+
+/// How long a tokenizer that failed to load is replaced by cl100k_base before it is tried
+/// again (a file put in place later is picked up without a restart).
+const RETRY_LOAD_AFTER: Duration = Duration::from_secs(30);
+
 /// The router's tokenizers, loaded on first use and kept.
 #[derive(Debug)]
 pub struct Tokenizers {
     dir: Option<PathBuf>,
-    loaded: Mutex<HashMap<String, Arc<Tokenizer>>>,
+    /// One slot per name; a slot's lock is held while its tokenizer loads, so that requests
+    /// arriving meanwhile wait for that load instead of each doing their own.
+    slots: Mutex<HashMap<String, Arc<Mutex<Slot>>>>,
     fallbacks: AtomicU64,
+    retry_after: Duration,
+    /// Tokenizer files read (tests check that concurrent first requests share one read).
+    #[cfg(test)]
+    file_loads: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+enum Slot {
+    #[default]
+    Unloaded,
+    Loaded(Arc<Tokenizer>),
+    /// The load failed; cl100k_base counts until `retry_at`.
+    Failed {
+        retry_at: Instant,
+    },
 }
 
 impl Tokenizers {
     pub fn new(dir: Option<PathBuf>) -> Self {
         Self {
             dir,
-            loaded: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
             fallbacks: AtomicU64::new(0),
+            retry_after: RETRY_LOAD_AFTER,
+            #[cfg(test)]
+            file_loads: AtomicU64::new(0),
         }
     }
 
@@ -116,37 +145,78 @@ impl Tokenizers {
         let _ = self.get(DEFAULT_TOKENIZER);
     }
 
-    /// The tokenizer named `name`, or `cl100k_base` if it cannot be had. Blocking (it may read
-    /// and parse a file of megabytes): call it off the serving threads.
-    pub fn get(&self, name: &str) -> Arc<Tokenizer> {
-        if let Some(found) = self.lock().get(name) {
-            return Arc::clone(found);
+    /// Loads the named tokenizers not yet loaded or tried, on a thread of their own (a
+    /// configuration naming them has arrived: the first request should not wait for the
+    /// file).
+    pub fn preload(self: &Arc<Self>, names: Vec<String>) {
+        let unseen: Vec<String> = {
+            let slots = lock(&self.slots);
+            names
+                .into_iter()
+                .filter(|name| !slots.contains_key(name))
+                .collect()
+        };
+        if unseen.is_empty() {
+            return;
         }
-        let tokenizer = match self.load(name) {
-            Ok(tokenizer) => Arc::new(tokenizer),
+        let tokenizers = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("switchyard-tokenizer".into())
+            .spawn(move || {
+                for name in unseen {
+                    let _ = tokenizers.get(&name);
+                }
+            });
+        if let Err(err) = spawned {
+            tracing::warn!(error = %err, "could not start a thread to load tokenizers; the first requests will");
+        }
+    }
+
+    /// The tokenizer named `name`, or `cl100k_base` if it cannot be had. Blocking (it may read
+    /// and parse a file of megabytes, or wait for another thread doing so): call it off the
+    /// serving threads.
+    pub fn get(&self, name: &str) -> Arc<Tokenizer> {
+        let slot = Arc::clone(lock(&self.slots).entry(name.to_owned()).or_default());
+        let mut slot = lock(&slot);
+        let first_failure = match &*slot {
+            Slot::Loaded(tokenizer) => return Arc::clone(tokenizer),
+            Slot::Failed { retry_at } if Instant::now() < *retry_at => return fallback(),
+            Slot::Failed { .. } => false,
+            Slot::Unloaded => true,
+        };
+        match self.load(name) {
+            Ok(tokenizer) => {
+                let tokenizer = Arc::new(tokenizer);
+                if !first_failure {
+                    tracing::info!(tokenizer = name, "tokenizer loaded after failing before");
+                }
+                *slot = Slot::Loaded(Arc::clone(&tokenizer));
+                tokenizer
+            }
             Err(why) => {
                 self.fallbacks.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    tokenizer = name,
-                    why,
-                    "tokenizer unavailable; counting with cl100k_base instead"
-                );
-                Arc::new(Tokenizer::Bpe(tiktoken_rs::cl100k_base_singleton()))
+                // Logged once per name; later failed retries only count.
+                if first_failure {
+                    tracing::warn!(
+                        tokenizer = name,
+                        why,
+                        retry_after = ?self.retry_after,
+                        "tokenizer unavailable; counting with cl100k_base instead"
+                    );
+                } else {
+                    tracing::debug!(tokenizer = name, why, "tokenizer still unavailable");
+                }
+                *slot = Slot::Failed {
+                    retry_at: Instant::now() + self.retry_after,
+                };
+                fallback()
             }
-        };
-        // Kept even when it is the fallback, so that the warning is logged once per name.
-        Arc::clone(self.lock().entry(name.to_owned()).or_insert(tokenizer))
+        }
     }
 
-    /// Names that fell back to cl100k_base so far.
+    /// Failed loads of named tokenizers so far (each counted with cl100k_base meanwhile).
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Ordering::Relaxed)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Tokenizer>>> {
-        self.loaded
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn load(&self, name: &str) -> Result<Tokenizer, String> {
@@ -171,11 +241,33 @@ impl Tokenizers {
                 dir.display()
             )
         })?;
+        #[cfg(test)]
+        self.file_loads.fetch_add(1, Ordering::Relaxed);
         load_file(&path).map(|tokenizer| Tokenizer::HuggingFace(Box::new(tokenizer)))
     }
 }
 
+fn fallback() -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::Bpe(tiktoken_rs::cl100k_base_singleton()))
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn load_file(path: &Path) -> Result<tokenizers::Tokenizer, String> {
+    let size = std::fs::metadata(path)
+        .map_err(|err| format!("{}: {err}", path.display()))?
+        .len();
+    if size > MOST_TOKENIZER_BYTES {
+        return Err(format!(
+            "{}: {size} bytes, more than the {} MiB a tokenizer file may have",
+            path.display(),
+            MOST_TOKENIZER_BYTES >> 20
+        ));
+    }
     tokenizers::Tokenizer::from_file(path).map_err(|err| format!("{}: {err}", path.display()))
 }
 
@@ -244,5 +336,106 @@ mod tests {
         // A path is never a name.
         let _ = tokenizers.get("../broken");
         assert_eq!(tokenizers.fallbacks(), 3);
+    }
+
+    /// A small valid tokenizer.json (a word-level model: one token per known word).
+    fn word_level() -> String {
+        word_level_of(0)
+    }
+
+    /// The same with `extra` more words: a file that takes a while to parse.
+    fn word_level_of(extra: usize) -> String {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("hello".into(), 0.into());
+        vocab.insert("[UNK]".into(), 1.into());
+        for word in 0..extra {
+            vocab.insert(format!("w{word}"), (word + 2).into());
+        }
+        serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn a_failed_load_is_retried_after_the_backoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        tokenizers.retry_after = Duration::from_millis(500);
+        // The fallback loaded first (seconds in a debug build), not within the backoff.
+        tokenizers.warm_up();
+        assert!(matches!(*tokenizers.get("words"), Tokenizer::Bpe(_)));
+        // Put in place later: still the fallback within the backoff, then loaded.
+        std::fs::write(dir.path().join("words.json"), word_level()).unwrap();
+        assert!(matches!(*tokenizers.get("words"), Tokenizer::Bpe(_)));
+        assert_eq!(tokenizers.fallbacks(), 1);
+        std::thread::sleep(Duration::from_millis(600));
+        let loaded = tokenizers.get("words");
+        assert!(matches!(*loaded, Tokenizer::HuggingFace(_)));
+        assert_eq!(loaded.count("hello hello hello"), 3);
+        assert_eq!(tokenizers.fallbacks(), 1);
+    }
+
+    #[test]
+    fn concurrent_first_requests_share_one_load_and_oversized_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        // A parse long enough (tens of ms) for the callers to overlap.
+        std::fs::write(dir.path().join("words.json"), word_level_of(50_000)).unwrap();
+        let tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        let start = std::sync::Barrier::new(4);
+        let loaded: Vec<Arc<Tokenizer>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        start.wait();
+                        tokenizers.get("words")
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().unwrap())
+                .collect()
+        });
+        // One load: every caller holds the same tokenizer.
+        assert_eq!(tokenizers.file_loads.load(Ordering::Relaxed), 1);
+        assert!(
+            loaded
+                .iter()
+                .all(|tokenizer| Arc::ptr_eq(tokenizer, &loaded[0]))
+        );
+        assert!(matches!(*loaded[0], Tokenizer::HuggingFace(_)));
+        // A file over the cap is not read; the error names it.
+        let big = dir.path().join("big.json");
+        let file = std::fs::File::create(&big).unwrap();
+        file.set_len(MOST_TOKENIZER_BYTES + 1).unwrap();
+        let err = load_file(&big).unwrap_err();
+        assert!(err.contains("big.json") && err.contains("64 MiB"), "{err}");
+        assert!(matches!(*tokenizers.get("big"), Tokenizer::Bpe(_)));
+    }
+
+    #[test]
+    fn preloading_loads_a_configured_name_before_any_request() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("words.json"), word_level()).unwrap();
+        let tokenizers = Arc::new(Tokenizers::new(Some(dir.path().to_owned())));
+        tokenizers.preload(vec!["words".into()]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let slot = lock(&tokenizers.slots).get("words").cloned();
+            if slot.is_some_and(|slot| matches!(*lock(&slot), Slot::Loaded(_))) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "not preloaded");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }

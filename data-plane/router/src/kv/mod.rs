@@ -7,10 +7,11 @@
 //!   rebuild when that fails, staleness.
 //! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
 //!
-//! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants on a
-//! thread of their own (the router's start-up; [`KvEvents::start`] does the same on the
-//! calling runtime); the request path gets the prompt's token ids
-//! ([`tokenize::PromptTokens`]), asks [`KvIndex::variant`] for the variant's index and ranks
+//! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants (and the
+//! disaggregated pools whose caches DPD reads: [`follows_events`]) on a thread of their own
+//! (the router's start-up; [`KvEvents::start`] does the same on the calling runtime); the
+//! request path gets the prompt's token ids ([`tokenize::PromptTokens`]), asks
+//! [`KvIndex::variant`] for the variant's index and ranks
 //! with [`decide`].
 
 pub mod index;
@@ -24,14 +25,17 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use switchyard_policy::rank::Strategy;
-use switchyard_shared::{EndpointName, InstanceId, KvEventsEndpoints, VariantName};
+use switchyard_shared::{
+    EndpointName, InstanceId, KvEventsEndpoints, PrefillRoutingStrategy, ThresholdBasis,
+    VariantName,
+};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex};
 pub use subscriber::SubscriberSettings;
 
-use crate::table::{RoutingTable, VariantRoute};
+use crate::table::{EndpointRoute, RoutingTable, VariantRoute};
 
 /// A KV_AWARE decision for one request: the ranking, and what the first choice holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,9 +70,11 @@ pub async fn request_tokens(
 /// walking 64 K tokens takes about 0.4 ms when one instance holds them all (STYLE habit 9).
 pub const OFFLOAD_TOKENS: usize = 64 * 1024;
 
-/// Ranks a KV_AWARE variant's instances for a request whose token ids are `tokens` (None: they
-/// could not be had), from the variant's index (None: no instance has published yet). Without
-/// tokens, index or a known block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
+/// Ranks a KV_AWARE variant's instances (or a disaggregated endpoint's KV_AWARE prefill pool,
+/// with the variant's KvAwareRoutingConfig if its own strategy is KV_AWARE, else the defaults)
+/// for a request whose token ids are `tokens` (None: they could not be had), from the
+/// variant's index (None: no instance has published yet). Without tokens, index or a known
+/// block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
 /// availability are read from the instances' cells; `random` breaks load ties.
 pub fn decide(
     variant: &VariantRoute,
@@ -150,8 +156,10 @@ pub struct KvSettings {
 /// The router's KV_AWARE flags (for `#[command(flatten)]` in the router's configuration).
 #[derive(Debug, Clone, clap::Args)]
 pub struct KvArgs {
-    /// KV_AWARE: how long an engine may take to tokenize a request (POST /tokenize), in ms;
-    /// past it, or on any error, that request routes as LEAST_OUTSTANDING_REQUESTS.
+    /// KV_AWARE (and a disaggregated endpoint's KV_AWARE prefill or UNCACHED_TOKENS): how long
+    /// an engine may take to tokenize a request (POST /tokenize), in ms; past it, or on any
+    /// error, that request routes as LEAST_OUTSTANDING_REQUESTS (UNCACHED_TOKENS: every prompt
+    /// token counts as uncached).
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub kv_tokenize_timeout_ms: u64,
     /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
@@ -211,10 +219,21 @@ impl KvArgs {
     }
 }
 
-/// Whether a variant's instances are followed: KV_AWARE variants. (The DPD threshold on
-/// uncached tokens will add decode pools here.)
-pub fn follows_events(variant: &VariantRoute) -> bool {
-    matches!(variant.strategy, Strategy::KvAware { .. })
+/// Whether the instances of `endpoint`'s variant at `position` are followed: KV_AWARE
+/// variants, and on a disaggregated endpoint the pools whose caches its decision reads
+/// whatever their own RoutingStrategy: the prefill variant when PrefillRoutingStrategy is
+/// KV_AWARE, the decode variant when ThresholdBasis is UNCACHED_TOKENS.
+pub fn follows_events(endpoint: &EndpointRoute, position: usize) -> bool {
+    if matches!(
+        endpoint.variants[position].strategy,
+        Strategy::KvAware { .. }
+    ) {
+        return true;
+    }
+    endpoint.disaggregation.as_ref().is_some_and(|pd| {
+        (position == pd.prefill && pd.prefill_strategy == PrefillRoutingStrategy::KvAware)
+            || (position == pd.decode && pd.basis == ThresholdBasis::UncachedTokens)
+    })
 }
 
 type SubscriberKey = (EndpointName, VariantName, InstanceId);
@@ -228,9 +247,10 @@ pub struct KvEvents {
 }
 
 impl KvEvents {
-    /// Follows the KV events of every instance of the table's KV_AWARE variants that declares
-    /// them, starting and stopping subscribers as the table changes (checked every 100 ms),
-    /// until `stop`. The returned handle gives the index to the request path.
+    /// Follows the KV events of every instance that declares them in the variants
+    /// [`follows_events`] names, starting and stopping subscribers as the table changes
+    /// (checked every 100 ms), until `stop`. The returned handle gives the index to the
+    /// request path.
     pub fn start(
         table: Arc<ArcSwap<RoutingTable>>,
         settings: KvSettings,
@@ -274,7 +294,8 @@ pub struct KvThread {
 }
 
 impl KvThread {
-    /// Starts following the table's KV_AWARE variants until `shutdown` (or [`join`](Self::join)).
+    /// Starts following the variants [`follows_events`] names until `shutdown` (or
+    /// [`join`](Self::join)).
     pub fn spawn(
         table: Arc<ArcSwap<RoutingTable>>,
         settings: KvSettings,
@@ -367,10 +388,9 @@ fn reconcile(
     let mut wanted: HashMap<SubscriberKey, KvEventsEndpoints> = HashMap::new();
     let mut variants = HashSet::new();
     for endpoint in table.endpoints.values() {
-        for variant in endpoint
-            .variants
-            .iter()
-            .filter(|variant| follows_events(variant))
+        for variant in (0..endpoint.variants.len())
+            .filter(|&position| follows_events(endpoint, position))
+            .map(|position| &endpoint.variants[position])
         {
             variants.insert((endpoint.name.clone(), variant.name.clone()));
             for instance in &variant.instances {
@@ -457,5 +477,32 @@ mod tests {
             let flags = Flags::parse_from(["router", flag, value]);
             assert!(flags.kv.validate().unwrap_err().contains(flag), "{flag}");
         }
+    }
+
+    #[test]
+    fn the_disaggregated_pools_whose_caches_dpd_reads_are_followed() {
+        let pools = |disaggregation: &str| -> Vec<bool> {
+            let yaml = format!(
+                "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill}}\n      - {{VariantName: decode}}\n    DisaggregationConfig: {disaggregation}\n"
+            );
+            let config = crate::membership::parse_static_text(&yaml, true).unwrap();
+            let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+            crate::membership::Membership::new(Arc::default(), Arc::clone(&table))
+                .load_static(config);
+            let endpoint = Arc::clone(&table.load().endpoints["pd"]);
+            (0..2)
+                .map(|position| follows_events(&endpoint, position))
+                .collect()
+        };
+        let both = "PrefillVariantName: prefill, DecodeVariantName: decode";
+        assert_eq!(pools(&format!("{{{both}}}")), [false, false]);
+        assert_eq!(
+            pools(&format!("{{{both}, PrefillRoutingStrategy: KV_AWARE}}")),
+            [true, false]
+        );
+        assert_eq!(
+            pools(&format!("{{{both}, ThresholdBasis: UNCACHED_TOKENS}}")),
+            [false, true]
+        );
     }
 }

@@ -307,7 +307,12 @@ pub async fn run(
                     }
                     let Some(seq) = sequence(seq_frame) else { continue };
                     match decode_batch(payload) {
-                        Ok(batch) => follower.offer_replayed(seq, &batch),
+                        Ok(batch) => {
+                            // The deadline is for silence: a long replay that keeps coming
+                            // is not given up half way.
+                            replay.progressed();
+                            follower.offer_replayed(seq, &batch)
+                        }
                         Err(err) => {
                             tracing::warn!(%instance, seq, error = %err, "unreadable replayed KV event batch");
                             follower.rebuild("an unreadable replayed batch");
@@ -382,6 +387,13 @@ impl Replay {
         match &mut self.dealer {
             Some(dealer) => dealer.recv().await.map(message_frames),
             None => std::future::pending().await,
+        }
+    }
+
+    /// A replayed batch arrived: the reply deadline starts again.
+    fn progressed(&mut self) {
+        if self.sent_at.is_some() {
+            self.sent_at = Some(Instant::now());
         }
     }
 

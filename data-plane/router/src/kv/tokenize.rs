@@ -222,7 +222,9 @@ impl PromptTokens {
 }
 
 /// The instance to ask: the available one with the fewest fleet-wide requests in flight
-/// (the first such in table order on a tie).
+/// (the first such in table order on a tie: an idle fleet sends every `/tokenize` to the
+/// same instance; spreading ties at random would send half of them to an instance that has
+/// just died and is not yet ejected, as a test showed).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
     variant
         .instances

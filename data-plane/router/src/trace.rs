@@ -1,0 +1,243 @@
+//! OpenTelemetry spans of one request: the server span (continuing the client's W3C trace
+//! context when it sent one), the routing decision under it, and a client span per upstream
+//! attempt whose context goes to the engine in `traceparent`/`tracestate`.
+//!
+//! Tracing off, no [`RequestTrace`] exists and nothing here runs: the request path pays one
+//! `Option` check per step.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::Frame;
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt as _, TraceId, Tracer as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::trace::SdkTracer;
+use switchyard_policy::rank::Strategy;
+use switchyard_shared::telemetry::propagation;
+
+use crate::forward::REQUEST_ID;
+use crate::plan::Plan;
+use crate::table::InstanceRoute;
+
+/// The spans of one traced request.
+#[derive(Debug)]
+pub struct RequestTrace {
+    tracer: SdkTracer,
+    /// Holds the server span.
+    cx: Context,
+}
+
+impl RequestTrace {
+    /// Starts the server span, as a child of the client's span when the headers carry one.
+    pub fn start(
+        tracer: &SdkTracer,
+        method: &http::Method,
+        uri: &http::Uri,
+        headers: &HeaderMap,
+    ) -> Self {
+        let parent = propagation::extract(headers);
+        let path = uri.path().to_owned();
+        let span = tracer
+            .span_builder(format!("{method} {path}"))
+            .with_kind(SpanKind::Server)
+            .with_attributes([
+                KeyValue::new("http.request.method", method.as_str().to_owned()),
+                KeyValue::new("url.path", path),
+            ])
+            .start_with_context(tracer, &parent);
+        Self {
+            tracer: tracer.clone(),
+            cx: parent.with_span(span),
+        }
+    }
+
+    pub fn trace_id(&self) -> TraceId {
+        self.cx.span().span_context().trace_id()
+    }
+
+    /// The routing decision's span (ended when the guard is dropped).
+    pub fn decision(&self) -> SpanGuard {
+        let span = self
+            .tracer
+            .span_builder("route")
+            .with_kind(SpanKind::Internal)
+            .start_with_context(&self.tracer, &self.cx);
+        SpanGuard(Some(self.cx.with_span(span)))
+    }
+
+    /// Records what the plan decided on the server span.
+    pub fn record_plan(&self, plan: &Plan) {
+        let span = self.cx.span();
+        if !span.is_recording() {
+            return;
+        }
+        let variant = plan.variant();
+        span.set_attribute(KeyValue::new(
+            "switchyard.endpoint",
+            plan.endpoint.name.to_string(),
+        ));
+        span.set_attribute(KeyValue::new(
+            "switchyard.variant",
+            variant.name.to_string(),
+        ));
+        span.set_attribute(KeyValue::new(
+            "switchyard.strategy",
+            strategy_name(&variant.strategy),
+        ));
+        span.set_attribute(KeyValue::new("switchyard.route", plan.label.as_str()));
+        span.set_attribute(KeyValue::new(
+            "switchyard.overflow",
+            plan.label == crate::table::RouteLabel::Overflow,
+        ));
+        if let Some(model) = &variant.model_name {
+            span.set_attribute(KeyValue::new("gen_ai.request.model", model.clone()));
+        }
+        if let Some(index) = plan.ranking.first() {
+            span.set_attribute(KeyValue::new(
+                "switchyard.instance",
+                variant.instances[index].id.to_string(),
+            ));
+        }
+        if let Some(disaggregated) = &plan.disaggregated {
+            span.set_attribute(KeyValue::new(
+                "gen_ai.usage.input_tokens",
+                disaggregated.count.tokens as i64,
+            ));
+        }
+    }
+
+    pub fn set_attribute(&self, attribute: KeyValue) {
+        self.cx.span().set_attribute(attribute);
+    }
+
+    /// A client span for one upstream attempt (`hop`: `prefill`, `decode` or `forward`),
+    /// and its context written into `headers` for the engine.
+    pub fn upstream(
+        &self,
+        instance: &InstanceRoute,
+        uri: &http::Uri,
+        hop: &'static str,
+        headers: &mut HeaderMap,
+    ) -> SpanGuard {
+        let span = self
+            .tracer
+            .span_builder(format!("{hop} {}", uri.path()))
+            .with_kind(SpanKind::Client)
+            .with_attributes([
+                KeyValue::new("switchyard.hop", hop),
+                KeyValue::new("switchyard.instance", instance.id.to_string()),
+                KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
+                KeyValue::new("url.full", uri.to_string()),
+            ])
+            .start_with_context(&self.tracer, &self.cx);
+        let cx = self.cx.with_span(span);
+        propagation::inject(&cx, headers);
+        SpanGuard(Some(cx))
+    }
+
+    /// Ends the server span with the response status (on the response head: a streamed
+    /// body keeps it open until it ends, through [`TracedBody`]).
+    pub fn finish(self, status: http::StatusCode) -> SpanGuard {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status.as_u16()),
+        ));
+        if status.is_server_error() {
+            span.set_status(Status::error(Cow::Owned(status.to_string())));
+        }
+        SpanGuard(Some(self.cx))
+    }
+}
+
+/// Ends its span when dropped.
+#[derive(Debug, Default)]
+pub struct SpanGuard(Option<Context>);
+
+impl SpanGuard {
+    pub fn fail(&self, error: impl fmt::Display) {
+        if let Some(cx) = &self.0 {
+            let span = cx.span();
+            if span.is_recording() {
+                span.set_status(Status::error(error.to_string()));
+            }
+        }
+    }
+
+    pub fn set_attribute(&self, attribute: KeyValue) {
+        if let Some(cx) = &self.0 {
+            cx.span().set_attribute(attribute);
+        }
+    }
+}
+
+impl Drop for SpanGuard {
+    fn drop(&mut self) {
+        if let Some(cx) = self.0.take() {
+            cx.span().end();
+        }
+    }
+}
+
+/// A response body that ends the server span with the body.
+pub struct TracedBody {
+    pub inner: axum::body::Body,
+    pub span: SpanGuard,
+}
+
+impl http_body::Body for TracedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(err))) = &polled {
+            self.span.fail(err);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The request's `x-request-id` (for log lines; the router sets one when the client did not).
+pub fn request_id(headers: &HeaderMap) -> &str {
+    headers
+        .get(&REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("")
+}
+
+/// The trace id as logs show it (empty when the request is not traced).
+pub struct ShowTraceId(pub Option<TraceId>);
+
+impl fmt::Display for ShowTraceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(id) => write!(f, "{id}"),
+            None => Ok(()),
+        }
+    }
+}
+
+fn strategy_name(strategy: &Strategy) -> &'static str {
+    match strategy {
+        Strategy::Random => "RANDOM",
+        Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
+        Strategy::PrefixAware { .. } => "PREFIX_AWARE",
+        Strategy::KvAware { .. } => "KV_AWARE",
+    }
+}

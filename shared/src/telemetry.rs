@@ -1,0 +1,502 @@
+//! OpenTelemetry traces: the flags and `OTEL_*` variables that turn them on, the tracer
+//! provider, and the span queue that never blocks the caller.
+//!
+//! Off (no `--otlp-endpoint`, no `OTEL_EXPORTER_OTLP_ENDPOINT`) nothing is built: no tracer,
+//! no thread, no span. On, finished spans go into a bounded queue; one thread of its own
+//! sends them in batches over OTLP/gRPC. When the queue is full (the collector is slow or
+//! gone) a span is dropped and counted, never waited for.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry::Context;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
+use opentelemetry_sdk::trace::{
+    Sampler, SdkTracer, SdkTracerProvider, Span, SpanData, SpanExporter as _, SpanProcessor,
+};
+use tokio::sync::mpsc;
+
+/// Spans sent in one export call at most.
+const BATCH_SPANS: usize = 512;
+/// How long a batch waits for more spans before it is sent.
+const BATCH_DELAY: Duration = Duration::from_millis(200);
+/// One export call's deadline.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+static SPANS_EXPORTED: AtomicU64 = AtomicU64::new(0);
+static SPANS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Spans the collector accepted (`switchyard_trace_spans_exported_total`).
+pub fn spans_exported() -> u64 {
+    SPANS_EXPORTED.load(Ordering::Relaxed)
+}
+
+/// Spans dropped: the queue was full or the collector refused or missed a batch
+/// (`switchyard_trace_spans_dropped_total`).
+pub fn spans_dropped() -> u64 {
+    SPANS_DROPPED.load(Ordering::Relaxed)
+}
+
+/// Writes the trace-export counters (every component's `/metrics` has them).
+pub fn write_metrics(encoder: &mut crate::metrics::TextEncoder) {
+    encoder
+        .family(
+            "switchyard_trace_spans_exported_total",
+            "counter",
+            "Spans sent to the OpenTelemetry collector and accepted.",
+        )
+        .sample(
+            "switchyard_trace_spans_exported_total",
+            &[],
+            spans_exported() as f64,
+        );
+    encoder
+        .family(
+            "switchyard_trace_spans_dropped_total",
+            "counter",
+            "Spans dropped: the export queue was full, or the collector refused or missed a batch.",
+        )
+        .sample(
+            "switchyard_trace_spans_dropped_total",
+            &[],
+            spans_dropped() as f64,
+        );
+}
+
+/// Spans the export queue holds by default.
+const QUEUE_SPANS: usize = 4096;
+
+/// The tracing flags every server binary takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TelemetryArgs {
+    /// Send OpenTelemetry traces over OTLP/gRPC to this collector URL
+    /// (e.g. http://127.0.0.1:4317). Off when unset. Sampling follows OTEL_TRACES_SAMPLER and
+    /// OTEL_TRACES_SAMPLER_ARG (default parentbased_always_on); the service name
+    /// OTEL_SERVICE_NAME.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_ENDPOINT",
+        value_name = "URL",
+        verbatim_doc_comment
+    )]
+    pub otlp_endpoint: Option<String>,
+    /// Finished spans waiting for export at most (spans); past it spans are dropped and
+    /// counted in switchyard_trace_spans_dropped_total.
+    #[arg(long, default_value_t = QUEUE_SPANS, value_name = "SPANS")]
+    pub otlp_queue_spans: usize,
+}
+
+impl Default for TelemetryArgs {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            otlp_queue_spans: QUEUE_SPANS,
+        }
+    }
+}
+
+/// Checked tracing settings; `None` when tracing is off.
+#[derive(Debug, Clone)]
+pub struct TelemetrySettings {
+    pub endpoint: String,
+    pub queue_spans: usize,
+    pub sampler: SamplerSetting,
+    /// `OTEL_SERVICE_NAME`, when set.
+    pub service_name: Option<String>,
+}
+
+/// `OTEL_TRACES_SAMPLER` and its argument.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SamplerSetting {
+    AlwaysOn,
+    AlwaysOff,
+    Ratio(f64),
+    ParentBasedAlwaysOn,
+    ParentBasedAlwaysOff,
+    ParentBasedRatio(f64),
+}
+
+impl SamplerSetting {
+    /// Reads the standard variables' values; the error names the variable.
+    pub fn parse(sampler: Option<&str>, arg: Option<&str>) -> Result<Self, String> {
+        let ratio = || -> Result<f64, String> {
+            let Some(arg) = arg else { return Ok(1.0) };
+            match arg.trim().parse::<f64>() {
+                Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+                _ => Err(format!(
+                    "OTEL_TRACES_SAMPLER_ARG: {arg:?} is not a ratio between 0 and 1"
+                )),
+            }
+        };
+        Ok(
+            match sampler.map(str::trim).unwrap_or("parentbased_always_on") {
+                "always_on" => Self::AlwaysOn,
+                "always_off" => Self::AlwaysOff,
+                "traceidratio" => Self::Ratio(ratio()?),
+                "parentbased_always_on" | "" => Self::ParentBasedAlwaysOn,
+                "parentbased_always_off" => Self::ParentBasedAlwaysOff,
+                "parentbased_traceidratio" => Self::ParentBasedRatio(ratio()?),
+                other => {
+                    return Err(format!(
+                        "OTEL_TRACES_SAMPLER: {other:?} is not one of always_on, always_off, \
+                     traceidratio, parentbased_always_on, parentbased_always_off, \
+                     parentbased_traceidratio"
+                    ));
+                }
+            },
+        )
+    }
+
+    fn sampler(self) -> Sampler {
+        match self {
+            Self::AlwaysOn => Sampler::AlwaysOn,
+            Self::AlwaysOff => Sampler::AlwaysOff,
+            Self::Ratio(ratio) => Sampler::TraceIdRatioBased(ratio),
+            Self::ParentBasedAlwaysOn => Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
+            Self::ParentBasedAlwaysOff => Sampler::ParentBased(Box::new(Sampler::AlwaysOff)),
+            Self::ParentBasedRatio(ratio) => {
+                Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))
+            }
+        }
+    }
+}
+
+impl TelemetryArgs {
+    /// Checks the flags and the `OTEL_*` variables; `Ok(None)` when tracing is off.
+    pub fn validate(&self) -> Result<Option<TelemetrySettings>, String> {
+        let endpoint = match self.otlp_endpoint.as_deref().map(str::trim) {
+            None | Some("") => return Ok(None),
+            Some(endpoint) => endpoint,
+        };
+        let uri: http::Uri = endpoint
+            .parse()
+            .map_err(|err| format!("--otlp-endpoint {endpoint:?}: {err}"))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return Err(format!(
+                "--otlp-endpoint {endpoint:?}: expected http://HOST:PORT or https://HOST:PORT"
+            ));
+        }
+        crate::process::check_range("--otlp-queue-spans", self.otlp_queue_spans, 1..=1 << 20)?;
+        let variable = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let sampler = SamplerSetting::parse(
+            variable("OTEL_TRACES_SAMPLER").as_deref(),
+            variable("OTEL_TRACES_SAMPLER_ARG").as_deref(),
+        )?;
+        Ok(Some(TelemetrySettings {
+            endpoint: endpoint.to_owned(),
+            queue_spans: self.otlp_queue_spans,
+            sampler,
+            service_name: variable("OTEL_SERVICE_NAME"),
+        }))
+    }
+}
+
+/// A running tracer: its provider (shut down to flush) and a tracer to start spans with.
+#[derive(Debug, Clone)]
+pub struct Telemetry {
+    provider: SdkTracerProvider,
+    pub tracer: SdkTracer,
+}
+
+/// Why tracing did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("cannot start the trace export thread: {0}")]
+    Thread(std::io::Error),
+}
+
+impl Telemetry {
+    /// Starts the export thread and the tracer provider. `component` names the service
+    /// unless `OTEL_SERVICE_NAME` does.
+    pub fn start(settings: &TelemetrySettings, component: &str) -> Result<Self, TelemetryError> {
+        let processor = QueueProcessor::start(settings.endpoint.clone(), settings.queue_spans)?;
+        let service = settings
+            .service_name
+            .clone()
+            .unwrap_or_else(|| component.to_owned());
+        let resource = opentelemetry_sdk::Resource::builder()
+            .with_service_name(service)
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(settings.sampler.sampler())
+            .with_span_processor(processor)
+            .with_resource(resource)
+            .build();
+        let tracer = provider.tracer(component.to_owned());
+        Ok(Self { provider, tracer })
+    }
+
+    /// Sends what is queued (within about two seconds) and stops the export thread.
+    pub fn shutdown(&self) {
+        let _ = self.provider.shutdown_with_timeout(Duration::from_secs(2));
+    }
+}
+
+/// W3C trace context (`traceparent`, `tracestate`) in HTTP headers or gRPC metadata.
+pub mod propagation {
+    use http::{HeaderMap, HeaderName, HeaderValue};
+    use opentelemetry::Context;
+    use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+
+    pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+    pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+
+    struct Headers<'a>(&'a HeaderMap);
+
+    impl Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|value| value.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(HeaderName::as_str).collect()
+        }
+    }
+
+    struct HeadersMut<'a>(&'a mut HeaderMap);
+
+    impl Injector for HeadersMut<'_> {
+        fn set(&mut self, key: &str, value: String) {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(key.as_bytes()),
+                HeaderValue::from_str(&value),
+            ) {
+                self.0.insert(name, value);
+            }
+        }
+    }
+
+    /// The remote parent the headers carry (an empty context when they carry none or a
+    /// malformed one).
+    pub fn extract(headers: &HeaderMap) -> Context {
+        TraceContextPropagator::new().extract(&Headers(headers))
+    }
+
+    /// Replaces the headers' trace context with `cx`'s span.
+    pub fn inject(cx: &Context, headers: &mut HeaderMap) {
+        headers.remove(TRACEPARENT);
+        headers.remove(TRACESTATE);
+        TraceContextPropagator::new().inject_context(cx, &mut HeadersMut(headers));
+    }
+}
+
+/// A batching span processor with a bounded queue: `on_end` never waits. A thread of its
+/// own (a single-threaded runtime) sends batches with the OTLP/gRPC exporter, one at a time.
+#[derive(Debug)]
+struct QueueProcessor {
+    sender: Mutex<Option<mpsc::Sender<SpanData>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The provider's resource (service name), for the exporter to send with the spans.
+    resource: Arc<Mutex<Option<Resource>>>,
+}
+
+impl QueueProcessor {
+    fn start(endpoint: String, capacity: usize) -> Result<Self, TelemetryError> {
+        let (sender, receiver) = mpsc::channel(capacity);
+        let resource = Arc::new(Mutex::new(None));
+        let pending = Arc::clone(&resource);
+        let thread = std::thread::Builder::new()
+            .name("otlp-export".into())
+            .spawn(move || export_loop(endpoint, receiver, pending))
+            .map_err(TelemetryError::Thread)?;
+        Ok(Self {
+            sender: Mutex::new(Some(sender)),
+            thread: Mutex::new(Some(thread)),
+            resource,
+        })
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl SpanProcessor for QueueProcessor {
+    fn on_start(&self, _span: &mut Span, _cx: &Context) {}
+
+    fn on_end(&self, span: SpanData) {
+        if !span.span_context.is_sampled() {
+            return;
+        }
+        let sender = lock(&self.sender).clone();
+        let queued = sender.is_some_and(|sender| sender.try_send(span).is_ok());
+        if !queued {
+            SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        *lock(&self.resource) = Some(resource.clone());
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        // Closing the queue lets the thread send what is left and stop.
+        drop(lock(&self.sender).take());
+        let Some(thread) = lock(&self.thread).take() else {
+            return Ok(());
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        while !thread.is_finished() {
+            if std::time::Instant::now() >= deadline {
+                return Err(OTelSdkError::Timeout(timeout));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = thread.join();
+        Ok(())
+    }
+}
+
+fn export_loop(
+    endpoint: String,
+    mut receiver: mpsc::Receiver<SpanData>,
+    resource: Arc<Mutex<Option<Resource>>>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot start the trace export runtime; spans are dropped");
+            while receiver.blocking_recv().is_some() {
+                SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let mut exporter = match opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint.clone())
+            .with_timeout(EXPORT_TIMEOUT)
+            .build()
+        {
+            Ok(exporter) => Some(exporter),
+            Err(err) => {
+                tracing::error!(error = %err, endpoint, "cannot make the OTLP exporter; spans are dropped");
+                None
+            }
+        };
+        let mut failing = false;
+        let mut batch = Vec::with_capacity(BATCH_SPANS);
+        loop {
+            if receiver.recv_many(&mut batch, BATCH_SPANS).await == 0 {
+                break;
+            }
+            // Wait a little for a fuller batch, unless the queue is closing.
+            let fill = async {
+                while batch.len() < BATCH_SPANS {
+                    let room = BATCH_SPANS - batch.len();
+                    if receiver.recv_many(&mut batch, room).await == 0 {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(BATCH_DELAY, fill).await;
+            let spans = batch.len() as u64;
+            if let (Some(exporter), Some(resource)) = (&mut exporter, lock(&resource).take()) {
+                exporter.set_resource(&resource);
+            }
+            let sent = match &exporter {
+                Some(exporter) => {
+                    let export = exporter.export(std::mem::take(&mut batch));
+                    match tokio::time::timeout(EXPORT_TIMEOUT, export).await {
+                        Ok(Ok(())) => Ok(()),
+                        Ok(Err(err)) => Err(err.to_string()),
+                        Err(_) => Err("timed out".to_owned()),
+                    }
+                }
+                None => Err("no exporter".to_owned()),
+            };
+            batch.clear();
+            match sent {
+                Ok(()) => {
+                    SPANS_EXPORTED.fetch_add(spans, Ordering::Relaxed);
+                    if std::mem::take(&mut failing) {
+                        tracing::info!(endpoint, "trace export works again");
+                    }
+                }
+                Err(error) => {
+                    SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
+                    if !std::mem::replace(&mut failing, true) {
+                        tracing::warn!(endpoint, error, spans, "trace export failed; spans are dropped until the collector answers");
+                    }
+                }
+            }
+        }
+        if let Some(exporter) = exporter {
+            let _ = exporter.shutdown();
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samplers_follow_the_standard_names() {
+        assert_eq!(
+            SamplerSetting::parse(None, None),
+            Ok(SamplerSetting::ParentBasedAlwaysOn)
+        );
+        assert_eq!(
+            SamplerSetting::parse(Some("parentbased_traceidratio"), Some("0.25")),
+            Ok(SamplerSetting::ParentBasedRatio(0.25))
+        );
+        assert_eq!(
+            SamplerSetting::parse(Some("always_off"), None),
+            Ok(SamplerSetting::AlwaysOff)
+        );
+        let err = SamplerSetting::parse(Some("sometimes"), None).unwrap_err();
+        assert!(err.starts_with("OTEL_TRACES_SAMPLER:"), "{err}");
+        let err = SamplerSetting::parse(Some("traceidratio"), Some("2")).unwrap_err();
+        assert!(err.starts_with("OTEL_TRACES_SAMPLER_ARG:"), "{err}");
+    }
+
+    #[test]
+    fn the_endpoint_must_be_a_url() {
+        let args = TelemetryArgs {
+            otlp_endpoint: Some("localhost:4317".into()),
+            otlp_queue_spans: 16,
+        };
+        let err = args.validate().unwrap_err();
+        assert!(err.starts_with("--otlp-endpoint"), "{err}");
+        let off = TelemetryArgs::default();
+        assert!(off.validate().unwrap().is_none());
+    }
+
+    #[test]
+    fn trace_context_is_replaced_not_appended() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            propagation::TRACEPARENT,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+                .parse()
+                .unwrap(),
+        );
+        headers.insert(propagation::TRACESTATE, "vendor=1".parse().unwrap());
+        let cx = propagation::extract(&headers);
+        use opentelemetry::trace::TraceContextExt as _;
+        let remote = cx.span().span_context().clone();
+        assert_eq!(
+            remote.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        let mut out = headers.clone();
+        propagation::inject(&cx, &mut out);
+        assert_eq!(out.get_all(propagation::TRACEPARENT).iter().count(), 1);
+        assert_eq!(out.get(propagation::TRACESTATE).unwrap(), "vendor=1");
+    }
+}
