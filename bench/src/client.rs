@@ -39,6 +39,9 @@ pub struct Outcome {
     pub instance: Option<String>,
     /// `x-switchyard-route` (routers only).
     pub route: Option<String>,
+    /// `x-switchyard-prompt-tokens`: the prompt's tokens as a disaggregating router counted
+    /// them (`N`, or `N+` when it stopped counting past its threshold).
+    pub router_prompt_tokens: Option<String>,
     pub ttft: Option<Duration>,
     /// Gaps between consecutive text events.
     pub itl: Vec<Duration>,
@@ -112,6 +115,7 @@ async fn exchange(client: &HttpClient, url: &http::Uri, body: Bytes, started: In
     };
     outcome.instance = header("x-switchyard-instance");
     outcome.route = header("x-switchyard-route");
+    outcome.router_prompt_tokens = header("x-switchyard-prompt-tokens");
     let mut body = response.into_body();
     let success = (200..300).contains(&outcome.status);
     let mut events = SseBuffer::default();

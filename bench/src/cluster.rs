@@ -10,7 +10,9 @@ use anyhow::{Context as _, bail};
 use switchyard_engine_sim::{SimConfig, SimHandle};
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
-use switchyard_shared::{EndpointConfig, EndpointConfigName, HealthCheckConfig, sagemaker};
+use switchyard_shared::{
+    EndpointConfig, EndpointConfigName, HealthCheckConfig, InstanceRole, sagemaker,
+};
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -33,6 +35,18 @@ pub struct ClusterSpec {
     pub router_listen: Vec<SocketAddr>,
     /// OTLP/gRPC collector for the routers' and the control plane's traces.
     pub otlp_endpoint: Option<String>,
+    /// Disaggregated prefill/decode; `None`: every engine joins the first variant.
+    pub disaggregation: Option<ClusterDisaggregation>,
+}
+
+/// A disaggregated endpoint: the config's `--disaggregation-config` JSON, and how many of the
+/// engines prefill. Engines `engine-0` … `engine-{prefill_engines-1}` run with role prefill and
+/// join the config's prefill variant; the rest run with role decode and join its decode
+/// variant. The variants JSON must declare both variants.
+#[derive(Debug, Clone)]
+pub struct ClusterDisaggregation {
+    pub config_json: String,
+    pub prefill_engines: usize,
 }
 
 impl Default for ClusterSpec {
@@ -46,6 +60,7 @@ impl Default for ClusterSpec {
             data_dir: None,
             control_listen: loopback_any(),
             router_listen: Vec::new(),
+            disaggregation: None,
             otlp_endpoint: None,
         }
     }
@@ -258,6 +273,25 @@ impl LocalCluster {
             .first()
             .map(|variant| variant.variant_name.to_string())
             .context("the variants JSON has no variant")?;
+        let disaggregation = spec
+            .disaggregation
+            .as_ref()
+            .map(|pd| {
+                sagemaker::parse_disaggregation_config(&pd.config_json)
+                    .map(|config| (config, pd.prefill_engines))
+                    .map_err(|err| {
+                        anyhow::anyhow!("disaggregation JSON: {}: {}", err.field, err.message)
+                    })
+            })
+            .transpose()?;
+        if let Some((_, prefill_engines)) = &disaggregation
+            && !(1..spec.engines).contains(prefill_engines)
+        {
+            bail!(
+                "{prefill_engines} prefill engines of {}: a disaggregated cluster needs at least one of each role",
+                spec.engines
+            );
+        }
         let config_name = format!("{}-config", spec.endpoint);
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new(&config_name)
@@ -268,7 +302,7 @@ impl LocalCluster {
                 ..HealthCheckConfig::default()
             },
             creation_time_ms: 0,
-            disaggregation_config: None,
+            disaggregation_config: disaggregation.as_ref().map(|(config, _)| config.clone()),
         };
         config
             .validate()
@@ -318,13 +352,24 @@ impl LocalCluster {
         }
 
         for index in 0..spec.engines {
-            let engine = switchyard_engine_sim::spawn(spec.sim.clone())
+            let (role, variant) = match &disaggregation {
+                None => (InstanceRole::Both, variant.clone()),
+                Some((config, prefill_engines)) if index < *prefill_engines => (
+                    InstanceRole::Prefill,
+                    config.prefill_variant_name.to_string(),
+                ),
+                Some((config, _)) => (InstanceRole::Decode, config.decode_variant_name.to_string()),
+            };
+            let mut sim = spec.sim.clone();
+            sim.role = role;
+            let engine = switchyard_engine_sim::spawn(sim)
                 .await
                 .context("cannot start a simulated engine")?;
             admin
                 .register_instance(pb::RegisterInstanceRequest {
                     endpoint_name: spec.endpoint.clone(),
-                    variant_name: variant.clone(),
+                    variant_name: variant,
+                    role: pb::InstanceRole::from(role) as i32,
                     url: engine.url.clone(),
                     id: format!("engine-{index}"),
                     // Set when the simulators publish KV-cache events (`sim.kv_events`).

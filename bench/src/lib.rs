@@ -12,6 +12,7 @@
 //! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
 //!   [`overload`]: the router's memory under a flood of large requests;
 //! - [`fleet`]: the control plane and the sync protocol at fleet scale;
+//! - [`dpd`]: disaggregated prefill/decode against colocated engines of the same count;
 //! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
 //!
 //! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
@@ -21,6 +22,7 @@ pub mod agreement;
 pub mod client;
 pub mod cluster;
 pub mod compare;
+pub mod dpd;
 pub mod drive;
 pub mod fleet;
 pub mod forward;
@@ -36,8 +38,9 @@ pub mod stats;
 pub mod svg;
 pub mod workload;
 
-pub use cluster::{ClusterSpec, ClusterTuning, LocalCluster};
+pub use cluster::{ClusterDisaggregation, ClusterSpec, ClusterTuning, LocalCluster};
 pub use compare::{Arm, CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
+pub use dpd::{DpdArgs, DpdReport, DpdSettings, dpd, dpd_compare};
 pub use drive::{DriveArgs, drive};
 pub use fleet::{FleetArgs, FleetReport, fleet};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};

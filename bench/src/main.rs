@@ -2,7 +2,9 @@
 //! KV-cache hit rate, TTFT, inter-token and end-to-end latency, throughput and instance shares.
 
 use clap::{Parser, Subcommand};
-use switchyard_bench::{DemoArgs, DriveArgs, FleetArgs, OverheadArgs, OverloadArgs, UsageError};
+use switchyard_bench::{
+    DemoArgs, DpdArgs, DriveArgs, FleetArgs, OverheadArgs, OverloadArgs, UsageError,
+};
 use switchyard_shared::process::{self, EXIT_USAGE};
 
 /// Switchyard's load generator and benchmark report.
@@ -16,6 +18,7 @@ use switchyard_shared::process::{self, EXIT_USAGE};
 /// `compare` runs RANDOM, LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE on the same trace, each
 /// on a fresh in-process cluster of simulated engines, with 1 and with 4 routers, side by
 /// side. `overhead` measures the latency the router adds and its requests per core-second.
+/// `dpd` compares disaggregated prefill/decode with colocated engines of the same count.
 ///
 /// Latencies are measured on the wall clock; simulated engines run on a scaled clock
 /// (--time-scale), so reports also give model ms = wall ms / time scale. Seeds make runs
@@ -27,7 +30,7 @@ use switchyard_shared::process::{self, EXIT_USAGE};
     name = "switchyard-bench",
     version,
     args_conflicts_with_subcommands = true,
-    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16\n  switchyard-bench overload --requests 200 --max-buffered-bytes 256MiB\n  switchyard-bench fleet --etcd http://127.0.0.1:2379"
+    after_help = "Examples:\n  switchyard-bench --target http://127.0.0.1:8080 --endpoint chat --workload long-context --requests 500 --engine-metrics http://127.0.0.1:9001,http://127.0.0.1:9002\n  switchyard-bench compare --preset article --json article.json --svg article.svg\n  switchyard-bench compare --preset quick\n  switchyard-bench overhead --requests 2000 --concurrency 16\n  switchyard-bench overload --requests 200 --max-buffered-bytes 256MiB\n  switchyard-bench fleet --etcd http://127.0.0.1:2379\n  switchyard-bench dpd --json dpd.json --svg dpd.svg\n  switchyard-bench dpd --quick"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -57,6 +60,13 @@ enum Command {
     /// processes. Change → every router p50/p99, a new router's time to ready, apply cost
     /// (beside a full table rebuild), CPU and memory, a rolling restart of every instance.
     Fleet(Box<FleetArgs>),
+    /// Disaggregated prefill/decode (DPD) against colocated engines of the same count, in the
+    /// source article's shape: long prompts (≥ 1.25 × the router's threshold as it counts
+    /// them) and 256 output tokens at concurrency 8, 16, 32 and a mixed long/short load, for
+    /// 1P1D, 2P1D and 2P2D. TPOT, ITL, TTFT, e2e p50/p99 and throughput, colocated → DPD.
+    /// `--quick` is a smoke run of seconds; the full run takes a few minutes in a release
+    /// build. docs/benchmarks.md explains what the simulator models.
+    Dpd(Box<DpdArgs>),
     /// A bare reverse proxy (internal: the baseline hop `overhead` starts).
     #[command(hide = true)]
     Forward(switchyard_bench::forward::ForwardArgs),
@@ -71,6 +81,7 @@ async fn main() {
         Some(Command::Overhead(args)) => switchyard_bench::overhead(args).await.map(drop),
         Some(Command::Overload(args)) => switchyard_bench::overload(args).await.map(drop),
         Some(Command::Fleet(args)) => switchyard_bench::fleet(*args).await.map(drop),
+        Some(Command::Dpd(args)) => Box::pin(switchyard_bench::dpd(*args)).await.map(drop),
         Some(Command::Forward(args)) => switchyard_bench::forward::forward(args).await,
         None => switchyard_bench::drive(cli.drive).await.map(drop),
     };

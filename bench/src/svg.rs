@@ -33,7 +33,7 @@ fn color(column: &str, group: usize) -> &'static str {
     palette[group.min(2)]
 }
 
-fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -54,11 +54,11 @@ fn short_name(column: &str) -> String {
 }
 
 /// A bar: label under it, value text over it.
-struct Bar {
-    label: String,
-    value: f64,
-    text: String,
-    color: &'static str,
+pub(crate) struct Bar {
+    pub label: String,
+    pub value: f64,
+    pub text: String,
+    pub color: &'static str,
 }
 
 /// A bar chart panel at x with a y axis from 0 to `axis.0` in steps of `axis.1`, and an

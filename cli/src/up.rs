@@ -102,6 +102,7 @@ impl UpArgs {
             data_dir: self.data_dir.clone(),
             control_listen: self.control_listen,
             router_listen,
+            disaggregation: None,
             otlp_endpoint: self.telemetry.otlp_endpoint.clone(),
         })
     }
