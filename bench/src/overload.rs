@@ -65,6 +65,18 @@ pub struct OverloadReport {
 }
 
 impl OverloadReport {
+    /// Each other answer once, with how many times it came.
+    fn other_counted(&self) -> Vec<String> {
+        let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+        for answer in &self.other {
+            *counts.entry(answer).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .map(|(answer, count)| format!("{count} x {answer}"))
+            .collect()
+    }
+
     pub fn table(&self) -> String {
         format!(
             "\noverload: {} requests of {} bytes at once against a hung engine, --max-buffered-bytes {} MiB\n  answers: {} refused (503), {} timed out at the engine (504), {} other {:?}\n  router resident memory: {:.0} MiB before, peak {:.0} MiB (bound: buffered limit + 64 MiB = {:.0} MiB: {})\n  took {:.1} s\n",
@@ -74,7 +86,7 @@ impl OverloadReport {
             self.refused_503,
             self.timed_out_504,
             self.other.len(),
-            self.other,
+            self.other_counted(),
             self.rss_before_mib,
             self.peak_rss_mib,
             self.peak_bound_mib,
@@ -126,6 +138,10 @@ pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
             "1",
             "--record-requests",
             "1",
+            // Long enough for a 6 MiB prompt: the engine must take the request and hang, not
+            // refuse it for its length.
+            "--max-model-len",
+            "4000000",
         ]
         .into_iter()
         .map(Into::into)
@@ -198,8 +214,20 @@ async fn flood(
                 .await
                 .map_err(|err| err.to_string())?;
             let status = response.status().as_u16();
-            let _ = response.into_body().collect().await;
-            Ok::<u16, String>(status)
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map(|body| body.to_bytes());
+            if matches!(status, 503 | 504) {
+                return Ok::<u16, String>(status);
+            }
+            // Anything else is reported with the start of its body, to say what it was.
+            let text = body.map_or_else(
+                |err| format!("(body: {err})"),
+                |bytes| String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
+            );
+            Err(format!("{status} {text}"))
         });
     }
     let (mut refused, mut timed_out, mut other) = (0, 0, Vec::new());

@@ -20,8 +20,9 @@ pub const MAX_BODY_BYTES: usize = 6_291_456;
 pub const OFFLOAD_BYTES: usize = 256 * 1024;
 
 /// Reads the whole body into memory of its own (never a slice pinning a connection's read
-/// buffer), counting the memory it takes against `reservation` as bytes arrive: a client
-/// cannot reserve more than twice what it has actually sent.
+/// buffer), counting the memory it takes against `reservation`: a declared `Content-Length`
+/// (at most [`MAX_BODY_BYTES`]) is reserved before reading, a chunked body as bytes arrive
+/// (it cannot reserve more than twice what it has actually sent).
 pub async fn read_body(
     body: Body,
     headers: &HeaderMap,
@@ -77,6 +78,15 @@ async fn collect(
     reservation: &mut BufferReservation,
 ) -> Result<Bytes, (ApiError, Option<Body>)> {
     let mut buffer: Vec<u8> = Vec::new();
+    // A declared length is reserved whole before anything is read: reservations that grow
+    // as bytes arrive let every body of a flood take a share of the budget, and then each
+    // one's next doubling is refused, so that nearly all are refused after being half read.
+    if let Some(declared) = declared {
+        if !reservation.grow_to(declared as u64) {
+            return Err((over_budget(), Some(body)));
+        }
+        buffer.reserve_exact(declared);
+    }
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|err| {
             (
@@ -204,24 +214,31 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_declared_length_reserves_nothing_before_the_bytes_come() {
-        let admission = admission(8 << 20);
-        let mut reservation = admission.buffer();
+    async fn a_declared_length_is_reserved_whole_before_reading_so_a_flood_admits_whole_bodies() {
+        // Budget for one 6 MB body and a half: the first declared body takes 6 MB before any
+        // byte arrives; the second is refused at once, not after half of it was read.
+        let admission = admission(9 << 20);
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, "6000000".parse().unwrap());
+        let mut first = admission.buffer();
         let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
         let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(receiver));
-        let reading = read_body(body, &headers, Duration::from_secs(5), &mut reservation);
+        let reading = read_body(body, &headers, Duration::from_secs(5), &mut first);
         tokio::pin!(reading);
         assert!(futures::poll!(reading.as_mut()).is_pending());
-        assert_eq!(admission.buffered_bytes(), 0, "nothing sent, nothing held");
-        sender.send(Ok(Bytes::from_static(b"abc"))).await.unwrap();
-        assert!(futures::poll!(reading.as_mut()).is_pending());
-        assert_eq!(
-            admission.buffered_bytes(),
-            3,
-            "three bytes sent, three held"
-        );
+        assert_eq!(admission.buffered_bytes(), 6_000_000, "declared, reserved");
+        let mut second = admission.buffer();
+        let err = read_body(
+            chunked(&[b"abc"]),
+            &headers,
+            Duration::from_secs(1),
+            &mut second,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Overloaded);
+        assert_eq!(second.bytes(), 0);
+        assert_eq!(admission.buffered_bytes(), 6_000_000);
         drop(sender);
     }
 
