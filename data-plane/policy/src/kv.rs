@@ -219,11 +219,19 @@ mod tests {
         assert_eq!(hashes[0], block_hash(seed, &[1, 2, 3, 4]));
         assert_eq!(hashes[1], block_hash(hashes[0], &[5, 6, 7, 8]));
         assert_ne!(unmatchable_block_hash(seed, &[1, 2, 3, 4]), hashes[0]);
+        assert_eq!(
+            unmatchable_block_hash(seed, &[1, 2, 3, 4]),
+            GOLDEN_UNMATCHABLE,
+            "a block hashed with extra keys: every router version must place it alike"
+        );
         // Long blocks hash the same bytes as short ones would.
         let long: Vec<u32> = (0..100).collect();
         let bytes: Vec<u8> = long.iter().flat_map(|token| token.to_le_bytes()).collect();
         assert_eq!(block_hash(7, &long), xxh3_64_with_seed(&bytes, 7));
     }
+
+    /// `unmatchable_block_hash(chain_seed(None), &[1, 2, 3, 4])`.
+    const GOLDEN_UNMATCHABLE: u64 = 0xa0f0_3f26_5783_c290;
 
     #[test]
     fn prefix_key_covers_at_most_the_first_blocks() {
@@ -274,6 +282,19 @@ mod tests {
         );
         assert_eq!(ranking, expected);
         assert_eq!(ranking.order, vec![1, 2, 0, 3]);
+        // Equal loads: exactly LEAST_OUTSTANDING_REQUESTS, whose ties follow the random draw
+        // (not the prefix key, as scored ties do).
+        for random in 0..32 {
+            let ranking = rank_kv(PARAMS, &instances, |_| 2, &[0; 4], 10, 1, random);
+            let expected = rank(
+                Strategy::LeastOutstandingRequests,
+                &instances,
+                |_| 2,
+                1,
+                random,
+            );
+            assert_eq!(ranking, expected, "random {random}");
+        }
     }
 
     #[test]

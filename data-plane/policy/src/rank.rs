@@ -349,6 +349,14 @@ mod tests {
     };
 
     #[test]
+    fn a_stored_response_has_its_holder_as_the_only_candidate() {
+        let ranking = affinity(3);
+        assert_eq!(ranking.order, vec![3]);
+        assert_eq!(ranking.first(), Some(3));
+        assert_eq!(ranking.route, Some(Route::Response));
+    }
+
+    #[test]
     fn prefix_aware_prefers_rank_zero_until_threshold() {
         let instances = views(5);
         let top = rank(PREFIX, &instances, |_| 0, 7, 0);
