@@ -1,9 +1,8 @@
 //! The binaries as a user runs them: `switchyard up` and its printed curl, the admin CLI
 //! against a real `switchyard-control` process, `--help`, exit codes, SIGTERM.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use switchyard_tests::*;
 
@@ -13,20 +12,6 @@ fn run(binary: &str, args: &[&str]) -> std::process::Output {
         .env_remove("SWITCHYARD_CONTROL_PLANE")
         .output()
         .expect("the binary runs")
-}
-
-fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(status) = child.try_wait().expect("child status") {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "no exit within 30 s of SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -427,46 +412,8 @@ fn the_admin_cli_works_as_a_user_types_it() {
 
 #[test]
 fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
-    let mut child = Command::new(switchyard_tests::binary("switchyard"))
-        .args([
-            "up",
-            "--engines",
-            "2",
-            "--time-scale",
-            "0.05",
-            "--listen",
-            "127.0.0.1:0",
-            "--control-listen",
-            "127.0.0.1:0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("switchyard up starts");
-    let stdout = child.stdout.take().expect("stdout");
-    let (lines_tx, lines) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut curl = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let line = lines
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .expect("switchyard up printed its banner in time");
-        if line.trim_start().starts_with("curl -s") && line.contains("chat/completions") {
-            curl = Some(line.trim().to_owned());
-        }
-        if line.contains("Ctrl-C stops everything") {
-            break;
-        }
-    }
-    let curl = curl.expect("a curl example was printed");
+    let mut up = switchyard_tests::SwitchyardUp::start(2, &[]).expect("switchyard up starts");
+    let curl = up.curl.clone();
     let output = Command::new("sh")
         .arg("-c")
         .arg(&curl)
@@ -481,7 +428,7 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
     );
     assert!(text.contains("chat.completion"), "{text}");
     assert!(
-        terminate(&mut child).success(),
+        up.terminate().expect("exit after SIGTERM").success(),
         "switchyard up exits cleanly on SIGTERM"
     );
 }

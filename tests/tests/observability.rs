@@ -304,28 +304,70 @@ async fn with_the_collector_dead_every_request_succeeds_and_the_drops_are_counte
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_collector_hung_every_request_succeeds_and_the_drops_are_counted()
+-> anyhow::Result<()> {
+    let fleet = Fleet::start(1).await?;
+    // A collector that accepts connections and never answers: the export in flight waits
+    // out its deadline while the queue (8 spans) fills, and then every new span is dropped.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let hung = format!("http://{}", listener.local_addr()?);
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while held.len() < 64 {
+            match listener.accept().await {
+                Ok((socket, _)) => held.push(socket),
+                Err(_) => break,
+            }
+        }
+        std::future::pending::<()>().await;
+    });
+    let router = fleet.router(Some(hung), 8).await?;
+    for index in 0..40 {
+        let id = format!("hung-{index}");
+        let reply = chat(&router.url(), &[("x-request-id", &id)]).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    eventually(Duration::from_secs(15), "drops to be counted", || async {
+        let (_, text) = http_get(&format!("{}/metrics", router.url()))
+            .await
+            .unwrap_or_default();
+        // 40 requests make 120 spans: at most the queue's 8 and one batch can be waiting.
+        metric_value(&text, "switchyard_trace_spans_dropped_total") >= 120.0 - 8.0 - 8.0
+    })
+    .await?;
+    let (_, text) = http_get(&format!("{}/metrics", router.url())).await?;
+    assert_eq!(
+        metric_value(&text, "switchyard_trace_spans_exported_total"),
+        0.0
+    );
+    router.shutdown().await;
+    holder.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_rpc_gives_a_control_plane_span_under_the_callers() -> anyhow::Result<()> {
     let sink = OtlpSink::start(true).await?;
     let dir = tempfile::tempdir()?;
-    let port = free_port();
-    let mut child = std::process::Command::new(binary("switchyard-control"))
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .args(["--otlp-endpoint", &sink.url()])
-        .arg("--data-dir")
-        .arg(dir.path())
-        .env("OTEL_SERVICE_NAME", "control-under-test")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let url = format!("http://127.0.0.1:{port}");
+    let sink_url = sink.url();
+    let data_dir = dir.path().to_str().expect("utf-8 path");
+    let control = Process::start_with_env(
+        "switchyard-control",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--otlp-endpoint",
+            &sink_url,
+            "--data-dir",
+            data_dir,
+        ],
+        &[("OTEL_SERVICE_NAME", "control-under-test")],
+        "control plane listening",
+    )?;
+    let url = control.url();
     let result = async {
-        eventually(
-            Duration::from_secs(20),
-            "the control plane to accept",
-            || async { admin(&url).await.is_ok() },
-        )
-        .await?;
         let mut client = admin(&url).await?;
         let mut request =
             tonic::Request::new(config_request("traced", &variant_json("RANDOM", None)));
@@ -360,8 +402,7 @@ async fn an_admin_rpc_gives_a_control_plane_span_under_the_callers() -> anyhow::
         anyhow::Ok(())
     }
     .await;
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(control);
     result
 }
 
@@ -720,78 +761,84 @@ fn the_collector_example_receives_otlp_and_exports_traces() {
 async fn switchyard_up_passes_its_otlp_endpoint_to_the_control_plane_and_routers()
 -> anyhow::Result<()> {
     let sink = OtlpSink::start(true).await?;
-    let router_port = free_port();
-    let control_port = free_port();
-    let mut child = std::process::Command::new(binary("switchyard"))
-        .args(["up", "--engines", "1", "--time-scale", "0.05"])
-        .args(["--listen", &format!("127.0.0.1:{router_port}")])
-        .args(["--control-listen", &format!("127.0.0.1:{control_port}")])
-        .args(["--otlp-endpoint", &sink.url()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let router = format!("http://127.0.0.1:{router_port}");
-    let result = async {
-        eventually(
-            Duration::from_secs(60),
-            "switchyard up to route",
-            || async {
-                chat(&router, &[("x-request-id", "up-1")])
-                    .await
-                    .is_ok_and(|reply| reply.status == 200)
-            },
-        )
-        .await?;
-        trace_spans(
-            &sink,
-            "spans of the router and the control plane",
-            |spans| {
-                spans.iter().any(|span| span.service == "switchyard-router")
-                    && spans.iter().any(|span| {
-                        span.service == "switchyard-control"
-                            && span.name.ends_with("RegisterInstance")
-                    })
-            },
-        )
-        .await?;
-        anyhow::Ok(())
-    }
-    .await;
-    let _ = child.kill();
-    let _ = child.wait();
-    result
+    let sink_url = sink.url();
+    let up = SwitchyardUp::start(1, &["--otlp-endpoint", &sink_url])?;
+    eventually(
+        Duration::from_secs(60),
+        "switchyard up to route",
+        || async {
+            chat(&up.router, &[("x-request-id", "up-1")])
+                .await
+                .is_ok_and(|reply| reply.status == 200)
+        },
+    )
+    .await?;
+    trace_spans(
+        &sink,
+        "spans of the router and the control plane",
+        |spans| {
+            spans.iter().any(|span| span.service == "switchyard-router")
+                && spans.iter().any(|span| {
+                    span.service == "switchyard-control" && span.name.ends_with("RegisterInstance")
+                })
+        },
+    )
+    .await?;
+    drop(up);
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_lines_about_a_request_carry_its_ids_and_no_colour_codes_off_a_terminal()
 -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    // One instance that refuses connections: the router logs the failure.
+    // One instance that refuses connections: the router logs the failure. The collector
+    // refuses too (held ports: nobody else can take them meanwhile).
+    let gone = RefusingPort::new()?;
+    let collector = RefusingPort::new()?;
     let config = serde_json::json!({
         "Endpoints": [{
             "EndpointName": "chat",
             "ProductionVariants": serde_json::from_str::<serde_json::Value>(&variant_json("RANDOM", None))?,
-            "Instances": [{"Url": format!("http://127.0.0.1:{}", free_port()), "InstanceId": "gone"}],
+            "Instances": [{"Url": gone.url(), "InstanceId": "gone"}],
         }]
     });
     let path = dir.path().join("routes.json");
     std::fs::write(&path, config.to_string())?;
-    let port = free_port();
     let log = dir.path().join("router.log");
     let mut child = std::process::Command::new(binary("switchyard-router"))
-        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--listen", "127.0.0.1:0"])
         .arg("--config")
         .arg(&path)
-        .args([
-            "--otlp-endpoint",
-            &format!("http://127.0.0.1:{}", free_port()),
-        ])
+        .args(["--otlp-endpoint", &collector.url()])
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log)?)
         .spawn()?;
-    let router = format!("http://127.0.0.1:{port}");
     let result = async {
+        // The text log says where it listens: `router listening addr=127.0.0.1:PORT`.
+        let mut router = String::new();
+        eventually(
+            Duration::from_secs(20),
+            "the router's listening line",
+            || {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let addr = text
+                    .lines()
+                    .find(|line| line.contains("router listening"))
+                    .and_then(|line| {
+                        line.split_whitespace()
+                            .find_map(|word| word.strip_prefix("addr="))
+                    })
+                    .map(|addr| format!("http://{addr}"));
+                let found = addr.is_some();
+                if let Some(addr) = addr {
+                    router = addr;
+                }
+                async move { found }
+            },
+        )
+        .await?;
         eventually(
             Duration::from_secs(20),
             "the router to be ready",
@@ -835,14 +882,4 @@ async fn log_lines_about_a_request_carry_its_ids_and_no_colour_codes_off_a_termi
     let _ = child.kill();
     let _ = child.wait();
     result
-}
-
-/// A loopback port free right now, for a process that must be told its port up front.
-/// Released before the process binds it, so another test may take it first (the suite's other
-/// processes bind `127.0.0.1:0`; these few still name their ports: debt, docs/testing.md).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free loopback port")
 }
