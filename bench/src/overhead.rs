@@ -160,6 +160,11 @@ pub struct TracingMode {
     /// 1 − throughput_ratio.
     pub throughput_cost: f64,
     pub cpu_seconds: f64,
+    /// Requests per second of the router process's CPU (serving and export threads), and
+    /// that over the untraced router's: the cost on a machine whose cores are not shared
+    /// with the load generator, the engine and the collector.
+    pub requests_per_core_second: f64,
+    pub per_core_ratio: f64,
     /// Latency-phase errors (requests that did not answer 200).
     pub latency_errors: u64,
     pub spans_exported: f64,
@@ -318,7 +323,7 @@ impl OverheadReport {
             ));
             for mode in &self.tracing {
                 out.push_str(&format!(
-                    "  {:<16} p50 {:>7.3} ms ({:+.3} ms, x{:.3})  p99 {:>7.3} ms  {:>8.0} req/s (x{:.3}, cost {:.1}%)  errors {}+{}  spans exported {:.0}, dropped {:.0}\n",
+                    "  {:<16} p50 {:>7.3} ms ({:+.3} ms, x{:.3})  p99 {:>7.3} ms  {:>8.0} req/s (x{:.3}, cost {:.1}%)  {:.0} req per core-second (x{:.3})  errors {}+{}  spans exported {:.0}, dropped {:.0}\n",
                     mode.mode,
                     mode.latency_ms.p50,
                     mode.added_p50_ms,
@@ -327,6 +332,8 @@ impl OverheadReport {
                     mode.throughput.requests_per_s,
                     mode.throughput_ratio,
                     mode.throughput_cost * 100.0,
+                    mode.requests_per_core_second,
+                    mode.per_core_ratio,
                     mode.latency_errors,
                     mode.throughput.errors,
                     mode.spans_exported,
@@ -1112,6 +1119,11 @@ async fn measure(
             throughput_ratio,
             throughput_cost: 1.0 - throughput_ratio,
             cpu_seconds: cpu,
+            requests_per_core_second: per_core(&throughput, cpu),
+            per_core_ratio: match per_core(&router_throughput, router_cpu) {
+                untraced if untraced > 0.0 => per_core(&throughput, cpu) / untraced,
+                _ => 0.0,
+            },
             // The latency phase stops at the first failed request.
             latency_errors: 0,
             spans_exported: counter("switchyard_trace_spans_exported_total"),

@@ -58,6 +58,11 @@ macro_rules! name_type {
             pub fn as_str(&self) -> &str {
                 &self.0
             }
+
+            /// The name's shared text (a reference count, no copy).
+            pub fn shared(&self) -> Arc<str> {
+                Arc::clone(&self.0)
+            }
         }
 
         impl fmt::Display for $name {

@@ -181,6 +181,8 @@ pub struct Plan {
     /// A disaggregated endpoint's request that needs the prompt's token ids before it is
     /// forwarded (see [`DpdKv`]). None: the plan is final.
     pub dpd: Option<DpdKv>,
+    /// PREFIX_AWARE: the routing key the ranking hashed (for the trace; None otherwise).
+    pub routing_key: Option<u64>,
 }
 
 /// A disaggregated endpoint's request whose plan needs the prompt's token ids: to rank the
@@ -407,9 +409,11 @@ pub fn make_plan(
             kv: None,
             cached_tokens: Vec::new(),
             dpd,
+            routing_key: None,
         });
     }
     // Affinity: the instance holding the previous response, whatever the strategy.
+    let mut prefix_key = None;
     let (variant_index, ranking) = match &previous {
         Some(previous) => {
             let (variant, instance) = holder(&endpoint, previous, "previous_response_id")?;
@@ -418,7 +422,7 @@ pub fn make_plan(
         None => {
             let index = choose_variant(&endpoint, routing.target_variant.as_deref(), rng.u64(..))?;
             let variant = &endpoint.variants[index];
-            let ranking = rank_instances(
+            let (ranking, key) = rank_instances(
                 variant,
                 &routing,
                 openai
@@ -427,6 +431,7 @@ pub fn make_plan(
                 &body,
                 rng.u64(..),
             );
+            prefix_key = key;
             (index, ranking)
         }
     };
@@ -471,6 +476,7 @@ pub fn make_plan(
         kv,
         cached_tokens: Vec::new(),
         dpd: None,
+        routing_key: prefix_key,
     })
 }
 
@@ -587,6 +593,7 @@ fn stored_response_plan(
         kv: None,
         cached_tokens: Vec::new(),
         dpd: None,
+        routing_key: None,
     })
 }
 
@@ -914,7 +921,7 @@ fn rank_decoders(
                 session: None,
                 target_variant: None,
             };
-            rank_instances(variant, &without_session, openai, body, random)
+            rank_instances(variant, &without_session, openai, body, random).0
         }
     }
 }
@@ -990,18 +997,19 @@ fn choose_variant(
 
 /// Ranks the variant's instances: a session sticks to its instance; PREFIX_AWARE hashes the
 /// prefix-aware id and the prefix; the other strategies read load and `random` (KV_AWARE as
-/// LEAST_OUTSTANDING_REQUESTS, until `handle` ranks it by the KV index).
+/// LEAST_OUTSTANDING_REQUESTS, until `handle` ranks it by the KV index). With the ranking,
+/// PREFIX_AWARE's routing key.
 fn rank_instances(
     variant: &VariantRoute,
     routing: &RoutingHeaders,
     openai: Option<(&OpenAiRequest<'_>, TextRule)>,
     body: &[u8],
     random: u64,
-) -> rank::Ranking {
+) -> (rank::Ranking, Option<u64>) {
     let views = variant.current_views(crate::now_unix_ms());
     let load = |index: usize| variant.instances[index].cell.fleet_load();
     match (routing.session, variant.strategy) {
-        (Some(session), _) => rank::session(&views, session),
+        (Some(session), _) => (rank::session(&views, session), None),
         (None, Strategy::PrefixAware { .. }) => {
             let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
             let key = match openai {
@@ -1013,9 +1021,12 @@ fn rank_instances(
                 ),
                 None => routing_key(id, native(body, variant.prefix_length)),
             };
-            rank::rank(variant.strategy, &views, load, key, 0)
+            (
+                rank::rank(variant.strategy, &views, load, key, 0),
+                Some(key),
+            )
         }
-        (None, strategy) => rank::rank(strategy, &views, load, 0, random),
+        (None, strategy) => (rank::rank(strategy, &views, load, 0, random), None),
     }
 }
 

@@ -40,14 +40,19 @@ impl RequestTrace {
         headers: &HeaderMap,
     ) -> Self {
         let parent = propagation::extract(headers);
-        let path = uri.path().to_owned();
+        // Names and most values are static or shared text: a span costs no formatting.
+        // OpenTelemetry's HTTP convention names a server span by its method alone when it
+        // has no route template (a path would make every endpoint's name a span name).
+        let method = method_name(method);
+        let mut attributes = Vec::with_capacity(12);
+        attributes.extend([
+            KeyValue::new("http.request.method", method),
+            KeyValue::new("url.path", uri.path().to_owned()),
+        ]);
         let span = tracer
-            .span_builder(format!("{method} {path}"))
+            .span_builder(method)
             .with_kind(SpanKind::Server)
-            .with_attributes([
-                KeyValue::new("http.request.method", method.as_str().to_owned()),
-                KeyValue::new("url.path", path),
-            ])
+            .with_attributes(attributes)
             .start_with_context(tracer, &parent);
         Self {
             tracer: tracer.clone(),
@@ -76,38 +81,41 @@ impl RequestTrace {
             return;
         }
         let variant = plan.variant();
-        span.set_attribute(KeyValue::new(
-            "switchyard.endpoint",
-            plan.endpoint.name.to_string(),
-        ));
-        span.set_attribute(KeyValue::new(
-            "switchyard.variant",
-            variant.name.to_string(),
-        ));
-        span.set_attribute(KeyValue::new(
-            "switchyard.strategy",
-            strategy_name(&variant.strategy),
-        ));
-        span.set_attribute(KeyValue::new("switchyard.route", plan.label.as_str()));
-        span.set_attribute(KeyValue::new(
-            "switchyard.overflow",
-            plan.label == crate::table::RouteLabel::Overflow,
-        ));
+        let mut attributes = Vec::with_capacity(10);
+        attributes.extend([
+            KeyValue::new("switchyard.endpoint", plan.endpoint.name.shared()),
+            KeyValue::new("switchyard.variant", variant.name.shared()),
+            KeyValue::new("switchyard.strategy", strategy_name(&variant.strategy)),
+            KeyValue::new("switchyard.route", plan.label.as_str()),
+            KeyValue::new(
+                "switchyard.overflow",
+                plan.label == crate::table::RouteLabel::Overflow,
+            ),
+        ]);
+        if let Some(key) = plan.routing_key {
+            // The first 32 bits of the routing key: enough to group requests that share a
+            // prefix, short enough to read (never a metric label).
+            attributes.push(KeyValue::new(
+                "switchyard.routing_key",
+                format!("{:08x}", key >> 32),
+            ));
+        }
         if let Some(model) = &variant.model_name {
-            span.set_attribute(KeyValue::new("gen_ai.request.model", model.clone()));
+            attributes.push(KeyValue::new("gen_ai.request.model", model.clone()));
         }
         if let Some(index) = plan.ranking.first() {
-            span.set_attribute(KeyValue::new(
+            attributes.push(KeyValue::new(
                 "switchyard.instance",
-                variant.instances[index].id.to_string(),
+                variant.instances[index].id.shared(),
             ));
         }
         if let Some(disaggregated) = &plan.disaggregated {
-            span.set_attribute(KeyValue::new(
+            attributes.push(KeyValue::new(
                 "gen_ai.usage.input_tokens",
                 disaggregated.count.tokens as i64,
             ));
         }
+        span.set_attributes(attributes);
     }
 
     pub fn set_attribute(&self, attribute: KeyValue) {
@@ -123,16 +131,20 @@ impl RequestTrace {
         hop: &'static str,
         headers: &mut HeaderMap,
     ) -> SpanGuard {
+        let mut attributes = Vec::with_capacity(5);
+        attributes.extend([
+            KeyValue::new("switchyard.hop", hop),
+            KeyValue::new("switchyard.instance", instance.id.shared()),
+            KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
+        ]);
+        if let Some(port) = uri.port_u16() {
+            attributes.push(KeyValue::new("server.port", i64::from(port)));
+        }
         let span = self
             .tracer
-            .span_builder(format!("{hop} {}", uri.path()))
+            .span_builder(hop)
             .with_kind(SpanKind::Client)
-            .with_attributes([
-                KeyValue::new("switchyard.hop", hop),
-                KeyValue::new("switchyard.instance", instance.id.to_string()),
-                KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
-                KeyValue::new("url.full", uri.to_string()),
-            ])
+            .with_attributes(attributes)
             .start_with_context(&self.tracer, &self.cx);
         let cx = self.cx.with_span(span);
         propagation::inject(&cx, headers);
@@ -230,6 +242,22 @@ impl fmt::Display for ShowTraceId {
             Some(id) => write!(f, "{id}"),
             None => Ok(()),
         }
+    }
+}
+
+/// A method's name as static text (OpenTelemetry's `_OTHER` for one outside HTTP's set).
+fn method_name(method: &http::Method) -> &'static str {
+    match *method {
+        http::Method::GET => "GET",
+        http::Method::POST => "POST",
+        http::Method::PUT => "PUT",
+        http::Method::DELETE => "DELETE",
+        http::Method::HEAD => "HEAD",
+        http::Method::OPTIONS => "OPTIONS",
+        http::Method::PATCH => "PATCH",
+        http::Method::TRACE => "TRACE",
+        http::Method::CONNECT => "CONNECT",
+        _ => "_OTHER",
     }
 }
 
