@@ -217,6 +217,10 @@ pub struct OverheadReport {
     pub router_decision: Option<DecisionStats>,
     /// `--tracing`: the dead-collector and 100%-sampled routers against the untraced one.
     pub tracing: Vec<TracingMode>,
+    /// `--tracing`: the untraced router's throughput and CPU in the interleaved slices the
+    /// tracing modes are compared with.
+    pub tracing_untraced_throughput: Option<Throughput>,
+    pub tracing_untraced_cpu_seconds: Option<f64>,
     /// Spans the in-process OTLP sink received.
     pub otlp_sink_spans: Option<u64>,
     /// KV_AWARE: the router's `/tokenize` round trips (switchyard_router_kv_tokenize_seconds).
@@ -319,7 +323,11 @@ impl OverheadReport {
         if !self.tracing.is_empty() {
             out.push_str(&format!(
                 "\ntracing, against the router with tracing off ({}: p50 {:.3} ms, {:.0} req/s), same rounds:\n",
-                "untraced", self.router_ms.p50, self.router_throughput.requests_per_s
+                "untraced",
+                self.router_ms.p50,
+                self.tracing_untraced_throughput
+                    .unwrap_or(self.router_throughput)
+                    .requests_per_s
             ));
             for mode in &self.tracing {
                 out.push_str(&format!(
@@ -1073,23 +1081,34 @@ async fn measure(
         None => None,
     };
     let mut tracing = Vec::new();
-    for (mode, server) in &baselines.traced {
-        let Some(index) = index_of(mode) else {
-            continue;
-        };
+    // Tracing modes against the untraced router in interleaved slices (the machine's speed
+    // drifts by more than the differences measured across whole phases run one after another).
+    let traced: Vec<(&str, usize, &ChildServer)> = baselines
+        .traced
+        .iter()
+        .filter_map(|(mode, server)| Some((*mode, index_of(mode)?, *server)))
+        .collect();
+    let (untraced_interleaved, traced_interleaved) = if traced.is_empty() {
+        (None, Vec::new())
+    } else {
         say(&format!(
-            "throughput: {} clients for {:.0} s through the router with tracing ({mode})…",
-            args.concurrency, args.duration
-        ));
-        let (throughput, cpu, _) = loaded(
-            client,
-            &paths[index].url,
-            &body,
+            "throughput: {} clients, the untraced router and each tracing mode in turn, {TRACING_SLICES} slices of {:.1} s each…",
             args.concurrency,
-            duration,
-            server.pid,
-        )
-        .await?;
+            args.duration / TRACING_SLICES as f64
+        ));
+        let mut targets = vec![(&paths[1].url, router.pid)];
+        targets.extend(
+            traced
+                .iter()
+                .map(|(_, index, server)| (&paths[*index].url, server.pid)),
+        );
+        let mut totals = interleaved(client, &targets, &body, args.concurrency, duration).await?;
+        let untraced = totals.remove(0);
+        (Some(untraced), totals)
+    };
+    let (untraced_throughput, untraced_cpu) =
+        untraced_interleaved.unwrap_or((router_throughput, router_cpu));
+    for ((mode, index, server), (throughput, cpu)) in traced.iter().zip(traced_interleaved) {
         let samples = scrape(client, &format!("{}/metrics", server.url))
             .await
             .unwrap_or_default();
@@ -1100,9 +1119,9 @@ async fn measure(
                 .map(|sample| sample.value)
                 .sum::<f64>()
         };
-        let latency_ms = Summary::of(&paths[index].samples);
-        let throughput_ratio = if router_throughput.requests_per_s > 0.0 {
-            throughput.requests_per_s / router_throughput.requests_per_s
+        let latency_ms = Summary::of(&paths[*index].samples);
+        let throughput_ratio = if untraced_throughput.requests_per_s > 0.0 {
+            throughput.requests_per_s / untraced_throughput.requests_per_s
         } else {
             0.0
         };
@@ -1120,7 +1139,7 @@ async fn measure(
             throughput_cost: 1.0 - throughput_ratio,
             cpu_seconds: cpu,
             requests_per_core_second: per_core(&throughput, cpu),
-            per_core_ratio: match per_core(&router_throughput, router_cpu) {
+            per_core_ratio: match per_core(&untraced_throughput, untraced_cpu) {
                 untraced if untraced > 0.0 => per_core(&throughput, cpu) / untraced,
                 _ => 0.0,
             },
@@ -1205,6 +1224,8 @@ async fn measure(
         bench_cpu_seconds: bench_cpu,
         router_decision: decision,
         tracing,
+        tracing_untraced_throughput: untraced_interleaved.map(|(throughput, _)| throughput),
+        tracing_untraced_cpu_seconds: untraced_interleaved.map(|(_, cpu)| cpu),
         otlp_sink_spans: None,
         kv_tokenize,
         notes,
@@ -1212,6 +1233,53 @@ async fn measure(
 }
 
 /// A closed loop through a proxy process, with that process's CPU seconds and this one's.
+/// Slices each tracing comparison's throughput phase is cut into.
+const TRACING_SLICES: usize = 10;
+
+/// Closed-loop load on each target in turn, [`TRACING_SLICES`] rounds (the order rotating),
+/// `duration` per target in all: each target's summed throughput and CPU seconds.
+async fn interleaved(
+    client: &HttpClient,
+    targets: &[(&http::Uri, u32)],
+    body: &Bytes,
+    concurrency: usize,
+    duration: Duration,
+) -> anyhow::Result<Vec<(Throughput, f64)>> {
+    let slice = duration / TRACING_SLICES as u32;
+    let mut totals: Vec<(Throughput, f64)> = targets
+        .iter()
+        .map(|_| {
+            (
+                Throughput {
+                    requests: 0,
+                    errors: 0,
+                    seconds: 0.0,
+                    requests_per_s: 0.0,
+                },
+                0.0,
+            )
+        })
+        .collect();
+    for round in 0..TRACING_SLICES {
+        for turn in 0..targets.len() {
+            let at = (round + turn) % targets.len();
+            let (url, pid) = targets[at];
+            let (throughput, cpu, _) = loaded(client, url, body, concurrency, slice, pid).await?;
+            let total = &mut totals[at];
+            total.0.requests += throughput.requests;
+            total.0.errors += throughput.errors;
+            total.0.seconds += throughput.seconds;
+            total.1 += cpu;
+        }
+    }
+    for (throughput, _) in &mut totals {
+        if throughput.seconds > 0.0 {
+            throughput.requests_per_s = throughput.requests as f64 / throughput.seconds;
+        }
+    }
+    Ok(totals)
+}
+
 async fn loaded(
     client: &HttpClient,
     url: &http::Uri,

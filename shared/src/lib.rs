@@ -6,6 +6,7 @@ pub mod disaggregation;
 pub mod metrics;
 pub mod model;
 pub mod names;
+pub mod otlp;
 pub mod pb;
 pub mod process;
 pub mod sagemaker;

@@ -12,11 +12,10 @@ use std::time::Duration;
 
 use opentelemetry::Context;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{
-    Sampler, SdkTracer, SdkTracerProvider, Span, SpanData, SpanExporter as _, SpanProcessor,
+    Sampler, SdkTracer, SdkTracerProvider, Span, SpanData, SpanProcessor,
 };
 
 /// Spans sent in one export call at most: one call per few hundred requests at full load,
@@ -440,11 +439,7 @@ impl SpanProcessor for QueueProcessor {
     }
 }
 
-fn export_loop(
-    endpoint: String,
-    queue: Arc<SpanQueue>,
-    resource: Arc<Mutex<Option<Resource>>>,
-) {
+fn export_loop(endpoint: String, queue: Arc<SpanQueue>, resource: Arc<Mutex<Option<Resource>>>) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -463,21 +458,18 @@ fn export_loop(
         }
     };
     runtime.block_on(async move {
-        let mut exporter = match opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(endpoint.clone())
-            .with_timeout(EXPORT_TIMEOUT)
-            .build()
-        {
-            Ok(exporter) => Some(exporter),
+        let mut client = match crate::otlp::Client::new(&endpoint, EXPORT_TIMEOUT) {
+            Ok(client) => Some(client),
             Err(err) => {
-                tracing::error!(error = %err, endpoint, "cannot make the OTLP exporter; spans are dropped");
+                tracing::error!(error = %err, endpoint, "cannot make the OTLP client; spans are dropped");
                 None
             }
         };
+        let mut current_resource: Option<Resource> = None;
         let mut failing = false;
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut taken = Vec::new();
+        let mut encoded = Vec::new();
         loop {
             // A whole batch, or the delay, or the end.
             let _ = tokio::time::timeout(BATCH_DELAY, queue.ready.notified()).await;
@@ -489,37 +481,40 @@ fn export_loop(
                 }
                 continue;
             }
-            if let (Some(exporter), Some(resource)) = (&mut exporter, lock(&resource).take()) {
-                exporter.set_resource(&resource);
+            if let Some(resource) = lock(&resource).take() {
+                current_resource = Some(resource);
             }
-            while !taken.is_empty() {
-                let batch: Vec<SpanData> = if taken.len() > BATCH_SPANS {
-                    taken.drain(..BATCH_SPANS).collect()
-                } else {
-                    std::mem::take(&mut taken)
-                };
+            for batch in taken.chunks(BATCH_SPANS) {
                 let spans = batch.len() as u64;
                 // After a failure, batches are dropped unsent until the next try: encoding
                 // spans for a collector that is gone costs as much as sending them.
                 let resting = retry_at.is_some_and(|at| tokio::time::Instant::now() < at);
-                let sent = match &exporter {
+                let sent = match &mut client {
                     Some(_) if resting => Err(String::new()),
-                    Some(exporter) => {
-                        match tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(batch)).await {
-                            Ok(Ok(())) => Ok(()),
-                            Ok(Err(err)) => Err(err.to_string()),
+                    Some(client) => {
+                        crate::otlp::encode_request(current_resource.as_ref(), batch, &mut encoded);
+                        let body = bytes::Bytes::copy_from_slice(&encoded);
+                        match tokio::time::timeout(EXPORT_TIMEOUT, client.export(body)).await {
+                            Ok(result) => result,
                             Err(_) => Err("timed out".to_owned()),
                         }
                     }
                     None => Err("no exporter".to_owned()),
                 };
                 match sent {
-                    Ok(()) => {
+                    Ok(crate::otlp::Sent::All) => {
                         SPANS_EXPORTED.fetch_add(spans, Ordering::Relaxed);
                         retry_at = None;
                         if std::mem::take(&mut failing) {
                             tracing::info!(endpoint, "trace export works again");
                         }
+                    }
+                    Ok(crate::otlp::Sent::Partly { rejected, reason }) => {
+                        let rejected = rejected.min(spans);
+                        SPANS_EXPORTED.fetch_add(spans - rejected, Ordering::Relaxed);
+                        SPANS_DROPPED.fetch_add(rejected, Ordering::Relaxed);
+                        retry_at = None;
+                        tracing::debug!(endpoint, rejected, reason, "the collector rejected spans");
                     }
                     Err(_) if resting => {
                         SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
@@ -533,15 +528,13 @@ fn export_loop(
                     }
                 }
             }
+            taken.clear();
             if closing {
                 // What arrived while the last batches were sent is dropped and counted.
                 queue.take(&mut taken);
                 SPANS_DROPPED.fetch_add(taken.len() as u64, Ordering::Relaxed);
                 break;
             }
-        }
-        if let Some(exporter) = exporter {
-            let _ = exporter.shutdown();
         }
     });
 }
@@ -614,7 +607,10 @@ mod tests {
         use std::collections::HashMap;
         for (flags, state) in [
             (TraceFlags::SAMPLED, TraceState::default()),
-            (TraceFlags::default(), TraceState::from_key_value([("k", "v"), ("a", "1")]).unwrap()),
+            (
+                TraceFlags::default(),
+                TraceState::from_key_value([("k", "v"), ("a", "1")]).unwrap(),
+            ),
         ] {
             let context = SpanContext::new(
                 TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap(),
