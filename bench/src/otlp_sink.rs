@@ -41,6 +41,8 @@ impl ReceivedSpan {
 struct Received {
     keep: bool,
     spans: Mutex<Vec<ReceivedSpan>>,
+    /// With `keep`: the ASCII metadata of every export request received.
+    metadata: Mutex<Vec<(String, String)>>,
     count: AtomicU64,
 }
 
@@ -53,6 +55,23 @@ impl TraceService for Receiver {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        if self.0.keep {
+            let metadata: Vec<(String, String)> = request
+                .metadata()
+                .iter()
+                .filter_map(|entry| match entry {
+                    tonic::metadata::KeyAndValueRef::Ascii(key, value) => {
+                        Some((key.to_string(), value.to_str().ok()?.to_owned()))
+                    }
+                    tonic::metadata::KeyAndValueRef::Binary(..) => None,
+                })
+                .collect();
+            self.0
+                .metadata
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner())
+                .extend(metadata);
+        }
         let request = request.into_inner();
         let mut received = Vec::new();
         for resource_spans in request.resource_spans {
@@ -179,6 +198,15 @@ impl OtlpSink {
     /// Spans received so far (kept or not).
     pub fn count(&self) -> u64 {
         self.received.count.load(Ordering::Relaxed)
+    }
+
+    /// The metadata (name, value) of the export requests received so far (kept only).
+    pub fn metadata(&self) -> Vec<(String, String)> {
+        self.received
+            .metadata
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
     }
 
     /// The spans kept so far.

@@ -299,6 +299,33 @@ struct PartialSuccess {
 /// Sends encoded batches to one collector over gRPC.
 pub struct Client {
     grpc: tonic::client::Grpc<tonic::transport::Channel>,
+    /// Sent as metadata with every request (`OTEL_EXPORTER_OTLP_HEADERS`).
+    metadata: tonic::metadata::MetadataMap,
+}
+
+/// Why a batch was not taken.
+#[derive(Debug, PartialEq)]
+pub struct Failed {
+    /// The collector could not be reached or did not answer in time (as opposed to one that
+    /// answered and refused the batch).
+    pub unreachable: bool,
+    pub message: String,
+}
+
+impl Failed {
+    pub fn unreachable(message: String) -> Self {
+        Self {
+            unreachable: true,
+            message,
+        }
+    }
+
+    pub fn refused(message: String) -> Self {
+        Self {
+            unreachable: false,
+            message,
+        }
+    }
 }
 
 /// What a collector said to one batch.
@@ -312,31 +339,60 @@ pub enum Sent {
 
 impl Client {
     /// A client that connects on first use (`endpoint`: `http://HOST:PORT`), each call
-    /// bounded by `timeout`.
-    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self, String> {
+    /// bounded by `timeout`, `headers` sent with each (valid metadata: see
+    /// `telemetry::parse_otlp_headers`; any other is left out). HTTP/2 pings find a collector
+    /// that vanished without closing the connection, which is then made anew.
+    pub fn new(
+        endpoint: &str,
+        headers: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<Self, String> {
         let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
             .map_err(|err| err.to_string())?
             .connect_timeout(timeout)
             .timeout(timeout)
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true)
             .connect_lazy();
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        for (key, value) in headers {
+            if let (Ok(key), Ok(value)) = (
+                tonic::metadata::MetadataKey::from_bytes(key.as_bytes()),
+                tonic::metadata::MetadataValue::try_from(value.as_str()),
+            ) {
+                metadata.append(key, value);
+            }
+        }
         Ok(Self {
             grpc: tonic::client::Grpc::new(channel),
+            metadata,
         })
     }
 
     /// Sends one encoded request.
-    pub async fn export(&mut self, body: bytes::Bytes) -> Result<Sent, String> {
+    pub async fn export(&mut self, body: bytes::Bytes) -> Result<Sent, Failed> {
         self.grpc
             .ready()
             .await
-            .map_err(|err| format!("the collector is not reachable: {err}"))?;
+            .map_err(|err| Failed::unreachable(format!("the collector is not reachable: {err}")))?;
         let codec = tonic_prost::ProstCodec::<Encoded, ExportResponse>::default();
         let path = http::uri::PathAndQuery::from_static(EXPORT_PATH);
+        let mut request = tonic::Request::new(Encoded(body));
+        *request.metadata_mut() = self.metadata.clone();
         let response = self
             .grpc
-            .unary(tonic::Request::new(Encoded(body)), path, codec)
+            .unary(request, path, codec)
             .await
-            .map_err(|status| format!("{}: {}", status.code(), status.message()))?;
+            .map_err(|status| {
+                let message = format!("{}: {}", status.code(), status.message());
+                match status.code() {
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
+                        Failed::unreachable(message)
+                    }
+                    _ => Failed::refused(message),
+                }
+            })?;
         Ok(match response.into_inner().partial_success {
             Some(partial) if partial.rejected_spans > 0 => Sent::Partly {
                 rejected: partial.rejected_spans as u64,

@@ -23,7 +23,11 @@ use opentelemetry_sdk::trace::{
 const BATCH_SPANS: usize = 2048;
 /// How long a batch waits for more spans before it is sent.
 const BATCH_DELAY: Duration = Duration::from_millis(200);
-/// After a failed export, batches are dropped unsent for this long, then one is tried.
+/// A batch encoded larger than this is sent in halves (collectors commonly refuse requests
+/// over 4 MiB).
+const MAX_REQUEST_BYTES: usize = 3 << 20;
+/// After a collector could not be reached, batches are dropped unsent for this long, then one
+/// is tried.
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
 /// One export call's deadline.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -108,6 +112,59 @@ pub struct TelemetrySettings {
     pub sampler: SamplerSetting,
     /// `OTEL_SERVICE_NAME`, when set.
     pub service_name: Option<String>,
+    /// gRPC metadata sent with every export: `OTEL_EXPORTER_OTLP_TRACES_HEADERS`, else
+    /// `OTEL_EXPORTER_OTLP_HEADERS` (`key=value,key=value`, values percent-encoded).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Parses an OTLP headers variable (`name` for errors): `key=value` pairs separated by
+/// commas, values percent-decoded; keys must be valid gRPC metadata names.
+pub fn parse_otlp_headers(name: &str, text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut headers = Vec::new();
+    for pair in text
+        .split(',')
+        .map(str::trim)
+        .filter(|pair| !pair.is_empty())
+    {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("{name}: {pair:?} is not key=value"))?;
+        let key = key.trim().to_ascii_lowercase();
+        let value = percent_decode(value.trim())
+            .ok_or_else(|| format!("{name}: the value of {key:?} is not valid percent-encoding"))?;
+        if tonic::metadata::MetadataKey::<tonic::metadata::Ascii>::from_bytes(key.as_bytes())
+            .is_err()
+            || key.ends_with("-bin")
+        {
+            return Err(format!("{name}: {key:?} is not a valid header name"));
+        }
+        if tonic::metadata::MetadataValue::<tonic::metadata::Ascii>::try_from(value.as_str())
+            .is_err()
+        {
+            return Err(format!(
+                "{name}: the value of {key:?} is not a valid header value"
+            ));
+        }
+        headers.push((key, value));
+    }
+    Ok(headers)
+}
+
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if bytes[at] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(at + 1..at + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            at += 3;
+        } else {
+            out.push(bytes[at]);
+            at += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// `OTEL_TRACES_SAMPLER` and its argument.
@@ -176,9 +233,15 @@ impl TelemetryArgs {
         let uri: http::Uri = endpoint
             .parse()
             .map_err(|err| format!("--otlp-endpoint {endpoint:?}: {err}"))?;
-        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+        if uri.scheme_str() == Some("https") {
             return Err(format!(
-                "--otlp-endpoint {endpoint:?}: expected http://HOST:PORT or https://HOST:PORT"
+                "--otlp-endpoint {endpoint:?}: TLS to the collector is not supported; export over \
+                 http:// to a Collector or agent beside the process, which can forward over TLS"
+            ));
+        }
+        if uri.scheme_str() != Some("http") || uri.host().is_none() {
+            return Err(format!(
+                "--otlp-endpoint {endpoint:?}: expected http://HOST:PORT"
             ));
         }
         crate::process::check_range("--otlp-queue-spans", self.otlp_queue_spans, 1..=1 << 20)?;
@@ -187,11 +250,19 @@ impl TelemetryArgs {
             variable("OTEL_TRACES_SAMPLER").as_deref(),
             variable("OTEL_TRACES_SAMPLER_ARG").as_deref(),
         )?;
+        let headers = match variable("OTEL_EXPORTER_OTLP_TRACES_HEADERS") {
+            Some(text) => parse_otlp_headers("OTEL_EXPORTER_OTLP_TRACES_HEADERS", &text)?,
+            None => match variable("OTEL_EXPORTER_OTLP_HEADERS") {
+                Some(text) => parse_otlp_headers("OTEL_EXPORTER_OTLP_HEADERS", &text)?,
+                None => Vec::new(),
+            },
+        };
         Ok(Some(TelemetrySettings {
             endpoint: endpoint.to_owned(),
             queue_spans: self.otlp_queue_spans,
             sampler,
             service_name: variable("OTEL_SERVICE_NAME"),
+            headers,
         }))
     }
 }
@@ -217,7 +288,11 @@ impl Telemetry {
         settings: &TelemetrySettings,
         component: &'static str,
     ) -> Result<Self, TelemetryError> {
-        let processor = QueueProcessor::start(settings.endpoint.clone(), settings.queue_spans)?;
+        let processor = QueueProcessor::start(
+            settings.endpoint.clone(),
+            settings.headers.clone(),
+            settings.queue_spans,
+        )?;
         let service = settings
             .service_name
             .clone()
@@ -327,16 +402,27 @@ pub mod propagation {
 #[derive(Debug)]
 struct SpanQueue {
     spans: Mutex<Vec<SpanData>>,
+    /// The bound on spans held: queued, plus taken by the export thread and not yet sent.
     capacity: usize,
+    /// Spans the export thread has taken and not yet sent or dropped.
+    exporting: std::sync::atomic::AtomicUsize,
     /// A batch is waiting, or the queue is closing.
     ready: tokio::sync::Notify,
     closed: AtomicBool,
 }
 
 impl SpanQueue {
-    /// Takes what is queued (at most `capacity`), leaving an empty queue.
+    /// Takes what is queued, leaving an empty queue; counted against the bound until
+    /// [`SpanQueue::done`].
     fn take(&self, spare: &mut Vec<SpanData>) {
-        std::mem::swap(&mut *lock(&self.spans), spare);
+        let mut spans = lock(&self.spans);
+        std::mem::swap(&mut *spans, spare);
+        self.exporting.fetch_add(spare.len(), Ordering::AcqRel);
+    }
+
+    /// `count` taken spans are sent or dropped.
+    fn done(&self, count: usize) {
+        self.exporting.fetch_sub(count, Ordering::AcqRel);
     }
 }
 
@@ -352,10 +438,15 @@ struct QueueProcessor {
 }
 
 impl QueueProcessor {
-    fn start(endpoint: String, capacity: usize) -> Result<Self, TelemetryError> {
+    fn start(
+        endpoint: String,
+        headers: Vec<(String, String)>,
+        capacity: usize,
+    ) -> Result<Self, TelemetryError> {
         let queue = Arc::new(SpanQueue {
             spans: Mutex::new(Vec::with_capacity(capacity.min(BATCH_SPANS))),
             capacity,
+            exporting: std::sync::atomic::AtomicUsize::new(0),
             ready: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
         });
@@ -364,7 +455,7 @@ impl QueueProcessor {
         let drained = Arc::clone(&queue);
         let thread = std::thread::Builder::new()
             .name("otlp-export".into())
-            .spawn(move || export_loop(endpoint, drained, pending))
+            .spawn(move || export_loop(endpoint, headers, drained, pending))
             .map_err(TelemetryError::Thread)?;
         Ok(Self {
             queue,
@@ -393,7 +484,8 @@ impl SpanProcessor for QueueProcessor {
         }
         let queued = {
             let mut spans = lock(&self.queue.spans);
-            if spans.len() < self.queue.capacity {
+            let held = spans.len() + self.queue.exporting.load(Ordering::Acquire);
+            if held < self.queue.capacity {
                 spans.push(span);
                 Some(spans.len())
             } else {
@@ -439,7 +531,12 @@ impl SpanProcessor for QueueProcessor {
     }
 }
 
-fn export_loop(endpoint: String, queue: Arc<SpanQueue>, resource: Arc<Mutex<Option<Resource>>>) {
+fn export_loop(
+    endpoint: String,
+    headers: Vec<(String, String)>,
+    queue: Arc<SpanQueue>,
+    resource: Arc<Mutex<Option<Resource>>>,
+) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -452,13 +549,14 @@ fn export_loop(endpoint: String, queue: Arc<SpanQueue>, resource: Arc<Mutex<Opti
                 std::thread::sleep(BATCH_DELAY);
                 queue.take(&mut spare);
                 SPANS_DROPPED.fetch_add(spare.len() as u64, Ordering::Relaxed);
+                queue.done(spare.len());
                 spare.clear();
             }
             return;
         }
     };
     runtime.block_on(async move {
-        let mut client = match crate::otlp::Client::new(&endpoint, EXPORT_TIMEOUT) {
+        let mut client = match crate::otlp::Client::new(&endpoint, &headers, EXPORT_TIMEOUT) {
             Ok(client) => Some(client),
             Err(err) => {
                 tracing::error!(error = %err, endpoint, "cannot make the OTLP client; spans are dropped");
@@ -475,64 +573,74 @@ fn export_loop(endpoint: String, queue: Arc<SpanQueue>, resource: Arc<Mutex<Opti
             let _ = tokio::time::timeout(BATCH_DELAY, queue.ready.notified()).await;
             let closing = queue.closed.load(Ordering::Acquire);
             queue.take(&mut taken);
-            if taken.is_empty() {
-                if closing {
-                    break;
-                }
-                continue;
-            }
             if let Some(resource) = lock(&resource).take() {
                 current_resource = Some(resource);
             }
-            for batch in taken.chunks(BATCH_SPANS) {
+            let mut batches: Vec<&[SpanData]> = taken.chunks(BATCH_SPANS).rev().collect();
+            while let Some(batch) = batches.pop() {
                 let spans = batch.len() as u64;
-                // After a failure, batches are dropped unsent until the next try: encoding
-                // spans for a collector that is gone costs as much as sending them.
+                // After a collector could not be reached, batches are dropped unsent until
+                // the next try: encoding spans for a collector that is gone costs as much as
+                // sending them.
                 let resting = retry_at.is_some_and(|at| tokio::time::Instant::now() < at);
                 let sent = match &mut client {
-                    Some(_) if resting => Err(String::new()),
+                    Some(_) if resting => Err(crate::otlp::Failed::unreachable(String::new())),
                     Some(client) => {
                         crate::otlp::encode_request(current_resource.as_ref(), batch, &mut encoded);
+                        if encoded.len() > MAX_REQUEST_BYTES && batch.len() > 1 {
+                            // Too large for collectors' usual 4 MiB limit: in halves.
+                            let (first, second) = batch.split_at(batch.len() / 2);
+                            batches.extend([second, first]);
+                            continue;
+                        }
                         let body = bytes::Bytes::copy_from_slice(&encoded);
                         match tokio::time::timeout(EXPORT_TIMEOUT, client.export(body)).await {
                             Ok(result) => result,
-                            Err(_) => Err("timed out".to_owned()),
+                            Err(_) => Err(crate::otlp::Failed::unreachable("timed out".into())),
                         }
                     }
-                    None => Err("no exporter".to_owned()),
+                    None => Err(crate::otlp::Failed::refused("no exporter".into())),
                 };
                 match sent {
-                    Ok(crate::otlp::Sent::All) => {
-                        SPANS_EXPORTED.fetch_add(spans, Ordering::Relaxed);
+                    Ok(sent) => {
+                        let rejected = match sent {
+                            crate::otlp::Sent::All => 0,
+                            crate::otlp::Sent::Partly { rejected, reason } => {
+                                let rejected = rejected.min(spans);
+                                tracing::debug!(endpoint, rejected, reason, "the collector rejected spans");
+                                rejected
+                            }
+                        };
+                        SPANS_EXPORTED.fetch_add(spans - rejected, Ordering::Relaxed);
+                        SPANS_DROPPED.fetch_add(rejected, Ordering::Relaxed);
                         retry_at = None;
                         if std::mem::take(&mut failing) {
                             tracing::info!(endpoint, "trace export works again");
                         }
                     }
-                    Ok(crate::otlp::Sent::Partly { rejected, reason }) => {
-                        let rejected = rejected.min(spans);
-                        SPANS_EXPORTED.fetch_add(spans - rejected, Ordering::Relaxed);
-                        SPANS_DROPPED.fetch_add(rejected, Ordering::Relaxed);
-                        retry_at = None;
-                        tracing::debug!(endpoint, rejected, reason, "the collector rejected spans");
-                    }
                     Err(_) if resting => {
                         SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
                     }
-                    Err(error) => {
+                    Err(failed) => {
                         SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
-                        retry_at = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
+                        // Only a collector that cannot be reached rests the export; one that
+                        // refuses a batch (too large, unauthenticated) is asked with the next.
+                        if failed.unreachable {
+                            retry_at = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
+                        }
                         if !std::mem::replace(&mut failing, true) {
-                            tracing::warn!(endpoint, error, spans, "trace export failed; spans are dropped until the collector answers");
+                            tracing::warn!(endpoint, error = failed.message, spans, "trace export failed; spans are dropped until the collector answers");
                         }
                     }
                 }
             }
+            queue.done(taken.len());
             taken.clear();
             if closing {
                 // What arrived while the last batches were sent is dropped and counted.
                 queue.take(&mut taken);
                 SPANS_DROPPED.fetch_add(taken.len() as u64, Ordering::Relaxed);
+                queue.done(taken.len());
                 break;
             }
         }
@@ -561,6 +669,42 @@ mod tests {
         assert!(err.starts_with("OTEL_TRACES_SAMPLER:"), "{err}");
         let err = SamplerSetting::parse(Some("traceidratio"), Some("2")).unwrap_err();
         assert!(err.starts_with("OTEL_TRACES_SAMPLER_ARG:"), "{err}");
+    }
+
+    #[test]
+    fn otlp_headers_are_key_value_pairs_with_percent_encoded_values() {
+        assert_eq!(
+            parse_otlp_headers("V", "Authorization=Bearer%20abc, x-tenant = t1,"),
+            Ok(vec![
+                ("authorization".to_owned(), "Bearer abc".to_owned()),
+                ("x-tenant".to_owned(), "t1".to_owned()),
+            ])
+        );
+        assert_eq!(parse_otlp_headers("V", ""), Ok(Vec::new()));
+        for bad in [
+            "novalue",
+            "a b=1",
+            "k=%zz",
+            "k=%4",
+            "bin-bin=x",
+            "k=line%0Abreak",
+        ] {
+            let err = parse_otlp_headers("V", bad).unwrap_err();
+            assert!(err.starts_with("V: "), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn https_is_refused_with_a_reason() {
+        let args = TelemetryArgs {
+            otlp_endpoint: Some("https://collector:4317".into()),
+            otlp_queue_spans: 16,
+        };
+        let err = args.validate().unwrap_err();
+        assert!(
+            err.contains("TLS to the collector is not supported"),
+            "{err}"
+        );
     }
 
     #[test]

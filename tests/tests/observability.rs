@@ -346,6 +346,59 @@ async fn with_the_collector_hung_every_request_succeeds_and_the_drops_are_counte
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_headers_from_the_environment_go_with_every_export() -> anyhow::Result<()> {
+    // Hosted collectors authenticate exports by header: OTEL_EXPORTER_OTLP_HEADERS, values
+    // percent-encoded, as the OpenTelemetry SDKs read it.
+    let sink = OtlpSink::start(true).await?;
+    let engine = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig {
+        time_scale: 0.01,
+        ..Default::default()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let config = serde_json::json!({
+        "Endpoints": [{
+            "EndpointName": "chat",
+            "ProductionVariants": serde_json::from_str::<serde_json::Value>(&variant_json("RANDOM", None))?,
+            "Instances": [{"Url": engine.url, "InstanceId": "engine-0"}],
+        }]
+    });
+    let path = dir.path().join("routes.json");
+    std::fs::write(&path, config.to_string())?;
+    let sink_url = sink.url();
+    let router = Process::start_with_env(
+        "switchyard-router",
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            path.to_str().expect("utf-8 path"),
+            "--otlp-endpoint",
+            &sink_url,
+        ],
+        &[(
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            "Authorization=Bearer%20secret-1,x-tenant=team-a",
+        )],
+        "router listening",
+    )?;
+    let reply = chat(&router.url(), &[("x-request-id", "with-headers")]).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    eventually(
+        Duration::from_secs(15),
+        "an export with the headers",
+        || async {
+            let metadata = sink.metadata();
+            metadata.contains(&("authorization".to_owned(), "Bearer secret-1".to_owned()))
+                && metadata.contains(&("x-tenant".to_owned(), "team-a".to_owned()))
+        },
+    )
+    .await?;
+    drop(router);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_rpc_gives_a_control_plane_span_under_the_callers() -> anyhow::Result<()> {
     let sink = OtlpSink::start(true).await?;
     let dir = tempfile::tempdir()?;

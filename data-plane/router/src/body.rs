@@ -38,6 +38,16 @@ pub async fn read_body(
         return Err(ApiError::too_large(MAX_BODY_BYTES));
     }
     let declared = declared.map(|length| length as usize);
+    // A declared length is reserved whole before anything is read: reservations that grow
+    // as bytes arrive let every body of a flood take a share of the budget, and then each
+    // one's next doubling is refused, so that nearly all are refused after being half read.
+    // Refused here, a client waiting on `Expect: 100-continue` is not invited to upload.
+    if let Some(length) = declared
+        && !reservation.grow_to(length as u64)
+    {
+        refuse_unread(body, headers).await;
+        return Err(over_budget());
+    }
     match tokio::time::timeout(deadline, collect(body, declared, reservation)).await {
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err((refusal, rest))) => {
@@ -78,13 +88,8 @@ async fn collect(
     reservation: &mut BufferReservation,
 ) -> Result<Bytes, (ApiError, Option<Body>)> {
     let mut buffer: Vec<u8> = Vec::new();
-    // A declared length is reserved whole before anything is read: reservations that grow
-    // as bytes arrive let every body of a flood take a share of the budget, and then each
-    // one's next doubling is refused, so that nearly all are refused after being half read.
+    // The declared length is already reserved ([`read_body`]).
     if let Some(declared) = declared {
-        if !reservation.grow_to(declared as u64) {
-            return Err((over_budget(), Some(body)));
-        }
         buffer.reserve_exact(declared);
     }
     while let Some(frame) = body.frame().await {
@@ -240,6 +245,32 @@ mod tests {
         assert_eq!(second.bytes(), 0);
         assert_eq!(admission.buffered_bytes(), 6_000_000);
         drop(sender);
+    }
+
+    #[tokio::test]
+    async fn a_refused_declared_body_is_not_read_when_the_client_waits_for_100_continue() {
+        // Reading the body would make hyper send `100 Continue` and invite a 6 MB upload that
+        // is then thrown away; refused before reading, the client sends nothing.
+        let admission = admission(1 << 20);
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, "6000000".parse().unwrap());
+        headers.insert(header::EXPECT, "100-continue".parse().unwrap());
+        let polled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = Arc::clone(&polled);
+        let body = Body::from_stream(futures::stream::poll_fn(move |_| {
+            seen.store(true, std::sync::atomic::Ordering::SeqCst);
+            std::task::Poll::Ready(None::<Result<Bytes, std::io::Error>>)
+        }));
+        let mut reservation = admission.buffer();
+        let err = read_body(body, &headers, Duration::from_secs(1), &mut reservation)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Overloaded);
+        assert!(
+            !polled.load(std::sync::atomic::Ordering::SeqCst),
+            "the body was read"
+        );
+        assert_eq!(admission.buffered_bytes(), 0);
     }
 
     #[tokio::test]

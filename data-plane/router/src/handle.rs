@@ -153,7 +153,7 @@ async fn route(
     if let Some(trace) = trace {
         trace.set_attribute(KeyValue::new(
             "switchyard.request_id",
-            request_id(&headers).to_owned(),
+            crate::trace::bounded(request_id(&headers)),
         ));
     }
     let decision = trace.map(RequestTrace::decision);

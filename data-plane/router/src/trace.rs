@@ -47,7 +47,7 @@ impl RequestTrace {
         let mut attributes = Vec::with_capacity(12);
         attributes.extend([
             KeyValue::new("http.request.method", method),
-            KeyValue::new("url.path", uri.path().to_owned()),
+            KeyValue::new("url.path", bounded(uri.path())),
         ]);
         let span = tracer
             .span_builder(method)
@@ -245,6 +245,20 @@ impl fmt::Display for ShowTraceId {
     }
 }
 
+/// At most [`MOST_VALUE_BYTES`] of a value the client chose (a path, a request id), cut at a
+/// character boundary: a span stays small whatever the client sends, and a batch within
+/// what collectors accept.
+pub fn bounded(text: &str) -> String {
+    let mut end = text.len().min(MOST_VALUE_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
+}
+
+/// The longest attribute value taken from a request.
+const MOST_VALUE_BYTES: usize = 256;
+
 /// A method's name as static text (OpenTelemetry's `_OTHER` for one outside HTTP's set).
 fn method_name(method: &http::Method) -> &'static str {
     match *method {
@@ -267,5 +281,19 @@ fn strategy_name(strategy: &Strategy) -> &'static str {
         Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
         Strategy::PrefixAware { .. } => "PREFIX_AWARE",
         Strategy::KvAware { .. } => "KV_AWARE",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_from_the_client_are_cut_at_a_character_boundary() {
+        assert_eq!(bounded("/v1/chat/completions"), "/v1/chat/completions");
+        let long = "é".repeat(200); // 400 bytes
+        let cut = bounded(&long);
+        assert!(cut.len() <= MOST_VALUE_BYTES && cut.len() >= MOST_VALUE_BYTES - 1);
+        assert!(long.starts_with(&cut));
     }
 }
