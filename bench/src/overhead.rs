@@ -1237,7 +1237,8 @@ async fn measure(
 const TRACING_SLICES: usize = 10;
 
 /// Closed-loop load on each target in turn, [`TRACING_SLICES`] rounds (the order rotating),
-/// `duration` per target in all: each target's summed throughput and CPU seconds.
+/// `duration` per target in all, after one warm-up slice each: each target's summed
+/// throughput and CPU seconds.
 async fn interleaved(
     client: &HttpClient,
     targets: &[(&http::Uri, u32)],
@@ -1260,6 +1261,12 @@ async fn interleaved(
             )
         })
         .collect();
+    // One slice each first, not counted: a process's first seconds under load (its
+    // allocator growing, its pools filling) are slower, and the untraced router has just had
+    // its own throughput phase while the traced ones have not.
+    for &(url, pid) in targets {
+        loaded(client, url, body, concurrency, slice, pid).await?;
+    }
     for round in 0..TRACING_SLICES {
         for turn in 0..targets.len() {
             let at = (round + turn) % targets.len();

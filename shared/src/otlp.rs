@@ -73,16 +73,32 @@ impl Writer<'_> {
         }
     }
 
-    /// A nested message: its content is written after the tag, then its length is put in
-    /// front of it (the content moves by the length's few bytes).
+    /// A nested message: one byte is kept for its length, its content written after it,
+    /// and the length put in that byte; a content of 128 bytes or more moves by the length's
+    /// further bytes (most messages, an attribute or a value, are shorter).
     fn message(&mut self, field: u32, write: impl FnOnce(&mut Writer<'_>)) {
         self.tag(field, LEN);
         let start = self.0.len();
+        self.0.push(0);
         write(&mut Writer(self.0));
-        let length = self.0.len() - start;
-        let mut prefix = Vec::with_capacity(5);
-        Writer(&mut prefix).varint(length as u64);
-        self.0.splice(start..start, prefix);
+        let length = self.0.len() - start - 1;
+        if length < 0x80 {
+            self.0[start] = length as u8;
+            return;
+        }
+        let mut prefix = [0u8; 10];
+        let mut used = 0;
+        let mut value = length as u64;
+        while value >= 0x80 {
+            prefix[used] = (value as u8) | 0x80;
+            value >>= 7;
+            used += 1;
+        }
+        prefix[used] = value as u8;
+        used += 1;
+        self.0[start] = prefix[0];
+        self.0
+            .splice(start + 1..start + 1, prefix[1..used].iter().copied());
     }
 
     fn key_value(&mut self, field: u32, key: &str, value: &Value) {

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opentelemetry::Context;
+use opentelemetry::trace::TraceId;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
@@ -223,6 +224,39 @@ impl SamplerSetting {
     }
 }
 
+impl SamplerSetting {
+    /// The SDK's decision for this setting, made without it: parent-based settings follow a
+    /// valid parent's sampled flag; a ratio compares the trace id's low 8 bytes, halved, with
+    /// ratio × 2^63 (OpenTelemetry's TraceIdRatioBased).
+    pub fn samples(
+        self,
+        parent: Option<&opentelemetry::trace::SpanContext>,
+        trace_id: TraceId,
+    ) -> bool {
+        let ratio = |ratio: f64| {
+            let bound = (ratio.clamp(0.0, 1.0) * (1u64 << 63) as f64) as u64;
+            let bytes = trace_id.to_bytes();
+            let low = u64::from_be_bytes([
+                bytes[8], bytes[9], bytes[10], bytes[11], bytes[12], bytes[13], bytes[14],
+                bytes[15],
+            ]);
+            (low >> 1) < bound
+        };
+        let parent = parent.filter(|parent| parent.is_valid());
+        match self {
+            Self::AlwaysOn => true,
+            Self::AlwaysOff => false,
+            Self::Ratio(r) => ratio(r),
+            Self::ParentBasedAlwaysOn => parent.is_none_or(|parent| parent.is_sampled()),
+            Self::ParentBasedAlwaysOff => parent.is_some_and(|parent| parent.is_sampled()),
+            Self::ParentBasedRatio(r) => match parent {
+                Some(parent) => parent.is_sampled(),
+                None => ratio(r),
+            },
+        }
+    }
+}
+
 impl TelemetryArgs {
     /// Checks the flags and the `OTEL_*` variables; `Ok(None)` when tracing is off.
     pub fn validate(&self) -> Result<Option<TelemetrySettings>, String> {
@@ -272,6 +306,54 @@ impl TelemetryArgs {
 pub struct Telemetry {
     provider: SdkTracerProvider,
     pub tracer: SdkTracer,
+    /// The same queue, for spans made without the SDK's span objects (the router's).
+    pub sink: SpanSink,
+}
+
+/// Hands finished spans straight to the export queue, for a hot path that makes its spans
+/// itself rather than through the SDK's tracer: the router's three spans a request cost more
+/// as SDK objects (a builder, a context, a locked span, a sampler call each) than the routing
+/// they trace. Cloning is cheap.
+#[derive(Debug, Clone)]
+pub struct SpanSink {
+    queue: Arc<SpanQueue>,
+    scope: opentelemetry::InstrumentationScope,
+    sampler: SamplerSetting,
+}
+
+impl SpanSink {
+    /// Queues a finished span (dropped if it is not sampled).
+    pub fn push(&self, span: SpanData) {
+        if span.span_context.is_sampled() {
+            self.queue.push(span);
+        }
+    }
+
+    /// The component's instrumentation scope, for [`SpanData::instrumentation_scope`].
+    pub fn scope(&self) -> &opentelemetry::InstrumentationScope {
+        &self.scope
+    }
+
+    /// True while the collector cannot be reached and spans are dropped unsent: a span need
+    /// not be made, only counted with [`SpanSink::dropped`].
+    pub fn resting(&self) -> bool {
+        self.queue.resting.load(Ordering::Acquire)
+    }
+
+    /// Counts spans dropped without being made.
+    pub fn dropped(&self, spans: u64) {
+        SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
+    }
+
+    /// Whether a span of trace `trace_id` under `parent` (a remote or local parent's context,
+    /// if any) is sampled: the same decision as the SDK's sampler of this setting.
+    pub fn samples(
+        &self,
+        parent: Option<&opentelemetry::trace::SpanContext>,
+        trace_id: TraceId,
+    ) -> bool {
+        self.sampler.samples(parent, trace_id)
+    }
 }
 
 /// Why tracing did not start.
@@ -293,6 +375,11 @@ impl Telemetry {
             settings.headers.clone(),
             settings.queue_spans,
         )?;
+        let sink = SpanSink {
+            queue: Arc::clone(&processor.queue),
+            scope: opentelemetry::InstrumentationScope::builder(component).build(),
+            sampler: settings.sampler,
+        };
         let service = settings
             .service_name
             .clone()
@@ -307,7 +394,11 @@ impl Telemetry {
             .build();
         // A static name: every span's scope is a copy of it.
         let tracer = provider.tracer(component);
-        Ok(Self { provider, tracer })
+        Ok(Self {
+            provider,
+            tracer,
+            sink,
+        })
     }
 
     /// Sends what is queued (within about two seconds) and stops the export thread.
@@ -361,10 +452,16 @@ pub mod propagation {
     /// when `cx` has no valid span.
     pub fn inject(cx: &Context, headers: &mut HeaderMap) {
         use opentelemetry::trace::TraceContextExt as _;
+        inject_span_context(cx.span().span_context(), headers);
+    }
+
+    /// [`inject`] for a span's context alone.
+    pub fn inject_span_context(
+        context: &opentelemetry::trace::SpanContext,
+        headers: &mut HeaderMap,
+    ) {
         headers.remove(TRACEPARENT);
         headers.remove(TRACESTATE);
-        let span = cx.span();
-        let context = span.span_context();
         if !context.is_valid() {
             return;
         }
@@ -409,6 +506,9 @@ struct SpanQueue {
     /// A batch is waiting, or the queue is closing.
     ready: tokio::sync::Notify,
     closed: AtomicBool,
+    /// The collector cannot be reached: batches are dropped unsent for now, so spans need
+    /// not be made ([`SpanSink::resting`]).
+    resting: AtomicBool,
 }
 
 impl SpanQueue {
@@ -423,6 +523,35 @@ impl SpanQueue {
     /// `count` taken spans are sent or dropped.
     fn done(&self, count: usize) {
         self.exporting.fetch_sub(count, Ordering::AcqRel);
+    }
+
+    /// Queues a finished, sampled span, or drops it (counted) when the queue is full or
+    /// closed. Never waits.
+    fn push(&self, span: SpanData) {
+        if self.closed.load(Ordering::Acquire) {
+            SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let queued = {
+            let mut spans = lock(&self.spans);
+            let held = spans.len() + self.exporting.load(Ordering::Acquire);
+            if held < self.capacity {
+                spans.push(span);
+                Some(spans.len())
+            } else {
+                None
+            }
+        };
+        match queued {
+            // The first span past a whole batch wakes the thread; the rest wait for it.
+            Some(queued) if queued == BATCH_SPANS.min(self.capacity) => {
+                self.ready.notify_one();
+            }
+            Some(_) => {}
+            None => {
+                SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -449,6 +578,7 @@ impl QueueProcessor {
             exporting: std::sync::atomic::AtomicUsize::new(0),
             ready: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
+            resting: AtomicBool::new(false),
         });
         let resource = Arc::new(Mutex::new(None));
         let pending = Arc::clone(&resource);
@@ -475,32 +605,8 @@ impl SpanProcessor for QueueProcessor {
     fn on_start(&self, _span: &mut Span, _cx: &Context) {}
 
     fn on_end(&self, span: SpanData) {
-        if !span.span_context.is_sampled() {
-            return;
-        }
-        if self.queue.closed.load(Ordering::Acquire) {
-            SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let queued = {
-            let mut spans = lock(&self.queue.spans);
-            let held = spans.len() + self.queue.exporting.load(Ordering::Acquire);
-            if held < self.queue.capacity {
-                spans.push(span);
-                Some(spans.len())
-            } else {
-                None
-            }
-        };
-        match queued {
-            // The first span past a whole batch wakes the thread; the rest wait for it.
-            Some(queued) if queued == BATCH_SPANS.min(self.queue.capacity) => {
-                self.queue.ready.notify_one();
-            }
-            Some(_) => {}
-            None => {
-                SPANS_DROPPED.fetch_add(1, Ordering::Relaxed);
-            }
+        if span.span_context.is_sampled() {
+            self.queue.push(span);
         }
     }
 
@@ -583,6 +689,7 @@ fn export_loop(
                 // the next try: encoding spans for a collector that is gone costs as much as
                 // sending them.
                 let resting = retry_at.is_some_and(|at| tokio::time::Instant::now() < at);
+                queue.resting.store(resting, Ordering::Release);
                 let sent = match &mut client {
                     Some(_) if resting => Err(crate::otlp::Failed::unreachable(String::new())),
                     Some(client) => {
@@ -614,6 +721,7 @@ fn export_loop(
                         SPANS_EXPORTED.fetch_add(spans - rejected, Ordering::Relaxed);
                         SPANS_DROPPED.fetch_add(rejected, Ordering::Relaxed);
                         retry_at = None;
+                        queue.resting.store(false, Ordering::Release);
                         if std::mem::take(&mut failing) {
                             tracing::info!(endpoint, "trace export works again");
                         }
@@ -627,6 +735,7 @@ fn export_loop(
                         // refuses a batch (too large, unauthenticated) is asked with the next.
                         if failed.unreachable {
                             retry_at = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
+                            queue.resting.store(true, Ordering::Release);
                         }
                         if !std::mem::replace(&mut failing, true) {
                             tracing::warn!(endpoint, error = failed.message, spans, "trace export failed; spans are dropped until the collector answers");
@@ -691,6 +800,65 @@ mod tests {
         ] {
             let err = parse_otlp_headers("V", bad).unwrap_err();
             assert!(err.starts_with("V: "), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn sampling_decisions_are_the_sdks() {
+        use opentelemetry::trace::{
+            SpanContext, SpanId, SpanKind, TraceContextExt as _, TraceFlags, TraceState,
+        };
+        use opentelemetry_sdk::trace::{SamplingDecision, ShouldSample as _};
+        let mut rng = fastrand::Rng::with_seed(7);
+        let settings = [
+            SamplerSetting::AlwaysOn,
+            SamplerSetting::AlwaysOff,
+            SamplerSetting::Ratio(0.25),
+            SamplerSetting::ParentBasedAlwaysOn,
+            SamplerSetting::ParentBasedAlwaysOff,
+            SamplerSetting::ParentBasedRatio(0.5),
+            SamplerSetting::ParentBasedRatio(0.0),
+            SamplerSetting::Ratio(1.0),
+        ];
+        for setting in settings {
+            let sdk = setting.sampler();
+            let mut sampled = 0;
+            for round in 0..2_000 {
+                let trace_id = TraceId::from(rng.u128(1..));
+                let parent = match round % 3 {
+                    0 => None,
+                    flags => Some(SpanContext::new(
+                        trace_id,
+                        SpanId::from(rng.u64(1..)),
+                        if flags == 1 {
+                            TraceFlags::SAMPLED
+                        } else {
+                            TraceFlags::default()
+                        },
+                        true,
+                        TraceState::default(),
+                    )),
+                };
+                let cx = parent
+                    .clone()
+                    .map(|parent| Context::new().with_remote_span_context(parent));
+                let expected =
+                    sdk.should_sample(cx.as_ref(), trace_id, "s", &SpanKind::Server, &[], &[]);
+                let ours = setting.samples(parent.as_ref(), trace_id);
+                assert_eq!(
+                    ours,
+                    expected.decision == SamplingDecision::RecordAndSample,
+                    "{setting:?} round {round}"
+                );
+                sampled += usize::from(ours);
+            }
+            // The draws reach both outcomes where the setting allows both.
+            if !matches!(
+                setting,
+                SamplerSetting::AlwaysOn | SamplerSetting::AlwaysOff | SamplerSetting::Ratio(1.0)
+            ) {
+                assert!(sampled > 0 && sampled < 2_000, "{setting:?}: {sampled}");
+            }
         }
     }
 

@@ -22,7 +22,6 @@ use crate::table::{LoadRegistry, RouteLabel, RoutingTable, VariantRoute};
 use crate::tokenizer::Tokenizers;
 use crate::trace::{RequestTrace, TracedBody, request_id};
 use opentelemetry::KeyValue;
-use opentelemetry_sdk::trace::SdkTracer;
 use switchyard_policy::rank::Route;
 use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
 
@@ -41,7 +40,7 @@ pub struct Worker {
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
     /// Starts the requests' spans when tracing is on.
-    pub tracer: Option<SdkTracer>,
+    pub tracer: Option<switchyard_shared::telemetry::SpanSink>,
     /// KV_AWARE: what the engines' KV events say each instance holds.
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.

@@ -142,7 +142,7 @@ impl RouterHandle {
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
             tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
-            tracer: telemetry.as_ref().map(|telemetry| telemetry.tracer.clone()),
+            tracer: telemetry.as_ref().map(|telemetry| telemetry.sink.clone()),
             kv_index: Arc::clone(kv_events.index()),
             tokenizer: Tokenizer::new(settings.kv_tokenize_timeout),
         });

@@ -2,22 +2,34 @@
 //! context when it sent one), the routing decision under it, and a client span per upstream
 //! attempt whose context goes to the engine in `traceparent`/`tracestate`.
 //!
+//! The spans are made here, not through the SDK's tracer: each is one `SpanData` filled in
+//! place (ids from a thread-local generator, static names and keys, shared values) and handed
+//! to the export queue when it ends. Through the SDK (a builder, a sampler call, a context and
+//! a locked span object each) the three spans of a request cost the router 11-20% more CPU per
+//! request even with nothing exported. Sampling is the SDK's decision for the configured
+//! sampler (`SamplerSetting::samples`). While the collector cannot be reached, spans are not
+//! made at all (only counted as dropped); the trace context still goes to the engine.
+//!
 //! Tracing off, no [`RequestTrace`] exists and nothing here runs: the request path pays one
 //! `Option` check per step.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::Mutex;
 use std::task::{Context as TaskContext, Poll};
+use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::Frame;
-use opentelemetry::trace::{SpanKind, Status, TraceContextExt as _, TraceId, Tracer as _};
-use opentelemetry::{Context, KeyValue};
-use opentelemetry_sdk::trace::SdkTracer;
+use opentelemetry::KeyValue;
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, TraceId,
+};
+use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 use switchyard_policy::rank::Strategy;
-use switchyard_shared::telemetry::propagation;
+use switchyard_shared::telemetry::{SpanSink, propagation};
 
 use crate::forward::REQUEST_ID;
 use crate::plan::Plan;
@@ -26,58 +38,147 @@ use crate::table::InstanceRoute;
 /// The spans of one traced request.
 #[derive(Debug)]
 pub struct RequestTrace {
-    tracer: SdkTracer,
-    /// Holds the server span.
-    cx: Context,
+    sink: SpanSink,
+    /// The server span's context: its children's parent, and what logs show.
+    context: SpanContext,
+    /// Spans are made (sampled, and the collector reachable).
+    recording: bool,
+    /// The server span, until [`RequestTrace::finish`] hands it on.
+    server: SpanGuard,
+}
+
+fn random_trace_id() -> TraceId {
+    TraceId::from(fastrand::u128(1..))
+}
+
+fn random_span_id() -> SpanId {
+    SpanId::from(fastrand::u64(1..))
 }
 
 impl RequestTrace {
     /// Starts the server span, as a child of the client's span when the headers carry one.
     pub fn start(
-        tracer: &SdkTracer,
+        sink: &SpanSink,
         method: &http::Method,
         uri: &http::Uri,
         headers: &HeaderMap,
     ) -> Self {
-        let parent = propagation::extract(headers);
+        let parent_cx = propagation::extract(headers);
+        let parent = parent_cx.span().span_context().clone();
+        let parent = parent.is_valid().then_some(parent);
+        let trace_id = parent
+            .as_ref()
+            .map_or_else(random_trace_id, SpanContext::trace_id);
+        let sampled = sink.samples(parent.as_ref(), trace_id);
+        let context = SpanContext::new(
+            trace_id,
+            random_span_id(),
+            if sampled {
+                TraceFlags::SAMPLED
+            } else {
+                TraceFlags::default()
+            },
+            false,
+            parent
+                .as_ref()
+                .map(|parent| parent.trace_state().clone())
+                .unwrap_or_default(),
+        );
+        let recording = sampled && !sink.resting();
+        let mut trace = Self {
+            sink: sink.clone(),
+            context,
+            recording,
+            server: SpanGuard::default(),
+        };
         // Names and most values are static or shared text: a span costs no formatting.
         // OpenTelemetry's HTTP convention names a server span by its method alone when it
         // has no route template (a path would make every endpoint's name a span name).
         let method = method_name(method);
-        let mut attributes = Vec::with_capacity(12);
+        let mut attributes = Vec::with_capacity(14);
         attributes.extend([
             KeyValue::new("http.request.method", method),
             KeyValue::new("url.path", bounded(uri.path())),
         ]);
-        let span = tracer
-            .span_builder(method)
-            .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
-            .start_with_context(tracer, &parent);
-        Self {
-            tracer: tracer.clone(),
-            cx: parent.with_span(span),
+        trace.server = trace.span(
+            trace.context.clone(),
+            parent.as_ref().map(SpanContext::span_id),
+            parent.as_ref().is_some_and(SpanContext::is_remote),
+            SpanKind::Server,
+            method,
+            attributes,
+        );
+        trace
+    }
+
+    /// A span of this trace (`context` its own), or nothing when spans are not made.
+    fn span(
+        &self,
+        context: SpanContext,
+        parent: Option<SpanId>,
+        parent_is_remote: bool,
+        kind: SpanKind,
+        name: &'static str,
+        attributes: Vec<KeyValue>,
+    ) -> SpanGuard {
+        if !self.recording {
+            if context.is_sampled() {
+                // Sampled, but the collector cannot be reached: counted, not made.
+                self.sink.dropped(1);
+            }
+            return SpanGuard::default();
         }
+        let now = SystemTime::now();
+        SpanGuard(Some(Box::new(Recording {
+            sink: self.sink.clone(),
+            span: Mutex::new(SpanData {
+                span_context: context,
+                parent_span_id: parent.unwrap_or(SpanId::INVALID),
+                parent_span_is_remote: parent_is_remote,
+                span_kind: kind,
+                name: Cow::Borrowed(name),
+                start_time: now,
+                end_time: now,
+                attributes,
+                dropped_attributes_count: 0,
+                events: SpanEvents::default(),
+                links: SpanLinks::default(),
+                status: Status::Unset,
+                instrumentation_scope: self.sink.scope().clone(),
+            }),
+        })))
+    }
+
+    /// A child of the server span: its context, with the trace's flags and state.
+    fn child_context(&self) -> SpanContext {
+        SpanContext::new(
+            self.context.trace_id(),
+            random_span_id(),
+            self.context.trace_flags(),
+            false,
+            self.context.trace_state().clone(),
+        )
     }
 
     pub fn trace_id(&self) -> TraceId {
-        self.cx.span().span_context().trace_id()
+        self.context.trace_id()
     }
 
     /// The routing decision's span (ended when the guard is dropped).
     pub fn decision(&self) -> SpanGuard {
-        let span = self
-            .tracer
-            .span_builder("route")
-            .with_kind(SpanKind::Internal)
-            .start_with_context(&self.tracer, &self.cx);
-        SpanGuard(Some(self.cx.with_span(span)))
+        self.span(
+            self.child_context(),
+            Some(self.context.span_id()),
+            false,
+            SpanKind::Internal,
+            "route",
+            Vec::new(),
+        )
     }
 
     /// Records what the plan decided on the server span.
     pub fn record_plan(&self, plan: &Plan) {
-        let span = self.cx.span();
-        if !span.is_recording() {
+        if !self.server.is_recording() {
             return;
         }
         let variant = plan.variant();
@@ -115,11 +216,11 @@ impl RequestTrace {
                 disaggregated.count.tokens as i64,
             ));
         }
-        span.set_attributes(attributes);
+        self.server.set_attributes(attributes);
     }
 
     pub fn set_attribute(&self, attribute: KeyValue) {
-        self.cx.span().set_attribute(attribute);
+        self.server.set_attribute(attribute);
     }
 
     /// A client span for one upstream attempt (`hop`: `prefill`, `decode` or `forward`),
@@ -131,6 +232,11 @@ impl RequestTrace {
         hop: &'static str,
         headers: &mut HeaderMap,
     ) -> SpanGuard {
+        let context = self.child_context();
+        propagation::inject_span_context(&context, headers);
+        if !self.recording {
+            return self.span(context, None, false, SpanKind::Client, hop, Vec::new());
+        }
         let mut attributes = Vec::with_capacity(5);
         attributes.extend([
             KeyValue::new("switchyard.hop", hop),
@@ -140,57 +246,85 @@ impl RequestTrace {
         if let Some(port) = uri.port_u16() {
             attributes.push(KeyValue::new("server.port", i64::from(port)));
         }
-        let span = self
-            .tracer
-            .span_builder(hop)
-            .with_kind(SpanKind::Client)
-            .with_attributes(attributes)
-            .start_with_context(&self.tracer, &self.cx);
-        let cx = self.cx.with_span(span);
-        propagation::inject(&cx, headers);
-        SpanGuard(Some(cx))
+        self.span(
+            context,
+            Some(self.context.span_id()),
+            false,
+            SpanKind::Client,
+            hop,
+            attributes,
+        )
     }
 
     /// Ends the server span with the response status (on the response head: a streamed
     /// body keeps it open until it ends, through [`TracedBody`]).
     pub fn finish(self, status: http::StatusCode) -> SpanGuard {
-        let span = self.cx.span();
-        span.set_attribute(KeyValue::new(
+        self.server.set_attribute(KeyValue::new(
             "http.response.status_code",
             i64::from(status.as_u16()),
         ));
         if status.is_server_error() {
-            span.set_status(Status::error(Cow::Owned(status.to_string())));
+            self.server.set_status(Status::error(status.to_string()));
         }
-        SpanGuard(Some(self.cx))
+        self.server
     }
 }
 
-/// Ends its span when dropped.
+/// A span being recorded; handed to the export queue when it ends.
+#[derive(Debug)]
+struct Recording {
+    sink: SpanSink,
+    span: Mutex<SpanData>,
+}
+
+/// Ends its span when dropped (nothing when the span is not recorded).
 #[derive(Debug, Default)]
-pub struct SpanGuard(Option<Context>);
+pub struct SpanGuard(Option<Box<Recording>>);
 
 impl SpanGuard {
-    pub fn fail(&self, error: impl fmt::Display) {
-        if let Some(cx) = &self.0 {
-            let span = cx.span();
-            if span.is_recording() {
-                span.set_status(Status::error(error.to_string()));
-            }
+    fn is_recording(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn with_span(&self, change: impl FnOnce(&mut SpanData)) {
+        if let Some(recording) = &self.0 {
+            change(
+                &mut recording
+                    .span
+                    .lock()
+                    .unwrap_or_else(|poison| poison.into_inner()),
+            );
         }
     }
 
-    pub fn set_attribute(&self, attribute: KeyValue) {
-        if let Some(cx) = &self.0 {
-            cx.span().set_attribute(attribute);
+    pub fn fail(&self, error: impl fmt::Display) {
+        if self.is_recording() {
+            self.set_status(Status::error(error.to_string()));
         }
+    }
+
+    fn set_status(&self, status: Status) {
+        self.with_span(|span| span.status = status);
+    }
+
+    pub fn set_attribute(&self, attribute: KeyValue) {
+        self.with_span(|span| span.attributes.push(attribute));
+    }
+
+    fn set_attributes(&self, attributes: Vec<KeyValue>) {
+        self.with_span(|span| span.attributes.extend(attributes));
     }
 }
 
 impl Drop for SpanGuard {
     fn drop(&mut self) {
-        if let Some(cx) = self.0.take() {
-            cx.span().end();
+        if let Some(recording) = self.0.take() {
+            let Recording { sink, span } = *recording;
+            let mut span = span
+                .into_inner()
+                .unwrap_or_else(|poison| poison.into_inner());
+            span.end_time = SystemTime::now();
+            sink.push(span);
         }
     }
 }
