@@ -156,6 +156,12 @@ impl OtlpSink {
     /// full decode costs about what the router's encode does.
     pub async fn start(keep: bool) -> std::io::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(listener, keep)
+    }
+
+    /// [`OtlpSink::start`] on a listener of the caller's (a collector coming back on the
+    /// address it had).
+    pub fn start_on(listener: tokio::net::TcpListener, keep: bool) -> std::io::Result<Self> {
         let addr = listener.local_addr()?;
         let received = Arc::new(Received {
             keep,

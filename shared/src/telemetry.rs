@@ -337,7 +337,7 @@ impl SpanSink {
     /// True while the collector cannot be reached and spans are dropped unsent: a span need
     /// not be made, only counted with [`SpanSink::dropped`].
     pub fn resting(&self) -> bool {
-        self.queue.resting.load(Ordering::Acquire)
+        self.queue.resting()
     }
 
     /// Counts spans dropped without being made.
@@ -506,9 +506,11 @@ struct SpanQueue {
     /// A batch is waiting, or the queue is closing.
     ready: tokio::sync::Notify,
     closed: AtomicBool,
-    /// The collector cannot be reached: batches are dropped unsent for now, so spans need
-    /// not be made ([`SpanSink::resting`]).
-    resting: AtomicBool,
+    /// Until when (milliseconds since the Unix epoch; 0: not) the collector is taken to be
+    /// unreachable: batches are dropped unsent, so spans need not be made
+    /// ([`SpanSink::resting`]). A deadline, not a flag: with no spans made meanwhile, no batch
+    /// would come to lift a flag.
+    resting_until_ms: AtomicU64,
 }
 
 impl SpanQueue {
@@ -518,6 +520,11 @@ impl SpanQueue {
         let mut spans = lock(&self.spans);
         std::mem::swap(&mut *spans, spare);
         self.exporting.fetch_add(spare.len(), Ordering::AcqRel);
+    }
+
+    fn resting(&self) -> bool {
+        let until = self.resting_until_ms.load(Ordering::Acquire);
+        until != 0 && unix_ms() < until
     }
 
     /// `count` taken spans are sent or dropped.
@@ -578,7 +585,7 @@ impl QueueProcessor {
             exporting: std::sync::atomic::AtomicUsize::new(0),
             ready: tokio::sync::Notify::new(),
             closed: AtomicBool::new(false),
-            resting: AtomicBool::new(false),
+            resting_until_ms: AtomicU64::new(0),
         });
         let resource = Arc::new(Mutex::new(None));
         let pending = Arc::clone(&resource);
@@ -593,6 +600,12 @@ impl QueueProcessor {
             resource,
         })
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -689,7 +702,6 @@ fn export_loop(
                 // the next try: encoding spans for a collector that is gone costs as much as
                 // sending them.
                 let resting = retry_at.is_some_and(|at| tokio::time::Instant::now() < at);
-                queue.resting.store(resting, Ordering::Release);
                 let sent = match &mut client {
                     Some(_) if resting => Err(crate::otlp::Failed::unreachable(String::new())),
                     Some(client) => {
@@ -721,7 +733,7 @@ fn export_loop(
                         SPANS_EXPORTED.fetch_add(spans - rejected, Ordering::Relaxed);
                         SPANS_DROPPED.fetch_add(rejected, Ordering::Relaxed);
                         retry_at = None;
-                        queue.resting.store(false, Ordering::Release);
+                        queue.resting_until_ms.store(0, Ordering::Release);
                         if std::mem::take(&mut failing) {
                             tracing::info!(endpoint, "trace export works again");
                         }
@@ -735,7 +747,10 @@ fn export_loop(
                         // refuses a batch (too large, unauthenticated) is asked with the next.
                         if failed.unreachable {
                             retry_at = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
-                            queue.resting.store(true, Ordering::Release);
+                            queue.resting_until_ms.store(
+                                unix_ms() + RETRY_AFTER_FAILURE.as_millis() as u64,
+                                Ordering::Release,
+                            );
                         }
                         if !std::mem::replace(&mut failing, true) {
                             tracing::warn!(endpoint, error = failed.message, spans, "trace export failed; spans are dropped until the collector answers");

@@ -304,6 +304,51 @@ async fn with_the_collector_dead_every_request_succeeds_and_the_drops_are_counte
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_collector_comes_back_spans_are_exported_again() -> anyhow::Result<()> {
+    // While the collector cannot be reached the router makes no spans; that pause must end
+    // by itself, with no span left to end it.
+    let fleet = Fleet::start(1).await?;
+    let port = switchyard_tests::RefusingPort::new()?;
+    let router = fleet.router(Some(port.url()), 4096).await?;
+    for index in 0..10 {
+        let id = format!("away-{index}");
+        let reply = chat(&router.url(), &[("x-request-id", &id)]).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    eventually(Duration::from_secs(15), "the failed export", || async {
+        let (_, text) = http_get(&format!("{}/metrics", router.url()))
+            .await
+            .unwrap_or_default();
+        metric_value(&text, "switchyard_trace_spans_dropped_total") >= 1.0
+    })
+    .await?;
+    // The collector starts on the address the router exports to.
+    let sink = OtlpSink::start_on(port.listen()?, true)?;
+    let mut sent = 0;
+    eventually(
+        Duration::from_secs(20),
+        "spans of requests made after the collector came back",
+        || {
+            sent += 1;
+            let id = format!("back-{sent}");
+            let url = router.url();
+            let sink = &sink;
+            async move {
+                let reply = chat(&url, &[("x-request-id", &id)]).await;
+                assert!(reply.is_ok_and(|reply| reply.status == 200));
+                sink.spans().iter().any(|span| {
+                    span.attribute("switchyard.request_id")
+                        .is_some_and(|id| id.starts_with("back-"))
+                })
+            }
+        },
+    )
+    .await?;
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_collector_hung_every_request_succeeds_and_the_drops_are_counted()
 -> anyhow::Result<()> {
     let fleet = Fleet::start(1).await?;

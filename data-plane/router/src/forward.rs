@@ -274,6 +274,9 @@ impl Forwarder<'_> {
                     "http.response.status_code",
                     i64::from(response.status().as_u16()),
                 ));
+                if response.status().is_server_error() {
+                    in_flight.1.fail(response.status());
+                }
                 Ok((response, in_flight))
             }
             Ok(Err(err)) => {

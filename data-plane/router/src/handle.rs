@@ -149,7 +149,7 @@ async fn route(
     .await?;
     let (uri, mut headers) = (parts.uri, parts.headers);
     ensure_request_id(&mut headers);
-    if let Some(trace) = trace {
+    if let Some(trace) = trace.filter(|trace| trace.is_recording()) {
         trace.set_attribute(KeyValue::new(
             "switchyard.request_id",
             crate::trace::bounded(request_id(&headers)),

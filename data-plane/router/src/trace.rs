@@ -95,11 +95,14 @@ impl RequestTrace {
         // OpenTelemetry's HTTP convention names a server span by its method alone when it
         // has no route template (a path would make every endpoint's name a span name).
         let method = method_name(method);
-        let mut attributes = Vec::with_capacity(14);
-        attributes.extend([
-            KeyValue::new("http.request.method", method),
-            KeyValue::new("url.path", bounded(uri.path())),
-        ]);
+        let mut attributes = Vec::new();
+        if recording {
+            attributes.reserve(14);
+            attributes.extend([
+                KeyValue::new("http.request.method", method),
+                KeyValue::new("url.path", bounded(uri.path())),
+            ]);
+        }
         trace.server = trace.span(
             trace.context.clone(),
             parent.as_ref().map(SpanContext::span_id),
@@ -109,6 +112,15 @@ impl RequestTrace {
             attributes,
         );
         trace
+    }
+
+    /// A span not made: counted as dropped when it would have been sampled (the collector
+    /// cannot be reached).
+    fn unrecorded(&self) -> SpanGuard {
+        if self.context.is_sampled() {
+            self.sink.dropped(1);
+        }
+        SpanGuard::default()
     }
 
     /// A span of this trace (`context` its own), or nothing when spans are not made.
@@ -122,11 +134,7 @@ impl RequestTrace {
         attributes: Vec<KeyValue>,
     ) -> SpanGuard {
         if !self.recording {
-            if context.is_sampled() {
-                // Sampled, but the collector cannot be reached: counted, not made.
-                self.sink.dropped(1);
-            }
-            return SpanGuard::default();
+            return self.unrecorded();
         }
         let now = SystemTime::now();
         SpanGuard(Some(Box::new(Recording {
@@ -164,8 +172,16 @@ impl RequestTrace {
         self.context.trace_id()
     }
 
+    /// Whether this request's spans are made (attributes for them are worth building).
+    pub fn is_recording(&self) -> bool {
+        self.recording
+    }
+
     /// The routing decision's span (ended when the guard is dropped).
     pub fn decision(&self) -> SpanGuard {
+        if !self.recording {
+            return self.unrecorded();
+        }
         self.span(
             self.child_context(),
             Some(self.context.span_id()),
@@ -235,7 +251,7 @@ impl RequestTrace {
         let context = self.child_context();
         propagation::inject_span_context(&context, headers);
         if !self.recording {
-            return self.span(context, None, false, SpanKind::Client, hop, Vec::new());
+            return self.unrecorded();
         }
         let mut attributes = Vec::with_capacity(5);
         attributes.extend([
@@ -303,8 +319,14 @@ impl SpanGuard {
         }
     }
 
+    /// Sets the status unless the span has a stronger one (Ok over Error over Unset, as the
+    /// SDK orders them): a later body error does not replace a 5xx, nor anything replace Ok.
     fn set_status(&self, status: Status) {
-        self.with_span(|span| span.status = status);
+        self.with_span(|span| {
+            if status > span.status {
+                span.status = status;
+            }
+        });
     }
 
     pub fn set_attribute(&self, attribute: KeyValue) {
