@@ -273,6 +273,33 @@ async fn an_unsampled_parent_is_honoured_and_nothing_is_exported() -> anyhow::Re
     Ok(())
 }
 
+/// Sends `count` chats with request ids `{prefix}-{index}`; each must answer 200.
+async fn chats_all_ok(router: &str, prefix: &str, count: usize) -> anyhow::Result<()> {
+    for index in 0..count {
+        let id = format!("{prefix}-{index}");
+        let reply = chat(router, &[("x-request-id", &id)]).await?;
+        anyhow::ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+    }
+    Ok(())
+}
+
+/// Waits (15 s at most) until the router has counted at least `spans` dropped spans.
+async fn dropped_at_least(router: &str, spans: f64) -> anyhow::Result<()> {
+    eventually(Duration::from_secs(15), "drops to be counted", || async {
+        let (_, text) = http_get(&format!("{router}/metrics"))
+            .await
+            .unwrap_or_default();
+        metric_value(&text, "switchyard_trace_spans_dropped_total") >= spans
+    })
+    .await
+}
+
+/// The router's exported-span count now.
+async fn exported(router: &str) -> anyhow::Result<f64> {
+    let (_, text) = http_get(&format!("{router}/metrics")).await?;
+    Ok(metric_value(&text, "switchyard_trace_spans_exported_total"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_collector_dead_every_request_succeeds_and_the_drops_are_counted()
 -> anyhow::Result<()> {
@@ -281,24 +308,10 @@ async fn with_the_collector_dead_every_request_succeeds_and_the_drops_are_counte
     let refusing = switchyard_tests::RefusingPort::new()?;
     let dead = refusing.url();
     let router = fleet.router(Some(dead), 8).await?;
-    for index in 0..40 {
-        let id = format!("dead-{index}");
-        let reply = chat(&router.url(), &[("x-request-id", &id)]).await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
-    eventually(Duration::from_secs(15), "drops to be counted", || async {
-        let (_, text) = http_get(&format!("{}/metrics", router.url()))
-            .await
-            .unwrap_or_default();
-        // 40 requests make 120 spans; none can be exported.
-        metric_value(&text, "switchyard_trace_spans_dropped_total") >= 120.0
-    })
-    .await?;
-    let (_, text) = http_get(&format!("{}/metrics", router.url())).await?;
-    assert_eq!(
-        metric_value(&text, "switchyard_trace_spans_exported_total"),
-        0.0
-    );
+    chats_all_ok(&router.url(), "dead", 40).await?;
+    // 40 requests make 120 spans; none can be exported.
+    dropped_at_least(&router.url(), 120.0).await?;
+    assert_eq!(exported(&router.url()).await?, 0.0);
     router.shutdown().await;
     Ok(())
 }
@@ -310,18 +323,8 @@ async fn when_the_collector_comes_back_spans_are_exported_again() -> anyhow::Res
     let fleet = Fleet::start(1).await?;
     let port = switchyard_tests::RefusingPort::new()?;
     let router = fleet.router(Some(port.url()), 4096).await?;
-    for index in 0..10 {
-        let id = format!("away-{index}");
-        let reply = chat(&router.url(), &[("x-request-id", &id)]).await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
-    eventually(Duration::from_secs(15), "the failed export", || async {
-        let (_, text) = http_get(&format!("{}/metrics", router.url()))
-            .await
-            .unwrap_or_default();
-        metric_value(&text, "switchyard_trace_spans_dropped_total") >= 1.0
-    })
-    .await?;
+    chats_all_ok(&router.url(), "away", 10).await?;
+    dropped_at_least(&router.url(), 1.0).await?;
     // The collector starts on the address the router exports to.
     let sink = OtlpSink::start_on(port.listen()?, true)?;
     let mut sent = 0;
@@ -367,24 +370,11 @@ async fn with_the_collector_hung_every_request_succeeds_and_the_drops_are_counte
         std::future::pending::<()>().await;
     });
     let router = fleet.router(Some(hung), 8).await?;
-    for index in 0..40 {
-        let id = format!("hung-{index}");
-        let reply = chat(&router.url(), &[("x-request-id", &id)]).await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
-    eventually(Duration::from_secs(15), "drops to be counted", || async {
-        let (_, text) = http_get(&format!("{}/metrics", router.url()))
-            .await
-            .unwrap_or_default();
-        // 40 requests make 120 spans: at most the queue's 8 and one batch can be waiting.
-        metric_value(&text, "switchyard_trace_spans_dropped_total") >= 120.0 - 8.0 - 8.0
-    })
-    .await?;
-    let (_, text) = http_get(&format!("{}/metrics", router.url())).await?;
-    assert_eq!(
-        metric_value(&text, "switchyard_trace_spans_exported_total"),
-        0.0
-    );
+    chats_all_ok(&router.url(), "hung", 40).await?;
+    // 40 requests make 120 spans: at most the queue's 8 (the batch in flight counted in it)
+    // can be waiting.
+    dropped_at_least(&router.url(), 120.0 - 8.0).await?;
+    assert_eq!(exported(&router.url()).await?, 0.0);
     router.shutdown().await;
     holder.abort();
     Ok(())
