@@ -910,29 +910,16 @@ impl Reply {
     }
 }
 
-/// POST a body with headers, reading the whole response.
+/// POST a JSON body with headers, reading the whole response.
 pub async fn http_post(
     url: &str,
     headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> anyhow::Result<Reply> {
-    let mut request = http::Request::post(url).header("content-type", "application/json");
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request.body(Full::new(body.into()))?;
-    bounded(format!("POST {url}"), async {
-        let response = http_client().request(request).await?;
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        let body = response.into_body().collect().await?.to_bytes();
-        Ok(Reply {
-            status,
-            headers,
-            body: String::from_utf8_lossy(&body).into_owned(),
-        })
-    })
-    .await
+    let mut with_type = Vec::with_capacity(headers.len() + 1);
+    with_type.push(("content-type", "application/json"));
+    with_type.extend_from_slice(headers);
+    http_request(http::Method::POST, url, &with_type, body).await
 }
 
 /// Any method, with headers and a body (empty for none), reading the whole response (bounded
@@ -1147,6 +1134,29 @@ pub fn control_process(store_args: &[&str]) -> anyhow::Result<Process> {
     Process::start("switchyard-control", &args, "control plane listening")
 }
 
+/// Waits (15 s at most) until `router` routes to `count` instances of `endpoint`, over all
+/// its variants.
+pub async fn wait_for_router_instances(
+    router: &switchyard_router::RouterHandle,
+    endpoint: &str,
+    count: usize,
+) -> anyhow::Result<()> {
+    eventually(
+        Duration::from_secs(15),
+        &format!("the router to see {count} instances of {endpoint}"),
+        || async {
+            router.table().endpoints.get(endpoint).map(|endpoint| {
+                endpoint
+                    .variants
+                    .iter()
+                    .map(|v| v.instances.len())
+                    .sum::<usize>()
+            }) == Some(count)
+        },
+    )
+    .await
+}
+
 /// A whole cluster on loopback: etcd, a control plane on it, simulated engines registered as
 /// instances `engine-0..N` of endpoint `chat` (variant `AllTraffic`, ModelName `sim`), and
 /// routers following the control plane.
@@ -1203,20 +1213,7 @@ impl Cluster {
     /// Waits until every router routes to `count` instances of `chat`.
     pub async fn wait_for_instances(&self, count: usize) -> anyhow::Result<()> {
         for router in &self.routers {
-            eventually(
-                Duration::from_secs(15),
-                "routers to see every instance",
-                || async {
-                    router.table().endpoints.get("chat").map(|endpoint| {
-                        endpoint
-                            .variants
-                            .iter()
-                            .map(|v| v.instances.len())
-                            .sum::<usize>()
-                    }) == Some(count)
-                },
-            )
-            .await?;
+            wait_for_router_instances(router, "chat", count).await?;
         }
         Ok(())
     }

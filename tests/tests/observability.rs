@@ -60,21 +60,7 @@ impl Fleet {
         config.telemetry.otlp_queue_spans = queue_spans;
         let settings = config.validate().map_err(anyhow::Error::msg)?;
         let router = switchyard_router::RouterHandle::start(settings).await?;
-        let engines = self.engines.len();
-        eventually(
-            Duration::from_secs(15),
-            "the router to see every engine",
-            || async {
-                router.table().endpoints.get("chat").map(|endpoint| {
-                    endpoint
-                        .variants
-                        .iter()
-                        .map(|v| v.instances.len())
-                        .sum::<usize>()
-                }) == Some(engines)
-            },
-        )
-        .await?;
+        wait_for_router_instances(&router, "chat", self.engines.len()).await?;
         Ok(router)
     }
 
