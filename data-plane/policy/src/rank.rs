@@ -35,12 +35,14 @@ pub enum Strategy {
 }
 
 /// Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018) for
-/// PREFIX_AWARE: a key walks its rendezvous order past every instance that already has
+/// PREFIX_AWARE: a key stays on its rendezvous owner while the owner has fewer than
 /// [`LoadBalance::bound`] requests in flight fleet-wide, a bound that follows the variant's
 /// mean load, so a hot prefix spills before its owner drowns while another instance idles.
+/// A spill goes to the least loaded instance below the bound, preferring those the router
+/// already spilled the key to (they hold a copy): see [`rank_remembering`].
 ///
-/// Every router computes the same bound from the same fleet-wide loads, so routers keep
-/// agreeing, and a hot prefix spills to the same second choice everywhere.
+/// Every router computes the same bound from the same fleet-wide loads, so routers agree
+/// while a key stays on its owner, and place a key's first spill alike.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadBalance {
     /// `c ≥ 1`: how far above the mean load an instance may go.
@@ -63,6 +65,13 @@ impl LoadBalance {
         let bound = (self.factor * mean_with_this_one).ceil();
         // Saturating float-to-int conversion; the threshold caps the result anyway.
         (bound as u32).saturating_add(self.slack)
+    }
+
+    /// The bound of a hot key ([`rank_remembering`]): the same without the slack. The slack
+    /// spares a key the miss of a new copy while the fleet is lightly loaded; a hot key's
+    /// copies are paid back by its own traffic.
+    pub fn hot(self) -> Self {
+        Self { slack: 0, ..self }
     }
 }
 
@@ -170,12 +179,12 @@ pub fn rendezvous_order(
 
 /// Selects for one request.
 ///
-/// - `PrefixAware`: rendezvous order of `key`; the first available instance whose fleet-wide
-///   load is below the bound ([`prefix_aware_bound`]: the ConcurrencyThreshold, or with a
-///   [`LoadBalance`] the bounded-load bound if lower) comes first (`Prefix` if it is the top
-///   choice, else `Overflow`). If all are at the bound, the least loaded comes first (ties by
-///   rank). The rest follow in rendezvous order, so retries also go where every router would
-///   send them.
+/// - `PrefixAware` (SageMaker's, no [`LoadBalance`]): rendezvous order of `key`; the first
+///   available instance whose fleet-wide load is below the ConcurrencyThreshold comes first
+///   (`Prefix` if it is the top choice, else `Overflow`). If all are at the threshold, the
+///   least loaded comes first (ties by rank). The rest follow in rendezvous order, so retries
+///   also go where every router would send them. With a [`LoadBalance`]: see
+///   [`rank_remembering`] (here with no key remembered anywhere).
 /// - `LeastOutstandingRequests` (and `KvAware` without KV data): fewest in flight; ties broken
 ///   by `random`.
 /// - `Random`: weighted by instance weight, using `random`.
@@ -187,6 +196,58 @@ pub fn rank(
     load: impl Fn(usize) -> u32,
     key: u64,
     random: u64,
+) -> Ranking {
+    rank_remembering(strategy, instances, load, key, random, KeyHistory::none())
+}
+
+/// What a router knows of one PREFIX_AWARE key beyond its hash ([`rank_remembering`]).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyHistory<R> {
+    /// The key carried at least `1 / (2 N)` of the variant's recent requests here.
+    pub hot: bool,
+    /// `remembered(i)`: the router spilled the key to instance i before.
+    pub remembered: R,
+}
+
+impl KeyHistory<fn(usize) -> bool> {
+    /// A key seen for the first time.
+    pub fn none() -> Self {
+        fn nowhere(_: usize) -> bool {
+            false
+        }
+        Self {
+            hot: false,
+            remembered: nowhere,
+        }
+    }
+}
+
+/// [`rank`], with what this router remembers of where it spilled `key` before:
+/// `remembered(i)` is true if it sent `key` to instance i as an overflow (so i likely holds a
+/// copy of the prefix in its KV cache). Only PREFIX_AWARE with a [`LoadBalance`] reads it:
+///
+/// 1. the least loaded of the key's holders (its rendezvous owner and the remembered
+///    instances) that is available and below the bound ([`prefix_aware_bound`], without the
+///    slack if the key is hot); ties go to
+///    the earlier in the key's rendezvous order, so an owner as idle as any copy keeps it;
+/// 2. else the least loaded available instance below the bound (a new copy: its one miss
+///    lands where it stalls the fewest requests), ties by rendezvous order;
+/// 3. else the least loaded available instance.
+///
+/// `hot`: the key is hot (the router saw it carry a large share of the variant's recent
+/// requests): its bound is [`LoadBalance::hot`]'s, without the slack.
+///
+/// `Prefix` if the choice is the owner, else `Overflow`. The rest follow in rendezvous order.
+/// Routers that remember the same spills, count the key alike and see the same loads choose
+/// alike; a router that has not spilled a key yet places its first spill where every other
+/// router would.
+pub fn rank_remembering(
+    strategy: Strategy,
+    instances: &[InstanceView],
+    load: impl Fn(usize) -> u32,
+    key: u64,
+    random: u64,
+    KeyHistory { hot, remembered }: KeyHistory<impl Fn(usize) -> bool>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
     if instances.is_empty() {
@@ -201,11 +262,23 @@ pub fn rank(
             concurrency_threshold,
             balance,
         } => {
+            let balance = balance.map(|balance| if hot { balance.hot() } else { balance });
             let bound = prefix_aware_bound(concurrency_threshold, balance, &loads);
             let owner = rendezvous_order(instances, key, &mut order);
-            let below = order
-                .iter()
-                .position(|&index| instances[index].available && load(index) < bound);
+            let eligible = |index: usize| instances[index].available && load(index) < bound;
+            let below = match balance {
+                None => order.iter().position(|&index| eligible(index)),
+                Some(_) => {
+                    // Least loaded among those `wanted`; ties by position (rendezvous order).
+                    let least = |wanted: &dyn Fn(usize) -> bool| {
+                        (0..order.len())
+                            .filter(|&position| wanted(order[position]))
+                            .min_by_key(|&position| (load(order[position]), position))
+                    };
+                    least(&|index| eligible(index) && (Some(index) == owner || remembered(index)))
+                        .or_else(|| least(&eligible))
+                }
+            };
             let chosen = match below {
                 Some(position) => position,
                 None => {
@@ -655,6 +728,95 @@ mod tests {
         );
     }
 
+    fn copies(remembered: impl Fn(usize) -> bool) -> KeyHistory<impl Fn(usize) -> bool> {
+        KeyHistory {
+            hot: false,
+            remembered,
+        }
+    }
+
+    #[test]
+    fn a_hot_key_spills_without_the_slack() {
+        let instances = views(7);
+        let strategy = bounded(2.0, 3, 16);
+        let order = rank(strategy, &instances, |_| 0, 7, 0).order;
+        let owner = order[0];
+        // 15 in flight, 6 on the owner: ⌈2 × 16 / 7⌉ = 5, + 3 = 8 for a key, 5 for a hot one.
+        let by_rank = [6, 2, 0, 1, 2, 2, 2];
+        let load = |i: usize| by_rank[order.iter().position(|&o| o == i).unwrap()];
+        let total: u32 = (0..7).map(load).sum();
+        assert_eq!(total, 15);
+        let cold = rank(strategy, &instances, load, 7, 0);
+        assert_eq!(
+            (cold.first(), cold.route),
+            (Some(owner), Some(Route::Prefix))
+        );
+        let history = KeyHistory {
+            hot: true,
+            remembered: |_: usize| false,
+        };
+        let hot = rank_remembering(strategy, &instances, load, 7, 0, history);
+        assert_eq!(
+            (hot.first(), hot.route),
+            (Some(order[2]), Some(Route::Overflow)),
+            "to the least loaded"
+        );
+        // Without the extension, hotness changes nothing.
+        let sagemaker = Strategy::PrefixAware {
+            concurrency_threshold: 5,
+            balance: None,
+        };
+        assert_eq!(
+            rank_remembering(sagemaker, &instances, load, 7, 0, history),
+            rank(sagemaker, &instances, load, 7, 0)
+        );
+    }
+
+    #[test]
+    fn a_spill_goes_back_to_a_remembered_copy_and_otherwise_to_the_least_loaded() {
+        let instances = views(7);
+        let strategy = bounded(1.0, 0, 16);
+        let idle = rank(strategy, &instances, |_| 0, 7, 0);
+        let (owner, second, third) = (idle.order[0], idle.order[1], idle.order[2]);
+        // 17 in flight: bound ⌈18 / 7⌉ = 3. The owner is at it; the second choice at 2, the
+        // third idle, the rest at 3.
+        let load = |i: usize| match i {
+            i if i == second => 2,
+            i if i == third => 0,
+            _ => 3,
+        };
+        assert_eq!(load(owner), 3);
+        let fresh = rank(strategy, &instances, load, 7, 0);
+        assert_eq!(
+            (fresh.first(), fresh.route),
+            (Some(third), Some(Route::Overflow)),
+            "a first spill goes to the least loaded, not the next in order"
+        );
+        // Once the router has spilled the key to the second choice, it goes back there
+        // while that copy is below the bound, though another instance is idler.
+        let back = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == second));
+        assert_eq!(back.first(), Some(second));
+        // An owner as idle as its copy keeps the key (12 in flight: bound 2).
+        let even = |i: usize| if i == owner || i == second { 1 } else { 2 };
+        let kept = rank_remembering(strategy, &instances, even, 7, 0, copies(|i| i == second));
+        assert_eq!(
+            (kept.first(), kept.route),
+            (Some(owner), Some(Route::Prefix))
+        );
+        // A remembered copy less loaded than the owner takes it, both below the bound
+        // (13 in flight: bound 2).
+        let lighter = |i: usize| match i {
+            i if i == second => 0,
+            i if i == owner => 1,
+            _ => 2,
+        };
+        let moved = rank_remembering(strategy, &instances, lighter, 7, 0, copies(|i| i == second));
+        assert_eq!(
+            (moved.first(), moved.route),
+            (Some(second), Some(Route::Overflow))
+        );
+    }
+
     #[test]
     fn locally_ejected_instances_still_count_in_the_bound() {
         // Two routers may eject different instances; the bound must not depend on it.
@@ -749,11 +911,18 @@ mod tests {
             if available.iter().any(|&i| loads[i] < bound) {
                 prop_assert!(instances[first].available);
                 prop_assert!(loads[first] < bound, "chose load {} at bound {bound}", loads[first]);
-                // And it is the earliest such instance in the key's rendezvous order.
+                // The owner if it is below the bound, else the least loaded below it, the
+                // earliest in the key's rendezvous order among equals.
                 let mut order = Vec::new();
-                rendezvous_order(&instances, key, &mut order);
-                let earliest = order.iter().copied().find(|&i| instances[i].available && loads[i] < bound);
-                prop_assert_eq!(Some(first), earliest);
+                let owner = rendezvous_order(&instances, key, &mut order).unwrap();
+                let eligible = |i: usize| instances[i].available && loads[i] < bound;
+                let expected = if eligible(owner) {
+                    owner
+                } else {
+                    let least = order.iter().filter(|&&i| eligible(i)).map(|&i| loads[i]).min().unwrap();
+                    order.iter().copied().find(|&i| eligible(i) && loads[i] == least).unwrap()
+                };
+                prop_assert_eq!(first, expected);
             } else if !available.is_empty() {
                 let least = available.iter().map(|&i| loads[i]).min().unwrap();
                 prop_assert_eq!(loads[first], least);
@@ -764,6 +933,53 @@ mod tests {
             let mut sorted = ranking.order.clone();
             sorted.sort_unstable();
             prop_assert_eq!(sorted, (0..loads.len()).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn a_remembered_copy_below_the_bound_is_preferred_to_a_new_one(
+            key in any::<u64>(),
+            loads in proptest::collection::vec(0u32..40, 1..30),
+            remembered in proptest::collection::vec(any::<bool>(), 30),
+            ejected in proptest::collection::vec(any::<bool>(), 30),
+            factor in 1.0f64..3.0,
+            slack in 0u32..4,
+            hot in any::<bool>(),
+        ) {
+            let mut instances = views(loads.len());
+            for (instance, ejected) in instances.iter_mut().zip(&ejected) {
+                instance.available = !ejected;
+            }
+            let strategy = bounded(factor, slack, 1024);
+            let balance = LoadBalance { factor, slack };
+            let bound = prefix_aware_bound(1024, Some(if hot { balance.hot() } else { balance }), &loads);
+            let history = KeyHistory { hot, remembered: |i: usize| remembered[i] };
+            let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
+            let first = ranking.first().unwrap();
+            let mut order = Vec::new();
+            let owner = rendezvous_order(&instances, key, &mut order).unwrap();
+            let eligible = |i: usize| instances[i].available && loads[i] < bound;
+            let holder = |i: usize| i == owner || remembered[i];
+            if (0..loads.len()).any(|i| eligible(i) && holder(i)) {
+                // The least loaded holder below the bound, the earliest in the key's order.
+                prop_assert!(eligible(first) && holder(first), "chose {first}");
+                let least = (0..loads.len()).filter(|&i| eligible(i) && holder(i)).map(|i| loads[i]).min().unwrap();
+                let expected = order.iter().copied().find(|&i| eligible(i) && holder(i) && loads[i] == least);
+                prop_assert_eq!(Some(first), expected);
+            } else if (0..loads.len()).any(eligible) {
+                prop_assert!(eligible(first));
+                let least = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
+                prop_assert_eq!(loads[first], least);
+            }
+            prop_assert_eq!(ranking.route, Some(if first == owner { Route::Prefix } else { Route::Overflow }));
+            let mut sorted = ranking.order.clone();
+            sorted.sort_unstable();
+            prop_assert_eq!(sorted, (0..loads.len()).collect::<Vec<_>>());
+            // Without the extension, memory changes nothing.
+            let sagemaker = Strategy::PrefixAware { concurrency_threshold: 10, balance: None };
+            prop_assert_eq!(
+                rank_remembering(sagemaker, &instances, |i| loads[i], key, 0, history),
+                rank(sagemaker, &instances, |i| loads[i], key, 0)
+            );
         }
 
         #[test]
@@ -787,6 +1003,17 @@ mod tests {
             other_loads.reverse();
             let a = rank(strategy, &instances, |i| loads[i], key, 1);
             let b = rank(strategy, &other_instances, |i| other_loads[i], key, 99);
+            // The same holds for routers that remember the same spills.
+            let remembered: Vec<bool> = instances.iter().map(|instance| instance.id_hash % 3 == 0).collect();
+            let mut other_remembered = remembered.clone();
+            other_remembered.rotate_left(rotation);
+            other_remembered.reverse();
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| remembered[i] });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| other_remembered[i] });
+            let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
+            let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
+            prop_assert_eq!(ids_c, ids_d);
+            prop_assert_eq!(c.route, d.route);
             let ids_a: Vec<u64> = a.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_b: Vec<u64> = b.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_a, ids_b);

@@ -510,6 +510,7 @@ mod tests {
             prefix_length: 0,
             instances: Vec::new(),
             views: Vec::new(),
+            popularity: None,
         }
     }
 

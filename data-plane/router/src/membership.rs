@@ -343,8 +343,12 @@ impl Membership {
         };
         self.model_owners.clear();
         let names: Vec<EndpointName> = self.state.endpoints.keys().cloned().collect();
+        let current = self.table.load_full();
         for name in names {
-            if let Some(route) = self.state.route(&name) {
+            if let Some(mut route) = self.state.route(&name) {
+                if let Some(previous) = current.endpoints.get(&name) {
+                    route.inherit(previous);
+                }
                 for (model, variant) in table::route_models(&route) {
                     self.model_owners
                         .entry(model)
@@ -392,7 +396,10 @@ impl Membership {
                 }
             }
             match self.state.route(name) {
-                Some(route) => {
+                Some(mut route) => {
+                    if let Some(previous) = current.endpoints.get(name) {
+                        route.inherit(previous);
+                    }
                     for (model, variant) in table::route_models(&route) {
                         self.model_owners
                             .entry(model.clone())
@@ -1042,6 +1049,92 @@ mod tests {
             err.field,
             "Endpoints[0].ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig.LoadBalanceFactor"
         );
+    }
+
+    #[test]
+    fn bounded_loads_remember_a_spill_and_send_the_key_back_to_its_copy() {
+        use std::sync::atomic::Ordering;
+        use switchyard_policy::rank::Route;
+        let config = || {
+            parse(
+                r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
+                {"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+                  {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.0,"LoadBalanceSlack":0}}}],
+                "Instances":[{"Url":"http://127.0.0.1:9001","InstanceId":"a"},{"Url":"http://127.0.0.1:9002","InstanceId":"b"},
+                  {"Url":"http://127.0.0.1:9003","InstanceId":"c"},{"Url":"http://127.0.0.1:9004","InstanceId":"d"}]}]}"#,
+            )
+            .unwrap()
+        };
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        let mut membership = Membership::new(Arc::default(), Arc::clone(&table));
+        membership.load_static(config());
+        let key = 0x5eed_u64;
+        let current = table.load();
+        let variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
+        let views = variant.current_views(0);
+        let idle = variant.rank_prefix(&views, key);
+        assert_eq!(idle.route, Some(Route::Prefix));
+        let (owner, second, third) = (idle.order[0], idle.order[1], idle.order[2]);
+        assert!(
+            variant
+                .instances
+                .iter()
+                .all(|i| !i.cell.spills.remembers(key))
+        );
+        // 8 in flight over 4: bound ⌈9 / 4⌉ = 3. The owner is at 5; the third choice is idler
+        // than the second, so the first spill goes there and is remembered.
+        let set = |loads: [(usize, u32); 4]| {
+            for (index, load) in loads {
+                variant.instances[index]
+                    .cell
+                    .local
+                    .store(load, Ordering::Relaxed);
+            }
+        };
+        let fourth = idle.order[3];
+        set([(owner, 5), (second, 2), (third, 0), (fourth, 1)]);
+        let spill = variant.rank_prefix(&views, key);
+        assert_eq!(
+            (spill.first(), spill.route),
+            (Some(third), Some(Route::Overflow))
+        );
+        assert!(variant.instances[third].cell.spills.remembers(key));
+        // Now the second choice is the idlest, but the copy is below the bound: back there.
+        set([(owner, 5), (second, 0), (third, 2), (fourth, 1)]);
+        assert_eq!(variant.rank_prefix(&views, key).first(), Some(third));
+        // The memory lives in the instance's cell, so a new table (any config or membership
+        // change) keeps it.
+        membership.load_static(config());
+        let rebuilt = table.load();
+        let variant = &rebuilt.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
+        let id = |index: usize| {
+            current.endpoints[&EndpointName::new("chat").unwrap()].variants[0].instances[index]
+                .id
+                .clone()
+        };
+        let copy = variant
+            .instances
+            .iter()
+            .position(|i| i.id == id(third))
+            .unwrap();
+        assert!(variant.instances[copy].cell.spills.remembers(key));
+        // So are the key counts (whether a key is hot).
+        let old_variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
+        assert!(Arc::ptr_eq(
+            variant.popularity.as_ref().unwrap(),
+            old_variant.popularity.as_ref().unwrap()
+        ));
+        // The memory itself: direct-mapped, so a colliding key replaces the older one.
+        use crate::table::{SPILL_SLOTS, SpillMemory};
+        let memory = SpillMemory::default();
+        assert!(!memory.remembers(key));
+        memory.remember(key);
+        assert!(memory.remembers(key));
+        memory.remember(key + SPILL_SLOTS as u64);
+        assert!(!memory.remembers(key));
+        assert!(memory.remembers(key + SPILL_SLOTS as u64));
+        memory.remember(0);
+        assert!(memory.remembers(0));
     }
 
     #[test]

@@ -890,9 +890,7 @@ fn rank_prefill(
             Some(session) => rank::session(&views, session),
             None => round_robin(),
         },
-        PrefillRoutingStrategy::PrefixAware => {
-            rank::rank(variant.strategy, &views, load, key.prefix, 0)
-        }
+        PrefillRoutingStrategy::PrefixAware => variant.rank_prefix(&views, key.prefix),
         PrefillRoutingStrategy::KvAware => {
             rank::rank(Strategy::LeastOutstandingRequests, &views, load, 0, random)
         }
@@ -1021,10 +1019,7 @@ fn rank_instances(
                 ),
                 None => routing_key(id, native(body, variant.prefix_length)),
             };
-            (
-                rank::rank(variant.strategy, &views, load, key, 0),
-                Some(key),
-            )
+            (variant.rank_prefix(&views, key), Some(key))
         }
         (None, strategy) => (rank::rank(strategy, &views, load, 0, random), None),
     }

@@ -9,10 +9,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use switchyard_policy::hash::instance_hash;
-use switchyard_policy::rank::{InstanceView, LoadBalance, Route, Strategy};
+use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Route, Strategy};
 use switchyard_shared::{
     DecodeRoutingStrategy, EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey,
     InstanceProtocol, KvEventsEndpoints, KvTransferProtocol, PrefillRoutingStrategy,
@@ -139,6 +139,137 @@ pub struct InstanceCell {
     pub requests: [AtomicU64; RouteLabel::ALL.len()],
     /// Failed requests, by `UpstreamError`.
     pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
+    /// PREFIX_AWARE keys this router spilled onto the instance (bounded loads).
+    pub spills: SpillMemory,
+}
+
+/// The PREFIX_AWARE keys a router spilled onto one instance under bounded loads: where it
+/// knows a copy of the prefix is cached besides the key's owner, so that later spills of the
+/// key go back there instead of making yet another copy (`rank::rank_remembering`).
+///
+/// A hint, kept small and lock-free: a direct-mapped table of [`SPILL_SLOTS`] keys, allocated
+/// on the first spill. A key that collides with another forgets the older one, whose next
+/// spill then goes where a new key's would; an instance that lost its cache (a restart
+/// under the same id) costs one miss per remembered key.
+#[derive(Debug, Default)]
+pub struct SpillMemory {
+    slots: OnceLock<Box<[AtomicU64]>>,
+}
+
+/// Keys remembered per instance (8 bytes each).
+pub const SPILL_SLOTS: usize = 512;
+
+/// How often each PREFIX_AWARE key of one variant came through this router lately, enough to
+/// tell a hot key (at least `1 / (2 N)` of the variant's recent requests, N its instances)
+/// from the rest: a hot key spills without the slack (`LoadBalance::hot`).
+///
+/// A heavy-hitter sketch, lock-free and fixed in size: [`POPULARITY_SLOTS`] direct-mapped
+/// counters. A key that finds its slot held by another wears the holder's count down by one
+/// and takes the slot at zero, so a frequent key keeps its slot against rare ones. Every
+/// [`POPULARITY_WINDOW`] requests all counts (and the total) are halved, so a key that cools
+/// down stops being hot within a few windows. Nothing counts as hot before
+/// [`POPULARITY_MIN_COUNTED`] requests.
+#[derive(Debug)]
+pub struct KeyPopularity {
+    /// Per slot: the key's top 40 bits, then a 24-bit count.
+    slots: Box<[AtomicU64]>,
+    /// Requests counted, halved with the counts.
+    counted: AtomicU64,
+    /// Requests seen, never halved: when to halve.
+    seen: AtomicU64,
+}
+
+pub const POPULARITY_SLOTS: usize = 1024;
+pub const POPULARITY_WINDOW: u64 = 1024;
+pub const POPULARITY_MIN_COUNTED: u64 = 64;
+const COUNT_BITS: u32 = 24;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+
+impl Default for KeyPopularity {
+    fn default() -> Self {
+        Self {
+            slots: (0..POPULARITY_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            counted: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+        }
+    }
+}
+
+impl KeyPopularity {
+    /// Counts one request for `key`; true if the key is hot among `instances` instances.
+    pub fn record(&self, key: u64, instances: usize) -> bool {
+        let slot = &self.slots[(key % POPULARITY_SLOTS as u64) as usize];
+        let tag = key >> COUNT_BITS;
+        let mut count = 0;
+        // The closure never returns None, so this cannot fail.
+        let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+            let (holder, held) = (word >> COUNT_BITS, word & COUNT_MASK);
+            let next = if holder == tag || held == 0 {
+                count = if holder == tag { held + 1 } else { 1 };
+                (tag << COUNT_BITS) | count.min(COUNT_MASK)
+            } else {
+                count = 0;
+                word - 1
+            };
+            Some(next)
+        });
+        let counted = self.counted.fetch_add(1, Ordering::Relaxed) + 1;
+        if (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(POPULARITY_WINDOW) {
+            self.halve();
+        }
+        Self::is_hot(count, counted, instances)
+    }
+
+    /// Whether `key` is hot now, without counting it.
+    pub fn peek(&self, key: u64, instances: usize) -> bool {
+        let word = self.slots[(key % POPULARITY_SLOTS as u64) as usize].load(Ordering::Relaxed);
+        let count = if word >> COUNT_BITS == key >> COUNT_BITS {
+            word & COUNT_MASK
+        } else {
+            0
+        };
+        Self::is_hot(count, self.counted.load(Ordering::Relaxed), instances)
+    }
+
+    fn is_hot(count: u64, counted: u64, instances: usize) -> bool {
+        counted >= POPULARITY_MIN_COUNTED
+            && count.saturating_mul(2 * instances.max(1) as u64) >= counted
+    }
+
+    fn halve(&self) {
+        for slot in self.slots.iter() {
+            let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                Some((word & !COUNT_MASK) | ((word & COUNT_MASK) >> 1))
+            });
+        }
+        let _ = self
+            .counted
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |counted| {
+                Some(counted / 2)
+            });
+    }
+}
+
+impl SpillMemory {
+    fn slot(key: u64) -> (usize, u64) {
+        // Keys are hashes; 0 marks an empty slot, so key 0 is stored as 1.
+        ((key % SPILL_SLOTS as u64) as usize, key.max(1))
+    }
+
+    pub fn remembers(&self, key: u64) -> bool {
+        let (index, tag) = Self::slot(key);
+        self.slots
+            .get()
+            .is_some_and(|slots| slots[index].load(Ordering::Relaxed) == tag)
+    }
+
+    pub fn remember(&self, key: u64) {
+        let (index, tag) = Self::slot(key);
+        let slots = self
+            .slots
+            .get_or_init(|| (0..SPILL_SLOTS).map(|_| AtomicU64::new(0)).collect());
+        slots[index].store(tag, Ordering::Relaxed);
+    }
 }
 
 impl InstanceCell {
@@ -241,9 +372,37 @@ pub struct VariantRoute {
     pub prefix_length: usize,
     pub instances: Vec<InstanceRoute>,
     pub views: Vec<InstanceView>,
+    /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
+    /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
+    pub popularity: Option<Arc<KeyPopularity>>,
 }
 
 impl VariantRoute {
+    /// PREFIX_AWARE's ranking of `key` over `views` (this variant's, as of now): with bounded
+    /// loads, it counts the key, and reads and updates what this router remembers of where it
+    /// spilled the key.
+    pub fn rank_prefix(&self, views: &[InstanceView], key: u64) -> rank::Ranking {
+        let load = |index: usize| self.instances[index].cell.fleet_load();
+        let (
+            Strategy::PrefixAware {
+                balance: Some(_), ..
+            },
+            Some(popularity),
+        ) = (self.strategy, &self.popularity)
+        else {
+            return rank::rank(self.strategy, views, load, key, 0);
+        };
+        let history = KeyHistory {
+            hot: popularity.record(key, views.len()),
+            remembered: |index: usize| self.instances[index].cell.spills.remembers(key),
+        };
+        let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
+        if let (Some(first), Some(Route::Overflow)) = (ranking.first(), ranking.route) {
+            self.instances[first].cell.spills.remember(key);
+        }
+        ranking
+    }
+
     /// Views with availability as of `now_ms`.
     pub fn current_views(&self, now_ms: u64) -> Vec<InstanceView> {
         self.views
@@ -254,6 +413,26 @@ impl VariantRoute {
                 ..*view
             })
             .collect()
+    }
+}
+
+impl EndpointRoute {
+    /// Keeps what `previous` (the route this one replaces) learned of its keys' popularity,
+    /// variant by variant (by name), so a membership or config change does not reset it.
+    pub fn inherit(&mut self, previous: &EndpointRoute) {
+        for variant in &mut self.variants {
+            let Some(popularity) = &mut variant.popularity else {
+                continue;
+            };
+            if let Some(old) = previous
+                .variants
+                .iter()
+                .find(|old| old.name == variant.name)
+                .and_then(|old| old.popularity.as_ref())
+            {
+                *popularity = Arc::clone(old);
+            }
+        }
     }
 }
 
@@ -421,6 +600,14 @@ pub fn endpoint_route<'a>(
             prefix_length,
             instances: routes,
             views,
+            popularity: matches!(
+                strategy,
+                Strategy::PrefixAware {
+                    balance: Some(_),
+                    ..
+                }
+            )
+            .then(Arc::default),
         });
     }
     let disaggregation = config
@@ -527,6 +714,44 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_with_a_large_share_of_recent_requests_is_hot() {
+        let popularity = KeyPopularity::default();
+        let instances = 7;
+        // Key 1 carries 30% of the requests, key 2 8%, key 3 58%, and 4% are keys seen once.
+        // Hot means at least 1 / 14 (7.1%).
+        let mut hot = [0u32; 4];
+        for request in 0..5000u64 {
+            let (class, key) = match request % 100 {
+                0..=29 => (1, 1u64 << 40 | 1),
+                30..=37 => (2, 2u64 << 40 | 2),
+                38..=41 => (0, 1000 + request),
+                _ => (3, 3u64 << 40 | 3),
+            };
+            let is_hot = popularity.record(key, instances);
+            if request >= 2000 {
+                hot[class] += u32::from(is_hot);
+            }
+        }
+        // Of the last 3000 requests, every one of keys 1, 2 and 3 was hot; no rare one.
+        assert_eq!(hot, [0, 900, 240, 1740]);
+        assert!(popularity.peek(1u64 << 40 | 1, instances));
+        // A rare key never is, and 8% is not hot among 4 instances (at least 12.5%).
+        assert!(!popularity.peek(1000 + 4999, instances));
+        assert!(!popularity.peek(2u64 << 40 | 2, 4));
+        // Nothing is hot before enough requests were counted.
+        let fresh = KeyPopularity::default();
+        for _ in 0..POPULARITY_MIN_COUNTED - 1 {
+            assert!(!fresh.record(5, instances));
+        }
+        assert!(fresh.record(5, instances));
+        // A key that stops coming cools down within a few windows.
+        for request in 0..8 * POPULARITY_WINDOW {
+            popularity.record(10_000 + request, instances);
+        }
+        assert!(!popularity.peek(1u64 << 40 | 1, instances));
+    }
 
     #[test]
     fn route_labels_and_upstream_error_kinds_are_the_documented_values() {
