@@ -35,14 +35,16 @@ pub enum Strategy {
 }
 
 /// Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018) for
-/// PREFIX_AWARE: a key stays on its rendezvous owner while the owner has fewer than
-/// [`LoadBalance::bound`] requests in flight fleet-wide, a bound that follows the variant's
-/// mean load, so a hot prefix spills before its owner drowns while another instance idles.
-/// A spill goes to the least loaded instance below the bound, preferring those the router
-/// already spilled the key to (they hold a copy): see [`rank_remembering`].
+/// PREFIX_AWARE: an instance takes a key only while it has fewer than [`LoadBalance::bound`]
+/// requests in flight fleet-wide, a bound that follows the variant's mean load, so a hot
+/// prefix spills before its owner drowns while another instance idles. A key goes to the
+/// least loaded of its holders below the bound (its owner, and the instances this router
+/// already spilled it to, which hold a copy; the owner wins ties), else to the least loaded
+/// instance below the bound: see [`rank_remembering`].
 ///
-/// Every router computes the same bound from the same fleet-wide loads, so routers agree
-/// while a key stays on its owner, and place a key's first spill alike.
+/// Every router computes the same bound from the same fleet-wide loads. A key no router has
+/// spilled stays on its owner below the bound and spills alike everywhere; once routers have
+/// spilled it, each may prefer its own copies (all of which hold the prefix).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadBalance {
     /// `c ≥ 1`: how far above the mean load an instance may go.

@@ -397,7 +397,11 @@ impl VariantRoute {
             remembered: |index: usize| self.instances[index].cell.spills.remembers(key),
         };
         let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
-        if let (Some(first), Some(Route::Overflow)) = (ranking.first(), ranking.route) {
+        // Remembered only if the request can go there now: an ejected instance chosen
+        // because every instance is ejected would not get it.
+        if let (Some(first), Some(Route::Overflow)) = (ranking.first(), ranking.route)
+            && views[first].available
+        {
             self.instances[first].cell.spills.remember(key);
         }
         ranking
