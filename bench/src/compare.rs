@@ -101,7 +101,7 @@ pub enum Preset {
     /// Hot prefixes (docs/benchmarks.md, section 7): 7 engines, 4,000 requests over 32 shared
     /// prefixes of 8,000 tokens whose popularity follows a Zipf law (exponent 1.1), 32 output
     /// tokens, 16 clients, time scale 0.25, ConcurrencyThreshold 16; PREFIX_AWARE with
-    /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 2), then
+    /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 3), then
     /// the SGLang gateway (skipped if `smg` is not installed), with 1 and 4 routers. About 8
     /// minutes on 2 cores in a release build.
     Zipf,
@@ -154,7 +154,7 @@ pub struct DemoArgs {
     #[arg(long, value_delimiter = ',', value_name = "C,..")]
     pub load_balance_factor: Option<Vec<f64>>,
     /// Additive slack s of the bounded-load runs (requests, 0-1024, comma-separated: each
-    /// factor runs with each slack). Default: 2, the default of LoadBalanceSlack.
+    /// factor runs with each slack). Default: 3, the default of LoadBalanceSlack.
     #[arg(long, value_delimiter = ',', value_name = "S,..")]
     pub load_balance_slack: Option<Vec<u32>>,
     /// Peer routers to run in front of the same simulated engines, comma-separated (sglang:

@@ -27,7 +27,7 @@ pub const LOAD_BALANCE_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 1.0..=100.0
 pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
 /// `LoadBalanceSlack` when `LoadBalanceFactor` is given alone (docs/benchmarks.md, section 7,
 /// shows why).
-pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 2;
+pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 pub const DEFAULT_INSTANCE_WEIGHT: f64 = 1.0;
 /// Longest instance lease a registration may ask for.
@@ -114,7 +114,8 @@ impl std::str::FromStr for RoutingStrategy {
 /// an instance takes a prefix only while its fleet-wide in-flight count is below
 /// `min(ConcurrencyThreshold, ⌈LoadBalanceFactor × (L + 1) / N⌉ + LoadBalanceSlack)`, where
 /// L is the variant's fleet-wide in-flight total and N its routable instances; past it, the
-/// prefix goes to its next instance in rendezvous order (`x-switchyard-route: overflow`).
+/// prefix goes to another instance below the bound (`x-switchyard-route: overflow`): a copy
+/// the router made before, else a lightly loaded one (`switchyard_policy::rank`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct PrefixAwareRoutingConfig {
