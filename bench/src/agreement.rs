@@ -4,7 +4,9 @@
 //! plane last reported them (up to one report interval old), so under load routers see
 //! slightly different fleet-wide loads. PREFIX_AWARE's rendezvous order is the same on every
 //! router; where load moves a request (past the ConcurrencyThreshold, or past the bounded-load
-//! bound), routers may decide differently for a moment. This module measures it: every few
+//! bound), routers may decide differently: for a moment when their loads differ, for longer
+//! under bounded loads, where each router places and reuses copies from what it sent and
+//! spilled itself. This module measures it: every few
 //! milliseconds during a run, it asks every router's current routing table and load cells
 //! (the same inputs and the same policy code the request path uses) where each of the
 //! trace's prefixes would go, and counts the disagreements, weighted by how many of the
@@ -16,7 +18,7 @@ use std::time::Duration;
 use serde::Serialize;
 use switchyard_policy::rank::{self, Route};
 use switchyard_router::RouterHandle;
-use switchyard_router::table::RoutingTable;
+use switchyard_router::table::{RoutingTable, spill_clock_ms};
 use tokio_util::sync::CancellationToken;
 
 /// Routing keys of a trace with their share of its requests (summing to 1).
@@ -99,6 +101,7 @@ impl Tally {
         }
         let mut choices: Vec<(&str, Option<Route>)> = Vec::with_capacity(routers.len());
         let pairs = (routers.len() * (routers.len() - 1) / 2) as f64;
+        let clock = spill_clock_ms();
         for &(key, weight) in &keys.0 {
             choices.clear();
             for (variant, views, loads) in &routers {
@@ -109,7 +112,13 @@ impl Tally {
                         .popularity
                         .as_ref()
                         .is_some_and(|popularity| popularity.peek(key, views.len())),
-                    remembered: |i: usize| variant.instances[i].cell.spills.remembers(key),
+                    remembered: |i: usize| variant.instances[i].cell.spills.remembers(key, clock),
+                    sent: |i: usize| {
+                        variant.instances[i]
+                            .cell
+                            .recent
+                            .load(std::sync::atomic::Ordering::Relaxed)
+                    },
                 };
                 let ranking =
                     rank::rank_remembering(variant.strategy, views, |i| loads[i], key, 0, history);

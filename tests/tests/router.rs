@@ -372,8 +372,9 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
     assert_eq!(reply.header("x-switchyard-route"), Some("prefix"));
     let (second, on) = hold(router_a).await?;
     assert_eq!(on, owner);
-    // Two in flight on the owner, none elsewhere: bound ⌈3/4⌉ + 1 = 2, so the prefix spills,
-    // through either router, to the same second choice.
+    // Two in flight on the owner, none elsewhere: bound ⌈3/4⌉ + 1 = 2, so the prefix spills.
+    // Neither router has sent anything to another instance, so both place the new copy alike:
+    // on the second choice.
     eventually(
         Duration::from_secs(5),
         "router B to see the owner's load",

@@ -39,12 +39,13 @@ pub enum Strategy {
 /// requests in flight fleet-wide, a bound that follows the variant's mean load, so a hot
 /// prefix spills before its owner drowns while another instance idles. A key goes to the
 /// least loaded of its holders below the bound (its owner, and the instances this router
-/// already spilled it to, which hold a copy; the owner wins ties), else to the least loaded
-/// instance below the bound: see [`rank_remembering`].
+/// already spilled it to, which hold a copy; the owner wins ties), else to a new copy on a
+/// lightly loaded instance below the bound: see [`rank_remembering`].
 ///
-/// Every router computes the same bound from the same fleet-wide loads. A key no router has
-/// spilled stays on its owner below the bound and spills alike everywhere; once routers have
-/// spilled it, each may prefer its own copies (all of which hold the prefix).
+/// Every router computes the same bound from the same fleet-wide loads, so a key stays on its
+/// owner below the bound everywhere. Past it, each router places and reuses copies from what
+/// it sent and spilled itself, so two routers may choose different copies (all of which hold
+/// the prefix).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadBalance {
     /// `c ≥ 1`: how far above the mean load an instance may go.
@@ -202,24 +203,31 @@ pub fn rank(
     rank_remembering(strategy, instances, load, key, random, KeyHistory::none())
 }
 
-/// What a router knows of one PREFIX_AWARE key beyond its hash ([`rank_remembering`]).
+/// What a router knows of one PREFIX_AWARE key beyond its hash, and of where it sent requests
+/// lately ([`rank_remembering`]).
 #[derive(Debug, Clone, Copy)]
-pub struct KeyHistory<R> {
+pub struct KeyHistory<R, S> {
     /// The key carried at least `1 / (2 N)` of the variant's recent requests here.
     pub hot: bool,
     /// `remembered(i)`: the router spilled the key to instance i before.
     pub remembered: R,
+    /// `sent(i)`: how many of the variant's recent requests the router sent to instance i.
+    pub sent: S,
 }
 
-impl KeyHistory<fn(usize) -> bool> {
-    /// A key seen for the first time.
+impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32> {
+    /// A key seen for the first time, by a router that has sent nothing yet.
     pub fn none() -> Self {
         fn nowhere(_: usize) -> bool {
             false
         }
+        fn nothing(_: usize) -> u32 {
+            0
+        }
         Self {
             hot: false,
             remembered: nowhere,
+            sent: nothing,
         }
     }
 }
@@ -232,24 +240,32 @@ impl KeyHistory<fn(usize) -> bool> {
 ///    instances) that is available and below the bound ([`prefix_aware_bound`], without the
 ///    slack if the key is hot); ties go to
 ///    the earlier in the key's rendezvous order, so an owner as idle as any copy keeps it;
-/// 2. else the least loaded available instance below the bound (a new copy: its one miss
-///    lands where it stalls the fewest requests), ties by rendezvous order;
+/// 2. else a new copy: of the available instances below the bound and within one request of
+///    the least loaded of them, the one the router sent the fewest recent requests (`sent`),
+///    then the least loaded, then by rendezvous order. Copies of hot keys spread over the
+///    instances that serve least instead of whichever is momentarily idlest, and the one miss
+///    lands where it stalls few requests; the band keeps an instance that served nothing (one
+///    that just joined) from drawing every new copy;
 /// 3. else the least loaded available instance.
 ///
 /// `hot`: the key is hot (the router saw it carry a large share of the variant's recent
 /// requests): its bound is [`LoadBalance::hot`]'s, without the slack.
 ///
-/// `Prefix` if the choice is the owner, else `Overflow`. The rest follow in rendezvous order.
-/// Routers that remember the same spills, count the key alike and see the same loads choose
-/// alike; a router that has not spilled a key yet places its first spill where every other
-/// router would.
+/// `Prefix` if the choice is the owner, else `Overflow`. With a [`LoadBalance`] the rest follow
+/// with the key's holders first (retries try a copy before making one), each group in
+/// rendezvous order; unavailable instances last. Routers that remember the same spills, count
+/// alike and see the same loads choose alike.
 pub fn rank_remembering(
     strategy: Strategy,
     instances: &[InstanceView],
     load: impl Fn(usize) -> u32,
     key: u64,
     random: u64,
-    KeyHistory { hot, remembered }: KeyHistory<impl Fn(usize) -> bool>,
+    KeyHistory {
+        hot,
+        remembered,
+        sent,
+    }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
     if instances.is_empty() {
@@ -268,17 +284,43 @@ pub fn rank_remembering(
             let bound = prefix_aware_bound(concurrency_threshold, balance, &loads);
             let owner = rendezvous_order(instances, key, &mut order);
             let eligible = |index: usize| instances[index].available && load(index) < bound;
+            // Which instances hold the key (the owner, or a copy this router made), read once:
+            // the memory changes under concurrent requests, and the retry sort below needs
+            // keys that stay put.
+            let holder: Vec<bool> = match balance {
+                None => Vec::new(),
+                Some(_) => (0..instances.len())
+                    .map(|index| Some(index) == owner || remembered(index))
+                    .collect(),
+            };
             let below = match balance {
                 None => order.iter().position(|&index| eligible(index)),
                 Some(_) => {
-                    // Least loaded among those `wanted`; ties by position (rendezvous order).
-                    let least = |wanted: &dyn Fn(usize) -> bool| {
-                        (0..order.len())
-                            .filter(|&position| wanted(order[position]))
-                            .min_by_key(|&position| (load(order[position]), position))
-                    };
-                    least(&|index| eligible(index) && (Some(index) == owner || remembered(index)))
-                        .or_else(|| least(&eligible))
+                    let order = &order;
+                    // The least loaded holder below the bound; ties by position (rendezvous
+                    // order), so an owner as idle as a copy keeps the key.
+                    (0..order.len())
+                        .filter(|&position| eligible(order[position]) && holder[order[position]])
+                        .min_by_key(|&position| (load(order[position]), position))
+                        .or_else(|| {
+                            // A new copy: of the instances below the bound within one request
+                            // of the least loaded, the one this router sent the fewest
+                            // requests lately, then the least loaded, then by position.
+                            let floor = order
+                                .iter()
+                                .filter(|&&i| eligible(i))
+                                .map(|&i| load(i))
+                                .min()?;
+                            (0..order.len())
+                                .filter(|&position| {
+                                    let index = order[position];
+                                    eligible(index) && load(index) <= floor + 1
+                                })
+                                .min_by_key(|&position| {
+                                    let index = order[position];
+                                    (sent(index), load(index), position)
+                                })
+                        })
                 }
             };
             let chosen = match below {
@@ -297,6 +339,11 @@ pub fn rank_remembering(
             };
             let index = order.remove(chosen);
             order.insert(0, index);
+            if balance.is_some() {
+                // Retries try the key's other holders (the owner, then the copies) before
+                // instances that would need a new copy; unavailable ones stay last.
+                order[1..].sort_by_key(|&index| (!instances[index].available, !holder[index]));
+            }
             if Some(index) == owner {
                 Route::Prefix
             } else {
@@ -730,10 +777,13 @@ mod tests {
         );
     }
 
-    fn copies(remembered: impl Fn(usize) -> bool) -> KeyHistory<impl Fn(usize) -> bool> {
+    fn copies(
+        remembered: impl Fn(usize) -> bool,
+    ) -> KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32> {
         KeyHistory {
             hot: false,
             remembered,
+            sent: |_: usize| 0,
         }
     }
 
@@ -756,6 +806,7 @@ mod tests {
         let history = KeyHistory {
             hot: true,
             remembered: |_: usize| false,
+            sent: |_: usize| 0,
         };
         let hot = rank_remembering(strategy, &instances, load, 7, 0, history);
         assert_eq!(
@@ -775,7 +826,7 @@ mod tests {
     }
 
     #[test]
-    fn a_spill_goes_back_to_a_remembered_copy_and_otherwise_to_the_least_loaded() {
+    fn a_spill_goes_back_to_a_remembered_copy_and_otherwise_to_the_instance_that_serves_least() {
         let instances = views(7);
         let strategy = bounded(1.0, 0, 16);
         let idle = rank(strategy, &instances, |_| 0, 7, 0);
@@ -794,10 +845,34 @@ mod tests {
             (Some(third), Some(Route::Overflow)),
             "a first spill goes to the least loaded, not the next in order"
         );
+        // ... or, within one request of it, the one the router sent the fewest requests lately:
+        // an instance idle on the whole beats one momentarily idler ...
+        let served = KeyHistory {
+            hot: false,
+            remembered: |_: usize| false,
+            sent: |i: usize| if i == third { 9 } else { 1 },
+        };
+        let near = |i: usize| if i == second { 1 } else { load(i) };
+        let spread = rank_remembering(strategy, &instances, near, 7, 0, served);
+        assert_eq!(
+            (spread.first(), spread.route),
+            (Some(second), Some(Route::Overflow))
+        );
+        // ... but not one further from the least loaded: an instance that served little (one
+        // that just joined) does not draw every new copy.
+        let far = rank_remembering(strategy, &instances, load, 7, 0, served);
+        assert_eq!(far.first(), Some(third));
         // Once the router has spilled the key to the second choice, it goes back there
         // while that copy is below the bound, though another instance is idler.
         let back = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == second));
         assert_eq!(back.first(), Some(second));
+        // A spill that goes to a new copy is retried on the key's holders first: the owner,
+        // then the remembered copy, then the rest in rendezvous order.
+        let fourth = idle.order[3];
+        let copy = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == fourth));
+        assert_eq!(copy.first(), Some(third), "the copy is at the bound (3)");
+        assert_eq!(copy.order[1..3], [owner, fourth]);
+        assert_eq!(copy.order[3], second);
         // An owner as idle as its copy keeps the key (12 in flight: bound 2).
         let even = |i: usize| if i == owner || i == second { 1 } else { 2 };
         let kept = rank_remembering(strategy, &instances, even, 7, 0, copies(|i| i == second));
@@ -943,6 +1018,7 @@ mod tests {
             loads in proptest::collection::vec(0u32..40, 1..30),
             remembered in proptest::collection::vec(any::<bool>(), 30),
             ejected in proptest::collection::vec(any::<bool>(), 30),
+            sent in proptest::collection::vec(0u32..4, 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
             hot in any::<bool>(),
@@ -954,7 +1030,7 @@ mod tests {
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
             let bound = prefix_aware_bound(1024, Some(if hot { balance.hot() } else { balance }), &loads);
-            let history = KeyHistory { hot, remembered: |i: usize| remembered[i] };
+            let history = KeyHistory { hot, remembered: |i: usize| remembered[i], sent: |i: usize| sent[i] };
             let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
             let first = ranking.first().unwrap();
             let mut order = Vec::new();
@@ -968,10 +1044,24 @@ mod tests {
                 let expected = order.iter().copied().find(|&i| eligible(i) && holder(i) && loads[i] == least);
                 prop_assert_eq!(Some(first), expected);
             } else if (0..loads.len()).any(eligible) {
+                // A new copy: of the instances below the bound within one request of the least
+                // loaded, the one the router sent the fewest requests lately, then the least
+                // loaded of those, then the earliest in the key's order.
                 prop_assert!(eligible(first));
-                let least = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
-                prop_assert_eq!(loads[first], least);
+                let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
+                let near = |i: usize| eligible(i) && loads[i] <= floor + 1;
+                let fewest = (0..loads.len()).filter(|&i| near(i)).map(|i| sent[i]).min().unwrap();
+                let least = (0..loads.len()).filter(|&i| near(i) && sent[i] == fewest).map(|i| loads[i]).min().unwrap();
+                let expected = order.iter().copied().find(|&i| near(i) && sent[i] == fewest && loads[i] == least);
+                prop_assert_eq!(Some(first), expected);
             }
+            // Retries: the other holders first, then the rest, the unavailable last.
+            let rank_of = |i: usize| (!instances[i].available, !holder(i));
+            let position = |i: usize| order.iter().position(|&o| o == i).unwrap();
+            prop_assert!(ranking.order[1..].windows(2).all(|pair| {
+                let (a, b) = (rank_of(pair[0]), rank_of(pair[1]));
+                a < b || (a == b && position(pair[0]) < position(pair[1]))
+            }), "each group in the key's rendezvous order");
             prop_assert_eq!(ranking.route, Some(if first == owner { Route::Prefix } else { Route::Overflow }));
             let mut sorted = ranking.order.clone();
             sorted.sort_unstable();
@@ -1005,13 +1095,17 @@ mod tests {
             other_loads.reverse();
             let a = rank(strategy, &instances, |i| loads[i], key, 1);
             let b = rank(strategy, &other_instances, |i| other_loads[i], key, 99);
-            // The same holds for routers that remember the same spills.
+            // The same holds for routers that remember the same spills and sent alike.
             let remembered: Vec<bool> = instances.iter().map(|instance| instance.id_hash % 3 == 0).collect();
             let mut other_remembered = remembered.clone();
             other_remembered.rotate_left(rotation);
             other_remembered.reverse();
-            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| remembered[i] });
-            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| other_remembered[i] });
+            let sent: Vec<u32> = instances.iter().map(|instance| (instance.id_hash % 4) as u32).collect();
+            let mut other_sent = sent.clone();
+            other_sent.rotate_left(rotation);
+            other_sent.reverse();
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| remembered[i], sent: |i: usize| sent[i] });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i] });
             let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_c, ids_d);

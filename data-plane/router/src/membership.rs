@@ -1053,6 +1053,7 @@ mod tests {
 
     #[test]
     fn bounded_loads_remember_a_spill_and_send_the_key_back_to_its_copy() {
+        use crate::table::spill_clock_ms;
         use std::sync::atomic::Ordering;
         use switchyard_policy::rank::Route;
         let config = || {
@@ -1079,7 +1080,7 @@ mod tests {
             variant
                 .instances
                 .iter()
-                .all(|i| !i.cell.spills.remembers(key))
+                .all(|i| !i.cell.spills.remembers(key, spill_clock_ms()))
         );
         // 8 in flight over 4: bound ⌈9 / 4⌉ = 3. The owner is at 5; the third choice is idler
         // than the second, so the first spill goes there and is remembered.
@@ -1098,10 +1099,27 @@ mod tests {
             (spill.first(), spill.route),
             (Some(third), Some(Route::Overflow))
         );
-        assert!(variant.instances[third].cell.spills.remembers(key));
+        assert!(
+            variant.instances[third]
+                .cell
+                .spills
+                .remembers(key, spill_clock_ms())
+        );
         // Now the second choice is the idlest, but the copy is below the bound: back there.
         set([(owner, 5), (second, 0), (third, 2), (fourth, 1)]);
         assert_eq!(variant.rank_prefix(&views, key).first(), Some(third));
+        // The router counts where it sent each request: a new copy goes where it sent fewest.
+        let recent = |index: usize| variant.instances[index].cell.recent.load(Ordering::Relaxed);
+        assert_eq!((recent(owner), recent(second), recent(third)), (1, 0, 2));
+        // The counts are halved with the key counts, once per window of requests: idle, the
+        // next POPULARITY_WINDOW requests go to the owner, and one of them closes a window.
+        set([(owner, 0), (second, 0), (third, 0), (fourth, 0)]);
+        for _ in 0..crate::table::POPULARITY_WINDOW {
+            assert_eq!(variant.rank_prefix(&views, key).first(), Some(owner));
+        }
+        assert_eq!((recent(second), recent(third)), (0, 1));
+        assert!(recent(owner) < crate::table::POPULARITY_WINDOW as u32);
+        let owner_recent = recent(owner);
         // The memory lives in the instance's cell, so a new table (any config or membership
         // change) keeps it.
         membership.load_static(config());
@@ -1117,7 +1135,24 @@ mod tests {
             .iter()
             .position(|i| i.id == id(third))
             .unwrap();
-        assert!(variant.instances[copy].cell.spills.remembers(key));
+        assert!(
+            variant.instances[copy]
+                .cell
+                .spills
+                .remembers(key, spill_clock_ms())
+        );
+        let kept_owner = variant
+            .instances
+            .iter()
+            .position(|i| i.id == id(owner))
+            .unwrap();
+        assert_eq!(
+            variant.instances[kept_owner]
+                .cell
+                .recent
+                .load(Ordering::Relaxed),
+            owner_recent
+        );
         // So are the key counts (whether a key is hot).
         let old_variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
         assert!(Arc::ptr_eq(
@@ -1125,16 +1160,29 @@ mod tests {
             old_variant.popularity.as_ref().unwrap()
         ));
         // The memory itself: direct-mapped, so a colliding key replaces the older one.
-        use crate::table::{SPILL_SLOTS, SpillMemory};
+        use crate::table::{SPILL_MEMORY_MS, SPILL_SLOTS, SpillMemory};
         let memory = SpillMemory::default();
-        assert!(!memory.remembers(key));
-        memory.remember(key);
-        assert!(memory.remembers(key));
-        memory.remember(key + SPILL_SLOTS as u64);
-        assert!(!memory.remembers(key));
-        assert!(memory.remembers(key + SPILL_SLOTS as u64));
-        memory.remember(0);
-        assert!(memory.remembers(0));
+        let t = 1_764_590_000_000;
+        assert!(!memory.remembers(key, t));
+        memory.remember(key, t);
+        assert!(memory.remembers(key, t));
+        memory.remember(key + SPILL_SLOTS as u64, t);
+        assert!(!memory.remembers(key, t));
+        assert!(memory.remembers(key + SPILL_SLOTS as u64, t));
+        memory.remember(0, t);
+        assert!(memory.remembers(0, t));
+        // A spill is forgotten SPILL_MEMORY_MS (to a 1 s tick) after the last one; spilling the
+        // key there again renews it.
+        let later = t + SPILL_MEMORY_MS - 2_000;
+        assert!(memory.remembers(0, later));
+        assert!(!memory.remembers(0, t + SPILL_MEMORY_MS + 2_000));
+        memory.remember(0, later);
+        assert!(memory.remembers(0, t + SPILL_MEMORY_MS + 2_000));
+        // An entry stored by a request that read the clock later than this one is fresh.
+        assert!(memory.remembers(0, t - 5_000));
+        // Far later (the 16-bit ticks of an earlier version wrapped after 18 hours) it stays
+        // forgotten.
+        assert!(!memory.remembers(0, later + 65_536 * 1024));
     }
 
     #[test]

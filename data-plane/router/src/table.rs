@@ -141,6 +141,10 @@ pub struct InstanceCell {
     pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
     /// PREFIX_AWARE keys this router spilled onto the instance (bounded loads).
     pub spills: SpillMemory,
+    /// Bounded PREFIX_AWARE: requests this router sent to the instance lately, halved with
+    /// the variant's key counts ([`KeyPopularity`]); a new copy goes where it is smallest
+    /// among the instances within one request of the least loaded.
+    pub recent: AtomicU32,
 }
 
 /// The PREFIX_AWARE keys a router spilled onto one instance under bounded loads: where it
@@ -149,15 +153,36 @@ pub struct InstanceCell {
 ///
 /// A hint, kept small and lock-free: a direct-mapped table of [`SPILL_SLOTS`] keys, allocated
 /// on the first spill. A key that collides with another forgets the older one, whose next
-/// spill then goes where a new key's would; an instance that lost its cache (a restart
-/// under the same id) costs one miss per remembered key.
+/// spill then goes where a new key's would. Each entry carries when the key was last spilled
+/// there and is forgotten [`SPILL_MEMORY_MS`] later: the engine has likely evicted a copy
+/// nobody used for that long, and going back to it would cost a miss anyway. Until then, an
+/// instance that lost its cache (a restart under the same id) costs one miss per remembered
+/// key. Times come from [`spill_clock_ms`], this process's monotonic clock, so a wall clock
+/// that steps neither revives nor drops entries.
 #[derive(Debug, Default)]
 pub struct SpillMemory {
+    /// Per slot: 1 (occupied), 31 bits of the key above its slot, then the time of the last
+    /// spill in [`SPILL_TICK_MS`] ticks (32 bits: 139 years).
     slots: OnceLock<Box<[AtomicU64]>>,
 }
 
 /// Keys remembered per instance (8 bytes each).
 pub const SPILL_SLOTS: usize = 512;
+/// How long a spill is remembered after the last one of its key to that instance.
+pub const SPILL_MEMORY_MS: u64 = 120_000;
+/// The resolution of [`SpillMemory`]'s times.
+const SPILL_TICK_MS: u64 = 1024;
+const SPILL_TICK_BITS: u32 = 32;
+const SPILL_TICK_MASK: u64 = (1 << SPILL_TICK_BITS) - 1;
+
+/// Milliseconds since this process first asked: the clock of [`SpillMemory`].
+pub fn spill_clock_ms() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+}
 
 /// How often each PREFIX_AWARE key of one variant came through this router lately, enough to
 /// tell a hot key (at least `1 / (2 N)` of the variant's recent requests, N its instances)
@@ -196,8 +221,9 @@ impl Default for KeyPopularity {
 }
 
 impl KeyPopularity {
-    /// Counts one request for `key`; true if the key is hot among `instances` instances.
-    pub fn record(&self, key: u64, instances: usize) -> bool {
+    /// Counts one request for `key`: whether the key is hot among `instances` instances, and
+    /// whether this request closed a window (every count was halved).
+    pub fn record(&self, key: u64, instances: usize) -> (bool, bool) {
         let slot = &self.slots[(key % POPULARITY_SLOTS as u64) as usize];
         let tag = key >> COUNT_BITS;
         let mut count = 0;
@@ -214,10 +240,12 @@ impl KeyPopularity {
             Some(next)
         });
         let counted = self.counted.fetch_add(1, Ordering::Relaxed) + 1;
-        if (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(POPULARITY_WINDOW) {
+        let closed =
+            (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(POPULARITY_WINDOW);
+        if closed {
             self.halve();
         }
-        Self::is_hot(count, counted, instances)
+        (Self::is_hot(count, counted, instances), closed)
     }
 
     /// Whether `key` is hot now, without counting it.
@@ -251,24 +279,44 @@ impl KeyPopularity {
 }
 
 impl SpillMemory {
+    /// The slot of `key` (its low bits) and its tag there: the occupied bit and the key's
+    /// next 31 bits.
     fn slot(key: u64) -> (usize, u64) {
-        // Keys are hashes; 0 marks an empty slot, so key 0 is stored as 1.
-        ((key % SPILL_SLOTS as u64) as usize, key.max(1))
+        const TAG_BITS: u32 = 63 - SPILL_TICK_BITS;
+        let above_slot = key / SPILL_SLOTS as u64;
+        (
+            (key % SPILL_SLOTS as u64) as usize,
+            1 << 63 | (above_slot & ((1 << TAG_BITS) - 1)) << SPILL_TICK_BITS,
+        )
     }
 
-    pub fn remembers(&self, key: u64) -> bool {
+    fn tick(now_ms: u64) -> u64 {
+        (now_ms / SPILL_TICK_MS) & SPILL_TICK_MASK
+    }
+
+    /// Whether `key` was spilled onto the instance less than [`SPILL_MEMORY_MS`] before
+    /// `now_ms` ([`spill_clock_ms`]). An entry dated after `now_ms` (another request stored it
+    /// meanwhile) counts as fresh.
+    pub fn remembers(&self, key: u64, now_ms: u64) -> bool {
         let (index, tag) = Self::slot(key);
-        self.slots
+        let Some(word) = self
+            .slots
             .get()
-            .is_some_and(|slots| slots[index].load(Ordering::Relaxed) == tag)
+            .map(|slots| slots[index].load(Ordering::Relaxed))
+        else {
+            return false;
+        };
+        let age = Self::tick(now_ms).saturating_sub(word & SPILL_TICK_MASK);
+        word & !SPILL_TICK_MASK == tag && age * SPILL_TICK_MS < SPILL_MEMORY_MS
     }
 
-    pub fn remember(&self, key: u64) {
+    /// Records that `key` was spilled onto the instance at `now_ms` ([`spill_clock_ms`]).
+    pub fn remember(&self, key: u64, now_ms: u64) {
         let (index, tag) = Self::slot(key);
         let slots = self
             .slots
             .get_or_init(|| (0..SPILL_SLOTS).map(|_| AtomicU64::new(0)).collect());
-        slots[index].store(tag, Ordering::Relaxed);
+        slots[index].store(tag | Self::tick(now_ms), Ordering::Relaxed);
     }
 }
 
@@ -380,7 +428,7 @@ pub struct VariantRoute {
 impl VariantRoute {
     /// PREFIX_AWARE's ranking of `key` over `views` (this variant's, as of now): with bounded
     /// loads, it counts the key, and reads and updates what this router remembers of where it
-    /// spilled the key.
+    /// sent requests and spilled the key.
     pub fn rank_prefix(&self, views: &[InstanceView], key: u64) -> rank::Ranking {
         let load = |index: usize| self.instances[index].cell.fleet_load();
         let (
@@ -392,17 +440,30 @@ impl VariantRoute {
         else {
             return rank::rank(self.strategy, views, load, key, 0);
         };
+        let (hot, closed) = popularity.record(key, views.len());
+        if closed {
+            for instance in &self.instances {
+                let recent = &instance.cell.recent;
+                let _ = recent.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n / 2));
+            }
+        }
+        let now_ms = spill_clock_ms();
         let history = KeyHistory {
-            hot: popularity.record(key, views.len()),
-            remembered: |index: usize| self.instances[index].cell.spills.remembers(key),
+            hot,
+            remembered: |index: usize| self.instances[index].cell.spills.remembers(key, now_ms),
+            sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
         };
         let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
-        // Remembered only if the request can go there now: an ejected instance chosen
-        // because every instance is ejected would not get it.
-        if let (Some(first), Some(Route::Overflow)) = (ranking.first(), ranking.route)
-            && views[first].available
-        {
-            self.instances[first].cell.spills.remember(key);
+        if let Some(first) = ranking.first() {
+            self.instances[first]
+                .cell
+                .recent
+                .fetch_add(1, Ordering::Relaxed);
+            // Remembered only if the request can go there now: an ejected instance chosen
+            // because every instance is ejected would not get it.
+            if ranking.route == Some(Route::Overflow) && views[first].available {
+                self.instances[first].cell.spills.remember(key, now_ms);
+            }
         }
         ranking
     }
@@ -726,6 +787,7 @@ mod tests {
         // Key 1 carries 30% of the requests, key 2 8%, key 3 58%, and 4% are keys seen once.
         // Hot means at least 1 / 14 (7.1%).
         let mut hot = [0u32; 4];
+        let mut windows = 0;
         for request in 0..5000u64 {
             let (class, key) = match request % 100 {
                 0..=29 => (1, 1u64 << 40 | 1),
@@ -733,13 +795,15 @@ mod tests {
                 38..=41 => (0, 1000 + request),
                 _ => (3, 3u64 << 40 | 3),
             };
-            let is_hot = popularity.record(key, instances);
+            let (is_hot, closed) = popularity.record(key, instances);
+            windows += u32::from(closed);
             if request >= 2000 {
                 hot[class] += u32::from(is_hot);
             }
         }
         // Of the last 3000 requests, every one of keys 1, 2 and 3 was hot; no rare one.
         assert_eq!(hot, [0, 900, 240, 1740]);
+        assert_eq!(windows as u64, 5000 / POPULARITY_WINDOW);
         assert!(popularity.peek(1u64 << 40 | 1, instances));
         // A rare key never is, and 8% is not hot among 4 instances (at least 12.5%).
         assert!(!popularity.peek(1000 + 4999, instances));
@@ -747,9 +811,9 @@ mod tests {
         // Nothing is hot before enough requests were counted.
         let fresh = KeyPopularity::default();
         for _ in 0..POPULARITY_MIN_COUNTED - 1 {
-            assert!(!fresh.record(5, instances));
+            assert!(!fresh.record(5, instances).0);
         }
-        assert!(fresh.record(5, instances));
+        assert!(fresh.record(5, instances).0);
         // A key that stops coming cools down within a few windows.
         for request in 0..8 * POPULARITY_WINDOW {
             popularity.record(10_000 + request, instances);
