@@ -241,8 +241,8 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32> {
 ///    slack if the key is hot); ties go to
 ///    the earlier in the key's rendezvous order, so an owner as idle as any copy keeps it;
 /// 2. else a new copy: of the available instances below the bound and within one request of
-///    the least loaded of them, the one the router sent the fewest recent requests (`sent`),
-///    then the least loaded, then by rendezvous order. Copies of hot keys spread over the
+///    the least loaded of them, the one the router sent the fewest recent requests (`sent`,
+///    per unit of weight), then the least loaded, then by rendezvous order. Copies of hot keys spread over the
 ///    instances that serve least instead of whichever is momentarily idlest, and the one miss
 ///    lands where it stalls few requests; the band keeps an instance that served nothing (one
 ///    that just joined) from drawing every new copy;
@@ -316,10 +316,16 @@ pub fn rank_remembering(
                                     let index = order[position];
                                     eligible(index) && load(index) <= floor + 1
                                 })
-                                .min_by_key(|&position| {
+                                .map(|position| {
                                     let index = order[position];
-                                    (sent(index), load(index), position)
+                                    // Sent per unit of weight: a heavier instance takes more.
+                                    let share = f64::from(sent(index)) / instances[index].weight;
+                                    (share, load(index), position)
                                 })
+                                .min_by(|a, b| {
+                                    a.0.total_cmp(&b.0).then((a.1, a.2).cmp(&(b.1, b.2)))
+                                })
+                                .map(|(_, _, position)| position)
                         })
                 }
             };
@@ -862,6 +868,12 @@ mod tests {
         // that just joined) does not draw every new copy.
         let far = rank_remembering(strategy, &instances, load, 7, 0, served);
         assert_eq!(far.first(), Some(third));
+        // Sent counts are per unit of weight: an instance of weight 10 that was sent 9 takes
+        // the copy from one of weight 1 that was sent 1.
+        let mut heavy = instances.clone();
+        heavy[third].weight = 10.0;
+        let weighted = rank_remembering(strategy, &heavy, near, 7, 0, served);
+        assert_eq!(weighted.first(), Some(third));
         // Once the router has spilled the key to the second choice, it goes back there
         // while that copy is below the bound, though another instance is idler.
         let back = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == second));
