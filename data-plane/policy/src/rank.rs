@@ -242,10 +242,10 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32> {
 ///    the earlier in the key's rendezvous order, so an owner as idle as any copy keeps it;
 /// 2. else a new copy: of the available instances below the bound and within one request of
 ///    the least loaded of them, the one the router sent the fewest recent requests (`sent`,
-///    per unit of weight), then the least loaded, then by rendezvous order. Copies of hot keys spread over the
-///    instances that serve least instead of whichever is momentarily idlest, and the one miss
-///    lands where it stalls few requests; the band keeps an instance that served nothing (one
-///    that just joined) from drawing every new copy;
+///    per unit of weight), then the least loaded, then by rendezvous order. Copies of hot keys
+///    spread over the instances that serve least instead of whichever is momentarily idlest,
+///    and the one miss lands where it stalls few requests; the band keeps an instance that
+///    served nothing (one that just joined) from drawing every new copy;
 /// 3. else the least loaded available instance.
 ///
 /// `hot`: the key is hot (the router saw it carry a large share of the variant's recent
@@ -319,7 +319,8 @@ pub fn rank_remembering(
                                 .map(|position| {
                                     let index = order[position];
                                     // Sent per unit of weight: a heavier instance takes more.
-                                    let share = f64::from(sent(index)) / instances[index].weight;
+                                    let weight = instances[index].weight.max(f64::MIN_POSITIVE);
+                                    let share = f64::from(sent(index)) / weight;
                                     (share, load(index), position)
                                 })
                                 .min_by(|a, b| {
@@ -832,6 +833,26 @@ mod tests {
     }
 
     #[test]
+    fn a_memory_that_changes_while_ranking_is_read_once_per_instance() {
+        // Other requests update the spill memory concurrently; a ranking must neither panic
+        // nor ask twice (a retry sort whose keys change under it may panic).
+        let instances = views(40);
+        let calls = std::cell::Cell::new(0usize);
+        let flipping = KeyHistory {
+            hot: false,
+            remembered: |_: usize| {
+                calls.set(calls.get() + 1);
+                calls.get().is_multiple_of(2)
+            },
+            sent: |_: usize| 0,
+        };
+        let load = |i: usize| (i % 5) as u32 * 3;
+        let ranking = rank_remembering(bounded(1.0, 0, 16), &instances, load, 7, 0, flipping);
+        assert_eq!(ranking.order.len(), 40);
+        assert!(calls.get() <= 40, "{} reads", calls.get());
+    }
+
+    #[test]
     fn a_spill_goes_back_to_a_remembered_copy_and_otherwise_to_the_instance_that_serves_least() {
         let instances = views(7);
         let strategy = bounded(1.0, 0, 16);
@@ -869,11 +890,17 @@ mod tests {
         let far = rank_remembering(strategy, &instances, load, 7, 0, served);
         assert_eq!(far.first(), Some(third));
         // Sent counts are per unit of weight: an instance of weight 10 that was sent 9 takes
-        // the copy from one of weight 1 that was sent 1.
+        // the copy from one of weight 1 that was sent 1 (the owner is as heavy, so it stays
+        // first in the key's order).
         let mut heavy = instances.clone();
         heavy[third].weight = 10.0;
+        heavy[owner].weight = 10.0;
+        assert_eq!(rank(strategy, &heavy, |_| 0, 7, 0).first(), Some(owner));
         let weighted = rank_remembering(strategy, &heavy, near, 7, 0, served);
-        assert_eq!(weighted.first(), Some(third));
+        assert_eq!(
+            (weighted.first(), weighted.route),
+            (Some(third), Some(Route::Overflow))
+        );
         // Once the router has spilled the key to the second choice, it goes back there
         // while that copy is below the bound, though another instance is idler.
         let back = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == second));
@@ -1031,13 +1058,15 @@ mod tests {
             remembered in proptest::collection::vec(any::<bool>(), 30),
             ejected in proptest::collection::vec(any::<bool>(), 30),
             sent in proptest::collection::vec(0u32..4, 30),
+            weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
             hot in any::<bool>(),
         ) {
             let mut instances = views(loads.len());
-            for (instance, ejected) in instances.iter_mut().zip(&ejected) {
+            for ((instance, ejected), weight) in instances.iter_mut().zip(&ejected).zip(&weights) {
                 instance.available = !ejected;
+                instance.weight = *weight;
             }
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
@@ -1062,9 +1091,10 @@ mod tests {
                 prop_assert!(eligible(first));
                 let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
                 let near = |i: usize| eligible(i) && loads[i] <= floor + 1;
-                let fewest = (0..loads.len()).filter(|&i| near(i)).map(|i| sent[i]).min().unwrap();
-                let least = (0..loads.len()).filter(|&i| near(i) && sent[i] == fewest).map(|i| loads[i]).min().unwrap();
-                let expected = order.iter().copied().find(|&i| near(i) && sent[i] == fewest && loads[i] == least);
+                let share = |i: usize| f64::from(sent[i]) / weights[i];
+                let fewest = (0..loads.len()).filter(|&i| near(i)).map(share).min_by(f64::total_cmp).unwrap();
+                let least = (0..loads.len()).filter(|&i| near(i) && share(i) == fewest).map(|i| loads[i]).min().unwrap();
+                let expected = order.iter().copied().find(|&i| near(i) && share(i) == fewest && loads[i] == least);
                 prop_assert_eq!(Some(first), expected);
             }
             // Retries: the other holders first, then the rest, the unavailable last.
