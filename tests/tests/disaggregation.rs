@@ -1494,6 +1494,7 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
     // /tokenize fails on the decoders (which are asked): the held prompt is counted whole by
     // the router's tokenizer (every token uncached), disaggregated with the prefill pool
     // ranked by load, and answered; the failure is counted. A short prompt still goes direct.
+    // Each failing decoder is paused (1 s), so the second request asks the other one.
     for decoder in &pool.decode {
         decoder.set_faults(switchyard_engine_sim::Faults {
             tokenize_fail_rate: 1.0,
@@ -1514,15 +1515,26 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
         Some("direct")
     );
     assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
-    // The tokenizer is back: so is the decision on uncached tokens.
+    // The tokenizer is back: so is the decision on uncached tokens, once a pause has ended
+    // (meanwhile no decoder is asked, and the prompt is counted whole).
     for decoder in &pool.decode {
         decoder.set_faults(switchyard_engine_sim::Faults::default());
     }
-    let reply = post(held).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("direct")
-    );
+    eventually(
+        Duration::from_secs(10),
+        "the decision on uncached tokens",
+        || {
+            let post = &post;
+            let held = held.clone();
+            async move {
+                post(held)
+                    .await
+                    .is_ok_and(|reply| reply.header("x-switchyard-route") == Some("direct"))
+            }
+        },
+    )
+    .await?;
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
     settles(&router).await?;
     Ok(())
 }

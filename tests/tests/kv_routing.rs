@@ -631,6 +631,9 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
 #[tokio::test]
 async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() -> anyhow::Result<()>
 {
+    // e0 is asked first (least loaded, first in the table): its /tokenize hangs, and it is
+    // paused; e1 is asked next: it fails, and it is paused too. Then no instance is asked
+    // until a pause ends.
     let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
     let dir = tempfile::tempdir()?;
@@ -680,11 +683,31 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
             1.0
         );
     }
-    // The tokenizer is back: so is KV routing.
+    let reply = route(&router, &prompt).await?;
+    assert_eq!(
+        reply.header("x-switchyard-route"),
+        Some("least-outstanding")
+    );
+    assert_eq!(router.metrics().kv_tokenize_failures("backoff"), 1);
+    assert_eq!(router.metrics().kv_tokenize_failures("timeout"), 1);
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
+    // The tokenizer is back: so is KV routing, once a pause (1 s) has ended.
     a.set_faults(Faults::default());
     b.set_faults(Faults::default());
+    eventually(
+        Duration::from_secs(10),
+        "KV routing after the pause",
+        || async {
+            route(&router, &prompt)
+                .await
+                .is_ok_and(|reply| choice(&reply).1 == "kv")
+        },
+    )
+    .await?;
     let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
+    assert_eq!(router.metrics().kv_tokenize_failures("timeout"), 1);
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
     router.shutdown().await;
     Ok(())
 }

@@ -509,7 +509,7 @@ impl RouterMetrics {
         out.family(
             "switchyard_router_kv_tokenize_failures_total",
             "counter",
-            "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
+            "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, backoff (every available instance paused after its /tokenize failed), input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
         );
         for (reason, count) in TokenizeError::REASONS
             .iter()

@@ -135,6 +135,8 @@ pub struct InstanceCell {
     pub failures: AtomicU32,
     /// Unix ms until which the instance is ejected locally (0: not ejected).
     pub ejected_until_ms: AtomicU64,
+    /// KV_AWARE: whether the instance may be asked to tokenize (paused after failures).
+    pub tokenize_backoff: crate::kv::tokenize::TokenizeBackoff,
     /// Requests sent, by `RouteLabel`.
     pub requests: [AtomicU64; RouteLabel::ALL.len()],
     /// Failed requests, by `UpstreamError`.

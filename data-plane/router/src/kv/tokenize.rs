@@ -6,7 +6,11 @@
 //! about a millisecond on a vLLM server that is not saturated). On any failure (no instance,
 //! refused connection, timeout, an error status, an unreadable answer) the caller routes that
 //! request as LEAST_OUTSTANDING_REQUESTS; nothing is retried, so a slow engine costs at most
-//! the deadline.
+//! the deadline. An instance whose `/tokenize` failed on its side (no connection, no answer in
+//! time, a 5xx status, an unreadable answer; not a 4xx, which is the request's own fault) is
+//! not asked again for a while ([`TokenizeBackoff`]: 1 s, doubling with each further failure
+//! up to 30 s), so a hung tokenizer costs the deadline once per backoff instead of on every
+//! request; the others are asked meanwhile.
 //!
 //! Body sent: completions `{"model", "prompt"}` (a string prompt; a token-id prompt needs no
 //! round trip: [`prompt_token_ids`]); chat `{"model", "messages", …}` with the fields that
@@ -24,7 +28,9 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::table::VariantRoute;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use crate::table::{InstanceCell, VariantRoute};
 
 /// How long the engine may take to answer `/tokenize`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
@@ -44,10 +50,52 @@ const CHAT_TEMPLATE_FIELDS: &[&str] = &[
     "documents",
 ];
 
+/// First pause after an instance's `/tokenize` failed on its side.
+pub const BACKOFF_FIRST_MS: u64 = 1_000;
+/// Longest pause (after six failures in a row).
+pub const BACKOFF_MAX_MS: u64 = 30_000;
+
+/// When an instance may be asked to tokenize again, after failures on its side; kept in its
+/// [`crate::table::InstanceCell`], so table rebuilds keep it.
+#[derive(Debug, Default)]
+pub struct TokenizeBackoff {
+    /// Unix ms before which the instance is not asked (0: it may be).
+    until_ms: AtomicU64,
+    /// Failures in a row.
+    failures: AtomicU32,
+}
+
+impl TokenizeBackoff {
+    /// Whether the instance may be asked at `now_ms`.
+    pub fn ready(&self, now_ms: u64) -> bool {
+        self.until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    /// Records a failure on the instance's side at `now_ms`; returns the pause it starts (ms).
+    pub fn failed(&self, now_ms: u64) -> u64 {
+        let failures = self
+            .failures
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        let pause = (BACKOFF_FIRST_MS << (failures - 1).min(16)).min(BACKOFF_MAX_MS);
+        self.until_ms
+            .fetch_max(now_ms.saturating_add(pause), Ordering::Relaxed);
+        pause
+    }
+
+    /// Records an answer; true if the instance had been failing.
+    pub fn answered(&self) -> bool {
+        self.until_ms.store(0, Ordering::Relaxed);
+        self.failures.swap(0, Ordering::Relaxed) > 0
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
     #[error("no available instance to ask")]
     NoInstance,
+    #[error("every available instance's /tokenize is failing; asking again once its pause ends")]
+    BackingOff,
     #[error("the request has nothing to tokenize: {0}")]
     Input(String),
     #[error("POST {url}: {message}")]
@@ -65,6 +113,7 @@ impl TokenizeError {
     pub fn reason(&self) -> &'static str {
         match self {
             TokenizeError::NoInstance => "no_instance",
+            TokenizeError::BackingOff => "backoff",
             TokenizeError::Input(_) => "input",
             TokenizeError::Request { .. } => "request",
             TokenizeError::Timeout { .. } => "timeout",
@@ -73,8 +122,23 @@ impl TokenizeError {
         }
     }
 
-    pub const REASONS: [&'static str; 6] = [
+    /// Whether the instance is at fault (not the request): it is then paused
+    /// ([`TokenizeBackoff`]).
+    pub fn instance_at_fault(&self) -> bool {
+        match self {
+            TokenizeError::Request { .. }
+            | TokenizeError::Timeout { .. }
+            | TokenizeError::Answer { .. } => true,
+            TokenizeError::Status { status, .. } => *status >= 500,
+            TokenizeError::NoInstance | TokenizeError::BackingOff | TokenizeError::Input(_) => {
+                false
+            }
+        }
+    }
+
+    pub const REASONS: [&'static str; 7] = [
         "no_instance",
+        "backoff",
         "input",
         "request",
         "timeout",
@@ -202,7 +266,8 @@ impl PromptTokens {
         body_of(kind, &fields, request.len()).map(Self::Ask)
     }
 
-    /// The token ids: as given, or from the least loaded available instance of `variant`.
+    /// The token ids: as given, or from the least loaded available instance of `variant`
+    /// that is not paused ([`TokenizeBackoff`]).
     pub async fn fetch(
         self,
         tokenizer: &Tokenizer,
@@ -212,25 +277,54 @@ impl PromptTokens {
         match self {
             Self::Known(ids) => Ok(ids),
             Self::Ask(body) => {
-                let instance = least_loaded(variant, now_ms).ok_or(TokenizeError::NoInstance)?;
-                tokenizer
-                    .tokenize(&variant.instances[instance].url, body)
-                    .await
+                let instance = match least_loaded(variant, now_ms) {
+                    Some(instance) => instance,
+                    None if least_available(variant, now_ms).is_some() => {
+                        return Err(TokenizeError::BackingOff);
+                    }
+                    None => return Err(TokenizeError::NoInstance),
+                };
+                let route = &variant.instances[instance];
+                let backoff = &route.cell.tokenize_backoff;
+                let result = tokenizer.tokenize(&route.url, body).await;
+                match &result {
+                    Ok(_) => {
+                        if backoff.answered() {
+                            tracing::info!(instance = %route.id, "the instance's /tokenize answers again");
+                        }
+                    }
+                    Err(err) if err.instance_at_fault() => {
+                        let pause = backoff.failed(crate::now_unix_ms());
+                        tracing::warn!(instance = %route.id, error = %err, pause_ms = pause, "/tokenize failed on the instance; asking the others meanwhile");
+                    }
+                    Err(_) => {}
+                }
+                result
             }
         }
     }
 }
 
-/// The instance to ask: the available one with the fewest fleet-wide requests in flight
-/// (the first such in table order on a tie: an idle fleet sends every `/tokenize` to the
-/// same instance; spreading ties at random would send half of them to an instance that has
-/// just died and is not yet ejected, as a test showed).
+/// The instance to ask: the available one, not paused after failing to tokenize, with the
+/// fewest fleet-wide requests in flight (the first such in table order on a tie: an idle fleet
+/// sends every `/tokenize` to the same instance; spreading ties at random would send half of
+/// them to an instance that has just died and is not yet ejected, as a test showed).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
+    least(variant, |cell| {
+        cell.available(now_ms) && cell.tokenize_backoff.ready(now_ms)
+    })
+}
+
+fn least_available(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
+    least(variant, |cell| cell.available(now_ms))
+}
+
+fn least(variant: &VariantRoute, wanted: impl Fn(&InstanceCell) -> bool) -> Option<usize> {
     variant
         .instances
         .iter()
         .enumerate()
-        .filter(|(_, instance)| instance.cell.available(now_ms))
+        .filter(|(_, instance)| wanted(&instance.cell))
         .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
         .map(|(position, _)| position)
 }
@@ -355,5 +449,31 @@ mod tests {
         assert!(tokenize_body(PromptKind::Completion, br#"{"prompt":[1,2]}"#).is_err());
         assert_eq!(prompt_token_ids(br#"{"prompt":[1,2]}"#), Some(vec![1, 2]));
         assert_eq!(prompt_token_ids(br#"{"prompt":"x"}"#), None);
+    }
+
+    #[test]
+    fn an_instance_failing_to_tokenize_is_paused_longer_each_time_until_it_answers() {
+        let backoff = TokenizeBackoff::default();
+        let t = 1_000_000;
+        assert!(backoff.ready(t));
+        let pauses: Vec<u64> = (0..8).map(|_| backoff.failed(t)).collect();
+        assert_eq!(
+            pauses,
+            [1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000, 30_000]
+        );
+        assert!(!backoff.ready(t + 29_999));
+        assert!(backoff.ready(t + 30_000));
+        assert!(backoff.answered());
+        assert!(backoff.ready(t));
+        assert!(!backoff.answered(), "already answering");
+        assert_eq!(backoff.failed(t), 1_000, "the count starts over");
+        // Only failures on the instance's side pause it; a 4xx is the request's fault.
+        let status = |status| TokenizeError::Status {
+            url: String::new(),
+            status,
+        };
+        assert!(status(500).instance_at_fault() && status(503).instance_at_fault());
+        assert!(!status(404).instance_at_fault() && !status(400).instance_at_fault());
+        assert!(!TokenizeError::Input(String::new()).instance_at_fault());
     }
 }
