@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde::Serialize;
 use switchyard_policy::rank::{self, Route};
 use switchyard_router::RouterHandle;
-use switchyard_router::table::{RoutingTable, spill_clock_ms};
+use switchyard_router::table::RoutingTable;
 use tokio_util::sync::CancellationToken;
 
 /// Routing keys of a trace with their share of its requests (summing to 1).
@@ -101,7 +101,7 @@ impl Tally {
         }
         let mut choices: Vec<(&str, Option<Route>)> = Vec::with_capacity(routers.len());
         let pairs = (routers.len() * (routers.len() - 1) / 2) as f64;
-        let clock = spill_clock_ms();
+        let clock = switchyard_router::monotonic_ms();
         for &(key, weight) in &keys.0 {
             choices.clear();
             for (variant, views, loads) in &routers {

@@ -1494,7 +1494,7 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
     // /tokenize fails on the decoders (which are asked): the held prompt is counted whole by
     // the router's tokenizer (every token uncached), disaggregated with the prefill pool
     // ranked by load, and answered; the failure is counted. A short prompt still goes direct.
-    // Each failing decoder is paused (1 s), so the second request asks the other one.
+    // Two failures in a row pause the decoder asked (1 s); the other is asked meanwhile.
     for decoder in &pool.decode {
         decoder.set_faults(switchyard_engine_sim::Faults {
             tokenize_fail_rate: 1.0,

@@ -156,6 +156,20 @@ async fn static_router_probing(
     tokenize_timeout_ms: u64,
     probe_ms: u64,
 ) -> anyhow::Result<RouterHandle> {
+    static_router_with(dir, sims, kv_config, |config| {
+        config.kv.kv_events_probe_ms = probe_ms;
+        config.kv.kv_tokenize_timeout_ms = tokenize_timeout_ms;
+    })
+    .await
+}
+
+/// A router over `sims` from a static file, its configuration adjusted by `adjust`.
+async fn static_router_with(
+    dir: &std::path::Path,
+    sims: &[&SimHandle],
+    kv_config: Value,
+    adjust: impl FnOnce(&mut switchyard_router::RouterConfig),
+) -> anyhow::Result<RouterHandle> {
     let mut routing = json!({"RoutingStrategy": "KV_AWARE"});
     if !kv_config.is_null() {
         routing["KvAwareRoutingConfig"] = kv_config;
@@ -182,8 +196,7 @@ async fn static_router_probing(
     let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
     config.config = Some(path);
     config.worker_threads = Some(2);
-    config.kv.kv_events_probe_ms = probe_ms;
-    config.kv.kv_tokenize_timeout_ms = tokenize_timeout_ms;
+    adjust(&mut config);
     let settings = config.validate().map_err(anyhow::Error::msg)?;
     Ok(RouterHandle::start(settings).await?)
 }
@@ -631,13 +644,18 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
 #[tokio::test]
 async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() -> anyhow::Result<()>
 {
-    // e0 is asked first (least loaded, first in the table): its /tokenize hangs, and it is
-    // paused; e1 is asked next: it fails, and it is paused too. Then no instance is asked
-    // until a pause ends.
+    // e0 is asked first (least loaded, first in the table). Its /tokenize hangs, then fails:
+    // two failures in a row pause it (for a minute here, so that nothing below depends on
+    // timing). e1 is asked next, fails twice, and is paused too. Then no instance is asked.
     let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
     let dir = tempfile::tempdir()?;
-    let router = static_router(dir.path(), &[&a, &b], Value::Null, 100).await?;
+    let router = static_router_with(dir.path(), &[&a, &b], Value::Null, |config| {
+        config.kv.kv_events_probe_ms = 100;
+        config.kv.kv_tokenize_timeout_ms = 100;
+        config.kv.kv_tokenize_pause_ms = 60_000;
+    })
+    .await?;
     let instances = ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
@@ -649,65 +667,89 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
     )
     .await?;
 
-    for (faults, reason) in [
-        (
-            Faults {
-                tokenize_hang_rate: 1.0,
-                ..Faults::default()
-            },
-            "timeout",
-        ),
-        (
-            Faults {
-                tokenize_fail_rate: 1.0,
-                ..Faults::default()
-            },
-            "status",
-        ),
+    let fail = Faults {
+        tokenize_fail_rate: 1.0,
+        ..Faults::default()
+    };
+    a.set_faults(Faults {
+        tokenize_hang_rate: 1.0,
+        ..Faults::default()
+    });
+    b.set_faults(fail);
+    for (reason, count) in [
+        ("timeout", 1),
+        ("status", 1),
+        ("status", 2),
+        ("status", 3),
+        ("backoff", 1),
     ] {
-        a.set_faults(faults);
-        b.set_faults(faults);
         let reply = route(&router, &prompt).await?;
         assert_eq!(
             reply.header("x-switchyard-route"),
             Some("least-outstanding")
         );
         assert_eq!(reply.header("x-switchyard-cached-tokens"), None);
-        assert_eq!(router.metrics().kv_tokenize_failures(reason), 1, "{reason}");
+        a.set_faults(fail);
+        assert_eq!(
+            router.metrics().kv_tokenize_failures(reason),
+            count,
+            "{reason}"
+        );
         assert_eq!(
             metric(
                 &router,
                 &format!(r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#)
             )
             .await?,
-            1.0
+            count as f64
         );
     }
-    let reply = route(&router, &prompt).await?;
-    assert_eq!(
-        reply.header("x-switchyard-route"),
-        Some("least-outstanding")
-    );
-    assert_eq!(router.metrics().kv_tokenize_failures("backoff"), 1);
-    assert_eq!(router.metrics().kv_tokenize_failures("timeout"), 1);
-    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
-    // The tokenizer is back: so is KV routing, once a pause (1 s) has ended.
-    a.set_faults(Faults::default());
-    b.set_faults(Faults::default());
-    eventually(
-        Duration::from_secs(10),
-        "KV routing after the pause",
-        || async {
-            route(&router, &prompt)
-                .await
-                .is_ok_and(|reply| choice(&reply).1 == "kv")
-        },
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::Result<()> {
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router_with(dir.path(), &[&a], Value::Null, |config| {
+        config.kv.kv_events_probe_ms = 100;
+        config.kv.kv_tokenize_pause_ms = 100;
+    })
+    .await?;
+    let prompt = words(0, 200);
+    place(&a, &prompt).await?;
+    wait_matched(
+        &router,
+        &prompt_tokens(&a, &prompt).await?,
+        &ids(&["e0"]),
+        &[12],
     )
+    .await?;
+    a.set_faults(Faults {
+        tokenize_fail_rate: 1.0,
+        ..Faults::default()
+    });
+    for _ in 0..2 {
+        let reply = route(&router, &prompt).await?;
+        assert_eq!(
+            reply.header("x-switchyard-route"),
+            Some("least-outstanding")
+        );
+    }
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
+    // The tokenizer is back: once the pause (100 ms) has ended, one request tries it, and KV
+    // routing returns.
+    a.set_faults(Faults::default());
+    eventually(WAIT, "KV routing after the pause", || async {
+        route(&router, &prompt)
+            .await
+            .is_ok_and(|reply| choice(&reply).1 == "kv")
+    })
     .await?;
     let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
-    assert_eq!(router.metrics().kv_tokenize_failures("timeout"), 1);
-    assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
+    assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
     router.shutdown().await;
     Ok(())
 }

@@ -278,7 +278,7 @@ impl RouterConfig {
             .router_id
             .clone()
             .unwrap_or_else(|| format!("router-{}-{:08x}", std::process::id(), fastrand::u32(..)));
-        let (kv, kv_tokenize_timeout) = self.kv.validate()?;
+        let (kv, kv_tokenize_timeout, kv_tokenize_pause) = self.kv.validate()?;
         let seconds = Duration::from_secs;
         let telemetry = self.telemetry.validate()?;
         Ok(Settings {
@@ -306,6 +306,7 @@ impl RouterConfig {
             },
             kv,
             kv_tokenize_timeout,
+            kv_tokenize_pause,
         })
     }
 
@@ -382,6 +383,8 @@ pub struct Settings {
     pub kv: crate::kv::KvSettings,
     /// KV_AWARE: the deadline of a request's `/tokenize` round trip.
     pub kv_tokenize_timeout: Duration,
+    /// KV_AWARE: the first pause of an instance whose `/tokenize` keeps failing.
+    pub kv_tokenize_pause: Duration,
 }
 
 #[cfg(test)]
@@ -439,6 +442,14 @@ mod tests {
         let settings = config().validate().unwrap();
         assert_eq!(settings.deadlines.stream_idle, Duration::from_secs(120));
         assert_eq!(settings.kv_tokenize_timeout, Duration::from_millis(250));
+        assert_eq!(settings.kv_tokenize_pause, Duration::from_secs(1));
+        let mut bad = config();
+        bad.kv.kv_tokenize_pause_ms = 10;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .contains("--kv-tokenize-pause-ms")
+        );
         assert_eq!(settings.limits.max_buffered_bytes, 512 << 20);
     }
 

@@ -62,7 +62,7 @@ impl Worker {
             tokenizers: Arc::clone(&self.tokenizers),
             tracer: self.tracer.clone(),
             kv_index: Arc::clone(&self.kv_index),
-            tokenizer: Tokenizer::new(self.tokenizer.timeout()),
+            tokenizer: self.tokenizer.like(),
         }
     }
 }
@@ -230,7 +230,7 @@ async fn route(
 }
 
 /// The request's token ids for `variant`'s engines: as given, or one `/tokenize` round trip to
-/// its least loaded instance within `--kv-tokenize-timeout-ms` (timed in
+/// its least loaded instance not paused for failing to tokenize within `--kv-tokenize-timeout-ms` (timed in
 /// `switchyard_router_kv_tokenize_seconds`). A failure is counted in
 /// `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by load.
 async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> Option<Vec<u32>> {

@@ -38,3 +38,13 @@ pub use server::{RouterHandle, StartError};
 pub fn now_unix_ms() -> u64 {
     u64::try_from(switchyard_shared::now_ms()).unwrap_or(0)
 }
+
+/// Milliseconds since this process first asked: a clock that never steps, for router-local
+/// memories (spills remembered, `/tokenize` pauses).
+pub fn monotonic_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+}

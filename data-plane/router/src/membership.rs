@@ -1053,7 +1053,7 @@ mod tests {
 
     #[test]
     fn bounded_loads_remember_a_spill_and_send_the_key_back_to_its_copy() {
-        use crate::table::spill_clock_ms;
+        use crate::monotonic_ms;
         use std::sync::atomic::Ordering;
         use switchyard_policy::rank::Route;
         let config = || {
@@ -1080,7 +1080,7 @@ mod tests {
             variant
                 .instances
                 .iter()
-                .all(|i| !i.cell.spills.remembers(key, spill_clock_ms()))
+                .all(|i| !i.cell.spills.remembers(key, monotonic_ms()))
         );
         // 8 in flight over 4: bound ⌈9 / 4⌉ = 3. The owner is at 5; the third choice is idler
         // than the second, so the first spill goes there and is remembered.
@@ -1103,7 +1103,7 @@ mod tests {
             variant.instances[third]
                 .cell
                 .spills
-                .remembers(key, spill_clock_ms())
+                .remembers(key, monotonic_ms())
         );
         // Now the second choice is the idlest, but the copy is below the bound: back there.
         set([(owner, 5), (second, 0), (third, 2), (fourth, 1)]);
@@ -1140,7 +1140,7 @@ mod tests {
             variant.instances[copy]
                 .cell
                 .spills
-                .remembers(key, spill_clock_ms())
+                .remembers(key, monotonic_ms())
         );
         let kept_owner = variant
             .instances

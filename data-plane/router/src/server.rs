@@ -144,7 +144,10 @@ impl RouterHandle {
             tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
             tracer: telemetry.as_ref().map(|telemetry| telemetry.sink.clone()),
             kv_index: Arc::clone(kv_events.index()),
-            tokenizer: Tokenizer::new(settings.kv_tokenize_timeout),
+            tokenizer: Tokenizer::with_pause(
+                settings.kv_tokenize_timeout,
+                settings.kv_tokenize_pause,
+            ),
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
         let tokenizers = Arc::clone(&worker.tokenizers);

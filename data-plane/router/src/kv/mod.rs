@@ -162,6 +162,12 @@ pub struct KvArgs {
     /// token counts as uncached).
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub kv_tokenize_timeout_ms: u64,
+    /// KV_AWARE: how long an instance whose /tokenize failed twice in a row on its side (no
+    /// connection, no answer within the timeout, a 5xx, 408 or 429) is not asked, in ms;
+    /// doubled with each further failure up to 30 s (or this, if longer). Then one request
+    /// tries it again; the other instances are asked meanwhile.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub kv_tokenize_pause_ms: u64,
     /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
     /// beyond, the least recently stored are forgotten.
     #[arg(long, default_value_t = index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
@@ -177,6 +183,7 @@ impl Default for KvArgs {
     fn default() -> Self {
         Self {
             kv_tokenize_timeout_ms: 250,
+            kv_tokenize_pause_ms: 1000,
             kv_index_max_blocks: index::DEFAULT_MAX_BLOCKS_PER_INSTANCE,
             kv_events_probe_ms: 1000,
         }
@@ -185,11 +192,18 @@ impl Default for KvArgs {
 
 impl KvArgs {
     /// Checks the flags; the error names the flag.
-    pub fn validate(&self) -> Result<(KvSettings, std::time::Duration), String> {
+    /// Returns the settings, the `/tokenize` deadline and the first pause.
+    pub fn validate(&self) -> Result<(KvSettings, Duration, Duration), String> {
         if !(10..=10_000).contains(&self.kv_tokenize_timeout_ms) {
             return Err(format!(
                 "--kv-tokenize-timeout-ms: {} is outside 10..=10000",
                 self.kv_tokenize_timeout_ms
+            ));
+        }
+        if !(100..=600_000).contains(&self.kv_tokenize_pause_ms) {
+            return Err(format!(
+                "--kv-tokenize-pause-ms: {} is outside 100..=600000",
+                self.kv_tokenize_pause_ms
             ));
         }
         if !(1_000..=100_000_000).contains(&self.kv_index_max_blocks) {
@@ -215,7 +229,11 @@ impl KvArgs {
                 ..SubscriberSettings::default()
             },
         };
-        Ok((settings, Duration::from_millis(self.kv_tokenize_timeout_ms)))
+        Ok((
+            settings,
+            Duration::from_millis(self.kv_tokenize_timeout_ms),
+            Duration::from_millis(self.kv_tokenize_pause_ms),
+        ))
     }
 }
 
@@ -461,16 +479,18 @@ mod tests {
     #[test]
     fn flags_default_and_name_themselves_when_wrong() {
         let flags = Flags::parse_from(["router"]);
-        let (settings, timeout) = flags.kv.validate().unwrap();
+        let (settings, timeout, pause) = flags.kv.validate().unwrap();
         assert_eq!(
             format!("{:?}", flags.kv),
             format!("{:?}", KvArgs::default())
         );
         assert_eq!(timeout, tokenize::DEFAULT_TIMEOUT);
+        assert_eq!(pause, tokenize::DEFAULT_PAUSE);
         assert_eq!(settings.index, IndexSettings::default());
         assert_eq!(settings.subscriber, SubscriberSettings::default());
         for (flag, value) in [
             ("--kv-tokenize-timeout-ms", "0"),
+            ("--kv-tokenize-pause-ms", "0"),
             ("--kv-index-max-blocks", "10"),
             ("--kv-events-probe-ms", "1"),
         ] {

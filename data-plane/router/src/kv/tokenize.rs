@@ -6,11 +6,12 @@
 //! about a millisecond on a vLLM server that is not saturated). On any failure (no instance,
 //! refused connection, timeout, an error status, an unreadable answer) the caller routes that
 //! request as LEAST_OUTSTANDING_REQUESTS; nothing is retried, so a slow engine costs at most
-//! the deadline. An instance whose `/tokenize` failed on its side (no connection, no answer in
-//! time, a 5xx status, an unreadable answer; not a 4xx, which is the request's own fault) is
-//! not asked again for a while ([`TokenizeBackoff`]: 1 s, doubling with each further failure
-//! up to 30 s), so a hung tokenizer costs the deadline once per backoff instead of on every
-//! request; the others are asked meanwhile.
+//! the deadline. An instance whose `/tokenize` failed twice in a row on its side (no
+//! connection, no answer in time, a 5xx, 408 or 429 status, an unreadable answer; not another
+//! 4xx, which is the request's own fault) is not asked again for a while ([`TokenizeBackoff`]:
+//! `--kv-tokenize-pause-ms`, 1 s, doubling with each further failure up to 30 s), then by one
+//! request before the others, so a hung tokenizer costs the deadline about once per pause
+//! instead of on every request; the others are asked meanwhile.
 //!
 //! Body sent: completions `{"model", "prompt"}` (a string prompt; a token-id prompt needs no
 //! round trip: [`prompt_token_ids`]); chat `{"model", "messages", …}` with the fields that
@@ -34,6 +35,8 @@ use crate::table::{InstanceCell, VariantRoute};
 
 /// How long the engine may take to answer `/tokenize`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
+/// The first pause of an instance whose `/tokenize` keeps failing (`--kv-tokenize-pause-ms`).
+pub const DEFAULT_PAUSE: Duration = Duration::from_millis(1_000);
 /// Largest `/tokenize` answer read (a 128 K-token prompt is about 1 MB of JSON).
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 /// Answers above this are parsed on a blocking thread (about 40 K tokens, ~0.5 ms of parsing).
@@ -50,17 +53,28 @@ const CHAT_TEMPLATE_FIELDS: &[&str] = &[
     "documents",
 ];
 
-/// First pause after an instance's `/tokenize` failed on its side.
-pub const BACKOFF_FIRST_MS: u64 = 1_000;
-/// Longest pause (after six failures in a row).
-pub const BACKOFF_MAX_MS: u64 = 30_000;
+/// Failures in a row on an instance's side before it is paused: one failure may be the
+/// request's own (a huge prompt that takes longer than the deadline), two in a row are the
+/// instance's.
+pub const PAUSE_AFTER_FAILURES: u32 = 2;
+/// Longest pause (`--kv-tokenize-pause-ms` doubles up to it, or stays if it is longer).
+pub const PAUSE_MAX_MS: u64 = 30_000;
 
-/// When an instance may be asked to tokenize again, after failures on its side; kept in its
-/// [`crate::table::InstanceCell`], so table rebuilds keep it.
+/// Whether an instance may be asked to tokenize, after failures on its side; kept in its
+/// [`crate::table::InstanceCell`], so table rebuilds keep it. Times are
+/// [`crate::monotonic_ms`].
+///
+/// After [`PAUSE_AFTER_FAILURES`] failures in a row the instance is paused for the first
+/// pause, doubling with each further failure up to [`PAUSE_MAX_MS`]. Requests that were
+/// already asking when a failure was recorded (one incident seen by many) do not count
+/// again. When a pause ends, one request claims the probe ([`TokenizeBackoff::claim`]); the
+/// others keep away until it answers or its deadline passes.
 #[derive(Debug, Default)]
 pub struct TokenizeBackoff {
-    /// Unix ms before which the instance is not asked (0: it may be).
+    /// Before this the instance is not asked (0: it may be).
     until_ms: AtomicU64,
+    /// When the last failure was recorded.
+    failed_at_ms: AtomicU64,
     /// Failures in a row.
     failures: AtomicU32,
 }
@@ -71,20 +85,54 @@ impl TokenizeBackoff {
         self.until_ms.load(Ordering::Relaxed) <= now_ms
     }
 
-    /// Records a failure on the instance's side at `now_ms`; returns the pause it starts (ms).
-    pub fn failed(&self, now_ms: u64) -> u64 {
+    /// Takes the right to ask the instance at `now_ms`, for `deadline_ms`: always granted to
+    /// an instance that is not failing; after a pause, to one request only.
+    pub fn claim(&self, now_ms: u64, deadline_ms: u64) -> bool {
+        if self.failures.load(Ordering::Relaxed) < PAUSE_AFTER_FAILURES {
+            return true;
+        }
+        let until = self.until_ms.load(Ordering::Relaxed);
+        until <= now_ms
+            && self
+                .until_ms
+                .compare_exchange(
+                    until,
+                    now_ms.saturating_add(deadline_ms),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
+    /// Records a failure on the instance's side of a request asked at `asked_ms`, at `now_ms`;
+    /// returns the pause it starts, if it starts one.
+    pub fn failed(&self, asked_ms: u64, now_ms: u64, first_pause_ms: u64) -> Option<u64> {
+        let last = self.failed_at_ms.load(Ordering::Relaxed);
+        let in_row = self.failures.load(Ordering::Relaxed);
+        if in_row > 0 && asked_ms < last {
+            // Asked before the last failure was recorded: the same incident.
+            return None;
+        }
+        self.failed_at_ms.fetch_max(now_ms, Ordering::Relaxed);
         let failures = self
             .failures
             .fetch_add(1, Ordering::Relaxed)
             .saturating_add(1);
-        let pause = (BACKOFF_FIRST_MS << (failures - 1).min(16)).min(BACKOFF_MAX_MS);
+        if failures < PAUSE_AFTER_FAILURES {
+            return None;
+        }
+        let doublings = (failures - PAUSE_AFTER_FAILURES).min(16);
+        let pause = (first_pause_ms << doublings).min(PAUSE_MAX_MS.max(first_pause_ms));
         self.until_ms
             .fetch_max(now_ms.saturating_add(pause), Ordering::Relaxed);
-        pause
+        Some(pause)
     }
 
     /// Records an answer; true if the instance had been failing.
     pub fn answered(&self) -> bool {
+        if self.failures.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
         self.until_ms.store(0, Ordering::Relaxed);
         self.failures.swap(0, Ordering::Relaxed) > 0
     }
@@ -122,14 +170,15 @@ impl TokenizeError {
         }
     }
 
-    /// Whether the instance is at fault (not the request): it is then paused
+    /// Whether the instance may be at fault (not only the request): counted towards a pause
     /// ([`TokenizeBackoff`]).
     pub fn instance_at_fault(&self) -> bool {
         match self {
             TokenizeError::Request { .. }
             | TokenizeError::Timeout { .. }
             | TokenizeError::Answer { .. } => true,
-            TokenizeError::Status { status, .. } => *status >= 500,
+            // 408 and 429: the engine is too busy to answer; 5xx: it failed.
+            TokenizeError::Status { status, .. } => *status >= 500 || matches!(status, 408 | 429),
             TokenizeError::NoInstance | TokenizeError::BackingOff | TokenizeError::Input(_) => {
                 false
             }
@@ -277,12 +326,34 @@ impl PromptTokens {
         match self {
             Self::Known(ids) => Ok(ids),
             Self::Ask(body) => {
-                let instance = match least_loaded(variant, now_ms) {
-                    Some(instance) => instance,
-                    None if least_available(variant, now_ms).is_some() => {
-                        return Err(TokenizeError::BackingOff);
+                let clock = crate::monotonic_ms;
+                let asked = clock();
+                let deadline = u64::try_from(tokenizer.timeout.as_millis()).unwrap_or(u64::MAX);
+                // The least loaded available instance not paused whose turn this request can
+                // claim (after a pause only one request probes); at most one pass.
+                let mut passed = Vec::new();
+                let instance = loop {
+                    let candidate = least(variant, |index, cell| {
+                        cell.available(now_ms)
+                            && cell.tokenize_backoff.ready(asked)
+                            && !passed.contains(&index)
+                    });
+                    match candidate {
+                        Some(index) => {
+                            if variant.instances[index]
+                                .cell
+                                .tokenize_backoff
+                                .claim(asked, deadline)
+                            {
+                                break index;
+                            }
+                            passed.push(index);
+                        }
+                        None if least(variant, |_, cell| cell.available(now_ms)).is_some() => {
+                            return Err(TokenizeError::BackingOff);
+                        }
+                        None => return Err(TokenizeError::NoInstance),
                     }
-                    None => return Err(TokenizeError::NoInstance),
                 };
                 let route = &variant.instances[instance];
                 let backoff = &route.cell.tokenize_backoff;
@@ -294,8 +365,9 @@ impl PromptTokens {
                         }
                     }
                     Err(err) if err.instance_at_fault() => {
-                        let pause = backoff.failed(crate::now_unix_ms());
-                        tracing::warn!(instance = %route.id, error = %err, pause_ms = pause, "/tokenize failed on the instance; asking the others meanwhile");
+                        if let Some(pause) = backoff.failed(asked, clock(), tokenizer.pause_ms) {
+                            tracing::warn!(instance = %route.id, error = %err, pause_ms = pause, "/tokenize keeps failing on the instance; asking the others meanwhile");
+                        }
                     }
                     Err(_) => {}
                 }
@@ -310,21 +382,18 @@ impl PromptTokens {
 /// sends every `/tokenize` to the same instance; spreading ties at random would send half of
 /// them to an instance that has just died and is not yet ejected, as a test showed).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
-    least(variant, |cell| {
-        cell.available(now_ms) && cell.tokenize_backoff.ready(now_ms)
+    let clock = crate::monotonic_ms();
+    least(variant, |_, cell| {
+        cell.available(now_ms) && cell.tokenize_backoff.ready(clock)
     })
 }
 
-fn least_available(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
-    least(variant, |cell| cell.available(now_ms))
-}
-
-fn least(variant: &VariantRoute, wanted: impl Fn(&InstanceCell) -> bool) -> Option<usize> {
+fn least(variant: &VariantRoute, wanted: impl Fn(usize, &InstanceCell) -> bool) -> Option<usize> {
     variant
         .instances
         .iter()
         .enumerate()
-        .filter(|(_, instance)| wanted(&instance.cell))
+        .filter(|(index, instance)| wanted(*index, &instance.cell))
         .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
         .map(|(position, _)| position)
 }
@@ -339,17 +408,30 @@ struct Answer {
 pub struct Tokenizer {
     client: Client<HttpConnector, Full<Bytes>>,
     timeout: Duration,
+    /// The first pause of an instance that keeps failing ([`TokenizeBackoff`]).
+    pause_ms: u64,
 }
 
 impl Tokenizer {
+    /// With the default first pause ([`DEFAULT_PAUSE`]).
     pub fn new(timeout: Duration) -> Self {
+        Self::with_pause(timeout, DEFAULT_PAUSE)
+    }
+
+    pub fn with_pause(timeout: Duration, pause: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         Self {
             client: Client::builder(TokioExecutor::new()).build(connector),
             timeout,
+            pause_ms: u64::try_from(pause.as_millis()).unwrap_or(u64::MAX),
         }
+    }
+
+    /// A client of its own with the same settings.
+    pub fn like(&self) -> Self {
+        Self::with_pause(self.timeout, Duration::from_millis(self.pause_ms))
     }
 
     /// The deadline of one `/tokenize` exchange.
@@ -454,25 +536,50 @@ mod tests {
     #[test]
     fn an_instance_failing_to_tokenize_is_paused_longer_each_time_until_it_answers() {
         let backoff = TokenizeBackoff::default();
-        let t = 1_000_000;
-        assert!(backoff.ready(t));
-        let pauses: Vec<u64> = (0..8).map(|_| backoff.failed(t)).collect();
-        assert_eq!(
-            pauses,
-            [1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000, 30_000]
+        let first = 1_000;
+        // One failure may be the request's own: no pause yet.
+        assert_eq!(backoff.failed(0, 10, first), None);
+        assert!(backoff.ready(10) && backoff.claim(10, 250));
+        // Requests asked before that failure was recorded are the same incident.
+        assert_eq!(backoff.failed(5, 20, first), None);
+        assert!(backoff.ready(20));
+        // The second failure in a row pauses it: 1 s, then one request probes.
+        assert_eq!(backoff.failed(30, 40, first), Some(1_000));
+        assert!(!backoff.ready(1_039) && backoff.ready(1_040));
+        assert!(backoff.claim(1_040, 250), "the probe");
+        assert!(
+            !backoff.ready(1_041) && !backoff.claim(1_041, 250),
+            "one probe at a time"
         );
-        assert!(!backoff.ready(t + 29_999));
-        assert!(backoff.ready(t + 30_000));
+        // The probe fails: 2 s; then each failure doubles the pause up to 30 s.
+        let mut now = 1_100;
+        let mut pauses = vec![];
+        for _ in 0..6 {
+            let pause = backoff.failed(now, now + 10, first).unwrap();
+            pauses.push(pause);
+            now += 10 + pause;
+        }
+        assert_eq!(pauses, [2_000, 4_000, 8_000, 16_000, 30_000, 30_000]);
+        // A probe's deadline passes unanswered (the request was dropped): another may probe.
+        assert!(backoff.claim(now, 250));
+        assert!(!backoff.claim(now + 249, 250) && backoff.claim(now + 250, 250));
+        // An answer ends it, and the count starts over.
         assert!(backoff.answered());
-        assert!(backoff.ready(t));
-        assert!(!backoff.answered(), "already answering");
-        assert_eq!(backoff.failed(t), 1_000, "the count starts over");
+        assert!(backoff.ready(0) && !backoff.answered());
+        assert_eq!(backoff.failed(now + 300, now + 300, first), None);
+        assert_eq!(backoff.failed(now + 400, now + 400, first), Some(1_000));
+        // A first pause above the cap stays as given.
+        let long = TokenizeBackoff::default();
+        long.failed(0, 0, 60_000);
+        assert_eq!(long.failed(1, 1, 60_000), Some(60_000));
+        assert_eq!(long.failed(60_001, 60_001, 60_000), Some(60_000));
         // Only failures on the instance's side pause it; a 4xx is the request's fault.
         let status = |status| TokenizeError::Status {
             url: String::new(),
             status,
         };
         assert!(status(500).instance_at_fault() && status(503).instance_at_fault());
+        assert!(status(429).instance_at_fault() && status(408).instance_at_fault());
         assert!(!status(404).instance_at_fault() && !status(400).instance_at_fault());
         assert!(!TokenizeError::Input(String::new()).instance_at_fault());
     }
