@@ -1145,6 +1145,69 @@ async fn a_prefill_answer_without_a_usable_hand_off_falls_back() -> anyhow::Resu
 }
 
 #[tokio::test]
+async fn a_prefill_answer_past_its_bound_or_the_buffer_bound_falls_back() -> anyhow::Result<()> {
+    // A prefill engine whose answers come in several frames, none with a usable hand-off: a
+    // long answer (11 frames of 100 kB, past the 1 MiB an answer may take), a short one (3
+    // frames of 4 kB), and, for a request holding most of the router's buffer, 6 frames of
+    // 100 kB that would pass it.
+    let app = axum::Router::new()
+        .route(
+            "/v1/completions",
+            axum::routing::post(|body: bytes::Bytes| async move {
+                let (frames, size) = if body.len() > 1_000_000 {
+                    (6, 100_000)
+                } else if body.windows(11).any(|w| w == b"long-answer") {
+                    (11, 100_000)
+                } else {
+                    (3, 4_000)
+                };
+                let chunks = (0..frames)
+                    .map(move |_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; size])));
+                axum::body::Body::from_stream(futures::stream::iter(chunks))
+            }),
+        )
+        .layer(axum::extract::DefaultBodyLimit::disable());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+    let lines = format!(
+        "      - {{Url: \"http://{address}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n",
+        decoder.url
+    );
+    let dir = tempfile::tempdir()?;
+    // The smallest buffer bound there is: one largest body.
+    let router = router_over(&dir, &lines, NIXL, "", |config| {
+        config.max_buffered_bytes = 6_291_456;
+    })
+    .await?;
+    let large = serde_json::json!({
+        "model": "pd",
+        "prompt": hellos(5000),
+        "max_tokens": 2,
+        "user": "u".repeat(2_900_000),
+    })
+    .to_string();
+    for (body, reason) in [
+        (
+            completion(&format!("long-answer {}", hellos(5000)), 2, false),
+            "prefill_failed",
+        ),
+        (completion(&hellos(5000), 2, false), "bad_handoff"),
+        (large, "buffer_full"),
+    ] {
+        let reply = bounded("a long prompt", http_post(&url(&router), &[], body)).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+        assert_eq!(fallbacks(&router, reason).await, 1.0, "{reason}");
+    }
+    assert_eq!(decoder.received().len(), 3);
+    settles(&router).await?;
+    server.abort();
+    Ok(())
+}
+
+#[tokio::test]
 async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_context()
 -> anyhow::Result<()> {
     let sink = switchyard_bench::otlp_sink::OtlpSink::start(true).await?;
