@@ -580,6 +580,43 @@ async fn lmcache_prefill_pushes_to_its_partner_which_then_decodes() -> anyhow::R
 }
 
 #[tokio::test]
+async fn an_lmcache_partner_that_refuses_the_decode_leaves_it_to_another_decoder()
+-> anyhow::Result<()> {
+    // p0 pushes to d0, whose port refuses connections: the decode is retried on d1 (it never
+    // reached d0), which serves it without the pushed cache.
+    let prefill = switchyard_engine_sim::spawn(engine(InstanceRole::Prefill)).await?;
+    let dead = RefusingPort::new()?;
+    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+    let lines = format!(
+        "      - {{Url: \"{}\", InstanceId: p0, VariantName: prefill, Role: prefill, DecodePartner: d0}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n      - {{Url: \"{}\", InstanceId: d1, VariantName: decode, Role: decode}}\n",
+        prefill.url,
+        dead.url(),
+        decoder.url
+    );
+    let dir = tempfile::tempdir()?;
+    let router = router_over(
+        &dir,
+        &lines,
+        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}",
+        "",
+        |_| {},
+    )
+    .await?;
+    let reply = bounded(
+        "an LMCache request",
+        http_post(&url(&router), &[], completion(&hellos(5000), 2, false)),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("retry"));
+    assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p0"));
+    assert_eq!(reply.header("x-switchyard-instance"), Some("d1"));
+    assert_eq!(decoder.received().len(), 1);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_target_variant_and_a_role_out_of_place_are_refused() -> anyhow::Result<()> {
     let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
     let dir = tempfile::tempdir()?;
