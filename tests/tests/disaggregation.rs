@@ -617,6 +617,31 @@ async fn an_lmcache_partner_that_refuses_the_decode_leaves_it_to_another_decoder
 }
 
 #[tokio::test]
+async fn only_generation_is_prefilled_elsewhere() -> anyhow::Result<()> {
+    // A long chat-style pooling request on a disaggregated endpoint goes to a decoder whole:
+    // only chat and completions are generation, prefilled elsewhere.
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let body = serde_json::json!({
+        "model": "pd",
+        "messages": [{"role": "user", "content": hellos(5000)}],
+    })
+    .to_string();
+    let reply = bounded(
+        "a long pooling request",
+        http_post(&format!("{}/pooling", router.url()), &[], body),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_ne!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert_ne!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert!(Pool::received(&pool.prefill).is_empty(), "it was prefilled");
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_target_variant_and_a_role_out_of_place_are_refused() -> anyhow::Result<()> {
     let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
     let dir = tempfile::tempdir()?;

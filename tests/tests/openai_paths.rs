@@ -255,7 +255,10 @@ async fn the_other_paths_route_plain_and_under_endpoints_with_openai_errors() ->
 }
 
 #[tokio::test]
-async fn prefix_aware_keeps_embeddings_of_a_shared_prefix_on_one_instance() -> anyhow::Result<()> {
+async fn prefix_aware_keeps_a_shared_prefix_on_one_instance_on_every_path() -> anyhow::Result<()> {
+    // Each path's own text rule: a shared document and different questions stay together,
+    // and different documents spread (a path read with another path's rule would find no
+    // text, and send every document to one instance).
     let cluster = Cluster::start(
         4,
         2,
@@ -263,32 +266,56 @@ async fn prefix_aware_keeps_embeddings_of_a_shared_prefix_on_one_instance() -> a
         fast(),
     )
     .await?;
-    let mut owners = std::collections::HashSet::new();
-    for document in 0..6 {
-        let shared = prompt(&format!("document-{document}"), 2000);
-        let mut chosen = std::collections::HashSet::new();
-        for (suffix, router) in ["a question", "another, longer question", "a third"]
-            .iter()
-            .zip(cluster.routers.iter().cycle())
-        {
-            let body = serde_json::json!({
-                "model": "chat",
-                "input": [format!("{shared} {suffix}")],
-            })
-            .to_string();
-            let reply = http_post(&format!("{}/v1/embeddings", router.url()), &[], body).await?;
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            assert_eq!(reply.header("x-switchyard-route"), Some("prefix"));
-            chosen.insert(reply.header("x-switchyard-instance").unwrap().to_owned());
+    type Body = fn(&str, &str, usize, usize) -> serde_json::Value;
+    let paths: [(&str, Body); 5] = [
+        (
+            "/v1/embeddings",
+            |shared, suffix, _, _| serde_json::json!({"model": "chat", "input": [format!("{shared} {suffix}")]}),
+        ),
+        (
+            "/v1/responses",
+            |shared, suffix, _, _| serde_json::json!({"model": "chat", "input": format!("{shared} {suffix}"), "max_output_tokens": 2}),
+        ),
+        (
+            "/v1/score",
+            |shared, suffix, _, _| serde_json::json!({"model": "chat", "text_1": shared, "text_2": suffix}),
+        ),
+        (
+            "/rerank",
+            |shared, suffix, _, _| serde_json::json!({"model": "chat", "query": shared, "documents": [suffix]}),
+        ),
+        ("/detokenize", |_, _, document, question| {
+            let mut tokens: Vec<usize> = (0..600).map(|i| 1000 + document * 700 + i).collect();
+            tokens.extend([question + 1; 3]);
+            serde_json::json!({"model": "chat", "tokens": tokens})
+        }),
+    ];
+    for (path, body) in paths {
+        let mut owners = std::collections::HashSet::new();
+        for document in 0..6 {
+            let shared = prompt(&format!("document-{document}"), 2000);
+            let mut chosen = std::collections::HashSet::new();
+            for (question, (suffix, router)) in
+                ["a question", "another, longer question", "a third"]
+                    .iter()
+                    .zip(cluster.routers.iter().cycle())
+                    .enumerate()
+            {
+                let body = body(&shared, suffix, document, question).to_string();
+                let reply = http_post(&format!("{}{path}", router.url()), &[], body).await?;
+                assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+                assert_eq!(reply.header("x-switchyard-route"), Some("prefix"), "{path}");
+                chosen.insert(reply.header("x-switchyard-instance").unwrap().to_owned());
+            }
+            assert_eq!(
+                chosen.len(),
+                1,
+                "{path}: document {document} spread over {chosen:?}"
+            );
+            owners.extend(chosen);
         }
-        assert_eq!(
-            chosen.len(),
-            1,
-            "document {document} spread over {chosen:?}"
-        );
-        owners.extend(chosen);
+        assert!(owners.len() >= 2, "{path}: six prefixes all on {owners:?}");
     }
-    assert!(owners.len() >= 2, "six prefixes all on {owners:?}");
     cluster.wait_idle().await?;
     Ok(())
 }
