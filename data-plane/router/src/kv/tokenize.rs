@@ -329,32 +329,7 @@ impl PromptTokens {
                 let clock = crate::monotonic_ms;
                 let asked = clock();
                 let deadline = u64::try_from(tokenizer.timeout.as_millis()).unwrap_or(u64::MAX);
-                // The least loaded available instance not paused whose turn this request can
-                // claim (after a pause only one request probes); at most one pass.
-                let mut passed = Vec::new();
-                let instance = loop {
-                    let candidate = least(variant, |index, cell| {
-                        cell.available(now_ms)
-                            && cell.tokenize_backoff.ready(asked)
-                            && !passed.contains(&index)
-                    });
-                    match candidate {
-                        Some(index) => {
-                            if variant.instances[index]
-                                .cell
-                                .tokenize_backoff
-                                .claim(asked, deadline)
-                            {
-                                break index;
-                            }
-                            passed.push(index);
-                        }
-                        None if least(variant, |_, cell| cell.available(now_ms)).is_some() => {
-                            return Err(TokenizeError::BackingOff);
-                        }
-                        None => return Err(TokenizeError::NoInstance),
-                    }
-                };
+                let instance = claim_instance(variant, now_ms, asked, deadline)?;
                 let route = &variant.instances[instance];
                 let backoff = &route.cell.tokenize_backoff;
                 let result = tokenizer.tokenize(&route.url, body).await;
@@ -373,6 +348,40 @@ impl PromptTokens {
                 }
                 result
             }
+        }
+    }
+}
+
+/// The least loaded available instance not paused whose turn a request asked at `asked_ms`
+/// can claim for `deadline_ms` (after a pause only one request probes): each instance is
+/// tried at most once.
+fn claim_instance(
+    variant: &VariantRoute,
+    now_ms: u64,
+    asked_ms: u64,
+    deadline_ms: u64,
+) -> Result<usize, TokenizeError> {
+    let mut passed = Vec::new();
+    loop {
+        let candidate = least(variant, |index, cell| {
+            cell.available(now_ms)
+                && cell.tokenize_backoff.ready(asked_ms)
+                && !passed.contains(&index)
+        });
+        match candidate {
+            Some(index)
+                if variant.instances[index]
+                    .cell
+                    .tokenize_backoff
+                    .claim(asked_ms, deadline_ms) =>
+            {
+                return Ok(index);
+            }
+            Some(index) => passed.push(index),
+            None if least(variant, |_, cell| cell.available(now_ms)).is_some() => {
+                return Err(TokenizeError::BackingOff);
+            }
+            None => return Err(TokenizeError::NoInstance),
         }
     }
 }
