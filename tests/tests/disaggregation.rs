@@ -8,6 +8,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use http_body_util::BodyExt as _;
+
 use switchyard_engine_sim::{InstanceRole, SimConfig, SimHandle};
 use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::*;
@@ -48,13 +50,20 @@ struct Pool {
 
 impl Pool {
     async fn start(prefill: impl Fn(usize) -> SimConfig) -> anyhow::Result<Self> {
+        Self::start_with(prefill, engine(InstanceRole::Decode)).await
+    }
+
+    async fn start_with(
+        prefill: impl Fn(usize) -> SimConfig,
+        decode: SimConfig,
+    ) -> anyhow::Result<Self> {
         let mut pool = Pool {
             prefill: Vec::new(),
             decode: Vec::new(),
         };
         for _ in 0..2 {
             pool.decode
-                .push(switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?);
+                .push(switchyard_engine_sim::spawn(decode.clone()).await?);
         }
         for index in 0..2 {
             pool.prefill
@@ -335,14 +344,47 @@ async fn both_decoders_serve_and_streams_stay_incremental() -> anyhow::Result<()
         .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
         .collect();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    // 40 decode steps of at least 14 model ms at time scale 0.002 take at least 1.1 ms of
-    // wall time; a stream the router buffered would arrive within tens of microseconds. (It
-    // asked for 5 ms before, which only slow timers gave: 3.4 ms on a fast machine.)
-    let spread = frames[frames.len() - 1].0 - frames[0].0;
-    assert!(
-        spread > Duration::from_micros(500),
-        "all at once: {spread:?}"
+    settles(&router).await?;
+    Ok(())
+}
+
+/// The decoders send two tokens and then nothing more, keeping the stream open: a router that
+/// buffered the decode stream (or waited for its end) would give the client nothing at all.
+#[tokio::test]
+async fn a_disaggregated_stream_reaches_the_client_while_the_decoder_is_still_generating()
+-> anyhow::Result<()> {
+    let stalling = SimConfig {
+        stall_mid_stream_rate: 1.0,
+        ..engine(InstanceRole::Decode)
+    };
+    let pool = Pool::start_with(|_| engine(InstanceRole::Prefill), stalling).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let mut response =
+        post_streaming(&url(&router), &[], completion(&hellos(5000), 40, true)).await?;
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response
+            .headers()
+            .get("x-switchyard-route")
+            .map(|v| v.as_bytes()),
+        Some(&b"disaggregated"[..])
     );
+    let mut text = String::new();
+    bounded("the decoder's first two tokens", async {
+        while text.matches("\"text\"").count() < 2 {
+            let frame = response.body_mut().frame().await;
+            let frame = frame
+                .expect("the stream ended early")
+                .expect("a body frame");
+            if let Ok(data) = frame.into_data() {
+                text.push_str(&String::from_utf8_lossy(&data));
+            }
+        }
+    })
+    .await;
+    assert!(!text.contains("[DONE]"), "{text}");
+    drop(response);
     settles(&router).await?;
     Ok(())
 }
