@@ -753,3 +753,61 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
     router.shutdown().await;
     Ok(())
 }
+
+/// A Responses follow-up goes to the instance that stores the response it continues, whatever
+/// the KV index says: the other instance would not know its `previous_response_id`.
+#[tokio::test]
+async fn a_responses_follow_up_sticks_to_the_instance_storing_its_response() -> anyhow::Result<()> {
+    let sims = [
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?,
+        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?,
+    ];
+    let refs: Vec<&SimHandle> = sims.iter().collect();
+    let dir = tempfile::tempdir()?;
+    let router = static_router(dir.path(), &refs, Value::Null, 250).await?;
+    // Both engines have published: the KV stage is live for the variant.
+    let prompt = words(0, 64);
+    for sim in &sims {
+        place(sim, &prompt).await?;
+    }
+    wait_matched(
+        &router,
+        &prompt_tokens(&sims[0], &prompt).await?,
+        &ids(&["e0", "e1"]),
+        &[4, 4],
+    )
+    .await?;
+    let responses = format!("{}/endpoints/chat/openai/v1/responses", router.url());
+    let reply = http_post(
+        &responses,
+        &[],
+        json!({"model": "sim", "input": prompt, "max_output_tokens": 2}).to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "{}", reply.body);
+    let id = reply.json()["id"].as_str().unwrap_or_default().to_owned();
+    let holder = reply
+        .header("x-switchyard-instance")
+        .unwrap_or("")
+        .to_owned();
+    for round in 0..6 {
+        let follow_up = json!({
+            "model": "sim",
+            "input": format!("{prompt} and then {round}"),
+            "previous_response_id": id,
+            "max_output_tokens": 2,
+        });
+        let reply = http_post(&responses, &[], follow_up.to_string()).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(
+            (
+                reply.header("x-switchyard-instance"),
+                reply.header("x-switchyard-route")
+            ),
+            (Some(holder.as_str()), Some("response")),
+            "follow-up {round}"
+        );
+    }
+    router.shutdown().await;
+    Ok(())
+}
