@@ -1645,5 +1645,103 @@ Endpoints:
         );
         assert_eq!(ids.label, RouteLabel::Direct);
         assert_eq!(ids.explain[0].1, "99");
+        // RouteThreshold tokens exactly are enough.
+        let mut ids = plan(&uncached, long());
+        let dpd = ids.dpd.take().expect("token ids wanted");
+        let tokens: Vec<u32> = (0..100).collect();
+        settle_disaggregation(
+            &mut ids,
+            dpd.undecided,
+            &dpd.prefill_key,
+            Some(&tokens),
+            PoolIndexes::default(),
+            0,
+            1,
+        );
+        assert_eq!(ids.label, RouteLabel::Disaggregated);
+    }
+
+    #[test]
+    fn a_prefix_aware_prefill_pool_is_keyed_by_the_prompt() {
+        let yaml = r#"
+Endpoints:
+  - EndpointName: pd
+    ProductionVariants:
+      - VariantName: prefill
+        ModelName: m
+        RoutingConfig:
+          RoutingStrategy: PREFIX_AWARE
+          PrefixAwareRoutingConfig: {PrefixLength: 1024, ConcurrencyThreshold: 10}
+      - {VariantName: decode, ModelName: m}
+    DisaggregationConfig: {PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 16, PrefillRoutingStrategy: PREFIX_AWARE}
+    Instances:
+      - {Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}
+      - {Url: "http://127.0.0.1:2", InstanceId: p2, VariantName: prefill, Role: prefill}
+      - {Url: "http://127.0.0.1:3", InstanceId: d1, VariantName: decode, Role: decode}
+"#;
+        let config = crate::membership::parse_static_text(yaml, true).unwrap();
+        let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
+        let table = RoutingTable::clone(&shared.load());
+        let prefill_of = |topic: usize| {
+            let prompt = format!("topic {topic}: {}", "word ".repeat(40));
+            let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+            let plan = plan_at(&table, Operation::Completions, None, "/", &body).unwrap();
+            let endpoint = Arc::clone(&plan.endpoint);
+            let prefill = plan.disaggregated.expect("disaggregated").prefill;
+            assert_eq!(prefill.route, Some(Route::Prefix));
+            endpoint.variants[0].instances[prefill.order[0]]
+                .id
+                .to_string()
+        };
+        let chosen: Vec<String> = (0..16).map(prefill_of).collect();
+        // The same prompt, the same prefill instance; different ones spread (all 16 on one
+        // instance: 2^-15 for a fair hash).
+        assert_eq!(chosen, (0..16).map(prefill_of).collect::<Vec<_>>());
+        assert!(chosen.iter().any(|id| id == "p1") && chosen.iter().any(|id| id == "p2"));
+    }
+
+    #[test]
+    fn a_chat_counts_its_template_and_a_dense_start_does_not_cut_the_count() {
+        let tokenizer = Tokenizers::new(None).get("cl100k_base");
+        let count = |body: serde_json::Value, threshold: usize| {
+            let body = body.to_string();
+            count_prompt(
+                &OpenAiRequest::parse(body.as_bytes()).unwrap(),
+                &tokenizer,
+                threshold,
+            )
+        };
+        let text = format!("hello{}", " hello".repeat(11));
+        let plain = count(serde_json::json!({"prompt": text}), 100);
+        assert_eq!(
+            plain,
+            Count {
+                tokens: 12,
+                complete: true
+            }
+        );
+        // A chat: its text as the router reads it, plus the template's tokens per message.
+        let chat = serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string();
+        let request = OpenAiRequest::parse(chat.as_bytes()).unwrap();
+        let text_tokens = tokenizer.count(&request.prefix_text(usize::MAX));
+        assert!(text_tokens >= 12, "{text_tokens}");
+        assert_eq!(
+            count_prompt(&request, &tokenizer, 100),
+            Count {
+                tokens: text_tokens + CHAT_TOKENS_PER_MESSAGE,
+                complete: true
+            }
+        );
+        // A start that packs many characters into each token, then ordinary words: the count
+        // reads past the first window of text and reaches the threshold.
+        let dense = format!("{}{}", "=".repeat(400), " hello".repeat(40));
+        let tokens = tokenizer.count(&"=".repeat(400));
+        assert!(
+            tokens < 10,
+            "{tokens} tokens: not dense enough for this test"
+        );
+        let counted = count(serde_json::json!({"prompt": dense}), 10);
+        assert!(counted.tokens >= 10, "{counted:?}");
     }
 }
