@@ -226,6 +226,35 @@ async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> a
     Ok(())
 }
 
+/// Nothing reachable: the client is told so, with the last connection error, and when to try
+/// again.
+#[tokio::test]
+async fn with_every_instance_refusing_the_client_gets_a_503_naming_the_error() -> anyhow::Result<()>
+{
+    let refusing = [RefusingPort::new()?, RefusingPort::new()?];
+    let urls = [refusing[0].url(), refusing[1].url()];
+    let dir = tempfile::tempdir()?;
+    let instances = [("r0", urls[0].as_str(), 1.0), ("r1", urls[1].as_str(), 1.0)];
+    let router = start_router(&dir, &instances, |_| {}).await?;
+    let reply = bounded(
+        "a request with nothing reachable",
+        http_post(&chat_url(&router), &[], chat_body("anyone?", 2, false)),
+    )
+    .await?;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    let error = &reply.json()["error"];
+    assert_eq!(error["code"], "upstream_unreachable", "{}", reply.body);
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("no instance of endpoint chat could be reached (last error: ")
+            && message.to_ascii_lowercase().contains("connection refused"),
+        "{message}"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Result<()> {
     let hangs = switchyard_engine_sim::spawn(SimConfig {
@@ -385,6 +414,15 @@ async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
         metric(
             &router,
             "switchyard_router_errors_total{kind=\"stream_idle_timeout\"}"
+        )
+        .await,
+        2.0
+    );
+    // Both are also counted against the instance.
+    assert_eq!(
+        metric(
+            &router,
+            "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"stalls\",kind=\"stream_idle\"}"
         )
         .await,
         2.0
@@ -587,6 +625,52 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
     assert_eq!(reply.json()["ErrorCode"], "ModelError");
     assert_eq!(reply.json()["OriginalStatusCode"], 429);
     assert_eq!(reply.header("retry-after"), Some("7"));
+    assert_eq!(
+        reply.json()["Message"],
+        r#"Received client error (429) from model with message "{"error":{"message":"queue full","type":"overloaded","param":null,"code":429}}""#
+    );
+    settles(&router).await?;
+    server.abort();
+    Ok(())
+}
+
+/// A container's error message reaches a SageMaker client cut at 64 KiB, however the container
+/// frames it (here 7 chunks of 10,000 bytes).
+#[tokio::test]
+async fn a_long_container_error_message_is_cut_at_64_kib() -> anyhow::Result<()> {
+    let app = axum::Router::new().fallback(|| async {
+        let chunks =
+            (0..7).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'x'; 10_000])));
+        (
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            axum::body::Body::from_stream(futures::stream::iter(chunks)),
+        )
+    });
+    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, &[("broken", url.as_str(), 1.0)], |_| {}).await?;
+    let reply = bounded(
+        "a native request",
+        http_post(
+            &format!("{}/endpoints/chat/invocations", router.url()),
+            &[],
+            "{}",
+        ),
+    )
+    .await?;
+    assert_eq!(reply.status, 424);
+    assert_eq!(reply.json()["OriginalStatusCode"], 500);
+    let message = reply.json()["Message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let expected = format!(
+        "Received server error (500) from model with message \"{}\"",
+        "x".repeat(64 * 1024)
+    );
+    assert!(message == expected, "a message of {} bytes", message.len());
     settles(&router).await?;
     server.abort();
     Ok(())
