@@ -85,6 +85,18 @@ async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
     .await
 }
 
+/// A stand-in engine serving `app` on a free loopback port: its URL, and the task serving it.
+async fn stand_in(
+    app: axum::Router,
+) -> anyhow::Result<(String, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    Ok((
+        url,
+        tokio::spawn(async move { axum::serve(listener, app).await }),
+    ))
+}
+
 fn dying(config: SimConfig) -> SimConfig {
     SimConfig {
         die_mid_stream_rate: 1.0,
@@ -597,9 +609,7 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
             r#"{"error":{"message":"queue full","type":"overloaded","param":null,"code":429}}"#,
         )
     });
-    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (url, server) = stand_in(app).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("busy", url.as_str(), 1.0)], |_| {}).await?;
     // OpenAI clients see the engine's answer unchanged.
@@ -646,9 +656,7 @@ async fn a_long_container_error_message_is_cut_at_64_kib() -> anyhow::Result<()>
             axum::body::Body::from_stream(futures::stream::iter(chunks)),
         )
     });
-    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (url, server) = stand_in(app).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("broken", url.as_str(), 1.0)], |_| {}).await?;
     let reply = bounded(

@@ -1630,35 +1630,24 @@ Endpoints:
             undecided.disaggregated.expect("disaggregated").count.tokens,
             count.tokens
         );
-        // With token ids (and no index yet), their number is the count: 99 is direct.
-        let mut ids = plan(&uncached, long());
-        let dpd = ids.dpd.take().expect("token ids wanted");
-        let tokens: Vec<u32> = (0..99).collect();
-        settle_disaggregation(
-            &mut ids,
-            dpd.undecided,
-            &dpd.prefill_key,
-            Some(&tokens),
-            PoolIndexes::default(),
-            0,
-            1,
-        );
-        assert_eq!(ids.label, RouteLabel::Direct);
-        assert_eq!(ids.explain[0].1, "99");
-        // RouteThreshold tokens exactly are enough.
-        let mut ids = plan(&uncached, long());
-        let dpd = ids.dpd.take().expect("token ids wanted");
-        let tokens: Vec<u32> = (0..100).collect();
-        settle_disaggregation(
-            &mut ids,
-            dpd.undecided,
-            &dpd.prefill_key,
-            Some(&tokens),
-            PoolIndexes::default(),
-            0,
-            1,
-        );
-        assert_eq!(ids.label, RouteLabel::Disaggregated);
+        // With token ids (and no index yet), their number is the count: 99 is direct, and
+        // RouteThreshold (100) exactly is enough.
+        for (count, label) in [(99, RouteLabel::Direct), (100, RouteLabel::Disaggregated)] {
+            let mut ids = plan(&uncached, long());
+            let dpd = ids.dpd.take().expect("token ids wanted");
+            let tokens: Vec<u32> = (0..count).collect();
+            settle_disaggregation(
+                &mut ids,
+                dpd.undecided,
+                &dpd.prefill_key,
+                Some(&tokens),
+                PoolIndexes::default(),
+                0,
+                1,
+            );
+            assert_eq!(ids.label, label);
+            assert_eq!(ids.explain[0].1, count.to_string());
+        }
     }
 
     #[test]
