@@ -65,7 +65,7 @@ pub async fn sample_until(
             &tables,
             endpoint,
             keys,
-            switchyard_shared::now_ms().max(0) as u64,
+            switchyard_process::clock::unix_ms(),
         );
     }
     Some(tally.finish(interval))
@@ -101,7 +101,7 @@ impl Tally {
         }
         let mut choices: Vec<(&str, Option<Route>)> = Vec::with_capacity(routers.len());
         let pairs = (routers.len() * (routers.len() - 1) / 2) as f64;
-        let clock = switchyard_router::monotonic_ms();
+        let clock = switchyard_process::clock::monotonic_ms();
         for &(key, weight) in &keys.0 {
             choices.clear();
             for (variant, views, loads) in &routers {

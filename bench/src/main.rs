@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use switchyard_bench::{
     DemoArgs, DpdArgs, DriveArgs, FleetArgs, OverheadArgs, OverloadArgs, UsageError,
 };
-use switchyard_shared::process::{self, EXIT_USAGE};
+use switchyard_process::{self as process, EXIT_USAGE};
 
 /// Switchyard's load generator and benchmark report.
 ///

@@ -67,7 +67,7 @@ impl Connection {
     pub async fn connect(&self) -> anyhow::Result<Client> {
         let token = match &self.admin_token_file {
             Some(path) => Some(
-                switchyard_shared::process::read_token_file(path, "--admin-token-file")
+                switchyard_process::read_token_file(path, "--admin-token-file")
                     .map_err(UsageError)?,
             ),
             None => std::env::var("SWITCHYARD_ADMIN_TOKEN").ok(),
@@ -574,7 +574,7 @@ async fn register(
     let id = registered.instance_id.to_string();
     let period = Duration::from_millis(u64::from(ttl) * 1000 / 3);
     eprintln!("heartbeating every {period:?}; Ctrl-C deregisters and exits");
-    let stop = switchyard_shared::process::shutdown_signal();
+    let stop = switchyard_process::shutdown_signal();
     tokio::pin!(stop);
     loop {
         tokio::select! {

@@ -94,7 +94,7 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, String> {
     };
     let kv_events = line.kv_events.unwrap_or_default();
     let kv_events_replay = line.kv_events_replay.unwrap_or_default();
-    switchyard_shared::pb::kv_events(&kv_events, &kv_events_replay)
+    switchyard_proto::convert::kv_events(&kv_events, &kv_events_replay)
         .map_err(|err| err.to_string())?;
     if let Some(partner) = &line.decode_partner {
         InstanceId::new(partner).map_err(|err| format!("DecodePartner: {err}"))?;

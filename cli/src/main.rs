@@ -7,7 +7,7 @@ mod output;
 mod up;
 
 use clap::{Parser, Subcommand};
-use switchyard_shared::process::{self, EXIT_USAGE};
+use switchyard_process::{self as process, EXIT_USAGE};
 
 /// Switchyard: an open routing layer for fleets of LLM inference servers.
 #[derive(Debug, Parser)]
@@ -77,10 +77,7 @@ async fn main() {
     let telemetry = match &cli.command {
         Command::Up(args) => match args.telemetry.validate() {
             Ok(Some(settings)) => {
-                match switchyard_shared::telemetry::Telemetry::start(
-                    &settings,
-                    "switchyard-control",
-                ) {
+                match switchyard_telemetry::Telemetry::start(&settings, "switchyard-control") {
                     Ok(telemetry) => Some(telemetry),
                     Err(err) => {
                         eprintln!("error: {err}");
@@ -93,7 +90,13 @@ async fn main() {
         },
         _ => None,
     };
-    process::init_logging_with(process::LogFormat::Text, default_log, telemetry.as_ref());
+    process::init_logging_with(
+        process::LogFormat::Text,
+        default_log,
+        telemetry
+            .as_ref()
+            .map(switchyard_telemetry::Telemetry::span_layer),
+    );
     let result = match cli.command {
         Command::EndpointConfig(command) => admin::endpoint_config(&cli.connection, command).await,
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,

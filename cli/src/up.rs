@@ -47,12 +47,12 @@ pub struct UpArgs {
     pub data_dir: Option<PathBuf>,
     /// Traces of the control plane and the routers go to this OTLP/gRPC collector.
     #[command(flatten)]
-    pub telemetry: switchyard_shared::telemetry::TelemetryArgs,
+    pub telemetry: switchyard_telemetry::TelemetryArgs,
 }
 
 impl UpArgs {
     fn spec(&self) -> Result<ClusterSpec, UsageError> {
-        use switchyard_shared::process::check_range;
+        use switchyard_process::check_range;
         check_range("--engines", self.engines, 1..=64).map_err(UsageError)?;
         check_range("--routers", self.routers, 1..=16).map_err(UsageError)?;
         let prefix = (self.strategy == RoutingStrategy::PrefixAware)
@@ -118,7 +118,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         .await
         .context("the local cluster did not start")?;
     print_welcome(&args, &cluster);
-    switchyard_shared::process::shutdown_signal().await;
+    switchyard_process::shutdown_signal().await;
     eprintln!("stopping...");
     cluster.shutdown().await;
     eprintln!("stopped");

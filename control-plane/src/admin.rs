@@ -1,12 +1,12 @@
 //! The `Admin` gRPC service: the edge where requests are parsed into typed names and domain
 //! types (field named on any error), then handed to the registry.
 
-use switchyard_proto::v1 as pb;
-use switchyard_shared::EndpointConfig;
-use switchyard_shared::pb::{
+use switchyard_proto::convert::{
     endpoint_config_name, endpoint_name, instance_id, instance_protocol, instance_role,
     variant_name,
 };
+use switchyard_proto::v1 as pb;
+use switchyard_shared::EndpointConfig;
 use tonic::{Request, Response, Status};
 
 use crate::registry::{AdminError, Registration, Registry};
@@ -37,11 +37,11 @@ fn registration(
         protocol: instance_protocol("Protocol", request.protocol)?,
         weight: request.weight,
         ttl_seconds: request.ttl_seconds,
-        kv_events: switchyard_shared::pb::kv_events(
+        kv_events: switchyard_proto::convert::kv_events(
             &request.kv_events_endpoint,
             &request.kv_events_replay_endpoint,
         )?,
-        decode_partner: switchyard_shared::pb::decode_partner(&request.decode_partner)?,
+        decode_partner: switchyard_proto::convert::decode_partner(&request.decode_partner)?,
     })
 }
 

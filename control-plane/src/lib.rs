@@ -120,7 +120,7 @@ pub struct ControlConfig {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9464")]
     pub metrics_listen: SocketAddr,
     #[command(flatten)]
-    pub telemetry: switchyard_shared::telemetry::TelemetryArgs,
+    pub telemetry: switchyard_telemetry::TelemetryArgs,
 }
 
 impl ControlConfig {
@@ -202,7 +202,7 @@ impl ControlConfig {
         }
         let token = |path: &Option<PathBuf>, flag: &str| {
             path.as_deref()
-                .map(|path| switchyard_shared::process::read_token_file(path, flag))
+                .map(|path| switchyard_process::read_token_file(path, flag))
                 .transpose()
                 .map_err(StartError::Config)
         };
@@ -328,7 +328,7 @@ pub struct Settings {
     pub etcd_tls: Option<EtcdTls>,
     pub replica_id: String,
     /// OpenTelemetry traces, when on (started by the binary, which owns the subscriber).
-    pub telemetry: Option<switchyard_shared::telemetry::TelemetrySettings>,
+    pub telemetry: Option<switchyard_telemetry::TelemetrySettings>,
 }
 
 impl std::fmt::Debug for Settings {

@@ -2,8 +2,8 @@
 
 use clap::Parser;
 use switchyard_control::{ControlConfig, ControlPlane, StartError};
-use switchyard_shared::process::{self, LogFormat};
-use switchyard_shared::telemetry::Telemetry;
+use switchyard_process::{self as process, LogFormat};
+use switchyard_telemetry::Telemetry;
 
 /// Switchyard control plane: admin gRPC API (endpoint configs, endpoints, instances), state in
 /// an embedded store or etcd, health checks, and the stream that keeps routers up to date.
@@ -35,7 +35,11 @@ async fn main() {
         },
         None => None,
     };
-    process::init_logging_with(cli.log_format, "info", telemetry.as_ref());
+    process::init_logging_with(
+        cli.log_format,
+        "info",
+        telemetry.as_ref().map(Telemetry::span_layer),
+    );
     let control_plane = match ControlPlane::start(settings).await {
         Ok(control_plane) => control_plane,
         Err(StartError::Config(message)) => process::exit_usage(message),

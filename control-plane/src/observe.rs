@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use switchyard_shared::metrics::{CONTENT_TYPE, Histogram, TextEncoder};
+use switchyard_process::metrics::{CONTENT_TYPE, Histogram, TextEncoder};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -249,7 +249,7 @@ impl Sources {
             &[],
             &metrics.sync_push_lag_seconds,
         );
-        switchyard_shared::telemetry::write_metrics(&mut out);
+        switchyard_telemetry::write_metrics(&mut out);
         out.finish()
     }
 }
@@ -364,7 +364,7 @@ where
             rpc.method = %method,
             rpc.grpc.status_code = tracing::field::Empty,
         );
-        let parent = switchyard_shared::telemetry::propagation::extract(request.headers());
+        let parent = switchyard_telemetry::propagation::extract(request.headers());
         let _ = span.set_parent(parent);
         let metrics = Arc::clone(&self.metrics);
         let started = Instant::now();

@@ -13,10 +13,11 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use switchyard_process::clock::unix_ms;
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health, Instance,
     InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ValidationError, VariantName,
-    now_ms, validate_instance_url, validate_instance_weight, validate_ttl,
+    validate_instance_url, validate_instance_weight, validate_ttl,
 };
 
 use crate::keys;
@@ -176,7 +177,7 @@ impl Registry {
         sagemaker_fields: Option<Vec<u8>>,
     ) -> Result<EndpointConfig, AdminError> {
         config.validate()?;
-        config.creation_time_ms = now_ms();
+        config.creation_time_ms = unix_ms() as i64;
         let name = config.endpoint_config_name.as_str();
         let key = keys::config(name);
         let mut txn = Txn::new()
@@ -262,7 +263,7 @@ impl Registry {
                 .read_config(&config_name)
                 .await
                 .map_err(|err| config_missing(err, "EndpointConfigName", &config_name))?;
-            let now = now_ms();
+            let now = unix_ms() as i64;
             let endpoint = Endpoint {
                 endpoint_name: name.clone(),
                 endpoint_config_name: config_name.clone(),
@@ -320,7 +321,7 @@ impl Registry {
                 .map_err(|err| config_missing(err, "EndpointConfigName", &config_name))?;
             endpoint.endpoint_config_name = config_name.clone();
             endpoint.endpoint_status = EndpointStatus::InService;
-            endpoint.last_modified_time_ms = now_ms();
+            endpoint.last_modified_time_ms = unix_ms() as i64;
             let committed = self
                 .store
                 .commit(
@@ -439,7 +440,7 @@ impl Registry {
                 health: Health::Unknown,
                 health_detail: String::new(),
                 ttl_seconds: request.ttl_seconds,
-                registered_time_ms: now_ms(),
+                registered_time_ms: unix_ms() as i64,
                 lease_id,
                 kv_events: request.kv_events.clone(),
                 decode_partner: request.decode_partner.clone(),
@@ -531,7 +532,7 @@ impl Registry {
                 err.message,
             ))
         };
-        let now = now_ms();
+        let now = unix_ms() as i64;
         let mut instances = Vec::with_capacity(requests.len());
         let mut seen = std::collections::HashMap::new();
         for (index, request) in requests.into_iter().enumerate() {

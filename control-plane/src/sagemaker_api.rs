@@ -35,7 +35,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
-use switchyard_shared::pb::{endpoint_config_name, endpoint_name};
+use switchyard_proto::convert::{endpoint_config_name, endpoint_name};
 use switchyard_shared::sagemaker::parse_production_variants_value;
 use switchyard_shared::{
     EndpointConfig, EndpointConfigName, EndpointName, HealthCheckConfig, ValidationError,

@@ -360,7 +360,7 @@ impl Encoder {
                         .values()
                         .filter_map(|endpoint| {
                             let config = configs.get(&endpoint.endpoint_config_name)?;
-                            Some(switchyard_shared::pb::routed_endpoint(endpoint, config))
+                            Some(switchyard_proto::convert::routed_endpoint(endpoint, config))
                         })
                         .collect(),
                     instances: snapshot
@@ -407,7 +407,7 @@ impl Encoder {
                                 .filter(|endpoint| endpoint.endpoint_config_name == name)
                             {
                                 out.push(Message::EndpointChanged(
-                                    switchyard_shared::pb::routed_endpoint(endpoint, &config),
+                                    switchyard_proto::convert::routed_endpoint(endpoint, &config),
                                 ));
                             }
                             configs.insert(name, config);
@@ -418,7 +418,7 @@ impl Encoder {
                         StateChange::Endpoint(endpoint) => {
                             if let Some(config) = configs.get(&endpoint.endpoint_config_name) {
                                 out.push(Message::EndpointChanged(
-                                    switchyard_shared::pb::routed_endpoint(&endpoint, config),
+                                    switchyard_proto::convert::routed_endpoint(&endpoint, config),
                                 ));
                             }
                             endpoints.insert(endpoint.endpoint_name.clone(), endpoint);
@@ -566,7 +566,7 @@ impl pb::router_sync_server::RouterSync for SyncService {
                     }
                     inbound = inbound.message() => match inbound {
                         Ok(Some(pb::RouterMessage { message: Some(pb::router_message::Message::Load(report)) })) => {
-                            let (mut loads, _) = switchyard_shared::pb::instance_loads(report.loads);
+                            let (mut loads, _) = switchyard_proto::convert::instance_loads(report.loads);
                             let unknown = service.cache.retain_known(&mut loads);
                             if unknown > 0 {
                                 tracing::debug!(router = %router_id, unknown, "load report names instances this control plane does not know; ignored");

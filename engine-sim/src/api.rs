@@ -7,7 +7,7 @@ mod pooling;
 pub(crate) mod responses;
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
@@ -299,7 +299,7 @@ async fn run_request(
             ApiKind::Chat => format!("chatcmpl-{request_id}"),
             ApiKind::Completion => format!("cmpl-{request_id}"),
         },
-        created: unix_seconds(),
+        created: switchyard_process::clock::unix_seconds(),
         model: config.served_model_name.clone(),
         kind,
     };
@@ -438,12 +438,6 @@ fn check_fits(config: &SimConfig, prompt_len: u32, max_tokens: u32) -> Result<()
         )));
     }
     Ok(())
-}
-
-fn unix_seconds() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs())
 }
 
 fn usage(prompt_len: u32, finished: &FinishedSeq) -> Usage {
@@ -626,7 +620,7 @@ async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
         "data": [{
             "id": name,
             "object": "model",
-            "created": unix_seconds(),
+            "created": switchyard_process::clock::unix_seconds(),
             "owned_by": "vllm",
             "root": name,
             "parent": null,
@@ -639,7 +633,7 @@ async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     let text = shared.metrics.render(&shared.config.served_model_name);
     (
-        [(CONTENT_TYPE, switchyard_shared::metrics::CONTENT_TYPE)],
+        [(CONTENT_TYPE, switchyard_process::metrics::CONTENT_TYPE)],
         text,
     )
         .into_response()

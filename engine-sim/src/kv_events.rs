@@ -28,7 +28,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use serde::Serialize;
@@ -207,7 +206,7 @@ impl KvEventsPublisher {
                 batch = batches.recv(), if !stalled => {
                     let Some(events) = batch else { break };
                     let seq = control.next_seq.fetch_add(1, Ordering::SeqCst);
-                    let payload = Bytes::from(encode_batch(unix_seconds(), &events, info.format));
+                    let payload = Bytes::from(encode_batch(switchyard_process::clock::unix_seconds_f64(), &events, info.format));
                     if control.take_drop() {
                         control.dropped.fetch_add(1, Ordering::SeqCst);
                     } else {
@@ -289,12 +288,6 @@ async fn answer_replay(
     if let Err(err) = replay.send(end).await {
         tracing::debug!(error = %err, "replay client went away");
     }
-}
-
-fn unix_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |elapsed| elapsed.as_secs_f64())
 }
 
 /// Encodes one `KVEventBatch` (see the module documentation for the layout).

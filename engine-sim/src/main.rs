@@ -5,9 +5,7 @@ use std::net::SocketAddr;
 use anyhow::Context as _;
 use clap::Parser;
 use switchyard_engine_sim::{SimConfig, SimServer};
-use switchyard_shared::process::{
-    LogFormat, exit_usage, init_logging, parse_args, shutdown_signal,
-};
+use switchyard_process::{LogFormat, exit_usage, init_logging, parse_args, shutdown_signal};
 use tokio_util::sync::CancellationToken;
 
 /// A simulated vLLM-compatible inference engine (Llama-3.1-70B-class on 8×H100) for tests,

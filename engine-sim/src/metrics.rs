@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
-use switchyard_shared::metrics::{Histogram, TextEncoder};
+use switchyard_process::metrics::{Histogram, TextEncoder};
 
 use crate::engine::Counters;
 

@@ -1,10 +1,11 @@
-//! Generated types of Switchyard's gRPC API (`switchyard.v1`).
-//!
-//! Protobuf types stop at the edge: the other crates convert them to domain types in one
-//! module each (`switchyard_shared::pb`).
+//! Switchyard's gRPC API (`switchyard.v1`): the generated messages and services, and the one
+//! module that converts them to and from the domain types of `switchyard-shared`
+//! ([`convert`]). Protobuf types stop at the edge: the gRPC edges call [`convert`], nothing
+//! past them sees a message.
 
-#![allow(clippy::all, clippy::pedantic)]
+pub mod convert;
 
+#[allow(clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("switchyard.v1");
 

@@ -11,8 +11,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ProductionVariant, RoutingStrategy, ValidationError};
+use crate::error::ValidationError;
+use crate::instance::InstanceRole;
 use crate::names::VariantName;
+use crate::variant::{ProductionVariant, RoutingStrategy};
 
 /// Prompts of at least this many tokens go prefill → decode unless the config says otherwise
 /// (the source's `routeThreshold` default).
@@ -273,11 +275,11 @@ impl DisaggregationConfig {
     }
 
     /// The place of variant `name` in the disaggregation: the role its instances play.
-    pub fn role_of(&self, name: &VariantName) -> Option<crate::model::InstanceRole> {
+    pub fn role_of(&self, name: &VariantName) -> Option<InstanceRole> {
         if *name == self.prefill_variant_name {
-            Some(crate::model::InstanceRole::Prefill)
+            Some(InstanceRole::Prefill)
         } else if *name == self.decode_variant_name {
-            Some(crate::model::InstanceRole::Decode)
+            Some(InstanceRole::Decode)
         } else {
             None
         }
@@ -291,10 +293,9 @@ impl DisaggregationConfig {
 pub fn check_instance_place(
     disaggregation: Option<&DisaggregationConfig>,
     variant: &VariantName,
-    role: crate::model::InstanceRole,
+    role: InstanceRole,
     has_decode_partner: bool,
 ) -> Result<(), ValidationError> {
-    use crate::model::InstanceRole;
     let place = disaggregation.and_then(|config| config.role_of(variant));
     match (place, role) {
         (Some(InstanceRole::Prefill), InstanceRole::Decode)
@@ -438,7 +439,6 @@ mod tests {
 
     #[test]
     fn instances_fit_their_variants_place() {
-        use crate::model::InstanceRole;
         let pd = config(r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode"}"#);
         let name = |text: &str| VariantName::new(text).unwrap();
         let check = |variant: &str, role, partner| {
@@ -473,14 +473,8 @@ mod tests {
     fn variant_places_give_roles() {
         let pd = config(r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode"}"#);
         let name = |text: &str| VariantName::new(text).unwrap();
-        assert_eq!(
-            pd.role_of(&name("prefill")),
-            Some(crate::model::InstanceRole::Prefill)
-        );
-        assert_eq!(
-            pd.role_of(&name("decode")),
-            Some(crate::model::InstanceRole::Decode)
-        );
+        assert_eq!(pd.role_of(&name("prefill")), Some(InstanceRole::Prefill));
+        assert_eq!(pd.role_of(&name("decode")), Some(InstanceRole::Decode));
         assert_eq!(pd.role_of(&name("other")), None);
     }
 }

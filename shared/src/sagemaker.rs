@@ -8,7 +8,8 @@
 
 use serde_json::{Map, Value};
 
-use crate::model::{ProductionVariant, ValidationError};
+use crate::error::ValidationError;
+use crate::variant::ProductionVariant;
 
 const VARIANT_FIELDS: &[&str] = &[
     "VariantName",
@@ -224,7 +225,7 @@ fn unknown_field(path: &str, key: &str, allowed: &[&str]) -> ValidationError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::RoutingStrategy;
+    use crate::variant::RoutingStrategy;
 
     #[test]
     fn reads_a_disaggregation_config_naming_bad_fields() {

@@ -7,7 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
-use crate::model::{Endpoint, EndpointConfig, Instance};
+use crate::endpoint::{Endpoint, EndpointConfig};
+use crate::instance::Instance;
 use crate::names::{EndpointConfigName, EndpointName, InstanceId};
 
 /// The highest `RouterSync` protocol this build speaks. 1: one whole `Snapshot` message and one
@@ -221,7 +222,8 @@ fn instance_id_floor() -> InstanceId {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{EndpointStatus, Health, InstanceProtocol, InstanceRole};
+    use crate::endpoint::EndpointStatus;
+    use crate::instance::{Health, InstanceProtocol, InstanceRole};
     use crate::names::VariantName;
 
     fn instance(endpoint: &str, id: &str, url: &str) -> Arc<Instance> {

@@ -445,7 +445,7 @@ async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn half_sent_headers_are_closed_while_others_are_served() -> anyhow::Result<()> {
-    switchyard_shared::process::raise_open_file_limit();
+    switchyard_process::raise_open_file_limit();
     let engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("only", engine.url.as_str(), 1.0)], |config| {

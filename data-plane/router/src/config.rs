@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use switchyard_shared::process::check_range;
-use switchyard_shared::telemetry::{TelemetryArgs, TelemetrySettings};
+use switchyard_process::check_range;
+use switchyard_telemetry::{TelemetryArgs, TelemetrySettings};
 
 use crate::membership::{self, StaticConfig};
 
@@ -270,9 +270,7 @@ impl RouterConfig {
         let control_plane_token = self
             .control_plane_token_file
             .as_deref()
-            .map(|path| {
-                switchyard_shared::process::read_token_file(path, "--control-plane-token-file")
-            })
+            .map(|path| switchyard_process::read_token_file(path, "--control-plane-token-file"))
             .transpose()?;
         let router_id = self
             .router_id

@@ -343,7 +343,7 @@ fn usable_partner(pd: &Disaggregation, decode: &VariantRoute, prefill: usize) ->
         .instances
         .get(partner)?
         .cell
-        .available(crate::now_unix_ms())
+        .available(switchyard_process::clock::unix_ms())
         .then_some(partner)
 }
 

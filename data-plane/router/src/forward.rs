@@ -435,7 +435,7 @@ impl Forwarder<'_> {
         let (request_id, trace_id) = (request_id(client_headers), self.trace_id());
         let failures = instance.cell.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= self.settings.eject_after_failures {
-            let now = crate::now_unix_ms();
+            let now = switchyard_process::clock::unix_ms();
             let until = now + self.settings.eject_for.as_millis() as u64;
             let previous = instance
                 .cell

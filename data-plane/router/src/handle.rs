@@ -40,7 +40,7 @@ pub struct Worker {
     /// Prompt tokenizers for disaggregated endpoints.
     pub tokenizers: Arc<Tokenizers>,
     /// Starts the requests' spans when tracing is on.
-    pub tracer: Option<switchyard_shared::telemetry::SpanSink>,
+    pub tracer: Option<switchyard_telemetry::SpanSink>,
     /// KV_AWARE: what the engines' KV events say each instance holds.
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.
@@ -240,7 +240,11 @@ async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> O
             let asked = Instant::now();
             let round_trip = matches!(tokens, PromptTokens::Ask(_));
             let fetched = tokens
-                .fetch(&worker.tokenizer, variant, crate::now_unix_ms())
+                .fetch(
+                    &worker.tokenizer,
+                    variant,
+                    switchyard_process::clock::unix_ms(),
+                )
                 .await;
             if round_trip && fetched.is_ok() {
                 worker
@@ -278,7 +282,13 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
     let tokens = token_ids(worker, variant, input).await;
     let random = fastrand::u64(..);
     let decision = match tokens {
-        None => kv::decide(variant, None, None, crate::now_unix_ms(), random),
+        None => kv::decide(
+            variant,
+            None,
+            None,
+            switchyard_process::clock::unix_ms(),
+            random,
+        ),
         Some(tokens) if tokens.len() > kv::OFFLOAD_TOKENS => {
             let endpoint = Arc::clone(&endpoint);
             let decided = tokio::task::spawn_blocking(move || {
@@ -287,19 +297,26 @@ async fn rank_by_kv(worker: &Worker, plan: &mut Plan, input: KvInput) {
                     variant,
                     Some(&index),
                     Some(&tokens),
-                    crate::now_unix_ms(),
+                    switchyard_process::clock::unix_ms(),
                     random,
                 )
             })
             .await;
-            decided
-                .unwrap_or_else(|_| kv::decide(variant, None, None, crate::now_unix_ms(), random))
+            decided.unwrap_or_else(|_| {
+                kv::decide(
+                    variant,
+                    None,
+                    None,
+                    switchyard_process::clock::unix_ms(),
+                    random,
+                )
+            })
         }
         Some(tokens) => kv::decide(
             variant,
             Some(&index),
             Some(&tokens),
-            crate::now_unix_ms(),
+            switchyard_process::clock::unix_ms(),
             random,
         ),
     };
@@ -359,7 +376,7 @@ async fn settle_dpd(worker: &Worker, plan: Plan, dpd: DpdKv) -> Result<Plan, Api
             &prefill_key,
             tokens.as_deref(),
             indexes,
-            crate::now_unix_ms(),
+            switchyard_process::clock::unix_ms(),
             fastrand::u64(..),
         );
         plan

@@ -33,18 +33,3 @@ pub mod trace;
 
 pub use config::{RouterConfig, Settings, Source, UpstreamProtocol};
 pub use server::{RouterHandle, StartError};
-
-/// Milliseconds since the Unix epoch (ejection deadlines are kept in these).
-pub fn now_unix_ms() -> u64 {
-    u64::try_from(switchyard_shared::now_ms()).unwrap_or(0)
-}
-
-/// Milliseconds since this process first asked: a clock that never steps, for router-local
-/// memories (spills remembered, `/tokenize` pauses).
-pub fn monotonic_ms() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_millis() as u64
-}

@@ -1,8 +1,8 @@
 //! `switchyard-router`: the HTTP data plane.
 
 use clap::Parser;
+use switchyard_process::{self as process, LogFormat};
 use switchyard_router::{RouterConfig, RouterHandle, StartError};
-use switchyard_shared::process::{self, LogFormat};
 
 /// Switchyard router: routes OpenAI-compatible and SageMaker-style requests to inference
 /// instances (prefix-aware, least outstanding requests, or random), following a control plane

@@ -1,6 +1,6 @@
 //! Where the routing table comes from: the control plane's sync stream (a snapshot, then
 //! batches of changes, as domain `StateUpdate`s) or a static file for users who run no control
-//! plane. The sync client converts the wire messages (`switchyard_shared::pb`); this module
+//! plane. The sync client converts the wire messages (`switchyard_proto::convert`); this module
 //! keeps the membership and builds the table from it.
 //!
 //! A change costs time in proportion to what it touches: an instance's route is prepared (its
@@ -1053,9 +1053,9 @@ mod tests {
 
     #[test]
     fn bounded_loads_remember_a_spill_and_send_the_key_back_to_its_copy() {
-        use crate::monotonic_ms;
         use std::sync::atomic::Ordering;
         use switchyard_policy::rank::Route;
+        use switchyard_process::clock::monotonic_ms;
         let config = || {
             parse(
                 r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[

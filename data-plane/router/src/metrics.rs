@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use switchyard_shared::metrics::{Histogram, TextEncoder};
+use switchyard_process::metrics::{Histogram, TextEncoder};
 
 use crate::admission::{Admission, Limit};
 use crate::errors::ErrorKind;
@@ -312,7 +312,7 @@ impl RouterMetrics {
                 f64::from(local + remote),
             );
         }
-        let now = crate::now_unix_ms();
+        let now = switchyard_process::clock::unix_ms();
         out.family(
             "switchyard_router_instance_ejected",
             "gauge",
@@ -458,10 +458,10 @@ impl RouterMetrics {
             if last_message_ms == 0 {
                 0.0
             } else {
-                crate::now_unix_ms().saturating_sub(last_message_ms) as f64 / 1000.0
+                switchyard_process::clock::unix_ms().saturating_sub(last_message_ms) as f64 / 1000.0
             },
         );
-        switchyard_shared::telemetry::write_metrics(&mut out);
+        switchyard_telemetry::write_metrics(&mut out);
         out.family(
             "switchyard_router_tokenizer_fallbacks_total",
             "counter",

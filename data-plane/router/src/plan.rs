@@ -876,7 +876,7 @@ fn rank_prefill(
     key: &PrefillKey,
     random: u64,
 ) -> rank::Ranking {
-    let views = variant.current_views(crate::now_unix_ms());
+    let views = variant.current_views(switchyard_process::clock::unix_ms());
     let load = |index: usize| variant.instances[index].cell.fleet_load();
     let round_robin = || {
         let turn = pd
@@ -906,7 +906,7 @@ fn rank_decoders(
     body: &[u8],
     random: u64,
 ) -> rank::Ranking {
-    let views = variant.current_views(crate::now_unix_ms());
+    let views = variant.current_views(switchyard_process::clock::unix_ms());
     let load = |index: usize| variant.instances[index].cell.fleet_load();
     match strategy {
         DecodeRoutingStrategy::LeastOutstandingRequests => {
@@ -1004,7 +1004,7 @@ fn rank_instances(
     body: &[u8],
     random: u64,
 ) -> (rank::Ranking, Option<u64>) {
-    let views = variant.current_views(crate::now_unix_ms());
+    let views = variant.current_views(switchyard_process::clock::unix_ms());
     let load = |index: usize| variant.instances[index].cell.fleet_load();
     match (routing.session, variant.strategy) {
         (Some(session), _) => (rank::session(&views, session), None),

@@ -34,7 +34,7 @@ use crate::plan::Operation;
 use crate::table::{LoadRegistry, RoutingTable};
 use crate::tokenizer::Tokenizers;
 use crate::{metrics, sync_client};
-use switchyard_shared::telemetry::Telemetry;
+use switchyard_telemetry::Telemetry;
 
 /// A running router.
 #[derive(Debug)]
@@ -58,7 +58,7 @@ pub enum StartError {
     #[error("cannot start the control-plane sync thread: {0}")]
     SyncThread(std::io::Error),
     #[error(transparent)]
-    Telemetry(#[from] switchyard_shared::telemetry::TelemetryError),
+    Telemetry(#[from] switchyard_telemetry::TelemetryError),
     #[error("cannot start the KV-event thread: {0}")]
     KvThread(std::io::Error),
 }
@@ -101,7 +101,7 @@ impl RouterHandle {
         let listener = std::net::TcpListener::bind(config.listen).map_err(listen_error)?;
         listener.set_nonblocking(true).map_err(listen_error)?;
         let addr = listener.local_addr().map_err(listen_error)?;
-        let open_files = switchyard_shared::process::open_file_limit();
+        let open_files = switchyard_process::open_file_limit();
         let limits = settings.limits;
         if let Some(open_files) = open_files
             && (limits.max_connections + limits.max_in_flight) as u64 + 256 > open_files
@@ -546,7 +546,7 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         (
             [(
                 http::header::CONTENT_TYPE,
-                switchyard_shared::metrics::CONTENT_TYPE,
+                switchyard_process::metrics::CONTENT_TYPE,
             )],
             text,
         )

@@ -6,7 +6,7 @@
 //! decoding the stream and applying changes never take time from the serving threads, which
 //! only ever load the current table.
 //!
-//! Wire messages are converted to domain types as they arrive (`switchyard_shared::pb`); the
+//! Wire messages are converted to domain types as they arrive (`switchyard_proto::convert`); the
 //! router announces protocol 2 and also understands control planes that speak only 1.
 //!
 //! Static stability: while no replica answers, the router keeps routing with the last table
@@ -202,14 +202,14 @@ fn receive(message: pb::SyncMessage) -> Received {
     let converted = match message.message {
         None => return Received::Nothing,
         Some(Message::FleetLoad(fleet)) => {
-            let (loads, skipped) = switchyard_shared::pb::instance_loads(fleet.loads);
+            let (loads, skipped) = switchyard_proto::convert::instance_loads(fleet.loads);
             if skipped > 0 {
                 tracing::debug!(skipped, "fleet load names unreadable instances; ignored");
             }
             return Received::FleetLoad(loads);
         }
-        Some(Message::Update(update)) => switchyard_shared::pb::state_update(update),
-        Some(legacy) => match switchyard_shared::pb::legacy_state_update(legacy) {
+        Some(Message::Update(update)) => switchyard_proto::convert::state_update(update),
+        Some(legacy) => match switchyard_proto::convert::legacy_state_update(legacy) {
             Some(converted) => converted,
             None => return Received::Nothing,
         },
@@ -284,7 +284,7 @@ async fn follow(
                     Err(err) => return Ended::Failed(status(err)),
                 };
                 silence.as_mut().reset(tokio::time::Instant::now() + SILENCE_LIMIT);
-                metrics.last_message_ms.store(crate::now_unix_ms(), Ordering::Relaxed);
+                metrics.last_message_ms.store(switchyard_process::clock::unix_ms(), Ordering::Relaxed);
                 let replica = message.replica_id.clone();
                 match receive(message) {
                     Received::Nothing => {}

@@ -159,7 +159,7 @@ pub struct InstanceCell {
 /// there and is forgotten [`SPILL_MEMORY_MS`] later: the engine has likely evicted a copy
 /// nobody used for that long, and going back to it would cost a miss anyway. Until then, an
 /// instance that lost its cache (a restart under the same id) costs one miss per remembered
-/// key. Times come from [`crate::monotonic_ms`], this process's monotonic clock, so a wall clock
+/// key. Times come from [`switchyard_process::clock::monotonic_ms`], this process's monotonic clock, so a wall clock
 /// that steps neither revives nor drops entries.
 #[derive(Debug, Default)]
 pub struct SpillMemory {
@@ -288,7 +288,7 @@ impl SpillMemory {
     }
 
     /// Whether `key` was spilled onto the instance less than [`SPILL_MEMORY_MS`] before
-    /// `now_ms` ([`crate::monotonic_ms`]). An entry dated after `now_ms` (another request stored it
+    /// `now_ms` ([`switchyard_process::clock::monotonic_ms`]). An entry dated after `now_ms` (another request stored it
     /// meanwhile) counts as fresh.
     pub fn remembers(&self, key: u64, now_ms: u64) -> bool {
         let (index, tag) = Self::slot(key);
@@ -303,7 +303,7 @@ impl SpillMemory {
         word & !SPILL_TICK_MASK == tag && age * SPILL_TICK_MS < SPILL_MEMORY_MS
     }
 
-    /// Records that `key` was spilled onto the instance at `now_ms` ([`crate::monotonic_ms`]).
+    /// Records that `key` was spilled onto the instance at `now_ms` ([`switchyard_process::clock::monotonic_ms`]).
     pub fn remember(&self, key: u64, now_ms: u64) {
         let (index, tag) = Self::slot(key);
         let slots = self
@@ -440,7 +440,7 @@ impl VariantRoute {
                 let _ = recent.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n / 2));
             }
         }
-        let now_ms = crate::monotonic_ms();
+        let now_ms = switchyard_process::clock::monotonic_ms();
         let history = KeyHistory {
             hot,
             remembered: |index: usize| self.instances[index].cell.spills.remembers(key, now_ms),

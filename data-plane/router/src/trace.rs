@@ -29,7 +29,7 @@ use opentelemetry::trace::{
 };
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 use switchyard_policy::rank::Strategy;
-use switchyard_shared::telemetry::{SpanSink, propagation};
+use switchyard_telemetry::{SpanSink, propagation};
 
 use crate::forward::REQUEST_ID;
 use crate::plan::Plan;

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::{check_fits, draw_fault, request_id, unix_seconds, wait_finished, with_request_id};
+use super::{check_fits, draw_fault, request_id, wait_finished, with_request_id};
 use crate::cache::block_hashes;
 use crate::engine::SeqSpec;
 use crate::metrics::Metrics;
@@ -304,7 +304,7 @@ fn list(shared: &Shared, prefix: &str, data: Vec<Value>, prompt_tokens: u32) -> 
     json!({
         "id": random_id(prefix),
         "object": "list",
-        "created": unix_seconds(),
+        "created": switchyard_process::clock::unix_seconds(),
         "model": shared.config.served_model_name,
         "data": data,
         "usage": usage(prompt_tokens),

@@ -32,7 +32,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{Interruption, check_fits, draw_fault, output_budget, request_id, unix_seconds};
+use super::{Interruption, check_fits, draw_fault, output_budget, request_id};
 use crate::cache::block_hashes;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
@@ -368,7 +368,7 @@ async fn run(
     let meta = Meta {
         id: random_id("resp_"),
         message_id: random_id("msg_"),
-        created_at: unix_seconds(),
+        created_at: switchyard_process::clock::unix_seconds(),
         model: config.served_model_name.clone(),
         instructions: body.instructions,
         previous_response_id: body.previous_response_id,

@@ -621,7 +621,7 @@ impl KvIndex {
 
     /// Prometheus text for the index: blocks per instance, stale instances, counters.
     pub fn render_metrics(&self) -> String {
-        let mut out = switchyard_shared::metrics::TextEncoder::new();
+        let mut out = switchyard_process::metrics::TextEncoder::new();
         out.family(
             "switchyard_kv_index_blocks",
             "gauge",

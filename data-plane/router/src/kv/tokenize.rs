@@ -62,7 +62,7 @@ pub const PAUSE_MAX_MS: u64 = 30_000;
 
 /// Whether an instance may be asked to tokenize, after failures on its side; kept in its
 /// [`crate::table::InstanceCell`], so table rebuilds keep it. Times are
-/// [`crate::monotonic_ms`].
+/// [`switchyard_process::clock::monotonic_ms`].
 ///
 /// After [`PAUSE_AFTER_FAILURES`] failures in a row the instance is paused for the first
 /// pause, doubling with each further failure up to [`PAUSE_MAX_MS`]. Requests that were
@@ -326,7 +326,7 @@ impl PromptTokens {
         match self {
             Self::Known(ids) => Ok(ids),
             Self::Ask(body) => {
-                let clock = crate::monotonic_ms;
+                let clock = switchyard_process::clock::monotonic_ms;
                 let asked = clock();
                 let deadline = u64::try_from(tokenizer.timeout.as_millis()).unwrap_or(u64::MAX);
                 let instance = claim_instance(variant, now_ms, asked, deadline)?;
@@ -391,7 +391,7 @@ fn claim_instance(
 /// sends every `/tokenize` to the same instance; spreading ties at random would send half of
 /// them to an instance that has just died and is not yet ejected, as a test showed).
 pub fn least_loaded(variant: &VariantRoute, now_ms: u64) -> Option<usize> {
-    let clock = crate::monotonic_ms();
+    let clock = switchyard_process::clock::monotonic_ms();
     least(variant, |_, cell| {
         cell.available(now_ms) && cell.tokenize_backoff.ready(clock)
     })

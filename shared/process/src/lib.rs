@@ -1,7 +1,14 @@
 //! Process conventions shared by every binary: exit code 64 on a bad flag or config, logs in
-//! text or JSON, and one shutdown signal (SIGTERM or Ctrl-C).
+//! text or JSON, one shutdown signal (SIGTERM or Ctrl-C), the open-file limit, the
+//! clocks ([`clock`]) and Prometheus's text format ([`metrics`]). No OpenTelemetry here: `switchyard-telemetry`
+//! hands its layer to [`init_logging_with`].
+
+pub mod clock;
+pub mod metrics;
 
 use clap::Parser;
+use tracing_subscriber::layer::{Layer, Layered};
+use tracing_subscriber::{EnvFilter, Registry};
 
 /// `EX_USAGE` from sysexits.h: a bad flag, argument or configuration.
 pub const EXIT_USAGE: i32 = 64;
@@ -34,21 +41,29 @@ pub enum LogFormat {
 
 /// Installs the global tracing subscriber. `RUST_LOG` overrides `default_filter`.
 pub fn init_logging(format: LogFormat, default_filter: &str) {
-    init_logging_with(format, default_filter, None);
+    init_logging_with(
+        format,
+        default_filter,
+        None::<tracing_subscriber::layer::Identity>,
+    );
 }
 
-/// Installs the global tracing subscriber, and with `telemetry` the layer that turns this
-/// project's own `tracing` spans into OpenTelemetry spans. Text logs carry colour codes only
-/// when stderr is a terminal.
-pub fn init_logging_with(
-    format: LogFormat,
-    default_filter: &str,
-    telemetry: Option<&crate::telemetry::Telemetry>,
-) {
+/// The subscriber a layer given to [`init_logging_with`] sits on: the filter, then the logs.
+pub type LogSubscriber = Layered<
+    Box<dyn Layer<Layered<EnvFilter, Registry>> + Send + Sync>,
+    Layered<EnvFilter, Registry>,
+>;
+
+/// Installs the global tracing subscriber with `extra` on top of the logs (the OpenTelemetry
+/// layer of `switchyard-telemetry`, which turns this project's own spans into trace spans).
+/// Text logs carry colour codes only when stderr is a terminal.
+pub fn init_logging_with<L>(format: LogFormat, default_filter: &str, extra: Option<L>)
+where
+    L: Layer<LogSubscriber> + Send + Sync + 'static,
+{
     use std::io::IsTerminal as _;
-    use tracing_subscriber::filter::filter_fn;
+    use tracing_subscriber::fmt;
     use tracing_subscriber::prelude::*;
-    use tracing_subscriber::{EnvFilter, fmt};
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let logs = match format {
@@ -62,17 +77,10 @@ pub fn init_logging_with(
             .with_writer(std::io::stderr)
             .boxed(),
     };
-    // Only Switchyard's spans become OpenTelemetry spans (not its libraries', nor the
-    // exporter's own gRPC client's).
-    let spans = telemetry.map(|telemetry| {
-        tracing_opentelemetry::layer()
-            .with_tracer(telemetry.tracer.clone())
-            .with_filter(filter_fn(|meta| meta.target().starts_with("switchyard")))
-    });
     let result = tracing_subscriber::registry()
         .with(filter)
         .with(logs)
-        .with(spans)
+        .with(extra)
         .try_init();
     // A second call (tests, `switchyard up` running several components) keeps the first.
     drop(result);

@@ -5,24 +5,24 @@
 
 use std::sync::Arc;
 
-use switchyard_proto::v1 as pb;
+use crate::v1 as pb;
 
-use crate::disaggregation::{
+use switchyard_shared::disaggregation::{
     DecodeRoutingStrategy, DisaggregationConfig, KvTransferProtocol, PrefillRoutingStrategy,
     ThresholdBasis,
 };
-use crate::model::{
+use switchyard_shared::sync::{InstanceKey, InstanceLoad, StateUpdate};
+use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
     InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints,
     PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
 };
-use crate::names::{EndpointConfigName, EndpointName, InstanceId, VariantName};
-use crate::sync::{InstanceKey, InstanceLoad, StateUpdate};
+use switchyard_shared::{EndpointConfigName, EndpointName, InstanceId, VariantName};
 
 pub fn parse_name<T>(
     field: &str,
     value: &str,
-    parse: impl FnOnce(&str) -> Result<T, crate::names::InvalidName>,
+    parse: impl FnOnce(&str) -> Result<T, switchyard_shared::InvalidName>,
 ) -> Result<T, ValidationError> {
     parse(value).map_err(|err| ValidationError::new(field, err.to_string()))
 }
@@ -745,7 +745,7 @@ mod tests {
             "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: crate::sagemaker::parse_production_variants(json)
+            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
                 .unwrap()
                 .variants,
             health_check_config: HealthCheckConfig::default(),
@@ -764,7 +764,7 @@ mod tests {
             "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: crate::sagemaker::parse_production_variants(json)
+            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
                 .unwrap()
                 .variants,
             health_check_config: HealthCheckConfig::default(),
@@ -843,7 +843,7 @@ mod tests {
             "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: crate::sagemaker::parse_production_variants(json)
+            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
                 .unwrap()
                 .variants,
             health_check_config: HealthCheckConfig::default(),

@@ -1,10 +1,13 @@
 //! OpenTelemetry traces: the flags and `OTEL_*` variables that turn them on, the tracer
-//! provider, and the span queue that never blocks the caller.
+//! provider, the span queue that never blocks the caller, W3C propagation, and the OTLP/gRPC
+//! encoder and exporter ([`otlp`]).
 //!
 //! Off (no `--otlp-endpoint`, no `OTEL_EXPORTER_OTLP_ENDPOINT`) nothing is built: no tracer,
 //! no thread, no span. On, finished spans go into a bounded queue; one thread of its own
 //! sends them in batches over OTLP/gRPC. When the queue is full (the collector is slow or
 //! gone) a span is dropped and counted, never waited for.
+
+pub mod otlp;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -48,7 +51,7 @@ pub fn spans_dropped() -> u64 {
 }
 
 /// Writes the trace-export counters (every component's `/metrics` has them).
-pub fn write_metrics(encoder: &mut crate::metrics::TextEncoder) {
+pub fn write_metrics(encoder: &mut switchyard_process::metrics::TextEncoder) {
     encoder
         .family(
             "switchyard_trace_spans_exported_total",
@@ -278,7 +281,7 @@ impl TelemetryArgs {
                 "--otlp-endpoint {endpoint:?}: expected http://HOST:PORT"
             ));
         }
-        crate::process::check_range("--otlp-queue-spans", self.otlp_queue_spans, 1..=1 << 20)?;
+        switchyard_process::check_range("--otlp-queue-spans", self.otlp_queue_spans, 1..=1 << 20)?;
         let variable = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         let sampler = SamplerSetting::parse(
             variable("OTEL_TRACES_SAMPLER").as_deref(),
@@ -364,6 +367,21 @@ pub enum TelemetryError {
 }
 
 impl Telemetry {
+    /// The layer that turns this project's own `tracing` spans into OpenTelemetry spans (only
+    /// `switchyard*` targets: not its libraries', nor the exporter's own gRPC client's), for
+    /// `switchyard_process::init_logging_with`.
+    pub fn span_layer(
+        &self,
+    ) -> impl tracing_subscriber::Layer<switchyard_process::LogSubscriber> + Send + Sync + 'static
+    {
+        use tracing_subscriber::Layer as _;
+        tracing_opentelemetry::layer()
+            .with_tracer(self.tracer.clone())
+            .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+                meta.target().starts_with("switchyard")
+            }))
+    }
+
     /// Starts the export thread and the tracer provider. `component` names the service
     /// unless `OTEL_SERVICE_NAME` does.
     pub fn start(
@@ -524,7 +542,7 @@ impl SpanQueue {
 
     fn resting(&self) -> bool {
         let until = self.resting_until_ms.load(Ordering::Acquire);
-        until != 0 && unix_ms() < until
+        until != 0 && switchyard_process::clock::unix_ms() < until
     }
 
     /// `count` taken spans are sent or dropped.
@@ -600,12 +618,6 @@ impl QueueProcessor {
             resource,
         })
     }
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as u64)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -748,7 +760,7 @@ fn export_loop(
                         if failed.unreachable {
                             retry_at = Some(tokio::time::Instant::now() + RETRY_AFTER_FAILURE);
                             queue.resting_until_ms.store(
-                                unix_ms() + RETRY_AFTER_FAILURE.as_millis() as u64,
+                                switchyard_process::clock::unix_ms() + RETRY_AFTER_FAILURE.as_millis() as u64,
                                 Ordering::Release,
                             );
                         }

@@ -1,0 +1,304 @@
+//! Instances: the inference servers behind an endpoint's variant, how routers reach them
+//! (URL, protocol, KV-event sockets), their role under disaggregation, and their health.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ValidationError;
+use crate::names::{EndpointName, InstanceId, VariantName};
+
+pub const DEFAULT_INSTANCE_WEIGHT: f64 = 1.0;
+/// Longest instance lease a registration may ask for.
+pub const MAX_TTL_SECONDS: u32 = 86_400;
+/// Longest instance base URL, in bytes. Every record that travels to routers is bounded, so a
+/// sync message of one record stays small.
+pub const MAX_URL_BYTES: usize = 2048;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum InstanceRole {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl InstanceRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceRole::Both => "both",
+            InstanceRole::Prefill => "prefill",
+            InstanceRole::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for InstanceRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for InstanceRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "both" => Ok(InstanceRole::Both),
+            "prefill" => Ok(InstanceRole::Prefill),
+            "decode" => Ok(InstanceRole::Decode),
+            _ => Err(format!("{s:?} is not one of both, prefill, decode")),
+        }
+    }
+}
+
+/// How routers talk to an instance: HTTP/1.1 keep-alive (what vLLM and SGLang serve), h2c
+/// (HTTP/2 without TLS, prior knowledge), or unspecified: the router's `--upstream-protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceProtocol {
+    #[default]
+    #[serde(alias = "UNSPECIFIED")]
+    Unspecified,
+    #[serde(alias = "HTTP1")]
+    Http1,
+    #[serde(alias = "H2C")]
+    H2c,
+}
+
+impl InstanceProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceProtocol::Unspecified => "unspecified",
+            InstanceProtocol::Http1 => "http1",
+            InstanceProtocol::H2c => "h2c",
+        }
+    }
+}
+
+impl fmt::Display for InstanceProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for InstanceProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "unspecified" => Ok(InstanceProtocol::Unspecified),
+            "http1" => Ok(InstanceProtocol::Http1),
+            "h2c" => Ok(InstanceProtocol::H2c),
+            _ => Err(format!("{s:?} is not one of http1, h2c, unspecified")),
+        }
+    }
+}
+
+fn is_unspecified(protocol: &InstanceProtocol) -> bool {
+    *protocol == InstanceProtocol::Unspecified
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Health {
+    /// Not probed yet. Routable: a router ejects it locally if it fails.
+    #[default]
+    Unknown,
+    Healthy,
+    Unhealthy,
+}
+
+impl Health {
+    pub fn routable(self) -> bool {
+        self != Health::Unhealthy
+    }
+}
+
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Health::Unknown => "unknown",
+            Health::Healthy => "healthy",
+            Health::Unhealthy => "unhealthy",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct Instance {
+    pub instance_id: InstanceId,
+    pub endpoint_name: EndpointName,
+    pub variant_name: VariantName,
+    pub url: String,
+    #[serde(default)]
+    pub role: InstanceRole,
+    /// Unspecified is left out of the stored JSON, so records written before this field
+    /// existed and records that do not set it read the same.
+    #[serde(default, skip_serializing_if = "is_unspecified")]
+    pub protocol: InstanceProtocol,
+    pub weight: f64,
+    #[serde(default)]
+    pub health: Health,
+    #[serde(default)]
+    pub health_detail: String,
+    /// 0: no lease, the instance stays until deregistered.
+    #[serde(default)]
+    pub ttl_seconds: u32,
+    #[serde(default)]
+    pub registered_time_ms: i64,
+    /// The store lease the instance lives on (0: none). Internal to the control plane.
+    #[serde(default)]
+    pub lease_id: i64,
+    /// Where the engine publishes its KV-cache events (vLLM's `--kv-events-config`), for
+    /// KV_AWARE routing. Left out of the stored JSON when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsEndpoints>,
+    /// LMCACHE disaggregation: the decode instance this prefill instance pushes its KV cache
+    /// to (named in the engine's own LMCache config). Left out of the stored JSON when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_partner: Option<InstanceId>,
+}
+
+/// An engine's KV-cache event sockets: vLLM's ZMQ PUB endpoint and, optionally, its ROUTER
+/// replay endpoint (`tcp://host:port` each; routers connect to them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct KvEventsEndpoints {
+    pub publisher: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+}
+
+impl KvEventsEndpoints {
+    /// Builds the endpoints from the two optional inputs (empty counts as absent), checking
+    /// each is `tcp://host:port` and that a replay endpoint comes with a publisher. The error
+    /// names `publisher_field` or `replay_field`.
+    pub fn parse(
+        publisher: Option<&str>,
+        replay: Option<&str>,
+        publisher_field: &str,
+        replay_field: &str,
+    ) -> Result<Option<Self>, ValidationError> {
+        fn present(value: Option<&str>) -> Option<&str> {
+            value.map(str::trim).filter(|text| !text.is_empty())
+        }
+        match (present(publisher), present(replay)) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(ValidationError::new(
+                replay_field,
+                format!("needs {publisher_field} (the event publisher) as well"),
+            )),
+            (Some(publisher), replay) => Ok(Some(Self {
+                publisher: validate_zmq_tcp_endpoint(publisher, publisher_field)?,
+                replay: replay
+                    .map(|replay| validate_zmq_tcp_endpoint(replay, replay_field))
+                    .transpose()?,
+            })),
+        }
+    }
+}
+
+/// Checks a ZMQ endpoint a router can connect to: `tcp://host:port` (host a name, an IPv4
+/// address or a bracketed IPv6 address; not the bind wildcard `*`; port 1–65535).
+pub fn validate_zmq_tcp_endpoint(endpoint: &str, field: &str) -> Result<String, ValidationError> {
+    let bad = |why: &str| ValidationError::new(field, format!("{endpoint:?} {why}"));
+    let Some(address) = endpoint.strip_prefix("tcp://") else {
+        return Err(bad("must look like tcp://host:port"));
+    };
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err(bad("needs a port (tcp://host:port)"));
+    };
+    if host.is_empty() || host == "*" || host.contains('/') || host.chars().any(char::is_whitespace)
+    {
+        return Err(bad(
+            "needs a host routers can connect to (not *), e.g. tcp://10.0.0.7:5557",
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok(endpoint.to_owned()),
+        _ => Err(bad("needs a port between 1 and 65535")),
+    }
+}
+
+/// Checks an instance base URL: `http://host[:port][/path-prefix]`, no query, no fragment.
+/// Returns the URL without a trailing slash.
+pub fn validate_instance_url(url: &str) -> Result<String, ValidationError> {
+    let field = "Url";
+    if url.len() > MAX_URL_BYTES {
+        return Err(ValidationError::new(
+            field,
+            format!("is {} bytes long; at most {MAX_URL_BYTES}", url.len()),
+        ));
+    }
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|err| ValidationError::new(field, format!("{url:?} is not a URL: {err}")))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(ValidationError::new(
+                field,
+                format!("{url:?}: https to instances is not supported yet; use http://"),
+            ));
+        }
+        _ => {
+            return Err(ValidationError::new(
+                field,
+                format!("{url:?} must start with http://"),
+            ));
+        }
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(ValidationError::new(field, format!("{url:?} has no host")));
+    };
+    if authority.host().is_empty() || authority.as_str().contains('@') {
+        return Err(ValidationError::new(
+            field,
+            format!("{url:?} needs a host and no user info"),
+        ));
+    }
+    // `http::Uri` accepts any port text and then reports no port: an unusable port would
+    // silently become 80.
+    let after_host = authority
+        .as_str()
+        .rsplit_once(']')
+        .map_or(authority.as_str(), |(_, rest)| rest);
+    if let Some((_, port)) = after_host.rsplit_once(':')
+        && !matches!(port.parse::<u16>(), Ok(1..))
+    {
+        return Err(ValidationError::new(
+            field,
+            format!("{url:?}: the port {port:?} is not a number in 1..=65535"),
+        ));
+    }
+    if uri.query().is_some() || url.contains('#') {
+        return Err(ValidationError::new(
+            field,
+            format!("{url:?} must not have a query or fragment"),
+        ));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
+pub fn validate_instance_weight(weight: f64) -> Result<(), ValidationError> {
+    if weight.is_finite() && weight > 0.0 && weight <= 1_000_000.0 {
+        Ok(())
+    } else {
+        Err(ValidationError::new(
+            "Weight",
+            format!("must be above 0 and at most 1000000, got {weight}"),
+        ))
+    }
+}
+
+pub fn validate_ttl(ttl_seconds: u32) -> Result<(), ValidationError> {
+    if ttl_seconds == 0 || (2..=MAX_TTL_SECONDS).contains(&ttl_seconds) {
+        Ok(())
+    } else {
+        Err(ValidationError::new(
+            "TtlSeconds",
+            format!("must be 0 (no lease) or 2..={MAX_TTL_SECONDS}, got {ttl_seconds}"),
+        ))
+    }
+}

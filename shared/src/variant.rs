@@ -1,0 +1,339 @@
+//! A production variant and its routing, shaped like SageMaker's `ProductionVariants`
+//! (PascalCase JSON, as `aws sagemaker create-endpoint-config` takes), with Switchyard's
+//! extensions (bounded loads, KV_AWARE's knobs); `validate_variant` names the offending field.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ValidationError;
+use crate::names::VariantName;
+
+pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 1024..=65536;
+pub const CONCURRENCY_THRESHOLD_RANGE: std::ops::RangeInclusive<u32> = 1..=1024;
+/// KV_AWARE's ConcurrencyThreshold when `KvAwareRoutingConfig` does not set one.
+pub const DEFAULT_KV_CONCURRENCY_THRESHOLD: u32 = 10;
+/// KV_AWARE's LoadWeight when `KvAwareRoutingConfig` does not set one.
+pub const DEFAULT_KV_LOAD_WEIGHT: f64 = 0.5;
+pub const KV_LOAD_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.0..=100.0;
+/// `LoadBalanceFactor` (Switchyard's extension of PrefixAwareRoutingConfig).
+pub const LOAD_BALANCE_FACTOR_RANGE: std::ops::RangeInclusive<f64> = 1.0..=100.0;
+/// `LoadBalanceSlack` (Switchyard's extension of PrefixAwareRoutingConfig).
+pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
+/// `LoadBalanceSlack` when `LoadBalanceFactor` is given alone (docs/benchmarks.md, section 7,
+/// shows why).
+pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
+pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
+/// Longest `InstanceType`, in characters.
+pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RoutingStrategy {
+    #[default]
+    Random,
+    LeastOutstandingRequests,
+    PrefixAware,
+    KvAware,
+}
+
+impl RoutingStrategy {
+    pub const ALL: [RoutingStrategy; 4] = [
+        RoutingStrategy::Random,
+        RoutingStrategy::LeastOutstandingRequests,
+        RoutingStrategy::PrefixAware,
+        RoutingStrategy::KvAware,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingStrategy::Random => "RANDOM",
+            RoutingStrategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
+            RoutingStrategy::PrefixAware => "PREFIX_AWARE",
+            RoutingStrategy::KvAware => "KV_AWARE",
+        }
+    }
+}
+
+impl fmt::Display for RoutingStrategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RoutingStrategy {
+    type Err = ValidationError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|strategy| strategy.as_str() == s)
+            .ok_or_else(|| {
+                ValidationError::new(
+                    "RoutingStrategy",
+                    format!(
+                        "{s:?} is not one of RANDOM, LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE, KV_AWARE"
+                    ),
+                )
+            })
+    }
+}
+
+/// SageMaker's PrefixAwareRoutingConfig, plus Switchyard's optional bounded-load extension.
+/// Without `LoadBalanceFactor` it means exactly what it means on SageMaker: an instance takes
+/// its prefixes until ConcurrencyThreshold requests are in flight on it fleet-wide. With it,
+/// an instance takes a prefix only while its fleet-wide in-flight count is below
+/// `min(ConcurrencyThreshold, ⌈LoadBalanceFactor × (L + 1) / N⌉ + LoadBalanceSlack)`, where
+/// L is the variant's fleet-wide in-flight total and N its routable instances; past it, the
+/// prefix goes to another instance below the bound (`x-switchyard-route: overflow`): a copy
+/// the router made before, else a lightly loaded one (`switchyard_policy::rank`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct PrefixAwareRoutingConfig {
+    pub prefix_length: u32,
+    pub concurrency_threshold: u32,
+    /// Switchyard extension: `c` in 1–100; absent, SageMaker's semantics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_balance_factor: Option<f64>,
+    /// Switchyard extension: `s` in 0–1024, only with a factor (default
+    /// [`DEFAULT_LOAD_BALANCE_SLACK`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_balance_slack: Option<u32>,
+}
+
+/// KV_AWARE's knobs, Switchyard's extension: every field is optional and defaults to the
+/// documented value, so a pasted SageMaker config (which has no such object) behaves the same.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct KvAwareRoutingConfig {
+    /// Fleet-wide in-flight requests at which an instance stops being preferred for its cached
+    /// blocks (1–1024, default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_threshold: Option<u32>,
+    /// How much load counts against matched blocks in the score (0–100, default 0.5; see
+    /// `switchyard_policy::kv`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_weight: Option<f64>,
+}
+
+impl KvAwareRoutingConfig {
+    pub fn concurrency_threshold(&self) -> u32 {
+        self.concurrency_threshold
+            .unwrap_or(DEFAULT_KV_CONCURRENCY_THRESHOLD)
+    }
+
+    pub fn load_weight(&self) -> f64 {
+        self.load_weight.unwrap_or(DEFAULT_KV_LOAD_WEIGHT)
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        if let Some(threshold) = self.concurrency_threshold
+            && !CONCURRENCY_THRESHOLD_RANGE.contains(&threshold)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.ConcurrencyThreshold"),
+                format!(
+                    "must be between {} and {}, got {threshold}",
+                    CONCURRENCY_THRESHOLD_RANGE.start(),
+                    CONCURRENCY_THRESHOLD_RANGE.end(),
+                ),
+            ));
+        }
+        if let Some(weight) = self.load_weight
+            && !KV_LOAD_WEIGHT_RANGE.contains(&weight)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.LoadWeight"),
+                format!(
+                    "must be a number between {} and {}, got {weight}",
+                    KV_LOAD_WEIGHT_RANGE.start(),
+                    KV_LOAD_WEIGHT_RANGE.end(),
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl PrefixAwareRoutingConfig {
+    /// SageMaker's fields only (no extension).
+    pub fn sagemaker(prefix_length: u32, concurrency_threshold: u32) -> Self {
+        Self {
+            prefix_length,
+            concurrency_threshold,
+            load_balance_factor: None,
+            load_balance_slack: None,
+        }
+    }
+
+    /// The bounded-load extension as (factor, slack), if configured.
+    pub fn load_balance(&self) -> Option<(f64, u32)> {
+        self.load_balance_factor.map(|factor| {
+            (
+                factor,
+                self.load_balance_slack
+                    .unwrap_or(DEFAULT_LOAD_BALANCE_SLACK),
+            )
+        })
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        if !PREFIX_LENGTH_RANGE.contains(&self.prefix_length) {
+            return Err(ValidationError::new(
+                format!("{field}.PrefixLength"),
+                format!(
+                    "must be between {} and {}, got {}",
+                    PREFIX_LENGTH_RANGE.start(),
+                    PREFIX_LENGTH_RANGE.end(),
+                    self.prefix_length
+                ),
+            ));
+        }
+        if !CONCURRENCY_THRESHOLD_RANGE.contains(&self.concurrency_threshold) {
+            return Err(ValidationError::new(
+                format!("{field}.ConcurrencyThreshold"),
+                format!(
+                    "must be between {} and {}, got {}",
+                    CONCURRENCY_THRESHOLD_RANGE.start(),
+                    CONCURRENCY_THRESHOLD_RANGE.end(),
+                    self.concurrency_threshold
+                ),
+            ));
+        }
+        if let Some(factor) = self.load_balance_factor
+            && !LOAD_BALANCE_FACTOR_RANGE.contains(&factor)
+        {
+            return Err(ValidationError::new(
+                format!("{field}.LoadBalanceFactor"),
+                format!(
+                    "must be a number between {} and {}, got {factor}",
+                    LOAD_BALANCE_FACTOR_RANGE.start(),
+                    LOAD_BALANCE_FACTOR_RANGE.end(),
+                ),
+            ));
+        }
+        match (self.load_balance_factor, self.load_balance_slack) {
+            (None, Some(_)) => Err(ValidationError::new(
+                format!("{field}.LoadBalanceSlack"),
+                "is only allowed together with LoadBalanceFactor",
+            )),
+            (_, Some(slack)) if !LOAD_BALANCE_SLACK_RANGE.contains(&slack) => {
+                Err(ValidationError::new(
+                    format!("{field}.LoadBalanceSlack"),
+                    format!(
+                        "must be between {} and {}, got {slack}",
+                        LOAD_BALANCE_SLACK_RANGE.start(),
+                        LOAD_BALANCE_SLACK_RANGE.end(),
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct RoutingConfig {
+    #[serde(default)]
+    pub routing_strategy: RoutingStrategy,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_aware_routing_config: Option<PrefixAwareRoutingConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_aware_routing_config: Option<KvAwareRoutingConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct ProductionVariant {
+    pub variant_name: VariantName,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_instance_count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial_variant_weight: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing_config: Option<RoutingConfig>,
+}
+
+impl ProductionVariant {
+    pub fn weight(&self) -> f64 {
+        self.initial_variant_weight
+            .unwrap_or(DEFAULT_VARIANT_WEIGHT)
+    }
+
+    pub fn routing(&self) -> RoutingConfig {
+        self.routing_config.unwrap_or_default()
+    }
+}
+
+pub(crate) fn validate_variant(
+    variant: &ProductionVariant,
+    field: &str,
+) -> Result<(), ValidationError> {
+    if let Some(model) = &variant.model_name
+        && (model.is_empty() || model.len() > 256 || model.chars().any(char::is_control))
+    {
+        return Err(ValidationError::new(
+            format!("{field}.ModelName"),
+            "must be 1-256 characters without control characters",
+        ));
+    }
+    if let Some(instance_type) = &variant.instance_type
+        && (instance_type.chars().count() > MAX_INSTANCE_TYPE_CHARS
+            || instance_type.chars().any(char::is_control))
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InstanceType"),
+            format!(
+                "must be at most {MAX_INSTANCE_TYPE_CHARS} characters without control characters"
+            ),
+        ));
+    }
+    if let Some(count) = variant.initial_instance_count
+        && count < 1
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InitialInstanceCount"),
+            format!("must be at least 1, got {count}"),
+        ));
+    }
+    if let Some(weight) = variant.initial_variant_weight
+        && (!weight.is_finite() || weight < 0.0)
+    {
+        return Err(ValidationError::new(
+            format!("{field}.InitialVariantWeight"),
+            format!("must be a finite number at least 0, got {weight}"),
+        ));
+    }
+    let routing = variant.routing();
+    let kv_field = format!("{field}.RoutingConfig.KvAwareRoutingConfig");
+    match (routing.routing_strategy, routing.kv_aware_routing_config) {
+        (RoutingStrategy::KvAware, Some(kv)) => kv.validate(&kv_field)?,
+        (other, Some(_)) if other != RoutingStrategy::KvAware => {
+            return Err(ValidationError::new(
+                kv_field,
+                format!("is only allowed when RoutingStrategy is KV_AWARE, not {other}"),
+            ));
+        }
+        _ => {}
+    }
+    let prefix_field = format!("{field}.RoutingConfig.PrefixAwareRoutingConfig");
+    match (
+        routing.routing_strategy,
+        routing.prefix_aware_routing_config,
+    ) {
+        (RoutingStrategy::PrefixAware, None) => Err(ValidationError::new(
+            prefix_field,
+            "is required when RoutingStrategy is PREFIX_AWARE (PrefixLength and ConcurrencyThreshold)",
+        )),
+        (RoutingStrategy::PrefixAware, Some(prefix)) => prefix.validate(&prefix_field),
+        (other, Some(_)) => Err(ValidationError::new(
+            prefix_field,
+            format!("is only allowed when RoutingStrategy is PREFIX_AWARE, not {other}"),
+        )),
+        (_, None) => Ok(()),
+    }
+}
