@@ -13,23 +13,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// A client for benchmark traffic: `TCP_NODELAY`, keep-alive, a large idle pool.
-pub fn http_client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(4096)
-        .build(connector)
-}
+pub use switchyard_cluster::http::{HttpClient, http_client};
 
 /// What one request measured.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -15,10 +15,6 @@ use switchyard_engine_sim::SimConfig;
 
 use crate::agreement::{KeyShares, sample_until};
 use crate::client::{HttpClient, http_client};
-use crate::cluster::{
-    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
-    variants_json,
-};
 use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
 use crate::peer::{Peer, PeerRouters};
 use crate::report::{
@@ -28,6 +24,10 @@ use crate::report::{
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
 use crate::workload::{Trace, TraceArgs, WorkloadKind, WorkloadSpec};
+use switchyard_cluster::{
+    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
+    variants_json,
+};
 
 /// A routing strategy of SageMaker's RoutingConfig.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]

@@ -34,7 +34,6 @@ use switchyard_router::plan::count_prompt;
 use switchyard_router::tokenizer::{Tokenizer, Tokenizers};
 
 use crate::client::{HttpClient, http_client};
-use crate::cluster::{ClusterDisaggregation, ClusterSpec, ClusterTuning, LocalCluster};
 use crate::compare::UsageError;
 use crate::report::{Machine, RunStats};
 use crate::run::{RunConfig, RunOutput, run};
@@ -43,6 +42,7 @@ use crate::svg::{Bar, escape};
 use crate::workload::{
     Message, RequestClass, Role, Session, Text, Trace, TraceRequest, WorkloadKind, WorkloadSpec,
 };
+use switchyard_cluster::{ClusterDisaggregation, ClusterSpec, ClusterTuning, LocalCluster};
 
 /// The smallest long prompt, as a multiple of the threshold (the acceptance rule).
 pub const MIN_LONG_FACTOR: f64 = 1.25;
@@ -534,7 +534,7 @@ fn colocated_spec(settings: &DpdSettings, topology: Topology) -> ClusterSpec {
         engines: settings.colocated_engines.unwrap_or(topology.engines()),
         routers: 1,
         endpoint: "colocated".into(),
-        variants_json: crate::cluster::variants_json("LEAST_OUTSTANDING_REQUESTS", None),
+        variants_json: switchyard_cluster::variants_json("LEAST_OUTSTANDING_REQUESTS", None),
         sim: sim_config(settings),
         ..ClusterSpec::default()
     }

@@ -1,8 +1,5 @@
 //! `switchyard-bench`: Switchyard's load generator and benchmark report.
 //!
-//! - [`cluster`]: [`LocalCluster`], a whole cluster in this process (control plane on an
-//!   embedded store, simulated engines, routers), used by `compare`, `switchyard up` and
-//!   `switchyard demo`;
 //! - [`workload`]: deterministic traces (long context, ShareGPT-like chats, RAG, mixed);
 //! - [`oracle`]: the best hit rate any placement could reach on a trace;
 //! - [`client`] and [`run`]: streaming requests timed on the wall clock, closed or open loop;
@@ -20,7 +17,6 @@
 
 pub mod agreement;
 pub mod client;
-pub mod cluster;
 pub mod compare;
 pub mod dpd;
 pub mod drive;
@@ -38,7 +34,6 @@ pub mod stats;
 pub mod svg;
 pub mod workload;
 
-pub use cluster::{ClusterDisaggregation, ClusterSpec, ClusterTuning, LocalCluster};
 pub use compare::{Arm, CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
 pub use dpd::{DpdArgs, DpdReport, DpdSettings, dpd, dpd_compare};
 pub use drive::{DriveArgs, drive};

@@ -27,12 +27,12 @@ use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 
 use crate::client::{HttpClient, http_client};
-use crate::cluster::variants_json;
 use crate::compare::{Strategy, UsageError, bench_sim};
 use crate::peer::free_port;
 use crate::report::{DecisionStats, Machine};
 use crate::scrape::{Histogram, scrape};
 use crate::stats::Summary;
+use switchyard_cluster::variants_json;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverheadArgs {

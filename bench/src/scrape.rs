@@ -1,11 +1,6 @@
 //! Reading Prometheus text: the engines' vLLM counters (prefix-cache queries and hits) and the
 //! routers' decision-time histogram.
 
-use std::time::Duration;
-
-use anyhow::Context as _;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 
 use crate::client::HttpClient;
@@ -264,19 +259,7 @@ pub async fn scrape(client: &HttpClient, url: &str) -> anyhow::Result<Vec<Sample
     Ok(parse(&get_text(client, url).await?))
 }
 
-/// GETs `url` (10 s at most) and returns the body of a 2xx answer as text.
-pub async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> {
-    let uri: http::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
-    let request = http::Request::get(uri).body(Full::new(Bytes::new()))?;
-    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
-        .await
-        .with_context(|| format!("GET {url} timed out"))?
-        .with_context(|| format!("GET {url}"))?;
-    let status = response.status();
-    let body = response.into_body().collect().await?.to_bytes();
-    anyhow::ensure!(status.is_success(), "GET {url}: status {status}");
-    Ok(String::from_utf8_lossy(&body).into_owned())
-}
+pub use switchyard_cluster::http::get_text;
 
 /// `base` + `/metrics` unless it already names a path.
 pub fn metrics_url(base: &str) -> String {

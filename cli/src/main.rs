@@ -2,6 +2,7 @@
 //! a whole local cluster in one command.
 
 mod admin;
+mod demo;
 mod import;
 mod output;
 mod up;
@@ -35,14 +36,15 @@ enum Command {
     Up(up::UpArgs),
     /// The prefix-routing article's experiment in miniature: 7 simulated engines, a long-context
     /// workload, RANDOM vs LEAST_OUTSTANDING_REQUESTS vs PREFIX_AWARE with 1 and 4 routers,
-    /// side by side (table, and --json/--svg files).
-    Demo(Box<switchyard_bench::DemoArgs>),
+    /// side by side (table, and --json/--svg files). Runs `switchyard-bench compare` (from
+    /// beside this binary, else from PATH) with the same flags: `switchyard demo --help`
+    /// lists them.
+    #[command(disable_help_flag = true)]
+    Demo(demo::DemoArgs),
 }
 
 fn exit_for(err: &anyhow::Error) -> i32 {
-    if err.downcast_ref::<admin::UsageError>().is_some()
-        || err.downcast_ref::<switchyard_bench::UsageError>().is_some()
-    {
+    if err.downcast_ref::<admin::UsageError>().is_some() {
         return EXIT_USAGE;
     }
     1
@@ -102,7 +104,7 @@ async fn main() {
         Command::Endpoint(command) => admin::endpoint_command(&cli.connection, command).await,
         Command::Instance(command) => admin::instance_command(&cli.connection, command).await,
         Command::Up(args) => up::run(args).await,
-        Command::Demo(args) => Box::pin(switchyard_bench::demo(*args)).await.map(drop),
+        Command::Demo(args) => demo::run(args),
     };
     if let Some(telemetry) = telemetry {
         let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;

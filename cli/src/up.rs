@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use switchyard_bench::cluster::{ClusterSpec, LocalCluster, variants_json};
+use switchyard_cluster::{ClusterSpec, LocalCluster, variants_json};
 use switchyard_engine_sim::SimConfig;
 use switchyard_shared::RoutingStrategy;
 

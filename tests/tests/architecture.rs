@@ -1,7 +1,8 @@
 //! ARCHITECTURE.md's invariants as tests over the dependency graph (`cargo metadata`), so
 //! they cannot silently go false: the routing policy stays free of async runtimes and network
-//! stacks, nothing under `data-plane/` reaches etcd, and every workspace crate depends only on
-//! the crates the code map allows it.
+//! stacks, the simulator and the policy of OpenTelemetry and gRPC, nothing under `data-plane/`
+//! reaches etcd, no product crate carries benchmark or test code, and every workspace crate
+//! depends only on the crates the code map allows it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -171,6 +172,48 @@ fn the_routing_policy_stays_free_of_runtimes_and_network_stacks() {
         found.is_empty(),
         "switchyard-policy must stay pure (ARCHITECTURE.md) but depends on {found:?}"
     );
+}
+
+#[test]
+fn the_simulator_and_the_policy_carry_no_opentelemetry_and_no_grpc() {
+    let graph = Graph::load();
+    for name in ["switchyard-engine-sim", "switchyard-policy"] {
+        let found: Vec<String> = graph
+            .closure(&graph.member(name))
+            .into_iter()
+            .filter(|dep| {
+                dep.starts_with("opentelemetry")
+                    || dep.starts_with("tracing-opentelemetry")
+                    || dep.starts_with("tonic")
+            })
+            .collect();
+        assert!(
+            found.is_empty(),
+            "{name} must not depend on OpenTelemetry or tonic (ARCHITECTURE.md), but reaches {found:?}"
+        );
+    }
+}
+
+#[test]
+fn no_product_crate_carries_benchmark_or_test_code() {
+    let graph = Graph::load();
+    for name in [
+        "switchyard-router",
+        "switchyard-control",
+        "switchyard-engine-sim",
+        "switchyard-cluster",
+        "switchyard-cli",
+    ] {
+        let found = reachable(
+            &graph,
+            name,
+            &["switchyard-bench", "switchyard-testkit", "switchyard-tests"],
+        );
+        assert!(
+            found.is_empty(),
+            "{name} is part of what users run and must not depend on {found:?}"
+        );
+    }
 }
 
 #[test]

@@ -36,6 +36,21 @@ fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
             "{binary}"
         );
     }
+    // `switchyard demo` is `switchyard-bench compare`: its flags, its help, its exit codes.
+    let help = run("switchyard", &["demo", "--help"]);
+    assert!(help.status.success(), "switchyard demo --help failed");
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("--preset") && text.contains("--strategies"),
+        "{text}"
+    );
+    let bad = run("switchyard", &["demo", "--no-such-flag"]);
+    assert_eq!(
+        bad.status.code(),
+        Some(64),
+        "switchyard demo with a bad flag"
+    );
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--no-such-flag"));
     let bad = run("switchyard-control", &["--store", "etcd"]);
     assert_eq!(bad.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--etcd-endpoints"));

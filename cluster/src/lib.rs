@@ -1,6 +1,8 @@
 //! A whole local cluster in this process: a control plane on an embedded store, simulated
-//! engines registered as instances, and routers following the control plane. Used by
-//! `switchyard-bench compare`, `switchyard up` and `switchyard demo`.
+//! engines registered as instances, and routers following the control plane (in this process,
+//! or as `switchyard-router` processes). Used by `switchyard up`, the benchmarks and the tests.
+
+pub mod http;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -423,7 +425,7 @@ impl LocalCluster {
         count: usize,
         tuning: &ClusterTuning,
     ) -> anyhow::Result<()> {
-        let client = crate::client::http_client();
+        let client = http::http_client();
         for index in 0..count {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?
                 .local_addr()?
@@ -452,7 +454,7 @@ impl LocalCluster {
         );
         for url in &self.router_urls {
             loop {
-                let metrics = crate::scrape::get_text(&client, &format!("{url}/metrics")).await;
+                let metrics = http::get_text(&client, &format!("{url}/metrics")).await;
                 let listed = metrics.map_or(0, |text| {
                     text.lines()
                         .filter(|line| line.starts_with(&needle))
