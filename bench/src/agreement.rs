@@ -17,8 +17,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use switchyard_policy::rank::{self, Route};
-use switchyard_router::RouterHandle;
-use switchyard_router::table::RoutingTable;
+use switchyard_router::{RouterHandle, RoutingTable};
 use tokio_util::sync::CancellationToken;
 
 /// Routing keys of a trace with their share of its requests (summing to 1).

@@ -30,8 +30,7 @@ use anyhow::Context as _;
 use serde::Serialize;
 use switchyard_engine_sim::SimConfig;
 use switchyard_policy::openai::OpenAiRequest;
-use switchyard_router::plan::count_prompt;
-use switchyard_router::tokenizer::{Tokenizer, Tokenizers};
+use switchyard_router::parts::{TokenCounter, TokenCounters, count_prompt};
 
 use crate::client::{HttpClient, http_client};
 use crate::compare::UsageError;
@@ -418,7 +417,7 @@ const WORDS: &[&str] = &[
 ];
 
 /// The vocabulary: [`WORDS`] that are one token for both tokenizers.
-fn vocabulary(tokenizer: &Tokenizer) -> Vec<String> {
+fn vocabulary(tokenizer: &TokenCounter) -> Vec<String> {
     let mut words: Vec<String> = WORDS
         .iter()
         .filter(|word| {
@@ -456,7 +455,7 @@ fn request(content: String, output_tokens: u32, class: RequestClass) -> TraceReq
 }
 
 /// The router's full count of a request's prompt (no early stop).
-fn router_count(request: &TraceRequest, tokenizer: &Tokenizer) -> anyhow::Result<usize> {
+fn router_count(request: &TraceRequest, tokenizer: &TokenCounter) -> anyhow::Result<usize> {
     let body = request.body("bench");
     let parsed = OpenAiRequest::parse(&body).map_err(|err| anyhow::anyhow!("{err:?}"))?;
     Ok(count_prompt(&parsed, tokenizer, usize::MAX).tokens)
@@ -469,7 +468,7 @@ fn trace(
     settings: &DpdSettings,
     index: usize,
     load: &Load,
-    tokenizer: &Tokenizer,
+    tokenizer: &TokenCounter,
     vocabulary: &[String],
     counts: &mut Option<PromptCounts>,
 ) -> anyhow::Result<Trace> {
@@ -642,7 +641,7 @@ async fn measure(
 /// Runs every topology on every load, colocated then DPD.
 pub async fn dpd_compare(settings: &DpdSettings) -> anyhow::Result<DpdReport> {
     let started = Instant::now();
-    let tokenizers = Tokenizers::new(None);
+    let tokenizers = TokenCounters::new(None);
     let tokenizer = tokenizers.get(switchyard_shared::disaggregation::DEFAULT_TOKENIZER);
     let words = vocabulary(&tokenizer);
     anyhow::ensure!(
@@ -1075,7 +1074,7 @@ mod tests {
 
     #[test]
     fn the_vocabulary_is_one_token_for_both_tokenizers() {
-        let tokenizers = Tokenizers::new(None);
+        let tokenizers = TokenCounters::new(None);
         let tokenizer = tokenizers.get("cl100k_base");
         let words = vocabulary(&tokenizer);
         assert!(words.len() >= 64, "{}", words.len());

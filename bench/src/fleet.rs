@@ -33,10 +33,8 @@ use serde::Serialize;
 use switchyard_control::{ControlConfig, ControlPlane};
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
-use switchyard_router::membership::Membership;
-use switchyard_router::metrics::SyncMetrics;
-use switchyard_router::sync_client::{self, SyncSettings, SyncTask};
-use switchyard_router::table::{LoadRegistry, RoutingTable};
+use switchyard_router::parts::{Membership, SyncMetrics, SyncSettings, SyncTask, spawn_sync};
+use switchyard_router::{LoadRegistry, RoutingTable};
 use switchyard_shared::sync::{StateUpdate, StateVersion};
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health,
@@ -362,7 +360,7 @@ fn start_client(url: &str, name: String) -> anyhow::Result<Client> {
     let registry = Arc::new(LoadRegistry::default());
     let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
     let metrics = Arc::new(SyncMetrics::default());
-    let task = sync_client::spawn(
+    let task = spawn_sync(
         SyncSettings {
             urls: vec![url.to_owned()],
             router_id: name,

@@ -118,7 +118,7 @@ pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     if args.body_bytes == 0 || args.body_bytes > 6_291_456 {
         return Err(UsageError("--body-bytes must be within 1..=6291456".into()).into());
     }
-    let max_buffered_bytes = switchyard_router::config::parse_byte_size(&args.max_buffered_bytes)
+    let max_buffered_bytes = switchyard_router::parse_byte_size(&args.max_buffered_bytes)
         .map_err(|err| UsageError(format!("--max-buffered-bytes: {err}")))?;
     let find = |given: &Option<PathBuf>, name: &str| {
         given.clone().or_else(|| sibling_bin(name)).ok_or_else(|| {

@@ -1110,8 +1110,8 @@ fn commands_in_the_documentation_use_real_subcommands_and_flags() {
 #[test]
 fn the_static_routes_example_is_a_valid_router_config() {
     let path = deploy_dir().join("routes.example.yaml");
-    let config = switchyard_router::membership::read_static_config(&path)
-        .unwrap_or_else(|err| panic!("{err}"));
+    let config =
+        switchyard_router::parts::read_static_config(&path).unwrap_or_else(|err| panic!("{err}"));
     assert!(!config.endpoints.is_empty() && !config.instances.is_empty());
 }
 

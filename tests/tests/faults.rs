@@ -587,7 +587,7 @@ async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()
         answer.to_ascii_lowercase().contains("retry-after: 1"),
         "{answer}"
     );
-    use switchyard_router::admission::Limit;
+    use switchyard_router::Limit;
     for limit in Limit::ALL {
         assert!(router.admission().refused(limit) >= 1, "{limit:?}");
     }

@@ -208,11 +208,14 @@ async fn the_simulators_kv_events_decode_with_vllms_msgspec_structures() -> anyh
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_policy::kv::{KvParams, prefix_key, rank_kv};
 use switchyard_policy::rank::{InstanceView, Route};
-use switchyard_router::kv::tokenize::{PromptKind, Tokenizer, least_loaded, tokenize_body};
-use switchyard_router::kv::{Freshness, KvEvents, KvSettings, SubscriberSettings, VariantIndex};
-use switchyard_router::table::{LoadRegistry, RoutingTable, VariantRoute};
+use switchyard_router::parts::{
+    KvEvents, KvSettings, PromptKind, SubscriberSettings, TokenizeClient as Tokenizer,
+    least_loaded, tokenize_body,
+};
+use switchyard_router::{LoadRegistry, RoutingTable, VariantRoute};
 use switchyard_shared::{
     EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
     InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, VariantName,
@@ -273,7 +276,7 @@ fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
             decode_partner: None,
         })
         .collect();
-    switchyard_router::table::build(
+    switchyard_router::parts::build_table(
         1,
         &[(EndpointName::new("chat").expect("name"), config)],
         &instances,
@@ -369,7 +372,7 @@ async fn decide_now(
     table: &ArcSwap<RoutingTable>,
     events: &KvEvents,
     body: &[u8],
-) -> anyhow::Result<switchyard_router::kv::KvDecision> {
+) -> anyhow::Result<switchyard_router::parts::KvDecision> {
     decide_for(table, events, PromptKind::Completion, body).await
 }
 
@@ -378,17 +381,17 @@ async fn decide_for(
     events: &KvEvents,
     kind: PromptKind,
     body: &[u8],
-) -> anyhow::Result<switchyard_router::kv::KvDecision> {
+) -> anyhow::Result<switchyard_router::parts::KvDecision> {
     let table = table.load_full();
     let variant = variant_route(&table);
     let tokens =
-        switchyard_router::kv::request_tokens(&Tokenizer::default(), variant, kind, body, 0)
+        switchyard_router::parts::request_tokens(&Tokenizer::default(), variant, kind, body, 0)
             .await?;
     let index = events.index().variant(
         &EndpointName::new("chat")?,
         &VariantName::new("AllTraffic")?,
     );
-    Ok(switchyard_router::kv::decide(
+    Ok(switchyard_router::parts::decide(
         variant,
         index.as_deref(),
         Some(&tokens),
@@ -650,7 +653,7 @@ async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Resul
 #[tokio::test]
 async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_to_load()
 -> anyhow::Result<()> {
-    use switchyard_router::kv::tokenize::TokenizeError;
+    use switchyard_router::parts::TokenizeError;
     // An engine that accepts connections and never answers.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let silent = format!("http://{}", listener.local_addr()?);
@@ -691,7 +694,7 @@ async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_t
     // Without token ids the decision is LEAST_OUTSTANDING_REQUESTS.
     let registry = LoadRegistry::default();
     let table = kv_table(&[&sim], &registry);
-    let decision = switchyard_router::kv::decide(variant_route(&table), None, None, 0, 1);
+    let decision = switchyard_router::parts::decide(variant_route(&table), None, None, 0, 1);
     assert_eq!(decision.ranking.route, Some(Route::LeastOutstanding));
     assert_eq!(decision.cached_tokens, 0);
     sim.shutdown().await;

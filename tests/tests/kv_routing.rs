@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
+use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_router::RouterHandle;
-use switchyard_router::kv::{Freshness, VariantIndex};
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 use switchyard_tests::{Reply, eventually, http_get, http_post, loopback_any, post_streaming};
 

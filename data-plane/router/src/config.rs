@@ -8,7 +8,7 @@ use std::time::Duration;
 use switchyard_process::check_range;
 use switchyard_telemetry::{TelemetryArgs, TelemetrySettings};
 
-use crate::membership::{self, StaticConfig};
+use crate::routing::membership::{self, StaticConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum UpstreamProtocol {
@@ -251,7 +251,7 @@ impl RouterConfig {
         check_range(
             "--max-buffered-bytes",
             self.max_buffered_bytes,
-            crate::body::MAX_BODY_BYTES as u64..=u64::MAX,
+            crate::request::read::MAX_BODY_BYTES as u64..=u64::MAX,
         )?;
         if let Some(dir) = &self.tokenizer_dir
             && !dir.is_dir()

@@ -333,11 +333,14 @@ impl ApiError {
         let mut response = (status, axum::Json(body)).into_response();
         let headers = response.headers_mut();
         if api == Api::OpenAi && maybe_delivered {
-            headers.insert("x-should-retry", HeaderValue::from_static("false"));
+            headers.insert(
+                crate::headers::SHOULD_RETRY,
+                HeaderValue::from_static("false"),
+            );
         }
         if api == Api::Native {
             headers.insert(
-                "x-amzn-errortype",
+                crate::headers::ERROR_TYPE,
                 HeaderValue::from_static(self.sagemaker_code),
             );
         }

@@ -1,23 +1,15 @@
-//! KV_AWARE's inputs: the engines' KV-cache events, followed by each router directly.
+//! KV_AWARE's inputs: the engines' KV-cache events, followed by each router directly, into
+//! the KV index (`switchyard_kv`).
 //!
-//! - [`wire`]: vLLM's msgpack event batches (both layouts vLLM has used).
-//! - [`index`]: per variant, which instance holds which chain of blocks (router-owned hashes
-//!   over token ids), bounded per instance, with metrics.
 //! - [`subscriber`]: one task per instance: ZMQ SUB in sequence order, gap repair by replay,
 //!   rebuild when that fails, staleness.
-//! - [`tokenize`]: the request's token ids from an engine's `POST /tokenize`.
 //!
 //! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants (and the
 //! disaggregated pools whose caches DPD reads: [`follows_events`]) on a thread of their own
-//! (the router's start-up; [`KvEvents::start`] does the same on the calling runtime); the
-//! request path gets the prompt's token ids ([`tokenize::PromptTokens`]), asks
-//! [`KvIndex::variant`] for the variant's index and ranks
-//! with [`decide`].
+//! (the router's start-up; [`KvEvents::start`] does the same on the calling runtime). The
+//! request path reads the index in its settle phase (`request::settle`, `plan::kv`).
 
-pub mod index;
 pub mod subscriber;
-pub mod tokenize;
-pub mod wire;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -32,119 +24,10 @@ use switchyard_shared::{
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex};
 pub use subscriber::SubscriberSettings;
+pub use switchyard_kv::{IndexSettings, KvIndex};
 
-use crate::table::{EndpointRoute, RoutingTable, VariantRoute};
-
-/// A KV_AWARE decision for one request: the ranking, and what the first choice holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvDecision {
-    pub ranking: switchyard_policy::Ranking,
-    /// Leading prompt tokens the first choice holds (`x-switchyard-cached-tokens`).
-    pub cached_tokens: u32,
-    /// Full blocks of the prompt (0 when the decision fell back to load).
-    pub prompt_blocks: u32,
-    /// Leading prompt tokens each instance holds, by position in the variant's instances
-    /// (empty when the decision fell back to load): what a retry's instance holds.
-    pub cached_tokens_by_instance: Vec<u32>,
-}
-
-/// The request's token ids as the engine sees them: a token-id prompt as given, else the
-/// least loaded available instance's `/tokenize` (see [`tokenize`]). An error means "route by
-/// load". (The request path does the same in two steps: [`tokenize::PromptTokens::of`] on the
-/// CPU side, [`tokenize::PromptTokens::fetch`] on the async side.)
-pub async fn request_tokens(
-    tokenizer: &tokenize::Tokenizer,
-    variant: &VariantRoute,
-    kind: tokenize::PromptKind,
-    body: &[u8],
-    now_ms: u64,
-) -> Result<Vec<u32>, tokenize::TokenizeError> {
-    tokenize::PromptTokens::of(kind, body)?
-        .fetch(tokenizer, variant, now_ms)
-        .await
-}
-
-/// Prompts longer than this are matched against the index on a blocking thread: hashing and
-/// walking 64 K tokens takes about 0.4 ms when one instance holds them all (STYLE habit 9).
-pub const OFFLOAD_TOKENS: usize = 64 * 1024;
-
-/// Ranks a KV_AWARE variant's instances (or a disaggregated endpoint's KV_AWARE prefill pool,
-/// with the variant's KvAwareRoutingConfig if its own strategy is KV_AWARE, else the defaults)
-/// for a request whose token ids are `tokens` (None: they could not be had), from the
-/// variant's index (None: no instance has published yet). Without tokens, index or a known
-/// block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
-/// availability are read from the instances' cells; `random` breaks load ties.
-pub fn decide(
-    variant: &VariantRoute,
-    index: Option<&VariantIndex>,
-    tokens: Option<&[u32]>,
-    now_ms: u64,
-    random: u64,
-) -> KvDecision {
-    let views = variant.current_views(now_ms);
-    let load = |position: usize| variant.instances[position].cell.fleet_load();
-    let params = match variant.strategy {
-        Strategy::KvAware {
-            concurrency_threshold,
-            load_weight,
-        } => switchyard_policy::kv::KvParams {
-            concurrency_threshold,
-            load_weight,
-        },
-        _ => switchyard_policy::kv::KvParams {
-            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
-            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
-        },
-    };
-    let by_load = || KvDecision {
-        ranking: switchyard_policy::rank::rank(
-            Strategy::LeastOutstandingRequests,
-            &views,
-            load,
-            0,
-            random,
-        ),
-        cached_tokens: 0,
-        prompt_blocks: 0,
-        cached_tokens_by_instance: Vec::new(),
-    };
-    let (Some(index), Some(tokens)) = (index, tokens) else {
-        return by_load();
-    };
-    let ids: Vec<InstanceId> = variant
-        .instances
-        .iter()
-        .map(|instance| instance.id.clone())
-        .collect();
-    let Some(found) = index.match_tokens(tokens, &ids) else {
-        return by_load();
-    };
-    let ranking = switchyard_policy::kv::rank_kv(
-        params,
-        &views,
-        load,
-        &found.matched,
-        found.blocks,
-        found.prefix_key,
-        random,
-    );
-    let block_size = found.block_size as u32;
-    let cached_tokens_by_instance: Vec<u32> = found
-        .matched
-        .iter()
-        .map(|blocks| blocks * block_size)
-        .collect();
-    KvDecision {
-        cached_tokens: ranking
-            .first()
-            .map_or(0, |first| cached_tokens_by_instance[first]),
-        ranking,
-        prompt_blocks: found.blocks,
-        cached_tokens_by_instance,
-    }
-}
+use crate::routing::table::{EndpointRoute, RoutingTable};
 
 /// Everything KV_AWARE's event following needs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -170,7 +53,7 @@ pub struct KvArgs {
     pub kv_tokenize_pause_ms: u64,
     /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
     /// beyond, the least recently stored are forgotten.
-    #[arg(long, default_value_t = index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
+    #[arg(long, default_value_t = switchyard_kv::index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
     pub kv_index_max_blocks: usize,
     /// KV_AWARE: how often each engine's KV-event replay socket is probed, in ms (two
     /// unanswered probes mark the instance stale: its cache is ignored until it answers).
@@ -184,7 +67,7 @@ impl Default for KvArgs {
         Self {
             kv_tokenize_timeout_ms: 250,
             kv_tokenize_pause_ms: 1000,
-            kv_index_max_blocks: index::DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+            kv_index_max_blocks: switchyard_kv::index::DEFAULT_MAX_BLOCKS_PER_INSTANCE,
             kv_events_probe_ms: 1000,
         }
     }
@@ -484,8 +367,8 @@ mod tests {
             format!("{:?}", flags.kv),
             format!("{:?}", KvArgs::default())
         );
-        assert_eq!(timeout, tokenize::DEFAULT_TIMEOUT);
-        assert_eq!(pause, tokenize::DEFAULT_PAUSE);
+        assert_eq!(timeout, crate::request::tokenize::DEFAULT_TIMEOUT);
+        assert_eq!(pause, crate::request::tokenize::DEFAULT_PAUSE);
         assert_eq!(settings.index, IndexSettings::default());
         assert_eq!(settings.subscriber, SubscriberSettings::default());
         for (flag, value) in [
@@ -505,9 +388,9 @@ mod tests {
             let yaml = format!(
                 "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill}}\n      - {{VariantName: decode}}\n    DisaggregationConfig: {disaggregation}\n"
             );
-            let config = crate::membership::parse_static_text(&yaml, true).unwrap();
+            let config = crate::routing::membership::parse_static_text(&yaml, true).unwrap();
             let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-            crate::membership::Membership::new(Arc::default(), Arc::clone(&table))
+            crate::routing::membership::Membership::new(Arc::default(), Arc::clone(&table))
                 .load_static(config);
             let endpoint = Arc::clone(&table.load().endpoints["pd"]);
             (0..2)

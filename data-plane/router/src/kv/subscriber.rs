@@ -30,8 +30,8 @@ use switchyard_shared::{InstanceId, KvEventsEndpoints};
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use super::index::{Freshness, IndexCounters, IndexSettings, VariantIndex};
-use super::wire::{EventBatch, decode_batch};
+use switchyard_kv::index::{Freshness, IndexCounters, IndexSettings, VariantIndex};
+use switchyard_kv::wire::{EventBatch, decode_batch};
 
 /// The replay stream's end marker: sequence -1.
 const END_OF_REPLAY: [u8; 8] = [0xff; 8];
@@ -423,7 +423,7 @@ impl Replay {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::wire::{BlockStored, EngineHash, KvEvent};
+    use switchyard_kv::wire::{BlockStored, EngineHash, KvEvent};
 
     fn target() -> Target {
         Target {

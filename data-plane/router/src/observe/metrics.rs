@@ -6,10 +6,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use switchyard_process::metrics::{Histogram, TextEncoder};
 
-use crate::admission::{Admission, Limit};
 use crate::errors::ErrorKind;
-use crate::kv::tokenize::TokenizeError;
-use crate::table::{LoadRegistry, RouteLabel, RoutingTable, UpstreamError};
+use crate::observe::labels::{RouteLabel, UpstreamError};
+use crate::plan::tokens::TokenizeError;
+use crate::routing::cells::LoadRegistry;
+use crate::routing::table::RoutingTable;
+use crate::server::admission::{Admission, Limit};
 
 /// Fine at the low end: a routing decision takes microseconds.
 const LATENCY_BOUNDS: [f64; 17] = [

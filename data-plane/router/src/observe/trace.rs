@@ -31,9 +31,9 @@ use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 use switchyard_policy::rank::Strategy;
 use switchyard_telemetry::{SpanSink, propagation};
 
-use crate::forward::REQUEST_ID;
+use crate::headers::REQUEST_ID;
 use crate::plan::Plan;
-use crate::table::InstanceRoute;
+use crate::routing::table::InstanceRoute;
 
 /// The spans of one traced request.
 #[derive(Debug)]
@@ -206,7 +206,7 @@ impl RequestTrace {
             KeyValue::new("switchyard.route", plan.label.as_str()),
             KeyValue::new(
                 "switchyard.overflow",
-                plan.label == crate::table::RouteLabel::Overflow,
+                plan.label == crate::observe::labels::RouteLabel::Overflow,
             ),
         ]);
         if let Some(key) = plan.routing_key {

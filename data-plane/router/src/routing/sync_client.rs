@@ -29,9 +29,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::membership::{ApplyError, Membership};
-use crate::metrics::SyncMetrics;
-use crate::table::LoadRegistry;
+use crate::observe::metrics::SyncMetrics;
+use crate::routing::cells::LoadRegistry;
+use crate::routing::membership::{ApplyError, Membership};
 
 /// How often replaced tables and departed instances' cells are checked for freeing.
 const GARBAGE_EVERY: Duration = Duration::from_secs(1);

@@ -25,7 +25,7 @@ use switchyard_policy::kv::{
 };
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 
-use super::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
 
 /// An index's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

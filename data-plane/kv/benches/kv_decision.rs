@@ -7,11 +7,11 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use switchyard_kv::wire::{BlockStored, EngineHash, EventBatch, KvEvent};
+use switchyard_kv::{IndexCounters, IndexSettings, VariantIndex};
 use switchyard_policy::hash::instance_hash;
 use switchyard_policy::kv::{KvParams, rank_kv};
 use switchyard_policy::rank::InstanceView;
-use switchyard_router::kv::wire::{BlockStored, EngineHash, EventBatch, KvEvent};
-use switchyard_router::kv::{IndexCounters, IndexSettings, VariantIndex};
 use switchyard_shared::InstanceId;
 
 const BLOCK: usize = 16;

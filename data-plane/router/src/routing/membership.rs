@@ -27,8 +27,9 @@ use switchyard_shared::{
     validate_instance_url, validate_instance_weight,
 };
 
-use crate::table::{self, EndpointRoute, InstanceRoute, LoadRegistry, RoutingTable};
-use crate::tokenizer::Tokenizers;
+use crate::plan::count::TokenCounters;
+use crate::routing::cells::LoadRegistry;
+use crate::routing::table::{self, EndpointRoute, InstanceRoute, RoutingTable};
 
 /// An instance and its prepared route (`None`: its URL cannot be routed to).
 #[derive(Debug)]
@@ -215,7 +216,7 @@ pub struct Membership {
     /// Endpoints touched by the pieces of a batch whose last piece has not arrived.
     pending: BTreeSet<EndpointName>,
     /// Loads the tokenizers disaggregation configs name as they arrive.
-    tokenizers: Option<Arc<Tokenizers>>,
+    tokenizers: Option<Arc<TokenCounters>>,
 }
 
 impl Membership {
@@ -235,7 +236,7 @@ impl Membership {
     }
 
     /// Has the tokenizers that disaggregation configs name loaded as the configs arrive.
-    pub fn with_tokenizers(mut self, tokenizers: Arc<Tokenizers>) -> Self {
+    pub fn with_tokenizers(mut self, tokenizers: Arc<TokenCounters>) -> Self {
         self.tokenizers = Some(tokenizers);
         self
     }
@@ -1114,7 +1115,7 @@ mod tests {
         // The counts are halved with the key counts, once per window of requests: idle, the
         // next POPULARITY_WINDOW requests go to the owner, and one of them closes a window.
         set([(owner, 0), (second, 0), (third, 0), (fourth, 0)]);
-        for _ in 0..crate::table::POPULARITY_WINDOW {
+        for _ in 0..crate::routing::cells::POPULARITY_WINDOW {
             assert_eq!(variant.rank_prefix(&views, key).first(), Some(owner));
         }
         // (The owner had 1; 1,020 more make 1,021, halved to 510 when the variant's 1,024th
@@ -1161,7 +1162,7 @@ mod tests {
             old_variant.popularity.as_ref().unwrap()
         ));
         // The memory itself: direct-mapped, so a colliding key replaces the older one.
-        use crate::table::{SPILL_MEMORY_MS, SPILL_SLOTS, SpillMemory};
+        use crate::routing::cells::{SPILL_MEMORY_MS, SPILL_SLOTS, SpillMemory};
         let memory = SpillMemory::default();
         let t = 1_764_590_000_000;
         assert!(!memory.remembers(key, t));

@@ -22,13 +22,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
 
 /// The content type of an event stream.
 pub const CONTENT_TYPE: &str = "application/vnd.amazon.eventstream";
-/// The header that carries the model's own content type on a streaming invoke.
-pub const MODEL_CONTENT_TYPE: HeaderName = HeaderName::from_static("x-amzn-sagemaker-content-type");
 
 /// Prelude (8 bytes), its CRC (4), and the message CRC (4).
 const OVERHEAD: usize = 16;
@@ -143,7 +141,7 @@ pub fn model_stream_error(code: StreamErrorCode, message: &str) -> Bytes {
 /// changes it).
 pub fn set_headers(headers: &mut HeaderMap) {
     if let Some(model_type) = headers.remove(header::CONTENT_TYPE) {
-        headers.insert(MODEL_CONTENT_TYPE, model_type);
+        headers.insert(crate::headers::MODEL_CONTENT_TYPE, model_type);
     }
     headers.remove(header::CONTENT_LENGTH);
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
@@ -390,7 +388,10 @@ mod tests {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("12"));
         set_headers(&mut headers);
         assert_eq!(headers[header::CONTENT_TYPE], CONTENT_TYPE);
-        assert_eq!(headers[MODEL_CONTENT_TYPE], "text/event-stream");
+        assert_eq!(
+            headers[crate::headers::MODEL_CONTENT_TYPE],
+            "text/event-stream"
+        );
         assert!(!headers.contains_key(header::CONTENT_LENGTH));
     }
 }

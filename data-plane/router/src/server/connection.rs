@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Deadlines;
 use crate::errors::ErrorKind;
-use crate::metrics::RouterMetrics;
+use crate::observe::metrics::RouterMetrics;
 
 /// Progress on one connection, in milliseconds since it was accepted.
 #[derive(Debug)]

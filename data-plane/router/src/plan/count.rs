@@ -14,19 +14,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use switchyard_policy::openai::OpenAiRequest;
 use switchyard_shared::disaggregation::DEFAULT_TOKENIZER;
 
 /// A loaded tokenizer.
-pub enum Tokenizer {
+pub enum TokenCounter {
     Bpe(&'static tiktoken_rs::CoreBPE),
     HuggingFace(Box<tokenizers::Tokenizer>),
 }
 
-impl std::fmt::Debug for Tokenizer {
+impl std::fmt::Debug for TokenCounter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Tokenizer::Bpe(_) => f.write_str("Tokenizer::Bpe"),
-            Tokenizer::HuggingFace(_) => f.write_str("Tokenizer::HuggingFace"),
+            TokenCounter::Bpe(_) => f.write_str("TokenCounter::Bpe"),
+            TokenCounter::HuggingFace(_) => f.write_str("TokenCounter::HuggingFace"),
         }
     }
 }
@@ -50,12 +51,12 @@ impl Count {
     }
 }
 
-impl Tokenizer {
+impl TokenCounter {
     /// Tokens of `text` (no special tokens added).
     pub fn count(&self, text: &str) -> usize {
         match self {
-            Tokenizer::Bpe(bpe) => bpe.encode_ordinary(text).len(),
-            Tokenizer::HuggingFace(tokenizer) => tokenizer
+            TokenCounter::Bpe(bpe) => bpe.encode_ordinary(text).len(),
+            TokenCounter::HuggingFace(tokenizer) => tokenizer
                 .encode_fast(text, false)
                 .map_or_else(|_| text.len().div_ceil(4), |encoding| encoding.len()),
         }
@@ -105,7 +106,7 @@ const RETRY_LOAD_AFTER: Duration = Duration::from_secs(30);
 
 /// The router's tokenizers, loaded on first use and kept.
 #[derive(Debug)]
-pub struct Tokenizers {
+pub struct TokenCounters {
     dir: Option<PathBuf>,
     /// One slot per name; a slot's lock is held while its tokenizer loads, so that requests
     /// arriving meanwhile wait for that load instead of each doing their own.
@@ -121,14 +122,14 @@ pub struct Tokenizers {
 enum Slot {
     #[default]
     Unloaded,
-    Loaded(Arc<Tokenizer>),
+    Loaded(Arc<TokenCounter>),
     /// The load failed; cl100k_base counts until `retry_at`.
     Failed {
         retry_at: Instant,
     },
 }
 
-impl Tokenizers {
+impl TokenCounters {
     pub fn new(dir: Option<PathBuf>) -> Self {
         Self {
             dir,
@@ -175,7 +176,7 @@ impl Tokenizers {
     /// The tokenizer named `name`, or `cl100k_base` if it cannot be had. Blocking (it may read
     /// and parse a file of megabytes, or wait for another thread doing so): call it off the
     /// serving threads.
-    pub fn get(&self, name: &str) -> Arc<Tokenizer> {
+    pub fn get(&self, name: &str) -> Arc<TokenCounter> {
         let slot = Arc::clone(lock(&self.slots).entry(name.to_owned()).or_default());
         let mut slot = lock(&slot);
         let first_failure = match &*slot {
@@ -219,10 +220,10 @@ impl Tokenizers {
         self.fallbacks.load(Ordering::Relaxed)
     }
 
-    fn load(&self, name: &str) -> Result<Tokenizer, String> {
+    fn load(&self, name: &str) -> Result<TokenCounter, String> {
         match name {
-            "cl100k_base" => return Ok(Tokenizer::Bpe(tiktoken_rs::cl100k_base_singleton())),
-            "o200k_base" => return Ok(Tokenizer::Bpe(tiktoken_rs::o200k_base_singleton())),
+            "cl100k_base" => return Ok(TokenCounter::Bpe(tiktoken_rs::cl100k_base_singleton())),
+            "o200k_base" => return Ok(TokenCounter::Bpe(tiktoken_rs::o200k_base_singleton())),
             _ => {}
         }
         switchyard_shared::disaggregation::validate_tokenizer_name(name)?;
@@ -243,12 +244,12 @@ impl Tokenizers {
         })?;
         #[cfg(test)]
         self.file_loads.fetch_add(1, Ordering::Relaxed);
-        load_file(&path).map(|tokenizer| Tokenizer::HuggingFace(Box::new(tokenizer)))
+        load_file(&path).map(|tokenizer| TokenCounter::HuggingFace(Box::new(tokenizer)))
     }
 }
 
-fn fallback() -> Arc<Tokenizer> {
-    Arc::new(Tokenizer::Bpe(tiktoken_rs::cl100k_base_singleton()))
+fn fallback() -> Arc<TokenCounter> {
+    Arc::new(TokenCounter::Bpe(tiktoken_rs::cl100k_base_singleton()))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -271,6 +272,41 @@ fn load_file(path: &Path) -> Result<tokenizers::Tokenizer, String> {
     tokenizers::Tokenizer::from_file(path).map_err(|err| format!("{}: {err}", path.display()))
 }
 
+/// Tokens per chat message that the text alone does not show (role markers and separators
+/// of the chat template; Llama 3's and OpenAI's add about this many).
+const CHAT_TOKENS_PER_MESSAGE: usize = 4;
+
+/// The prompt's tokens, counted until `threshold` is certainly reached. A completions prompt
+/// of token ids is its length; a text prompt is tokenized as is; a chat is counted on its
+/// messages' text plus [`CHAT_TOKENS_PER_MESSAGE`] per message (an approximation of the
+/// template the engine applies).
+pub fn count_prompt(
+    request: &OpenAiRequest<'_>,
+    tokenizer: &TokenCounter,
+    threshold: usize,
+) -> Count {
+    if let Some(ids) = request.prompt_token_ids() {
+        return Count {
+            tokens: ids,
+            complete: true,
+        };
+    }
+    let overhead = CHAT_TOKENS_PER_MESSAGE * request.message_count();
+    let goal = threshold.saturating_sub(overhead);
+    // Enough text for the goal at any plausible density; if the text is longer and still
+    // counts below the goal, the whole text is counted.
+    let limit = goal.saturating_add(1).saturating_mul(16);
+    let text = request.prefix_text(limit);
+    let mut count = tokenizer.count_up_to(&text, goal);
+    if count.complete && text.chars().count() >= limit {
+        count = tokenizer.count_up_to(&request.prefix_text(usize::MAX), goal);
+    }
+    Count {
+        tokens: count.tokens + overhead,
+        complete: count.complete,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,7 +322,7 @@ mod tests {
 
     #[test]
     fn cl100k_counts_exactly_at_the_boundary() {
-        let tokenizers = Tokenizers::new(None);
+        let tokenizers = TokenCounters::new(None);
         let bpe = tokenizers.get("cl100k_base");
         assert_eq!(bpe.count("hello world"), 2);
         for tokens in [4095, 4096, 4097] {
@@ -310,7 +346,7 @@ mod tests {
 
     #[test]
     fn long_prompts_stop_past_the_threshold_and_say_so() {
-        let bpe = Tokenizers::new(None).get("cl100k_base");
+        let bpe = TokenCounters::new(None).get("cl100k_base");
         let count = bpe.count_up_to(&hellos(100_000), 4096);
         assert!(!count.complete);
         assert!(count.tokens > 4096 && count.tokens < 20_000, "{count:?}");
@@ -324,9 +360,9 @@ mod tests {
     #[test]
     fn an_unknown_tokenizer_falls_back_and_is_counted_once() {
         let dir = tempfile::tempdir().unwrap();
-        let tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        let tokenizers = TokenCounters::new(Some(dir.path().to_owned()));
         let first = tokenizers.get("llama-3");
-        assert!(matches!(*first, Tokenizer::Bpe(_)));
+        assert!(matches!(*first, TokenCounter::Bpe(_)));
         let _ = tokenizers.get("llama-3");
         assert_eq!(tokenizers.fallbacks(), 1);
         // A broken file is a fallback too, not a failed request.
@@ -368,18 +404,18 @@ mod tests {
     #[test]
     fn a_failed_load_is_retried_after_the_backoff() {
         let dir = tempfile::tempdir().unwrap();
-        let mut tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        let mut tokenizers = TokenCounters::new(Some(dir.path().to_owned()));
         tokenizers.retry_after = Duration::from_millis(500);
         // The fallback loaded first (seconds in a debug build), not within the backoff.
         tokenizers.warm_up();
-        assert!(matches!(*tokenizers.get("words"), Tokenizer::Bpe(_)));
+        assert!(matches!(*tokenizers.get("words"), TokenCounter::Bpe(_)));
         // Put in place later: still the fallback within the backoff, then loaded.
         std::fs::write(dir.path().join("words.json"), word_level()).unwrap();
-        assert!(matches!(*tokenizers.get("words"), Tokenizer::Bpe(_)));
+        assert!(matches!(*tokenizers.get("words"), TokenCounter::Bpe(_)));
         assert_eq!(tokenizers.fallbacks(), 1);
         std::thread::sleep(Duration::from_millis(600));
         let loaded = tokenizers.get("words");
-        assert!(matches!(*loaded, Tokenizer::HuggingFace(_)));
+        assert!(matches!(*loaded, TokenCounter::HuggingFace(_)));
         assert_eq!(loaded.count("hello hello hello"), 3);
         assert_eq!(tokenizers.fallbacks(), 1);
     }
@@ -389,9 +425,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A parse long enough (tens of ms) for the callers to overlap.
         std::fs::write(dir.path().join("words.json"), word_level_of(50_000)).unwrap();
-        let tokenizers = Tokenizers::new(Some(dir.path().to_owned()));
+        let tokenizers = TokenCounters::new(Some(dir.path().to_owned()));
         let start = std::sync::Barrier::new(4);
-        let loaded: Vec<Arc<Tokenizer>> = std::thread::scope(|scope| {
+        let loaded: Vec<Arc<TokenCounter>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..4)
                 .map(|_| {
                     scope.spawn(|| {
@@ -412,21 +448,21 @@ mod tests {
                 .iter()
                 .all(|tokenizer| Arc::ptr_eq(tokenizer, &loaded[0]))
         );
-        assert!(matches!(*loaded[0], Tokenizer::HuggingFace(_)));
+        assert!(matches!(*loaded[0], TokenCounter::HuggingFace(_)));
         // A file over the cap is not read; the error names it.
         let big = dir.path().join("big.json");
         let file = std::fs::File::create(&big).unwrap();
         file.set_len(MOST_TOKENIZER_BYTES + 1).unwrap();
         let err = load_file(&big).unwrap_err();
         assert!(err.contains("big.json") && err.contains("64 MiB"), "{err}");
-        assert!(matches!(*tokenizers.get("big"), Tokenizer::Bpe(_)));
+        assert!(matches!(*tokenizers.get("big"), TokenCounter::Bpe(_)));
     }
 
     #[test]
     fn preloading_loads_a_configured_name_before_any_request() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("words.json"), word_level()).unwrap();
-        let tokenizers = Arc::new(Tokenizers::new(Some(dir.path().to_owned())));
+        let tokenizers = Arc::new(TokenCounters::new(Some(dir.path().to_owned())));
         tokenizers.preload(vec!["words".into()]);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -437,5 +473,49 @@ mod tests {
             assert!(Instant::now() < deadline, "not preloaded");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn a_chat_counts_its_template_and_a_dense_start_does_not_cut_the_count() {
+        let tokenizer = TokenCounters::new(None).get("cl100k_base");
+        let count = |body: serde_json::Value, threshold: usize| {
+            let body = body.to_string();
+            count_prompt(
+                &OpenAiRequest::parse(body.as_bytes()).unwrap(),
+                &tokenizer,
+                threshold,
+            )
+        };
+        let text = format!("hello{}", " hello".repeat(11));
+        let plain = count(serde_json::json!({"prompt": text}), 100);
+        assert_eq!(
+            plain,
+            Count {
+                tokens: 12,
+                complete: true
+            }
+        );
+        // A chat: its text as the router reads it, plus the template's tokens per message.
+        let chat = serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string();
+        let request = OpenAiRequest::parse(chat.as_bytes()).unwrap();
+        let text_tokens = tokenizer.count(&request.prefix_text(usize::MAX));
+        assert!(text_tokens >= 12, "{text_tokens}");
+        assert_eq!(
+            count_prompt(&request, &tokenizer, 100),
+            Count {
+                tokens: text_tokens + CHAT_TOKENS_PER_MESSAGE,
+                complete: true
+            }
+        );
+        // A start that packs many characters into each token, then ordinary words: the count
+        // reads past the first window of text and reaches the threshold.
+        let dense = format!("{}{}", "=".repeat(400), " hello".repeat(40));
+        let tokens = tokenizer.count(&"=".repeat(400));
+        assert!(
+            tokens < 10,
+            "{tokens} tokens: not dense enough for this test"
+        );
+        let counted = count(serde_json::json!({"prompt": dense}), 10);
+        assert!(counted.tokens >= 10, "{counted:?}");
     }
 }

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderValue};
 use http_body_util::BodyExt;
 
-use crate::admission::BufferReservation;
 use crate::errors::ApiError;
+use crate::headers;
+use crate::server::admission::BufferReservation;
 
 /// SageMaker's payload limit.
 pub const MAX_BODY_BYTES: usize = 6_291_456;
@@ -146,12 +147,23 @@ pub async fn discard(mut body: Body) {
     .await;
 }
 
+/// Gives the request an `x-request-id` when the client sent none (both hops and every log
+/// line carry it).
+pub(crate) fn ensure_request_id(request_headers: &mut HeaderMap) {
+    if !request_headers.contains_key(&headers::REQUEST_ID) {
+        let id = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+        if let Ok(value) = HeaderValue::from_str(&id) {
+            request_headers.insert(headers::REQUEST_ID, value);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::Admission;
     use crate::config::Limits;
     use crate::errors::ErrorKind;
+    use crate::server::admission::Admission;
     use std::sync::Arc;
 
     fn admission(bytes: u64) -> Arc<Admission> {

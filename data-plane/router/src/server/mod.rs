@@ -3,6 +3,9 @@
 //! the control-plane sync task, the KV-event thread (KV_AWARE), and the handle that stops it
 //! all.
 
+pub(crate) mod admission;
+pub(crate) mod connection;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,18 +25,21 @@ use hyper_util::server::conn::auto;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::Admission;
 use crate::config::{Deadlines, Settings, Source, UpstreamProtocol};
 use crate::errors::{Api, ApiError};
-use crate::forward::{ForwardSettings, HttpClient, UpstreamClients};
-use crate::handle::{Worker, handle};
+use crate::forward::ForwardSettings;
+use crate::forward::upstream::{HttpClient, UpstreamClients};
 use crate::kv::KvThread;
-use crate::kv::tokenize::Tokenizer;
-use crate::membership::Membership;
-use crate::plan::Operation;
-use crate::table::{LoadRegistry, RoutingTable};
-use crate::tokenizer::Tokenizers;
-use crate::{metrics, sync_client};
+use crate::observe::metrics;
+use crate::operation::Operation;
+use crate::plan::count::TokenCounters;
+use crate::request::tokenize::TokenizeClient;
+use crate::request::{Worker, handle};
+use crate::routing::cells::LoadRegistry;
+use crate::routing::membership::Membership;
+use crate::routing::sync_client;
+use crate::routing::table::RoutingTable;
+use crate::server::admission::Admission;
 use switchyard_telemetry::Telemetry;
 
 /// A running router.
@@ -141,16 +147,16 @@ impl RouterHandle {
             client_body_deadline: settings.deadlines.client_body,
             metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
             admission: Arc::new(Admission::new(limits)),
-            tokenizers: Arc::new(Tokenizers::new(config.tokenizer_dir.clone())),
+            counters: Arc::new(TokenCounters::new(config.tokenizer_dir.clone())),
             tracer: telemetry.as_ref().map(|telemetry| telemetry.sink.clone()),
             kv_index: Arc::clone(kv_events.index()),
-            tokenizer: Tokenizer::with_pause(
+            tokenize: TokenizeClient::with_pause(
                 settings.kv_tokenize_timeout,
                 settings.kv_tokenize_pause,
             ),
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
-        let tokenizers = Arc::clone(&worker.tokenizers);
+        let tokenizers = Arc::clone(&worker.counters);
         std::thread::Builder::new()
             .name("switchyard-tokenizer".into())
             .spawn(move || tokenizers.warm_up())
@@ -211,7 +217,7 @@ impl RouterHandle {
             }
         }
         let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table))
-            .with_tokenizers(Arc::clone(&worker.tokenizers));
+            .with_tokenizers(Arc::clone(&worker.counters));
         let sync_task = match &settings.source {
             Source::Static(file) => {
                 membership.load_static(file.clone());
@@ -386,14 +392,15 @@ async fn serve(
         let _ = tcp.set_nodelay(true);
         match worker.admission.connection() {
             Some(permit) => {
-                let (socket, service, watch) = crate::connection::watch(tcp, app.clone());
+                let (socket, service, watch) = crate::server::connection::watch(tcp, app.clone());
                 let connection = builder
                     .serve_connection(TokioIo::new(socket), service)
                     .into_owned();
                 let stop = stop.clone();
                 let metrics = Arc::clone(&worker.metrics);
                 connections.spawn(async move {
-                    crate::connection::drive(connection, watch, deadlines, stop, metrics).await;
+                    crate::server::connection::drive(connection, watch, deadlines, stop, metrics)
+                        .await;
                     drop(permit);
                 });
             }
@@ -522,7 +529,7 @@ fn under_endpoint(filter: MethodFilter, operation: Operation) -> MethodRouter<Ar
 
 fn app(worker: Arc<Worker>) -> AxumRouter {
     async fn models(State(worker): State<Arc<Worker>>) -> Response {
-        crate::forward::list_models(&worker.table.load())
+        list_models(&worker.table.load())
     }
     async fn ready(State(worker): State<Arc<Worker>>) -> Response {
         if worker.table.load().version > 0 {
@@ -540,7 +547,7 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
             &worker.table.load(),
             &worker.registry,
             &worker.admission,
-            worker.tokenizers.fallbacks(),
+            worker.counters.fallbacks(),
         );
         text.push_str(&worker.kv_index.render_metrics());
         (
@@ -613,6 +620,27 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(worker)
+}
+
+/// `GET /v1/models`: every endpoint and every variant ModelName, for OpenAI clients.
+pub fn list_models(table: &crate::routing::table::RoutingTable) -> Response {
+    let mut names: Vec<&str> = table
+        .endpoints
+        .keys()
+        .map(|name| name.as_str())
+        .chain(table.models.keys().map(String::as_str))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    let data: Vec<serde_json::Value> = names
+        .into_iter()
+        .map(|name| serde_json::json!({"id": name, "object": "model", "owned_by": "switchyard"}))
+        .collect();
+    (
+        http::StatusCode::OK,
+        axum::Json(serde_json::json!({"object": "list", "data": data})),
+    )
+        .into_response()
 }
 
 #[cfg(test)]

@@ -22,34 +22,28 @@
 //! whichever hop is running.
 //!
 //! Planning (on a blocking thread) removes any `kv_transfer_params` a client sent, on every
-//! path, and makes the prefill copy; this module only splices the prefill's hand-off in.
+//! path, and makes the prefill copy (`plan::body`); this module sends it, reads the hand-off
+//! from the prefill's answer and has it spliced into the decoder's request.
 
-use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderMap;
-use http::header::{ACCEPT_ENCODING, HeaderName};
+use http::header::ACCEPT_ENCODING;
 use http_body_util::BodyExt;
-use serde_json::{Value, json};
+use serde_json::Value;
 use switchyard_shared::KvTransferProtocol;
 use tokio::time::Instant;
 
-use crate::admission::{BufferReservation, RequestPermit};
+use super::upstream::{upstream_request, upstream_uri};
+use super::{Answered, Failure, Forwarder, Hop};
 use crate::errors::ApiError;
-use crate::forward::{Failure, Forwarder, Hop};
-use crate::plan::{Disaggregated, Operation, Plan};
-use crate::table::{
-    Disaggregation, EndpointRoute, InstanceRoute, RouteLabel, UpstreamError, VariantRoute,
-};
-use crate::trace::request_id;
-
-pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-prefill-instance");
-/// KV_AWARE prefill: leading prompt tokens the prefill pool's KV index says the prefill
-/// instance held.
-pub const PREFILL_CACHED_TOKENS: HeaderName =
-    HeaderName::from_static("x-switchyard-prefill-cached-tokens");
-
-/// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
-const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+use crate::headers::{PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
+use crate::observe::labels::{RouteLabel, UpstreamError};
+use crate::observe::trace::request_id;
+use crate::operation::Operation;
+use crate::plan::body::with_kv_transfer_params;
+use crate::plan::{Disaggregated, Plan};
+use crate::routing::table::{Disaggregation, EndpointRoute, InstanceRoute, VariantRoute};
+use crate::server::admission::BufferReservation;
 
 /// The most of a prefill answer read (a one-token answer and its hand-off are small).
 const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
@@ -89,14 +83,13 @@ impl Forwarder<'_> {
         operation: Operation,
         plan: Plan,
         mut disaggregated: Disaggregated,
-        client_headers: HeaderMap,
-        permit: RequestPermit,
+        client_headers: &HeaderMap,
         mut reservation: BufferReservation,
-    ) -> Result<Response, ApiError> {
+    ) -> Result<Answered, ApiError> {
         let endpoint = std::sync::Arc::clone(&plan.endpoint);
         let Some(pd) = endpoint.disaggregation.as_ref() else {
             return self
-                .send(operation, plan.into(), &client_headers, permit, reservation)
+                .send(operation, plan.into(), client_headers, reservation)
                 .await;
         };
         let prefill_variant = &endpoint.variants[pd.prefill];
@@ -118,7 +111,7 @@ impl Forwarder<'_> {
                         &endpoint,
                         pd,
                         &order,
-                        &client_headers,
+                        client_headers,
                         copy,
                         &mut reservation,
                     )
@@ -160,17 +153,16 @@ impl Forwarder<'_> {
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
+                tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
-                tracing::info!(request_id = request_id(&client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
+                tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
         reservation.resize_to(hop.body.len() as u64);
-        self.send(operation, hop, &client_headers, permit, reservation)
-            .await
+        self.send(operation, hop, client_headers, reservation).await
     }
 
     /// Sends the prefill copy to the prefill candidates in `order`: the next one only when
@@ -195,17 +187,12 @@ impl Forwarder<'_> {
             let instance = &variant.instances[index];
             instance.cell.requests[RouteLabel::Disaggregated as usize]
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(uri) = crate::forward::upstream_uri(operation, None, instance) else {
+            let Some(uri) = upstream_uri(operation, None, instance) else {
                 continue;
             };
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
-                let request = crate::forward::upstream_request(
-                    operation.method(),
-                    uri,
-                    &headers,
-                    body.clone(),
-                );
+                let request = upstream_request(operation.method(), uri, &headers, body.clone());
                 let (response, in_flight) =
                     self.attempt(instance, request, deadline, "prefill").await?;
                 let status = response.status();
@@ -261,7 +248,7 @@ impl Forwarder<'_> {
             let kv_transfer_params = match pd.protocol {
                 KvTransferProtocol::Lmcache => None,
                 KvTransferProtocol::Nixl => {
-                    let params = if answer.len() > crate::body::OFFLOAD_BYTES {
+                    let params = if answer.len() > crate::request::read::OFFLOAD_BYTES {
                         tokio::task::spawn_blocking(move || handoff_in(&answer))
                             .await
                             .unwrap_or(Err("the answer could not be read"))
@@ -421,129 +408,10 @@ fn hand_off(
     }
 }
 
-/// A disaggregated endpoint's request without the `kv_transfer_params` a client sent (however
-/// the key is written, every copy): only the router tells its engines what to do with KV
-/// blocks, on every path. CPU work over the whole body: planning calls it, off the serving
-/// thread.
-pub(crate) fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
-    match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
-        Some(stripped) => Bytes::from(stripped),
-        None => body,
-    }
-}
-
-/// The prefill copy of an OpenAI request, as vLLM's disaggregation proxy makes it: one token
-/// (`max_tokens`, and `max_completion_tokens` if present), not streamed, no `stream_options` or
-/// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode.
-/// `None` if the body is not a JSON object (planning already refused that).
-pub(crate) fn prefill_body(
-    body: &[u8],
-    protocol: KvTransferProtocol,
-    variant: &VariantRoute,
-) -> Option<Bytes> {
-    let mut value: Value = serde_json::from_slice(body).ok()?;
-    let object = value.as_object_mut()?;
-    object.insert("max_tokens".into(), json!(1));
-    if object.contains_key("max_completion_tokens") {
-        object.insert("max_completion_tokens".into(), json!(1));
-    }
-    object.insert("stream".into(), json!(false));
-    object.remove("stream_options");
-    object.remove("min_tokens");
-    if let Some(model) = &variant.model_name {
-        object.insert("model".into(), json!(model));
-    }
-    match protocol {
-        KvTransferProtocol::Nixl => {
-            object.insert(
-                "kv_transfer_params".into(),
-                json!({
-                    "do_remote_decode": true,
-                    "do_remote_prefill": false,
-                    "remote_engine_id": null,
-                    "remote_block_ids": null,
-                    "remote_host": null,
-                    "remote_port": null,
-                }),
-            );
-        }
-        KvTransferProtocol::Lmcache => {
-            object.remove("kv_transfer_params");
-        }
-    }
-    serde_json::to_vec(&value).ok().map(Bytes::from)
-}
-
-/// The request with `kv_transfer_params` set to `params`, spliced in after the opening brace
-/// (every other byte kept). Planning removed any the client sent, so this is the only one.
-fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
-    let params = serde_json::to_vec(params).ok()?;
-    let brace = body.iter().position(|byte| *byte == b'{')?;
-    let rest = &body[brace + 1..];
-    let empty = rest
-        .iter()
-        .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
-    let mut out = Vec::with_capacity(body.len() + params.len() + 24);
-    out.extend_from_slice(&body[..=brace]);
-    out.push(b'"');
-    out.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
-    out.extend_from_slice(b"\":");
-    out.extend_from_slice(&params);
-    if !empty {
-        out.push(b',');
-    }
-    out.extend_from_slice(rest);
-    Some(Bytes::from(out))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::HeaderValue;
-
-    fn variant(model: Option<&str>) -> VariantRoute {
-        VariantRoute {
-            name: switchyard_shared::VariantName::new("prefill").unwrap(),
-            name_header: HeaderValue::from_static("prefill"),
-            model_name: model.map(str::to_owned),
-            strategy: switchyard_policy::rank::Strategy::Random,
-            prefix_length: 0,
-            instances: Vec::new(),
-            views: Vec::new(),
-            popularity: None,
-        }
-    }
-
-    #[test]
-    fn the_prefill_copy_is_what_vllms_proxy_sends() {
-        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":200,"max_completion_tokens":200,"min_tokens":5,"temperature":0.5}"#;
-        let copy = prefill_body(body, KvTransferProtocol::Nixl, &variant(Some("p-model"))).unwrap();
-        let copy: Value = serde_json::from_slice(&copy).unwrap();
-        assert_eq!(copy["max_tokens"], 1);
-        assert_eq!(copy["max_completion_tokens"], 1);
-        assert_eq!(copy["stream"], false);
-        assert_eq!(copy["model"], "p-model");
-        assert_eq!(copy["temperature"], 0.5);
-        assert!(copy.get("stream_options").is_none());
-        assert!(copy.get("min_tokens").is_none());
-        assert_eq!(
-            copy["kv_transfer_params"],
-            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
-                   "remote_block_ids": null, "remote_host": null, "remote_port": null})
-        );
-        // No max_completion_tokens is added where there was none; LMCACHE sends no params.
-        let copy = prefill_body(
-            br#"{"prompt":"x"}"#,
-            KvTransferProtocol::Lmcache,
-            &variant(None),
-        )
-        .unwrap();
-        let copy: Value = serde_json::from_slice(&copy).unwrap();
-        assert!(copy.get("max_completion_tokens").is_none());
-        assert!(copy.get("kv_transfer_params").is_none());
-        assert!(copy.get("model").is_none());
-        assert!(prefill_body(b"[1]", KvTransferProtocol::Nixl, &variant(None)).is_none());
-    }
 
     #[test]
     fn a_hand_off_must_name_an_engine_and_blocks() {
@@ -570,19 +438,5 @@ mod tests {
         let headers = prefill_headers(&client);
         assert!(headers.get(ACCEPT_ENCODING).is_none());
         assert_eq!(headers["x-request-id"], "r-1");
-    }
-
-    #[test]
-    fn the_hand_off_is_spliced_into_the_original_bytes() {
-        let params = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2]});
-        let spliced =
-            with_kv_transfer_params(br#"{ "prompt": "x",  "stream": true }"#, &params).unwrap();
-        assert_eq!(
-            std::str::from_utf8(&spliced).unwrap(),
-            r#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2]}, "prompt": "x",  "stream": true }"#
-        );
-        let empty = with_kv_transfer_params(b"{}", &params).unwrap();
-        let value: Value = serde_json::from_slice(&empty).unwrap();
-        assert_eq!(value["kv_transfer_params"], params);
     }
 }

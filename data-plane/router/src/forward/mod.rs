@@ -1,0 +1,383 @@
+//! The forward phase: try a plan's ranked candidates in order, under the retry rule and the
+//! deadlines, until one answers with a response head (the respond phase makes the client's
+//! answer of it); a disaggregated plan prefills first (`prefill`).
+//!
+//! The retry rule: a request moves on to the next candidate only when it provably never
+//! reached an engine: the connection was refused or not made in time, an HTTP/2 stream was
+//! refused, or a pooled connection was found closed before a byte was written. A failure
+//! after the request was written (a reset, a connection closed before the response head) or
+//! no response head within `--upstream-header-timeout-seconds` is answered to the client
+//! (502 / 504) and not retried, since the engine may have done the work; `--retry-after-send`
+//! allows one such retry.
+//!
+//! Architecture invariant: nothing here awaits the control plane, and no lock is held across
+//! an `.await` (the table is an `ArcSwap` snapshot, load is atomics).
+
+pub(crate) mod prefill;
+pub(crate) mod upstream;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http_body_util::Full;
+use opentelemetry::KeyValue;
+use tokio::time::Instant;
+
+use crate::errors::ApiError;
+use crate::observe::labels::{RouteLabel, UpstreamError};
+use crate::observe::metrics::RouterMetrics;
+use crate::observe::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
+use crate::operation::Operation;
+use crate::plan::Plan;
+use crate::routing::cells::InstanceCell;
+use crate::routing::table::{EndpointRoute, InstanceRoute};
+use crate::server::admission::BufferReservation;
+use upstream::{UpstreamClients, classify, upstream_request, upstream_uri};
+
+/// How requests are forwarded (from the router's flags).
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardSettings {
+    /// Candidates tried per request (first choice included).
+    pub max_attempts: usize,
+    /// One retry on another instance after a failure that may have reached the engine.
+    pub retry_after_send: bool,
+    /// Consecutive connection failures before an instance is ejected locally.
+    pub eject_after_failures: u32,
+    pub eject_for: Duration,
+    /// Longest wait for an instance's response head.
+    pub upstream_header: Duration,
+    /// Longest gap between two frames of an answer.
+    pub stream_idle: Duration,
+}
+
+/// An instance's answer head, with what the client is told about who answered and why.
+#[derive(Debug)]
+pub struct Answered {
+    pub response: http::Response<hyper::body::Incoming>,
+    /// The instance's in-flight count, held until the answer's body ends.
+    pub in_flight: InFlight,
+    pub endpoint: Arc<EndpointRoute>,
+    pub variant_index: usize,
+    pub instance_index: usize,
+    /// `x-switchyard-route`.
+    pub label: RouteLabel,
+    /// Headers that explain the decision.
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Time the answer's first frame (a disaggregated decode's TTFT).
+    pub time_first_frame: bool,
+    /// KV_AWARE: the leading prompt tokens the index says the instance holds.
+    pub cached_tokens: Option<u32>,
+}
+
+/// What forwarding needs from the serving thread.
+pub struct Forwarder<'a> {
+    pub clients: &'a UpstreamClients,
+    pub settings: ForwardSettings,
+    pub metrics: &'a Arc<RouterMetrics>,
+    /// The request's spans, when tracing is on.
+    pub trace: Option<&'a RequestTrace>,
+}
+
+/// How one attempt failed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The request never reached an engine: safe to send elsewhere.
+    NotSent(String),
+    /// The connection failed after the request was (perhaps) written.
+    AfterSend(String),
+    /// No response head within the deadline.
+    TimedOut,
+}
+
+/// Decrements the instance's in-flight count exactly once, when dropped; ends the
+/// attempt's span (when traced) with it.
+#[derive(Debug)]
+pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
+
+impl InFlight {
+    /// Counts the attempt, sent now.
+    fn start(cell: &Arc<InstanceCell>, span: SpanGuard) -> Self {
+        cell.local.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(cell), span, Instant::now())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.local.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl InFlight {
+    /// When the attempt was sent.
+    pub fn sent(&self) -> Instant {
+        self.2
+    }
+
+    /// The instance's cell (its counters).
+    pub fn cell(&self) -> &InstanceCell {
+        &self.0
+    }
+}
+
+/// One hop of a request: where it may go, in order, what to send, and how to label it.
+#[derive(Debug)]
+pub struct Hop {
+    pub endpoint: Arc<EndpointRoute>,
+    pub variant_index: usize,
+    pub ranking: switchyard_policy::rank::Ranking,
+    pub body: Bytes,
+    /// The first candidate's `x-switchyard-route`.
+    pub label: RouteLabel,
+    /// Headers for the client that explain the decision.
+    pub explain: Vec<(HeaderName, HeaderValue)>,
+    /// Time the answer's first frame (a disaggregated decode's TTFT).
+    pub time_first_frame: bool,
+    /// The path on the instance, for operations without a prepared URL.
+    pub path: Option<String>,
+    /// KV_AWARE: the leading prompt tokens each instance holds, by position in the variant.
+    pub cached_tokens: Vec<u32>,
+}
+
+impl From<Plan> for Hop {
+    fn from(plan: Plan) -> Self {
+        Hop {
+            endpoint: plan.endpoint,
+            variant_index: plan.variant_index,
+            ranking: plan.ranking,
+            body: plan.body,
+            label: plan.label,
+            explain: plan.explain,
+            time_first_frame: false,
+            path: plan.path,
+            cached_tokens: plan.cached_tokens,
+        }
+    }
+}
+
+impl Forwarder<'_> {
+    /// Forwards a plan: straight to its candidates, or prefill → decode when the plan says so.
+    pub async fn forward(
+        &self,
+        operation: Operation,
+        mut plan: Plan,
+        client_headers: &HeaderMap,
+        reservation: BufferReservation,
+    ) -> Result<Answered, ApiError> {
+        match plan.disaggregated.take() {
+            Some(disaggregated) => {
+                self.disaggregate(operation, plan, disaggregated, client_headers, reservation)
+                    .await
+            }
+            None => {
+                if plan.endpoint.disaggregation.is_some() {
+                    match plan.label {
+                        // Planned so: the prefill variant had no routable instance.
+                        RouteLabel::Fallback => self.metrics.count_fallback("no_prefill_instance"),
+                        label => self.metrics.count_disaggregation(label),
+                    }
+                }
+                self.send(operation, plan.into(), client_headers, reservation)
+                    .await
+            }
+        }
+    }
+
+    /// One attempt at one instance (`hop`: `forward`, `prefill` or `decode`, as its span
+    /// says) with a request made by [`upstream_request`], within the response-head deadline
+    /// `deadline`: its response head (with the instance's in-flight count held), or how it
+    /// failed.
+    pub(crate) async fn attempt(
+        &self,
+        instance: &InstanceRoute,
+        mut request: http::Request<Full<Bytes>>,
+        deadline: Duration,
+        hop: &'static str,
+    ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
+        // Traced, the engine's parent is this attempt's span (not the client's).
+        let span = match self.trace {
+            Some(trace) => {
+                let uri = request.uri().clone();
+                trace.upstream(instance, &uri, hop, request.headers_mut())
+            }
+            None => SpanGuard::default(),
+        };
+        let in_flight = InFlight::start(&instance.cell, span);
+        let sent = in_flight.2;
+        let client = self.clients.for_instance(instance.protocol);
+        match tokio::time::timeout(deadline, client.request(request)).await {
+            Ok(Ok(response)) => {
+                self.metrics
+                    .upstream_header_seconds
+                    .observe(sent.elapsed().as_secs_f64());
+                instance.cell.failures.store(0, Ordering::Relaxed);
+                in_flight.1.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(response.status().as_u16()),
+                ));
+                if response.status().is_server_error() {
+                    in_flight.1.fail(response.status());
+                }
+                Ok((response, in_flight))
+            }
+            Ok(Err(err)) => {
+                let failure = classify(&err);
+                if let Failure::NotSent(error) | Failure::AfterSend(error) = &failure {
+                    in_flight.1.fail(error);
+                }
+                Err(failure)
+            }
+            Err(_elapsed) => {
+                in_flight.1.fail("no response head in time");
+                Err(Failure::TimedOut)
+            }
+        }
+    }
+
+    /// The trace id for log lines (empty when the request is not traced).
+    pub(crate) fn trace_id(&self) -> ShowTraceId {
+        ShowTraceId(self.trace.map(RequestTrace::trace_id))
+    }
+
+    /// Tries a hop's candidates in order until one answers, under the retry rule.
+    pub(crate) async fn send(
+        &self,
+        operation: Operation,
+        hop: Hop,
+        client_headers: &HeaderMap,
+        reservation: BufferReservation,
+    ) -> Result<Answered, ApiError> {
+        let Hop {
+            endpoint,
+            variant_index,
+            ranking,
+            body,
+            mut label,
+            explain,
+            time_first_frame,
+            path,
+            cached_tokens,
+        } = hop;
+        let variant = &endpoint.variants[variant_index];
+        // The body and its reservation are held until a response head arrives (a retry may
+        // need them), then released at once: a non-streaming answer can take minutes.
+        let mut held = Some((body, reservation));
+        // True once an attempt may have reached an engine: the final answer then says so,
+        // not that nothing was sent.
+        let mut maybe_delivered = false;
+        let mut retry_after_send = self.settings.retry_after_send;
+        // What to tell the client if no attempt succeeds: nothing was sent anywhere, or the
+        // last attempt may have reached an engine.
+        let mut outcome =
+            ApiError::upstream_failed(format!("endpoint {} has no instance to try", endpoint.name));
+        let attempts = self.settings.max_attempts.max(1);
+        let hop = if endpoint.disaggregation.is_some() {
+            "decode"
+        } else {
+            "forward"
+        };
+        for &index in ranking.order.iter().take(attempts) {
+            let instance = &variant.instances[index];
+            let Some((body, _)) = &held else {
+                break;
+            };
+            let Some(uri) = upstream_uri(operation, path.as_deref(), instance) else {
+                continue;
+            };
+            instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
+            let request = upstream_request(operation.method(), uri, client_headers, body.clone());
+            let attempt = self
+                .attempt(instance, request, self.settings.upstream_header, hop)
+                .await;
+            let failure = match attempt {
+                Ok((response, in_flight)) => {
+                    drop(held.take());
+                    return Ok(Answered {
+                        response,
+                        in_flight,
+                        cached_tokens: cached_tokens.get(index).copied(),
+                        endpoint: Arc::clone(&endpoint),
+                        variant_index,
+                        instance_index: index,
+                        label,
+                        explain,
+                        time_first_frame,
+                    });
+                }
+                Err(failure) => failure,
+            };
+            match failure {
+                Failure::NotSent(error) => {
+                    instance.cell.count_upstream(UpstreamError::Refused);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
+                    if !maybe_delivered {
+                        outcome = ApiError::upstream_failed(format!(
+                            "no instance of endpoint {} could be reached (last error: {error})",
+                            endpoint.name
+                        ));
+                    }
+                    label = RouteLabel::Retry;
+                }
+                Failure::AfterSend(error) => {
+                    instance.cell.count_upstream(UpstreamError::Reset);
+                    self.note_failure(&endpoint, instance, &error, client_headers);
+                    maybe_delivered = true;
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, error, retry = retry_after_send, "connection failed after the request was sent");
+                    outcome = ApiError::upstream_reset(format!(
+                        "instance {} of endpoint {} failed after receiving the request ({error}); \
+                         not retried, since it may have done the work",
+                        instance.id, endpoint.name
+                    ));
+                    if !std::mem::take(&mut retry_after_send) {
+                        return Err(outcome);
+                    }
+                    label = RouteLabel::RetryAfterSend;
+                }
+                Failure::TimedOut => {
+                    instance.cell.count_upstream(UpstreamError::Timeout);
+                    maybe_delivered = true;
+                    let seconds = self.settings.upstream_header.as_secs();
+                    tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, seconds, retry = retry_after_send, "no response head in time");
+                    outcome = ApiError::upstream_timeout(format!(
+                        "instance {} of endpoint {} sent no response within {seconds} s \
+                         (--upstream-header-timeout-seconds)",
+                        instance.id, endpoint.name
+                    ));
+                    if !std::mem::take(&mut retry_after_send) {
+                        return Err(outcome);
+                    }
+                    label = RouteLabel::RetryAfterSend;
+                }
+            }
+        }
+        Err(outcome)
+    }
+
+    /// Counts a connection failure toward the instance's local ejection.
+    pub(crate) fn note_failure(
+        &self,
+        endpoint: &EndpointRoute,
+        instance: &InstanceRoute,
+        error: &str,
+        client_headers: &HeaderMap,
+    ) {
+        let (request_id, trace_id) = (request_id(client_headers), self.trace_id());
+        let failures = instance.cell.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= self.settings.eject_after_failures {
+            let now = switchyard_process::clock::unix_ms();
+            let until = now + self.settings.eject_for.as_millis() as u64;
+            let previous = instance
+                .cell
+                .ejected_until_ms
+                .swap(until, Ordering::Relaxed);
+            if previous <= now {
+                tracing::warn!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, failures, error, eject_for = ?self.settings.eject_for, "instance ejected locally after repeated failures");
+            }
+        } else {
+            tracing::info!(request_id, trace_id = %trace_id, endpoint = %endpoint.name, instance = %instance.id, error, "instance connection failed");
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! The body each engine gets: every byte as the client sent it but what must change. The
+//! serving variant's ModelName in `model` (whatever name the client used) and the engine's own
+//! id of a previous response (`policy::openai` splices them into the original bytes); on a
+//! disaggregated endpoint, no `kv_transfer_params` a client sent (only the router tells its
+//! engines what to do with KV blocks), the prefill copy of a request prefilled elsewhere, and,
+//! once the prefill answered, its hand-off spliced into the decoder's request (the forward
+//! phase calls [`with_kv_transfer_params`]).
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use switchyard_policy::openai::OpenAiRequest;
+use switchyard_shared::KvTransferProtocol;
+
+use crate::routing::table::VariantRoute;
+
+/// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
+pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+
+/// The body for the engine: `model` rewritten to `model_name` (when it differs), the previous
+/// response's id to `previous_id` (a follow-up), and, on a disaggregated endpoint
+/// (`disaggregated_endpoint`), any `kv_transfer_params` the client sent removed. Native bodies
+/// (`openai` None) are sent as they came, but for that removal.
+pub(super) fn for_engine(
+    body: Bytes,
+    openai: Option<&OpenAiRequest<'_>>,
+    model_name: Option<&str>,
+    previous_id: Option<&str>,
+    disaggregated_endpoint: bool,
+) -> Bytes {
+    let rewritten = openai.and_then(|request| {
+        let model = model_name.filter(|model| request.model.as_deref() != Some(*model));
+        (model.is_some() || previous_id.is_some()).then(|| request.rewrite(model, previous_id))
+    });
+    let body = rewritten.map_or(body, Bytes::from);
+    if disaggregated_endpoint {
+        without_client_kv_transfer_params(body)
+    } else {
+        body
+    }
+}
+
+/// A disaggregated endpoint's request without the `kv_transfer_params` a client sent (however
+/// the key is written, every copy): only the router tells its engines what to do with KV
+/// blocks, on every path. CPU work over the whole body: planning calls it, off the serving
+/// thread.
+fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
+    match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
+        Some(stripped) => Bytes::from(stripped),
+        None => body,
+    }
+}
+
+/// The prefill copy of an OpenAI request, as vLLM's disaggregation proxy makes it: one token
+/// (`max_tokens`, and `max_completion_tokens` if present), not streamed, no `stream_options` or
+/// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode.
+/// `None` if the body is not a JSON object (planning already refused that).
+pub(crate) fn prefill_body(
+    body: &[u8],
+    protocol: KvTransferProtocol,
+    variant: &VariantRoute,
+) -> Option<Bytes> {
+    let mut value: Value = serde_json::from_slice(body).ok()?;
+    let object = value.as_object_mut()?;
+    object.insert("max_tokens".into(), json!(1));
+    if object.contains_key("max_completion_tokens") {
+        object.insert("max_completion_tokens".into(), json!(1));
+    }
+    object.insert("stream".into(), json!(false));
+    object.remove("stream_options");
+    object.remove("min_tokens");
+    if let Some(model) = &variant.model_name {
+        object.insert("model".into(), json!(model));
+    }
+    match protocol {
+        KvTransferProtocol::Nixl => {
+            object.insert(
+                "kv_transfer_params".into(),
+                json!({
+                    "do_remote_decode": true,
+                    "do_remote_prefill": false,
+                    "remote_engine_id": null,
+                    "remote_block_ids": null,
+                    "remote_host": null,
+                    "remote_port": null,
+                }),
+            );
+        }
+        KvTransferProtocol::Lmcache => {
+            object.remove("kv_transfer_params");
+        }
+    }
+    serde_json::to_vec(&value).ok().map(Bytes::from)
+}
+
+/// The request with `kv_transfer_params` set to `params`, spliced in after the opening brace
+/// (every other byte kept). Planning removed any the client sent, so this is the only one.
+pub(crate) fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
+    let params = serde_json::to_vec(params).ok()?;
+    let brace = body.iter().position(|byte| *byte == b'{')?;
+    let rest = &body[brace + 1..];
+    let empty = rest
+        .iter()
+        .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
+    let mut out = Vec::with_capacity(body.len() + params.len() + 24);
+    out.extend_from_slice(&body[..=brace]);
+    out.push(b'"');
+    out.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(&params);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Some(Bytes::from(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn variant(model: Option<&str>) -> VariantRoute {
+        VariantRoute {
+            name: switchyard_shared::VariantName::new("prefill").unwrap(),
+            name_header: HeaderValue::from_static("prefill"),
+            model_name: model.map(str::to_owned),
+            strategy: switchyard_policy::rank::Strategy::Random,
+            prefix_length: 0,
+            instances: Vec::new(),
+            views: Vec::new(),
+            popularity: None,
+        }
+    }
+
+    #[test]
+    fn the_prefill_copy_is_what_vllms_proxy_sends() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":200,"max_completion_tokens":200,"min_tokens":5,"temperature":0.5}"#;
+        let copy = prefill_body(body, KvTransferProtocol::Nixl, &variant(Some("p-model"))).unwrap();
+        let copy: Value = serde_json::from_slice(&copy).unwrap();
+        assert_eq!(copy["max_tokens"], 1);
+        assert_eq!(copy["max_completion_tokens"], 1);
+        assert_eq!(copy["stream"], false);
+        assert_eq!(copy["model"], "p-model");
+        assert_eq!(copy["temperature"], 0.5);
+        assert!(copy.get("stream_options").is_none());
+        assert!(copy.get("min_tokens").is_none());
+        assert_eq!(
+            copy["kv_transfer_params"],
+            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                   "remote_block_ids": null, "remote_host": null, "remote_port": null})
+        );
+        // No max_completion_tokens is added where there was none; LMCACHE sends no params.
+        let copy = prefill_body(
+            br#"{"prompt":"x"}"#,
+            KvTransferProtocol::Lmcache,
+            &variant(None),
+        )
+        .unwrap();
+        let copy: Value = serde_json::from_slice(&copy).unwrap();
+        assert!(copy.get("max_completion_tokens").is_none());
+        assert!(copy.get("kv_transfer_params").is_none());
+        assert!(copy.get("model").is_none());
+        assert!(prefill_body(b"[1]", KvTransferProtocol::Nixl, &variant(None)).is_none());
+    }
+
+    #[test]
+    fn the_hand_off_is_spliced_into_the_original_bytes() {
+        let params = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2]});
+        let spliced =
+            with_kv_transfer_params(br#"{ "prompt": "x",  "stream": true }"#, &params).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&spliced).unwrap(),
+            r#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2]}, "prompt": "x",  "stream": true }"#
+        );
+        let empty = with_kv_transfer_params(b"{}", &params).unwrap();
+        let value: Value = serde_json::from_slice(&empty).unwrap();
+        assert_eq!(value["kv_transfer_params"], params);
+    }
+}

@@ -1,0 +1,127 @@
+//! KV_AWARE's ranking once the prompt's token ids are known: how many leading blocks of the
+//! prompt each instance holds by the variant's KV index (`switchyard_kv`), weighed against load
+//! (`policy::kv::rank_kv`). Pure: the index, the ids and the instances' load cells in, a
+//! ranking out.
+
+use switchyard_kv::VariantIndex;
+use switchyard_policy::rank::{Route, Strategy};
+use switchyard_shared::InstanceId;
+
+use super::Plan;
+use crate::observe::labels::RouteLabel;
+use crate::routing::table::VariantRoute;
+
+/// A KV_AWARE decision for one request: the ranking, and what the first choice holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvDecision {
+    pub ranking: switchyard_policy::Ranking,
+    /// Leading prompt tokens the first choice holds (`x-switchyard-cached-tokens`).
+    pub cached_tokens: u32,
+    /// Full blocks of the prompt (0 when the decision fell back to load).
+    pub prompt_blocks: u32,
+    /// Leading prompt tokens each instance holds, by position in the variant's instances
+    /// (empty when the decision fell back to load): what a retry's instance holds.
+    pub cached_tokens_by_instance: Vec<u32>,
+}
+
+/// Prompts longer than this are matched against the index on a blocking thread: hashing and
+/// walking 64 K tokens takes about 0.4 ms when one instance holds them all (STYLE habit 9).
+pub const OFFLOAD_TOKENS: usize = 64 * 1024;
+
+/// Ranks a KV_AWARE variant's instances (or a disaggregated endpoint's KV_AWARE prefill pool,
+/// with the variant's KvAwareRoutingConfig if its own strategy is KV_AWARE, else the defaults)
+/// for a request whose token ids are `tokens` (None: they could not be had), from the
+/// variant's index (None: no instance has published yet). Without tokens, index or a known
+/// block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
+/// availability are read from the instances' cells; `random` breaks load ties.
+pub fn decide(
+    variant: &VariantRoute,
+    index: Option<&VariantIndex>,
+    tokens: Option<&[u32]>,
+    now_ms: u64,
+    random: u64,
+) -> KvDecision {
+    let views = variant.current_views(now_ms);
+    let load = |position: usize| variant.instances[position].cell.fleet_load();
+    let params = match variant.strategy {
+        Strategy::KvAware {
+            concurrency_threshold,
+            load_weight,
+        } => switchyard_policy::kv::KvParams {
+            concurrency_threshold,
+            load_weight,
+        },
+        _ => switchyard_policy::kv::KvParams {
+            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
+            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
+        },
+    };
+    let by_load = || KvDecision {
+        ranking: switchyard_policy::rank::rank(
+            Strategy::LeastOutstandingRequests,
+            &views,
+            load,
+            0,
+            random,
+        ),
+        cached_tokens: 0,
+        prompt_blocks: 0,
+        cached_tokens_by_instance: Vec::new(),
+    };
+    let (Some(index), Some(tokens)) = (index, tokens) else {
+        return by_load();
+    };
+    let ids: Vec<InstanceId> = variant
+        .instances
+        .iter()
+        .map(|instance| instance.id.clone())
+        .collect();
+    let Some(found) = index.match_tokens(tokens, &ids) else {
+        return by_load();
+    };
+    let ranking = switchyard_policy::kv::rank_kv(
+        params,
+        &views,
+        load,
+        &found.matched,
+        found.blocks,
+        found.prefix_key,
+        random,
+    );
+    let block_size = found.block_size as u32;
+    let cached_tokens_by_instance: Vec<u32> = found
+        .matched
+        .iter()
+        .map(|blocks| blocks * block_size)
+        .collect();
+    KvDecision {
+        cached_tokens: ranking
+            .first()
+            .map_or(0, |first| cached_tokens_by_instance[first]),
+        ranking,
+        prompt_blocks: found.blocks,
+        cached_tokens_by_instance,
+    }
+}
+
+/// Ranks a KV_AWARE plan's variant by its KV `index` with the prompt's `tokens` (None: they
+/// could not be had, and the plan is ranked by load as of now).
+pub(crate) fn finish(
+    mut plan: Plan,
+    index: &VariantIndex,
+    tokens: Option<&[u32]>,
+    now_ms: u64,
+    random: u64,
+) -> Plan {
+    let decision = decide(
+        plan.variant(),
+        tokens.map(|_| index),
+        tokens,
+        now_ms,
+        random,
+    );
+    plan.ranking = decision.ranking;
+    plan.label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::LeastOutstanding));
+    plan.cached_tokens = decision.cached_tokens_by_instance;
+    plan
+}

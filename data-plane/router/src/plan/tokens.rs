@@ -1,0 +1,276 @@
+//! The prompt's token ids as the engine sees them (chat template included), for KV_AWARE and
+//! a disaggregated endpoint's KV_AWARE prefill pool or UNCACHED_TOKENS: read from the body on
+//! the CPU side ([`PromptTokens::of`]: a token-id prompt as given, else the body of vLLM's
+//! `POST /tokenize`, which the settle phase sends: `request::tokenize`), or why the request has
+//! none ([`TokenizeError`]: it is then routed by load).
+//!
+//! Body sent: completions `{"model", "prompt"}` (a string prompt; a token-id prompt needs no
+//! round trip); chat `{"model", "messages", …}` with the fields that
+//! change the templated prompt copied over (`add_generation_prompt`,
+//! `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
+//! `tools`, `documents`). The answer's `tokens` are the ids.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+
+use crate::operation::Operation;
+
+/// Chat fields that change the prompt the template renders.
+const CHAT_TEMPLATE_FIELDS: &[&str] = &[
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("no available instance to ask")]
+    NoInstance,
+    #[error("every available instance's /tokenize is failing; asking again once its pause ends")]
+    BackingOff,
+    #[error("the request has nothing to tokenize: {0}")]
+    Input(String),
+    #[error("POST {url}: {message}")]
+    Request { url: String, message: String },
+    #[error("POST {url}: no answer within {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+    #[error("POST {url}: status {status}")]
+    Status { url: String, status: u16 },
+    #[error("POST {url}: unreadable answer: {message}")]
+    Answer { url: String, message: String },
+}
+
+impl TokenizeError {
+    /// The `reason` label of `switchyard_router_kv_tokenize_failures_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TokenizeError::NoInstance => "no_instance",
+            TokenizeError::BackingOff => "backoff",
+            TokenizeError::Input(_) => "input",
+            TokenizeError::Request { .. } => "request",
+            TokenizeError::Timeout { .. } => "timeout",
+            TokenizeError::Status { .. } => "status",
+            TokenizeError::Answer { .. } => "answer",
+        }
+    }
+
+    /// Whether the instance may be at fault (not only the request): counted towards a pause
+    /// ([`crate::routing::cells::TokenizeBackoff`]).
+    pub fn instance_at_fault(&self) -> bool {
+        match self {
+            TokenizeError::Request { .. }
+            | TokenizeError::Timeout { .. }
+            | TokenizeError::Answer { .. } => true,
+            // 408 and 429: the engine is too busy to answer; 5xx: it failed.
+            TokenizeError::Status { status, .. } => *status >= 500 || matches!(status, 408 | 429),
+            TokenizeError::NoInstance | TokenizeError::BackingOff | TokenizeError::Input(_) => {
+                false
+            }
+        }
+    }
+
+    pub const REASONS: [&'static str; 7] = [
+        "no_instance",
+        "backoff",
+        "input",
+        "request",
+        "timeout",
+        "status",
+        "answer",
+    ];
+}
+
+/// Which OpenAI API the request body belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    Chat,
+    Completion,
+}
+
+/// The top-level fields of a request body, values unparsed.
+type Fields<'a> = std::collections::BTreeMap<String, &'a RawValue>;
+
+fn fields(request: &[u8]) -> Result<Fields<'_>, TokenizeError> {
+    serde_json::from_slice(request)
+        .map_err(|err| TokenizeError::Input(format!("invalid JSON: {err}")))
+}
+
+/// A completions prompt given as token ids (`[1, 2, 3]`): no need to ask the engine.
+fn token_ids_of(fields: &Fields<'_>) -> Option<Vec<u32>> {
+    serde_json::from_str(fields.get("prompt")?.get()).ok()
+}
+
+/// vLLM's `/tokenize` body for an OpenAI request body.
+pub fn tokenize_body(kind: PromptKind, request: &[u8]) -> Result<Bytes, TokenizeError> {
+    body_of(kind, &fields(request)?, request.len())
+}
+
+fn body_of(
+    kind: PromptKind,
+    fields: &Fields<'_>,
+    size_hint: usize,
+) -> Result<Bytes, TokenizeError> {
+    let mut out: Vec<(&str, &RawValue)> = Vec::new();
+    if let Some(model) = fields.get("model") {
+        out.push(("model", model));
+    }
+    match kind {
+        PromptKind::Completion => {
+            let prompt = fields
+                .get("prompt")
+                .filter(|prompt| prompt.get().trim_start().starts_with('"'))
+                .ok_or_else(|| TokenizeError::Input("prompt is not a string".into()))?;
+            out.push(("prompt", prompt));
+        }
+        PromptKind::Chat => {
+            let messages = fields
+                .get("messages")
+                .ok_or_else(|| TokenizeError::Input("no messages".into()))?;
+            out.push(("messages", messages));
+            for name in CHAT_TEMPLATE_FIELDS {
+                if let Some(value) = fields.get(*name) {
+                    out.push((name, value));
+                }
+            }
+        }
+    }
+    let mut body = Vec::with_capacity(size_hint + 16);
+    body.push(b'{');
+    for (position, (name, value)) in out.iter().enumerate() {
+        if position > 0 {
+            body.push(b',');
+        }
+        // Field names are the constants above: plain ASCII, no escaping needed.
+        body.push(b'"');
+        body.extend_from_slice(name.as_bytes());
+        body.extend_from_slice(b"\":");
+        body.extend_from_slice(value.get().as_bytes());
+    }
+    body.push(b'}');
+    Ok(Bytes::from(body))
+}
+
+/// A request's token ids, known from its body or to be asked of an engine. Made on the CPU
+/// side of the request path ([`PromptTokens::of`], one parse of the body), fetched on the async
+/// side (`request::tokenize::TokenizeClient::token_ids`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptTokens {
+    /// A completions prompt given as token ids.
+    Known(Vec<u32>),
+    /// The `/tokenize` body to send (see [`tokenize_body`]).
+    Ask(Bytes),
+}
+
+impl PromptTokens {
+    /// For an OpenAI body of `kind`.
+    pub fn of(kind: PromptKind, request: &[u8]) -> Result<Self, TokenizeError> {
+        let fields = fields(request)?;
+        if kind == PromptKind::Completion
+            && let Some(ids) = token_ids_of(&fields)
+        {
+            return Ok(Self::Known(ids));
+        }
+        body_of(kind, &fields, request.len()).map(Self::Ask)
+    }
+
+    /// For a native (`/invocations`) body: a JSON object with `messages` is read as a chat
+    /// request, else one with `prompt` as a completions request (the rule the simulator's
+    /// `/invocations` follows); anything else has no prompt to tokenize.
+    pub fn of_native(request: &[u8]) -> Result<Self, TokenizeError> {
+        let fields = fields(request)?;
+        let kind = if fields.contains_key("messages") {
+            PromptKind::Chat
+        } else if fields.contains_key("prompt") {
+            PromptKind::Completion
+        } else {
+            return Err(TokenizeError::Input(
+                "the body has neither `messages` nor `prompt`".into(),
+            ));
+        };
+        if kind == PromptKind::Completion
+            && let Some(ids) = token_ids_of(&fields)
+        {
+            return Ok(Self::Known(ids));
+        }
+        body_of(kind, &fields, request.len()).map(Self::Ask)
+    }
+}
+
+/// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
+#[derive(Debug)]
+pub enum KvInput {
+    /// Token ids given, or the `/tokenize` body to ask an engine with.
+    Tokens(PromptTokens),
+    /// The body has no prompt to tokenize: the request is routed by load.
+    Unusable(TokenizeError),
+}
+
+impl KvInput {
+    /// How a request on `operation` gets its token ids: OpenAI bodies by their API; a native
+    /// body as a chat request if it is a JSON object with `messages`, as a completions request
+    /// if it has `prompt`, else not at all (routed by load).
+    pub fn of(operation: Operation, body: &[u8]) -> Self {
+        let tokens = match operation {
+            Operation::ChatCompletions => PromptTokens::of(PromptKind::Chat, body),
+            Operation::Completions => PromptTokens::of(PromptKind::Completion, body),
+            Operation::Invocations | Operation::InvocationsStream => PromptTokens::of_native(body),
+            _ => Err(TokenizeError::Input(format!(
+                "{operation:?} requests are routed by load under KV_AWARE"
+            ))),
+        };
+        match tokens {
+            Ok(tokens) => KvInput::Tokens(tokens),
+            Err(err) => KvInput::Unusable(err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_carry_the_prompt_or_the_messages_and_template_fields() {
+        let body = tokenize_body(
+            PromptKind::Completion,
+            br#"{"model":"m","prompt":"hi there","max_tokens":3,"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!(body, r#"{"model":"m","prompt":"hi there"}"#);
+        let body = tokenize_body(
+            PromptKind::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0,
+            "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":true}"#,
+        )
+        .unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["messages"][0]["content"], "x");
+        assert_eq!(value["chat_template_kwargs"]["enable_thinking"], false);
+        assert_eq!(value["add_generation_prompt"], true);
+        assert!(value.get("temperature").is_none());
+        assert!(tokenize_body(PromptKind::Chat, br#"{"prompt":"x"}"#).is_err());
+        assert!(tokenize_body(PromptKind::Completion, br#"{"prompt":[1,2]}"#).is_err());
+        let of = |body: &[u8]| PromptTokens::of(PromptKind::Completion, body).unwrap();
+        assert_eq!(of(br#"{"prompt":[1,2]}"#), PromptTokens::Known(vec![1, 2]));
+        assert!(matches!(of(br#"{"prompt":"x"}"#), PromptTokens::Ask(_)));
+    }
+
+    #[test]
+    fn only_failures_on_the_instances_side_count_toward_a_pause() {
+        // Only failures on the instance's side pause it; a 4xx is the request's fault.
+        let status = |status| TokenizeError::Status {
+            url: String::new(),
+            status,
+        };
+        assert!(status(500).instance_at_fault() && status(503).instance_at_fault());
+        assert!(status(429).instance_at_fault() && status(408).instance_at_fault());
+        assert!(!status(404).instance_at_fault() && !status(400).instance_at_fault());
+        assert!(!TokenizeError::Input(String::new()).instance_at_fault());
+    }
+}

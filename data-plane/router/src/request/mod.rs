@@ -1,0 +1,296 @@
+//! One request from arrival to answer, as a sequence of named phases over one context; this
+//! module owns their order:
+//!
+//! 1. **read** (`read`): a `--max-in-flight` slot, the endpoint named by the path known, the
+//!    body read within its limits, a request id made when the client sent none;
+//! 2. **plan** (`crate::plan`, CPU only, large bodies and disaggregated endpoints on a
+//!    blocking thread): where it goes, ranked, the body the engine gets;
+//! 3. **queue**: where a request waits for a slot at its instances (today it never waits);
+//! 4. **settle** (`settle`): what needs the prompt's token ids (a KV index's ranking, the
+//!    UNCACHED_TOKENS decision) gets them and is finished;
+//! 5. **forward** (`crate::forward`): attempts under the retry rule, one hop or prefill then
+//!    decode, until an instance answers;
+//! 6. **respond** (`crate::respond`): the client's answer. Every refusal on the way is
+//!    answered in the shape of the API the request came in on.
+
+pub(crate) mod read;
+mod settle;
+pub(crate) mod tokenize;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http::HeaderMap;
+use opentelemetry::KeyValue;
+use switchyard_kv::KvIndex;
+
+use crate::errors::{ApiError, ErrorKind};
+use crate::forward::upstream::UpstreamClients;
+use crate::forward::{ForwardSettings, Forwarder};
+use crate::observe::metrics::RouterMetrics;
+use crate::observe::trace::{RequestTrace, TracedBody, request_id};
+use crate::operation::Operation;
+use crate::plan::Planned;
+use crate::plan::count::TokenCounters;
+use crate::respond::Responder;
+use crate::routing::cells::LoadRegistry;
+use crate::routing::table::{EndpointRoute, RoutingTable};
+use crate::server::admission::{Admission, BufferReservation, RequestPermit};
+use read::{OFFLOAD_BYTES, read_body};
+use tokenize::TokenizeClient;
+
+/// What one serving thread works with: the routing state, limits and metrics every thread
+/// shares, and this thread's own upstream connection pools (so that a request and the
+/// upstream connection it uses are driven by the same thread).
+#[derive(Debug)]
+pub struct Worker {
+    pub table: Arc<ArcSwap<RoutingTable>>,
+    pub registry: Arc<LoadRegistry>,
+    pub clients: UpstreamClients,
+    pub forwarding: ForwardSettings,
+    pub client_body_deadline: Duration,
+    pub metrics: Arc<RouterMetrics>,
+    pub admission: Arc<Admission>,
+    /// Prompt token counters for disaggregated endpoints.
+    pub counters: Arc<TokenCounters>,
+    /// Starts the requests' spans when tracing is on.
+    pub tracer: Option<switchyard_telemetry::SpanSink>,
+    /// KV_AWARE: what the engines' KV events say each instance holds.
+    pub kv_index: Arc<KvIndex>,
+    /// KV_AWARE: this thread's `/tokenize` client.
+    pub tokenize: TokenizeClient,
+}
+
+impl Worker {
+    /// The same shared state with other connection pools (another serving thread's, its
+    /// `/tokenize` client included).
+    pub fn with_clients(&self, clients: UpstreamClients) -> Self {
+        Self {
+            table: Arc::clone(&self.table),
+            registry: Arc::clone(&self.registry),
+            clients,
+            forwarding: self.forwarding,
+            client_body_deadline: self.client_body_deadline,
+            metrics: Arc::clone(&self.metrics),
+            admission: Arc::clone(&self.admission),
+            counters: Arc::clone(&self.counters),
+            tracer: self.tracer.clone(),
+            kv_index: Arc::clone(&self.kv_index),
+            tokenize: self.tokenize.like(),
+        }
+    }
+}
+
+/// Counts `client_gone` if the request is dropped before it was answered (hyper drops the
+/// handler when the client's connection closes).
+struct Unanswered<'a>(Option<&'a RouterMetrics>);
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(metrics) = self.0 {
+            metrics.error(ErrorKind::ClientGone);
+        }
+    }
+}
+
+/// Handles one request on `operation`. `endpoint` is the path's endpoint name (`None` on the
+/// plain `/v1/...` paths, where the body's `model` names it).
+pub async fn handle(
+    worker: Arc<Worker>,
+    operation: Operation,
+    endpoint: Option<String>,
+    request: Request,
+) -> Response {
+    let mut unanswered = Unanswered(Some(&worker.metrics));
+    let trace = worker.tracer.as_ref().map(|tracer| {
+        RequestTrace::start(tracer, request.method(), request.uri(), request.headers())
+    });
+    let result = phases(&worker, operation, endpoint, request, trace.as_ref()).await;
+    unanswered.0 = None;
+    let response = result.unwrap_or_else(|err| {
+        worker.metrics.error(err.kind);
+        err.into_response_for(operation.api())
+    });
+    match trace {
+        None => response,
+        Some(trace) => {
+            // The server span ends with the body (a stream ends long after its head).
+            let span = trace.finish(response.status());
+            response.map(|inner| axum::body::Body::new(TracedBody { inner, span }))
+        }
+    }
+}
+
+/// A request once read: what planning reads, and what it holds meanwhile.
+struct Read {
+    endpoint: Option<Arc<EndpointRoute>>,
+    uri: http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+    permit: RequestPermit,
+    reservation: BufferReservation,
+    table: Arc<RoutingTable>,
+}
+
+/// The phases, in order.
+async fn phases(
+    worker: &Worker,
+    operation: Operation,
+    endpoint: Option<String>,
+    request: Request,
+    trace: Option<&RequestTrace>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let read = read(worker, endpoint, request, trace).await?;
+    let decision = trace.map(RequestTrace::decision);
+    let (planned, headers, mut reservation, permit) =
+        plan(worker, operation, read).await.inspect_err(|err| {
+            if let Some(decision) = &decision {
+                decision.fail(&err.message);
+            }
+        })?;
+    // The body now held is the plan's (the original is gone if `model` was rewritten).
+    reservation.resize_to(planned.plan().body.len() as u64);
+    let planned = queue(planned);
+    let plan = settle::settle(worker, planned).await?;
+    drop(decision);
+    if let Some(trace) = trace {
+        trace.record_plan(&plan);
+    }
+    worker
+        .metrics
+        .decision_seconds
+        .observe(arrived.elapsed().as_secs_f64());
+    let forwarder = Forwarder {
+        clients: &worker.clients,
+        settings: worker.forwarding,
+        metrics: &worker.metrics,
+        trace,
+    };
+    let answered = forwarder
+        .forward(operation, plan, &headers, reservation)
+        .await?;
+    let responder = Responder {
+        stream_idle: worker.forwarding.stream_idle,
+        metrics: &worker.metrics,
+        trace,
+    };
+    Ok(responder
+        .respond(operation, answered, permit, &headers)
+        .await)
+}
+
+/// The read phase: a `--max-in-flight` slot (else 503), a routing state, the path's endpoint
+/// (unknown endpoints are refused before the body is read), the body (`read_body`), and a
+/// request id.
+async fn read(
+    worker: &Worker,
+    endpoint_name: Option<String>,
+    request: Request,
+    trace: Option<&RequestTrace>,
+) -> Result<Read, ApiError> {
+    let (parts, body) = request.into_parts();
+    let Some(permit) = worker.admission.request() else {
+        read::refuse_unread(body, &parts.headers).await;
+        return Err(ApiError::overloaded(format!(
+            "the router has {} requests in flight (--max-in-flight); retry shortly",
+            worker.admission.limits().max_in_flight
+        )));
+    };
+    let table = worker.table.load_full();
+    if table.version == 0 {
+        return Err(ApiError::unavailable(
+            "the router has no routing state yet (control plane not reached)",
+        ));
+    }
+    let endpoint =
+        match &endpoint_name {
+            Some(name) => {
+                Some(table.endpoints.get(name.as_str()).cloned().ok_or_else(|| {
+                    ApiError::unknown_endpoint(format!("Endpoint {name} not found"))
+                })?)
+            }
+            None => None,
+        };
+    let mut reservation = worker.admission.buffer();
+    let body = read_body(
+        body,
+        &parts.headers,
+        worker.client_body_deadline,
+        &mut reservation,
+    )
+    .await?;
+    let (uri, mut headers) = (parts.uri, parts.headers);
+    read::ensure_request_id(&mut headers);
+    if let Some(trace) = trace.filter(|trace| trace.is_recording()) {
+        trace.set_attribute(KeyValue::new(
+            "switchyard.request_id",
+            crate::observe::trace::bounded(request_id(&headers)),
+        ));
+    }
+    Ok(Read {
+        endpoint,
+        uri,
+        headers,
+        body,
+        permit,
+        reservation,
+        table,
+    })
+}
+
+/// The plan phase, CPU only. Parsing a large JSON body takes long enough to hold up the
+/// thread's other requests, and a disaggregated endpoint counts prompt tokens (milliseconds of
+/// CPU, and maybe a tokenizer file to load): those are planned on a blocking thread, which
+/// owns the body's reservation and the request's slot while it holds the body, so they are
+/// released with it even if this request is dropped meanwhile. Hands back what it held.
+async fn plan(
+    worker: &Worker,
+    operation: Operation,
+    read: Read,
+) -> Result<(Planned, HeaderMap, BufferReservation, RequestPermit), ApiError> {
+    let counts_tokens = match &read.endpoint {
+        Some(endpoint) => endpoint.disaggregation.is_some(),
+        None => read
+            .table
+            .endpoints
+            .values()
+            .any(|endpoint| endpoint.disaggregation.is_some()),
+    };
+    let plan_it = move |read: Read, counters: &TokenCounters| {
+        let request = crate::plan::Request {
+            table: &read.table,
+            operation,
+            endpoint: read.endpoint.as_ref(),
+            uri: &read.uri,
+            headers: &read.headers,
+        };
+        let planned = crate::plan::plan(
+            request,
+            read.body.clone(),
+            counters,
+            &mut fastrand::Rng::new(),
+        );
+        (planned, read.headers, read.reservation, read.permit)
+    };
+    let (planned, headers, reservation, permit) =
+        if read.body.len() > OFFLOAD_BYTES || counts_tokens {
+            let counters = Arc::clone(&worker.counters);
+            tokio::task::spawn_blocking(move || plan_it(read, &counters))
+                .await
+                .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))?
+        } else {
+            plan_it(read, &worker.counters)
+        };
+    Ok((planned?, headers, reservation, permit))
+}
+
+/// The queue phase: where a request will wait for a slot at the instances it needs (the flow
+/// control capability adds it). Today every request goes straight on.
+fn queue(planned: Planned) -> Planned {
+    planned
+}

@@ -1,0 +1,80 @@
+//! The settle phase: a plan that needs the prompt's token ids ([`Planned::NeedsTokens`]) gets
+//! them, one `/tokenize` round trip at most (`tokenize`), and is finished by the plan's own
+//! rules (`plan::NeedsTokens::finish`: a KV index's ranking, the UNCACHED_TOKENS decision).
+//! Nothing is asked before an engine of a pool the plan reads has published; without token ids
+//! the plan is finished without them (ranked by load; UNCACHED_TOKENS counts every prompt token
+//! as uncached). Finishing a long prompt, or an UNCACHED_TOKENS decision (which may make the
+//! prefill copy), runs on a blocking thread.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::Worker;
+use crate::errors::ApiError;
+use crate::plan::tokens::{KvInput, PromptTokens};
+use crate::plan::{NeedsTokens, Plan, Planned};
+use crate::routing::table::VariantRoute;
+
+/// The plan to forward.
+pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, ApiError> {
+    let (needs, input) = match planned {
+        Planned::Ready(plan) => return Ok(plan),
+        Planned::NeedsTokens { needs, input } => (needs, input),
+    };
+    let endpoint = Arc::clone(&needs.plan.endpoint);
+    let indexes = needs.indexes(|position| {
+        worker
+            .kv_index
+            .variant(&endpoint.name, &endpoint.variants[position].name)
+            .filter(|index| index.block_size().is_some())
+    });
+    let tokens = if NeedsTokens::worth_asking(&indexes) {
+        token_ids(worker, needs.tokenizer(), input).await
+    } else {
+        None
+    };
+    let random = fastrand::u64(..);
+    if needs.heavy(tokens.as_deref()) {
+        let finish = move || {
+            let now_ms = switchyard_process::clock::unix_ms();
+            needs.finish(tokens.as_deref(), &indexes, now_ms, random)
+        };
+        return tokio::task::spawn_blocking(finish)
+            .await
+            .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")));
+    }
+    let now_ms = switchyard_process::clock::unix_ms();
+    Ok(needs.finish(tokens.as_deref(), &indexes, now_ms, random))
+}
+
+/// The request's token ids for `variant`'s engines: as given, or one `/tokenize` round trip to
+/// its least loaded instance not paused for failing to tokenize within
+/// `--kv-tokenize-timeout-ms` (timed in `switchyard_router_kv_tokenize_seconds`). A failure is
+/// counted in `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by
+/// load.
+async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> Option<Vec<u32>> {
+    let fetched = match input {
+        KvInput::Unusable(err) => Err(err),
+        KvInput::Tokens(tokens) => {
+            let asked = Instant::now();
+            let round_trip = matches!(tokens, PromptTokens::Ask(_));
+            let fetched = worker
+                .tokenize
+                .token_ids(tokens, variant, switchyard_process::clock::unix_ms())
+                .await;
+            if round_trip && fetched.is_ok() {
+                worker
+                    .metrics
+                    .kv_tokenize_seconds
+                    .observe(asked.elapsed().as_secs_f64());
+            }
+            fetched
+        }
+    };
+    fetched
+        .inspect_err(|err| {
+            worker.metrics.kv_tokenize_failed(err);
+            tracing::debug!(variant = %variant.name, error = %err, "no token ids for the request; routing it by load");
+        })
+        .ok()
+}

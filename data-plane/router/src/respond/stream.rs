@@ -1,0 +1,220 @@
+//! The answer's body as it streams back: passed through frame by frame, holding the instance's
+//! in-flight count and the request's admission until it ends, timing its first frame, and
+//! ending a stalled answer at the idle deadline (an SSE stream with a final OpenAI error event;
+//! any other body cut).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::HeaderValue;
+use http_body::Frame;
+use tokio::time::{Instant, Sleep};
+
+use crate::errors::ErrorKind;
+use crate::forward::InFlight;
+use crate::observe::labels::UpstreamError;
+use crate::observe::metrics::RouterMetrics;
+use crate::observe::trace::ShowTraceId;
+use crate::server::admission::RequestPermit;
+
+/// What a stalled answer ends with.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Stall {
+    /// A streamed (SSE) answer gets a final error event, then ends without `[DONE]`.
+    SseErrorEvent,
+    /// Any other body is cut (the client sees an incomplete answer).
+    Cut,
+}
+
+const STREAM_IDLE_EVENT: &str = "data: {\"error\":{\"message\":\"the instance sent nothing for longer than --stream-idle-timeout-seconds; the answer is incomplete\",\"type\":\"timeout\",\"param\":null,\"code\":\"stream_idle_timeout\"}}\n\n";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The upstream response body, passed through frame by frame. It holds the instance's
+/// in-flight count and the request's admission until the body ends, fails, stalls for the
+/// idle deadline, or is dropped (the client went away; dropping the upstream body closes
+/// the engine's connection, which cancels its work).
+pub(super) struct TrackedBody {
+    /// `None` once the body ended, failed or stalled.
+    pub(super) inner: Option<hyper::body::Incoming>,
+    pub(super) held: Option<(InFlight, RequestPermit)>,
+    pub(super) idle: Duration,
+    pub(super) last_frame: Instant,
+    /// Armed on the first wait; reset only when it fires early (frames arrived meanwhile).
+    pub(super) timer: Option<Pin<Box<Sleep>>>,
+    pub(super) stall: Stall,
+    pub(super) metrics: Arc<RouterMetrics>,
+    /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
+    pub(super) first_frame: Option<FirstFrame>,
+    pub(super) ids: LogIds,
+}
+
+/// A request's ids for the log lines of its answer.
+pub(super) struct LogIds {
+    pub(super) request_id: Option<HeaderValue>,
+    pub(super) trace_id: Option<opentelemetry::trace::TraceId>,
+}
+
+impl LogIds {
+    fn request_id(&self) -> &str {
+        self.request_id
+            .as_ref()
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+/// Timing the answer's first data frame (TTFT).
+pub(super) struct FirstFrame {
+    /// The request sent upstream.
+    pub(super) sent: Instant,
+    /// Its response head received.
+    pub(super) answered: Instant,
+    /// Also a disaggregated decode's TTFT (from the head).
+    pub(super) disaggregated_decode: bool,
+}
+
+impl TrackedBody {
+    fn end(&mut self) {
+        self.inner = None;
+        self.held = None;
+        self.timer = None;
+    }
+
+    fn count_upstream(&self, kind: UpstreamError) {
+        if let Some((in_flight, _)) = &self.held {
+            in_flight.cell().count_upstream(kind);
+        }
+    }
+
+    /// True once the idle deadline passed with no frame.
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let (idle, last_frame) = (self.idle, self.last_frame);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(last_frame + idle)));
+        loop {
+            if timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let due = self.last_frame + idle;
+            if Instant::now() >= due {
+                return true;
+            }
+            timer.as_mut().reset(due);
+        }
+    }
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match Pin::new(&mut *inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data()
+                    && let Some(first) = this.first_frame.take()
+                {
+                    this.metrics
+                        .upstream_ttft_seconds
+                        .observe(first.sent.elapsed().as_secs_f64());
+                    if first.disaggregated_decode {
+                        this.metrics
+                            .disaggregation_decode_ttft_seconds
+                            .observe(first.answered.elapsed().as_secs_f64());
+                    }
+                }
+                if http_body::Body::is_end_stream(inner) {
+                    // hyper drops a body as soon as it is complete, without a last poll.
+                    this.end();
+                } else {
+                    this.last_frame = Instant::now();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(err))) => {
+                this.count_upstream(UpstreamError::Reset);
+                this.end();
+                this.metrics.error(ErrorKind::UpstreamReset);
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), error = %err, "the instance's answer failed midway");
+                Poll::Ready(Some(Err(err.into())))
+            }
+            Poll::Ready(None) => {
+                this.end();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if !this.stalled(cx) {
+                    return Poll::Pending;
+                }
+                this.count_upstream(UpstreamError::StreamIdle);
+                this.end();
+                this.metrics.error(ErrorKind::StreamIdleTimeout);
+                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), idle = ?this.idle, "the instance's answer stalled; closing it");
+                match this.stall {
+                    Stall::SseErrorEvent => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+                        STREAM_IDLE_EVENT.as_bytes(),
+                    ))))),
+                    // A timed-out I/O error: SageMaker's stream says
+                    // ModelInvocationTimeExceeded for it.
+                    Stall::Cut => Poll::Ready(Some(Err(Box::new(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the instance's answer stalled (--stream-idle-timeout-seconds)",
+                    ))))),
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_none_or(|inner| inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.inner {
+            Some(inner) => inner.size_hint(),
+            None => http_body::SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for TrackedBody {
+    fn drop(&mut self) {
+        if self
+            .inner
+            .as_ref()
+            .is_some_and(|inner| !http_body::Body::is_end_stream(inner))
+        {
+            self.metrics.error(ErrorKind::ClientGone);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_idle_event_is_one_openai_error_event() {
+        let data = STREAM_IDLE_EVENT
+            .strip_prefix("data: ")
+            .and_then(|rest| rest.strip_suffix("\n\n"))
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(json["error"]["code"], "stream_idle_timeout");
+        assert_eq!(json["error"]["type"], "timeout");
+    }
+}

@@ -1,0 +1,445 @@
+//! What the router keeps per instance beyond a table's life: live load, local ejection, the
+//! `/tokenize` pause, and the bounded-load memories (keys spilled onto the instance, recent
+//! sends) and per-variant key popularity. Shared by every table that contains the instance,
+//! so counts stay exact across membership and config changes; lock-free (atomics).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use switchyard_shared::InstanceKey;
+
+use crate::observe::labels::{RouteLabel, UpstreamError};
+
+/// Live counters of one instance, shared by every table that contains it.
+#[derive(Debug, Default)]
+pub struct InstanceCell {
+    /// Requests this router has in flight on the instance (exact).
+    pub local: AtomicU32,
+    /// Requests every other router has in flight (from the control plane).
+    pub remote: AtomicU32,
+    /// Consecutive connection failures.
+    pub failures: AtomicU32,
+    /// Unix ms until which the instance is ejected locally (0: not ejected).
+    pub ejected_until_ms: AtomicU64,
+    /// KV_AWARE: whether the instance may be asked to tokenize (paused after failures).
+    pub tokenize_backoff: TokenizeBackoff,
+    /// Requests sent, by `RouteLabel`.
+    pub requests: [AtomicU64; RouteLabel::ALL.len()],
+    /// Failed requests, by `UpstreamError`.
+    pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
+    /// PREFIX_AWARE keys this router spilled onto the instance (bounded loads).
+    pub spills: SpillMemory,
+    /// Bounded PREFIX_AWARE: requests this router sent to the instance lately, halved with
+    /// the variant's key counts ([`KeyPopularity`]); a new copy goes where it is smallest
+    /// among the instances within one request of the least loaded.
+    pub recent: AtomicU32,
+}
+
+/// The PREFIX_AWARE keys a router spilled onto one instance under bounded loads: where it
+/// knows a copy of the prefix is cached besides the key's owner, so that later spills of the
+/// key go back there instead of making yet another copy (`rank::rank_remembering`).
+///
+/// A hint, kept small and lock-free: a direct-mapped table of [`SPILL_SLOTS`] keys, allocated
+/// on the first spill. A key that collides with another forgets the older one, whose next
+/// spill then goes where a new key's would. Each entry carries when the key was last spilled
+/// there and is forgotten [`SPILL_MEMORY_MS`] later: the engine has likely evicted a copy
+/// nobody used for that long, and going back to it would cost a miss anyway. Until then, an
+/// instance that lost its cache (a restart under the same id) costs one miss per remembered
+/// key. Times come from [`switchyard_process::clock::monotonic_ms`], this process's monotonic clock, so a wall clock
+/// that steps neither revives nor drops entries.
+#[derive(Debug, Default)]
+pub struct SpillMemory {
+    /// Per slot: 1 (occupied), 31 bits of the key above its slot, then the time of the last
+    /// spill in [`SPILL_TICK_MS`] ticks (32 bits: 139 years).
+    slots: OnceLock<Box<[AtomicU64]>>,
+}
+
+/// Keys remembered per instance (8 bytes each).
+pub const SPILL_SLOTS: usize = 512;
+/// How long a spill is remembered after the last one of its key to that instance.
+pub const SPILL_MEMORY_MS: u64 = 120_000;
+/// The resolution of [`SpillMemory`]'s times.
+const SPILL_TICK_MS: u64 = 1024;
+const SPILL_TICK_BITS: u32 = 32;
+const SPILL_TICK_MASK: u64 = (1 << SPILL_TICK_BITS) - 1;
+
+/// How often each PREFIX_AWARE key of one variant came through this router lately, enough to
+/// tell a hot key (at least `1 / (2 N)` of the variant's recent requests, N its instances)
+/// from the rest: a hot key spills without the slack (`LoadBalance::hot`).
+///
+/// A heavy-hitter sketch, lock-free and fixed in size: [`POPULARITY_SLOTS`] direct-mapped
+/// counters. A key that finds its slot held by another wears the holder's count down by one
+/// and takes the slot at zero, so a frequent key keeps its slot against rare ones. Every
+/// [`POPULARITY_WINDOW`] requests all counts (and the total) are halved, so a key that cools
+/// down stops being hot within a few windows. Nothing counts as hot before
+/// [`POPULARITY_MIN_COUNTED`] requests.
+#[derive(Debug)]
+pub struct KeyPopularity {
+    /// Per slot: the key's top 40 bits, then a 24-bit count.
+    slots: Box<[AtomicU64]>,
+    /// Requests counted, halved with the counts.
+    counted: AtomicU64,
+    /// Requests seen, never halved: when to halve.
+    seen: AtomicU64,
+}
+
+pub const POPULARITY_SLOTS: usize = 1024;
+pub const POPULARITY_WINDOW: u64 = 1024;
+pub const POPULARITY_MIN_COUNTED: u64 = 64;
+const COUNT_BITS: u32 = 24;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+
+impl Default for KeyPopularity {
+    fn default() -> Self {
+        Self {
+            slots: (0..POPULARITY_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            counted: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+        }
+    }
+}
+
+impl KeyPopularity {
+    /// Counts one request for `key`: whether the key is hot among `instances` instances, and
+    /// whether this request closed a window (every count was halved).
+    pub fn record(&self, key: u64, instances: usize) -> (bool, bool) {
+        let slot = &self.slots[(key % POPULARITY_SLOTS as u64) as usize];
+        let tag = key >> COUNT_BITS;
+        let mut count = 0;
+        // The closure never returns None, so this cannot fail.
+        let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+            let (holder, held) = (word >> COUNT_BITS, word & COUNT_MASK);
+            let next = if holder == tag || held == 0 {
+                count = if holder == tag { held + 1 } else { 1 };
+                (tag << COUNT_BITS) | count.min(COUNT_MASK)
+            } else {
+                count = 0;
+                word - 1
+            };
+            Some(next)
+        });
+        let counted = self.counted.fetch_add(1, Ordering::Relaxed) + 1;
+        let closed =
+            (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(POPULARITY_WINDOW);
+        if closed {
+            self.halve();
+        }
+        (Self::is_hot(count, counted, instances), closed)
+    }
+
+    /// Whether `key` is hot now, without counting it.
+    pub fn peek(&self, key: u64, instances: usize) -> bool {
+        let word = self.slots[(key % POPULARITY_SLOTS as u64) as usize].load(Ordering::Relaxed);
+        let count = if word >> COUNT_BITS == key >> COUNT_BITS {
+            word & COUNT_MASK
+        } else {
+            0
+        };
+        Self::is_hot(count, self.counted.load(Ordering::Relaxed), instances)
+    }
+
+    fn is_hot(count: u64, counted: u64, instances: usize) -> bool {
+        counted >= POPULARITY_MIN_COUNTED
+            && count.saturating_mul(2 * instances.max(1) as u64) >= counted
+    }
+
+    fn halve(&self) {
+        for slot in self.slots.iter() {
+            let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                Some((word & !COUNT_MASK) | ((word & COUNT_MASK) >> 1))
+            });
+        }
+        let _ = self
+            .counted
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |counted| {
+                Some(counted / 2)
+            });
+    }
+}
+
+impl SpillMemory {
+    /// The slot of `key` (its low bits) and its tag there: the occupied bit and the key's
+    /// next 31 bits.
+    fn slot(key: u64) -> (usize, u64) {
+        const TAG_BITS: u32 = 63 - SPILL_TICK_BITS;
+        let above_slot = key / SPILL_SLOTS as u64;
+        (
+            (key % SPILL_SLOTS as u64) as usize,
+            1 << 63 | (above_slot & ((1 << TAG_BITS) - 1)) << SPILL_TICK_BITS,
+        )
+    }
+
+    fn tick(now_ms: u64) -> u64 {
+        (now_ms / SPILL_TICK_MS) & SPILL_TICK_MASK
+    }
+
+    /// Whether `key` was spilled onto the instance less than [`SPILL_MEMORY_MS`] before
+    /// `now_ms` ([`switchyard_process::clock::monotonic_ms`]). An entry dated after `now_ms` (another request stored it
+    /// meanwhile) counts as fresh.
+    pub fn remembers(&self, key: u64, now_ms: u64) -> bool {
+        let (index, tag) = Self::slot(key);
+        let Some(word) = self
+            .slots
+            .get()
+            .map(|slots| slots[index].load(Ordering::Relaxed))
+        else {
+            return false;
+        };
+        let age = Self::tick(now_ms).saturating_sub(word & SPILL_TICK_MASK);
+        word & !SPILL_TICK_MASK == tag && age * SPILL_TICK_MS < SPILL_MEMORY_MS
+    }
+
+    /// Records that `key` was spilled onto the instance at `now_ms` ([`switchyard_process::clock::monotonic_ms`]).
+    pub fn remember(&self, key: u64, now_ms: u64) {
+        let (index, tag) = Self::slot(key);
+        let slots = self
+            .slots
+            .get_or_init(|| (0..SPILL_SLOTS).map(|_| AtomicU64::new(0)).collect());
+        slots[index].store(tag | Self::tick(now_ms), Ordering::Relaxed);
+    }
+}
+
+impl InstanceCell {
+    pub fn fleet_load(&self) -> u32 {
+        self.local
+            .load(Ordering::Relaxed)
+            .saturating_add(self.remote.load(Ordering::Relaxed))
+    }
+
+    pub fn count_upstream(&self, kind: UpstreamError) {
+        self.upstream_errors[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn available(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+}
+
+/// Every instance cell by key. Cells of instances that left membership are kept while
+/// requests are still in flight on them, so the counts reported stay exact.
+#[derive(Debug, Default)]
+pub struct LoadRegistry {
+    cells: Mutex<HashMap<InstanceKey, Arc<InstanceCell>>>,
+}
+
+impl LoadRegistry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InstanceKey, Arc<InstanceCell>>> {
+        self.cells
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    pub fn cell(&self, key: &InstanceKey) -> Arc<InstanceCell> {
+        Arc::clone(self.lock().entry(key.clone()).or_default())
+    }
+
+    /// Forgets the cells of `retired` instances (no longer members: `is_member` says) that
+    /// nothing else holds (no table a request may still use, no request in flight), so every
+    /// count stays reported until it ends. Keeps in `retired` the keys still held.
+    pub fn prune(&self, retired: &mut Vec<InstanceKey>, is_member: impl Fn(&InstanceKey) -> bool) {
+        let mut cells = self.lock();
+        retired.retain(|key| {
+            if is_member(key) {
+                return false;
+            }
+            let Some(cell) = cells.get(key) else {
+                return false;
+            };
+            if Arc::strong_count(cell) > 1 || cell.local.load(Ordering::Relaxed) > 0 {
+                return true;
+            }
+            cells.remove(key);
+            false
+        });
+    }
+
+    /// Cells held, for tests and metrics.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Calls `visit` for every cell (under the registry lock: keep it short).
+    pub fn for_each(&self, mut visit: impl FnMut(&InstanceKey, &InstanceCell)) {
+        for (key, cell) in self.lock().iter() {
+            visit(key, cell);
+        }
+    }
+}
+
+/// Failures in a row on an instance's side before it is paused: one failure may be the
+/// request's own (a huge prompt that takes longer than the deadline), two in a row are the
+/// instance's.
+pub const PAUSE_AFTER_FAILURES: u32 = 2;
+/// Longest pause (`--kv-tokenize-pause-ms` doubles up to it, or stays if it is longer).
+pub const PAUSE_MAX_MS: u64 = 30_000;
+
+/// Whether an instance may be asked to tokenize, after failures on its side; kept in its
+/// [`crate::routing::table::InstanceCell`], so table rebuilds keep it. Times are
+/// [`switchyard_process::clock::monotonic_ms`].
+///
+/// After [`PAUSE_AFTER_FAILURES`] failures in a row the instance is paused for the first
+/// pause, doubling with each further failure up to [`PAUSE_MAX_MS`]. Requests that were
+/// already asking when a failure was recorded (one incident seen by many) do not count
+/// again. When a pause ends, one request claims the probe ([`TokenizeBackoff::claim`]); the
+/// others keep away until it answers or its deadline passes.
+#[derive(Debug, Default)]
+pub struct TokenizeBackoff {
+    /// Before this the instance is not asked (0: it may be).
+    until_ms: AtomicU64,
+    /// When the last failure was recorded.
+    failed_at_ms: AtomicU64,
+    /// Failures in a row.
+    failures: AtomicU32,
+}
+
+impl TokenizeBackoff {
+    /// Whether the instance may be asked at `now_ms`.
+    pub fn ready(&self, now_ms: u64) -> bool {
+        self.until_ms.load(Ordering::Relaxed) <= now_ms
+    }
+
+    /// Takes the right to ask the instance at `now_ms`, for `deadline_ms`: always granted to
+    /// an instance that is not failing; after a pause, to one request only.
+    pub fn claim(&self, now_ms: u64, deadline_ms: u64) -> bool {
+        if self.failures.load(Ordering::Relaxed) < PAUSE_AFTER_FAILURES {
+            return true;
+        }
+        let until = self.until_ms.load(Ordering::Relaxed);
+        until <= now_ms
+            && self
+                .until_ms
+                .compare_exchange(
+                    until,
+                    now_ms.saturating_add(deadline_ms),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+    }
+
+    /// Records a failure on the instance's side of a request asked at `asked_ms`, at `now_ms`;
+    /// returns the pause it starts, if it starts one.
+    pub fn failed(&self, asked_ms: u64, now_ms: u64, first_pause_ms: u64) -> Option<u64> {
+        let last = self.failed_at_ms.load(Ordering::Relaxed);
+        let in_row = self.failures.load(Ordering::Relaxed);
+        if in_row > 0 && asked_ms < last {
+            // Asked before the last failure was recorded: the same incident.
+            return None;
+        }
+        self.failed_at_ms.fetch_max(now_ms, Ordering::Relaxed);
+        let failures = self
+            .failures
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        if failures < PAUSE_AFTER_FAILURES {
+            return None;
+        }
+        let doublings = (failures - PAUSE_AFTER_FAILURES).min(16);
+        let pause = (first_pause_ms << doublings).min(PAUSE_MAX_MS.max(first_pause_ms));
+        self.until_ms
+            .fetch_max(now_ms.saturating_add(pause), Ordering::Relaxed);
+        Some(pause)
+    }
+
+    /// Records an answer; true if the instance had been failing.
+    pub fn answered(&self) -> bool {
+        if self.failures.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.until_ms.store(0, Ordering::Relaxed);
+        self.failures.swap(0, Ordering::Relaxed) > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_instance_failing_to_tokenize_is_paused_longer_each_time_until_it_answers() {
+        let backoff = TokenizeBackoff::default();
+        let first = 1_000;
+        // One failure may be the request's own: no pause yet.
+        assert_eq!(backoff.failed(0, 10, first), None);
+        assert!(backoff.ready(10) && backoff.claim(10, 250));
+        // Requests asked before that failure was recorded are the same incident.
+        assert_eq!(backoff.failed(5, 20, first), None);
+        assert!(backoff.ready(20));
+        // The second failure in a row pauses it: 1 s, then one request probes.
+        assert_eq!(backoff.failed(30, 40, first), Some(1_000));
+        assert!(!backoff.ready(1_039) && backoff.ready(1_040));
+        assert!(backoff.claim(1_040, 250), "the probe");
+        assert!(
+            !backoff.ready(1_041) && !backoff.claim(1_041, 250),
+            "one probe at a time"
+        );
+        // The probe fails: 2 s; then each failure doubles the pause up to 30 s.
+        let mut now = 1_100;
+        let mut pauses = vec![];
+        for _ in 0..6 {
+            let pause = backoff.failed(now, now + 10, first).unwrap();
+            pauses.push(pause);
+            now += 10 + pause;
+        }
+        assert_eq!(pauses, [2_000, 4_000, 8_000, 16_000, 30_000, 30_000]);
+        // A probe's deadline passes unanswered (the request was dropped): another may probe.
+        assert!(backoff.claim(now, 250));
+        assert!(!backoff.claim(now + 249, 250) && backoff.claim(now + 250, 250));
+        // An answer ends it, and the count starts over.
+        assert!(backoff.answered());
+        assert!(backoff.ready(0) && !backoff.answered());
+        assert_eq!(backoff.failed(now + 300, now + 300, first), None);
+        assert_eq!(backoff.failed(now + 400, now + 400, first), Some(1_000));
+        // A first pause above the cap stays as given.
+        let long = TokenizeBackoff::default();
+        long.failed(0, 0, 60_000);
+        assert_eq!(long.failed(1, 1, 60_000), Some(60_000));
+        assert_eq!(long.failed(60_001, 60_001, 60_000), Some(60_000));
+    }
+
+    #[test]
+    fn a_key_with_a_large_share_of_recent_requests_is_hot() {
+        let popularity = KeyPopularity::default();
+        let instances = 7;
+        // Key 1 carries 30% of the requests, key 2 8%, key 3 58%, and 4% are keys seen once.
+        // Hot means at least 1 / 14 (7.1%).
+        let mut hot = [0u32; 4];
+        let mut windows = 0;
+        for request in 0..5000u64 {
+            let (class, key) = match request % 100 {
+                0..=29 => (1, 1u64 << 40 | 1),
+                30..=37 => (2, 2u64 << 40 | 2),
+                38..=41 => (0, 1000 + request),
+                _ => (3, 3u64 << 40 | 3),
+            };
+            let (is_hot, closed) = popularity.record(key, instances);
+            windows += u32::from(closed);
+            if request >= 2000 {
+                hot[class] += u32::from(is_hot);
+            }
+        }
+        // Of the last 3000 requests, every one of keys 1, 2 and 3 was hot; no rare one.
+        assert_eq!(hot, [0, 900, 240, 1740]);
+        assert_eq!(windows as u64, 5000 / POPULARITY_WINDOW);
+        assert!(popularity.peek(1u64 << 40 | 1, instances));
+        // A rare key never is, and 8% is not hot among 4 instances (at least 12.5%).
+        assert!(!popularity.peek(1000 + 4999, instances));
+        assert!(!popularity.peek(2u64 << 40 | 2, 4));
+        // Nothing is hot before enough requests were counted.
+        let fresh = KeyPopularity::default();
+        for _ in 0..POPULARITY_MIN_COUNTED - 1 {
+            assert!(!fresh.record(5, instances).0);
+        }
+        assert!(fresh.record(5, instances).0);
+        // A key that stops coming cools down within a few windows.
+        for request in 0..8 * POPULARITY_WINDOW {
+            popularity.record(10_000 + request, instances);
+        }
+        assert!(!popularity.peek(1u64 << 40 | 1, instances));
+    }
+}

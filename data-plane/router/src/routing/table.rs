@@ -1,0 +1,406 @@
+//! The routing table: an immutable snapshot of endpoints, variants and routable instances,
+//! swapped in atomically whenever membership changes (no request ever sees half a change).
+//! `membership` builds it incrementally: an instance's route (its URIs parsed) is made once
+//! when the instance arrives, and a change rebuilds only the endpoints it touches; the new
+//! table shares every other endpoint with the old one.
+//!
+//! Load lives outside the snapshot, in one `InstanceCell` per (endpoint, instance) that
+//! survives table swaps, so in-flight counts stay exact across membership and config changes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::routing::cells::{InstanceCell, KeyPopularity, LoadRegistry};
+use switchyard_policy::hash::instance_hash;
+use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Route, Strategy};
+use switchyard_shared::{
+    DecodeRoutingStrategy, EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey,
+    InstanceProtocol, KvEventsEndpoints, KvTransferProtocol, PrefillRoutingStrategy,
+    RoutingStrategy, ThresholdBasis, VariantName,
+};
+
+#[derive(Debug, Clone)]
+pub struct InstanceRoute {
+    pub id: InstanceId,
+    /// `id` as a response header value, made once.
+    pub id_header: http::HeaderValue,
+    pub url: String,
+    pub invocations: http::Uri,
+    pub chat_completions: http::Uri,
+    pub completions: http::Uri,
+    /// How to reach it (unspecified: the router's --upstream-protocol).
+    pub protocol: InstanceProtocol,
+    /// Where it publishes KV-cache events (KV_AWARE), if it does.
+    pub kv_events: Option<KvEventsEndpoints>,
+    /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
+    pub decode_partner: Option<InstanceId>,
+    pub cell: Arc<InstanceCell>,
+}
+
+#[derive(Debug)]
+pub struct VariantRoute {
+    pub name: VariantName,
+    /// `name` as a response header value, made once.
+    pub name_header: http::HeaderValue,
+    pub model_name: Option<String>,
+    pub strategy: Strategy,
+    /// PrefixLength (PREFIX_AWARE only).
+    pub prefix_length: usize,
+    pub instances: Vec<InstanceRoute>,
+    pub views: Vec<InstanceView>,
+    /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
+    /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
+    pub popularity: Option<Arc<KeyPopularity>>,
+}
+
+impl VariantRoute {
+    /// PREFIX_AWARE's ranking of `key` over `views` (this variant's, as of now): with bounded
+    /// loads, it counts the key, and reads and updates what this router remembers of where it
+    /// sent requests and spilled the key.
+    pub fn rank_prefix(&self, views: &[InstanceView], key: u64) -> rank::Ranking {
+        let load = |index: usize| self.instances[index].cell.fleet_load();
+        let (
+            Strategy::PrefixAware {
+                balance: Some(_), ..
+            },
+            Some(popularity),
+        ) = (self.strategy, &self.popularity)
+        else {
+            return rank::rank(self.strategy, views, load, key, 0);
+        };
+        let (hot, closed) = popularity.record(key, views.len());
+        if closed {
+            for instance in &self.instances {
+                let recent = &instance.cell.recent;
+                let _ = recent.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n / 2));
+            }
+        }
+        let now_ms = switchyard_process::clock::monotonic_ms();
+        let history = KeyHistory {
+            hot,
+            remembered: |index: usize| self.instances[index].cell.spills.remembers(key, now_ms),
+            sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
+        };
+        let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
+        if let Some(first) = ranking.first() {
+            self.instances[first]
+                .cell
+                .recent
+                .fetch_add(1, Ordering::Relaxed);
+            // Remembered only if the request can go there now: an ejected instance chosen
+            // because every instance is ejected would not get it.
+            if ranking.route == Some(Route::Overflow) && views[first].available {
+                self.instances[first].cell.spills.remember(key, now_ms);
+            }
+        }
+        ranking
+    }
+
+    /// Views with availability as of `now_ms`.
+    pub fn current_views(&self, now_ms: u64) -> Vec<InstanceView> {
+        self.views
+            .iter()
+            .zip(&self.instances)
+            .map(|(view, instance)| InstanceView {
+                available: instance.cell.available(now_ms),
+                ..*view
+            })
+            .collect()
+    }
+}
+
+impl EndpointRoute {
+    /// Keeps what `previous` (the route this one replaces) learned of its keys' popularity,
+    /// variant by variant (by name), so a membership or config change does not reset it.
+    pub fn inherit(&mut self, previous: &EndpointRoute) {
+        for variant in &mut self.variants {
+            let Some(popularity) = &mut variant.popularity else {
+                continue;
+            };
+            if let Some(old) = previous
+                .variants
+                .iter()
+                .find(|old| old.name == variant.name)
+                .and_then(|old| old.popularity.as_ref())
+            {
+                *popularity = Arc::clone(old);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct EndpointRoute {
+    pub name: EndpointName,
+    pub variants: Vec<VariantRoute>,
+    pub weights: Vec<f64>,
+    /// Disaggregated prefill/decode, when the endpoint's config asks for it.
+    pub disaggregation: Option<Disaggregation>,
+}
+
+/// A disaggregated endpoint's routing: its two pools and how requests cross them.
+#[derive(Debug)]
+pub struct Disaggregation {
+    /// Variant indices.
+    pub prefill: usize,
+    pub decode: usize,
+    /// Prompts of at least this many tokens go prefill → decode.
+    pub threshold: usize,
+    pub prefill_strategy: PrefillRoutingStrategy,
+    pub decode_strategy: DecodeRoutingStrategy,
+    pub basis: ThresholdBasis,
+    pub protocol: KvTransferProtocol,
+    pub tokenizer: String,
+    pub prefill_timeout: std::time::Duration,
+    /// LMCACHE: per prefill instance (by index), its decode partner's index in the decode
+    /// variant, if that partner is routable now.
+    pub partners: Vec<Option<usize>>,
+    /// ROUND_ROBIN's turn (per router, per table).
+    pub next_prefill: std::sync::atomic::AtomicUsize,
+}
+
+impl EndpointRoute {
+    pub fn variant(&self, name: &str) -> Option<usize> {
+        self.variants
+            .iter()
+            .position(|variant| variant.name.as_str() == name)
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct RoutingTable {
+    /// Store revision (control plane) or 1 (static config); 0: nothing loaded yet.
+    pub version: u64,
+    pub endpoints: HashMap<EndpointName, Arc<EndpointRoute>>,
+    /// ModelName -> (endpoint, variant index), for `/v1/...` requests naming a model: the
+    /// first endpoint by name with a variant of that ModelName, and its first such variant.
+    pub models: HashMap<String, (EndpointName, usize)>,
+}
+
+impl RoutingTable {
+    /// Resolves a `model` from a plain `/v1/...` request: an endpoint name first, then a
+    /// variant's ModelName (which also selects that variant).
+    pub fn resolve_model(&self, model: &str) -> Option<(Arc<EndpointRoute>, Option<usize>)> {
+        if let Some(endpoint) = self.endpoints.get(model) {
+            return Some((Arc::clone(endpoint), None));
+        }
+        let (name, variant) = self.models.get(model)?;
+        let endpoint = self.endpoints.get(name)?;
+        Some((Arc::clone(endpoint), Some(*variant)))
+    }
+}
+
+/// Names and ids are validated ASCII, so this never falls back in practice.
+fn header_value(text: &str) -> http::HeaderValue {
+    http::HeaderValue::from_str(text).unwrap_or_else(|_| http::HeaderValue::from_static("invalid"))
+}
+
+fn uri(base: &str, path: &str) -> Option<http::Uri> {
+    format!("{base}{path}").parse().ok()
+}
+
+impl InstanceRoute {
+    /// The route of an instance of `endpoint`, with its URIs parsed once; `None` when its URL
+    /// cannot make them (logged).
+    pub fn prepare(instance: &Instance, registry: &LoadRegistry) -> Option<InstanceRoute> {
+        let (Some(invocations), Some(chat_completions), Some(completions)) = (
+            uri(&instance.url, "/invocations"),
+            uri(&instance.url, "/v1/chat/completions"),
+            uri(&instance.url, "/v1/completions"),
+        ) else {
+            tracing::warn!(instance = %instance.instance_id, url = %instance.url, "skipping instance with an unusable URL");
+            return None;
+        };
+        Some(InstanceRoute {
+            id_header: header_value(instance.instance_id.as_str()),
+            id: instance.instance_id.clone(),
+            url: instance.url.clone(),
+            invocations,
+            chat_completions,
+            completions,
+            protocol: instance.protocol,
+            kv_events: instance.kv_events.clone(),
+            decode_partner: instance.decode_partner.clone(),
+            cell: registry.cell(&InstanceKey::of(instance)),
+        })
+    }
+}
+
+impl InstanceRoute {
+    /// The instance's URL for `path_and_query` (a path of the operations without a prepared
+    /// URI); `None` if it does not make one.
+    pub fn uri_for(&self, path_and_query: &str) -> Option<http::Uri> {
+        uri(&self.url, path_and_query)
+    }
+}
+
+/// The route of one endpoint: for each variant of `config`, its routable `members` (healthy
+/// or not probed yet) in the order given.
+pub fn endpoint_route<'a>(
+    name: &EndpointName,
+    config: &EndpointConfig,
+    members: impl Iterator<Item = (&'a Instance, &'a InstanceRoute)> + Clone,
+) -> EndpointRoute {
+    let mut variants = Vec::with_capacity(config.production_variants.len());
+    for variant in &config.production_variants {
+        let routing = variant.routing();
+        let (strategy, prefix_length) = match routing.routing_strategy {
+            RoutingStrategy::Random => (Strategy::Random, 0),
+            RoutingStrategy::LeastOutstandingRequests => (Strategy::LeastOutstandingRequests, 0),
+            RoutingStrategy::PrefixAware => {
+                // validate() requires the config; the article's example stands in otherwise.
+                let prefix = routing.prefix_aware_routing_config.unwrap_or(
+                    switchyard_shared::PrefixAwareRoutingConfig::sagemaker(4096, 10),
+                );
+                (
+                    Strategy::PrefixAware {
+                        concurrency_threshold: prefix.concurrency_threshold,
+                        balance: prefix
+                            .load_balance()
+                            .map(|(factor, slack)| LoadBalance { factor, slack }),
+                    },
+                    prefix.prefix_length as usize,
+                )
+            }
+            RoutingStrategy::KvAware => {
+                let knobs = routing.kv_aware_routing_config.unwrap_or_default();
+                (
+                    Strategy::KvAware {
+                        concurrency_threshold: knobs.concurrency_threshold(),
+                        load_weight: knobs.load_weight(),
+                    },
+                    0,
+                )
+            }
+        };
+        let mut routes = Vec::new();
+        let mut views = Vec::new();
+        for (instance, route) in members.clone().filter(|(instance, _)| {
+            instance.health.routable() && instance.variant_name == variant.variant_name
+        }) {
+            views.push(InstanceView {
+                id_hash: instance_hash(instance.instance_id.as_str()),
+                weight: instance.weight,
+                available: true,
+            });
+            routes.push(route.clone());
+        }
+        variants.push(VariantRoute {
+            name_header: header_value(variant.variant_name.as_str()),
+            name: variant.variant_name.clone(),
+            model_name: variant.model_name.clone(),
+            strategy,
+            prefix_length,
+            instances: routes,
+            views,
+            popularity: matches!(
+                strategy,
+                Strategy::PrefixAware {
+                    balance: Some(_),
+                    ..
+                }
+            )
+            .then(Arc::default),
+        });
+    }
+    let disaggregation = config
+        .disaggregation_config
+        .as_ref()
+        .and_then(|pd| disaggregation(pd, &variants));
+    EndpointRoute {
+        name: name.clone(),
+        variants,
+        weights: config
+            .production_variants
+            .iter()
+            .map(|variant| variant.weight())
+            .collect(),
+        disaggregation,
+    }
+}
+
+fn disaggregation(
+    config: &switchyard_shared::DisaggregationConfig,
+    variants: &[VariantRoute],
+) -> Option<Disaggregation> {
+    let index = |name: &VariantName| variants.iter().position(|variant| variant.name == *name);
+    let (prefill, decode) = (
+        index(&config.prefill_variant_name)?,
+        index(&config.decode_variant_name)?,
+    );
+    let partners = variants[prefill]
+        .instances
+        .iter()
+        .map(|instance| {
+            let partner = instance.decode_partner.as_ref()?;
+            variants[decode]
+                .instances
+                .iter()
+                .position(|decoder| decoder.id == *partner)
+        })
+        .collect();
+    Some(Disaggregation {
+        prefill,
+        decode,
+        threshold: config.route_threshold() as usize,
+        prefill_strategy: config.prefill_routing_strategy(),
+        decode_strategy: config.decode_routing_strategy(),
+        basis: config.threshold_basis(),
+        protocol: config.kv_transfer_protocol(),
+        tokenizer: config.tokenizer().to_owned(),
+        prefill_timeout: std::time::Duration::from_secs(u64::from(
+            config.prefill_timeout_seconds(),
+        )),
+        partners,
+        next_prefill: std::sync::atomic::AtomicUsize::new(0),
+    })
+}
+
+/// The ModelNames an endpoint route answers to, each with its first variant of that name.
+pub fn route_models(route: &EndpointRoute) -> Vec<(String, usize)> {
+    let mut models: Vec<(String, usize)> = Vec::new();
+    for (index, variant) in route.variants.iter().enumerate() {
+        if let Some(model) = &variant.model_name
+            && !models.iter().any(|(known, _)| known == model)
+        {
+            models.push((model.clone(), index));
+        }
+    }
+    models
+}
+
+/// A whole table at once, for tests and tools (the router itself builds its table
+/// incrementally in `membership`): every instance's route prepared, every endpoint built.
+pub fn build(
+    version: u64,
+    endpoints: &[(EndpointName, EndpointConfig)],
+    instances: &[Instance],
+    registry: &LoadRegistry,
+) -> RoutingTable {
+    let routes: Vec<(&Instance, InstanceRoute)> = instances
+        .iter()
+        .filter_map(|instance| {
+            InstanceRoute::prepare(instance, registry).map(|route| (instance, route))
+        })
+        .collect();
+    let mut table = RoutingTable {
+        version,
+        ..RoutingTable::default()
+    };
+    for (name, config) in endpoints {
+        let members = routes
+            .iter()
+            .filter(|(instance, _)| instance.endpoint_name == *name)
+            .map(|(instance, route)| (*instance, route));
+        let route = Arc::new(endpoint_route(name, config, members));
+        for (model, index) in route_models(&route) {
+            table
+                .models
+                .entry(model)
+                .or_insert_with(|| (name.clone(), index));
+        }
+        table.endpoints.insert(name.clone(), route);
+    }
+    table
+}
