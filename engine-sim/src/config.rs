@@ -4,6 +4,7 @@
 use clap::Parser;
 use switchyard_shared::InstanceRole;
 
+use crate::engine::{Limits, Scheduler, TimeModel};
 use crate::faults::Faults;
 use crate::kv_events::KvEventsFormat;
 
@@ -239,6 +240,39 @@ impl SimConfig {
     }
 }
 
+// The engine model is pure and knows no flags: what it is built from is read from the flags
+// here.
+
+impl TimeModel {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self {
+            step_overhead_s: config.step_overhead_ms / 1e3,
+            prefill_tokens_per_s: config.prefill_tokens_per_s,
+            decode_s_per_step: config.decode_ms_per_step / 1e3,
+            kv_read_s_per_token: config.kv_read_ms_per_1k_tokens / 1e6,
+            kv_transfer_bytes_per_s: config.kv_transfer_gbps * 1e9,
+            kv_bytes_per_token: config.kv_bytes_per_token as f64,
+        }
+    }
+}
+
+impl Limits {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            block_size: config.block_size.max(1),
+            kv_cache_blocks: config.kv_cache_blocks,
+        }
+    }
+}
+
+impl Scheduler {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self::new(TimeModel::from_config(config), Limits::from_config(config))
+    }
+}
+
 /// `tcp://HOST:PORT` to bind: an IP address (or `*` for every interface) and a port (0: any).
 fn bindable_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
     let usage = || {
@@ -295,6 +329,16 @@ mod tests {
         assert_eq!(config.kv_bytes_per_token, 327_680);
         assert!((config.time_scale - 1.0).abs() < f64::EPSILON);
         assert_eq!(config.validate(), Ok(()));
+    }
+
+    #[test]
+    fn the_engine_model_of_the_defaults_is_the_one_its_tests_use() {
+        let config = SimConfig::default();
+        assert_eq!(
+            TimeModel::from_config(&config),
+            crate::engine::tests::model()
+        );
+        assert_eq!(Limits::from_config(&config), crate::engine::tests::limits());
     }
 
     #[test]

@@ -23,7 +23,6 @@
 use std::collections::VecDeque;
 
 use crate::cache::PrefixCache;
-use crate::config::SimConfig;
 
 /// An engine-local request id.
 pub type SeqId = u64;
@@ -40,17 +39,6 @@ pub struct TimeModel {
 }
 
 impl TimeModel {
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self {
-            step_overhead_s: config.step_overhead_ms / 1e3,
-            prefill_tokens_per_s: config.prefill_tokens_per_s,
-            decode_s_per_step: config.decode_ms_per_step / 1e3,
-            kv_read_s_per_token: config.kv_read_ms_per_1k_tokens / 1e6,
-            kv_transfer_bytes_per_s: config.kv_transfer_gbps * 1e9,
-            kv_bytes_per_token: config.kv_bytes_per_token as f64,
-        }
-    }
-
     /// Duration of a step that prefills `prefill_tokens` (uncached) tokens and decodes
     /// `decode_seqs` requests whose contexts total `decode_context_tokens`.
     pub fn step_duration(
@@ -80,17 +68,6 @@ pub struct Limits {
     pub max_num_batched_tokens: u64,
     pub block_size: usize,
     pub kv_cache_blocks: usize,
-}
-
-impl Limits {
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self {
-            max_num_seqs: config.max_num_seqs,
-            max_num_batched_tokens: config.max_num_batched_tokens,
-            block_size: config.block_size.max(1),
-            kv_cache_blocks: config.kv_cache_blocks,
-        }
-    }
 }
 
 /// One step's batch under construction: decodes first, then prefill chunks while the token
@@ -347,10 +324,6 @@ impl Scheduler {
             running: Vec::new(),
             counters: Counters::default(),
         }
-    }
-
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self::new(TimeModel::from_config(config), Limits::from_config(config))
     }
 
     pub fn time_model(&self) -> &TimeModel {
@@ -626,16 +599,30 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cache::block_hashes;
 
-    fn model() -> TimeModel {
-        TimeModel::from_config(&SimConfig::default())
+    /// The time model of the flags' defaults (`config.rs` checks that they agree).
+    pub(crate) fn model() -> TimeModel {
+        TimeModel {
+            step_overhead_s: 4.0 / 1e3,
+            prefill_tokens_per_s: 25_000.0,
+            decode_s_per_step: 10.0 / 1e3,
+            kv_read_s_per_token: 0.02 / 1e6,
+            kv_transfer_bytes_per_s: 50.0 * 1e9,
+            kv_bytes_per_token: 327_680.0,
+        }
     }
 
-    fn limits() -> Limits {
-        Limits::from_config(&SimConfig::default())
+    /// The scheduling limits of the flags' defaults (`config.rs` checks that they agree).
+    pub(crate) fn limits() -> Limits {
+        Limits {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            block_size: 16,
+            kv_cache_blocks: 79_000,
+        }
     }
 
     fn spec(first_token: u32, prompt_len: u32, max_tokens: u32) -> SeqSpec {
