@@ -1,12 +1,13 @@
 //! The HTTP API: vLLM's OpenAI-compatible routes, the SageMaker container contract
-//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests. The
-//! Responses API (with its store) is in `responses`, the pooling APIs and `/detokenize` in
-//! `pooling`.
+//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests, over
+//! the state every handler reaches ([`Shared`]). The Responses API (with its store) is in
+//! `responses`, the pooling APIs and `/detokenize` in `pooling`.
 
 mod pooling;
 pub(crate) mod responses;
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use axum::Json;
@@ -21,18 +22,20 @@ use serde_json::{Value, json};
 use switchyard_shared::InstanceRole;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::SimConfig;
-use crate::driver::EngineEvent;
+use self::responses::ResponseStore;
+use crate::config::SimConfig;
+use crate::driver::{EngineClient, EngineEvent};
 use crate::engine::{FinishedSeq, SeqSpec};
-use crate::faults::{Fault, Faults, TokenizeFault};
-use crate::metrics::Metrics;
-use crate::nixl::prefill_response_params;
+use crate::faults::{Fault, FaultInjector, Faults, TokenizeFault};
+use crate::handoff::HttpClient;
+use crate::kv_events::{KvEventsControl, KvEventsInfo};
+use crate::metrics::{Metrics, SimStats};
+use crate::nixl::{Handoffs, prefill_response_params};
 use crate::openai::{
     ApiError, ApiKind, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, Usage, output_text,
     output_token_text, parse_request,
 };
-use crate::records::ReceivedRequest;
-use crate::server::Shared;
+use crate::records::{ReceivedRequest, Recorder};
 
 /// Bodies up to this size are parsed and tokenized on the async thread; larger ones on a
 /// blocking thread (tokenizing 64 KiB takes a few hundred microseconds).
@@ -48,6 +51,27 @@ struct Interruption {
     after_tokens: u32,
     /// Close the connection (die), or keep it open and send nothing more (stall).
     close: bool,
+}
+
+/// What every handler can reach (built by the server).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: SimConfig,
+    pub engine_id: String,
+    pub engine: EngineClient,
+    pub metrics: Arc<Metrics>,
+    pub faults: FaultInjector,
+    pub records: Recorder,
+    pub handoffs: Handoffs,
+    /// The listening address, known once serving starts.
+    pub local_addr: OnceLock<SocketAddr>,
+    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
+    pub kv_events: OnceLock<KvEventsInfo>,
+    pub kv_control: Arc<KvEventsControl>,
+    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
+    pub http: HttpClient,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
 }
 
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
@@ -677,7 +701,7 @@ async fn sim_requests(State(shared): State<Arc<Shared>>) -> Json<Vec<ReceivedReq
     Json(shared.records.snapshot())
 }
 
-async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
+async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<SimStats> {
     Json(shared.metrics.stats())
 }
 

@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-/// Fault knobs, settable by flag, by [`SimHandle::set_faults`](crate::SimHandle::set_faults)
+/// Fault knobs, settable by flag, by `SimHandle::set_faults`
 /// or by `POST /sim/faults` with this JSON (missing fields are 0). Each rate is the
 /// probability, drawn per inference request, of that fault; they are checked in the order
 /// fail, hang, die, stall.

@@ -29,13 +29,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::{check_fits, draw_fault, request_id, wait_finished, with_request_id};
+use super::{Shared, check_fits, draw_fault, request_id, wait_finished, with_request_id};
 use crate::cache::block_hashes;
 use crate::engine::SeqSpec;
 use crate::metrics::Metrics;
 use crate::openai::{ApiError, output_token_text};
 use crate::records::ReceivedRequest;
-use crate::server::Shared;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
 /// Length of the simulator's embeddings.

@@ -32,14 +32,13 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{Interruption, check_fits, draw_fault, output_budget, request_id};
+use super::{Interruption, Shared, check_fits, draw_fault, output_budget, request_id};
 use crate::cache::block_hashes;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::metrics::Metrics;
 use crate::openai::{ApiError, InferenceBody, KvTransfer, output_text, output_token_text};
 use crate::records::ReceivedRequest;
-use crate::server::Shared;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
 pub(super) fn routes() -> Router<Arc<Shared>> {
