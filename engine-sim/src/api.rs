@@ -190,7 +190,8 @@ async fn infer(
                     record.handoff = Some("accepted".into());
                     pull = Pull::Accepted;
                 }
-                Err(why) => {
+                Err(error) => {
+                    let why = error.to_string();
                     Metrics::increment(&shared.metrics.kv_pull_failures);
                     tracing::warn!(request_id, why, "KV pull failed; recomputing the prompt");
                     record.handoff = Some(format!("rejected: {why}"));
@@ -338,7 +339,8 @@ async fn run_request(
                 "pushed {} blocks ({stored} new) to {partner}",
                 blocks.block_hashes.len()
             ),
-            Err(why) => {
+            Err(error) => {
+                let why = error.to_string();
                 tracing::warn!(request_id, why, "LMCache push to the decode partner failed");
                 format!("push failed: {why}")
             }
@@ -824,8 +826,8 @@ async fn set_sim_faults(State(shared): State<Arc<Shared>>, body: Bytes) -> Respo
             return ApiError::bad_request(format!("invalid faults: {err}")).into_response();
         }
     };
-    if let Err(message) = faults.validate() {
-        return ApiError::bad_request(message).into_response();
+    if let Err(error) = faults.validate() {
+        return ApiError::bad_request(error.to_string()).into_response();
     }
     shared.faults.set(faults);
     tracing::info!(?faults, "fault knobs changed");

@@ -35,8 +35,8 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::SimError;
 use crate::cache::CacheEvent;
+use crate::error::SimError;
 use crate::metrics::Metrics;
 
 /// Batches the engine may queue for the publisher before new ones are lost (vLLM's
@@ -147,9 +147,12 @@ impl KvEventsPublisher {
         format: KvEventsFormat,
         replay_buffer: usize,
     ) -> Result<Self, SimError> {
-        let bind_error = |flag: &str, endpoint: &str, err: zeromq::ZmqError| {
-            SimError::Config(format!("{flag} {endpoint}: cannot bind: {err}"))
-        };
+        let bind_error =
+            |flag: &'static str, endpoint: &str, error: zeromq::ZmqError| SimError::Bind {
+                flag,
+                endpoint: endpoint.to_owned(),
+                error,
+            };
         let mut publisher = zeromq::PubSocket::new();
         let bound = publisher
             .bind(&bind_address(endpoint))

@@ -24,6 +24,7 @@ pub mod cache;
 mod config;
 mod driver;
 pub mod engine;
+mod error;
 mod faults;
 mod handoff;
 mod kv_events;
@@ -36,23 +37,12 @@ pub mod tokenizer;
 
 mod api;
 
-pub use config::SimConfig;
-pub use faults::Faults;
+pub use config::{ConfigError, SimConfig};
+pub use error::SimError;
+pub use faults::{FaultRateError, Faults};
 pub use kv_events::KvEventsFormat;
 pub use metrics::SimStats;
 pub use records::ReceivedRequest;
 pub use server::{SimHandle, SimServer, spawn};
 pub use switchyard_shared::InstanceRole;
 pub use tokenizer::{chat_prompt_text, count_tokens, tokenize};
-
-/// Why a simulator could not start or run.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// A bad configuration value; the message names the flag.
-    #[error("{0}")]
-    Config(String),
-    #[error("socket error: {0}")]
-    Io(#[source] std::io::Error),
-    #[error("the engine task panicked")]
-    EnginePanicked,
-}

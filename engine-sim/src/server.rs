@@ -13,18 +13,19 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::api;
 use crate::api::Shared;
 use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineDriver, engine};
 use crate::engine::Scheduler;
+use crate::error::SimError;
 use crate::faults::{FaultInjector, Faults};
 use crate::kv_events::{KvEventsPublisher, QUEUE_BATCHES};
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::Handoffs;
 use crate::records::{ReceivedRequest, Recorder};
-use crate::{SimError, api};
 
 /// One simulated vLLM instance, ready to serve on a listener.
 #[derive(Debug)]
@@ -40,7 +41,7 @@ pub struct SimServer {
 impl SimServer {
     /// Validates `config` and builds the engine (nothing runs until [`run`](Self::run)).
     pub fn new(config: SimConfig) -> Result<Self, SimError> {
-        config.validate().map_err(SimError::Config)?;
+        config.validate()?;
         let metrics = Arc::new(Metrics::default());
         let (sink, kv_batches) = match config.kv_events {
             Some(_) => {
