@@ -440,48 +440,52 @@ mod tests {
 
     #[test]
     fn error_messages_are_the_ones_users_see() {
-        let with = |change: fn(&mut SimConfig)| {
-            let mut config = SimConfig::default();
-            change(&mut config);
-            config.validate().unwrap_err().to_string()
+        let message = |flags: &[&str]| {
+            let command_line = std::iter::once(&"sim").chain(flags);
+            let parsed = DefaultsOnly::try_parse_from(command_line).expect("valid flags");
+            parsed.config.validate().unwrap_err().to_string()
         };
-        for (message, change) in [
+        let bind_usage = "give tcp://IP:PORT to bind (an IP address or *, port 0 for any free \
+                          port), e.g. tcp://127.0.0.1:5557";
+        for (flags, expected) in [
             (
-                "--time-scale must be a positive number, got 0",
-                (|config| config.time_scale = 0.0) as fn(&mut SimConfig),
+                &["--time-scale=0"][..],
+                "--time-scale must be a positive number, got 0".into(),
             ),
             (
-                "--step-overhead-ms must be zero or more, got -1",
-                |config| config.step_overhead_ms = -1.0,
-            ),
-            ("--block-size must be at least 1, got 0", |config| {
-                config.block_size = 0
-            }),
-            ("--served-model-name must not be empty", |config| {
-                config.served_model_name = " ".into()
-            }),
-            ("--engine-id must not be empty", |config| {
-                config.engine_id = Some(String::new())
-            }),
-            (
-                "--kv-push-to \"https://x\" must be an http:// URL",
-                |config| config.kv_push_to = Some("https://x".into()),
-            ),
-            ("--kv-events-replay needs --kv-events", |config| {
-                config.kv_events_replay = Some("tcp://*:0".into())
-            }),
-            (
-                "--kv-events \"tcp://x:1\": give tcp://IP:PORT to bind (an IP address or *, port 0 for any free port), e.g. tcp://127.0.0.1:5557",
-                |config| config.kv_events = Some("tcp://x:1".into()),
+                &["--step-overhead-ms=-1"],
+                "--step-overhead-ms must be zero or more, got -1".into(),
             ),
             (
-                "--hang-rate (hang_rate) must be between 0 and 1, got 2",
-                |config| config.hang_rate = 2.0,
+                &["--block-size=0"],
+                "--block-size must be at least 1, got 0".into(),
+            ),
+            (
+                &["--served-model-name= "],
+                "--served-model-name must not be empty".into(),
+            ),
+            (&["--engine-id="], "--engine-id must not be empty".into()),
+            (
+                &["--kv-push-to=https://x"],
+                r#"--kv-push-to "https://x" must be an http:// URL"#.into(),
+            ),
+            (
+                &["--kv-events=tcp://x:1"],
+                format!(r#"--kv-events "tcp://x:1": {bind_usage}"#),
+            ),
+            (
+                &["--hang-rate=2"],
+                "--hang-rate (hang_rate) must be between 0 and 1, got 2".into(),
             ),
         ] {
-            assert_eq!(with(change), message);
+            assert_eq!(message(flags), expected, "{flags:?}");
         }
-        let error: String = ConfigError::ReplayWithoutEvents.into();
+        // Only a config built in code can ask for replay without events (the flag requires it).
+        let replay_alone = SimConfig {
+            kv_events_replay: Some("tcp://*:0".into()),
+            ..SimConfig::default()
+        };
+        let error: String = replay_alone.validate().unwrap_err().into();
         assert_eq!(error, "--kv-events-replay needs --kv-events");
     }
 

@@ -625,6 +625,11 @@ pub(crate) mod tests {
         }
     }
 
+    /// A scheduler with the defaults' model and limits.
+    fn scheduler() -> Scheduler {
+        Scheduler::new(model(), limits())
+    }
+
     fn spec(first_token: u32, prompt_len: u32, max_tokens: u32) -> SeqSpec {
         let tokens: Vec<u32> = (first_token..first_token + prompt_len).collect();
         SeqSpec {
@@ -650,6 +655,17 @@ pub(crate) mod tests {
             }
         }
         panic!("scheduler did not go idle");
+    }
+
+    /// Queues request `id` and steps until idle; returns every report.
+    fn serve(
+        scheduler: &mut Scheduler,
+        now: &mut f64,
+        id: SeqId,
+        spec: SeqSpec,
+    ) -> Vec<StepReport> {
+        scheduler.add(id, spec).unwrap();
+        run(scheduler, now)
     }
 
     /// Virtual times at which `id` got each of its tokens.
@@ -700,10 +716,9 @@ pub(crate) mod tests {
 
     #[test]
     fn single_request_ttft_and_itl() {
-        let mut scheduler = Scheduler::new(model(), limits());
-        scheduler.add(1, spec(0, 1000, 4)).unwrap();
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 1, spec(0, 1000, 4));
         let times = token_times(&reports, 1);
         assert_eq!(times.len(), 4);
         // First token after one prefill step of 1,000 tokens.
@@ -717,10 +732,9 @@ pub(crate) mod tests {
 
     #[test]
     fn long_prompts_prefill_in_chunks_of_the_budget() {
-        let mut scheduler = Scheduler::new(model(), limits());
-        scheduler.add(1, spec(0, 20_000, 1)).unwrap();
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 1, spec(0, 20_000, 1));
         let chunks: Vec<u64> = reports.iter().map(|r| r.prefill_tokens).collect();
         assert_eq!(chunks, vec![8192, 8192, 3616]);
         assert!(close(now, 3.0 * 0.004 + 20_000.0 / 25_000.0));
@@ -728,10 +742,9 @@ pub(crate) mod tests {
 
     #[test]
     fn prefill_time_is_proportional_to_uncached_tokens() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 8_000, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 8_000, 1));
         let cold = now;
 
         // The same 8,000 tokens (500 full blocks) plus 100 new ones: only the 100 are prefilled.
@@ -749,11 +762,10 @@ pub(crate) mod tests {
 
     #[test]
     fn the_last_prompt_token_is_always_computed() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         for (id, len) in [(1, 32), (2, 32), (3, 33), (4, 31)] {
-            scheduler.add(id, spec(0, len, 1)).unwrap();
-            let reports = run(&mut scheduler, &mut now);
+            let reports = serve(&mut scheduler, &mut now, id, spec(0, len, 1));
             let finished = reports.last().unwrap().finished[0];
             let expected = match id {
                 1 => 0,  // cold
@@ -767,14 +779,12 @@ pub(crate) mod tests {
 
     #[test]
     fn block_boundaries_fifteen_sixteen_seventeen() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         // Warm the cache with 48 tokens (3 full blocks).
-        scheduler.add(1, spec(0, 48, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 48, 1));
         for (id, len, cached) in [(2, 15, 0), (3, 16, 0), (4, 17, 16), (5, 33, 32)] {
-            scheduler.add(id, spec(0, len, 1)).unwrap();
-            let reports = run(&mut scheduler, &mut now);
+            let reports = serve(&mut scheduler, &mut now, id, spec(0, len, 1));
             assert_eq!(
                 reports.last().unwrap().finished[0].cached_tokens,
                 cached,
@@ -785,7 +795,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_long_prefill_stretches_the_itl_of_running_decodes() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         scheduler.add(1, spec(0, 100, 50)).unwrap();
         let mut reports = Vec::new();
@@ -866,7 +876,7 @@ pub(crate) mod tests {
 
     #[test]
     fn abort_frees_the_seat_and_blocks() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         scheduler.add(1, spec(0, 100, 1000)).unwrap();
         scheduler.step(0.0);
         assert!(scheduler.cache().used_blocks() > 0);
@@ -881,7 +891,7 @@ pub(crate) mod tests {
 
     #[test]
     fn remote_prefill_pays_transfer_time_instead_of_prefill() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut request = spec(0, 8_000, 2);
         request.remote_prompt_tokens = 8_000;
         scheduler.add(1, request).unwrap();
@@ -908,11 +918,10 @@ pub(crate) mod tests {
     #[test]
     fn stored_blocks_are_logged_in_runs_with_their_parent_and_tokens() {
         use crate::cache::CacheEvent;
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         scheduler.record_cache_events(true);
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 40, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 40, 1));
         let first = spec(0, 40, 1);
         assert_eq!(
             scheduler.take_cache_events(),
@@ -923,8 +932,7 @@ pub(crate) mod tests {
             }]
         );
         // A longer prompt with the same start: only the new blocks, chained to the last old one.
-        scheduler.add(2, spec(0, 70, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 2, spec(0, 70, 1));
         let second = spec(0, 70, 1);
         assert_eq!(
             scheduler.take_cache_events(),
@@ -940,14 +948,12 @@ pub(crate) mod tests {
 
     #[test]
     fn remote_prefill_only_pulls_what_is_not_cached_locally() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 4_000, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 4_000, 1));
         let mut request = spec(0, 8_000, 1);
         request.remote_prompt_tokens = 8_000;
-        scheduler.add(2, request).unwrap();
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 2, request);
         let finished = reports.last().unwrap().finished[0];
         assert_eq!(finished.cached_tokens, 4_000);
         assert_eq!(finished.transferred_tokens, 3_999);
