@@ -14,11 +14,13 @@
 //! - **KV-cache events** in vLLM's wire format (ZMQ PUB + replay ROUTER, msgpack), from the
 //!   prefix cache's real stores and evictions.
 //!
-//! Code map: [`tokenizer`] (the token-count approximation and chat template), [`cache`],
+//! Code map: `config` (the flags, and the engine model's parameters read from them),
+//! [`tokenizer`] (the token-count approximation and chat template), [`cache`],
 //! `kv_events` (the publisher),
-//! [`engine`] (pure scheduler and time model), `driver` (the engine task and virtual clock),
-//! `api` and `openai` (HTTP handlers and wire format), `metrics`, `server` (accept loop,
-//! shutdown, [`SimHandle`]).
+//! [`engine`] (pure scheduler and time model; it knows no flags), `driver` (the engine task
+//! and virtual clock), `api` (HTTP handlers and the state they share) and `openai` (wire
+//! format), `metrics`, `server` (builds that state; accept loop, shutdown, [`SimHandle`]),
+//! `error` ([`SimError`]).
 
 pub mod cache;
 mod config;
