@@ -36,7 +36,6 @@ use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::cache::CacheEvent;
-use crate::error::SimError;
 use crate::metrics::Metrics;
 
 /// Batches the engine may queue for the publisher before new ones are lost (vLLM's
@@ -118,6 +117,16 @@ impl KvEventsControl {
     }
 }
 
+/// A KV-event socket that could not be bound, named by its flag. The zeromq error is part of
+/// the message (not a `source`), so that an error chain shows it once.
+#[derive(Debug, thiserror::Error)]
+#[error("{flag} {endpoint}: cannot bind: {error}")]
+pub struct KvEventsBindError {
+    pub flag: &'static str,
+    pub endpoint: String,
+    pub error: zeromq::ZmqError,
+}
+
 /// Bound sockets, ready to run.
 pub(crate) struct KvEventsPublisher {
     publisher: zeromq::PubSocket,
@@ -146,9 +155,9 @@ impl KvEventsPublisher {
         topic: &str,
         format: KvEventsFormat,
         replay_buffer: usize,
-    ) -> Result<Self, SimError> {
+    ) -> Result<Self, KvEventsBindError> {
         let bind_error =
-            |flag: &'static str, endpoint: &str, error: zeromq::ZmqError| SimError::Bind {
+            |flag: &'static str, endpoint: &str, error: zeromq::ZmqError| KvEventsBindError {
                 flag,
                 endpoint: endpoint.to_owned(),
                 error,

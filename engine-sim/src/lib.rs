@@ -42,7 +42,7 @@ mod api;
 pub use config::{ConfigError, SimConfig};
 pub use error::SimError;
 pub use faults::{FaultRateError, Faults};
-pub use kv_events::KvEventsFormat;
+pub use kv_events::{KvEventsBindError, KvEventsFormat};
 pub use metrics::SimStats;
 pub use records::ReceivedRequest;
 pub use server::{SimHandle, SimServer, spawn};
