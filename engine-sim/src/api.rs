@@ -1,12 +1,13 @@
 //! The HTTP API: vLLM's OpenAI-compatible routes, the SageMaker container contract
-//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests. The
-//! Responses API (with its store) is in `responses`, the pooling APIs and `/detokenize` in
-//! `pooling`.
+//! (`/ping`, `/invocations`), Prometheus `/metrics`, and `/sim/*` controls for tests, over
+//! the state every handler reaches ([`Shared`]). The Responses API (with its store) is in
+//! `responses`, the pooling APIs and `/detokenize` in `pooling`.
 
 mod pooling;
 pub(crate) mod responses;
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use axum::Json;
@@ -14,25 +15,27 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
 use switchyard_shared::InstanceRole;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::SimConfig;
-use crate::driver::EngineEvent;
+use self::responses::ResponseStore;
+use crate::config::SimConfig;
+use crate::driver::{EngineClient, EngineEvent};
 use crate::engine::{FinishedSeq, SeqSpec};
-use crate::faults::{Fault, Faults, TokenizeFault};
-use crate::metrics::Metrics;
-use crate::nixl::prefill_response_params;
+use crate::faults::{Fault, FaultInjector, Faults, TokenizeFault};
+use crate::handoff::{HttpClient, IssuedHandoff, Push};
+use crate::kv_events::{KvEventsControl, KvEventsInfo, KvEventsState};
+use crate::metrics::{Metrics, SimStats};
+use crate::nixl::{Handoff, Handoffs, prefill_response_params};
 use crate::openai::{
     ApiError, ApiKind, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, Usage, output_text,
-    output_token_text, parse_request,
+    output_token_text, parse_json, parse_request,
 };
-use crate::records::ReceivedRequest;
-use crate::server::Shared;
+use crate::records::{ReceivedRequest, Recorder};
 
 /// Bodies up to this size are parsed and tokenized on the async thread; larger ones on a
 /// blocking thread (tokenizing 64 KiB takes a few hundred microseconds).
@@ -50,11 +53,33 @@ struct Interruption {
     close: bool,
 }
 
+/// What every handler can reach (built by the server).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: SimConfig,
+    pub engine_id: String,
+    pub engine: EngineClient,
+    pub metrics: Arc<Metrics>,
+    pub faults: FaultInjector,
+    pub records: Recorder,
+    pub handoffs: Handoffs,
+    /// The listening address, known once serving starts.
+    pub local_addr: OnceLock<SocketAddr>,
+    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
+    pub kv_events: OnceLock<KvEventsInfo>,
+    pub kv_control: Arc<KvEventsControl>,
+    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
+    pub http: HttpClient,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
+}
+
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/invocations", post(invocations))
+    Route::ALL
+        .into_iter()
+        .fold(Router::new(), |router, route| {
+            router.route(route.path(), inference(route))
+        })
         .route("/v1/models", get(models))
         .route("/health", get(ok))
         .route("/ping", get(ok))
@@ -83,6 +108,12 @@ enum Route {
 }
 
 impl Route {
+    const ALL: [Route; 3] = [
+        Route::ChatCompletions,
+        Route::Completions,
+        Route::Invocations,
+    ];
+
     fn path(self) -> &'static str {
         match self {
             Route::ChatCompletions => "/v1/chat/completions",
@@ -101,31 +132,14 @@ impl Route {
     }
 }
 
-async fn chat_completions(
-    State(shared): State<Arc<Shared>>,
-    version: http::Version,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    infer(shared, Route::ChatCompletions, version, headers, body).await
-}
-
-async fn completions(
-    State(shared): State<Arc<Shared>>,
-    version: http::Version,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    infer(shared, Route::Completions, version, headers, body).await
-}
-
-async fn invocations(
-    State(shared): State<Arc<Shared>>,
-    version: http::Version,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    infer(shared, Route::Invocations, version, headers, body).await
+/// The `POST` route of one inference path.
+fn inference(route: Route) -> MethodRouter<Arc<Shared>> {
+    post(
+        move |State(shared): State<Arc<Shared>>,
+              version: http::Version,
+              headers: HeaderMap,
+              body: Bytes| infer(shared, route, version, headers, body),
+    )
 }
 
 /// Serves one inference request: record it, validate it, inject faults, run it on the engine.
@@ -166,7 +180,8 @@ async fn infer(
                     record.handoff = Some("accepted".into());
                     pull = Pull::Accepted;
                 }
-                Err(why) => {
+                Err(error) => {
+                    let why = error.to_string();
                     Metrics::increment(&shared.metrics.kv_pull_failures);
                     tracing::warn!(request_id, why, "KV pull failed; recomputing the prompt");
                     record.handoff = Some(format!("rejected: {why}"));
@@ -217,7 +232,12 @@ fn request_id(headers: &HeaderMap) -> String {
         .get("x-request-id")
         .and_then(|value| value.to_str().ok())
         .filter(|id| !id.is_empty())
-        .map_or_else(|| format!("{:032x}", fastrand::u128(..)), str::to_owned)
+        .map_or_else(|| random_id(""), str::to_owned)
+}
+
+/// `prefix` and 32 random hex digits.
+fn random_id(prefix: &str) -> String {
+    format!("{prefix}{:032x}", fastrand::u128(..))
 }
 
 fn with_request_id(mut response: Response, request_id: &str) -> Response {
@@ -237,11 +257,7 @@ async fn run_request(
 ) -> Result<Response, ApiError> {
     let config = &shared.config;
     let ParsedRequest { body, kind, prompt } = parsed;
-    if let Some(model) = &body.model
-        && *model != config.served_model_name
-    {
-        return Err(ApiError::model_not_found(model));
-    }
+    check_model(config, body.model.as_deref())?;
     let prompt = prompt?;
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
@@ -269,7 +285,7 @@ async fn run_request(
             let full = prompt.block_hashes.len() * config.block_size;
             (
                 partner.clone(),
-                crate::handoff::Push {
+                Push {
                     block_hashes: prompt.block_hashes.clone(),
                     token_ids: prompt.tokens[..full.min(prompt.tokens.len())].to_vec(),
                 },
@@ -314,7 +330,8 @@ async fn run_request(
                 "pushed {} blocks ({stored} new) to {partner}",
                 blocks.block_hashes.len()
             ),
-            Err(why) => {
+            Err(error) => {
+                let why = error.to_string();
                 tracing::warn!(request_id, why, "LMCache push to the decode partner failed");
                 format!("push failed: {why}")
             }
@@ -335,6 +352,14 @@ async fn run_request(
         return Ok(stream.into_response(events));
     }
     whole_response(&meta, events, prompt_len).await
+}
+
+/// vLLM's 404 for a request that names a model other than the one served.
+fn check_model(config: &SimConfig, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(model) if model != config.served_model_name => Err(ApiError::model_not_found(model)),
+        _ => Ok(()),
+    }
 }
 
 /// Output tokens to generate: 1 for a disaggregated prefill, else what the request asks,
@@ -550,16 +575,9 @@ impl SseStream {
                 };
                 match event {
                     EngineEvent::Token => {
-                        if let Some(fault) = self.interruption
-                            && fault.after_tokens == sent
-                        {
-                            if fault.close {
-                                yield Err(std::io::Error::other("simulated crash (fault injection)"));
-                                break;
-                            }
-                            // Keep the connection, send nothing more; the request's engine
-                            // work is dropped with `events` when the client leaves.
-                            std::future::pending::<()>().await;
+                        if let Some(error) = interrupt(self.interruption, sent).await {
+                            yield Err(error);
+                            break;
                         }
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
                             yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
@@ -589,15 +607,34 @@ impl SseStream {
                 }
             }
         };
-        (
-            [(
-                CONTENT_TYPE,
-                HeaderValue::from_static("text/event-stream; charset=utf-8"),
-            )],
-            Body::from_stream(stream),
-        )
-            .into_response()
+        event_stream(stream)
     }
+}
+
+/// Strikes a streamed answer before its token number `sent`, if `interruption` waits for that
+/// one. A stall never returns: the connection stays open and nothing more is sent (the
+/// request's engine work is dropped with its events when the client leaves). A cut returns
+/// the error that breaks the stream. None: stream on.
+async fn interrupt(interruption: Option<Interruption>, sent: u32) -> Option<std::io::Error> {
+    let fault = interruption.filter(|fault| fault.after_tokens == sent)?;
+    if fault.close {
+        return Some(std::io::Error::other("simulated crash (fault injection)"));
+    }
+    std::future::pending().await
+}
+
+/// A `text/event-stream` response that sends `stream`'s chunks as they come.
+fn event_stream(
+    stream: impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+) -> Response {
+    (
+        [(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        )],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 fn sse_data(value: &Value) -> Bytes {
@@ -640,49 +677,40 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 /// vLLM's `/tokenize`: `{"prompt": ...}` or `{"messages": [...]}` → the token count and ids.
-async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     match shared.faults.draw_tokenize() {
         TokenizeFault::None => {}
         TokenizeFault::Fail => {
-            return ApiError::internal("simulated tokenizer failure (fault injection)".to_owned())
-                .into_response();
+            return Err(ApiError::internal(
+                "simulated tokenizer failure (fault injection)".to_owned(),
+            ));
         }
         TokenizeFault::Hang => {
             tracing::debug!("fault injection: never answering /tokenize");
             std::future::pending::<()>().await;
         }
     }
-    let parsed = match parse_off_thread(&shared, body, None).await {
-        Ok(parsed) => parsed,
-        Err(error) => return error.into_response(),
-    };
-    if let Some(model) = &parsed.body.model
-        && *model != shared.config.served_model_name
-    {
-        return ApiError::model_not_found(model).into_response();
-    }
-    match parsed.prompt {
-        Ok(prompt) => Json(json!({
-            "count": prompt.tokens.len(),
-            "max_model_len": shared.config.max_model_len,
-            "tokens": prompt.tokens,
-            "token_strs": null,
-        }))
-        .into_response(),
-        Err(error) => error.into_response(),
-    }
+    let parsed = parse_off_thread(&shared, body, None).await?;
+    check_model(&shared.config, parsed.body.model.as_deref())?;
+    let prompt = parsed.prompt?;
+    Ok(Json(json!({
+        "count": prompt.tokens.len(),
+        "max_model_len": shared.config.max_model_len,
+        "tokens": prompt.tokens,
+        "token_strs": null,
+    })))
 }
 
 async fn sim_requests(State(shared): State<Arc<Shared>>) -> Json<Vec<ReceivedRequest>> {
     Json(shared.records.snapshot())
 }
 
-async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<crate::SimStats> {
+async fn sim_stats(State(shared): State<Arc<Shared>>) -> Json<SimStats> {
     Json(shared.metrics.stats())
 }
 
-async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
-    Json(shared.handoffs.snapshot()).into_response()
+async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Json<Vec<Handoff>> {
+    Json(shared.handoffs.snapshot())
 }
 
 /// What this (prefill) engine handed off for one request: what a decoder checks before it
@@ -690,68 +718,64 @@ async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Response {
 async fn sim_handoff(
     State(shared): State<Arc<Shared>>,
     axum::extract::Path(request_id): axum::extract::Path<String>,
-) -> Response {
-    match shared
+) -> Result<Json<IssuedHandoff>, ApiError> {
+    let handoff = shared
         .handoffs
         .snapshot()
         .into_iter()
         .rev()
         .find(|handoff| handoff.request_id == request_id)
-    {
-        Some(handoff) => Json(crate::handoff::IssuedHandoff {
-            engine_id: shared.engine_id.clone(),
-            request_id: handoff.request_id,
-            block_ids: handoff.block_ids,
-            prompt_tokens: handoff.prompt_tokens,
-        })
-        .into_response(),
-        None => ApiError::not_found(format!("no hand-off issued for request {request_id}"))
-            .into_response(),
-    }
+        .ok_or_else(|| {
+            ApiError::not_found(format!("no hand-off issued for request {request_id}"))
+        })?;
+    Ok(Json(IssuedHandoff {
+        engine_id: shared.engine_id.clone(),
+        request_id: handoff.request_id,
+        block_ids: handoff.block_ids,
+        prompt_tokens: handoff.prompt_tokens,
+    }))
 }
 
 /// Blocks a prefill engine pushes here (LMCache): cached as if computed here.
-async fn sim_kv_push(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let push: crate::handoff::Push = match serde_json::from_slice(&body) {
-        Ok(push) => push,
-        Err(err) => {
-            return ApiError::bad_request(format!("invalid push: {err}")).into_response();
-        }
-    };
-    match shared
+async fn sim_kv_push(
+    State(shared): State<Arc<Shared>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let push: Push = parse_json(&body, "invalid push")?;
+    let stored = shared
         .engine
         .store_pushed(push.block_hashes, push.token_ids)
         .await
-    {
-        Ok(stored) => {
-            Metrics::increment(&shared.metrics.kv_pushes_received);
-            Json(json!({"stored": stored})).into_response()
-        }
-        Err(stopped) => ApiError::unavailable(stopped.to_string()).into_response(),
-    }
+        .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
+    Metrics::increment(&shared.metrics.kv_pushes_received);
+    Ok(Json(json!({"stored": stored})))
+}
+
+/// The 404 of the KV-event routes without `--kv-events`.
+fn kv_events_off() -> ApiError {
+    ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
 }
 
 /// Where the KV-event sockets are (ports resolved) and the test controls' state; 404 without
 /// `--kv-events`.
-async fn sim_kv_events(State(shared): State<Arc<Shared>>) -> Response {
-    match shared.kv_events.get() {
-        Some(info) => Json(json!({
-            "endpoint": info.endpoint,
-            "replay_endpoint": info.replay_endpoint,
-            "topic": info.topic,
-            "format": info.format,
-            "replay_buffer": info.replay_buffer,
-            "state": shared.kv_control.state(),
-        }))
-        .into_response(),
-        None => ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
-            .into_response(),
-    }
+async fn sim_kv_events(State(shared): State<Arc<Shared>>) -> Result<Json<Value>, ApiError> {
+    let info = shared.kv_events.get().ok_or_else(kv_events_off)?;
+    Ok(Json(json!({
+        "endpoint": info.endpoint,
+        "replay_endpoint": info.replay_endpoint,
+        "topic": info.topic,
+        "format": info.format,
+        "replay_buffer": info.replay_buffer,
+        "state": shared.kv_control.state(),
+    })))
 }
 
 /// Test controls: `{"drop_next": N}` keeps the next N batches off the wire (replay still has
 /// them); `{"stalled": true|false}` stops or resumes publishing and replay.
-async fn set_sim_kv_events(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+async fn set_sim_kv_events(
+    State(shared): State<Arc<Shared>>,
+    body: Bytes,
+) -> Result<Json<KvEventsState>, ApiError> {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Controls {
@@ -759,33 +783,26 @@ async fn set_sim_kv_events(State(shared): State<Arc<Shared>>, body: Bytes) -> Re
         drop_next: Option<u64>,
     }
     if shared.kv_events.get().is_none() {
-        return ApiError::not_found("KV-cache events are off (start with --kv-events)".to_owned())
-            .into_response();
+        return Err(kv_events_off());
     }
-    let controls: Controls = match serde_json::from_slice(&body) {
-        Ok(controls) => controls,
-        Err(err) => {
-            return ApiError::bad_request(format!("invalid KV-event controls: {err}"))
-                .into_response();
-        }
-    };
+    let controls: Controls = parse_json(&body, "invalid KV-event controls")?;
     shared.kv_control.set(controls.stalled, controls.drop_next);
     tracing::info!(stalled = ?controls.stalled, drop_next = ?controls.drop_next, "KV-event controls changed");
-    Json(shared.kv_control.state()).into_response()
+    Ok(Json(shared.kv_control.state()))
 }
 
 /// vLLM's `POST /reset_prefix_cache`: empties the prefix cache (an `AllBlocksCleared` event)
 /// unless running requests hold blocks. `{"reset": bool}` says which.
-async fn reset_prefix_cache(State(shared): State<Arc<Shared>>) -> Response {
-    match shared.engine.reset_prefix_cache().await {
-        Ok(reset) => {
-            if !reset {
-                tracing::warn!("prefix cache not reset: running requests hold blocks");
-            }
-            Json(json!({ "reset": reset })).into_response()
-        }
-        Err(stopped) => ApiError::unavailable(stopped.to_string()).into_response(),
+async fn reset_prefix_cache(State(shared): State<Arc<Shared>>) -> Result<Json<Value>, ApiError> {
+    let reset = shared
+        .engine
+        .reset_prefix_cache()
+        .await
+        .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
+    if !reset {
+        tracing::warn!("prefix cache not reset: running requests hold blocks");
     }
+    Ok(Json(json!({ "reset": reset })))
 }
 
 async fn sim_faults(State(shared): State<Arc<Shared>>) -> Json<Faults> {
@@ -793,17 +810,15 @@ async fn sim_faults(State(shared): State<Arc<Shared>>) -> Json<Faults> {
 }
 
 /// Sets the fault knobs from a JSON [`Faults`] (missing fields are 0).
-async fn set_sim_faults(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let faults: Faults = match serde_json::from_slice(&body) {
-        Ok(faults) => faults,
-        Err(err) => {
-            return ApiError::bad_request(format!("invalid faults: {err}")).into_response();
-        }
-    };
-    if let Err(message) = faults.validate() {
-        return ApiError::bad_request(message).into_response();
-    }
+async fn set_sim_faults(
+    State(shared): State<Arc<Shared>>,
+    body: Bytes,
+) -> Result<Json<Faults>, ApiError> {
+    let faults: Faults = parse_json(&body, "invalid faults")?;
+    faults
+        .validate()
+        .map_err(|error| ApiError::bad_request(error.to_string()))?;
     shared.faults.set(faults);
     tracing::info!(?faults, "fault knobs changed");
-    Json(faults).into_response()
+    Ok(Json(faults))
 }

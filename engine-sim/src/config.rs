@@ -4,7 +4,8 @@
 use clap::Parser;
 use switchyard_shared::InstanceRole;
 
-use crate::faults::Faults;
+use crate::engine::{Limits, Scheduler, TimeModel};
+use crate::faults::{FaultRateError, Faults};
 use crate::kv_events::KvEventsFormat;
 
 /// Configuration of one simulated vLLM instance. Every field is a command-line flag of
@@ -179,9 +180,42 @@ impl Default for SimConfig {
     }
 }
 
+/// A flag value [`SimConfig::validate`] refuses; the message names the flag.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{flag} must be a positive number, got {value}")]
+    NotPositive { flag: &'static str, value: f64 },
+    #[error("{flag} must be zero or more, got {value}")]
+    Negative { flag: &'static str, value: f64 },
+    #[error("{flag} must be at least 1, got {value}")]
+    BelowOne { flag: &'static str, value: u64 },
+    #[error("{flag} must not be empty")]
+    Empty { flag: &'static str },
+    #[error("--kv-push-to {url:?} must be an http:// URL")]
+    NotHttpUrl { url: String },
+    #[error("--kv-events-replay needs --kv-events")]
+    ReplayWithoutEvents,
+    #[error(
+        "{flag} {endpoint:?}: give tcp://IP:PORT to bind (an IP address or *, port 0 for any free port), e.g. tcp://127.0.0.1:5557"
+    )]
+    NotBindable {
+        flag: &'static str,
+        endpoint: String,
+    },
+    #[error(transparent)]
+    FaultRate(#[from] FaultRateError),
+}
+
+/// For callers whose own checks return `Result<_, String>`: the message.
+impl From<ConfigError> for String {
+    fn from(error: ConfigError) -> Self {
+        error.to_string()
+    }
+}
+
 impl SimConfig {
     /// Checks every value; the error names the flag.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         positive("--time-scale", self.time_scale)?;
         positive("--prefill-tokens-per-s", self.prefill_tokens_per_s)?;
         positive("--kv-transfer-gbps", self.kv_transfer_gbps)?;
@@ -198,24 +232,28 @@ impl SimConfig {
         at_least_one("--max-stored-responses", self.max_stored_responses as u64)?;
         at_least_one("--kv-bytes-per-token", self.kv_bytes_per_token)?;
         if self.served_model_name.trim().is_empty() {
-            return Err("--served-model-name must not be empty".into());
+            return Err(ConfigError::Empty {
+                flag: "--served-model-name",
+            });
         }
         if let Some(url) = &self.kv_push_to
             && !url.starts_with("http://")
         {
-            return Err(format!("--kv-push-to {url:?} must be an http:// URL"));
+            return Err(ConfigError::NotHttpUrl { url: url.clone() });
         }
         if let Some(id) = &self.engine_id
             && id.trim().is_empty()
         {
-            return Err("--engine-id must not be empty".into());
+            return Err(ConfigError::Empty {
+                flag: "--engine-id",
+            });
         }
         if let Some(endpoint) = &self.kv_events {
             bindable_endpoint("--kv-events", endpoint)?;
         }
         if let Some(endpoint) = &self.kv_events_replay {
             if self.kv_events.is_none() {
-                return Err("--kv-events-replay needs --kv-events".into());
+                return Err(ConfigError::ReplayWithoutEvents);
             }
             bindable_endpoint("--kv-events-replay", endpoint)?;
         }
@@ -223,7 +261,7 @@ impl SimConfig {
             "--kv-events-replay-buffer",
             self.kv_events_replay_buffer as u64,
         )?;
-        self.faults().validate()
+        Ok(self.faults().validate()?)
     }
 
     /// The fault knobs given on the command line.
@@ -239,12 +277,44 @@ impl SimConfig {
     }
 }
 
+// The engine model is pure and knows no flags: what it is built from is read from the flags
+// here.
+
+impl TimeModel {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self {
+            step_overhead_s: config.step_overhead_ms / 1e3,
+            prefill_tokens_per_s: config.prefill_tokens_per_s,
+            decode_s_per_step: config.decode_ms_per_step / 1e3,
+            kv_read_s_per_token: config.kv_read_ms_per_1k_tokens / 1e6,
+            kv_transfer_bytes_per_s: config.kv_transfer_gbps * 1e9,
+            kv_bytes_per_token: config.kv_bytes_per_token as f64,
+        }
+    }
+}
+
+impl Limits {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            block_size: config.block_size.max(1),
+            kv_cache_blocks: config.kv_cache_blocks,
+        }
+    }
+}
+
+impl Scheduler {
+    pub fn from_config(config: &SimConfig) -> Self {
+        Self::new(TimeModel::from_config(config), Limits::from_config(config))
+    }
+}
+
 /// `tcp://HOST:PORT` to bind: an IP address (or `*` for every interface) and a port (0: any).
-fn bindable_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
-    let usage = || {
-        format!(
-            "{flag} {endpoint:?}: give tcp://IP:PORT to bind (an IP address or *, port 0 for any free port), e.g. tcp://127.0.0.1:5557"
-        )
+fn bindable_endpoint(flag: &'static str, endpoint: &str) -> Result<(), ConfigError> {
+    let usage = || ConfigError::NotBindable {
+        flag,
+        endpoint: endpoint.to_owned(),
     };
     let address = endpoint.strip_prefix("tcp://").ok_or_else(usage)?;
     let (host, port) = address.rsplit_once(':').ok_or_else(usage)?;
@@ -255,27 +325,27 @@ fn bindable_endpoint(flag: &str, endpoint: &str) -> Result<(), String> {
     port.parse::<u16>().map(|_| ()).map_err(|_| usage())
 }
 
-fn positive(flag: &str, value: f64) -> Result<(), String> {
+fn positive(flag: &'static str, value: f64) -> Result<(), ConfigError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
     } else {
-        Err(format!("{flag} must be a positive number, got {value}"))
+        Err(ConfigError::NotPositive { flag, value })
     }
 }
 
-fn non_negative(flag: &str, value: f64) -> Result<(), String> {
+fn non_negative(flag: &'static str, value: f64) -> Result<(), ConfigError> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(format!("{flag} must be zero or more, got {value}"))
+        Err(ConfigError::Negative { flag, value })
     }
 }
 
-fn at_least_one(flag: &str, value: u64) -> Result<(), String> {
+fn at_least_one(flag: &'static str, value: u64) -> Result<(), ConfigError> {
     if value >= 1 {
         Ok(())
     } else {
-        Err(format!("{flag} must be at least 1, got {value}"))
+        Err(ConfigError::BelowOne { flag, value })
     }
 }
 
@@ -298,18 +368,46 @@ mod tests {
     }
 
     #[test]
+    fn the_engine_model_of_the_defaults_is_the_one_its_tests_use() {
+        let config = SimConfig::default();
+        assert_eq!(
+            TimeModel::from_config(&config),
+            crate::engine::tests::model()
+        );
+        assert_eq!(Limits::from_config(&config), crate::engine::tests::limits());
+    }
+
+    #[test]
     fn validate_names_the_bad_flag() {
         let mut config = SimConfig {
             time_scale: 0.0,
             ..SimConfig::default()
         };
-        assert!(config.validate().unwrap_err().contains("--time-scale"));
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--time-scale")
+        );
         config.time_scale = 1.0;
         config.fail_rate = 1.5;
-        assert!(config.validate().unwrap_err().contains("--fail-rate"));
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--fail-rate")
+        );
         config.fail_rate = 0.0;
         config.block_size = 0;
-        assert!(config.validate().unwrap_err().contains("--block-size"));
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--block-size")
+        );
         config.block_size = 16;
         for bad in [
             "127.0.0.1:5557",
@@ -319,7 +417,11 @@ mod tests {
         ] {
             config.kv_events = Some(bad.into());
             assert!(
-                config.validate().unwrap_err().contains("--kv-events"),
+                config
+                    .validate()
+                    .unwrap_err()
+                    .to_string()
+                    .contains("--kv-events"),
                 "{bad}"
             );
         }
@@ -331,8 +433,60 @@ mod tests {
             config
                 .validate()
                 .unwrap_err()
+                .to_string()
                 .contains("--kv-events-replay")
         );
+    }
+
+    #[test]
+    fn error_messages_are_the_ones_users_see() {
+        let message = |flags: &[&str]| {
+            let command_line = std::iter::once(&"sim").chain(flags);
+            let parsed = DefaultsOnly::try_parse_from(command_line).expect("valid flags");
+            parsed.config.validate().unwrap_err().to_string()
+        };
+        let bind_usage = "give tcp://IP:PORT to bind (an IP address or *, port 0 for any free \
+                          port), e.g. tcp://127.0.0.1:5557";
+        for (flags, expected) in [
+            (
+                &["--time-scale=0"][..],
+                "--time-scale must be a positive number, got 0".into(),
+            ),
+            (
+                &["--step-overhead-ms=-1"],
+                "--step-overhead-ms must be zero or more, got -1".into(),
+            ),
+            (
+                &["--block-size=0"],
+                "--block-size must be at least 1, got 0".into(),
+            ),
+            (
+                &["--served-model-name= "],
+                "--served-model-name must not be empty".into(),
+            ),
+            (&["--engine-id="], "--engine-id must not be empty".into()),
+            (
+                &["--kv-push-to=https://x"],
+                r#"--kv-push-to "https://x" must be an http:// URL"#.into(),
+            ),
+            (
+                &["--kv-events=tcp://x:1"],
+                format!(r#"--kv-events "tcp://x:1": {bind_usage}"#),
+            ),
+            (
+                &["--hang-rate=2"],
+                "--hang-rate (hang_rate) must be between 0 and 1, got 2".into(),
+            ),
+        ] {
+            assert_eq!(message(flags), expected, "{flags:?}");
+        }
+        // Only a config built in code can ask for replay without events (the flag requires it).
+        let replay_alone = SimConfig {
+            kv_events_replay: Some("tcp://*:0".into()),
+            ..SimConfig::default()
+        };
+        let error: String = replay_alone.validate().unwrap_err().into();
+        assert_eq!(error, "--kv-events-replay needs --kv-events");
     }
 
     #[test]

@@ -23,7 +23,6 @@
 use std::collections::VecDeque;
 
 use crate::cache::PrefixCache;
-use crate::config::SimConfig;
 
 /// An engine-local request id.
 pub type SeqId = u64;
@@ -40,17 +39,6 @@ pub struct TimeModel {
 }
 
 impl TimeModel {
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self {
-            step_overhead_s: config.step_overhead_ms / 1e3,
-            prefill_tokens_per_s: config.prefill_tokens_per_s,
-            decode_s_per_step: config.decode_ms_per_step / 1e3,
-            kv_read_s_per_token: config.kv_read_ms_per_1k_tokens / 1e6,
-            kv_transfer_bytes_per_s: config.kv_transfer_gbps * 1e9,
-            kv_bytes_per_token: config.kv_bytes_per_token as f64,
-        }
-    }
-
     /// Duration of a step that prefills `prefill_tokens` (uncached) tokens and decodes
     /// `decode_seqs` requests whose contexts total `decode_context_tokens`.
     pub fn step_duration(
@@ -80,17 +68,6 @@ pub struct Limits {
     pub max_num_batched_tokens: u64,
     pub block_size: usize,
     pub kv_cache_blocks: usize,
-}
-
-impl Limits {
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self {
-            max_num_seqs: config.max_num_seqs,
-            max_num_batched_tokens: config.max_num_batched_tokens,
-            block_size: config.block_size.max(1),
-            kv_cache_blocks: config.kv_cache_blocks,
-        }
-    }
 }
 
 /// One step's batch under construction: decodes first, then prefill chunks while the token
@@ -347,10 +324,6 @@ impl Scheduler {
             running: Vec::new(),
             counters: Counters::default(),
         }
-    }
-
-    pub fn from_config(config: &SimConfig) -> Self {
-        Self::new(TimeModel::from_config(config), Limits::from_config(config))
     }
 
     pub fn time_model(&self) -> &TimeModel {
@@ -626,16 +599,35 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cache::block_hashes;
 
-    fn model() -> TimeModel {
-        TimeModel::from_config(&SimConfig::default())
+    /// The time model of the flags' defaults (`config.rs` checks that they agree).
+    pub(crate) fn model() -> TimeModel {
+        TimeModel {
+            step_overhead_s: 4.0 / 1e3,
+            prefill_tokens_per_s: 25_000.0,
+            decode_s_per_step: 10.0 / 1e3,
+            kv_read_s_per_token: 0.02 / 1e6,
+            kv_transfer_bytes_per_s: 50.0 * 1e9,
+            kv_bytes_per_token: 327_680.0,
+        }
     }
 
-    fn limits() -> Limits {
-        Limits::from_config(&SimConfig::default())
+    /// The scheduling limits of the flags' defaults (`config.rs` checks that they agree).
+    pub(crate) fn limits() -> Limits {
+        Limits {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            block_size: 16,
+            kv_cache_blocks: 79_000,
+        }
+    }
+
+    /// A scheduler with the defaults' model and limits.
+    fn scheduler() -> Scheduler {
+        Scheduler::new(model(), limits())
     }
 
     fn spec(first_token: u32, prompt_len: u32, max_tokens: u32) -> SeqSpec {
@@ -663,6 +655,17 @@ mod tests {
             }
         }
         panic!("scheduler did not go idle");
+    }
+
+    /// Queues request `id` and steps until idle; returns every report.
+    fn serve(
+        scheduler: &mut Scheduler,
+        now: &mut f64,
+        id: SeqId,
+        spec: SeqSpec,
+    ) -> Vec<StepReport> {
+        scheduler.add(id, spec).unwrap();
+        run(scheduler, now)
     }
 
     /// Virtual times at which `id` got each of its tokens.
@@ -713,10 +716,9 @@ mod tests {
 
     #[test]
     fn single_request_ttft_and_itl() {
-        let mut scheduler = Scheduler::new(model(), limits());
-        scheduler.add(1, spec(0, 1000, 4)).unwrap();
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 1, spec(0, 1000, 4));
         let times = token_times(&reports, 1);
         assert_eq!(times.len(), 4);
         // First token after one prefill step of 1,000 tokens.
@@ -730,10 +732,9 @@ mod tests {
 
     #[test]
     fn long_prompts_prefill_in_chunks_of_the_budget() {
-        let mut scheduler = Scheduler::new(model(), limits());
-        scheduler.add(1, spec(0, 20_000, 1)).unwrap();
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 1, spec(0, 20_000, 1));
         let chunks: Vec<u64> = reports.iter().map(|r| r.prefill_tokens).collect();
         assert_eq!(chunks, vec![8192, 8192, 3616]);
         assert!(close(now, 3.0 * 0.004 + 20_000.0 / 25_000.0));
@@ -741,10 +742,9 @@ mod tests {
 
     #[test]
     fn prefill_time_is_proportional_to_uncached_tokens() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 8_000, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 8_000, 1));
         let cold = now;
 
         // The same 8,000 tokens (500 full blocks) plus 100 new ones: only the 100 are prefilled.
@@ -762,11 +762,10 @@ mod tests {
 
     #[test]
     fn the_last_prompt_token_is_always_computed() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         for (id, len) in [(1, 32), (2, 32), (3, 33), (4, 31)] {
-            scheduler.add(id, spec(0, len, 1)).unwrap();
-            let reports = run(&mut scheduler, &mut now);
+            let reports = serve(&mut scheduler, &mut now, id, spec(0, len, 1));
             let finished = reports.last().unwrap().finished[0];
             let expected = match id {
                 1 => 0,  // cold
@@ -780,14 +779,12 @@ mod tests {
 
     #[test]
     fn block_boundaries_fifteen_sixteen_seventeen() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         // Warm the cache with 48 tokens (3 full blocks).
-        scheduler.add(1, spec(0, 48, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 48, 1));
         for (id, len, cached) in [(2, 15, 0), (3, 16, 0), (4, 17, 16), (5, 33, 32)] {
-            scheduler.add(id, spec(0, len, 1)).unwrap();
-            let reports = run(&mut scheduler, &mut now);
+            let reports = serve(&mut scheduler, &mut now, id, spec(0, len, 1));
             assert_eq!(
                 reports.last().unwrap().finished[0].cached_tokens,
                 cached,
@@ -798,7 +795,7 @@ mod tests {
 
     #[test]
     fn a_long_prefill_stretches_the_itl_of_running_decodes() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
         scheduler.add(1, spec(0, 100, 50)).unwrap();
         let mut reports = Vec::new();
@@ -879,7 +876,7 @@ mod tests {
 
     #[test]
     fn abort_frees_the_seat_and_blocks() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         scheduler.add(1, spec(0, 100, 1000)).unwrap();
         scheduler.step(0.0);
         assert!(scheduler.cache().used_blocks() > 0);
@@ -894,7 +891,7 @@ mod tests {
 
     #[test]
     fn remote_prefill_pays_transfer_time_instead_of_prefill() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut request = spec(0, 8_000, 2);
         request.remote_prompt_tokens = 8_000;
         scheduler.add(1, request).unwrap();
@@ -921,11 +918,10 @@ mod tests {
     #[test]
     fn stored_blocks_are_logged_in_runs_with_their_parent_and_tokens() {
         use crate::cache::CacheEvent;
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         scheduler.record_cache_events(true);
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 40, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 40, 1));
         let first = spec(0, 40, 1);
         assert_eq!(
             scheduler.take_cache_events(),
@@ -936,8 +932,7 @@ mod tests {
             }]
         );
         // A longer prompt with the same start: only the new blocks, chained to the last old one.
-        scheduler.add(2, spec(0, 70, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 2, spec(0, 70, 1));
         let second = spec(0, 70, 1);
         assert_eq!(
             scheduler.take_cache_events(),
@@ -953,14 +948,12 @@ mod tests {
 
     #[test]
     fn remote_prefill_only_pulls_what_is_not_cached_locally() {
-        let mut scheduler = Scheduler::new(model(), limits());
+        let mut scheduler = scheduler();
         let mut now = 0.0;
-        scheduler.add(1, spec(0, 4_000, 1)).unwrap();
-        run(&mut scheduler, &mut now);
+        serve(&mut scheduler, &mut now, 1, spec(0, 4_000, 1));
         let mut request = spec(0, 8_000, 1);
         request.remote_prompt_tokens = 8_000;
-        scheduler.add(2, request).unwrap();
-        let reports = run(&mut scheduler, &mut now);
+        let reports = serve(&mut scheduler, &mut now, 2, request);
         let finished = reports.last().unwrap().finished[0];
         assert_eq!(finished.cached_tokens, 4_000);
         assert_eq!(finished.transferred_tokens, 3_999);

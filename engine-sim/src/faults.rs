@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-/// Fault knobs, settable by flag, by [`SimHandle::set_faults`](crate::SimHandle::set_faults)
+/// Fault knobs, settable by flag, by `SimHandle::set_faults`
 /// or by `POST /sim/faults` with this JSON (missing fields are 0). Each rate is the
 /// probability, drawn per inference request, of that fault; they are checked in the order
 /// fail, hang, die, stall.
@@ -29,7 +29,7 @@ pub struct Faults {
 
 impl Faults {
     /// Each rate must be within 0–1; the error names the flag (and JSON field).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), FaultRateError> {
         for (flag, field, value) in [
             ("--fail-rate", "fail_rate", self.fail_rate),
             ("--hang-rate", "hang_rate", self.hang_rate),
@@ -55,13 +55,20 @@ impl Faults {
             ),
         ] {
             if !(0.0..=1.0).contains(&value) {
-                return Err(format!(
-                    "{flag} ({field}) must be between 0 and 1, got {value}"
-                ));
+                return Err(FaultRateError { flag, field, value });
             }
         }
         Ok(())
     }
+}
+
+/// A fault rate outside 0–1, named by its flag and its JSON field.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("{flag} ({field}) must be between 0 and 1, got {value}")]
+pub struct FaultRateError {
+    pub flag: &'static str,
+    pub field: &'static str,
+    pub value: f64,
 }
 
 /// What to do to one request.
@@ -202,7 +209,10 @@ mod tests {
             hang_rate: -0.1,
             ..Faults::default()
         };
-        assert!(bad.validate().unwrap_err().contains("--hang-rate"));
+        assert_eq!(
+            bad.validate().unwrap_err().to_string(),
+            "--hang-rate (hang_rate) must be between 0 and 1, got -0.1"
+        );
         assert_eq!(Faults::default().validate(), Ok(()));
     }
 }

@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -53,26 +54,63 @@ pub(crate) struct Push {
     pub token_ids: Vec<u32>,
 }
 
+/// Why a hand-off could not be checked or done; the message is what the request's record and
+/// the log show.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HandoffError {
+    #[error("kv_transfer_params has no remote_host/remote_port")]
+    NoRemoteAddress,
+    #[error("kv_transfer_params has no remote_request_id")]
+    NoRemoteRequestId,
+    #[error("remote_request_id {remote} is not this request's ({own})")]
+    OtherRequest { remote: String, own: String },
+    #[error("remote_engine_id {claimed:?} is not the engine at {host}:{port} ({actual})")]
+    OtherEngine {
+        claimed: Option<String>,
+        host: String,
+        port: u16,
+        actual: String,
+    },
+    #[error("remote_block_ids differ from the blocks the prefill engine issued")]
+    OtherBlocks,
+    #[error("{url} answered {status}: no such hand-off")]
+    NoSuchHandoff { url: String, status: StatusCode },
+    #[error("{url} answered {status}")]
+    Refused { url: String, status: StatusCode },
+    /// The other engine's answer is not the JSON expected (the error is in the message).
+    #[error("{url}: {error}")]
+    BadAnswer {
+        url: String,
+        error: serde_json::Error,
+    },
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Request(#[from] http::Error),
+    #[error(transparent)]
+    Encode(serde_json::Error),
+    #[error(transparent)]
+    Send(#[from] hyper_util::client::legacy::Error),
+    #[error(transparent)]
+    Read(Box<dyn std::error::Error + Send + Sync>),
+}
+
 async fn call(
     client: &HttpClient,
     request: http::Request<Full<Bytes>>,
-) -> Result<(http::StatusCode, Bytes), String> {
-    let answer = tokio::time::timeout(CALL_TIMEOUT, async {
-        let response = client
-            .request(request)
-            .await
-            .map_err(|err| err.to_string())?;
+) -> Result<(StatusCode, Bytes), HandoffError> {
+    tokio::time::timeout(CALL_TIMEOUT, async {
+        let response = client.request(request).await?;
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), MOST_ANSWER_BYTES)
             .collect()
             .await
-            .map_err(|err| err.to_string())?
+            .map_err(HandoffError::Read)?
             .to_bytes();
-        Ok::<_, String>((status, body))
+        Ok((status, body))
     })
     .await
-    .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))??;
-    Ok(answer)
+    .map_err(|_| HandoffError::Timeout(CALL_TIMEOUT))?
 }
 
 /// Checks a decode request's hand-off with the prefill engine it names. `Ok` means the KV can
@@ -81,59 +119,123 @@ pub(crate) async fn verify(
     client: &HttpClient,
     kv: &KvTransfer,
     own_request_id: &str,
-) -> Result<(), String> {
+) -> Result<(), HandoffError> {
     let (Some(host), Some(port)) = (&kv.remote_host, kv.remote_port) else {
-        return Err("kv_transfer_params has no remote_host/remote_port".into());
+        return Err(HandoffError::NoRemoteAddress);
     };
     let request_id = kv
         .remote_request_id
         .as_deref()
-        .ok_or("kv_transfer_params has no remote_request_id")?;
+        .ok_or(HandoffError::NoRemoteRequestId)?;
     if request_id != own_request_id {
-        return Err(format!(
-            "remote_request_id {request_id} is not this request's ({own_request_id})"
-        ));
+        return Err(HandoffError::OtherRequest {
+            remote: request_id.to_owned(),
+            own: own_request_id.to_owned(),
+        });
     }
     let url = format!("http://{host}:{port}/sim/handoffs/{request_id}");
-    let request = http::Request::get(&url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|err| err.to_string())?;
+    let request = http::Request::get(&url).body(Full::new(Bytes::new()))?;
     let (status, body) = call(client, request).await?;
     if !status.is_success() {
-        return Err(format!("{url} answered {status}: no such hand-off"));
+        return Err(HandoffError::NoSuchHandoff { url, status });
     }
-    let issued: IssuedHandoff =
-        serde_json::from_slice(&body).map_err(|err| format!("{url}: {err}"))?;
+    let issued: IssuedHandoff = match serde_json::from_slice(&body) {
+        Ok(issued) => issued,
+        Err(error) => return Err(HandoffError::BadAnswer { url, error }),
+    };
     if kv.remote_engine_id.as_deref() != Some(issued.engine_id.as_str()) {
-        return Err(format!(
-            "remote_engine_id {:?} is not the engine at {host}:{port} ({})",
-            kv.remote_engine_id, issued.engine_id
-        ));
+        return Err(HandoffError::OtherEngine {
+            claimed: kv.remote_engine_id.clone(),
+            host: host.clone(),
+            port,
+            actual: issued.engine_id,
+        });
     }
     if kv.remote_block_ids.as_deref() != Some(issued.block_ids.as_slice()) {
-        return Err("remote_block_ids differ from the blocks the prefill engine issued".into());
+        return Err(HandoffError::OtherBlocks);
     }
     Ok(())
 }
 
 /// Pushes a prompt's blocks to the decoder at `partner` (a base URL); returns how many were
 /// new there.
-pub(crate) async fn push(client: &HttpClient, partner: &str, push: &Push) -> Result<usize, String> {
+pub(crate) async fn push(
+    client: &HttpClient,
+    partner: &str,
+    push: &Push,
+) -> Result<usize, HandoffError> {
     let url = format!("{}/sim/kv-push", partner.trim_end_matches('/'));
-    let body = serde_json::to_vec(push).map_err(|err| err.to_string())?;
+    let body = serde_json::to_vec(push).map_err(HandoffError::Encode)?;
     let request = http::Request::post(&url)
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|err| err.to_string())?;
+        .body(Full::new(Bytes::from(body)))?;
     let (status, body) = call(client, request).await?;
     if !status.is_success() {
-        return Err(format!("{url} answered {status}"));
+        return Err(HandoffError::Refused { url, status });
     }
     #[derive(Deserialize)]
     struct Stored {
         stored: usize,
     }
-    serde_json::from_slice::<Stored>(&body)
-        .map(|stored| stored.stored)
-        .map_err(|err| format!("{url}: {err}"))
+    match serde_json::from_slice::<Stored>(&body) {
+        Ok(stored) => Ok(stored.stored),
+        Err(error) => Err(HandoffError::BadAnswer { url, error }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_the_ones_records_and_logs_show() {
+        let url = "http://h:1/sim/handoffs/r".to_owned();
+        for (error, message) in [
+            (
+                HandoffError::NoRemoteAddress,
+                "kv_transfer_params has no remote_host/remote_port",
+            ),
+            (
+                HandoffError::NoRemoteRequestId,
+                "kv_transfer_params has no remote_request_id",
+            ),
+            (
+                HandoffError::OtherRequest {
+                    remote: "a".into(),
+                    own: "b".into(),
+                },
+                "remote_request_id a is not this request's (b)",
+            ),
+            (
+                HandoffError::OtherEngine {
+                    claimed: Some("e1".into()),
+                    host: "h".into(),
+                    port: 1,
+                    actual: "e2".into(),
+                },
+                "remote_engine_id Some(\"e1\") is not the engine at h:1 (e2)",
+            ),
+            (
+                HandoffError::OtherBlocks,
+                "remote_block_ids differ from the blocks the prefill engine issued",
+            ),
+            (
+                HandoffError::NoSuchHandoff {
+                    url: url.clone(),
+                    status: StatusCode::NOT_FOUND,
+                },
+                "http://h:1/sim/handoffs/r answered 404 Not Found: no such hand-off",
+            ),
+            (
+                HandoffError::Refused {
+                    url,
+                    status: StatusCode::BAD_REQUEST,
+                },
+                "http://h:1/sim/handoffs/r answered 400 Bad Request",
+            ),
+            (HandoffError::Timeout(CALL_TIMEOUT), "no answer within 5s"),
+        ] {
+            assert_eq!(error.to_string(), message);
+        }
+    }
 }

@@ -35,7 +35,6 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::SimError;
 use crate::cache::CacheEvent;
 use crate::metrics::Metrics;
 
@@ -118,6 +117,16 @@ impl KvEventsControl {
     }
 }
 
+/// A KV-event socket that could not be bound, named by its flag. The zeromq error is part of
+/// the message (not a `source`), so that an error chain shows it once.
+#[derive(Debug, thiserror::Error)]
+#[error("{flag} {endpoint}: cannot bind: {error}")]
+pub struct KvEventsBindError {
+    pub flag: &'static str,
+    pub endpoint: String,
+    pub error: zeromq::ZmqError,
+}
+
 /// Bound sockets, ready to run.
 pub(crate) struct KvEventsPublisher {
     publisher: zeromq::PubSocket,
@@ -146,10 +155,13 @@ impl KvEventsPublisher {
         topic: &str,
         format: KvEventsFormat,
         replay_buffer: usize,
-    ) -> Result<Self, SimError> {
-        let bind_error = |flag: &str, endpoint: &str, err: zeromq::ZmqError| {
-            SimError::Config(format!("{flag} {endpoint}: cannot bind: {err}"))
-        };
+    ) -> Result<Self, KvEventsBindError> {
+        let bind_error =
+            |flag: &'static str, endpoint: &str, error: zeromq::ZmqError| KvEventsBindError {
+                flag,
+                endpoint: endpoint.to_owned(),
+                error,
+            };
         let mut publisher = zeromq::PubSocket::new();
         let bound = publisher
             .bind(&bind_address(endpoint))

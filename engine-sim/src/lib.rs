@@ -14,16 +14,19 @@
 //! - **KV-cache events** in vLLM's wire format (ZMQ PUB + replay ROUTER, msgpack), from the
 //!   prefix cache's real stores and evictions.
 //!
-//! Code map: [`tokenizer`] (the token-count approximation and chat template), [`cache`],
+//! Code map: `config` (the flags, and the engine model's parameters read from them),
+//! [`tokenizer`] (the token-count approximation and chat template), [`cache`],
 //! `kv_events` (the publisher),
-//! [`engine`] (pure scheduler and time model), `driver` (the engine task and virtual clock),
-//! `api` and `openai` (HTTP handlers and wire format), `metrics`, `server` (accept loop,
-//! shutdown, [`SimHandle`]).
+//! [`engine`] (pure scheduler and time model; it knows no flags), `driver` (the engine task
+//! and virtual clock), `api` (HTTP handlers and the state they share) and `openai` (wire
+//! format), `metrics`, `server` (builds that state; accept loop, shutdown, [`SimHandle`]),
+//! `error` ([`SimError`]).
 
 pub mod cache;
 mod config;
 mod driver;
 pub mod engine;
+mod error;
 mod faults;
 mod handoff;
 mod kv_events;
@@ -36,23 +39,12 @@ pub mod tokenizer;
 
 mod api;
 
-pub use config::SimConfig;
-pub use faults::Faults;
-pub use kv_events::KvEventsFormat;
+pub use config::{ConfigError, SimConfig};
+pub use error::SimError;
+pub use faults::{FaultRateError, Faults};
+pub use kv_events::{KvEventsBindError, KvEventsFormat};
 pub use metrics::SimStats;
 pub use records::ReceivedRequest;
 pub use server::{SimHandle, SimServer, spawn};
 pub use switchyard_shared::InstanceRole;
 pub use tokenizer::{chat_prompt_text, count_tokens, tokenize};
-
-/// Why a simulator could not start or run.
-#[derive(Debug, thiserror::Error)]
-pub enum SimError {
-    /// A bad configuration value; the message names the flag.
-    #[error("{0}")]
-    Config(String),
-    #[error("socket error: {0}")]
-    Io(#[source] std::io::Error),
-    #[error("the engine task panicked")]
-    EnginePanicked,
-}

@@ -19,28 +19,21 @@ pub(crate) enum ApiKind {
 
 /// The request fields the simulator reads.
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub(crate) struct InferenceBody {
-    #[serde(default)]
     pub model: Option<String>,
-    #[serde(default)]
     pub messages: Option<Vec<Value>>,
-    #[serde(default)]
     pub prompt: Option<Value>,
-    #[serde(default)]
     pub max_tokens: Option<i64>,
-    #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
     pub kv_transfer_params: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub(crate) struct StreamOptions {
-    #[serde(default)]
     pub include_usage: Option<bool>,
 }
 
@@ -131,6 +124,14 @@ pub(crate) struct Prompt {
     pub block_hashes: Vec<u64>,
 }
 
+/// A JSON body, or a 400 whose message is `what` and serde's reason.
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    what: &str,
+) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|err| ApiError::bad_request(format!("{what}: {err}")))
+}
+
 /// Parses a body and tokenizes its prompt. `kind` None picks chat if the body has `messages`
 /// (the SageMaker `/invocations` rule). CPU-bound: run large bodies on a blocking thread.
 pub(crate) fn parse_request(
@@ -138,8 +139,7 @@ pub(crate) fn parse_request(
     kind: Option<ApiKind>,
     block_size: usize,
 ) -> Result<ParsedRequest, ApiError> {
-    let body: InferenceBody = serde_json::from_slice(bytes)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))?;
+    let body: InferenceBody = parse_json(bytes, "invalid JSON body")?;
     let kind = kind.unwrap_or(if body.messages.is_some() {
         ApiKind::Chat
     } else {
@@ -291,6 +291,13 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, Json(self.to_json())).into_response()
+    }
+}
+
+/// So that `?` answers a handler's `Result<_, Response>` with the error.
+impl From<ApiError> for Response {
+    fn from(error: ApiError) -> Self {
+        error.into_response()
     }
 }
 

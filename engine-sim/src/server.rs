@@ -1,4 +1,4 @@
-//! Serving: the shared state behind the handlers, the accept loop (HTTP/1.1, like vLLM's
+//! Serving: building the state behind the handlers, the accept loop (HTTP/1.1, like vLLM's
 //! uvicorn), graceful shutdown, abrupt kill, and the in-process [`SimHandle`].
 
 use std::net::SocketAddr;
@@ -13,38 +13,19 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::api;
+use crate::api::Shared;
 use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
-use crate::driver::{EngineClient, EngineDriver, engine};
+use crate::driver::{EngineDriver, engine};
 use crate::engine::Scheduler;
+use crate::error::SimError;
 use crate::faults::{FaultInjector, Faults};
-use crate::kv_events::{KvEventsControl, KvEventsInfo, KvEventsPublisher, QUEUE_BATCHES};
+use crate::kv_events::{KvEventsPublisher, QUEUE_BATCHES};
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::Handoffs;
 use crate::records::{ReceivedRequest, Recorder};
-use crate::{SimError, api};
-
-/// What every handler can reach.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub config: SimConfig,
-    pub engine_id: String,
-    pub engine: EngineClient,
-    pub metrics: Arc<Metrics>,
-    pub faults: FaultInjector,
-    pub records: Recorder,
-    pub handoffs: Handoffs,
-    /// The listening address, known once serving starts.
-    pub local_addr: OnceLock<SocketAddr>,
-    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
-    pub kv_events: OnceLock<KvEventsInfo>,
-    pub kv_control: Arc<KvEventsControl>,
-    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
-    pub http: crate::handoff::HttpClient,
-    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
-    pub responses: ResponseStore,
-}
 
 /// One simulated vLLM instance, ready to serve on a listener.
 #[derive(Debug)]
@@ -60,7 +41,7 @@ pub struct SimServer {
 impl SimServer {
     /// Validates `config` and builds the engine (nothing runs until [`run`](Self::run)).
     pub fn new(config: SimConfig) -> Result<Self, SimError> {
-        config.validate().map_err(SimError::Config)?;
+        config.validate()?;
         let metrics = Arc::new(Metrics::default());
         let (sink, kv_batches) = match config.kv_events {
             Some(_) => {

@@ -110,37 +110,48 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// Checks each text's token count.
+    fn assert_counts(cases: &[(&str, usize)]) {
+        for (text, tokens) in cases {
+            assert_eq!(count_tokens(text), *tokens, "{text:?}");
+        }
+    }
+
     #[test]
     fn words_of_up_to_six_letters_are_one_token_each() {
         assert_eq!(tokenize("the cat sat").len(), 3);
-        assert_eq!(count_tokens("the cat sat"), 3);
-        assert_eq!(count_tokens("abcdef ghijkl mnopqr"), 3);
         let text = vec!["word"; 1000].join(" ");
-        assert_eq!(count_tokens(&text), 1000);
+        assert_counts(&[
+            ("the cat sat", 3),
+            ("abcdef ghijkl mnopqr", 3),
+            (&text, 1000),
+        ]);
     }
 
     #[test]
     fn long_runs_split_into_six_character_pieces() {
-        assert_eq!(count_tokens("abcdefg"), 2);
-        assert_eq!(count_tokens("abcdefghijkl"), 2);
-        assert_eq!(count_tokens("abcdefghijklm"), 3);
-        assert_eq!(count_tokens("x1234567890"), 2);
+        assert_counts(&[
+            ("abcdefg", 2),
+            ("abcdefghijkl", 2),
+            ("abcdefghijklm", 3),
+            ("x1234567890", 2),
+        ]);
     }
 
     #[test]
     fn punctuation_and_non_ascii_are_one_token_per_character() {
-        assert_eq!(count_tokens("hi, there!"), 4);
-        assert_eq!(count_tokens("<|user|>"), 5);
-        assert_eq!(count_tokens("héllo"), 3);
-        assert_eq!(count_tokens("日本"), 2);
-        assert_eq!(count_tokens("a\u{a0}b"), 3);
+        assert_counts(&[
+            ("hi, there!", 4),
+            ("<|user|>", 5),
+            ("héllo", 3),
+            ("日本", 2),
+            ("a\u{a0}b", 3),
+        ]);
     }
 
     #[test]
     fn whitespace_attaches_to_the_following_token() {
-        assert_eq!(count_tokens(""), 0);
-        assert_eq!(count_tokens("   "), 0);
-        assert_eq!(count_tokens("  a  "), 1);
+        assert_counts(&[("", 0), ("   ", 0), ("  a  ", 1)]);
         assert_eq!(tokenize(" cat")[0], xxh3_64(b" cat") as u32);
         assert_ne!(tokenize(" cat"), tokenize("cat"));
         assert_eq!(tokenize("the cat")[1], tokenize("a cat")[1]);

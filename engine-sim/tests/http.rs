@@ -25,6 +25,14 @@ fn fast_config() -> SimConfig {
     }
 }
 
+/// Slow enough for a test to act while a stream is running.
+fn slow_config() -> SimConfig {
+    SimConfig {
+        time_scale: 0.01,
+        ..SimConfig::default()
+    }
+}
+
 struct Reply {
     status: StatusCode,
     headers: HeaderMap,
@@ -92,7 +100,56 @@ async fn send(
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<Reply> {
-    send(addr, Method::POST, path, &[], body.to_string().into_bytes()).await
+    post_with(addr, path, &[], body).await
+}
+
+async fn post_with(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> Result<Reply> {
+    send(
+        addr,
+        Method::POST,
+        path,
+        headers,
+        body.to_string().into_bytes(),
+    )
+    .await
+}
+
+/// [`open`] for a JSON `POST`: the response head and its body stream.
+async fn open_post(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+) -> Result<hyper::Response<Incoming>> {
+    open_post_with(addr, path, &[], body).await
+}
+
+async fn open_post_with(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> Result<hyper::Response<Incoming>> {
+    open(
+        addr,
+        Method::POST,
+        path,
+        headers,
+        body.to_string().into_bytes(),
+    )
+    .await
+}
+
+/// Starts a completion stream far too long to end during the test and reads its first event.
+async fn endless_stream(addr: SocketAddr) -> Result<Incoming> {
+    let body = json!({"prompt": "go", "max_tokens": 100_000, "stream": true});
+    let mut body = open_post(addr, "/v1/completions", &body).await?.into_body();
+    read_first_event(&mut body).await?;
+    Ok(body)
 }
 
 async fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
@@ -111,6 +168,20 @@ async fn read_text(body: &mut Incoming) -> Result<String> {
         }
     }
     Ok(text)
+}
+
+/// Reads a body until it ends or breaks: the text so far, and whether it broke.
+async fn read_until_broken(body: &mut Incoming) -> Result<(String, bool)> {
+    let mut text = String::new();
+    while let Some(frame) = tokio::time::timeout(WAIT, body.frame()).await? {
+        let Ok(frame) = frame else {
+            return Ok((text, true));
+        };
+        if let Ok(data) = frame.into_data() {
+            text.push_str(std::str::from_utf8(&data)?);
+        }
+    }
+    Ok((text, false))
 }
 
 /// Reads one SSE body to its end; returns the `data:` payloads.
@@ -168,15 +239,12 @@ fn words(count: usize) -> String {
 #[tokio::test]
 async fn non_streaming_chat_has_vllm_shape() -> Result<()> {
     let sim = spawn(fast_config()).await?;
-    let reply = send(
+    let reply = post_with(
         sim.addr,
-        Method::POST,
         "/v1/chat/completions",
         &[("x-request-id", "req-42")],
-        json!({"model": "sim", "messages": [{"role": "user", "content": "the cat sat"}],
-               "max_tokens": 5, "temperature": 0.7})
-        .to_string()
-        .into_bytes(),
+        &json!({"model": "sim", "messages": [{"role": "user", "content": "the cat sat"}],
+               "max_tokens": 5, "temperature": 0.7}),
     )
     .await?;
     assert_eq!(reply.status, StatusCode::OK);
@@ -219,15 +287,11 @@ async fn non_streaming_chat_has_vllm_shape() -> Result<()> {
 #[tokio::test]
 async fn streaming_chat_arrives_in_chunks_and_ends_with_done() -> Result<()> {
     let sim = spawn(fast_config()).await?;
-    let response = open(
+    let response = open_post(
         sim.addr,
-        Method::POST,
         "/v1/chat/completions",
-        &[],
-        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-               "stream": true, "stream_options": {"include_usage": true}})
-        .to_string()
-        .into_bytes(),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+               "stream": true, "stream_options": {"include_usage": true}}),
     )
     .await?;
     assert_eq!(response.status(), StatusCode::OK);
@@ -263,14 +327,10 @@ async fn streaming_chat_arrives_in_chunks_and_ends_with_done() -> Result<()> {
 #[tokio::test]
 async fn streaming_completions_and_invocations() -> Result<()> {
     let sim = spawn(fast_config()).await?;
-    let response = open(
+    let response = open_post(
         sim.addr,
-        Method::POST,
         "/invocations",
-        &[],
-        json!({"prompt": "hello there", "max_tokens": 3, "stream": true})
-            .to_string()
-            .into_bytes(),
+        &json!({"prompt": "hello there", "max_tokens": 3, "stream": true}),
     )
     .await?;
     let events = read_events(&mut response.into_body()).await?;
@@ -420,9 +480,8 @@ async fn health_models_and_metrics() -> Result<()> {
 #[tokio::test]
 async fn records_headers_and_sets_faults_over_http() -> Result<()> {
     let sim = spawn(fast_config()).await?;
-    send(
+    post_with(
         sim.addr,
-        Method::POST,
         "/v1/chat/completions",
         &[
             (
@@ -433,10 +492,8 @@ async fn records_headers_and_sets_faults_over_http() -> Result<()> {
             ("x-switchyard-route", "prefix"),
             ("authorization", "Bearer secret"),
         ],
-        json!({"model": "sim", "messages": [], "max_tokens": 1,
-               "kv_transfer_params": {"do_remote_decode": false}})
-        .to_string()
-        .into_bytes(),
+        &json!({"model": "sim", "messages": [], "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": false}}),
     )
     .await?;
     let received = sim.received();
@@ -483,17 +540,14 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
     let messages = json!([{"role": "user", "content": words(1000)}]);
 
     // Hop 1: the proxy's prefill request.
-    let reply = send(
+    let reply = post_with(
         prefill.addr,
-        Method::POST,
         "/v1/chat/completions",
         &[("x-request-id", "r1")],
-        json!({"model": "sim", "messages": messages, "max_tokens": 1, "stream": false,
+        &json!({"model": "sim", "messages": messages, "max_tokens": 1, "stream": false,
                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
                    "remote_engine_id": null, "remote_block_ids": null,
-                   "remote_host": null, "remote_port": null}})
-        .to_string()
-        .into_bytes(),
+                   "remote_host": null, "remote_port": null}}),
     )
     .await?;
     assert_eq!(reply.status, StatusCode::OK);
@@ -515,15 +569,12 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
     assert_eq!(prefill.stats().prefill_tokens_computed, prompt_tokens);
 
     // Hop 2: the original request plus the prefill's params, to the decoder.
-    let response = open(
+    let response = open_post_with(
         decode.addr,
-        Method::POST,
         "/v1/chat/completions",
         &[("x-request-id", "r1")],
-        json!({"model": "sim", "messages": messages, "max_tokens": 4, "stream": true,
-               "stream_options": {"include_usage": true}, "kv_transfer_params": params})
-        .to_string()
-        .into_bytes(),
+        &json!({"model": "sim", "messages": messages, "max_tokens": 4, "stream": true,
+               "stream_options": {"include_usage": true}, "kv_transfer_params": params}),
     )
     .await?;
     let events = read_events(&mut response.into_body()).await?;
@@ -562,20 +613,12 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
 #[tokio::test]
 async fn graceful_shutdown_finishes_an_in_flight_stream() -> Result<()> {
     // 400 decode steps of ~14 ms model time: ~56 ms on the wall at this scale.
-    let sim = spawn(SimConfig {
-        time_scale: 0.01,
-        ..SimConfig::default()
-    })
-    .await?;
+    let sim = spawn(slow_config()).await?;
     let addr = sim.addr;
-    let response = open(
+    let response = open_post(
         addr,
-        Method::POST,
         "/v1/completions",
-        &[],
-        json!({"prompt": "go", "max_tokens": 400, "stream": true})
-            .to_string()
-            .into_bytes(),
+        &json!({"prompt": "go", "max_tokens": 400, "stream": true}),
     )
     .await?;
     let mut body = response.into_body();
@@ -592,24 +635,9 @@ async fn graceful_shutdown_finishes_an_in_flight_stream() -> Result<()> {
 
 #[tokio::test]
 async fn client_disconnect_frees_the_batch_slot() -> Result<()> {
-    let sim = spawn(SimConfig {
-        time_scale: 0.01,
-        ..SimConfig::default()
-    })
-    .await?;
+    let sim = spawn(slow_config()).await?;
     // Streaming: read one chunk, then hang up.
-    let response = open(
-        sim.addr,
-        Method::POST,
-        "/v1/completions",
-        &[],
-        json!({"prompt": "go", "max_tokens": 100_000, "stream": true})
-            .to_string()
-            .into_bytes(),
-    )
-    .await?;
-    let mut body = response.into_body();
-    read_first_event(&mut body).await?;
+    let body = endless_stream(sim.addr).await?;
     assert_eq!(sim.stats().running, 1);
     drop(body);
     wait_for_stats(&sim, |stats| {
@@ -645,32 +673,13 @@ async fn faults_hang_and_die_mid_stream() -> Result<()> {
         die_mid_stream_rate: 1.0,
         ..Faults::default()
     });
-    let response = open(
+    let response = open_post(
         sim.addr,
-        Method::POST,
         "/v1/completions",
-        &[],
-        json!({"prompt": "go", "max_tokens": 50, "stream": true})
-            .to_string()
-            .into_bytes(),
+        &json!({"prompt": "go", "max_tokens": 50, "stream": true}),
     )
     .await?;
-    let mut body = response.into_body();
-    let mut text = String::new();
-    let mut cut = false;
-    while let Some(frame) = tokio::time::timeout(WAIT, body.frame()).await? {
-        match frame {
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    text.push_str(std::str::from_utf8(&data)?);
-                }
-            }
-            Err(_) => {
-                cut = true;
-                break;
-            }
-        }
-    }
+    let (text, cut) = read_until_broken(&mut response.into_body()).await?;
     assert!(cut, "the stream should break: {text}");
     assert_eq!(sse_payloads(&text).len(), 2);
     assert!(!text.contains("[DONE]"));
@@ -701,32 +710,11 @@ async fn faults_hang_and_die_mid_stream() -> Result<()> {
 
 #[tokio::test]
 async fn kill_drops_connections_and_closes_the_port() -> Result<()> {
-    let sim = spawn(SimConfig {
-        time_scale: 0.01,
-        ..SimConfig::default()
-    })
-    .await?;
+    let sim = spawn(slow_config()).await?;
     let addr = sim.addr;
-    let response = open(
-        addr,
-        Method::POST,
-        "/v1/completions",
-        &[],
-        json!({"prompt": "go", "max_tokens": 100_000, "stream": true})
-            .to_string()
-            .into_bytes(),
-    )
-    .await?;
-    let mut body = response.into_body();
-    read_first_event(&mut body).await?;
+    let mut body = endless_stream(addr).await?;
     sim.killed().await;
-    let mut broken = false;
-    while let Some(frame) = tokio::time::timeout(WAIT, body.frame()).await? {
-        if frame.is_err() {
-            broken = true;
-            break;
-        }
-    }
+    let (_, broken) = read_until_broken(&mut body).await?;
     assert!(broken, "the stream must not end cleanly");
     assert!(TcpStream::connect(addr).await.is_err());
     Ok(())
@@ -835,14 +823,10 @@ async fn responses_are_stored_and_a_follow_up_sees_the_stored_turns() -> Result<
 #[tokio::test]
 async fn streamed_responses_send_vllms_events_in_order() -> Result<()> {
     let sim = spawn(fast_config()).await?;
-    let mut response = open(
+    let mut response = open_post(
         sim.addr,
-        Method::POST,
         "/v1/responses",
-        &[],
-        json!({"input": "hi", "stream": true, "max_output_tokens": 3})
-            .to_string()
-            .into_bytes(),
+        &json!({"input": "hi", "stream": true, "max_output_tokens": 3}),
     )
     .await?;
     assert!(

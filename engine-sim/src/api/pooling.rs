@@ -22,20 +22,22 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{MethodRouter, post};
 use base64::Engine as _;
 use http::{HeaderMap, Uri};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::{check_fits, draw_fault, request_id, wait_finished, with_request_id};
+use super::{
+    Shared, check_fits, check_model, draw_fault, random_id, request_id, wait_finished,
+    with_request_id,
+};
 use crate::cache::block_hashes;
 use crate::engine::SeqSpec;
 use crate::metrics::Metrics;
-use crate::openai::{ApiError, output_token_text};
+use crate::openai::{ApiError, output_token_text, parse_json};
 use crate::records::ReceivedRequest;
-use crate::server::Shared;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
 /// Length of the simulator's embeddings.
@@ -43,49 +45,51 @@ pub const EMBEDDING_DIMENSIONS: usize = 64;
 
 pub(super) fn routes() -> Router<Arc<Shared>> {
     Router::new()
-        .route("/v1/embeddings", post(embeddings))
-        .route("/pooling", post(pooling))
-        .route("/classify", post(classify))
-        .route("/score", post(score))
-        .route("/v1/score", post(score))
-        .route("/rerank", post(rerank))
-        .route("/v1/rerank", post(rerank))
-        .route("/v2/rerank", post(rerank))
-        .route("/detokenize", post(detokenize))
+        .route("/v1/embeddings", api(embeddings))
+        .route("/pooling", api(pooling))
+        .route("/classify", api(classify))
+        .route("/score", api(score))
+        .route("/v1/score", api(score))
+        .route("/rerank", api(rerank))
+        .route("/v1/rerank", api(rerank))
+        .route("/v2/rerank", api(rerank))
+        .route("/detokenize", api(detokenize))
+}
+
+/// What one pooling API answers: its JSON, or a response to send instead (an error, a fault).
+type Answer = Result<Value, Response>;
+
+/// The `POST` route of one pooling API: [`serve`] with `respond`.
+fn api<F, Fut>(respond: F) -> MethodRouter<Arc<Shared>>
+where
+    F: FnOnce(Arc<Shared>, PoolingBody, String) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Answer> + Send + 'static,
+{
+    post(
+        move |State(shared): State<Arc<Shared>>, uri: Uri, headers: HeaderMap, body: Bytes| async move {
+            serve(shared, uri.path(), headers, body, respond).await
+        },
+    )
 }
 
 /// The request fields the pooling APIs read (each API uses its own).
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 struct PoolingBody {
-    #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
     input: Option<Value>,
-    #[serde(default)]
     messages: Option<Vec<Value>>,
-    #[serde(default)]
     encoding_format: Option<String>,
-    #[serde(default)]
     dimensions: Option<i64>,
-    #[serde(default)]
     query: Option<Value>,
-    #[serde(default)]
     documents: Option<Value>,
-    #[serde(default)]
     top_n: Option<i64>,
-    #[serde(default)]
     queries: Option<Value>,
-    #[serde(default)]
     items: Option<Value>,
-    #[serde(default)]
     text_1: Option<Value>,
-    #[serde(default)]
     text_2: Option<Value>,
-    #[serde(default)]
     data_1: Option<Value>,
-    #[serde(default)]
     data_2: Option<Value>,
-    #[serde(default)]
     tokens: Option<Vec<Value>>,
 }
 
@@ -99,12 +103,11 @@ async fn serve<F, Fut>(
 ) -> Response
 where
     F: FnOnce(Arc<Shared>, PoolingBody, String) -> Fut,
-    Fut: Future<Output = Result<Value, Response>>,
+    Fut: Future<Output = Answer>,
 {
     Metrics::increment(&shared.metrics.requests_received);
     let request_id = request_id(&headers);
-    let parsed = serde_json::from_slice::<PoolingBody>(&body)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")));
+    let parsed = parse_json::<PoolingBody>(&body, "invalid JSON body");
     shared.records.record(ReceivedRequest {
         path: path.to_owned(),
         headers: ReceivedRequest::select_headers(&headers),
@@ -112,16 +115,15 @@ where
         model: parsed.as_ref().ok().and_then(|body| body.model.clone()),
         ..ReceivedRequest::default()
     });
-    let response = match parsed {
+    let checked = parsed.and_then(|body| {
+        check_model(&shared.config, body.model.as_deref())?;
+        Ok(body)
+    });
+    let response = match checked {
         Err(error) => error.into_response(),
-        Ok(body) => match &body.model {
-            Some(model) if *model != shared.config.served_model_name => {
-                ApiError::model_not_found(model).into_response()
-            }
-            _ => match respond(Arc::clone(&shared), body, request_id.clone()).await {
-                Ok(answer) => Json(answer).into_response(),
-                Err(response) => response,
-            },
+        Ok(body) => match respond(Arc::clone(&shared), body, request_id.clone()).await {
+            Ok(answer) => Json(answer).into_response(),
+            Err(response) => response,
         },
     };
     with_request_id(response, &request_id)
@@ -204,8 +206,7 @@ async fn run_prefills(
     let arrival = Instant::now();
     let config = &shared.config;
     for prompt in prompts {
-        check_fits(config, u32::try_from(prompt.len()).unwrap_or(u32::MAX), 1)
-            .map_err(IntoResponse::into_response)?;
+        check_fits(config, u32::try_from(prompt.len()).unwrap_or(u32::MAX), 1)?;
     }
     // Non-streaming: a fault answers now or never (no interruption to come).
     draw_fault(shared, request_id, false, 1).await?;
@@ -225,14 +226,12 @@ async fn run_prefills(
         let events = shared
             .engine
             .submit(spec, arrival)
-            .map_err(|stopped| ApiError::unavailable(stopped.to_string()).into_response())?;
+            .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
         running.push(events);
     }
     let mut prompt_tokens = 0u32;
     for mut events in running {
-        let finished = wait_finished(&mut events)
-            .await
-            .map_err(IntoResponse::into_response)?;
+        let finished = wait_finished(&mut events).await?;
         prompt_tokens = prompt_tokens.saturating_add(finished.prompt_tokens);
     }
     Ok(prompt_tokens)
@@ -295,125 +294,81 @@ fn usage(prompt_tokens: u32) -> Value {
     })
 }
 
-fn random_id(prefix: &str) -> String {
-    format!("{prefix}{:032x}", fastrand::u128(..))
-}
-
-/// The list envelope of embeddings, pooling, classification and score answers.
-fn list(shared: &Shared, prefix: &str, data: Vec<Value>, prompt_tokens: u32) -> Value {
-    json!({
+/// Runs the prompts on the engine (see [`run_prefills`]), then answers `data` in the list
+/// envelope of embeddings, pooling, classification and score answers.
+async fn run_and_list(
+    shared: &Shared,
+    request_id: &str,
+    prompts: &[Vec<u32>],
+    prefix: &str,
+    data: Vec<Value>,
+) -> Answer {
+    let prompt_tokens = run_prefills(shared, request_id, prompts).await?;
+    Ok(json!({
         "id": random_id(prefix),
         "object": "list",
         "created": switchyard_process::clock::unix_seconds(),
         "model": shared.config.served_model_name,
         "data": data,
         "usage": usage(prompt_tokens),
-    })
+    }))
 }
 
-async fn embeddings(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |shared, body, request_id| async move {
-            let prompts = inputs(&body).map_err(IntoResponse::into_response)?;
-            let dimensions = dimensions(&body).map_err(IntoResponse::into_response)?;
-            let format = body.encoding_format.as_deref();
-            let data = prompts
-                .iter()
-                .enumerate()
-                .map(|(index, prompt)| {
-                    Ok(json!({
-                        "index": index,
-                        "object": "embedding",
-                        "embedding": encode(&embedding(prompt, dimensions), format)?,
-                    }))
-                })
-                .collect::<Result<Vec<_>, ApiError>>()
-                .map_err(IntoResponse::into_response)?;
-            let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
-            Ok(list(&shared, "embd-", data, prompt_tokens))
-        },
-    )
-    .await
+/// Each prompt's vector as `encoding_format` asks, as `{"index", "object", key: vector}`.
+fn vectors(
+    prompts: &[Vec<u32>],
+    dimensions: usize,
+    format: Option<&str>,
+    object: &str,
+    key: &str,
+) -> Result<Vec<Value>, ApiError> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(index, prompt)| {
+            let mut item = json!({"index": index, "object": object});
+            item[key] = encode(&embedding(prompt, dimensions), format)?;
+            Ok(item)
+        })
+        .collect()
 }
 
-async fn pooling(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |shared, body, request_id| async move {
-            let prompts = inputs(&body).map_err(IntoResponse::into_response)?;
-            let format = body.encoding_format.as_deref();
-            let data = prompts
-                .iter()
-                .enumerate()
-                .map(|(index, prompt)| {
-                    Ok(json!({
-                        "index": index,
-                        "object": "pooling",
-                        "data": encode(&embedding(prompt, EMBEDDING_DIMENSIONS), format)?,
-                    }))
-                })
-                .collect::<Result<Vec<_>, ApiError>>()
-                .map_err(IntoResponse::into_response)?;
-            let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
-            Ok(list(&shared, "pool-", data, prompt_tokens))
-        },
-    )
-    .await
+async fn embeddings(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> Answer {
+    let prompts = inputs(&body)?;
+    let dimensions = dimensions(&body)?;
+    let format = body.encoding_format.as_deref();
+    let data = vectors(&prompts, dimensions, format, "embedding", "embedding")?;
+    run_and_list(&shared, &request_id, &prompts, "embd-", data).await
 }
 
-async fn classify(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |shared, body, request_id| async move {
-            let prompts = inputs(&body).map_err(IntoResponse::into_response)?;
-            let data = prompts
-                .iter()
-                .enumerate()
-                .map(|(index, prompt)| {
-                    let positive = unit(prompt, 0);
-                    let label = if positive >= 0.5 {
-                        "LABEL_1"
-                    } else {
-                        "LABEL_0"
-                    };
-                    json!({
-                        "index": index,
-                        "label": label,
-                        "probs": [1.0 - positive, positive],
-                        "num_classes": 2,
-                    })
-                })
-                .collect();
-            let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
-            Ok(list(&shared, "classify-", data, prompt_tokens))
-        },
-    )
-    .await
+async fn pooling(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> Answer {
+    let prompts = inputs(&body)?;
+    let format = body.encoding_format.as_deref();
+    let data = vectors(&prompts, EMBEDDING_DIMENSIONS, format, "pooling", "data")?;
+    run_and_list(&shared, &request_id, &prompts, "pool-", data).await
+}
+
+async fn classify(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> Answer {
+    let prompts = inputs(&body)?;
+    let data = prompts
+        .iter()
+        .enumerate()
+        .map(|(index, prompt)| {
+            let positive = unit(prompt, 0);
+            let label = if positive >= 0.5 {
+                "LABEL_1"
+            } else {
+                "LABEL_0"
+            };
+            json!({
+                "index": index,
+                "label": label,
+                "probs": [1.0 - positive, positive],
+                "num_classes": 2,
+            })
+        })
+        .collect();
+    run_and_list(&shared, &request_id, &prompts, "classify-", data).await
 }
 
 /// One query against N documents, or N against N: the concatenated pairs.
@@ -439,159 +394,110 @@ fn pairs(
     }
 }
 
-async fn score(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |shared, body, request_id| async move {
-            let first = body
-                .queries
-                .as_ref()
-                .or(body.text_1.as_ref())
-                .or(body.data_1.as_ref());
-            let second = body
-                .documents
-                .as_ref()
-                .or(body.items.as_ref())
-                .or(body.text_2.as_ref())
-                .or(body.data_2.as_ref());
-            let (Some(first), Some(second)) = (first, second) else {
-                return Err(ApiError::bad_request(
-                    "score takes queries and documents (or text_1 and text_2)".to_owned(),
-                )
-                .param("queries")
-                .into_response());
-            };
-            let first = value_list(first, "queries").map_err(IntoResponse::into_response)?;
-            let second = value_list(second, "documents").map_err(IntoResponse::into_response)?;
-            let prompts =
-                pairs(&first, &second, "documents").map_err(IntoResponse::into_response)?;
-            let data = prompts
-            .iter()
-            .enumerate()
-            .map(|(index, pair)| json!({"index": index, "object": "score", "score": unit(pair, 1)}))
-            .collect();
-            let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
-            Ok(list(&shared, "score-", data, prompt_tokens))
-        },
-    )
-    .await
+async fn score(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> Answer {
+    let first = body
+        .queries
+        .as_ref()
+        .or(body.text_1.as_ref())
+        .or(body.data_1.as_ref());
+    let second = body
+        .documents
+        .as_ref()
+        .or(body.items.as_ref())
+        .or(body.text_2.as_ref())
+        .or(body.data_2.as_ref());
+    let (Some(first), Some(second)) = (first, second) else {
+        return Err(ApiError::bad_request(
+            "score takes queries and documents (or text_1 and text_2)".to_owned(),
+        )
+        .param("queries")
+        .into());
+    };
+    let first = value_list(first, "queries")?;
+    let second = value_list(second, "documents")?;
+    let prompts = pairs(&first, &second, "documents")?;
+    let data = prompts
+        .iter()
+        .enumerate()
+        .map(|(index, pair)| json!({"index": index, "object": "score", "score": unit(pair, 1)}))
+        .collect();
+    run_and_list(&shared, &request_id, &prompts, "score-", data).await
 }
 
-async fn rerank(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |shared, body, request_id| async move {
-            let (Some(query), Some(documents)) = (&body.query, &body.documents) else {
-                return Err(
-                    ApiError::bad_request("rerank takes a query and documents".to_owned())
-                        .param("query")
-                        .into_response(),
-                );
+async fn rerank(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> Answer {
+    let (Some(query), Some(documents)) = (&body.query, &body.documents) else {
+        return Err(
+            ApiError::bad_request("rerank takes a query and documents".to_owned())
+                .param("query")
+                .into(),
+        );
+    };
+    let query = value_tokens(query, "query")?;
+    let texts: Vec<Value> = match documents {
+        Value::Array(items) => items.clone(),
+        single => vec![single.clone()],
+    };
+    let documents = value_list(documents, "documents")?;
+    let prompts = pairs(&[query], &documents, "documents")?;
+    let mut results: Vec<(usize, f64)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(index, pair)| (index, unit(pair, 1)))
+        .collect();
+    results.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if let Some(top) = body.top_n.filter(|top| *top > 0) {
+        results.truncate(usize::try_from(top).unwrap_or(usize::MAX));
+    }
+    let results: Vec<Value> = results
+        .into_iter()
+        .map(|(index, relevance)| {
+            let text = match &texts[index] {
+                Value::String(text) => Value::String(text.clone()),
+                other => other.get("text").cloned().unwrap_or(Value::Null),
             };
-            let query = value_tokens(query, "query").map_err(IntoResponse::into_response)?;
-            let texts: Vec<Value> = match documents {
-                Value::Array(items) => items.clone(),
-                single => vec![single.clone()],
-            };
-            let documents =
-                value_list(documents, "documents").map_err(IntoResponse::into_response)?;
-            let prompts =
-                pairs(&[query], &documents, "documents").map_err(IntoResponse::into_response)?;
-            let mut results: Vec<(usize, f64)> = prompts
-                .iter()
-                .enumerate()
-                .map(|(index, pair)| (index, unit(pair, 1)))
-                .collect();
-            results.sort_by(|a, b| b.1.total_cmp(&a.1));
-            if let Some(top) = body.top_n.filter(|top| *top > 0) {
-                results.truncate(usize::try_from(top).unwrap_or(usize::MAX));
-            }
-            let results: Vec<Value> = results
-                .into_iter()
-                .map(|(index, relevance)| {
-                    let text = match &texts[index] {
-                        Value::String(text) => Value::String(text.clone()),
-                        other => other.get("text").cloned().unwrap_or(Value::Null),
-                    };
-                    json!({
-                        "index": index,
-                        "document": {"text": text, "multi_modal": null},
-                        "relevance_score": relevance,
-                    })
-                })
-                .collect();
-            let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
-            Ok(json!({
-                "id": random_id("rerank-"),
-                "model": shared.config.served_model_name,
-                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-                "results": results,
-            }))
-        },
-    )
-    .await
+            json!({
+                "index": index,
+                "document": {"text": text, "multi_modal": null},
+                "relevance_score": relevance,
+            })
+        })
+        .collect();
+    let prompt_tokens = run_prefills(&shared, &request_id, &prompts).await?;
+    Ok(json!({
+        "id": random_id("rerank-"),
+        "model": shared.config.served_model_name,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "results": results,
+    }))
 }
 
-async fn detokenize(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(
-        shared,
-        uri.path(),
-        headers,
-        body,
-        |_shared, body, _request_id| async move {
-            let tokens = body.tokens.ok_or_else(|| {
-                ApiError::bad_request("tokens: field required".to_owned())
+async fn detokenize(_shared: Arc<Shared>, body: PoolingBody, _request_id: String) -> Answer {
+    let tokens = body.tokens.ok_or_else(|| {
+        ApiError::bad_request("tokens: field required".to_owned()).param("tokens")
+    })?;
+    // The simulator's output words, with and without their leading space.
+    let words: Vec<(u32, String)> = (0..32)
+        .flat_map(|index| {
+            let word = output_token_text(index);
+            let bare = word.trim_start().to_owned();
+            [(tokenize(&word)[0], word), (tokenize(&bare)[0], bare)]
+        })
+        .collect();
+    let mut prompt = String::new();
+    for token in &tokens {
+        let id = token
+            .as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| {
+                ApiError::bad_request("tokens must be non-negative integers".to_owned())
                     .param("tokens")
-                    .into_response()
             })?;
-            // The simulator's output words, with and without their leading space.
-            let words: Vec<(u32, String)> = (0..32)
-                .flat_map(|index| {
-                    let word = output_token_text(index);
-                    let bare = word.trim_start().to_owned();
-                    [(tokenize(&word)[0], word), (tokenize(&bare)[0], bare)]
-                })
-                .collect();
-            let mut prompt = String::new();
-            for token in &tokens {
-                let id = token
-                    .as_u64()
-                    .and_then(|id| u32::try_from(id).ok())
-                    .ok_or_else(|| {
-                        ApiError::bad_request("tokens must be non-negative integers".to_owned())
-                            .param("tokens")
-                            .into_response()
-                    })?;
-                match words.iter().find(|(known, _)| *known == id) {
-                    Some((_, word)) => prompt.push_str(word),
-                    None => prompt.push_str(&format!("<|{id}|>")),
-                }
-            }
-            Ok(json!({"prompt": prompt}))
-        },
-    )
-    .await
+        match words.iter().find(|(known, _)| *known == id) {
+            Some((_, word)) => prompt.push_str(word),
+            None => prompt.push_str(&format!("<|{id}|>")),
+        }
+    }
+    Ok(json!({"prompt": prompt}))
 }
 
 #[cfg(test)]

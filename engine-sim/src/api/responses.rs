@@ -22,24 +22,27 @@ use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderValue};
+use http::HeaderMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{Interruption, check_fits, draw_fault, output_budget, request_id};
+use super::{
+    Interruption, Shared, check_fits, check_model, draw_fault, event_stream, interrupt,
+    output_budget, random_id, request_id,
+};
 use crate::cache::block_hashes;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::metrics::Metrics;
-use crate::openai::{ApiError, InferenceBody, KvTransfer, output_text, output_token_text};
+use crate::openai::{
+    ApiError, InferenceBody, KvTransfer, output_text, output_token_text, parse_json,
+};
 use crate::records::ReceivedRequest;
-use crate::server::Shared;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
 pub(super) fn routes() -> Router<Arc<Shared>> {
@@ -113,25 +116,17 @@ impl ResponseStore {
 }
 
 /// The request fields the simulator reads (others are ignored, as vLLM ignores unknown ones).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 struct CreateBody {
-    #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
     input: Option<Value>,
-    #[serde(default)]
     instructions: Option<String>,
-    #[serde(default)]
     previous_response_id: Option<String>,
-    #[serde(default)]
     store: Option<bool>,
-    #[serde(default)]
     stream: Option<bool>,
-    #[serde(default)]
     background: Option<bool>,
-    #[serde(default)]
     max_output_tokens: Option<i64>,
-    #[serde(default)]
     metadata: Option<Value>,
 }
 
@@ -180,10 +175,6 @@ fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
                 .param("input"),
         ),
     }
-}
-
-fn random_id(prefix: &str) -> String {
-    format!("{prefix}{:032x}", fastrand::u128(..))
 }
 
 /// What one response shares between its events and its final object.
@@ -281,8 +272,7 @@ async fn create(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     let arrival = Instant::now();
     Metrics::increment(&shared.metrics.requests_received);
     let request_id = request_id(&headers);
-    let parsed = serde_json::from_slice::<CreateBody>(&body)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")));
+    let parsed = parse_json::<CreateBody>(&body, "invalid JSON body");
     shared.records.record(ReceivedRequest {
         path: "/v1/responses".to_owned(),
         headers: ReceivedRequest::select_headers(&headers),
@@ -309,11 +299,7 @@ async fn run(
     arrival: Instant,
 ) -> Result<Response, ApiError> {
     let config = &shared.config;
-    if let Some(model) = &body.model
-        && *model != config.served_model_name
-    {
-        return Err(ApiError::model_not_found(model));
-    }
+    check_model(config, body.model.as_deref())?;
     if body.background.unwrap_or(false) {
         return Err(ApiError::bad_request(
             "background mode is not simulated; send background: false".to_owned(),
@@ -459,14 +445,9 @@ impl Done {
                 };
                 match engine_event {
                     EngineEvent::Token => {
-                        if let Some(fault) = interruption
-                            && fault.after_tokens == sent
-                        {
-                            if fault.close {
-                                yield Err(std::io::Error::other("simulated crash (fault injection)"));
-                                break;
-                            }
-                            std::future::pending::<()>().await;
+                        if let Some(error) = interrupt(interruption, sent).await {
+                            yield Err(error);
+                            break;
                         }
                         yield Ok(event("response.output_text.delta", json!({
                             "item_id": meta.message_id,
@@ -516,14 +497,7 @@ impl Done {
                 }
             }
         };
-        (
-            [(
-                CONTENT_TYPE,
-                HeaderValue::from_static("text/event-stream; charset=utf-8"),
-            )],
-            Body::from_stream(stream),
-        )
-            .into_response()
+        event_stream(stream)
     }
 }
 
@@ -555,36 +529,37 @@ fn check_id(id: &str) -> Result<(), ApiError> {
     }
 }
 
-async fn retrieve(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    let found =
-        check_id(&id).and_then(|()| shared.responses.get(&id).ok_or_else(|| not_found(&id)));
-    match found {
-        Ok(stored) => Json(stored.response).into_response(),
-        Err(error) => error.into_response(),
-    }
+async fn retrieve(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_id(&id)?;
+    let stored = shared.responses.get(&id).ok_or_else(|| not_found(&id))?;
+    Ok(Json(stored.response))
 }
 
-async fn delete(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
-    if let Err(error) = check_id(&id) {
-        return error.into_response();
+async fn delete(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_id(&id)?;
+    if !shared.responses.remove(&id) {
+        return Err(not_found(&id));
     }
-    if shared.responses.remove(&id) {
-        Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
-    } else {
-        not_found(&id).into_response()
-    }
+    Ok(Json(
+        json!({"id": id, "object": "response", "deleted": true}),
+    ))
 }
 
-async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> ApiError {
     if let Err(error) = check_id(&id) {
-        return error.into_response();
+        return error;
     }
     match shared.responses.get(&id) {
         // Only background responses can be cancelled, and none runs in the background here.
         Some(_) => ApiError::bad_request("Cannot cancel a synchronous response.".to_owned())
-            .param("response_id")
-            .into_response(),
-        None => not_found(&id).into_response(),
+            .param("response_id"),
+        None => not_found(&id),
     }
 }
 
