@@ -8,7 +8,8 @@ use std::time::Duration;
 use switchyard_process::check_range;
 use switchyard_telemetry::{TelemetryArgs, TelemetrySettings};
 
-use crate::routing::membership::{self, StaticConfig};
+use crate::routing::static_file::{self, StaticConfig};
+use crate::server::admission::Limits;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum UpstreamProtocol {
@@ -193,7 +194,9 @@ impl RouterConfig {
     /// Checks the flags and reads the files they name.
     pub fn validate(&self) -> Result<Settings, String> {
         let source = match &self.config {
-            Some(path) => Source::Static(membership::read_static_config(path)?),
+            Some(path) => Source::Static(
+                static_file::read_static_config(path).map_err(|err| err.to_string())?,
+            ),
             None => Source::ControlPlane(self.control_plane_urls()?),
         };
         check_range(
@@ -353,14 +356,6 @@ pub struct Deadlines {
     pub client_body: Duration,
     pub upstream_header: Duration,
     pub stream_idle: Duration,
-}
-
-/// Admission limits, per router process (over all serving threads).
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub max_connections: usize,
-    pub max_in_flight: usize,
-    pub max_buffered_bytes: u64,
 }
 
 /// A validated router configuration.

@@ -39,7 +39,8 @@ pub mod parts {
     pub use crate::plan::kv::{KvDecision, decide};
     pub use crate::plan::tokens::{PromptKind, TokenizeError, tokenize_body};
     pub use crate::request::tokenize::{TokenizeClient, least_loaded, request_tokens};
-    pub use crate::routing::membership::{Membership, read_static_config};
+    pub use crate::routing::membership::Membership;
+    pub use crate::routing::static_file::read_static_config;
     pub use crate::routing::sync_client::{SyncSettings, SyncTask, spawn as spawn_sync};
     pub use crate::routing::table::build as build_table;
 }

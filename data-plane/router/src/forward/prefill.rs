@@ -40,7 +40,7 @@ use crate::headers::{PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
 use crate::observe::labels::{RouteLabel, UpstreamError};
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
-use crate::plan::body::with_kv_transfer_params;
+use crate::plan::engine_body::with_kv_transfer_params;
 use crate::plan::{Disaggregated, Plan};
 use crate::routing::table::{Disaggregation, EndpointRoute, InstanceRoute, VariantRoute};
 use crate::server::admission::BufferReservation;

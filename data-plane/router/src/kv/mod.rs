@@ -388,7 +388,7 @@ mod tests {
             let yaml = format!(
                 "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill}}\n      - {{VariantName: decode}}\n    DisaggregationConfig: {disaggregation}\n"
             );
-            let config = crate::routing::membership::parse_static_text(&yaml, true).unwrap();
+            let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
             let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
             crate::routing::membership::Membership::new(Arc::default(), Arc::clone(&table))
                 .load_static(config);

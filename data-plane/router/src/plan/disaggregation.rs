@@ -211,7 +211,7 @@ pub(crate) fn finish(
                 prefill: rank::prefill(prefill, pd, &pending.prefill_key, random),
                 count,
                 prefill_cached_tokens: Vec::new(),
-                prefill_body: super::body::prefill_body(&plan.body, pd.protocol, prefill),
+                prefill_body: super::engine_body::prefill_body(&plan.body, pd.protocol, prefill),
             });
             RouteLabel::Disaggregated
         };

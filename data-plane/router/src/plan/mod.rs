@@ -1,14 +1,14 @@
 //! The plan phase: CPU only, no sockets. From the operation, the headers and the body, where
 //! the request goes (`target`: endpoint, variant, or the holder of a stored response), in what
 //! order the instances are tried (`rank`), a disaggregated endpoint's decision (`disaggregation`,
-//! counting the prompt with `count`), and the body the engine gets (`body`). The result is
+//! counting the prompt with `count`), and the body the engine gets (`engine_body`). The result is
 //! ready to forward, or says that it needs the prompt's token ids ([`Planned::NeedsTokens`]:
 //! KV_AWARE, a KV_AWARE prefill pool, UNCACHED_TOKENS), which the settle phase gets and hands
 //! back to `kv::finish` or `disaggregation::finish` here. Forwarding the plan is `forward`'s job.
 
-pub(crate) mod body;
 pub(crate) mod count;
 pub(crate) mod disaggregation;
+pub(crate) mod engine_body;
 pub(crate) mod kv;
 mod rank;
 mod target;
@@ -244,56 +244,8 @@ pub fn plan(
         rng,
     )?;
     let endpoint = Arc::clone(&target.endpoint);
-    let rule = operation.text_rule();
     // Who serves it, in what order (a disaggregated endpoint's decoders).
-    let (variant_index, ranking, routing_key) = match &target.destination {
-        Destination::Stored {
-            variant, instance, ..
-        }
-        | Destination::FollowUp {
-            variant, instance, ..
-        } => (*variant, policy_rank::affinity(*instance), None),
-        Destination::Variant(index) => {
-            let openai = target.openai.as_ref().map(|request| (request, rule));
-            let (ranking, key) = rank::variant(
-                &endpoint.variants[*index],
-                &target.routing,
-                openai,
-                &body,
-                rng.u64(..),
-            );
-            (*index, ranking, key)
-        }
-        Destination::Disaggregated => {
-            let pd = endpoint
-                .disaggregation
-                .as_ref()
-                .expect("a disaggregated destination has a disaggregation");
-            let decode = &endpoint.variants[pd.decode];
-            if decode.instances.is_empty() {
-                return Err(ApiError::unavailable(format!(
-                    "the decode variant {} of endpoint {} has no healthy instance",
-                    decode.name, endpoint.name
-                )));
-            }
-            // Only chat and completions are read for the decoders' PREFIX_AWARE key, as for
-            // the threshold; other bodies by their first bytes.
-            let counted = target
-                .openai
-                .as_ref()
-                .filter(|_| operation.is_generation())
-                .map(|request| (request, rule));
-            let ranking = rank::decoders(
-                decode,
-                pd.decode_strategy,
-                &target.routing,
-                counted,
-                &body,
-                rng.u64(..),
-            );
-            (pd.decode, ranking, None)
-        }
-    };
+    let (variant_index, ranking, routing_key) = rank::serving(&target, operation, &body, rng)?;
     // A disaggregated endpoint's decision: direct, disaggregated, fallback, or undecided.
     let split = match target.destination {
         Destination::Disaggregated => disaggregation::split(&target, operation, counters, rng),
@@ -315,7 +267,7 @@ pub fn plan(
                 Destination::FollowUp { engine_id, .. } => Some(engine_id.as_str()),
                 _ => None,
             };
-            let body = body::for_engine(
+            let body = engine_body::for_engine(
                 body.clone(),
                 target.openai.as_ref(),
                 variant.model_name.as_deref(),
@@ -351,7 +303,7 @@ pub fn plan(
                 if let Some(pd) = &plan.endpoint.disaggregation {
                     let prefill = &plan.endpoint.variants[pd.prefill];
                     disaggregated.prefill_body =
-                        body::prefill_body(&plan.body, pd.protocol, prefill);
+                        engine_body::prefill_body(&plan.body, pd.protocol, prefill);
                 }
                 disaggregated
             });
@@ -464,7 +416,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:5", InstanceId: k1, VariantName: k}
       - {Url: "http://127.0.0.1:6", InstanceId: k2, VariantName: k}
 "#;
-        let config = crate::routing::membership::parse_static_text(yaml, true).unwrap();
+        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
         RoutingTable::clone(&table.load())
@@ -669,7 +621,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}
       - {Url: "http://127.0.0.1:2", InstanceId: d1, VariantName: decode, Role: decode}
 "#;
-        let config = crate::routing::membership::parse_static_text(yaml, true).unwrap();
+        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
         let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
         let table = RoutingTable::clone(&shared.load());
@@ -967,7 +919,7 @@ Endpoints:
       - {{Url: "http://127.0.0.1:4", InstanceId: d2, VariantName: decode, Role: decode}}
 "#
         );
-        let config = crate::routing::membership::parse_static_text(&yaml, true).unwrap();
+        let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
         RoutingTable::clone(&table.load())
@@ -1059,7 +1011,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:2", InstanceId: p2, VariantName: prefill, Role: prefill}
       - {Url: "http://127.0.0.1:3", InstanceId: d1, VariantName: decode, Role: decode}
 "#;
-        let config = crate::routing::membership::parse_static_text(yaml, true).unwrap();
+        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
         let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
         let table = RoutingTable::clone(&shared.load());

@@ -9,7 +9,9 @@ use switchyard_policy::prefix::native;
 use switchyard_policy::rank::{self, Route, Strategy};
 use switchyard_shared::{DecodeRoutingStrategy, PrefillRoutingStrategy};
 
-use super::target::RoutingHeaders;
+use super::target::{Destination, RoutingHeaders, Target};
+use crate::errors::ApiError;
+use crate::operation::Operation;
 use crate::routing::table::{Disaggregation, VariantRoute};
 
 /// What the prefill strategies read from the request, kept for a decision made later.
@@ -21,45 +23,114 @@ pub(crate) struct PrefillKey {
     pub(super) prefix: u64,
 }
 
-/// Ranks the variant's instances: a session sticks to its instance; PREFIX_AWARE hashes the
-/// prefix-aware id and the prefix; the other strategies read load and `random` (KV_AWARE as
-/// LEAST_OUTSTANDING_REQUESTS, until `plan::kv` ranks it by the KV index). With the ranking,
-/// PREFIX_AWARE's routing key.
-pub(super) fn variant(
+/// The pool that serves a request to `target` on `operation`, ranked: (variant index, ranking,
+/// PREFIX_AWARE's routing key). A stored response's or a follow-up's holder is the only
+/// candidate; a variant is ranked by its strategy; a disaggregated endpoint's decoders by
+/// theirs (503 if the decode pool has no instance). Draws one number from `rng`, but for a
+/// holder.
+pub(super) fn serving(
+    target: &Target<'_>,
+    operation: Operation,
+    body: &[u8],
+    rng: &mut fastrand::Rng,
+) -> Result<(usize, rank::Ranking, Option<u64>), ApiError> {
+    let endpoint = &target.endpoint;
+    // The pool, the session it sticks to, the decoders' strategy on a disaggregated endpoint,
+    // and the parsed body its prefix is read from.
+    let (pool, session, decode_strategy, openai) = match &target.destination {
+        Destination::Stored {
+            variant, instance, ..
+        }
+        | Destination::FollowUp {
+            variant, instance, ..
+        } => return Ok((*variant, rank::affinity(*instance), None)),
+        Destination::Variant(index) => {
+            (*index, target.routing.session, None, target.openai.as_ref())
+        }
+        Destination::Disaggregated => {
+            let pd = endpoint
+                .disaggregation
+                .as_ref()
+                .expect("a disaggregated destination has a disaggregation");
+            let decode = &endpoint.variants[pd.decode];
+            if decode.instances.is_empty() {
+                return Err(ApiError::unavailable(format!(
+                    "the decode variant {} of endpoint {} has no healthy instance",
+                    decode.name, endpoint.name
+                )));
+            }
+            // Decoders ignore the session; only chat and completions are read for their
+            // PREFIX_AWARE key, as for the threshold (other bodies by their first bytes).
+            let counted = target.openai.as_ref().filter(|_| operation.is_generation());
+            (pd.decode, None, Some(pd.decode_strategy), counted)
+        }
+    };
+    let variant = &endpoint.variants[pool];
+    let reads_prefix = session.is_none()
+        && matches!(variant.strategy, Strategy::PrefixAware { .. })
+        && decode_strategy.is_none_or(|strategy| strategy == DecodeRoutingStrategy::PrefixAware);
+    let key = reads_prefix.then(|| {
+        let rule = operation.text_rule();
+        prefix_key(
+            variant,
+            &target.routing,
+            openai.map(|request| (request, rule)),
+            body,
+        )
+    });
+    let random = rng.u64(..);
+    Ok(match decode_strategy {
+        None => (pool, by_variant(variant, session, key, random), key),
+        Some(strategy) => (pool, decoders(variant, strategy, key, random), None),
+    })
+}
+
+/// PREFIX_AWARE's routing key: the prefix-aware id and the variant's PrefixLength of the
+/// prompt (an OpenAI body's text by its API's rule, a native body's first bytes).
+fn prefix_key(
     variant: &VariantRoute,
     routing: &RoutingHeaders,
     openai: Option<(&OpenAiRequest<'_>, TextRule)>,
     body: &[u8],
-    random: u64,
-) -> (rank::Ranking, Option<u64>) {
-    let views = variant.current_views(switchyard_process::clock::unix_ms());
-    let load = |index: usize| variant.instances[index].cell.fleet_load();
-    match (routing.session, variant.strategy) {
-        (Some(session), _) => (rank::session(&views, session), None),
-        (None, Strategy::PrefixAware { .. }) => {
-            let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
-            let key = match openai {
-                Some((request, rule)) => routing_key(
-                    id,
-                    request
-                        .prefix_text_for(rule, variant.prefix_length)
-                        .as_bytes(),
-                ),
-                None => routing_key(id, native(body, variant.prefix_length)),
-            };
-            (variant.rank_prefix(&views, key), Some(key))
-        }
-        (None, strategy) => (rank::rank(strategy, &views, load, 0, random), None),
+) -> u64 {
+    let id = routing.prefix_aware_id.as_deref().unwrap_or("").as_bytes();
+    match openai {
+        Some((request, rule)) => routing_key(
+            id,
+            request
+                .prefix_text_for(rule, variant.prefix_length)
+                .as_bytes(),
+        ),
+        None => routing_key(id, native(body, variant.prefix_length)),
     }
 }
 
-/// Ranks the decode pool by the configured strategy (its own PREFIX_AWARE config when asked).
-pub(super) fn decoders(
+/// Ranks the variant's instances: a session sticks to its instance; PREFIX_AWARE ranks the
+/// prefix's `key`; the other strategies read load and `random` (KV_AWARE as
+/// LEAST_OUTSTANDING_REQUESTS, until `plan::kv` ranks it by the KV index).
+fn by_variant(
+    variant: &VariantRoute,
+    session: Option<u64>,
+    key: Option<u64>,
+    random: u64,
+) -> rank::Ranking {
+    let views = variant.current_views(switchyard_process::clock::unix_ms());
+    let load = |index: usize| variant.instances[index].cell.fleet_load();
+    match (session, variant.strategy) {
+        (Some(session), _) => rank::session(&views, session),
+        (None, Strategy::PrefixAware { .. }) => {
+            variant.rank_prefix(&views, key.unwrap_or_default())
+        }
+        (None, strategy) => rank::rank(strategy, &views, load, 0, random),
+    }
+}
+
+/// Ranks the decode pool by the configured strategy (its own PREFIX_AWARE config when asked,
+/// with the prefix's `key`).
+fn decoders(
     variant: &VariantRoute,
     strategy: DecodeRoutingStrategy,
-    routing: &RoutingHeaders,
-    openai: Option<(&OpenAiRequest<'_>, TextRule)>,
-    body: &[u8],
+    key: Option<u64>,
     random: u64,
 ) -> rank::Ranking {
     match strategy {
@@ -67,14 +138,7 @@ pub(super) fn decoders(
             by_strategy(variant, Strategy::LeastOutstandingRequests, random)
         }
         DecodeRoutingStrategy::Random => by_strategy(variant, Strategy::Random, random),
-        DecodeRoutingStrategy::PrefixAware => {
-            let without_session = RoutingHeaders {
-                prefix_aware_id: routing.prefix_aware_id.clone(),
-                session: None,
-                target_variant: None,
-            };
-            self::variant(variant, &without_session, openai, body, random).0
-        }
+        DecodeRoutingStrategy::PrefixAware => by_variant(variant, None, key, random),
     }
 }
 

@@ -161,9 +161,9 @@ pub(crate) fn ensure_request_id(request_headers: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Limits;
     use crate::errors::ErrorKind;
     use crate::server::admission::Admission;
+    use crate::server::admission::Limits;
     use std::sync::Arc;
 
     fn admission(bytes: u64) -> Arc<Admission> {

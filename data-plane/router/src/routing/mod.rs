@@ -5,5 +5,6 @@
 
 pub(crate) mod cells;
 pub(crate) mod membership;
+pub(crate) mod static_file;
 pub(crate) mod sync_client;
 pub(crate) mod table;

@@ -6,7 +6,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use crate::config::Limits;
+/// Admission limits, per router process (over all serving threads).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_in_flight: usize,
+    pub max_buffered_bytes: u64,
+}
 
 /// Which bound refused something: the `limit` label of
 /// `switchyard_router_admission_refused_total`.

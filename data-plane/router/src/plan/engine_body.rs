@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use serde_json::{Value, json};
-use switchyard_policy::openai::OpenAiRequest;
+use switchyard_policy::openai::{OpenAiRequest, without_field};
 use switchyard_shared::KvTransferProtocol;
 
 use crate::routing::table::VariantRoute;
@@ -44,7 +44,7 @@ pub(super) fn for_engine(
 /// blocks, on every path. CPU work over the whole body: planning calls it, off the serving
 /// thread.
 fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
-    match switchyard_policy::openai::without_field(&body, KV_TRANSFER_PARAMS) {
+    match without_field(&body, KV_TRANSFER_PARAMS) {
         Some(stripped) => Bytes::from(stripped),
         None => body,
     }

@@ -1,7 +1,8 @@
 //! Reads what routing needs from an OpenAI-style request body, in one borrowed pass, without
 //! re-serialising it: the `model` (and where it sits, to splice in a new name), `stream`,
 //! `prompt_cache_key`, `previous_response_id` (Responses API), and the text the prefix is
-//! taken from.
+//! taken from (`text`: the rule below). `edit` splices new values into the original bytes
+//! (`model`, `previous_response_id`) and removes a field, every other byte kept.
 //!
 //! ## The prefix text rule
 //! Each API takes its text from its own fields ([`TextRule`]); the prefix is the first
@@ -30,6 +31,9 @@
 //! order, separated by `" "` when the array holds numbers and by `"\n"` otherwise (so an
 //! array of strings is its strings in order, joined with `"\n"`; an array of arrays of token
 //! ids is each array's ids, the arrays joined with `"\n"`).
+
+mod edit;
+mod text;
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -194,7 +198,7 @@ impl std::fmt::Debug for OpenAiRequest<'_> {
     }
 }
 
-fn span_in(body: &[u8], raw: &RawValue) -> Range<usize> {
+pub(super) fn span_in(body: &[u8], raw: &RawValue) -> Range<usize> {
     let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
     start..start + raw.get().len()
 }
@@ -272,59 +276,6 @@ impl<'a> OpenAiRequest<'a> {
         })
     }
 
-    /// The first `max_chars` characters of the prefix text of a chat or completions body
-    /// ([`TextRule::Chat`]).
-    pub fn prefix_text(&self, max_chars: usize) -> String {
-        self.prefix_text_for(TextRule::Chat, max_chars)
-    }
-
-    /// The first `max_chars` characters of the prefix text under `rule` (see the module docs).
-    pub fn prefix_text_for(&self, rule: TextRule, max_chars: usize) -> String {
-        let mut out = PrefixBuilder::new(max_chars);
-        let other = &self.other;
-        match rule {
-            TextRule::Chat => self.chat_text(&mut out),
-            TextRule::Responses => {
-                if let Some(instructions) = other.instructions.filter(|raw| raw.get() != "null") {
-                    value_text(instructions, &mut out);
-                    out.push("\n");
-                }
-                if let Some(input) = other.input {
-                    value_text(input, &mut out);
-                }
-            }
-            TextRule::Input => match other.input {
-                Some(input) => value_text(input, &mut out),
-                None => self.chat_text(&mut out),
-            },
-            TextRule::Score => two_sides(other.first_side, other.second_side, &mut out),
-            TextRule::Rerank => two_sides(other.query, other.second_side, &mut out),
-            TextRule::Tokens => {
-                if let Some(tokens) = other.tokens {
-                    value_text(tokens, &mut out);
-                }
-            }
-        }
-        out.text
-    }
-
-    /// `messages`, else `prompt`.
-    fn chat_text(&self, out: &mut PrefixBuilder) {
-        if let Some(messages) = &self.messages {
-            for message in messages {
-                if out.full() {
-                    break;
-                }
-                if let Some(content) = message.content {
-                    content_text(content, out);
-                }
-                out.push("\n");
-            }
-        } else if let Some(prompt) = self.prompt {
-            prompt_text(prompt, out);
-        }
-    }
-
     /// How many messages a chat request has (0 for completions).
     pub fn message_count(&self) -> usize {
         self.messages.as_ref().map_or(0, Vec::len)
@@ -340,274 +291,9 @@ impl<'a> OpenAiRequest<'a> {
             .ok()
             .map(|ids| ids.len())
     }
-
-    /// The body with `model` set to `name` (added when absent); everything else byte for byte.
-    pub fn with_model(&self, name: &str) -> Vec<u8> {
-        self.rewrite(Some(name), None)
-    }
-
-    /// The body with `model` set to `model` (added when absent) and the value of
-    /// `previous_response_id` (when present) replaced by `previous_response_id`; everything
-    /// else byte for byte.
-    pub fn rewrite(&self, model: Option<&str>, previous_response_id: Option<&str>) -> Vec<u8> {
-        let quote = |text: &str| serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
-        // (where, replacement), in body order: spans never overlap.
-        let mut edits: Vec<(Range<usize>, Vec<u8>)> = Vec::with_capacity(2);
-        if let Some(name) = model {
-            match &self.model_span {
-                Some(span) => edits.push((span.clone(), quote(name).into_bytes())),
-                None => {
-                    // Insert right after the opening brace.
-                    let brace = self.body.iter().position(|byte| *byte == b'{').unwrap_or(0);
-                    let empty = self.body[brace + 1..]
-                        .iter()
-                        .all(|byte| byte.is_ascii_whitespace() || *byte == b'}');
-                    let mut inserted = b"\"model\":".to_vec();
-                    inserted.extend_from_slice(quote(name).as_bytes());
-                    if !empty {
-                        inserted.push(b',');
-                    }
-                    edits.push((brace + 1..brace + 1, inserted));
-                }
-            }
-        }
-        if let (Some(id), Some(span)) = (previous_response_id, &self.previous_response_id_span) {
-            edits.push((span.clone(), quote(id).into_bytes()));
-        }
-        edits.sort_by_key(|(span, _)| span.start);
-        let added: usize = edits.iter().map(|(_, bytes)| bytes.len()).sum();
-        let mut out = Vec::with_capacity(self.body.len() + added);
-        let mut at = 0;
-        for (span, replacement) in edits {
-            out.extend_from_slice(&self.body[at..span.start]);
-            out.extend_from_slice(&replacement);
-            at = span.end;
-        }
-        out.extend_from_slice(&self.body[at..]);
-        out
-    }
 }
 
-/// Reads the top-level members of a JSON object body: each key (escapes decoded) and where
-/// its value sits in the body.
-struct MembersVisitor<'a>(&'a [u8]);
-
-impl<'de> serde::de::Visitor<'de> for MembersVisitor<'de> {
-    type Value = Vec<(String, Range<usize>)>;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a JSON object")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut members = Vec::new();
-        while let Some((key, value)) = map.next_entry::<String, &'de RawValue>()? {
-            members.push((key, span_in(self.0, value)));
-        }
-        Ok(members)
-    }
-}
-
-/// `body` (a JSON object) without any top-level member named `field`, however its key is
-/// written (escaped, or repeated: every copy goes); every other byte kept but for the
-/// separators between members. `None` when there is no such member or the body is not a
-/// JSON object.
-pub fn without_field(body: &[u8], field: &str) -> Option<Vec<u8>> {
-    let brace = body.iter().position(|byte| !byte.is_ascii_whitespace())?;
-    if body[brace] != b'{' {
-        return None;
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let members =
-        serde::Deserializer::deserialize_map(&mut deserializer, MembersVisitor(body)).ok()?;
-    deserializer.end().ok()?;
-    if members.iter().all(|(key, _)| key != field) {
-        return None;
-    }
-    // A member's text runs from the end of the one before (or the brace) to the end of its
-    // value; the separating comma and the whitespace around it are dropped.
-    let mut out = Vec::with_capacity(body.len());
-    out.extend_from_slice(&body[..=brace]);
-    let mut start = brace + 1;
-    let mut first = true;
-    for (key, value) in &members {
-        let text = &body[start..value.end];
-        start = value.end;
-        if key == field {
-            continue;
-        }
-        let text = match text.iter().position(|byte| !byte.is_ascii_whitespace()) {
-            Some(at) if text[at] == b',' => &text[at + 1..],
-            _ => text,
-        };
-        if !first {
-            out.push(b',');
-        }
-        out.extend_from_slice(text);
-        first = false;
-    }
-    out.extend_from_slice(&body[start..]);
-    Some(out)
-}
-
-/// `first`, `"\n"`, then `second` (each when present) by the value rule.
-fn two_sides(first: Option<&RawValue>, second: Option<&RawValue>, out: &mut PrefixBuilder) {
-    if let Some(first) = first {
-        value_text(first, out);
-        out.push("\n");
-    }
-    if let Some(second) = second {
-        value_text(second, out);
-    }
-}
-
-/// The value rule (module docs): strings as they are, numbers in decimal, objects by their
-/// `content` or `text`, arrays element by element.
-fn value_text(value: &RawValue, out: &mut PrefixBuilder) {
-    if out.full() {
-        return;
-    }
-    let raw = value.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => {
-            if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
-                out.push(&text);
-            }
-        }
-        Some(b'-' | b'0'..=b'9') => out.push(raw),
-        Some(b'{') => {
-            if let Ok(item) = serde_json::from_str::<Item<'_>>(raw) {
-                match (item.content, &item.text) {
-                    (Some(content), _) => content_text(content, out),
-                    (None, Some(text)) => out.push(text),
-                    (None, None) => {}
-                }
-            }
-        }
-        Some(b'[') => {
-            if let Ok(elements) = serde_json::from_str::<Vec<&RawValue>>(raw) {
-                let numbers = elements.first().is_some_and(|first| {
-                    matches!(first.get().as_bytes().first(), Some(b'-' | b'0'..=b'9'))
-                });
-                let separator = if numbers { " " } else { "\n" };
-                for (index, element) in elements.iter().enumerate() {
-                    if out.full() {
-                        break;
-                    }
-                    if index > 0 {
-                        out.push(separator);
-                    }
-                    value_text(element, out);
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
-struct PrefixBuilder {
-    text: String,
-    remaining: usize,
-}
-
-impl PrefixBuilder {
-    fn new(max_chars: usize) -> Self {
-        Self {
-            text: String::with_capacity(max_chars.min(1 << 16)),
-            remaining: max_chars,
-        }
-    }
-
-    fn full(&self) -> bool {
-        self.remaining == 0
-    }
-
-    fn push(&mut self, piece: &str) {
-        if self.remaining == 0 {
-            return;
-        }
-        // Fast path: ASCII-only pieces count bytes.
-        if piece.len() <= self.remaining && piece.is_ascii() {
-            self.text.push_str(piece);
-            self.remaining -= piece.len();
-            return;
-        }
-        for c in piece.chars() {
-            if self.remaining == 0 {
-                return;
-            }
-            self.text.push(c);
-            self.remaining -= 1;
-        }
-    }
-}
-
-fn content_text(content: &RawValue, out: &mut PrefixBuilder) {
-    let raw = content.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => {
-            if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
-                out.push(&text);
-            }
-        }
-        Some(b'[') => {
-            if let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(raw) {
-                for part in parts {
-                    match part.kind.as_deref() {
-                        Some("text" | "input_text" | "output_text") => {
-                            if let Some(text) = &part.text {
-                                out.push(text);
-                            }
-                        }
-                        Some("image_url" | "input_image") => {
-                            if let Some(url) = part.image_url.as_ref().and_then(ImageUrl::url) {
-                                out.push(url);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
-fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
-    let raw = prompt.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => {
-            if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
-                out.push(&text);
-            }
-        }
-        Some(b'[') => {
-            if let Ok(texts) = serde_json::from_str::<Vec<Cow<'_, str>>>(raw) {
-                for (index, text) in texts.iter().enumerate() {
-                    if index > 0 {
-                        out.push("\n");
-                    }
-                    out.push(text);
-                }
-            } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
-                let mut buffer = String::with_capacity(20);
-                for (index, token) in tokens.iter().enumerate() {
-                    if out.full() {
-                        break;
-                    }
-                    if index > 0 {
-                        out.push(" ");
-                    }
-                    buffer.clear();
-                    use std::fmt::Write as _;
-                    let _ = write!(buffer, "{token}");
-                    out.push(&buffer);
-                }
-            }
-        }
-        _ => {}
-    }
-}
+pub use edit::without_field;
 
 #[cfg(test)]
 mod tests {
