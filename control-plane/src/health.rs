@@ -24,6 +24,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::ControlMetrics;
 use crate::registry::Registry;
 use crate::state::{ProbeTarget, StateCache};
 use crate::store::Revision;
@@ -112,7 +113,7 @@ pub async fn run(
     registry: Registry,
     cache: Arc<StateCache>,
     mut leading: watch::Receiver<Option<Revision>>,
-    metrics: Arc<crate::observe::ControlMetrics>,
+    metrics: Arc<ControlMetrics>,
     shutdown: CancellationToken,
 ) {
     let client = clients();

@@ -7,13 +7,15 @@
 //! (admin operations as store transactions), `admin` (the gRPC edge and auth), `state` (the
 //! watched view and change broadcast), `sync` (router streams), `load` (fleet-wide load),
 //! `leader` (election), `health` (probing), `sagemaker_api` (the SageMaker-compatible HTTP
-//! API over the same registry) with `sigv4` (its signature check).
+//! API over the same registry) with `sigv4` (its signature check), `metrics` (the control
+//! plane's counters) and `observe` (their Prometheus page, admin RPC and store spans).
 
 pub mod admin;
 pub mod health;
 pub mod keys;
 pub mod leader;
 pub mod load;
+pub mod metrics;
 pub mod observe;
 pub mod registry;
 pub mod sagemaker_api;
@@ -423,7 +425,7 @@ impl ControlPlane {
                 .await?;
         }
         tracing::info!(store = store.kind(), replica = %settings.replica_id, "store open");
-        let metrics = Arc::new(observe::ControlMetrics::default());
+        let metrics = Arc::new(metrics::ControlMetrics::default());
         let store: Arc<dyn Store> = Arc::new(observe::ObservedStore {
             inner: store,
             metrics: Arc::clone(&metrics),

@@ -2,12 +2,11 @@
 //! OpenTelemetry spans for admin RPCs (continuing the caller's trace from gRPC metadata) and
 //! store operations.
 
-use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -15,74 +14,17 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use switchyard_process::metrics::{CONTENT_TYPE, Histogram, TextEncoder};
+use switchyard_process::metrics::{CONTENT_TYPE, TextEncoder};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
+use crate::metrics::{ControlMetrics, STORE_OPERATIONS};
 use crate::state::StateCache;
 use crate::store::{Kv, LeaseId, Listing, Revision, Store, StoreError, Txn};
 use crate::sync::SyncStats;
-
-/// Latency buckets (seconds) of admin RPCs and store operations.
-const SECONDS: [f64; 12] = [
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
-];
-
-/// Store operations, as the `operation` label names them.
-const STORE_OPERATIONS: [&str; 7] = [
-    "get",
-    "list",
-    "commit",
-    "grant_lease",
-    "keep_alive",
-    "revoke_lease",
-    "list_and_watch",
-];
-
-/// The control plane's own counters (gauges are read from their owners when scraped).
-#[derive(Debug)]
-pub struct ControlMetrics {
-    /// Admin RPCs by (method, gRPC code).
-    admin_rpcs: Mutex<BTreeMap<(String, &'static str), u64>>,
-    admin_rpc_seconds: Histogram,
-    store_seconds: [Histogram; 7],
-    store_errors: [AtomicU64; 7],
-    /// Health probes that succeeded and failed.
-    probes: [AtomicU64; 2],
-    /// From a change reaching this replica's view to its push on a router stream.
-    pub sync_push_lag_seconds: Histogram,
-}
-
-impl Default for ControlMetrics {
-    fn default() -> Self {
-        Self {
-            admin_rpcs: Mutex::default(),
-            admin_rpc_seconds: Histogram::new(&SECONDS),
-            store_seconds: std::array::from_fn(|_| Histogram::new(&SECONDS)),
-            store_errors: Default::default(),
-            probes: Default::default(),
-            sync_push_lag_seconds: Histogram::new(&SECONDS),
-        }
-    }
-}
-
-impl ControlMetrics {
-    pub fn count_probe(&self, healthy: bool) {
-        self.probes[usize::from(!healthy)].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn count_admin_rpc(&self, method: &str, code: &'static str, seconds: f64) {
-        self.admin_rpc_seconds.observe(seconds);
-        let mut rpcs = self
-            .admin_rpcs
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        *rpcs.entry((method.to_owned(), code)).or_default() += 1;
-    }
-}
 
 /// What a scrape reads besides [`ControlMetrics`].
 #[derive(Debug, Clone)]
