@@ -15,6 +15,7 @@ use switchyard_shared::{
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+use crate::import::{self, ImportArgs, ImportError};
 use crate::output::{self, OutputFormat};
 
 /// How to reach the control plane (global flags).
@@ -198,7 +199,7 @@ pub enum InstanceCommand {
     },
     /// Register many instances from a file of JSON lines, in batched transactions; nothing is
     /// imported if any line is refused. For moving a fleet in.
-    Import(crate::import::ImportArgs),
+    Import(ImportArgs),
     /// Renew the lease of an instance registered with --ttl (for scripts and agents).
     Heartbeat {
         #[arg(long)]
@@ -477,7 +478,14 @@ pub async fn instance_command(
     let mut client = connection.connect().await?;
     match command {
         InstanceCommand::Register(args) => register(&mut client, format, args).await?,
-        InstanceCommand::Import(args) => crate::import::import(&mut client, format, args).await?,
+        InstanceCommand::Import(args) => {
+            import::import(format, args, |request| client.import_instances(request))
+                .await
+                .map_err(|err| match err {
+                    ImportError::ControlPlane(status) => anyhow::Error::new(status),
+                    usage => UsageError(usage.to_string()).into(),
+                })?
+        }
         InstanceCommand::Deregister { endpoint, id } => {
             client
                 .deregister_instance(pb::DeregisterInstanceRequest {
