@@ -67,6 +67,11 @@ impl Txn {
         self
     }
 
+    /// Holds while the key of `kv` is still at the revision it was read at.
+    pub fn when_unchanged(self, kv: &Kv) -> Self {
+        self.when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+    }
+
     pub fn put(mut self, key: impl Into<String>, value: Vec<u8>, lease: LeaseId) -> Self {
         self.ops.push(Op::Put {
             key: key.into(),
