@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use switchyard_process::metrics::{CONTENT_TYPE, TextEncoder};
+use switchyard_process::metrics::{CONTENT_TYPE, Histogram, TextEncoder};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -40,6 +40,7 @@ impl Sources {
     pub fn render(&self) -> String {
         let mut out = TextEncoder::new();
         let metrics = &self.metrics;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed) as f64;
         out.family(
             "switchyard_control_admin_rpcs_total",
             "counter",
@@ -58,14 +59,10 @@ impl Sources {
                 );
             }
         }
-        out.family(
+        histogram(
+            &mut out,
             "switchyard_control_admin_rpc_seconds",
-            "histogram",
             "Time to answer an admin gRPC call.",
-        )
-        .histogram(
-            "switchyard_control_admin_rpc_seconds",
-            &[],
             &metrics.admin_rpc_seconds,
         );
         out.family(
@@ -73,127 +70,123 @@ impl Sources {
             "histogram",
             "Time of one store operation (etcd or embedded), by operation.",
         );
-        for (index, operation) in STORE_OPERATIONS.iter().enumerate() {
+        for (operation, seconds) in STORE_OPERATIONS.iter().zip(&metrics.store_seconds) {
             out.histogram(
                 "switchyard_control_store_operation_seconds",
                 &[("operation", operation)],
-                &metrics.store_seconds[index],
+                seconds,
             );
         }
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_store_errors_total",
             "counter",
             "Store operations that failed, by operation.",
+            "operation",
+            STORE_OPERATIONS
+                .into_iter()
+                .zip(metrics.store_errors.iter().map(load)),
         );
-        for (index, operation) in STORE_OPERATIONS.iter().enumerate() {
-            out.sample(
-                "switchyard_control_store_errors_total",
-                &[("operation", operation)],
-                metrics.store_errors[index].load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_leader",
             "gauge",
             "1 while this replica leads (runs health checks), else 0.",
-        )
-        .sample(
-            "switchyard_control_leader",
-            &[],
             f64::from(u8::from(self.leading.borrow().is_some())),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_ready",
             "gauge",
             "1 while this replica's view of the store is current (it serves routers), else 0.",
-        )
-        .sample(
-            "switchyard_control_ready",
-            &[],
             f64::from(u8::from(self.cache.is_ready())),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_connected_routers",
             "gauge",
             "Router sync streams open on this replica.",
-        )
-        .sample(
-            "switchyard_control_connected_routers",
-            &[],
-            self.sync.open_streams.load(Ordering::Relaxed) as f64,
+            load(&self.sync.open_streams),
         );
         let (configs, endpoints, instances) = self.cache.sizes();
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_membership",
             "gauge",
             "Objects in this replica's view of the store, by kind.",
+            "kind",
+            [
+                ("endpoint_config", configs as f64),
+                ("endpoint", endpoints as f64),
+                ("instance", instances as f64),
+            ],
         );
-        for (kind, count) in [
-            ("endpoint_config", configs),
-            ("endpoint", endpoints),
-            ("instance", instances),
-        ] {
-            out.sample(
-                "switchyard_control_membership",
-                &[("kind", kind)],
-                count as f64,
-            );
-        }
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_health_probes_total",
             "counter",
             "Health probes of instances, by outcome (success, failure).",
+            "outcome",
+            ["success", "failure"]
+                .into_iter()
+                .zip(metrics.probes.iter().map(load)),
         );
-        for (index, outcome) in ["success", "failure"].iter().enumerate() {
-            out.sample(
-                "switchyard_control_health_probes_total",
-                &[("outcome", outcome)],
-                metrics.probes[index].load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_snapshots_total",
             "counter",
             "Full snapshots sent to routers (first ones, and fresh ones after falling behind).",
-        )
-        .sample(
-            "switchyard_control_sync_snapshots_total",
-            &[],
-            self.sync.snapshots.load(Ordering::Relaxed) as f64,
+            load(&self.sync.snapshots),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_fell_behind_total",
             "counter",
             "Router streams that fell behind the change broadcast and got a fresh snapshot.",
-        )
-        .sample(
-            "switchyard_control_sync_fell_behind_total",
-            &[],
-            self.sync.fell_behind.load(Ordering::Relaxed) as f64,
+            load(&self.sync.fell_behind),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_changes_total",
             "counter",
             "Membership changes pushed to routers (summed over streams).",
-        )
-        .sample(
-            "switchyard_control_sync_changes_total",
-            &[],
-            self.sync.changes.load(Ordering::Relaxed) as f64,
+            load(&self.sync.changes),
         );
-        out.family(
+        histogram(
+            &mut out,
             "switchyard_control_sync_push_lag_seconds",
-            "histogram",
             "From a change reaching this replica's view to its push on a router stream.",
-        )
-        .histogram(
-            "switchyard_control_sync_push_lag_seconds",
-            &[],
             &metrics.sync_push_lag_seconds,
         );
         switchyard_telemetry::write_metrics(&mut out);
         out.finish()
     }
+}
+
+/// A family of one unlabelled sample.
+fn single(out: &mut TextEncoder, name: &str, kind: &str, help: &str, value: f64) {
+    out.family(name, kind, help).sample(name, &[], value);
+}
+
+/// A family of one sample per value of `label`.
+fn by_label<'a>(
+    out: &mut TextEncoder,
+    name: &str,
+    kind: &str,
+    help: &str,
+    label: &str,
+    samples: impl IntoIterator<Item = (&'a str, f64)>,
+) {
+    out.family(name, kind, help);
+    for (label_value, value) in samples {
+        out.sample(name, &[(label, label_value)], value);
+    }
+}
+
+/// A family of one unlabelled histogram.
+fn histogram(out: &mut TextEncoder, name: &str, help: &str, histogram: &Histogram) {
+    out.family(name, "histogram", help)
+        .histogram(name, &[], histogram);
 }
 
 /// Serves `GET /metrics` (anything else: 404) until `shutdown`.
