@@ -6,15 +6,17 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use clap::{Args, Subcommand};
+use serde_json::Value;
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
 use switchyard_shared::{
-    Endpoint, EndpointConfig, EndpointConfigName, HealthCheckConfig, Instance, InstanceProtocol,
-    InstanceRole, sagemaker,
+    EndpointConfig, EndpointConfigName, HealthCheckConfig, InstanceProtocol, InstanceRole,
+    ValidationError, sagemaker,
 };
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+use crate::import::{self, ImportArgs, ImportError};
 use crate::output::{self, OutputFormat};
 
 /// How to reach the control plane (global flags).
@@ -198,7 +200,7 @@ pub enum InstanceCommand {
     },
     /// Register many instances from a file of JSON lines, in batched transactions; nothing is
     /// imported if any line is refused. For moving a fleet in.
-    Import(crate::import::ImportArgs),
+    Import(ImportArgs),
     /// Renew the lease of an instance registered with --ttl (for scripts and agents).
     Heartbeat {
         #[arg(long)]
@@ -252,7 +254,7 @@ pub struct RegisterArgs {
     pub decode_partner: Option<String>,
 }
 
-fn print_value(format: OutputFormat, value: serde_json::Value, table: impl FnOnce() -> String) {
+fn print_value(format: OutputFormat, value: Value, table: impl FnOnce() -> String) {
     match format {
         OutputFormat::Json => println!(
             "{}",
@@ -262,23 +264,68 @@ fn print_value(format: OutputFormat, value: serde_json::Value, table: impl FnOnc
     }
 }
 
-fn config(wire: pb::EndpointConfig) -> anyhow::Result<EndpointConfig> {
-    EndpointConfig::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+/// An object the control plane answered with, as a domain type.
+fn read<W, T: TryFrom<W, Error = ValidationError>>(wire: W) -> anyhow::Result<T> {
+    T::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
 }
 
-fn endpoint(wire: pb::Endpoint) -> anyhow::Result<Endpoint> {
-    Endpoint::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+/// Prints an object the control plane answered with: its JSON, or `table` of it; returns it.
+fn print_answer<W, T: TryFrom<W, Error = ValidationError>>(
+    format: OutputFormat,
+    answer: W,
+    json: fn(&T) -> Value,
+    table: impl FnOnce(&T) -> String,
+) -> anyhow::Result<T> {
+    let answer = read(answer)?;
+    print_value(format, json(&answer), || table(&answer));
+    Ok(answer)
 }
 
-fn instance(wire: pb::Instance) -> anyhow::Result<Instance> {
-    Instance::try_from(wire).map_err(|err| anyhow!("unreadable answer: {err}"))
+/// Prints an object the control plane described: its JSON, or its table.
+fn print_found<W, T: TryFrom<W, Error = ValidationError>>(
+    format: OutputFormat,
+    found: W,
+    json: fn(&T) -> Value,
+    rows: fn(&[T]) -> String,
+) -> anyhow::Result<()> {
+    print_answer(format, found, json, |found| {
+        rows(std::slice::from_ref(found))
+    })?;
+    Ok(())
 }
 
-fn read_variants_argument(argument: &str) -> Result<String, UsageError> {
+/// Prints the objects the control plane listed: a JSON array, or a table.
+fn print_listed<W, T: TryFrom<W, Error = ValidationError>>(
+    format: OutputFormat,
+    listed: Vec<W>,
+    json: fn(&T) -> Value,
+    rows: fn(&[T]) -> String,
+) -> anyhow::Result<()> {
+    let listed = listed
+        .into_iter()
+        .map(read)
+        .collect::<anyhow::Result<Vec<T>>>()?;
+    print_value(
+        format,
+        Value::Array(listed.iter().map(json).collect()),
+        || rows(&listed),
+    );
+    Ok(())
+}
+
+/// Prints that the `kind` called `name` is gone.
+fn print_deleted(format: OutputFormat, kind: &str, name: &str) {
+    print_value(format, serde_json::json!({"Deleted": name}), || {
+        format!("deleted {kind} {name}\n")
+    });
+}
+
+/// A JSON argument of `flag`, or with file://PATH the text of that file.
+fn json_argument(flag: &str, argument: String) -> Result<String, UsageError> {
     match argument.strip_prefix("file://") {
         Some(path) => std::fs::read_to_string(path)
-            .map_err(|err| UsageError(format!("--production-variants file://{path}: {err}"))),
-        None => Ok(argument.to_owned()),
+            .map_err(|err| UsageError(format!("{flag} file://{path}: {err}"))),
+        None => Ok(argument),
     }
 }
 
@@ -296,15 +343,10 @@ pub async fn endpoint_config(
             unhealthy_threshold,
             disaggregation_config,
         } => {
-            let json = read_variants_argument(&production_variants)?;
+            let json = json_argument("--production-variants", production_variants)?;
             let disaggregation_config = disaggregation_config
                 .map(|argument| {
-                    let json = match argument.strip_prefix("file://") {
-                        Some(path) => std::fs::read_to_string(path).map_err(|err| {
-                            UsageError(format!("--disaggregation-config file://{path}: {err}"))
-                        })?,
-                        None => argument,
-                    };
+                    let json = json_argument("--disaggregation-config", argument)?;
                     sagemaker::parse_disaggregation_config(&json)
                         .map_err(|err| UsageError(format!("--disaggregation-config: {err}")))
                 })
@@ -339,10 +381,9 @@ pub async fn endpoint_config(
                 })
                 .await?
                 .into_inner();
-            let created = self::config(created)?;
-            print_value(format, output::config_json(&created), || {
+            print_answer(format, created, output::config_json, |created| {
                 format!("created endpoint config {}\n", created.endpoint_config_name)
-            });
+            })?;
         }
         ConfigCommand::Describe { name } => {
             let found = connection
@@ -351,27 +392,17 @@ pub async fn endpoint_config(
                 .describe_endpoint_config(pb::DescribeEndpointConfigRequest { name })
                 .await?
                 .into_inner();
-            let found = config(found)?;
-            print_value(format, output::config_json(&found), || {
-                output::config_rows(std::slice::from_ref(&found))
-            });
+            print_found(format, found, output::config_json, output::config_rows)?;
         }
         ConfigCommand::List => {
-            let configs = connection
+            let listed = connection
                 .connect()
                 .await?
                 .list_endpoint_configs(pb::ListEndpointConfigsRequest {})
                 .await?
                 .into_inner()
-                .endpoint_configs
-                .into_iter()
-                .map(config)
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            print_value(
-                format,
-                serde_json::Value::Array(configs.iter().map(output::config_json).collect()),
-                || output::config_rows(&configs),
-            );
+                .endpoint_configs;
+            print_listed(format, listed, output::config_json, output::config_rows)?;
         }
         ConfigCommand::Delete { name } => {
             connection
@@ -379,9 +410,7 @@ pub async fn endpoint_config(
                 .await?
                 .delete_endpoint_config(pb::DeleteEndpointConfigRequest { name: name.clone() })
                 .await?;
-            print_value(format, serde_json::json!({"Deleted": name}), || {
-                format!("deleted endpoint config {name}\n")
-            });
+            print_deleted(format, "endpoint config", &name);
         }
     }
     Ok(())
@@ -405,13 +434,12 @@ pub async fn endpoint_command(
                 })
                 .await?
                 .into_inner();
-            let created = endpoint(created)?;
-            print_value(format, output::endpoint_json(&created), || {
+            print_answer(format, created, output::endpoint_json, |created| {
                 format!(
                     "created endpoint {} ({})\n",
                     created.endpoint_name, created.endpoint_status
                 )
-            });
+            })?;
         }
         EndpointCommand::Update {
             name,
@@ -424,46 +452,33 @@ pub async fn endpoint_command(
                 })
                 .await?
                 .into_inner();
-            let updated = endpoint(updated)?;
-            print_value(format, output::endpoint_json(&updated), || {
+            print_answer(format, updated, output::endpoint_json, |updated| {
                 format!(
                     "endpoint {} now uses config {}\n",
                     updated.endpoint_name, updated.endpoint_config_name
                 )
-            });
+            })?;
         }
         EndpointCommand::Describe { name } => {
             let found = client
                 .describe_endpoint(pb::DescribeEndpointRequest { name })
                 .await?
                 .into_inner();
-            let found = endpoint(found)?;
-            print_value(format, output::endpoint_json(&found), || {
-                output::endpoint_rows(std::slice::from_ref(&found))
-            });
+            print_found(format, found, output::endpoint_json, output::endpoint_rows)?;
         }
         EndpointCommand::List => {
-            let endpoints = client
+            let listed = client
                 .list_endpoints(pb::ListEndpointsRequest {})
                 .await?
                 .into_inner()
-                .endpoints
-                .into_iter()
-                .map(endpoint)
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            print_value(
-                format,
-                serde_json::Value::Array(endpoints.iter().map(output::endpoint_json).collect()),
-                || output::endpoint_rows(&endpoints),
-            );
+                .endpoints;
+            print_listed(format, listed, output::endpoint_json, output::endpoint_rows)?;
         }
         EndpointCommand::Delete { name } => {
             client
                 .delete_endpoint(pb::DeleteEndpointRequest { name: name.clone() })
                 .await?;
-            print_value(format, serde_json::json!({"Deleted": name}), || {
-                format!("deleted endpoint {name}\n")
-            });
+            print_deleted(format, "endpoint", &name);
         }
     }
     Ok(())
@@ -477,7 +492,14 @@ pub async fn instance_command(
     let mut client = connection.connect().await?;
     match command {
         InstanceCommand::Register(args) => register(&mut client, format, args).await?,
-        InstanceCommand::Import(args) => crate::import::import(&mut client, format, args).await?,
+        InstanceCommand::Import(args) => {
+            import::import(format, args, |request| client.import_instances(request))
+                .await
+                .map_err(|err| match err {
+                    ImportError::ControlPlane(status) => anyhow::Error::new(status),
+                    usage => UsageError(usage.to_string()).into(),
+                })?
+        }
         InstanceCommand::Deregister { endpoint, id } => {
             client
                 .deregister_instance(pb::DeregisterInstanceRequest {
@@ -492,21 +514,14 @@ pub async fn instance_command(
             );
         }
         InstanceCommand::List { endpoint } => {
-            let instances = client
+            let listed = client
                 .list_instances(pb::ListInstancesRequest {
                     endpoint_name: endpoint.unwrap_or_default(),
                 })
                 .await?
                 .into_inner()
-                .instances
-                .into_iter()
-                .map(instance)
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            print_value(
-                format,
-                serde_json::Value::Array(instances.iter().map(output::instance_json).collect()),
-                || output::instance_rows(&instances),
-            );
+                .instances;
+            print_listed(format, listed, output::instance_json, output::instance_rows)?;
         }
         InstanceCommand::Heartbeat { endpoint, id } => {
             let response = client
@@ -558,13 +573,12 @@ async fn register(
         })
         .await?
         .into_inner();
-    let registered = instance(registered)?;
-    print_value(format, output::instance_json(&registered), || {
+    let registered = print_answer(format, registered, output::instance_json, |registered| {
         format!(
             "registered instance {} of endpoint {} at {}\n",
             registered.instance_id, registered.endpoint_name, registered.url
         )
-    });
+    })?;
     let Some(ttl) = args.ttl.filter(|ttl| *ttl > 0) else {
         return Ok(());
     };

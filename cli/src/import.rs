@@ -7,20 +7,20 @@
 //!
 //! Every line is checked here first (errors name the line); the control plane then checks the
 //! whole file again against its endpoints and writes it in batched transactions. If any line
-//! is refused, nothing is imported.
+//! is refused, nothing is imported. This module does not know how to reach the control plane:
+//! its caller passes the call that sends the import.
 
+use std::future::Future;
 use std::path::PathBuf;
 
-use anyhow::anyhow;
 use clap::Args;
 use serde::Deserialize;
 use switchyard_proto::v1 as pb;
 use switchyard_shared::{
-    EndpointName, InstanceId, InstanceProtocol, InstanceRole, VariantName, validate_instance_url,
-    validate_instance_weight,
+    EndpointName, InstanceId, InstanceProtocol, InstanceRole, InvalidName, ValidationError,
+    VariantName, validate_instance_url, validate_instance_weight,
 };
 
-use crate::admin::{Client, UsageError};
 use crate::output::OutputFormat;
 
 /// Errors listed before giving up on a file.
@@ -67,37 +67,69 @@ struct Line {
     ttl_seconds: Option<u32>,
 }
 
+/// Why a line is refused, its field named as the file spells it.
+#[derive(Debug, thiserror::Error)]
+enum LineError {
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error(
+        "TtlSeconds: an import cannot heartbeat; register instances with --ttl one by one (instance register)"
+    )]
+    Ttl,
+    #[error("{field}: {source}")]
+    Name {
+        field: &'static str,
+        source: InvalidName,
+    },
+    /// A Role or Protocol that is not one of its values.
+    #[error("{field}: {message}")]
+    Choice {
+        field: &'static str,
+        message: String,
+    },
+    /// A rule broken; the error names its field.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+}
+
+/// A refused line, by its number (from 1).
+#[derive(Debug, thiserror::Error)]
+#[error("line {line}: {error}")]
+pub struct BadLine {
+    line: usize,
+    error: LineError,
+}
+
 /// One line checked and turned into a request.
-fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, String> {
-    let line: Line = serde_json::from_str(text).map_err(|err| err.to_string())?;
+fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, LineError> {
+    let line: Line = serde_json::from_str(text)?;
     if line.ttl_seconds.is_some() {
-        return Err("TtlSeconds: an import cannot heartbeat; register instances with --ttl one by one (instance register)".into());
+        return Err(LineError::Ttl);
     }
-    EndpointName::new(&line.endpoint_name).map_err(|err| format!("EndpointName: {err}"))?;
-    VariantName::new(&line.variant_name).map_err(|err| format!("VariantName: {err}"))?;
-    InstanceId::new(&line.instance_id).map_err(|err| format!("InstanceId: {err}"))?;
-    validate_instance_url(&line.url).map_err(|err| err.to_string())?;
+    let name = |field: &'static str| move |source| LineError::Name { field, source };
+    EndpointName::new(&line.endpoint_name).map_err(name("EndpointName"))?;
+    VariantName::new(&line.variant_name).map_err(name("VariantName"))?;
+    InstanceId::new(&line.instance_id).map_err(name("InstanceId"))?;
+    validate_instance_url(&line.url)?;
     if let Some(weight) = line.weight {
-        validate_instance_weight(weight).map_err(|err| err.to_string())?;
+        validate_instance_weight(weight)?;
     }
+    let choice = |field: &'static str| move |message| LineError::Choice { field, message };
     let role = match &line.role {
-        Some(role) => role
-            .parse::<InstanceRole>()
-            .map_err(|err| format!("Role: {err}"))?,
+        Some(role) => role.parse::<InstanceRole>().map_err(choice("Role"))?,
         None => InstanceRole::default(),
     };
     let protocol = match &line.protocol {
         Some(protocol) => protocol
             .parse::<InstanceProtocol>()
-            .map_err(|err| format!("Protocol: {err}"))?,
+            .map_err(choice("Protocol"))?,
         None => InstanceProtocol::default(),
     };
     let kv_events = line.kv_events.unwrap_or_default();
     let kv_events_replay = line.kv_events_replay.unwrap_or_default();
-    switchyard_proto::convert::kv_events(&kv_events, &kv_events_replay)
-        .map_err(|err| err.to_string())?;
+    switchyard_proto::convert::kv_events(&kv_events, &kv_events_replay)?;
     if let Some(partner) = &line.decode_partner {
-        InstanceId::new(partner).map_err(|err| format!("DecodePartner: {err}"))?;
+        InstanceId::new(partner).map_err(name("DecodePartner"))?;
     }
     Ok(pb::RegisterInstanceRequest {
         endpoint_name: line.endpoint_name,
@@ -114,8 +146,8 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, String> {
     })
 }
 
-/// Every instance of the file with its line number, or every error (up to a bound), by line.
-fn read_file(text: &str) -> Result<(Vec<pb::RegisterInstanceRequest>, Vec<usize>), Vec<String>> {
+/// Every instance of the file with its line number, or every refused line.
+fn read_file(text: &str) -> Result<(Vec<pb::RegisterInstanceRequest>, Vec<usize>), Vec<BadLine>> {
     let mut requests = Vec::new();
     let mut lines = Vec::new();
     let mut errors = Vec::new();
@@ -128,7 +160,10 @@ fn read_file(text: &str) -> Result<(Vec<pb::RegisterInstanceRequest>, Vec<usize>
                 requests.push(request);
                 lines.push(index + 1);
             }
-            Err(err) => errors.push(format!("line {}: {err}", index + 1)),
+            Err(error) => errors.push(BadLine {
+                line: index + 1,
+                error,
+            }),
         }
     }
     if errors.is_empty() {
@@ -151,54 +186,83 @@ fn by_line(message: &str, lines: &[usize]) -> String {
     parsed.unwrap_or_else(|| message.to_owned())
 }
 
-pub async fn import(
-    client: &mut Client,
+/// Why an import did not happen. All but `ControlPlane` are the user's to fix (exit 64).
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("--file {}: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "--file {}: {} bad line(s); nothing imported\n{}",
+        path.display(),
+        errors.len(),
+        first_errors(errors)
+    )]
+    BadLines { path: PathBuf, errors: Vec<BadLine> },
+    #[error("--file {}: no instances in it", path.display())]
+    Empty { path: PathBuf },
+    /// The control plane refused an instance (told by line).
+    #[error("--file {}: {message}; nothing imported", path.display())]
+    Refused { path: PathBuf, message: String },
+    /// The control plane failed otherwise (its message told by line, when it names one).
+    #[error(transparent)]
+    ControlPlane(tonic::Status),
+}
+
+/// The first `MAX_ERRORS_SHOWN` errors, one a line, and how many more there are.
+fn first_errors(errors: &[BadLine]) -> String {
+    let shown = errors.len().min(MAX_ERRORS_SHOWN);
+    let mut listed = errors[..shown]
+        .iter()
+        .map(BadLine::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    if errors.len() > shown {
+        listed.push_str(&format!("\n... and {} more", errors.len() - shown));
+    }
+    listed
+}
+
+/// Reads and checks `args.file`, has `send` import it (or, with --dry-run, check it), and
+/// prints what was done.
+pub async fn import<Sent>(
     format: OutputFormat,
     args: ImportArgs,
-) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .map_err(|err| UsageError(format!("--file {}: {err}", args.file.display())))?;
+    send: impl FnOnce(pb::ImportInstancesRequest) -> Sent,
+) -> Result<(), ImportError>
+where
+    Sent: Future<Output = Result<tonic::Response<pb::ImportInstancesResponse>, tonic::Status>>,
+{
+    let path = args.file;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(source) => return Err(ImportError::Unreadable { path, source }),
+    };
     let (requests, lines) = match read_file(&text) {
         Ok(read) => read,
-        Err(errors) => {
-            let shown = errors.len().min(MAX_ERRORS_SHOWN);
-            let mut message = format!(
-                "--file {}: {} bad line(s); nothing imported\n{}",
-                args.file.display(),
-                errors.len(),
-                errors[..shown].join("\n")
-            );
-            if errors.len() > shown {
-                message.push_str(&format!("\n... and {} more", errors.len() - shown));
-            }
-            return Err(UsageError(message).into());
-        }
+        Err(errors) => return Err(ImportError::BadLines { path, errors }),
     };
     if requests.is_empty() {
-        return Err(UsageError(format!(
-            "--file {}: no instances in it",
-            args.file.display()
-        ))
-        .into());
+        return Err(ImportError::Empty { path });
     }
     let count = requests.len();
-    let response = client
-        .import_instances(pb::ImportInstancesRequest {
-            instances: requests,
-            dry_run: args.dry_run,
-        })
-        .await
-        .map_err(|status| {
+    let response = match send(pb::ImportInstancesRequest {
+        instances: requests,
+        dry_run: args.dry_run,
+    })
+    .await
+    {
+        Ok(response) => response.into_inner(),
+        Err(status) => {
             let message = by_line(status.message(), &lines);
-            match status.code() {
-                tonic::Code::InvalidArgument => anyhow::Error::new(UsageError(format!(
-                    "--file {}: {message}; nothing imported",
-                    args.file.display()
-                ))),
-                code => anyhow!(tonic::Status::new(code, message)),
-            }
-        })?
-        .into_inner();
+            return Err(match status.code() {
+                tonic::Code::InvalidArgument => ImportError::Refused { path, message },
+                code => ImportError::ControlPlane(tonic::Status::new(code, message)),
+            });
+        }
+    };
     let value = serde_json::json!({
         "Instances": count,
         "Imported": response.imported,
@@ -206,7 +270,10 @@ pub async fn import(
         "DryRun": args.dry_run,
     });
     match format {
-        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&value)?),
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        ),
         OutputFormat::Table if args.dry_run => {
             println!("checked {count} instances: all would import")
         }
@@ -234,7 +301,11 @@ mod tests {
             r#"{"EndpointName":"chat","VariantName":"AllTraffic","InstanceId":"i-4","Url":"http://10.0.0.4:8000","Colour":"red"}"#,
             "\n",
         );
-        let errors = read_file(text).unwrap_err();
+        let errors: Vec<String> = read_file(text)
+            .unwrap_err()
+            .iter()
+            .map(BadLine::to_string)
+            .collect();
         assert_eq!(errors.len(), 3, "{errors:?}");
         assert!(errors[0].starts_with("line 3: Url:"), "{errors:?}");
         assert!(errors[1].starts_with("line 4: TtlSeconds:"), "{errors:?}");
@@ -246,6 +317,28 @@ mod tests {
         assert_eq!(lines, [1]);
         assert_eq!(requests[0].role, pb::InstanceRole::Decode as i32);
         assert_eq!(requests[0].weight, Some(2.0));
+    }
+
+    #[test]
+    fn a_refused_file_lists_its_first_bad_lines_and_counts_the_rest() {
+        let errors = read_file(&"{}\n".repeat(25)).unwrap_err();
+        let message = ImportError::BadLines {
+            path: "fleet.jsonl".into(),
+            errors,
+        }
+        .to_string();
+        let lines: Vec<&str> = message.lines().collect();
+        assert_eq!(
+            lines[0],
+            "--file fleet.jsonl: 25 bad line(s); nothing imported"
+        );
+        assert_eq!(lines.len(), 1 + MAX_ERRORS_SHOWN + 1, "{message}");
+        assert!(
+            lines[1].starts_with("line 1: missing field `EndpointName`"),
+            "{message}"
+        );
+        assert!(lines[20].starts_with("line 20: "), "{message}");
+        assert_eq!(lines[21], "... and 5 more");
     }
 
     #[test]

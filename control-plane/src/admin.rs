@@ -6,7 +6,7 @@ use switchyard_proto::convert::{
     variant_name,
 };
 use switchyard_proto::v1 as pb;
-use switchyard_shared::EndpointConfig;
+use switchyard_shared::{EndpointConfig, EndpointConfigName, EndpointName, InstanceId};
 use tonic::{Request, Response, Status};
 
 use crate::registry::{AdminError, Registration, Registry};
@@ -18,6 +18,21 @@ pub struct AdminService {
 
 fn invalid(err: switchyard_shared::ValidationError) -> Status {
     AdminError::Invalid(err).into()
+}
+
+/// A request's `EndpointName`, parsed.
+fn parse_endpoint_name(name: &str) -> Result<EndpointName, Status> {
+    endpoint_name("EndpointName", name).map_err(invalid)
+}
+
+/// A request's `EndpointConfigName`, parsed.
+fn parse_config_name(name: &str) -> Result<EndpointConfigName, Status> {
+    endpoint_config_name("EndpointConfigName", name).map_err(invalid)
+}
+
+/// A request's `InstanceId`, parsed.
+fn parse_instance_id(id: &str) -> Result<InstanceId, Status> {
+    instance_id("InstanceId", id).map_err(invalid)
 }
 
 /// A `RegisterInstanceRequest` with its names parsed (field named on any error).
@@ -102,8 +117,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::DescribeEndpointConfigRequest>,
     ) -> Result<Response<pb::EndpointConfig>, Status> {
-        let name = endpoint_config_name("EndpointConfigName", &request.into_inner().name)
-            .map_err(invalid)?;
+        let name = parse_config_name(&request.into_inner().name)?;
         let config = self.registry.describe_config(&name).await?;
         Ok(Response::new((&config).into()))
     }
@@ -122,8 +136,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::DeleteEndpointConfigRequest>,
     ) -> Result<Response<pb::DeleteEndpointConfigResponse>, Status> {
-        let name = endpoint_config_name("EndpointConfigName", &request.into_inner().name)
-            .map_err(invalid)?;
+        let name = parse_config_name(&request.into_inner().name)?;
         self.registry.delete_config(&name).await?;
         tracing::info!(endpoint_config = %name, "endpoint config deleted");
         Ok(Response::new(pb::DeleteEndpointConfigResponse {}))
@@ -134,9 +147,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::CreateEndpointRequest>,
     ) -> Result<Response<pb::Endpoint>, Status> {
         let request = request.into_inner();
-        let name = endpoint_name("EndpointName", &request.name).map_err(invalid)?;
-        let config = endpoint_config_name("EndpointConfigName", &request.endpoint_config_name)
-            .map_err(invalid)?;
+        let name = parse_endpoint_name(&request.name)?;
+        let config = parse_config_name(&request.endpoint_config_name)?;
         let endpoint = self.registry.create_endpoint(name, config).await?;
         tracing::info!(endpoint = %endpoint.endpoint_name, endpoint_config = %endpoint.endpoint_config_name, "endpoint created");
         Ok(Response::new((&endpoint).into()))
@@ -146,7 +158,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::DescribeEndpointRequest>,
     ) -> Result<Response<pb::Endpoint>, Status> {
-        let name = endpoint_name("EndpointName", &request.into_inner().name).map_err(invalid)?;
+        let name = parse_endpoint_name(&request.into_inner().name)?;
         let endpoint = self.registry.describe_endpoint(&name).await?;
         Ok(Response::new((&endpoint).into()))
     }
@@ -166,9 +178,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::UpdateEndpointRequest>,
     ) -> Result<Response<pb::Endpoint>, Status> {
         let request = request.into_inner();
-        let name = endpoint_name("EndpointName", &request.name).map_err(invalid)?;
-        let config = endpoint_config_name("EndpointConfigName", &request.endpoint_config_name)
-            .map_err(invalid)?;
+        let name = parse_endpoint_name(&request.name)?;
+        let config = parse_config_name(&request.endpoint_config_name)?;
         let endpoint = self.registry.update_endpoint(&name, config).await?;
         tracing::info!(endpoint = %name, endpoint_config = %endpoint.endpoint_config_name, "endpoint updated");
         Ok(Response::new((&endpoint).into()))
@@ -178,7 +189,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<pb::DeleteEndpointRequest>,
     ) -> Result<Response<pb::DeleteEndpointResponse>, Status> {
-        let name = endpoint_name("EndpointName", &request.into_inner().name).map_err(invalid)?;
+        let name = parse_endpoint_name(&request.into_inner().name)?;
         self.registry.delete_endpoint(&name).await?;
         tracing::info!(endpoint = %name, "endpoint deleted");
         Ok(Response::new(pb::DeleteEndpointResponse {}))
@@ -199,8 +210,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::DeregisterInstanceRequest>,
     ) -> Result<Response<pb::DeregisterInstanceResponse>, Status> {
         let request = request.into_inner();
-        let endpoint = endpoint_name("EndpointName", &request.endpoint_name).map_err(invalid)?;
-        let id = instance_id("InstanceId", &request.id).map_err(invalid)?;
+        let endpoint = parse_endpoint_name(&request.endpoint_name)?;
+        let id = parse_instance_id(&request.id)?;
         self.registry.deregister_instance(&endpoint, &id).await?;
         tracing::info!(endpoint = %endpoint, instance = %id, "instance deregistered");
         Ok(Response::new(pb::DeregisterInstanceResponse {}))
@@ -214,7 +225,7 @@ impl pb::admin_server::Admin for AdminService {
         let endpoint = if request.endpoint_name.is_empty() {
             None
         } else {
-            Some(endpoint_name("EndpointName", &request.endpoint_name).map_err(invalid)?)
+            Some(parse_endpoint_name(&request.endpoint_name)?)
         };
         let instances = self.registry.list_instances(endpoint.as_ref()).await?;
         Ok(Response::new(pb::ListInstancesResponse {
@@ -227,8 +238,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let request = request.into_inner();
-        let endpoint = endpoint_name("EndpointName", &request.endpoint_name).map_err(invalid)?;
-        let id = instance_id("InstanceId", &request.id).map_err(invalid)?;
+        let endpoint = parse_endpoint_name(&request.endpoint_name)?;
+        let id = parse_instance_id(&request.id)?;
         let ttl_seconds = self.registry.heartbeat(&endpoint, &id).await?;
         Ok(Response::new(pb::HeartbeatResponse { ttl_seconds }))
     }

@@ -24,6 +24,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::ControlMetrics;
 use crate::registry::Registry;
 use crate::state::{ProbeTarget, StateCache};
 use crate::store::Revision;
@@ -48,7 +49,24 @@ struct Tracker {
 
 struct ProbeResult {
     key: InstanceKey,
-    outcome: Result<(), String>,
+    outcome: Result<(), ProbeFailure>,
+}
+
+/// Why a probe failed: the detail recorded with an unhealthy instance.
+#[derive(Debug, thiserror::Error)]
+enum ProbeFailure {
+    #[error("bad probe URL {url}: {source}")]
+    BadUrl {
+        url: String,
+        source: http::uri::InvalidUri,
+    },
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The innermost cause, which reads best ("Connection refused (os error 111)").
+    #[error("{}", innermost_cause(.0))]
+    Client(hyper_util::client::legacy::Error),
+    #[error("status {0}")]
+    Status(http::StatusCode),
 }
 
 /// Probe clients: HTTP/1.1, and h2c for instances registered with protocol h2c (the
@@ -87,19 +105,18 @@ async fn probe(clients: Clients, target: ProbeTarget) -> ProbeResult {
     let url = format!("{}{}", target.instance.url, health_check.path);
     let timeout = Duration::from_millis(u64::from(health_check.timeout_ms));
     let outcome = match url.parse::<http::Uri>() {
-        Err(err) => Err(format!("bad probe URL {url}: {err}")),
+        Err(source) => Err(ProbeFailure::BadUrl { url, source }),
         Ok(uri) => match tokio::time::timeout(timeout, client.get(uri)).await {
-            Err(_) => Err(format!("no answer within {timeout:?}")),
-            Ok(Err(err)) => Err(describe_client_error(&err)),
+            Err(_) => Err(ProbeFailure::Timeout(timeout)),
+            Ok(Err(err)) => Err(ProbeFailure::Client(err)),
             Ok(Ok(response)) if response.status().is_success() => Ok(()),
-            Ok(Ok(response)) => Err(format!("status {}", response.status())),
+            Ok(Ok(response)) => Err(ProbeFailure::Status(response.status())),
         },
     };
     ProbeResult { key, outcome }
 }
 
-/// The innermost cause reads best ("Connection refused (os error 111)").
-fn describe_client_error(err: &hyper_util::client::legacy::Error) -> String {
+fn innermost_cause(err: &hyper_util::client::legacy::Error) -> String {
     let mut innermost: &dyn std::error::Error = err;
     while let Some(inner) = innermost.source() {
         innermost = inner;
@@ -112,7 +129,7 @@ pub async fn run(
     registry: Registry,
     cache: Arc<StateCache>,
     mut leading: watch::Receiver<Option<Revision>>,
-    metrics: Arc<crate::observe::ControlMetrics>,
+    metrics: Arc<ControlMetrics>,
     shutdown: CancellationToken,
 ) {
     let client = clients();
@@ -251,7 +268,7 @@ async fn record(
             } else {
                 current
             };
-            (next, truncate(reason))
+            (next, truncate(&reason.to_string()))
         }
     };
     if next == current {

@@ -7,13 +7,15 @@
 //! (admin operations as store transactions), `admin` (the gRPC edge and auth), `state` (the
 //! watched view and change broadcast), `sync` (router streams), `load` (fleet-wide load),
 //! `leader` (election), `health` (probing), `sagemaker_api` (the SageMaker-compatible HTTP
-//! API over the same registry) with `sigv4` (its signature check).
+//! API over the same registry) with `sigv4` (its signature check), `metrics` (the control
+//! plane's counters) and `observe` (their Prometheus page, admin RPC and store spans).
 
 pub mod admin;
 pub mod health;
 pub mod keys;
 pub mod leader;
 pub mod load;
+pub mod metrics;
 pub mod observe;
 pub mod registry;
 pub mod sagemaker_api;
@@ -23,7 +25,7 @@ pub mod store;
 pub mod sync;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -210,14 +212,10 @@ impl ControlConfig {
         let router_token = token(&self.router_token_file, "--router-token-file")?;
         let etcd_tls = self.etcd_tls()?;
         let tls = match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => {
-                let read = |path: &PathBuf, flag: &str| {
-                    std::fs::read(path).map_err(|err| {
-                        StartError::Config(format!("{flag} {}: {err}", path.display()))
-                    })
-                };
-                Some((read(cert, "--tls-cert")?, read(key, "--tls-key")?))
-            }
+            (Some(cert), Some(key)) => Some((
+                read_flag_file(cert, "--tls-cert")?,
+                read_flag_file(key, "--tls-key")?,
+            )),
             _ => None,
         };
         let replica_id = self.replica_id.clone().unwrap_or_else(|| {
@@ -281,11 +279,7 @@ impl ControlConfig {
                     .into(),
             );
         };
-        let read = |path: &PathBuf, flag: &str| {
-            std::fs::read(path)
-                .map_err(|err| StartError::Config(format!("{flag} {}: {err}", path.display())))
-        };
-        let ca = read(ca_path, "--etcd-ca")?;
+        let ca = read_flag_file(ca_path, "--etcd-ca")?;
         let client_paths = match (&self.etcd_cert, &self.etcd_key) {
             (None, None) => None,
             (Some(_), None) => return bad("--etcd-cert needs --etcd-key".into()),
@@ -293,7 +287,10 @@ impl ControlConfig {
             (Some(cert), Some(key)) => Some((cert, key)),
         };
         let client = match client_paths {
-            Some((cert, key)) => Some((read(cert, "--etcd-cert")?, read(key, "--etcd-key")?)),
+            Some((cert, key)) => Some((
+                read_flag_file(cert, "--etcd-cert")?,
+                read_flag_file(key, "--etcd-key")?,
+            )),
             None => None,
         };
         let tls = EtcdTls::new(ca, client).map_err(|err| {
@@ -314,6 +311,12 @@ impl ControlConfig {
         })?;
         Ok(Some(tls))
     }
+}
+
+/// The file a flag names; a usage error naming both when it cannot be read.
+fn read_flag_file(path: &Path, flag: &str) -> Result<Vec<u8>, StartError> {
+    std::fs::read(path)
+        .map_err(|err| StartError::Config(format!("{flag} {}: {err}", path.display())))
 }
 
 /// A validated configuration with its files read: nothing left to fail but the network.
@@ -423,7 +426,7 @@ impl ControlPlane {
                 .await?;
         }
         tracing::info!(store = store.kind(), replica = %settings.replica_id, "store open");
-        let metrics = Arc::new(observe::ControlMetrics::default());
+        let metrics = Arc::new(metrics::ControlMetrics::default());
         let store: Arc<dyn Store> = Arc::new(observe::ObservedStore {
             inner: store,
             metrics: Arc::clone(&metrics),
@@ -879,52 +882,60 @@ mod tests {
             config.etcd_key = Some(key.clone());
             config
         };
-        let expect = |config: ControlConfig, start: String| {
+        let shown = |path: &Path| path.display().to_string();
+        type Flag = fn(&mut ControlConfig) -> &mut Option<PathBuf>;
+        let etcd_ca: Flag = |config| &mut config.etcd_ca;
+        let etcd_cert: Flag = |config| &mut config.etcd_cert;
+        let etcd_key: Flag = |config| &mut config.etcd_key;
+        // (the flag, the file it is given, how the refusal starts)
+        let cases = [
+            (
+                etcd_ca,
+                &missing,
+                format!("--etcd-ca {}: ", shown(&missing)),
+            ),
+            (
+                etcd_cert,
+                &missing,
+                format!("--etcd-cert {}: ", shown(&missing)),
+            ),
+            (
+                etcd_key,
+                &missing,
+                format!("--etcd-key {}: ", shown(&missing)),
+            ),
+            // A key where a certificate belongs, a certificate where the key belongs.
+            (
+                etcd_ca,
+                &key,
+                format!("--etcd-ca {}: no PEM certificate", shown(&key)),
+            ),
+            (
+                etcd_cert,
+                &key,
+                format!("--etcd-cert {}: no PEM certificate", shown(&key)),
+            ),
+            (
+                etcd_key,
+                &cert,
+                format!("--etcd-key {}: no PEM private key", shown(&cert)),
+            ),
+            // A key that is not the certificate's.
+            (
+                etcd_key,
+                &other_key,
+                format!(
+                    "--etcd-cert {} / --etcd-key {}: ",
+                    shown(&cert),
+                    shown(&other_key)
+                ),
+            ),
+        ];
+        for (flag, path, start) in cases {
+            let mut config = https();
+            *flag(&mut config) = Some(path.clone());
             let message = refusal(&config);
             assert!(message.starts_with(&start), "{message} (wanted {start})");
-        };
-        let shown = |path: &Path| path.display().to_string();
-
-        let mut config = https();
-        config.etcd_ca = Some(missing.clone());
-        expect(config, format!("--etcd-ca {}: ", shown(&missing)));
-        let mut config = https();
-        config.etcd_cert = Some(missing.clone());
-        expect(config, format!("--etcd-cert {}: ", shown(&missing)));
-        let mut config = https();
-        config.etcd_key = Some(missing.clone());
-        expect(config, format!("--etcd-key {}: ", shown(&missing)));
-
-        // A key where a certificate belongs, a certificate where the key belongs.
-        let mut config = https();
-        config.etcd_ca = Some(key.clone());
-        expect(
-            config,
-            format!("--etcd-ca {}: no PEM certificate", shown(&key)),
-        );
-        let mut config = https();
-        config.etcd_cert = Some(key.clone());
-        expect(
-            config,
-            format!("--etcd-cert {}: no PEM certificate", shown(&key)),
-        );
-        let mut config = https();
-        config.etcd_key = Some(cert.clone());
-        expect(
-            config,
-            format!("--etcd-key {}: no PEM private key", shown(&cert)),
-        );
-
-        // A key that is not the certificate's.
-        let mut config = https();
-        config.etcd_key = Some(other_key.clone());
-        expect(
-            config,
-            format!(
-                "--etcd-cert {} / --etcd-key {}: ",
-                shown(&cert),
-                shown(&other_key)
-            ),
-        );
+        }
     }
 }

@@ -2,12 +2,11 @@
 //! OpenTelemetry spans for admin RPCs (continuing the caller's trace from gRPC metadata) and
 //! store operations.
 
-use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -22,67 +21,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
+use crate::metrics::{ControlMetrics, STORE_OPERATIONS};
 use crate::state::StateCache;
 use crate::store::{Kv, LeaseId, Listing, Revision, Store, StoreError, Txn};
 use crate::sync::SyncStats;
-
-/// Latency buckets (seconds) of admin RPCs and store operations.
-const SECONDS: [f64; 12] = [
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
-];
-
-/// Store operations, as the `operation` label names them.
-const STORE_OPERATIONS: [&str; 7] = [
-    "get",
-    "list",
-    "commit",
-    "grant_lease",
-    "keep_alive",
-    "revoke_lease",
-    "list_and_watch",
-];
-
-/// The control plane's own counters (gauges are read from their owners when scraped).
-#[derive(Debug)]
-pub struct ControlMetrics {
-    /// Admin RPCs by (method, gRPC code).
-    admin_rpcs: Mutex<BTreeMap<(String, &'static str), u64>>,
-    admin_rpc_seconds: Histogram,
-    store_seconds: [Histogram; 7],
-    store_errors: [AtomicU64; 7],
-    /// Health probes that succeeded and failed.
-    probes: [AtomicU64; 2],
-    /// From a change reaching this replica's view to its push on a router stream.
-    pub sync_push_lag_seconds: Histogram,
-}
-
-impl Default for ControlMetrics {
-    fn default() -> Self {
-        Self {
-            admin_rpcs: Mutex::default(),
-            admin_rpc_seconds: Histogram::new(&SECONDS),
-            store_seconds: std::array::from_fn(|_| Histogram::new(&SECONDS)),
-            store_errors: Default::default(),
-            probes: Default::default(),
-            sync_push_lag_seconds: Histogram::new(&SECONDS),
-        }
-    }
-}
-
-impl ControlMetrics {
-    pub fn count_probe(&self, healthy: bool) {
-        self.probes[usize::from(!healthy)].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn count_admin_rpc(&self, method: &str, code: &'static str, seconds: f64) {
-        self.admin_rpc_seconds.observe(seconds);
-        let mut rpcs = self
-            .admin_rpcs
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        *rpcs.entry((method.to_owned(), code)).or_default() += 1;
-    }
-}
 
 /// What a scrape reads besides [`ControlMetrics`].
 #[derive(Debug, Clone)]
@@ -98,6 +40,7 @@ impl Sources {
     pub fn render(&self) -> String {
         let mut out = TextEncoder::new();
         let metrics = &self.metrics;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed) as f64;
         out.family(
             "switchyard_control_admin_rpcs_total",
             "counter",
@@ -116,14 +59,10 @@ impl Sources {
                 );
             }
         }
-        out.family(
+        histogram(
+            &mut out,
             "switchyard_control_admin_rpc_seconds",
-            "histogram",
             "Time to answer an admin gRPC call.",
-        )
-        .histogram(
-            "switchyard_control_admin_rpc_seconds",
-            &[],
             &metrics.admin_rpc_seconds,
         );
         out.family(
@@ -131,127 +70,123 @@ impl Sources {
             "histogram",
             "Time of one store operation (etcd or embedded), by operation.",
         );
-        for (index, operation) in STORE_OPERATIONS.iter().enumerate() {
+        for (operation, seconds) in STORE_OPERATIONS.iter().zip(&metrics.store_seconds) {
             out.histogram(
                 "switchyard_control_store_operation_seconds",
                 &[("operation", operation)],
-                &metrics.store_seconds[index],
+                seconds,
             );
         }
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_store_errors_total",
             "counter",
             "Store operations that failed, by operation.",
+            "operation",
+            STORE_OPERATIONS
+                .into_iter()
+                .zip(metrics.store_errors.iter().map(load)),
         );
-        for (index, operation) in STORE_OPERATIONS.iter().enumerate() {
-            out.sample(
-                "switchyard_control_store_errors_total",
-                &[("operation", operation)],
-                metrics.store_errors[index].load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_leader",
             "gauge",
             "1 while this replica leads (runs health checks), else 0.",
-        )
-        .sample(
-            "switchyard_control_leader",
-            &[],
             f64::from(u8::from(self.leading.borrow().is_some())),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_ready",
             "gauge",
             "1 while this replica's view of the store is current (it serves routers), else 0.",
-        )
-        .sample(
-            "switchyard_control_ready",
-            &[],
             f64::from(u8::from(self.cache.is_ready())),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_connected_routers",
             "gauge",
             "Router sync streams open on this replica.",
-        )
-        .sample(
-            "switchyard_control_connected_routers",
-            &[],
-            self.sync.open_streams.load(Ordering::Relaxed) as f64,
+            load(&self.sync.open_streams),
         );
         let (configs, endpoints, instances) = self.cache.sizes();
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_membership",
             "gauge",
             "Objects in this replica's view of the store, by kind.",
+            "kind",
+            [
+                ("endpoint_config", configs as f64),
+                ("endpoint", endpoints as f64),
+                ("instance", instances as f64),
+            ],
         );
-        for (kind, count) in [
-            ("endpoint_config", configs),
-            ("endpoint", endpoints),
-            ("instance", instances),
-        ] {
-            out.sample(
-                "switchyard_control_membership",
-                &[("kind", kind)],
-                count as f64,
-            );
-        }
-        out.family(
+        by_label(
+            &mut out,
             "switchyard_control_health_probes_total",
             "counter",
             "Health probes of instances, by outcome (success, failure).",
+            "outcome",
+            ["success", "failure"]
+                .into_iter()
+                .zip(metrics.probes.iter().map(load)),
         );
-        for (index, outcome) in ["success", "failure"].iter().enumerate() {
-            out.sample(
-                "switchyard_control_health_probes_total",
-                &[("outcome", outcome)],
-                metrics.probes[index].load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_snapshots_total",
             "counter",
             "Full snapshots sent to routers (first ones, and fresh ones after falling behind).",
-        )
-        .sample(
-            "switchyard_control_sync_snapshots_total",
-            &[],
-            self.sync.snapshots.load(Ordering::Relaxed) as f64,
+            load(&self.sync.snapshots),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_fell_behind_total",
             "counter",
             "Router streams that fell behind the change broadcast and got a fresh snapshot.",
-        )
-        .sample(
-            "switchyard_control_sync_fell_behind_total",
-            &[],
-            self.sync.fell_behind.load(Ordering::Relaxed) as f64,
+            load(&self.sync.fell_behind),
         );
-        out.family(
+        single(
+            &mut out,
             "switchyard_control_sync_changes_total",
             "counter",
             "Membership changes pushed to routers (summed over streams).",
-        )
-        .sample(
-            "switchyard_control_sync_changes_total",
-            &[],
-            self.sync.changes.load(Ordering::Relaxed) as f64,
+            load(&self.sync.changes),
         );
-        out.family(
+        histogram(
+            &mut out,
             "switchyard_control_sync_push_lag_seconds",
-            "histogram",
             "From a change reaching this replica's view to its push on a router stream.",
-        )
-        .histogram(
-            "switchyard_control_sync_push_lag_seconds",
-            &[],
             &metrics.sync_push_lag_seconds,
         );
         switchyard_telemetry::write_metrics(&mut out);
         out.finish()
     }
+}
+
+/// A family of one unlabelled sample.
+fn single(out: &mut TextEncoder, name: &str, kind: &str, help: &str, value: f64) {
+    out.family(name, kind, help).sample(name, &[], value);
+}
+
+/// A family of one sample per value of `label`.
+fn by_label<'a>(
+    out: &mut TextEncoder,
+    name: &str,
+    kind: &str,
+    help: &str,
+    label: &str,
+    samples: impl IntoIterator<Item = (&'a str, f64)>,
+) {
+    out.family(name, kind, help);
+    for (label_value, value) in samples {
+        out.sample(name, &[(label, label_value)], value);
+    }
+}
+
+/// A family of one unlabelled histogram.
+fn histogram(out: &mut TextEncoder, name: &str, help: &str, histogram: &Histogram) {
+    out.family(name, "histogram", help)
+        .histogram(name, &[], histogram);
 }
 
 /// Serves `GET /metrics` (anything else: 404) until `shutdown`.

@@ -239,7 +239,7 @@ impl Registry {
                 .store
                 .commit(
                     Txn::new()
-                        .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+                        .when_unchanged(&kv)
                         .delete(kv.key)
                         .delete(keys::sagemaker_config(name.as_str())),
                 )
@@ -278,10 +278,7 @@ impl Registry {
                 .commit(
                     Txn::new()
                         .when(Compare::Absent(key.clone()))
-                        .when(Compare::ModRevision(
-                            config_kv.key.clone(),
-                            config_kv.mod_revision,
-                        ))
+                        .when_unchanged(&config_kv)
                         .put(key.clone(), encode(&endpoint), 0)
                         .put(config_kv.key, config_kv.value, 0),
                 )
@@ -326,14 +323,8 @@ impl Registry {
                 .store
                 .commit(
                     Txn::new()
-                        .when(Compare::ModRevision(
-                            endpoint_kv.key.clone(),
-                            endpoint_kv.mod_revision,
-                        ))
-                        .when(Compare::ModRevision(
-                            config_kv.key.clone(),
-                            config_kv.mod_revision,
-                        ))
+                        .when_unchanged(&endpoint_kv)
+                        .when_unchanged(&config_kv)
                         .put(endpoint_kv.key, encode(&endpoint), 0)
                         .put(config_kv.key, config_kv.value, 0),
                 )
@@ -354,7 +345,7 @@ impl Registry {
                 .store
                 .commit(
                     Txn::new()
-                        .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+                        .when_unchanged(&kv)
                         .delete(kv.key)
                         .delete_prefix(keys::instances_of(name.as_str())),
                 )
@@ -448,14 +439,11 @@ impl Registry {
             let previous = self.read::<Instance>(&key).await?;
             let committed = self
                 .store
-                .commit(
-                    Txn::new()
-                        .when(Compare::ModRevision(
-                            endpoint_kv.key.clone(),
-                            endpoint_kv.mod_revision,
-                        ))
-                        .put(key.clone(), encode(&instance), lease_id),
-                )
+                .commit(Txn::new().when_unchanged(&endpoint_kv).put(
+                    key.clone(),
+                    encode(&instance),
+                    lease_id,
+                ))
                 .await?;
             if committed.is_none() {
                 // The endpoint changed under us: read it again.
@@ -495,11 +483,7 @@ impl Registry {
     async fn deregister_read(&self, instance: &Instance, kv: &Kv) -> Result<(), AdminError> {
         let deleted = self
             .store
-            .commit(
-                Txn::new()
-                    .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
-                    .delete(kv.key.clone()),
-            )
+            .commit(Txn::new().when_unchanged(kv).delete(kv.key.clone()))
             .await?;
         if deleted.is_none() {
             return Err(AdminError::Aborted(format!(
@@ -793,7 +777,7 @@ impl Registry {
             .store
             .commit(
                 Txn::new()
-                    .when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+                    .when_unchanged(&kv)
                     .when(Compare::ModRevision(
                         keys::LEADER.to_owned(),
                         leader_revision,

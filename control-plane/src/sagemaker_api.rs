@@ -205,17 +205,41 @@ impl Arns {
     }
 
     fn config_missing(&self, name: &EndpointConfigName) -> AwsError {
-        AwsError::validation(format!(
-            "Could not find endpoint configuration \"{}\".",
-            self.config(name)
-        ))
+        missing(CONFIG_KIND, &self.config(name))
     }
 
     fn endpoint_missing(&self, name: &EndpointName) -> AwsError {
-        AwsError::validation(format!(
-            "Could not find endpoint \"{}\".",
-            self.endpoint(name)
-        ))
+        missing(ENDPOINT_KIND, &self.endpoint(name))
+    }
+
+    /// A registry error about config `name`, as SageMaker words it.
+    fn config_error(&self, name: &EndpointConfigName, err: AdminError) -> AwsError {
+        registry_error(CONFIG_KIND, &self.config(name), err)
+    }
+
+    /// A registry error about endpoint `name`, as SageMaker words it.
+    fn endpoint_error(&self, name: &EndpointName, err: AdminError) -> AwsError {
+        registry_error(ENDPOINT_KIND, &self.endpoint(name), err)
+    }
+}
+
+/// What SageMaker's messages call the two kinds of resource.
+const CONFIG_KIND: &str = "endpoint configuration";
+const ENDPOINT_KIND: &str = "endpoint";
+
+fn missing(kind: &str, arn: &str) -> AwsError {
+    AwsError::validation(format!("Could not find {kind} \"{arn}\"."))
+}
+
+/// SageMaker's words for a registry error about the `kind` of resource at `arn`: missing, or
+/// already there; any other error as `From<AdminError>` maps it.
+fn registry_error(kind: &str, arn: &str, err: AdminError) -> AwsError {
+    match err {
+        AdminError::NotFound(_) => missing(kind, arn),
+        AdminError::AlreadyExists(_) => {
+            AwsError::validation(format!("Cannot create already existing {kind} \"{arn}\"."))
+        }
+        other => other.into(),
     }
 }
 
@@ -383,21 +407,21 @@ impl SageMakerApi {
                     ));
                 }
             };
-        let arns = Arns { region };
         let mut input = Input {
             members: input,
             operation,
+            arns: Arns { region },
         };
         match operation {
-            "CreateEndpointConfig" => self.create_endpoint_config(&mut input, &arns).await,
-            "DescribeEndpointConfig" => self.describe_endpoint_config(&mut input, &arns).await,
-            "DeleteEndpointConfig" => self.delete_endpoint_config(&mut input, &arns).await,
-            "ListEndpointConfigs" => self.list_endpoint_configs(&mut input, &arns).await,
-            "CreateEndpoint" => self.create_endpoint(&mut input, &arns).await,
-            "UpdateEndpoint" => self.update_endpoint(&mut input, &arns).await,
-            "DescribeEndpoint" => self.describe_endpoint(&mut input, &arns).await,
-            "DeleteEndpoint" => self.delete_endpoint(&mut input, &arns).await,
-            "ListEndpoints" => self.list_endpoints(&mut input, &arns).await,
+            "CreateEndpointConfig" => self.create_endpoint_config(&mut input).await,
+            "DescribeEndpointConfig" => self.describe_endpoint_config(&mut input).await,
+            "DeleteEndpointConfig" => self.delete_endpoint_config(&mut input).await,
+            "ListEndpointConfigs" => self.list_endpoint_configs(&mut input).await,
+            "CreateEndpoint" => self.create_endpoint(&mut input).await,
+            "UpdateEndpoint" => self.update_endpoint(&mut input).await,
+            "DescribeEndpoint" => self.describe_endpoint(&mut input).await,
+            "DeleteEndpoint" => self.delete_endpoint(&mut input).await,
+            "ListEndpoints" => self.list_endpoints(&mut input).await,
             other => Err(AwsError::new(
                 StatusCode::BAD_REQUEST,
                 "UnknownOperationException",
@@ -438,11 +462,7 @@ impl SageMakerApi {
 
     // ----- endpoint configs -------------------------------------------------------------
 
-    async fn create_endpoint_config(
-        &self,
-        input: &mut Input<'_>,
-        arns: &Arns,
-    ) -> Result<Value, AwsError> {
+    async fn create_endpoint_config(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         let mut known = vec!["EndpointConfigName", "ProductionVariants"];
         known.extend_from_slice(UNUSED_CONFIG_MEMBERS);
         input.check_members(&known)?;
@@ -476,31 +496,22 @@ impl SageMakerApi {
             // SageMaker's API has no disaggregation; the switchyard CLI sets it.
             disaggregation_config: None,
         };
-        match self.registry.create_config_with(config, stored).await {
-            Ok(_) => {
-                tracing::info!(endpoint_config = %name, "endpoint config created (SageMaker API)");
-                Ok(json!({"EndpointConfigArn": arns.config(&name)}))
-            }
-            Err(AdminError::AlreadyExists(_)) => Err(AwsError::validation(format!(
-                "Cannot create already existing endpoint configuration \"{}\".",
-                arns.config(&name)
-            ))),
-            Err(err) => Err(err.into()),
-        }
+        self.registry
+            .create_config_with(config, stored)
+            .await
+            .map_err(|err| input.arns.config_error(&name, err))?;
+        tracing::info!(endpoint_config = %name, "endpoint config created (SageMaker API)");
+        Ok(json!({"EndpointConfigArn": input.arns.config(&name)}))
     }
 
-    async fn describe_endpoint_config(
-        &self,
-        input: &mut Input<'_>,
-        arns: &Arns,
-    ) -> Result<Value, AwsError> {
+    async fn describe_endpoint_config(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(&["EndpointConfigName"])?;
         let name = input.config_name()?;
-        let config = match self.registry.describe_config(&name).await {
-            Ok(config) => config,
-            Err(AdminError::NotFound(_)) => return Err(arns.config_missing(&name)),
-            Err(err) => return Err(err.into()),
-        };
+        let config = self
+            .registry
+            .describe_config(&name)
+            .await
+            .map_err(|err| input.arns.config_error(&name, err))?;
         let unused: UnusedFields = match self.registry.sagemaker_fields(&name).await? {
             Some(bytes) => serde_json::from_slice(&bytes).map_err(|err| {
                 AwsError::from(AdminError::Internal(format!(
@@ -527,7 +538,7 @@ impl SageMakerApi {
             .collect();
         let mut output = Map::new();
         output.insert("EndpointConfigName".into(), json!(name.as_str()));
-        output.insert("EndpointConfigArn".into(), json!(arns.config(&name)));
+        output.insert("EndpointConfigArn".into(), json!(input.arns.config(&name)));
         output.insert("ProductionVariants".into(), Value::Array(variants));
         output.insert(
             "CreationTime".into(),
@@ -541,28 +552,18 @@ impl SageMakerApi {
         Ok(Value::Object(output))
     }
 
-    async fn delete_endpoint_config(
-        &self,
-        input: &mut Input<'_>,
-        arns: &Arns,
-    ) -> Result<Value, AwsError> {
+    async fn delete_endpoint_config(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(&["EndpointConfigName"])?;
         let name = input.config_name()?;
-        match self.registry.delete_config(&name).await {
-            Ok(()) => {
-                tracing::info!(endpoint_config = %name, "endpoint config deleted (SageMaker API)");
-                Ok(json!({}))
-            }
-            Err(AdminError::NotFound(_)) => Err(arns.config_missing(&name)),
-            Err(err) => Err(err.into()),
-        }
+        self.registry
+            .delete_config(&name)
+            .await
+            .map_err(|err| input.arns.config_error(&name, err))?;
+        tracing::info!(endpoint_config = %name, "endpoint config deleted (SageMaker API)");
+        Ok(json!({}))
     }
 
-    async fn list_endpoint_configs(
-        &self,
-        input: &mut Input<'_>,
-        arns: &Arns,
-    ) -> Result<Value, AwsError> {
+    async fn list_endpoint_configs(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(LIST_MEMBERS)?;
         let query = ListQuery::read(input, &["Name", "CreationTime"])?;
         let rows = self
@@ -577,7 +578,7 @@ impl SageMakerApi {
                 status: String::new(),
                 summary: json!({
                     "EndpointConfigName": config.endpoint_config_name.as_str(),
-                    "EndpointConfigArn": arns.config(&config.endpoint_config_name),
+                    "EndpointConfigArn": input.arns.config(&config.endpoint_config_name),
                     "CreationTime": seconds(config.creation_time_ms),
                 }),
             })
@@ -587,7 +588,7 @@ impl SageMakerApi {
 
     // ----- endpoints --------------------------------------------------------------------
 
-    async fn create_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+    async fn create_endpoint(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         // DeploymentConfig and Tags are accepted, not used: routers switch to a new config
         // atomically, there is no deployment to shape.
         input.check_members(&[
@@ -598,25 +599,19 @@ impl SageMakerApi {
         ])?;
         let name = input.endpoint_name()?;
         let config = input.config_name()?;
-        match self
-            .registry
+        self.registry
             .create_endpoint(name.clone(), config.clone())
             .await
-        {
-            Ok(_) => {
-                tracing::info!(endpoint = %name, endpoint_config = %config, "endpoint created (SageMaker API)");
-                Ok(json!({"EndpointArn": arns.endpoint(&name)}))
-            }
-            Err(AdminError::AlreadyExists(_)) => Err(AwsError::validation(format!(
-                "Cannot create already existing endpoint \"{}\".",
-                arns.endpoint(&name)
-            ))),
-            Err(AdminError::NotFound(_)) => Err(arns.config_missing(&config)),
-            Err(err) => Err(err.into()),
-        }
+            .map_err(|err| match err {
+                // The endpoint is what is created: what is missing is its config.
+                AdminError::NotFound(_) => input.arns.config_missing(&config),
+                err => input.arns.endpoint_error(&name, err),
+            })?;
+        tracing::info!(endpoint = %name, endpoint_config = %config, "endpoint created (SageMaker API)");
+        Ok(json!({"EndpointArn": input.arns.endpoint(&name)}))
     }
 
-    async fn update_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+    async fn update_endpoint(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(&[
             "EndpointName",
             "EndpointConfigName",
@@ -630,34 +625,30 @@ impl SageMakerApi {
         match self.registry.update_endpoint(&name, config.clone()).await {
             Ok(_) => {
                 tracing::info!(endpoint = %name, endpoint_config = %config, "endpoint updated (SageMaker API)");
-                Ok(json!({"EndpointArn": arns.endpoint(&name)}))
+                Ok(json!({"EndpointArn": input.arns.endpoint(&name)}))
             }
             Err(AdminError::NotFound(_)) => {
                 // Either the endpoint or the config is missing: say which.
                 match self.registry.describe_endpoint(&name).await {
-                    Err(AdminError::NotFound(_)) => Err(arns.endpoint_missing(&name)),
-                    _ => Err(arns.config_missing(&config)),
+                    Err(AdminError::NotFound(_)) => Err(input.arns.endpoint_missing(&name)),
+                    _ => Err(input.arns.config_missing(&config)),
                 }
             }
             Err(err) => Err(err.into()),
         }
     }
 
-    async fn describe_endpoint(
-        &self,
-        input: &mut Input<'_>,
-        arns: &Arns,
-    ) -> Result<Value, AwsError> {
+    async fn describe_endpoint(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(&["EndpointName"])?;
         let name = input.endpoint_name()?;
-        let endpoint = match self.registry.describe_endpoint(&name).await {
-            Ok(endpoint) => endpoint,
-            Err(AdminError::NotFound(_)) => return Err(arns.endpoint_missing(&name)),
-            Err(err) => return Err(err.into()),
-        };
+        let endpoint = self
+            .registry
+            .describe_endpoint(&name)
+            .await
+            .map_err(|err| input.arns.endpoint_error(&name, err))?;
         let mut output = Map::new();
         output.insert("EndpointName".into(), json!(name.as_str()));
-        output.insert("EndpointArn".into(), json!(arns.endpoint(&name)));
+        output.insert("EndpointArn".into(), json!(input.arns.endpoint(&name)));
         output.insert(
             "EndpointConfigName".into(),
             json!(endpoint.endpoint_config_name.as_str()),
@@ -714,20 +705,18 @@ impl SageMakerApi {
         Ok(Value::Object(output))
     }
 
-    async fn delete_endpoint(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+    async fn delete_endpoint(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         input.check_members(&["EndpointName"])?;
         let name = input.endpoint_name()?;
-        match self.registry.delete_endpoint(&name).await {
-            Ok(()) => {
-                tracing::info!(endpoint = %name, "endpoint deleted (SageMaker API)");
-                Ok(json!({}))
-            }
-            Err(AdminError::NotFound(_)) => Err(arns.endpoint_missing(&name)),
-            Err(err) => Err(err.into()),
-        }
+        self.registry
+            .delete_endpoint(&name)
+            .await
+            .map_err(|err| input.arns.endpoint_error(&name, err))?;
+        tracing::info!(endpoint = %name, "endpoint deleted (SageMaker API)");
+        Ok(json!({}))
     }
 
-    async fn list_endpoints(&self, input: &mut Input<'_>, arns: &Arns) -> Result<Value, AwsError> {
+    async fn list_endpoints(&self, input: &mut Input<'_>) -> Result<Value, AwsError> {
         let mut known = LIST_MEMBERS.to_vec();
         known.extend_from_slice(&[
             "LastModifiedTimeBefore",
@@ -751,7 +740,7 @@ impl SageMakerApi {
                 status: endpoint.endpoint_status.to_string(),
                 summary: json!({
                     "EndpointName": endpoint.endpoint_name.as_str(),
-                    "EndpointArn": arns.endpoint(&endpoint.endpoint_name),
+                    "EndpointArn": input.arns.endpoint(&endpoint.endpoint_name),
                     "CreationTime": seconds(endpoint.creation_time_ms),
                     "LastModifiedTime": seconds(endpoint.last_modified_time_ms),
                     "EndpointStatus": endpoint.endpoint_status.to_string(),
@@ -767,10 +756,12 @@ fn seconds(ms: i64) -> f64 {
     ms as f64 / 1000.0
 }
 
-/// A request's members, taken one by one so that what is left over can be refused.
+/// A request's members, taken one by one so that what is left over can be refused, and the
+/// ARNs of the region it was signed for.
 struct Input<'a> {
     members: Map<String, Value>,
     operation: &'a str,
+    arns: Arns,
 }
 
 impl Input<'_> {

@@ -427,13 +427,36 @@ mod tests {
 
     /// A request signed by botocore 1.44's `SigV4Auth` (secret "the-admin-token", region
     /// us-west-2, service sagemaker), as boto3's `sagemaker` client sends ListEndpoints.
-    fn botocore_request() -> (http::Uri, HeaderMap, &'static [u8]) {
-        let uri: http::Uri = "http://127.0.0.1:8443/".parse().unwrap();
-        let mut headers = HeaderMap::new();
-        for (name, value) in BOTOCORE_HEADERS {
-            headers.insert(*name, value.parse().unwrap());
+    struct BotocoreRequest {
+        uri: http::Uri,
+        headers: HeaderMap,
+    }
+
+    impl BotocoreRequest {
+        fn new() -> Self {
+            let mut headers = HeaderMap::new();
+            for (name, value) in BOTOCORE_HEADERS {
+                headers.insert(*name, value.parse().unwrap());
+            }
+            Self {
+                uri: "http://127.0.0.1:8443/".parse().unwrap(),
+                headers,
+            }
         }
-        (uri, headers, BOTOCORE_BODY)
+
+        fn signed(&self) -> Signed<'_> {
+            Signed {
+                method: "POST",
+                uri: &self.uri,
+                headers: &self.headers,
+                body: BOTOCORE_BODY,
+            }
+        }
+
+        /// When botocore signed it (its X-Amz-Date).
+        fn signed_at(&self) -> SystemTime {
+            at(self.headers["x-amz-date"].to_str().unwrap())
+        }
     }
 
     const BOTOCORE_BODY: &[u8] = br#"{"MaxResults": 1}"#;
@@ -451,14 +474,9 @@ mod tests {
 
     #[test]
     fn a_botocore_signature_verifies_with_its_secret_only() {
-        let (uri, headers, body) = botocore_request();
-        let request = Signed {
-            method: "POST",
-            uri: &uri,
-            headers: &headers,
-            body,
-        };
-        let now = at(headers["x-amz-date"].to_str().unwrap());
+        let botocore = BotocoreRequest::new();
+        let request = botocore.signed();
+        let now = botocore.signed_at();
         let authorization = verify(request, "the-admin-token", now).unwrap();
         assert_eq!(authorization.region, "us-west-2");
         assert_eq!(authorization.service, "sagemaker");
@@ -478,14 +496,9 @@ mod tests {
 
     #[test]
     fn the_clock_may_differ_by_five_minutes_and_no_more() {
-        let (uri, headers, body) = botocore_request();
-        let request = Signed {
-            method: "POST",
-            uri: &uri,
-            headers: &headers,
-            body,
-        };
-        let signed = at(headers["x-amz-date"].to_str().unwrap());
+        let botocore = BotocoreRequest::new();
+        let request = botocore.signed();
+        let signed = botocore.signed_at();
         for ok in [signed + MAX_SKEW, signed - MAX_SKEW] {
             verify(request, "the-admin-token", ok).unwrap();
         }

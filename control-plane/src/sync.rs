@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::load::{Counts, LoadHub};
+use crate::metrics::ControlMetrics;
 use crate::state::{Published, Readiness, StateCache, StateSnapshot};
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -126,7 +127,7 @@ pub struct SyncService {
     pub shutdown: CancellationToken,
     pub sessions: Arc<Sessions>,
     pub stats: Arc<SyncStats>,
-    pub metrics: Arc<crate::observe::ControlMetrics>,
+    pub metrics: Arc<ControlMetrics>,
 }
 
 /// Removes a router from the load sums and the sessions when its stream ends, however it ends.

@@ -860,6 +860,27 @@ mod tests {
         EmbeddedStore::open(None, CancellationToken::new()).unwrap()
     }
 
+    /// Puts `key`, and expects the commit to apply.
+    async fn put(store: &Arc<EmbeddedStore>, key: &str) {
+        store
+            .commit(Txn::new().put(key, b"v".to_vec(), 0))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    /// Gives the store a read-only handle on its log, so that every append fails as on a full
+    /// disk; returns the writable one, for [`mend_log`].
+    fn break_log(store: &EmbeddedStore, log_path: &Path) -> File {
+        let mut disk = lock(&store.writer);
+        let disk = disk.as_mut().unwrap();
+        std::mem::replace(&mut disk.log, File::open(log_path).unwrap())
+    }
+
+    fn mend_log(store: &EmbeddedStore, writable: File) {
+        lock(&store.writer).as_mut().unwrap().log = writable;
+    }
+
     #[tokio::test]
     async fn contract_transactions() {
         contract::create_if_absent_and_compare_revision(&memory()).await;
@@ -908,27 +929,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();
         let mut listing = store.list_and_watch("").await.unwrap();
-        // A log opened read-only makes every append fail, as a full disk would.
-        let writable = {
-            let mut disk = lock(&store.writer);
-            let disk = disk.as_mut().unwrap();
-            std::mem::replace(
-                &mut disk.log,
-                File::open(dir.path().join(LOG_FILE)).unwrap(),
-            )
-        };
+        let writable = break_log(&store, &dir.path().join(LOG_FILE));
         let err = store
             .commit(Txn::new().put("k", b"v".to_vec(), 0))
             .await
             .unwrap_err();
         assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
         assert!(store.get("k").await.unwrap().is_none(), "not visible");
-        lock(&store.writer).as_mut().unwrap().log = writable;
-        store
-            .commit(Txn::new().put("k2", b"v".to_vec(), 0))
-            .await
-            .unwrap()
-            .unwrap();
+        mend_log(&store, writable);
+        put(&store, "k2").await;
         use futures::StreamExt as _;
         let item = listing.watch.next().await.unwrap().unwrap();
         let WatchItem::Events(batch) = item else {
@@ -944,32 +953,20 @@ mod tests {
         let log_path = dir.path().join(LOG_FILE);
         {
             let store = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();
-            store
-                .commit(Txn::new().put("k1", b"v".to_vec(), 0))
-                .await
-                .unwrap()
-                .unwrap();
+            put(&store, "k1").await;
             // A full disk: half a line reaches the file, then the append fails.
-            let writable = {
-                let mut disk = lock(&store.writer);
-                let disk = disk.as_mut().unwrap();
-                let mut torn = std::fs::OpenOptions::new()
-                    .append(true)
-                    .open(&log_path)
-                    .unwrap();
-                torn.write_all(br#"{"revision":99,"ops":[{"put"#).unwrap();
-                std::mem::replace(&mut disk.log, File::open(&log_path).unwrap())
-            };
+            let mut torn = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&log_path)
+                .unwrap();
+            torn.write_all(br#"{"revision":99,"ops":[{"put"#).unwrap();
+            let writable = break_log(&store, &log_path);
             store
                 .commit(Txn::new().put("lost", b"v".to_vec(), 0))
                 .await
                 .unwrap_err();
-            lock(&store.writer).as_mut().unwrap().log = writable;
-            store
-                .commit(Txn::new().put("k2", b"v".to_vec(), 0))
-                .await
-                .unwrap()
-                .unwrap();
+            mend_log(&store, writable);
+            put(&store, "k2").await;
             store.close();
         }
         let reopened = EmbeddedStore::open(Some(dir.path()), CancellationToken::new()).unwrap();

@@ -87,17 +87,9 @@ impl EtcdTls {
     /// The same configuration for a direct handshake (`tls_problem`). The ring provider is
     /// named here rather than taken from the process default, which nothing installs.
     fn rustls_config(&self) -> Result<rustls::ClientConfig, EtcdTlsError> {
-        let certificates = |pem: &[u8]| -> Result<Vec<CertificateDer<'static>>, String> {
-            let certificates = CertificateDer::pem_slice_iter(pem)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|err| format!("bad PEM: {err}"))?;
-            if certificates.is_empty() {
-                return Err("no PEM certificate in it".into());
-            }
-            Ok(certificates)
-        };
         let mut roots = rustls::RootCertStore::empty();
-        for certificate in certificates(&self.ca).map_err(EtcdTlsError::Ca)? {
+        let ca = certificates(&self.ca).map_err(|err| EtcdTlsError::Ca(err.to_string()))?;
+        for certificate in ca {
             roots
                 .add(certificate)
                 .map_err(|err| EtcdTlsError::Ca(format!("not a CA certificate: {err}")))?;
@@ -111,7 +103,8 @@ impl EtcdTls {
         let mut config = match &self.client {
             None => builder.with_no_client_auth(),
             Some((cert, key)) => {
-                let chain = certificates(cert).map_err(EtcdTlsError::Cert)?;
+                let chain =
+                    certificates(cert).map_err(|err| EtcdTlsError::Cert(err.to_string()))?;
                 let key = PrivateKeyDer::from_pem_slice(key)
                     .map_err(|err| EtcdTlsError::Key(format!("no PEM private key in it: {err}")))?;
                 builder.with_client_auth_cert(chain, key).map_err(|err| {
@@ -122,6 +115,26 @@ impl EtcdTls {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
     }
+}
+
+/// Why PEM text does not give a certificate chain.
+#[derive(Debug, thiserror::Error)]
+enum PemError {
+    #[error("bad PEM: {0}")]
+    Unreadable(rustls::pki_types::pem::Error),
+    #[error("no PEM certificate in it")]
+    NoCertificate,
+}
+
+/// The certificates of `pem`, in order: at least one.
+fn certificates(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
+    let certificates = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(PemError::Unreadable)?;
+    if certificates.is_empty() {
+        return Err(PemError::NoCertificate);
+    }
+    Ok(certificates)
 }
 
 /// Why TLS to `endpoint` fails, if it does, by a handshake of its own: the gRPC stack can lose

@@ -67,6 +67,11 @@ impl Txn {
         self
     }
 
+    /// Holds while the key of `kv` is still at the revision it was read at.
+    pub fn when_unchanged(self, kv: &Kv) -> Self {
+        self.when(Compare::ModRevision(kv.key.clone(), kv.mod_revision))
+    }
+
     pub fn put(mut self, key: impl Into<String>, value: Vec<u8>, lease: LeaseId) -> Self {
         self.ops.push(Op::Put {
             key: key.into(),
@@ -205,36 +210,23 @@ pub mod contract {
 
     use super::*;
 
+    /// Puts `value` at "a" if `compare` holds: the revision, or `None` when it did not.
+    async fn put_a_if(store: &dyn Store, compare: Compare, value: &[u8]) -> Option<Revision> {
+        store
+            .commit(Txn::new().when(compare).put("a", value.to_vec(), 0))
+            .await
+            .unwrap()
+    }
+
     pub async fn create_if_absent_and_compare_revision(store: &dyn Store) {
-        let created = store
-            .commit(
-                Txn::new()
-                    .when(Compare::Absent("a".into()))
-                    .put("a", b"1".to_vec(), 0),
-            )
-            .await
-            .unwrap();
+        let created = put_a_if(store, Compare::Absent("a".into()), b"1").await;
         let revision = created.expect("first create wins");
-        let again = store
-            .commit(
-                Txn::new()
-                    .when(Compare::Absent("a".into()))
-                    .put("a", b"2".to_vec(), 0),
-            )
-            .await
-            .unwrap();
+        let again = put_a_if(store, Compare::Absent("a".into()), b"2").await;
         assert_eq!(again, None, "second create loses");
         let kv = store.get("a").await.unwrap().unwrap();
         assert_eq!(kv.value, b"1");
         assert_eq!(kv.mod_revision, revision);
-        let stale = store
-            .commit(
-                Txn::new()
-                    .when(Compare::ModRevision("a".into(), revision - 1))
-                    .put("a", b"3".to_vec(), 0),
-            )
-            .await
-            .unwrap();
+        let stale = put_a_if(store, Compare::ModRevision("a".into(), revision - 1), b"3").await;
         assert_eq!(stale, None, "stale revision refused");
         let fresh = store
             .commit(
