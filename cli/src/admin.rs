@@ -61,17 +61,15 @@ impl tonic::service::Interceptor for BearerToken {
 pub type Client = AdminClient<InterceptedService<Channel, BearerToken>>;
 
 /// A failure the user caused (bad flag, bad JSON): exit 64.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub use switchyard_process::UsageError;
 
 impl Connection {
     pub async fn connect(&self) -> anyhow::Result<Client> {
         let token = match &self.admin_token_file {
-            Some(path) => Some(
-                switchyard_process::read_token_file(path, "--admin-token-file")
-                    .map_err(UsageError)?,
-            ),
+            Some(path) => Some(switchyard_process::read_token_file(
+                path,
+                "--admin-token-file",
+            )?),
             None => std::env::var("SWITCHYARD_ADMIN_TOKEN").ok(),
         };
         let token = match token {

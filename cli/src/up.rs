@@ -53,8 +53,8 @@ pub struct UpArgs {
 impl UpArgs {
     fn spec(&self) -> Result<ClusterSpec, UsageError> {
         use switchyard_process::check_range;
-        check_range("--engines", self.engines, 1..=64).map_err(UsageError)?;
-        check_range("--routers", self.routers, 1..=16).map_err(UsageError)?;
+        check_range("--engines", self.engines, 1..=64)?;
+        check_range("--routers", self.routers, 1..=16)?;
         let prefix = (self.strategy == RoutingStrategy::PrefixAware)
             .then_some((self.prefix_length, self.concurrency_threshold));
         let variants = variants_json(self.strategy.as_str(), prefix);

@@ -206,7 +206,7 @@ impl ControlConfig {
             path.as_deref()
                 .map(|path| switchyard_process::read_token_file(path, flag))
                 .transpose()
-                .map_err(StartError::Config)
+                .map_err(|err| StartError::Config(err.0))
         };
         let admin_token = token(&self.admin_token_file, "--admin-token-file")?;
         let router_token = token(&self.router_token_file, "--router-token-file")?;
@@ -225,7 +225,10 @@ impl ControlConfig {
                 fastrand::u32(..0xff_ffff)
             )
         });
-        let telemetry = self.telemetry.validate().map_err(StartError::Config)?;
+        let telemetry = self
+            .telemetry
+            .validate()
+            .map_err(|err| StartError::Config(err.0))?;
         Ok(Settings {
             telemetry,
             config: self.clone(),

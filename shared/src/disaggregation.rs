@@ -243,7 +243,7 @@ impl DisaggregationConfig {
         }
         if let Some(name) = &self.tokenizer {
             validate_tokenizer_name(name)
-                .map_err(|message| ValidationError::new(at("Tokenizer"), message))?;
+                .map_err(|err| ValidationError::new(at("Tokenizer"), err.to_string()))?;
         }
         let prefix_aware = |index: usize| {
             variants[index].routing().routing_strategy == RoutingStrategy::PrefixAware
@@ -323,9 +323,14 @@ pub fn check_instance_place(
     Ok(())
 }
 
+/// A name that is no tokenizer name (the message says what one is).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidTokenizerName(String);
+
 /// A tokenizer name: one of the built-in BPEs, or a file name (letters, digits, `.`, `_`,
 /// `-`; at most 128 characters; no path).
-pub fn validate_tokenizer_name(name: &str) -> Result<(), String> {
+pub fn validate_tokenizer_name(name: &str) -> Result<(), InvalidTokenizerName> {
     let fine = !name.is_empty()
         && name.len() <= 128
         && !name.starts_with('.')
@@ -335,10 +340,10 @@ pub fn validate_tokenizer_name(name: &str) -> Result<(), String> {
     if fine {
         Ok(())
     } else {
-        Err(format!(
+        Err(InvalidTokenizerName(format!(
             "{name:?} is not a tokenizer name: cl100k_base, o200k_base, or the name of a \
              tokenizer.json under the routers' --tokenizer-dir (letters, digits, '.', '_', '-')"
-        ))
+        )))
     }
 }
 

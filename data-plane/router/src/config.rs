@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use switchyard_process::check_range;
+use switchyard_process::{UsageError, check_range};
 use switchyard_telemetry::{TelemetryArgs, TelemetrySettings};
 
 use crate::routing::static_file::{self, StaticConfig};
@@ -132,7 +132,7 @@ pub struct RouterConfig {
 }
 
 /// Parses a byte count: digits with an optional `KiB`, `MiB` or `GiB` suffix.
-pub fn parse_byte_size(text: &str) -> Result<u64, String> {
+pub fn parse_byte_size(text: &str) -> Result<u64, UsageError> {
     let text = text.trim();
     let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
         Some(at) => text.split_at(at),
@@ -144,17 +144,19 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
         other => {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "unknown unit {other:?} in {text:?} (use a byte count with KiB, MiB or GiB)"
-            ));
+            )));
         }
     };
-    let value: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a byte count such as 268435456 or 256MiB"))?;
+    let value: u64 = digits.parse().map_err(|_| {
+        UsageError(format!(
+            "{text:?} is not a byte count such as 268435456 or 256MiB"
+        ))
+    })?;
     value
         .checked_mul(multiplier)
-        .ok_or_else(|| format!("{text:?} is too large"))
+        .ok_or_else(|| UsageError(format!("{text:?} is too large")))
 }
 
 impl RouterConfig {
@@ -192,10 +194,10 @@ impl RouterConfig {
     }
 
     /// Checks the flags and reads the files they name.
-    pub fn validate(&self) -> Result<Settings, String> {
+    pub fn validate(&self) -> Result<Settings, UsageError> {
         let source = match &self.config {
             Some(path) => Source::Static(
-                static_file::read_static_config(path).map_err(|err| err.to_string())?,
+                static_file::read_static_config(path).map_err(|err| UsageError(err.to_string()))?,
             ),
             None => Source::ControlPlane(self.control_plane_urls()?),
         };
@@ -243,10 +245,10 @@ impl RouterConfig {
         // The head deadline covers connecting too: a connect timeout at or above it would
         // surface as a 504 instead of a retry on another instance.
         if self.connect_timeout_ms >= self.upstream_header_timeout_seconds.saturating_mul(1000) {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--connect-timeout-ms ({}) must be below --upstream-header-timeout-seconds ({} s)",
                 self.connect_timeout_ms, self.upstream_header_timeout_seconds
-            ));
+            )));
         }
         check_range("--max-connections", self.max_connections, 1..=10_000_000)?;
         check_range("--max-in-flight", self.max_in_flight, 1..=10_000_000)?;
@@ -259,14 +261,15 @@ impl RouterConfig {
         if let Some(dir) = &self.tokenizer_dir
             && !dir.is_dir()
         {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--tokenizer-dir {}: not a directory",
                 dir.display()
-            ));
+            )));
         }
         let tls_ca = match &self.tls_ca {
             Some(path) => Some(
-                std::fs::read(path).map_err(|err| format!("--tls-ca {}: {err}", path.display()))?,
+                std::fs::read(path)
+                    .map_err(|err| UsageError(format!("--tls-ca {}: {err}", path.display())))?,
             ),
             None => None,
         };
@@ -313,7 +316,7 @@ impl RouterConfig {
 
     /// `--control-plane`, else `$SWITCHYARD_CONTROL_PLANE`, else the local default; each
     /// URL checked, and a bad one named by where it came from.
-    fn control_plane_urls(&self) -> Result<Vec<String>, String> {
+    fn control_plane_urls(&self) -> Result<Vec<String>, UsageError> {
         let from_env = std::env::var("SWITCHYARD_CONTROL_PLANE")
             .ok()
             .filter(|value| !value.trim().is_empty());
@@ -329,12 +332,12 @@ impl RouterConfig {
         };
         for url in &urls {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(format!(
+                return Err(UsageError(format!(
                     "{origin}: {url:?} must start with http:// or https://"
-                ));
+                )));
             }
             url.parse::<http::Uri>()
-                .map_err(|err| format!("{origin}: {url:?}: {err}"))?;
+                .map_err(|err| UsageError(format!("{origin}: {url:?}: {err}")))?;
         }
         Ok(urls)
     }
@@ -390,12 +393,18 @@ mod tests {
         assert_eq!(parse_byte_size("256MiB"), Ok(256 << 20));
         assert_eq!(parse_byte_size("1GiB"), Ok(1 << 30));
         assert_eq!(parse_byte_size("64KiB"), Ok(64 << 10));
-        assert!(parse_byte_size("1GB").unwrap_err().contains("unknown unit"));
+        assert!(
+            parse_byte_size("1GB")
+                .unwrap_err()
+                .0
+                .contains("unknown unit")
+        );
         assert!(parse_byte_size("MiB").is_err());
         assert!(parse_byte_size("99999999999999999999GiB").is_err());
         assert!(
             parse_byte_size("20000000000GiB")
                 .unwrap_err()
+                .0
                 .contains("too large")
         );
     }
@@ -414,22 +423,34 @@ mod tests {
         assert!(
             bad.validate()
                 .unwrap_err()
+                .0
                 .contains("--upstream-header-timeout-seconds")
         );
         let mut bad = config();
         bad.max_in_flight = 0;
-        assert!(bad.validate().unwrap_err().contains("--max-in-flight"));
+        assert!(bad.validate().unwrap_err().0.contains("--max-in-flight"));
         let mut bad = config();
         bad.upstream_header_timeout_seconds = 2;
-        assert!(bad.validate().unwrap_err().contains("--connect-timeout-ms"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .0
+                .contains("--connect-timeout-ms")
+        );
         let mut bad = config();
         bad.max_buffered_bytes = 1 << 20;
-        assert!(bad.validate().unwrap_err().contains("--max-buffered-bytes"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .0
+                .contains("--max-buffered-bytes")
+        );
         let mut bad = config();
         bad.kv.kv_tokenize_timeout_ms = 0;
         assert!(
             bad.validate()
                 .unwrap_err()
+                .0
                 .contains("--kv-tokenize-timeout-ms")
         );
         let settings = config().validate().unwrap();
@@ -441,6 +462,7 @@ mod tests {
         assert!(
             bad.validate()
                 .unwrap_err()
+                .0
                 .contains("--kv-tokenize-pause-ms")
         );
         assert_eq!(settings.limits.max_buffered_bytes, 512 << 20);

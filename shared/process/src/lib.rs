@@ -110,17 +110,23 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// A flag, a variable, or a file one names, that cannot be used; the message names it
+/// (`--max-attempts: 0 is outside 1..=10`). Binaries print it and exit 64 ([`exit_usage`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
 /// Reads a bearer token from a file (`flag` names it in errors): one word, surrounding
 /// whitespace and a trailing newline ignored.
-pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<String, String> {
-    let token =
-        std::fs::read_to_string(path).map_err(|err| format!("{flag} {}: {err}", path.display()))?;
+pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<String, UsageError> {
+    let token = std::fs::read_to_string(path)
+        .map_err(|err| UsageError(format!("{flag} {}: {err}", path.display())))?;
     let token = token.trim();
     if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!(
+        return Err(UsageError(format!(
             "{flag} {}: the token must be one non-empty word",
             path.display()
-        ));
+        )));
     }
     Ok(token.to_owned())
 }
@@ -131,18 +137,18 @@ pub fn check_range<T>(
     flag: &str,
     value: T,
     range: std::ops::RangeInclusive<T>,
-) -> Result<(), String>
+) -> Result<(), UsageError>
 where
     T: PartialOrd + std::fmt::Display,
 {
     if range.contains(&value) {
         Ok(())
     } else {
-        Err(format!(
+        Err(UsageError(format!(
             "{flag}: {value} is outside {}..={}",
             range.start(),
             range.end()
-        ))
+        )))
     }
 }
 
@@ -176,7 +182,7 @@ mod tests {
     fn ranges_name_the_flag() {
         assert_eq!(check_range("--n", 3, 1..=10), Ok(()));
         assert_eq!(
-            check_range("--n", 0, 1..=10).unwrap_err(),
+            check_range("--n", 0, 1..=10).unwrap_err().to_string(),
             "--n: 0 is outside 1..=10"
         );
         assert!(check_range("--n", 11, 1..=10).is_err());

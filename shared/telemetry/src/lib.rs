@@ -21,6 +21,7 @@ use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{
     Sampler, SdkTracer, SdkTracerProvider, Span, SpanData, SpanProcessor,
 };
+use switchyard_process::UsageError;
 
 /// Spans sent in one export call at most: one call per few hundred requests at full load,
 /// where one per 170 requests (512 spans) left the export thread behind at 16,000 requests/s.
@@ -123,7 +124,7 @@ pub struct TelemetrySettings {
 
 /// Parses an OTLP headers variable (`name` for errors): `key=value` pairs separated by
 /// commas, values percent-decoded; keys must be valid gRPC metadata names.
-pub fn parse_otlp_headers(name: &str, text: &str) -> Result<Vec<(String, String)>, String> {
+pub fn parse_otlp_headers(name: &str, text: &str) -> Result<Vec<(String, String)>, UsageError> {
     let mut headers = Vec::new();
     for pair in text
         .split(',')
@@ -132,22 +133,27 @@ pub fn parse_otlp_headers(name: &str, text: &str) -> Result<Vec<(String, String)
     {
         let (key, value) = pair
             .split_once('=')
-            .ok_or_else(|| format!("{name}: {pair:?} is not key=value"))?;
+            .ok_or_else(|| UsageError(format!("{name}: {pair:?} is not key=value")))?;
         let key = key.trim().to_ascii_lowercase();
-        let value = percent_decode(value.trim())
-            .ok_or_else(|| format!("{name}: the value of {key:?} is not valid percent-encoding"))?;
+        let value = percent_decode(value.trim()).ok_or_else(|| {
+            UsageError(format!(
+                "{name}: the value of {key:?} is not valid percent-encoding"
+            ))
+        })?;
         if tonic::metadata::MetadataKey::<tonic::metadata::Ascii>::from_bytes(key.as_bytes())
             .is_err()
             || key.ends_with("-bin")
         {
-            return Err(format!("{name}: {key:?} is not a valid header name"));
+            return Err(UsageError(format!(
+                "{name}: {key:?} is not a valid header name"
+            )));
         }
         if tonic::metadata::MetadataValue::<tonic::metadata::Ascii>::try_from(value.as_str())
             .is_err()
         {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "{name}: the value of {key:?} is not a valid header value"
-            ));
+            )));
         }
         headers.push((key, value));
     }
@@ -184,14 +190,14 @@ pub enum SamplerSetting {
 
 impl SamplerSetting {
     /// Reads the standard variables' values; the error names the variable.
-    pub fn parse(sampler: Option<&str>, arg: Option<&str>) -> Result<Self, String> {
-        let ratio = || -> Result<f64, String> {
+    pub fn parse(sampler: Option<&str>, arg: Option<&str>) -> Result<Self, UsageError> {
+        let ratio = || -> Result<f64, UsageError> {
             let Some(arg) = arg else { return Ok(1.0) };
             match arg.trim().parse::<f64>() {
                 Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
-                _ => Err(format!(
+                _ => Err(UsageError(format!(
                     "OTEL_TRACES_SAMPLER_ARG: {arg:?} is not a ratio between 0 and 1"
-                )),
+                ))),
             }
         };
         Ok(
@@ -203,11 +209,11 @@ impl SamplerSetting {
                 "parentbased_always_off" => Self::ParentBasedAlwaysOff,
                 "parentbased_traceidratio" => Self::ParentBasedRatio(ratio()?),
                 other => {
-                    return Err(format!(
+                    return Err(UsageError(format!(
                         "OTEL_TRACES_SAMPLER: {other:?} is not one of always_on, always_off, \
                      traceidratio, parentbased_always_on, parentbased_always_off, \
                      parentbased_traceidratio"
-                    ));
+                    )));
                 }
             },
         )
@@ -262,24 +268,24 @@ impl SamplerSetting {
 
 impl TelemetryArgs {
     /// Checks the flags and the `OTEL_*` variables; `Ok(None)` when tracing is off.
-    pub fn validate(&self) -> Result<Option<TelemetrySettings>, String> {
+    pub fn validate(&self) -> Result<Option<TelemetrySettings>, UsageError> {
         let endpoint = match self.otlp_endpoint.as_deref().map(str::trim) {
             None | Some("") => return Ok(None),
             Some(endpoint) => endpoint,
         };
         let uri: http::Uri = endpoint
             .parse()
-            .map_err(|err| format!("--otlp-endpoint {endpoint:?}: {err}"))?;
+            .map_err(|err| UsageError(format!("--otlp-endpoint {endpoint:?}: {err}")))?;
         if uri.scheme_str() == Some("https") {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--otlp-endpoint {endpoint:?}: TLS to the collector is not supported; export over \
                  http:// to a Collector or agent beside the process, which can forward over TLS"
-            ));
+            )));
         }
         if uri.scheme_str() != Some("http") || uri.host().is_none() {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--otlp-endpoint {endpoint:?}: expected http://HOST:PORT"
-            ));
+            )));
         }
         switchyard_process::check_range("--otlp-queue-spans", self.otlp_queue_spans, 1..=1 << 20)?;
         let variable = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
@@ -802,9 +808,9 @@ mod tests {
             Ok(SamplerSetting::AlwaysOff)
         );
         let err = SamplerSetting::parse(Some("sometimes"), None).unwrap_err();
-        assert!(err.starts_with("OTEL_TRACES_SAMPLER:"), "{err}");
+        assert!(err.0.starts_with("OTEL_TRACES_SAMPLER:"), "{err}");
         let err = SamplerSetting::parse(Some("traceidratio"), Some("2")).unwrap_err();
-        assert!(err.starts_with("OTEL_TRACES_SAMPLER_ARG:"), "{err}");
+        assert!(err.0.starts_with("OTEL_TRACES_SAMPLER_ARG:"), "{err}");
     }
 
     #[test]
@@ -826,7 +832,7 @@ mod tests {
             "k=line%0Abreak",
         ] {
             let err = parse_otlp_headers("V", bad).unwrap_err();
-            assert!(err.starts_with("V: "), "{bad}: {err}");
+            assert!(err.0.starts_with("V: "), "{bad}: {err}");
         }
     }
 
@@ -897,7 +903,7 @@ mod tests {
         };
         let err = args.validate().unwrap_err();
         assert!(
-            err.contains("TLS to the collector is not supported"),
+            err.0.contains("TLS to the collector is not supported"),
             "{err}"
         );
     }
@@ -909,7 +915,7 @@ mod tests {
             otlp_queue_spans: 16,
         };
         let err = args.validate().unwrap_err();
-        assert!(err.starts_with("--otlp-endpoint"), "{err}");
+        assert!(err.0.starts_with("--otlp-endpoint"), "{err}");
         let off = TelemetryArgs::default();
         assert!(off.validate().unwrap().is_none());
     }

@@ -362,9 +362,8 @@ impl Client {
         endpoint: &str,
         headers: &[(String, String)],
         timeout: Duration,
-    ) -> Result<Self, String> {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())
-            .map_err(|err| err.to_string())?
+    ) -> Result<Self, tonic::transport::Error> {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned())?
             .connect_timeout(timeout)
             .timeout(timeout)
             .http2_keep_alive_interval(Duration::from_secs(30))

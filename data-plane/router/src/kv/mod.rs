@@ -15,6 +15,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use switchyard_process::UsageError;
+
 use arc_swap::ArcSwap;
 use switchyard_policy::rank::Strategy;
 use switchyard_shared::{
@@ -76,30 +78,30 @@ impl Default for KvArgs {
 impl KvArgs {
     /// Checks the flags; the error names the flag.
     /// Returns the settings, the `/tokenize` deadline and the first pause.
-    pub fn validate(&self) -> Result<(KvSettings, Duration, Duration), String> {
+    pub fn validate(&self) -> Result<(KvSettings, Duration, Duration), UsageError> {
         if !(10..=10_000).contains(&self.kv_tokenize_timeout_ms) {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--kv-tokenize-timeout-ms: {} is outside 10..=10000",
                 self.kv_tokenize_timeout_ms
-            ));
+            )));
         }
         if !(100..=600_000).contains(&self.kv_tokenize_pause_ms) {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--kv-tokenize-pause-ms: {} is outside 100..=600000",
                 self.kv_tokenize_pause_ms
-            ));
+            )));
         }
         if !(1_000..=100_000_000).contains(&self.kv_index_max_blocks) {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--kv-index-max-blocks: {} is outside 1000..=100000000",
                 self.kv_index_max_blocks
-            ));
+            )));
         }
         if !(50..=60_000).contains(&self.kv_events_probe_ms) {
-            return Err(format!(
+            return Err(UsageError(format!(
                 "--kv-events-probe-ms: {} is outside 50..=60000",
                 self.kv_events_probe_ms
-            ));
+            )));
         }
         let probe = Duration::from_millis(self.kv_events_probe_ms);
         let settings = KvSettings {
@@ -378,7 +380,7 @@ mod tests {
             ("--kv-events-probe-ms", "1"),
         ] {
             let flags = Flags::parse_from(["router", flag, value]);
-            assert!(flags.kv.validate().unwrap_err().contains(flag), "{flag}");
+            assert!(flags.kv.validate().unwrap_err().0.contains(flag), "{flag}");
         }
     }
 

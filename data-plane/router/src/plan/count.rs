@@ -200,12 +200,12 @@ impl TokenCounters {
                 if first_failure {
                     tracing::warn!(
                         tokenizer = name,
-                        why,
+                        why = %why,
                         retry_after = ?self.retry_after,
                         "tokenizer unavailable; counting with cl100k_base instead"
                     );
                 } else {
-                    tracing::debug!(tokenizer = name, why, "tokenizer still unavailable");
+                    tracing::debug!(tokenizer = name, why = %why, "tokenizer still unavailable");
                 }
                 *slot = Slot::Failed {
                     retry_at: Instant::now() + self.retry_after,
@@ -220,7 +220,7 @@ impl TokenCounters {
         self.fallbacks.load(Ordering::Relaxed)
     }
 
-    fn load(&self, name: &str) -> Result<TokenCounter, String> {
+    fn load(&self, name: &str) -> Result<TokenCounter, LoadError> {
         match name {
             "cl100k_base" => return Ok(TokenCounter::Bpe(tiktoken_rs::cl100k_base_singleton())),
             "o200k_base" => return Ok(TokenCounter::Bpe(tiktoken_rs::o200k_base_singleton())),
@@ -228,7 +228,7 @@ impl TokenCounters {
         }
         switchyard_shared::disaggregation::validate_tokenizer_name(name)?;
         let Some(dir) = &self.dir else {
-            return Err("no --tokenizer-dir given".into());
+            return Err(LoadError::NoDirectory);
         };
         let path = [
             dir.join(name).join("tokenizer.json"),
@@ -236,11 +236,9 @@ impl TokenCounters {
         ]
         .into_iter()
         .find(|path| path.is_file())
-        .ok_or_else(|| {
-            format!(
-                "neither {0}/{name}/tokenizer.json nor {0}/{name}.json exists",
-                dir.display()
-            )
+        .ok_or_else(|| LoadError::Missing {
+            dir: dir.display().to_string(),
+            name: name.to_owned(),
         })?;
         #[cfg(test)]
         self.file_loads.fetch_add(1, Ordering::Relaxed);
@@ -258,18 +256,44 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn load_file(path: &Path) -> Result<tokenizers::Tokenizer, String> {
+/// Why a named tokenizer could not be loaded (it is counted with cl100k_base meanwhile).
+#[derive(Debug, thiserror::Error)]
+enum LoadError {
+    #[error(transparent)]
+    Name(#[from] switchyard_shared::disaggregation::InvalidTokenizerName),
+    #[error("no --tokenizer-dir given")]
+    NoDirectory,
+    #[error("neither {dir}/{name}/tokenizer.json nor {dir}/{name}.json exists")]
+    Missing { dir: String, name: String },
+    #[error("{path}: {source}")]
+    Unreadable {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {size} bytes, more than the {} MiB a tokenizer file may have", MOST_TOKENIZER_BYTES >> 20)]
+    TooLarge { path: String, size: u64 },
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+fn load_file(path: &Path) -> Result<tokenizers::Tokenizer, LoadError> {
+    let shown = || path.display().to_string();
     let size = std::fs::metadata(path)
-        .map_err(|err| format!("{}: {err}", path.display()))?
+        .map_err(|source| LoadError::Unreadable {
+            path: shown(),
+            source,
+        })?
         .len();
     if size > MOST_TOKENIZER_BYTES {
-        return Err(format!(
-            "{}: {size} bytes, more than the {} MiB a tokenizer file may have",
-            path.display(),
-            MOST_TOKENIZER_BYTES >> 20
-        ));
+        return Err(LoadError::TooLarge {
+            path: shown(),
+            size,
+        });
     }
-    tokenizers::Tokenizer::from_file(path).map_err(|err| format!("{}: {err}", path.display()))
+    tokenizers::Tokenizer::from_file(path).map_err(|err| LoadError::Invalid {
+        path: shown(),
+        message: err.to_string(),
+    })
 }
 
 /// Tokens per chat message that the text alone does not show (role markers and separators
@@ -453,7 +477,7 @@ mod tests {
         let big = dir.path().join("big.json");
         let file = std::fs::File::create(&big).unwrap();
         file.set_len(MOST_TOKENIZER_BYTES + 1).unwrap();
-        let err = load_file(&big).unwrap_err();
+        let err = load_file(&big).unwrap_err().to_string();
         assert!(err.contains("big.json") && err.contains("64 MiB"), "{err}");
         assert!(matches!(*tokenizers.get("big"), TokenCounter::Bpe(_)));
     }

@@ -167,9 +167,20 @@ pub async fn run(
     }
 }
 
-async fn connect(url: &str, settings: &SyncSettings) -> Result<Channel, String> {
+/// Why a control plane could not be reached.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("bad URL: {0}")]
+    Url(tonic::transport::Error),
+    #[error("TLS: {0}")]
+    Tls(tonic::transport::Error),
+    #[error("{0}")]
+    Connect(tonic::transport::Error),
+}
+
+async fn connect(url: &str, settings: &SyncSettings) -> Result<Channel, ConnectError> {
     let mut endpoint = Endpoint::from_shared(url.to_owned())
-        .map_err(|err| format!("bad URL: {err}"))?
+        .map_err(ConnectError::Url)?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5))
@@ -181,9 +192,9 @@ async fn connect(url: &str, settings: &SyncSettings) -> Result<Channel, String> 
                 tonic::transport::ClientTlsConfig::new()
                     .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
             )
-            .map_err(|err| format!("TLS: {err}"))?;
+            .map_err(ConnectError::Tls)?;
     }
-    endpoint.connect().await.map_err(|err| err.to_string())
+    endpoint.connect().await.map_err(ConnectError::Connect)
 }
 
 /// A received message as domain types.
@@ -231,7 +242,7 @@ async fn follow(
 ) -> Ended {
     let channel = match connect(url, settings).await {
         Ok(channel) => channel,
-        Err(err) => return Ended::Failed(err),
+        Err(err) => return Ended::Failed(err.to_string()),
     };
     let mut client = RouterSyncClient::new(channel)
         .max_decoding_message_size(SYNC_MAX_MESSAGE_BYTES)
