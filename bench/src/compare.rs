@@ -14,7 +14,9 @@ use serde::Serialize;
 use switchyard_engine_sim::SimConfig;
 
 use crate::agreement::{KeyShares, sample_until};
+use crate::child::default_router_bin;
 use crate::client::{HttpClient, http_client};
+use crate::error::UsageError;
 use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
 use crate::peer::{Peer, PeerRouters};
 use crate::report::{
@@ -23,47 +25,13 @@ use crate::report::{
 };
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
+use crate::sim::{bench_sim, load_interval_for};
+use crate::strategy::Strategy;
 use crate::workload::{Trace, TraceArgs, WorkloadKind, WorkloadSpec};
 use switchyard_cluster::{
     ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
     variants_json,
 };
-
-/// A routing strategy of SageMaker's RoutingConfig.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
-pub enum Strategy {
-    #[value(name = "RANDOM", alias = "random")]
-    Random,
-    #[value(
-        name = "LEAST_OUTSTANDING_REQUESTS",
-        alias = "least-outstanding-requests"
-    )]
-    LeastOutstandingRequests,
-    #[value(name = "PREFIX_AWARE", alias = "prefix-aware")]
-    PrefixAware,
-    /// The engines publish their KV-cache events (vLLM's format) for these runs.
-    #[value(name = "KV_AWARE", alias = "kv-aware")]
-    KvAware,
-}
-
-impl Strategy {
-    pub const ALL: [Strategy; 4] = [
-        Strategy::Random,
-        Strategy::LeastOutstandingRequests,
-        Strategy::PrefixAware,
-        Strategy::KvAware,
-    ];
-
-    /// The `RoutingStrategy` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Strategy::Random => "RANDOM",
-            Strategy::LeastOutstandingRequests => "LEAST_OUTSTANDING_REQUESTS",
-            Strategy::PrefixAware => "PREFIX_AWARE",
-            Strategy::KvAware => "KV_AWARE",
-        }
-    }
-}
 
 /// One column of a comparison.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -393,23 +361,6 @@ impl CompareSettings {
     }
 }
 
-/// The simulator as the benchmarks run it: defaults (one p5), with the time scale and cache
-/// size given, a short grace period and little request recording.
-pub fn bench_sim(time_scale: f64, kv_cache_blocks: usize) -> SimConfig {
-    SimConfig {
-        time_scale,
-        kv_cache_blocks,
-        record_requests: 16,
-        shutdown_grace_s: 5.0,
-        ..SimConfig::default()
-    }
-}
-
-/// The router/control-plane load interval scaled with the clock: 100 ms of model time.
-pub fn load_interval_for(time_scale: f64) -> u64 {
-    ((100.0 * time_scale).round() as u64).clamp(10, 100)
-}
-
 impl DemoArgs {
     /// The preset with every given flag applied, validated (the error names the flag).
     pub fn settings(&self) -> Result<CompareSettings, String> {
@@ -490,7 +441,7 @@ impl DemoArgs {
             let binary = self
                 .router_bin
                 .clone()
-                .or_else(crate::overhead::default_router_bin)
+                .or_else(default_router_bin)
                 .ok_or_else(|| {
                     "--router-processes: no switchyard-router next to this executable (build it: cargo build --release -p switchyard-router), or give --router-bin".to_owned()
                 })?;
@@ -518,18 +469,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     report.emit(args.json.as_deref(), args.svg.as_deref())?;
     Ok(report)
 }
-
-/// A bad flag or value (exit 64).
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
 
 /// Generates the trace and its oracle bound, then runs every (router count, strategy) on a
 /// fresh cluster.

@@ -34,7 +34,7 @@ use switchyard_router::plan::count_prompt;
 use switchyard_router::tokenizer::{Tokenizer, Tokenizers};
 
 use crate::client::{HttpClient, http_client};
-use crate::compare::UsageError;
+use crate::error::UsageError;
 use crate::report::{Machine, RunStats};
 use crate::run::{RunConfig, RunOutput, run};
 use crate::stats::{Latency, relative_change};

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use crate::client::http_client;
-use crate::compare::{UsageError, prepare};
+use crate::compare::prepare;
+use crate::error::UsageError;
 use crate::report::{KvStats, Machine, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};

@@ -46,7 +46,9 @@ use switchyard_shared::{
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
-use crate::compare::UsageError;
+use crate::child::default_router_bin;
+use crate::error::UsageError;
+use crate::procfs::{load_average, resident_mib, threads_cpu};
 use crate::stats::Summary;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -214,56 +216,6 @@ impl FleetArgs {
         }
         Ok(())
     }
-}
-
-// ----- /proc ------------------------------------------------------------------------------
-
-/// CPU seconds of this process's threads whose name starts with `prefix` (from each thread's
-/// `schedstat`: nanoseconds on a CPU, exact, unlike the 10 ms ticks of `stat`).
-fn threads_cpu(prefix: &str) -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    let mut nanos = 0u64;
-    for task in tasks.flatten() {
-        let path = task.path();
-        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
-        if !name.trim_end().starts_with(prefix) {
-            continue;
-        }
-        let schedstat = std::fs::read_to_string(path.join("schedstat")).unwrap_or_default();
-        nanos += schedstat
-            .split_whitespace()
-            .next()
-            .and_then(|value| value.parse::<u64>().ok())
-            .unwrap_or(0);
-    }
-    nanos as f64 / 1e9
-}
-
-/// The load average over the last minute (others' work on this machine shows here).
-fn load_average() -> f64 {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|text| text.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// Resident memory of a process, MiB (`self` or a PID).
-fn resident_mib(pid: &str) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| {
-            value
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<f64>()
-                .ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
 }
 
 // ----- the fleet's shape -------------------------------------------------------------------
@@ -888,13 +840,13 @@ async fn http_get(client: &crate::client::HttpClient, url: &str) -> Option<(u16,
 async fn measure_processes(args: &FleetArgs) -> anyhow::Result<ProcessReport> {
     let binary = match &args.router_bin {
         Some(path) => path.clone(),
-        None => crate::overhead::default_router_bin().ok_or_else(|| {
+        None => default_router_bin().ok_or_else(|| {
             usage("--router-bin: no switchyard-router next to this executable; build it (cargo build --release -p switchyard-router) or name it".into())
         })?,
     };
     let control = match &args.control_bin {
         Some(path) => path.clone(),
-        None => crate::overhead::default_router_bin()
+        None => default_router_bin()
             .and_then(|router| {
                 let control = router.with_file_name("switchyard-control");
                 control.is_file().then_some(control)

@@ -16,10 +16,12 @@
 //! (`--time-scale`); reports give wall ms and model ms = wall ms / time scale.
 
 pub mod agreement;
+mod child;
 pub mod client;
 pub mod compare;
 pub mod dpd;
 pub mod drive;
+mod error;
 pub mod fleet;
 pub mod forward;
 pub mod oracle;
@@ -27,20 +29,25 @@ pub mod otlp_sink;
 pub mod overhead;
 pub mod overload;
 pub mod peer;
+mod procfs;
 pub mod report;
 pub mod run;
 pub mod scrape;
+mod sim;
 pub mod stats;
+mod strategy;
 pub mod svg;
 pub mod workload;
 
-pub use compare::{Arm, CompareSettings, DemoArgs, Preset, Strategy, UsageError, compare, demo};
+pub use compare::{Arm, CompareSettings, DemoArgs, Preset, compare, demo};
 pub use dpd::{DpdArgs, DpdReport, DpdSettings, dpd, dpd_compare};
 pub use drive::{DriveArgs, drive};
+pub use error::UsageError;
 pub use fleet::{FleetArgs, FleetReport, fleet};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};
 pub use overload::{OverloadArgs, OverloadReport, overload};
 pub use peer::Peer;
 pub use report::LoadBalanceSetting;
 pub use report::Report;
+pub use strategy::Strategy;
 pub use workload::{Trace, WorkloadKind, WorkloadSpec};

@@ -15,8 +15,7 @@
 //! 2. **Throughput**: `concurrency` closed-loop clients for `duration` seconds each way.
 //!    Requests per core-second = requests / (the proxy process's utime + stime).
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,13 +25,18 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 
+use crate::child::{
+    ChildServer, KvSockets, default_router_bin, free_port, get_status, sibling_bin, start_child,
+    start_router, start_router_with,
+};
 use crate::client::{HttpClient, http_client};
-use crate::compare::{Strategy, UsageError, bench_sim};
-use crate::peer::free_port;
+use crate::error::UsageError;
+use crate::procfs::process_cpu_seconds;
 use crate::report::{DecisionStats, Machine};
 use crate::scrape::{Histogram, scrape};
+use crate::sim::bench_sim;
 use crate::stats::Summary;
-use switchyard_cluster::variants_json;
+use crate::strategy::Strategy;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverheadArgs {
@@ -361,37 +365,10 @@ impl OverheadReport {
         out
     }
 }
-
-/// The router executable next to the current one.
-pub fn default_router_bin() -> Option<PathBuf> {
-    sibling_bin("switchyard-router")
-}
-
-/// An executable of this workspace next to the current one.
-pub(crate) fn sibling_bin(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let mut dir = exe.parent()?.to_path_buf();
-    // Tests and examples run from target/{profile}/deps.
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let candidate = dir.join(name);
-    candidate.is_file().then_some(candidate)
-}
-
 /// The simulated engine, in its own process or in this one.
 enum Engine {
     Process(ChildServer),
     InProcess(switchyard_engine_sim::SimHandle),
-}
-
-/// Where an engine publishes its KV-cache events.
-#[derive(Debug, Clone, serde::Deserialize)]
-struct KvSockets {
-    #[serde(rename = "endpoint")]
-    publisher: String,
-    #[serde(rename = "replay_endpoint")]
-    replay: String,
 }
 
 impl Engine {
@@ -479,139 +456,6 @@ impl Engine {
     }
 }
 
-/// A child process serving HTTP on 127.0.0.1 (a router or the bare forwarder), killed on
-/// drop.
-pub(crate) struct ChildServer {
-    _child: tokio::process::Child,
-    pub(crate) pid: u32,
-    pub(crate) url: String,
-}
-
-/// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
-/// inode is one of the process's file descriptors. Read from the process itself, so a port
-/// taken by anyone else is never mistaken for its own.
-fn listening_port(pid: u32) -> Option<u16> {
-    let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .ok()?
-        .filter_map(Result::ok)
-        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
-        .filter_map(|target| {
-            let target = target.to_string_lossy();
-            let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
-            Some(inode.to_owned())
-        })
-        .collect();
-    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
-    table.lines().skip(1).find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
-        if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
-            return None;
-        }
-        u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
-    })
-}
-
-/// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
-/// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
-pub(crate) async fn start_child(
-    binary: &Path,
-    args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
-    ready_path: &str,
-    client: &HttpClient,
-) -> anyhow::Result<ChildServer> {
-    let mut child = tokio::process::Command::new(binary)
-        .args(args("127.0.0.1:0"))
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("cannot start {}", binary.display()))?;
-    let pid = child.id().context("the process exited at once")?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut url = None;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            bail!("{} exited with {status}", binary.display());
-        }
-        if url.is_none() {
-            url = listening_port(pid).map(|port| format!("http://127.0.0.1:{port}"));
-        }
-        if let Some(url) = &url
-            && get_status(client, &format!("{url}{ready_path}")).await == Some(200)
-        {
-            return Ok(ChildServer {
-                _child: child,
-                pid,
-                url: url.clone(),
-            });
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill().await;
-            bail!("{} was not ready within 10 s", binary.display());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A router process routing endpoint `bench` to the engine from a static config file, with
-/// `extra` flags.
-pub(crate) async fn start_router(
-    binary: &Path,
-    config_dir: &Path,
-    engine_url: &str,
-    strategy: Strategy,
-    extra: &[&str],
-    client: &HttpClient,
-) -> anyhow::Result<ChildServer> {
-    start_router_with(
-        binary, config_dir, engine_url, None, strategy, extra, client,
-    )
-    .await
-}
-
-/// [`start_router`], the engine declaring its KV-event sockets (KV_AWARE) if given.
-async fn start_router_with(
-    binary: &Path,
-    config_dir: &Path,
-    engine_url: &str,
-    kv_events: Option<&KvSockets>,
-    strategy: Strategy,
-    extra: &[&str],
-    client: &HttpClient,
-) -> anyhow::Result<ChildServer> {
-    let prefix = (strategy == Strategy::PrefixAware).then_some((1024, 1024));
-    let variants: serde_json::Value =
-        serde_json::from_str(&variants_json(strategy.as_str(), prefix))?;
-    let mut instance = serde_json::json!({"Url": engine_url, "InstanceId": "engine-0"});
-    if let Some(sockets) = kv_events {
-        instance["KvEvents"] = sockets.publisher.clone().into();
-        instance["KvEventsReplay"] = sockets.replay.clone().into();
-    }
-    let config = serde_json::json!({
-        "Endpoints": [{
-            "EndpointName": "bench",
-            "ProductionVariants": variants,
-            "Instances": [instance],
-        }]
-    });
-    let path = config_dir.join("router.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
-    let args = |listen: &str| -> Vec<std::ffi::OsString> {
-        let mut args: Vec<std::ffi::OsString> = vec![
-            "--listen".into(),
-            listen.into(),
-            "--config".into(),
-            path.clone().into_os_string(),
-        ];
-        args.extend(extra.iter().map(Into::into));
-        args
-    };
-    start_child(binary, &args, "/readyz", client).await
-}
-
 /// KV_AWARE: one prompt of several blocks sent straight to the engine, so that it publishes
 /// (until an engine has, the router does not ask it to tokenize), then a wait until the router
 /// has applied that batch. From then on every request through the router makes its `/tokenize`
@@ -680,17 +524,6 @@ async fn start_forwarder(
     Some(start_child(&exe, &args, "/health", client).await)
 }
 
-async fn get_status(client: &HttpClient, url: &str) -> Option<u16> {
-    let request = http::Request::get(url).body(Full::new(Bytes::new())).ok()?;
-    let response = tokio::time::timeout(Duration::from_secs(2), client.request(request))
-        .await
-        .ok()?
-        .ok()?;
-    let status = response.status().as_u16();
-    let _ = response.into_body().collect().await;
-    Some(status)
-}
-
 /// One non-streaming POST read to its end; its wall time, or why it failed.
 async fn post_once(client: &HttpClient, url: &http::Uri, body: &Bytes) -> Result<Duration, String> {
     let started = Instant::now();
@@ -712,31 +545,6 @@ async fn post_once(client: &HttpClient, url: &http::Uri, body: &Bytes) -> Result
         return Err(format!("status {status}"));
     }
     Ok(started.elapsed())
-}
-
-/// (user + system) CPU seconds of a process, from /proc/PID/stat.
-pub fn process_cpu_seconds(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start at field 3 (state).
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / clock_ticks_per_second())
-}
-
-fn clock_ticks_per_second() -> f64 {
-    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|output| String::from_utf8(output.stdout).ok())
-            .and_then(|text| text.trim().parse().ok())
-            .filter(|ticks: &f64| *ticks > 0.0)
-            .unwrap_or(100.0)
-    })
 }
 
 async fn closed_loop(
@@ -1305,46 +1113,4 @@ async fn loaded(
         bail!("no request went through {url} in the throughput phase");
     }
     Ok((throughput, cpu, bench))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// CPU time of the calling thread, from the scheduler's own nanosecond count (a second,
-    /// independent reading of what `process_cpu_seconds` reads in clock ticks).
-    fn thread_cpu_seconds() -> f64 {
-        let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")
-            .expect("/proc/thread-self/schedstat");
-        let nanoseconds: f64 = schedstat
-            .split_whitespace()
-            .next()
-            .and_then(|field| field.parse().ok())
-            .expect("sum_exec_runtime");
-        nanoseconds / 1e9
-    }
-
-    #[test]
-    fn reads_this_process_cpu_time() {
-        // This thread burns 0.3 s of CPU while the process's other threads idle: the
-        // process's CPU time must grow by as much, within the clock-tick rounding of both
-        // readings (10 ms each) and 10% for the idle threads' wake-ups. However busy the
-        // machine, thread CPU time is what the thread got, so the bound holds under load.
-        let process_before = process_cpu_seconds("self").expect("/proc/self/stat");
-        let thread_before = thread_cpu_seconds();
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let mut spin = 0u64;
-        while thread_cpu_seconds() - thread_before < 0.3 {
-            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
-            for _ in 0..100_000 {
-                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
-            }
-        }
-        let thread = thread_cpu_seconds() - thread_before;
-        let process = process_cpu_seconds("self").expect("/proc/self/stat") - process_before;
-        assert!(
-            (process - thread).abs() <= 0.02 + 0.1 * thread,
-            "process CPU grew {process:.3} s while this thread alone used {thread:.3} s"
-        );
-    }
 }

@@ -14,10 +14,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 
+use crate::child::{ChildServer, sibling_bin, start_child, start_router};
 use crate::client::http_client;
-use crate::compare::{Strategy, UsageError};
-use crate::overhead::{ChildServer, sibling_bin, start_child, start_router};
+use crate::error::UsageError;
+use crate::procfs::memory_mib;
 use crate::report::Machine;
+use crate::strategy::Strategy;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverloadArgs {
@@ -98,17 +100,6 @@ impl OverloadReport {
             self.seconds,
         )
     }
-}
-
-/// `VmHWM` (peak) and `VmRSS` of a process, in MiB.
-fn memory_mib(pid: u32) -> Option<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<f64> {
-        let line = status.lines().find(|line| line.starts_with(name))?;
-        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib / 1024.0)
-    };
-    Some((field("VmHWM:")?, field("VmRSS:")?))
 }
 
 pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
@@ -261,15 +252,4 @@ async fn flood(
         other,
         seconds: started.elapsed().as_secs_f64(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_this_process_memory() {
-        let (peak, now) = memory_mib(std::process::id()).expect("/proc/self/status");
-        assert!(peak >= now && now > 0.0, "{peak} {now}");
-    }
 }
