@@ -18,10 +18,11 @@ use crate::child::default_router_bin;
 use crate::client::{HttpClient, http_client};
 use crate::error::UsageError;
 use crate::oracle::{OracleBound, oracle_bound, prompt_blocks};
+use crate::output::Machine;
 use crate::peer::{Peer, PeerRouters};
 use crate::report::{
-    Check, DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, Machine, Report, RunReport,
-    RunStats, Setup, WorkloadSummary, percent,
+    Check, DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, Report, RunReport, RunStats,
+    Setup, WorkloadSummary, percent,
 };
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};

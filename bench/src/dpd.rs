@@ -35,10 +35,11 @@ use switchyard_router::tokenizer::{Tokenizer, Tokenizers};
 
 use crate::client::{HttpClient, http_client};
 use crate::error::UsageError;
-use crate::report::{Machine, RunStats};
+use crate::output::Machine;
+use crate::report::RunStats;
+use crate::report::svg::{Bar, escape};
 use crate::run::{RunConfig, RunOutput, run};
 use crate::stats::{Latency, relative_change};
-use crate::svg::{Bar, escape};
 use crate::workload::{
     Message, RequestClass, Role, Session, Text, Trace, TraceRequest, WorkloadKind, WorkloadSpec,
 };
@@ -891,7 +892,7 @@ impl DpdReport {
 pub async fn dpd(args: DpdArgs) -> anyhow::Result<DpdReport> {
     let settings = DpdSettings::from_args(&args)?;
     let report = dpd_compare(&settings).await?;
-    crate::report::print_stdout(&report.table());
+    crate::output::print_stdout(&report.table());
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))?;

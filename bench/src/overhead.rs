@@ -31,8 +31,9 @@ use crate::child::{
 };
 use crate::client::{HttpClient, http_client};
 use crate::error::UsageError;
+use crate::output::Machine;
 use crate::procfs::process_cpu_seconds;
-use crate::report::{DecisionStats, Machine};
+use crate::report::DecisionStats;
 use crate::scrape::{Histogram, scrape};
 use crate::sim::bench_sim;
 use crate::stats::Summary;
@@ -677,7 +678,7 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
     .await;
     engine.shutdown().await;
     let report = result?;
-    crate::report::print_stdout(&report.table());
+    crate::output::print_stdout(&report.table());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;

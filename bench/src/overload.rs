@@ -17,8 +17,8 @@ use serde::Serialize;
 use crate::child::{ChildServer, sibling_bin, start_child, start_router};
 use crate::client::http_client;
 use crate::error::UsageError;
+use crate::output::Machine;
 use crate::procfs::memory_mib;
-use crate::report::Machine;
 use crate::strategy::Strategy;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -162,7 +162,7 @@ pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     .context("starting the router")?;
     let (_, rss_before_mib) = memory_mib(router.pid).context("cannot read the router's memory")?;
     let report = flood(&args, &router, &engine, max_buffered_bytes, rss_before_mib).await?;
-    crate::report::print_stdout(&report.table());
+    crate::output::print_stdout(&report.table());
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;

@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use crate::report::{Report, RunReport};
+use super::{Report, RunReport};
 
 const HEIGHT: f64 = 430.0;
 const MIN_PANEL_WIDTH: f64 = 330.0;
