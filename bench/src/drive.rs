@@ -9,9 +9,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use crate::client::http_client;
-use crate::compare::prepare;
 use crate::error::UsageError;
 use crate::output::Machine;
+use crate::prepare::prepare;
 use crate::report::{KvStats, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};

@@ -30,6 +30,7 @@ pub mod output;
 pub mod overhead;
 pub mod overload;
 pub mod peer;
+mod prepare;
 mod procfs;
 pub mod report;
 pub mod run;
