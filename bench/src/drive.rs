@@ -15,7 +15,7 @@ use crate::prepare::prepare;
 use crate::report::{KvStats, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};
-use crate::workload::{TraceArgs, WorkloadKind, WorkloadSpec};
+use crate::workload::{TraceArgs, WorkloadError, WorkloadKind, WorkloadSpec};
 
 /// Flags of the default command.
 #[derive(Debug, Clone, clap::Args)]
@@ -78,7 +78,7 @@ pub struct DriveArgs {
 }
 
 impl DriveArgs {
-    fn workload(&self) -> Result<WorkloadSpec, String> {
+    fn workload(&self) -> Result<WorkloadSpec, WorkloadError> {
         let mut spec = WorkloadSpec::defaults(self.workload);
         self.trace.apply(&mut spec);
         spec.validate()?;
@@ -86,14 +86,14 @@ impl DriveArgs {
     }
 
     /// Validated target URLs and body model.
-    fn targets(&self) -> Result<(Vec<http::Uri>, String), String> {
+    fn targets(&self) -> Result<(Vec<http::Uri>, String), DriveError> {
         if self.target.is_empty() {
-            return Err("--target URL is required (or use the compare or overhead command)".into());
+            return Err(DriveError::NoTarget);
         }
         let endpoint = match (&self.endpoint, self.direct) {
             (Some(endpoint), _) => endpoint.clone(),
             (None, true) => String::new(),
-            (None, false) => return Err("--endpoint E is required with --target".into()),
+            (None, false) => return Err(DriveError::NoEndpoint),
         };
         let model = self.model.clone().unwrap_or_else(|| {
             if self.direct {
@@ -106,26 +106,27 @@ impl DriveArgs {
         for base in &self.target {
             let base = base.trim_end_matches('/');
             if !(base.starts_with("http://") || base.starts_with("https://")) {
-                return Err(format!("--target {base:?} must start with http://"));
+                return Err(DriveError::Scheme(base.to_owned()));
             }
             let url = if self.direct {
                 format!("{base}/v1/chat/completions")
             } else {
                 format!("{base}/endpoints/{endpoint}/openai/v1/chat/completions")
             };
-            targets.push(
-                url.parse::<http::Uri>()
-                    .map_err(|err| format!("--target {base:?}: {err}"))?,
-            );
+            let target = url.parse::<http::Uri>().map_err(|reason| DriveError::Uri {
+                base: base.to_owned(),
+                reason,
+            })?;
+            targets.push(target);
         }
         Ok((targets, model))
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DriveError> {
         self.workload()?;
         self.targets()?;
         if self.concurrency == 0 {
-            return Err("--concurrency must be at least 1".into());
+            return Err(DriveError::NoConcurrency);
         }
         for (flag, value) in [
             ("--time-scale", self.time_scale),
@@ -133,23 +134,48 @@ impl DriveArgs {
             ("--timeout", self.timeout),
         ] {
             if !(value.is_finite() && value > 0.0) {
-                return Err(format!("{flag} must be a positive number, got {value}"));
+                return Err(DriveError::NotPositive { flag, value });
             }
         }
         if let Some(rate) = self.rate
             && !(rate.is_finite() && rate > 0.0)
         {
-            return Err(format!("--rate must be a positive number, got {rate}"));
+            return Err(DriveError::NotPositive {
+                flag: "--rate",
+                value: rate,
+            });
         }
         Ok(())
     }
 }
 
+/// A flag of the default command out of range; the message names the flag.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error("--target URL is required (or use the compare or overhead command)")]
+    NoTarget,
+    #[error("--endpoint E is required with --target")]
+    NoEndpoint,
+    #[error("--target {0:?} must start with http://")]
+    Scheme(String),
+    #[error("--target {base:?}: {reason}")]
+    Uri {
+        base: String,
+        reason: http::uri::InvalidUri,
+    },
+    #[error("--concurrency must be at least 1")]
+    NoConcurrency,
+    #[error("{flag} must be a positive number, got {value}")]
+    NotPositive { flag: &'static str, value: f64 },
+}
+
 /// Runs the trace against the targets, prints the table, writes the files.
 pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
-    args.validate().map_err(UsageError)?;
-    let spec = args.workload().map_err(UsageError)?;
-    let (targets, model) = args.targets().map_err(UsageError)?;
+    args.validate().map_err(UsageError::new)?;
+    let spec = args.workload().map_err(UsageError::new)?;
+    let (targets, model) = args.targets().map_err(UsageError::new)?;
     let engines = args.engines.unwrap_or(args.engine_metrics.len().max(1));
     let capacity = (engines * args.kv_cache_blocks) as u64;
     let concurrency = args.concurrency;

@@ -1,13 +1,15 @@
-//! The error a bad flag or value makes (the command exits 64).
+//! The error a bad flag or value makes: the command exits 64 with its message.
 
-/// A bad flag or value (exit 64).
-#[derive(Debug)]
-pub struct UsageError(pub String);
+use std::error::Error;
 
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+/// A bad flag or value (exit 64). Its message, the wrapped error's, names the flag.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(Box<dyn Error + Send + Sync>);
+
+impl UsageError {
+    /// Any error or message: a benchmark's typed flag error, or a sentence.
+    pub fn new(error: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
+        Self(error.into())
     }
 }
-
-impl std::error::Error for UsageError {}

@@ -22,6 +22,7 @@ pub mod compare;
 pub mod dpd;
 pub mod drive;
 mod error;
+mod flags;
 pub mod fleet;
 pub mod forward;
 pub mod oracle;

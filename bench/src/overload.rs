@@ -104,16 +104,17 @@ impl OverloadReport {
 
 pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     if args.requests == 0 || args.requests > 10_000 {
-        return Err(UsageError("--requests must be within 1..=10000".into()).into());
+        return Err(UsageError::new("--requests must be within 1..=10000").into());
     }
     if args.body_bytes == 0 || args.body_bytes > 6_291_456 {
-        return Err(UsageError("--body-bytes must be within 1..=6291456".into()).into());
+        return Err(UsageError::new("--body-bytes must be within 1..=6291456").into());
     }
-    let max_buffered_bytes = switchyard_router::config::parse_byte_size(&args.max_buffered_bytes)
-        .map_err(|err| UsageError(format!("--max-buffered-bytes: {err}")))?;
+    let max_buffered_bytes =
+        switchyard_router::config::parse_byte_size(&args.max_buffered_bytes)
+            .map_err(|err| UsageError::new(format!("--max-buffered-bytes: {err}")))?;
     let find = |given: &Option<PathBuf>, name: &str| {
         given.clone().or_else(|| sibling_bin(name)).ok_or_else(|| {
-            UsageError(format!(
+            UsageError::new(format!(
                 "{name} is not next to this executable: build it (cargo build --release -p {name}) or pass its path"
             ))
         })

@@ -12,7 +12,7 @@ pub fn prepare(
     capacity_blocks: u64,
     block_size: usize,
 ) -> anyhow::Result<(Trace, OracleBound, WorkloadSummary)> {
-    let trace = Trace::generate(spec).map_err(UsageError)?;
+    let trace = Trace::generate(spec).map_err(UsageError::new)?;
     let texts: Vec<String> = trace
         .nominal_order(concurrency)
         .into_iter()

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::settings::{CompareSettings, Preset};
+use super::settings::{CompareSettings, Preset, SettingsError};
 use crate::child::default_router_bin;
+use crate::flags::set;
 use crate::peer::Peer;
 use crate::report::LoadBalanceSetting;
 use crate::sim::load_interval_for;
@@ -96,7 +97,7 @@ pub struct DemoArgs {
 
 impl DemoArgs {
     /// The preset with every given flag applied, validated (the error names the flag).
-    pub fn settings(&self) -> Result<CompareSettings, String> {
+    pub fn settings(&self) -> Result<CompareSettings, SettingsError> {
         let mut settings = CompareSettings::preset(self.preset);
         if let Some(kind) = self.workload
             && kind != settings.workload.kind
@@ -108,20 +109,11 @@ impl DemoArgs {
                 ..defaults
             };
         }
-        let workload = &mut settings.workload;
-        self.trace.apply(workload);
-        if let Some(routers) = &self.routers {
-            settings.router_counts = routers.clone();
-        }
-        if let Some(engines) = self.engines {
-            settings.engines = engines;
-        }
-        if let Some(strategies) = &self.strategies {
-            settings.strategies = strategies.clone();
-        }
-        if let Some(concurrency) = self.concurrency {
-            settings.concurrency = concurrency;
-        }
+        self.trace.apply(&mut settings.workload);
+        set(&mut settings.router_counts, self.routers.clone());
+        set(&mut settings.engines, self.engines);
+        set(&mut settings.strategies, self.strategies.clone());
+        set(&mut settings.concurrency, self.concurrency);
         if self.rate.is_some() {
             settings.rate = self.rate;
         }
@@ -129,18 +121,15 @@ impl DemoArgs {
             settings.sim.time_scale = time_scale;
             settings.load_interval_ms = load_interval_for(time_scale);
         }
-        if let Some(blocks) = self.kv_cache_blocks {
-            settings.sim.kv_cache_blocks = blocks;
-        }
-        if let Some(length) = self.prefix_length {
-            settings.prefix_length = length;
-        }
-        if let Some(threshold) = self.concurrency_threshold {
-            settings.concurrency_threshold = threshold;
-        }
+        set(&mut settings.sim.kv_cache_blocks, self.kv_cache_blocks);
+        set(&mut settings.prefix_length, self.prefix_length);
+        set(
+            &mut settings.concurrency_threshold,
+            self.concurrency_threshold,
+        );
         match (&self.load_balance_factor, &self.load_balance_slack) {
             (None, Some(_)) if settings.load_balance.is_empty() => {
-                return Err("--load-balance-slack needs --load-balance-factor".into());
+                return Err(SettingsError::SlackWithoutFactor);
             }
             (factors, slacks) if factors.is_some() || slacks.is_some() => {
                 let factors: Vec<f64> = match factors {
@@ -161,9 +150,7 @@ impl DemoArgs {
             }
             _ => {}
         }
-        if let Some(peers) = &self.peers {
-            settings.peers = peers.clone();
-        }
+        set(&mut settings.peers, self.peers.clone());
         if self.no_peers {
             settings.peers.clear();
         }
@@ -175,17 +162,15 @@ impl DemoArgs {
                 .router_bin
                 .clone()
                 .or_else(default_router_bin)
-                .ok_or_else(|| {
-                    "--router-processes: no switchyard-router next to this executable (build it: cargo build --release -p switchyard-router), or give --router-bin".to_owned()
-                })?;
+                .ok_or(SettingsError::NoRouterBinary)?;
             if !binary.is_file() {
-                return Err(format!("--router-bin {}: no such file", binary.display()));
+                return Err(SettingsError::NoSuchRouterBinary(binary));
             }
             settings.router_binary = Some(binary);
         }
         if let Some(seconds) = self.max_duration {
             if !(seconds.is_finite() && seconds > 0.0) {
-                return Err(format!("--max-duration must be positive, got {seconds}"));
+                return Err(SettingsError::MaxDuration(seconds));
             }
             settings.max_duration = Duration::from_secs_f64(seconds);
         }

@@ -27,11 +27,11 @@ use runs::{peer_binary, run_one, run_peer};
 pub use args::DemoArgs;
 pub use checks::{checks, hot_prefix_checks, kv_aware_checks};
 pub use keys::{prefix_owner_shares, trace_key_shares};
-pub use settings::{Arm, CompareSettings, Preset};
+pub use settings::{Arm, CompareSettings, Preset, SettingsError};
 
 /// Runs the comparison `args` describes, prints the table, writes the JSON and SVG files.
 pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
-    let settings = args.settings().map_err(UsageError)?;
+    let settings = args.settings().map_err(UsageError::new)?;
     let report = compare(&settings).await?;
     report.emit(args.json.as_deref(), args.svg.as_deref())?;
     Ok(report)
@@ -40,7 +40,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
 /// Generates the trace and its oracle bound, then runs every (router count, strategy) on a
 /// fresh cluster.
 pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
-    settings.validate().map_err(UsageError)?;
+    settings.validate().map_err(UsageError::new)?;
     let time_scale = settings.time_scale();
     let spec = settings.workload.clone();
     let concurrency = settings.concurrency;

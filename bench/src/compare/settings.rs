@@ -10,7 +10,7 @@ use crate::peer::Peer;
 use crate::report::LoadBalanceSetting;
 use crate::sim::{bench_sim, load_interval_for};
 use crate::strategy::Strategy;
-use crate::workload::{WorkloadKind, WorkloadSpec};
+use crate::workload::{WorkloadError, WorkloadKind, WorkloadSpec};
 
 /// One column of a comparison.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -207,52 +207,80 @@ impl CompareSettings {
             .collect()
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SettingsError> {
         self.workload.validate()?;
-        self.sim.validate()?;
+        self.sim.validate().map_err(SettingsError::Sim)?;
         if self.engines == 0 {
-            return Err("--engines must be at least 1".into());
+            return Err(SettingsError::NoEngines);
         }
         if self.router_counts.is_empty() || self.router_counts.contains(&0) {
-            return Err("--routers must list router counts of at least 1".into());
+            return Err(SettingsError::RouterCounts);
         }
         if self.strategies.is_empty() && self.load_balance.is_empty() && self.peers.is_empty() {
-            return Err("--strategies must name at least one strategy".into());
+            return Err(SettingsError::NoStrategy);
         }
         for balance in &self.load_balance {
             if !switchyard_shared::LOAD_BALANCE_FACTOR_RANGE.contains(&balance.factor) {
-                return Err(format!(
-                    "--load-balance-factor must be within 1-100, got {}",
-                    balance.factor
-                ));
+                return Err(SettingsError::LoadBalanceFactor(balance.factor));
             }
             if !switchyard_shared::LOAD_BALANCE_SLACK_RANGE.contains(&balance.slack) {
-                return Err(format!(
-                    "--load-balance-slack must be within 0-1024, got {}",
-                    balance.slack
-                ));
+                return Err(SettingsError::LoadBalanceSlack(balance.slack));
             }
         }
         if self.concurrency == 0 {
-            return Err("--concurrency must be at least 1".into());
+            return Err(SettingsError::NoConcurrency);
         }
         if let Some(rate) = self.rate
             && !(rate.is_finite() && rate > 0.0)
         {
-            return Err(format!("--rate must be a positive number, got {rate}"));
+            return Err(SettingsError::Rate(rate));
         }
         if !(1024..=65536).contains(&self.prefix_length) {
-            return Err(format!(
-                "--prefix-length must be within 1024-65536, got {}",
-                self.prefix_length
-            ));
+            return Err(SettingsError::PrefixLength(self.prefix_length));
         }
         if !(1..=1024).contains(&self.concurrency_threshold) {
-            return Err(format!(
-                "--concurrency-threshold must be within 1-1024, got {}",
-                self.concurrency_threshold
+            return Err(SettingsError::ConcurrencyThreshold(
+                self.concurrency_threshold,
             ));
         }
         Ok(())
     }
+}
+
+/// A comparison's settings or flags out of range; the message names the flag.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    /// The simulator's own check of its settings (its message).
+    #[error("{0}")]
+    Sim(String),
+    #[error("--engines must be at least 1")]
+    NoEngines,
+    #[error("--routers must list router counts of at least 1")]
+    RouterCounts,
+    #[error("--strategies must name at least one strategy")]
+    NoStrategy,
+    #[error("--load-balance-factor must be within 1-100, got {0}")]
+    LoadBalanceFactor(f64),
+    #[error("--load-balance-slack must be within 0-1024, got {0}")]
+    LoadBalanceSlack(u32),
+    #[error("--load-balance-slack needs --load-balance-factor")]
+    SlackWithoutFactor,
+    #[error("--concurrency must be at least 1")]
+    NoConcurrency,
+    #[error("--rate must be a positive number, got {0}")]
+    Rate(f64),
+    #[error("--prefix-length must be within 1024-65536, got {0}")]
+    PrefixLength(u32),
+    #[error("--concurrency-threshold must be within 1-1024, got {0}")]
+    ConcurrencyThreshold(u32),
+    #[error(
+        "--router-processes: no switchyard-router next to this executable (build it: cargo build --release -p switchyard-router), or give --router-bin"
+    )]
+    NoRouterBinary,
+    #[error("--router-bin {}: no such file", .0.display())]
+    NoSuchRouterBinary(PathBuf),
+    #[error("--max-duration must be positive, got {0}")]
+    MaxDuration(f64),
 }

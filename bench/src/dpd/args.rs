@@ -5,8 +5,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::error::UsageError;
-
 /// The smallest long prompt, as a multiple of the threshold (the acceptance rule).
 pub const MIN_LONG_FACTOR: f64 = 1.25;
 
@@ -76,7 +74,7 @@ pub struct Topology {
 
 impl Topology {
     /// `1P1D`, `2p1d`, …
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, TopologyError> {
         let upper = text.trim().to_ascii_uppercase();
         let parsed = upper.strip_suffix('D').and_then(|rest| {
             let (prefill, decode) = rest.split_once('P')?;
@@ -86,9 +84,9 @@ impl Topology {
             Some((prefill, decode)) if (1..=8).contains(&prefill) && (1..=8).contains(&decode) => {
                 Ok(Self { prefill, decode })
             }
-            _ => Err(format!(
-                "--topologies: {text:?} is not <P>P<D>D with 1 to 8 engines of each role (e.g. 2P1D)"
-            )),
+            _ => Err(TopologyError {
+                text: text.to_owned(),
+            }),
         }
     }
 
@@ -99,6 +97,13 @@ impl Topology {
     pub fn name(self) -> String {
         format!("{}P{}D", self.prefill, self.decode)
     }
+}
+
+/// A `--topologies` entry that is not `<P>P<D>D`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--topologies: {text:?} is not <P>P<D>D with 1 to 8 engines of each role (e.g. 2P1D)")]
+pub struct TopologyError {
+    pub text: String,
 }
 
 /// One load: a closed loop of `concurrency` clients over `long_fraction` long prompts.
@@ -127,21 +132,20 @@ pub struct DpdSettings {
 }
 
 impl DpdSettings {
-    pub fn from_args(args: &DpdArgs) -> Result<Self, UsageError> {
+    pub fn from_args(args: &DpdArgs) -> Result<Self, DpdArgsError> {
         let quick = args.quick;
         let topologies = match &args.topologies {
             Some(list) => list
                 .iter()
                 .map(|text| Topology::parse(text))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(UsageError)?,
+                .collect::<Result<Vec<_>, _>>()?,
             None if quick => vec![Topology {
                 prefill: 1,
                 decode: 1,
             }],
             None => ["1P1D", "2P1D", "2P2D"]
                 .iter()
-                .map(|text| Topology::parse(text).map_err(UsageError))
+                .map(|text| Topology::parse(text))
                 .collect::<Result<Vec<_>, _>>()?,
         };
         let concurrency = args
@@ -153,19 +157,13 @@ impl DpdSettings {
             .requests_per_client
             .unwrap_or(if quick { 2 } else { 6 });
         if per_client == 0 || per_client > 1000 {
-            return Err(UsageError(
-                "--requests-per-client must be within 1..=1000".into(),
-            ));
+            return Err(DpdArgsError::RequestsPerClient);
         }
         if concurrency.iter().any(|&c| c == 0 || c > 512) || mixed > 512 {
-            return Err(UsageError(
-                "--concurrency and --mixed-concurrency must be within 1..=512".into(),
-            ));
+            return Err(DpdArgsError::Concurrency);
         }
         if !(args.long_fraction > 0.0 && args.long_fraction < 1.0) {
-            return Err(UsageError(
-                "--long-fraction must be strictly between 0 and 1".into(),
-            ));
+            return Err(DpdArgsError::LongFraction);
         }
         let mut loads: Vec<Load> = concurrency
             .iter()
@@ -185,41 +183,33 @@ impl DpdSettings {
             });
         }
         if loads.is_empty() || topologies.is_empty() {
-            return Err(UsageError("nothing to run: no load or no topology".into()));
+            return Err(DpdArgsError::NothingToRun);
         }
         if args.threshold < 64 || args.threshold > 100_000 {
-            return Err(UsageError(
-                "--threshold must be within 64..=100000 tokens".into(),
-            ));
+            return Err(DpdArgsError::Threshold);
         }
         let minimum = (f64::from(args.threshold) * MIN_LONG_FACTOR).ceil() as u32;
         let long_tokens = args
             .long_tokens
             .unwrap_or((f64::from(args.threshold) * 1.27).ceil() as u32);
         if long_tokens < minimum || long_tokens > 120_000 {
-            return Err(UsageError(format!(
-                "--long-tokens must be within {minimum}..=120000 (at least 1.25 × --threshold)"
-            )));
+            return Err(DpdArgsError::LongTokens { minimum });
         }
         let output_tokens = args.output_tokens.unwrap_or(if quick { 32 } else { 256 });
         if !(2..=4096).contains(&output_tokens) {
-            return Err(UsageError("--output-tokens must be within 2..=4096".into()));
+            return Err(DpdArgsError::OutputTokens);
         }
         if !(args.time_scale > 0.0 && args.time_scale <= 10.0) {
-            return Err(UsageError("--time-scale must be within (0, 10]".into()));
+            return Err(DpdArgsError::TimeScale);
         }
         if args.request_timeout_seconds == 0 {
-            return Err(UsageError(
-                "--request-timeout-seconds must be at least 1".into(),
-            ));
+            return Err(DpdArgsError::RequestTimeout);
         }
         if args
             .colocated_engines
             .is_some_and(|engines| !(1..=16).contains(&engines))
         {
-            return Err(UsageError(
-                "--colocated-engines must be within 1..=16".into(),
-            ));
+            return Err(DpdArgsError::ColocatedEngines);
         }
         Ok(Self {
             topologies,
@@ -234,6 +224,33 @@ impl DpdSettings {
             progress: !args.no_progress,
         })
     }
+}
+
+/// A `dpd` flag out of range; the message names the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DpdArgsError {
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error("--requests-per-client must be within 1..=1000")]
+    RequestsPerClient,
+    #[error("--concurrency and --mixed-concurrency must be within 1..=512")]
+    Concurrency,
+    #[error("--long-fraction must be strictly between 0 and 1")]
+    LongFraction,
+    #[error("nothing to run: no load or no topology")]
+    NothingToRun,
+    #[error("--threshold must be within 64..=100000 tokens")]
+    Threshold,
+    #[error("--long-tokens must be within {minimum}..=120000 (at least 1.25 × --threshold)")]
+    LongTokens { minimum: u32 },
+    #[error("--output-tokens must be within 2..=4096")]
+    OutputTokens,
+    #[error("--time-scale must be within (0, 10]")]
+    TimeScale,
+    #[error("--request-timeout-seconds must be at least 1")]
+    RequestTimeout,
+    #[error("--colocated-engines must be within 1..=16")]
+    ColocatedEngines,
 }
 
 #[cfg(test)]
@@ -252,7 +269,10 @@ mod tests {
         assert_eq!(Topology::parse("1P1D").unwrap().engines(), 2);
         for bad in ["", "1P", "P1D", "0P1D", "1P9D", "xPyD"] {
             assert!(
-                Topology::parse(bad).unwrap_err().contains("--topologies"),
+                Topology::parse(bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("--topologies"),
                 "{bad}"
             );
         }

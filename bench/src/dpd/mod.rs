@@ -28,6 +28,7 @@ use anyhow::Context as _;
 use switchyard_router::tokenizer::Tokenizers;
 
 use crate::client::http_client;
+use crate::error::UsageError;
 use crate::output::Machine;
 use switchyard_cluster::LocalCluster;
 
@@ -37,7 +38,9 @@ mod clusters;
 mod prompts;
 mod report;
 
-pub use args::{DpdArgs, DpdSettings, Load, MIN_LONG_FACTOR, Topology};
+pub use args::{
+    DpdArgs, DpdArgsError, DpdSettings, Load, MIN_LONG_FACTOR, Topology, TopologyError,
+};
 pub use chart::render_chart;
 pub use report::{ArmReport, Changes, DecisionCheck, DpdPoint, DpdReport, PromptCounts};
 
@@ -158,7 +161,7 @@ pub async fn dpd_compare(settings: &DpdSettings) -> anyhow::Result<DpdReport> {
 
 /// `switchyard-bench dpd`.
 pub async fn dpd(args: DpdArgs) -> anyhow::Result<DpdReport> {
-    let settings = DpdSettings::from_args(&args)?;
+    let settings = DpdSettings::from_args(&args).map_err(UsageError::new)?;
     let report = dpd_compare(&settings).await?;
     crate::output::print_stdout(&report.table());
     if let Some(path) = &args.json {

@@ -2,8 +2,6 @@
 
 use std::path::PathBuf;
 
-use crate::error::UsageError;
-
 #[derive(Debug, Clone, clap::Args)]
 pub struct FleetArgs {
     /// Instances registered (spread evenly over the endpoints).
@@ -46,44 +44,50 @@ pub struct FleetArgs {
     pub json: Option<PathBuf>,
 }
 
-pub fn usage(message: String) -> anyhow::Error {
-    anyhow::Error::new(UsageError(message))
-}
-
 impl FleetArgs {
-    pub fn check(&self) -> anyhow::Result<()> {
+    pub fn check(&self) -> Result<(), FleetArgsError> {
         if self.endpoints == 0 || self.endpoints > 100_000 {
-            return Err(usage(format!(
-                "--endpoints: {} is outside 1..=100000",
-                self.endpoints
-            )));
+            return Err(FleetArgsError::Endpoints(self.endpoints));
         }
         if self.instances < self.endpoints || self.instances > 1_000_000 {
-            return Err(usage(format!(
-                "--instances: {} must be at least --endpoints ({}) and at most 1000000",
-                self.instances, self.endpoints
-            )));
+            return Err(FleetArgsError::Instances {
+                instances: self.instances,
+                endpoints: self.endpoints,
+            });
         }
         if self.routers == 0 || self.routers > 1000 {
-            return Err(usage(format!(
-                "--routers: {} is outside 1..=1000",
-                self.routers
-            )));
+            return Err(FleetArgsError::Routers(self.routers));
         }
         if self.changes == 0 || self.changes > 100_000 {
-            return Err(usage(format!(
-                "--changes: {} is outside 1..=100000",
-                self.changes
-            )));
+            return Err(FleetArgsError::Changes(self.changes));
         }
         if let Some(url) = &self.etcd
             && !url.starts_with("http://")
         {
-            return Err(usage(format!("--etcd: {url:?} must start with http://")));
+            return Err(FleetArgsError::Etcd(url.clone()));
         }
         if self.skip_embedded && self.etcd.is_none() {
-            return Err(usage("--skip-embedded needs --etcd URL".into()));
+            return Err(FleetArgsError::SkipEmbeddedWithoutEtcd);
         }
         Ok(())
     }
+}
+
+/// A `fleet` flag out of range; the message names the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FleetArgsError {
+    #[error("--endpoints: {0} is outside 1..=100000")]
+    Endpoints(usize),
+    #[error(
+        "--instances: {instances} must be at least --endpoints ({endpoints}) and at most 1000000"
+    )]
+    Instances { instances: usize, endpoints: usize },
+    #[error("--routers: {0} is outside 1..=1000")]
+    Routers(usize),
+    #[error("--changes: {0} is outside 1..=100000")]
+    Changes(usize),
+    #[error("--etcd: {0:?} must start with http://")]
+    Etcd(String),
+    #[error("--skip-embedded needs --etcd URL")]
+    SkipEmbeddedWithoutEtcd,
 }

@@ -23,6 +23,7 @@
 //! `/proc/self/status` and `/proc/PID/status`. On a 2-core machine the 100 sync threads, the
 //! control plane and etcd share those cores: the figures include that contention.
 
+use crate::error::UsageError;
 use crate::procfs::load_average;
 
 mod apply;
@@ -33,7 +34,7 @@ mod shape;
 mod store;
 mod sync_clients;
 
-pub use args::FleetArgs;
+pub use args::{FleetArgs, FleetArgsError};
 pub use report::{ApplyReport, FleetReport, ProcessReport, RollingReport, StoreReport};
 
 use apply::measure_apply;
@@ -80,7 +81,7 @@ async fn run_stores(
 
 /// Runs the fleet benchmark and prints its report.
 pub async fn fleet(args: FleetArgs) -> anyhow::Result<FleetReport> {
-    args.check()?;
+    args.check().map_err(UsageError::new)?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let load_at_start = load_average();
     eprintln!("apply cost on one thread");

@@ -6,11 +6,12 @@ use std::time::{Duration, Instant};
 use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
 
-use super::args::{FleetArgs, usage};
+use super::args::FleetArgs;
 use super::report::ProcessReport;
 use super::shape::populate;
 use super::sync_clients::ms;
 use crate::child::default_router_bin;
+use crate::error::UsageError;
 use crate::procfs::resident_mib;
 use crate::stats::Summary;
 
@@ -41,7 +42,7 @@ pub async fn measure_processes(args: &FleetArgs) -> anyhow::Result<ProcessReport
     let binary = match &args.router_bin {
         Some(path) => path.clone(),
         None => default_router_bin().ok_or_else(|| {
-            usage("--router-bin: no switchyard-router next to this executable; build it (cargo build --release -p switchyard-router) or name it".into())
+            UsageError::new("--router-bin: no switchyard-router next to this executable; build it (cargo build --release -p switchyard-router) or name it")
         })?,
     };
     let control = match &args.control_bin {
@@ -52,7 +53,7 @@ pub async fn measure_processes(args: &FleetArgs) -> anyhow::Result<ProcessReport
                 control.is_file().then_some(control)
             })
             .ok_or_else(|| {
-                usage("--control-bin: no switchyard-control next to this executable; build it (cargo build --release -p switchyard-control) or name it".into())
+                UsageError::new("--control-bin: no switchyard-control next to this executable; build it (cargo build --release -p switchyard-control) or name it")
             })?,
     };
     let dir = tempfile::tempdir()?;

@@ -60,25 +60,32 @@ pub enum EnginePlacement {
 }
 
 impl OverheadArgs {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), OverheadArgsError> {
         if self.requests == 0 {
-            return Err("--requests must be at least 1".into());
+            return Err(OverheadArgsError::NoRequests);
         }
         if self.concurrency == 0 {
-            return Err("--concurrency must be at least 1".into());
+            return Err(OverheadArgsError::NoConcurrency);
         }
         if !(self.duration.is_finite() && self.duration > 0.0) {
-            return Err(format!(
-                "--duration must be positive, got {}",
-                self.duration
-            ));
+            return Err(OverheadArgsError::Duration(self.duration));
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(format!(
-                "--time-scale must be positive, got {}",
-                self.time_scale
-            ));
+            return Err(OverheadArgsError::TimeScale(self.time_scale));
         }
         Ok(())
     }
+}
+
+/// An overhead flag out of range; the message names the flag.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OverheadArgsError {
+    #[error("--requests must be at least 1")]
+    NoRequests,
+    #[error("--concurrency must be at least 1")]
+    NoConcurrency,
+    #[error("--duration must be positive, got {0}")]
+    Duration(f64),
+    #[error("--time-scale must be positive, got {0}")]
+    TimeScale(f64),
 }

@@ -17,26 +17,41 @@ pub async fn post_once(
     client: &HttpClient,
     url: &http::Uri,
     body: &Bytes,
-) -> Result<Duration, String> {
+) -> Result<Duration, PostError> {
     let started = Instant::now();
     let request = http::Request::post(url.clone())
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(body.clone()))
-        .map_err(|err| err.to_string())?;
+        .map_err(PostError::Request)?;
     let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
         .await
-        .map_err(|_| "timed out".to_owned())?
-        .map_err(|err| err.to_string())?;
+        .map_err(|_| PostError::TimedOut)?
+        .map_err(PostError::Transport)?;
     let status = response.status();
     response
         .into_body()
         .collect()
         .await
-        .map_err(|err| err.to_string())?;
+        .map_err(PostError::Body)?;
     if !status.is_success() {
-        return Err(format!("status {status}"));
+        return Err(PostError::Status(status));
     }
     Ok(started.elapsed())
+}
+
+/// Why one POST of [`post_once`] failed (the message alone: no source chain).
+#[derive(Debug, thiserror::Error)]
+pub enum PostError {
+    #[error("{0}")]
+    Request(http::Error),
+    #[error("timed out")]
+    TimedOut,
+    #[error("{0}")]
+    Transport(hyper_util::client::legacy::Error),
+    #[error("{0}")]
+    Body(hyper::Error),
+    #[error("status {0}")]
+    Status(http::StatusCode),
 }
 
 pub async fn closed_loop(

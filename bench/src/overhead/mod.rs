@@ -27,7 +27,7 @@ mod measure;
 mod processes;
 mod report;
 
-pub use args::{EnginePlacement, OverheadArgs};
+pub use args::{EnginePlacement, OverheadArgs, OverheadArgsError};
 pub use report::{OverheadReport, ProxyBaseline, RelayBaseline, Throughput, TracingMode};
 
 use measure::{Baselines, measure};
@@ -35,12 +35,12 @@ use processes::{Engine, kv_warm_up, start_forwarder};
 
 /// Runs the overhead benchmark and prints its table (and writes the JSON file).
 pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
-    args.validate().map_err(UsageError)?;
+    args.validate().map_err(UsageError::new)?;
     let binary = match &args.router_bin {
         Some(path) => path.clone(),
         None => default_router_bin().ok_or_else(|| {
-            UsageError(
-                "switchyard-router is not next to this executable: build it (cargo build --release -p switchyard-router) or pass --router-bin".into(),
+            UsageError::new(
+                "switchyard-router is not next to this executable: build it (cargo build --release -p switchyard-router) or pass --router-bin",
             )
         })?,
     };

@@ -39,8 +39,8 @@ impl Engine {
                 let binary = match &args.engine_bin {
                     Some(path) => path.clone(),
                     None => sibling_bin("switchyard-engine-sim").ok_or_else(|| {
-                        UsageError(
-                            "switchyard-engine-sim is not next to this executable: build it (cargo build --release -p switchyard-engine-sim), pass --engine-bin, or use --engine in-process".into(),
+                        UsageError::new(
+                            "switchyard-engine-sim is not next to this executable: build it (cargo build --release -p switchyard-engine-sim), pass --engine-bin, or use --engine in-process",
                         )
                     })?,
                 };
@@ -123,8 +123,7 @@ pub async fn kv_warm_up(
         &format!("{engine_url}/v1/completions").parse()?,
         &Bytes::from(body.to_string()),
     )
-    .await
-    .map_err(anyhow::Error::msg)?;
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let applied = scrape(client, &format!("{}/metrics", router.url))
