@@ -108,11 +108,11 @@ fn status_mib(status: &str, field: &str) -> Option<f64> {
 mod tests {
     use super::*;
 
-    /// CPU time of the calling thread, from the scheduler's own nanosecond count (a second,
-    /// independent reading of what `process_cpu_seconds` reads in clock ticks).
-    fn thread_cpu_seconds() -> f64 {
-        let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")
-            .expect("/proc/thread-self/schedstat");
+    /// CPU time of a process's main thread, from the scheduler's own nanosecond count (a
+    /// second, independent reading of what `process_cpu_seconds` reads in clock ticks).
+    fn main_thread_cpu_seconds(pid: u32) -> f64 {
+        let schedstat =
+            std::fs::read_to_string(format!("/proc/{pid}/schedstat")).expect("/proc/PID/schedstat");
         let nanoseconds: f64 = schedstat
             .split_whitespace()
             .next()
@@ -121,27 +121,39 @@ mod tests {
         nanoseconds / 1e9
     }
 
-    #[test]
-    fn reads_this_process_cpu_time() {
-        // This thread burns 0.3 s of CPU while the process's other threads idle: the
-        // process's CPU time must grow by as much, within the clock-tick rounding of both
-        // readings (10 ms each) and 10% for the idle threads' wake-ups. However busy the
-        // machine, thread CPU time is what the thread got, so the bound holds under load.
-        let process_before = process_cpu_seconds("self").expect("/proc/self/stat");
-        let thread_before = thread_cpu_seconds();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        let mut spin = 0u64;
-        while thread_cpu_seconds() - thread_before < 0.3 {
-            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
-            for _ in 0..100_000 {
-                spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
-            }
+    /// A child process killed on drop.
+    struct Child(std::process::Child);
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
         }
-        let thread = thread_cpu_seconds() - thread_before;
-        let process = process_cpu_seconds("self").expect("/proc/self/stat") - process_before;
+    }
+
+    #[test]
+    fn reads_a_process_cpu_time() {
+        // A single-threaded shell spinning: its CPU time (every thread's, in clock ticks) is
+        // its one thread's, within the clock-tick rounding (10 ms) and 10%. A child, not this
+        // process: the tests running beside this one burn CPU here too. However busy the
+        // machine, a thread's CPU time is what it got, so the bound holds under load.
+        let child = Child(
+            std::process::Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .expect("sh"),
+        );
+        let pid = child.0.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while main_thread_cpu_seconds(pid) < 0.3 {
+            assert!(std::time::Instant::now() < deadline, "no CPU in 60 s");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let process = process_cpu_seconds(&pid.to_string()).expect("/proc/PID/stat");
+        let thread = main_thread_cpu_seconds(pid);
         assert!(
             (process - thread).abs() <= 0.02 + 0.1 * thread,
-            "process CPU grew {process:.3} s while this thread alone used {thread:.3} s"
+            "the process's CPU time is {process:.3} s while its one thread used {thread:.3} s"
         );
     }
 
