@@ -2,7 +2,6 @@
 //! with `--direct`, engines) and reports what the client measured, the engines' KV-cache
 //! hit rate (with `--engine-metrics`) and the oracle bound of the trace.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,8 +9,9 @@ use anyhow::Context as _;
 
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::Machine;
+use crate::output::{Machine, command_line};
 use crate::prepare::prepare;
+use crate::report::emit::OutputArgs;
 use crate::report::{KvStats, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};
@@ -66,15 +66,8 @@ pub struct DriveArgs {
     /// Give up on a request after this many seconds.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub timeout: f64,
-    /// Write the report as JSON.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write an SVG chart.
-    #[arg(long, value_name = "FILE")]
-    pub svg: Option<PathBuf>,
-    /// No progress line.
-    #[arg(long)]
-    pub quiet: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 impl DriveArgs {
@@ -203,7 +196,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
             request_timeout: Duration::from_secs_f64(args.timeout),
             max_duration: Duration::from_secs_f64(args.max_duration),
             label: label.clone(),
-            progress: !args.quiet,
+            progress: !args.output.quiet,
         },
         client.clone(),
     )
@@ -224,7 +217,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         tool: "switchyard-bench".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         mode: "drive".into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         workload,
         time_scale: args.time_scale,
@@ -251,7 +244,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         checks: Vec::new(),
         notes,
     };
-    report.emit(args.json.as_deref(), args.svg.as_deref())?;
+    report.emit(&args.output)?;
     Ok(report)
 }
 

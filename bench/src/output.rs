@@ -1,5 +1,9 @@
-//! What every benchmark's report shares: where it was measured and the table on stdout.
+//! What every benchmark's report shares: where it was measured, the command line, the table
+//! on stdout and the JSON file.
 
+use std::path::Path;
+
+use anyhow::Context as _;
 use serde::Serialize;
 
 /// Where the numbers were measured.
@@ -39,4 +43,30 @@ pub fn print_stdout(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{text}");
     let _ = out.flush();
+}
+
+/// This process's command line, as a report records it.
+pub fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
+}
+
+/// Writes `report` as pretty-printed JSON and a newline.
+pub fn write_json(path: &Path, report: &impl Serialize) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(report)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Prints `table` on stdout and, with `--json FILE`, writes `report` there and says so.
+pub fn emit_json(table: &str, report: &impl Serialize, json: Option<&Path>) -> anyhow::Result<()> {
+    print_stdout(table);
+    if let Some(path) = json {
+        write_json(path, report)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `1 router`, `4 routers`.
+pub fn count(count: usize, noun: &str) -> String {
+    format!("{count} {noun}{}", if count == 1 { "" } else { "s" })
 }

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::child::{ChildServer, sibling_bin, start_child, start_router};
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::Machine;
+use crate::output::{Machine, command_line, emit_json};
 use crate::procfs::memory_mib;
 use crate::strategy::Strategy;
 
@@ -163,12 +163,7 @@ pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     .context("starting the router")?;
     let (_, rss_before_mib) = memory_mib(router.pid).context("cannot read the router's memory")?;
     let report = flood(&args, &router, &engine, max_buffered_bytes, rss_before_mib).await?;
-    crate::output::print_stdout(&report.table());
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    emit_json(&report.table(), &report, args.json.as_deref())?;
     Ok(report)
 }
 
@@ -240,7 +235,7 @@ async fn flood(
     let (peak_rss_mib, _) = memory_mib(router.pid).context("cannot read the router's memory")?;
     Ok(OverloadReport {
         tool: "switchyard-bench".into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         requests: args.requests,
         body_bytes: body.len(),

@@ -8,6 +8,7 @@ use crate::child::default_router_bin;
 use crate::flags::set;
 use crate::peer::Peer;
 use crate::report::LoadBalanceSetting;
+use crate::report::emit::OutputArgs;
 use crate::sim::load_interval_for;
 use crate::strategy::Strategy;
 use crate::workload::{TraceArgs, WorkloadKind, WorkloadSpec};
@@ -84,15 +85,8 @@ pub struct DemoArgs {
     /// Stop starting sessions after this many wall seconds per run.
     #[arg(long, value_name = "SECONDS")]
     pub max_duration: Option<f64>,
-    /// Write the report as JSON.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write an SVG chart (hit rate, TTFT p50, instance shares).
-    #[arg(long, value_name = "FILE")]
-    pub svg: Option<PathBuf>,
-    /// No progress line.
-    #[arg(long)]
-    pub quiet: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 impl DemoArgs {
@@ -174,7 +168,7 @@ impl DemoArgs {
             }
             settings.max_duration = Duration::from_secs_f64(seconds);
         }
-        settings.progress = !self.quiet;
+        settings.progress = !self.output.quiet;
         settings.validate()?;
         Ok(settings)
     }

@@ -1,5 +1,6 @@
 //! The product targets a comparison is checked against.
 
+use crate::output::count;
 use crate::peer::Peer;
 use crate::report::{Check, Report, RunReport, percent};
 use crate::strategy::Strategy;
@@ -20,11 +21,7 @@ pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
         })
         .collect();
     for run in &prefix_runs {
-        let routers = format!(
-            "{} router{}",
-            run.routers,
-            if run.routers == 1 { "" } else { "s" }
-        );
+        let routers = count(run.routers, "router");
         if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle)
             && long_context
         {
@@ -63,20 +60,7 @@ pub fn checks(report: &Report, engines: usize) -> Vec<Check> {
             });
         }
     }
-    if let (Some(first), Some(last)) = (prefix_runs.first(), prefix_runs.last())
-        && first.routers != last.routers
-        && let (Some(one), Some(many)) = (first.hit_rate(), last.hit_rate())
-    {
-        checks.push(Check {
-            what: format!(
-                "PREFIX_AWARE hit rate, {} routers vs {}",
-                last.routers, first.routers
-            ),
-            target: "no drop (within 1 point)".into(),
-            measured: format!("{} vs {}", percent(many), percent(one)),
-            pass: many >= one - 0.01,
-        });
-    }
+    checks.extend(no_drop_with_more_routers("PREFIX_AWARE", &prefix_runs));
     checks.extend(kv_aware_checks(report));
     checks
 }
@@ -94,9 +78,8 @@ pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
         if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle) {
             checks.push(Check {
                 what: format!(
-                    "KV_AWARE hit rate / oracle, {} router{}",
-                    run.routers,
-                    if run.routers == 1 { "" } else { "s" }
+                    "KV_AWARE hit rate / oracle, {}",
+                    count(run.routers, "router")
                 ),
                 target: ">= 95%".into(),
                 measured: percent(fraction),
@@ -104,21 +87,27 @@ pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
             });
         }
     }
-    if let (Some(first), Some(last)) = (kv_runs.first(), kv_runs.last())
-        && first.routers != last.routers
-        && let (Some(one), Some(many)) = (first.hit_rate(), last.hit_rate())
-    {
-        checks.push(Check {
-            what: format!(
-                "KV_AWARE hit rate, {} routers vs {}",
-                last.routers, first.routers
-            ),
-            target: "no drop (within 1 point)".into(),
-            measured: format!("{} vs {}", percent(many), percent(one)),
-            pass: many >= one - 0.01,
-        });
-    }
+    checks.extend(no_drop_with_more_routers("KV_AWARE", &kv_runs));
     checks
+}
+
+/// The last router count's hit rate against the first's (`runs` of one strategy, in run
+/// order): no drop beyond 1 point. None with a single router count.
+fn no_drop_with_more_routers(strategy: &str, runs: &[&RunReport]) -> Option<Check> {
+    let (first, last) = (runs.first()?, runs.last()?);
+    if first.routers == last.routers {
+        return None;
+    }
+    let (one, many) = (first.hit_rate()?, last.hit_rate()?);
+    Some(Check {
+        what: format!(
+            "{strategy} hit rate, {} routers vs {}",
+            last.routers, first.routers
+        ),
+        target: "no drop (within 1 point)".into(),
+        measured: format!("{} vs {}", percent(many), percent(one)),
+        pass: many >= one - 0.01,
+    })
 }
 
 /// The hot-prefix targets (PRODUCT.md, issue 12), checked on the bounded-load runs against
@@ -142,7 +131,7 @@ pub fn hot_prefix_checks(report: &Report, engines: usize) -> Vec<Check> {
             .find(|run| run.peer.as_deref() == Some(Peer::Sglang.name()));
         for run in group.iter().filter(|run| run.load_balance.is_some()) {
             let name = run.column();
-            let routers_text = format!("{routers} router{}", if routers == 1 { "" } else { "s" });
+            let routers_text = count(routers, "router");
             if routers == 1 {
                 if let Some(peer) = peer {
                     let (ours, theirs) = (

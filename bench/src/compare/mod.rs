@@ -11,7 +11,7 @@ use anyhow::Context as _;
 
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::Machine;
+use crate::output::{Machine, command_line, count};
 use crate::prepare::prepare;
 use crate::report::{Report, Setup};
 use crate::strategy::Strategy;
@@ -22,7 +22,7 @@ mod keys;
 mod runs;
 mod settings;
 
-use runs::{peer_binary, run_one, run_peer};
+use runs::{Column, peer_binary, run_one, run_peer};
 
 pub use args::DemoArgs;
 pub use checks::{checks, hot_prefix_checks, kv_aware_checks};
@@ -33,7 +33,7 @@ pub use settings::{Arm, CompareSettings, Preset, SettingsError};
 pub async fn demo(args: DemoArgs) -> anyhow::Result<Report> {
     let settings = args.settings().map_err(UsageError::new)?;
     let report = compare(&settings).await?;
-    report.emit(args.json.as_deref(), args.svg.as_deref())?;
+    report.emit(&args.output)?;
     Ok(report)
 }
 
@@ -88,25 +88,19 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
     let mut runs = Vec::new();
     for &routers in &settings.router_counts {
         for &arm in &arms {
-            let label = format!(
-                "{} · {routers} router{}",
-                arm.name(),
-                if routers == 1 { "" } else { "s" }
-            );
+            let label = format!("{} · {}", arm.name(), count(routers, "router"));
+            let column = Column {
+                settings,
+                routers,
+                label: &label,
+                trace: &trace,
+                oracle: &oracle,
+                client: &client,
+            };
             // Boxed: a run is a large future.
             let run = match arm {
-                Arm::Peer(peer) => {
-                    Box::pin(run_peer(
-                        settings, peer, routers, &label, &trace, &oracle, &client,
-                    ))
-                    .await
-                }
-                Arm::Strategy(_) | Arm::Bounded(_) => {
-                    Box::pin(run_one(
-                        settings, arm, routers, &label, &trace, &oracle, &keys, &client,
-                    ))
-                    .await
-                }
+                Arm::Peer(peer) => Box::pin(run_peer(&column, peer)).await,
+                Arm::Strategy(_) | Arm::Bounded(_) => Box::pin(run_one(&column, arm, &keys)).await,
             }
             .with_context(|| format!("run {label}"))?;
             runs.push(run);
@@ -129,7 +123,7 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
         tool: "switchyard-bench".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         mode: "compare".into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         workload,
         time_scale,

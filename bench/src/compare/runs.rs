@@ -14,7 +14,7 @@ use crate::peer::{Peer, PeerRouters};
 use crate::report::{
     DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, RunReport, RunStats, percent,
 };
-use crate::run::{RunConfig, run};
+use crate::run::{RunConfig, RunOutput, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
 use crate::strategy::Strategy;
 use crate::workload::Trace;
@@ -23,11 +23,11 @@ use switchyard_cluster::{
     variants_json,
 };
 
+/// The engines' counters, summed.
 async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<EngineCounters> {
     let mut total = EngineCounters::default();
-    for url in urls {
-        let samples = scrape(client, &metrics_url(url)).await?;
-        total.add(&EngineCounters::from_samples(&samples));
+    for counters in scrape_each(client, urls).await? {
+        total.add(&counters);
     }
     Ok(total)
 }
@@ -96,17 +96,40 @@ fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-pub async fn run_one(
-    settings: &CompareSettings,
-    arm: Arm,
-    routers: usize,
-    label: &str,
-    trace: &Arc<Trace>,
-    oracle: &OracleBound,
-    keys: &KeyShares,
-    client: &HttpClient,
-) -> anyhow::Result<RunReport> {
+/// One run of a comparison: its settings, router count and label, and what every run shares.
+pub struct Column<'a> {
+    pub settings: &'a CompareSettings,
+    pub routers: usize,
+    pub label: &'a str,
+    pub trace: &'a Arc<Trace>,
+    pub oracle: &'a OracleBound,
+    pub client: &'a HttpClient,
+}
+
+impl Column<'_> {
+    /// Sends the trace to `targets` (spread round-robin) with `model` in every body.
+    async fn run(&self, targets: Vec<http::Uri>, model: String) -> anyhow::Result<RunOutput> {
+        let settings = self.settings;
+        let config = RunConfig {
+            targets,
+            model,
+            concurrency: settings.concurrency,
+            rate: settings.rate.map(|rate| rate / settings.time_scale()),
+            seed: settings.workload.seed,
+            request_timeout: settings.request_timeout,
+            max_duration: settings.max_duration,
+            label: self.label.to_owned(),
+            progress: settings.progress,
+        };
+        run(Arc::clone(self.trace), config, self.client.clone()).await
+    }
+}
+
+/// Switchyard's routers (a strategy, or PREFIX_AWARE with the extension) on a fresh cluster.
+pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow::Result<RunReport> {
+    let Column {
+        settings, routers, ..
+    } = *column;
     let mut sim = settings.sim.clone();
     if arm == Arm::Strategy(Strategy::KvAware) {
         // The engines publish their KV-cache events; the routers follow them.
@@ -128,26 +151,25 @@ pub async fn run_one(
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;
     // Boxed: the run and the sampler side by side make a large future.
-    let result = Box::pin(measure(
-        settings, arm, routers, label, trace, oracle, keys, client, &cluster,
-    ))
-    .await;
+    let result = Box::pin(measure(column, arm, keys, &cluster)).await;
     cluster.shutdown().await;
     result
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn measure(
-    settings: &CompareSettings,
+    column: &Column<'_>,
     arm: Arm,
-    routers: usize,
-    label: &str,
-    trace: &Arc<Trace>,
-    oracle: &OracleBound,
     keys: &KeyShares,
-    client: &HttpClient,
     cluster: &LocalCluster,
 ) -> anyhow::Result<RunReport> {
+    let Column {
+        settings,
+        routers,
+        label,
+        oracle,
+        client,
+        ..
+    } = *column;
     let time_scale = settings.time_scale();
     let engines_before = scrape_engines(client, &cluster.engine_urls).await?;
     let decisions_before = scrape_routers(client, &cluster.router_urls).await?;
@@ -162,17 +184,6 @@ async fn measure(
             .parse::<http::Uri>()
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let config = RunConfig {
-        targets,
-        model: cluster.endpoint.clone(),
-        concurrency: settings.concurrency,
-        rate: settings.rate.map(|rate| rate / time_scale),
-        seed: settings.workload.seed,
-        request_timeout: settings.request_timeout,
-        max_duration: settings.max_duration,
-        label: label.to_owned(),
-        progress: settings.progress,
-    };
     // With several PREFIX_AWARE routers, how often they would disagree, sampled during the run.
     let prefix_aware = matches!(arm, Arm::Strategy(Strategy::PrefixAware) | Arm::Bounded(_));
     let stop_sampling = tokio_util::sync::CancellationToken::new();
@@ -192,7 +203,7 @@ async fn measure(
         }
     };
     let running = async {
-        let output = run(Arc::clone(trace), config, client.clone()).await;
+        let output = column.run(targets, cluster.endpoint.clone()).await;
         stop_sampling.cancel();
         output
     };
@@ -261,15 +272,13 @@ fn progress_line(settings: &CompareSettings, report: &RunReport) {
 /// A peer router (`routers` processes) in front of fresh simulated engines, driven with the
 /// same trace. Shares come from the engines' own request counters (peers send no
 /// `x-switchyard-instance`).
-pub async fn run_peer(
-    settings: &CompareSettings,
-    peer: Peer,
-    routers: usize,
-    label: &str,
-    trace: &Arc<Trace>,
-    oracle: &OracleBound,
-    client: &HttpClient,
-) -> anyhow::Result<RunReport> {
+pub async fn run_peer(column: &Column<'_>, peer: Peer) -> anyhow::Result<RunReport> {
+    let Column {
+        settings,
+        routers,
+        client,
+        ..
+    } = *column;
     let binary = peer_binary(settings, peer)
         .with_context(|| format!("`{}` not found", peer.binary_name()))?;
     let mut engines = Vec::with_capacity(settings.engines);
@@ -283,18 +292,7 @@ pub async fn run_peer(
     let engine_urls: Vec<String> = engines.iter().map(|engine| engine.url.clone()).collect();
     let result = match PeerRouters::start(peer, &binary, routers, &engine_urls, client).await {
         Ok(peers) => {
-            let result = measure_peer(
-                settings,
-                peer,
-                routers,
-                label,
-                trace,
-                oracle,
-                client,
-                &peers.urls,
-                &engine_urls,
-            )
-            .await;
+            let result = measure_peer(column, peer, &peers.urls, &engine_urls).await;
             peers.shutdown().await;
             result
         }
@@ -306,36 +304,29 @@ pub async fn run_peer(
     result
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn measure_peer(
-    settings: &CompareSettings,
+    column: &Column<'_>,
     peer: Peer,
-    routers: usize,
-    label: &str,
-    trace: &Arc<Trace>,
-    oracle: &OracleBound,
-    client: &HttpClient,
     router_urls: &[String],
     engine_urls: &[String],
 ) -> anyhow::Result<RunReport> {
+    let Column {
+        settings,
+        routers,
+        label,
+        oracle,
+        client,
+        ..
+    } = *column;
     let time_scale = settings.time_scale();
     let per_engine_before = scrape_each(client, engine_urls).await?;
     let targets = router_urls
         .iter()
         .map(|url| format!("{url}/v1/chat/completions").parse::<http::Uri>())
         .collect::<Result<Vec<_>, _>>()?;
-    let config = RunConfig {
-        targets,
-        model: settings.sim.served_model_name.clone(),
-        concurrency: settings.concurrency,
-        rate: settings.rate.map(|rate| rate / time_scale),
-        seed: settings.workload.seed,
-        request_timeout: settings.request_timeout,
-        max_duration: settings.max_duration,
-        label: label.to_owned(),
-        progress: settings.progress,
-    };
-    let output = run(Arc::clone(trace), config, client.clone()).await?;
+    let output = column
+        .run(targets, settings.sim.served_model_name.clone())
+        .await?;
     let per_engine: Vec<EngineCounters> = scrape_each(client, engine_urls)
         .await?
         .iter()

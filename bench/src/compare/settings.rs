@@ -85,38 +85,9 @@ pub struct CompareSettings {
 impl CompareSettings {
     /// The documented presets (docs/benchmarks.md explains each value).
     pub fn preset(preset: Preset) -> Self {
+        let article = Self::article();
         match preset {
-            Preset::Article => {
-                let time_scale = 0.25;
-                Self {
-                    workload: WorkloadSpec {
-                        requests: 2000,
-                        seed: 1,
-                        prefixes: 300,
-                        prefix_tokens: 8000,
-                        zipf: 0.0,
-                        max_tokens: 32,
-                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
-                    },
-                    engines: 7,
-                    router_counts: vec![1, 4],
-                    strategies: Strategy::ALL.to_vec(),
-                    concurrency: 16,
-                    rate: None,
-                    sim: bench_sim(time_scale, 79_000),
-                    // The article's example configuration.
-                    prefix_length: 4096,
-                    concurrency_threshold: 10,
-                    load_balance: Vec::new(),
-                    peers: Vec::new(),
-                    sglang_bin: None,
-                    router_binary: None,
-                    load_interval_ms: load_interval_for(time_scale),
-                    max_duration: Duration::from_secs(600),
-                    request_timeout: Duration::from_secs(120),
-                    progress: true,
-                }
-            }
+            Preset::Article => article,
             Preset::Quick => {
                 let time_scale = 0.1;
                 Self {
@@ -127,50 +98,33 @@ impl CompareSettings {
                         seed: 3,
                         prefixes: 12,
                         prefix_tokens: 400,
-                        zipf: 0.0,
                         max_tokens: 8,
-                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+                        ..article.workload
                     },
                     engines: 3,
                     router_counts: vec![1],
-                    strategies: Strategy::ALL.to_vec(),
                     concurrency: 4,
-                    rate: None,
                     // About six prefixes' worth of blocks per engine: RANDOM (every engine
                     // sees all twelve) thrashes, PREFIX_AWARE (four per engine on average) fits.
                     sim: bench_sim(time_scale, 160),
                     prefix_length: 1024,
                     concurrency_threshold: 8,
-                    load_balance: Vec::new(),
-                    peers: Vec::new(),
-                    sglang_bin: None,
-                    router_binary: None,
                     load_interval_ms: load_interval_for(time_scale),
                     max_duration: Duration::from_secs(60),
                     request_timeout: Duration::from_secs(30),
-                    progress: true,
+                    ..article
                 }
             }
             Preset::Zipf => {
-                let time_scale = 0.25;
                 let slack = switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK;
                 Self {
                     workload: WorkloadSpec {
                         requests: 4000,
-                        seed: 1,
                         prefixes: 32,
-                        prefix_tokens: 8000,
                         zipf: 1.1,
-                        max_tokens: 32,
-                        ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+                        ..article.workload
                     },
-                    engines: 7,
-                    router_counts: vec![1, 4],
                     strategies: vec![Strategy::PrefixAware],
-                    concurrency: 16,
-                    rate: None,
-                    sim: bench_sim(time_scale, 79_000),
-                    prefix_length: 4096,
                     // As high as 16 clients can reach: SageMaker's semantics never spill here.
                     concurrency_threshold: 16,
                     load_balance: [1.1, 1.25, 1.5, 2.0]
@@ -178,14 +132,42 @@ impl CompareSettings {
                         .map(|factor| LoadBalanceSetting { factor, slack })
                         .collect(),
                     peers: vec![Peer::Sglang],
-                    sglang_bin: None,
-                    router_binary: None,
-                    load_interval_ms: load_interval_for(time_scale),
-                    max_duration: Duration::from_secs(600),
-                    request_timeout: Duration::from_secs(120),
-                    progress: true,
+                    ..article
                 }
             }
+        }
+    }
+
+    /// The article preset, which the others change.
+    fn article() -> Self {
+        let time_scale = 0.25;
+        Self {
+            workload: WorkloadSpec {
+                requests: 2000,
+                seed: 1,
+                prefixes: 300,
+                prefix_tokens: 8000,
+                zipf: 0.0,
+                max_tokens: 32,
+                ..WorkloadSpec::defaults(WorkloadKind::LongContext)
+            },
+            engines: 7,
+            router_counts: vec![1, 4],
+            strategies: Strategy::ALL.to_vec(),
+            concurrency: 16,
+            rate: None,
+            sim: bench_sim(time_scale, 79_000),
+            // The article's example configuration.
+            prefix_length: 4096,
+            concurrency_threshold: 10,
+            load_balance: Vec::new(),
+            peers: Vec::new(),
+            sglang_bin: None,
+            router_binary: None,
+            load_interval_ms: load_interval_for(time_scale),
+            max_duration: Duration::from_secs(600),
+            request_timeout: Duration::from_secs(120),
+            progress: true,
         }
     }
 

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::report::{Changes, DpdReport};
-use crate::report::svg::{Bar, escape};
+use crate::report::svg::{Bar, document_start, escape};
 
 /// One panel of [`render_chart`]: a bar per point, up or down from a zero line, on an axis
 /// symmetric about 0 in steps of 25%.
@@ -86,15 +86,7 @@ pub fn render_chart(report: &DpdReport) -> String {
     let width = 2.0 * panel_width + 200.0;
     let height = 640.0;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">"#
-    );
-    out.push_str(
-        "<style>.title{font-size:14px;font-weight:bold}.axis{font-size:10px;fill:#555}.label{font-size:9px;fill:#333}.value{font-size:10px;fill:#111}.head{font-size:16px;font-weight:bold}.sub{font-size:11px;fill:#555}</style>\n",
-    );
-    out.push_str(r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
-    out.push('\n');
+    document_start(&mut out, width, height, "");
     let _ = writeln!(
         out,
         r#"<text x="20" y="26" class="head">switchyard-bench dpd: disaggregated prefill/decode vs colocated (same engine count)</text>"#

@@ -11,6 +11,7 @@ use super::report::{ArmReport, DecisionCheck};
 use crate::client::HttpClient;
 use crate::report::RunStats;
 use crate::run::{RunConfig, run};
+use crate::sim::load_interval_for;
 use crate::stats::Latency;
 use crate::workload::Trace;
 use switchyard_cluster::{ClusterDisaggregation, ClusterSpec, ClusterTuning, LocalCluster};
@@ -65,7 +66,7 @@ fn sim_config(settings: &DpdSettings) -> SimConfig {
 pub fn tuning(settings: &DpdSettings) -> ClusterTuning {
     ClusterTuning {
         // The 100 ms default, on the scaled clock.
-        load_interval_ms: ((100.0 * settings.time_scale).round() as u64).clamp(10, 100),
+        load_interval_ms: load_interval_for(settings.time_scale),
         ..ClusterTuning::default()
     }
 }

@@ -29,7 +29,7 @@ use switchyard_router::tokenizer::Tokenizers;
 
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::Machine;
+use crate::output::{Machine, command_line};
 use switchyard_cluster::LocalCluster;
 
 mod args;
@@ -91,26 +91,21 @@ pub async fn dpd_compare(settings: &DpdSettings) -> anyhow::Result<DpdReport> {
         let mut result = Ok(());
         for (load, trace) in settings.loads.iter().zip(&traces) {
             let name = topology.name();
-            let colocated_arm = Box::pin(measure(
-                settings,
-                &colocated,
-                trace,
-                load,
-                format!("{name} {} colocated", load.name),
-                &client,
-                false,
-            ))
-            .await;
-            let dpd_arm = Box::pin(measure(
-                settings,
-                &disaggregated,
-                trace,
-                load,
-                format!("{name} {} DPD", load.name),
-                &client,
-                true,
-            ))
-            .await;
+            // Boxed: a run is a large future.
+            let arm = |cluster, kind: &str, disaggregated| {
+                let label = format!("{name} {} {kind}", load.name);
+                Box::pin(measure(
+                    settings,
+                    cluster,
+                    trace,
+                    load,
+                    label,
+                    &client,
+                    disaggregated,
+                ))
+            };
+            let colocated_arm = arm(&colocated, "colocated", false).await;
+            let dpd_arm = arm(&disaggregated, "DPD", true).await;
             match (colocated_arm, dpd_arm) {
                 (Ok(colocated), Ok(dpd)) => {
                     if let Some(check) = &dpd.decisions
@@ -146,7 +141,7 @@ pub async fn dpd_compare(settings: &DpdSettings) -> anyhow::Result<DpdReport> {
     }
     Ok(DpdReport {
         tool: format!("switchyard-bench {}", env!("CARGO_PKG_VERSION")),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         threshold: settings.threshold,
         long_tokens: settings.long_tokens,

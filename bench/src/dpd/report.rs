@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::args::{Load, Topology};
-use crate::output::Machine;
+use crate::output::{Machine, count};
 use crate::report::RunStats;
 use crate::run::RunOutput;
 use crate::stats::{Latency, relative_change};
@@ -137,10 +137,6 @@ pub struct DpdReport {
     pub notes: Vec<String>,
 }
 
-fn engines(count: usize) -> String {
-    format!("{count} engine{}", if count == 1 { "" } else { "s" })
-}
-
 fn signed(change: Option<f64>) -> String {
     change.map_or_else(
         || "n/a".into(),
@@ -187,7 +183,7 @@ impl DpdReport {
                 out,
                 "| {} vs {} | {} | {} | {:.1} / {:.0} → {:.1} / {:.0} ({} / {}) | {} | {} | {} | {:.0} → {:.0} ({}) |",
                 point.topology.name(),
-                engines(point.colocated_engines),
+                count(point.colocated_engines, "engine"),
                 point.load.name,
                 pair(a.tpot.model_ms.p50, b.tpot.model_ms.p50, change.tpot_p50),
                 a.stats.itl.model_ms.p50,

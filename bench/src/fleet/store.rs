@@ -2,7 +2,7 @@
 //! changes, table reads, and the rolling restart.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use switchyard_control::{ControlConfig, ControlPlane};
@@ -14,7 +14,7 @@ use super::args::FleetArgs;
 use super::report::{RollingReport, StoreReport};
 use super::shape::{populate, registration};
 use super::sync_clients::{
-    Client, collect, ms, routable, routes, sample_reads, start_client, watch_all, when,
+    Client, ReadSampler, applied, collect, ms, routable, routes, start_client, watch_all, when,
 };
 use crate::procfs::threads_cpu;
 use crate::stats::Summary;
@@ -83,16 +83,9 @@ pub async fn measure_store(
     let idle_cpu_before = threads_cpu("switchyard-cp");
     let idle_started = Instant::now();
     let idle = {
-        let stop = Arc::new(AtomicBool::new(false));
-        let sampler = {
-            let (tables, stop) = (tables.clone(), Arc::clone(&stop));
-            std::thread::spawn(move || sample_reads(tables, stop))
-        };
+        let sampler = ReadSampler::start(tables.clone());
         tokio::time::sleep(Duration::from_secs(2)).await;
-        stop.store(true, Ordering::Relaxed);
-        sampler
-            .join()
-            .map_err(|_| anyhow::anyhow!("sampler panicked"))?
+        sampler.finish()?
     };
     let control_plane_idle_cpu_percent = (threads_cpu("switchyard-cp") - idle_cpu_before)
         / idle_started.elapsed().as_secs_f64()
@@ -100,19 +93,8 @@ pub async fn measure_store(
 
     // Timed changes.
     eprintln!("{store}: {} timed changes", args.changes);
-    let stop = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let (tables, stop) = (tables.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || sample_reads(tables, stop))
-    };
-    let applied_before: u64 = clients
-        .iter()
-        .map(|client| client.metrics.apply_seconds.snapshot().count)
-        .sum();
-    let apply_sum_before: f64 = clients
-        .iter()
-        .map(|client| client.metrics.apply_seconds.snapshot().sum)
-        .sum();
+    let sampler = ReadSampler::start(tables.clone());
+    let (applied_before, apply_sum_before) = applied(&clients);
     let sync_cpu_before = threads_cpu("switchyard-sync");
     let cp_cpu_before = threads_cpu("switchyard-cp");
     let mut to_all = Vec::new();
@@ -143,20 +125,12 @@ pub async fn measure_store(
     }
     let sync_cpu = threads_cpu("switchyard-sync") - sync_cpu_before;
     let cp_cpu = threads_cpu("switchyard-cp") - cp_cpu_before;
-    stop.store(true, Ordering::Relaxed);
-    let during = sampler
-        .join()
-        .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
-    let applied: u64 = clients
-        .iter()
-        .map(|client| client.metrics.apply_seconds.snapshot().count)
-        .sum::<u64>()
-        - applied_before;
-    let apply_sum: f64 = clients
-        .iter()
-        .map(|client| client.metrics.apply_seconds.snapshot().sum)
-        .sum::<f64>()
-        - apply_sum_before;
+    let during = sampler.finish()?;
+    let (applied_after, apply_sum_after) = applied(&clients);
+    let (applied, apply_sum) = (
+        applied_after - applied_before,
+        apply_sum_after - apply_sum_before,
+    );
     let per_router_changes = (args.changes * args.routers) as f64;
 
     let rolling = if args.rolling_workers > 0 {

@@ -123,9 +123,42 @@ pub fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e3
 }
 
+/// Sync messages applied by the clients, and the seconds their applies took, summed.
+pub fn applied(clients: &[Client]) -> (u64, f64) {
+    clients.iter().fold((0, 0.0), |(count, sum), client| {
+        let snapshot = client.metrics.apply_seconds.snapshot();
+        (count + snapshot.count, sum + snapshot.sum)
+    })
+}
+
+/// Table reads ([`sample_reads`]) on a thread of their own until [`ReadSampler::finish`].
+pub struct ReadSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<f64>>,
+}
+
+impl ReadSampler {
+    pub fn start(tables: Vec<Arc<ArcSwap<RoutingTable>>>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || sample_reads(tables, stop))
+        };
+        Self { stop, thread }
+    }
+
+    /// Stops the sampling: each read's time, µs.
+    pub fn finish(self) -> anyhow::Result<Vec<f64>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("sampler panicked"))
+    }
+}
+
 /// Samples load + lookup of the current table on a thread of its own (a serving thread's
 /// read), about every 200 µs, until `stop`.
-pub fn sample_reads(tables: Vec<Arc<ArcSwap<RoutingTable>>>, stop: Arc<AtomicBool>) -> Vec<f64> {
+fn sample_reads(tables: Vec<Arc<ArcSwap<RoutingTable>>>, stop: Arc<AtomicBool>) -> Vec<f64> {
     let mut samples = Vec::new();
     let mut index = 0usize;
     while !stop.load(Ordering::Relaxed) && samples.len() < 1_000_000 {

@@ -6,10 +6,10 @@ use bytes::Bytes;
 
 use super::args::{EnginePlacement, OverheadArgs};
 use super::load::{TRACING_SLICES, closed_loop, interleaved, loaded, post_once};
-use super::report::{OverheadReport, ProxyBaseline, RelayBaseline, Throughput, TracingMode};
+use super::report::{AddedLatency, OverheadReport, ProxyBaseline, Throughput, TracingMode};
 use crate::child::ChildServer;
 use crate::client::HttpClient;
-use crate::output::Machine;
+use crate::output::{Machine, command_line};
 use crate::report::DecisionStats;
 use crate::scrape::{Histogram, scrape};
 use crate::stats::Summary;
@@ -121,39 +121,18 @@ pub async fn measure(
             0.0
         }
     };
-    let pair = |index: usize| -> Vec<f64> {
-        paths[index]
-            .samples
-            .iter()
-            .zip(&paths[0].samples)
-            .map(|(way, direct)| way - direct)
-            .collect()
-    };
-    let router_differences = pair(1);
+    let added = |index: usize| AddedLatency::against(&paths[index].samples, &paths[0].samples);
+    let router_added = added(1);
     let index_of = |name: &str| paths.iter().position(|path| path.name == name);
     let baseline = |name: &str, load: Option<(Throughput, f64, f64)>| {
-        index_of(name).map(|index| {
-            let latency_ms = Summary::of(&paths[index].samples);
-            ProxyBaseline {
-                added_p50_ms: latency_ms.p50 - direct_ms.p50,
-                added_p99_ms: latency_ms.p99 - direct_ms.p99,
-                paired_difference_ms: Summary::of(&pair(index)),
-                latency_ms,
-                throughput: load.map(|load| load.0),
-                cpu_seconds: load.map_or(0.0, |load| load.1),
-                requests_per_core_second: load.map_or(0.0, |load| per_core(&load.0, load.1)),
-            }
+        index_of(name).map(|index| ProxyBaseline {
+            latency: added(index),
+            throughput: load.map(|load| load.0),
+            cpu_seconds: load.map_or(0.0, |load| load.1),
+            requests_per_core_second: load.map_or(0.0, |load| per_core(&load.0, load.1)),
         })
     };
-    let tcp_relay = index_of("relay").map(|index| {
-        let latency_ms = Summary::of(&paths[index].samples);
-        RelayBaseline {
-            added_p50_ms: latency_ms.p50 - direct_ms.p50,
-            added_p99_ms: latency_ms.p99 - direct_ms.p99,
-            paired_difference_ms: Summary::of(&pair(index)),
-            latency_ms,
-        }
-    });
+    let tcp_relay = index_of("relay").map(added);
 
     let duration = Duration::from_secs_f64(args.duration);
     say(&format!(
@@ -162,58 +141,22 @@ pub async fn measure(
     ));
     let direct_throughput =
         closed_loop(client, &paths[0].url, &body, args.concurrency, duration).await;
-    say(&format!(
-        "throughput: {} clients for {:.0} s through the router…",
-        args.concurrency, args.duration
-    ));
-    let (router_throughput, router_cpu, bench_cpu) = loaded(
-        client,
-        &paths[1].url,
-        &body,
-        args.concurrency,
-        duration,
-        router.pid,
-    )
-    .await?;
-    let forwarder_index = index_of("forwarder");
-    let forwarder_load = match forwarder.zip(forwarder_index) {
-        Some((forwarder, index)) => {
-            say(&format!(
-                "throughput: {} clients for {:.0} s through the bare forwarder…",
-                args.concurrency, args.duration
-            ));
-            Some(
-                loaded(
-                    client,
-                    &paths[index].url,
-                    &body,
-                    args.concurrency,
-                    duration,
-                    forwarder.pid,
-                )
-                .await?,
-            )
-        }
+    // One proxy's throughput phase: its closed loop, its CPU seconds and this process's.
+    let through = async |what: &str, index: usize, server: &ChildServer| {
+        say(&format!(
+            "throughput: {} clients for {:.0} s through {what}…",
+            args.concurrency, args.duration
+        ));
+        let url = &paths[index].url;
+        loaded(client, url, &body, args.concurrency, duration, server.pid).await
+    };
+    let (router_throughput, router_cpu, bench_cpu) = through("the router", 1, router).await?;
+    let forwarder_load = match forwarder.zip(index_of("forwarder")) {
+        Some((server, index)) => Some(through("the bare forwarder", index, server).await?),
         None => None,
     };
     let baseline_router_load = match baselines.router.zip(index_of("baseline-router")) {
-        Some((server, index)) => {
-            say(&format!(
-                "throughput: {} clients for {:.0} s through the baseline router…",
-                args.concurrency, args.duration
-            ));
-            Some(
-                loaded(
-                    client,
-                    &paths[index].url,
-                    &body,
-                    args.concurrency,
-                    duration,
-                    server.pid,
-                )
-                .await?,
-            )
-        }
+        Some((server, index)) => Some(through("the baseline router", index, server).await?),
         None => None,
     };
     let mut tracing = Vec::new();
@@ -323,7 +266,7 @@ pub async fn measure(
     Ok(OverheadReport {
         tool: "switchyard-bench".into(),
         version: env!("CARGO_PKG_VERSION").into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine,
         strategy: args.strategy.as_str().into(),
         engine: match args.engine {
@@ -337,19 +280,19 @@ pub async fn measure(
         added_p90_ms: router_ms.p90 - direct_ms.p90,
         added_p99_ms: router_ms.p99 - direct_ms.p99,
         added_mean_ms: router_ms.mean - direct_ms.mean,
-        paired_difference_ms: Summary::of(&router_differences),
+        paired_difference_ms: router_added.paired_difference_ms,
         direct_ms,
         router_ms,
         router_vs_forwarder_p50_ms: forwarder
             .as_ref()
-            .map(|forwarder| router_ms.p50 - forwarder.latency_ms.p50),
+            .map(|forwarder| router_ms.p50 - forwarder.latency.latency_ms.p50),
         router_vs_forwarder_p99_ms: forwarder
             .as_ref()
-            .map(|forwarder| router_ms.p99 - forwarder.latency_ms.p99),
+            .map(|forwarder| router_ms.p99 - forwarder.latency.latency_ms.p99),
         forwarder,
         router_vs_baseline_p50_ms: baseline_router
             .as_ref()
-            .map(|baseline| router_ms.p50 - baseline.latency_ms.p50),
+            .map(|baseline| router_ms.p50 - baseline.latency.latency_ms.p50),
         baseline_router,
         tcp_relay,
         concurrency: args.concurrency,

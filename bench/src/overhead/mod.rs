@@ -20,6 +20,7 @@ use anyhow::Context as _;
 use crate::child::{default_router_bin, free_port, start_router, start_router_with};
 use crate::client::http_client;
 use crate::error::UsageError;
+use crate::output::emit_json;
 
 mod args;
 mod load;
@@ -28,7 +29,7 @@ mod processes;
 mod report;
 
 pub use args::{EnginePlacement, OverheadArgs, OverheadArgsError};
-pub use report::{OverheadReport, ProxyBaseline, RelayBaseline, Throughput, TracingMode};
+pub use report::{AddedLatency, OverheadReport, ProxyBaseline, Throughput, TracingMode};
 
 use measure::{Baselines, measure};
 use processes::{Engine, kv_warm_up, start_forwarder};
@@ -52,16 +53,21 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         .tempdir()?;
     let result = async {
         let kv_sockets = engine.kv_sockets(&client).await?;
-        let router = start_router_with(
-            &binary,
-            config_dir.path(),
-            &engine_url,
-            kv_sockets.as_ref(),
-            args.strategy,
-            &[],
-            &client,
-        )
-        .await?;
+        // A router executable in front of the engine (its KV-event sockets declared), untraced.
+        let untraced = async |binary: &std::path::Path| {
+            let (dir, sockets) = (config_dir.path(), kv_sockets.as_ref());
+            start_router_with(
+                binary,
+                dir,
+                &engine_url,
+                sockets,
+                args.strategy,
+                &[],
+                &client,
+            )
+            .await
+        };
+        let router = untraced(&binary).await?;
         if kv_sockets.is_some() {
             kv_warm_up(&engine_url, &router, &client).await?;
         }
@@ -75,17 +81,9 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         };
         let baseline_router = match &args.baseline_router_bin {
             Some(binary) => Some(
-                start_router_with(
-                    binary,
-                    config_dir.path(),
-                    &engine_url,
-                    kv_sockets.as_ref(),
-                    args.strategy,
-                    &[],
-                    &client,
-                )
-                .await
-                .with_context(|| format!("--baseline-router-bin {}", binary.display()))?,
+                untraced(binary)
+                    .await
+                    .with_context(|| format!("--baseline-router-bin {}", binary.display()))?,
             ),
             None => None,
         };
@@ -128,11 +126,6 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
     .await;
     engine.shutdown().await;
     let report = result?;
-    crate::output::print_stdout(&report.table());
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    emit_json(&report.table(), &report, args.json.as_deref())?;
     Ok(report)
 }

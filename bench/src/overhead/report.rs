@@ -19,22 +19,42 @@ pub struct Throughput {
 /// or a baseline router executable).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProxyBaseline {
-    pub latency_ms: Summary,
-    pub added_p50_ms: f64,
-    pub added_p99_ms: f64,
-    pub paired_difference_ms: Summary,
+    #[serde(flatten)]
+    pub latency: AddedLatency,
     pub throughput: Option<Throughput>,
     pub cpu_seconds: f64,
     pub requests_per_core_second: f64,
 }
 
-/// The TCP relay measured like the router (latency only): the floor of one more hop.
+/// One path's latency against the direct path's, same rounds (alone: the TCP relay, the floor
+/// of one more hop).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RelayBaseline {
+pub struct AddedLatency {
     pub latency_ms: Summary,
+    /// This path's p50 − the direct path's, and p99.
     pub added_p50_ms: f64,
     pub added_p99_ms: f64,
+    /// Per round: this path − direct.
     pub paired_difference_ms: Summary,
+}
+
+impl AddedLatency {
+    /// From the round-by-round samples of this path and of the direct one (ms).
+    pub fn against(samples: &[f64], direct: &[f64]) -> Self {
+        let latency_ms = Summary::of(samples);
+        let direct_ms = Summary::of(direct);
+        let differences: Vec<f64> = samples
+            .iter()
+            .zip(direct)
+            .map(|(way, direct)| way - direct)
+            .collect();
+        Self {
+            added_p50_ms: latency_ms.p50 - direct_ms.p50,
+            added_p99_ms: latency_ms.p99 - direct_ms.p99,
+            paired_difference_ms: Summary::of(&differences),
+            latency_ms,
+        }
+    }
 }
 
 /// One tracing mode of the router against the router with tracing off, same rounds.
@@ -96,7 +116,7 @@ pub struct OverheadReport {
     pub router_vs_forwarder_p50_ms: Option<f64>,
     pub router_vs_forwarder_p99_ms: Option<f64>,
     /// The same through a TCP relay (no HTTP parsing at all).
-    pub tcp_relay: Option<RelayBaseline>,
+    pub tcp_relay: Option<AddedLatency>,
     pub concurrency: usize,
     pub direct_throughput: Throughput,
     pub router_throughput: Throughput,
@@ -136,13 +156,19 @@ impl OverheadReport {
         out.push_str(&row("direct to engine", &self.direct_ms));
         out.push_str(&row("through the router", &self.router_ms));
         if let Some(forwarder) = &self.forwarder {
-            out.push_str(&row("through a bare forwarder", &forwarder.latency_ms));
+            out.push_str(&row(
+                "through a bare forwarder",
+                &forwarder.latency.latency_ms,
+            ));
         }
         if let Some(relay) = &self.tcp_relay {
             out.push_str(&row("through a TCP relay", &relay.latency_ms));
         }
         if let Some(baseline) = &self.baseline_router {
-            out.push_str(&row("through the baseline router", &baseline.latency_ms));
+            out.push_str(&row(
+                "through the baseline router",
+                &baseline.latency.latency_ms,
+            ));
         }
         out.push_str(&row(
             "router - direct, per round",
@@ -159,7 +185,7 @@ impl OverheadReport {
         ) {
             out.push_str(&format!(
                 "  added by a bare forwarder: p50 {:.3} ms, p99 {:.3} ms; the router beyond that hop: p50 {:.3} ms, p99 {:.3} ms\n",
-                forwarder.added_p50_ms, forwarder.added_p99_ms, p50, p99
+                forwarder.latency.added_p50_ms, forwarder.latency.added_p99_ms, p50, p99
             ));
         }
         if let Some(relay) = &self.tcp_relay {
@@ -172,7 +198,7 @@ impl OverheadReport {
         {
             out.push_str(&format!(
                 "  added by the baseline router: p50 {:.3} ms, p99 {:.3} ms; this router minus the baseline: p50 {:+.3} ms\n",
-                baseline.added_p50_ms, baseline.added_p99_ms, p50
+                baseline.latency.added_p50_ms, baseline.latency.added_p99_ms, p50
             ));
         }
         if let Some(decision) = &self.router_decision {

@@ -13,7 +13,7 @@ use crate::scrape::{EngineCounters, Histogram};
 use crate::stats::{Latency, relative_change};
 use crate::workload::{RequestClass, WorkloadSpec};
 
-mod emit;
+pub mod emit;
 pub mod svg;
 mod table;
 

@@ -2,7 +2,8 @@
 
 use std::fmt::Write as _;
 
-use super::{Report, RunReport, percent};
+use super::{DecisionStats, Report, RunReport, percent};
+use crate::output::count;
 
 impl Report {
     /// The side-by-side table printed on the terminal.
@@ -62,11 +63,7 @@ impl Report {
                 .collect();
             let _ = writeln!(out);
             if self.mode == "compare" {
-                let _ = writeln!(
-                    out,
-                    "{routers} router{}:",
-                    if routers == 1 { "" } else { "s" }
-                );
+                let _ = writeln!(out, "{}:", count(routers, "router"));
             }
             out.push_str(&render_columns(&runs));
         }
@@ -185,30 +182,19 @@ fn render_columns(runs: &[&RunReport]) -> String {
                 .map_or_else(|| "-".into(), |found| percent(found.pairwise))
         });
     }
-    row("router decision p50/p99 us", &|run| {
-        run.router_decision.map_or_else(
+    // p50 / p99 of a router histogram, in µs.
+    let micros = |stats: Option<DecisionStats>| {
+        stats.map_or_else(
             || "-".into(),
-            |decision| {
-                format!(
-                    "{:.0} / {:.0}",
-                    decision.p50_ms * 1e3,
-                    decision.p99_ms * 1e3
-                )
-            },
+            |stats| format!("{:.0} / {:.0}", stats.p50_ms * 1e3, stats.p99_ms * 1e3),
         )
+    };
+    row("router decision p50/p99 us", &|run| {
+        micros(run.router_decision)
     });
     if runs.iter().any(|run| run.kv_tokenize.is_some()) {
         row("KV tokenize round trip p50/p99 us", &|run| {
-            run.kv_tokenize.map_or_else(
-                || "-".into(),
-                |tokenize| {
-                    format!(
-                        "{:.0} / {:.0}",
-                        tokenize.p50_ms * 1e3,
-                        tokenize.p99_ms * 1e3
-                    )
-                },
-            )
+            micros(run.kv_tokenize)
         });
     }
     row("requests ok / errors", &|run| {
