@@ -127,9 +127,7 @@ impl Column<'_> {
 
 /// Switchyard's routers (a strategy, or PREFIX_AWARE with the extension) on a fresh cluster.
 pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow::Result<RunReport> {
-    let Column {
-        settings, routers, ..
-    } = *column;
+    let (settings, routers) = (column.settings, column.routers);
     let mut sim = settings.sim.clone();
     if arm == Arm::Strategy(Strategy::KvAware) {
         // The engines publish their KV-cache events; the routers follow them.
@@ -162,14 +160,7 @@ async fn measure(
     keys: &KeyShares,
     cluster: &LocalCluster,
 ) -> anyhow::Result<RunReport> {
-    let Column {
-        settings,
-        routers,
-        label,
-        oracle,
-        client,
-        ..
-    } = *column;
+    let (settings, oracle, client) = (column.settings, column.oracle, column.client);
     let time_scale = settings.time_scale();
     let engines_before = scrape_engines(client, &cluster.engine_urls).await?;
     let decisions_before = scrape_routers(client, &cluster.router_urls).await?;
@@ -224,7 +215,7 @@ async fn measure(
     stats.include_idle_instances(&cluster.instance_ids());
     let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
     let report = RunReport {
-        label: label.to_owned(),
+        label: column.label.to_owned(),
         strategy: match arm {
             Arm::Strategy(strategy) => Some(strategy.as_str().to_owned()),
             Arm::Bounded(_) => Some(Strategy::PrefixAware.as_str().to_owned()),
@@ -235,7 +226,7 @@ async fn measure(
             _ => None,
         },
         peer: None,
-        routers,
+        routers: column.routers,
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
         kv_from_usage,
         router_decision: DecisionStats::from_histogram(&decisions.decision),
@@ -273,12 +264,7 @@ fn progress_line(settings: &CompareSettings, report: &RunReport) {
 /// same trace. Shares come from the engines' own request counters (peers send no
 /// `x-switchyard-instance`).
 pub async fn run_peer(column: &Column<'_>, peer: Peer) -> anyhow::Result<RunReport> {
-    let Column {
-        settings,
-        routers,
-        client,
-        ..
-    } = *column;
+    let (settings, client) = (column.settings, column.client);
     let binary = peer_binary(settings, peer)
         .with_context(|| format!("`{}` not found", peer.binary_name()))?;
     let mut engines = Vec::with_capacity(settings.engines);
@@ -290,7 +276,8 @@ pub async fn run_peer(column: &Column<'_>, peer: Peer) -> anyhow::Result<RunRepo
         );
     }
     let engine_urls: Vec<String> = engines.iter().map(|engine| engine.url.clone()).collect();
-    let result = match PeerRouters::start(peer, &binary, routers, &engine_urls, client).await {
+    let result = match PeerRouters::start(peer, &binary, column.routers, &engine_urls, client).await
+    {
         Ok(peers) => {
             let result = measure_peer(column, peer, &peers.urls, &engine_urls).await;
             peers.shutdown().await;
@@ -310,14 +297,7 @@ async fn measure_peer(
     router_urls: &[String],
     engine_urls: &[String],
 ) -> anyhow::Result<RunReport> {
-    let Column {
-        settings,
-        routers,
-        label,
-        oracle,
-        client,
-        ..
-    } = *column;
+    let (settings, oracle, client) = (column.settings, column.oracle, column.client);
     let time_scale = settings.time_scale();
     let per_engine_before = scrape_each(client, engine_urls).await?;
     let targets = router_urls
@@ -352,11 +332,11 @@ async fn measure_peer(
         })
         .collect();
     let report = RunReport {
-        label: label.to_owned(),
+        label: column.label.to_owned(),
         strategy: None,
         load_balance: None,
         peer: Some(peer.name().to_owned()),
-        routers,
+        routers: column.routers,
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
         kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
         router_decision: None,
