@@ -3,14 +3,23 @@
 //! - [`workload`]: deterministic traces (long context, ShareGPT-like chats, RAG, mixed);
 //! - [`oracle`]: the best hit rate any placement could reach on a trace;
 //! - [`client`] and [`run`]: streaming requests timed on the wall clock, closed or open loop;
-//! - [`compare`]: every strategy on fresh engines, side by side ([`demo`]), with PREFIX_AWARE's
-//!   bounded-load extension and peer routers ([`peer`]) as further columns, and how often
-//!   several routers disagree ([`agreement`]);
-//! - [`drive`]: an existing router; [`overhead`]: the latency the router adds;
-//!   [`overload`]: the router's memory under a flood of large requests;
-//! - [`fleet`]: the control plane and the sync protocol at fleet scale;
-//! - [`dpd`]: disaggregated prefill/decode against colocated engines of the same count;
-//! - [`report`], [`svg`], [`stats`], [`scrape`]: numbers, table, JSON, chart.
+//! - [`compare`](mod@compare): every strategy on fresh engines, side by side ([`demo`]), with
+//!   PREFIX_AWARE's bounded-load extension and peer routers ([`peer`]) as further columns, and
+//!   how often several routers disagree ([`agreement`]);
+//! - [`drive`](mod@drive): an existing router; [`overhead`](mod@overhead): the latency the
+//!   router adds; [`overload`](mod@overload): the router's memory under a flood of large
+//!   requests;
+//! - [`fleet`](mod@fleet): the control plane and the sync protocol at fleet scale;
+//! - [`dpd`](mod@dpd): disaggregated prefill/decode against colocated engines of the same
+//!   count;
+//! - [`report`]: the report of `compare` and of a driven router, its table, its [`svg`] chart
+//!   and its JSON; [`output`]: what every benchmark's report shares (where it was measured,
+//!   the command line, the JSON file); [`stats`], [`scrape`]: percentiles, `/metrics` pages.
+//!
+//! Under the benchmarks, inside the crate: the routing strategies (`strategy`), the
+//! simulator as the benchmarks run it (`sim`), the trace with its oracle bound (`prepare`),
+//! child processes and the workspace's executables (`child`), `/proc` readings (`procfs`),
+//! flag defaults (`flags`) and the error of a bad flag ([`UsageError`], exit 64).
 //!
 //! Latencies are measured on the wall clock. Simulated engines run on a scaled clock
 //! (`--time-scale`); reports give wall ms and model ms = wall ms / time scale.

@@ -1,5 +1,5 @@
 //! The benchmark report of `compare` and of a driven router: per-run statistics, the
-//! comparison against a baseline strategy and the product-target checks; [`table`] prints it,
+//! comparison against a baseline strategy and the product-target checks; `table` prints it,
 //! [`svg`] draws it, [`emit`] writes it.
 
 use std::collections::BTreeMap;
