@@ -30,7 +30,7 @@ impl DecisionCheck {
         self.long == self.long_disaggregated && self.short == self.short_direct
     }
 
-    pub fn of(output: &RunOutput, threshold: u32) -> Self {
+    pub(crate) fn of(output: &RunOutput, threshold: u32) -> Self {
         let mut check = Self::default();
         let mut min_long: Option<(u32, String)> = None;
         for item in output.measured.iter().filter(|item| item.outcome.ok()) {
@@ -85,7 +85,7 @@ pub struct Changes {
 }
 
 impl Changes {
-    pub fn of(colocated: &ArmReport, dpd: &ArmReport) -> Self {
+    pub(crate) fn of(colocated: &ArmReport, dpd: &ArmReport) -> Self {
         let (a, b) = (&colocated.stats, &dpd.stats);
         Self {
             tpot_p50: relative_change(colocated.tpot.model_ms.p50, dpd.tpot.model_ms.p50),

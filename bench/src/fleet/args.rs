@@ -45,7 +45,7 @@ pub struct FleetArgs {
 }
 
 impl FleetArgs {
-    pub fn check(&self) -> Result<(), FleetArgsError> {
+    pub(crate) fn check(&self) -> Result<(), FleetArgsError> {
         if self.endpoints == 0 || self.endpoints > 100_000 {
             return Err(FleetArgsError::Endpoints(self.endpoints));
         }

@@ -40,7 +40,7 @@ pub struct AddedLatency {
 
 impl AddedLatency {
     /// From the round-by-round samples of this path and of the direct one (ms).
-    pub fn against(samples: &[f64], direct: &[f64]) -> Self {
+    pub(crate) fn against(samples: &[f64], direct: &[f64]) -> Self {
         let latency_ms = Summary::of(samples);
         let direct_ms = Summary::of(direct);
         let differences: Vec<f64> = samples
