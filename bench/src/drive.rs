@@ -2,18 +2,20 @@
 //! with `--direct`, engines) and reports what the client measured, the engines' KV-cache
 //! hit rate (with `--engine-metrics`) and the oracle bound of the trace.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 
 use crate::client::http_client;
-use crate::compare::{UsageError, prepare};
-use crate::report::{KvStats, Machine, Report, RunReport, RunStats};
+use crate::error::UsageError;
+use crate::output::{Machine, command_line};
+use crate::prepare::prepare;
+use crate::report::emit::OutputArgs;
+use crate::report::{KvStats, Report, RunReport, RunStats};
 use crate::run::{RunConfig, run};
 use crate::scrape::{EngineCounters, metrics_url, scrape};
-use crate::workload::{TraceArgs, WorkloadKind, WorkloadSpec};
+use crate::workload::{TraceArgs, WorkloadError, WorkloadKind, WorkloadSpec};
 
 /// Flags of the default command.
 #[derive(Debug, Clone, clap::Args)]
@@ -64,19 +66,12 @@ pub struct DriveArgs {
     /// Give up on a request after this many seconds.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     pub timeout: f64,
-    /// Write the report as JSON.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write an SVG chart.
-    #[arg(long, value_name = "FILE")]
-    pub svg: Option<PathBuf>,
-    /// No progress line.
-    #[arg(long)]
-    pub quiet: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 impl DriveArgs {
-    fn workload(&self) -> Result<WorkloadSpec, String> {
+    fn workload(&self) -> Result<WorkloadSpec, WorkloadError> {
         let mut spec = WorkloadSpec::defaults(self.workload);
         self.trace.apply(&mut spec);
         spec.validate()?;
@@ -84,14 +79,14 @@ impl DriveArgs {
     }
 
     /// Validated target URLs and body model.
-    fn targets(&self) -> Result<(Vec<http::Uri>, String), String> {
+    fn targets(&self) -> Result<(Vec<http::Uri>, String), DriveError> {
         if self.target.is_empty() {
-            return Err("--target URL is required (or use the compare or overhead command)".into());
+            return Err(DriveError::NoTarget);
         }
         let endpoint = match (&self.endpoint, self.direct) {
             (Some(endpoint), _) => endpoint.clone(),
             (None, true) => String::new(),
-            (None, false) => return Err("--endpoint E is required with --target".into()),
+            (None, false) => return Err(DriveError::NoEndpoint),
         };
         let model = self.model.clone().unwrap_or_else(|| {
             if self.direct {
@@ -104,26 +99,27 @@ impl DriveArgs {
         for base in &self.target {
             let base = base.trim_end_matches('/');
             if !(base.starts_with("http://") || base.starts_with("https://")) {
-                return Err(format!("--target {base:?} must start with http://"));
+                return Err(DriveError::Scheme(base.to_owned()));
             }
             let url = if self.direct {
                 format!("{base}/v1/chat/completions")
             } else {
                 format!("{base}/endpoints/{endpoint}/openai/v1/chat/completions")
             };
-            targets.push(
-                url.parse::<http::Uri>()
-                    .map_err(|err| format!("--target {base:?}: {err}"))?,
-            );
+            let target = url.parse::<http::Uri>().map_err(|reason| DriveError::Uri {
+                base: base.to_owned(),
+                reason,
+            })?;
+            targets.push(target);
         }
         Ok((targets, model))
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DriveError> {
         self.workload()?;
         self.targets()?;
         if self.concurrency == 0 {
-            return Err("--concurrency must be at least 1".into());
+            return Err(DriveError::NoConcurrency);
         }
         for (flag, value) in [
             ("--time-scale", self.time_scale),
@@ -131,23 +127,48 @@ impl DriveArgs {
             ("--timeout", self.timeout),
         ] {
             if !(value.is_finite() && value > 0.0) {
-                return Err(format!("{flag} must be a positive number, got {value}"));
+                return Err(DriveError::NotPositive { flag, value });
             }
         }
         if let Some(rate) = self.rate
             && !(rate.is_finite() && rate > 0.0)
         {
-            return Err(format!("--rate must be a positive number, got {rate}"));
+            return Err(DriveError::NotPositive {
+                flag: "--rate",
+                value: rate,
+            });
         }
         Ok(())
     }
 }
 
+/// A flag of the default command out of range; the message names the flag.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error("--target URL is required (or use the compare or overhead command)")]
+    NoTarget,
+    #[error("--endpoint E is required with --target")]
+    NoEndpoint,
+    #[error("--target {0:?} must start with http://")]
+    Scheme(String),
+    #[error("--target {base:?}: {reason}")]
+    Uri {
+        base: String,
+        reason: http::uri::InvalidUri,
+    },
+    #[error("--concurrency must be at least 1")]
+    NoConcurrency,
+    #[error("{flag} must be a positive number, got {value}")]
+    NotPositive { flag: &'static str, value: f64 },
+}
+
 /// Runs the trace against the targets, prints the table, writes the files.
 pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
-    args.validate().map_err(UsageError)?;
-    let spec = args.workload().map_err(UsageError)?;
-    let (targets, model) = args.targets().map_err(UsageError)?;
+    args.validate().map_err(UsageError::new)?;
+    let spec = args.workload().map_err(UsageError::new)?;
+    let (targets, model) = args.targets().map_err(UsageError::new)?;
     let engines = args.engines.unwrap_or(args.engine_metrics.len().max(1));
     let capacity = (engines * args.kv_cache_blocks) as u64;
     let concurrency = args.concurrency;
@@ -175,7 +196,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
             request_timeout: Duration::from_secs_f64(args.timeout),
             max_duration: Duration::from_secs_f64(args.max_duration),
             label: label.clone(),
-            progress: !args.quiet,
+            progress: !args.output.quiet,
         },
         client.clone(),
     )
@@ -196,7 +217,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         tool: "switchyard-bench".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         mode: "drive".into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         workload,
         time_scale: args.time_scale,
@@ -223,7 +244,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
         checks: Vec::new(),
         notes,
     };
-    report.emit(args.json.as_deref(), args.svg.as_deref())?;
+    report.emit(&args.output)?;
     Ok(report)
 }
 

@@ -14,10 +14,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 
+use crate::child::{ChildServer, sibling_bin, start_child, start_router};
 use crate::client::http_client;
-use crate::compare::{Strategy, UsageError};
-use crate::overhead::{ChildServer, sibling_bin, start_child, start_router};
-use crate::report::Machine;
+use crate::error::UsageError;
+use crate::output::{Machine, command_line, emit_json};
+use crate::procfs::memory_mib;
+use crate::strategy::Strategy;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct OverloadArgs {
@@ -100,29 +102,18 @@ impl OverloadReport {
     }
 }
 
-/// `VmHWM` (peak) and `VmRSS` of a process, in MiB.
-fn memory_mib(pid: u32) -> Option<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<f64> {
-        let line = status.lines().find(|line| line.starts_with(name))?;
-        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib / 1024.0)
-    };
-    Some((field("VmHWM:")?, field("VmRSS:")?))
-}
-
 pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     if args.requests == 0 || args.requests > 10_000 {
-        return Err(UsageError("--requests must be within 1..=10000".into()).into());
+        return Err(UsageError::new("--requests must be within 1..=10000").into());
     }
     if args.body_bytes == 0 || args.body_bytes > 6_291_456 {
-        return Err(UsageError("--body-bytes must be within 1..=6291456".into()).into());
+        return Err(UsageError::new("--body-bytes must be within 1..=6291456").into());
     }
     let max_buffered_bytes = switchyard_router::parse_byte_size(&args.max_buffered_bytes)
-        .map_err(|err| UsageError(format!("--max-buffered-bytes: {err}")))?;
+        .map_err(|err| UsageError::new(format!("--max-buffered-bytes: {err}")))?;
     let find = |given: &Option<PathBuf>, name: &str| {
         given.clone().or_else(|| sibling_bin(name)).ok_or_else(|| {
-            UsageError(format!(
+            UsageError::new(format!(
                 "{name} is not next to this executable: build it (cargo build --release -p {name}) or pass its path"
             ))
         })
@@ -171,12 +162,7 @@ pub async fn overload(args: OverloadArgs) -> anyhow::Result<OverloadReport> {
     .context("starting the router")?;
     let (_, rss_before_mib) = memory_mib(router.pid).context("cannot read the router's memory")?;
     let report = flood(&args, &router, &engine, max_buffered_bytes, rss_before_mib).await?;
-    crate::report::print_stdout(&report.table());
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
+    emit_json(&report.table(), &report, args.json.as_deref())?;
     Ok(report)
 }
 
@@ -248,7 +234,7 @@ async fn flood(
     let (peak_rss_mib, _) = memory_mib(router.pid).context("cannot read the router's memory")?;
     Ok(OverloadReport {
         tool: "switchyard-bench".into(),
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         machine: Machine::current(),
         requests: args.requests,
         body_bytes: body.len(),
@@ -261,15 +247,4 @@ async fn flood(
         other,
         seconds: started.elapsed().as_secs_f64(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_this_process_memory() {
-        let (peak, now) = memory_mib(std::process::id()).expect("/proc/self/status");
-        assert!(peak >= now && now > 0.0, "{peak} {now}");
-    }
 }

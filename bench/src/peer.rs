@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde::Serialize;
 
+use crate::child::free_port;
 use crate::client::HttpClient;
 
 /// A peer router.
@@ -165,10 +166,4 @@ impl PeerRouters {
             let _ = child.kill().await;
         }
     }
-}
-
-pub(crate) fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }

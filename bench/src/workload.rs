@@ -22,6 +22,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::Serialize;
 
+use crate::flags::set;
+
 /// Which workload to generate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -82,27 +84,13 @@ pub struct TraceArgs {
 impl TraceArgs {
     /// Applies every flag given to `spec`.
     pub fn apply(&self, spec: &mut WorkloadSpec) {
-        if let Some(requests) = self.requests {
-            spec.requests = requests;
-        }
-        if let Some(seed) = self.seed {
-            spec.seed = seed;
-        }
-        if let Some(prefixes) = self.prefixes {
-            spec.prefixes = prefixes;
-        }
-        if let Some(tokens) = self.prefix_tokens {
-            spec.prefix_tokens = tokens;
-        }
-        if let Some(zipf) = self.zipf {
-            spec.zipf = zipf;
-        }
-        if let Some(max_tokens) = self.max_tokens {
-            spec.max_tokens = max_tokens;
-        }
-        if let Some(fraction) = self.long_fraction {
-            spec.long_fraction = fraction;
-        }
+        set(&mut spec.requests, self.requests);
+        set(&mut spec.seed, self.seed);
+        set(&mut spec.prefixes, self.prefixes);
+        set(&mut spec.prefix_tokens, self.prefix_tokens);
+        set(&mut spec.zipf, self.zipf);
+        set(&mut spec.max_tokens, self.max_tokens);
+        set(&mut spec.long_fraction, self.long_fraction);
     }
 }
 
@@ -156,30 +144,44 @@ impl WorkloadSpec {
     }
 
     /// Checks the values; the message names the flag.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), WorkloadError> {
         if self.requests == 0 {
-            return Err("--requests must be at least 1".into());
+            return Err(WorkloadError::NoRequests);
         }
         if self.prefixes == 0 {
-            return Err("--prefixes must be at least 1".into());
+            return Err(WorkloadError::NoPrefixes);
         }
         if self.prefix_tokens == 0 {
-            return Err("--prefix-tokens must be at least 1".into());
+            return Err(WorkloadError::NoPrefixTokens);
         }
         if !(self.zipf.is_finite() && self.zipf >= 0.0) {
-            return Err(format!("--zipf must be zero or more, got {}", self.zipf));
+            return Err(WorkloadError::Zipf(self.zipf));
         }
         if self.max_tokens == 0 {
-            return Err("--max-tokens must be at least 1".into());
+            return Err(WorkloadError::NoMaxTokens);
         }
         if !(0.0..=1.0).contains(&self.long_fraction) {
-            return Err(format!(
-                "--long-fraction must be within 0-1, got {}",
-                self.long_fraction
-            ));
+            return Err(WorkloadError::LongFraction(self.long_fraction));
         }
         Ok(())
     }
+}
+
+/// A workload value out of its range; the message names the flag.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("--requests must be at least 1")]
+    NoRequests,
+    #[error("--prefixes must be at least 1")]
+    NoPrefixes,
+    #[error("--prefix-tokens must be at least 1")]
+    NoPrefixTokens,
+    #[error("--zipf must be zero or more, got {0}")]
+    Zipf(f64),
+    #[error("--max-tokens must be at least 1")]
+    NoMaxTokens,
+    #[error("--long-fraction must be within 0-1, got {0}")]
+    LongFraction(f64),
 }
 
 /// A text with its JSON-escaped form (without quotes), both shared.
@@ -320,7 +322,7 @@ pub struct Trace {
 
 impl Trace {
     /// Generates the trace of `spec` (deterministic: same spec, same trace).
-    pub fn generate(spec: &WorkloadSpec) -> Result<Self, String> {
+    pub fn generate(spec: &WorkloadSpec) -> Result<Self, WorkloadError> {
         spec.validate()?;
         let mut generator = Generator::new(spec.seed);
         let sessions = match spec.kind {

@@ -3,21 +3,34 @@
 
 use std::time::Duration;
 
-use switchyard_bench::{CompareSettings, LoadBalanceSetting, Peer, Preset, Strategy, compare};
+use switchyard_bench::{
+    CompareSettings, LoadBalanceSetting, Peer, Preset, Report, Strategy, compare,
+};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_short_compare_reports_every_strategy_through_real_routers() {
+/// The quick preset, quiet and with short time limits.
+fn quick() -> CompareSettings {
     let mut settings = CompareSettings::preset(Preset::Quick);
     settings.progress = false;
     settings.max_duration = Duration::from_secs(20);
     settings.request_timeout = Duration::from_secs(10);
+    settings
+}
+
+/// The comparison, within a minute.
+async fn run(settings: &CompareSettings) -> Report {
+    tokio::time::timeout(Duration::from_secs(60), compare(settings))
+        .await
+        .expect("the comparison finishes in time")
+        .expect("the comparison runs")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_compare_reports_every_strategy_through_real_routers() {
+    let settings = quick();
     assert_eq!(settings.engines, 3);
     assert!(settings.workload.requests <= 64);
 
-    let report = tokio::time::timeout(Duration::from_secs(60), compare(&settings))
-        .await
-        .expect("the comparison finishes in time")
-        .expect("the comparison runs");
+    let report = run(&settings).await;
 
     assert_eq!(report.runs.len(), Strategy::ALL.len());
     for (run, strategy) in report.runs.iter().zip(Strategy::ALL) {
@@ -146,10 +159,7 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
 /// skipped with a note rather than failing the comparison.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bounded_load_column_through_two_routers_and_a_missing_peer_skipped() {
-    let mut settings = CompareSettings::preset(Preset::Quick);
-    settings.progress = false;
-    settings.max_duration = Duration::from_secs(20);
-    settings.request_timeout = Duration::from_secs(10);
+    let mut settings = quick();
     settings.strategies = Vec::new();
     settings.router_counts = vec![2];
     settings.load_balance = vec![LoadBalanceSetting {
@@ -159,10 +169,7 @@ async fn a_bounded_load_column_through_two_routers_and_a_missing_peer_skipped() 
     settings.peers = vec![Peer::Sglang];
     settings.sglang_bin = Some("/nonexistent/smg".into());
 
-    let report = tokio::time::timeout(Duration::from_secs(60), compare(&settings))
-        .await
-        .expect("the comparison finishes in time")
-        .expect("the comparison runs");
+    let report = run(&settings).await;
 
     assert_eq!(report.runs.len(), 1, "the peer is skipped");
     assert!(

@@ -16,7 +16,7 @@ struct Cli {
 fn settings(flags: &[&str]) -> Result<DpdSettings, String> {
     let cli = Cli::try_parse_from(std::iter::once("dpd").chain(flags.iter().copied()))
         .map_err(|err| err.to_string())?;
-    DpdSettings::from_args(&cli.args).map_err(|err| err.0)
+    DpdSettings::from_args(&cli.args).map_err(|err| err.to_string())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -206,13 +206,6 @@ pub enum ConfigError {
     FaultRate(#[from] FaultRateError),
 }
 
-/// For callers whose own checks return `Result<_, String>`: the message.
-impl From<ConfigError> for String {
-    fn from(error: ConfigError) -> Self {
-        error.to_string()
-    }
-}
-
 impl SimConfig {
     /// Checks every value; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -485,7 +478,7 @@ mod tests {
             kv_events_replay: Some("tcp://*:0".into()),
             ..SimConfig::default()
         };
-        let error: String = replay_alone.validate().unwrap_err().into();
+        let error = replay_alone.validate().unwrap_err().to_string();
         assert_eq!(error, "--kv-events-replay needs --kv-events");
     }
 

@@ -5,7 +5,8 @@
 
 use std::fmt::Write as _;
 
-use crate::report::{Report, RunReport};
+use super::{Report, RunReport};
+use crate::output::count;
 
 const HEIGHT: f64 = 430.0;
 const MIN_PANEL_WIDTH: f64 = 330.0;
@@ -51,6 +52,21 @@ fn short_name(column: &str) -> String {
         }
         other => other.split_whitespace().next().unwrap_or(other).to_owned(),
     }
+}
+
+/// Opens a standalone SVG document of `width` × `height` on a white background, with the
+/// charts' text classes and `extra_styles` (rules of further classes).
+pub(crate) fn document_start(out: &mut String, width: f64, height: f64, extra_styles: &str) {
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">"#
+    );
+    let _ = writeln!(
+        out,
+        "<style>.title{{font-size:14px;font-weight:bold}}.axis{{font-size:10px;fill:#555}}.label{{font-size:9px;fill:#333}}.value{{font-size:10px;fill:#111}}{extra_styles}.head{{font-size:16px;font-weight:bold}}.sub{{font-size:11px;fill:#555}}</style>"
+    );
+    out.push_str(r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
+    out.push('\n');
 }
 
 /// A bar: label under it, value text over it.
@@ -150,12 +166,7 @@ fn panel(
 fn run_label(run: &RunReport, groups: usize) -> String {
     let column = run.column();
     if groups > 1 {
-        format!(
-            "{}\n{} router{}",
-            short_name(&column),
-            run.routers,
-            if run.routers == 1 { "" } else { "s" }
-        )
+        format!("{}\n{}", short_name(&column), count(run.routers, "router"))
     } else {
         short_name(&column)
     }
@@ -174,15 +185,7 @@ pub fn render(report: &Report) -> String {
     let panel_x = |index: f64| 60.0 + index * (panel_width + PANEL_GAP);
     let width = panel_x(3.0) - PANEL_GAP + 20.0;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" viewBox="0 0 {width} {HEIGHT}" font-family="Helvetica, Arial, sans-serif">"#
-    );
-    out.push_str(
-        "<style>.title{font-size:14px;font-weight:bold}.axis{font-size:10px;fill:#555}.label{font-size:9px;fill:#333}.value{font-size:10px;fill:#111}.ref{font-size:10px;fill:#c0392b}.head{font-size:16px;font-weight:bold}.sub{font-size:11px;fill:#555}</style>\n",
-    );
-    out.push_str(r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
-    out.push('\n');
+    document_start(&mut out, width, HEIGHT, ".ref{font-size:10px;fill:#c0392b}");
     let spec = &report.workload.spec;
     let _ = writeln!(
         out,
@@ -392,8 +395,8 @@ fn strategy_panels(
         &format!(
             "Share of requests per instance{}",
             groups.first().map_or(String::new(), |routers| format!(
-                " ({routers} router{})",
-                if *routers == 1 { "" } else { "s" }
+                " ({})",
+                count(*routers, "router")
             ))
         ),
         &share_bars,

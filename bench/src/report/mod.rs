@@ -1,18 +1,21 @@
-//! The benchmark report: per-run statistics, the comparison against a baseline strategy,
-//! the product-target checks, the terminal table and the JSON file.
+//! The benchmark report of `compare` and of a driven router: per-run statistics, the
+//! comparison against a baseline strategy and the product-target checks; `table` prints it,
+//! [`svg`] draws it, [`emit`] writes it.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::path::Path;
 
-use anyhow::Context as _;
 use serde::Serialize;
 
 use crate::oracle::OracleBound;
+use crate::output::Machine;
 use crate::run::RunOutput;
 use crate::scrape::{EngineCounters, Histogram};
 use crate::stats::{Latency, relative_change};
 use crate::workload::{RequestClass, WorkloadSpec};
+
+pub mod emit;
+pub mod svg;
+mod table;
 
 /// PREFIX_AWARE's bounded-load extension as one comparison column ran it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -381,37 +384,6 @@ pub struct Check {
     pub pass: bool,
 }
 
-/// Where the numbers were measured.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Machine {
-    pub cpus: usize,
-    pub cpu_model: Option<String>,
-    pub os: String,
-}
-
-impl Machine {
-    pub fn current() -> Self {
-        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|info| {
-                info.lines()
-                    .find(|line| line.starts_with("model name"))
-                    .and_then(|line| line.split_once(':'))
-                    .map(|(_, model)| model.trim().to_owned())
-            });
-        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map(|release| release.trim().to_owned())
-            .unwrap_or_default();
-        Self {
-            cpus: std::thread::available_parallelism().map_or(1, usize::from),
-            cpu_model,
-            os: format!("{} {release}", std::env::consts::OS)
-                .trim()
-                .to_owned(),
-        }
-    }
-}
-
 /// The workload as run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WorkloadSummary {
@@ -463,27 +435,6 @@ pub struct Report {
 }
 
 impl Report {
-    /// Prints the table on stdout and writes the JSON and SVG files that were asked for.
-    pub fn emit(&self, json: Option<&Path>, svg: Option<&Path>) -> anyhow::Result<()> {
-        print_stdout(&self.table());
-        if let Some(path) = json {
-            self.write_json(path)?;
-            eprintln!("wrote {}", path.display());
-        }
-        if let Some(path) = svg {
-            std::fs::write(path, crate::svg::render(self))
-                .with_context(|| format!("cannot write {}", path.display()))?;
-            eprintln!("wrote {}", path.display());
-        }
-        Ok(())
-    }
-
-    pub fn write_json(&self, path: &Path) -> anyhow::Result<()> {
-        let text = serde_json::to_string_pretty(self)?;
-        std::fs::write(path, text + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))
-    }
-
     /// Router counts, in run order.
     pub fn router_groups(&self) -> Vec<usize> {
         let mut groups: Vec<usize> = Vec::new();
@@ -494,271 +445,10 @@ impl Report {
         }
         groups
     }
-
-    /// The side-by-side table printed on the terminal.
-    pub fn table(&self) -> String {
-        let mut out = String::new();
-        let spec = &self.workload.spec;
-        let _ = writeln!(
-            out,
-            "\n{} workload: {} requests in {} sessions, mean prompt {:.0} tokens, seed {}",
-            spec.kind,
-            self.workload.spec.requests,
-            self.workload.sessions,
-            self.workload.mean_prompt_tokens,
-            spec.seed
-        );
-        if let Some(setup) = &self.setup {
-            let _ = writeln!(
-                out,
-                "{} engines × {} KV blocks of {} tokens; PrefixLength {}, ConcurrencyThreshold {}; {}",
-                setup.engines,
-                setup.kv_cache_blocks,
-                setup.block_size,
-                setup.prefix_length,
-                setup.concurrency_threshold,
-                self.load_description()
-            );
-        } else {
-            let _ = writeln!(out, "{}", self.load_description());
-        }
-        if let Some(oracle) = &self.oracle {
-            let _ = writeln!(
-                out,
-                "oracle bound: {} of prompt tokens (compulsory misses only: {}, with the fleet's capacity: {})",
-                percent(oracle.hit_rate),
-                percent(oracle.compulsory_hit_tokens as f64 / oracle.prompt_tokens.max(1) as f64),
-                percent(oracle.capacity_hit_tokens as f64 / oracle.prompt_tokens.max(1) as f64),
-            );
-        }
-        let _ = writeln!(
-            out,
-            "latencies in model ms (wall ms / time scale {}); hit rate from {}",
-            self.time_scale,
-            self.runs
-                .first()
-                .and_then(|run| run.kv.or(run.kv_from_usage))
-                .map_or("nowhere (no engine metrics, no usage)", |kv| if kv.source == "usage" {
-                    "the answers' usage.prompt_tokens_details.cached_tokens"
-                } else {
-                    "the engines' vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total"
-                })
-        );
-        for routers in self.router_groups() {
-            let runs: Vec<&RunReport> = self
-                .runs
-                .iter()
-                .filter(|run| run.routers == routers)
-                .collect();
-            let _ = writeln!(out);
-            if self.mode == "compare" {
-                let _ = writeln!(
-                    out,
-                    "{routers} router{}:",
-                    if routers == 1 { "" } else { "s" }
-                );
-            }
-            out.push_str(&render_columns(&runs));
-        }
-        let owners = self.prefix_owner_shares.iter().map(|share| share.share);
-        if let (Some(min), Some(max)) = (owners.clone().reduce(f64::min), owners.reduce(f64::max)) {
-            let _ = writeln!(
-                out,
-                "\nPREFIX_AWARE without overflow (each prefix on its rendezvous owner) would give instances {}-{} of the requests",
-                percent(min),
-                percent(max)
-            );
-        }
-        if !self.checks.is_empty() {
-            let _ = writeln!(out, "\ntargets:");
-            for check in &self.checks {
-                let _ = writeln!(
-                    out,
-                    "  [{}] {}: {} (target {})",
-                    if check.pass { "pass" } else { "FAIL" },
-                    check.what,
-                    check.measured,
-                    check.target
-                );
-            }
-        }
-        for note in &self.notes {
-            let _ = writeln!(out, "note: {note}");
-        }
-        out
-    }
-
-    fn load_description(&self) -> String {
-        match self.rate {
-            Some(rate) => format!(
-                "open loop, {rate} sessions/s (model time), at most {} in flight, time scale {}",
-                self.concurrency, self.time_scale
-            ),
-            None => format!(
-                "closed loop, {} clients, time scale {}",
-                self.concurrency, self.time_scale
-            ),
-        }
-    }
-}
-
-/// Writes `text` and a newline to stdout; a closed pipe (`| head`) is not an error.
-pub fn print_stdout(text: &str) {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{text}");
-    let _ = out.flush();
 }
 
 pub fn percent(fraction: f64) -> String {
     format!("{:.1}%", fraction * 100.0)
-}
-
-fn signed_percent(fraction: Option<f64>) -> String {
-    fraction.map_or_else(|| "-".into(), |value| format!("{:+.1}%", value * 100.0))
-}
-
-fn render_columns(runs: &[&RunReport]) -> String {
-    let ms = |value: f64| format!("{value:.1}");
-    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
-    let mut row = |name: &str, cell: &dyn Fn(&RunReport) -> String| {
-        rows.push((name.to_owned(), runs.iter().map(|run| cell(run)).collect()));
-    };
-    row("", &RunReport::column);
-    row("KV-cache hit rate", &|run| {
-        run.hit_rate().map_or_else(|| "-".into(), percent)
-    });
-    row("  of the oracle bound", &|run| {
-        run.kv
-            .or(run.kv_from_usage)
-            .and_then(|kv| kv.fraction_of_oracle)
-            .map_or_else(|| "-".into(), percent)
-    });
-    row("TTFT p50 / p90 / p99", &|run| {
-        let ttft = run.stats.ttft.model_ms;
-        format!("{} / {} / {}", ms(ttft.p50), ms(ttft.p90), ms(ttft.p99))
-    });
-    row("  TTFT p50 vs baseline", &|run| {
-        signed_percent(run.versus_baseline.as_ref().and_then(|v| v.ttft_p50_change))
-    });
-    row("  TTFT p90 vs baseline", &|run| {
-        signed_percent(run.versus_baseline.as_ref().and_then(|v| v.ttft_p90_change))
-    });
-    row("ITL p50 / p99", &|run| {
-        let itl = run.stats.itl.model_ms;
-        format!("{} / {}", ms(itl.p50), ms(itl.p99))
-    });
-    row("e2e p50 / p99", &|run| {
-        let e2e = run.stats.e2e.model_ms;
-        format!("{} / {}", ms(e2e.p50), ms(e2e.p99))
-    });
-    row("throughput req/s (model)", &|run| {
-        format!("{:.2}", run.stats.requests_per_s_model)
-    });
-    row("  vs baseline", &|run| {
-        signed_percent(
-            run.versus_baseline
-                .as_ref()
-                .and_then(|v| v.throughput_change),
-        )
-    });
-    row("output tokens/s (model)", &|run| {
-        format!("{:.0}", run.stats.output_tokens_per_s_model)
-    });
-    row("instance shares min-max", &|run| {
-        run.stats.share_range().map_or_else(
-            || "-".into(),
-            |(min, max)| format!("{}-{}", percent(min), percent(max)),
-        )
-    });
-    if runs.iter().any(|run| !run.stats.routes.is_empty()) {
-        row("routes", &|run| {
-            run.stats
-                .routes
-                .iter()
-                .map(|(route, count)| format!("{route} {count}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        });
-    }
-    if runs.iter().any(|run| run.disagreement.is_some()) {
-        row("routers disagree (pairwise)", &|run| {
-            run.disagreement
-                .map_or_else(|| "-".into(), |found| percent(found.pairwise))
-        });
-    }
-    row("router decision p50/p99 us", &|run| {
-        run.router_decision.map_or_else(
-            || "-".into(),
-            |decision| {
-                format!(
-                    "{:.0} / {:.0}",
-                    decision.p50_ms * 1e3,
-                    decision.p99_ms * 1e3
-                )
-            },
-        )
-    });
-    if runs.iter().any(|run| run.kv_tokenize.is_some()) {
-        row("KV tokenize round trip p50/p99 us", &|run| {
-            run.kv_tokenize.map_or_else(
-                || "-".into(),
-                |tokenize| {
-                    format!(
-                        "{:.0} / {:.0}",
-                        tokenize.p50_ms * 1e3,
-                        tokenize.p99_ms * 1e3
-                    )
-                },
-            )
-        });
-    }
-    row("requests ok / errors", &|run| {
-        format!("{} / {}", run.stats.ok, run.stats.errors)
-    });
-    row("wall time s", &|run| {
-        format!("{:.1}", run.stats.wall_seconds)
-    });
-    if runs.iter().any(|run| !run.stats.classes.is_empty()) {
-        for class in ["long", "short"] {
-            let name = format!("{class}: TTFT p50 / ITL p99");
-            row(&name, &|run| {
-                run.stats.classes.get(class).map_or_else(
-                    || "-".into(),
-                    |stats| {
-                        format!(
-                            "{} / {}",
-                            ms(stats.ttft.model_ms.p50),
-                            ms(stats.itl.model_ms.p99)
-                        )
-                    },
-                )
-            });
-        }
-    }
-
-    let name_width = rows
-        .iter()
-        .map(|(name, _)| name.chars().count())
-        .max()
-        .unwrap_or(0);
-    let widths: Vec<usize> = (0..runs.len())
-        .map(|column| {
-            rows.iter()
-                .map(|(_, cells)| cells[column].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for (name, cells) in &rows {
-        let _ = write!(out, "  {name:<name_width$}");
-        for (cell, width) in cells.iter().zip(&widths) {
-            let _ = write!(out, "   {cell:>width$}");
-        }
-        out.push('\n');
-    }
-    out
 }
 
 #[cfg(test)]

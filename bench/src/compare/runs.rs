@@ -1,0 +1,360 @@
+//! One column of a comparison on fresh engines: a cluster of Switchyard routers, or a peer
+//! router, driven with the trace and measured.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use super::settings::{Arm, CompareSettings};
+use crate::agreement::{KeyShares, sample_until};
+use crate::client::HttpClient;
+use crate::oracle::OracleBound;
+use crate::peer::{Peer, PeerRouters};
+use crate::report::{
+    DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, RunReport, RunStats, percent,
+};
+use crate::run::{RunConfig, RunOutput, run};
+use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
+use crate::strategy::Strategy;
+use crate::workload::Trace;
+use switchyard_cluster::{
+    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
+    variants_json,
+};
+
+/// The engines' counters, summed.
+async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<EngineCounters> {
+    let mut total = EngineCounters::default();
+    for counters in scrape_each(client, urls).await? {
+        total.add(&counters);
+    }
+    Ok(total)
+}
+
+/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip.
+#[derive(Debug, Default)]
+struct RouterHistograms {
+    decision: Histogram,
+    tokenize: Histogram,
+}
+
+impl RouterHistograms {
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            decision: self.decision.since(&before.decision),
+            tokenize: self.tokenize.since(&before.tokenize),
+        }
+    }
+}
+
+async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<RouterHistograms> {
+    let mut total = RouterHistograms::default();
+    for url in urls {
+        let samples = scrape(client, &metrics_url(url)).await?;
+        if let Some(histogram) =
+            Histogram::from_samples(&samples, "switchyard_router_decision_seconds")
+        {
+            total.decision.add(&histogram);
+        }
+        if let Some(histogram) =
+            Histogram::from_samples(&samples, "switchyard_router_kv_tokenize_seconds")
+        {
+            total.tokenize.add(&histogram);
+        }
+    }
+    Ok(total)
+}
+
+/// The `smg` (or other peer) binary to run, if there is one.
+pub fn peer_binary(settings: &CompareSettings, peer: Peer) -> Option<std::path::PathBuf> {
+    match peer {
+        Peer::Sglang => peer.find_binary(settings.sglang_bin.as_deref()),
+    }
+}
+
+/// A ProductionVariants JSON of `arm` (a strategy, or PREFIX_AWARE with the extension;
+/// KV_AWARE with the same ConcurrencyThreshold as PREFIX_AWARE).
+fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
+    let prefix = |balance: Option<LoadBalanceSetting>| {
+        let mut config = switchyard_shared::PrefixAwareRoutingConfig::sagemaker(
+            settings.prefix_length,
+            settings.concurrency_threshold,
+        );
+        if let Some(balance) = balance {
+            config.load_balance_factor = Some(balance.factor);
+            config.load_balance_slack = Some(balance.slack);
+        }
+        config
+    };
+    match arm {
+        Arm::Strategy(Strategy::PrefixAware) => prefix_aware_variants_json(&prefix(None)),
+        Arm::Bounded(balance) => prefix_aware_variants_json(&prefix(Some(balance))),
+        Arm::Strategy(Strategy::KvAware) => kv_aware_variants_json(settings.concurrency_threshold),
+        Arm::Strategy(strategy) => variants_json(strategy.as_str(), None),
+        Arm::Peer(_) => String::new(),
+    }
+}
+
+/// One run of a comparison: its settings, router count and label, and what every run shares.
+pub struct Column<'a> {
+    pub settings: &'a CompareSettings,
+    pub routers: usize,
+    pub label: &'a str,
+    pub trace: &'a Arc<Trace>,
+    pub oracle: &'a OracleBound,
+    pub client: &'a HttpClient,
+}
+
+impl Column<'_> {
+    /// Sends the trace to `targets` (spread round-robin) with `model` in every body.
+    async fn run(&self, targets: Vec<http::Uri>, model: String) -> anyhow::Result<RunOutput> {
+        let settings = self.settings;
+        let config = RunConfig {
+            targets,
+            model,
+            concurrency: settings.concurrency,
+            rate: settings.rate.map(|rate| rate / settings.time_scale()),
+            seed: settings.workload.seed,
+            request_timeout: settings.request_timeout,
+            max_duration: settings.max_duration,
+            label: self.label.to_owned(),
+            progress: settings.progress,
+        };
+        run(Arc::clone(self.trace), config, self.client.clone()).await
+    }
+}
+
+/// Switchyard's routers (a strategy, or PREFIX_AWARE with the extension) on a fresh cluster.
+pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow::Result<RunReport> {
+    let (settings, routers) = (column.settings, column.routers);
+    let mut sim = settings.sim.clone();
+    if arm == Arm::Strategy(Strategy::KvAware) {
+        // The engines publish their KV-cache events; the routers follow them.
+        sim.kv_events = Some("tcp://127.0.0.1:0".into());
+        sim.kv_events_replay = Some("tcp://127.0.0.1:0".into());
+    }
+    let spec = ClusterSpec {
+        engines: settings.engines,
+        routers,
+        endpoint: "bench".into(),
+        variants_json: arm_variants_json(settings, arm),
+        sim,
+        ..ClusterSpec::default()
+    };
+    let tuning = ClusterTuning {
+        load_interval_ms: settings.load_interval_ms,
+        router_binary: settings.router_binary.clone(),
+        ..ClusterTuning::default()
+    };
+    let cluster = LocalCluster::start_with(spec, tuning).await?;
+    // Boxed: the run and the sampler side by side make a large future.
+    let result = Box::pin(measure(column, arm, keys, &cluster)).await;
+    cluster.shutdown().await;
+    result
+}
+
+async fn measure(
+    column: &Column<'_>,
+    arm: Arm,
+    keys: &KeyShares,
+    cluster: &LocalCluster,
+) -> anyhow::Result<RunReport> {
+    let (settings, oracle, client) = (column.settings, column.oracle, column.client);
+    let time_scale = settings.time_scale();
+    let engines_before = scrape_engines(client, &cluster.engine_urls).await?;
+    let decisions_before = scrape_routers(client, &cluster.router_urls).await?;
+    let targets = cluster
+        .router_urls
+        .iter()
+        .map(|url| {
+            format!(
+                "{url}/endpoints/{}/openai/v1/chat/completions",
+                cluster.endpoint
+            )
+            .parse::<http::Uri>()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // With several PREFIX_AWARE routers, how often they would disagree, sampled during the run.
+    let prefix_aware = matches!(arm, Arm::Strategy(Strategy::PrefixAware) | Arm::Bounded(_));
+    let stop_sampling = tokio_util::sync::CancellationToken::new();
+    let sampling = async {
+        if prefix_aware {
+            let interval = Duration::from_millis(5);
+            sample_until(
+                cluster.routers(),
+                &cluster.endpoint,
+                keys,
+                interval,
+                stop_sampling.clone(),
+            )
+            .await
+        } else {
+            None
+        }
+    };
+    let running = async {
+        let output = column.run(targets, cluster.endpoint.clone()).await;
+        stop_sampling.cancel();
+        output
+    };
+    let (output, disagreement) = tokio::join!(running, sampling);
+    let output = output?;
+    // Every answer is complete when the client has it; the routers' counts follow at once.
+    let settle = std::time::Instant::now();
+    while cluster.in_flight() > 0 && settle.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let engines = scrape_engines(client, &cluster.engine_urls)
+        .await?
+        .since(&engines_before);
+    let decisions = scrape_routers(client, &cluster.router_urls)
+        .await?
+        .since(&decisions_before);
+    let mut stats = RunStats::from_output(&output, time_scale);
+    stats.include_idle_instances(&cluster.instance_ids());
+    let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
+    let report = RunReport {
+        label: column.label.to_owned(),
+        strategy: match arm {
+            Arm::Strategy(strategy) => Some(strategy.as_str().to_owned()),
+            Arm::Bounded(_) => Some(Strategy::PrefixAware.as_str().to_owned()),
+            Arm::Peer(_) => None,
+        },
+        load_balance: match arm {
+            Arm::Bounded(balance) => Some(balance),
+            _ => None,
+        },
+        peer: None,
+        routers: column.routers,
+        kv: Some(KvStats::from_engines(&engines, Some(oracle))),
+        kv_from_usage,
+        router_decision: DecisionStats::from_histogram(&decisions.decision),
+        kv_tokenize: (decisions.tokenize.count > 0.0)
+            .then(|| DecisionStats::from_histogram(&decisions.tokenize))
+            .flatten(),
+        versus_baseline: None,
+        instances_routable_at_end: cluster.routable_instances(),
+        disagreement,
+        stats,
+    };
+    progress_line(settings, &report);
+    Ok(report)
+}
+
+fn progress_line(settings: &CompareSettings, report: &RunReport) {
+    if settings.progress {
+        eprintln!(
+            "{}: hit rate {}, TTFT p50 {:.1} model ms, {:.2} req/s (model), shares {}, {} errors, {:.1} s",
+            report.label,
+            report.hit_rate().map_or_else(|| "-".into(), percent),
+            report.stats.ttft.model_ms.p50,
+            report.stats.requests_per_s_model,
+            report.stats.share_range().map_or_else(
+                || "-".into(),
+                |(min, max)| format!("{}-{}", percent(min), percent(max))
+            ),
+            report.stats.errors,
+            report.stats.wall_seconds
+        );
+    }
+}
+
+/// A peer router (`routers` processes) in front of fresh simulated engines, driven with the
+/// same trace. Shares come from the engines' own request counters (peers send no
+/// `x-switchyard-instance`).
+pub async fn run_peer(column: &Column<'_>, peer: Peer) -> anyhow::Result<RunReport> {
+    let (settings, client) = (column.settings, column.client);
+    let binary = peer_binary(settings, peer)
+        .with_context(|| format!("`{}` not found", peer.binary_name()))?;
+    let mut engines = Vec::with_capacity(settings.engines);
+    for _ in 0..settings.engines {
+        engines.push(
+            switchyard_engine_sim::spawn(settings.sim.clone())
+                .await
+                .context("cannot start a simulated engine")?,
+        );
+    }
+    let engine_urls: Vec<String> = engines.iter().map(|engine| engine.url.clone()).collect();
+    let result = match PeerRouters::start(peer, &binary, column.routers, &engine_urls, client).await
+    {
+        Ok(peers) => {
+            let result = measure_peer(column, peer, &peers.urls, &engine_urls).await;
+            peers.shutdown().await;
+            result
+        }
+        Err(err) => Err(err),
+    };
+    for engine in engines {
+        engine.shutdown().await;
+    }
+    result
+}
+
+async fn measure_peer(
+    column: &Column<'_>,
+    peer: Peer,
+    router_urls: &[String],
+    engine_urls: &[String],
+) -> anyhow::Result<RunReport> {
+    let (settings, oracle, client) = (column.settings, column.oracle, column.client);
+    let time_scale = settings.time_scale();
+    let per_engine_before = scrape_each(client, engine_urls).await?;
+    let targets = router_urls
+        .iter()
+        .map(|url| format!("{url}/v1/chat/completions").parse::<http::Uri>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let output = column
+        .run(targets, settings.sim.served_model_name.clone())
+        .await?;
+    let per_engine: Vec<EngineCounters> = scrape_each(client, engine_urls)
+        .await?
+        .iter()
+        .zip(&per_engine_before)
+        .map(|(after, before)| after.since(before))
+        .collect();
+    let mut engines = EngineCounters::default();
+    for counters in &per_engine {
+        engines.add(counters);
+    }
+    let mut stats = RunStats::from_output(&output, time_scale);
+    let served: f64 = per_engine
+        .iter()
+        .map(|counters| counters.requests_success)
+        .sum();
+    stats.instance_shares = per_engine
+        .iter()
+        .enumerate()
+        .map(|(index, counters)| InstanceShare {
+            instance: format!("engine-{index}"),
+            requests: counters.requests_success.round() as u64,
+            share: counters.requests_success / served.max(1.0),
+        })
+        .collect();
+    let report = RunReport {
+        label: column.label.to_owned(),
+        strategy: None,
+        load_balance: None,
+        peer: Some(peer.name().to_owned()),
+        routers: column.routers,
+        kv: Some(KvStats::from_engines(&engines, Some(oracle))),
+        kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
+        router_decision: None,
+        kv_tokenize: None,
+        versus_baseline: None,
+        instances_routable_at_end: Vec::new(),
+        disagreement: None,
+        stats,
+    };
+    progress_line(settings, &report);
+    Ok(report)
+}
+
+async fn scrape_each(client: &HttpClient, urls: &[String]) -> anyhow::Result<Vec<EngineCounters>> {
+    let mut each = Vec::with_capacity(urls.len());
+    for url in urls {
+        let samples = scrape(client, &metrics_url(url)).await?;
+        each.push(EngineCounters::from_samples(&samples));
+    }
+    Ok(each)
+}
