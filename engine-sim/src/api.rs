@@ -3,77 +3,52 @@
 //! the state every handler reaches ([`Shared`]). The Responses API (with its store) is in
 //! `responses`, the pooling APIs and `/detokenize` in `pooling`.
 
+mod common;
 mod pooling;
 pub(crate) mod responses;
+mod store;
 
-use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+pub(crate) use common::Shared;
+use common::{
+    SseStream, check_fits, check_model, draw_fault, output_budget, request_id, usage,
+    wait_finished, with_request_id,
+};
+pub(crate) use store::ResponseStore;
+
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
 use switchyard_shared::InstanceRole;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use self::responses::ResponseStore;
 use crate::config::SimConfig;
-use crate::driver::{EngineClient, EngineEvent};
+use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
-use crate::faults::{Fault, FaultInjector, Faults, TokenizeFault};
-use crate::handoff::{HttpClient, IssuedHandoff, Push};
-use crate::kv_events::{KvEventsControl, KvEventsInfo, KvEventsState};
+use crate::faults::{Faults, TokenizeFault};
+use crate::handoff::{IssuedHandoff, Push};
+use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
-use crate::nixl::{Handoff, Handoffs, prefill_response_params};
+use crate::nixl::{Handoff, prefill_response_params};
 use crate::openai::{
-    ApiError, ApiKind, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, Usage, output_text,
-    output_token_text, parse_json, parse_request,
+    ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, output_text, parse_json,
+    parse_request,
 };
-use crate::records::{ReceivedRequest, Recorder};
+use crate::records::ReceivedRequest;
 
 /// Bodies up to this size are parsed and tokenized on the async thread; larger ones on a
 /// blocking thread (tokenizing 64 KiB takes a few hundred microseconds).
 const PARSE_INLINE_LIMIT: usize = 64 * 1024;
 /// vLLM has no small body limit; the router's is 6 MiB.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
-/// A die- or stall-mid-stream fault strikes after this many streamed tokens.
-const CUT_AFTER_TOKENS: u32 = 2;
-
-/// A fault that strikes a streamed answer after some tokens.
-#[derive(Debug, Clone, Copy)]
-struct Interruption {
-    after_tokens: u32,
-    /// Close the connection (die), or keep it open and send nothing more (stall).
-    close: bool,
-}
-
-/// What every handler can reach (built by the server).
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub config: SimConfig,
-    pub engine_id: String,
-    pub engine: EngineClient,
-    pub metrics: Arc<Metrics>,
-    pub faults: FaultInjector,
-    pub records: Recorder,
-    pub handoffs: Handoffs,
-    /// The listening address, known once serving starts.
-    pub local_addr: OnceLock<SocketAddr>,
-    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
-    pub kv_events: OnceLock<KvEventsInfo>,
-    pub kv_control: Arc<KvEventsControl>,
-    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
-    pub http: HttpClient,
-    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
-    pub responses: ResponseStore,
-}
-
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
     Route::ALL
         .into_iter()
@@ -226,27 +201,6 @@ async fn parse_off_thread(
         .unwrap_or_else(|err| Err(ApiError::internal(format!("tokenizer task failed: {err}"))))
 }
 
-/// The client's `X-Request-Id` (vLLM uses it as the request id), else a random one.
-fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|value| value.to_str().ok())
-        .filter(|id| !id.is_empty())
-        .map_or_else(|| random_id(""), str::to_owned)
-}
-
-/// `prefix` and 32 random hex digits.
-fn random_id(prefix: &str) -> String {
-    format!("{prefix}{:032x}", fastrand::u128(..))
-}
-
-fn with_request_id(mut response: Response, request_id: &str) -> Response {
-    if let Ok(value) = HeaderValue::from_str(request_id) {
-        response.headers_mut().insert("x-request-id", value);
-    }
-    response
-}
-
 /// Validates a parsed request, applies fault injection, and runs it on the engine.
 async fn run_request(
     shared: &Shared,
@@ -354,34 +308,6 @@ async fn run_request(
     whole_response(&meta, events, prompt_len).await
 }
 
-/// vLLM's 404 for a request that names a model other than the one served.
-fn check_model(config: &SimConfig, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(model) if model != config.served_model_name => Err(ApiError::model_not_found(model)),
-        _ => Ok(()),
-    }
-}
-
-/// Output tokens to generate: 1 for a disaggregated prefill, else what the request asks,
-/// else `--default-max-tokens` (within the context).
-fn output_budget(
-    config: &SimConfig,
-    body: &InferenceBody,
-    kv: &KvTransfer,
-    prompt_len: u32,
-) -> Result<u32, ApiError> {
-    if kv.do_remote_decode {
-        return Ok(1);
-    }
-    Ok(match body.requested_max_tokens()? {
-        Some(max_tokens) => max_tokens,
-        None => config
-            .default_max_tokens
-            .min(config.max_model_len.saturating_sub(prompt_len))
-            .max(1),
-    })
-}
-
 /// Leading prompt tokens a disaggregated decode request pulls from its prefill engine: those
 /// covered by `remote_block_ids` (all of them if the ids are missing).
 fn remote_prompt_tokens(config: &SimConfig, kv: &KvTransfer, prompt_len: u32) -> u32 {
@@ -393,103 +319,6 @@ fn remote_prompt_tokens(config: &SimConfig, kv: &KvTransfer, prompt_len: u32) ->
             u32::try_from(blocks.saturating_mul(config.block_size)).unwrap_or(u32::MAX)
         })
         .min(prompt_len)
-}
-
-/// Draws this request's fault. `Ok(interruption)` to serve it (a stream to be cut or stalled
-/// after some tokens, if any); `Err(response)` to answer now. A hang never returns.
-async fn draw_fault(
-    shared: &Shared,
-    request_id: &str,
-    streaming: bool,
-    max_tokens: u32,
-) -> Result<Option<Interruption>, Response> {
-    match shared.faults.draw() {
-        Fault::None => Ok(None),
-        Fault::Fail => {
-            Metrics::increment(&shared.metrics.requests_failed);
-            Err(
-                ApiError::internal("simulated engine failure (fault injection)".to_owned())
-                    .into_response(),
-            )
-        }
-        Fault::Hang => {
-            Metrics::increment(&shared.metrics.requests_hung);
-            tracing::debug!(request_id, "fault injection: never answering");
-            std::future::pending().await
-        }
-        Fault::DieMidStream => {
-            Metrics::increment(&shared.metrics.responses_cut);
-            if streaming {
-                Ok(Some(Interruption {
-                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    close: true,
-                }))
-            } else {
-                Err(cut_response())
-            }
-        }
-        Fault::StallMidStream => {
-            Metrics::increment(&shared.metrics.responses_stalled);
-            tracing::debug!(request_id, "fault injection: stalling the answer");
-            if streaming {
-                Ok(Some(Interruption {
-                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    close: false,
-                }))
-            } else {
-                Err(stalled_response())
-            }
-        }
-    }
-}
-
-/// Refuses requests longer than the context or the whole KV cache, like vLLM.
-fn check_fits(config: &SimConfig, prompt_len: u32, max_tokens: u32) -> Result<(), ApiError> {
-    let total = u64::from(prompt_len) + u64::from(max_tokens);
-    if total > u64::from(config.max_model_len) {
-        return Err(ApiError::bad_request(format!(
-            "This model's maximum context length is {} tokens. However, you requested {total} \
-             tokens ({prompt_len} in the messages, {max_tokens} in the completion). Please \
-             reduce the length of the messages or completion.",
-            config.max_model_len
-        )));
-    }
-    let blocks = total.div_ceil(config.block_size as u64);
-    if blocks > config.kv_cache_blocks as u64 {
-        return Err(ApiError::bad_request(format!(
-            "The request needs {blocks} KV-cache blocks but the engine has only {} \
-             (--kv-cache-blocks).",
-            config.kv_cache_blocks
-        )));
-    }
-    Ok(())
-}
-
-fn usage(prompt_len: u32, finished: &FinishedSeq) -> Usage {
-    Usage {
-        prompt_tokens: prompt_len,
-        completion_tokens: finished.completion_tokens,
-        // vLLM counts KV pulled from a remote prefill engine as cached.
-        cached_tokens: finished.cached_tokens + finished.transferred_tokens,
-    }
-}
-
-/// Waits for the engine to finish the request.
-async fn wait_finished(
-    events: &mut UnboundedReceiver<EngineEvent>,
-) -> Result<FinishedSeq, ApiError> {
-    while let Some(event) = events.recv().await {
-        match event {
-            EngineEvent::Token => {}
-            EngineEvent::Finished(finished) => return Ok(finished),
-            EngineEvent::Rejected(rejected) => {
-                return Err(ApiError::internal(rejected.to_string()));
-            }
-        }
-    }
-    Err(ApiError::unavailable(
-        "the engine stopped before the request finished".to_owned(),
-    ))
 }
 
 async fn whole_response(
@@ -530,120 +359,6 @@ async fn prefill_only_response(
     let text = output_text(finished.completion_tokens);
     let body = meta.response(text, "length", usage(prompt_len, &finished), Some(params));
     Ok(Json(body).into_response())
-}
-
-/// A response whose body fails at once: the connection is closed before a complete answer.
-fn cut_response() -> Response {
-    let failure = futures::stream::iter([Err::<Bytes, std::io::Error>(std::io::Error::other(
-        "simulated crash (fault injection)",
-    ))]);
-    Response::new(Body::from_stream(failure))
-}
-
-/// A response whose head is sent and whose body never comes (the connection stays open).
-fn stalled_response() -> Response {
-    let never = futures::stream::pending::<Result<Bytes, std::io::Error>>();
-    (
-        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
-        Body::from_stream(never),
-    )
-        .into_response()
-}
-
-/// A streamed (SSE) answer: one `data:` chunk per token, then usage if asked, then `[DONE]`.
-struct SseStream {
-    meta: ResponseMeta,
-    prompt_len: u32,
-    max_tokens: u32,
-    include_usage: bool,
-    /// Fault injection: close or stall the stream after some tokens.
-    interruption: Option<Interruption>,
-}
-
-impl SseStream {
-    fn into_response(self, mut events: UnboundedReceiver<EngineEvent>) -> Response {
-        let stream = async_stream::stream! {
-            let mut sent = 0u32;
-            loop {
-                let Some(event) = events.recv().await else {
-                    let error = ApiError::unavailable(
-                        "the engine stopped before the request finished".to_owned(),
-                    );
-                    yield Ok(sse_data(&error.to_json()));
-                    yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
-                    break;
-                };
-                match event {
-                    EngineEvent::Token => {
-                        if let Some(error) = interrupt(self.interruption, sent).await {
-                            yield Err(error);
-                            break;
-                        }
-                        if sent == 0 && self.meta.kind == ApiKind::Chat {
-                            yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
-                        }
-                        let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
-                        let chunk = self.meta.token_chunk(
-                            output_token_text(sent),
-                            finish_reason,
-                            self.include_usage,
-                        );
-                        yield Ok(sse_data(&chunk));
-                        sent += 1;
-                    }
-                    EngineEvent::Finished(finished) => {
-                        if self.include_usage {
-                            let usage = usage(self.prompt_len, &finished);
-                            yield Ok(sse_data(&self.meta.usage_chunk(usage)));
-                        }
-                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
-                        break;
-                    }
-                    EngineEvent::Rejected(rejected) => {
-                        yield Ok(sse_data(&ApiError::internal(rejected.to_string()).to_json()));
-                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
-                        break;
-                    }
-                }
-            }
-        };
-        event_stream(stream)
-    }
-}
-
-/// Strikes a streamed answer before its token number `sent`, if `interruption` waits for that
-/// one. A stall never returns: the connection stays open and nothing more is sent (the
-/// request's engine work is dropped with its events when the client leaves). A cut returns
-/// the error that breaks the stream. None: stream on.
-async fn interrupt(interruption: Option<Interruption>, sent: u32) -> Option<std::io::Error> {
-    let fault = interruption.filter(|fault| fault.after_tokens == sent)?;
-    if fault.close {
-        return Some(std::io::Error::other("simulated crash (fault injection)"));
-    }
-    std::future::pending().await
-}
-
-/// A `text/event-stream` response that sends `stream`'s chunks as they come.
-fn event_stream(
-    stream: impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
-) -> Response {
-    (
-        [(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        )],
-        Body::from_stream(stream),
-    )
-        .into_response()
-}
-
-fn sse_data(value: &Value) -> Bytes {
-    let mut line = Vec::with_capacity(256);
-    line.extend_from_slice(b"data: ");
-    // Serializing a serde_json::Value cannot fail.
-    let _ = serde_json::to_writer(&mut line, value);
-    line.extend_from_slice(b"\n\n");
-    Bytes::from(line)
 }
 
 async fn ok() -> StatusCode {

@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::api;
+use crate::api::ResponseStore;
 use crate::api::Shared;
-use crate::api::responses::ResponseStore;
 use crate::cache::CacheEvent;
 use crate::config::SimConfig;
 use crate::driver::{EngineDriver, engine};

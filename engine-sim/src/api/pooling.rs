@@ -29,7 +29,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::{
+use super::common::{
     Shared, check_fits, check_model, draw_fault, random_id, request_id, wait_finished,
     with_request_id,
 };

@@ -16,8 +16,7 @@
 //!
 //! The store is bounded (`--max-stored-responses`): the oldest response is forgotten first.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Json;
@@ -31,10 +30,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{
+use super::common::{
     Interruption, Shared, check_fits, check_model, draw_fault, event_stream, interrupt,
     output_budget, random_id, request_id,
 };
+use super::store::Stored;
 use crate::cache::block_hashes;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
@@ -50,69 +50,6 @@ pub(super) fn routes() -> Router<Arc<Shared>> {
         .route("/v1/responses", post(create))
         .route("/v1/responses/{id}", get(retrieve).delete(delete))
         .route("/v1/responses/{id}/cancel", post(cancel))
-}
-
-/// A stored response and the conversation a follow-up continues.
-#[derive(Debug, Clone)]
-struct Stored {
-    response: Value,
-    /// Chat messages: the request's input turns (with their system message) and the output.
-    conversation: Vec<Value>,
-}
-
-/// The responses this instance stores, oldest first out.
-#[derive(Debug)]
-pub(crate) struct ResponseStore {
-    capacity: usize,
-    inner: Mutex<(HashMap<String, Stored>, VecDeque<String>)>,
-}
-
-impl ResponseStore {
-    pub(crate) fn new(capacity: usize) -> Self {
-        Self {
-            capacity: capacity.max(1),
-            inner: Mutex::new((HashMap::new(), VecDeque::new())),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, (HashMap<String, Stored>, VecDeque<String>)> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-    }
-
-    fn insert(&self, id: String, stored: Stored) {
-        let mut guard = self.lock();
-        let (map, order) = &mut *guard;
-        if map.insert(id.clone(), stored).is_none() {
-            order.push_back(id);
-        }
-        while map.len() > self.capacity {
-            let Some(oldest) = order.pop_front() else {
-                break;
-            };
-            map.remove(&oldest);
-        }
-    }
-
-    fn get(&self, id: &str) -> Option<Stored> {
-        self.lock().0.get(id).cloned()
-    }
-
-    fn remove(&self, id: &str) -> bool {
-        let mut guard = self.lock();
-        let (map, order) = &mut *guard;
-        if map.remove(id).is_none() {
-            return false;
-        }
-        order.retain(|kept| kept != id);
-        true
-    }
-
-    /// Responses stored now.
-    pub(crate) fn len(&self) -> usize {
-        self.lock().0.len()
-    }
 }
 
 /// The request fields the simulator reads (others are ignored, as vLLM ignores unknown ones).
@@ -289,7 +226,7 @@ async fn create(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
             .unwrap_or_else(IntoResponse::into_response),
         Err(error) => error.into_response(),
     };
-    super::with_request_id(response, &request_id)
+    super::common::with_request_id(response, &request_id)
 }
 
 async fn run(
@@ -372,7 +309,7 @@ async fn run(
         return Ok(done.stream(events, interruption));
     }
     let mut events = events;
-    let finished = super::wait_finished(&mut events).await?;
+    let finished = super::common::wait_finished(&mut events).await?;
     Ok(Json(done.finish(&finished)).into_response())
 }
 
@@ -567,26 +504,6 @@ async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Ap
 mod tests {
     use super::*;
     use http::StatusCode;
-
-    #[test]
-    fn the_store_is_bounded_oldest_first() {
-        let store = ResponseStore::new(2);
-        for id in ["a", "b", "c"] {
-            store.insert(
-                id.to_owned(),
-                Stored {
-                    response: json!({}),
-                    conversation: Vec::new(),
-                },
-            );
-        }
-        assert_eq!(store.len(), 2);
-        assert!(store.get("a").is_none());
-        assert!(store.get("c").is_some());
-        assert!(store.remove("b"));
-        assert!(!store.remove("b"));
-        assert_eq!(store.len(), 1);
-    }
 
     #[test]
     fn input_items_become_chat_messages() {

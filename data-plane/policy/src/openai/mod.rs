@@ -32,7 +32,7 @@
 //! array of strings is its strings in order, joined with `"\n"`; an array of arrays of token
 //! ids is each array's ids, the arrays joined with `"\n"`).
 
-mod edit;
+pub mod edit;
 mod text;
 
 use std::borrow::Cow;
@@ -293,10 +293,9 @@ impl<'a> OpenAiRequest<'a> {
     }
 }
 
-pub use edit::without_field;
-
 #[cfg(test)]
 mod tests {
+    use super::edit::without_field;
     use super::*;
 
     #[test]

@@ -35,7 +35,7 @@ use crate::plan::Plan;
 use crate::routing::cells::InstanceCell;
 use crate::routing::table::{EndpointRoute, InstanceRoute};
 use crate::server::admission::BufferReservation;
-use upstream::{UpstreamClients, classify, upstream_request, upstream_uri};
+use upstream::{Failure, UpstreamClients, classify, upstream_request, upstream_uri};
 
 /// How requests are forwarded (from the router's flags).
 #[derive(Debug, Clone, Copy)]
@@ -79,17 +79,6 @@ pub struct Forwarder<'a> {
     pub metrics: &'a Arc<RouterMetrics>,
     /// The request's spans, when tracing is on.
     pub trace: Option<&'a RequestTrace>,
-}
-
-/// How one attempt failed.
-#[derive(Debug)]
-pub(crate) enum Failure {
-    /// The request never reached an engine: safe to send elsewhere.
-    NotSent(String),
-    /// The connection failed after the request was (perhaps) written.
-    AfterSend(String),
-    /// No response head within the deadline.
-    TimedOut,
 }
 
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the

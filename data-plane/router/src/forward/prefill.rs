@@ -33,8 +33,8 @@ use serde_json::Value;
 use switchyard_shared::KvTransferProtocol;
 use tokio::time::Instant;
 
-use super::upstream::{upstream_request, upstream_uri};
-use super::{Answered, Failure, Forwarder, Hop};
+use super::upstream::{Failure, upstream_request, upstream_uri};
+use super::{Answered, Forwarder, Hop};
 use crate::errors::ApiError;
 use crate::headers::{PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
 use crate::observe::labels::{RouteLabel, UpstreamError};

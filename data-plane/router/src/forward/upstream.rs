@@ -10,7 +10,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use switchyard_shared::InstanceProtocol;
 
-use super::Failure;
 use crate::operation::Operation;
 use crate::routing::table::InstanceRoute;
 
@@ -34,6 +33,17 @@ impl UpstreamClients {
             InstanceProtocol::Unspecified => &self.http1,
         }
     }
+}
+
+/// How one attempt failed.
+#[derive(Debug)]
+pub enum Failure {
+    /// The request never reached an engine: safe to send elsewhere.
+    NotSent(String),
+    /// The connection failed after the request was (perhaps) written.
+    AfterSend(String),
+    /// No response head within the deadline.
+    TimedOut,
 }
 
 /// Sorts a client error by whether the request can have reached the engine.

@@ -16,9 +16,9 @@ use switchyard_policy::openai::OpenAiRequest;
 use switchyard_shared::{InstanceId, PrefillRoutingStrategy, ThresholdBasis};
 
 use super::count::{Count, TokenCounters, count_prompt};
+use super::planned::{Disaggregated, Plan};
 use super::rank::{self, PrefillKey};
 use super::target::{RoutingHeaders, Target};
-use super::{Disaggregated, Plan};
 use crate::headers::PROMPT_TOKENS;
 use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;

@@ -8,7 +8,8 @@
 
 use bytes::Bytes;
 use serde_json::{Value, json};
-use switchyard_policy::openai::{OpenAiRequest, without_field};
+use switchyard_policy::openai::OpenAiRequest;
+use switchyard_policy::openai::edit::without_field;
 use switchyard_shared::KvTransferProtocol;
 
 use crate::routing::table::VariantRoute;

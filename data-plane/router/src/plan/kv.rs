@@ -7,7 +7,7 @@ use switchyard_kv::VariantIndex;
 use switchyard_policy::rank::{Route, Strategy};
 use switchyard_shared::InstanceId;
 
-use super::Plan;
+use super::planned::Plan;
 use crate::observe::labels::RouteLabel;
 use crate::routing::table::VariantRoute;
 

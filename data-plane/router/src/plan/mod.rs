@@ -10,6 +10,7 @@ pub(crate) mod count;
 pub(crate) mod disaggregation;
 pub(crate) mod engine_body;
 pub(crate) mod kv;
+mod planned;
 mod rank;
 mod target;
 pub(crate) mod tokens;
@@ -17,63 +18,19 @@ pub(crate) mod tokens;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::HeaderValue;
-use http::header::{HeaderMap, HeaderName};
+use http::header::HeaderMap;
 use switchyard_kv::VariantIndex;
-use switchyard_policy::rank::{self as policy_rank, Route, Strategy};
+use switchyard_policy::rank::{Route, Strategy};
 use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
 
 use crate::errors::ApiError;
 use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;
 use crate::routing::table::{EndpointRoute, RoutingTable, VariantRoute};
-use count::{Count, TokenCounters};
+use count::TokenCounters;
+pub use planned::{Disaggregated, Plan};
 use target::Destination;
 use tokens::KvInput;
-
-/// A request ready to forward: where it may go, in order, and the body to send.
-#[derive(Debug)]
-pub struct Plan {
-    pub endpoint: Arc<EndpointRoute>,
-    pub variant_index: usize,
-    pub ranking: policy_rank::Ranking,
-    pub body: Bytes,
-    /// The path (and query) on the instance, for operations without a prepared URL
-    /// ([`Operation::upstream`]).
-    pub path: Option<String>,
-    /// Why the first candidate is chosen (`x-switchyard-route`).
-    pub label: RouteLabel,
-    /// Response headers that explain the decision (`x-switchyard-prompt-tokens`, …).
-    pub explain: Vec<(HeaderName, HeaderValue)>,
-    /// Set when the request goes prefill → decode (the ranking is then the decoders').
-    pub disaggregated: Option<Disaggregated>,
-    /// Once ranked by a KV index: the leading prompt tokens each instance holds, by position
-    /// in the variant (`x-switchyard-cached-tokens`); empty otherwise.
-    pub cached_tokens: Vec<u32>,
-    /// PREFIX_AWARE: the routing key the ranking hashed (for the trace; None otherwise).
-    pub routing_key: Option<u64>,
-}
-
-impl Plan {
-    pub fn variant(&self) -> &VariantRoute {
-        &self.endpoint.variants[self.variant_index]
-    }
-}
-
-/// A long prompt's way through a disaggregated endpoint.
-#[derive(Debug)]
-pub struct Disaggregated {
-    /// Prefill candidates (indices into the prefill variant), in preference order.
-    pub prefill: policy_rank::Ranking,
-    /// The prompt's tokens as counted.
-    pub count: Count,
-    /// KV_AWARE prefill, once ranked by the prefill pool's KV index: the leading prompt
-    /// tokens each prefill instance holds, by position (`x-switchyard-prefill-cached-tokens`);
-    /// empty otherwise.
-    pub prefill_cached_tokens: Vec<u32>,
-    /// The request to send to the prefill instance (made here, off the serving thread).
-    pub prefill_body: Option<Bytes>,
-}
 
 /// What planning made of a request.
 #[derive(Debug)]

@@ -16,74 +16,30 @@
 pub(crate) mod read;
 mod settle;
 pub(crate) mod tokenize;
+mod worker;
+
+pub use worker::Worker;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use arc_swap::ArcSwap;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderMap;
 use opentelemetry::KeyValue;
-use switchyard_kv::KvIndex;
 
 use crate::errors::{ApiError, ErrorKind};
-use crate::forward::upstream::UpstreamClients;
-use crate::forward::{ForwardSettings, Forwarder};
+use crate::forward::Forwarder;
 use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::{RequestTrace, TracedBody, request_id};
 use crate::operation::Operation;
 use crate::plan::Planned;
 use crate::plan::count::TokenCounters;
 use crate::respond::Responder;
-use crate::routing::cells::LoadRegistry;
 use crate::routing::table::{EndpointRoute, RoutingTable};
-use crate::server::admission::{Admission, BufferReservation, RequestPermit};
+use crate::server::admission::{BufferReservation, RequestPermit};
 use read::{OFFLOAD_BYTES, read_body};
-use tokenize::TokenizeClient;
-
-/// What one serving thread works with: the routing state, limits and metrics every thread
-/// shares, and this thread's own upstream connection pools (so that a request and the
-/// upstream connection it uses are driven by the same thread).
-#[derive(Debug)]
-pub struct Worker {
-    pub table: Arc<ArcSwap<RoutingTable>>,
-    pub registry: Arc<LoadRegistry>,
-    pub clients: UpstreamClients,
-    pub forwarding: ForwardSettings,
-    pub client_body_deadline: Duration,
-    pub metrics: Arc<RouterMetrics>,
-    pub admission: Arc<Admission>,
-    /// Prompt token counters for disaggregated endpoints.
-    pub counters: Arc<TokenCounters>,
-    /// Starts the requests' spans when tracing is on.
-    pub tracer: Option<switchyard_telemetry::SpanSink>,
-    /// KV_AWARE: what the engines' KV events say each instance holds.
-    pub kv_index: Arc<KvIndex>,
-    /// KV_AWARE: this thread's `/tokenize` client.
-    pub tokenize: TokenizeClient,
-}
-
-impl Worker {
-    /// The same shared state with other connection pools (another serving thread's, its
-    /// `/tokenize` client included).
-    pub fn with_clients(&self, clients: UpstreamClients) -> Self {
-        Self {
-            table: Arc::clone(&self.table),
-            registry: Arc::clone(&self.registry),
-            clients,
-            forwarding: self.forwarding,
-            client_body_deadline: self.client_body_deadline,
-            metrics: Arc::clone(&self.metrics),
-            admission: Arc::clone(&self.admission),
-            counters: Arc::clone(&self.counters),
-            tracer: self.tracer.clone(),
-            kv_index: Arc::clone(&self.kv_index),
-            tokenize: self.tokenize.like(),
-        }
-    }
-}
 
 /// Counts `client_gone` if the request is dropped before it was answered (hyper drops the
 /// handler when the client's connection closes).

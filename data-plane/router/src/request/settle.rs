@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::Worker;
+use super::worker::Worker;
 use crate::errors::ApiError;
 use crate::plan::tokens::{KvInput, PromptTokens};
 use crate::plan::{NeedsTokens, Plan, Planned};

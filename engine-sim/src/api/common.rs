@@ -1,0 +1,326 @@
+//! What the simulator's handlers share: its state ([`Shared`]), request ids, the checks every
+//! generation path makes (model, prompt fits, faults drawn), waiting for a sequence, and the
+//! SSE stream with its injected interruptions.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+
+use axum::body::{Body, Bytes};
+use axum::response::{IntoResponse, Response};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderValue};
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::store::ResponseStore;
+use crate::config::SimConfig;
+use crate::driver::{EngineClient, EngineEvent};
+use crate::engine::FinishedSeq;
+use crate::faults::{Fault, FaultInjector};
+use crate::handoff::HttpClient;
+use crate::kv_events::{KvEventsControl, KvEventsInfo};
+use crate::metrics::Metrics;
+use crate::nixl::Handoffs;
+use crate::openai::{
+    ApiError, ApiKind, InferenceBody, KvTransfer, ResponseMeta, Usage, output_token_text,
+};
+use crate::records::Recorder;
+
+/// A fault that strikes a streamed answer after some tokens.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Interruption {
+    after_tokens: u32,
+    /// Close the connection (die), or keep it open and send nothing more (stall).
+    close: bool,
+}
+
+/// What every handler can reach (built by the server).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: SimConfig,
+    pub engine_id: String,
+    pub engine: EngineClient,
+    pub metrics: Arc<Metrics>,
+    pub faults: FaultInjector,
+    pub records: Recorder,
+    pub handoffs: Handoffs,
+    /// The listening address, known once serving starts.
+    pub local_addr: OnceLock<SocketAddr>,
+    /// The KV-event sockets as bound (with `--kv-events`), known once bound.
+    pub kv_events: OnceLock<KvEventsInfo>,
+    pub kv_control: Arc<KvEventsControl>,
+    /// For KV hand-offs with other engines (checking a pull, pushing to a partner).
+    pub http: HttpClient,
+    /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
+    pub responses: ResponseStore,
+}
+
+/// The client's `X-Request-Id` (vLLM uses it as the request id), else a random one.
+pub(super) fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|value| value.to_str().ok())
+        .filter(|id| !id.is_empty())
+        .map_or_else(|| random_id(""), str::to_owned)
+}
+
+/// `prefix` and 32 random hex digits.
+pub(super) fn random_id(prefix: &str) -> String {
+    format!("{prefix}{:032x}", fastrand::u128(..))
+}
+
+pub(super) fn with_request_id(mut response: Response, request_id: &str) -> Response {
+    if let Ok(value) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// vLLM's 404 for a request that names a model other than the one served.
+pub(super) fn check_model(config: &SimConfig, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(model) if model != config.served_model_name => Err(ApiError::model_not_found(model)),
+        _ => Ok(()),
+    }
+}
+
+/// Output tokens to generate: 1 for a disaggregated prefill, else what the request asks,
+/// else `--default-max-tokens` (within the context).
+pub(super) fn output_budget(
+    config: &SimConfig,
+    body: &InferenceBody,
+    kv: &KvTransfer,
+    prompt_len: u32,
+) -> Result<u32, ApiError> {
+    if kv.do_remote_decode {
+        return Ok(1);
+    }
+    Ok(match body.requested_max_tokens()? {
+        Some(max_tokens) => max_tokens,
+        None => config
+            .default_max_tokens
+            .min(config.max_model_len.saturating_sub(prompt_len))
+            .max(1),
+    })
+}
+
+/// Draws this request's fault. `Ok(interruption)` to serve it (a stream to be cut or stalled
+/// after some tokens, if any); `Err(response)` to answer now. A hang never returns.
+pub(super) async fn draw_fault(
+    shared: &Shared,
+    request_id: &str,
+    streaming: bool,
+    max_tokens: u32,
+) -> Result<Option<Interruption>, Response> {
+    match shared.faults.draw() {
+        Fault::None => Ok(None),
+        Fault::Fail => {
+            Metrics::increment(&shared.metrics.requests_failed);
+            Err(
+                ApiError::internal("simulated engine failure (fault injection)".to_owned())
+                    .into_response(),
+            )
+        }
+        Fault::Hang => {
+            Metrics::increment(&shared.metrics.requests_hung);
+            tracing::debug!(request_id, "fault injection: never answering");
+            std::future::pending().await
+        }
+        Fault::DieMidStream => {
+            Metrics::increment(&shared.metrics.responses_cut);
+            if streaming {
+                Ok(Some(Interruption {
+                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                    close: true,
+                }))
+            } else {
+                Err(cut_response())
+            }
+        }
+        Fault::StallMidStream => {
+            Metrics::increment(&shared.metrics.responses_stalled);
+            tracing::debug!(request_id, "fault injection: stalling the answer");
+            if streaming {
+                Ok(Some(Interruption {
+                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                    close: false,
+                }))
+            } else {
+                Err(stalled_response())
+            }
+        }
+    }
+}
+
+/// Refuses requests longer than the context or the whole KV cache, like vLLM.
+pub(super) fn check_fits(
+    config: &SimConfig,
+    prompt_len: u32,
+    max_tokens: u32,
+) -> Result<(), ApiError> {
+    let total = u64::from(prompt_len) + u64::from(max_tokens);
+    if total > u64::from(config.max_model_len) {
+        return Err(ApiError::bad_request(format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} \
+             tokens ({prompt_len} in the messages, {max_tokens} in the completion). Please \
+             reduce the length of the messages or completion.",
+            config.max_model_len
+        )));
+    }
+    let blocks = total.div_ceil(config.block_size as u64);
+    if blocks > config.kv_cache_blocks as u64 {
+        return Err(ApiError::bad_request(format!(
+            "The request needs {blocks} KV-cache blocks but the engine has only {} \
+             (--kv-cache-blocks).",
+            config.kv_cache_blocks
+        )));
+    }
+    Ok(())
+}
+
+/// Waits for the engine to finish the request.
+pub(super) async fn wait_finished(
+    events: &mut UnboundedReceiver<EngineEvent>,
+) -> Result<FinishedSeq, ApiError> {
+    while let Some(event) = events.recv().await {
+        match event {
+            EngineEvent::Token => {}
+            EngineEvent::Finished(finished) => return Ok(finished),
+            EngineEvent::Rejected(rejected) => {
+                return Err(ApiError::internal(rejected.to_string()));
+            }
+        }
+    }
+    Err(ApiError::unavailable(
+        "the engine stopped before the request finished".to_owned(),
+    ))
+}
+
+/// Strikes a streamed answer before its token number `sent`, if `interruption` waits for that
+/// one. A stall never returns: the connection stays open and nothing more is sent (the
+/// request's engine work is dropped with its events when the client leaves). A cut returns
+/// the error that breaks the stream. None: stream on.
+pub(super) async fn interrupt(
+    interruption: Option<Interruption>,
+    sent: u32,
+) -> Option<std::io::Error> {
+    let fault = interruption.filter(|fault| fault.after_tokens == sent)?;
+    if fault.close {
+        return Some(std::io::Error::other("simulated crash (fault injection)"));
+    }
+    std::future::pending().await
+}
+
+/// A `text/event-stream` response that sends `stream`'s chunks as they come.
+pub(super) fn event_stream(
+    stream: impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+) -> Response {
+    (
+        [(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        )],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// A die- or stall-mid-stream fault strikes after this many streamed tokens.
+pub(super) const CUT_AFTER_TOKENS: u32 = 2;
+
+/// A response whose body fails at once: the connection is closed before a complete answer.
+pub(super) fn cut_response() -> Response {
+    let failure = futures::stream::iter([Err::<Bytes, std::io::Error>(std::io::Error::other(
+        "simulated crash (fault injection)",
+    ))]);
+    Response::new(Body::from_stream(failure))
+}
+
+/// A response whose head is sent and whose body never comes (the connection stays open).
+pub(super) fn stalled_response() -> Response {
+    let never = futures::stream::pending::<Result<Bytes, std::io::Error>>();
+    (
+        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        Body::from_stream(never),
+    )
+        .into_response()
+}
+
+/// A streamed (SSE) answer: one `data:` chunk per token, then usage if asked, then `[DONE]`.
+pub(super) struct SseStream {
+    pub(super) meta: ResponseMeta,
+    pub(super) prompt_len: u32,
+    pub(super) max_tokens: u32,
+    pub(super) include_usage: bool,
+    /// Fault injection: close or stall the stream after some tokens.
+    pub(super) interruption: Option<Interruption>,
+}
+
+impl SseStream {
+    pub(super) fn into_response(self, mut events: UnboundedReceiver<EngineEvent>) -> Response {
+        let stream = async_stream::stream! {
+            let mut sent = 0u32;
+            loop {
+                let Some(event) = events.recv().await else {
+                    let error = ApiError::unavailable(
+                        "the engine stopped before the request finished".to_owned(),
+                    );
+                    yield Ok(sse_data(&error.to_json()));
+                    yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                    break;
+                };
+                match event {
+                    EngineEvent::Token => {
+                        if let Some(error) = interrupt(self.interruption, sent).await {
+                            yield Err(error);
+                            break;
+                        }
+                        if sent == 0 && self.meta.kind == ApiKind::Chat {
+                            yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
+                        }
+                        let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
+                        let chunk = self.meta.token_chunk(
+                            output_token_text(sent),
+                            finish_reason,
+                            self.include_usage,
+                        );
+                        yield Ok(sse_data(&chunk));
+                        sent += 1;
+                    }
+                    EngineEvent::Finished(finished) => {
+                        if self.include_usage {
+                            let usage = usage(self.prompt_len, &finished);
+                            yield Ok(sse_data(&self.meta.usage_chunk(usage)));
+                        }
+                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                        break;
+                    }
+                    EngineEvent::Rejected(rejected) => {
+                        yield Ok(sse_data(&ApiError::internal(rejected.to_string()).to_json()));
+                        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                        break;
+                    }
+                }
+            }
+        };
+        event_stream(stream)
+    }
+}
+
+pub(super) fn usage(prompt_len: u32, finished: &FinishedSeq) -> Usage {
+    Usage {
+        prompt_tokens: prompt_len,
+        completion_tokens: finished.completion_tokens,
+        // vLLM counts KV pulled from a remote prefill engine as cached.
+        cached_tokens: finished.cached_tokens + finished.transferred_tokens,
+    }
+}
+
+pub(super) fn sse_data(value: &Value) -> Bytes {
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(b"data: ");
+    // Serializing a serde_json::Value cannot fail.
+    let _ = serde_json::to_writer(&mut line, value);
+    line.extend_from_slice(b"\n\n");
+    Bytes::from(line)
+}
