@@ -300,3 +300,185 @@ fn every_crate_depends_only_on_what_the_code_map_allows() {
     // The map was read, not found empty: the router's row names the policy.
     assert!(map["switchyard-router"].contains("switchyard-policy"));
 }
+
+/// The module path of `file` under a crate's `src` (`plan/mod.rs` → `plan`, `lib.rs` → ``).
+fn module_path(src: &Path, file: &Path) -> Vec<String> {
+    let relative = file
+        .strip_prefix(src)
+        .expect("under src")
+        .with_extension("");
+    let mut path: Vec<String> = relative
+        .components()
+        .map(|part| part.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if matches!(
+        path.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        path.pop();
+    }
+    path
+}
+
+/// Every `.rs` file under `dir`.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("a source folder").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|extension| extension == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The module paths a file's code names: `crate::a::b`, `super::a`, `self::a` (braced use
+/// trees too) and `child::x` for its own `mod child;`, read as text, `//` comments and the
+/// unit-test module left out.
+fn named_paths(text: &str, own: &[String], is_mod_file: bool) -> Vec<Vec<String>> {
+    let code: String = text
+        .split("#[cfg(test)]\nmod tests")
+        .next()
+        .unwrap_or_default()
+        .lines()
+        .map(|line| line.split("//").next().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let parent: Vec<String> = if is_mod_file || own.is_empty() {
+        own[..own.len().saturating_sub(usize::from(!own.is_empty()))].to_vec()
+    } else {
+        own[..own.len() - 1].to_vec()
+    };
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut paths = Vec::new();
+    let tokens: Vec<&str> = code
+        .split(|c: char| !(ident(c) || c == ':' || c == '{' || c == '}' || c == ','))
+        .collect();
+    for token in tokens {
+        for (start, base) in [
+            ("crate::", Vec::new()),
+            ("super::", parent.clone()),
+            ("self::", own.to_vec()),
+        ] {
+            let mut rest = token;
+            while let Some(at) = rest.find(start) {
+                let before = rest[..at].chars().last();
+                rest = &rest[at + start.len()..];
+                if before.is_some_and(ident) {
+                    continue;
+                }
+                let (head, tail) = match rest.split_once('{') {
+                    Some((head, tail)) => (head, Some(tail)),
+                    None => (rest, None),
+                };
+                let head: Vec<String> = head
+                    .split("::")
+                    .filter(|part| !part.is_empty() && part.chars().all(ident))
+                    .map(str::to_owned)
+                    .collect();
+                let mut prefix = base.clone();
+                prefix.extend(head.clone());
+                match tail {
+                    Some(tail) => {
+                        for item in tail.split([',', '}']) {
+                            let mut path = prefix.clone();
+                            path.extend(
+                                item.split("::")
+                                    .filter(|part| !part.is_empty() && part.chars().all(ident))
+                                    .map(str::to_owned),
+                            );
+                            paths.push(path);
+                        }
+                    }
+                    None => paths.push(prefix),
+                }
+            }
+        }
+    }
+    // `child::item` for the file's own `mod child;` declarations.
+    for line in code.lines() {
+        let declaration = line
+            .trim_start()
+            .trim_start_matches("pub(crate) ")
+            .trim_start_matches("pub(super) ")
+            .trim_start_matches("pub ");
+        if let Some(child) = declaration
+            .strip_prefix("mod ")
+            .and_then(|rest| rest.strip_suffix(';'))
+        {
+            let child = child.trim();
+            if code.contains(&format!("{child}::")) {
+                let mut path = own.to_vec();
+                path.push(child.to_owned());
+                paths.push(path);
+            }
+        }
+    }
+    paths
+}
+
+#[test]
+fn no_source_file_imports_a_file_that_imports_it() {
+    let graph = Graph::load();
+    let mut cycles = Vec::new();
+    for id in &graph.members {
+        let dir = &graph.packages[id].1;
+        let src = dir.join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        // The library's files (binaries' own main.rs files name the library from outside).
+        let modules: BTreeMap<Vec<String>, PathBuf> = files
+            .iter()
+            .filter(|file| !file.ends_with("main.rs") || !src.join("lib.rs").exists())
+            .map(|file| (module_path(&src, file), file.clone()))
+            .collect();
+        let mut edges: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
+        for (own, file) in &modules {
+            let text = std::fs::read_to_string(file).expect("a source file");
+            let is_mod_file = file.ends_with("mod.rs") || file.ends_with("lib.rs");
+            for path in named_paths(&text, own, is_mod_file) {
+                let target = (0..=path.len())
+                    .rev()
+                    .find_map(|length| modules.get(&path[..length]));
+                // The crate root (lib.rs) is its face: children reach its items through
+                // `crate::`, and it declares them; that is not counted as a loop.
+                if let Some(target) = target
+                    && target != file
+                    && !target.ends_with("lib.rs")
+                {
+                    edges
+                        .entry(file.clone())
+                        .or_default()
+                        .insert(target.clone());
+                }
+            }
+        }
+        // A file that reaches itself through the files it imports is on a cycle.
+        for start in edges.keys() {
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<&PathBuf> = edges[start].iter().collect();
+            while let Some(next) = stack.pop() {
+                if next == start {
+                    cycles.push(
+                        start
+                            .strip_prefix(&graph.root)
+                            .unwrap_or(start)
+                            .display()
+                            .to_string(),
+                    );
+                    break;
+                }
+                if seen.insert(next) {
+                    stack.extend(edges.get(next).into_iter().flatten());
+                }
+            }
+        }
+    }
+    assert!(
+        cycles.is_empty(),
+        "files on an import cycle (a file imports one that, directly or not, imports it): {cycles:?}"
+    );
+}
