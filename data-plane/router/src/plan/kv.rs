@@ -107,7 +107,7 @@ pub fn decide(
 /// Ranks a KV_AWARE plan's variant by its KV `index` with the prompt's `tokens` (None: they
 /// could not be had, and the plan is ranked by load as of now).
 pub(crate) fn finish(
-    mut plan: Plan,
+    plan: Plan,
     index: &VariantIndex,
     tokens: Option<&[u32]>,
     now_ms: u64,
@@ -120,6 +120,11 @@ pub(crate) fn finish(
         now_ms,
         random,
     );
+    apply(plan, decision)
+}
+
+/// The plan ranked as `decision` says.
+pub(crate) fn apply(mut plan: Plan, decision: KvDecision) -> Plan {
     plan.ranking = decision.ranking;
     plan.label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::LeastOutstanding));
     plan.cached_tokens = decision.cached_tokens_by_instance;

@@ -73,6 +73,15 @@ enum Purpose {
     Disaggregation(disaggregation::Pending),
 }
 
+/// What [`NeedsTokens::into_kv`] found.
+#[derive(Debug)]
+pub enum KvOrNot {
+    /// A KV_AWARE plan, and its variant's index.
+    Kv(Plan, Arc<VariantIndex>),
+    /// Any other.
+    Not(NeedsTokens),
+}
+
 /// The KV indexes finishing a plan reads (None: not read, or no engine of the pool has
 /// published yet).
 #[derive(Debug, Default)]
@@ -139,6 +148,16 @@ impl NeedsTokens {
     pub fn heavy(&self, tokens: Option<&[u32]>) -> bool {
         let undecided = matches!(&self.purpose, Purpose::Disaggregation(pending) if pending.undecided.is_some());
         undecided || tokens.is_some_and(|tokens| tokens.len() > kv::OFFLOAD_TOKENS)
+    }
+
+    /// A KV_AWARE plan with its variant's index (of [`Self::indexes`]), to rank by
+    /// [`kv::decide`] off the serving thread while the plan stays where it is; any other as it
+    /// is.
+    pub fn into_kv(self, indexes: &Indexes) -> KvOrNot {
+        match (&self.purpose, &indexes.kv) {
+            (Purpose::Kv, Some(index)) => KvOrNot::Kv(self.plan, Arc::clone(index)),
+            _ => KvOrNot::Not(self),
+        }
     }
 
     /// The plan, finished with the prompt's `tokens` (None: they could not be had) and the
@@ -209,7 +228,7 @@ pub fn plan(
         _ => None,
     };
     let variant = &endpoint.variants[variant_index];
-    let (body, path) = match &target.destination {
+    let (engine_body, path) = match &target.destination {
         // Stored responses: the engine's id in the path, the body as it came (none but on
         // POST).
         Destination::Stored { path, .. } => {
@@ -239,13 +258,16 @@ pub fn plan(
     let kv_aware = matches!(target.destination, Destination::Variant(_))
         && target.routing.session.is_none()
         && matches!(variant.strategy, Strategy::KvAware { .. });
+    // The client's body is let go before the prefill copy and the `/tokenize` body are made
+    // (a rewritten body is a copy: the two need not be held at once).
     drop(target);
+    drop(body);
     let mut plan = Plan {
         label: RouteLabel::from(ranking.route.unwrap_or(Route::Random)),
         endpoint,
         variant_index,
         ranking,
-        body,
+        body: engine_body,
         path,
         explain: Vec::new(),
         disaggregated: None,

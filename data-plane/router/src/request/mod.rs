@@ -103,12 +103,17 @@ async fn phases(
     let arrived = Instant::now();
     let read = read(worker, endpoint, request, trace).await?;
     let decision = trace.map(RequestTrace::decision);
-    let (planned, headers, mut reservation, permit) =
-        plan(worker, operation, read).await.inspect_err(|err| {
-            if let Some(decision) = &decision {
-                decision.fail(&err.message);
-            }
-        })?;
+    let Held {
+        planned,
+        headers,
+        mut reservation,
+        permit,
+    } = plan(worker, operation, read).await?;
+    let planned = planned.inspect_err(|err| {
+        if let Some(decision) = &decision {
+            decision.fail(&err.message);
+        }
+    })?;
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(planned.plan().body.len() as u64);
     let planned = queue(planned);
@@ -203,12 +208,9 @@ async fn read(
 /// thread's other requests, and a disaggregated endpoint counts prompt tokens (milliseconds of
 /// CPU, and maybe a tokenizer file to load): those are planned on a blocking thread, which
 /// owns the body's reservation and the request's slot while it holds the body, so they are
-/// released with it even if this request is dropped meanwhile. Hands back what it held.
-async fn plan(
-    worker: &Worker,
-    operation: Operation,
-    read: Read,
-) -> Result<(Planned, HeaderMap, BufferReservation, RequestPermit), ApiError> {
+/// released with it even if this request is dropped meanwhile. Hands back what it held, with
+/// planning's own answer (an error there is the request's; the outer one, a failed task).
+async fn plan(worker: &Worker, operation: Operation, read: Read) -> Result<Held, ApiError> {
     let counts_tokens = match &read.endpoint {
         Some(endpoint) => endpoint.disaggregation.is_some(),
         None => read
@@ -218,31 +220,46 @@ async fn plan(
             .any(|endpoint| endpoint.disaggregation.is_some()),
     };
     let plan_it = move |read: Read, counters: &TokenCounters| {
+        let Read {
+            endpoint,
+            uri,
+            headers,
+            body,
+            permit,
+            reservation,
+            table,
+        } = read;
         let request = crate::plan::Request {
-            table: &read.table,
+            table: &table,
             operation,
-            endpoint: read.endpoint.as_ref(),
-            uri: &read.uri,
-            headers: &read.headers,
+            endpoint: endpoint.as_ref(),
+            uri: &uri,
+            headers: &headers,
         };
-        let planned = crate::plan::plan(
-            request,
-            read.body.clone(),
-            counters,
-            &mut fastrand::Rng::new(),
-        );
-        (planned, read.headers, read.reservation, read.permit)
+        let planned = crate::plan::plan(request, body, counters, &mut fastrand::Rng::new());
+        Held {
+            planned,
+            headers,
+            reservation,
+            permit,
+        }
     };
-    let (planned, headers, reservation, permit) =
-        if read.body.len() > OFFLOAD_BYTES || counts_tokens {
-            let counters = Arc::clone(&worker.counters);
-            tokio::task::spawn_blocking(move || plan_it(read, &counters))
-                .await
-                .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))?
-        } else {
-            plan_it(read, &worker.counters)
-        };
-    Ok((planned?, headers, reservation, permit))
+    if read.body.len() > OFFLOAD_BYTES || counts_tokens {
+        let counters = Arc::clone(&worker.counters);
+        tokio::task::spawn_blocking(move || plan_it(read, &counters))
+            .await
+            .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")))
+    } else {
+        Ok(plan_it(read, &worker.counters))
+    }
+}
+
+/// What the plan phase hands back: its answer, and what the request holds meanwhile.
+struct Held {
+    planned: Result<Planned, ApiError>,
+    headers: HeaderMap,
+    reservation: BufferReservation,
+    permit: RequestPermit,
 }
 
 /// The queue phase: where a request will wait for a slot at the instances it needs (the flow

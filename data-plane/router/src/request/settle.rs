@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::worker::Worker;
 use crate::errors::ApiError;
 use crate::plan::tokens::{KvInput, PromptTokens};
-use crate::plan::{NeedsTokens, Plan, Planned};
+use crate::plan::{KvOrNot, NeedsTokens, Plan, Planned, kv};
 use crate::routing::table::VariantRoute;
 
 /// The plan to forward.
@@ -34,17 +34,31 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
         None
     };
     let random = fastrand::u64(..);
-    if needs.heavy(tokens.as_deref()) {
-        let finish = move || {
-            let now_ms = switchyard_process::clock::unix_ms();
-            needs.finish(tokens.as_deref(), &indexes, now_ms, random)
-        };
-        return tokio::task::spawn_blocking(finish)
-            .await
-            .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}")));
+    let now_ms = switchyard_process::clock::unix_ms;
+    if !needs.heavy(tokens.as_deref()) {
+        return Ok(needs.finish(tokens.as_deref(), &indexes, now_ms(), random));
     }
-    let now_ms = switchyard_process::clock::unix_ms();
-    Ok(needs.finish(tokens.as_deref(), &indexes, now_ms, random))
+    match needs.into_kv(&indexes) {
+        // KV_AWARE: only the walk over the index leaves this thread; if that task fails, the
+        // plan here is ranked by load.
+        KvOrNot::Kv(plan, index) => {
+            let (endpoint, position) = (Arc::clone(&plan.endpoint), plan.variant_index);
+            let decided = tokio::task::spawn_blocking(move || {
+                let variant = &endpoint.variants[position];
+                kv::decide(variant, Some(&index), tokens.as_deref(), now_ms(), random)
+            })
+            .await;
+            let decision = decided
+                .unwrap_or_else(|_| kv::decide(plan.variant(), None, None, now_ms(), random));
+            Ok(kv::apply(plan, decision))
+        }
+        // A disaggregated endpoint's decision (it may make the prefill copy).
+        KvOrNot::Not(needs) => tokio::task::spawn_blocking(move || {
+            needs.finish(tokens.as_deref(), &indexes, now_ms(), random)
+        })
+        .await
+        .map_err(|err| ApiError::unavailable(format!("routing task failed: {err}"))),
+    }
 }
 
 /// The request's token ids for `variant`'s engines: as given, or one `/tokenize` round trip to
