@@ -23,7 +23,6 @@ pub mod drive;
 pub mod fleet;
 pub mod forward;
 pub mod oracle;
-pub mod otlp_sink;
 pub mod overhead;
 pub mod overload;
 pub mod peer;

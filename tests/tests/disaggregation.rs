@@ -1314,7 +1314,7 @@ async fn a_prefill_answer_past_its_bound_or_the_buffer_bound_falls_back() -> any
 #[tokio::test]
 async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_context()
 -> anyhow::Result<()> {
-    let sink = switchyard_bench::otlp_sink::OtlpSink::start(true).await?;
+    let sink = switchyard_testkit::otlp_sink::OtlpSink::start(true).await?;
     let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
     let dir = tempfile::tempdir()?;
     let endpoint = sink.url();
@@ -1335,7 +1335,7 @@ async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-    let hop = |spans: &[switchyard_bench::otlp_sink::ReceivedSpan], name: &str| {
+    let hop = |spans: &[switchyard_testkit::otlp_sink::ReceivedSpan], name: &str| {
         spans
             .iter()
             .find(|span| span.trace_id == trace && span.attribute("switchyard.hop") == Some(name))

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use switchyard_bench::otlp_sink::{OtlpSink, ReceivedSpan};
+use switchyard_testkit::otlp_sink::{OtlpSink, ReceivedSpan};
 use switchyard_tests::*;
 
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";

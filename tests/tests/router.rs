@@ -231,10 +231,9 @@ async fn a_local_ejection_ends_and_the_instance_gets_traffic_again() -> anyhow::
     let router = router_with(config).await?;
     let url = chat_url(&router);
     let ejected = || async {
-        scrape(
+        metric(
             &router.url(),
-            "switchyard_router_instance_ejected",
-            r#"endpoint="chat",instance="back""#,
+            r#"switchyard_router_instance_ejected{endpoint="chat",instance="back"}"#,
         )
         .await
     };
@@ -590,13 +589,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
     control.kill();
     etcd.kill();
     eventually(Duration::from_secs(10), "the router to notice", || async {
-        scrape(
-            &router.url(),
-            "switchyard_router_control_plane_connected",
-            "",
-        )
-        .await
-            == Some(0.0)
+        metric(&router.url(), "switchyard_router_control_plane_connected").await == Some(0.0)
     })
     .await?;
     let noticed = tokio::time::Instant::now();
@@ -651,13 +644,15 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     for _ in 0..2 {
         held.push(post_streaming(&chat_url(&b), &[], chat_body("long", 2000, true)).await?);
     }
-    let labels = r#"endpoint="chat",instance="engine-0""#;
     let fleet = |router: &switchyard_router::RouterHandle| {
         let url = router.url();
         async move {
-            scrape(&url, "switchyard_router_fleet_in_flight", labels)
-                .await
-                .unwrap_or(-1.0)
+            metric(
+                &url,
+                r#"switchyard_router_fleet_in_flight{endpoint="chat",instance="engine-0"}"#,
+            )
+            .await
+            .unwrap_or(-1.0)
         }
     };
     eventually(

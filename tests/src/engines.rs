@@ -1,0 +1,45 @@
+//! Simulated engines as the tests configure and drive them.
+
+use switchyard_engine_sim::{KvEventsFormat, SimConfig, SimHandle};
+use switchyard_testkit::http_post;
+
+/// A simulator 50× faster than real time.
+pub fn fast() -> SimConfig {
+    SimConfig {
+        time_scale: 0.02,
+        ..SimConfig::default()
+    }
+}
+
+/// A simulator publishing KV events in `format` on free loopback ports, 1,000× faster than real
+/// time, with `kv_cache_blocks` blocks of KV cache (a small cache evicts quickly).
+pub fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
+    SimConfig {
+        time_scale: 0.001,
+        kv_cache_blocks,
+        kv_events: Some("tcp://127.0.0.1:0".into()),
+        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
+        kv_events_format: format,
+        ..SimConfig::default()
+    }
+}
+
+/// A completion of `prompt` (2 tokens) sent straight to `sim`, not through a router: the
+/// simulator caches the prompt's full blocks, and publishes them when its KV events are on.
+pub async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
+    let reply = http_post(
+        &format!("{}/v1/completions", sim.url),
+        &[],
+        serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
+    Ok(())
+}
+
+/// The token ids `sim`'s `/tokenize` gives for `body` (a prompt or messages, and `model`).
+pub async fn sim_tokens(sim: &SimHandle, body: serde_json::Value) -> anyhow::Result<Vec<u32>> {
+    let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;
+    anyhow::ensure!(reply.status == 200, "tokenize failed: {}", reply.body);
+    Ok(serde_json::from_value(reply.json()["tokens"].clone())?)
+}
