@@ -61,12 +61,12 @@ fn printed<'a>(stdout: &'a str, name: &str) -> &'a str {
 async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::Result<()> {
     // RANDOM over three instances: only affinity brings a follow-up to its response.
     let cluster = Cluster::start(3, 2, &variant_json("RANDOM", None), fast()).await?;
-    let base = |index: usize| format!("{}/v1", cluster.routers[index].url());
+    let base = |index: usize| format!("{}/v1", cluster.routers()[index].url());
     let stdout = python_client(&["flow", &base(0), &base(1)]).await?;
     let holder = printed(&stdout, "holder").to_owned();
     let kept = printed(&stdout, "kept").to_owned();
     // The follow-ups reached the holder only, every one of them recorded there.
-    let holder_engine = &cluster.engines[Cluster::engine_index(&holder)];
+    let holder_engine = &cluster.engines()[Cluster::engine_index(&holder)];
     let follow_ups = holder_engine
         .received()
         .iter()
@@ -88,13 +88,13 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
         .await?;
     cluster.wait_for_instances(2).await?;
     let others_before: usize = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.received().len())
         .sum();
     python_client(&["gone", &base(1), &kept]).await?;
     let others_after: usize = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.received().len())
         .sum();
@@ -104,7 +104,7 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
         Method::GET,
         &format!(
             "{}/endpoints/chat/openai/v1/responses/{kept}",
-            cluster.routers[0].url()
+            cluster.routers()[0].url()
         ),
         &[],
         "",
@@ -128,10 +128,10 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
 async fn the_other_paths_route_plain_and_under_endpoints_with_openai_errors() -> anyhow::Result<()>
 {
     let cluster = Cluster::start(2, 1, &variant_json("RANDOM", None), fast()).await?;
-    let router = cluster.routers[0].url();
+    let router = cluster.routers()[0].url();
     let paths_seen = || {
         let mut seen: Vec<String> = cluster
-            .engines
+            .engines()
             .iter()
             .flat_map(|engine| engine.received())
             .map(|request| request.path)
@@ -304,7 +304,7 @@ async fn prefix_aware_keeps_a_shared_prefix_on_one_instance_on_every_path() -> a
             for (question, (suffix, router)) in
                 ["a question", "another, longer question", "a third"]
                     .iter()
-                    .zip(cluster.routers.iter().cycle())
+                    .zip(cluster.routers().iter().cycle())
                     .enumerate()
             {
                 let body = body(&shared, suffix, document, question).to_string();

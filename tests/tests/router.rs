@@ -38,9 +38,9 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
     let mut chosen = HashSet::new();
     for index in 0..24 {
         let body = chat_body(&prompt(&format!("customer-{index}"), 1500), 4, false);
-        let first = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
-        let second = instance_for(&chat_url(&cluster.routers[1]), &[], &body).await?;
-        let again = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
+        let first = instance_for(&chat_url(&cluster.routers()[0]), &[], &body).await?;
+        let second = instance_for(&chat_url(&cluster.routers()[1]), &[], &body).await?;
+        let again = instance_for(&chat_url(&cluster.routers()[0]), &[], &body).await?;
         assert_eq!(first, second, "both routers agree on prefix {index}");
         assert_eq!(first, again, "the same router is stable on prefix {index}");
         chosen.insert(first);
@@ -51,7 +51,7 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
     );
     // The engines saw their cached prefixes hit.
     let hits: u64 = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.stats().prefix_cache_hits)
         .sum();
@@ -63,7 +63,7 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
 #[tokio::test]
 async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let body = chat_body(&prompt("shared system prompt", 1500), 2, false);
     let mut by_header = HashSet::new();
     for tenant in 0..16 {
@@ -124,7 +124,7 @@ async fn a_prefix_is_its_first_prefix_length_characters_and_nothing_else() -> an
     // character 1000 lies at byte ~1,900, past a prefix wrongly counted in bytes. The native
     // API counts bytes of the raw body.
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let native_url = format!("{}/endpoints/chat/invocations", router.url());
     let native_body = |text: &str| {
         format!(r#"{{"messages":[{{"role":"user","content":"{text}"}}],"max_tokens":1}}"#)
@@ -203,7 +203,7 @@ async fn liveness_answers_while_readiness_waits_for_state() -> anyhow::Result<()
     }
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
     for path in ["/ping", "/healthz", "/readyz"] {
-        let (status, body) = http_get(&format!("{}{path}", cluster.routers[0].url())).await?;
+        let (status, body) = http_get(&format!("{}{path}", cluster.routers()[0].url())).await?;
         assert_eq!(status, 200, "{path}: {body}");
     }
     Ok(())
@@ -288,14 +288,14 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
     let cluster = Cluster::start(4, 2, &prefix_aware(2), sim).await?;
     let hot = prompt("hot prefix", 1500);
     let short = chat_body(&hot, 1, false);
-    let owner = instance_for(&chat_url(&cluster.routers[0]), &[], &short).await?;
+    let owner = instance_for(&chat_url(&cluster.routers()[0]), &[], &short).await?;
     cluster.wait_idle().await?;
 
     // Two long requests through router A put the owner at the threshold (2) fleet-wide.
     let long = chat_body(&hot, 400, true);
     let mut holds = Vec::new();
     for _ in 0..2 {
-        let response = post_streaming(&chat_url(&cluster.routers[0]), &[], long.clone()).await?;
+        let response = post_streaming(&chat_url(&cluster.routers()[0]), &[], long.clone()).await?;
         assert_eq!(
             response
                 .headers()
@@ -307,7 +307,7 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
         holds.push(response);
     }
     // Router B learns the fleet-wide load from the control plane.
-    let router_b = &cluster.routers[1];
+    let router_b = &cluster.routers()[1];
     eventually(
         Duration::from_secs(5),
         "router B to see the owner's load",
@@ -315,7 +315,7 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
     )
     .await?;
     let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
-    let via_a = http_post(&chat_url(&cluster.routers[0]), &[], short.clone()).await?;
+    let via_a = http_post(&chat_url(&cluster.routers()[0]), &[], short.clone()).await?;
     for reply in [&via_a, &via_b] {
         assert_eq!(reply.status, 200, "{}", reply.body);
         assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
@@ -343,7 +343,7 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
     let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
         "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
     let cluster = Cluster::start(4, 2, variants, sim).await?;
-    let (router_a, router_b) = (&cluster.routers[0], &cluster.routers[1]);
+    let (router_a, router_b) = (&cluster.routers()[0], &cluster.routers()[1]);
     let hot = prompt("hot prefix", 1500);
     let short = chat_body(&hot, 1, false);
     let owner = instance_for(&chat_url(router_a), &[], &short).await?;
@@ -411,7 +411,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
     };
     let cluster =
         Cluster::start(4, 1, &variant_json("LEAST_OUTSTANDING_REQUESTS", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let mut held: HashMap<String, Vec<http::Response<hyper::body::Incoming>>> = (0..4)
         .map(|index| (format!("engine-{index}"), Vec::new()))
         .collect();
@@ -451,7 +451,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
     for request in 0..8 {
         send_and_hold(&url, request, &mut held).await?;
     }
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let freed = "engine-2".to_owned();
     held.get_mut(&freed).expect("engine-2").clear();
     eventually(
@@ -471,7 +471,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
 #[tokio::test]
 async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Result<()> {
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let mut admin = admin(&cluster.control_plane_url()).await?;
     admin
         .create_endpoint_config(config_request("chat-prefix", &prefix_aware(50)))
@@ -513,7 +513,7 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
             endpoint_config_name: "chat-prefix".into(),
         })
         .await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     eventually(
         Duration::from_secs(5),
         "the router to switch strategy",
@@ -749,7 +749,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
         ..SimConfig::default()
     };
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     const WORKERS: usize = 6;
@@ -775,7 +775,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
         done.load(std::sync::atomic::Ordering::Relaxed) >= 20
     })
     .await?;
-    cluster.engines[0].kill();
+    cluster.engines()[0].kill();
     let mut failed = Vec::new();
     let mut ok = 0;
     for task in tasks {
@@ -799,7 +799,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
     assert!(failed.len() <= WORKERS, "{failed:?}");
     assert_eq!(ok + failed.len(), WORKERS * 25);
     let ids_on = |engine: usize| -> HashSet<String> {
-        cluster.engines[engine]
+        cluster.engines()[engine]
             .received()
             .into_iter()
             .filter_map(|request| request.headers.get("x-request-id").cloned())
@@ -817,7 +817,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
     }
     // The dead instance is out of rotation: ejected by the router or removed by the
     // control plane's health checks, whichever came first.
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
     let ejected = metrics
         .contains("switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"engine-0\"} 1");
@@ -834,7 +834,7 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
         ..SimConfig::default()
     };
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let (status, headers, frames) =
         http_post_frames(&url, &[], chat_body("tell me a story", 20, true)).await?;
     assert_eq!(status, 200);
@@ -868,10 +868,10 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
     let mut response = post_streaming(&url, &[], chat_body("a long one", 2000, true)).await?;
     use http_body_util::BodyExt as _;
     let _ = response.body_mut().frame().await;
-    assert_eq!(cluster.routers[0].in_flight(), 1);
+    assert_eq!(cluster.routers()[0].in_flight(), 1);
     drop(response);
     cluster.wait_idle().await?;
-    let engine = &cluster.engines[0];
+    let engine = &cluster.engines()[0];
     eventually(
         Duration::from_secs(5),
         "the engine to drop the request",
@@ -884,7 +884,7 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
 #[tokio::test]
 async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let reply = http_post(&chat_url(router), &[], "{\"messages\": [").await?;
     assert_eq!(reply.status, 400);
     assert_eq!(
@@ -973,8 +973,8 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
 #[tokio::test]
 async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
-    cluster.engines[0].kill();
-    let router = &cluster.routers[0];
+    cluster.engines()[0].kill();
+    let router = &cluster.routers()[0];
     let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["error"]["type"], "service_unavailable");
@@ -1004,7 +1004,7 @@ async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
 #[tokio::test]
 async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     // The client names the endpoint; the engine sees the variant's ModelName ("sim").
     let reply = http_post(
         &format!("{}/v1/chat/completions", router.url()),
@@ -1020,7 +1020,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
         reply.header("x-amzn-invoked-production-variant"),
         Some("AllTraffic")
     );
-    let received = cluster.engines[0].received();
+    let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
     assert_eq!(last.model.as_deref(), Some("sim"));
     assert_eq!(
@@ -1048,7 +1048,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
     )
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    let received = cluster.engines[0].received();
+    let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
     assert_eq!(last.path, "/invocations");
     assert_eq!(last.body_bytes, native.len());
@@ -1091,7 +1091,7 @@ async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<(
     );
     let cluster = Cluster::start(2, 1, &prefix_aware(10), fast()).await?;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
-    let base_url = format!("{}/v1", cluster.routers[0].url());
+    let base_url = format!("{}/v1", cluster.routers()[0].url());
     let output = tokio::process::Command::new(&python)
         .arg(&script)
         .arg(&base_url)
@@ -1170,7 +1170,7 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
         ..SimConfig::default()
     };
     let mut cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
-    let router = cluster.routers.remove(0);
+    let router = cluster.take_router(0);
     let url = chat_url(&router);
     // A stream of 30 tokens (~0.4 s) is under way when the router is told to stop.
     let stream =
@@ -1209,7 +1209,7 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
 #[tokio::test]
 async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result<()> {
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     // X-Amzn-SageMaker-Session-Id pins a session to one instance whatever the prompt.
     for session in ["s-1", "s-2", "s-3"] {
         let mut seen = HashSet::new();
@@ -1249,13 +1249,13 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
             .register_instance(pb::RegisterInstanceRequest {
                 endpoint_name: "split".into(),
                 variant_name: (*variant).into(),
-                url: cluster.engines[index].url.clone(),
+                url: cluster.engines()[index].url.clone(),
                 id: format!("{variant}-0"),
                 ..Default::default()
             })
             .await?;
     }
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     eventually(
         Duration::from_secs(10),
         "the router to see both variants",
@@ -1358,7 +1358,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
         .into_inner();
     assert_eq!(registered.protocol, pb::InstanceProtocol::H2c as i32);
     cluster.wait_for_instances(2).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let mut seen = HashSet::new();
     for _ in 0..40 {
         let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
@@ -1383,7 +1383,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
         HashSet::from(["HTTP/2.0".to_owned()])
     );
     assert_eq!(
-        versions(&cluster.engines[0]),
+        versions(&cluster.engines()[0]),
         HashSet::from(["HTTP/1.1".to_owned()])
     );
     cluster.wait_idle().await?;

@@ -197,12 +197,12 @@ async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow
         },
     )
     .await?;
-    let router_url = cluster.routers[0].url();
-    let engine_url = cluster.engines[0].url.clone();
+    let router_url = cluster.routers()[0].url();
+    let engine_url = cluster.engines()[0].url.clone();
     boto3("invoke", &[&router_url, &engine_url]).await?;
 
     // The engine dies after a few tokens: boto3 raises EventStreamError, code ModelStreamError.
-    cluster.engines[0].set_faults(Faults {
+    cluster.engines()[0].set_faults(Faults {
         die_mid_stream_rate: 1.0,
         ..Faults::default()
     });
@@ -210,10 +210,10 @@ async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow
 
     // The engine dies after reading a non-streaming request: boto3 gets ModelError (424) and,
     // retrying client as it is, sends it once.
-    let before = cluster.engines[0].received().len();
+    let before = cluster.engines()[0].received().len();
     boto3("crash", &[&router_url]).await?;
     assert_eq!(
-        cluster.engines[0].received().len(),
+        cluster.engines()[0].received().len(),
         before + 1,
         "the engine got the request exactly once"
     );
