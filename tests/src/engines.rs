@@ -1,6 +1,7 @@
 //! Simulated engines as the tests configure and drive them.
 
 use switchyard_engine_sim::{KvEventsFormat, SimConfig, SimHandle};
+use switchyard_shared::InstanceId;
 use switchyard_testkit::http_post;
 
 /// A simulator 50× faster than real time.
@@ -42,4 +43,25 @@ pub async fn sim_tokens(sim: &SimHandle, body: serde_json::Value) -> anyhow::Res
     let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;
     anyhow::ensure!(reply.status == 200, "tokenize failed: {}", reply.body);
     Ok(serde_json::from_value(reply.json()["tokens"].clone())?)
+}
+
+/// A stand-in engine serving `app` on a free loopback port (one that misbehaves in a way the
+/// simulator does not): its URL, and the task serving it.
+pub async fn stand_in(
+    app: axum::Router,
+) -> anyhow::Result<(String, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let listener = tokio::net::TcpListener::bind(switchyard_testkit::loopback_any()).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    Ok((
+        url,
+        tokio::spawn(async move { axum::serve(listener, app).await }),
+    ))
+}
+
+/// The typed ids of instances `names` (as the router's KV index is asked about them).
+pub fn instance_ids(names: &[&str]) -> Vec<InstanceId> {
+    names
+        .iter()
+        .map(|name| InstanceId::new(name).expect("an instance id"))
+        .collect()
 }

@@ -30,11 +30,11 @@ pub use admin::{
 pub use bodies::{chat_body, prompt, words};
 pub use cluster::Cluster;
 pub use control::{control_plane, control_process, embedded_control_plane};
-pub use engines::{fast, kv_sim, place, sim_tokens};
+pub use engines::{fast, instance_ids, kv_sim, place, sim_tokens, stand_in};
 pub use health_server::HealthServer;
 pub use relay::Relay;
 pub use router::{
-    chat_url, routed_instances, router, router_from_file, router_with, settles,
+    chat_url, routed_count, routed_instances, router, router_from_file, router_with, settles,
     wait_for_router_instances,
 };
 pub use switchyard_testkit::{

@@ -64,6 +64,18 @@ pub fn routed_instances(router: &RouterHandle, endpoint: &str) -> Vec<String> {
     ids
 }
 
+/// How many instances `router` routes `endpoint` to now, over all its variants (`None`: it
+/// does not know the endpoint).
+pub fn routed_count(router: &RouterHandle, endpoint: &str) -> Option<usize> {
+    router.table().endpoints.get(endpoint).map(|endpoint| {
+        endpoint
+            .variants
+            .iter()
+            .map(|variant| variant.instances.len())
+            .sum()
+    })
+}
+
 /// Waits (15 s at most) until `router` routes to `count` instances of `endpoint`, over all
 /// its variants.
 pub async fn wait_for_router_instances(
@@ -74,15 +86,7 @@ pub async fn wait_for_router_instances(
     eventually(
         Duration::from_secs(15),
         &format!("the router to see {count} instances of {endpoint}"),
-        || async {
-            router.table().endpoints.get(endpoint).map(|endpoint| {
-                endpoint
-                    .variants
-                    .iter()
-                    .map(|v| v.instances.len())
-                    .sum::<usize>()
-            }) == Some(count)
-        },
+        || async { routed_count(router, endpoint) == Some(count) },
     )
     .await
 }

@@ -2325,21 +2325,7 @@ async fn the_embedded_store_syncs_its_log_and_compacts_in_order_and_survives_sig
     populate(&mut admin).await?;
     // 2,400 instances with 2,000-byte URLs, over 4 MiB of log lines, on an endpoint whose
     // instances are probed once an hour (no health writes): at least one compaction.
-    let mut quiet = config_request("bulk-cfg", &variant_json("RANDOM", None));
-    if let Some(config) = quiet.endpoint_config.as_mut() {
-        config.health_check = Some(pb::HealthCheckConfig {
-            interval_ms: 3_600_000,
-            unhealthy_threshold: 100,
-            ..Default::default()
-        });
-    }
-    admin.create_endpoint_config(quiet).await?;
-    admin
-        .create_endpoint(pb::CreateEndpointRequest {
-            name: "bulk".into(),
-            endpoint_config_name: "bulk-cfg".into(),
-        })
-        .await?;
+    create_quiet_endpoint(&mut admin, "bulk").await?;
     let long_path = "p".repeat(2000 - "http://127.0.0.1:9/".len() - 5);
     let imported = admin
         .import_instances(pb::ImportInstancesRequest {

@@ -1029,12 +1029,10 @@ async fn stand_in_prefill(
     SimHandle,
     tokio::task::JoinHandle<std::io::Result<()>>,
 )> {
-    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
-    let address = listener.local_addr()?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let (prefill_url, server) = stand_in(app).await?;
     let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
     let lines = [
-        line(&format!("http://{address}"), "p0", "prefill", ""),
+        line(&prefill_url, "p0", "prefill", ""),
         line(&decoder.url, "d0", "decode", ""),
     ]
     .concat();

@@ -14,56 +14,19 @@ use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
 use switchyard_router::RouterHandle;
 use switchyard_router::kv::{Freshness, VariantIndex};
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
-use switchyard_tests::{Reply, eventually, http_get, http_post, loopback_any, post_streaming};
+use switchyard_tests::{
+    Metrics, Reply, eventually, http_post, instance_ids, kv_sim, place, post_streaming,
+    router_from_file, sim_tokens, wait_matched, words,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// A simulator publishing KV events on free loopback ports, 1,000× faster than real time, with
-/// a small KV cache so that evictions come quickly.
-fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
-    SimConfig {
-        time_scale: 0.001,
-        kv_cache_blocks,
-        kv_events: Some("tcp://127.0.0.1:0".into()),
-        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
-        kv_events_format: format,
-        ..SimConfig::default()
-    }
-}
-
-/// `count` distinct words (one simulator token each) starting at `first`.
-fn words(first: usize, count: usize) -> String {
-    (first..first + count)
-        .map(|index| format!("w{index}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 fn completion(prompt: &str) -> String {
     json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string()
 }
 
-/// A completion sent straight to a simulator (it caches the prompt's full blocks).
-async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
-    let reply = http_post(
-        &format!("{}/v1/completions", sim.url),
-        &[],
-        completion(prompt),
-    )
-    .await?;
-    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
-    Ok(())
-}
-
-/// The prompt's token ids, from a simulator's `/tokenize`.
-async fn tokens(sim: &SimHandle, body: Value) -> anyhow::Result<Vec<u32>> {
-    let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;
-    anyhow::ensure!(reply.status == 200, "tokenize failed: {}", reply.body);
-    Ok(serde_json::from_value(reply.json()["tokens"].clone())?)
-}
-
 async fn prompt_tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>> {
-    tokens(sim, json!({"model": "sim", "prompt": prompt})).await
+    sim_tokens(sim, json!({"model": "sim", "prompt": prompt})).await
 }
 
 /// A completion through the router (endpoint `chat`).
@@ -89,13 +52,6 @@ fn choice(reply: &Reply) -> (String, String, Option<u32>) {
     )
 }
 
-fn ids(names: &[&str]) -> Vec<InstanceId> {
-    names
-        .iter()
-        .map(|name| InstanceId::new(name).expect("id"))
-        .collect()
-}
-
 /// The router's index of `chat`/`AllTraffic`, once an engine of it has published.
 async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
     let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
@@ -115,25 +71,24 @@ async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex
 
 /// Waits until the router's index says each instance holds `matched` leading blocks of
 /// `tokens` (the engines' events have arrived).
-async fn wait_matched(
+async fn wait_router_matched(
     router: &RouterHandle,
     tokens: &[u32],
     instances: &[InstanceId],
     matched: &[u32],
 ) -> anyhow::Result<()> {
     let index = variant_index(router).await?;
-    let now = || {
-        index
-            .match_tokens(tokens, instances)
-            .map(|found| found.matched)
-            .unwrap_or_default()
-    };
-    let result = eventually(WAIT, "the router's index to reflect the engines", || {
-        let reached = now() == matched;
-        async move { reached }
-    })
-    .await;
-    result.map_err(|err| anyhow::anyhow!("{err}: matched {:?}, wanted {matched:?}", now()))
+    wait_matched(
+        "the router's index to reflect the engines",
+        &matched.to_vec(),
+        || {
+            index
+                .match_tokens(tokens, instances)
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await
 }
 
 /// A router from a static file routing endpoint `chat` (KV_AWARE, `kv_config` the
@@ -191,27 +146,11 @@ async fn static_router_with(
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": routing}],
         "Instances": instances,
     }]});
-    let path = dir.join("switchyard.json");
-    std::fs::write(&path, file.to_string())?;
-    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    config.worker_threads = Some(2);
-    adjust(&mut config);
-    let settings = config.validate().map_err(anyhow::Error::msg)?;
-    Ok(RouterHandle::start(settings).await?)
-}
-
-/// A sample of the router's `/metrics`, by its exact name and labels.
-async fn metric(router: &RouterHandle, series: &str) -> anyhow::Result<f64> {
-    let (status, text) = http_get(&format!("{}/metrics", router.url())).await?;
-    anyhow::ensure!(status == 200, "/metrics: {status}");
-    text.lines()
-        .find_map(|line| {
-            line.strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-                .and_then(|value| value.trim().parse().ok())
-        })
-        .ok_or_else(|| anyhow::anyhow!("{series} is not in /metrics"))
+    router_from_file(&dir.join("switchyard.json"), &file.to_string(), |config| {
+        config.worker_threads = Some(2);
+        adjust(config);
+    })
+    .await
 }
 
 #[tokio::test]
@@ -253,13 +192,13 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         async move { routable }
     })
     .await?;
-    let instances = ids(&["engine-0", "engine-1"]);
+    let instances = instance_ids(&["engine-0", "engine-1"]);
 
     // The prefix is placed on engine-0 by a request sent straight to it.
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
     let prompt_ids = prompt_tokens(&a, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
     for _ in 0..3 {
         let reply = route(&router, &prompt).await?;
         assert_eq!(
@@ -293,9 +232,9 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         .as_object_mut()
         .expect("object")
         .remove("max_tokens");
-    let chat_ids = tokens(&b, template_fields).await?;
+    let chat_ids = sim_tokens(&b, template_fields).await?;
     let chat_blocks = (chat_ids.len() / 16) as u32;
-    wait_matched(&router, &chat_ids, &instances, &[0, chat_blocks]).await?;
+    wait_router_matched(&router, &chat_ids, &instances, &[0, chat_blocks]).await?;
     let mut via_router = chat.clone();
     via_router["model"] = json!("chat");
     let reply = http_post(
@@ -316,7 +255,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         place(&a, &words(round * 1000, 200)).await?;
     }
     place(&b, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
     assert_eq!(
         choice(&route(&router, &prompt).await?),
         ("engine-1".into(), "kv".into(), Some(192))
@@ -345,23 +284,20 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     assert_eq!(router.metrics().kv_tokenize_failures("input"), 1);
 
     // The round trips and the index are in /metrics.
-    assert!(metric(&router, "switchyard_router_kv_tokenize_seconds_count").await? >= 7.0);
-    assert!(
-        metric(
-            &router,
-            r#"switchyard_kv_index_blocks{endpoint="chat",variant="AllTraffic",instance="engine-1"}"#
-        )
-        .await?
-            >= 12.0
-    );
-    assert!(
-        metric(
-            &router,
-            r#"switchyard_router_requests_total{endpoint="chat",instance="engine-1",route="kv"}"#
-        )
-        .await?
-            >= 3.0
-    );
+    let metrics = Metrics::scrape(&router.url()).await?;
+    for (series, at_least) in [
+        ("switchyard_router_kv_tokenize_seconds_count", 7.0),
+        (
+            r#"switchyard_kv_index_blocks{endpoint="chat",variant="AllTraffic",instance="engine-1"}"#,
+            12.0,
+        ),
+        (
+            r#"switchyard_router_requests_total{endpoint="chat",instance="engine-1",route="kv"}"#,
+            3.0,
+        ),
+    ] {
+        assert!(metrics.value(series)? >= at_least, "{series}");
+    }
     router.shutdown().await;
     control_plane.shutdown().await?;
     Ok(())
@@ -383,10 +319,10 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     // would repair the first two of them and leave a gap the buffer still covers (no
     // rebuild). The gaps here must be found by the live stream.
     let router = static_router_probing(dir.path(), &[&a, &b], Value::Null, 250, 60_000).await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let first = words(0, 40);
     place(&a, &first).await?;
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, &first).await?,
         &instances,
@@ -401,7 +337,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         place(&a, prompt).await?;
     }
     for prompt in &prompts {
-        wait_matched(
+        wait_router_matched(
             &router,
             &prompt_tokens(&a, prompt).await?,
             &instances,
@@ -437,7 +373,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         async move { rebuilt }
     })
     .await?;
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, &first).await?,
         &instances,
@@ -450,7 +386,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         ("least-outstanding", Some(0))
     );
     let last = &lost[5];
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, last).await?,
         &instances,
@@ -461,7 +397,12 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         choice(&route(&router, last).await?),
         ("e0".into(), "kv".into(), Some(32))
     );
-    assert!(metric(&router, "switchyard_kv_rebuilds_total").await? >= 1.0);
+    assert!(
+        Metrics::scrape(&router.url())
+            .await?
+            .value("switchyard_kv_rebuilds_total")?
+            >= 1.0
+    );
     router.shutdown().await;
     Ok(())
 }
@@ -472,11 +413,11 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
     let prompt_ids = prompt_tokens(&a, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
 
     // e0's publisher stalls: after two unanswered probes of its replay socket its entries no
     // longer count, and its prompt is routed by load, answered as usual.
@@ -487,7 +428,12 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
         async move { stale }
     })
     .await?;
-    assert_eq!(metric(&router, "switchyard_kv_stale_instances").await?, 1.0);
+    assert_eq!(
+        Metrics::scrape(&router.url())
+            .await?
+            .value("switchyard_kv_stale_instances")?,
+        1.0
+    );
     let reply = route(&router, &prompt).await?;
     let (went_to, route_taken, cached) = choice(&reply);
     assert_eq!(
@@ -503,7 +449,7 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     })
     .await?;
     let expected = if went_to == "e1" { [12, 12] } else { [12, 0] };
-    wait_matched(&router, &prompt_ids, &instances, &expected).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &expected).await?;
     let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
 
@@ -539,10 +485,10 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
         250,
     )
     .await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, &prompt).await?,
         &instances,
@@ -603,7 +549,7 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
     }
     // The second router starts late: it learns the past from the engines' replay buffers.
     let second = static_router(dir.path(), &refs, Value::Null, 250).await?;
-    let instances = ids(&["e0", "e1", "e2"]);
+    let instances = instance_ids(&["e0", "e1", "e2"]);
     let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);
     let mut kv_routes = 0;
     for prompt in &prompts {
@@ -656,10 +602,10 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
         config.kv.kv_tokenize_pause_ms = 60_000;
     })
     .await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, &prompt).await?,
         &instances,
@@ -696,11 +642,9 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
             "{reason}"
         );
         assert_eq!(
-            metric(
-                &router,
-                &format!(r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#)
-            )
-            .await?,
+            Metrics::scrape(&router.url()).await?.value(&format!(
+                r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#
+            ))?,
             count as f64
         );
     }
@@ -719,10 +663,10 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
     .await?;
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&a, &prompt).await?,
-        &ids(&["e0"]),
+        &instance_ids(&["e0"]),
         &[12],
     )
     .await?;
@@ -770,10 +714,10 @@ async fn a_responses_follow_up_sticks_to_the_instance_storing_its_response() -> 
     for sim in &sims {
         place(sim, &prompt).await?;
     }
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&sims[0], &prompt).await?,
-        &ids(&["e0", "e1"]),
+        &instance_ids(&["e0", "e1"]),
         &[4, 4],
     )
     .await?;

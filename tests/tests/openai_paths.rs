@@ -7,30 +7,16 @@
 use std::time::Duration;
 
 use http::Method;
-use switchyard_engine_sim::SimConfig;
 use switchyard_proto::v1 as pb;
 use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::*;
-
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.02,
-        ..SimConfig::default()
-    }
-}
-
-/// Every step is bounded: a router that hangs fails the test instead of the suite.
-async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
-}
 
 /// Runs `tests/python/openai_responses.py` with `args`; its stdout, once it printed "all ok".
 async fn python_client(args: &[&str]) -> anyhow::Result<String> {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_responses.py");
-    let output = bounded(
+    let output = bounded_for(
+        Duration::from_secs(60),
         "the openai client",
         tokio::process::Command::new(test_python())
             .arg(&script)
@@ -338,21 +324,7 @@ async fn static_router(
     for (id, url) in instances {
         yaml.push_str(&format!("      - {{Url: \"{url}\", InstanceId: {id}}}\n"));
     }
-    let path = dir.path().join("routes.yaml");
-    std::fs::write(&path, yaml)?;
-    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    tune(&mut config);
-    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
-}
-
-async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
-    eventually(
-        Duration::from_secs(10),
-        "in-flight counts back to 0",
-        || async { router.in_flight() == 0 && router.admission().in_flight() == 0 },
-    )
-    .await
+    router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
 /// A stored response made through `router`: (wrapped id, instance).
@@ -408,26 +380,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     .await?;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-switchyard-route"], "response");
-    let mut text = String::new();
-    let mut broke = false;
-    while let Some(frame) = bounded(
-        "a frame",
-        http_body_util::BodyExt::frame(response.body_mut()),
-    )
-    .await
-    {
-        match frame {
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    text.push_str(&String::from_utf8_lossy(&data));
-                }
-            }
-            Err(_) => {
-                broke = true;
-                break;
-            }
-        }
-    }
+    let Body { text, broke } = read_body(&mut response).await;
     assert!(broke, "the stream ended cleanly: {text}");
     assert!(text.contains("response.output_text.delta"), "{text}");
     assert!(!text.contains("response.completed"), "{text}");
@@ -458,10 +411,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     )
     .await?;
     assert_eq!(status, 200);
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(text.contains("\"stream_idle_timeout\""), "{text}");
 
     // The holder is gone but still registered: 503 upstream_unreachable, never the other one.

@@ -8,19 +8,8 @@ use switchyard_engine_sim::SimConfig;
 use switchyard_proto::v1 as pb;
 use switchyard_tests::*;
 
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.02,
-        ..SimConfig::default()
-    }
-}
-
 fn prefix_aware(threshold: u32) -> String {
     variant_json("PREFIX_AWARE", Some((1024, threshold)))
-}
-
-fn chat_url(router: &switchyard_router::RouterHandle) -> String {
-    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
 }
 
 async fn instance_for(url: &str, headers: &[(&str, &str)], body: &str) -> anyhow::Result<String> {
@@ -266,16 +255,12 @@ async fn a_local_ejection_ends_and_the_instance_gets_traffic_again() -> anyhow::
     Ok(())
 }
 
+/// The fleet-wide in-flight count `router` has for `instance` of `chat`; 0 when its metrics
+/// do not say.
 async fn fleet_in_flight(router: &switchyard_router::RouterHandle, instance: &str) -> u32 {
-    let Ok((_, text)) = http_get(&format!("{}/metrics", router.url())).await else {
-        return 0;
-    };
-    let needle =
-        format!("switchyard_router_fleet_in_flight{{endpoint=\"chat\",instance=\"{instance}\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&needle))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u32
+    let series =
+        format!("switchyard_router_fleet_in_flight{{endpoint=\"chat\",instance=\"{instance}\"}}");
+    metric(&router.url(), &series).await.unwrap_or(0.0) as u32
 }
 
 #[tokio::test]
@@ -818,11 +803,15 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
     // The dead instance is out of rotation: ejected by the router or removed by the
     // control plane's health checks, whichever came first.
     let router = &cluster.routers()[0];
-    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    let metrics = Metrics::scrape(&router.url()).await?;
     let ejected = metrics
-        .contains("switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"engine-0\"} 1");
+        .get(r#"switchyard_router_instance_ejected{endpoint="chat",instance="engine-0"}"#)
+        == Some(1.0);
     let removed = router.table().endpoints["chat"].variants[0].instances.len() == 2;
-    assert!(ejected || removed, "engine-0 still in rotation:\n{metrics}");
+    assert!(
+        ejected || removed,
+        "engine-0 still in rotation:\n{metrics:?}"
+    );
     cluster.wait_idle().await?;
     Ok(())
 }
@@ -845,10 +834,7 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
             .is_some_and(|value| value.starts_with("text/event-stream")),
         "{headers:?}"
     );
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert!(
         frames.len() >= 10,
@@ -1194,10 +1180,7 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
     .await?;
     let (status, _, frames) = stream.await??;
     assert_eq!(status, 200);
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(
         text.trim_end().ends_with("data: [DONE]"),
         "the stream was cut: {text}"

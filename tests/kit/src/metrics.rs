@@ -70,6 +70,12 @@ impl Metrics {
             .map(|sample| sample.value)
     }
 
+    /// [`Metrics::get`], failing (naming `series`) when the page has no such sample.
+    pub fn value(&self, series: &str) -> anyhow::Result<f64> {
+        self.get(series)
+            .with_context(|| format!("{series} is not on the page"))
+    }
+
     /// The sum of every sample named exactly `name`, whatever its labels (0 when there is none).
     pub fn sum(&self, name: &str) -> f64 {
         self.named(name).map(|sample| sample.value).sum()
@@ -210,6 +216,8 @@ z{kind="instance"} +Inf
             Some(2.5)
         );
         assert_eq!(page.get(r#"z{kind="instance"}"#), Some(f64::INFINITY));
+        assert_eq!(page.value("x_total").unwrap(), 3.0);
+        assert!(page.value("x").is_err());
         assert_eq!(page.sum("x_seconds_count"), 15.0);
         assert_eq!(page.sum("x_seconds"), 0.0);
         assert_eq!(page.named("x_total").count(), 1);
