@@ -82,10 +82,22 @@ pub async fn create_endpoint(
     endpoint: &str,
     variants_json: &str,
 ) -> anyhow::Result<()> {
-    let config = format!("{endpoint}-cfg");
-    admin
-        .create_endpoint_config(config_request(&config, variants_json))
-        .await?;
+    let request = config_request(&format!("{endpoint}-cfg"), variants_json);
+    create_endpoint_from(admin, endpoint, request).await
+}
+
+/// Creates the config `request` makes, and endpoint `endpoint` on it.
+async fn create_endpoint_from(
+    admin: &mut AdminClient<Channel>,
+    endpoint: &str,
+    request: pb::CreateEndpointConfigRequest,
+) -> anyhow::Result<()> {
+    let config = request
+        .endpoint_config
+        .as_ref()
+        .map(|config| config.name.clone())
+        .unwrap_or_default();
+    admin.create_endpoint_config(request).await?;
     admin
         .create_endpoint(pb::CreateEndpointRequest {
             name: endpoint.into(),
@@ -121,8 +133,7 @@ pub async fn create_quiet_endpoint(
     admin: &mut AdminClient<Channel>,
     endpoint: &str,
 ) -> anyhow::Result<()> {
-    let config = format!("{endpoint}-cfg");
-    let mut request = config_request(&config, &variant_json("RANDOM", None));
+    let mut request = config_request(&format!("{endpoint}-cfg"), &variant_json("RANDOM", None));
     if let Some(config) = request.endpoint_config.as_mut() {
         config.health_check = Some(pb::HealthCheckConfig {
             interval_ms: 3_600_000,
@@ -130,12 +141,42 @@ pub async fn create_quiet_endpoint(
             ..Default::default()
         });
     }
-    admin.create_endpoint_config(request).await?;
+    create_endpoint_from(admin, endpoint, request).await
+}
+
+/// The health (`pb::HealthStatus` as a number) of the first instance the control plane lists, -1 when
+/// it lists none or does not answer.
+pub async fn first_instance_health(admin: &AdminClient<Channel>) -> i32 {
+    let mut admin = admin.clone();
     admin
-        .create_endpoint(pb::CreateEndpointRequest {
-            name: endpoint.into(),
-            endpoint_config_name: config,
+        .list_instances(pb::ListInstancesRequest::default())
+        .await
+        .ok()
+        .and_then(|response| {
+            response
+                .into_inner()
+                .instances
+                .first()
+                .map(|instance| instance.health)
         })
-        .await?;
-    Ok(())
+        .unwrap_or(-1)
+}
+
+/// The ids of the instances of `endpoint` the control plane lists, sorted.
+pub async fn listed_instances(
+    admin: &mut AdminClient<Channel>,
+    endpoint: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut ids: Vec<String> = admin
+        .list_instances(pb::ListInstancesRequest {
+            endpoint_name: endpoint.into(),
+        })
+        .await?
+        .into_inner()
+        .instances
+        .into_iter()
+        .map(|instance| instance.id)
+        .collect();
+    ids.sort();
+    Ok(ids)
 }

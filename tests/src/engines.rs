@@ -12,6 +12,14 @@ pub fn fast() -> SimConfig {
     }
 }
 
+/// A simulator at real speed (the default model: about 14 ms a token).
+pub fn real_time() -> SimConfig {
+    SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    }
+}
+
 /// A simulator publishing KV events in `format` on free loopback ports, 1,000× faster than real
 /// time, with `kv_cache_blocks` blocks of KV cache (a small cache evicts quickly).
 pub fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
@@ -36,6 +44,22 @@ pub async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
     .await?;
     anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
     Ok(())
+}
+
+/// Places 12 prompts on `sims` in turn ([`place`]): each the same 64 words, then 20 to 68 words
+/// of its own (so that they share starts of various lengths, and small caches evict some).
+pub async fn place_sharing_starts(sims: &[SimHandle]) -> anyhow::Result<Vec<String>> {
+    let shared = crate::words(0, 64);
+    let mut prompts = Vec::new();
+    for round in 0..12usize {
+        let prompt = format!(
+            "{shared} {}",
+            crate::words(1000 + round * 100, 16 * (round % 4) + 20)
+        );
+        place(&sims[round % sims.len()], &prompt).await?;
+        prompts.push(prompt);
+    }
+    Ok(prompts)
 }
 
 /// The token ids `sim`'s `/tokenize` gives for `body` (a prompt or messages, and `model`).

@@ -25,17 +25,23 @@ mod up;
 
 pub use admin::{
     RPC_TIMEOUT, admin, config_request, config_request_with_health, create_endpoint,
-    create_quiet_endpoint, register, variant_json, wait_leader,
+    create_quiet_endpoint, first_instance_health, listed_instances, register, variant_json,
+    wait_leader,
 };
 pub use bodies::{chat_body, prompt, words};
 pub use cluster::Cluster;
-pub use control::{control_plane, control_process, embedded_control_plane};
-pub use engines::{fast, instance_ids, kv_sim, place, sim_tokens, stand_in};
+pub use control::{
+    control_plane, control_process, embedded_control_plane, etcd_control_plane,
+    etcd_control_process,
+};
+pub use engines::{
+    fast, instance_ids, kv_sim, place, place_sharing_starts, real_time, sim_tokens, stand_in,
+};
 pub use health_server::HealthServer;
 pub use relay::Relay;
 pub use router::{
-    chat_url, routed_count, routed_instances, router, router_from_file, router_with, settles,
-    wait_for_router_instances,
+    chat_url, invocations_url, routed_count, routed_instances, router, router_from_file,
+    router_with, settles, wait_for_router_instances,
 };
 pub use switchyard_testkit::{
     Body, Etcd, EtcdCluster, EtcdMember, HTTP_TIMEOUT, Metrics, Process, RefusingPort, Reply,

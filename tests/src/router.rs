@@ -45,6 +45,11 @@ pub fn chat_url(router: &RouterHandle) -> String {
     format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
 }
 
+/// The SageMaker invocations URL of endpoint `chat` through `router`.
+pub fn invocations_url(router: &RouterHandle) -> String {
+    format!("{}/endpoints/chat/invocations", router.url())
+}
+
 /// The ids of the instances `router` routes `endpoint` to now, over all its variants, sorted.
 pub fn routed_instances(router: &RouterHandle, endpoint: &str) -> Vec<String> {
     let table = router.table();

