@@ -1082,24 +1082,24 @@ async fn a_prefill_answer_without_a_usable_hand_off_or_past_a_bound_falls_back()
         "user": "u".repeat(2_900_000),
     })
     .to_string();
-    let cases: [(&str, fn() -> axum::Router, String, &str); 4] = [
+    let cases = [
         // 200, with kv_transfer_params that name no engine or blocks.
-        ("garbage", garbage_hand_off, long(), "bad_handoff"),
+        ("garbage", garbage_hand_off(), long(), "bad_handoff"),
         // A long answer: 11 frames of 100 kB, past the 1 MiB an answer may take.
         (
             "long",
-            || framed_answers(11, 100_000),
+            framed_answers(11, 100_000),
             long(),
             "prefill_failed",
         ),
         // A short one, 3 frames of 4 kB, that is no hand-off.
-        ("short", || framed_answers(3, 4_000), long(), "bad_handoff"),
+        ("short", framed_answers(3, 4_000), long(), "bad_handoff"),
         // For a request holding most of the buffer, 6 frames of 100 kB that would pass it.
-        ("large", || framed_answers(6, 100_000), large, "buffer_full"),
+        ("large", framed_answers(6, 100_000), large, "buffer_full"),
     ];
     for (case, app, body, reason) in cases {
         let dir = tempfile::tempdir()?;
-        let (router, decoder, server) = stand_in_prefill(&dir, app()).await?;
+        let (router, decoder, server) = stand_in_prefill(&dir, app).await?;
         let reply = complete(&router, &[("x-request-id", case)], body).await?;
         assert_eq!(
             reply.header("x-switchyard-route"),

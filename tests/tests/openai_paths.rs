@@ -65,7 +65,7 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
     cluster.wait_idle().await?;
 
     // The holder leaves: its responses are not found, and no other instance is asked.
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     admin
         .deregister_instance(pb::DeregisterInstanceRequest {
             endpoint_name: "chat".into(),

@@ -128,7 +128,7 @@ async fn a_prefix_is_its_first_prefix_length_characters_and_nothing_else() -> an
     // API counts bytes of the raw body.
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
     let router = &cluster.routers()[0];
-    let native_url = invocations_url(&router);
+    let native_url = invocations_url(router);
     let native_body = |text: &str| {
         format!(r#"{{"messages":[{{"role":"user","content":"{text}"}}],"max_tokens":1}}"#)
     };
@@ -444,7 +444,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
 async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Result<()> {
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
     let url = chat_url(&cluster.routers()[0]);
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     admin
         .create_endpoint_config(config_request("chat-prefix", &prefix_aware(50)))
         .await?;
@@ -587,7 +587,7 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     );
     for router in [&a, &b] {
         eventually(Duration::from_secs(10), "the routers to sync", || async {
-            routed_count(&router, "chat") == Some(1)
+            routed_count(router, "chat") == Some(1)
         })
         .await?;
     }
@@ -861,7 +861,7 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
     let long_id = "x".repeat(65);
     for bad in [long_id.as_str(), "tab\there"] {
         let reply = http_post(
-            &invocations_url(&router),
+            &invocations_url(router),
             &[("x-amzn-sagemaker-prefix-aware-id", bad)],
             chat_body("hi", 1, false),
         )
@@ -911,7 +911,7 @@ async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
     let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["error"]["type"], "service_unavailable");
-    let reply = http_post(&invocations_url(&router), &[], chat_body("hi", 1, false)).await?;
+    let reply = http_post(&invocations_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["ErrorCode"], "ServiceUnavailable");
     // The control plane's probes take it out of the table too.
@@ -969,7 +969,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
     // Native: the body goes through byte for byte.
     let native = "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"hi\"} ], \"model\":\"sim\", \"max_tokens\": 2 }";
-    let reply = http_post(&invocations_url(&router), &[], native).await?;
+    let reply = http_post(&invocations_url(router), &[], native).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
@@ -978,7 +978,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
     // An engine error on the native path is SageMaker's 424 ModelError.
     let reply = http_post(
-        &invocations_url(&router),
+        &invocations_url(router),
         &[],
         r#"{"model":"other","prompt":"x"}"#,
     )
@@ -1136,7 +1136,7 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
     }
 
     // Two variants weighted 1:3; the target-variant header overrides the weights.
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     let variants = r#"[{"VariantName":"Small","ModelName":"sim","InitialVariantWeight":1},
                        {"VariantName":"Large","ModelName":"sim","InitialVariantWeight":3}]"#;
     admin
@@ -1248,7 +1248,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
     // default, HTTP/1.1), a second engine registered with protocol h2c.
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
     let h2c_engine = switchyard_engine_sim::spawn(fast()).await?;
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     let registered = admin
         .register_instance(pb::RegisterInstanceRequest {
             endpoint_name: "chat".into(),
