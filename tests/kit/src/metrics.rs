@@ -3,6 +3,8 @@
 //! (`x_total` is not `x_total_created`, `x_seconds` not `x_seconds_count`), nor a label set
 //! one with more labels.
 
+use std::collections::BTreeMap;
+
 use anyhow::{Context as _, bail};
 
 /// One sample line: `name{label="value",…} value`.
@@ -24,10 +26,12 @@ impl Sample {
     }
 }
 
-/// A Prometheus text page, parsed (comments and blank lines skipped).
+/// A Prometheus text page, parsed: its samples, and its families' types (`# TYPE` lines; other
+/// comments and blank lines are skipped).
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     samples: Vec<Sample>,
+    families: BTreeMap<String, String>,
 }
 
 impl Metrics {
@@ -39,7 +43,15 @@ impl Metrics {
             .filter(|line| !line.is_empty() && !line.starts_with('#'))
             .map(|line| parse_sample(line).with_context(|| format!("sample line {line:?}")))
             .collect::<anyhow::Result<_>>()?;
-        Ok(Self { samples })
+        let families = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("# TYPE "))
+            .filter_map(|rest| {
+                let (name, kind) = rest.split_once(' ')?;
+                Some((name.to_owned(), kind.trim().to_owned()))
+            })
+            .collect();
+        Ok(Self { samples, families })
     }
 
     /// `GET {base_url}/metrics`, which must answer 200 with a page that parses.
@@ -90,6 +102,11 @@ impl Metrics {
 
     pub fn samples(&self) -> &[Sample] {
         &self.samples
+    }
+
+    /// The families the page declares (`# TYPE name kind`): name → kind.
+    pub fn families(&self) -> &BTreeMap<String, String> {
+        &self.families
     }
 }
 
@@ -221,6 +238,11 @@ z{kind="instance"} +Inf
         assert_eq!(page.sum("x_seconds_count"), 15.0);
         assert_eq!(page.sum("x_seconds"), 0.0);
         assert_eq!(page.named("x_total").count(), 1);
+        assert_eq!(
+            page.families().get("x_total").map(String::as_str),
+            Some("counter")
+        );
+        assert_eq!(page.families().len(), 1);
     }
 
     #[test]
