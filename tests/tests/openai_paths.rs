@@ -367,6 +367,14 @@ async fn static_router(
     router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
+/// Whether `engine` was sent no Responses API request.
+fn no_follow_up(engine: &switchyard_engine_sim::SimHandle) -> bool {
+    engine
+        .received()
+        .iter()
+        .all(|request| request.path != "/v1/responses")
+}
+
 /// A stored response made through `router`: (wrapped id, instance).
 async fn stored_response(router: &RouterHandle) -> anyhow::Result<(String, String)> {
     let reply = http_post(
@@ -432,13 +440,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     let new_id = created["response"]["id"].as_str().unwrap();
     assert!(new_id.starts_with("resp_sy1"), "{new_id}");
     assert_eq!(created["response"]["previous_response_id"], id.as_str());
-    assert!(
-        other
-            .received()
-            .iter()
-            .all(|request| request.path != "/v1/responses"),
-        "the other instance got a follow-up"
-    );
+    assert!(no_follow_up(other), "the other instance got a follow-up");
 
     // The holder stalls: the router ends the stream with its idle error event.
     engines[holder_index].set_faults(switchyard_engine_sim::Faults {
@@ -477,13 +479,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     )
     .await?;
     assert_eq!(retrieve.status, 503, "{}", retrieve.body);
-    assert!(
-        other
-            .received()
-            .iter()
-            .all(|request| request.path != "/v1/responses"),
-        "the other instance got a follow-up"
-    );
+    assert!(no_follow_up(other), "the other instance got a follow-up");
     settles(&router).await?;
     Ok(())
 }
