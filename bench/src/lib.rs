@@ -35,7 +35,6 @@ mod flags;
 pub mod fleet;
 pub mod forward;
 pub mod oracle;
-pub mod otlp_sink;
 pub mod output;
 pub mod overhead;
 pub mod overload;

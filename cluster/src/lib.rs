@@ -1,6 +1,7 @@
-//! A whole local cluster in this process: a control plane on an embedded store, simulated
-//! engines registered as instances, and routers following the control plane (in this process,
-//! or as `switchyard-router` processes). Used by `switchyard up`, the benchmarks and the tests.
+//! A whole local cluster in this process: a control plane on an embedded store (or on etcd),
+//! simulated engines registered as instances, and routers following the control plane (in this
+//! process, or as `switchyard-router` processes). Used by `switchyard up`, the benchmarks and
+//! the tests.
 
 pub mod http;
 
@@ -30,7 +31,8 @@ pub struct ClusterSpec {
     /// `ModelName` should be that (the router rewrites `model` to it).
     pub variants_json: String,
     pub sim: SimConfig,
-    /// Embedded store directory; `None`: a temporary directory removed at shutdown.
+    /// Embedded store directory; `None`: a temporary directory removed at shutdown. Only for
+    /// the embedded store ([`ClusterTuning::store`]).
     pub data_dir: Option<PathBuf>,
     pub control_listen: SocketAddr,
     /// One address per router; empty: `127.0.0.1:0` for each.
@@ -68,9 +70,18 @@ impl Default for ClusterSpec {
     }
 }
 
-/// Knobs beyond [`ClusterSpec`] that benchmarks change.
+/// Knobs beyond [`ClusterSpec`] that benchmarks and tests change.
 #[derive(Debug, Clone)]
 pub struct ClusterTuning {
+    /// Where the control plane stores the cluster: the embedded store (in
+    /// [`ClusterSpec::data_dir`]), as `switchyard up` and the benchmarks run, or etcd, as the
+    /// tests run.
+    pub store: ClusterStore,
+    /// The endpoint config's health checks (default: [`HealthCheckConfig::default`] with a
+    /// 2 s timeout).
+    pub health_check: HealthCheckConfig,
+    /// Serving threads of each router in this process.
+    pub router_worker_threads: usize,
     /// How often routers report their in-flight counts and the control plane sends
     /// fleet-wide load (both default to 100 ms). A benchmark on a scaled clock scales it too.
     pub load_interval_ms: u64,
@@ -84,11 +95,30 @@ pub struct ClusterTuning {
 impl Default for ClusterTuning {
     fn default() -> Self {
         Self {
+            store: ClusterStore::Embedded,
+            health_check: HealthCheckConfig {
+                timeout_ms: 2000,
+                ..HealthCheckConfig::default()
+            },
+            router_worker_threads: 1,
             load_interval_ms: 100,
             ready_timeout: Duration::from_secs(30),
             router_binary: None,
         }
     }
+}
+
+/// The control plane's store.
+#[derive(Debug, Clone, Default)]
+pub enum ClusterStore {
+    /// The embedded store, in [`ClusterSpec::data_dir`].
+    #[default]
+    Embedded,
+    /// etcd at `endpoints` (`http://HOST:PORT`), keys under `prefix` (`/…/`).
+    Etcd {
+        endpoints: Vec<String>,
+        prefix: String,
+    },
 }
 
 /// `127.0.0.1:0`.
@@ -226,18 +256,35 @@ impl LocalCluster {
                 spec.routers
             );
         }
-        let (data_dir, temp_dir) = match &spec.data_dir {
-            Some(dir) => (dir.clone(), None),
-            None => {
+        let (mut control, temp_dir) = match (&tuning.store, &spec.data_dir) {
+            (ClusterStore::Embedded, Some(dir)) => (
+                switchyard_control::ControlConfig::embedded(spec.control_listen, dir.clone()),
+                None,
+            ),
+            (ClusterStore::Embedded, None) => {
                 let temp = tempfile::Builder::new()
                     .prefix("switchyard-cluster-")
                     .tempdir()
                     .context("cannot create a temporary directory for the embedded store")?;
-                (temp.path().to_path_buf(), Some(temp))
+                let control = switchyard_control::ControlConfig::embedded(
+                    spec.control_listen,
+                    temp.path().to_path_buf(),
+                );
+                (control, Some(temp))
             }
+            (ClusterStore::Etcd { endpoints, prefix }, None) => (
+                switchyard_control::ControlConfig::etcd(
+                    spec.control_listen,
+                    endpoints.clone(),
+                    prefix,
+                ),
+                None,
+            ),
+            (ClusterStore::Etcd { .. }, Some(dir)) => bail!(
+                "a data directory ({}) is for the embedded store, not etcd",
+                dir.display()
+            ),
         };
-        let mut control =
-            switchyard_control::ControlConfig::embedded(spec.control_listen, data_dir);
         control.load_interval_ms = tuning.load_interval_ms;
         control.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
         control.router_timeout_ms = control.router_timeout_ms.max(tuning.load_interval_ms * 2);
@@ -299,10 +346,7 @@ impl LocalCluster {
             endpoint_config_name: EndpointConfigName::new(&config_name)
                 .map_err(|err| anyhow::anyhow!("endpoint config name {config_name:?}: {err}"))?,
             production_variants: variants,
-            health_check_config: HealthCheckConfig {
-                timeout_ms: 2000,
-                ..HealthCheckConfig::default()
-            },
+            health_check_config: tuning.health_check.clone(),
             creation_time_ms: 0,
             disaggregation_config: disaggregation.as_ref().map(|(config, _)| config.clone()),
         };
@@ -404,6 +448,7 @@ impl LocalCluster {
             );
             config.load_report_interval_ms = tuning.load_interval_ms;
             config.router_id = Some(format!("router-{index}"));
+            config.worker_threads = Some(tuning.router_worker_threads);
             config.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
             let settings = config
                 .validate()
@@ -526,6 +571,12 @@ impl LocalCluster {
 
     pub fn routers(&self) -> &[switchyard_router::RouterHandle] {
         &self.routers
+    }
+
+    /// Takes router `index` (in this process) out of the cluster, to stop it alone.
+    pub fn take_router(&mut self, index: usize) -> switchyard_router::RouterHandle {
+        self.router_urls.remove(index);
+        self.routers.remove(index)
     }
 
     pub fn control_plane(&self) -> Option<&switchyard_control::ControlPlane> {

@@ -7,11 +7,19 @@ use std::time::Duration;
 use switchyard_tests::*;
 
 fn run(binary: &str, args: &[&str]) -> std::process::Output {
-    Command::new(switchyard_tests::binary(binary))
-        .args(args)
-        .env_remove("SWITCHYARD_CONTROL_PLANE")
-        .output()
-        .expect("the binary runs")
+    run_with(binary, args, None)
+}
+
+/// Runs `binary` with `args` and `$SWITCHYARD_CONTROL_PLANE` set to `control_plane` (unset
+/// for `None`).
+fn run_with(binary: &str, args: &[&str], control_plane: Option<&str>) -> std::process::Output {
+    let mut command = Command::new(switchyard_tests::binary(binary));
+    command.args(args);
+    match control_plane {
+        Some(url) => command.env("SWITCHYARD_CONTROL_PLANE", url),
+        None => command.env_remove("SWITCHYARD_CONTROL_PLANE"),
+    };
+    command.output().expect("the binary runs")
 }
 
 #[test]
@@ -44,108 +52,135 @@ fn every_binary_explains_itself_and_refuses_bad_flags_with_64() {
         text.contains("--preset") && text.contains("--strategies"),
         "{text}"
     );
-    let bad = run("switchyard", &["demo", "--no-such-flag"]);
-    assert_eq!(
-        bad.status.code(),
-        Some(64),
-        "switchyard demo with a bad flag"
-    );
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--no-such-flag"));
-    let bad = run("switchyard-control", &["--store", "etcd"]);
-    assert_eq!(bad.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--etcd-endpoints"));
-    // TLS to etcd: misused flags and unreadable files are usage errors naming the flag.
-    for (args, named) in [
+    // Usage errors: exit 64, naming the flag (or the variable) that is wrong. Among them, TLS
+    // to etcd: misused flags and unreadable files; and $SWITCHYARD_CONTROL_PLANE, which is a
+    // default, not a flag: it does not conflict with --config (the file is what is wrong
+    // there), and a bad value is named as the variable.
+    let etcd = |args: &[&'static str]| [&["--store", "etcd"], args].concat();
+    let refused: Vec<(&str, Vec<&str>, Option<&str>, &str)> = vec![
         (
-            &[
+            "switchyard",
+            vec!["demo", "--no-such-flag"],
+            None,
+            "--no-such-flag",
+        ),
+        ("switchyard-control", etcd(&[]), None, "--etcd-endpoints"),
+        (
+            "switchyard-control",
+            etcd(&[
                 "--etcd-endpoints",
                 "http://127.0.0.1:1",
                 "--etcd-ca",
                 "/ca.pem",
-            ][..],
+            ]),
+            None,
             "--etcd-ca",
         ),
         (
-            &[
+            "switchyard-control",
+            etcd(&[
                 "--etcd-endpoints",
                 "https://127.0.0.1:1",
                 "--etcd-ca",
                 "/nonexistent/ca.pem",
-            ],
+            ]),
+            None,
             "--etcd-ca /nonexistent/ca.pem",
         ),
-        (&["--etcd-endpoints", "https://127.0.0.1:1"], "--etcd-ca"),
         (
-            &[
+            "switchyard-control",
+            etcd(&["--etcd-endpoints", "https://127.0.0.1:1"]),
+            None,
+            "--etcd-ca",
+        ),
+        (
+            "switchyard-control",
+            etcd(&[
                 "--etcd-endpoints",
                 "https://127.0.0.1:1",
                 "--etcd-cert",
                 "/c.pem",
-            ],
+            ]),
+            None,
             "--etcd-key",
         ),
-    ] {
-        let bad = run("switchyard-control", &[&["--store", "etcd"], args].concat());
+        (
+            "switchyard-router",
+            vec!["--config", "/nonexistent.yaml"],
+            None,
+            "--config",
+        ),
+        (
+            "switchyard-router",
+            vec!["--config", "/nonexistent.yaml"],
+            Some("http://127.0.0.1:1"),
+            "--config /nonexistent.yaml",
+        ),
+        (
+            "switchyard-router",
+            vec![],
+            Some("ftp://127.0.0.1:1"),
+            "$SWITCHYARD_CONTROL_PLANE",
+        ),
+        (
+            "switchyard-bench",
+            vec!["compare", "--load-balance-factor", "0.5"],
+            None,
+            "--load-balance-factor",
+        ),
+        (
+            "switchyard-bench",
+            vec!["overhead", "--requests", "0"],
+            None,
+            "--requests",
+        ),
+    ];
+    for (binary, args, control_plane, named) in refused {
+        let bad = run_with(binary, &args, control_plane);
         let stderr = String::from_utf8_lossy(&bad.stderr);
-        assert_eq!(bad.status.code(), Some(64), "{args:?}: {stderr}");
-        assert!(stderr.contains(named), "{args:?}: {stderr}");
-    }
-    let bad = run("switchyard-router", &["--config", "/nonexistent.yaml"]);
-    assert_eq!(bad.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--config"));
-    // $SWITCHYARD_CONTROL_PLANE is a default, not a flag: it does not conflict with --config
-    // (the file is what is wrong here), and a bad value is named as the variable.
-    let router = |env: &str, args: &[&str]| {
-        Command::new(switchyard_tests::binary("switchyard-router"))
-            .args(args)
-            .env("SWITCHYARD_CONTROL_PLANE", env)
-            .output()
-            .expect("the router runs")
-    };
-    let bad = router("http://127.0.0.1:1", &["--config", "/nonexistent.yaml"]);
-    assert_eq!(bad.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&bad.stderr);
-    assert!(stderr.contains("--config /nonexistent.yaml"), "{stderr}");
-    let bad = router("ftp://127.0.0.1:1", &[]);
-    assert_eq!(bad.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&bad.stderr);
-    assert!(stderr.contains("$SWITCHYARD_CONTROL_PLANE"), "{stderr}");
-}
-
-/// A `switchyard-control` process on an embedded store in a temporary directory.
-struct ControlProcess {
-    process: Process,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-fn control_process() -> ControlProcess {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let data_dir = dir.path().to_str().expect("utf-8 path").to_owned();
-    let process = Process::start(
-        "switchyard-control",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            &data_dir,
-        ],
-        "control plane listening",
-    )
-    .expect("switchyard-control starts");
-    ControlProcess {
-        url: process.url(),
-        process,
-        _dir: dir,
+        assert_eq!(bad.status.code(), Some(64), "{binary} {args:?}: {stderr}");
+        assert!(stderr.contains(named), "{binary} {args:?}: {stderr}");
     }
 }
 
-fn cli(control: &ControlProcess, args: &[&str]) -> (i32, String, String) {
+/// One admin CLI call as a user types it, and what it must give: its exit code, texts its
+/// stdout and its stderr must contain, and a check of its stdout.
+struct Call<'a> {
+    args: Vec<&'a str>,
+    code: i32,
+    stdout: &'a [&'a str],
+    stderr: &'a [&'a str],
+    check: fn(&str),
+}
+
+impl<'a> Call<'a> {
+    fn new(args: &[&'a str], code: i32) -> Self {
+        Self {
+            args: args.to_vec(),
+            code,
+            stdout: &[],
+            stderr: &[],
+            check: |_| {},
+        }
+    }
+
+    fn printing(self, stdout: &'a [&'a str]) -> Self {
+        Self { stdout, ..self }
+    }
+
+    fn failing_with(self, stderr: &'a [&'a str]) -> Self {
+        Self { stderr, ..self }
+    }
+
+    fn checked(self, check: fn(&str)) -> Self {
+        Self { check, ..self }
+    }
+}
+
+fn cli(control_plane: &str, args: &[&str]) -> (i32, String, String) {
     let output = Command::new(switchyard_tests::binary("switchyard"))
         .arg("--control-plane")
-        .arg(&control.url)
+        .arg(control_plane)
         .args(args)
         .output()
         .expect("switchyard runs");
@@ -156,270 +191,155 @@ fn cli(control: &ControlProcess, args: &[&str]) -> (i32, String, String) {
     )
 }
 
+fn json(out: &str) -> serde_json::Value {
+    serde_json::from_str(out).expect("JSON output")
+}
+
 #[test]
 fn the_admin_cli_works_as_a_user_types_it() {
-    let mut control = control_process();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().to_str().expect("utf-8 path");
+    let mut control =
+        control_process(&["--data-dir", data_dir]).expect("switchyard-control starts");
     let variants = r#"[{"VariantName":"AllTraffic","ModelName":"m","InitialInstanceCount":3,"RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
-    let (code, out, err) = cli(
-        &control,
-        &[
-            "endpoint-config",
-            "create",
-            "--name",
-            "chat-cfg",
-            "--production-variants",
-            variants,
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("created endpoint config chat-cfg"), "{out}");
-
-    let (code, out, _) = cli(&control, &["endpoint-config", "list"]);
-    assert_eq!(code, 0);
-    let header = out.lines().next().unwrap_or_default();
-    assert!(
-        header.starts_with("NAME") && header.contains("STRATEGY"),
-        "{out}"
-    );
-    assert!(
-        out.contains("PREFIX_AWARE") && out.contains("4096/10"),
-        "{out}"
-    );
-
     // Switchyard's bounded-load extension is set through the CLI (boto3 would refuse it).
     let bounded = r#"[{"VariantName":"AllTraffic","ModelName":"m","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}}]"#;
-    let (code, _, err) = cli(
-        &control,
-        &[
+    let unbalanced = bounded.replace("1.25", "0.5");
+    let create_config = |name, variants| {
+        vec![
             "endpoint-config",
             "create",
             "--name",
-            "hot-cfg",
+            name,
             "--production-variants",
-            bounded,
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    let (code, out, _) = cli(
-        &control,
-        &[
-            "--output",
-            "json",
-            "endpoint-config",
-            "describe",
-            "--name",
-            "hot-cfg",
-        ],
-    );
-    assert_eq!(code, 0);
-    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
-    let prefix = &json["ProductionVariants"][0]["RoutingConfig"]["PrefixAwareRoutingConfig"];
-    assert_eq!(prefix["LoadBalanceFactor"], 1.25, "{out}");
-    assert_eq!(prefix["LoadBalanceSlack"], 2, "{out}");
-    let (_, out, _) = cli(&control, &["endpoint-config", "list"]);
-    assert!(out.contains("4096/16 load≤1.25×mean+2"), "{out}");
-    let (code, _, err) = cli(
-        &control,
-        &[
-            "endpoint-config",
-            "create",
-            "--name",
-            "x",
-            "--production-variants",
-            &bounded.replace("1.25", "0.5"),
-        ],
-    );
-    assert_eq!(code, 64);
-    assert!(err.contains("LoadBalanceFactor"), "{err}");
-    let (code, _, _) = cli(
-        &control,
-        &["endpoint-config", "delete", "--name", "hot-cfg"],
-    );
-    assert_eq!(code, 0);
-
-    // A rule broken locally: exit 64, field named.
-    let (code, _, err) = cli(
-        &control,
-        &[
-            "endpoint-config",
-            "create",
-            "--name",
-            "x",
-            "--production-variants",
-            r#"[{"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":10,"ConcurrencyThreshold":10}}}]"#,
-        ],
-    );
-    assert_eq!(code, 64);
-    assert!(err.contains("PrefixLength"), "{err}");
-    let (code, _, err) = cli(
-        &control,
-        &[
-            "endpoint-config",
-            "create",
-            "--name",
-            "x",
-            "--production-variants",
-            "[{",
-        ],
-    );
-    assert_eq!(code, 64);
-    assert!(err.contains("not valid JSON"), "{err}");
-
-    let (code, out, err) = cli(
-        &control,
-        &[
-            "endpoint",
-            "create",
-            "--name",
-            "chat",
-            "--endpoint-config-name",
-            "chat-cfg",
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("InService"), "{out}");
-    let (code, out, _) = cli(
-        &control,
-        &["--output", "json", "endpoint", "describe", "--name", "chat"],
-    );
-    assert_eq!(code, 0);
-    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON output");
-    assert_eq!(json["EndpointConfigName"], "chat-cfg");
-
-    let (code, out, err) = cli(
-        &control,
-        &[
+            variants,
+        ]
+    };
+    let register = |extra: &[&'static str]| {
+        let mut args = vec![
             "instance",
             "register",
             "--endpoint",
             "chat",
             "--variant",
             "AllTraffic",
-            "--url",
-            "http://127.0.0.1:9",
-            "--id",
-            "e1",
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("registered instance e1"), "{out}");
-    let (code, out, _) = cli(&control, &["instance", "list"]);
-    assert_eq!(code, 0);
-    assert!(
-        out.contains("e1") && out.contains("http://127.0.0.1:9"),
-        "{out}"
-    );
-    // An engine that serves h2c says so at registration; the listing shows it.
-    let (code, out, err) = cli(
-        &control,
-        &[
-            "--output",
-            "json",
-            "instance",
-            "register",
-            "--endpoint",
-            "chat",
-            "--variant",
-            "AllTraffic",
-            "--url",
-            "http://127.0.0.1:10",
-            "--id",
-            "e2",
-            "--protocol",
-            "h2c",
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("\"Protocol\": \"h2c\""), "{out}");
-    let (code, _, err) = cli(
-        &control,
-        &[
-            "instance",
-            "register",
-            "--endpoint",
-            "chat",
-            "--variant",
-            "AllTraffic",
-            "--url",
-            "http://127.0.0.1:11",
-            "--protocol",
-            "h3",
-        ],
-    );
-    assert_eq!(code, 64);
-    assert!(err.contains("--protocol"), "{err}");
-    // An engine that publishes vLLM KV-cache events says where at registration.
-    let (code, out, err) = cli(
-        &control,
-        &[
-            "--output",
-            "json",
-            "instance",
-            "register",
-            "--endpoint",
-            "chat",
-            "--variant",
-            "AllTraffic",
-            "--url",
-            "http://127.0.0.1:12",
-            "--id",
-            "e3",
-            "--kv-events",
-            "tcp://127.0.0.1:5557",
-            "--kv-events-replay",
-            "tcp://127.0.0.1:5558",
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("\"KvEvents\": \"tcp://127.0.0.1:5557\"")
-            && out.contains("\"KvEventsReplay\": \"tcp://127.0.0.1:5558\""),
-        "{out}"
-    );
-    let (code, _, err) = cli(
-        &control,
-        &[
-            "instance",
-            "register",
-            "--endpoint",
-            "chat",
-            "--variant",
-            "AllTraffic",
-            "--url",
-            "http://127.0.0.1:13",
-            "--kv-events",
-            "tcp://*:5557",
-        ],
-    );
-    assert_eq!(code, 64);
-    assert!(err.contains("--kv-events"), "{err}");
-
-    // Errors from the server: readable, exit 1.
-    let (code, _, err) = cli(&control, &["endpoint", "describe", "--name", "nope"]);
-    assert_eq!(code, 1);
-    assert!(
-        err.contains("not found: endpoint nope does not exist"),
-        "{err}"
-    );
-    let (code, _, err) = cli(
-        &control,
-        &["endpoint-config", "delete", "--name", "chat-cfg"],
-    );
-    assert_eq!(code, 1);
-    assert!(err.contains("used by endpoint chat"), "{err}");
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    let json_register =
+        |extra: &[&'static str]| [&["--output", "json"][..], &register(extra)].concat();
+    let calls = [
+        Call::new(&create_config("chat-cfg", variants), 0)
+            .printing(&["created endpoint config chat-cfg"]),
+        Call::new(&["endpoint-config", "list"], 0)
+            .printing(&["PREFIX_AWARE", "4096/10"])
+            .checked(|out| {
+                let header = out.lines().next().unwrap_or_default();
+                assert!(
+                    header.starts_with("NAME") && header.contains("STRATEGY"),
+                    "{out}"
+                );
+            }),
+        Call::new(&create_config("hot-cfg", bounded), 0),
+        Call::new(
+            &["--output", "json", "endpoint-config", "describe", "--name", "hot-cfg"],
+            0,
+        )
+        .checked(|out| {
+            let json = json(out);
+            let prefix =
+                &json["ProductionVariants"][0]["RoutingConfig"]["PrefixAwareRoutingConfig"];
+            assert_eq!(prefix["LoadBalanceFactor"], 1.25, "{out}");
+            assert_eq!(prefix["LoadBalanceSlack"], 2, "{out}");
+        }),
+        Call::new(&["endpoint-config", "list"], 0).printing(&["4096/16 load≤1.25×mean+2"]),
+        Call::new(&create_config("x", &unbalanced), 64).failing_with(&["LoadBalanceFactor"]),
+        Call::new(&["endpoint-config", "delete", "--name", "hot-cfg"], 0),
+        // A rule broken locally: exit 64, field named.
+        Call::new(
+            &create_config(
+                "x",
+                r#"[{"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":{"PrefixLength":10,"ConcurrencyThreshold":10}}}]"#,
+            ),
+            64,
+        )
+        .failing_with(&["PrefixLength"]),
+        Call::new(&create_config("x", "[{"), 64).failing_with(&["not valid JSON"]),
+        Call::new(
+            &["endpoint", "create", "--name", "chat", "--endpoint-config-name", "chat-cfg"],
+            0,
+        )
+        .printing(&["InService"]),
+        Call::new(
+            &["--output", "json", "endpoint", "describe", "--name", "chat"],
+            0,
+        )
+        .checked(|out| assert_eq!(json(out)["EndpointConfigName"], "chat-cfg")),
+        Call::new(&register(&["--url", "http://127.0.0.1:9", "--id", "e1"]), 0)
+            .printing(&["registered instance e1"]),
+        Call::new(&["instance", "list"], 0).printing(&["e1", "http://127.0.0.1:9"]),
+        // An engine that serves h2c says so at registration; the listing shows it.
+        Call::new(
+            &json_register(&["--url", "http://127.0.0.1:10", "--id", "e2", "--protocol", "h2c"]),
+            0,
+        )
+        .printing(&["\"Protocol\": \"h2c\""]),
+        Call::new(
+            &register(&["--url", "http://127.0.0.1:11", "--protocol", "h3"]),
+            64,
+        )
+        .failing_with(&["--protocol"]),
+        // An engine that publishes vLLM KV-cache events says where at registration.
+        Call::new(
+            &json_register(&[
+                "--url",
+                "http://127.0.0.1:12",
+                "--id",
+                "e3",
+                "--kv-events",
+                "tcp://127.0.0.1:5557",
+                "--kv-events-replay",
+                "tcp://127.0.0.1:5558",
+            ]),
+            0,
+        )
+        .printing(&[
+            "\"KvEvents\": \"tcp://127.0.0.1:5557\"",
+            "\"KvEventsReplay\": \"tcp://127.0.0.1:5558\"",
+        ]),
+        Call::new(
+            &register(&["--url", "http://127.0.0.1:13", "--kv-events", "tcp://*:5557"]),
+            64,
+        )
+        .failing_with(&["--kv-events"]),
+        // Errors from the server: readable, exit 1.
+        Call::new(&["endpoint", "describe", "--name", "nope"], 1)
+            .failing_with(&["not found: endpoint nope does not exist"]),
+        Call::new(&["endpoint-config", "delete", "--name", "chat-cfg"], 1)
+            .failing_with(&["used by endpoint chat"]),
+    ];
+    for call in calls {
+        let (code, out, err) = cli(&control.url(), &call.args);
+        let args = &call.args;
+        assert_eq!(code, call.code, "{args:?}: {err}");
+        for text in call.stdout {
+            assert!(out.contains(text), "{args:?}: {text} not in {out}");
+        }
+        for text in call.stderr {
+            assert!(err.contains(text), "{args:?}: {text} not in {err}");
+        }
+        (call.check)(&out);
+    }
 
     // Unreachable control plane: says so.
     let refusing = RefusingPort::new().expect("a refusing port");
-    let output = Command::new(switchyard_tests::binary("switchyard"))
-        .args(["--control-plane", &refusing.url(), "endpoint", "list"])
-        .output()
-        .expect("switchyard runs");
-    assert_eq!(output.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot reach the control plane"));
+    let (code, _, err) = cli(&refusing.url(), &["endpoint", "list"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot reach the control plane"), "{err}");
 
-    control.process.terminate();
+    control.terminate();
     let status = control
-        .process
         .wait_exit(Duration::from_secs(30))
         .expect("exit after SIGTERM");
     assert!(status.success(), "graceful exit on SIGTERM: {status}");
@@ -448,40 +368,42 @@ fn switchyard_up_starts_a_cluster_whose_printed_curl_works() {
     );
 }
 
-#[test]
-fn a_bounded_load_comparison_runs_with_routers_as_processes() {
+/// Runs `switchyard-bench` with `args` and `--json FILE`, which must succeed: its stdout and
+/// its JSON report.
+fn bench_report(args: &[&str]) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let json = dir.path().join("compare.json");
+    let json = dir.path().join("report.json");
     let json_arg = json.to_str().expect("utf-8 path");
-    let output = run(
-        "switchyard-bench",
-        &[
-            "compare",
-            "--preset",
-            "quick",
-            "--quiet",
-            "--strategies",
-            "PREFIX_AWARE",
-            "--load-balance-factor",
-            "1.25",
-            "--load-balance-slack",
-            "0",
-            "--router-processes",
-            "--peers",
-            "sglang",
-            "--sglang-bin",
-            "/nonexistent/smg",
-            "--json",
-            json_arg,
-        ],
-    );
+    let output = run("switchyard-bench", &[args, &["--json", json_arg]].concat());
     assert!(
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let report: serde_json::Value =
+    let report =
         serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    (String::from_utf8_lossy(&output.stdout).into_owned(), report)
+}
+
+#[test]
+fn a_bounded_load_comparison_runs_with_routers_as_processes() {
+    let (_, report) = bench_report(&[
+        "compare",
+        "--preset",
+        "quick",
+        "--quiet",
+        "--strategies",
+        "PREFIX_AWARE",
+        "--load-balance-factor",
+        "1.25",
+        "--load-balance-slack",
+        "0",
+        "--router-processes",
+        "--peers",
+        "sglang",
+        "--sglang-bin",
+        "/nonexistent/smg",
+    ]);
     let runs = report["runs"].as_array().expect("runs");
     assert_eq!(
         runs.len(),
@@ -497,42 +419,21 @@ fn a_bounded_load_comparison_runs_with_routers_as_processes() {
     let notes = report["notes"].to_string();
     assert!(notes.contains("ran as processes"), "{notes}");
     assert!(notes.contains("skipped"), "{notes}");
-
-    let bad = run(
-        "switchyard-bench",
-        &["compare", "--load-balance-factor", "0.5"],
-    );
-    assert_eq!(bad.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--load-balance-factor"));
 }
 
 #[test]
 fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json = dir.path().join("overhead.json");
-    let json_arg = json.to_str().expect("utf-8 path");
-    let output = run(
-        "switchyard-bench",
-        &[
-            "overhead",
-            "--quiet",
-            "--requests",
-            "40",
-            "--concurrency",
-            "2",
-            "--duration",
-            "0.3",
-            "--tracing",
-            "--json",
-            json_arg,
-        ],
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let table = String::from_utf8_lossy(&output.stdout);
+    let (table, report) = bench_report(&[
+        "overhead",
+        "--quiet",
+        "--requests",
+        "40",
+        "--concurrency",
+        "2",
+        "--duration",
+        "0.3",
+        "--tracing",
+    ]);
     for line in [
         "through the router",
         "through a bare forwarder",
@@ -540,8 +441,6 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
     ] {
         assert!(table.contains(line), "{line} missing from:\n{table}");
     }
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
     assert_eq!(report["engine"], "process");
     assert_eq!(report["rounds"], 40);
     for way in [
@@ -582,26 +481,6 @@ fn the_overhead_benchmark_runs_every_way_and_writes_its_report() {
         "{report}"
     );
     assert!(table.contains("dead-collector"), "{table}");
-
-    let bad = run("switchyard-bench", &["overhead", "--requests", "0"]);
-    assert_eq!(bad.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--requests"));
-}
-
-/// Reads the rest of a streamed response (bounded), returning its text.
-async fn read_rest(mut response: http::Response<hyper::body::Incoming>) -> anyhow::Result<String> {
-    use http_body_util::BodyExt as _;
-    let mut text = String::new();
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(frame) = response.body_mut().frame().await {
-            if let Ok(data) = frame?.into_data() {
-                text.push_str(&String::from_utf8_lossy(&data));
-            }
-        }
-        anyhow::Ok(())
-    })
-    .await??;
-    Ok(text)
 }
 
 /// Starts a stream of `tokens` tokens from model `model` at `url`, and waits for its first
@@ -656,26 +535,28 @@ async fn sigterm_lets_router_and_simulator_processes_finish_their_streams() -> a
         ],
         "router listening",
     )?;
+    // The router first: it routes to the simulator, which must still be up.
     let through_router = format!("{}/endpoints/chat/openai/v1/chat/completions", router.url());
-    let (response, first) = stream_under_way(&through_router, "chat", 60).await?;
-    router.terminate();
-    let text = first + &read_rest(response).await?;
-    assert!(
-        text.trim_end().ends_with("data: [DONE]"),
-        "the router cut the stream on SIGTERM: {text}"
-    );
-    let status = router.wait_exit(Duration::from_secs(30))?;
-    assert!(status.success(), "router exit after SIGTERM: {status}");
-
     let direct = format!("{}/v1/chat/completions", sim.url());
-    let (response, first) = stream_under_way(&direct, "sim", 60).await?;
-    sim.terminate();
-    let text = first + &read_rest(response).await?;
-    assert!(
-        text.trim_end().ends_with("data: [DONE]"),
-        "the simulator cut the stream on SIGTERM: {text}"
-    );
-    let status = sim.wait_exit(Duration::from_secs(30))?;
-    assert!(status.success(), "simulator exit after SIGTERM: {status}");
+    for (process, url, model, who) in [
+        (&mut router, through_router, "chat", "router"),
+        (&mut sim, direct, "sim", "simulator"),
+    ] {
+        let (mut response, first) = stream_under_way(&url, model, 60).await?;
+        process.terminate();
+        let rest = read_body(&mut response).await;
+        anyhow::ensure!(
+            !rest.broke,
+            "the {who}'s stream broke: {first}{}",
+            rest.text
+        );
+        let text = first + &rest.text;
+        assert!(
+            text.trim_end().ends_with("data: [DONE]"),
+            "the {who} cut the stream on SIGTERM: {text}"
+        );
+        let status = process.wait_exit(Duration::from_secs(30))?;
+        assert!(status.success(), "{who} exit after SIGTERM: {status}");
+    }
     Ok(())
 }

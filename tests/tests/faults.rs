@@ -12,20 +12,6 @@ use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.02,
-        ..SimConfig::default()
-    }
-}
-
-/// Every test step is bounded: a router that hangs fails the test instead of the suite.
-async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(30), future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
-}
-
 /// A router for endpoint `chat` (RANDOM) over `instances`: (id, url, weight), from a static
 /// file, with `tune` applied to its flags.
 async fn start_router(
@@ -41,16 +27,7 @@ async fn start_router(
             "      - {{Url: \"{url}\", InstanceId: {id}, Weight: {weight}}}\n"
         ));
     }
-    let path = dir.path().join("routes.yaml");
-    std::fs::write(&path, yaml)?;
-    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    tune(&mut config);
-    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
-}
-
-fn chat_url(router: &RouterHandle) -> String {
-    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
+    router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
 fn request_ids(engine: &SimHandle) -> HashSet<String> {
@@ -59,42 +36,6 @@ fn request_ids(engine: &SimHandle) -> HashSet<String> {
         .into_iter()
         .filter_map(|request| request.headers.get("x-request-id").cloned())
         .collect()
-}
-
-async fn metric(router: &RouterHandle, sample: &str) -> f64 {
-    let (_, text) = http_get(&format!("{}/metrics", router.url()))
-        .await
-        .expect("metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix(sample))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// After every case: nothing is counted in flight any more, per instance or per router.
-async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
-    eventually(
-        Duration::from_secs(10),
-        "in-flight counts back to 0",
-        || async {
-            router.in_flight() == 0
-                && router.admission().in_flight() == 0
-                && router.admission().buffered_bytes() == 0
-        },
-    )
-    .await
-}
-
-/// A stand-in engine serving `app` on a free loopback port: its URL, and the task serving it.
-async fn stand_in(
-    app: axum::Router,
-) -> anyhow::Result<(String, tokio::task::JoinHandle<std::io::Result<()>>)> {
-    let listener = tokio::net::TcpListener::bind(loopback_any()).await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    Ok((
-        url,
-        tokio::spawn(async move { axum::serve(listener, app).await }),
-    ))
 }
 
 fn dying(config: SimConfig) -> SimConfig {
@@ -125,21 +66,10 @@ async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> any
         .await?;
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let mut text = String::new();
-        let mut failed = false;
-        while let Some(frame) = bounded("a frame", response.body_mut().frame()).await {
-            match frame {
-                Ok(frame) => {
-                    if let Some(data) = frame.data_ref() {
-                        text.push_str(&String::from_utf8_lossy(data));
-                    }
-                }
-                Err(_) => {
-                    failed = true;
-                    break;
-                }
-            }
-        }
+        let Body {
+            text,
+            broke: failed,
+        } = read_body(&mut response).await;
         if stream {
             // The answer had begun (200, SSE): it ends cut short, never with [DONE].
             assert_eq!(status, 200);
@@ -162,11 +92,11 @@ async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> any
     }
     assert!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_errors_total{kind=\"upstream_reset\"}"
         )
         .await
-            >= 2.0
+        .is_some_and(|count| count >= 2.0)
     );
     settles(&router).await?;
     router.shutdown().await;
@@ -228,11 +158,11 @@ async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> a
     assert_eq!(routes[3..], ["random", "random", "random"], "{routes:?}");
     assert_eq!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"refusing\"}"
         )
         .await,
-        1.0
+        Some(1.0)
     );
     settles(&router).await?;
     Ok(())
@@ -289,7 +219,7 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     let reply = bounded(
         "a request to a hung engine",
         http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
+            &invocations_url(&router),
             &[("x-request-id", "hung")],
             r#"{"prompt":"wait","max_tokens":2}"#,
         ),
@@ -309,28 +239,26 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     assert!(!request_ids(&healthy).contains("hung"), "sent twice");
     assert_eq!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_errors_total{kind=\"upstream_timeout\"}"
         )
         .await,
-        1.0
+        Some(1.0)
     );
     // A timeout is not a connection failure: the instance stays in rotation.
     assert_eq!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"hangs\"}"
         )
         .await,
-        0.0
+        Some(0.0)
     );
     assert_eq!(
-        metric(
-            &router,
-            "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}"
+        metric(&router.url(), "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}"
         )
         .await,
-        1.0
+        Some(1.0)
     );
     settles(&router).await?;
     router.shutdown().await;
@@ -393,10 +321,7 @@ async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
     )
     .await?;
     assert_eq!(status, 200);
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     let events: Vec<&str> = text
         .split("\n\n")
         .filter(|event| !event.trim().is_empty())
@@ -424,20 +349,18 @@ async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
     assert!(cut.is_err(), "a stalled body arrived whole: {cut:?}");
     assert_eq!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_errors_total{kind=\"stream_idle_timeout\"}"
         )
         .await,
-        2.0
+        Some(2.0)
     );
     // Both are also counted against the instance.
     assert_eq!(
-        metric(
-            &router,
-            "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"stalls\",kind=\"stream_idle\"}"
+        metric(&router.url(), "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"stalls\",kind=\"stream_idle\"}"
         )
         .await,
-        2.0
+        Some(2.0)
     );
     settles(&router).await?;
     Ok(())
@@ -530,7 +453,7 @@ async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()
         "max_tokens": 1,
     })
     .to_string();
-    let native_url = format!("{}/endpoints/chat/invocations", router.url());
+    let native_url = invocations_url(&router);
     let held = big.clone();
     let first = tokio::spawn(async move { http_post(&native_url, &[], held).await });
     eventually(
@@ -563,7 +486,8 @@ async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()
     assert!(refused.body.contains("--max-in-flight"), "{}", refused.body);
     for limit in ["in_flight", "buffered_bytes"] {
         let sample = format!("switchyard_router_admission_refused_total{{limit=\"{limit}\"}}");
-        assert!(metric(&router, &sample).await >= 1.0, "{limit}");
+        let refused = metric(&router.url(), &sample).await;
+        assert!(refused.is_some_and(|count| count >= 1.0), "{limit}");
     }
     // Connections: two are busy with the hung requests; fill the rest, then one more.
     let mut idle = Vec::new();
@@ -624,11 +548,7 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
     // SageMaker clients see 424 ModelError carrying the engine's status and Retry-After.
     let reply = bounded(
         "a native request",
-        http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
-            &[],
-            "{}",
-        ),
+        http_post(&invocations_url(&router), &[], "{}"),
     )
     .await?;
     assert_eq!(reply.status, 424);
@@ -661,11 +581,7 @@ async fn a_long_container_error_message_is_cut_at_64_kib() -> anyhow::Result<()>
     let router = start_router(&dir, &[("broken", url.as_str(), 1.0)], |_| {}).await?;
     let reply = bounded(
         "a native request",
-        http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
-            &[],
-            "{}",
-        ),
+        http_post(&invocations_url(&router), &[], "{}"),
     )
     .await?;
     assert_eq!(reply.status, 424);
@@ -706,7 +622,7 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
         .await?;
         assert_eq!(status, 200);
     }
-    let native = format!("{}/endpoints/chat/invocations", router.url());
+    let native = invocations_url(&router);
     let reply = bounded(
         "a native answer",
         http_post(&native, &[], r#"{"prompt":"hi","max_tokens":2}"#),
@@ -714,14 +630,10 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     settles(&router).await?;
-    assert_eq!(metric(&router, client_gone).await, 0.0);
+    assert_eq!(metric(&router.url(), client_gone).await, Some(0.0));
 
     // A client that leaves mid-stream is counted once, and the engine stops the request.
-    let slow = switchyard_engine_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await?;
+    let slow = switchyard_engine_sim::spawn(real_time()).await?;
     let router = start_router(&dir, &[("slow", slow.url.as_str(), 1.0)], |_| {}).await?;
     let mut response = bounded(
         "a long stream to begin",
@@ -734,7 +646,7 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
     eventually(
         Duration::from_secs(5),
         "client_gone to be counted",
-        || async { metric(&router, client_gone).await == 1.0 },
+        || async { metric(&router.url(), client_gone).await == Some(1.0) },
     )
     .await?;
     eventually(
@@ -777,11 +689,11 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
     .await?;
     assert_eq!(
         metric(
-            &router,
+            &router.url(),
             "switchyard_router_errors_total{kind=\"client_stalled\"}"
         )
         .await,
-        1.0
+        Some(1.0)
     );
     drop(socket);
     settles(&router).await?;

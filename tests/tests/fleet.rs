@@ -33,30 +33,6 @@ fn registrations(count: usize, url_bytes: usize) -> Vec<pb::RegisterInstanceRequ
         .collect()
 }
 
-/// Endpoint `chat` (variant `AllTraffic`) whose instances are probed once an hour and never
-/// marked unhealthy: the instances of these tests are addresses nothing answers on, and what
-/// the tests look at is membership, not health.
-async fn create_quiet_endpoint(
-    admin: &mut pb::admin_client::AdminClient<tonic::transport::Channel>,
-) -> anyhow::Result<()> {
-    let mut request = config_request("chat-cfg", &variant_json("RANDOM", None));
-    if let Some(config) = request.endpoint_config.as_mut() {
-        config.health_check = Some(pb::HealthCheckConfig {
-            interval_ms: 3_600_000,
-            unhealthy_threshold: 100,
-            ..Default::default()
-        });
-    }
-    admin.create_endpoint_config(request).await?;
-    admin
-        .create_endpoint(pb::CreateEndpointRequest {
-            name: "chat".into(),
-            endpoint_config_name: "chat-cfg".into(),
-        })
-        .await?;
-    Ok(())
-}
-
 fn router_config(urls: &[String]) -> switchyard_router::RouterConfig {
     let mut config =
         switchyard_router::RouterConfig::with_control_plane(loopback_any(), urls.to_vec());
@@ -64,28 +40,12 @@ fn router_config(urls: &[String]) -> switchyard_router::RouterConfig {
     config
 }
 
-/// Instances routable in `chat`.
-fn chat_instances(router: &switchyard_router::RouterHandle) -> usize {
-    router
-        .table()
-        .endpoints
-        .get("chat")
-        .map(|endpoint| {
-            endpoint
-                .variants
-                .iter()
-                .map(|variant| variant.instances.len())
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
 #[tokio::test]
 async fn a_snapshot_above_16_mib_reaches_a_router_intact() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cp = embedded_control_plane(dir.path()).await?;
     let mut admin = admin(&cp.url()).await?;
-    create_quiet_endpoint(&mut admin).await?;
+    create_quiet_endpoint(&mut admin, "chat").await?;
     let instances = registrations(9000, 2000);
     let bytes: usize = instances
         .iter()
@@ -111,7 +71,7 @@ async fn a_snapshot_above_16_mib_reaches_a_router_intact() -> anyhow::Result<()>
     eventually(
         Duration::from_secs(60),
         "the router to load 9000 instances",
-        || async { chat_instances(&router) == 9000 },
+        || async { routed_count(&router, "chat") == Some(9000) },
     )
     .await?;
     let table = router.table();
@@ -259,31 +219,6 @@ fn snapshot(cluster: &str, revision: u64, ids: &[&str]) -> pb::SyncMessage {
     }
 }
 
-fn ids(router: &switchyard_router::RouterHandle) -> Vec<String> {
-    let table = router.table();
-    let mut ids: Vec<String> = table
-        .endpoints
-        .get("chat")
-        .map(|endpoint| {
-            endpoint.variants[0]
-                .instances
-                .iter()
-                .map(|instance| instance.id.to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    ids.sort();
-    ids
-}
-
-async fn metric(router: &switchyard_router::RouterHandle, name: &str) -> anyhow::Result<f64> {
-    let (_, text) = http_get(&format!("{}/metrics", router.url())).await?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(&format!("{name} ")))
-        .and_then(|value| value.trim().parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no {name} in /metrics"))
-}
-
 #[tokio::test]
 async fn a_router_refuses_an_older_snapshot_and_takes_a_new_cluster() -> anyhow::Result<()> {
     // Replica A: cluster c at revision 10, then (on the router's return) a recreated store,
@@ -315,16 +250,17 @@ async fn a_router_refuses_an_older_snapshot_and_takes_a_new_cluster() -> anyhow:
     eventually(
         Duration::from_secs(20),
         "the router to take cluster d",
-        || async { ids(&router) == ["d1"] },
+        || async { routed_instances(&router, "chat") == ["d1"] },
     )
     .await?;
+    let metrics = Metrics::scrape(&router.url()).await?;
     assert_eq!(
-        metric(&router, "switchyard_router_stale_snapshots_refused_total").await?,
-        1.0
+        metrics.get("switchyard_router_stale_snapshots_refused_total"),
+        Some(1.0)
     );
     assert_eq!(
-        metric(&router, "switchyard_router_cluster_changes_total").await?,
-        1.0
+        metrics.get("switchyard_router_cluster_changes_total"),
+        Some(1.0)
     );
     assert_eq!(router.table().version, 2);
     let hellos = a.hellos.lock().unwrap().clone();
@@ -376,7 +312,7 @@ async fn a_router_follows_a_control_plane_that_speaks_only_protocol_1() -> anyho
     eventually(
         Duration::from_secs(10),
         "the router to apply every change",
-        || async { ids(&router) == ["x2", "x3"] },
+        || async { routed_instances(&router, "chat") == ["x2", "x3"] },
     )
     .await?;
     assert_eq!(router.table().version, 7);
@@ -394,7 +330,7 @@ fn applying_happens_off_the_serving_threads() -> anyhow::Result<()> {
     let cp = control.block_on(embedded_control_plane(dir.path()))?;
     let url = cp.url();
     let mut admin = control.block_on(admin(&url))?;
-    control.block_on(create_quiet_endpoint(&mut admin))?;
+    control.block_on(create_quiet_endpoint(&mut admin, "chat"))?;
     // The router's only serving thread is this runtime, which nothing drives once `start`
     // returns: if anything the router does with the control plane ran there, it would stall.
     let serving = tokio::runtime::Builder::new_current_thread()
@@ -415,7 +351,7 @@ fn applying_happens_off_the_serving_threads() -> anyhow::Result<()> {
     };
     wait("the snapshot", &|| router.table().version > 0)?;
     control.block_on(register(&mut admin, "chat", "i-1", "http://127.0.0.1:9"))?;
-    wait("the change", &|| chat_instances(&router) == 1)?;
+    wait("the change", &|| routed_count(&router, "chat") == Some(1))?;
     drop(router);
     serving.block_on(async {});
     control.block_on(cp.shutdown())?;
@@ -449,7 +385,7 @@ async fn a_frozen_etcd_member_stops_its_replica_and_routers_move() -> anyhow::Re
     all.wait_ready().await;
     lone.wait_ready().await;
     let mut admin_all = admin(&all.url()).await?;
-    create_quiet_endpoint(&mut admin_all).await?;
+    create_quiet_endpoint(&mut admin_all, "chat").await?;
     register(&mut admin_all, "chat", "before", "http://127.0.0.1:9").await?;
     // One router starts on the lone replica, with the other as its fallback; one follows the
     // replica with every member.
@@ -469,7 +405,7 @@ async fn a_frozen_etcd_member_stops_its_replica_and_routers_move() -> anyhow::Re
         eventually(
             Duration::from_secs(15),
             "routers to see the first instance",
-            || async { chat_instances(router) == 1 },
+            || async { routed_count(router, "chat") == Some(1) },
         )
         .await?;
     }
@@ -501,7 +437,9 @@ async fn a_frozen_etcd_member_stops_its_replica_and_routers_move() -> anyhow::Re
     let moved = time_until(
         Duration::from_secs(30),
         "both routers to see the write",
-        || async { chat_instances(&moving) == 2 && chat_instances(&staying) == 2 },
+        || async {
+            routed_count(&moving, "chat") == Some(2) && routed_count(&staying, "chat") == Some(2)
+        },
     )
     .await?;
     assert!(all.is_ready(), "the replica with live members is ready");
@@ -568,7 +506,7 @@ async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keep
     let dir = tempfile::tempdir()?;
     let mut first = embedded_control_process(dir.path())?;
     let mut admin_first = admin(&first.url()).await?;
-    create_quiet_endpoint(&mut admin_first).await?;
+    create_quiet_endpoint(&mut admin_first, "chat").await?;
     for index in 0..5 {
         register(
             &mut admin_first,
@@ -637,7 +575,7 @@ async fn instance_import_checks_every_line_first_and_imports_in_batches() -> any
     let dir = tempfile::tempdir()?;
     let cp = embedded_control_plane(dir.path()).await?;
     let mut admin = admin(&cp.url()).await?;
-    create_quiet_endpoint(&mut admin).await?;
+    create_quiet_endpoint(&mut admin, "chat").await?;
     let line = |id: usize, variant: &str| {
         format!(
             r#"{{"EndpointName": "chat", "VariantName": "{variant}", "InstanceId": "i-{id}", "Url": "http://10.0.0.7:{}", "Role": "decode", "Weight": 1}}"#,

@@ -7,41 +7,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_engine_sim::{KvEventsFormat, SimConfig, SimHandle};
-use switchyard_tests::{RefusingPort, http_get, http_post};
+use switchyard_engine_sim::{KvEventsFormat, SimHandle};
+use switchyard_tests::{
+    RefusingPort, http_get, http_post, instance_ids, kv_sim, place, place_sharing_starts,
+    test_python, wait_matched, words,
+};
 use tokio::io::{AsyncBufReadExt, BufReader};
-
-/// A simulator publishing KV events on free loopback ports, running 1,000× faster than real
-/// time, with a small KV cache so that evictions come quickly.
-fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
-    SimConfig {
-        time_scale: 0.001,
-        kv_cache_blocks,
-        kv_events: Some("tcp://127.0.0.1:0".into()),
-        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
-        kv_events_format: format,
-        ..SimConfig::default()
-    }
-}
-
-/// `count` distinct words (one simulator token each) starting at `first`.
-fn words(first: usize, count: usize) -> String {
-    (first..first + count)
-        .map(|index| format!("w{index}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-async fn complete(sim: &SimHandle, prompt: &str) -> anyhow::Result<Value> {
-    let reply = http_post(
-        &format!("{}/v1/completions", sim.url),
-        &[],
-        json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
-    )
-    .await?;
-    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
-    Ok(reply.json())
-}
 
 async fn tokenize(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u64>> {
     let reply = http_post(
@@ -65,25 +36,6 @@ async fn tokenize(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u64>> {
         .collect())
 }
 
-fn test_python() -> PathBuf {
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .unwrap_or_else(|_| "target/python/bin/python".into());
-    let python = PathBuf::from(python);
-    let python = if python.is_absolute() {
-        python
-    } else {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(python)
-    };
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/test installs msgspec and pyzmq there",
-        python.display()
-    );
-    python
-}
-
 #[tokio::test]
 async fn the_simulators_kv_events_decode_with_vllms_msgspec_structures() -> anyhow::Result<()> {
     for (format, layout) in [
@@ -103,9 +55,9 @@ async fn the_simulators_kv_events_decode_with_vllms_msgspec_structures() -> anyh
 
         // Fill the cache (3 full blocks of 16 per prompt), evict the first prompt, reset.
         let first = words(0, 50);
-        complete(&sim, &first).await?;
+        place(&sim, &first).await?;
         for round in 1..=8 {
-            complete(&sim, &words(round * 100, 50)).await?;
+            place(&sim, &words(round * 100, 50)).await?;
         }
         let reset = http_post(&format!("{}/reset_prefix_cache", sim.url), &[], "").await?;
         assert_eq!(reset.json()["reset"], true, "{}", reset.body);
@@ -124,7 +76,7 @@ async fn the_simulators_kv_events_decode_with_vllms_msgspec_structures() -> anyh
         // requests (each stores new blocks) until the subscriber has its live message.
         let mut round = 100;
         let output = loop {
-            complete(&sim, &words(round * 100, 20)).await?;
+            place(&sim, &words(round * 100, 20)).await?;
             round += 1;
             if let Ok(line) =
                 tokio::time::timeout(Duration::from_millis(200), lines.next_line()).await
@@ -288,12 +240,6 @@ fn variant_route(table: &RoutingTable) -> &VariantRoute {
     &table.endpoints[&EndpointName::new("chat").expect("name")].variants[0]
 }
 
-fn ids(count: usize) -> Vec<InstanceId> {
-    (0..count)
-        .map(|index| InstanceId::new(&format!("e{index}")).expect("id"))
-        .collect()
-}
-
 /// The variant's index once its first engine has published.
 async fn variant_index(events: &KvEvents) -> anyhow::Result<Arc<VariantIndex>> {
     let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
@@ -331,23 +277,18 @@ async fn prompt_hashes(
 }
 
 /// Waits until the index says `matched` blocks of `hashes` for each instance.
-async fn wait_matched(
+async fn wait_index_matched(
     index: &VariantIndex,
     hashes: &[u64],
     instances: &[InstanceId],
     matched: &[u32],
 ) -> anyhow::Result<()> {
-    let result = eventually(WAIT, "the index to reflect the engines", || {
-        let now = index.matched_blocks(hashes, instances);
-        async move { now == matched }
-    })
-    .await;
-    result.map_err(|err| {
-        anyhow::anyhow!(
-            "{err}: matched {:?}, wanted {matched:?}",
-            index.matched_blocks(hashes, instances)
-        )
-    })
+    wait_matched(
+        "the index to reflect the engines",
+        &matched.to_vec(),
+        || index.matched_blocks(hashes, instances),
+    )
+    .await
 }
 
 fn kv_choice(matched: &[u32], blocks: u32, loads: &[u32], key: u64) -> (usize, Option<Route>) {
@@ -409,15 +350,15 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
     let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
-    let instances = ids(2);
+    let instances = instance_ids(&["e0", "e1"]);
 
     // The prefix is placed on e0 by a request sent straight to it, not through a router.
     let prompt = words(0, 200);
-    complete(&a, &prompt).await?;
+    place(&a, &prompt).await?;
     let index = variant_index(&events).await?;
     let hashes = prompt_hashes(&table.load(), &index, &prompt).await?;
     assert_eq!(hashes.len(), 12);
-    wait_matched(&index, &hashes, &instances, &[12, 0]).await?;
+    wait_index_matched(&index, &hashes, &instances, &[12, 0]).await?;
     // The request path's decision, from the table's live cells: e0, 192 cached tokens.
     let request = json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string();
     let decision = decide_now(&table, &events, request.as_bytes()).await?;
@@ -431,10 +372,10 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
 
     // e0 evicts it (other prompts fill its cache); e1 computes it.
     for round in 1..=4 {
-        complete(&a, &words(round * 1000, 200)).await?;
+        place(&a, &words(round * 1000, 200)).await?;
     }
-    complete(&b, &prompt).await?;
-    wait_matched(&index, &hashes, &instances, &[0, 12]).await?;
+    place(&b, &prompt).await?;
+    wait_index_matched(&index, &hashes, &instances, &[0, 12]).await?;
     let decision = decide_now(&table, &events, request.as_bytes()).await?;
     assert_eq!(decision.ranking.first(), Some(1));
     assert_eq!(decision.ranking.route, Some(Route::Kv));
@@ -473,7 +414,7 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
 
     // An engine reset empties its entries.
     http_post(&format!("{}/reset_prefix_cache", b.url), &[], "").await?;
-    wait_matched(&index, &hashes, &instances, &[0, 0]).await?;
+    wait_index_matched(&index, &hashes, &instances, &[0, 0]).await?;
 
     // An instance that leaves the table is dropped from the index.
     table.store(Arc::new(kv_table(&[&a], &registry)));
@@ -497,20 +438,20 @@ async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuil
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&sim], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
     let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
-    let instances = ids(1);
+    let instances = instance_ids(&["e0"]);
     let counters = Arc::clone(&events.index().counters);
-    complete(&sim, &words(0, 40)).await?;
+    place(&sim, &words(0, 40)).await?;
     let index = variant_index(&events).await?;
 
     // Two batches never reach the wire; the third shows the gap; replay fills it.
     sim.drop_kv_event_batches(2);
     let prompts: Vec<String> = (1..=3).map(|round| words(round * 1000, 40)).collect();
     for prompt in &prompts {
-        complete(&sim, prompt).await?;
+        place(&sim, prompt).await?;
     }
     for prompt in &prompts {
         let hashes = prompt_hashes(&table.load(), &index, prompt).await?;
-        wait_matched(&index, &hashes, &instances, &[2]).await?;
+        wait_index_matched(&index, &hashes, &instances, &[2]).await?;
     }
     assert!(
         counters
@@ -529,7 +470,7 @@ async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuil
     sim.drop_kv_event_batches(5);
     let lost: Vec<String> = (10..16).map(|round| words(round * 1000, 40)).collect();
     for prompt in &lost {
-        complete(&sim, prompt).await?;
+        place(&sim, prompt).await?;
     }
     eventually(WAIT, "a rebuild", || {
         let rebuilt = counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed) > 0;
@@ -539,7 +480,7 @@ async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuil
     let old = prompt_hashes(&table.load(), &index, &prompts[0]).await?;
     assert_eq!(index.matched_blocks(&old, &instances), [0], "dropped");
     let last = prompt_hashes(&table.load(), &index, &lost[5]).await?;
-    wait_matched(&index, &last, &instances, &[2]).await?;
+    wait_index_matched(&index, &last, &instances, &[2]).await?;
     stop.cancel();
     events.shutdown().await;
     Ok(())
@@ -553,12 +494,12 @@ async fn an_instance_whose_events_stop_is_stale_until_they_return() -> anyhow::R
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
     let events = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
-    let instances = ids(2);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 40);
-    complete(&a, &prompt).await?;
+    place(&a, &prompt).await?;
     let index = variant_index(&events).await?;
     let hashes = prompt_hashes(&table.load(), &index, &prompt).await?;
-    wait_matched(&index, &hashes, &instances, &[2, 0]).await?;
+    wait_index_matched(&index, &hashes, &instances, &[2, 0]).await?;
 
     // e0's publisher stalls: it stops answering, and after two failed probes its entries no
     // longer count (routing falls back to load for it).
@@ -578,11 +519,11 @@ async fn an_instance_whose_events_stop_is_stale_until_they_return() -> anyhow::R
     assert!(text.contains("\"stalled\":true"), "{text}");
     // Meanwhile e0 caches more; once its publisher resumes, the queued batches arrive in order.
     let later = words(7000, 40);
-    complete(&a, &later).await?;
+    place(&a, &later).await?;
     a.stall_kv_events(false);
     let later_hashes = prompt_hashes(&table.load(), &index, &later).await?;
-    wait_matched(&index, &later_hashes, &instances, &[2, 0]).await?;
-    wait_matched(&index, &hashes, &instances, &[2, 0]).await?;
+    wait_index_matched(&index, &later_hashes, &instances, &[2, 0]).await?;
+    wait_index_matched(&index, &hashes, &instances, &[2, 0]).await?;
     assert_eq!(index.freshness(&instances[0]), Some(Freshness::Live));
 
     // A killed engine goes stale too.
@@ -610,24 +551,15 @@ async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Resul
     let stop = tokio_util::sync::CancellationToken::new();
     let first = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
     // Prompts sharing starts of various lengths, spread over the engines; some evicted.
-    let shared = words(0, 64);
-    let mut prompts = Vec::new();
-    for round in 0..12usize {
-        let prompt = format!(
-            "{shared} {}",
-            words(1000 + round * 100, 16 * (round % 4) + 20)
-        );
-        complete(&sims[round % 3], &prompt).await?;
-        prompts.push(prompt);
-    }
+    let prompts = place_sharing_starts(&sims).await?;
     // The second router starts late: it learns the past from the replay buffers.
     let second = KvEvents::start(Arc::clone(&table), settings(), stop.clone());
     let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);
-    let instances = ids(3);
+    let instances = instance_ids(&["e0", "e1", "e2"]);
     for prompt in &prompts {
         let hashes = prompt_hashes(&table.load(), &one, prompt).await?;
         let expected = one.matched_blocks(&hashes, &instances);
-        wait_matched(&two, &hashes, &instances, &expected).await?;
+        wait_index_matched(&two, &hashes, &instances, &expected).await?;
         let blocks = hashes.len() as u32;
         let key = prefix_key(&hashes);
         assert_eq!(

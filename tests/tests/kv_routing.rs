@@ -14,56 +14,20 @@ use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
 use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_router::RouterHandle;
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
-use switchyard_tests::{Reply, eventually, http_get, http_post, loopback_any, post_streaming};
+use switchyard_tests::{
+    Metrics, Reply, eventually, http_post, instance_ids, invocations_url, kv_sim, place,
+    place_sharing_starts, post_streaming, routed_count, router_from_file, sim_tokens, wait_matched,
+    words,
+};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-/// A simulator publishing KV events on free loopback ports, 1,000× faster than real time, with
-/// a small KV cache so that evictions come quickly.
-fn kv_sim(format: KvEventsFormat, kv_cache_blocks: usize) -> SimConfig {
-    SimConfig {
-        time_scale: 0.001,
-        kv_cache_blocks,
-        kv_events: Some("tcp://127.0.0.1:0".into()),
-        kv_events_replay: Some("tcp://127.0.0.1:0".into()),
-        kv_events_format: format,
-        ..SimConfig::default()
-    }
-}
-
-/// `count` distinct words (one simulator token each) starting at `first`.
-fn words(first: usize, count: usize) -> String {
-    (first..first + count)
-        .map(|index| format!("w{index}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 fn completion(prompt: &str) -> String {
     json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string()
 }
 
-/// A completion sent straight to a simulator (it caches the prompt's full blocks).
-async fn place(sim: &SimHandle, prompt: &str) -> anyhow::Result<()> {
-    let reply = http_post(
-        &format!("{}/v1/completions", sim.url),
-        &[],
-        completion(prompt),
-    )
-    .await?;
-    anyhow::ensure!(reply.status == 200, "completion failed: {}", reply.body);
-    Ok(())
-}
-
-/// The prompt's token ids, from a simulator's `/tokenize`.
-async fn tokens(sim: &SimHandle, body: Value) -> anyhow::Result<Vec<u32>> {
-    let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;
-    anyhow::ensure!(reply.status == 200, "tokenize failed: {}", reply.body);
-    Ok(serde_json::from_value(reply.json()["tokens"].clone())?)
-}
-
 async fn prompt_tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>> {
-    tokens(sim, json!({"model": "sim", "prompt": prompt})).await
+    sim_tokens(sim, json!({"model": "sim", "prompt": prompt})).await
 }
 
 /// A completion through the router (endpoint `chat`).
@@ -89,13 +53,6 @@ fn choice(reply: &Reply) -> (String, String, Option<u32>) {
     )
 }
 
-fn ids(names: &[&str]) -> Vec<InstanceId> {
-    names
-        .iter()
-        .map(|name| InstanceId::new(name).expect("id"))
-        .collect()
-}
-
 /// The router's index of `chat`/`AllTraffic`, once an engine of it has published.
 async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
     let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
@@ -115,25 +72,36 @@ async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex
 
 /// Waits until the router's index says each instance holds `matched` leading blocks of
 /// `tokens` (the engines' events have arrived).
-async fn wait_matched(
+async fn wait_router_matched(
     router: &RouterHandle,
     tokens: &[u32],
     instances: &[InstanceId],
     matched: &[u32],
 ) -> anyhow::Result<()> {
     let index = variant_index(router).await?;
-    let now = || {
-        index
-            .match_tokens(tokens, instances)
-            .map(|found| found.matched)
-            .unwrap_or_default()
-    };
-    let result = eventually(WAIT, "the router's index to reflect the engines", || {
-        let reached = now() == matched;
-        async move { reached }
-    })
-    .await;
-    result.map_err(|err| anyhow::anyhow!("{err}: matched {:?}, wanted {matched:?}", now()))
+    wait_matched(
+        "the router's index to reflect the engines",
+        &matched.to_vec(),
+        || {
+            index
+                .match_tokens(tokens, instances)
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await
+}
+
+/// [`wait_router_matched`] for `prompt`'s tokens, as `sim` counts them.
+async fn wait_prompt_matched(
+    router: &RouterHandle,
+    sim: &SimHandle,
+    prompt: &str,
+    instances: &[InstanceId],
+    matched: &[u32],
+) -> anyhow::Result<()> {
+    let tokens = prompt_tokens(sim, prompt).await?;
+    wait_router_matched(router, &tokens, instances, matched).await
 }
 
 /// A router from a static file routing endpoint `chat` (KV_AWARE, `kv_config` the
@@ -191,27 +159,11 @@ async fn static_router_with(
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": routing}],
         "Instances": instances,
     }]});
-    let path = dir.join("switchyard.json");
-    std::fs::write(&path, file.to_string())?;
-    let mut config = switchyard_router::RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    config.worker_threads = Some(2);
-    adjust(&mut config);
-    let settings = config.validate().map_err(anyhow::Error::msg)?;
-    Ok(RouterHandle::start(settings).await?)
-}
-
-/// A sample of the router's `/metrics`, by its exact name and labels.
-async fn metric(router: &RouterHandle, series: &str) -> anyhow::Result<f64> {
-    let (status, text) = http_get(&format!("{}/metrics", router.url())).await?;
-    anyhow::ensure!(status == 200, "/metrics: {status}");
-    text.lines()
-        .find_map(|line| {
-            line.strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-                .and_then(|value| value.trim().parse().ok())
-        })
-        .ok_or_else(|| anyhow::anyhow!("{series} is not in /metrics"))
+    router_from_file(&dir.join("switchyard.json"), &file.to_string(), |config| {
+        config.worker_threads = Some(2);
+        adjust(config);
+    })
+    .await
 }
 
 #[tokio::test]
@@ -245,21 +197,17 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     }
     let router = switchyard_tests::router(&[control_plane.url()]).await?;
     eventually(WAIT, "the router to route to both engines", || {
-        let routable = router
-            .table()
-            .endpoints
-            .get("chat")
-            .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 2);
+        let routable = routed_count(&router, "chat") == Some(2);
         async move { routable }
     })
     .await?;
-    let instances = ids(&["engine-0", "engine-1"]);
+    let instances = instance_ids(&["engine-0", "engine-1"]);
 
     // The prefix is placed on engine-0 by a request sent straight to it.
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
     let prompt_ids = prompt_tokens(&a, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
     for _ in 0..3 {
         let reply = route(&router, &prompt).await?;
         assert_eq!(
@@ -293,9 +241,9 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         .as_object_mut()
         .expect("object")
         .remove("max_tokens");
-    let chat_ids = tokens(&b, template_fields).await?;
+    let chat_ids = sim_tokens(&b, template_fields).await?;
     let chat_blocks = (chat_ids.len() / 16) as u32;
-    wait_matched(&router, &chat_ids, &instances, &[0, chat_blocks]).await?;
+    wait_router_matched(&router, &chat_ids, &instances, &[0, chat_blocks]).await?;
     let mut via_router = chat.clone();
     via_router["model"] = json!("chat");
     let reply = http_post(
@@ -316,23 +264,18 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
         place(&a, &words(round * 1000, 200)).await?;
     }
     place(&b, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
     assert_eq!(
         choice(&route(&router, &prompt).await?),
         ("engine-1".into(), "kv".into(), Some(192))
     );
     // A native invocation with a `prompt` is tokenized as a completion.
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        completion(&prompt),
-    )
-    .await?;
+    let reply = http_post(&invocations_url(&router), &[], completion(&prompt)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(choice(&reply), ("engine-1".into(), "kv".into(), Some(192)));
     // One with no prompt to tokenize is routed by load, and counted.
     let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
+        &invocations_url(&router),
         &[],
         r#"{"inputs": "not an OpenAI body"}"#,
     )
@@ -345,23 +288,20 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     assert_eq!(router.metrics().kv_tokenize_failures("input"), 1);
 
     // The round trips and the index are in /metrics.
-    assert!(metric(&router, "switchyard_router_kv_tokenize_seconds_count").await? >= 7.0);
-    assert!(
-        metric(
-            &router,
-            r#"switchyard_kv_index_blocks{endpoint="chat",variant="AllTraffic",instance="engine-1"}"#
-        )
-        .await?
-            >= 12.0
-    );
-    assert!(
-        metric(
-            &router,
-            r#"switchyard_router_requests_total{endpoint="chat",instance="engine-1",route="kv"}"#
-        )
-        .await?
-            >= 3.0
-    );
+    let metrics = Metrics::scrape(&router.url()).await?;
+    for (series, at_least) in [
+        ("switchyard_router_kv_tokenize_seconds_count", 7.0),
+        (
+            r#"switchyard_kv_index_blocks{endpoint="chat",variant="AllTraffic",instance="engine-1"}"#,
+            12.0,
+        ),
+        (
+            r#"switchyard_router_requests_total{endpoint="chat",instance="engine-1",route="kv"}"#,
+            3.0,
+        ),
+    ] {
+        assert!(metrics.value(series)? >= at_least, "{series}");
+    }
     router.shutdown().await;
     control_plane.shutdown().await?;
     Ok(())
@@ -383,16 +323,10 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     // would repair the first two of them and leave a gap the buffer still covers (no
     // rebuild). The gaps here must be found by the live stream.
     let router = static_router_probing(dir.path(), &[&a, &b], Value::Null, 250, 60_000).await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let first = words(0, 40);
     place(&a, &first).await?;
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, &first).await?,
-        &instances,
-        &[2, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &first, &instances, &[2, 0]).await?;
 
     // Two batches never reach the wire; the third shows the gap; replay fills it.
     a.drop_kv_event_batches(2);
@@ -401,13 +335,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         place(&a, prompt).await?;
     }
     for prompt in &prompts {
-        wait_matched(
-            &router,
-            &prompt_tokens(&a, prompt).await?,
-            &instances,
-            &[2, 0],
-        )
-        .await?;
+        wait_prompt_matched(&router, &a, prompt, &instances, &[2, 0]).await?;
         assert_eq!(
             choice(&route(&router, prompt).await?),
             ("e0".into(), "kv".into(), Some(32))
@@ -437,31 +365,24 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
         async move { rebuilt }
     })
     .await?;
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, &first).await?,
-        &instances,
-        &[0, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &first, &instances, &[0, 0]).await?;
     let (_, route_taken, cached) = choice(&route(&router, &first).await?);
     assert_eq!(
         (route_taken.as_str(), cached),
         ("least-outstanding", Some(0))
     );
     let last = &lost[5];
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, last).await?,
-        &instances,
-        &[2, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, last, &instances, &[2, 0]).await?;
     assert_eq!(
         choice(&route(&router, last).await?),
         ("e0".into(), "kv".into(), Some(32))
     );
-    assert!(metric(&router, "switchyard_kv_rebuilds_total").await? >= 1.0);
+    assert!(
+        Metrics::scrape(&router.url())
+            .await?
+            .value("switchyard_kv_rebuilds_total")?
+            >= 1.0
+    );
     router.shutdown().await;
     Ok(())
 }
@@ -472,11 +393,11 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
     let prompt_ids = prompt_tokens(&a, &prompt).await?;
-    wait_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &[12, 0]).await?;
 
     // e0's publisher stalls: after two unanswered probes of its replay socket its entries no
     // longer count, and its prompt is routed by load, answered as usual.
@@ -487,7 +408,12 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
         async move { stale }
     })
     .await?;
-    assert_eq!(metric(&router, "switchyard_kv_stale_instances").await?, 1.0);
+    assert_eq!(
+        Metrics::scrape(&router.url())
+            .await?
+            .value("switchyard_kv_stale_instances")?,
+        1.0
+    );
     let reply = route(&router, &prompt).await?;
     let (went_to, route_taken, cached) = choice(&reply);
     assert_eq!(
@@ -503,7 +429,7 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     })
     .await?;
     let expected = if went_to == "e1" { [12, 12] } else { [12, 0] };
-    wait_matched(&router, &prompt_ids, &instances, &expected).await?;
+    wait_router_matched(&router, &prompt_ids, &instances, &expected).await?;
     let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
 
@@ -539,16 +465,10 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
         250,
     )
     .await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &instances,
-        &[12, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[12, 0]).await?;
 
     // Two long streams of the prompt: the holder takes both (its score, 1 − 0.5 × load / 2,
     // stays above the idle non-holder's 0 while it is below the threshold).
@@ -591,19 +511,10 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
     let dir = tempfile::tempdir()?;
     let first = static_router(dir.path(), &refs, Value::Null, 250).await?;
     // Prompts sharing starts of various lengths, spread over the engines; some evicted.
-    let shared = words(0, 64);
-    let mut prompts = Vec::new();
-    for round in 0..12usize {
-        let prompt = format!(
-            "{shared} {}",
-            words(1000 + round * 100, 16 * (round % 4) + 20)
-        );
-        place(&sims[round % 3], &prompt).await?;
-        prompts.push(prompt);
-    }
+    let prompts = place_sharing_starts(&sims).await?;
     // The second router starts late: it learns the past from the engines' replay buffers.
     let second = static_router(dir.path(), &refs, Value::Null, 250).await?;
-    let instances = ids(&["e0", "e1", "e2"]);
+    let instances = instance_ids(&["e0", "e1", "e2"]);
     let (one, two) = (variant_index(&first).await?, variant_index(&second).await?);
     let mut kv_routes = 0;
     for prompt in &prompts {
@@ -656,16 +567,10 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
         config.kv.kv_tokenize_pause_ms = 60_000;
     })
     .await?;
-    let instances = ids(&["e0", "e1"]);
+    let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &instances,
-        &[12, 0],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[12, 0]).await?;
 
     let fail = Faults {
         tokenize_fail_rate: 1.0,
@@ -696,11 +601,9 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
             "{reason}"
         );
         assert_eq!(
-            metric(
-                &router,
-                &format!(r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#)
-            )
-            .await?,
+            Metrics::scrape(&router.url()).await?.value(&format!(
+                r#"switchyard_router_kv_tokenize_failures_total{{reason="{reason}"}}"#
+            ))?,
             count as f64
         );
     }
@@ -719,13 +622,7 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
     .await?;
     let prompt = words(0, 200);
     place(&a, &prompt).await?;
-    wait_matched(
-        &router,
-        &prompt_tokens(&a, &prompt).await?,
-        &ids(&["e0"]),
-        &[12],
-    )
-    .await?;
+    wait_prompt_matched(&router, &a, &prompt, &instance_ids(&["e0"]), &[12]).await?;
     a.set_faults(Faults {
         tokenize_fail_rate: 1.0,
         ..Faults::default()
@@ -770,10 +667,10 @@ async fn a_responses_follow_up_sticks_to_the_instance_storing_its_response() -> 
     for sim in &sims {
         place(sim, &prompt).await?;
     }
-    wait_matched(
+    wait_router_matched(
         &router,
         &prompt_tokens(&sims[0], &prompt).await?,
-        &ids(&["e0", "e1"]),
+        &instance_ids(&["e0", "e1"]),
         &[4, 4],
     )
     .await?;

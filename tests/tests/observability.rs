@@ -2,10 +2,10 @@
 //! the control plane, received by an in-test OTLP/gRPC collector; an exporter pointed at a
 //! dead collector; every metric of router and control plane exported and documented.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use switchyard_bench::otlp_sink::{OtlpSink, ReceivedSpan};
+use switchyard_testkit::otlp_sink::{OtlpSink, ReceivedSpan};
 use switchyard_tests::*;
 
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -272,18 +272,18 @@ async fn chats_all_ok(router: &str, prefix: &str, count: usize) -> anyhow::Resul
 /// Waits (15 s at most) until the router has counted at least `spans` dropped spans.
 async fn dropped_at_least(router: &str, spans: f64) -> anyhow::Result<()> {
     eventually(Duration::from_secs(15), "drops to be counted", || async {
-        let (_, text) = http_get(&format!("{router}/metrics"))
+        metric(router, "switchyard_trace_spans_dropped_total")
             .await
-            .unwrap_or_default();
-        metric_value(&text, "switchyard_trace_spans_dropped_total") >= spans
+            .is_some_and(|dropped| dropped >= spans)
     })
     .await
 }
 
 /// The router's exported-span count now.
 async fn exported(router: &str) -> anyhow::Result<f64> {
-    let (_, text) = http_get(&format!("{router}/metrics")).await?;
-    Ok(metric_value(&text, "switchyard_trace_spans_exported_total"))
+    Metrics::scrape(router)
+        .await?
+        .value("switchyard_trace_spans_exported_total")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -480,41 +480,6 @@ async fn an_admin_rpc_gives_a_control_plane_span_under_the_callers() -> anyhow::
     result
 }
 
-/// The value of an unlabelled sample, or the sum over a family's samples (0 when absent).
-fn metric_value(text: &str, name: &str) -> f64 {
-    samples(text)
-        .into_iter()
-        .filter(|(sample, _, _)| sample == name)
-        .map(|(_, _, value)| value)
-        .sum()
-}
-
-/// (name, labels, value) of each sample line of a Prometheus text exposition.
-fn samples(text: &str) -> Vec<(String, String, f64)> {
-    text.lines()
-        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (name, labels) = match series.find('{') {
-                Some(at) => (&series[..at], &series[at..]),
-                None => (series, ""),
-            };
-            Some((name.to_owned(), labels.to_owned(), value.parse().ok()?))
-        })
-        .collect()
-}
-
-/// Families (`# TYPE` lines) of an exposition: name → type.
-fn families(text: &str) -> BTreeMap<String, String> {
-    text.lines()
-        .filter_map(|line| line.strip_prefix("# TYPE "))
-        .filter_map(|rest| {
-            let (name, kind) = rest.split_once(' ')?;
-            Some((name.to_owned(), kind.trim().to_owned()))
-        })
-        .collect()
-}
-
 /// Checks the exposition with promtool's own parser and linter.
 fn promtool_check_metrics(text: &str, component: &str) {
     use std::io::Write as _;
@@ -586,12 +551,20 @@ async fn every_metric_is_documented_and_every_documented_metric_is_exported() ->
     let (_, after_control) = http_get(&control_metrics).await?;
     promtool_check_metrics(&after_router, "router");
     promtool_check_metrics(&after_control, "control plane");
+    let (before_router, before_control) = (
+        Metrics::parse(&before_router)?,
+        Metrics::parse(&before_control)?,
+    );
+    let (after_router, after_control) = (
+        Metrics::parse(&after_router)?,
+        Metrics::parse(&after_control)?,
+    );
 
     let documented = documented();
     let mut problems = Vec::new();
-    for (component, text) in [("router", &after_router), ("control", &after_control)] {
-        let exported = families(text);
-        for (name, kind) in &exported {
+    for (component, page) in [("router", &after_router), ("control", &after_control)] {
+        let exported = page.families();
+        for (name, kind) in exported {
             match documented.get(name) {
                 None => problems.push(format!(
                     "{component} exports {name}, not in docs/metrics.md"
@@ -622,9 +595,7 @@ async fn every_metric_is_documented_and_every_documented_metric_is_exported() ->
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 
     // Counters move as requests flow.
-    let moved = |before: &str, after: &str, name: &str| {
-        metric_value(after, name) > metric_value(before, name)
-    };
+    let moved = |before: &Metrics, after: &Metrics, name: &str| after.sum(name) > before.sum(name);
     for name in [
         "switchyard_router_requests_total",
         "switchyard_router_decision_seconds_count",
@@ -645,38 +616,24 @@ async fn every_metric_is_documented_and_every_documented_metric_is_exported() ->
             "{name} did not move"
         );
     }
-    assert!(
-        metric_value(
-            &after_control,
-            "switchyard_control_store_operation_seconds_count"
-        ) > 0.0
-    );
+    assert!(after_control.sum("switchyard_control_store_operation_seconds_count") > 0.0);
     assert_eq!(
-        metric_value(&after_control, "switchyard_control_connected_routers"),
-        1.0
+        after_control.get("switchyard_control_connected_routers"),
+        Some(1.0)
     );
+    assert_eq!(after_control.get("switchyard_control_leader"), Some(1.0));
     assert_eq!(
-        metric_value(&after_control, "switchyard_control_leader"),
-        1.0
+        after_control.get(r#"switchyard_control_membership{kind="instance"}"#),
+        Some(2.0)
     );
-    let instances: f64 = samples(&after_control)
-        .into_iter()
-        .filter(|(name, labels, _)| {
-            name == "switchyard_control_membership" && labels.contains("\"instance\"")
-        })
-        .map(|(_, _, value)| value)
-        .sum();
-    assert_eq!(instances, 2.0);
-    let listed: BTreeSet<String> = samples(&after_control)
-        .into_iter()
-        .filter(|(name, _, _)| name == "switchyard_control_admin_rpcs_total")
-        .map(|(_, labels, _)| labels)
+    let listed: Vec<&Sample> = after_control
+        .named("switchyard_control_admin_rpcs_total")
         .collect();
     assert!(
         listed
             .iter()
-            .any(|labels| labels.contains("method=\"ListEndpoints\"")
-                && labels.contains("code=\"OK\"")),
+            .any(|sample| sample.label("method") == Some("ListEndpoints")
+                && sample.label("code") == Some("OK")),
         "{listed:?}"
     );
     router.shutdown().await;

@@ -7,30 +7,16 @@
 use std::time::Duration;
 
 use http::Method;
-use switchyard_engine_sim::SimConfig;
 use switchyard_proto::v1 as pb;
 use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::*;
-
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.02,
-        ..SimConfig::default()
-    }
-}
-
-/// Every step is bounded: a router that hangs fails the test instead of the suite.
-async fn bounded<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(60), future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
-}
 
 /// Runs `tests/python/openai_responses.py` with `args`; its stdout, once it printed "all ok".
 async fn python_client(args: &[&str]) -> anyhow::Result<String> {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_responses.py");
-    let output = bounded(
+    let output = bounded_for(
+        Duration::from_secs(60),
         "the openai client",
         tokio::process::Command::new(test_python())
             .arg(&script)
@@ -61,12 +47,12 @@ fn printed<'a>(stdout: &'a str, name: &str) -> &'a str {
 async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::Result<()> {
     // RANDOM over three instances: only affinity brings a follow-up to its response.
     let cluster = Cluster::start(3, 2, &variant_json("RANDOM", None), fast()).await?;
-    let base = |index: usize| format!("{}/v1", cluster.routers[index].url());
+    let base = |index: usize| format!("{}/v1", cluster.routers()[index].url());
     let stdout = python_client(&["flow", &base(0), &base(1)]).await?;
     let holder = printed(&stdout, "holder").to_owned();
     let kept = printed(&stdout, "kept").to_owned();
     // The follow-ups reached the holder only, every one of them recorded there.
-    let holder_engine = &cluster.engines[Cluster::engine_index(&holder)];
+    let holder_engine = &cluster.engines()[Cluster::engine_index(&holder)];
     let follow_ups = holder_engine
         .received()
         .iter()
@@ -79,7 +65,7 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
     cluster.wait_idle().await?;
 
     // The holder leaves: its responses are not found, and no other instance is asked.
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     admin
         .deregister_instance(pb::DeregisterInstanceRequest {
             endpoint_name: "chat".into(),
@@ -88,13 +74,13 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
         .await?;
     cluster.wait_for_instances(2).await?;
     let others_before: usize = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.received().len())
         .sum();
     python_client(&["gone", &base(1), &kept]).await?;
     let others_after: usize = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.received().len())
         .sum();
@@ -104,7 +90,7 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
         Method::GET,
         &format!(
             "{}/endpoints/chat/openai/v1/responses/{kept}",
-            cluster.routers[0].url()
+            cluster.routers()[0].url()
         ),
         &[],
         "",
@@ -128,10 +114,10 @@ async fn the_openai_client_follows_stored_responses_across_routers() -> anyhow::
 async fn the_other_paths_route_plain_and_under_endpoints_with_openai_errors() -> anyhow::Result<()>
 {
     let cluster = Cluster::start(2, 1, &variant_json("RANDOM", None), fast()).await?;
-    let router = cluster.routers[0].url();
+    let router = cluster.routers()[0].url();
     let paths_seen = || {
         let mut seen: Vec<String> = cluster
-            .engines
+            .engines()
             .iter()
             .flat_map(|engine| engine.received())
             .map(|request| request.path)
@@ -208,50 +194,90 @@ async fn the_other_paths_route_plain_and_under_endpoints_with_openai_errors() ->
         );
     }
 
-    // OpenAI-shaped errors on every OpenAI path; SageMaker's on the native ones.
-    let unknown = http_post(&format!("{router}/v1/foo"), &[], "{}").await?;
-    assert_eq!(unknown.status, 404, "{}", unknown.body);
-    assert_eq!(
-        unknown.json()["error"]["code"],
-        "unknown_url",
-        "{}",
-        unknown.body
-    );
-    let unknown = http_request(
-        Method::GET,
-        &format!("{router}/endpoints/chat/openai/v1/foo"),
-        &[],
-        "",
-    )
-    .await?;
-    assert_eq!(unknown.json()["error"]["type"], "invalid_request_error");
-    for (method, path) in [
-        (Method::POST, "/v1/models"),
-        (Method::GET, "/v1/embeddings"),
-        (Method::PUT, "/v1/responses/resp_x"),
-        (Method::GET, "/endpoints/chat/openai/v1/chat/completions"),
-    ] {
-        let reply = http_request(method.clone(), &format!("{router}{path}"), &[], "").await?;
-        assert_eq!(reply.status, 405, "{method} {path}: {}", reply.body);
-        assert_eq!(
-            reply.json()["error"]["code"],
-            "method_not_allowed",
-            "{method} {path}: {}",
-            reply.body
-        );
+    // OpenAI-shaped errors on every OpenAI path; SageMaker's on the native ones: (method,
+    // path, JSON body or none, status if checked, JSON pointer, its value; `None`: any text).
+    let json = Some("{}");
+    let errors = [
+        (
+            Method::POST,
+            "/v1/foo",
+            json,
+            Some(404),
+            "/error/code",
+            Some("unknown_url"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/openai/v1/foo",
+            None,
+            None,
+            "/error/type",
+            Some("invalid_request_error"),
+        ),
+        (
+            Method::POST,
+            "/v1/models",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/v1/embeddings",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::PUT,
+            "/v1/responses/resp_x",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/openai/v1/chat/completions",
+            None,
+            Some(405),
+            "/error/code",
+            Some("method_not_allowed"),
+        ),
+        (
+            Method::GET,
+            "/endpoints/chat/invocations",
+            None,
+            Some(405),
+            "/ErrorCode",
+            None,
+        ),
+        (
+            Method::POST,
+            "/endpoints/chat/foo",
+            json,
+            Some(404),
+            "/ErrorCode",
+            None,
+        ),
+    ];
+    for (method, path, body, status, pointer, value) in errors {
+        let url = format!("{router}{path}");
+        let reply = match body {
+            Some(body) => http_post(&url, &[], body).await?,
+            None => http_request(method.clone(), &url, &[], "").await?,
+        };
+        if let Some(status) = status {
+            assert_eq!(reply.status, status, "{method} {path}: {}", reply.body);
+        }
+        let found = reply.json().pointer(pointer).cloned().unwrap_or_default();
+        match value {
+            Some(value) => assert_eq!(found, value, "{method} {path}: {}", reply.body),
+            None => assert!(found.is_string(), "{method} {path}: {}", reply.body),
+        }
     }
-    let native = http_request(
-        Method::GET,
-        &format!("{router}/endpoints/chat/invocations"),
-        &[],
-        "",
-    )
-    .await?;
-    assert_eq!(native.status, 405);
-    assert!(native.json()["ErrorCode"].is_string(), "{}", native.body);
-    let native = http_post(&format!("{router}/endpoints/chat/foo"), &[], "{}").await?;
-    assert_eq!(native.status, 404);
-    assert!(native.json()["ErrorCode"].is_string(), "{}", native.body);
     // A plain path needs the model; /tokenize too.
     let no_model = http_post(&format!("{router}/tokenize"), &[], r#"{"prompt":"x"}"#).await?;
     assert_eq!(no_model.status, 400);
@@ -304,7 +330,7 @@ async fn prefix_aware_keeps_a_shared_prefix_on_one_instance_on_every_path() -> a
             for (question, (suffix, router)) in
                 ["a question", "another, longer question", "a third"]
                     .iter()
-                    .zip(cluster.routers.iter().cycle())
+                    .zip(cluster.routers().iter().cycle())
                     .enumerate()
             {
                 let body = body(&shared, suffix, document, question).to_string();
@@ -338,21 +364,15 @@ async fn static_router(
     for (id, url) in instances {
         yaml.push_str(&format!("      - {{Url: \"{url}\", InstanceId: {id}}}\n"));
     }
-    let path = dir.path().join("routes.yaml");
-    std::fs::write(&path, yaml)?;
-    let mut config = RouterConfig::with_control_plane(loopback_any(), vec![]);
-    config.config = Some(path);
-    tune(&mut config);
-    Ok(RouterHandle::start(config.validate().map_err(anyhow::Error::msg)?).await?)
+    router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
-async fn settles(router: &RouterHandle) -> anyhow::Result<()> {
-    eventually(
-        Duration::from_secs(10),
-        "in-flight counts back to 0",
-        || async { router.in_flight() == 0 && router.admission().in_flight() == 0 },
-    )
-    .await
+/// Whether `engine` was sent no Responses API request.
+fn no_follow_up(engine: &switchyard_engine_sim::SimHandle) -> bool {
+    engine
+        .received()
+        .iter()
+        .all(|request| request.path != "/v1/responses")
 }
 
 /// A stored response made through `router`: (wrapped id, instance).
@@ -408,26 +428,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     .await?;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-switchyard-route"], "response");
-    let mut text = String::new();
-    let mut broke = false;
-    while let Some(frame) = bounded(
-        "a frame",
-        http_body_util::BodyExt::frame(response.body_mut()),
-    )
-    .await
-    {
-        match frame {
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    text.push_str(&String::from_utf8_lossy(&data));
-                }
-            }
-            Err(_) => {
-                broke = true;
-                break;
-            }
-        }
-    }
+    let Body { text, broke } = read_body(&mut response).await;
     assert!(broke, "the stream ended cleanly: {text}");
     assert!(text.contains("response.output_text.delta"), "{text}");
     assert!(!text.contains("response.completed"), "{text}");
@@ -439,13 +440,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     let new_id = created["response"]["id"].as_str().unwrap();
     assert!(new_id.starts_with("resp_sy1"), "{new_id}");
     assert_eq!(created["response"]["previous_response_id"], id.as_str());
-    assert!(
-        other
-            .received()
-            .iter()
-            .all(|request| request.path != "/v1/responses"),
-        "the other instance got a follow-up"
-    );
+    assert!(no_follow_up(other), "the other instance got a follow-up");
 
     // The holder stalls: the router ends the stream with its idle error event.
     engines[holder_index].set_faults(switchyard_engine_sim::Faults {
@@ -458,10 +453,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     )
     .await?;
     assert_eq!(status, 200);
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(text.contains("\"stream_idle_timeout\""), "{text}");
 
     // The holder is gone but still registered: 503 upstream_unreachable, never the other one.
@@ -487,13 +479,7 @@ async fn a_dead_holder_is_unreachable_not_replaced_and_a_broken_stream_ends_in_e
     )
     .await?;
     assert_eq!(retrieve.status, 503, "{}", retrieve.body);
-    assert!(
-        other
-            .received()
-            .iter()
-            .all(|request| request.path != "/v1/responses"),
-        "the other instance got a follow-up"
-    );
+    assert!(no_follow_up(other), "the other instance got a follow-up");
     settles(&router).await?;
     Ok(())
 }

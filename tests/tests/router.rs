@@ -8,19 +8,8 @@ use switchyard_engine_sim::SimConfig;
 use switchyard_proto::v1 as pb;
 use switchyard_tests::*;
 
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.02,
-        ..SimConfig::default()
-    }
-}
-
 fn prefix_aware(threshold: u32) -> String {
     variant_json("PREFIX_AWARE", Some((1024, threshold)))
-}
-
-fn chat_url(router: &switchyard_router::RouterHandle) -> String {
-    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
 }
 
 async fn instance_for(url: &str, headers: &[(&str, &str)], body: &str) -> anyhow::Result<String> {
@@ -38,9 +27,9 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
     let mut chosen = HashSet::new();
     for index in 0..24 {
         let body = chat_body(&prompt(&format!("customer-{index}"), 1500), 4, false);
-        let first = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
-        let second = instance_for(&chat_url(&cluster.routers[1]), &[], &body).await?;
-        let again = instance_for(&chat_url(&cluster.routers[0]), &[], &body).await?;
+        let first = instance_for(&chat_url(&cluster.routers()[0]), &[], &body).await?;
+        let second = instance_for(&chat_url(&cluster.routers()[1]), &[], &body).await?;
+        let again = instance_for(&chat_url(&cluster.routers()[0]), &[], &body).await?;
         assert_eq!(first, second, "both routers agree on prefix {index}");
         assert_eq!(first, again, "the same router is stable on prefix {index}");
         chosen.insert(first);
@@ -51,7 +40,7 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
     );
     // The engines saw their cached prefixes hit.
     let hits: u64 = cluster
-        .engines
+        .engines()
         .iter()
         .map(|engine| engine.stats().prefix_cache_hits)
         .sum();
@@ -63,7 +52,7 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
 #[tokio::test]
 async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let body = chat_body(&prompt("shared system prompt", 1500), 2, false);
     let mut by_header = HashSet::new();
     for tenant in 0..16 {
@@ -97,6 +86,20 @@ async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Both routers' answers (`via_a`, `via_b`) overflowed from `owner`, to the same instance.
+fn same_second_choice(via_a: &Reply, via_b: &Reply, owner: &str, verb: &str) {
+    for reply in [via_a, via_b] {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
+        assert_ne!(reply.header("x-switchyard-instance"), Some(owner));
+    }
+    assert_eq!(
+        via_a.header("x-switchyard-instance"),
+        via_b.header("x-switchyard-instance"),
+        "both routers {verb} to the same second choice"
+    );
+}
+
 /// `text` with every ASCII letter replaced by a Greek one (2 bytes in UTF-8 instead of 1).
 fn greek(text: &str) -> String {
     text.chars()
@@ -124,8 +127,8 @@ async fn a_prefix_is_its_first_prefix_length_characters_and_nothing_else() -> an
     // character 1000 lies at byte ~1,900, past a prefix wrongly counted in bytes. The native
     // API counts bytes of the raw body.
     let cluster = Cluster::start(4, 1, &prefix_aware(100), fast()).await?;
-    let router = &cluster.routers[0];
-    let native_url = format!("{}/endpoints/chat/invocations", router.url());
+    let router = &cluster.routers()[0];
+    let native_url = invocations_url(router);
     let native_body = |text: &str| {
         format!(r#"{{"messages":[{{"role":"user","content":"{text}"}}],"max_tokens":1}}"#)
     };
@@ -203,7 +206,7 @@ async fn liveness_answers_while_readiness_waits_for_state() -> anyhow::Result<()
     }
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
     for path in ["/ping", "/healthz", "/readyz"] {
-        let (status, body) = http_get(&format!("{}{path}", cluster.routers[0].url())).await?;
+        let (status, body) = http_get(&format!("{}{path}", cluster.routers()[0].url())).await?;
         assert_eq!(status, 200, "{path}: {body}");
     }
     Ok(())
@@ -231,10 +234,9 @@ async fn a_local_ejection_ends_and_the_instance_gets_traffic_again() -> anyhow::
     let router = router_with(config).await?;
     let url = chat_url(&router);
     let ejected = || async {
-        scrape(
+        metric(
             &router.url(),
-            "switchyard_router_instance_ejected",
-            r#"endpoint="chat",instance="back""#,
+            r#"switchyard_router_instance_ejected{endpoint="chat",instance="back"}"#,
         )
         .await
     };
@@ -267,36 +269,29 @@ async fn a_local_ejection_ends_and_the_instance_gets_traffic_again() -> anyhow::
     Ok(())
 }
 
+/// The fleet-wide in-flight count `router` has for `instance` of `chat`; 0 when its metrics
+/// do not say.
 async fn fleet_in_flight(router: &switchyard_router::RouterHandle, instance: &str) -> u32 {
-    let Ok((_, text)) = http_get(&format!("{}/metrics", router.url())).await else {
-        return 0;
-    };
-    let needle =
-        format!("switchyard_router_fleet_in_flight{{endpoint=\"chat\",instance=\"{instance}\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&needle))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u32
+    let series =
+        format!("switchyard_router_fleet_in_flight{{endpoint=\"chat\",instance=\"{instance}\"}}");
+    metric(&router.url(), &series).await.unwrap_or(0.0) as u32
 }
 
 #[tokio::test]
 async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> anyhow::Result<()> {
     // Slow engines so requests stay in flight while we look.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster = Cluster::start(4, 2, &prefix_aware(2), sim).await?;
     let hot = prompt("hot prefix", 1500);
     let short = chat_body(&hot, 1, false);
-    let owner = instance_for(&chat_url(&cluster.routers[0]), &[], &short).await?;
+    let owner = instance_for(&chat_url(&cluster.routers()[0]), &[], &short).await?;
     cluster.wait_idle().await?;
 
     // Two long requests through router A put the owner at the threshold (2) fleet-wide.
     let long = chat_body(&hot, 400, true);
     let mut holds = Vec::new();
     for _ in 0..2 {
-        let response = post_streaming(&chat_url(&cluster.routers[0]), &[], long.clone()).await?;
+        let response = post_streaming(&chat_url(&cluster.routers()[0]), &[], long.clone()).await?;
         assert_eq!(
             response
                 .headers()
@@ -308,7 +303,7 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
         holds.push(response);
     }
     // Router B learns the fleet-wide load from the control plane.
-    let router_b = &cluster.routers[1];
+    let router_b = &cluster.routers()[1];
     eventually(
         Duration::from_secs(5),
         "router B to see the owner's load",
@@ -316,17 +311,8 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
     )
     .await?;
     let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
-    let via_a = http_post(&chat_url(&cluster.routers[0]), &[], short.clone()).await?;
-    for reply in [&via_a, &via_b] {
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
-        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
-    }
-    assert_eq!(
-        via_a.header("x-switchyard-instance"),
-        via_b.header("x-switchyard-instance"),
-        "both routers overflow to the same second choice"
-    );
+    let via_a = http_post(&chat_url(&cluster.routers()[0]), &[], short.clone()).await?;
+    same_second_choice(&via_a, &via_b, &owner, "overflow");
     drop(holds);
     cluster.wait_idle().await?;
     Ok(())
@@ -337,14 +323,11 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
 -> anyhow::Result<()> {
     // Slow engines so requests stay in flight while we look. ConcurrencyThreshold 100 is
     // never reached: only the bound ⌈1.0 × (L + 1) / 4⌉ + 1 moves requests.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
         "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
     let cluster = Cluster::start(4, 2, variants, sim).await?;
-    let (router_a, router_b) = (&cluster.routers[0], &cluster.routers[1]);
+    let (router_a, router_b) = (&cluster.routers()[0], &cluster.routers()[1]);
     let hot = prompt("hot prefix", 1500);
     let short = chat_body(&hot, 1, false);
     let owner = instance_for(&chat_url(router_a), &[], &short).await?;
@@ -383,16 +366,7 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
     .await?;
     let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
     let via_a = http_post(&chat_url(router_a), &[], short.clone()).await?;
-    for reply in [&via_a, &via_b] {
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
-        assert_ne!(reply.header("x-switchyard-instance"), Some(owner.as_str()));
-    }
-    assert_eq!(
-        via_a.header("x-switchyard-instance"),
-        via_b.header("x-switchyard-instance"),
-        "both routers spill to the same second choice"
-    );
+    same_second_choice(&via_a, &via_b, &owner, "spill");
     drop((first, second));
     cluster.wait_idle().await?;
     Ok(())
@@ -406,13 +380,10 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
     // rule for 8 requests over 4 instances with probability (3/4·2/4·1/4)² ≈ 0.9%; after one
     // instance's two streams end, both next requests must go to it, which round robin does
     // not do.
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster =
         Cluster::start(4, 1, &variant_json("LEAST_OUTSTANDING_REQUESTS", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let mut held: HashMap<String, Vec<http::Response<hyper::body::Incoming>>> = (0..4)
         .map(|index| (format!("engine-{index}"), Vec::new()))
         .collect();
@@ -452,7 +423,7 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
     for request in 0..8 {
         send_and_hold(&url, request, &mut held).await?;
     }
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let freed = "engine-2".to_owned();
     held.get_mut(&freed).expect("engine-2").clear();
     eventually(
@@ -472,8 +443,8 @@ async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instanc
 #[tokio::test]
 async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Result<()> {
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let url = chat_url(&cluster.routers()[0]);
+    let mut admin = admin(cluster.control_plane_url()).await?;
     admin
         .create_endpoint_config(config_request("chat-prefix", &prefix_aware(50)))
         .await?;
@@ -514,7 +485,7 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
             endpoint_config_name: "chat-prefix".into(),
         })
         .await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     eventually(
         Duration::from_secs(5),
         "the router to switch strategy",
@@ -553,14 +524,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
     // attempts (backoff 0.1, 0.2, 0.4, 0.8, 1.6 s: 4 s covers five of them), not just in the
     // first moment.
     let mut etcd = Etcd::start().await?;
-    let mut control = control_process(&[
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        &etcd.url,
-        "--etcd-prefix",
-        "/stability/",
-    ])?;
+    let mut control = etcd_control_process(&etcd, "/stability/")?;
     let mut admin = admin(&control.url()).await?;
     create_endpoint(&mut admin, "chat", &prefix_aware(10)).await?;
     let mut engines = Vec::new();
@@ -570,13 +534,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
         engines.push(engine);
     }
     let router = router(&[control.url()]).await?;
-    let instances = || {
-        router
-            .table()
-            .endpoints
-            .get("chat")
-            .map_or(0, |endpoint| endpoint.variants[0].instances.len())
-    };
+    let instances = || routed_count(&router, "chat").unwrap_or(0);
     eventually(
         Duration::from_secs(10),
         "the router to see both engines",
@@ -590,13 +548,7 @@ async fn routing_continues_when_the_control_plane_and_etcd_die() -> anyhow::Resu
     control.kill();
     etcd.kill();
     eventually(Duration::from_secs(10), "the router to notice", || async {
-        scrape(
-            &router.url(),
-            "switchyard_router_control_plane_connected",
-            "",
-        )
-        .await
-            == Some(0.0)
+        metric(&router.url(), "switchyard_router_control_plane_connected").await == Some(0.0)
     })
     .await?;
     let noticed = tokio::time::Instant::now();
@@ -627,11 +579,7 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     let mut control = control_process(&["--data-dir", dir.path().to_str().expect("utf-8")])?;
     let mut admin = admin(&control.url()).await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
-    let engine = switchyard_engine_sim::spawn(SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    })
-    .await?;
+    let engine = switchyard_engine_sim::spawn(real_time()).await?;
     register(&mut admin, "chat", "engine-0", &engine.url).await?;
     let (a, b) = (
         router(&[control.url()]).await?,
@@ -639,11 +587,7 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     );
     for router in [&a, &b] {
         eventually(Duration::from_secs(10), "the routers to sync", || async {
-            router
-                .table()
-                .endpoints
-                .get("chat")
-                .is_some_and(|endpoint| endpoint.variants[0].instances.len() == 1)
+            routed_count(router, "chat") == Some(1)
         })
         .await?;
     }
@@ -651,13 +595,15 @@ async fn a_router_that_loses_its_stream_forgets_other_routers_load() -> anyhow::
     for _ in 0..2 {
         held.push(post_streaming(&chat_url(&b), &[], chat_body("long", 2000, true)).await?);
     }
-    let labels = r#"endpoint="chat",instance="engine-0""#;
     let fleet = |router: &switchyard_router::RouterHandle| {
         let url = router.url();
         async move {
-            scrape(&url, "switchyard_router_fleet_in_flight", labels)
-                .await
-                .unwrap_or(-1.0)
+            metric(
+                &url,
+                r#"switchyard_router_fleet_in_flight{endpoint="chat",instance="engine-0"}"#,
+            )
+            .await
+            .unwrap_or(-1.0)
         }
     };
     eventually(
@@ -688,24 +634,8 @@ async fn a_router_fails_over_across_its_control_plane_urls() -> anyhow::Result<(
     // that gets killed (SIGKILL), the third a replica on the same etcd. The router syncs from
     // the second, then follows the third.
     let etcd = Etcd::start().await?;
-    let store = [
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        etcd.url.as_str(),
-        "--etcd-prefix",
-        "/failover/",
-    ];
-    let mut first_replica = control_process(&store)?;
-    let second_replica = switchyard_control::ControlPlane::start(
-        switchyard_control::ControlConfig::etcd(
-            loopback_any(),
-            vec![etcd.url.clone()],
-            "/failover/",
-        )
-        .validate()?,
-    )
-    .await?;
+    let mut first_replica = etcd_control_process(&etcd, "/failover/")?;
+    let second_replica = etcd_control_plane(&etcd, "/failover/").await?;
     let refusing = RefusingPort::new()?;
     let router = router(&[refusing.url(), first_replica.url(), second_replica.url()]).await?;
     let mut admin = admin(&second_replica.url()).await?;
@@ -754,7 +684,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
         ..SimConfig::default()
     };
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     const WORKERS: usize = 6;
@@ -780,7 +710,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
         done.load(std::sync::atomic::Ordering::Relaxed) >= 20
     })
     .await?;
-    cluster.engines[0].kill();
+    cluster.engines()[0].kill();
     let mut failed = Vec::new();
     let mut ok = 0;
     for task in tasks {
@@ -804,7 +734,7 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
     assert!(failed.len() <= WORKERS, "{failed:?}");
     assert_eq!(ok + failed.len(), WORKERS * 25);
     let ids_on = |engine: usize| -> HashSet<String> {
-        cluster.engines[engine]
+        cluster.engines()[engine]
             .received()
             .into_iter()
             .filter_map(|request| request.headers.get("x-request-id").cloned())
@@ -822,24 +752,25 @@ async fn an_instance_killed_mid_load_fails_only_what_it_held() -> anyhow::Result
     }
     // The dead instance is out of rotation: ejected by the router or removed by the
     // control plane's health checks, whichever came first.
-    let router = &cluster.routers[0];
-    let (_, metrics) = http_get(&format!("{}/metrics", router.url())).await?;
+    let router = &cluster.routers()[0];
+    let metrics = Metrics::scrape(&router.url()).await?;
     let ejected = metrics
-        .contains("switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"engine-0\"} 1");
+        .get(r#"switchyard_router_instance_ejected{endpoint="chat",instance="engine-0"}"#)
+        == Some(1.0);
     let removed = router.table().endpoints["chat"].variants[0].instances.len() == 2;
-    assert!(ejected || removed, "engine-0 still in rotation:\n{metrics}");
+    assert!(
+        ejected || removed,
+        "engine-0 still in rotation:\n{metrics:?}"
+    );
     cluster.wait_idle().await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Result<()> {
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     let (status, headers, frames) =
         http_post_frames(&url, &[], chat_body("tell me a story", 20, true)).await?;
     assert_eq!(status, 200);
@@ -850,10 +781,7 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
             .is_some_and(|value| value.starts_with("text/event-stream")),
         "{headers:?}"
     );
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert!(
         frames.len() >= 10,
@@ -873,10 +801,10 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
     let mut response = post_streaming(&url, &[], chat_body("a long one", 2000, true)).await?;
     use http_body_util::BodyExt as _;
     let _ = response.body_mut().frame().await;
-    assert_eq!(cluster.routers[0].in_flight(), 1);
+    assert_eq!(cluster.routers()[0].in_flight(), 1);
     drop(response);
     cluster.wait_idle().await?;
-    let engine = &cluster.engines[0];
+    let engine = &cluster.engines()[0];
     eventually(
         Duration::from_secs(5),
         "the engine to drop the request",
@@ -889,7 +817,7 @@ async fn streaming_arrives_incrementally_and_disconnects_cancel() -> anyhow::Res
 #[tokio::test]
 async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let reply = http_post(&chat_url(router), &[], "{\"messages\": [").await?;
     assert_eq!(reply.status, 400);
     assert_eq!(
@@ -933,7 +861,7 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
     let long_id = "x".repeat(65);
     for bad in [long_id.as_str(), "tab\there"] {
         let reply = http_post(
-            &format!("{}/endpoints/chat/invocations", router.url()),
+            &invocations_url(router),
             &[("x-amzn-sagemaker-prefix-aware-id", bad)],
             chat_body("hi", 1, false),
         )
@@ -978,17 +906,12 @@ async fn bad_input_gets_clear_errors_and_leaves_counts_exact() -> anyhow::Result
 #[tokio::test]
 async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
-    cluster.engines[0].kill();
-    let router = &cluster.routers[0];
+    cluster.engines()[0].kill();
+    let router = &cluster.routers()[0];
     let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["error"]["type"], "service_unavailable");
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        chat_body("hi", 1, false),
-    )
-    .await?;
+    let reply = http_post(&invocations_url(router), &[], chat_body("hi", 1, false)).await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["ErrorCode"], "ServiceUnavailable");
     // The control plane's probes take it out of the table too.
@@ -1009,7 +932,7 @@ async fn no_healthy_instance_is_a_clear_503() -> anyhow::Result<()> {
 #[tokio::test]
 async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
     let cluster = Cluster::start(1, 1, &prefix_aware(10), fast()).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     // The client names the endpoint; the engine sees the variant's ModelName ("sim").
     let reply = http_post(
         &format!("{}/v1/chat/completions", router.url()),
@@ -1025,7 +948,7 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
         reply.header("x-amzn-invoked-production-variant"),
         Some("AllTraffic")
     );
-    let received = cluster.engines[0].received();
+    let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
     assert_eq!(last.model.as_deref(), Some("sim"));
     assert_eq!(
@@ -1046,21 +969,16 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
     // Native: the body goes through byte for byte.
     let native = "{ \"messages\" : [ {\"role\":\"user\",\"content\":\"hi\"} ], \"model\":\"sim\", \"max_tokens\": 2 }";
-    let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
-        &[],
-        native,
-    )
-    .await?;
+    let reply = http_post(&invocations_url(router), &[], native).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    let received = cluster.engines[0].received();
+    let received = cluster.engines()[0].received();
     let last = received.last().unwrap();
     assert_eq!(last.path, "/invocations");
     assert_eq!(last.body_bytes, native.len());
 
     // An engine error on the native path is SageMaker's 424 ModelError.
     let reply = http_post(
-        &format!("{}/endpoints/chat/invocations", router.url()),
+        &invocations_url(router),
         &[],
         r#"{"model":"other","prompt":"x"}"#,
     )
@@ -1080,23 +998,10 @@ async fn plain_v1_paths_native_paths_and_model_names() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn the_openai_python_client_works_against_the_router() -> anyhow::Result<()> {
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .unwrap_or_else(|_| "target/python/bin/python".into());
-    let python = if std::path::Path::new(&python).is_absolute() {
-        std::path::PathBuf::from(python)
-    } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(python)
-    };
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/test installs the openai client there",
-        python.display()
-    );
+    let python = test_python();
     let cluster = Cluster::start(2, 1, &prefix_aware(10), fast()).await?;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_client.py");
-    let base_url = format!("{}/v1", cluster.routers[0].url());
+    let base_url = format!("{}/v1", cluster.routers()[0].url());
     let output = tokio::process::Command::new(&python)
         .arg(&script)
         .arg(&base_url)
@@ -1170,12 +1075,9 @@ async fn a_router_runs_from_a_static_file_over_http1_or_h2c() -> anyhow::Result<
 
 #[tokio::test]
 async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
-    let sim = SimConfig {
-        time_scale: 1.0,
-        ..SimConfig::default()
-    };
+    let sim = real_time();
     let mut cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), sim).await?;
-    let router = cluster.routers.remove(0);
+    let router = cluster.take_router(0);
     let url = chat_url(&router);
     // A stream of 30 tokens (~0.4 s) is under way when the router is told to stop.
     let stream =
@@ -1199,10 +1101,7 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
     .await?;
     let (status, _, frames) = stream.await??;
     assert_eq!(status, 200);
-    let text: String = frames
-        .iter()
-        .map(|(_, data)| String::from_utf8_lossy(data).into_owned())
-        .collect();
+    let text = frames_text(&frames);
     assert!(
         text.trim_end().ends_with("data: [DONE]"),
         "the stream was cut: {text}"
@@ -1214,7 +1113,7 @@ async fn shutdown_finishes_in_flight_streams() -> anyhow::Result<()> {
 #[tokio::test]
 async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result<()> {
     let cluster = Cluster::start(3, 1, &variant_json("RANDOM", None), fast()).await?;
-    let url = chat_url(&cluster.routers[0]);
+    let url = chat_url(&cluster.routers()[0]);
     // X-Amzn-SageMaker-Session-Id pins a session to one instance whatever the prompt.
     for session in ["s-1", "s-2", "s-3"] {
         let mut seen = HashSet::new();
@@ -1237,7 +1136,7 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
     }
 
     // Two variants weighted 1:3; the target-variant header overrides the weights.
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     let variants = r#"[{"VariantName":"Small","ModelName":"sim","InitialVariantWeight":1},
                        {"VariantName":"Large","ModelName":"sim","InitialVariantWeight":3}]"#;
     admin
@@ -1254,13 +1153,13 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
             .register_instance(pb::RegisterInstanceRequest {
                 endpoint_name: "split".into(),
                 variant_name: (*variant).into(),
-                url: cluster.engines[index].url.clone(),
+                url: cluster.engines()[index].url.clone(),
                 id: format!("{variant}-0"),
                 ..Default::default()
             })
             .await?;
     }
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     eventually(
         Duration::from_secs(10),
         "the router to see both variants",
@@ -1349,7 +1248,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
     // default, HTTP/1.1), a second engine registered with protocol h2c.
     let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), fast()).await?;
     let h2c_engine = switchyard_engine_sim::spawn(fast()).await?;
-    let mut admin = admin(&cluster.control_plane_url()).await?;
+    let mut admin = admin(cluster.control_plane_url()).await?;
     let registered = admin
         .register_instance(pb::RegisterInstanceRequest {
             endpoint_name: "chat".into(),
@@ -1363,7 +1262,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
         .into_inner();
     assert_eq!(registered.protocol, pb::InstanceProtocol::H2c as i32);
     cluster.wait_for_instances(2).await?;
-    let router = &cluster.routers[0];
+    let router = &cluster.routers()[0];
     let mut seen = HashSet::new();
     for _ in 0..40 {
         let reply = http_post(&chat_url(router), &[], chat_body("hi", 1, false)).await?;
@@ -1388,7 +1287,7 @@ async fn each_instance_is_reached_over_its_own_protocol() -> anyhow::Result<()> 
         HashSet::from(["HTTP/2.0".to_owned()])
     );
     assert_eq!(
-        versions(&cluster.engines[0]),
+        versions(&cluster.engines()[0]),
         HashSet::from(["HTTP/1.1".to_owned()])
     );
     cluster.wait_idle().await?;

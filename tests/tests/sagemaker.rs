@@ -6,37 +6,17 @@
 //! Credentials are dummies, the region is us-west-2, and `AWS_EC2_METADATA_DISABLED=true` with
 //! the AWS config files pointed at /dev/null keeps boto3 from looking for real ones.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use switchyard_control::ControlConfig;
 use switchyard_engine_sim::{Faults, SimConfig};
 use switchyard_tests::*;
 
-/// The test venv's Python, with boto3 (scripts/ensure-deps installs it).
-fn python() -> PathBuf {
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .unwrap_or_else(|_| "target/python/bin/python".into());
-    let python = if std::path::Path::new(&python).is_absolute() {
-        PathBuf::from(python)
-    } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(python)
-    };
-    assert!(
-        python.is_file(),
-        "{} is missing: scripts/ensure-deps --for-tests installs boto3 there",
-        python.display()
-    );
-    python
-}
-
 /// Runs one step of the boto3 script; fails the test with its output unless it says "all ok".
 async fn boto3(step: &str, args: &[&str]) -> anyhow::Result<String> {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/sagemaker_client.py");
-    let run = tokio::process::Command::new(python())
+    let run = tokio::process::Command::new(test_python())
         .arg(&script)
         .arg(step)
         .args(args)
@@ -187,22 +167,13 @@ async fn with_an_admin_token_only_requests_signed_with_it_are_served() -> anyhow
 async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow::Result<()> {
     // One engine, slow enough (14 ms a token) that a 24-token answer is still being generated
     // when the first part reaches boto3.
-    let cluster = Cluster::start(
-        1,
-        1,
-        &variant_json("RANDOM", None),
-        SimConfig {
-            time_scale: 1.0,
-            ..SimConfig::default()
-        },
-    )
-    .await?;
-    let router_url = cluster.routers[0].url();
-    let engine_url = cluster.engines[0].url.clone();
+    let cluster = Cluster::start(1, 1, &variant_json("RANDOM", None), real_time()).await?;
+    let router_url = cluster.routers()[0].url();
+    let engine_url = cluster.engines()[0].url.clone();
     boto3("invoke", &[&router_url, &engine_url]).await?;
 
     // The engine dies after a few tokens: boto3 raises EventStreamError, code ModelStreamError.
-    cluster.engines[0].set_faults(Faults {
+    cluster.engines()[0].set_faults(Faults {
         die_mid_stream_rate: 1.0,
         ..Faults::default()
     });
@@ -210,10 +181,10 @@ async fn boto3_invokes_through_the_router_and_streams_event_by_event() -> anyhow
 
     // The engine dies after reading a non-streaming request: boto3 gets ModelError (424) and,
     // retrying client as it is, sends it once.
-    let before = cluster.engines[0].received().len();
+    let before = cluster.engines()[0].received().len();
     boto3("crash", &[&router_url]).await?;
     assert_eq!(
-        cluster.engines[0].received().len(),
+        cluster.engines()[0].received().len(),
         before + 1,
         "the engine got the request exactly once"
     );

@@ -89,7 +89,7 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
         };
         // Tracing modes: a port nothing listens on, and a sink here that takes every span.
         let sink = match args.tracing {
-            true => Some(crate::otlp_sink::OtlpSink::start(false).await?),
+            true => Some(switchyard_testkit::otlp_sink::OtlpSink::start(false).await?),
             false => None,
         };
         let mut traced = Vec::new();
@@ -120,7 +120,9 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<OverheadReport> {
                 .collect(),
         };
         let mut report = measure(&args, &engine_url, &router, baselines, &client).await?;
-        report.otlp_sink_spans = sink.as_ref().map(crate::otlp_sink::OtlpSink::count);
+        report.otlp_sink_spans = sink
+            .as_ref()
+            .map(switchyard_testkit::otlp_sink::OtlpSink::count);
         anyhow::Ok(report)
     }
     .await;
