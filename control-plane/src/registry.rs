@@ -90,7 +90,7 @@ pub struct Registration {
     pub protocol: InstanceProtocol,
     pub weight: Option<f64>,
     pub ttl_seconds: u32,
-    /// Checked by the edge (`pb::kv_events`).
+    /// Checked by the edge (`switchyard_proto::convert::kv_events`).
     pub kv_events: Option<KvEventsEndpoints>,
     /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
     pub decode_partner: Option<InstanceId>,

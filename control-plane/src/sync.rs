@@ -131,7 +131,7 @@ pub struct SyncService {
 }
 
 /// Removes a router from the load sums and the sessions when its stream ends, however it ends.
-struct Registration {
+struct StreamGuard {
     stats: Arc<SyncStats>,
     load: Arc<LoadHub>,
     sessions: Arc<Sessions>,
@@ -139,7 +139,7 @@ struct Registration {
     connection: u64,
 }
 
-impl Drop for Registration {
+impl Drop for StreamGuard {
     fn drop(&mut self) {
         self.stats.open_streams.fetch_sub(1, Ordering::Relaxed);
         self.load.remove_router(&self.router_id, self.connection);
@@ -513,7 +513,7 @@ impl pb::router_sync_server::RouterSync for SyncService {
         let service = self.clone();
         let stream = async_stream::try_stream! {
             service.stats.open_streams.fetch_add(1, Ordering::Relaxed);
-            let _registration = Registration {
+            let _guard = StreamGuard {
                 stats: Arc::clone(&service.stats),
                 load: Arc::clone(&service.load),
                 sessions: Arc::clone(&service.sessions),

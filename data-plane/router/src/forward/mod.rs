@@ -156,7 +156,7 @@ impl Forwarder<'_> {
         client_headers: &HeaderMap,
         reservation: BufferReservation,
     ) -> Result<Answered, ApiError> {
-        match plan.disaggregated.take() {
+        match plan.prefill_hop.take() {
             Some(disaggregated) => {
                 self.disaggregate(operation, plan, disaggregated, client_headers, reservation)
                     .await

@@ -41,7 +41,7 @@ use crate::observe::labels::{RouteLabel, UpstreamError};
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
 use crate::plan::engine_body::with_kv_transfer_params;
-use crate::plan::{Disaggregated, Plan};
+use crate::plan::{Plan, PrefillHop};
 use crate::routing::table::{Disaggregation, EndpointRoute, InstanceRoute, VariantRoute};
 use crate::server::admission::BufferReservation;
 
@@ -82,7 +82,7 @@ impl Forwarder<'_> {
         &self,
         operation: Operation,
         plan: Plan,
-        mut disaggregated: Disaggregated,
+        mut disaggregated: PrefillHop,
         client_headers: &HeaderMap,
         mut reservation: BufferReservation,
     ) -> Result<Answered, ApiError> {
@@ -311,7 +311,7 @@ fn prefill_headers(client_headers: &HeaderMap) -> HeaderMap {
 fn prefill_order(
     pd: &Disaggregation,
     decode: &VariantRoute,
-    disaggregated: &Disaggregated,
+    disaggregated: &PrefillHop,
 ) -> Vec<usize> {
     let order = disaggregated.prefill.order.iter().copied();
     match pd.protocol {

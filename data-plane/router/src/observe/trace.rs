@@ -226,7 +226,7 @@ impl RequestTrace {
                 variant.instances[index].id.shared(),
             ));
         }
-        if let Some(disaggregated) = &plan.disaggregated {
+        if let Some(disaggregated) = &plan.prefill_hop {
             attributes.push(KeyValue::new(
                 "gen_ai.usage.input_tokens",
                 disaggregated.count.tokens as i64,

@@ -16,7 +16,7 @@ use switchyard_policy::openai::OpenAiRequest;
 use switchyard_shared::{InstanceId, PrefillRoutingStrategy, ThresholdBasis};
 
 use super::count::{Count, TokenCounters, count_prompt};
-use super::planned::{Disaggregated, Plan};
+use super::planned::{Plan, PrefillHop};
 use super::rank::{self, PrefillKey};
 use super::target::{RoutingHeaders, Target};
 use crate::headers::PROMPT_TOKENS;
@@ -30,7 +30,7 @@ pub(super) struct Split {
     pub label: RouteLabel,
     pub explain: Vec<(HeaderName, HeaderValue)>,
     /// The prefill to do first (its `prefill_body` made with the engine's body).
-    pub disaggregated: Option<Disaggregated>,
+    pub prefill_hop: Option<PrefillHop>,
     /// The token ids are needed to finish the plan: the decision itself (UNCACHED_TOKENS, with
     /// the router's own count), or the KV_AWARE prefill ranking.
     pub pending: Option<Pending>,
@@ -64,7 +64,7 @@ pub(super) fn split(
         return Some(Split {
             label: RouteLabel::Direct,
             explain: Vec::new(),
-            disaggregated: None,
+            prefill_hop: None,
             pending: None,
         });
     };
@@ -74,7 +74,7 @@ pub(super) fn split(
     let decided = |label| Split {
         label,
         explain: explain.clone(),
-        disaggregated: None,
+        prefill_hop: None,
         pending: None,
     };
     if pd.basis == ThresholdBasis::UncachedTokens {
@@ -96,7 +96,7 @@ pub(super) fn split(
     Some(Split {
         label: RouteLabel::Disaggregated,
         explain,
-        disaggregated: Some(Disaggregated {
+        prefill_hop: Some(PrefillHop {
             prefill: rank::prefill(prefill, pd, &key, rng.u64(..)),
             count,
             prefill_cached_tokens: Vec::new(),
@@ -207,7 +207,7 @@ pub(crate) fn finish(
         } else if prefill.instances.is_empty() {
             RouteLabel::Fallback
         } else {
-            plan.disaggregated = Some(Disaggregated {
+            plan.prefill_hop = Some(PrefillHop {
                 prefill: rank::prefill(prefill, pd, &pending.prefill_key, random),
                 count,
                 prefill_cached_tokens: Vec::new(),
@@ -217,7 +217,7 @@ pub(crate) fn finish(
         };
     }
     if pd.prefill_strategy == PrefillRoutingStrategy::KvAware
-        && let Some(disaggregated) = plan.disaggregated.as_mut()
+        && let Some(disaggregated) = plan.prefill_hop.as_mut()
         && let (Some(ids), Some(index)) = (tokens, indexes.prefill)
     {
         let decision = super::kv::decide(prefill, Some(index), Some(ids), now_ms, random);

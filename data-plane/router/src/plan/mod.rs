@@ -28,7 +28,7 @@ use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;
 use crate::routing::table::{EndpointRoute, RoutingTable, VariantRoute};
 use count::TokenCounters;
-pub use planned::{Disaggregated, Plan};
+pub use planned::{Plan, PrefillHop};
 use target::Destination;
 use tokens::KvInput;
 
@@ -121,7 +121,7 @@ impl NeedsTokens {
                 let Some(pd) = self.plan.endpoint.disaggregation.as_ref() else {
                     return Indexes::default();
                 };
-                let prefill_used = pending.undecided.is_some() || self.plan.disaggregated.is_some();
+                let prefill_used = pending.undecided.is_some() || self.plan.prefill_hop.is_some();
                 Indexes {
                     kv: None,
                     decode: (pd.basis == ThresholdBasis::UncachedTokens)
@@ -270,7 +270,7 @@ pub fn plan(
         body: engine_body,
         path,
         explain: Vec::new(),
-        disaggregated: None,
+        prefill_hop: None,
         cached_tokens: Vec::new(),
         routing_key,
     };
@@ -278,7 +278,7 @@ pub fn plan(
         Some(split) => {
             plan.label = split.label;
             plan.explain = split.explain;
-            plan.disaggregated = split.disaggregated.map(|mut disaggregated| {
+            plan.prefill_hop = split.prefill_hop.map(|mut disaggregated| {
                 if let Some(pd) = &plan.endpoint.disaggregation {
                     let prefill = &plan.endpoint.variants[pd.prefill];
                     disaggregated.prefill_body =
@@ -616,7 +616,7 @@ Endpoints:
             value
         };
         let short = plan_at(&table, Operation::Completions, pd.clone(), "/", &body("hi")).unwrap();
-        assert!(short.disaggregated.is_none());
+        assert!(short.prefill_hop.is_none());
         assert_eq!(no_params(&short.body)["prompt"], "hi");
         let long = "hello ".repeat(20);
         let plan = plan_at(
@@ -628,7 +628,7 @@ Endpoints:
         )
         .unwrap();
         no_params(&plan.body);
-        let copy = plan.disaggregated.unwrap().prefill_body.unwrap();
+        let copy = plan.prefill_hop.unwrap().prefill_body.unwrap();
         let copy: serde_json::Value = serde_json::from_slice(&copy).unwrap();
         assert_eq!(copy["kv_transfer_params"]["do_remote_decode"], true);
         assert!(copy["kv_transfer_params"]["remote_engine_id"].is_null());
@@ -931,7 +931,7 @@ Endpoints:
         );
         let (decided, input) = needs_tokens(plan(&kv_prefill, long()));
         assert_eq!(decided.plan.label, RouteLabel::Disaggregated);
-        let prefill = decided.plan.disaggregated.as_ref().expect("disaggregated");
+        let prefill = decided.plan.prefill_hop.as_ref().expect("disaggregated");
         assert_eq!(prefill.prefill.route, Some(Route::LeastOutstanding));
         assert!(pending(&decided).undecided.is_none());
         assert!(matches!(input, KvInput::Tokens(PromptTokens::Ask(_))));
@@ -950,7 +950,7 @@ Endpoints:
         );
         let (undecided, _) = needs_tokens(plan(&uncached, long()));
         assert_eq!(undecided.plan.label, RouteLabel::Direct);
-        assert!(undecided.plan.disaggregated.is_none());
+        assert!(undecided.plan.prefill_hop.is_none());
         let count = pending(&undecided).undecided.expect("undecided");
         assert!(count.tokens >= 100, "{count:?}");
         // Without token ids every counted token is uncached: disaggregated, round robin.
@@ -958,7 +958,7 @@ Endpoints:
         assert_eq!(settled.label, RouteLabel::Disaggregated);
         assert!(settled.cached_tokens.is_empty());
         assert_eq!(
-            settled.disaggregated.expect("disaggregated").count.tokens,
+            settled.prefill_hop.expect("disaggregated").count.tokens,
             count.tokens
         );
         // With token ids (and no index yet), their number is the count: 99 is direct, and
@@ -999,7 +999,7 @@ Endpoints:
             let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
             let plan = plan_at(&table, Operation::Completions, None, "/", &body).unwrap();
             let endpoint = Arc::clone(&plan.endpoint);
-            let prefill = plan.disaggregated.expect("disaggregated").prefill;
+            let prefill = plan.prefill_hop.expect("disaggregated").prefill;
             assert_eq!(prefill.route, Some(Route::Prefix));
             endpoint.variants[0].instances[prefill.order[0]]
                 .id

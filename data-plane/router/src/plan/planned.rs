@@ -26,7 +26,7 @@ pub struct Plan {
     /// Response headers that explain the decision (`x-switchyard-prompt-tokens`, …).
     pub explain: Vec<(HeaderName, HeaderValue)>,
     /// Set when the request goes prefill → decode (the ranking is then the decoders').
-    pub disaggregated: Option<Disaggregated>,
+    pub prefill_hop: Option<PrefillHop>,
     /// Once ranked by a KV index: the leading prompt tokens each instance holds, by position
     /// in the variant (`x-switchyard-cached-tokens`); empty otherwise.
     pub cached_tokens: Vec<u32>,
@@ -42,7 +42,7 @@ impl Plan {
 
 /// A long prompt's way through a disaggregated endpoint.
 #[derive(Debug)]
-pub struct Disaggregated {
+pub struct PrefillHop {
     /// Prefill candidates (indices into the prefill variant), in preference order.
     pub prefill: policy_rank::Ranking,
     /// The prompt's tokens as counted.
