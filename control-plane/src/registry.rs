@@ -421,20 +421,20 @@ impl Registry {
                 0
             };
             let instance = Instance {
-                instance_id: id.clone(),
-                endpoint_name: request.endpoint.clone(),
-                variant_name: request.variant.clone(),
-                url: url.clone(),
                 role: request.role,
                 protocol: request.protocol,
                 weight,
-                health: Health::Unknown,
-                health_detail: String::new(),
                 ttl_seconds: request.ttl_seconds,
                 registered_time_ms: unix_ms() as i64,
                 lease_id,
                 kv_events: request.kv_events.clone(),
                 decode_partner: request.decode_partner.clone(),
+                ..Instance::new(
+                    id.clone(),
+                    request.endpoint.clone(),
+                    request.variant.clone(),
+                    url.clone(),
+                )
             };
             let previous = self.read::<Instance>(&key).await?;
             let committed = self
@@ -553,20 +553,13 @@ impl Registry {
                 ));
             }
             instances.push(Instance {
-                instance_id: id,
-                endpoint_name: request.endpoint,
-                variant_name: request.variant,
-                url,
                 role: request.role,
                 protocol: request.protocol,
                 weight,
-                health: Health::Unknown,
-                health_detail: String::new(),
-                ttl_seconds: 0,
                 registered_time_ms: now,
-                lease_id: 0,
                 kv_events: request.kv_events.clone(),
                 decode_partner: request.decode_partner.clone(),
+                ..Instance::new(id, request.endpoint, request.variant, url)
             });
         }
         let mut endpoints = self.import_endpoints(&instances, 0).await?;

@@ -160,6 +160,35 @@ pub struct Instance {
     pub decode_partner: Option<InstanceId>,
 }
 
+impl Instance {
+    /// An instance of `variant_name` in `endpoint_name` at `url`, as registered with nothing
+    /// else said: role BOTH, the router's protocol, weight 1, health not probed yet, no lease,
+    /// no KV-event sockets, no decode partner. Set what differs with struct update syntax.
+    pub fn new(
+        instance_id: InstanceId,
+        endpoint_name: EndpointName,
+        variant_name: VariantName,
+        url: String,
+    ) -> Self {
+        Self {
+            instance_id,
+            endpoint_name,
+            variant_name,
+            url,
+            role: InstanceRole::Both,
+            protocol: InstanceProtocol::Unspecified,
+            weight: DEFAULT_INSTANCE_WEIGHT,
+            health: Health::Unknown,
+            health_detail: String::new(),
+            ttl_seconds: 0,
+            registered_time_ms: 0,
+            lease_id: 0,
+            kv_events: None,
+            decode_partner: None,
+        }
+    }
+}
+
 /// An engine's KV-cache event sockets: vLLM's ZMQ PUB endpoint and, optionally, its ROUTER
 /// replay endpoint (`tcp://host:port` each; routers connect to them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -223,26 +223,16 @@ fn instance_id_floor() -> InstanceId {
 mod tests {
     use super::*;
     use crate::endpoint::EndpointStatus;
-    use crate::instance::{Health, InstanceProtocol, InstanceRole};
+
     use crate::names::VariantName;
 
     fn instance(endpoint: &str, id: &str, url: &str) -> Arc<Instance> {
-        Arc::new(Instance {
-            instance_id: InstanceId::new(id).unwrap(),
-            endpoint_name: EndpointName::new(endpoint).unwrap(),
-            variant_name: VariantName::new("v").unwrap(),
-            url: url.into(),
-            role: InstanceRole::Both,
-            protocol: InstanceProtocol::Unspecified,
-            weight: 1.0,
-            health: Health::Unknown,
-            health_detail: String::new(),
-            ttl_seconds: 0,
-            registered_time_ms: 0,
-            lease_id: 0,
-            kv_events: None,
-            decode_partner: None,
-        })
+        Arc::new(Instance::new(
+            InstanceId::new(id).unwrap(),
+            EndpointName::new(endpoint).unwrap(),
+            VariantName::new("v").unwrap(),
+            url.into(),
+        ))
     }
 
     fn endpoint(name: &str) -> Arc<Endpoint> {

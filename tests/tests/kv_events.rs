@@ -169,8 +169,8 @@ use switchyard_router::parts::{
 };
 use switchyard_router::{LoadRegistry, RoutingTable, VariantRoute};
 use switchyard_shared::{
-    EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, VariantName,
+    EndpointConfig, EndpointConfigName, EndpointName, HealthCheckConfig, Instance, InstanceId,
+    KvEventsEndpoints, VariantName,
 };
 use switchyard_tests::eventually;
 
@@ -209,23 +209,16 @@ fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
         .iter()
         .enumerate()
         .map(|(index, sim)| Instance {
-            instance_id: InstanceId::new(&format!("e{index}")).expect("id"),
-            endpoint_name: EndpointName::new("chat").expect("name"),
-            variant_name: VariantName::new("AllTraffic").expect("name"),
-            url: sim.url.clone(),
-            role: InstanceRole::Both,
-            protocol: InstanceProtocol::Unspecified,
-            weight: 1.0,
-            health: Health::Unknown,
-            health_detail: String::new(),
-            ttl_seconds: 0,
-            registered_time_ms: 0,
-            lease_id: 0,
             kv_events: Some(KvEventsEndpoints {
                 publisher: sim.kv_events_endpoint().expect("events on"),
                 replay: sim.kv_events_replay_endpoint(),
             }),
-            decode_partner: None,
+            ..Instance::new(
+                InstanceId::new(&format!("e{index}")).expect("id"),
+                EndpointName::new("chat").expect("name"),
+                VariantName::new("AllTraffic").expect("name"),
+                sim.url.clone(),
+            )
         })
         .collect();
     switchyard_router::parts::build_table(

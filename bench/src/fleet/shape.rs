@@ -8,9 +8,8 @@ use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::admin_client::AdminClient;
 use switchyard_shared::sync::StateUpdate;
 use switchyard_shared::{
-    Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health,
-    HealthCheckConfig, Instance, InstanceId, InstanceProtocol, InstanceRole, ProductionVariant,
-    VariantName,
+    Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, HealthCheckConfig,
+    Instance, InstanceId, ProductionVariant, VariantName,
 };
 use tonic::transport::Channel;
 
@@ -128,19 +127,12 @@ pub fn fleet_state(args: &FleetArgs) -> StateUpdate {
 
 pub fn instance(index: usize, endpoints: usize, weight: f64) -> Instance {
     Instance {
-        instance_id: InstanceId::new(&format!("i-{index}")).expect("id"),
-        endpoint_name: EndpointName::new(&endpoint_name(index % endpoints)).expect("name"),
-        variant_name: VariantName::new(VARIANT).expect("name"),
-        url: instance_url(index),
-        role: InstanceRole::Both,
-        protocol: InstanceProtocol::Unspecified,
         weight,
-        health: Health::Unknown,
-        health_detail: String::new(),
-        ttl_seconds: 0,
-        registered_time_ms: 0,
-        lease_id: 0,
-        kv_events: None,
-        decode_partner: None,
+        ..Instance::new(
+            InstanceId::new(&format!("i-{index}")).expect("id"),
+            EndpointName::new(&endpoint_name(index % endpoints)).expect("name"),
+            VariantName::new(VARIANT).expect("name"),
+            instance_url(index),
+        )
     }
 }

@@ -185,6 +185,8 @@ impl Forwarder<'_> {
         let attempts = self.settings.max_attempts.max(1);
         for &index in order.iter().take(attempts) {
             let instance = &variant.instances[index];
+            let failed_after_send =
+                |error| self.failed_after_send(endpoint, variant, instance, error, client_headers);
             instance.cell.requests[RouteLabel::Disaggregated as usize]
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some(uri) = upstream_uri(operation, None, instance) else {
@@ -210,13 +212,7 @@ impl Forwarder<'_> {
                     continue;
                 }
                 Ok(Err(Failure::AfterSend(error))) => {
-                    return Err(self.failed_after_send(
-                        endpoint,
-                        variant,
-                        instance,
-                        error,
-                        client_headers,
-                    ));
+                    return Err(failed_after_send(error));
                 }
                 Ok(Err(Failure::TimedOut)) | Err(_) => {
                     instance.cell.count_upstream(UpstreamError::Timeout);
@@ -231,13 +227,7 @@ impl Forwarder<'_> {
             let answer = match answer {
                 Ok(answer) => answer,
                 Err(ReadError::Cut(error)) => {
-                    return Err(self.failed_after_send(
-                        endpoint,
-                        variant,
-                        instance,
-                        error,
-                        client_headers,
-                    ));
+                    return Err(failed_after_send(error));
                 }
                 Err(ReadError::TooLarge) => {
                     tracing::warn!(instance = %instance.id, most = MOST_PREFILL_ANSWER_BYTES, "the prefill answer is too large");

@@ -220,28 +220,19 @@ async fn plan(worker: &Worker, operation: Operation, read: Read) -> Result<Held,
             .any(|endpoint| endpoint.disaggregation.is_some()),
     };
     let plan_it = move |read: Read, counters: &TokenCounters| {
-        let Read {
-            endpoint,
-            uri,
-            headers,
-            body,
-            permit,
-            reservation,
-            table,
-        } = read;
         let request = crate::plan::Request {
-            table: &table,
+            table: &read.table,
             operation,
-            endpoint: endpoint.as_ref(),
-            uri: &uri,
-            headers: &headers,
+            endpoint: read.endpoint.as_ref(),
+            uri: &read.uri,
+            headers: &read.headers,
         };
-        let planned = crate::plan::plan(request, body, counters, &mut fastrand::Rng::new());
+        let planned = crate::plan::plan(request, read.body, counters, &mut fastrand::Rng::new());
         Held {
             planned,
-            headers,
-            reservation,
-            permit,
+            headers: read.headers,
+            reservation: read.reservation,
+            permit: read.permit,
         }
     };
     if read.body.len() > OFFLOAD_BYTES || counts_tokens {

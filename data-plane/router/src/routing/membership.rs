@@ -489,7 +489,7 @@ impl Membership {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use switchyard_shared::{Health, InstanceProtocol, InstanceRole, ValidationError, VariantName};
+    use switchyard_shared::{Health, ValidationError, VariantName};
 
     fn parse(json: &str) -> Result<StaticConfig, ValidationError> {
         crate::routing::static_file::parse_json(json)
@@ -517,20 +517,13 @@ mod tests {
 
     fn instance(endpoint: &str, id: &str, health: Health) -> Arc<Instance> {
         Arc::new(Instance {
-            instance_id: InstanceId::new(id).unwrap(),
-            endpoint_name: EndpointName::new(endpoint).unwrap(),
-            variant_name: VariantName::new("v").unwrap(),
-            url: format!("http://127.0.0.1:9/{id}"),
-            role: InstanceRole::Both,
-            protocol: InstanceProtocol::Unspecified,
-            weight: 1.0,
             health,
-            health_detail: String::new(),
-            ttl_seconds: 0,
-            registered_time_ms: 0,
-            lease_id: 0,
-            kv_events: None,
-            decode_partner: None,
+            ..Instance::new(
+                InstanceId::new(id).unwrap(),
+                EndpointName::new(endpoint).unwrap(),
+                VariantName::new("v").unwrap(),
+                format!("http://127.0.0.1:9/{id}"),
+            )
         })
     }
 

@@ -7,9 +7,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 use switchyard_shared::{
-    EndpointConfig, EndpointConfigName, EndpointName, Health, HealthCheckConfig, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ProductionVariant,
-    ValidationError, VariantName, sagemaker, validate_instance_url, validate_instance_weight,
+    EndpointConfig, EndpointConfigName, EndpointName, HealthCheckConfig, Instance, InstanceId,
+    InstanceProtocol, InstanceRole, KvEventsEndpoints, ProductionVariant, ValidationError,
+    VariantName, sagemaker, validate_instance_url, validate_instance_weight,
 };
 
 /// The validated content of a `--config` file.
@@ -235,20 +235,12 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 ));
             }
             instances.push(Instance {
-                instance_id: id,
-                endpoint_name: name.clone(),
-                variant_name: variant,
-                url,
                 role,
                 protocol: instance.protocol,
                 weight,
-                health: Health::Unknown,
-                health_detail: String::new(),
-                ttl_seconds: 0,
-                registered_time_ms: 0,
-                lease_id: 0,
                 kv_events,
                 decode_partner,
+                ..Instance::new(id, name.clone(), variant, url)
             });
         }
         if endpoints
