@@ -237,7 +237,6 @@ struct Usage {
     prompt_tokens: u32,
     #[serde(default)]
     completion_tokens: u32,
-    #[serde(default)]
     prompt_tokens_details: Option<PromptDetails>,
 }
 
@@ -251,23 +250,18 @@ struct PromptDetails {
 struct Chunk {
     #[serde(default)]
     choices: Vec<Choice>,
-    #[serde(default)]
     usage: Option<Usage>,
-    #[serde(default)]
     error: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
 struct Choice {
-    #[serde(default)]
     delta: Option<Delta>,
-    #[serde(default)]
     text: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct Delta {
-    #[serde(default)]
     content: Option<String>,
 }
 

@@ -5,82 +5,14 @@ use serde::Serialize;
 
 use crate::client::HttpClient;
 
-/// One sample line: name, labels, value.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Sample {
-    pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(name, _)| name == key)
-            .map(|(_, value)| value.as_str())
-    }
-}
+pub use switchyard_process::metrics::parse::Sample;
+use switchyard_process::metrics::parse::{parse_sample, sample_lines};
 
 /// Parses the Prometheus text format (comments and unparsable lines are skipped).
 pub fn parse(text: &str) -> Vec<Sample> {
-    text.lines().filter_map(parse_line).collect()
-}
-
-fn parse_line(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line.find(['{', ' ', '\t'])?;
-    let name = line[..name_end].to_owned();
-    let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
-    if let Some(inner) = rest.strip_prefix('{') {
-        let mut chars = inner.char_indices().peekable();
-        let mut key = String::new();
-        let mut close = None;
-        while let Some((index, c)) = chars.next() {
-            match c {
-                '}' => {
-                    close = Some(index);
-                    break;
-                }
-                ',' | ' ' => {}
-                '=' => {
-                    // A quoted value with \\, \" and \n escapes.
-                    if chars.next().map(|(_, c)| c) != Some('"') {
-                        return None;
-                    }
-                    let mut value = String::new();
-                    loop {
-                        match chars.next()?.1 {
-                            '"' => break,
-                            '\\' => match chars.next()?.1 {
-                                'n' => value.push('\n'),
-                                other => value.push(other),
-                            },
-                            other => value.push(other),
-                        }
-                    }
-                    labels.push((std::mem::take(&mut key), value));
-                }
-                other => key.push(other),
-            }
-        }
-        rest = &inner[close? + 1..];
-    }
-    let value = rest.split_whitespace().next()?;
-    let value = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        other => other.parse().ok()?,
-    };
-    Some(Sample {
-        name,
-        labels,
-        value,
-    })
+    sample_lines(text)
+        .filter_map(|line| parse_sample(line).ok())
+        .collect()
 }
 
 /// The sum of `name` over every label set.

@@ -47,20 +47,14 @@ struct Line {
     instance_id: String,
     url: String,
     /// both, prefill or decode, in any case.
-    #[serde(default)]
     role: Option<String>,
     /// http1 or h2c, in any case.
-    #[serde(default)]
     protocol: Option<String>,
-    #[serde(default)]
     weight: Option<f64>,
     /// KV_AWARE: where the engine publishes its KV-cache events, and its replay socket.
-    #[serde(default)]
     kv_events: Option<String>,
-    #[serde(default)]
     kv_events_replay: Option<String>,
     /// LMCACHE disaggregation: the decode instance a prefill instance pushes to.
-    #[serde(default)]
     decode_partner: Option<String>,
     /// Only to refuse it with a clear message.
     #[serde(default, alias = "Ttl")]

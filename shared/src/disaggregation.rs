@@ -10,6 +10,7 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 use crate::error::ValidationError;
 use crate::instance::InstanceRole;
@@ -127,27 +128,21 @@ impl KvTransferProtocol {
 
 /// An endpoint config's disaggregation. Optional fields are echoed back as given; the
 /// accessors apply the defaults.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct DisaggregationConfig {
     pub prefill_variant_name: VariantName,
     pub decode_variant_name: VariantName,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route_threshold: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_routing_strategy: Option<PrefillRoutingStrategy>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_routing_strategy: Option<DecodeRoutingStrategy>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub threshold_basis: Option<ThresholdBasis>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_protocol: Option<KvTransferProtocol>,
     /// `cl100k_base`, `o200k_base`, or the name of a Hugging Face `tokenizer.json` that
     /// routers find under their `--tokenizer-dir` (`NAME/tokenizer.json` or
     /// `NAME.json`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_timeout_seconds: Option<u32>,
 }
 

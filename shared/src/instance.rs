@@ -4,6 +4,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 use crate::error::ValidationError;
 use crate::names::{EndpointName, InstanceId, VariantName};
@@ -124,6 +125,7 @@ impl fmt::Display for Health {
     }
 }
 
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub struct Instance {
@@ -152,11 +154,9 @@ pub struct Instance {
     pub lease_id: i64,
     /// Where the engine publishes its KV-cache events (vLLM's `--kv-events-config`), for
     /// KV_AWARE routing. Left out of the stored JSON when absent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsEndpoints>,
     /// LMCACHE disaggregation: the decode instance this prefill instance pushes its KV cache
     /// to (named in the engine's own LMCache config). Left out of the stored JSON when absent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_partner: Option<InstanceId>,
 }
 

@@ -5,6 +5,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 use crate::error::ValidationError;
 use crate::names::VariantName;
@@ -86,32 +87,30 @@ impl std::str::FromStr for RoutingStrategy {
 /// L is the variant's fleet-wide in-flight total and N its routable instances; past it, the
 /// prefix goes to another instance below the bound (`x-switchyard-route: overflow`): a copy
 /// the router made before, else a lightly loaded one (`switchyard_policy::rank`).
+#[skip_serializing_none]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct PrefixAwareRoutingConfig {
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
     /// Switchyard extension: `c` in 1–100; absent, SageMaker's semantics.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_balance_factor: Option<f64>,
     /// Switchyard extension: `s` in 0–1024, only with a factor (default
     /// [`DEFAULT_LOAD_BALANCE_SLACK`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_balance_slack: Option<u32>,
 }
 
 /// KV_AWARE's knobs, Switchyard's extension: every field is optional and defaults to the
 /// documented value, so a pasted SageMaker config (which has no such object) behaves the same.
+#[skip_serializing_none]
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct KvAwareRoutingConfig {
     /// Fleet-wide in-flight requests at which an instance stops being preferred for its cached
     /// blocks (1–1024, default 10).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency_threshold: Option<u32>,
     /// How much load counts against matched blocks in the score (0–100, default 0.5; see
     /// `switchyard_policy::kv`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_weight: Option<f64>,
 }
 
@@ -231,30 +230,25 @@ impl PrefixAwareRoutingConfig {
     }
 }
 
+#[skip_serializing_none]
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct RoutingConfig {
     #[serde(default)]
     pub routing_strategy: RoutingStrategy,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_aware_routing_config: Option<PrefixAwareRoutingConfig>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_aware_routing_config: Option<KvAwareRoutingConfig>,
 }
 
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub struct ProductionVariant {
     pub variant_name: VariantName,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initial_instance_count: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_type: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initial_variant_weight: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_config: Option<RoutingConfig>,
 }
 

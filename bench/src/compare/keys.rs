@@ -14,19 +14,11 @@ pub fn prefix_owner_shares(
     prefix_length: usize,
     engines: usize,
 ) -> Vec<InstanceShare> {
-    use switchyard_policy::hash::instance_hash;
     use switchyard_policy::rank::{InstanceView, rendezvous_order};
     let ids: Vec<String> = (0..engines)
         .map(|index| format!("engine-{index}"))
         .collect();
-    let views: Vec<InstanceView> = ids
-        .iter()
-        .map(|id| InstanceView {
-            id_hash: instance_hash(id),
-            weight: 1.0,
-            available: true,
-        })
-        .collect();
+    let views: Vec<InstanceView> = ids.iter().map(|id| InstanceView::new(id, 1.0)).collect();
     let mut owned = vec![0.0f64; engines];
     let mut order = Vec::with_capacity(engines);
     for (key, share) in trace_key_shares(trace, model, prefix_length).0 {

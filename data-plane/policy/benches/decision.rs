@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use switchyard_policy::hash::{instance_hash, routing_key};
+use switchyard_policy::hash::routing_key;
 use switchyard_policy::openai::OpenAiRequest;
 use switchyard_policy::rank::{InstanceView, LoadBalance, Strategy, rank};
 
@@ -34,11 +34,7 @@ fn chat_body(prompt_chars: usize) -> Vec<u8> {
 
 fn instances(count: usize) -> Vec<InstanceView> {
     (0..count)
-        .map(|index| InstanceView {
-            id_hash: instance_hash(&format!("engine-{index}")),
-            weight: 1.0,
-            available: true,
-        })
+        .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
         .collect()
 }
 

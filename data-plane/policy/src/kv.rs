@@ -185,16 +185,11 @@ pub fn rank_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::instance_hash;
     use proptest::prelude::{ProptestConfig, any, prop_assert, prop_assert_eq, proptest};
 
     fn views(count: usize) -> Vec<InstanceView> {
         (0..count)
-            .map(|index| InstanceView {
-                id_hash: instance_hash(&format!("engine-{index}")),
-                weight: 1.0,
-                available: true,
-            })
+            .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
             .collect()
     }
 

@@ -15,6 +15,17 @@ pub struct InstanceView {
     pub available: bool,
 }
 
+impl InstanceView {
+    /// An available instance with this id and weight.
+    pub fn new(instance_id: &str, weight: f64) -> Self {
+        Self {
+            id_hash: crate::hash::instance_hash(instance_id),
+            weight,
+            available: true,
+        }
+    }
+}
+
 /// The strategy of a variant, with its parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Strategy {
@@ -459,16 +470,11 @@ fn variant_at(weights: &[f64], servable: &[bool], mut point: f64) -> Option<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::instance_hash;
     use proptest::prelude::{ProptestConfig, any, prop_assert, prop_assert_eq, proptest};
 
     fn views(count: usize) -> Vec<InstanceView> {
         (0..count)
-            .map(|index| InstanceView {
-                id_hash: instance_hash(&format!("engine-{index}")),
-                weight: 1.0,
-                available: true,
-            })
+            .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
             .collect()
     }
 

@@ -1,5 +1,8 @@
 //! A small Prometheus text-format writer and a lock-free histogram, enough for the few metrics
-//! each component exposes without pulling in a metrics framework.
+//! each component exposes without pulling in a metrics framework; [`parse`] reads such a page
+//! back.
+
+pub mod parse;
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -6,25 +6,8 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Context as _, bail};
-
-/// One sample line: `name{label="value",…} value`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    /// In the order the page writes them.
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Sample {
-    /// The value of label `name`, if the sample has it.
-    pub fn label(&self, name: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(label, _)| label == name)
-            .map(|(_, value)| value.as_str())
-    }
-}
+pub use switchyard_process::metrics::parse::Sample;
+use switchyard_process::metrics::parse::{parse_page, parse_series};
 
 /// A Prometheus text page, parsed: its samples, and its families' types (`# TYPE` lines; other
 /// comments and blank lines are skipped).
@@ -37,12 +20,8 @@ pub struct Metrics {
 impl Metrics {
     /// Parses a page; a line that is not a sample is a failure, naming the line.
     pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let samples = text
-            .lines()
-            .map(str::trim)
-            .filter(|line| !line.is_empty() && !line.starts_with('#'))
-            .map(|line| parse_sample(line).with_context(|| format!("sample line {line:?}")))
-            .collect::<anyhow::Result<_>>()?;
+        let samples = parse_page(text)
+            .map_err(|(line, error)| anyhow::anyhow!("sample line {line:?}: {error}"))?;
         let families = text
             .lines()
             .filter_map(|line| line.strip_prefix("# TYPE "))
@@ -114,91 +93,6 @@ impl Metrics {
 /// `None` when the sample is absent or the page does not answer 200.
 pub async fn metric(base_url: &str, series: &str) -> Option<f64> {
     Metrics::scrape(base_url).await.ok()?.get(series)
-}
-
-/// `name{labels} value [timestamp]`.
-fn parse_sample(line: &str) -> anyhow::Result<Sample> {
-    let (series, rest) = match line.find('{') {
-        Some(_) => {
-            let end = closing_brace(line)?;
-            (&line[..=end], &line[end + 1..])
-        }
-        None => line.split_once(' ').context("no value")?,
-    };
-    let (name, labels) = parse_series(series)?;
-    let value = rest
-        .split_whitespace()
-        .next()
-        .context("no value")?
-        .parse()
-        .context("the value is not a number")?;
-    Ok(Sample {
-        name: name.to_owned(),
-        labels,
-        value,
-    })
-}
-
-/// The byte index of the `}` that closes the label set (a `}` inside a quoted value does not).
-fn closing_brace(line: &str) -> anyhow::Result<usize> {
-    let mut quoted = false;
-    let mut escaped = false;
-    for (index, c) in line.char_indices() {
-        match c {
-            _ if escaped => escaped = false,
-            '\\' if quoted => escaped = true,
-            '"' => quoted = !quoted,
-            '}' if !quoted => return Ok(index),
-            _ => {}
-        }
-    }
-    bail!("the label set is not closed")
-}
-
-/// `name` or `name{a="x",…}` into the name and the labels (values unescaped).
-fn parse_series(series: &str) -> anyhow::Result<(&str, Vec<(String, String)>)> {
-    let Some((name, labels)) = series.split_once('{') else {
-        check_name(series)?;
-        return Ok((series, Vec::new()));
-    };
-    check_name(name)?;
-    let labels = labels.strip_suffix('}').context("no closing }")?;
-    let mut parsed = Vec::new();
-    let mut rest = labels;
-    while !rest.is_empty() {
-        let (label, after) = rest.split_once("=\"").context("a label without =\"")?;
-        check_name(label.trim())?;
-        let mut value = String::new();
-        let mut chars = after.char_indices();
-        let end = loop {
-            match chars.next() {
-                Some((index, '"')) => break index,
-                Some((_, '\\')) => match chars.next() {
-                    Some((_, 'n')) => value.push('\n'),
-                    Some((_, c)) => value.push(c),
-                    None => bail!("an escape at the end"),
-                },
-                Some((_, c)) => value.push(c),
-                None => bail!("label {label} has no closing quote"),
-            }
-        };
-        parsed.push((label.trim().to_owned(), value));
-        rest = after[end + 1..].trim_start();
-        rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
-    }
-    Ok((name, parsed))
-}
-
-fn check_name(name: &str) -> anyhow::Result<()> {
-    let valid = !name.is_empty()
-        && !name.starts_with(|c: char| c.is_ascii_digit())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
-    if !valid {
-        bail!("{name:?} is not a metric or label name");
-    }
-    Ok(())
 }
 
 #[cfg(test)]

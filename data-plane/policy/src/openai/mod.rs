@@ -81,7 +81,6 @@ pub enum TextRule {
 struct Body<'a> {
     #[serde(borrow, default, deserialize_with = "present")]
     model: Option<&'a RawValue>,
-    #[serde(default)]
     stream: Option<serde_json::Value>,
     #[serde(borrow, default)]
     prompt_cache_key: Option<Cow<'a, str>>,

@@ -31,7 +31,6 @@ struct FileEndpoint {
     endpoint_name: String,
     production_variants: serde_json::Value,
     /// Disaggregated prefill/decode, the JSON of `--disaggregation-config`.
-    #[serde(default)]
     disaggregation_config: Option<serde_json::Value>,
     #[serde(default)]
     instances: Vec<FileInstance>,
@@ -41,25 +40,18 @@ struct FileEndpoint {
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 struct FileInstance {
     url: String,
-    #[serde(default)]
     instance_id: Option<String>,
-    #[serde(default)]
     variant_name: Option<String>,
-    #[serde(default)]
     weight: Option<f64>,
     /// both, prefill or decode, in any case.
-    #[serde(default)]
     role: Option<String>,
     #[serde(default)]
     protocol: InstanceProtocol,
     /// vLLM's KV-event publisher, `tcp://host:port` (KV_AWARE).
-    #[serde(default)]
     kv_events: Option<String>,
     /// Its replay socket, `tcp://host:port`.
-    #[serde(default)]
     kv_events_replay: Option<String>,
     /// LMCACHE disaggregation: the InstanceId of the decoder this prefill instance pushes to.
-    #[serde(default)]
     decode_partner: Option<String>,
 }
 

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::routing::cells::{InstanceCell, KeyPopularity, LoadRegistry};
-use switchyard_policy::hash::instance_hash;
 use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Route, Strategy};
 use switchyard_shared::{
     DecodeRoutingStrategy, EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey,
@@ -279,11 +278,10 @@ pub fn endpoint_route<'a>(
         for (instance, route) in members.clone().filter(|(instance, _)| {
             instance.health.routable() && instance.variant_name == variant.variant_name
         }) {
-            views.push(InstanceView {
-                id_hash: instance_hash(instance.instance_id.as_str()),
-                weight: instance.weight,
-                available: true,
-            });
+            views.push(InstanceView::new(
+                instance.instance_id.as_str(),
+                instance.weight,
+            ));
             routes.push(route.clone());
         }
         variants.push(VariantRoute {
