@@ -39,8 +39,7 @@ use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::{Handoff, prefill_response_params};
 use crate::openai::{
-    ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, output_text, parse_json,
-    parse_request,
+    ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, parse_json, parse_request,
 };
 use crate::records::ReceivedRequest;
 
@@ -216,6 +215,7 @@ async fn run_request(
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
     let max_tokens = output_budget(config, &body, &kv, prompt_len)?;
+    let resume_at = body.resume_at(kind)?;
     check_fits(config, prompt_len, max_tokens)?;
     let streaming = body.stream() && !kv.do_remote_decode;
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
@@ -272,6 +272,7 @@ async fn run_request(
         created: switchyard_process::clock::unix_seconds(),
         model: config.served_model_name.clone(),
         kind,
+        resume_at,
     };
     if kv.do_remote_decode {
         return prefill_only_response(shared, &meta, events, request_id, prompt_len).await;
@@ -331,7 +332,7 @@ async fn whole_response(
 }
 
 fn finished_response(meta: &ResponseMeta, finished: &FinishedSeq, prompt_len: u32) -> Response {
-    let text = output_text(finished.completion_tokens);
+    let text = meta.text(finished.completion_tokens);
     let body = meta.response(text, "length", usage(prompt_len, finished), None);
     Json(body).into_response()
 }
@@ -356,7 +357,7 @@ async fn prefill_only_response(
         &block_ids,
         shared.local_addr.get().copied(),
     );
-    let text = output_text(finished.completion_tokens);
+    let text = meta.text(finished.completion_tokens);
     let body = meta.response(text, "length", usage(prompt_len, &finished), Some(params));
     Ok(Json(body).into_response())
 }

@@ -29,6 +29,10 @@ pub(crate) struct InferenceBody {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub kv_transfer_params: Option<Value>,
+    /// vLLM's chat rendering: continue the final (assistant) message instead of starting a
+    /// new one; it needs `add_generation_prompt: false` (vLLM's default is true).
+    pub continue_final_message: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -60,6 +64,40 @@ impl InferenceBody {
             )));
         }
         Ok(Some(u32::try_from(value).unwrap_or(u32::MAX)))
+    }
+
+    /// Where this request's output resumes in the simulator's word sequence: 0, or, for a
+    /// continuation of the simulator's own earlier output (a chat request continuing a final
+    /// assistant message that is its first k words, or a completions prompt that ends with
+    /// them), k, so that the text so far plus this answer is the undisturbed answer.
+    pub(crate) fn resume_at(&self, kind: ApiKind) -> Result<u32, ApiError> {
+        match kind {
+            ApiKind::Chat => {
+                if self.continue_final_message != Some(true) {
+                    return Ok(0);
+                }
+                if self.add_generation_prompt != Some(false) {
+                    return Err(ApiError::bad_request(
+                        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                            .to_owned(),
+                    ));
+                }
+                let last = self.messages.as_deref().and_then(<[Value]>::last);
+                let Some(content) = last
+                    .filter(|message| message["role"] == "assistant")
+                    .and_then(|message| message["content"].as_str())
+                else {
+                    return Ok(0);
+                };
+                Ok(words_ending(content)
+                    .filter(|&(_, start)| start == 0)
+                    .map_or(0, |(k, _)| k))
+            }
+            ApiKind::Completion => Ok(match &self.prompt {
+                Some(Value::String(prompt)) => words_ending(prompt).map_or(0, |(k, _)| k),
+                _ => 0,
+            }),
+        }
     }
 
     pub(crate) fn kv_transfer(&self) -> KvTransfer {
@@ -322,6 +360,22 @@ pub(crate) fn output_text(count: u32) -> String {
     (0..count).map(output_token_text).collect()
 }
 
+/// The most output tokens k ≥ 1 whose text `text` ends with, and where in `text` it starts.
+fn words_ending(text: &str) -> Option<(u32, usize)> {
+    let mut output = String::new();
+    let mut found = None;
+    for k in 0.. {
+        output.push_str(&output_token_text(k));
+        if output.len() > text.len() {
+            return found;
+        }
+        if text.ends_with(&output) {
+            found = Some((k + 1, text.len() - output.len()));
+        }
+    }
+    found
+}
+
 /// Token counts reported in `usage`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Usage {
@@ -348,9 +402,23 @@ pub(crate) struct ResponseMeta {
     pub created: u64,
     pub model: String,
     pub kind: ApiKind,
+    /// The output word the answer starts at (`InferenceBody::resume_at`).
+    pub resume_at: u32,
 }
 
 impl ResponseMeta {
+    /// The text of this answer's first `count` tokens.
+    pub(crate) fn text(&self, count: u32) -> String {
+        (self.resume_at..self.resume_at + count)
+            .map(output_token_text)
+            .collect()
+    }
+
+    /// The text of this answer's token `index` (0-based).
+    pub(crate) fn token_text(&self, index: u32) -> String {
+        output_token_text(self.resume_at + index)
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (ApiKind::Chat, false) => "chat.completion",

@@ -284,6 +284,76 @@ async fn non_streaming_chat_has_vllm_shape() -> Result<()> {
     Ok(())
 }
 
+/// A continuation of the simulator's own earlier output resumes at the next word, so the text
+/// so far plus the continuation is the undisturbed answer (what request migration relies on).
+#[tokio::test]
+async fn a_continuation_resumes_where_the_earlier_answer_stopped() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let text = |reply: &Reply, path: &str| reply.json()["choices"][0][path].clone();
+    let user = json!({"role": "user", "content": "the cat sat"});
+    let whole = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [user], "max_tokens": 7}),
+    )
+    .await?;
+    let whole = text(&whole, "message")["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let words: Vec<&str> = whole.split(' ').collect();
+    let (head, _) = whole.split_at(words[..3].join(" ").len());
+    let rest = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [user, {"role": "assistant", "content": head}], "max_tokens": 4,
+                "continue_final_message": true, "add_generation_prompt": false}),
+    )
+    .await?;
+    assert_eq!(rest.status, StatusCode::OK);
+    let rest = text(&rest, "message")["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(format!("{head}{rest}"), whole);
+
+    // vLLM refuses to continue a message and start a new one (its default adds the prompt).
+    let both = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [user, {"role": "assistant", "content": head}],
+                "continue_final_message": true}),
+    )
+    .await?;
+    assert_eq!(both.status, StatusCode::BAD_REQUEST);
+    assert!(
+        both.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("add_generation_prompt")
+    );
+
+    // Completions: the prompt plus the text so far.
+    let whole = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "the cat sat", "max_tokens": 6}),
+    )
+    .await?;
+    let whole = text(&whole, "text").as_str().unwrap().to_owned();
+    let head = &whole[..whole.match_indices(' ').nth(1).unwrap().0];
+    let rest = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": format!("the cat sat{head}"), "max_tokens": 4}),
+    )
+    .await?;
+    let rest = text(&rest, "text").as_str().unwrap().to_owned();
+    assert_eq!(format!("{head}{rest}"), whole);
+    sim.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn streaming_chat_arrives_in_chunks_and_ends_with_done() -> Result<()> {
     let sim = spawn(fast_config()).await?;

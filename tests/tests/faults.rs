@@ -71,10 +71,19 @@ async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> any
             broke: failed,
         } = read_body(&mut response).await;
         if stream {
-            // The answer had begun (200, SSE): it ends cut short, never with [DONE].
+            // The answer had begun (200, SSE): the events so far, then a final error event
+            // saying it broke and a clean end, never [DONE].
             assert_eq!(status, 200);
-            assert!(failed, "a cut stream ended cleanly: {text}");
+            assert!(!failed, "the client's stream was cut: {text}");
+            assert!(
+                text.contains("\"delta\""),
+                "no events before the break: {text}"
+            );
             assert!(!text.contains("[DONE]"), "a cut stream completed: {text}");
+            let last = text.trim_end().lines().last().unwrap_or_default();
+            let event: serde_json::Value =
+                serde_json::from_str(last.strip_prefix("data: ").unwrap_or(last))?;
+            assert_eq!(event["error"]["code"], "upstream_reset", "{text}");
         } else {
             assert_eq!(status, 502, "{text}");
             assert!(headers.get("x-switchyard-instance").is_none());

@@ -21,9 +21,7 @@ use crate::handoff::HttpClient;
 use crate::kv_events::{KvEventsControl, KvEventsInfo};
 use crate::metrics::Metrics;
 use crate::nixl::Handoffs;
-use crate::openai::{
-    ApiError, ApiKind, InferenceBody, KvTransfer, ResponseMeta, Usage, output_token_text,
-};
+use crate::openai::{ApiError, ApiKind, InferenceBody, KvTransfer, ResponseMeta, Usage};
 use crate::records::Recorder;
 
 /// A fault that strikes a streamed answer after some tokens.
@@ -280,7 +278,7 @@ impl SseStream {
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
                         let chunk = self.meta.token_chunk(
-                            output_token_text(sent),
+                            self.meta.token_text(sent),
                             finish_reason,
                             self.include_usage,
                         );

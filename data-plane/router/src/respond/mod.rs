@@ -29,7 +29,7 @@ use crate::observe::trace::RequestTrace;
 use crate::operation::Operation;
 use crate::routing::table::{InstanceRoute, VariantRoute};
 use crate::server::admission::RequestPermit;
-use stream::{FirstFrame, LogIds, Stall, TrackedBody};
+use stream::{DoneWatch, FirstFrame, LogIds, Stall, TrackedBody};
 
 /// What answering needs from the serving thread.
 pub struct Responder<'a> {
@@ -88,11 +88,20 @@ impl Responder<'_> {
             // SageMaker's streaming invoke re-frames the answer as event-stream `PayloadPart`s;
             // a stall there ends with its own exception event, not an OpenAI error event.
             let sagemaker_stream = operation == Operation::InvocationsStream;
-            let stall = if is_event_stream(&parts.headers) && !sagemaker_stream {
+            let event_stream = is_event_stream(&parts.headers);
+            let stall = if event_stream && !sagemaker_stream {
                 Stall::SseErrorEvent
             } else {
                 Stall::Cut
             };
+            // OpenAI's chat and completions streams end with `data: [DONE]`. Not read into:
+            // SageMaker's paths (a container's own stream may end otherwise) and the Responses
+            // API (its streams end with their own completed event).
+            let ends_with_done = event_stream
+                && matches!(
+                    operation,
+                    Operation::ChatCompletions | Operation::Completions
+                );
             let sent = in_flight.sent();
             let tracked = TrackedBody {
                 ids: LogIds {
@@ -111,6 +120,7 @@ impl Responder<'_> {
                     answered: Instant::now(),
                     disaggregated_decode: time_first_frame,
                 }),
+                done: ends_with_done.then(DoneWatch::default),
             };
             let body = if sagemaker_stream {
                 eventstream::set_headers(&mut parts.headers);

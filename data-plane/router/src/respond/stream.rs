@@ -1,7 +1,8 @@
 //! The answer's body as it streams back: passed through frame by frame, holding the instance's
 //! in-flight count and the request's admission until it ends, timing its first frame, and
-//! ending a stalled answer at the idle deadline (an SSE stream with a final OpenAI error event;
-//! any other body cut).
+//! ending a stalled answer at the idle deadline. An SSE answer that stalls, fails midway or (a
+//! chat or completions stream) ends before its `data: [DONE]` gets a final OpenAI error event
+//! and a clean end, so a client reads why; any other body is cut.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::ShowTraceId;
 use crate::server::admission::RequestPermit;
 
-/// What a stalled answer ends with.
+/// What a stalled or broken answer ends with.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Stall {
     /// A streamed (SSE) answer gets a final error event, then ends without `[DONE]`.
@@ -30,6 +31,32 @@ pub(super) enum Stall {
 }
 
 const STREAM_IDLE_EVENT: &str = "data: {\"error\":{\"message\":\"the instance sent nothing for longer than --stream-idle-timeout-seconds; the answer is incomplete\",\"type\":\"timeout\",\"param\":null,\"code\":\"stream_idle_timeout\"}}\n\n";
+
+const STREAM_BROKEN_EVENT: &str = "data: {\"error\":{\"message\":\"the instance's answer broke off midway (its connection failed or it ended before its final event); the answer is incomplete\",\"type\":\"server_error\",\"param\":null,\"code\":\"upstream_reset\"}}\n\n";
+
+/// Whether an OpenAI stream's last event so far is `data: [DONE]`: the last bytes seen, enough
+/// to hold that line and the blank line after it.
+#[derive(Debug, Default)]
+pub(super) struct DoneWatch {
+    tail: Vec<u8>,
+}
+
+impl DoneWatch {
+    const KEEP: usize = 32;
+    const DONE: &[u8] = b"data: [DONE]";
+
+    fn saw(&mut self, data: &[u8]) {
+        let data = &data[data.len().saturating_sub(Self::KEEP)..];
+        let keep = Self::KEEP - data.len();
+        let drop = self.tail.len().saturating_sub(keep);
+        self.tail.drain(..drop);
+        self.tail.extend_from_slice(data);
+    }
+
+    fn done(&self) -> bool {
+        self.tail.trim_ascii_end().ends_with(Self::DONE)
+    }
+}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -50,6 +77,9 @@ pub(super) struct TrackedBody {
     /// When set, the time to the first data frame is observed (a disaggregated decode's TTFT).
     pub(super) first_frame: Option<FirstFrame>,
     pub(super) ids: LogIds,
+    /// A chat or completions stream, which ends with `data: [DONE]`: an end before it counts
+    /// as a break.
+    pub(super) done: Option<DoneWatch>,
 }
 
 /// A request's ids for the log lines of its answer.
@@ -77,11 +107,44 @@ pub(super) struct FirstFrame {
     pub(super) disaggregated_decode: bool,
 }
 
+/// Why a chat or completions stream that ended cleanly still broke.
+const ENDED_BEFORE_DONE: &str = "the answer ended before its data: [DONE]";
+
 impl TrackedBody {
+    /// The last frame of a stream that ends before `[DONE]`: that frame, then the error
+    /// event, in one.
+    fn complete_broken(
+        &mut self,
+        frame: Frame<Bytes>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let Poll::Ready(Some(Ok(event))) = self.broken(ENDED_BEFORE_DONE.into()) else {
+            // Not an SSE answer: the last frame as it is; nothing is known to be missing.
+            return Poll::Ready(Some(Ok(frame)));
+        };
+        let mut data = frame.into_data().map(Vec::from).unwrap_or_default();
+        data.extend_from_slice(event.data_ref().map(|bytes| &bytes[..]).unwrap_or_default());
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(data)))))
+    }
+
     fn end(&mut self) {
         self.inner = None;
         self.held = None;
         self.timer = None;
+    }
+
+    /// The answer broke (a failed connection, or an end before `[DONE]`): an SSE answer ends
+    /// with an error event, any other fails with `err`.
+    fn broken(&mut self, err: BoxError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.count_upstream(UpstreamError::Reset);
+        self.end();
+        self.metrics.error(ErrorKind::UpstreamReset);
+        tracing::warn!(request_id = self.ids.request_id(), trace_id = %ShowTraceId(self.ids.trace_id), error = %err, "the instance's answer failed midway");
+        match self.stall {
+            Stall::SseErrorEvent => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+                STREAM_BROKEN_EVENT.as_bytes(),
+            ))))),
+            Stall::Cut => Poll::Ready(Some(Err(err))),
+        }
     }
 
     fn count_upstream(&self, kind: UpstreamError) {
@@ -123,6 +186,9 @@ impl http_body::Body for TrackedBody {
         };
         match Pin::new(&mut *inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(done), Some(data)) = (this.done.as_mut(), frame.data_ref()) {
+                    done.saw(data);
+                }
                 if frame.is_data()
                     && let Some(first) = this.first_frame.take()
                 {
@@ -136,21 +202,22 @@ impl http_body::Body for TrackedBody {
                     }
                 }
                 if http_body::Body::is_end_stream(inner) {
-                    // hyper drops a body as soon as it is complete, without a last poll.
+                    // hyper drops a body as soon as it is complete, without a last poll: a
+                    // stream that ends before `[DONE]` gets its error event with this frame.
+                    if this.done.as_ref().is_some_and(|done| !done.done()) {
+                        return this.complete_broken(frame);
+                    }
                     this.end();
                 } else {
                     this.last_frame = Instant::now();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(err))) => {
-                this.count_upstream(UpstreamError::Reset);
-                this.end();
-                this.metrics.error(ErrorKind::UpstreamReset);
-                tracing::warn!(request_id = this.ids.request_id(), trace_id = %ShowTraceId(this.ids.trace_id), error = %err, "the instance's answer failed midway");
-                Poll::Ready(Some(Err(err.into())))
-            }
+            Poll::Ready(Some(Err(err))) => this.broken(err.into()),
             Poll::Ready(None) => {
+                if this.done.as_ref().is_some_and(|done| !done.done()) {
+                    return this.broken(ENDED_BEFORE_DONE.into());
+                }
                 this.end();
                 Poll::Ready(None)
             }
@@ -208,13 +275,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_idle_event_is_one_openai_error_event() {
-        let data = STREAM_IDLE_EVENT
-            .strip_prefix("data: ")
-            .and_then(|rest| rest.strip_suffix("\n\n"))
-            .unwrap();
-        let json: serde_json::Value = serde_json::from_str(data).unwrap();
-        assert_eq!(json["error"]["code"], "stream_idle_timeout");
-        assert_eq!(json["error"]["type"], "timeout");
+    fn the_final_events_are_one_openai_error_event_each() {
+        for (event, code) in [
+            (STREAM_IDLE_EVENT, "stream_idle_timeout"),
+            (STREAM_BROKEN_EVENT, "upstream_reset"),
+        ] {
+            let data = event
+                .strip_prefix("data: ")
+                .and_then(|rest| rest.strip_suffix("\n\n"))
+                .unwrap();
+            let json: serde_json::Value = serde_json::from_str(data).unwrap();
+            assert_eq!(json["error"]["code"], code);
+        }
+    }
+
+    #[test]
+    fn done_is_the_last_event_seen_across_frames() {
+        let mut watch = DoneWatch::default();
+        assert!(!watch.done());
+        watch.saw(b"data: {\"choices\":[{\"delta\":{\"content\":\"[DONE]\"}}]}\n\n");
+        assert!(
+            !watch.done(),
+            "[DONE] inside an event's text is not the end"
+        );
+        watch.saw(b"data: [DO");
+        watch.saw(b"NE]\n\n");
+        assert!(watch.done());
+        watch.saw(&[b'x'; 100]);
+        assert!(!watch.done());
+        watch.saw(b"data: [DONE]\n\n");
+        assert!(watch.done());
     }
 }
