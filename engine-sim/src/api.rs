@@ -302,6 +302,7 @@ async fn run_request(
             prompt_len,
             max_tokens,
             include_usage: body.include_usage(),
+            continuous_usage: body.continuous_usage(),
             interruption,
         };
         return Ok(stream.into_response(events));

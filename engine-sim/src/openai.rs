@@ -39,6 +39,8 @@ pub(crate) struct InferenceBody {
 #[serde(default)]
 pub(crate) struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// With `include_usage`: every chunk carries the usage so far (vLLM's extension).
+    pub continuous_usage_stats: Option<bool>,
 }
 
 impl InferenceBody {
@@ -51,6 +53,16 @@ impl InferenceBody {
             .as_ref()
             .and_then(|options| options.include_usage)
             .unwrap_or(false)
+    }
+
+    /// `continuous_usage_stats`, which vLLM honours only with `include_usage`.
+    pub(crate) fn continuous_usage(&self) -> bool {
+        self.include_usage()
+            && self
+                .stream_options
+                .as_ref()
+                .and_then(|options| options.continuous_usage_stats)
+                .unwrap_or(false)
     }
 
     /// `max_completion_tokens`, else `max_tokens`; None if neither is set.

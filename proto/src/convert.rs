@@ -101,6 +101,7 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                     }
                 }),
             }),
+            migration_limit: variant.migration_limit,
         }
     }
 }
@@ -144,6 +145,7 @@ fn production_variant(
         instance_type: non_empty(variant.instance_type),
         initial_variant_weight: variant.initial_variant_weight,
         routing_config,
+        migration_limit: variant.migration_limit,
     })
 }
 

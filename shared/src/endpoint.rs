@@ -231,12 +231,10 @@ mod tests {
 
     fn variant(name: &str, routing: Option<RoutingConfig>) -> ProductionVariant {
         ProductionVariant {
-            variant_name: VariantName::new(name).unwrap(),
             model_name: Some("m".into()),
             initial_instance_count: Some(1),
-            instance_type: None,
-            initial_variant_weight: None,
             routing_config: routing,
+            ..ProductionVariant::named(VariantName::new(name).unwrap())
         }
     }
 

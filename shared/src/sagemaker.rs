@@ -18,6 +18,8 @@ const VARIANT_FIELDS: &[&str] = &[
     "InstanceType",
     "InitialVariantWeight",
     "RoutingConfig",
+    // Switchyard's extension (a pasted SageMaker config never has it).
+    "MigrationLimit",
 ];
 
 /// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's

@@ -27,6 +27,9 @@ pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 /// Longest `InstanceType`, in characters.
 pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
+/// `MigrationLimit` (Switchyard's extension of a ProductionVariant): how many times one
+/// streamed answer may move to another instance when its engine dies midway.
+pub const MIGRATION_LIMIT_RANGE: std::ops::RangeInclusive<u32> = 0..=10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
@@ -250,9 +253,26 @@ pub struct ProductionVariant {
     pub instance_type: Option<String>,
     pub initial_variant_weight: Option<f64>,
     pub routing_config: Option<RoutingConfig>,
+    /// Switchyard extension: a streamed chat or completions answer whose engine dies midway
+    /// continues on another instance, at most this many times (0–10; absent or 0: the stream
+    /// ends with an error event, as on SageMaker).
+    pub migration_limit: Option<u32>,
 }
 
 impl ProductionVariant {
+    /// A variant with only its name: every other field absent (its default).
+    pub fn named(variant_name: VariantName) -> Self {
+        Self {
+            variant_name,
+            model_name: None,
+            initial_instance_count: None,
+            instance_type: None,
+            initial_variant_weight: None,
+            routing_config: None,
+            migration_limit: None,
+        }
+    }
+
     pub fn weight(&self) -> f64 {
         self.initial_variant_weight
             .unwrap_or(DEFAULT_VARIANT_WEIGHT)
@@ -260,6 +280,10 @@ impl ProductionVariant {
 
     pub fn routing(&self) -> RoutingConfig {
         self.routing_config.unwrap_or_default()
+    }
+
+    pub fn migration_limit(&self) -> u32 {
+        self.migration_limit.unwrap_or(0)
     }
 }
 
@@ -283,6 +307,18 @@ pub(crate) fn validate_variant(
             format!("{field}.InstanceType"),
             format!(
                 "must be at most {MAX_INSTANCE_TYPE_CHARS} characters without control characters"
+            ),
+        ));
+    }
+    if let Some(limit) = variant.migration_limit
+        && !MIGRATION_LIMIT_RANGE.contains(&limit)
+    {
+        return Err(ValidationError::new(
+            format!("{field}.MigrationLimit"),
+            format!(
+                "must be between {} and {}, got {limit}",
+                MIGRATION_LIMIT_RANGE.start(),
+                MIGRATION_LIMIT_RANGE.end()
             ),
         ));
     }

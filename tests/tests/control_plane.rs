@@ -227,6 +227,16 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
         (
             config(
                 "c",
+                vec![pb::ProductionVariant {
+                    migration_limit: Some(11),
+                    ..variant("v", None)
+                }],
+            ),
+            "ProductionVariants[0].MigrationLimit".into(),
+        ),
+        (
+            config(
+                "c",
                 vec![variant(
                     "v",
                     Some(pb::RoutingConfig {

@@ -40,12 +40,8 @@ pub fn config(index: usize) -> EndpointConfig {
     EndpointConfig {
         endpoint_config_name: EndpointConfigName::new(&format!("cfg-{index}")).expect("name"),
         production_variants: vec![ProductionVariant {
-            variant_name: VariantName::new(VARIANT).expect("name"),
             model_name: Some(format!("model-{index}")),
-            initial_instance_count: None,
-            instance_type: None,
-            initial_variant_weight: None,
-            routing_config: None,
+            ..ProductionVariant::named(VariantName::new(VARIANT).expect("name"))
         }],
         health_check_config: health_check(),
         creation_time_ms: 0,

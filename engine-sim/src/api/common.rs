@@ -250,11 +250,24 @@ pub(super) struct SseStream {
     pub(super) prompt_len: u32,
     pub(super) max_tokens: u32,
     pub(super) include_usage: bool,
+    /// Every chunk carries the usage so far (`continuous_usage_stats`).
+    pub(super) continuous_usage: bool,
     /// Fault injection: close or stall the stream after some tokens.
     pub(super) interruption: Option<Interruption>,
 }
 
 impl SseStream {
+    /// `continuous_usage_stats`: the chunk's usage once `completion` tokens are sent.
+    fn usage_so_far(&self, chunk: &mut serde_json::Value, completion: u32) {
+        if self.continuous_usage {
+            chunk["usage"] = serde_json::json!({
+                "prompt_tokens": self.prompt_len,
+                "completion_tokens": completion,
+                "total_tokens": self.prompt_len + completion,
+            });
+        }
+    }
+
     pub(super) fn into_response(self, mut events: UnboundedReceiver<EngineEvent>) -> Response {
         let stream = async_stream::stream! {
             let mut sent = 0u32;
@@ -274,14 +287,17 @@ impl SseStream {
                             break;
                         }
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
-                            yield Ok(sse_data(&self.meta.role_chunk(self.include_usage)));
+                            let mut chunk = self.meta.role_chunk(self.include_usage);
+                            self.usage_so_far(&mut chunk, 0);
+                            yield Ok(sse_data(&chunk));
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
-                        let chunk = self.meta.token_chunk(
+                        let mut chunk = self.meta.token_chunk(
                             self.meta.token_text(sent),
                             finish_reason,
                             self.include_usage,
                         );
+                        self.usage_so_far(&mut chunk, sent + 1);
                         yield Ok(sse_data(&chunk));
                         sent += 1;
                     }

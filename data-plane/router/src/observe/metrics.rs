@@ -100,8 +100,17 @@ pub struct RouterMetrics {
     /// KV_AWARE: requests routed by load because their token ids could not be had, by
     /// `TokenizeError::reason`.
     kv_tokenize_failures: [AtomicU64; TokenizeError::REASONS.len()],
+    /// Broken streams of variants with a MigrationLimit, by outcome (`MIGRATION_OUTCOMES`).
+    migrations: [AtomicU64; MIGRATION_OUTCOMES.len()],
     pub sync: Arc<SyncMetrics>,
 }
+
+/// What became of a broken stream of a variant with a MigrationLimit: the `outcome` label of
+/// `switchyard_router_migrations_total`. `continued`: another instance took it up; `whole`:
+/// only its end was lost (it had finished), so it was ended; `limit`: the limit was reached
+/// or the request cannot be continued (an error event ends it); `failed`: no instance took
+/// the continuation (an error event ends it).
+pub const MIGRATION_OUTCOMES: [&str; 4] = ["continued", "whole", "limit", "failed"];
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
@@ -140,6 +149,7 @@ impl RouterMetrics {
             disaggregation_fallbacks: Default::default(),
             kv_tokenize_seconds: Histogram::new(&LATENCY_BOUNDS),
             kv_tokenize_failures: Default::default(),
+            migrations: Default::default(),
             sync,
         }
     }
@@ -149,6 +159,16 @@ impl RouterMetrics {
     pub fn count_disaggregation(&self, label: RouteLabel) {
         if let Some(index) = DISAGGREGATION_PATHS.iter().position(|path| *path == label) {
             self.disaggregation_paths[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a broken stream's outcome (one of [`MIGRATION_OUTCOMES`]).
+    pub fn count_migration(&self, outcome: &str) {
+        if let Some(index) = MIGRATION_OUTCOMES
+            .iter()
+            .position(|known| *known == outcome)
+        {
+            self.migrations[index].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -483,6 +503,18 @@ impl RouterMetrics {
             out.sample(
                 "switchyard_router_disaggregation_requests_total",
                 &[("path", path.as_str())],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_migrations_total",
+            "counter",
+            "Streamed answers that broke midway on a variant with a MigrationLimit, by outcome: continued (on another instance), whole (only the end was lost), limit (the limit reached or not continuable), failed (no instance took the continuation).",
+        );
+        for (outcome, count) in MIGRATION_OUTCOMES.iter().zip(&self.migrations) {
+            out.sample(
+                "switchyard_router_migrations_total",
+                &[("outcome", outcome)],
                 count.load(Ordering::Relaxed) as f64,
             );
         }

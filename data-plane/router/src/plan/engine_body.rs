@@ -130,6 +130,7 @@ mod tests {
             instances: Vec::new(),
             views: Vec::new(),
             popularity: None,
+            migration_limit: 0,
         }
     }
 

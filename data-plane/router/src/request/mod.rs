@@ -16,7 +16,7 @@
 pub(crate) mod read;
 mod settle;
 pub(crate) mod tokenize;
-mod worker;
+pub(crate) mod worker;
 
 pub use worker::Worker;
 
@@ -37,6 +37,7 @@ use crate::operation::Operation;
 use crate::plan::Planned;
 use crate::plan::count::TokenCounters;
 use crate::respond::Responder;
+use crate::respond::migrate::Migration;
 use crate::routing::table::{EndpointRoute, RoutingTable};
 use crate::server::admission::{BufferReservation, RequestPermit};
 use read::{OFFLOAD_BYTES, read_body};
@@ -94,7 +95,7 @@ struct Read {
 
 /// The phases, in order.
 async fn phases(
-    worker: &Worker,
+    worker: &Arc<Worker>,
     operation: Operation,
     endpoint: Option<String>,
     request: Request,
@@ -117,7 +118,7 @@ async fn phases(
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(planned.plan().body.len() as u64);
     let planned = queue(planned);
-    let plan = settle::settle(worker, planned).await?;
+    let mut plan = settle::settle(worker, planned).await?;
     drop(decision);
     if let Some(trace) = trace {
         trace.record_plan(&plan);
@@ -126,6 +127,7 @@ async fn phases(
         .metrics
         .decision_seconds
         .observe(arrived.elapsed().as_secs_f64());
+    let migration = Migration::prepare(operation, &mut plan);
     let forwarder = Forwarder {
         clients: &worker.clients,
         settings: worker.forwarding,
@@ -139,9 +141,10 @@ async fn phases(
         stream_idle: worker.forwarding.stream_idle,
         metrics: &worker.metrics,
         trace,
+        worker,
     };
     Ok(responder
-        .respond(operation, answered, permit, &headers)
+        .respond(operation, answered, permit, &headers, migration)
         .await)
 }
 

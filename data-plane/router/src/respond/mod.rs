@@ -7,6 +7,7 @@
 //! ModelError. Refusals and failures are `errors::ApiError`s, answered in the API's shape.
 
 pub(crate) mod eventstream;
+pub(crate) mod migrate;
 pub(crate) mod response_ids;
 mod stream;
 
@@ -27,9 +28,11 @@ use crate::observe::labels::RouteLabel;
 use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::RequestTrace;
 use crate::operation::Operation;
+use crate::request::worker::Worker;
 use crate::routing::table::{InstanceRoute, VariantRoute};
 use crate::server::admission::RequestPermit;
-use stream::{DoneWatch, FirstFrame, LogIds, Stall, TrackedBody};
+use migrate::{Migrating, Migration};
+use stream::{DoneWatch, FirstFrame, LogIds, Stall, TrackedBody, is_event_stream};
 
 /// What answering needs from the serving thread.
 pub struct Responder<'a> {
@@ -38,17 +41,21 @@ pub struct Responder<'a> {
     pub metrics: &'a Arc<RouterMetrics>,
     /// The request's spans, when tracing is on.
     pub trace: Option<&'a RequestTrace>,
+    /// For a migrating answer's continuations.
+    pub worker: &'a Arc<Worker>,
 }
 
 impl Responder<'_> {
     /// The client's answer from `answered`, for a request on `operation` whose headers were
-    /// `client_headers`; the answer's body holds `permit` until it ends.
+    /// `client_headers`; the answer's body holds `permit` until it ends. With a `migration`,
+    /// a streamed answer that breaks continues on another instance.
     pub async fn respond(
         &self,
         operation: Operation,
         answered: Answered,
         permit: RequestPermit,
         client_headers: &HeaderMap,
+        migration: Option<Migration>,
     ) -> Response {
         let Answered {
             response,
@@ -89,7 +96,8 @@ impl Responder<'_> {
             // a stall there ends with its own exception event, not an OpenAI error event.
             let sagemaker_stream = operation == Operation::InvocationsStream;
             let event_stream = is_event_stream(&parts.headers);
-            let stall = if event_stream && !sagemaker_stream {
+            let migration = migration.filter(|_| event_stream && parts.status.is_success());
+            let stall = if event_stream && !sagemaker_stream && migration.is_none() {
                 Stall::SseErrorEvent
             } else {
                 Stall::Cut
@@ -103,13 +111,14 @@ impl Responder<'_> {
                     Operation::ChatCompletions | Operation::Completions
                 );
             let sent = in_flight.sent();
-            let tracked = TrackedBody {
+            let mut tracked = TrackedBody {
                 ids: LogIds {
                     request_id: client_headers.get(&headers::REQUEST_ID).cloned(),
                     trace_id: self.trace.map(RequestTrace::trace_id),
                 },
                 inner: Some(incoming),
-                held: Some((in_flight, permit)),
+                in_flight: Some(in_flight),
+                permit: None,
                 idle: self.stream_idle,
                 last_frame: Instant::now(),
                 timer: None,
@@ -122,11 +131,23 @@ impl Responder<'_> {
                 }),
                 done: ends_with_done.then(DoneWatch::default),
             };
-            let body = if sagemaker_stream {
-                eventstream::set_headers(&mut parts.headers);
-                Body::new(eventstream::PayloadParts::new(tracked))
+            let body = if let Some(migration) = migration {
+                Body::new(Migrating::new(
+                    tracked,
+                    instance_index,
+                    migration,
+                    Arc::clone(self.worker),
+                    client_headers.clone(),
+                    permit,
+                ))
             } else {
-                Body::new(tracked)
+                tracked.permit = Some(permit);
+                if sagemaker_stream {
+                    eventstream::set_headers(&mut parts.headers);
+                    Body::new(eventstream::PayloadParts::new(tracked))
+                } else {
+                    Body::new(tracked)
+                }
             };
             Response::from_parts(parts, body)
         };
@@ -213,11 +234,4 @@ fn add_routing_headers(
     if let Some(tokens) = cached_tokens {
         out.insert(headers::CACHED_TOKENS, HeaderValue::from(tokens));
     }
-}
-
-fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.trim_start().starts_with("text/event-stream"))
 }

@@ -32,7 +32,7 @@ pub(super) enum Stall {
 
 const STREAM_IDLE_EVENT: &str = "data: {\"error\":{\"message\":\"the instance sent nothing for longer than --stream-idle-timeout-seconds; the answer is incomplete\",\"type\":\"timeout\",\"param\":null,\"code\":\"stream_idle_timeout\"}}\n\n";
 
-const STREAM_BROKEN_EVENT: &str = "data: {\"error\":{\"message\":\"the instance's answer broke off midway (its connection failed or it ended before its final event); the answer is incomplete\",\"type\":\"server_error\",\"param\":null,\"code\":\"upstream_reset\"}}\n\n";
+pub(super) const STREAM_BROKEN_EVENT: &str = "data: {\"error\":{\"message\":\"the instance's answer broke off midway (its connection failed or it ended before its final event); the answer is incomplete\",\"type\":\"server_error\",\"param\":null,\"code\":\"upstream_reset\"}}\n\n";
 
 /// Whether an OpenAI stream's last event so far is `data: [DONE]`: the last bytes seen, enough
 /// to hold that line and the blank line after it.
@@ -58,7 +58,7 @@ impl DoneWatch {
     }
 }
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The upstream response body, passed through frame by frame. It holds the instance's
 /// in-flight count and the request's admission until the body ends, fails, stalls for the
@@ -67,7 +67,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(super) struct TrackedBody {
     /// `None` once the body ended, failed or stalled.
     pub(super) inner: Option<hyper::body::Incoming>,
-    pub(super) held: Option<(InFlight, RequestPermit)>,
+    pub(super) in_flight: Option<InFlight>,
+    /// The request's admission; `None` when the body that wraps this one holds it.
+    pub(super) permit: Option<RequestPermit>,
     pub(super) idle: Duration,
     pub(super) last_frame: Instant,
     /// Armed on the first wait; reset only when it fires early (frames arrived meanwhile).
@@ -107,6 +109,43 @@ pub(super) struct FirstFrame {
     pub(super) disaggregated_decode: bool,
 }
 
+impl TrackedBody {
+    /// One answer of a migrating stream (`super::migrate`): a break fails the body (the
+    /// wrapper decides what the client sees), an end before `[DONE]` is a break, and the
+    /// wrapper holds the request's admission.
+    pub(super) fn leg(
+        incoming: hyper::body::Incoming,
+        in_flight: InFlight,
+        idle: Duration,
+        metrics: Arc<RouterMetrics>,
+    ) -> Self {
+        Self {
+            inner: Some(incoming),
+            in_flight: Some(in_flight),
+            permit: None,
+            idle,
+            last_frame: Instant::now(),
+            timer: None,
+            stall: Stall::Cut,
+            metrics,
+            first_frame: None,
+            ids: LogIds {
+                request_id: None,
+                trace_id: None,
+            },
+            done: Some(DoneWatch::default()),
+        }
+    }
+}
+
+/// Whether an answer's head says it is an SSE stream.
+pub(super) fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim_start().starts_with("text/event-stream"))
+}
+
 /// Why a chat or completions stream that ended cleanly still broke.
 const ENDED_BEFORE_DONE: &str = "the answer ended before its data: [DONE]";
 
@@ -128,7 +167,8 @@ impl TrackedBody {
 
     fn end(&mut self) {
         self.inner = None;
-        self.held = None;
+        self.in_flight = None;
+        self.permit = None;
         self.timer = None;
     }
 
@@ -148,7 +188,7 @@ impl TrackedBody {
     }
 
     fn count_upstream(&self, kind: UpstreamError) {
-        if let Some((in_flight, _)) = &self.held {
+        if let Some(in_flight) = &self.in_flight {
             in_flight.cell().count_upstream(kind);
         }
     }

@@ -51,6 +51,8 @@ pub struct VariantRoute {
     /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
     /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
     pub popularity: Option<Arc<KeyPopularity>>,
+    /// MigrationLimit: how many times a streamed answer may continue on another instance.
+    pub migration_limit: u32,
 }
 
 impl VariantRoute {
@@ -300,6 +302,7 @@ pub fn endpoint_route<'a>(
                 }
             )
             .then(Arc::default),
+            migration_limit: variant.migration_limit(),
         });
     }
     let disaggregation = config

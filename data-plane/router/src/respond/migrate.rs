@@ -1,0 +1,685 @@
+//! Request migration (a variant's `MigrationLimit`): a streamed chat or completions answer
+//! whose engine dies midway (its connection fails, it ends before `data: [DONE]`, or it
+//! stalls past the idle deadline, the stalled connection dropped first) continues on another
+//! instance of the plan's ranking. The continuation asks for the rest: chat with the text so
+//! far as a final assistant message and vLLM's `continue_final_message: true`,
+//! `add_generation_prompt: false`; completions with the prompt plus the text so far; the
+//! token budget less the tokens sent (counted as one token per streamed chunk that carries
+//! text, which is what vLLM streams without speculative decoding). Its events are spliced into
+//! the client's stream: the first answer's `id`, `created` and `model`, no second role chunk,
+//! usage counted for the client's own request, an SSE comment line at the splice, `[DONE]`
+//! once. Only whole events reach the client, so a break never leaves half an event behind.
+//!
+//! Not migrated (the stream ends with an error event, as without a limit): `n` > 1, guided
+//! decoding or `response_format`, logprobs, `echo`, a prompt that is not one string, an answer
+//! that has begun a tool call.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::Frame;
+use serde_json::{Map, Value, json};
+use switchyard_policy::rank::Ranking;
+
+use super::stream::{BoxError, STREAM_BROKEN_EVENT, TrackedBody, is_event_stream};
+use crate::errors::ApiError;
+use crate::forward::{Answered, Forwarder};
+use crate::observe::labels::RouteLabel;
+use crate::operation::Operation;
+use crate::plan::Plan;
+use crate::request::worker::Worker;
+use crate::routing::table::EndpointRoute;
+use crate::server::admission::RequestPermit;
+
+/// What a migrating stream needs to send a continuation: taken from the plan before it is
+/// forwarded.
+pub(crate) struct Migration {
+    operation: Operation,
+    client_usage: bool,
+    client_continuous: bool,
+    chat: bool,
+    /// The engine's request body (as planned), parsed.
+    body: Map<String, Value>,
+    endpoint: Arc<EndpointRoute>,
+    variant_index: usize,
+    ranking: Ranking,
+    path: Option<String>,
+    label: RouteLabel,
+    limit: u32,
+}
+
+impl Migration {
+    /// A migration for `plan`'s answer, when its variant allows one and the request is a
+    /// streamed chat or completions request that a continuation can finish.
+    pub(crate) fn prepare(operation: Operation, plan: &mut Plan) -> Option<Self> {
+        let chat = match operation {
+            Operation::ChatCompletions => true,
+            Operation::Completions => false,
+            _ => return None,
+        };
+        let limit = plan.variant().migration_limit;
+        if limit == 0 {
+            return None;
+        }
+        let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&plan.body) else {
+            return None;
+        };
+        if !continuable(&body, chat) {
+            return None;
+        }
+        // The engine counts the tokens sent in every chunk; the client sees what it asked for.
+        let options = body.get("stream_options");
+        let asked = |key: &str| options.is_some_and(|options| options[key] == Value::Bool(true));
+        let (client_usage, client_continuous) = (
+            asked("include_usage"),
+            asked("include_usage") && asked("continuous_usage_stats"),
+        );
+        let options = body
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !options.is_object() {
+            return None;
+        }
+        options["include_usage"] = Value::Bool(true);
+        options["continuous_usage_stats"] = Value::Bool(true);
+        plan.body = Bytes::from(serde_json::to_vec(&body).ok()?);
+        Some(Self {
+            client_usage,
+            client_continuous,
+            operation,
+            chat,
+            body,
+            endpoint: Arc::clone(&plan.endpoint),
+            variant_index: plan.variant_index,
+            ranking: plan.ranking.clone(),
+            path: plan.path.clone(),
+            label: plan.label,
+            limit,
+        })
+    }
+
+    fn continuation(&self, sent: &Splice) -> Option<Vec<u8>> {
+        continuation(&self.body, self.chat, sent)
+    }
+}
+
+/// The request that asks for the rest of an answer of which `sent` has reached the client;
+/// `None` when nothing is left to ask for.
+fn continuation(body: &Map<String, Value>, chat: bool, sent: &Splice) -> Option<Vec<u8>> {
+    let mut body = body.clone();
+    body.remove("kv_transfer_params");
+    if sent.text.is_empty() {
+        return serde_json::to_vec(&body).ok();
+    }
+    for key in ["max_tokens", "max_completion_tokens"] {
+        if let Some(budget) = body.get(key).and_then(Value::as_u64) {
+            let left = budget.saturating_sub(u64::from(sent.tokens));
+            if left == 0 {
+                return None;
+            }
+            body.insert(key.to_owned(), Value::from(left));
+        }
+    }
+    if chat {
+        let continuing = body.get("continue_final_message") == Some(&Value::Bool(true));
+        let messages = body.get_mut("messages")?.as_array_mut()?;
+        match messages.last_mut() {
+            // The client's own request continued its last message: it grows.
+            Some(last) if continuing => {
+                let content = format!("{}{}", last["content"].as_str()?, sent.text);
+                last["content"] = Value::String(content);
+            }
+            _ => messages.push(json!({"role": "assistant", "content": sent.text})),
+        }
+        body.insert("continue_final_message".to_owned(), Value::Bool(true));
+        body.insert("add_generation_prompt".to_owned(), Value::Bool(false));
+    } else {
+        let prompt = format!("{}{}", body.get("prompt")?.as_str()?, sent.text);
+        body.insert("prompt".to_owned(), Value::String(prompt));
+    }
+    serde_json::to_vec(&body).ok()
+}
+
+impl Migration {
+    /// The plan of a continuation: the same ranking without the instances that died.
+    fn plan(&self, body: Vec<u8>, dead: &[usize]) -> Plan {
+        Plan {
+            endpoint: Arc::clone(&self.endpoint),
+            variant_index: self.variant_index,
+            ranking: Ranking {
+                order: (self.ranking.order.iter().copied())
+                    .filter(|index| !dead.contains(index))
+                    .collect(),
+                route: self.ranking.route,
+            },
+            body: Bytes::from(body),
+            path: self.path.clone(),
+            label: self.label,
+            explain: Vec::new(),
+            prefill_hop: None,
+            cached_tokens: Vec::new(),
+            routing_key: None,
+        }
+    }
+}
+
+/// Whether a continuation can finish this request (see the module's list of exceptions).
+fn continuable(body: &Map<String, Value>, chat: bool) -> bool {
+    let set = |key: &str| body.get(key).is_some_and(|value| !value.is_null());
+    let truthy = |key: &str| {
+        body.get(key)
+            .is_some_and(|value| !matches!(value, Value::Null | Value::Bool(false)))
+    };
+    body.get("stream") == Some(&Value::Bool(true))
+        && body
+            .get("n")
+            .is_none_or(|n| n.is_null() || n.as_u64() == Some(1))
+        && ![
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+        ]
+        .into_iter()
+        .chain(["guided_choice", "guided_grammar"])
+        .any(set)
+        && !truthy("logprobs")
+        && !set("top_logprobs")
+        && !truthy("echo")
+        && (chat || body.get("prompt").is_some_and(Value::is_string))
+}
+
+/// The client's stream as it is spliced: whole events only, what they said so far, and the
+/// first answer's identity for the events of the ones after it.
+#[derive(Default)]
+struct Splice {
+    /// Bytes of an event not yet complete.
+    partial: BytesMut,
+    /// The answer's text so far.
+    text: String,
+    /// Streamed chunks that carried text (the tokens sent, as vLLM streams them).
+    tokens: u32,
+    /// The first answer's `id`, `created` and `model`.
+    identity: Option<(Value, Value, Value)>,
+    /// The tokens sent before the current answer began.
+    tokens_before: u32,
+    /// Which answer this is (0: the first).
+    leg: u32,
+    finished: bool,
+    done: bool,
+    /// A tool call has begun, or the engine sent an error: no continuation.
+    final_answer: bool,
+    /// The first answer's prompt tokens (from the engine's usage).
+    prompt_tokens: Option<u64>,
+    /// What the client asked for: a final usage chunk, usage in every chunk.
+    client_usage: bool,
+    client_continuous: bool,
+}
+
+impl Splice {
+    /// The complete events in `data`, as the client gets them.
+    fn feed(&mut self, data: &[u8], out: &mut VecDeque<Bytes>) {
+        self.partial.extend_from_slice(data);
+        while let Some(end) = find(&self.partial, b"\n\n") {
+            let event = self.partial.split_to(end + 2).freeze();
+            if let Some(event) = self.event(event) {
+                out.push_back(event);
+            }
+        }
+    }
+
+    fn event(&mut self, event: Bytes) -> Option<Bytes> {
+        let Some(data) = std::str::from_utf8(&event)
+            .ok()
+            .and_then(|text| text.lines().find_map(|line| line.strip_prefix("data: ")))
+        else {
+            return Some(event);
+        };
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Some(event);
+        }
+        let Ok(Value::Object(mut chunk)) = serde_json::from_str::<Value>(data) else {
+            return Some(event);
+        };
+        if chunk.contains_key("error") {
+            self.final_answer = true;
+            return Some(event);
+        }
+        let choice = chunk
+            .get("choices")
+            .and_then(|choices| choices.get(0))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let delta = &choice["delta"];
+        let text = delta["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+            .unwrap_or("");
+        if !delta["tool_calls"].is_null() {
+            self.final_answer = true;
+        }
+        if !choice["finish_reason"].is_null() {
+            self.finished = true;
+        }
+        self.text.push_str(text);
+        // The engine's own count when it sends one (`continuous_usage_stats`, asked for by
+        // `Migration::prepare`), else one token per chunk with text.
+        let usage = chunk
+            .get("usage")
+            .filter(|usage| usage.is_object())
+            .cloned();
+        match usage
+            .as_ref()
+            .and_then(|usage| usage["completion_tokens"].as_u64())
+        {
+            Some(completion) => {
+                let completion = u32::try_from(completion).unwrap_or(u32::MAX);
+                self.tokens = self.tokens_before.saturating_add(completion);
+            }
+            None if !text.is_empty() => self.tokens += 1,
+            None => {}
+        }
+        if self.leg == 0 {
+            if let Some(prompt) = usage
+                .as_ref()
+                .and_then(|usage| usage["prompt_tokens"].as_u64())
+            {
+                self.prompt_tokens.get_or_insert(prompt);
+            }
+            if self.identity.is_none() {
+                self.identity = Some((
+                    chunk.get("id").cloned().unwrap_or(Value::Null),
+                    chunk.get("created").cloned().unwrap_or(Value::Null),
+                    chunk.get("model").cloned().unwrap_or(Value::Null),
+                ));
+            }
+        } else {
+            if !delta["role"].is_null() && text.is_empty() {
+                // The client has had its role chunk.
+                return None;
+            }
+            if let Some((id, created, model)) = &self.identity {
+                chunk.insert("id".to_owned(), id.clone());
+                chunk.insert("created".to_owned(), created.clone());
+                chunk.insert("model".to_owned(), model.clone());
+            }
+        }
+        if usage.is_some() || self.leg > 0 {
+            let usage_only = choice.is_null();
+            if usage_only && !self.client_usage {
+                return None;
+            }
+            match usage {
+                Some(Value::Object(mut usage)) if usage_only || self.client_continuous => {
+                    // The client's own request: its prompt, everything it was sent.
+                    let completion = u64::from(self.tokens);
+                    let prompt = match self.prompt_tokens {
+                        Some(prompt) => prompt,
+                        None => usage["prompt_tokens"].as_u64().unwrap_or(0),
+                    };
+                    usage.insert("prompt_tokens".to_owned(), prompt.into());
+                    usage.insert("completion_tokens".to_owned(), completion.into());
+                    usage.insert("total_tokens".to_owned(), (prompt + completion).into());
+                    chunk.insert("usage".to_owned(), Value::Object(usage));
+                }
+                Some(_) if self.client_usage => {
+                    chunk.insert("usage".to_owned(), Value::Null);
+                }
+                Some(_) => {
+                    chunk.remove("usage");
+                }
+                None => {}
+            }
+            let mut out = b"data: ".to_vec();
+            serde_json::to_writer(&mut out, &chunk).ok()?;
+            out.extend_from_slice(b"\n\n");
+            return Some(Bytes::from(out));
+        }
+        Some(event)
+    }
+
+    /// A new answer begins: what is partial of the old one is dropped.
+    fn next_leg(&mut self) {
+        self.partial.clear();
+        self.tokens_before = self.tokens;
+        self.leg += 1;
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+type Continuing = Pin<Box<dyn Future<Output = Result<Answered, ApiError>> + Send>>;
+
+/// The client's body for a migrating stream.
+pub(super) struct Migrating {
+    leg: Option<TrackedBody>,
+    continuing: Option<Continuing>,
+    splice: Splice,
+    ready: VecDeque<Bytes>,
+    migration: Arc<Migration>,
+    worker: Arc<Worker>,
+    headers: Arc<HeaderMap>,
+    /// The instances (by index in the variant) whose answers broke, the current one last.
+    dead: Vec<usize>,
+    moves: u32,
+    /// The request's admission, held for the whole stream.
+    _permit: RequestPermit,
+    ended: bool,
+}
+
+impl Migrating {
+    pub(super) fn new(
+        leg: TrackedBody,
+        instance_index: usize,
+        migration: Migration,
+        worker: Arc<Worker>,
+        headers: HeaderMap,
+        permit: RequestPermit,
+    ) -> Self {
+        Self {
+            leg: Some(leg),
+            continuing: None,
+            splice: Splice {
+                client_usage: migration.client_usage,
+                client_continuous: migration.client_continuous,
+                ..Splice::default()
+            },
+            ready: VecDeque::new(),
+            migration: Arc::new(migration),
+            worker,
+            headers: Arc::new(headers),
+            dead: vec![instance_index],
+            moves: 0,
+            _permit: permit,
+            ended: false,
+        }
+    }
+
+    /// The current answer broke: a continuation is under way, or the stream ends with an
+    /// error event.
+    fn broke(&mut self) {
+        self.leg = None;
+        if self.splice.done {
+            self.ended = true;
+            return;
+        }
+        if self.splice.finished {
+            // Only the end was lost: the answer is whole.
+            self.worker.metrics.count_migration("whole");
+            self.ready
+                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            self.ended = true;
+            return;
+        }
+        let body = (self.moves < self.migration.limit && !self.splice.final_answer)
+            .then(|| self.migration.continuation(&self.splice))
+            .flatten();
+        let Some(body) = body else {
+            if self.moves < self.migration.limit && !self.splice.final_answer {
+                // Nothing left to ask for: the budget was spent.
+                self.worker.metrics.count_migration("whole");
+                self.ready
+                    .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            } else {
+                self.worker.metrics.count_migration("limit");
+                self.give_up();
+            }
+            self.ended = true;
+            return;
+        };
+        self.moves += 1;
+        let plan = self.migration.plan(body, &self.dead);
+        let (worker, headers, operation) = (
+            Arc::clone(&self.worker),
+            Arc::clone(&self.headers),
+            self.migration.operation,
+        );
+        self.continuing = Some(Box::pin(async move {
+            let mut reservation = worker.admission.buffer();
+            reservation.resize_to(plan.body.len() as u64);
+            let forwarder = Forwarder {
+                clients: &worker.clients,
+                settings: worker.forwarding,
+                metrics: &worker.metrics,
+                trace: None,
+            };
+            forwarder
+                .forward(operation, plan, &headers, reservation)
+                .await
+        }));
+    }
+
+    fn give_up(&mut self) {
+        self.ready
+            .push_back(Bytes::from_static(STREAM_BROKEN_EVENT.as_bytes()));
+    }
+
+    /// The continuation answered: its stream becomes the current answer.
+    fn continued(&mut self, answered: Answered) {
+        let from = self.dead.last().copied();
+        let variant = &answered.endpoint.variants[answered.variant_index];
+        let name = |index: usize| {
+            variant
+                .instances
+                .get(index)
+                .map_or_else(String::new, |instance| instance.id.to_string())
+        };
+        let is_stream = is_event_stream(answered.response.headers());
+        if !answered.response.status().is_success() || !is_stream {
+            tracing::warn!(status = %answered.response.status(), "a continuation was refused; the answer is incomplete");
+            self.worker.metrics.count_migration("failed");
+            self.give_up();
+            self.ended = true;
+            return;
+        }
+        self.worker.metrics.count_migration("continued");
+        tracing::info!(
+            from = from.map(name).unwrap_or_default(),
+            to = name(answered.instance_index),
+            moves = self.moves,
+            "a broken answer continues on another instance"
+        );
+        self.ready.push_back(Bytes::from(format!(
+            ": switchyard migrated this answer from {} to {}\n\n",
+            from.map(name).unwrap_or_default(),
+            name(answered.instance_index)
+        )));
+        self.splice.next_leg();
+        self.dead.push(answered.instance_index);
+        let (parts, incoming) = answered.response.into_parts();
+        drop(parts);
+        let leg = TrackedBody::leg(
+            incoming,
+            answered.in_flight,
+            self.worker.forwarding.stream_idle,
+            Arc::clone(&self.worker.metrics),
+        );
+        self.leg = Some(leg);
+    }
+}
+
+impl http_body::Body for Migrating {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(ready) = this.ready.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(ready))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            if let Some(continuing) = this.continuing.as_mut() {
+                let answered = std::task::ready!(continuing.as_mut().poll(cx));
+                this.continuing = None;
+                match answered {
+                    Ok(answered) => this.continued(answered),
+                    Err(err) => {
+                        tracing::warn!(error = %err.message, "no instance took the continuation; the answer is incomplete");
+                        this.worker.metrics.count_migration("failed");
+                        this.give_up();
+                        this.ended = true;
+                    }
+                }
+                continue;
+            }
+            let Some(leg) = this.leg.as_mut() else {
+                this.ended = true;
+                continue;
+            };
+            match std::task::ready!(Pin::new(leg).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        this.splice.feed(data, &mut this.ready);
+                    }
+                    if this.splice.done {
+                        this.leg = None;
+                        this.ended = true;
+                    }
+                }
+                Some(Err(_)) => this.broke(),
+                None => {
+                    if this.splice.done {
+                        this.ended = true;
+                    } else {
+                        this.broke();
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended && self.ready.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events(splice: &mut Splice, text: &str) -> String {
+        let mut out = VecDeque::new();
+        splice.feed(text.as_bytes(), &mut out);
+        out.iter()
+            .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn only_whole_events_pass_and_a_later_answer_takes_the_first_ones_identity() {
+        let mut splice = Splice {
+            client_usage: true,
+            ..Splice::default()
+        };
+        let first = r#"data: {"id":"a","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
+
+data: {"id":"a","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"lorem"}}],"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8}}
+
+data: {"id":"a","created":1,"model":"m","choi"#;
+        let out = events(&mut splice, first);
+        assert_eq!(out.matches("data: ").count(), 2, "{out}");
+        assert!(
+            out.contains(r#""usage":null"#),
+            "usage in every chunk, unasked: {out}"
+        );
+        assert_eq!((splice.text.as_str(), splice.tokens), ("lorem", 1));
+        splice.next_leg();
+        let second = r#"data: {"id":"b","created":2,"model":"m2","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
+
+data: {"id":"b","created":2,"model":"m2","choices":[{"index":0,"delta":{"content":" ipsum"},"finish_reason":"length"}]}
+
+data: {"id":"b","created":2,"model":"m2","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}
+
+data: [DONE]
+
+"#;
+        let out = events(&mut splice, second);
+        assert!(!out.contains("\"b\""), "{out}");
+        assert_eq!(
+            out.matches("\"role\"").count(),
+            0,
+            "a second role chunk: {out}"
+        );
+        assert!(out.contains(r#""prompt_tokens":7"#), "{out}");
+        assert!(out.contains(r#""completion_tokens":2"#), "{out}");
+        assert!(splice.done && splice.finished);
+        assert_eq!(splice.text, "lorem ipsum");
+    }
+
+    fn migration(body: Value) -> Option<Map<String, Value>> {
+        let Value::Object(body) = body else {
+            return None;
+        };
+        continuable(&body, body.contains_key("messages")).then_some(body)
+    }
+
+    #[test]
+    fn what_a_continuation_can_finish() {
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+        assert!(migration(chat.clone()).is_some());
+        for (key, value) in [
+            ("n", json!(2)),
+            ("response_format", json!({"type": "json_object"})),
+            ("guided_json", json!({})),
+            ("logprobs", json!(true)),
+            ("top_logprobs", json!(2)),
+            ("stream", json!(false)),
+        ] {
+            let mut body = chat.clone();
+            body[key] = value;
+            assert!(migration(body).is_none(), "{key}");
+        }
+        let completions = json!({"prompt": "hi", "stream": true, "logprobs": null});
+        assert!(migration(completions).is_some());
+        assert!(migration(json!({"prompt": ["a", "b"], "stream": true})).is_none());
+        assert!(migration(json!({"prompt": "hi", "stream": true, "echo": true})).is_none());
+    }
+
+    #[test]
+    fn a_continuation_asks_for_the_rest() {
+        let chat = migration(json!({"messages": [{"role": "user", "content": "hi"}],
+            "stream": true, "max_tokens": 5, "kv_transfer_params": {"do_remote_prefill": true}}))
+        .unwrap();
+        let sent = Splice {
+            text: "lorem ipsum".into(),
+            tokens: 2,
+            ..Splice::default()
+        };
+        let body: Value =
+            serde_json::from_slice(&continuation(&chat, true, &sent).unwrap()).unwrap();
+        assert_eq!(body["max_tokens"], 3);
+        assert_eq!(
+            body["messages"][1],
+            json!({"role": "assistant", "content": "lorem ipsum"})
+        );
+        assert_eq!(body["continue_final_message"], true);
+        assert_eq!(body["add_generation_prompt"], false);
+        assert!(body.get("kv_transfer_params").is_none());
+        let spent = Splice {
+            text: "a b c d e".into(),
+            tokens: 5,
+            ..Splice::default()
+        };
+        assert!(continuation(&chat, true, &spent).is_none());
+        let completions = migration(json!({"prompt": "say", "stream": true})).unwrap();
+        let body: Value =
+            serde_json::from_slice(&continuation(&completions, false, &sent).unwrap()).unwrap();
+        assert_eq!(body["prompt"], "saylorem ipsum");
+    }
+}

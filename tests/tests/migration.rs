@@ -1,0 +1,175 @@
+//! Request migration (a variant's MigrationLimit): a streamed answer whose engine dies midway
+//! continues on another instance, spliced into the client's stream so that it reads as the
+//! undisturbed answer; beyond the limit, the stream ends with a final error event.
+
+use serde_json::{Value, json};
+use switchyard_engine_sim::{SimConfig, SimHandle};
+use switchyard_router::RouterHandle;
+use switchyard_tests::*;
+
+/// A router for endpoint `chat` (RANDOM, `MigrationLimit: limit`) over `engines`: (id,
+/// engine, weight), from a static file.
+async fn start_router(
+    dir: &tempfile::TempDir,
+    limit: u32,
+    engines: &[(&str, &SimHandle, f64)],
+) -> anyhow::Result<RouterHandle> {
+    let mut yaml = format!(
+        "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n        MigrationLimit: {limit}\n    Instances:\n"
+    );
+    for (id, engine, weight) in engines {
+        yaml.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: {id}, Weight: {weight}}}\n",
+            engine.url
+        ));
+    }
+    router_from_file(&dir.path().join("routes.yaml"), &yaml, |_| {}).await
+}
+
+fn dying() -> SimConfig {
+    SimConfig {
+        die_mid_stream_rate: 1.0,
+        ..fast()
+    }
+}
+
+/// A streamed answer as the client reads it.
+struct Streamed {
+    text: String,
+    events: Vec<Value>,
+    comments: Vec<String>,
+    done: usize,
+}
+
+async fn stream(url: &str, body: Value) -> anyhow::Result<Streamed> {
+    let mut response = bounded(
+        "a streamed answer",
+        post_streaming(url, &[], body.to_string()),
+    )
+    .await?;
+    assert_eq!(response.status(), 200);
+    let Body { text, broke } = bounded("its body", read_body(&mut response)).await;
+    assert!(!broke, "the client's stream was cut: {text}");
+    let mut streamed = Streamed {
+        text: String::new(),
+        events: Vec::new(),
+        comments: Vec::new(),
+        done: 0,
+    };
+    for line in text.lines() {
+        if let Some(comment) = line.strip_prefix(':') {
+            streamed.comments.push(comment.trim().to_owned());
+        } else if line == "data: [DONE]" {
+            streamed.done += 1;
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            let event: Value = serde_json::from_str(data)?;
+            let choice = &event["choices"][0];
+            let piece = choice["delta"]["content"]
+                .as_str()
+                .or(choice["text"].as_str());
+            streamed.text.push_str(piece.unwrap_or(""));
+            streamed.events.push(event);
+        }
+    }
+    Ok(streamed)
+}
+
+fn chat(max_tokens: u32) -> Value {
+    json!({"model": "chat", "messages": [{"role": "user", "content": "tell me"}],
+           "max_tokens": max_tokens, "stream": true, "stream_options": {"include_usage": true}})
+}
+
+fn completions(max_tokens: u32) -> Value {
+    json!({"model": "chat", "prompt": "tell me", "max_tokens": max_tokens, "stream": true,
+           "stream_options": {"include_usage": true}})
+}
+
+#[tokio::test]
+async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> anyhow::Result<()> {
+    let dies = switchyard_engine_sim::spawn(dying()).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    // The dying engine is first choice for all but one in a million draws.
+    let router = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
+    let base = format!("{}/endpoints/chat/openai/v1", router.url());
+    for (path, body) in [
+        ("chat/completions", chat(12)),
+        ("completions", completions(12)),
+    ] {
+        let mut direct = body.clone();
+        direct["model"] = json!("sim");
+        let undisturbed = stream(&format!("{}/v1/{path}", healthy.url), direct).await?;
+        let migrated = stream(&format!("{base}/{path}"), body).await?;
+        assert_eq!(migrated.text, undisturbed.text, "{path}");
+        assert_eq!(migrated.done, 1, "{path}");
+        assert_eq!(
+            migrated.comments,
+            ["switchyard migrated this answer from dies to healthy"],
+            "{path}"
+        );
+        // One answer to the client: the first engine's id, created and model throughout, one
+        // role chunk, and the usage of its own request.
+        let first = &migrated.events[0];
+        for event in &migrated.events {
+            assert_eq!(event["id"], first["id"], "{path}: {event}");
+            assert_eq!(event["created"], first["created"], "{path}");
+            assert_eq!(event["model"], first["model"], "{path}");
+        }
+        let roles = (migrated.events.iter())
+            .filter(|event| !event["choices"][0]["delta"]["role"].is_null())
+            .count();
+        assert_eq!(roles, usize::from(path == "chat/completions"), "{path}");
+        let usage = |streamed: &Streamed| streamed.events.last().unwrap()["usage"].clone();
+        assert_eq!(usage(&migrated), usage(&undisturbed), "{path}");
+    }
+    assert_eq!(dies.stats().responses_cut, 2);
+    let metrics = Metrics::scrape(&router.url()).await?;
+    assert_eq!(
+        metrics.get(r#"switchyard_router_migrations_total{outcome="continued"}"#),
+        Some(2.0)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn beyond_the_limit_the_stream_ends_with_an_error_event() -> anyhow::Result<()> {
+    let first = switchyard_engine_sim::spawn(dying()).await?;
+    let second = switchyard_engine_sim::spawn(dying()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, 1, &[("a", &first, 1.0), ("b", &second, 1.0)]).await?;
+    let migrated = stream(&chat_url(&router), chat(12)).await?;
+    assert_eq!(migrated.done, 0, "a broken answer completed");
+    assert_eq!(migrated.comments.len(), 1, "{:?}", migrated.comments);
+    let last = migrated.events.last().unwrap();
+    assert_eq!(last["error"]["code"], "upstream_reset", "{last}");
+    // Each engine died once: the answer moved once, then the limit was reached.
+    assert_eq!(
+        first.stats().responses_cut + second.stats().responses_cut,
+        2
+    );
+    let metrics = Metrics::scrape(&router.url()).await?;
+    for (outcome, count) in [("continued", 1.0), ("limit", 1.0), ("failed", 0.0)] {
+        let series = format!(r#"switchyard_router_migrations_total{{outcome="{outcome}"}}"#);
+        assert_eq!(metrics.get(&series), Some(count), "{series}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn what_a_continuation_cannot_finish_is_not_moved() -> anyhow::Result<()> {
+    let dies = switchyard_engine_sim::spawn(dying()).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
+    let mut body = chat(12);
+    body["response_format"] = json!({"type": "json_object"});
+    let broken = stream(&chat_url(&router), body).await?;
+    assert!(broken.comments.is_empty(), "{:?}", broken.comments);
+    assert_eq!(broken.done, 0);
+    assert_eq!(
+        broken.events.last().unwrap()["error"]["code"],
+        "upstream_reset"
+    );
+    assert!(healthy.received().is_empty(), "a guided answer was moved");
+    Ok(())
+}
