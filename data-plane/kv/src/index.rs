@@ -7,10 +7,27 @@
 //! A request is then scored by walking its own block hashes in order: instance X holds the
 //! first `j` blocks if the first `j` hashes list X among their holders.
 //!
-//! Bounds: each instance keeps at most `max_blocks_per_instance` blocks; beyond that its least
-//! recently stored blocks are dropped (a chain's tail before its head, as engines evict). A
-//! `BlockStored` whose parent the index does not know (stored before the router subscribed,
-//! or dropped) cannot be placed in a chain and is skipped (counted).
+//! What an event means (vLLM's semantics, per instance, KV-cache group and medium): a
+//! `BlockStored` says the engine holds these blocks now; storing a block already held changes
+//! nothing but its recency (vLLM re-sends held blocks under `kv_cache_report_mode` "full"); a
+//! `BlockRemoved` says it no longer holds them, whatever was stored before; an
+//! `AllBlocksCleared` empties the instance. An engine that holds one hash twice (vLLM does not
+//! de-duplicate blocks computed at once) and evicts one copy is then taken to hold neither: an
+//! underestimate, which routes by load, never a phantom.
+//!
+//! Which events count: the engine's own prefix cache (`medium` "GPU"; an absent medium counts
+//! as GPU until the instance names one, then it is another tier's, such as LMCache's), not
+//! `locality` "REMOTE", and one KV-cache group: when vLLM labels groups
+//! (`kv_cache_spec_kind`) the first full-attention-like one (`full_attention`,
+//! `mla_attention`, `sink_full_attention`), else group 0. The variant's block size is the
+//! largest full-group block size seen (a partial-block event is smaller and is skipped; if one
+//! came first, the index restarts at the real size).
+//!
+//! Bounds: each instance keeps at most `max_blocks_per_instance` blocks of 16 tokens' worth
+//! (a token budget: at block size 1, 16 times as many blocks; at 128, an eighth); beyond that
+//! its least recently stored blocks are dropped (a chain's tail before its head, as engines
+//! evict). A `BlockStored` whose parent the index does not know (stored before the router
+//! subscribed, or dropped) cannot be placed in a chain and is skipped (counted).
 //!
 //! Concurrency: one `RwLock` per variant. Subscribers take it for writing once per batch;
 //! the request path takes it for reading for one walk over the request's hashes (no await
@@ -38,6 +55,21 @@ pub struct IndexSettings {
 }
 
 pub const DEFAULT_MAX_BLOCKS_PER_INSTANCE: usize = 131_072;
+
+/// The block size `max_blocks_per_instance` is counted in: the budget is that many blocks
+/// of this many tokens, whatever the engines' block size.
+pub const BUDGET_BLOCK_TOKENS: usize = 16;
+
+impl IndexSettings {
+    /// Blocks one instance may keep at `block_size` (the token budget in blocks, at least 1).
+    pub fn blocks_at(&self, block_size: usize) -> usize {
+        (self
+            .max_blocks_per_instance
+            .saturating_mul(BUDGET_BLOCK_TOKENS)
+            / block_size.max(1))
+        .max(1)
+    }
+}
 
 impl Default for IndexSettings {
     fn default() -> Self {
@@ -67,7 +99,7 @@ pub struct IndexCounters {
     /// Blocks dropped to keep an instance within `max_blocks_per_instance`.
     pub blocks_evicted: AtomicU64,
     /// Events skipped: another medium (CPU offload) or KV-cache group, a mismatched block size,
-    /// malformed.
+    /// an unknown type, malformed.
     pub events_ignored: AtomicU64,
     /// Sequence gaps filled from an engine's replay socket.
     pub gaps_repaired: AtomicU64,
@@ -86,8 +118,19 @@ struct OwnEntry {
 #[derive(Debug)]
 struct EngineEntry {
     own: u64,
-    /// Stores minus removals of this engine hash (vLLM may cache one hash twice).
-    count: u32,
+}
+
+/// Full-attention-like KV-cache groups (vLLM's `KVCacheSpecKind`): they hold every token of a
+/// prefix, so their blocks are what a prefill reuses.
+fn full_attention_like(kind: &str) -> bool {
+    matches!(
+        kind,
+        "full_attention" | "mla_attention" | "sink_full_attention"
+    )
+}
+
+fn is_gpu(medium: &str) -> bool {
+    medium.eq_ignore_ascii_case("GPU")
 }
 
 #[derive(Debug)]
@@ -99,6 +142,15 @@ struct InstanceBlocks {
     /// Blocks by store order (oldest first).
     lru: BTreeMap<u64, u64>,
     next_tick: u64,
+    /// The KV-cache group followed, once a labelled full-attention-like group was seen.
+    group: Option<i64>,
+    /// Groups labelled as something else (sliding window, mamba, …).
+    other_groups: Vec<i64>,
+    /// The instance named a medium once: an absent one is then another tier's.
+    names_medium: bool,
+    /// Batches that could not be decoded, and single events that could not be.
+    undecodable_batches: u64,
+    malformed_events: u64,
 }
 
 impl InstanceBlocks {
@@ -110,6 +162,40 @@ impl InstanceBlocks {
             engine: HashMap::new(),
             lru: BTreeMap::new(),
             next_tick: 0,
+            group: None,
+            other_groups: Vec::new(),
+            names_medium: false,
+            undecodable_batches: 0,
+            malformed_events: 0,
+        }
+    }
+
+    /// Whether an event of `medium` at `locality` is about the engine's own prefix cache.
+    fn counts_medium(&mut self, medium: Option<&str>, locality: Option<&str>) -> bool {
+        if locality.is_some_and(|locality| locality.eq_ignore_ascii_case("REMOTE")) {
+            return false;
+        }
+        match medium {
+            Some(medium) => {
+                self.names_medium = true;
+                is_gpu(medium)
+            }
+            None => !self.names_medium,
+        }
+    }
+
+    /// Whether an event of KV-cache group `group_idx` (labelled `kind`, on stores) counts.
+    fn counts_group(&mut self, group_idx: Option<i64>, kind: Option<&str>) -> bool {
+        let group = group_idx.unwrap_or(0);
+        match kind {
+            Some(kind) if full_attention_like(kind) => *self.group.get_or_insert(group) == group,
+            Some(_) => {
+                if !self.other_groups.contains(&group) {
+                    self.other_groups.push(group);
+                }
+                false
+            }
+            None => !self.other_groups.contains(&group) && self.group.unwrap_or(0) == group,
         }
     }
 }
@@ -190,19 +276,37 @@ impl VariantBlocks {
         }
     }
 
+    /// Takes `block_size` as the variant's if it is the largest seen: an earlier, smaller
+    /// one was a partial block's, and what was indexed at it is dropped. False if the event
+    /// is smaller than the variant's block size (a partial block: skipped).
+    fn learn_block_size(&mut self, block_size: usize) -> bool {
+        match self.block_size {
+            Some(known) if known == block_size => true,
+            Some(known) if known > block_size => false,
+            Some(_) => {
+                for slot in 0..self.slots.len() as u32 {
+                    if self.slots[slot as usize].is_some() {
+                        self.clear_instance(slot);
+                    }
+                }
+                self.block_size = Some(block_size);
+                true
+            }
+            None => {
+                self.block_size = Some(block_size);
+                true
+            }
+        }
+    }
+
     fn store(&mut self, slot: u32, event: &BlockStored, counters: &IndexCounters) {
         let block_size = event.block_size as usize;
-        if block_size == 0 || event.token_ids.len() != event.block_hashes.len() * block_size {
+        if block_size == 0
+            || event.token_ids.len() != event.block_hashes.len() * block_size
+            || !self.learn_block_size(block_size)
+        {
             counters.events_ignored.fetch_add(1, Ordering::Relaxed);
             return;
-        }
-        match self.block_size {
-            None => self.block_size = Some(block_size),
-            Some(known) if known != block_size => {
-                counters.events_ignored.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            Some(_) => {}
         }
         let parent = match event.parent_block_hash {
             None => Some(chain_seed(event.lora_name.as_deref())),
@@ -232,7 +336,10 @@ impl VariantBlocks {
             .zip(event.token_ids.chunks_exact(block_size))
             .enumerate()
         {
-            let extra = event.extra_keys.get(index).copied().unwrap_or(false);
+            // A salted block (SGLang's cache_salt, or vLLM's extra keys) is not reached by a
+            // request's plain tokens.
+            let extra =
+                event.cache_salt.is_some() || event.extra_keys.get(index).copied().unwrap_or(false);
             let own = if extra {
                 unmatchable_block_hash(parent, tokens)
             } else {
@@ -242,13 +349,10 @@ impl VariantBlocks {
             let tick = first_tick + count - 1 - index as u64;
             let instance = self.instance(slot);
             if let Some(previous) = instance.engine.get_mut(engine) {
-                if previous.own == own {
-                    previous.count += 1;
-                } else {
+                if previous.own != own {
                     // The engine reused a hash for other content: trust the newest.
                     let old = previous.own;
                     previous.own = own;
-                    previous.count = 1;
                     if let Some(entry) = instance.blocks.get_mut(&old) {
                         entry.engine_hashes.retain(|hash| hash != engine);
                         if entry.engine_hashes.is_empty() {
@@ -257,9 +361,7 @@ impl VariantBlocks {
                     }
                 }
             } else {
-                instance
-                    .engine
-                    .insert(*engine, EngineEntry { own, count: 1 });
+                instance.engine.insert(*engine, EngineEntry { own });
             }
             let instance = self.instance(slot);
             match instance.blocks.get_mut(&own) {
@@ -289,15 +391,10 @@ impl VariantBlocks {
     fn remove(&mut self, slot: u32, event: &BlockRemoved, counters: &IndexCounters) {
         for engine in &event.block_hashes {
             let instance = self.instance(slot);
-            let Some(entry) = instance.engine.get_mut(engine) else {
+            let Some(entry) = instance.engine.remove(engine) else {
                 continue;
             };
-            entry.count = entry.count.saturating_sub(1);
-            if entry.count > 0 {
-                continue;
-            }
             let own = entry.own;
-            instance.engine.remove(engine);
             let now_unmapped = match instance.blocks.get_mut(&own) {
                 Some(block) => {
                     block.engine_hashes.retain(|hash| hash != engine);
@@ -312,7 +409,8 @@ impl VariantBlocks {
         }
     }
 
-    fn enforce_budget(&mut self, slot: u32, max_blocks: usize, counters: &IndexCounters) {
+    fn enforce_budget(&mut self, slot: u32, settings: &IndexSettings, counters: &IndexCounters) {
+        let max_blocks = settings.blocks_at(self.block_size.unwrap_or(BUDGET_BLOCK_TOKENS));
         loop {
             let instance = self.instance(slot);
             if instance.blocks.len() <= max_blocks {
@@ -325,13 +423,6 @@ impl VariantBlocks {
             counters.blocks_evicted.fetch_add(1, Ordering::Relaxed);
         }
     }
-}
-
-/// Only GPU blocks of the first KV-cache group count (CPU-offloaded copies and other groups of
-/// hybrid models are not what a prefill reuses directly).
-fn counted(medium: Option<&str>, group_idx: Option<i64>) -> bool {
-    medium.is_none_or(|medium| medium.eq_ignore_ascii_case("GPU"))
-        && group_idx.is_none_or(|group| group == 0)
 }
 
 /// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
@@ -480,24 +571,40 @@ impl VariantIndex {
         let mut blocks = self.write();
         let slot = blocks.slot(instance);
         for event in &batch.events {
-            match event {
-                KvEvent::BlockStored(stored)
-                    if counted(stored.medium.as_deref(), stored.group_idx) =>
-                {
-                    blocks.store(slot, stored, counters);
+            let counted = {
+                let this = blocks.instance(slot);
+                match event {
+                    KvEvent::BlockStored(stored) => {
+                        this.counts_medium(stored.medium.as_deref(), stored.locality.as_deref())
+                            && this.counts_group(
+                                stored.group_idx,
+                                stored.kv_cache_spec_kind.as_deref(),
+                            )
+                    }
+                    KvEvent::BlockRemoved(removed) => {
+                        this.counts_medium(removed.medium.as_deref(), removed.locality.as_deref())
+                            && this.counts_group(removed.group_idx, None)
+                    }
+                    KvEvent::AllBlocksCleared { medium } => medium.as_deref().is_none_or(is_gpu),
+                    KvEvent::Malformed(_) => {
+                        this.malformed_events += 1;
+                        false
+                    }
+                    KvEvent::Other(_) => false,
                 }
-                KvEvent::BlockRemoved(removed)
-                    if counted(removed.medium.as_deref(), removed.group_idx) =>
-                {
+            };
+            match event {
+                KvEvent::BlockStored(stored) if counted => blocks.store(slot, stored, counters),
+                KvEvent::BlockRemoved(removed) if counted => {
                     blocks.remove(slot, removed, counters);
                 }
-                KvEvent::AllBlocksCleared => blocks.clear_instance(slot),
+                KvEvent::AllBlocksCleared { .. } if counted => blocks.clear_instance(slot),
                 _ => {
                     counters.events_ignored.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
-        blocks.enforce_budget(slot, settings.max_blocks_per_instance, counters);
+        blocks.enforce_budget(slot, settings, counters);
         counters.batches.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -513,6 +620,29 @@ impl VariantIndex {
             blocks.slots[slot as usize] = None;
             blocks.by_id.remove(instance);
         }
+    }
+
+    /// Counts a batch of `instance`'s that could not be decoded (and was skipped).
+    pub fn count_undecodable(&self, instance: &InstanceId) {
+        let mut blocks = self.write();
+        let slot = blocks.slot(instance);
+        blocks.instance(slot).undecodable_batches += 1;
+    }
+
+    /// Per instance: (undecodable batches, malformed events) since it was first followed.
+    pub fn decode_failures(&self) -> Vec<(InstanceId, u64, u64)> {
+        self.read()
+            .slots
+            .iter()
+            .flatten()
+            .map(|instance| {
+                (
+                    instance.id.clone(),
+                    instance.undecodable_batches,
+                    instance.malformed_events,
+                )
+            })
+            .collect()
     }
 
     pub fn set_freshness(&self, instance: &InstanceId, freshness: Freshness) {
@@ -642,6 +772,33 @@ impl KvIndex {
                 );
             }
         }
+        for (name, help, pick) in [
+            (
+                "switchyard_kv_undecodable_batches_total",
+                "KV event batches skipped because they could not be decoded, per instance.",
+                0usize,
+            ),
+            (
+                "switchyard_kv_malformed_events_total",
+                "Single KV events skipped because they could not be decoded, per instance.",
+                1,
+            ),
+        ] {
+            out.family(name, "counter", help);
+            for ((endpoint, variant), index) in self.variants() {
+                for (id, batches, events) in index.decode_failures() {
+                    out.sample(
+                        name,
+                        &[
+                            ("endpoint", endpoint.as_str()),
+                            ("variant", variant.as_str()),
+                            ("instance", id.as_str()),
+                        ],
+                        [batches, events][pick] as f64,
+                    );
+                }
+            }
+        }
         out.family(
             "switchyard_kv_stale_instances",
             "gauge",
@@ -720,8 +877,8 @@ mod tests {
     fn removed(hashes: &[u64]) -> KvEvent {
         KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: hashes.iter().map(|hash| EngineHash(*hash)).collect(),
-            medium: None,
-            group_idx: None,
+            medium: Some("GPU".into()),
+            ..BlockRemoved::default()
         })
     }
 
@@ -773,24 +930,160 @@ mod tests {
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 3);
         apply(&index, "a", vec![removed(&[2])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
-        apply(&index, "a", vec![KvEvent::AllBlocksCleared]);
+        apply(
+            &index,
+            "a",
+            vec![KvEvent::AllBlocksCleared { medium: None }],
+        );
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
         assert_eq!(index.block_count(&id("a")), 0);
     }
 
     #[test]
-    fn a_hash_stored_twice_needs_two_removals() {
+    fn a_block_reported_again_is_gone_after_one_removal() {
+        // vLLM's kv_cache_report_mode "full": every reuse re-sends BlockStored for the held
+        // prefix; the one eviction sends one BlockRemoved.
         let index = VariantIndex::default();
-        apply(
-            &index,
-            "a",
-            vec![stored(None, &[1], &[1, 2]), stored(None, &[1], &[1, 2])],
-        );
-        let hashes = index.request_hashes(&[1, 2]).unwrap();
-        apply(&index, "a", vec![removed(&[1])]);
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        for _ in 0..3 {
+            apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        }
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        assert_eq!(index.block_count(&id("a")), 2);
+        apply(&index, "a", vec![removed(&[2])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
         apply(&index, "a", vec![removed(&[1])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+        assert_eq!(index.block_count(&id("a")), 0);
+    }
+
+    fn with(event: KvEvent, change: impl FnOnce(&mut BlockStored)) -> KvEvent {
+        let KvEvent::BlockStored(mut stored) = event else {
+            unreachable!("a store")
+        };
+        change(&mut stored);
+        KvEvent::BlockStored(stored)
+    }
+
+    #[test]
+    fn media_and_localities_other_than_the_engines_own_cache_are_not_indexed() {
+        let index = VariantIndex::default();
+        let hashes = || index.request_hashes(&[1, 2]).unwrap();
+        // An instance that never names a medium (older vLLM, older SGLang): its blocks count.
+        let unnamed = with(stored(None, &[1], &[1, 2]), |event| event.medium = None);
+        apply(&index, "old", vec![unnamed.clone()]);
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 1);
+        // One that names it: its unnamed events are another tier's (LMCache), as are CPU,
+        // SGLang's CPU_PINNED and REMOTE ones.
+        apply(&index, "new", vec![stored(None, &[7], &[5, 5])]);
+        for event in [
+            unnamed,
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.medium = Some("CPU".into())
+            }),
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.medium = Some("CPU_PINNED".into())
+            }),
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.locality = Some("REMOTE".into())
+            }),
+        ] {
+            apply(&index, "new", vec![event]);
+        }
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("new")), 0);
+        // A CPU tier's reset leaves the GPU entries; the engine's own reset clears them.
+        apply(
+            &index,
+            "old",
+            vec![KvEvent::AllBlocksCleared {
+                medium: Some("CPU".into()),
+            }],
+        );
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 1);
+        apply(
+            &index,
+            "old",
+            vec![KvEvent::AllBlocksCleared { medium: None }],
+        );
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 0);
+    }
+
+    #[test]
+    fn a_hybrid_model_is_indexed_by_its_first_full_attention_group() {
+        let index = VariantIndex::default();
+        let group = |event: KvEvent, group: i64, kind: &str| {
+            with(event, |e| {
+                e.group_idx = Some(group);
+                e.kv_cache_spec_kind = Some(kind.into());
+            })
+        };
+        let removed_in = |hashes: &[u64], group: i64| {
+            let KvEvent::BlockRemoved(mut removed) = removed(hashes) else {
+                unreachable!()
+            };
+            removed.group_idx = Some(group);
+            KvEvent::BlockRemoved(removed)
+        };
+        // Group 0 is a sliding window (it keeps only the tail), group 1 full attention: the
+        // same engine hashes in both.
+        apply(
+            &index,
+            "a",
+            vec![
+                group(stored(None, &[1, 2], &[1, 2, 3, 4]), 0, "sliding_window"),
+                group(stored(None, &[1, 2], &[1, 2, 3, 4]), 1, "full_attention"),
+                group(stored(None, &[9], &[9, 9]), 2, "mamba"),
+            ],
+        );
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        // The window slides: group 0 drops block 1, group 1 still holds it.
+        apply(&index, "a", vec![removed_in(&[1], 0), removed_in(&[9], 2)]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        apply(&index, "a", vec![removed_in(&[2], 1)]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
+        // Unlabelled events (older vLLM) follow group 0 as before.
+        apply(&index, "b", vec![stored(None, &[1], &[1, 2])]);
+        apply(
+            &index,
+            "b",
+            vec![with(stored(None, &[5], &[1, 2]), |e| e.group_idx = Some(1))],
+        );
+        assert_eq!(index.block_count(&id("b")), 1);
+    }
+
+    #[test]
+    fn the_block_size_is_the_full_blocks_not_a_partial_block_that_came_first() {
+        let index = VariantIndex::default();
+        // A partial tail entry (vLLM's hash-block granularity, or SGLang's last page) first.
+        let partial = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash(50)],
+            token_ids: vec![1],
+            block_size: 1,
+            ..BlockStored::default()
+        });
+        apply(&index, "a", vec![partial.clone()]);
+        assert_eq!(index.block_size(), Some(1));
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        assert_eq!(index.block_size(), Some(2));
+        apply(&index, "a", vec![partial]);
+        assert_eq!(index.block_size(), Some(2));
+        assert_eq!(index.block_count(&id("a")), 2);
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+    }
+
+    #[test]
+    fn the_budget_counts_tokens_so_small_pages_keep_as_many_tokens() {
+        let settings = IndexSettings {
+            max_blocks_per_instance: 1000,
+        };
+        assert_eq!(settings.blocks_at(16), 1000);
+        assert_eq!(settings.blocks_at(1), 16_000);
+        assert_eq!(settings.blocks_at(128), 125);
+        assert_eq!(settings.blocks_at(100_000), 1);
+        assert_eq!(settings.blocks_at(0), 16_000);
     }
 
     #[test]
@@ -823,24 +1116,26 @@ mod tests {
     fn the_budget_drops_the_oldest_tails_first() {
         let index = VariantIndex::default();
         let counters = IndexCounters::default();
+        // 1 block of 16 tokens: 8 blocks of 2.
         let settings = IndexSettings {
-            max_blocks_per_instance: 3,
+            max_blocks_per_instance: 1,
         };
         let apply = |events| index.apply(&id("a"), &batch(events), &settings, &counters);
         apply(vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
-        apply(vec![stored(None, &[3, 4], &[7, 8, 9, 10])]);
-        assert_eq!(index.block_count(&id("a")), 3);
+        let second_tokens: Vec<u32> = (0..14).map(|t| 100 + t).collect();
+        apply(vec![stored(None, &[3, 4, 5, 6, 7, 8, 9], &second_tokens)]);
+        assert_eq!(index.block_count(&id("a")), 8);
         assert_eq!(counters.blocks_evicted.load(Ordering::Relaxed), 1);
         let first = index.request_hashes(&[1, 2, 3, 4]).unwrap();
-        let second = index.request_hashes(&[7, 8, 9, 10]).unwrap();
+        let second = index.request_hashes(&second_tokens).unwrap();
         assert_eq!(
             index.matched_blocks_of(&first, &id("a")),
             1,
             "the old tail went"
         );
-        assert_eq!(index.matched_blocks_of(&second, &id("a")), 2);
+        assert_eq!(index.matched_blocks_of(&second, &id("a")), 7);
         // The evicted block's engine hash is forgotten too: a child of it is an orphan.
-        apply(vec![stored(Some(2), &[5], &[5, 6])]);
+        apply(vec![stored(Some(2), &[10], &[5, 6])]);
         assert_eq!(counters.blocks_orphaned.load(Ordering::Relaxed), 1);
     }
 
@@ -919,8 +1214,9 @@ mod tests {
             #[test]
             fn matches_the_model(ops in proptest::collection::vec((0usize..2, 0usize..4, 0usize..6, 1usize..4, proptest::bool::ANY), 1..60)) {
                 let index = VariantIndex::default();
-                // Per instance: engine hash -> copies held.
-                let mut held: Vec<HashMap<u64, u32>> = vec![HashMap::new(); 2];
+                // Per instance: the engine hashes held (a store of a held one is a reuse report;
+                // a removal removes).
+                let mut held: Vec<HashMap<u64, ()>> = vec![HashMap::new(); 2];
                 for (instance, p, start, len, store) in ops {
                     let name = ["x", "y"][instance];
                     let engine = &mut held[instance];
@@ -933,16 +1229,12 @@ mod tests {
                         let tokens = prompt(p)[start * BLOCK..end * BLOCK].to_vec();
                         let parent = start.checked_sub(1).map(|j| engine_hash(p, j));
                         for hash in &hashes {
-                            *engine.entry(*hash).or_default() += 1;
+                            engine.insert(*hash, ());
                         }
                         apply(&index, name, vec![stored(parent, &hashes, &tokens)]);
                     } else {
                         let hash = engine_hash(p, start);
-                        if let Some(count) = engine.get_mut(&hash) {
-                            *count -= 1;
-                            if *count == 0 {
-                                engine.remove(&hash);
-                            }
+                        if engine.remove(&hash).is_some() {
                             apply(&index, name, vec![removed(&[hash])]);
                         }
                     }
