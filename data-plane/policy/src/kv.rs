@@ -224,10 +224,13 @@ mod tests {
             GOLDEN_UNMATCHABLE,
             "a block hashed with extra keys: every router version must place it alike"
         );
-        // Long blocks hash the same bytes as short ones would.
-        let long: Vec<u32> = (0..100).collect();
-        let bytes: Vec<u8> = long.iter().flat_map(|token| token.to_le_bytes()).collect();
-        assert_eq!(block_hash(7, &long), xxh3_64_with_seed(&bytes, 7));
+        // Every block size an engine publishes (vLLM's --block-size, SGLang's page_size)
+        // hashes the block's bytes, whichever path it takes.
+        for size in [1usize, 16, 17, 18, 32, 63, 64, 65, 100, 128, 256] {
+            let block: Vec<u32> = (0..size as u32).collect();
+            let bytes: Vec<u8> = block.iter().flat_map(|token| token.to_le_bytes()).collect();
+            assert_eq!(block_hash(7, &block), xxh3_64_with_seed(&bytes, 7), "{size}");
+        }
     }
 
     /// `unmatchable_block_hash(chain_seed(None), &[1, 2, 3, 4])`.
