@@ -47,7 +47,8 @@ use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
 /// An index's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexSettings {
-    /// Blocks kept per instance. Default 131,072 (2 M tokens of 16, above the 79,000-block
+    /// Blocks of [`BUDGET_BLOCK_TOKENS`] tokens kept per instance (a token budget: see
+    /// [`IndexSettings::blocks_at`]). Default 131,072 (2 M tokens, above the 79,000-block
     /// cache of a Llama-70B on 8×H100). An engine's own evictions keep the index at the size
     /// of its cache; the budget bounds a misbehaving one. Measured: ~310 bytes of router
     /// memory per block (1 M blocks, RSS).

@@ -229,7 +229,11 @@ mod tests {
         for size in [1usize, 16, 17, 18, 32, 63, 64, 65, 100, 128, 256] {
             let block: Vec<u32> = (0..size as u32).collect();
             let bytes: Vec<u8> = block.iter().flat_map(|token| token.to_le_bytes()).collect();
-            assert_eq!(block_hash(7, &block), xxh3_64_with_seed(&bytes, 7), "{size}");
+            assert_eq!(
+                block_hash(7, &block),
+                xxh3_64_with_seed(&bytes, 7),
+                "{size}"
+            );
         }
     }
 
