@@ -29,6 +29,8 @@ pub(crate) struct InferenceBody {
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub kv_transfer_params: Option<Value>,
+    /// vLLM's extra sampling arguments; the simulator reads `kv_cache_report_mode`.
+    pub vllm_xargs: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -60,6 +62,22 @@ impl InferenceBody {
             )));
         }
         Ok(Some(u32::try_from(value).unwrap_or(u32::MAX)))
+    }
+
+    /// Whether `vllm_xargs.kv_cache_report_mode` is "full": vLLM 0.32 then publishes a
+    /// `BlockStored` for the prefix blocks a request reuses from its cache (default
+    /// "incremental": only newly cached blocks). vLLM refuses a `vllm_xargs` that is not an
+    /// object.
+    pub(crate) fn reports_reuse(&self) -> Result<bool, ApiError> {
+        match &self.vllm_xargs {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Object(args)) => {
+                Ok(args.get("kv_cache_report_mode").and_then(Value::as_str) == Some("full"))
+            }
+            Some(_) => Err(ApiError::bad_request(
+                "vllm_xargs: Input should be a valid dictionary".to_owned(),
+            )),
+        }
     }
 
     pub(crate) fn kv_transfer(&self) -> KvTransfer {
@@ -506,6 +524,26 @@ mod tests {
 
         let zero: InferenceBody = serde_json::from_str(r#"{"max_tokens":0}"#).unwrap();
         assert!(zero.requested_max_tokens().is_err());
+    }
+
+    #[test]
+    fn reads_the_kv_cache_report_mode_and_refuses_other_xargs_shapes() {
+        let mode = |json: &str| {
+            serde_json::from_str::<InferenceBody>(json)
+                .unwrap()
+                .reports_reuse()
+        };
+        assert!(!mode("{}").unwrap());
+        assert!(mode(r#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#).unwrap());
+        assert!(!mode(r#"{"vllm_xargs":{"kv_cache_report_mode":"incremental","x":1}}"#).unwrap());
+        let bad = mode(r#"{"vllm_xargs":"full"}"#).unwrap_err();
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        assert!(
+            bad.to_json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("vllm_xargs")
+        );
     }
 
     #[test]
