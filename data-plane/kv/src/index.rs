@@ -38,11 +38,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use switchyard_policy::kv::{
-    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, unmatchable_block_hash,
+    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, salted_seed, unmatchable_block_hash,
 };
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 
-use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
 
 /// An index's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -337,14 +337,11 @@ impl VariantBlocks {
             .zip(event.token_ids.chunks_exact(block_size))
             .enumerate()
         {
-            // A salted block (SGLang's cache_salt, or vLLM's extra keys) is not reached by a
-            // request's plain tokens.
-            let extra =
-                event.cache_salt.is_some() || event.extra_keys.get(index).copied().unwrap_or(false);
-            let own = if extra {
-                unmatchable_block_hash(parent, tokens)
-            } else {
-                block_hash(parent, tokens)
+            let chain_start = index == 0 && event.parent_block_hash.is_none();
+            let own = match hashing(event, index, chain_start) {
+                Hashing::Plain => block_hash(parent, tokens),
+                Hashing::Salted(salt) => block_hash(salted_seed(parent, salt), tokens),
+                Hashing::Unmatchable => unmatchable_block_hash(parent, tokens),
             };
             parent = own;
             let tick = first_tick + count - 1 - index as u64;
@@ -426,6 +423,48 @@ impl VariantBlocks {
     }
 }
 
+/// How the router hashes one stored block, from what the engine mixed into its hash.
+enum Hashing<'a> {
+    Plain,
+    /// The chain's first block of a request with this `cache_salt`.
+    Salted(&'a str),
+    /// Something no request's text reproduces (multimodal inputs, prompt embeddings, a salt
+    /// or name where none is expected).
+    Unmatchable,
+}
+
+/// vLLM's extra keys of block `index` (its LoRA name on every block, then its `cache_salt`
+/// on the chain's first), or SGLang's event-wide `cache_salt` (on the chain's first block).
+fn hashing(event: &BlockStored, index: usize, chain_start: bool) -> Hashing<'_> {
+    let strings: &[String] = match event.extra_keys.get(index) {
+        None | Some(ExtraKeys::None) => &[],
+        Some(ExtraKeys::Strings(strings)) => strings,
+        Some(ExtraKeys::Opaque) => return Hashing::Unmatchable,
+    };
+    // A LoRA block names its adapter first; the chain's seed is already the adapter's.
+    let rest = match (event.lora_name.as_deref(), strings.split_first()) {
+        (Some(lora), Some((first, rest))) if first == lora => rest,
+        _ => strings,
+    };
+    let salt = match (rest, event.cache_salt.as_deref()) {
+        ([], None) => return Hashing::Plain,
+        ([], Some(salt)) => salt,
+        ([salt], None) => salt.as_str(),
+        ([salt], Some(event_salt)) if salt == event_salt => salt.as_str(),
+        _ => return Hashing::Unmatchable,
+    };
+    if chain_start {
+        Hashing::Salted(salt)
+    } else if rest.is_empty() {
+        // SGLang names the salt on every event of a salted chain: past its first block the
+        // chain continues from the salted parent.
+        Hashing::Plain
+    } else {
+        // vLLM mixes the salt into the first block only.
+        Hashing::Unmatchable
+    }
+}
+
 /// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenMatch {
@@ -502,12 +541,26 @@ impl VariantIndex {
     /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
     /// holds costs little. None before the block size is known.
     pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
+        self.match_prompt(token_ids, None, instances)
+    }
+
+    /// [`match_tokens`](Self::match_tokens) for a request with a `cache_salt` (vLLM's and
+    /// SGLang's request field): only chains stored under the same salt match.
+    pub fn match_prompt(
+        &self,
+        token_ids: &[u32],
+        cache_salt: Option<&str>,
+        instances: &[InstanceId],
+    ) -> Option<TokenMatch> {
         let blocks = self.read();
         let block_size = blocks.block_size?;
         let total = token_ids.len() / block_size;
         let mut matched = vec![0u32; instances.len()];
         let mut active = Self::live_slots(&blocks, instances);
-        let mut parent = chain_seed(None);
+        let mut parent = match cache_salt {
+            Some(salt) => salted_seed(chain_seed(None), salt),
+            None => chain_seed(None),
+        };
         let mut prefix_key = 0;
         for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
             if active.is_empty() && depth >= PREFIX_KEY_BLOCKS {
@@ -968,6 +1021,45 @@ mod tests {
     }
 
     #[test]
+    fn salted_chains_match_only_requests_with_the_same_salt() {
+        let index = VariantIndex::default();
+        let ids = [id("vllm"), id("sglang")];
+        let tokens = [1, 2, 3, 4];
+        // vLLM: the salt is the first block's extra key.
+        apply(
+            &index,
+            "vllm",
+            vec![with(stored(None, &[1, 2], &tokens), |e| {
+                e.extra_keys = vec![ExtraKeys::Strings(vec!["s".into()]), ExtraKeys::None];
+            })],
+        );
+        // SGLang: every event of the salted chain names it; the second continues the first.
+        let salted = |event: KvEvent| with(event, |e| e.cache_salt = Some("s".into()));
+        apply(
+            &index,
+            "sglang",
+            vec![
+                salted(stored(None, &[7], &[1, 2])),
+                salted(stored(Some(7), &[8], &[3, 4])),
+            ],
+        );
+        let matched = |salt| index.match_prompt(&tokens, salt, &ids).unwrap().matched;
+        assert_eq!(matched(Some("s")), [2, 2]);
+        assert_eq!(matched(None), [0, 0]);
+        assert_eq!(matched(Some("t")), [0, 0]);
+        // A salt where vLLM never puts one (past the first block) is not reproducible.
+        apply(
+            &index,
+            "odd",
+            vec![with(stored(None, &[1, 2], &tokens), |e| {
+                e.extra_keys = vec![ExtraKeys::None, ExtraKeys::Strings(vec!["s".into()])];
+            })],
+        );
+        let odd = index.match_prompt(&tokens, None, &[id("odd")]).unwrap();
+        assert_eq!(odd.matched, [1]);
+    }
+
+    #[test]
     fn media_and_localities_other_than_the_engines_own_cache_are_not_indexed() {
         let index = VariantIndex::default();
         let hashes = || index.request_hashes(&[1, 2]).unwrap();
@@ -1098,7 +1190,7 @@ mod tests {
         }
         let mut salted = stored(None, &[6, 7], &[1, 2, 3, 4]);
         if let KvEvent::BlockStored(event) = &mut salted {
-            event.extra_keys = vec![true, false];
+            event.extra_keys = vec![ExtraKeys::Opaque, ExtraKeys::None];
         }
         index.apply(
             &id("a"),

@@ -108,9 +108,10 @@ pub struct BlockStored {
     pub block_size: u32,
     pub medium: Option<String>,
     pub lora_name: Option<String>,
-    /// Per block: whether the engine mixed extra keys (multimodal inputs, a cache salt) into
-    /// its hash. Empty when absent.
-    pub extra_keys: Vec<bool>,
+    /// Per block: what the engine mixed into its hash besides the tokens (vLLM publishes, in
+    /// order, the LoRA name, multimodal `(identifier, offset)` pairs, the `cache_salt` on the
+    /// first block, prompt-embedding digests). Empty when absent.
+    pub extra_keys: Vec<ExtraKeys>,
     pub group_idx: Option<i64>,
     /// vLLM's label of the KV-cache group (`full_attention`, `sliding_window`, `mamba`, …).
     pub kv_cache_spec_kind: Option<String>,
@@ -395,13 +396,105 @@ impl<'de> Deserialize<'de> for EventBatch {
     }
 }
 
-/// `extra_keys`: per block, nil or a tuple; only whether each is present matters here.
-fn extra_flags(extra: Option<Vec<Option<IgnoredAny>>>) -> Vec<bool> {
-    extra
-        .unwrap_or_default()
-        .into_iter()
-        .map(|entry| entry.is_some())
-        .collect()
+/// One block's `extra_keys` entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ExtraKeys {
+    /// None: the tokens alone.
+    #[default]
+    None,
+    /// Only strings (LoRA names, a cache salt), in order.
+    Strings(Vec<String>),
+    /// Something else too (multimodal inputs, prompt embeddings): no request's text reaches it.
+    Opaque,
+}
+
+impl<'de> Deserialize<'de> for ExtraKeys {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeysVisitor;
+        impl<'de> Visitor<'de> for KeysVisitor {
+            type Value = ExtraKeys;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a block's extra keys (nil or a tuple)")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys::None)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys::None)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ExtraKeys, A::Error> {
+                let mut strings = Vec::new();
+                let mut opaque = false;
+                while let Some(key) = seq.next_element::<Key>()? {
+                    match key {
+                        Key::Str(text) => strings.push(text),
+                        Key::Other => opaque = true,
+                    }
+                }
+                Ok(if opaque {
+                    ExtraKeys::Opaque
+                } else if strings.is_empty() {
+                    ExtraKeys::None
+                } else {
+                    ExtraKeys::Strings(strings)
+                })
+            }
+        }
+        deserializer.deserialize_any(KeysVisitor)
+    }
+}
+
+/// One element of an `extra_keys` tuple: a string, or anything else (skipped).
+enum Key {
+    Str(String),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an extra key")
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<Key, E> {
+                Ok(Key::Str(value.to_owned()))
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Key, E> {
+                Ok(Key::Other)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Key, A::Error> {
+                drain(&mut seq)?;
+                Ok(Key::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Key, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Key::Other)
+            }
+        }
+        deserializer.deserialize_any(KeyVisitor)
+    }
+}
+
+/// `extra_keys`: per block, nil or a tuple.
+fn extra_keys(extra: Option<Vec<ExtraKeys>>) -> Vec<ExtraKeys> {
+    extra.unwrap_or_default()
 }
 
 /// What may follow `medium` in the positional layout: vLLM's `lora_name` or SGLang's
@@ -474,7 +567,7 @@ struct Fields {
     block_size: Option<u32>,
     medium: Option<String>,
     lora_name: Option<String>,
-    extra_keys: Vec<bool>,
+    extra_keys: Vec<ExtraKeys>,
     group_idx: Option<i64>,
     kv_cache_spec_kind: Option<String>,
     locality: Option<String>,
@@ -552,7 +645,7 @@ impl<'de> Deserialize<'de> for KvEvent {
                         let after = seq.next_element::<AfterMedium>()?.unwrap_or_default();
                         fields.lora_name = after.lora_name;
                         fields.cache_salt = after.cache_salt;
-                        fields.extra_keys = extra_flags(seq.next_element()?.flatten());
+                        fields.extra_keys = extra_keys(seq.next_element()?.flatten());
                         fields.group_idx = seq.next_element()?.flatten();
                         fields.kv_cache_spec_kind = seq.next_element()?.flatten();
                     }
@@ -580,7 +673,7 @@ impl<'de> Deserialize<'de> for KvEvent {
                         "block_size" => fields.block_size = Some(map.next_value()?),
                         "medium" => fields.medium = map.next_value()?,
                         "lora_name" => fields.lora_name = map.next_value()?,
-                        "extra_keys" => fields.extra_keys = extra_flags(map.next_value()?),
+                        "extra_keys" => fields.extra_keys = extra_keys(map.next_value()?),
                         "group_idx" => fields.group_idx = map.next_value()?,
                         "kv_cache_spec_kind" => fields.kv_cache_spec_kind = map.next_value()?,
                         "locality" => fields.locality = map.next_value()?,
@@ -718,7 +811,7 @@ mod tests {
         assert_eq!(stored.block_hashes.len(), 1);
         assert_ne!(stored.block_hashes[0], EngineHash(0));
         assert!(stored.parent_block_hash.is_some());
-        assert_eq!(stored.extra_keys, [true]);
+        assert_eq!(stored.extra_keys, [ExtraKeys::Strings(vec!["salt".into()])]);
         assert_eq!(stored.lora_name, None);
     }
 
