@@ -250,18 +250,23 @@ class Publisher:
         self.replay.setsockopt(zmq.LINGER, 0)
         if self.pub_port:
             # A restarted engine binds the same ports; the old ones may linger a moment.
-            for _ in range(100):
-                try:
-                    self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
-                    self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
-                    break
-                except zmq.ZMQError:
-                    time.sleep(0.05)
-            else:
-                raise SystemExit("cannot bind the same ports again")
+            for socket, port in ((self.pub, self.pub_port), (self.replay, self.replay_port)):
+                for _ in range(100):
+                    try:
+                        socket.bind(f"tcp://127.0.0.1:{port}")
+                        break
+                    except zmq.ZMQError as error:
+                        failure = error
+                        time.sleep(0.05)
+                else:
+                    raise SystemExit(f"cannot bind port {port} again: {failure}")
         else:
-            self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-            self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+            # Above the kernel's ephemeral range (ip_local_port_range, 32768-60999 here):
+            # while the ports are closed for a restart, a subscriber reconnecting to them could
+            # otherwise be given the same port as its own source and connect to itself,
+            # holding the port.
+            self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1", 61000, 65535)
+            self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1", 61000, 65535)
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
 

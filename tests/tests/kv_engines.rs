@@ -205,10 +205,23 @@ async fn wait_held(router: &RouterHandle, tokens: &[u32], matched: &[u32]) -> an
 
 /// (instance, route, cached tokens) of `prompt` completed through the router.
 async fn route(router: &RouterHandle, prompt: &str) -> anyhow::Result<(String, String, u32)> {
+    route_with(router, prompt, json!({})).await
+}
+
+/// [`route`] with more body fields (a `cache_salt`).
+async fn route_with(
+    router: &RouterHandle,
+    prompt: &str,
+    fields: Value,
+) -> anyhow::Result<(String, String, u32)> {
+    let body = with(
+        json!({"model": "sim", "prompt": prompt, "max_tokens": 2}),
+        fields,
+    );
     let reply: Reply = http_post(
         &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
         &[],
-        json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+        body.to_string(),
     )
     .await?;
     anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
@@ -515,6 +528,16 @@ async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
             not_kv(&choice),
             "{flavor}: salted blocks matched: {choice:?}"
         );
+        if flavor != "sglang-0" {
+            let salt = |salt: &str| json!({ "cache_salt": salt });
+            assert_eq!(
+                route_with(&router, &salted, salt("tenant-a")).await?,
+                ("e0".into(), "kv".into(), salted_tokens.len() as u32),
+                "{flavor}: the salted request"
+            );
+            let other = route_with(&router, &salted, salt("tenant-b")).await?;
+            assert!(not_kv(&other), "{flavor}: another salt matched: {other:?}");
+        }
         // An eviction, as SGLang sends it (one BlockRemoved per radix node).
         pa.publish(vec![json!({"type": "BlockRemoved",
             "block_hashes": hashes(&plain_tokens, 1, 1)})])
@@ -569,5 +592,54 @@ async fn every_block_size_an_engine_publishes_is_routed_exactly() -> anyhow::Res
         );
         router.shutdown().await;
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_salted_request_routes_to_the_prefix_cached_under_its_salt() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (mut pa, mut pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let prompt = words(0, 70);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    let blocks = prompt_tokens.len() / 16;
+    // vLLM 0.32 publishes a request's cache_salt as its first block's extra key.
+    let mut extra: Vec<Value> = vec![Value::Null; blocks];
+    extra[0] = json!(["tenant-a"]);
+    pa.publish(vec![with(
+        stored(&prompt_tokens, 16, 1),
+        json!({ "extra_keys": extra }),
+    )])
+    .await?;
+    pb.publish(vec![stored(&prompt_tokens, 16, 1)]).await?;
+    wait_held(&router, &prompt_tokens, &[0, blocks as u32]).await?;
+    let index = index(&router).await?;
+    wait_matched(
+        "the salted chain in the index",
+        &vec![blocks as u32, 0],
+        || {
+            index
+                .match_prompt(&prompt_tokens, Some("tenant-a"), &ids(2))
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await?;
+    let full = (blocks * 16) as u32;
+    assert_eq!(
+        route_with(&router, &prompt, json!({"cache_salt": "tenant-a"})).await?,
+        ("e0".into(), "kv".into(), full)
+    );
+    assert_eq!(
+        route(&router, &prompt).await?,
+        ("e1".into(), "kv".into(), full)
+    );
+    let other = route_with(&router, &prompt, json!({"cache_salt": "tenant-b"})).await?;
+    assert!(not_kv(&other), "another tenant's salt: {other:?}");
+    router.shutdown().await;
     Ok(())
 }
