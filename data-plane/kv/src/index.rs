@@ -544,8 +544,8 @@ impl VariantIndex {
         self.match_prompt(token_ids, None, instances)
     }
 
-    /// [`match_tokens`](Self::match_tokens) for a request with a `cache_salt` (vLLM's and
-    /// SGLang's request field): only chains stored under the same salt match.
+    /// [`match_tokens`](Self::match_tokens) for a request with a `cache_salt` (vLLM's request
+    /// field): only chains stored under the same salt match.
     pub fn match_prompt(
         &self,
         token_ids: &[u32],

@@ -13,10 +13,10 @@
 //! - block hash = `xxh3_64_with_seed(u32_le(token ids of the block), parent hash)`, where the
 //!   parent of the first block is the chain seed. Equal blocks after different prefixes hash
 //!   differently, so "block `j` is held" means "the first `j + 1` blocks are held";
-//! - a request's `cache_salt` (vLLM's request field; SGLang's too) changes the parent of the
-//!   chain's first block to [`salted_seed`]`(seed, salt)` =
-//!   `xxh3_64_with_seed("switchyard-kv-salt-v1" ‖ 0x00 ‖ salt, seed)`, as the engines mix the
-//!   salt into the first block's hash only (every later block follows from it);
+//! - a request's `cache_salt` (vLLM's request field; SGLang publishes salted blocks too)
+//!   changes the parent of the chain's first block to [`salted_seed`]`(seed, salt)` =
+//!   `xxh3_64_with_seed("switchyard-kv-salt-v1" ‖ 0x00 ‖ salt, seed)`, as vLLM mixes the salt
+//!   into the first block's hash only (every later block follows from it);
 //! - a block the engine hashed with other extra keys (multimodal inputs, prompt embeddings)
 //!   gets [`unmatchable_block_hash`]: a request's plain token ids never reach it, nor its
 //!   children.

@@ -207,9 +207,9 @@ impl PromptTokens {
     }
 }
 
-/// The body's `cache_salt` (vLLM's and SGLang's request field: a salted request reuses only
-/// blocks cached under the same salt). Anything but a non-empty string is none (an engine
-/// refuses a malformed one itself; vLLM ignores an empty one).
+/// The body's `cache_salt` (vLLM's request field: a salted request reuses only blocks cached
+/// under the same salt). Anything but a non-empty string is none (an engine refuses a
+/// malformed one itself; vLLM ignores an empty one).
 fn cache_salt_of(fields: &Fields<'_>) -> Option<String> {
     serde_json::from_str::<String>(fields.get("cache_salt")?.get())
         .ok()
