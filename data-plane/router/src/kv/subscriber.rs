@@ -127,9 +127,11 @@ impl Follower {
         }
     }
 
-    /// Drops the instance's entries and waits for a replay from the buffer's start.
+    /// Drops the instance's entries and waits for a replay from the buffer's start. Batches
+    /// held until now are let go: the replay has them if they are the engine's current run.
     fn resync(&mut self, why: &str) {
         self.rebuild(why);
+        self.held.clear();
         self.holding = true;
         self.catching_up = true;
         self.last_undecodable = None;
@@ -556,6 +558,9 @@ mod tests {
             "the old run dropped"
         );
         assert!(!holds(&follower, 8), "held until the replay");
+        // A reconnect while that replay is awaited: the held batch goes, the replay has it.
+        follower.resync("reconnected");
+        assert!(follower.held.is_empty() && follower.holding);
         follower.offer_replayed(0, &batch(7, 3.0));
         follower.offer_replayed(1, &batch(8, 4.0));
         follower.release_held();
