@@ -217,6 +217,7 @@ async fn run_request(
     let max_tokens = output_budget(config, &body, &kv, prompt_len)?;
     let resume_at = body.resume_at(kind)?;
     check_fits(config, prompt_len, max_tokens)?;
+    let report_reuse = body.reports_reuse()?;
     let streaming = body.stream() && !kv.do_remote_decode;
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
         Ok(interruption) => interruption,
@@ -259,6 +260,7 @@ async fn run_request(
         } else {
             remote_prompt_tokens(config, &kv, prompt_len)
         },
+        report_reuse,
     };
     let events = shared
         .engine

@@ -149,6 +149,9 @@ pub struct SeqSpec {
     /// Leading prompt tokens whose KV a remote prefill engine computed
     /// (`kv_transfer_params.do_remote_prefill`): pulled over the wire instead of prefilled.
     pub remote_prompt_tokens: u32,
+    /// vLLM's `kv_cache_report_mode` "full": the prefix blocks found in the cache are
+    /// published again (a `BlockStored` from the first block) when the request is admitted.
+    pub report_reuse: bool,
 }
 
 /// Why a request was refused.
@@ -562,6 +565,17 @@ impl Scheduler {
         seq.computed = cached_tokens;
         seq.held_blocks = hit_blocks;
         seq.private_blocks = new_blocks;
+        if seq.spec.report_reuse && hit_blocks > 0 && self.cache.recording_events() {
+            // As vLLM's emit_cached_block_events: the reused prefix, from its first block.
+            let tokens = seq
+                .spec
+                .prompt_tokens
+                .get(..hit_blocks * block_size)
+                .unwrap_or_default()
+                .to_vec();
+            self.cache
+                .log_stored(None, seq.spec.block_hashes[..hit_blocks].to_vec(), tokens);
+        }
         let transferred = seq.spec.remote_prompt_tokens.saturating_sub(cached_tokens);
         if transferred > 0 {
             seq.transferred_tokens = transferred;
@@ -638,6 +652,7 @@ pub(crate) mod tests {
             prompt_tokens: tokens,
             max_tokens,
             remote_prompt_tokens: 0,
+            report_reuse: false,
         }
     }
 
@@ -913,6 +928,33 @@ pub(crate) mod tests {
         assert_eq!(scheduler.cache().cached_blocks(), 500);
         // Far faster than prefilling 8,000 tokens (0.324 s).
         assert!(now < 0.1, "{now}");
+    }
+
+    #[test]
+    fn reuse_reports_publish_the_reused_prefix_from_its_first_block() {
+        use crate::cache::CacheEvent;
+        let mut scheduler = scheduler();
+        scheduler.record_cache_events(true);
+        let mut now = 0.0;
+        serve(&mut scheduler, &mut now, 1, spec(0, 40, 1));
+        scheduler.take_cache_events();
+        // The same prompt again: incremental mode publishes nothing, "full" the 2 reused
+        // blocks (the last prompt token is always computed, so 39 tokens can hit: 2 blocks).
+        serve(&mut scheduler, &mut now, 2, spec(0, 40, 1));
+        assert_eq!(scheduler.take_cache_events(), vec![]);
+        let full = SeqSpec {
+            report_reuse: true,
+            ..spec(0, 40, 1)
+        };
+        serve(&mut scheduler, &mut now, 3, full.clone());
+        assert_eq!(
+            scheduler.take_cache_events(),
+            vec![CacheEvent::Stored {
+                parent: None,
+                hashes: full.block_hashes.clone(),
+                tokens: full.prompt_tokens[..32].to_vec(),
+            }]
+        );
     }
 
     #[test]

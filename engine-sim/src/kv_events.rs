@@ -16,9 +16,10 @@
 //!   sends them). Block hashes are the simulator's own (unsigned 64-bit integers); `medium` is
 //!   `"GPU"`; LoRA fields are nil.
 //! - **ROUTER replay socket**: a request `[identity, "", start_seq (8 bytes big-endian)]` is
-//!   answered with `[identity, "", seq, payload]` for every buffered batch with `seq >=
+//!   answered with `[identity, "", topic, seq, payload]` for every buffered batch with `seq >=
 //!   start_seq` (the last `--kv-events-replay-buffer` batches), then the end marker
-//!   `[identity, "", -1 as 8 bytes big-endian, ""]`.
+//!   `[identity, "", "", -1 as 8 bytes big-endian, ""]`, as vLLM 0.32 sends them (earlier vLLM
+//!   and SGLang leave the topic out; a subscriber reads the last two frames).
 //!
 //! Test controls (`POST /sim/kv-events`): `drop_next` publishes the next N batches to the
 //! replay buffer only (a gap on the wire, repairable by replay); `stalled` stops publishing and
@@ -240,7 +241,7 @@ impl KvEventsPublisher {
                 request = recv_replay(&mut replay), if !stalled => match request {
                     Ok(request) => {
                         if let Some(replay) = &mut replay {
-                            answer_replay(replay, request, &buffer).await;
+                            answer_replay(replay, request, &topic, &buffer).await;
                         }
                     }
                     Err(err) => tracing::debug!(error = %err, "replay socket receive failed"),
@@ -267,6 +268,7 @@ fn frames(frames: Vec<Bytes>) -> ZmqMessage {
 async fn answer_replay(
     replay: &mut zeromq::RouterSocket,
     request: ZmqMessage,
+    topic: &Bytes,
     buffer: &VecDeque<(u64, Bytes)>,
 ) {
     let parts = request.into_vec();
@@ -283,6 +285,7 @@ async fn answer_replay(
         let reply = frames(vec![
             identity.clone(),
             Bytes::new(),
+            topic.clone(),
             Bytes::copy_from_slice(&seq.to_be_bytes()),
             payload.clone(),
         ]);
@@ -293,6 +296,7 @@ async fn answer_replay(
     }
     let end = frames(vec![
         identity.clone(),
+        Bytes::new(),
         Bytes::new(),
         Bytes::from_static(&END_OF_REPLAY),
         Bytes::new(),

@@ -33,6 +33,8 @@ pub(crate) struct InferenceBody {
     /// new one; it needs `add_generation_prompt: false` (vLLM's default is true).
     pub continue_final_message: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    /// vLLM's extra sampling arguments; the simulator reads `kv_cache_report_mode`.
+    pub vllm_xargs: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -109,6 +111,22 @@ impl InferenceBody {
                 Some(Value::String(prompt)) => words_ending(prompt).map_or(0, |(k, _)| k),
                 _ => 0,
             }),
+        }
+    }
+
+    /// Whether `vllm_xargs.kv_cache_report_mode` is "full": vLLM 0.32 then publishes a
+    /// `BlockStored` for the prefix blocks a request reuses from its cache (default
+    /// "incremental": only newly cached blocks). vLLM refuses a `vllm_xargs` that is not an
+    /// object.
+    pub(crate) fn reports_reuse(&self) -> Result<bool, ApiError> {
+        match &self.vllm_xargs {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Object(args)) => {
+                Ok(args.get("kv_cache_report_mode").and_then(Value::as_str) == Some("full"))
+            }
+            Some(_) => Err(ApiError::bad_request(
+                "vllm_xargs: Input should be a valid dictionary".to_owned(),
+            )),
         }
     }
 
@@ -586,6 +604,26 @@ mod tests {
 
         let zero: InferenceBody = serde_json::from_str(r#"{"max_tokens":0}"#).unwrap();
         assert!(zero.requested_max_tokens().is_err());
+    }
+
+    #[test]
+    fn reads_the_kv_cache_report_mode_and_refuses_other_xargs_shapes() {
+        let mode = |json: &str| {
+            serde_json::from_str::<InferenceBody>(json)
+                .unwrap()
+                .reports_reuse()
+        };
+        assert!(!mode("{}").unwrap());
+        assert!(mode(r#"{"vllm_xargs":{"kv_cache_report_mode":"full"}}"#).unwrap());
+        assert!(!mode(r#"{"vllm_xargs":{"kv_cache_report_mode":"incremental","x":1}}"#).unwrap());
+        let bad = mode(r#"{"vllm_xargs":"full"}"#).unwrap_err();
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        assert!(
+            bad.to_json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("vllm_xargs")
+        );
     }
 
     #[test]

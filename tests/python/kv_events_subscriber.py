@@ -5,7 +5,8 @@ Usage: python kv_events_subscriber.py PUB_ENDPOINT REPLAY_ENDPOINT array|map
 
 1. Subscribes to PUB_ENDPOINT (every topic) and asks REPLAY_ENDPOINT for every buffered batch
    from sequence 0 (a DEALER sends ["", seq as 8 bytes big-endian]; the ROUTER answers
-   ["", seq, payload] per batch and ["", -1, ""] at the end).
+   ["", topic, seq, payload] per batch and ["", "", -1, ""] at the end, as vLLM 0.32 does;
+   earlier vLLM and SGLang leave the topic frame out).
 2. Prints "ready" and waits (at most 10 s) for one live message on the subscription.
 3. Prints one JSON line: {"replayed": [batch, ...], "live": {"seq": N, "topic": T, "batch": B}},
    each batch decoded with the structures below, then re-encoded to JSON.
@@ -130,7 +131,10 @@ def main() -> None:
     while True:
         if not replay.poll(10_000):
             raise SystemExit("no answer from the replay socket within 10 s")
-        _, seq_bytes, payload = replay.recv_multipart()
+        # vLLM 0.32: ["", topic, seq, payload]; earlier vLLM and SGLang: ["", seq, payload].
+        frames = replay.recv_multipart()
+        assert len(frames) in (3, 4), frames
+        seq_bytes, payload = frames[-2], frames[-1]
         if seq_bytes == END_OF_REPLAY:
             assert payload == b"", payload
             break

@@ -708,3 +708,44 @@ async fn a_responses_follow_up_sticks_to_the_instance_storing_its_response() -> 
     router.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_simulators_reuse_reports_leave_no_phantom_blocks() -> anyhow::Result<()> {
+    // vLLM 0.32's kv_cache_report_mode "full": every request re-sends BlockStored for the
+    // prefix it reuses; the eviction sends one BlockRemoved per block.
+    let dir = tempfile::tempdir()?;
+    // 20 blocks each; a 50-word prompt is 3 full blocks and reserves 4.
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 20)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 20)).await?;
+    let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
+    let instances = instance_ids(&["e0", "e1"]);
+    let prompt = words(0, 50);
+    for _ in 0..4 {
+        let reply = http_post(
+            &format!("{}/v1/completions", a.url),
+            &[],
+            json!({"model": "sim", "prompt": prompt, "max_tokens": 2,
+                "vllm_xargs": {"kv_cache_report_mode": "full"}})
+            .to_string(),
+        )
+        .await?;
+        anyhow::ensure!(reply.status == 200, "{}", reply.body);
+    }
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[3, 0]).await?;
+    assert_eq!(
+        choice(&route(&router, &prompt).await?),
+        ("e0".into(), "kv".into(), Some(48))
+    );
+    // Other prompts evict it from e0 (LRU); the router must not keep claiming it.
+    for round in 1..=8 {
+        place(&a, &words(round * 100, 50)).await?;
+    }
+    wait_prompt_matched(&router, &a, &prompt, &instances, &[0, 0]).await?;
+    let (_, route_label, cached) = choice(&route(&router, &prompt).await?);
+    assert_eq!(
+        (route_label.as_str(), cached),
+        ("least-outstanding", Some(0))
+    );
+    router.shutdown().await;
+    Ok(())
+}

@@ -7,10 +7,27 @@
 //! A request is then scored by walking its own block hashes in order: instance X holds the
 //! first `j` blocks if the first `j` hashes list X among their holders.
 //!
-//! Bounds: each instance keeps at most `max_blocks_per_instance` blocks; beyond that its least
-//! recently stored blocks are dropped (a chain's tail before its head, as engines evict). A
-//! `BlockStored` whose parent the index does not know (stored before the router subscribed,
-//! or dropped) cannot be placed in a chain and is skipped (counted).
+//! What an event means (vLLM's semantics, per instance, KV-cache group and medium): a
+//! `BlockStored` says the engine holds these blocks now; storing a block already held changes
+//! nothing but its recency (vLLM re-sends held blocks under `kv_cache_report_mode` "full"); a
+//! `BlockRemoved` says it no longer holds them, whatever was stored before; an
+//! `AllBlocksCleared` empties the instance. An engine that holds one hash twice (vLLM does not
+//! de-duplicate blocks computed at once) and evicts one copy is then taken to hold neither: an
+//! underestimate, which routes by load, never a phantom.
+//!
+//! Which events count: the engine's own prefix cache (`medium` "GPU"; an absent medium counts
+//! as GPU until the instance names one, then it is another tier's, such as LMCache's), not
+//! `locality` "REMOTE", and one KV-cache group: when vLLM labels groups
+//! (`kv_cache_spec_kind`) the first full-attention-like one (`full_attention`,
+//! `mla_attention`, `sink_full_attention`), else group 0. The variant's block size is the
+//! largest full-group block size seen (a partial-block event is smaller and is skipped; if one
+//! came first, the index restarts at the real size).
+//!
+//! Bounds: each instance keeps at most `max_blocks_per_instance` blocks of 16 tokens' worth
+//! (a token budget: at block size 1, 16 times as many blocks; at 128, an eighth); beyond that
+//! its least recently stored blocks are dropped (a chain's tail before its head, as engines
+//! evict). A `BlockStored` whose parent the index does not know (stored before the router
+//! subscribed, or dropped) cannot be placed in a chain and is skipped (counted).
 //!
 //! Concurrency: one `RwLock` per variant. Subscribers take it for writing once per batch;
 //! the request path takes it for reading for one walk over the request's hashes (no await
@@ -21,16 +38,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use switchyard_policy::kv::{
-    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, unmatchable_block_hash,
+    PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, salted_seed, unmatchable_block_hash,
 };
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 
-use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
 
 /// An index's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexSettings {
-    /// Blocks kept per instance. Default 131,072 (2 M tokens of 16, above the 79,000-block
+    /// Blocks of [`BUDGET_BLOCK_TOKENS`] tokens kept per instance (a token budget: see
+    /// [`IndexSettings::blocks_at`]). Default 131,072 (2 M tokens, above the 79,000-block
     /// cache of a Llama-70B on 8×H100). An engine's own evictions keep the index at the size
     /// of its cache; the budget bounds a misbehaving one. Measured: ~310 bytes of router
     /// memory per block (1 M blocks, RSS).
@@ -38,6 +56,21 @@ pub struct IndexSettings {
 }
 
 pub const DEFAULT_MAX_BLOCKS_PER_INSTANCE: usize = 131_072;
+
+/// The block size `max_blocks_per_instance` is counted in: the budget is that many blocks
+/// of this many tokens, whatever the engines' block size.
+pub const BUDGET_BLOCK_TOKENS: usize = 16;
+
+impl IndexSettings {
+    /// Blocks one instance may keep at `block_size` (the token budget in blocks, at least 1).
+    pub fn blocks_at(&self, block_size: usize) -> usize {
+        (self
+            .max_blocks_per_instance
+            .saturating_mul(BUDGET_BLOCK_TOKENS)
+            / block_size.max(1))
+        .max(1)
+    }
+}
 
 impl Default for IndexSettings {
     fn default() -> Self {
@@ -67,7 +100,7 @@ pub struct IndexCounters {
     /// Blocks dropped to keep an instance within `max_blocks_per_instance`.
     pub blocks_evicted: AtomicU64,
     /// Events skipped: another medium (CPU offload) or KV-cache group, a mismatched block size,
-    /// malformed.
+    /// an unknown type, malformed.
     pub events_ignored: AtomicU64,
     /// Sequence gaps filled from an engine's replay socket.
     pub gaps_repaired: AtomicU64,
@@ -86,8 +119,19 @@ struct OwnEntry {
 #[derive(Debug)]
 struct EngineEntry {
     own: u64,
-    /// Stores minus removals of this engine hash (vLLM may cache one hash twice).
-    count: u32,
+}
+
+/// Full-attention-like KV-cache groups (vLLM's `KVCacheSpecKind`): they hold every token of a
+/// prefix, so their blocks are what a prefill reuses.
+fn full_attention_like(kind: &str) -> bool {
+    matches!(
+        kind,
+        "full_attention" | "mla_attention" | "sink_full_attention"
+    )
+}
+
+fn is_gpu(medium: &str) -> bool {
+    medium.eq_ignore_ascii_case("GPU")
 }
 
 #[derive(Debug)]
@@ -99,6 +143,15 @@ struct InstanceBlocks {
     /// Blocks by store order (oldest first).
     lru: BTreeMap<u64, u64>,
     next_tick: u64,
+    /// The KV-cache group followed, once a labelled full-attention-like group was seen.
+    group: Option<i64>,
+    /// Groups labelled as something else (sliding window, mamba, …).
+    other_groups: Vec<i64>,
+    /// The instance named a medium once: an absent one is then another tier's.
+    names_medium: bool,
+    /// Batches that could not be decoded, and single events that could not be.
+    undecodable_batches: u64,
+    malformed_events: u64,
 }
 
 impl InstanceBlocks {
@@ -110,6 +163,40 @@ impl InstanceBlocks {
             engine: HashMap::new(),
             lru: BTreeMap::new(),
             next_tick: 0,
+            group: None,
+            other_groups: Vec::new(),
+            names_medium: false,
+            undecodable_batches: 0,
+            malformed_events: 0,
+        }
+    }
+
+    /// Whether an event of `medium` at `locality` is about the engine's own prefix cache.
+    fn counts_medium(&mut self, medium: Option<&str>, locality: Option<&str>) -> bool {
+        if locality.is_some_and(|locality| locality.eq_ignore_ascii_case("REMOTE")) {
+            return false;
+        }
+        match medium {
+            Some(medium) => {
+                self.names_medium = true;
+                is_gpu(medium)
+            }
+            None => !self.names_medium,
+        }
+    }
+
+    /// Whether an event of KV-cache group `group_idx` (labelled `kind`, on stores) counts.
+    fn counts_group(&mut self, group_idx: Option<i64>, kind: Option<&str>) -> bool {
+        let group = group_idx.unwrap_or(0);
+        match kind {
+            Some(kind) if full_attention_like(kind) => *self.group.get_or_insert(group) == group,
+            Some(_) => {
+                if !self.other_groups.contains(&group) {
+                    self.other_groups.push(group);
+                }
+                false
+            }
+            None => !self.other_groups.contains(&group) && self.group.unwrap_or(0) == group,
         }
     }
 }
@@ -190,19 +277,37 @@ impl VariantBlocks {
         }
     }
 
+    /// Takes `block_size` as the variant's if it is the largest seen: an earlier, smaller
+    /// one was a partial block's, and what was indexed at it is dropped. False if the event
+    /// is smaller than the variant's block size (a partial block: skipped).
+    fn learn_block_size(&mut self, block_size: usize) -> bool {
+        match self.block_size {
+            Some(known) if known == block_size => true,
+            Some(known) if known > block_size => false,
+            Some(_) => {
+                for slot in 0..self.slots.len() as u32 {
+                    if self.slots[slot as usize].is_some() {
+                        self.clear_instance(slot);
+                    }
+                }
+                self.block_size = Some(block_size);
+                true
+            }
+            None => {
+                self.block_size = Some(block_size);
+                true
+            }
+        }
+    }
+
     fn store(&mut self, slot: u32, event: &BlockStored, counters: &IndexCounters) {
         let block_size = event.block_size as usize;
-        if block_size == 0 || event.token_ids.len() != event.block_hashes.len() * block_size {
+        if block_size == 0
+            || event.token_ids.len() != event.block_hashes.len() * block_size
+            || !self.learn_block_size(block_size)
+        {
             counters.events_ignored.fetch_add(1, Ordering::Relaxed);
             return;
-        }
-        match self.block_size {
-            None => self.block_size = Some(block_size),
-            Some(known) if known != block_size => {
-                counters.events_ignored.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            Some(_) => {}
         }
         let parent = match event.parent_block_hash {
             None => Some(chain_seed(event.lora_name.as_deref())),
@@ -232,23 +337,20 @@ impl VariantBlocks {
             .zip(event.token_ids.chunks_exact(block_size))
             .enumerate()
         {
-            let extra = event.extra_keys.get(index).copied().unwrap_or(false);
-            let own = if extra {
-                unmatchable_block_hash(parent, tokens)
-            } else {
-                block_hash(parent, tokens)
+            let chain_start = index == 0 && event.parent_block_hash.is_none();
+            let own = match hashing(event, index, chain_start) {
+                Hashing::Plain => block_hash(parent, tokens),
+                Hashing::Salted(salt) => block_hash(salted_seed(parent, salt), tokens),
+                Hashing::Unmatchable => unmatchable_block_hash(parent, tokens),
             };
             parent = own;
             let tick = first_tick + count - 1 - index as u64;
             let instance = self.instance(slot);
             if let Some(previous) = instance.engine.get_mut(engine) {
-                if previous.own == own {
-                    previous.count += 1;
-                } else {
+                if previous.own != own {
                     // The engine reused a hash for other content: trust the newest.
                     let old = previous.own;
                     previous.own = own;
-                    previous.count = 1;
                     if let Some(entry) = instance.blocks.get_mut(&old) {
                         entry.engine_hashes.retain(|hash| hash != engine);
                         if entry.engine_hashes.is_empty() {
@@ -257,9 +359,7 @@ impl VariantBlocks {
                     }
                 }
             } else {
-                instance
-                    .engine
-                    .insert(*engine, EngineEntry { own, count: 1 });
+                instance.engine.insert(*engine, EngineEntry { own });
             }
             let instance = self.instance(slot);
             match instance.blocks.get_mut(&own) {
@@ -289,15 +389,10 @@ impl VariantBlocks {
     fn remove(&mut self, slot: u32, event: &BlockRemoved, counters: &IndexCounters) {
         for engine in &event.block_hashes {
             let instance = self.instance(slot);
-            let Some(entry) = instance.engine.get_mut(engine) else {
+            let Some(entry) = instance.engine.remove(engine) else {
                 continue;
             };
-            entry.count = entry.count.saturating_sub(1);
-            if entry.count > 0 {
-                continue;
-            }
             let own = entry.own;
-            instance.engine.remove(engine);
             let now_unmapped = match instance.blocks.get_mut(&own) {
                 Some(block) => {
                     block.engine_hashes.retain(|hash| hash != engine);
@@ -312,7 +407,8 @@ impl VariantBlocks {
         }
     }
 
-    fn enforce_budget(&mut self, slot: u32, max_blocks: usize, counters: &IndexCounters) {
+    fn enforce_budget(&mut self, slot: u32, settings: &IndexSettings, counters: &IndexCounters) {
+        let max_blocks = settings.blocks_at(self.block_size.unwrap_or(BUDGET_BLOCK_TOKENS));
         loop {
             let instance = self.instance(slot);
             if instance.blocks.len() <= max_blocks {
@@ -327,11 +423,46 @@ impl VariantBlocks {
     }
 }
 
-/// Only GPU blocks of the first KV-cache group count (CPU-offloaded copies and other groups of
-/// hybrid models are not what a prefill reuses directly).
-fn counted(medium: Option<&str>, group_idx: Option<i64>) -> bool {
-    medium.is_none_or(|medium| medium.eq_ignore_ascii_case("GPU"))
-        && group_idx.is_none_or(|group| group == 0)
+/// How the router hashes one stored block, from what the engine mixed into its hash.
+enum Hashing<'a> {
+    Plain,
+    /// The chain's first block of a request with this `cache_salt`.
+    Salted(&'a str),
+    /// Something no request's text reproduces (multimodal inputs, prompt embeddings, a salt
+    /// or name where none is expected).
+    Unmatchable,
+}
+
+/// vLLM's extra keys of block `index` (its LoRA name on every block, then its `cache_salt`
+/// on the chain's first), or SGLang's event-wide `cache_salt` (on the chain's first block).
+fn hashing(event: &BlockStored, index: usize, chain_start: bool) -> Hashing<'_> {
+    let strings: &[String] = match event.extra_keys.get(index) {
+        None | Some(ExtraKeys::None) => &[],
+        Some(ExtraKeys::Strings(strings)) => strings,
+        Some(ExtraKeys::Opaque) => return Hashing::Unmatchable,
+    };
+    // A LoRA block names its adapter first; the chain's seed is already the adapter's.
+    let rest = match (event.lora_name.as_deref(), strings.split_first()) {
+        (Some(lora), Some((first, rest))) if first == lora => rest,
+        _ => strings,
+    };
+    let salt = match (rest, event.cache_salt.as_deref()) {
+        ([], None) => return Hashing::Plain,
+        ([], Some(salt)) => salt,
+        ([salt], None) => salt.as_str(),
+        ([salt], Some(event_salt)) if salt == event_salt => salt.as_str(),
+        _ => return Hashing::Unmatchable,
+    };
+    if chain_start {
+        Hashing::Salted(salt)
+    } else if rest.is_empty() {
+        // SGLang names the salt on every event of a salted chain: past its first block the
+        // chain continues from the salted parent.
+        Hashing::Plain
+    } else {
+        // vLLM mixes the salt into the first block only.
+        Hashing::Unmatchable
+    }
 }
 
 /// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
@@ -410,12 +541,26 @@ impl VariantIndex {
     /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
     /// holds costs little. None before the block size is known.
     pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
+        self.match_prompt(token_ids, None, instances)
+    }
+
+    /// [`match_tokens`](Self::match_tokens) for a request with a `cache_salt` (vLLM's request
+    /// field): only chains stored under the same salt match.
+    pub fn match_prompt(
+        &self,
+        token_ids: &[u32],
+        cache_salt: Option<&str>,
+        instances: &[InstanceId],
+    ) -> Option<TokenMatch> {
         let blocks = self.read();
         let block_size = blocks.block_size?;
         let total = token_ids.len() / block_size;
         let mut matched = vec![0u32; instances.len()];
         let mut active = Self::live_slots(&blocks, instances);
-        let mut parent = chain_seed(None);
+        let mut parent = match cache_salt {
+            Some(salt) => salted_seed(chain_seed(None), salt),
+            None => chain_seed(None),
+        };
         let mut prefix_key = 0;
         for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
             if active.is_empty() && depth >= PREFIX_KEY_BLOCKS {
@@ -480,24 +625,40 @@ impl VariantIndex {
         let mut blocks = self.write();
         let slot = blocks.slot(instance);
         for event in &batch.events {
-            match event {
-                KvEvent::BlockStored(stored)
-                    if counted(stored.medium.as_deref(), stored.group_idx) =>
-                {
-                    blocks.store(slot, stored, counters);
+            let counted = {
+                let this = blocks.instance(slot);
+                match event {
+                    KvEvent::BlockStored(stored) => {
+                        this.counts_medium(stored.medium.as_deref(), stored.locality.as_deref())
+                            && this.counts_group(
+                                stored.group_idx,
+                                stored.kv_cache_spec_kind.as_deref(),
+                            )
+                    }
+                    KvEvent::BlockRemoved(removed) => {
+                        this.counts_medium(removed.medium.as_deref(), removed.locality.as_deref())
+                            && this.counts_group(removed.group_idx, None)
+                    }
+                    KvEvent::AllBlocksCleared { medium } => medium.as_deref().is_none_or(is_gpu),
+                    KvEvent::Malformed(_) => {
+                        this.malformed_events += 1;
+                        false
+                    }
+                    KvEvent::Other(_) => false,
                 }
-                KvEvent::BlockRemoved(removed)
-                    if counted(removed.medium.as_deref(), removed.group_idx) =>
-                {
+            };
+            match event {
+                KvEvent::BlockStored(stored) if counted => blocks.store(slot, stored, counters),
+                KvEvent::BlockRemoved(removed) if counted => {
                     blocks.remove(slot, removed, counters);
                 }
-                KvEvent::AllBlocksCleared => blocks.clear_instance(slot),
+                KvEvent::AllBlocksCleared { .. } if counted => blocks.clear_instance(slot),
                 _ => {
                     counters.events_ignored.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
-        blocks.enforce_budget(slot, settings.max_blocks_per_instance, counters);
+        blocks.enforce_budget(slot, settings, counters);
         counters.batches.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -513,6 +674,29 @@ impl VariantIndex {
             blocks.slots[slot as usize] = None;
             blocks.by_id.remove(instance);
         }
+    }
+
+    /// Counts a batch of `instance`'s that could not be decoded (and was skipped).
+    pub fn count_undecodable(&self, instance: &InstanceId) {
+        let mut blocks = self.write();
+        let slot = blocks.slot(instance);
+        blocks.instance(slot).undecodable_batches += 1;
+    }
+
+    /// Per instance: (undecodable batches, malformed events) since it was first followed.
+    pub fn decode_failures(&self) -> Vec<(InstanceId, u64, u64)> {
+        self.read()
+            .slots
+            .iter()
+            .flatten()
+            .map(|instance| {
+                (
+                    instance.id.clone(),
+                    instance.undecodable_batches,
+                    instance.malformed_events,
+                )
+            })
+            .collect()
     }
 
     pub fn set_freshness(&self, instance: &InstanceId, freshness: Freshness) {
@@ -642,6 +826,33 @@ impl KvIndex {
                 );
             }
         }
+        for (name, help, pick) in [
+            (
+                "switchyard_kv_undecodable_batches_total",
+                "KV event batches skipped because they could not be decoded, per instance.",
+                0usize,
+            ),
+            (
+                "switchyard_kv_malformed_events_total",
+                "Single KV events skipped because they could not be decoded, per instance.",
+                1,
+            ),
+        ] {
+            out.family(name, "counter", help);
+            for ((endpoint, variant), index) in self.variants() {
+                for (id, batches, events) in index.decode_failures() {
+                    out.sample(
+                        name,
+                        &[
+                            ("endpoint", endpoint.as_str()),
+                            ("variant", variant.as_str()),
+                            ("instance", id.as_str()),
+                        ],
+                        [batches, events][pick] as f64,
+                    );
+                }
+            }
+        }
         out.family(
             "switchyard_kv_stale_instances",
             "gauge",
@@ -720,8 +931,8 @@ mod tests {
     fn removed(hashes: &[u64]) -> KvEvent {
         KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: hashes.iter().map(|hash| EngineHash(*hash)).collect(),
-            medium: None,
-            group_idx: None,
+            medium: Some("GPU".into()),
+            ..BlockRemoved::default()
         })
     }
 
@@ -773,24 +984,199 @@ mod tests {
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 3);
         apply(&index, "a", vec![removed(&[2])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
-        apply(&index, "a", vec![KvEvent::AllBlocksCleared]);
+        apply(
+            &index,
+            "a",
+            vec![KvEvent::AllBlocksCleared { medium: None }],
+        );
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
         assert_eq!(index.block_count(&id("a")), 0);
     }
 
     #[test]
-    fn a_hash_stored_twice_needs_two_removals() {
+    fn a_block_reported_again_is_gone_after_one_removal() {
+        // vLLM's kv_cache_report_mode "full": every reuse re-sends BlockStored for the held
+        // prefix; the one eviction sends one BlockRemoved.
         let index = VariantIndex::default();
-        apply(
-            &index,
-            "a",
-            vec![stored(None, &[1], &[1, 2]), stored(None, &[1], &[1, 2])],
-        );
-        let hashes = index.request_hashes(&[1, 2]).unwrap();
-        apply(&index, "a", vec![removed(&[1])]);
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        for _ in 0..3 {
+            apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        }
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        assert_eq!(index.block_count(&id("a")), 2);
+        apply(&index, "a", vec![removed(&[2])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
         apply(&index, "a", vec![removed(&[1])]);
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 0);
+        assert_eq!(index.block_count(&id("a")), 0);
+    }
+
+    fn with(event: KvEvent, change: impl FnOnce(&mut BlockStored)) -> KvEvent {
+        let KvEvent::BlockStored(mut stored) = event else {
+            unreachable!("a store")
+        };
+        change(&mut stored);
+        KvEvent::BlockStored(stored)
+    }
+
+    #[test]
+    fn salted_chains_match_only_requests_with_the_same_salt() {
+        let index = VariantIndex::default();
+        let ids = [id("vllm"), id("sglang")];
+        let tokens = [1, 2, 3, 4];
+        // vLLM: the salt is the first block's extra key.
+        apply(
+            &index,
+            "vllm",
+            vec![with(stored(None, &[1, 2], &tokens), |e| {
+                e.extra_keys = vec![ExtraKeys::Strings(vec!["s".into()]), ExtraKeys::None];
+            })],
+        );
+        // SGLang: every event of the salted chain names it; the second continues the first.
+        let salted = |event: KvEvent| with(event, |e| e.cache_salt = Some("s".into()));
+        apply(
+            &index,
+            "sglang",
+            vec![
+                salted(stored(None, &[7], &[1, 2])),
+                salted(stored(Some(7), &[8], &[3, 4])),
+            ],
+        );
+        let matched = |salt| index.match_prompt(&tokens, salt, &ids).unwrap().matched;
+        assert_eq!(matched(Some("s")), [2, 2]);
+        assert_eq!(matched(None), [0, 0]);
+        assert_eq!(matched(Some("t")), [0, 0]);
+        // A salt where vLLM never puts one (past the first block) is not reproducible.
+        apply(
+            &index,
+            "odd",
+            vec![with(stored(None, &[1, 2], &tokens), |e| {
+                e.extra_keys = vec![ExtraKeys::None, ExtraKeys::Strings(vec!["s".into()])];
+            })],
+        );
+        let odd = index.match_prompt(&tokens, None, &[id("odd")]).unwrap();
+        assert_eq!(odd.matched, [1]);
+    }
+
+    #[test]
+    fn media_and_localities_other_than_the_engines_own_cache_are_not_indexed() {
+        let index = VariantIndex::default();
+        let hashes = || index.request_hashes(&[1, 2]).unwrap();
+        // An instance that never names a medium (older vLLM, older SGLang): its blocks count.
+        let unnamed = with(stored(None, &[1], &[1, 2]), |event| event.medium = None);
+        apply(&index, "old", vec![unnamed.clone()]);
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 1);
+        // One that names it: its unnamed events are another tier's (LMCache), as are CPU,
+        // SGLang's CPU_PINNED and REMOTE ones.
+        apply(&index, "new", vec![stored(None, &[7], &[5, 5])]);
+        for event in [
+            unnamed,
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.medium = Some("CPU".into())
+            }),
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.medium = Some("CPU_PINNED".into())
+            }),
+            with(stored(None, &[1], &[1, 2]), |e| {
+                e.locality = Some("REMOTE".into())
+            }),
+        ] {
+            apply(&index, "new", vec![event]);
+        }
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("new")), 0);
+        // A CPU tier's reset leaves the GPU entries; the engine's own reset clears them.
+        apply(
+            &index,
+            "old",
+            vec![KvEvent::AllBlocksCleared {
+                medium: Some("CPU".into()),
+            }],
+        );
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 1);
+        apply(
+            &index,
+            "old",
+            vec![KvEvent::AllBlocksCleared { medium: None }],
+        );
+        assert_eq!(index.matched_blocks_of(&hashes(), &id("old")), 0);
+    }
+
+    #[test]
+    fn a_hybrid_model_is_indexed_by_its_first_full_attention_group() {
+        let index = VariantIndex::default();
+        let group = |event: KvEvent, group: i64, kind: &str| {
+            with(event, |e| {
+                e.group_idx = Some(group);
+                e.kv_cache_spec_kind = Some(kind.into());
+            })
+        };
+        let removed_in = |hashes: &[u64], group: i64| {
+            let KvEvent::BlockRemoved(mut removed) = removed(hashes) else {
+                unreachable!()
+            };
+            removed.group_idx = Some(group);
+            KvEvent::BlockRemoved(removed)
+        };
+        // Group 0 is a sliding window (it keeps only the tail), group 1 full attention: the
+        // same engine hashes in both.
+        apply(
+            &index,
+            "a",
+            vec![
+                group(stored(None, &[1, 2], &[1, 2, 3, 4]), 0, "sliding_window"),
+                group(stored(None, &[1, 2], &[1, 2, 3, 4]), 1, "full_attention"),
+                group(stored(None, &[9], &[9, 9]), 2, "mamba"),
+            ],
+        );
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        // The window slides: group 0 drops block 1, group 1 still holds it.
+        apply(&index, "a", vec![removed_in(&[1], 0), removed_in(&[9], 2)]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+        apply(&index, "a", vec![removed_in(&[2], 1)]);
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 1);
+        // Unlabelled events (older vLLM) follow group 0 as before.
+        apply(&index, "b", vec![stored(None, &[1], &[1, 2])]);
+        apply(
+            &index,
+            "b",
+            vec![with(stored(None, &[5], &[1, 2]), |e| e.group_idx = Some(1))],
+        );
+        assert_eq!(index.block_count(&id("b")), 1);
+    }
+
+    #[test]
+    fn the_block_size_is_the_full_blocks_not_a_partial_block_that_came_first() {
+        let index = VariantIndex::default();
+        // A partial tail entry (vLLM's hash-block granularity, or SGLang's last page) first.
+        let partial = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash(50)],
+            token_ids: vec![1],
+            block_size: 1,
+            ..BlockStored::default()
+        });
+        apply(&index, "a", vec![partial.clone()]);
+        assert_eq!(index.block_size(), Some(1));
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        assert_eq!(index.block_size(), Some(2));
+        apply(&index, "a", vec![partial]);
+        assert_eq!(index.block_size(), Some(2));
+        assert_eq!(index.block_count(&id("a")), 2);
+        let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+    }
+
+    #[test]
+    fn the_budget_counts_tokens_so_small_pages_keep_as_many_tokens() {
+        let settings = IndexSettings {
+            max_blocks_per_instance: 1000,
+        };
+        assert_eq!(settings.blocks_at(16), 1000);
+        assert_eq!(settings.blocks_at(1), 16_000);
+        assert_eq!(settings.blocks_at(128), 125);
+        assert_eq!(settings.blocks_at(100_000), 1);
+        assert_eq!(settings.blocks_at(0), 16_000);
     }
 
     #[test]
@@ -804,7 +1190,7 @@ mod tests {
         }
         let mut salted = stored(None, &[6, 7], &[1, 2, 3, 4]);
         if let KvEvent::BlockStored(event) = &mut salted {
-            event.extra_keys = vec![true, false];
+            event.extra_keys = vec![ExtraKeys::Opaque, ExtraKeys::None];
         }
         index.apply(
             &id("a"),
@@ -823,24 +1209,26 @@ mod tests {
     fn the_budget_drops_the_oldest_tails_first() {
         let index = VariantIndex::default();
         let counters = IndexCounters::default();
+        // 1 block of 16 tokens: 8 blocks of 2.
         let settings = IndexSettings {
-            max_blocks_per_instance: 3,
+            max_blocks_per_instance: 1,
         };
         let apply = |events| index.apply(&id("a"), &batch(events), &settings, &counters);
         apply(vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
-        apply(vec![stored(None, &[3, 4], &[7, 8, 9, 10])]);
-        assert_eq!(index.block_count(&id("a")), 3);
+        let second_tokens: Vec<u32> = (0..14).map(|t| 100 + t).collect();
+        apply(vec![stored(None, &[3, 4, 5, 6, 7, 8, 9], &second_tokens)]);
+        assert_eq!(index.block_count(&id("a")), 8);
         assert_eq!(counters.blocks_evicted.load(Ordering::Relaxed), 1);
         let first = index.request_hashes(&[1, 2, 3, 4]).unwrap();
-        let second = index.request_hashes(&[7, 8, 9, 10]).unwrap();
+        let second = index.request_hashes(&second_tokens).unwrap();
         assert_eq!(
             index.matched_blocks_of(&first, &id("a")),
             1,
             "the old tail went"
         );
-        assert_eq!(index.matched_blocks_of(&second, &id("a")), 2);
+        assert_eq!(index.matched_blocks_of(&second, &id("a")), 7);
         // The evicted block's engine hash is forgotten too: a child of it is an orphan.
-        apply(vec![stored(Some(2), &[5], &[5, 6])]);
+        apply(vec![stored(Some(2), &[10], &[5, 6])]);
         assert_eq!(counters.blocks_orphaned.load(Ordering::Relaxed), 1);
     }
 
@@ -919,8 +1307,9 @@ mod tests {
             #[test]
             fn matches_the_model(ops in proptest::collection::vec((0usize..2, 0usize..4, 0usize..6, 1usize..4, proptest::bool::ANY), 1..60)) {
                 let index = VariantIndex::default();
-                // Per instance: engine hash -> copies held.
-                let mut held: Vec<HashMap<u64, u32>> = vec![HashMap::new(); 2];
+                // Per instance: the engine hashes held (a store of a held one is a reuse report;
+                // a removal removes).
+                let mut held: Vec<HashMap<u64, ()>> = vec![HashMap::new(); 2];
                 for (instance, p, start, len, store) in ops {
                     let name = ["x", "y"][instance];
                     let engine = &mut held[instance];
@@ -933,16 +1322,12 @@ mod tests {
                         let tokens = prompt(p)[start * BLOCK..end * BLOCK].to_vec();
                         let parent = start.checked_sub(1).map(|j| engine_hash(p, j));
                         for hash in &hashes {
-                            *engine.entry(*hash).or_default() += 1;
+                            engine.insert(*hash, ());
                         }
                         apply(&index, name, vec![stored(parent, &hashes, &tokens)]);
                     } else {
                         let hash = engine_hash(p, start);
-                        if let Some(count) = engine.get_mut(&hash) {
-                            *count -= 1;
-                            if *count == 0 {
-                                engine.remove(&hash);
-                            }
+                        if engine.remove(&hash).is_some() {
                             apply(&index, name, vec![removed(&[hash])]);
                         }
                     }

@@ -13,8 +13,13 @@
 //! - block hash = `xxh3_64_with_seed(u32_le(token ids of the block), parent hash)`, where the
 //!   parent of the first block is the chain seed. Equal blocks after different prefixes hash
 //!   differently, so "block `j` is held" means "the first `j + 1` blocks are held";
-//! - a block the engine hashed with extra keys (multimodal inputs, a `cache_salt`) gets
-//!   [`unmatchable_block_hash`]: a request's plain token ids never reach it, nor its children.
+//! - a request's `cache_salt` (vLLM's request field; SGLang publishes salted blocks too)
+//!   changes the parent of the chain's first block to [`salted_seed`]`(seed, salt)` =
+//!   `xxh3_64_with_seed("switchyard-kv-salt-v1" ‖ 0x00 ‖ salt, seed)`, as vLLM mixes the salt
+//!   into the first block's hash only (every later block follows from it);
+//! - a block the engine hashed with other extra keys (multimodal inputs, prompt embeddings)
+//!   gets [`unmatchable_block_hash`]: a request's plain token ids never reach it, nor its
+//!   children.
 //!
 //! Only full blocks are hashed (a trailing partial block is never cached by the engine).
 //!
@@ -43,6 +48,7 @@ use crate::hash::rendezvous_score;
 use crate::rank::{InstanceView, Ranking, Route, Strategy, rank};
 
 const CHAIN_DOMAIN: &[u8] = b"switchyard-kv-v1";
+const SALT_DOMAIN: &[u8] = b"switchyard-kv-salt-v1";
 /// Mixed into the parent of a block hashed with extra keys.
 const UNMATCHABLE: u64 = 0x9e37_79b9_7f4a_7c15;
 /// At most this many leading blocks form the prefix key that breaks score ties.
@@ -60,6 +66,16 @@ pub fn chain_seed(lora_name: Option<&str>) -> u64 {
             xxh3_64(&bytes)
         }
     }
+}
+
+/// The parent of a salted chain's first block: `seed` (the base model's or an adapter's) mixed
+/// with the request's `cache_salt`.
+pub fn salted_seed(seed: u64, salt: &str) -> u64 {
+    let mut bytes = Vec::with_capacity(SALT_DOMAIN.len() + 1 + salt.len());
+    bytes.extend_from_slice(SALT_DOMAIN);
+    bytes.push(0);
+    bytes.extend_from_slice(salt.as_bytes());
+    xxh3_64_with_seed(&bytes, seed)
 }
 
 /// The router's hash of one full block after `parent`.
@@ -215,15 +231,36 @@ mod tests {
         assert_eq!(hashes[1], block_hash(hashes[0], &[5, 6, 7, 8]));
         assert_ne!(unmatchable_block_hash(seed, &[1, 2, 3, 4]), hashes[0]);
         assert_eq!(
+            salted_seed(seed, "tenant-a"),
+            GOLDEN_SALTED_SEED,
+            "a salted chain: every router version must place it alike"
+        );
+        assert_eq!(
+            salted_seed(seed, "tenant-a"),
+            xxh3_64_with_seed(b"switchyard-kv-salt-v1\x00tenant-a", seed)
+        );
+        assert_ne!(salted_seed(seed, "tenant-b"), GOLDEN_SALTED_SEED);
+        assert_eq!(
             unmatchable_block_hash(seed, &[1, 2, 3, 4]),
             GOLDEN_UNMATCHABLE,
             "a block hashed with extra keys: every router version must place it alike"
         );
-        // Long blocks hash the same bytes as short ones would.
-        let long: Vec<u32> = (0..100).collect();
-        let bytes: Vec<u8> = long.iter().flat_map(|token| token.to_le_bytes()).collect();
-        assert_eq!(block_hash(7, &long), xxh3_64_with_seed(&bytes, 7));
+        // Every block size an engine publishes (vLLM's --block-size, SGLang's page_size)
+        // hashes the block's bytes, whichever path it takes.
+        for size in [1usize, 16, 17, 18, 32, 63, 64, 65, 100, 128, 256] {
+            let block: Vec<u32> = (0..size as u32).collect();
+            let bytes: Vec<u8> = block.iter().flat_map(|token| token.to_le_bytes()).collect();
+            assert_eq!(
+                block_hash(7, &block),
+                xxh3_64_with_seed(&bytes, 7),
+                "{size}"
+            );
+        }
     }
+
+    /// `salted_seed(chain_seed(None), "tenant-a")`, i.e. xxh3-64 of
+    /// `b"switchyard-kv-salt-v1\x00tenant-a"` seeded with the base chain seed.
+    const GOLDEN_SALTED_SEED: u64 = 0xb304_2616_f74d_5cf1;
 
     /// `unmatchable_block_hash(chain_seed(None), &[1, 2, 3, 4])`.
     const GOLDEN_UNMATCHABLE: u64 = 0xa0f0_3f26_5783_c290;

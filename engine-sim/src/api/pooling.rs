@@ -222,6 +222,7 @@ async fn run_prefills(
             },
             max_tokens: 1,
             remote_prompt_tokens: 0,
+            report_reuse: false,
         };
         let events = shared
             .engine

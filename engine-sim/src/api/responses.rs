@@ -283,6 +283,7 @@ async fn run(
         },
         max_tokens,
         remote_prompt_tokens: 0,
+        report_reuse: false,
     };
     let events = shared
         .engine

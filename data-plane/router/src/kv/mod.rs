@@ -53,7 +53,8 @@ pub struct KvArgs {
     /// tries it again; the other instances are asked meanwhile.
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub kv_tokenize_pause_ms: u64,
-    /// KV_AWARE: KV-cache blocks the router's index keeps per instance (~310 bytes each);
+    /// KV_AWARE: KV-cache blocks of 16 tokens the router's index keeps per instance (a token
+    /// budget: engines with other block sizes keep as many tokens; ~310 bytes per block);
     /// beyond, the least recently stored are forgotten.
     #[arg(long, default_value_t = switchyard_kv::index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
     pub kv_index_max_blocks: usize,

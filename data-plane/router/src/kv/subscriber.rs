@@ -6,8 +6,19 @@
 //!   index learns what the engine cached before this router came (as far as the engine's replay
 //!   buffer reaches). Live batches wait until that answer ends.
 //! - **In order**: batch `expected` is applied; an older one is a duplicate (its timestamp is
-//!   not newer than the last applied) or, if newer, a restarted engine (its entries are dropped
-//!   and it is followed from there).
+//!   not newer than the last applied) or, if newer, a restarted engine (below).
+//! - **Restart**: vLLM's batches carry no run id, so a restart is inferred from what can be
+//!   seen: a sequence number that goes backwards with a newer timestamp, or the publisher's
+//!   connection lost and made again (the ZMQ library reports both). Either drops the
+//!   instance's entries and resynchronises from the start of the engine's replay buffer
+//!   (replay from 0), holding live batches meanwhile, so a new run's first batches missed live
+//!   are fetched and the old run's blocks never linger. The control plane's health checks are
+//!   the third signal: an instance marked unhealthy leaves the routing table, its subscriber
+//!   stops and its entries go; when it is healthy again a new subscriber starts from 0.
+//! - **Undecodable batch**: skipped by its sequence number as if it were empty (no gap, no
+//!   rebuild, no replay), counted per instance (`switchyard_kv_undecodable_batches_total`) and
+//!   logged once per subscriber. Inside a readable batch, an unreadable event costs only that
+//!   event (`switchyard_kv_malformed_events_total`).
 //! - **Gap** (a newer sequence than `expected`): live batches wait while the replay socket is
 //!   asked for the missing ones. If the answer does not cover the gap, does not come within
 //!   `reply_timeout`, or there is no replay socket, the instance's entries are dropped
@@ -27,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use switchyard_shared::{InstanceId, KvEventsEndpoints};
+use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -80,6 +92,12 @@ struct Follower {
     last_ts: f64,
     /// A replay answer is awaited before live batches may be applied.
     holding: bool,
+    /// That answer is a catch-up from the buffer's start (start-up, resync), not a gap's.
+    catching_up: bool,
+    /// The highest undecodable batch counted (a replay re-sends it).
+    last_undecodable: Option<u64>,
+    /// An undecodable batch was logged (at warn level: once).
+    logged_undecodable: bool,
     held: VecDeque<(u64, EventBatch)>,
     max_held: usize,
 }
@@ -90,6 +108,8 @@ enum Next {
     Nothing,
     /// Ask the replay socket for batches from this sequence on.
     Replay(u64),
+    /// The engine restarted: ask for its whole buffer, abandoning any request in flight.
+    Resync,
 }
 
 impl Follower {
@@ -99,8 +119,42 @@ impl Follower {
             expected: None,
             last_ts: f64::NEG_INFINITY,
             holding: false,
+            catching_up: false,
+            last_undecodable: None,
+            logged_undecodable: false,
             held: VecDeque::new(),
             max_held,
+        }
+    }
+
+    /// Drops the instance's entries and waits for a replay from the buffer's start. Batches
+    /// held until now are let go: the replay has them if they are the engine's current run.
+    fn resync(&mut self, why: &str) {
+        self.rebuild(why);
+        self.held.clear();
+        self.holding = true;
+        self.catching_up = true;
+        self.last_undecodable = None;
+    }
+
+    /// A batch (live or replayed) that could not be decoded: counted once per sequence
+    /// number, logged once; the caller then offers it as an empty batch, so its sequence
+    /// number is used up and nothing else changes.
+    fn undecodable(&mut self, seq: u64, error: &dyn std::fmt::Display) -> EventBatch {
+        if self.last_undecodable.is_none_or(|last| seq > last) {
+            self.last_undecodable = Some(seq);
+            self.target.index.count_undecodable(&self.target.instance);
+            if self.logged_undecodable {
+                tracing::debug!(instance = %self.target.instance, seq, %error, "skipped an undecodable KV event batch");
+            } else {
+                self.logged_undecodable = true;
+                tracing::warn!(instance = %self.target.instance, seq, %error, "skipped an undecodable KV event batch (counted in switchyard_kv_undecodable_batches_total; further ones are logged at debug level)");
+            }
+        }
+        EventBatch {
+            ts: self.last_ts,
+            events: Vec::new(),
+            data_parallel_rank: None,
         }
     }
 
@@ -132,10 +186,11 @@ impl Follower {
             None => self.apply(seq, batch),
             Some(expected) if seq == expected => {
                 self.apply(seq, batch);
-                self.target
-                    .counters
-                    .gaps_repaired
-                    .fetch_add(u64::from(self.holding), Ordering::Relaxed);
+                // A catch-up from the buffer's start fills no gap.
+                self.target.counters.gaps_repaired.fetch_add(
+                    u64::from(self.holding && !self.catching_up),
+                    Ordering::Relaxed,
+                );
             }
             Some(expected) if seq < expected => {}
             Some(_) => {
@@ -164,7 +219,13 @@ impl Follower {
             Some(expected) if seq == expected => self.apply(seq, &batch),
             Some(expected) if seq < expected => {
                 if batch.ts > self.last_ts {
-                    self.rebuild("the engine restarted (its sequence numbers began again)");
+                    let why = "the engine restarted (its sequence numbers began again)";
+                    if can_replay {
+                        self.resync(why);
+                        self.held.push_back((seq, batch));
+                        return Next::Resync;
+                    }
+                    self.rebuild(why);
                     self.apply(seq, &batch);
                 }
             }
@@ -185,6 +246,7 @@ impl Follower {
     /// remains.
     fn release_held(&mut self) {
         self.holding = false;
+        self.catching_up = false;
         while let Some((seq, batch)) = self.held.pop_front() {
             match self.expected {
                 Some(expected) if seq > expected => {
@@ -217,15 +279,16 @@ pub async fn run(
     stop: CancellationToken,
 ) {
     let instance = target.instance.clone();
-    let mut sub = loop {
+    let (mut sub, mut monitor) = loop {
         let mut sub = zeromq::SubSocket::new();
+        let monitor = sub.monitor();
         let connected = tokio::select! {
             () = stop.cancelled() => return,
             connected = tokio::time::timeout(settings.reply_timeout, sub.connect(&endpoints.publisher)) => connected,
         };
         match connected {
             Ok(Ok(())) => match sub.subscribe("").await {
-                Ok(()) => break sub,
+                Ok(()) => break (sub, monitor),
                 Err(err) => tracing::debug!(%instance, error = %err, "cannot subscribe"),
             },
             Ok(Err(err)) => {
@@ -252,12 +315,35 @@ pub async fn run(
     if can_replay {
         // Learn what the engine cached before we came.
         follower.holding = true;
+        follower.catching_up = true;
         replay.request(0, &settings).await;
     }
+    // The publisher's connection was lost: when it is made again, the engine may be a new run.
+    let mut connection_lost = false;
+    let mut monitor_open = true;
     let mut housekeeping = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
             () = stop.cancelled() => break,
+            event = monitor.next(), if monitor_open => match event {
+                Some(zeromq::SocketEvent::Disconnected(_)) => {
+                    tracing::info!(%instance, "KV event publisher connection lost");
+                    connection_lost = true;
+                }
+                Some(zeromq::SocketEvent::Connected(..)) if connection_lost => {
+                    connection_lost = false;
+                    let why = "the KV event publisher's connection was made again (the engine may have restarted)";
+                    if can_replay {
+                        follower.resync(why);
+                        replay.restart(0, &settings).await;
+                    } else {
+                        follower.rebuild(why);
+                    }
+                }
+                Some(_) => {}
+                // The socket dropped its monitor: the other signals remain.
+                None => monitor_open = false,
+            },
             received = sub.recv() => match received {
                 Ok(message) => {
                     let frames = message_frames(message);
@@ -266,21 +352,19 @@ pub async fn run(
                         tracing::debug!(%instance, frames = n, "ignored a malformed KV event message");
                         continue;
                     };
-                    match decode_batch(payload) {
+                    let batch = match decode_batch(payload) {
                         Ok(batch) => {
                             if target.index.freshness(&instance) == Some(Freshness::Stale) {
                                 target.index.set_freshness(&instance, Freshness::Live);
                             }
-                            if let Next::Replay(from) = follower.offer_live(seq, batch, can_replay)
-                                && replay.sent_at.is_none()
-                            {
-                                replay.request(from, &settings).await;
-                            }
+                            batch
                         }
-                        Err(err) => {
-                            tracing::warn!(%instance, seq, error = %err, "unreadable KV event batch");
-                            follower.rebuild("an unreadable batch");
-                        }
+                        Err(err) => follower.undecodable(seq, &err),
+                    };
+                    match follower.offer_live(seq, batch, can_replay) {
+                        Next::Replay(from) if replay.sent_at.is_none() => replay.request(from, &settings).await,
+                        Next::Resync => replay.restart(0, &settings).await,
+                        _ => {}
                     }
                 }
                 Err(err) => {
@@ -306,18 +390,14 @@ pub async fn run(
                         continue;
                     }
                     let Some(seq) = sequence(seq_frame) else { continue };
-                    match decode_batch(payload) {
-                        Ok(batch) => {
-                            // The deadline is for silence: a long replay that keeps coming
-                            // is not given up half way.
-                            replay.progressed();
-                            follower.offer_replayed(seq, &batch)
-                        }
-                        Err(err) => {
-                            tracing::warn!(%instance, seq, error = %err, "unreadable replayed KV event batch");
-                            follower.rebuild("an unreadable replayed batch");
-                        }
-                    }
+                    // The deadline is for silence: a long replay that keeps coming is not
+                    // given up half way.
+                    replay.progressed();
+                    let batch = match decode_batch(payload) {
+                        Ok(batch) => batch,
+                        Err(err) => follower.undecodable(seq, &err),
+                    };
+                    follower.offer_replayed(seq, &batch);
                 }
                 Err(err) => {
                     tracing::debug!(%instance, error = %err, "KV event replay socket error");
@@ -381,6 +461,14 @@ impl Replay {
         ) {
             self.dealer = None;
         }
+    }
+
+    /// Abandons any request in flight (a fresh connection, so its late answer never arrives)
+    /// and asks from `from`.
+    async fn restart(&mut self, from: u64, settings: &SubscriberSettings) {
+        self.dealer = None;
+        self.sent_at = None;
+        self.request(from, settings).await;
     }
 
     async fn recv(&mut self) -> zeromq::ZmqResult<Vec<Bytes>> {
@@ -462,11 +550,57 @@ mod tests {
         // A duplicate (older timestamp) changes nothing.
         follower.offer_live(0, batch(0, 1.0), true);
         assert_eq!(follower.expected, Some(2));
-        // A restarted engine: sequence 0 again, newer timestamp.
-        follower.offer_live(0, batch(7, 3.0), true);
-        assert_eq!(follower.expected, Some(1));
-        assert!(!holds(&follower, 1), "entries of the old run dropped");
-        assert!(holds(&follower, 7));
+        // A restarted engine: sequence 1 again, newer timestamp. Its batch 0 was missed live:
+        // the whole buffer is asked for.
+        assert_eq!(follower.offer_live(1, batch(8, 4.0), true), Next::Resync);
+        assert!(
+            !holds(&follower, 0) && !holds(&follower, 1),
+            "the old run dropped"
+        );
+        assert!(!holds(&follower, 8), "held until the replay");
+        // A reconnect while that replay is awaited: the held batch goes, the replay has it.
+        follower.resync("reconnected");
+        assert!(follower.held.is_empty() && follower.holding);
+        follower.offer_replayed(0, &batch(7, 3.0));
+        follower.offer_replayed(1, &batch(8, 4.0));
+        follower.release_held();
+        assert!(holds(&follower, 7) && holds(&follower, 8));
+        assert_eq!(follower.expected, Some(2));
+        assert_eq!(
+            follower
+                .target
+                .counters
+                .gaps_repaired
+                .load(Ordering::Relaxed),
+            0,
+            "a catch-up is no gap"
+        );
+        // Without a replay socket the new run is followed from where it is.
+        let mut follower = Follower::new(target(), 10);
+        follower.offer_live(0, batch(0, 1.0), false);
+        follower.offer_live(1, batch(1, 2.0), false);
+        assert_eq!(follower.offer_live(0, batch(7, 3.0), false), Next::Nothing);
+        assert!(!holds(&follower, 0) && holds(&follower, 7));
+    }
+
+    #[test]
+    fn an_undecodable_batch_uses_up_its_sequence_number_and_nothing_else() {
+        let mut follower = Follower::new(target(), 10);
+        follower.offer_live(0, batch(0, 1.0), true);
+        let empty = follower.undecodable(1, &"bad");
+        assert_eq!(follower.offer_live(1, empty, true), Next::Nothing);
+        assert_eq!(follower.offer_live(2, batch(2, 3.0), true), Next::Nothing);
+        assert!(holds(&follower, 0) && holds(&follower, 2));
+        // A replay re-sending it is not counted again.
+        let again = follower.undecodable(1, &"bad");
+        follower.offer_replayed(1, &again);
+        let counters = follower.target.counters.as_ref();
+        assert_eq!(counters.rebuilds.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            follower.target.index.decode_failures()[0].1,
+            1,
+            "counted once"
+        );
     }
 
     #[test]

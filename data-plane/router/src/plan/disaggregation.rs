@@ -162,6 +162,7 @@ pub(crate) fn finish(
     mut plan: Plan,
     pending: Pending,
     tokens: Option<&[u32]>,
+    cache_salt: Option<&str>,
     indexes: PoolIndexes<'_>,
     now_ms: u64,
     random: u64,
@@ -186,7 +187,7 @@ pub(crate) fn finish(
                 .iter()
                 .map(|instance| instance.id.clone())
                 .collect();
-            if let Some(found) = index.match_tokens(ids, &instances) {
+            if let Some(found) = index.match_prompt(ids, cache_salt, &instances) {
                 let block_size = found.block_size as u32;
                 plan.cached_tokens = found
                     .matched
@@ -220,7 +221,8 @@ pub(crate) fn finish(
         && let Some(disaggregated) = plan.prefill_hop.as_mut()
         && let (Some(ids), Some(index)) = (tokens, indexes.prefill)
     {
-        let decision = super::kv::decide(prefill, Some(index), Some(ids), now_ms, random);
+        let decision =
+            super::kv::decide(prefill, Some(index), Some(ids), cache_salt, now_ms, random);
         disaggregated.prefill = decision.ranking;
         disaggregated.prefill_cached_tokens = decision.cached_tokens_by_instance;
     }

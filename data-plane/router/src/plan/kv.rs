@@ -30,7 +30,8 @@ pub const OFFLOAD_TOKENS: usize = 64 * 1024;
 
 /// Ranks a KV_AWARE variant's instances (or a disaggregated endpoint's KV_AWARE prefill pool,
 /// with the variant's KvAwareRoutingConfig if its own strategy is KV_AWARE, else the defaults)
-/// for a request whose token ids are `tokens` (None: they could not be had), from the
+/// for a request whose token ids are `tokens` (None: they could not be had) and whose
+/// `cache_salt` is `cache_salt` (its chain is hashed under it), from the
 /// variant's index (None: no instance has published yet). Without tokens, index or a known
 /// block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
 /// availability are read from the instances' cells; `random` breaks load ties.
@@ -38,6 +39,7 @@ pub fn decide(
     variant: &VariantRoute,
     index: Option<&VariantIndex>,
     tokens: Option<&[u32]>,
+    cache_salt: Option<&str>,
     now_ms: u64,
     random: u64,
 ) -> KvDecision {
@@ -76,7 +78,7 @@ pub fn decide(
         .iter()
         .map(|instance| instance.id.clone())
         .collect();
-    let Some(found) = index.match_tokens(tokens, &ids) else {
+    let Some(found) = index.match_prompt(tokens, cache_salt, &ids) else {
         return by_load();
     };
     let ranking = switchyard_policy::kv::rank_kv(
@@ -110,6 +112,7 @@ pub(crate) fn finish(
     plan: Plan,
     index: &VariantIndex,
     tokens: Option<&[u32]>,
+    cache_salt: Option<&str>,
     now_ms: u64,
     random: u64,
 ) -> Plan {
@@ -117,6 +120,7 @@ pub(crate) fn finish(
         plan.variant(),
         tokens.map(|_| index),
         tokens,
+        cache_salt,
         now_ms,
         random,
     );

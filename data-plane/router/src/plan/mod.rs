@@ -63,6 +63,8 @@ pub struct NeedsTokens {
     /// It is what is forwarded when no KV index has data yet.
     pub plan: Plan,
     purpose: Purpose,
+    /// The request's `cache_salt`: its chain is hashed under it (`VariantIndex::match_prompt`).
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug)]
@@ -76,8 +78,8 @@ enum Purpose {
 /// What [`NeedsTokens::into_kv`] found.
 #[derive(Debug)]
 pub enum KvOrNot {
-    /// A KV_AWARE plan, and its variant's index.
-    Kv(Plan, Arc<VariantIndex>),
+    /// A KV_AWARE plan, its variant's index and the request's `cache_salt`.
+    Kv(Plan, Arc<VariantIndex>, Option<String>),
     /// Any other.
     Not(NeedsTokens),
 }
@@ -155,7 +157,9 @@ impl NeedsTokens {
     /// is.
     pub fn into_kv(self, indexes: &Indexes) -> KvOrNot {
         match (&self.purpose, &indexes.kv) {
-            (Purpose::Kv, Some(index)) => KvOrNot::Kv(self.plan, Arc::clone(index)),
+            (Purpose::Kv, Some(index)) => {
+                KvOrNot::Kv(self.plan, Arc::clone(index), self.cache_salt)
+            }
             _ => KvOrNot::Not(self),
         }
     }
@@ -171,9 +175,10 @@ impl NeedsTokens {
         now_ms: u64,
         random: u64,
     ) -> Plan {
+        let salt = self.cache_salt.as_deref();
         match self.purpose {
             Purpose::Kv => match &indexes.kv {
-                Some(index) => kv::finish(self.plan, index, tokens, now_ms, random),
+                Some(index) => kv::finish(self.plan, index, tokens, salt, now_ms, random),
                 None => self.plan,
             },
             Purpose::Disaggregation(pending) => {
@@ -181,7 +186,7 @@ impl NeedsTokens {
                     decode: indexes.decode.as_deref(),
                     prefill: indexes.prefill.as_deref(),
                 };
-                disaggregation::finish(self.plan, pending, tokens, pools, now_ms, random)
+                disaggregation::finish(self.plan, pending, tokens, salt, pools, now_ms, random)
             }
         }
     }
@@ -293,10 +298,17 @@ pub fn plan(
     };
     Ok(match purpose {
         None => Planned::Ready(plan),
-        Some(purpose) => Planned::NeedsTokens {
-            input: KvInput::of(operation, &plan.body),
-            needs: NeedsTokens { plan, purpose },
-        },
+        Some(purpose) => {
+            let (input, cache_salt) = KvInput::of(operation, &plan.body);
+            Planned::NeedsTokens {
+                input,
+                needs: NeedsTokens {
+                    plan,
+                    purpose,
+                    cache_salt,
+                },
+            }
+        }
     })
 }
 

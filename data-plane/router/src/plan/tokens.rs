@@ -170,20 +170,30 @@ pub enum PromptTokens {
 impl PromptTokens {
     /// For an OpenAI body of `kind`.
     pub fn of(kind: PromptKind, request: &[u8]) -> Result<Self, TokenizeError> {
-        let fields = fields(request)?;
+        Self::of_fields(kind, &fields(request)?, request.len())
+    }
+
+    fn of_fields(
+        kind: PromptKind,
+        fields: &Fields<'_>,
+        size_hint: usize,
+    ) -> Result<Self, TokenizeError> {
         if kind == PromptKind::Completion
-            && let Some(ids) = token_ids_of(&fields)
+            && let Some(ids) = token_ids_of(fields)
         {
             return Ok(Self::Known(ids));
         }
-        body_of(kind, &fields, request.len()).map(Self::Ask)
+        body_of(kind, fields, size_hint).map(Self::Ask)
     }
 
     /// For a native (`/invocations`) body: a JSON object with `messages` is read as a chat
     /// request, else one with `prompt` as a completions request (the rule the simulator's
     /// `/invocations` follows); anything else has no prompt to tokenize.
     pub fn of_native(request: &[u8]) -> Result<Self, TokenizeError> {
-        let fields = fields(request)?;
+        Self::of_native_fields(&fields(request)?, request.len())
+    }
+
+    fn of_native_fields(fields: &Fields<'_>, size_hint: usize) -> Result<Self, TokenizeError> {
         let kind = if fields.contains_key("messages") {
             PromptKind::Chat
         } else if fields.contains_key("prompt") {
@@ -193,13 +203,17 @@ impl PromptTokens {
                 "the body has neither `messages` nor `prompt`".into(),
             ));
         };
-        if kind == PromptKind::Completion
-            && let Some(ids) = token_ids_of(&fields)
-        {
-            return Ok(Self::Known(ids));
-        }
-        body_of(kind, &fields, request.len()).map(Self::Ask)
+        Self::of_fields(kind, fields, size_hint)
     }
+}
+
+/// The body's `cache_salt` (vLLM's request field: a salted request reuses only blocks cached
+/// under the same salt). Anything but a non-empty string is none (an engine refuses a
+/// malformed one itself; vLLM ignores an empty one).
+fn cache_salt_of(fields: &Fields<'_>) -> Option<String> {
+    serde_json::from_str::<String>(fields.get("cache_salt")?.get())
+        .ok()
+        .filter(|salt| !salt.is_empty())
 }
 
 /// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
@@ -214,19 +228,34 @@ pub enum KvInput {
 impl KvInput {
     /// How a request on `operation` gets its token ids: OpenAI bodies by their API; a native
     /// body as a chat request if it is a JSON object with `messages`, as a completions request
-    /// if it has `prompt`, else not at all (routed by load).
-    pub fn of(operation: Operation, body: &[u8]) -> Self {
-        let tokens = match operation {
-            Operation::ChatCompletions => PromptTokens::of(PromptKind::Chat, body),
-            Operation::Completions => PromptTokens::of(PromptKind::Completion, body),
-            Operation::Invocations | Operation::InvocationsStream => PromptTokens::of_native(body),
-            _ => Err(TokenizeError::Input(format!(
-                "{operation:?} requests are routed by load under KV_AWARE"
-            ))),
+    /// if it has `prompt`, else not at all (routed by load). With the body's `cache_salt`
+    /// (one parse of the body for both).
+    pub fn of(operation: Operation, body: &[u8]) -> (Self, Option<String>) {
+        let kind = match operation {
+            Operation::ChatCompletions => Some(PromptKind::Chat),
+            Operation::Completions => Some(PromptKind::Completion),
+            Operation::Invocations | Operation::InvocationsStream => None,
+            _ => {
+                return (
+                    KvInput::Unusable(TokenizeError::Input(format!(
+                        "{operation:?} requests are routed by load under KV_AWARE"
+                    ))),
+                    None,
+                );
+            }
         };
+        let fields = match fields(body) {
+            Ok(fields) => fields,
+            Err(err) => return (KvInput::Unusable(err), None),
+        };
+        let tokens = match kind {
+            Some(kind) => PromptTokens::of_fields(kind, &fields, body.len()),
+            None => PromptTokens::of_native_fields(&fields, body.len()),
+        };
+        let salt = cache_salt_of(&fields);
         match tokens {
-            Ok(tokens) => KvInput::Tokens(tokens),
-            Err(err) => KvInput::Unusable(err),
+            Ok(tokens) => (KvInput::Tokens(tokens), salt),
+            Err(err) => (KvInput::Unusable(err), salt),
         }
     }
 }
@@ -234,6 +263,26 @@ impl KvInput {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_salt_comes_with_the_tokens_from_one_parse() {
+        let (input, salt) = KvInput::of(
+            Operation::Completions,
+            br#"{"model":"m","prompt":[1,2],"cache_salt":"tenant-a"}"#,
+        );
+        assert!(matches!(input, KvInput::Tokens(PromptTokens::Known(ids)) if ids == [1, 2]));
+        assert_eq!(salt.as_deref(), Some("tenant-a"));
+        for body in [
+            &br#"{"prompt":"x"}"#[..],
+            br#"{"prompt":"x","cache_salt":""}"#,
+            br#"{"prompt":"x","cache_salt":7}"#,
+        ] {
+            assert_eq!(KvInput::of(Operation::Completions, body).1, None);
+        }
+        let (input, salt) = KvInput::of(Operation::Invocations, br#"{"cache_salt":"s"}"#);
+        assert!(matches!(input, KvInput::Unusable(_)));
+        assert_eq!(salt.as_deref(), Some("s"));
+    }
 
     #[test]
     fn bodies_carry_the_prompt_or_the_messages_and_template_fields() {

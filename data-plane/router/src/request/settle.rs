@@ -41,15 +41,16 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
     match needs.into_kv(&indexes) {
         // KV_AWARE: only the walk over the index leaves this thread; if that task fails, the
         // plan here is ranked by load.
-        KvOrNot::Kv(plan, index) => {
+        KvOrNot::Kv(plan, index, salt) => {
             let (endpoint, position) = (Arc::clone(&plan.endpoint), plan.variant_index);
             let decided = tokio::task::spawn_blocking(move || {
                 let variant = &endpoint.variants[position];
-                kv::decide(variant, Some(&index), tokens.as_deref(), now_ms(), random)
+                let (tokens, salt) = (tokens.as_deref(), salt.as_deref());
+                kv::decide(variant, Some(&index), tokens, salt, now_ms(), random)
             })
             .await;
             let decision = decided
-                .unwrap_or_else(|_| kv::decide(plan.variant(), None, None, now_ms(), random));
+                .unwrap_or_else(|_| kv::decide(plan.variant(), None, None, None, now_ms(), random));
             Ok(kv::apply(plan, decision))
         }
         // A disaggregated endpoint's decision (it may make the prefill copy).

@@ -1,0 +1,645 @@
+//! KV events as real engines publish them, through a real router: vLLM 0.32's and each SGLang
+//! generation's structures and replay sockets (`tests/python/kv_publisher.py`, pyzmq and
+//! msgspec), in front of simulators that answer the requests (their own events off). Each
+//! case asserts what a client sees: the answer's `x-switchyard-instance`,
+//! `x-switchyard-route` and `x-switchyard-cached-tokens`.
+//!
+//! The tests wait on the router's KV index only to know that the published events have
+//! arrived; every decision checked is the router's own, on a request.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use switchyard_engine_sim::SimHandle;
+use switchyard_kv::VariantIndex;
+use switchyard_router::RouterHandle;
+use switchyard_shared::{EndpointName, InstanceId, VariantName};
+use switchyard_tests::{
+    Metrics, Reply, eventually, fast, http_post, router_from_file, sim_tokens, test_python,
+    wait_matched, words,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// One engine's KV-event publisher (`kv_publisher.py FLAVOR`).
+struct Publisher {
+    endpoint: String,
+    replay: String,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    _child: Child,
+}
+
+impl Publisher {
+    async fn spawn(flavor: &str) -> anyhow::Result<Self> {
+        let mut child = tokio::process::Command::new(test_python())
+            .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/kv_publisher.py"))
+            .arg(flavor)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+        let first = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the publisher printed nothing"))?;
+        let info: Value = serde_json::from_str(&first)?;
+        Ok(Self {
+            endpoint: info["endpoint"].as_str().expect("endpoint").into(),
+            replay: info["replay"].as_str().expect("replay").into(),
+            stdin,
+            lines,
+            _child: child,
+        })
+    }
+
+    async fn command(&mut self, command: Value) -> anyhow::Result<Value> {
+        self.stdin
+            .write_all(format!("{command}\n").as_bytes())
+            .await?;
+        self.stdin.flush().await?;
+        let line = tokio::time::timeout(WAIT, self.lines.next_line())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the publisher ended"))?;
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    /// Publishes one batch of `events`; returns its sequence number.
+    async fn publish(&mut self, events: Vec<Value>) -> anyhow::Result<u64> {
+        let answer = self.command(json!({"publish": events})).await?;
+        Ok(answer["seq"].as_u64().expect("seq"))
+    }
+
+    /// Puts a batch in the replay buffer without sending it live (a batch missed live).
+    async fn buffer_only(&mut self, events: Vec<Value>) -> anyhow::Result<u64> {
+        let answer = self
+            .command(json!({"publish": events, "live": false}))
+            .await?;
+        Ok(answer["seq"].as_u64().expect("seq"))
+    }
+
+    async fn raw(&mut self, payload: &[u8]) -> anyhow::Result<u64> {
+        let hex: String = payload.iter().map(|byte| format!("{byte:02x}")).collect();
+        let answer = self.command(json!({ "raw": hex })).await?;
+        Ok(answer["seq"].as_u64().expect("seq"))
+    }
+
+    /// A new run on the same ports: sequence from 0, an empty buffer.
+    async fn restart(&mut self) -> anyhow::Result<()> {
+        self.command(json!({"restart": true})).await?;
+        Ok(())
+    }
+}
+
+/// The engine hashes of `tokens`' full blocks: `base + j` for block `j` (an engine's own
+/// hashes are opaque to the router; only their chaining matters).
+fn hashes(tokens: &[u32], block_size: usize, base: u64) -> Vec<u64> {
+    (0..(tokens.len() / block_size) as u64)
+        .map(|j| base + j)
+        .collect()
+}
+
+/// A BlockStored of all of `tokens`' full blocks from the root, as vLLM sends it after a
+/// prefill (and again for every reuse under `kv_cache_report_mode` "full").
+fn stored(tokens: &[u32], block_size: usize, base: u64) -> Value {
+    let full = tokens.len() / block_size * block_size;
+    json!({
+        "type": "BlockStored",
+        "block_hashes": hashes(tokens, block_size, base),
+        "parent_block_hash": null,
+        "token_ids": &tokens[..full],
+        "block_size": block_size,
+    })
+}
+
+/// One BlockRemoved per block, as vLLM sends them (one per evicted block).
+fn removed_each(hashes: &[u64]) -> Vec<Value> {
+    hashes
+        .iter()
+        .map(|hash| json!({"type": "BlockRemoved", "block_hashes": [hash]}))
+        .collect()
+}
+
+fn with(mut event: Value, fields: Value) -> Value {
+    for (key, value) in fields.as_object().expect("an object") {
+        event[key] = value.clone();
+    }
+    event
+}
+
+/// A router from a static file routing endpoint `chat` (KV_AWARE) to `sims` as `e0`, `e1`,
+/// …, following `publishers[i]` for `e{i}`, probing the replay sockets every 100 ms.
+async fn router(
+    dir: &std::path::Path,
+    sims: &[&SimHandle],
+    publishers: &[&Publisher],
+) -> anyhow::Result<RouterHandle> {
+    let instances: Vec<Value> = sims
+        .iter()
+        .zip(publishers)
+        .enumerate()
+        .map(|(index, (sim, publisher))| {
+            json!({
+                "Url": sim.url,
+                "InstanceId": format!("e{index}"),
+                "KvEvents": publisher.endpoint,
+                "KvEventsReplay": publisher.replay,
+            })
+        })
+        .collect();
+    let file = json!({"Endpoints": [{
+        "EndpointName": "chat",
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim",
+            "RoutingConfig": {"RoutingStrategy": "KV_AWARE"}}],
+        "Instances": instances,
+    }]});
+    router_from_file(&dir.join("switchyard.json"), &file.to_string(), |config| {
+        config.worker_threads = Some(2);
+        config.kv.kv_events_probe_ms = 100;
+    })
+    .await
+}
+
+fn ids(count: usize) -> Vec<InstanceId> {
+    (0..count)
+        .map(|index| InstanceId::new(&format!("e{index}")).expect("an id"))
+        .collect()
+}
+
+async fn index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
+    let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
+    eventually(WAIT, "the router's KV index of the variant", || {
+        let ready = router.kv_index().variant(&endpoint, &variant).is_some();
+        async move { ready }
+    })
+    .await?;
+    Ok(router
+        .kv_index()
+        .variant(&endpoint, &variant)
+        .expect("the variant's index"))
+}
+
+/// Waits until the router's index says each instance holds `matched` leading blocks of
+/// `tokens` (the events have arrived).
+async fn wait_held(router: &RouterHandle, tokens: &[u32], matched: &[u32]) -> anyhow::Result<()> {
+    let index = index(router).await?;
+    let instances = ids(matched.len());
+    wait_matched(
+        "the router's index to follow the events",
+        &matched.to_vec(),
+        || {
+            index
+                .match_tokens(tokens, &instances)
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await
+}
+
+/// (instance, route, cached tokens) of `prompt` completed through the router.
+async fn route(router: &RouterHandle, prompt: &str) -> anyhow::Result<(String, String, u32)> {
+    route_with(router, prompt, json!({})).await
+}
+
+/// [`route`] with more body fields (a `cache_salt`).
+async fn route_with(
+    router: &RouterHandle,
+    prompt: &str,
+    fields: Value,
+) -> anyhow::Result<(String, String, u32)> {
+    let body = with(
+        json!({"model": "sim", "prompt": prompt, "max_tokens": 2}),
+        fields,
+    );
+    let reply: Reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
+        &[],
+        body.to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
+    Ok((
+        reply.header("x-switchyard-instance").unwrap_or("").into(),
+        reply.header("x-switchyard-route").unwrap_or("").into(),
+        reply
+            .header("x-switchyard-cached-tokens")
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0),
+    ))
+}
+
+async fn tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>> {
+    sim_tokens(sim, json!({"model": "sim", "prompt": prompt})).await
+}
+
+/// Two simulators answering requests (their own KV events off).
+async fn engines() -> anyhow::Result<(SimHandle, SimHandle)> {
+    Ok((
+        switchyard_engine_sim::spawn(fast()).await?,
+        switchyard_engine_sim::spawn(fast()).await?,
+    ))
+}
+
+fn not_kv(choice: &(String, String, u32)) -> bool {
+    choice.1 != "kv" && choice.2 == 0
+}
+
+#[tokio::test]
+async fn vllm_reuse_reports_leave_no_phantom_blocks() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (mut pa, pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let prompt = words(0, 70);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    let blocks = (prompt_tokens.len() / 16) as u32;
+    assert!(blocks >= 4, "{} tokens", prompt_tokens.len());
+
+    // A prefill, then three requests reusing the prefix under kv_cache_report_mode "full":
+    // vLLM re-sends BlockStored for the reused blocks each time.
+    for _ in 0..4 {
+        pa.publish(vec![stored(&prompt_tokens, 16, 1000)]).await?;
+    }
+    wait_held(&router, &prompt_tokens, &[blocks, 0]).await?;
+    assert_eq!(
+        route(&router, &prompt).await?,
+        ("e0".into(), "kv".into(), blocks * 16)
+    );
+    // The prefix is evicted: one BlockRemoved per block, as vLLM sends them.
+    pa.publish(removed_each(&hashes(&prompt_tokens, 16, 1000)))
+        .await?;
+    wait_held(&router, &prompt_tokens, &[0, 0]).await?;
+    let choice = route(&router, &prompt).await?;
+    assert!(not_kv(&choice), "a phantom prefix: {choice:?}");
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_undecodable_batch_is_skipped_counted_and_never_replayed_in_a_loop() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (mut pa, pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let first = words(0, 40);
+    let first_tokens = tokens(&a, &first).await?;
+    let second = words(500, 40);
+    let second_tokens = tokens(&a, &second).await?;
+    // In the buffer before the router comes (its start-up replay reads it), then live.
+    pa.publish(vec![stored(&first_tokens, 16, 1)]).await?;
+    pa.raw(&[0x93, 0xcb, 0x41]).await?; // a batch cut short
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let held = (first_tokens.len() / 16) as u32;
+    wait_held(&router, &first_tokens, &[held, 0]).await?;
+    pa.raw(b"not msgpack at all").await?;
+    // A readable batch with one unreadable event: the other events count.
+    pa.publish(vec![
+        json!({"as_is": {"type": "BlockStored", "block_hashes": "oops"}}),
+        stored(&second_tokens, 16, 100),
+    ])
+    .await?;
+    wait_held(&router, &second_tokens, &[held, 0]).await?;
+    assert_eq!(
+        route(&router, &first).await?,
+        ("e0".into(), "kv".into(), held * 16)
+    );
+    assert_eq!(
+        route(&router, &second).await?,
+        ("e0".into(), "kv".into(), held * 16)
+    );
+    // Several probes later (each asks the replay socket from the next sequence number), the
+    // poison batches are still counted once each and nothing was rebuilt.
+    let probes_before = Metrics::scrape(&router.url())
+        .await?
+        .value("switchyard_kv_event_batches_total")?;
+    pa.publish(vec![]).await?;
+    eventually(WAIT, "the empty batch after the poison", || {
+        let url = router.url();
+        async move {
+            Metrics::scrape(&url)
+                .await
+                .ok()
+                .and_then(|metrics| metrics.get("switchyard_kv_event_batches_total"))
+                .is_some_and(|batches| batches > probes_before)
+        }
+    })
+    .await?;
+    let metrics = Metrics::scrape(&router.url()).await?;
+    let e0 = r#"{endpoint="chat",variant="AllTraffic",instance="e0"}"#;
+    assert_eq!(
+        metrics.value(&format!("switchyard_kv_undecodable_batches_total{e0}"))?,
+        2.0
+    );
+    assert_eq!(
+        metrics.value(&format!("switchyard_kv_malformed_events_total{e0}"))?,
+        1.0
+    );
+    assert_eq!(metrics.value("switchyard_kv_rebuilds_total")?, 0.0);
+    assert_eq!(
+        metrics.value("switchyard_kv_gaps_repaired_total")?,
+        0.0,
+        "the start-up catch-up is no repair"
+    );
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_engine_restart_drops_the_old_run_and_fetches_the_new_runs_missed_batches()
+-> anyhow::Result<()> {
+    // (live batches of the new run the router first sees, missed ones before them)
+    for (new_run_missed, label) in [(1u64, "sequence backwards"), (4, "sequence past the old")] {
+        let dir = tempfile::tempdir()?;
+        let (a, b) = engines().await?;
+        let (mut pa, pb) = (
+            Publisher::spawn("vllm-0.32").await?,
+            Publisher::spawn("vllm-0.32").await?,
+        );
+        let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+        let old = words(0, 40);
+        let old_tokens = tokens(&a, &old).await?;
+        let new = words(900, 40);
+        let new_tokens = tokens(&a, &new).await?;
+        let blocks = (old_tokens.len() / 16) as u32;
+        for round in 0..2 {
+            pa.publish(vec![stored(&old_tokens, 16, 10 + round)])
+                .await?;
+        }
+        wait_held(&router, &old_tokens, &[blocks, 0]).await?;
+
+        pa.restart().await?;
+        // The new run's first batches go out before the router's subscription is back.
+        pa.buffer_only(vec![stored(&new_tokens, 16, 5000)]).await?;
+        for _ in 1..new_run_missed {
+            pa.buffer_only(vec![]).await?;
+        }
+        // Live from here: empty batches until the router follows the new run (the
+        // subscription reconnects on its own schedule, and what it misses live is lost).
+        let index = index(&router).await?;
+        let e = ids(2);
+        let follows_new_run = || {
+            let held_new = index
+                .match_tokens(&new_tokens, &e)
+                .is_some_and(|found| found.matched == [blocks, 0]);
+            let held_old = index
+                .match_tokens(&old_tokens, &e)
+                .is_some_and(|found| found.matched[0] > 0);
+            held_new && !held_old
+        };
+        let mut live = 0;
+        while !follows_new_run() {
+            anyhow::ensure!(live < 100, "{label}: the router never followed the new run");
+            pa.publish(vec![]).await?;
+            live += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let choice = route(&router, &old).await?;
+        assert!(
+            not_kv(&choice),
+            "{label}: the dead run's prefix: {choice:?}"
+        );
+        assert_eq!(
+            route(&router, &new).await?,
+            ("e0".into(), "kv".into(), blocks * 16),
+            "{label}: the new run's batch missed live"
+        );
+        router.shutdown().await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hybrid_model_is_routed_by_its_full_attention_group() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (mut pa, pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let prompt = words(0, 140);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    let blocks = (prompt_tokens.len() / 64) as u32;
+    assert!(blocks >= 2);
+    let hashes = hashes(&prompt_tokens, 64, 1);
+    // First a partial-block entry (hash-block granularity, 16 tokens), then group 0, a sliding
+    // window, and group 1, full attention, store the prompt at 64-token blocks.
+    let partial = json!({"type": "BlockStored", "block_hashes": [77], "parent_block_hash": null,
+        "token_ids": &prompt_tokens[..16], "block_size": 16, "group_idx": 1});
+    pa.publish(vec![
+        partial,
+        with(
+            stored(&prompt_tokens, 64, 1),
+            json!({"group_idx": 0, "kv_cache_spec_kind": "sliding_window",
+                "kv_cache_spec_sliding_window": 64}),
+        ),
+        with(stored(&prompt_tokens, 64, 1), json!({"group_idx": 1})),
+        with(
+            stored(&prompt_tokens, 64, 1),
+            json!({"group_idx": 2, "kv_cache_spec_kind": "mamba"}),
+        ),
+    ])
+    .await?;
+    // The window slides past the first block; the mamba state moves on.
+    pa.publish(vec![
+        json!({"type": "BlockRemoved", "block_hashes": [hashes[0]], "group_idx": 0}),
+        json!({"type": "BlockRemoved", "block_hashes": &hashes, "group_idx": 2}),
+    ])
+    .await?;
+    pa.publish(vec![]).await?;
+    wait_held(&router, &prompt_tokens, &[blocks, 0]).await?;
+    assert_eq!(index(&router).await?.block_size(), Some(64));
+    assert_eq!(
+        route(&router, &prompt).await?,
+        ("e0".into(), "kv".into(), blocks * 64)
+    );
+    // The full-attention group's eviction is what counts.
+    pa.publish(vec![
+        json!({"type": "BlockRemoved", "block_hashes": [hashes[0]], "group_idx": 1}),
+    ])
+    .await?;
+    wait_held(&router, &prompt_tokens, &[0, 0]).await?;
+    assert!(not_kv(&route(&router, &prompt).await?));
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
+    for flavor in ["sglang-0", "sglang-medium", "sglang-map"] {
+        let dir = tempfile::tempdir()?;
+        let (a, b) = engines().await?;
+        let (mut pa, mut pb) = (
+            Publisher::spawn(flavor).await?,
+            Publisher::spawn(flavor).await?,
+        );
+        let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+        let plain = words(0, 30);
+        let plain_tokens = tokens(&a, &plain).await?;
+        let eagle = words(300, 30);
+        let eagle_tokens = tokens(&a, &eagle).await?;
+        let salted = words(600, 30);
+        let salted_tokens = tokens(&a, &salted).await?;
+        let n = plain_tokens.len() as u32;
+        let mut events = vec![stored(&plain_tokens, 1, 1)];
+        if flavor != "sglang-0" {
+            // A salted prefix (BlockStoredWithMetadata, or cache_salt in the map) beside it:
+            // it decodes, and a request without the salt is not sent there for it.
+            events.push(with(
+                stored(&salted_tokens, 1, 100),
+                json!({"cache_salt": "tenant-a"}),
+            ));
+        }
+        pa.publish(events).await?;
+        // EAGLE's bigram pages on the other engine.
+        pb.publish(vec![with(
+            stored(&eagle_tokens, 1, 200),
+            json!({"bigram": true}),
+        )])
+        .await?;
+        wait_held(&router, &plain_tokens, &[n, 0]).await?;
+        wait_held(&router, &eagle_tokens, &[0, eagle_tokens.len() as u32]).await?;
+        assert_eq!(index(&router).await?.block_size(), Some(1), "{flavor}");
+        assert_eq!(
+            route(&router, &plain).await?,
+            ("e0".into(), "kv".into(), n),
+            "{flavor}"
+        );
+        assert_eq!(
+            route(&router, &eagle).await?,
+            ("e1".into(), "kv".into(), eagle_tokens.len() as u32),
+            "{flavor}"
+        );
+        let choice = route(&router, &salted).await?;
+        assert!(
+            not_kv(&choice),
+            "{flavor}: salted blocks matched: {choice:?}"
+        );
+        if flavor != "sglang-0" {
+            let salt = |salt: &str| json!({ "cache_salt": salt });
+            assert_eq!(
+                route_with(&router, &salted, salt("tenant-a")).await?,
+                ("e0".into(), "kv".into(), salted_tokens.len() as u32),
+                "{flavor}: the salted request"
+            );
+            let other = route_with(&router, &salted, salt("tenant-b")).await?;
+            assert!(not_kv(&other), "{flavor}: another salt matched: {other:?}");
+        }
+        // An eviction, as SGLang sends it (one BlockRemoved per radix node).
+        pa.publish(vec![json!({"type": "BlockRemoved",
+            "block_hashes": hashes(&plain_tokens, 1, 1)})])
+            .await?;
+        wait_held(&router, &plain_tokens, &[0, 0]).await?;
+        assert!(not_kv(&route(&router, &plain).await?), "{flavor}");
+        let metrics = Metrics::scrape(&router.url()).await?;
+        assert_eq!(metrics.sum("switchyard_kv_undecodable_batches_total"), 0.0);
+        assert_eq!(metrics.sum("switchyard_kv_malformed_events_total"), 0.0);
+        router.shutdown().await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_block_size_an_engine_publishes_is_routed_exactly() -> anyhow::Result<()> {
+    let (a, b) = engines().await?;
+    let prompt = words(0, 600);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    assert!(prompt_tokens.len() >= 512);
+    for block_size in [1usize, 16, 32, 64, 128, 256] {
+        let dir = tempfile::tempdir()?;
+        let (mut pa, mut pb) = (
+            Publisher::spawn("vllm-0.32").await?,
+            Publisher::spawn("vllm-0.32").await?,
+        );
+        let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+        let blocks = (prompt_tokens.len() / block_size) as u32;
+        // e0 holds the whole prompt; e1 its first half, in two chained events.
+        pa.publish(vec![stored(&prompt_tokens, block_size, 1)])
+            .await?;
+        let half = prompt_tokens.len() / block_size / 2 * block_size;
+        let first_quarter = half / block_size / 2 * block_size;
+        pb.publish(vec![
+            stored(&prompt_tokens[..first_quarter], block_size, 9000),
+            json!({"type": "BlockStored",
+                "block_hashes": (first_quarter / block_size..half / block_size).map(|j| 9000 + j as u64).collect::<Vec<_>>(),
+                "parent_block_hash": if first_quarter == 0 { Value::Null } else { json!(9000 + first_quarter as u64 / block_size as u64 - 1) },
+                "token_ids": &prompt_tokens[first_quarter..half], "block_size": block_size}),
+        ])
+        .await?;
+        wait_held(
+            &router,
+            &prompt_tokens,
+            &[blocks, (half / block_size) as u32],
+        )
+        .await?;
+        assert_eq!(
+            route(&router, &prompt).await?,
+            ("e0".into(), "kv".into(), blocks * block_size as u32),
+            "block size {block_size}"
+        );
+        router.shutdown().await;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_salted_request_routes_to_the_prefix_cached_under_its_salt() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (mut pa, mut pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let prompt = words(0, 70);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    let blocks = prompt_tokens.len() / 16;
+    // vLLM 0.32 publishes a request's cache_salt as its first block's extra key.
+    let mut extra: Vec<Value> = vec![Value::Null; blocks];
+    extra[0] = json!(["tenant-a"]);
+    pa.publish(vec![with(
+        stored(&prompt_tokens, 16, 1),
+        json!({ "extra_keys": extra }),
+    )])
+    .await?;
+    pb.publish(vec![stored(&prompt_tokens, 16, 1)]).await?;
+    wait_held(&router, &prompt_tokens, &[0, blocks as u32]).await?;
+    let index = index(&router).await?;
+    wait_matched(
+        "the salted chain in the index",
+        &vec![blocks as u32, 0],
+        || {
+            index
+                .match_prompt(&prompt_tokens, Some("tenant-a"), &ids(2))
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await?;
+    let full = (blocks * 16) as u32;
+    assert_eq!(
+        route_with(&router, &prompt, json!({"cache_salt": "tenant-a"})).await?,
+        ("e0".into(), "kv".into(), full)
+    );
+    assert_eq!(
+        route(&router, &prompt).await?,
+        ("e1".into(), "kv".into(), full)
+    );
+    let other = route_with(&router, &prompt, json!({"cache_salt": "tenant-b"})).await?;
+    assert!(not_kv(&other), "another tenant's salt: {other:?}");
+    router.shutdown().await;
+    Ok(())
+}
