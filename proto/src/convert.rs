@@ -101,6 +101,7 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                     }
                 }),
             }),
+            max_in_flight_per_instance: variant.max_in_flight_per_instance,
         }
     }
 }
@@ -144,6 +145,7 @@ fn production_variant(
         instance_type: non_empty(variant.instance_type),
         initial_variant_weight: variant.initial_variant_weight,
         routing_config,
+        max_in_flight_per_instance: variant.max_in_flight_per_instance,
     })
 }
 
@@ -760,7 +762,7 @@ mod tests {
     fn kv_aware_and_kv_events_round_trip() {
         let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
-            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            {"VariantName":"b","MaxInFlightPerInstance":4,"RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
@@ -779,6 +781,8 @@ mod tests {
                 .routing_strategy,
             4
         );
+        assert_eq!(wire.production_variants[0].max_in_flight_per_instance, None);
+        assert_eq!(wire.production_variants[1].max_in_flight_per_instance, Some(4));
         assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
 
         let instance = pb::Instance {

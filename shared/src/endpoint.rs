@@ -237,6 +237,7 @@ mod tests {
             instance_type: None,
             initial_variant_weight: None,
             routing_config: routing,
+            max_in_flight_per_instance: None,
         }
     }
 
@@ -265,6 +266,35 @@ mod tests {
         let mut routing = self::prefix(strategy, prefix)?;
         routing.kv_aware_routing_config = kv;
         Some(routing)
+    }
+
+    #[test]
+    fn max_in_flight_per_instance_is_optional_and_refused_out_of_range_by_name() {
+        let capped = |cap| ProductionVariant {
+            max_in_flight_per_instance: cap,
+            ..variant("a", None)
+        };
+        for cap in [None, Some(1), Some(65536)] {
+            config(vec![capped(cap)]).validate().unwrap();
+        }
+        for cap in [0, 65537] {
+            assert_eq!(
+                field_of(&config(vec![capped(Some(cap))])),
+                "ProductionVariants[0].MaxInFlightPerInstance"
+            );
+        }
+        // Read from SageMaker-shaped JSON beside RoutingConfig, and absent by default.
+        let parsed = crate::sagemaker::parse_production_variants(
+            r#"[{"VariantName":"a","MaxInFlightPerInstance":8},{"VariantName":"b"}]"#,
+        )
+        .unwrap();
+        assert_eq!(parsed.variants[0].max_in_flight_per_instance, Some(8));
+        assert_eq!(parsed.variants[1].max_in_flight_per_instance, None);
+        assert!(
+            !serde_json::to_string(&parsed.variants[1])
+                .unwrap()
+                .contains("MaxInFlightPerInstance")
+        );
     }
 
     #[test]

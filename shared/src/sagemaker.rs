@@ -18,6 +18,7 @@ const VARIANT_FIELDS: &[&str] = &[
     "InstanceType",
     "InitialVariantWeight",
     "RoutingConfig",
+    "MaxInFlightPerInstance",
 ];
 
 /// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's

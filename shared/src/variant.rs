@@ -24,6 +24,8 @@ pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
 /// shows why).
 pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
+/// `MaxInFlightPerInstance` (Switchyard's flow-control extension of ProductionVariant).
+pub const MAX_IN_FLIGHT_PER_INSTANCE_RANGE: std::ops::RangeInclusive<u32> = 1..=65536;
 /// Longest `InstanceType`, in characters.
 pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
 
@@ -256,6 +258,11 @@ pub struct ProductionVariant {
     pub initial_variant_weight: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_config: Option<RoutingConfig>,
+    /// Switchyard extension (flow control): at most this many requests in flight on each
+    /// instance of the variant, fleet-wide; past it requests wait in the router's queue.
+    /// Absent: no cap (SageMaker's behaviour).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight_per_instance: Option<u32>,
 }
 
 impl ProductionVariant {
@@ -306,6 +313,18 @@ pub(crate) fn validate_variant(
         return Err(ValidationError::new(
             format!("{field}.InitialVariantWeight"),
             format!("must be a finite number at least 0, got {weight}"),
+        ));
+    }
+    if let Some(cap) = variant.max_in_flight_per_instance
+        && !MAX_IN_FLIGHT_PER_INSTANCE_RANGE.contains(&cap)
+    {
+        return Err(ValidationError::new(
+            format!("{field}.MaxInFlightPerInstance"),
+            format!(
+                "must be between {} and {}, got {cap}",
+                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.start(),
+                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.end(),
+            ),
         ));
     }
     let routing = variant.routing();

@@ -130,6 +130,7 @@ mod tests {
             instances: Vec::new(),
             views: Vec::new(),
             popularity: None,
+            max_in_flight_per_instance: None,
         }
     }
 

@@ -52,6 +52,9 @@ pub struct VariantRoute {
     /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
     /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
     pub popularity: Option<Arc<KeyPopularity>>,
+    /// MaxInFlightPerInstance: fleet-wide requests in flight per instance before requests
+    /// wait in the router's queue (None: no cap, no queue).
+    pub max_in_flight_per_instance: Option<u32>,
 }
 
 impl VariantRoute {
@@ -302,6 +305,7 @@ pub fn endpoint_route<'a>(
                 }
             )
             .then(Arc::default),
+            max_in_flight_per_instance: variant.max_in_flight_per_instance,
         });
     }
     let disaggregation = config
