@@ -782,7 +782,10 @@ mod tests {
             4
         );
         assert_eq!(wire.production_variants[0].max_in_flight_per_instance, None);
-        assert_eq!(wire.production_variants[1].max_in_flight_per_instance, Some(4));
+        assert_eq!(
+            wire.production_variants[1].max_in_flight_per_instance,
+            Some(4)
+        );
         assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
 
         let instance = pb::Instance {

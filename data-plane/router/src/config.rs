@@ -276,7 +276,11 @@ impl RouterConfig {
             self.max_queued_requests,
             1..=1_000_000,
         )?;
-        check_range("--queue-timeout-seconds", self.queue_timeout_seconds, 1..=DAY)?;
+        check_range(
+            "--queue-timeout-seconds",
+            self.queue_timeout_seconds,
+            1..=DAY,
+        )?;
         // At least one maximal body must fit, or every large request would be refused.
         check_range(
             "--max-buffered-bytes",

@@ -182,8 +182,7 @@ impl Forwarder<'_> {
                     claim,
                     ..plan.into()
                 };
-                self.send(operation, hop, client_headers, reservation)
-                    .await
+                self.send(operation, hop, client_headers, reservation).await
             }
         }
     }

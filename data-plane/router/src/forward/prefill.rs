@@ -195,8 +195,9 @@ impl Forwarder<'_> {
             let deadline = pd.prefill_timeout;
             let answer = tokio::time::timeout(deadline, async {
                 let request = upstream_request(operation.method(), uri, &headers, body.clone());
-                let (response, in_flight) =
-                    self.attempt(instance, request, deadline, "prefill", None).await?;
+                let (response, in_flight) = self
+                    .attempt(instance, request, deadline, "prefill", None)
+                    .await?;
                 let status = response.status();
                 let read = read_answer(response.into_body(), reservation, held).await;
                 drop(in_flight);

@@ -91,7 +91,10 @@ mod tests {
     #[test]
     fn the_header_wins_over_the_body_and_the_body_reads_safety_identifier_then_user() {
         let both = key(
-            &[("x-switchyard-priority", "-3"), ("x-switchyard-fairness-id", "team-a")],
+            &[
+                ("x-switchyard-priority", "-3"),
+                ("x-switchyard-fairness-id", "team-a"),
+            ],
             r#"{"priority": 5, "safety_identifier": "u1", "user": "u2"}"#,
         )
         .unwrap();
@@ -102,7 +105,10 @@ mod tests {
         assert_eq!(body.fairness, Some(fairness_hash(b"u1")));
         let user = key(&[], r#"{"user": "u2", "priority": 1.5}"#).unwrap();
         assert_eq!(user.fairness, Some(fairness_hash(b"u2")));
-        assert_eq!(user.body_priority, None, "not an integer: the engine judges it");
+        assert_eq!(
+            user.body_priority, None,
+            "not an integer: the engine judges it"
+        );
         assert_eq!(key(&[], "{}").unwrap(), FlowKey::default());
     }
 
@@ -110,9 +116,17 @@ mod tests {
     fn a_bad_priority_or_fairness_header_is_refused_naming_it() {
         let err = key(&[("x-switchyard-priority", "high")], "{}").unwrap_err();
         assert_eq!(err.status, http::StatusCode::BAD_REQUEST);
-        assert!(err.message.contains("x-switchyard-priority"), "{}", err.message);
+        assert!(
+            err.message.contains("x-switchyard-priority"),
+            "{}",
+            err.message
+        );
         let long = "x".repeat(MAX_FAIRNESS_ID_BYTES + 1);
         let err = key(&[("x-switchyard-fairness-id", &long)], "{}").unwrap_err();
-        assert!(err.message.contains("x-switchyard-fairness-id"), "{}", err.message);
+        assert!(
+            err.message.contains("x-switchyard-fairness-id"),
+            "{}",
+            err.message
+        );
     }
 }

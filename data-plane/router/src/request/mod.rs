@@ -146,9 +146,10 @@ async fn phases(
         .forward(operation, plan, &headers, reservation, claim)
         .await?;
     if let Some(waited) = waited {
-        answered
-            .explain
-            .push((crate::headers::QUEUE_MS, http::HeaderValue::from(waited.as_millis() as u64)));
+        answered.explain.push((
+            crate::headers::QUEUE_MS,
+            http::HeaderValue::from(waited.as_millis() as u64),
+        ));
     }
     let responder = Responder {
         stream_idle: worker.forwarding.stream_idle,

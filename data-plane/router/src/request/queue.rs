@@ -331,7 +331,10 @@ impl FlowControl {
         for ((endpoint, variant), queue) in &queues {
             out.histogram(
                 "switchyard_router_queue_wait_seconds",
-                &[("endpoint", endpoint.as_str()), ("variant", variant.as_str())],
+                &[
+                    ("endpoint", endpoint.as_str()),
+                    ("variant", variant.as_str()),
+                ],
                 &queue.wait_seconds,
             );
         }
@@ -509,7 +512,11 @@ impl State {
         }
         let (priority, waiter, grant) = found?;
         self.len -= 1;
-        if self.bands.get(&priority).is_some_and(|band| band.flows.is_empty()) {
+        if self
+            .bands
+            .get(&priority)
+            .is_some_and(|band| band.flows.is_empty())
+        {
             self.bands.remove(&priority);
         }
         Some((waiter, grant))
@@ -769,16 +776,38 @@ mod tests {
         let cell = registered(&queue);
         let _held = SlotClaim::take(&cell, 1).unwrap();
         let (served, _order) = tokio::sync::mpsc::unbounded_channel();
-        let waiter = spawn_waiter(&flow, &queue, &cell, Place { priority: 0, fairness: 0 }, "w", &served);
+        let waiter = spawn_waiter(
+            &flow,
+            &queue,
+            &cell,
+            Place {
+                priority: 0,
+                fairness: 0,
+            },
+            "w",
+            &served,
+        );
         settle().await;
         let second = queue
-            .wait(&flow, Place { priority: 0, fairness: 0 }, candidates(&[Arc::clone(&cell)]), 1, Instant::now())
+            .wait(
+                &flow,
+                Place {
+                    priority: 0,
+                    fairness: 0,
+                },
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                Instant::now(),
+            )
             .await;
         assert_eq!(second.unwrap_err(), Dropped::Overflow);
         waiter.abort();
         let _ = waiter.await;
         assert_eq!(queue.lock().len, 0);
-        assert_eq!(queue.dropped[Dropped::Disconnect as usize].load(Ordering::Relaxed), 1);
+        assert_eq!(
+            queue.dropped[Dropped::Disconnect as usize].load(Ordering::Relaxed),
+            1
+        );
     }
 
     #[tokio::test]
@@ -800,7 +829,13 @@ mod tests {
         };
         let started = Instant::now();
         let timed_out = queue
-            .wait(&flow, anywhere, candidates(&[Arc::clone(&cell)]), 1, started)
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                started,
+            )
             .await;
         assert_eq!(timed_out.unwrap_err(), Dropped::Timeout);
         assert!(started.elapsed() >= Duration::from_millis(300));
@@ -820,7 +855,13 @@ mod tests {
         });
         let started = Instant::now();
         let shut = queue
-            .wait(&flow, anywhere, candidates(&[Arc::clone(&cell)]), 1, started)
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                started,
+            )
             .await;
         assert_eq!(shut.unwrap_err(), Dropped::Shutdown);
         let waited = started.elapsed();
@@ -831,7 +872,13 @@ mod tests {
         assert_eq!(queue.lock().len, 0);
         // Arriving during shutdown: a slot now, or a refusal at once.
         let refused = queue
-            .wait(&flow, anywhere, candidates(&[Arc::clone(&cell)]), 1, Instant::now())
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                Instant::now(),
+            )
             .await;
         assert_eq!(refused.unwrap_err(), Dropped::Shutdown);
     }
