@@ -225,7 +225,7 @@ async fn under_load_no_engine_runs_more_than_the_cap() -> anyhow::Result<()> {
         "{most_in_flight} in flight on one instance"
     );
     assert!(
-        most_running.iter().any(|&running| running == CAP),
+        most_running.contains(&CAP),
         "the load never reached the cap: {most_running:?}"
     );
     settles(&router).await?;
