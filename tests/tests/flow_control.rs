@@ -475,3 +475,55 @@ async fn untrusted_flow_headers_are_stripped_and_trusted_ones_are_checked() -> a
     settles(&trusted).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_cap_travels_from_the_admin_api_through_etcd_to_the_router() -> anyhow::Result<()> {
+    let etcd = Etcd::start().await?;
+    let cp = etcd_control_plane(&etcd, "/flow/").await?;
+    let mut admin = admin(&cp.url()).await?;
+    // Out of range: refused at the API, naming the field; nothing stored.
+    let mut bad = config_request("bad", r#"[{"VariantName":"v","ModelName":"sim"}]"#);
+    if let Some(config) = bad.endpoint_config.as_mut() {
+        config.production_variants[0].max_in_flight_per_instance = Some(0);
+    }
+    let status = admin.create_endpoint_config(bad).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status
+            .message()
+            .contains("ProductionVariants[0].MaxInFlightPerInstance"),
+        "{}",
+        status.message()
+    );
+    create_endpoint(
+        &mut admin,
+        "chat",
+        r#"[{"VariantName":"v","ModelName":"sim","MaxInFlightPerInstance":3},
+            {"VariantName":"w","ModelName":"sim","InitialVariantWeight":0}]"#,
+    )
+    .await?;
+    let described = admin
+        .describe_endpoint_config(switchyard_proto::v1::DescribeEndpointConfigRequest {
+            name: "chat-cfg".into(),
+        })
+        .await?
+        .into_inner();
+    let variants = &described.production_variants;
+    assert_eq!(variants[0].max_in_flight_per_instance, Some(3));
+    assert_eq!(variants[1].max_in_flight_per_instance, None);
+    let router = router(&[cp.url()]).await?;
+    eventually(
+        Duration::from_secs(15),
+        "the router to have the endpoint",
+        || async { router.table().endpoints.contains_key("chat") },
+    )
+    .await?;
+    let table = router.table();
+    let caps: Vec<Option<u32>> = table.endpoints["chat"]
+        .variants
+        .iter()
+        .map(|variant| variant.max_in_flight_per_instance)
+        .collect();
+    assert_eq!(caps, [Some(3), None]);
+    Ok(())
+}
