@@ -527,3 +527,110 @@ async fn the_cap_travels_from_the_admin_api_through_etcd_to_the_router() -> anyh
     assert_eq!(caps, [Some(3), None]);
     Ok(())
 }
+
+/// The other routers' in-flight count on instance `e0` of `chat`, as `router` knows it.
+fn remote(router: &RouterHandle) -> u32 {
+    let table = router.table();
+    table
+        .endpoints
+        .get("chat")
+        .and_then(|endpoint| endpoint.variants.first())
+        .and_then(|variant| variant.instances.first())
+        .map_or(0, |instance| {
+            instance
+                .cell
+                .remote
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+}
+
+#[tokio::test]
+async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() -> anyhow::Result<()>
+{
+    const CAP: usize = 2;
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let cp = embedded_control_plane(dir.path()).await?;
+    let mut admin = admin(&cp.url()).await?;
+    create_endpoint(
+        &mut admin,
+        "chat",
+        &format!(
+            r#"[{{"VariantName":"AllTraffic","ModelName":"sim","MaxInFlightPerInstance":{CAP}}}]"#
+        ),
+    )
+    .await?;
+    register(&mut admin, "chat", "e0", &engine.url).await?;
+    let (first, second) = (router(&[cp.url()]).await?, router(&[cp.url()]).await?);
+    for router in [&first, &second] {
+        wait_for_router_instances(router, "chat", 1).await?;
+    }
+    // The first router fills the cap; once its load report reached the second, the second
+    // holds its request back.
+    let holders = hold_slots(&first, &engine, CAP).await?;
+    eventually(
+        Duration::from_secs(10),
+        "the first router's load at the second",
+        || async { remote(&second) == CAP as u32 },
+    )
+    .await?;
+    let held_back = send(
+        &second,
+        &[("x-request-id", "second")],
+        serde_json::json!({}),
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the second router to queue",
+        || async { second.queued("chat", "AllTraffic") == 1 },
+    )
+    .await?;
+    assert_eq!(engine.received().len(), CAP);
+    // The first router's requests end; the report that says so wakes the second's queue.
+    release(&engine, holders);
+    let reply = bounded("the request held back", held_back).await??;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    settles(&first).await?;
+    settles(&second).await?;
+    eventually(Duration::from_secs(10), "reports back at zero", || async {
+        remote(&first) == 0 && remote(&second) == 0
+    })
+    .await?;
+    // The slack: routers that take slots within the same report interval each see only
+    // their own, so a burst on both at once may put up to routers × cap on the engine.
+    hanging(&engine, true);
+    let before = engine.received().len();
+    let burst: Vec<_> = (0..2 * CAP)
+        .flat_map(|index| {
+            [
+                send(
+                    &first,
+                    &[("x-request-id", &format!("burst-a{index}"))],
+                    serde_json::json!({}),
+                ),
+                send(
+                    &second,
+                    &[("x-request-id", &format!("burst-b{index}"))],
+                    serde_json::json!({}),
+                ),
+            ]
+        })
+        .collect();
+    eventually(
+        Duration::from_secs(10),
+        "the burst to be placed or queued",
+        || async {
+            let placed = engine.received().len() - before;
+            placed + first.queued("chat", "AllTraffic") + second.queued("chat", "AllTraffic")
+                == 4 * CAP
+        },
+    )
+    .await?;
+    let placed = engine.received().len() - before;
+    println!("burst on 2 routers at once, cap {CAP}: {placed} requests reached the engine");
+    assert!((CAP..=2 * CAP).contains(&placed), "{placed}");
+    release(&engine, burst);
+    settles(&first).await?;
+    settles(&second).await?;
+    Ok(())
+}
