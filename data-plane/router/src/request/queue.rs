@@ -45,6 +45,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::errors::ApiError;
+use crate::observe::labels::RouteLabel;
 use crate::plan::Plan;
 use crate::routing::cells::{InstanceCell, SlotClaim, SlotWaker};
 
@@ -199,6 +200,11 @@ impl FlowControl {
                 })
                 .collect()
         };
+        // A prefix's (or its copy's) instance was full: another took it, as PREFIX_AWARE's
+        // overflow does.
+        if plan.ranking.order.first() != Some(&granted) && plan.label == RouteLabel::Prefix {
+            plan.label = RouteLabel::Overflow;
+        }
         plan.ranking.order = std::iter::once(granted).chain(rest).collect();
         Ok(Admitted {
             plan,
@@ -390,26 +396,34 @@ struct Waiter {
 }
 
 impl Waiter {
-    /// A slot at the first candidate below the cap, skipping cells already found full in
-    /// this pass (`full`).
     fn try_grant(&self, full: &mut Vec<*const InstanceCell>) -> Option<Grant> {
-        for candidate in &self.candidates {
-            let cell = Arc::as_ptr(&candidate.cell);
-            if full.contains(&cell) {
-                continue;
-            }
-            match SlotClaim::take(&candidate.cell, self.cap) {
-                Some(claim) => {
-                    return Some(Grant {
-                        position: candidate.position,
-                        claim,
-                    });
-                }
-                None => full.push(cell),
-            }
-        }
-        None
+        try_grant(&self.candidates, self.cap, full)
     }
+}
+
+/// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
+/// pass (`full`, which gets the ones found full now).
+fn try_grant(
+    candidates: &[Candidate],
+    cap: u32,
+    full: &mut Vec<*const InstanceCell>,
+) -> Option<Grant> {
+    for candidate in candidates {
+        let cell = Arc::as_ptr(&candidate.cell);
+        if full.contains(&cell) {
+            continue;
+        }
+        match SlotClaim::take(&candidate.cell, cap) {
+            Some(claim) => {
+                return Some(Grant {
+                    position: candidate.position,
+                    claim,
+                });
+            }
+            None => full.push(cell),
+        }
+    }
+    None
 }
 
 /// One variant's queue on this router.
@@ -556,12 +570,18 @@ impl VariantQueue {
         cap: u32,
         since: Instant,
     ) -> Result<Grant, Dropped> {
-        let (reply, receiver) = oneshot::channel();
-        let seq = {
+        let (seq, receiver) = {
             let mut state = self.lock();
+            // Nobody waits: a free slot is this request's (the common case, no channel).
+            if state.len == 0
+                && let Some(grant) = try_grant(&candidates, cap, &mut Vec::new())
+            {
+                return Ok(grant);
+            }
             if state.len >= flow.settings.max_queued {
                 return Err(Dropped::Overflow);
             }
+            let (reply, receiver) = oneshot::channel();
             let seq = state.next_seq;
             state.next_seq += 1;
             state.push(
@@ -574,7 +594,7 @@ impl VariantQueue {
                     reply,
                 },
             );
-            seq
+            (seq, receiver)
         };
         let mut waiting = Waiting {
             queue: self,
