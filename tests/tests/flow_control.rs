@@ -175,6 +175,18 @@ async fn past_the_cap_requests_wait_and_each_is_served_when_a_slot_frees() -> an
         holder.abort();
     }
     settles(&router).await?;
+    // Only inference waits: with every slot held, `/tokenize` goes straight to the engine.
+    let holders = hold_slots(&router, &engine, 2).await?;
+    let tokenized = http_post(
+        &format!("{}/endpoints/chat/openai/tokenize", router.url()),
+        &[],
+        r#"{"model":"sim","prompt":"count me"}"#,
+    )
+    .await?;
+    assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+    assert!(tokenized.header("x-switchyard-queue-ms").is_none());
+    release(&engine, holders);
+    settles(&router).await?;
     Ok(())
 }
 

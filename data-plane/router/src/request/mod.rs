@@ -132,7 +132,7 @@ async fn phases(
         plan,
         claim,
         waited,
-    } = worker.flow.admit(plan).await?;
+    } = worker.flow.admit(operation, plan).await?;
     if let Some(trace) = trace {
         trace.record_plan(&plan);
     }

@@ -29,7 +29,8 @@
 //! queue at once. After SIGTERM a waiting request keeps its place for half the grace period,
 //! then gets 503, so the answers of those served still fit in the grace period.
 //!
-//! Not held here: a disaggregated request that goes prefill → decode (its hops are capped by
+//! Not held here: `/tokenize`, `/detokenize` and requests about a stored response (only
+//! inference waits); a disaggregated request that goes prefill → decode (its hops are capped by
 //! nothing yet); a request whose candidates are all ejected (forwarding answers it as
 //! without flow control).
 
@@ -46,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::errors::ApiError;
 use crate::observe::labels::RouteLabel;
+use crate::operation::Operation;
 use crate::plan::Plan;
 use crate::routing::cells::{InstanceCell, SlotClaim, SlotWaker};
 
@@ -131,9 +133,12 @@ impl FlowControl {
 
     /// The queue phase: a slot for `plan` at an instance below its variant's cap, waiting
     /// for one if need be (see the module docs); a plan without a cap goes straight on.
-    pub async fn admit(&self, mut plan: Plan) -> Result<Admitted, ApiError> {
+    pub async fn admit(&self, operation: Operation, mut plan: Plan) -> Result<Admitted, ApiError> {
         let variant = plan.variant();
-        let Some(cap) = variant.max_in_flight_per_instance else {
+        let cap = variant
+            .max_in_flight_per_instance
+            .filter(|_| operation.queues());
+        let Some(cap) = cap else {
             return Ok(Admitted {
                 plan,
                 claim: None,
