@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use switchyard_engine_sim::SimHandle;
+use switchyard_engine_sim::{InstanceRole, SimConfig, SimHandle};
 use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::*;
 use tokio::task::JoinHandle;
@@ -644,5 +644,87 @@ async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() 
     release(&engine, burst);
     settles(&first).await?;
     settles(&second).await?;
+    Ok(())
+}
+
+/// A router for disaggregated endpoint `pd` (RouteThreshold 100, NIXL) over one prefill and
+/// one decode engine, each variant with MaxInFlightPerInstance 1.
+async fn disaggregated_router(
+    dir: &tempfile::TempDir,
+    prefill: &SimHandle,
+    decode: &SimHandle,
+) -> anyhow::Result<RouterHandle> {
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim, MaxInFlightPerInstance: 1}}\n      - {{VariantName: decode, ModelName: sim, MaxInFlightPerInstance: 1}}\n    DisaggregationConfig: {{PrefillVariantName: prefill, DecodeVariantName: decode, RouteThreshold: 100}}\n    Instances:\n      - {{Url: \"{}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n      - {{Url: \"{}\", InstanceId: d0, VariantName: decode, Role: decode}}\n",
+        prefill.url, decode.url
+    );
+    router_from_file(&dir.path().join("pd.yaml"), &yaml, |_| {}).await
+}
+
+/// A completion of about 300 tokens (past the threshold: prefill, then decode) through
+/// `router`'s endpoint `pd`, in a task of its own.
+fn send_long(router: &RouterHandle, id: &str) -> JoinHandle<anyhow::Result<Reply>> {
+    let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+    let prompt = format!("{id} {}", "hello ".repeat(300));
+    let body = serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string();
+    let id = id.to_owned();
+    tokio::spawn(async move { http_post(&url, &[("x-request-id", &id)], body).await })
+}
+
+#[tokio::test]
+async fn under_disaggregation_each_variant_applies_its_own_cap() -> anyhow::Result<()> {
+    let role = |role| SimConfig { role, ..fast() };
+    let prefill = switchyard_engine_sim::spawn(role(InstanceRole::Prefill)).await?;
+    let decode = switchyard_engine_sim::spawn(role(InstanceRole::Decode)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = disaggregated_router(&dir, &prefill, &decode).await?;
+    // The decoder holds its one slot: the next request is prefilled, then waits for it.
+    hanging(&decode, true);
+    let holder = send_long(&router, "holder-decode");
+    eventually(
+        Duration::from_secs(10),
+        "the holder at the decoder",
+        || async { decode.received().len() == 1 },
+    )
+    .await?;
+    let second = send_long(&router, "second");
+    eventually(
+        Duration::from_secs(10),
+        "the second request waiting for a decoder",
+        || async { router.queued("pd", "decode") == 1 },
+    )
+    .await?;
+    assert_eq!(prefill.received().len(), 2, "both were prefilled");
+    assert_eq!(decode.received().len(), 1, "the decoder's cap held");
+    hanging(&decode, false);
+    holder.abort();
+    let reply = bounded("the request that waited for a decoder", second).await??;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert!(reply.header("x-switchyard-decode-queue-ms").is_some());
+    settles(&router).await?;
+    // The prefill instance holds its one slot: the next request waits before its prefill.
+    hanging(&prefill, true);
+    let holder = send_long(&router, "holder-prefill");
+    eventually(
+        Duration::from_secs(10),
+        "the holder at the prefill engine",
+        || async { prefill.received().len() == 3 },
+    )
+    .await?;
+    let third = send_long(&router, "third");
+    eventually(
+        Duration::from_secs(10),
+        "the third request waiting for a prefill",
+        || async { router.queued("pd", "prefill") == 1 },
+    )
+    .await?;
+    assert_eq!(prefill.received().len(), 3, "the prefill cap held");
+    hanging(&prefill, false);
+    holder.abort();
+    let reply = bounded("the request that waited for a prefill", third).await??;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.header("x-switchyard-queue-ms").is_some());
+    settles(&router).await?;
     Ok(())
 }

@@ -36,8 +36,11 @@ pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-p
 /// instance held.
 pub const PREFILL_CACHED_TOKENS: HeaderName =
     HeaderName::from_static("x-switchyard-prefill-cached-tokens");
-/// Milliseconds the request waited in the router's flow-control queue.
+/// Milliseconds the request waited in the router's flow-control queue (for a disaggregated
+/// request, its wait for a prefill instance).
 pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-queue-ms");
+/// A disaggregated request: milliseconds it waited for a decode slot after its prefill.
+pub const DECODE_QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-decode-queue-ms");
 
 // Written on error answers.
 /// SageMaker's error type on native errors (`ValidationError`, `ModelError`, …).

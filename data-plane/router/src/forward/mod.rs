@@ -32,6 +32,7 @@ use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
 use crate::operation::Operation;
 use crate::plan::Plan;
+use crate::request::queue::FlowControl;
 use crate::routing::cells::{InstanceCell, SlotClaim};
 use crate::routing::table::{EndpointRoute, InstanceRoute};
 use crate::server::admission::BufferReservation;
@@ -79,6 +80,8 @@ pub struct Forwarder<'a> {
     pub metrics: &'a Arc<RouterMetrics>,
     /// The request's spans, when tracing is on.
     pub trace: Option<&'a RequestTrace>,
+    /// Flow control: a disaggregated request's decode hop waits here for its decoders' cap.
+    pub flow: &'a FlowControl,
 }
 
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the
@@ -156,7 +159,8 @@ impl From<Plan> for Hop {
 
 impl Forwarder<'_> {
     /// Forwards a plan: straight to its candidates, or prefill → decode when the plan says so.
-    /// `claim`: the slot the queue phase took for the plan's first candidate.
+    /// `claim`: the slot the queue phase took for the plan's first candidate (the first
+    /// prefill candidate's, for a request that goes prefill → decode).
     pub async fn forward(
         &self,
         operation: Operation,
@@ -167,8 +171,15 @@ impl Forwarder<'_> {
     ) -> Result<Answered, ApiError> {
         match plan.prefill_hop.take() {
             Some(disaggregated) => {
-                self.disaggregate(operation, plan, disaggregated, client_headers, reservation)
-                    .await
+                self.disaggregate(
+                    operation,
+                    plan,
+                    disaggregated,
+                    client_headers,
+                    reservation,
+                    claim,
+                )
+                .await
             }
             None => {
                 if plan.endpoint.disaggregation.is_some() {

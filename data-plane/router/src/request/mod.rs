@@ -141,6 +141,7 @@ async fn phases(
         settings: worker.forwarding,
         metrics: &worker.metrics,
         trace,
+        flow: &worker.flow,
     };
     let mut answered = forwarder
         .forward(operation, plan, &headers, reservation, claim)

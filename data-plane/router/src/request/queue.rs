@@ -29,9 +29,13 @@
 //! queue at once. After SIGTERM a waiting request keeps its place for half the grace period,
 //! then gets 503, so the answers of those served still fit in the grace period.
 //!
+//! Disaggregated prefill/decode: each variant applies its own cap, and a request waits for
+//! the one it needs next: this phase takes a prefill slot for a request that goes prefill →
+//! decode, and the forward phase waits for a decode slot ([`FlowControl::slot`]) once the
+//! prefill is done (a direct request waits for the decoders here).
+//!
 //! Not held here: `/tokenize`, `/detokenize` and requests about a stored response (only
-//! inference waits); a disaggregated request that goes prefill → decode (its hops are capped by
-//! nothing yet); a request whose candidates are all ejected (forwarding answers it as
+//! inference waits); a request whose candidates are all ejected (forwarding answers it as
 //! without flow control).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -49,7 +53,9 @@ use crate::errors::ApiError;
 use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;
 use crate::plan::Plan;
+use crate::plan::flow::FlowKey;
 use crate::routing::cells::{InstanceCell, SlotClaim, SlotWaker};
+use crate::routing::table::{EndpointRoute, VariantRoute};
 
 /// How often a waiting request has the queue look again when nothing said a slot freed.
 pub const RECHECK: Duration = Duration::from_millis(200);
@@ -134,22 +140,93 @@ impl FlowControl {
     /// The queue phase: a slot for `plan` at an instance below its variant's cap, waiting
     /// for one if need be (see the module docs); a plan without a cap goes straight on.
     pub async fn admit(&self, operation: Operation, mut plan: Plan) -> Result<Admitted, ApiError> {
-        let variant = plan.variant();
-        let cap = variant
-            .max_in_flight_per_instance
-            .filter(|_| operation.queues());
-        let Some(cap) = cap else {
+        if !operation.queues() {
+            return Ok(Admitted {
+                plan,
+                claim: None,
+                waited: None,
+            });
+        }
+        // A disaggregated request needs a prefill instance first (its decoder waits in the
+        // forward phase, once the prefill is done).
+        if let Some(pd) = plan.endpoint.disaggregation.as_ref()
+            && let Some(hop) = plan.prefill_hop.as_mut()
+        {
+            let prefill = &plan.endpoint.variants[pd.prefill];
+            let slot = self
+                .slot(
+                    prefill,
+                    &plan.endpoint,
+                    &mut hop.prefill.order,
+                    false,
+                    plan.flow,
+                )
+                .await?;
+            return Ok(match slot {
+                Some((claim, waited)) => Admitted {
+                    plan,
+                    claim: Some(claim),
+                    waited: Some(waited),
+                },
+                None => Admitted {
+                    plan,
+                    claim: None,
+                    waited: None,
+                },
+            });
+        }
+        let endpoint = Arc::clone(&plan.endpoint);
+        let variant = &endpoint.variants[plan.variant_index];
+        let first = plan.ranking.order.first().copied();
+        let Some((claim, waited)) = self
+            .slot(
+                variant,
+                &endpoint,
+                &mut plan.ranking.order,
+                plan.pinned,
+                plan.flow,
+            )
+            .await?
+        else {
             return Ok(Admitted {
                 plan,
                 claim: None,
                 waited: None,
             });
         };
+        // A prefix's (or its copy's) instance was full: another took it, as PREFIX_AWARE's
+        // overflow does.
+        if plan.ranking.order.first().copied() != first && plan.label == RouteLabel::Prefix {
+            plan.label = RouteLabel::Overflow;
+        }
+        Ok(Admitted {
+            plan,
+            claim: Some(claim),
+            waited: Some(waited),
+        })
+    }
+
+    /// A slot at one of `variant`'s instances in `order` (only the first when `pinned`), below
+    /// its MaxInFlightPerInstance, waiting in the variant's queue at `flow`'s place if need
+    /// be; `order` then starts with the granted instance, followed (for a retry after a
+    /// failed connection) by the others below the cap now. None: the variant has no cap, or
+    /// none of its candidates is available (forwarding answers as without flow control).
+    pub async fn slot(
+        &self,
+        variant: &VariantRoute,
+        endpoint: &EndpointRoute,
+        order: &mut Vec<usize>,
+        pinned: bool,
+        flow: FlowKey,
+    ) -> Result<Option<(SlotClaim, Duration)>, ApiError> {
+        let Some(cap) = variant.max_in_flight_per_instance else {
+            return Ok(None);
+        };
         let now_ms = switchyard_process::clock::unix_ms();
-        let ranked: &[usize] = if plan.pinned {
-            &plan.ranking.order[..plan.ranking.order.len().min(1)]
+        let ranked: &[usize] = if pinned {
+            &order[..order.len().min(1)]
         } else {
-            &plan.ranking.order
+            order
         };
         let candidates: Vec<Candidate> = ranked
             .iter()
@@ -159,45 +236,34 @@ impl FlowControl {
                 cell: Arc::clone(&variant.instances[position].cell),
             })
             .collect();
-        if plan.prefill_hop.is_some() || candidates.is_empty() {
-            return Ok(Admitted {
-                plan,
-                claim: None,
-                waited: None,
-            });
+        if candidates.is_empty() {
+            return Ok(None);
         }
-        let queue = self.queue(&plan.endpoint.name, &variant.name);
+        let queue = self.queue(&endpoint.name, &variant.name);
         for candidate in &candidates {
             let waker: Weak<dyn SlotWaker> = Arc::downgrade(&queue) as Weak<dyn SlotWaker>;
             let _ = candidate.cell.waker.get_or_init(|| waker);
         }
-        let body_priority = plan
-            .flow
-            .body_priority
-            .filter(|_| self.settings.trust_headers);
+        let body_priority = flow.body_priority.filter(|_| self.settings.trust_headers);
         let place = Place {
-            priority: plan.flow.header_priority.or(body_priority).unwrap_or(0),
-            fairness: plan.flow.fairness.unwrap_or(0),
+            priority: flow.header_priority.or(body_priority).unwrap_or(0),
+            fairness: flow.fairness.unwrap_or(0),
         };
         let since = Instant::now();
         let grant = match queue.wait(self, place, candidates, cap, since).await {
             Ok(grant) => grant,
             Err(dropped) => {
                 queue.dropped[dropped as usize].fetch_add(1, Ordering::Relaxed);
-                return Err(self.refusal(dropped, &plan));
+                return Err(self.refusal(dropped, &endpoint.name, &variant.name));
             }
         };
         let waited = since.elapsed();
         queue.wait_seconds.observe(waited.as_secs_f64());
-        // Where it goes: the granted instance, then (for a retry after a failed connection)
-        // the others that are below the cap now.
         let granted = grant.position;
-        let variant = plan.variant();
-        let rest: Vec<usize> = if plan.pinned {
+        let rest: Vec<usize> = if pinned {
             Vec::new()
         } else {
-            plan.ranking
-                .order
+            order
                 .iter()
                 .copied()
                 .filter(|&position| {
@@ -205,21 +271,16 @@ impl FlowControl {
                 })
                 .collect()
         };
-        // A prefix's (or its copy's) instance was full: another took it, as PREFIX_AWARE's
-        // overflow does.
-        if plan.ranking.order.first() != Some(&granted) && plan.label == RouteLabel::Prefix {
-            plan.label = RouteLabel::Overflow;
-        }
-        plan.ranking.order = std::iter::once(granted).chain(rest).collect();
-        Ok(Admitted {
-            plan,
-            claim: Some(grant.claim),
-            waited: Some(waited),
-        })
+        *order = std::iter::once(granted).chain(rest).collect();
+        Ok(Some((grant.claim, waited)))
     }
 
-    fn refusal(&self, dropped: Dropped, plan: &Plan) -> ApiError {
-        let (endpoint, variant) = (&plan.endpoint.name, &plan.variant().name);
+    fn refusal(
+        &self,
+        dropped: Dropped,
+        endpoint: &EndpointName,
+        variant: &VariantName,
+    ) -> ApiError {
         let mut error = match dropped {
             Dropped::Overflow => ApiError::overloaded(format!(
                 "{} requests already wait for variant {variant} of endpoint {endpoint} on this \
