@@ -135,6 +135,12 @@ async fn phases(
     } = worker.flow.admit(operation, plan).await?;
     if let Some(trace) = trace {
         trace.record_plan(&plan);
+        if let Some(waited) = waited.filter(|_| trace.is_recording()) {
+            trace.set_attribute(KeyValue::new(
+                "switchyard.queue_ms",
+                waited.as_millis() as i64,
+            ));
+        }
     }
     let forwarder = Forwarder {
         clients: &worker.clients,
