@@ -238,6 +238,7 @@ mod tests {
             initial_variant_weight: None,
             routing_config: routing,
             max_in_flight_per_instance: None,
+            fairness_weights: None,
         }
     }
 
@@ -283,6 +284,20 @@ mod tests {
                 "ProductionVariants[0].MaxInFlightPerInstance"
             );
         }
+        // FairnessWeights: weights in range, ids named.
+        let weighted = |id: &str, weight: f64| ProductionVariant {
+            fairness_weights: Some([(id.to_owned(), weight)].into_iter().collect()),
+            ..variant("a", None)
+        };
+        config(vec![weighted("gold", 3.0)]).validate().unwrap();
+        assert_eq!(
+            field_of(&config(vec![weighted("gold", 0.0)])),
+            "ProductionVariants[0].FairnessWeights.gold"
+        );
+        assert_eq!(
+            field_of(&config(vec![weighted("", 1.0)])),
+            "ProductionVariants[0].FairnessWeights"
+        );
         // Read from SageMaker-shaped JSON beside RoutingConfig, and absent by default.
         let parsed = crate::sagemaker::parse_production_variants(
             r#"[{"VariantName":"a","MaxInFlightPerInstance":8},{"VariantName":"b"}]"#,

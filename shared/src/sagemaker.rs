@@ -19,6 +19,7 @@ const VARIANT_FIELDS: &[&str] = &[
     "InitialVariantWeight",
     "RoutingConfig",
     "MaxInFlightPerInstance",
+    "FairnessWeights",
 ];
 
 /// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's

@@ -324,6 +324,48 @@ async fn two_backlogged_fairness_ids_share_the_slots_evenly() -> anyhow::Result<
 }
 
 #[tokio::test]
+async fn fairness_weights_from_the_config_divide_the_turns() -> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: v\n        ModelName: sim\n        MaxInFlightPerInstance: 1\n        FairnessWeights: {{gold: 3}}\n    Instances:\n      - {{Url: \"{}\", InstanceId: e0, VariantName: v}}\n",
+        engine.url
+    );
+    let router = router_from_file(&dir.path().join("routes.yaml"), &yaml, |_| {}).await?;
+    let holders = hold_slots(&router, &engine, 1).await?;
+    let mut tasks = Vec::new();
+    for id in ["gold", "plain"] {
+        for index in 0..40 {
+            tasks.push(send(
+                &router,
+                &[("x-request-id", &format!("{id}-{index}"))],
+                serde_json::json!({ "user": id }),
+            ));
+        }
+        queued(&router, tasks.len()).await?;
+    }
+    release(&engine, holders);
+    for task in tasks {
+        let reply = bounded("a queued request", task).await??;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let served = served_ids(&engine);
+    // While both waited (the first 40 served), gold (weight 3) had three turns for each of
+    // plain's (weight 1, not named): 75% ± 5%.
+    let gold = served[..40]
+        .iter()
+        .filter(|id| id.starts_with("gold-"))
+        .count();
+    let share = gold as f64 / 40.0;
+    assert!(
+        (0.70..=0.80).contains(&share),
+        "gold share {share}: {served:?}"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_full_queue_refuses_at_once_and_a_wait_ends_at_the_timeout() -> anyhow::Result<()> {
     let engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;

@@ -47,6 +47,7 @@ pub fn config(index: usize) -> EndpointConfig {
             initial_variant_weight: None,
             routing_config: None,
             max_in_flight_per_instance: None,
+            fairness_weights: None,
         }],
         health_check_config: health_check(),
         creation_time_ms: 0,

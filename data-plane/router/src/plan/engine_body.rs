@@ -131,6 +131,7 @@ mod tests {
             views: Vec::new(),
             popularity: None,
             max_in_flight_per_instance: None,
+            fairness_weights: Default::default(),
         }
     }
 

@@ -72,7 +72,7 @@ impl FlowKey {
 /// A fairness id's hash (ids that collide share a turn, which only makes them less fair to
 /// each other).
 fn fairness_hash(id: &[u8]) -> u64 {
-    switchyard_policy::hash::session_key(id)
+    switchyard_policy::hash::fairness_key(id)
 }
 
 #[cfg(test)]

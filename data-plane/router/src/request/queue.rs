@@ -9,9 +9,10 @@
 //!
 //! 1. **priority**: lower first (strict: a request of priority 0 waits while any of
 //!    priority -1 can be served);
-//! 2. **fairness id**: within a priority, one request per id in turn (deficit round robin
-//!    with equal weights and a cost of one per request), so that two backlogged ids share
-//!    the slots evenly however many requests each sends;
+//! 2. **fairness id**: within a priority, ids take turns in proportion to their weights
+//!    (the variant's `FairnessWeights`, 1 for ids it does not name: stride scheduling, a cost
+//!    of one per request), so that two backlogged ids of equal weight share the slots evenly
+//!    however many requests each sends;
 //! 3. **arrival**, within an id.
 //!
 //! A request that cannot be served because its own candidates are full (one pinned to its
@@ -245,9 +246,15 @@ impl FlowControl {
             let _ = candidate.cell.waker.get_or_init(|| waker);
         }
         let body_priority = flow.body_priority.filter(|_| self.settings.trust_headers);
+        let fairness = flow.fairness.unwrap_or(0);
         let place = Place {
             priority: flow.header_priority.or(body_priority).unwrap_or(0),
-            fairness: flow.fairness.unwrap_or(0),
+            fairness,
+            weight: variant
+                .fairness_weights
+                .get(&fairness)
+                .copied()
+                .unwrap_or(1.0),
         };
         let since = Instant::now();
         let grant = match queue.wait(self, place, candidates, cap, since).await {
@@ -347,11 +354,11 @@ impl FlowControl {
         for ((endpoint, variant), queue) in &queues {
             let state = queue.lock();
             for (priority, band) in &state.bands {
-                let length: usize = band.flows.values().map(VecDeque::len).sum();
+                let length: usize = band.flows.values().map(|flow| flow.waiters.len()).sum();
                 let oldest = band
                     .flows
                     .values()
-                    .filter_map(|flow| flow.front().map(|waiter| waiter.since))
+                    .filter_map(|flow| flow.waiters.front().map(|waiter| waiter.since))
                     .min()
                     .map_or(0.0, |since| now.duration_since(since).as_secs_f64());
                 bands.push((
@@ -445,11 +452,12 @@ struct Grant {
     claim: SlotClaim,
 }
 
-/// Where a request waits: its priority band and its fairness id.
+/// Where a request waits: its priority band, its fairness id and that id's weight.
 #[derive(Debug, Clone, Copy)]
 struct Place {
     priority: i32,
     fairness: u64,
+    weight: f64,
 }
 
 #[derive(Debug)]
@@ -516,7 +524,8 @@ impl Default for VariantQueue {
     }
 }
 
-/// Priority bands, lowest first; in each, fairness ids in turn; in each id, arrival order.
+/// Priority bands, lowest first; in each, fairness ids by their pass (weighted turns); in
+/// each id, arrival order.
 #[derive(Debug, Default)]
 struct State {
     bands: BTreeMap<i32, Band>,
@@ -524,21 +533,42 @@ struct State {
     next_seq: u64,
 }
 
+/// One priority's waiting requests. Each fairness id has a pass: served ids in order of it
+/// (ties by who was served longest ago, or arrived first), and a request served adds
+/// 1 / weight to its id's pass (stride scheduling: over time each backlogged id gets turns in
+/// proportion to its weight; with equal weights, one each in turn). An id that starts waiting
+/// starts at the pass of the last request served, neither behind the others nor ahead.
 #[derive(Debug, Default)]
 struct Band {
-    /// Ids with waiting requests, the next to be served first.
-    turns: VecDeque<u64>,
-    flows: HashMap<u64, VecDeque<Waiter>>,
+    flows: HashMap<u64, Flow>,
+    /// The pass at which the last request was served.
+    clock: f64,
+    /// Tie-break order: when each id last arrived or was served.
+    next_order: u64,
+}
+
+#[derive(Debug)]
+struct Flow {
+    waiters: VecDeque<Waiter>,
+    pass: f64,
+    weight: f64,
+    order: u64,
 }
 
 impl State {
     fn push(&mut self, place: Place, waiter: Waiter) {
         let band = self.bands.entry(place.priority).or_default();
-        let flow = band.flows.entry(place.fairness).or_insert_with(|| {
-            band.turns.push_back(place.fairness);
-            VecDeque::new()
+        let (clock, order) = (band.clock, band.next_order);
+        let flow = band.flows.entry(place.fairness).or_insert_with(|| Flow {
+            waiters: VecDeque::new(),
+            pass: clock,
+            weight: place.weight,
+            order,
         });
-        flow.push_back(waiter);
+        if flow.waiters.is_empty() {
+            band.next_order += 1;
+        }
+        flow.waiters.push_back(waiter);
         self.len += 1;
     }
 
@@ -550,14 +580,13 @@ impl State {
         let Some(flow) = band.flows.get_mut(&place.fairness) else {
             return false;
         };
-        let Some(at) = flow.iter().position(|waiter| waiter.seq == seq) else {
+        let Some(at) = flow.waiters.iter().position(|waiter| waiter.seq == seq) else {
             return false;
         };
-        flow.remove(at);
+        flow.waiters.remove(at);
         self.len -= 1;
-        if flow.is_empty() {
+        if flow.waiters.is_empty() {
             band.flows.remove(&place.fairness);
-            band.turns.retain(|id| *id != place.fairness);
         }
         if band.flows.is_empty() {
             self.bands.remove(&place.priority);
@@ -565,24 +594,30 @@ impl State {
         true
     }
 
-    /// The next waiter in order that can have a slot now, taken out with its slot; its id
-    /// goes to the back of its band's turns.
+    /// The next waiter in order that can have a slot now, taken out with its slot; its id's
+    /// pass moves on by 1 / weight.
     fn next_grant(&mut self, full: &mut Vec<*const InstanceCell>) -> Option<(Waiter, Grant)> {
         let mut found = None;
         'bands: for (&priority, band) in self.bands.iter_mut() {
-            for turn in 0..band.turns.len() {
-                let id = band.turns[turn];
+            let mut ids: Vec<(f64, u64, u64)> = band
+                .flows
+                .iter()
+                .map(|(id, flow)| (flow.pass, flow.order, *id))
+                .collect();
+            ids.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for (_, _, id) in ids {
                 let Some(flow) = band.flows.get_mut(&id) else {
                     continue;
                 };
-                for at in 0..flow.len() {
-                    if let Some(grant) = flow[at].try_grant(full) {
-                        let waiter = flow.remove(at).expect("the waiter is there");
-                        band.turns.remove(turn);
-                        if flow.is_empty() {
+                for at in 0..flow.waiters.len() {
+                    if let Some(grant) = flow.waiters[at].try_grant(full) {
+                        let waiter = flow.waiters.remove(at).expect("the waiter is there");
+                        band.clock = flow.pass;
+                        flow.pass += 1.0 / flow.weight;
+                        flow.order = band.next_order;
+                        band.next_order += 1;
+                        if flow.waiters.is_empty() {
                             band.flows.remove(&id);
-                        } else {
-                            band.turns.push_back(id);
                         }
                         found = Some((priority, waiter, grant));
                         break 'bands;
@@ -819,7 +854,11 @@ mod tests {
         let cell = registered(&queue);
         let held = SlotClaim::take(&cell, 1).unwrap();
         let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let place = |priority, fairness| Place { priority, fairness };
+        let place = |priority, fairness| Place {
+            priority,
+            fairness,
+            weight: 1.0,
+        };
         let mut tasks = Vec::new();
         for (name, priority, fairness) in [
             ("a1", 0, 1),
@@ -856,6 +895,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn ids_take_turns_in_proportion_to_their_weights() {
+        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let held = SlotClaim::take(&cell, 1).unwrap();
+        let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for (name, fairness, weight) in [("gold", 1, 3.0), ("plain", 2, 1.0)] {
+            for _ in 0..20 {
+                let place = Place {
+                    priority: 0,
+                    fairness,
+                    weight,
+                };
+                tasks.push(spawn_waiter(&flow, &queue, &cell, place, name, &served));
+            }
+            settle().await;
+        }
+        assert_eq!(queue.lock().len, 40);
+        drop(held);
+        let mut seen = Vec::new();
+        for _ in 0..40 {
+            let (name, claim) = order.recv().await.unwrap();
+            seen.push(name);
+            drop(claim);
+        }
+        // While both wait (the first 20 served), gold has three turns for each of plain's.
+        let gold = seen[..20].iter().filter(|name| **name == "gold").count();
+        assert_eq!(gold, 15, "{seen:?}");
+        for task in tasks {
+            task.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
     async fn overflow_is_refused_and_a_dropped_waiter_leaves_at_once() {
         let flow = Arc::new(FlowControl::new(settings(1), CancellationToken::new()));
         let queue = Arc::new(VariantQueue::default());
@@ -869,6 +943,7 @@ mod tests {
             Place {
                 priority: 0,
                 fairness: 0,
+                weight: 1.0,
             },
             "w",
             &served,
@@ -880,6 +955,7 @@ mod tests {
                 Place {
                     priority: 0,
                     fairness: 0,
+                    weight: 1.0,
                 },
                 candidates(&[Arc::clone(&cell)]),
                 1,
@@ -912,6 +988,7 @@ mod tests {
         let anywhere = Place {
             priority: 0,
             fairness: 0,
+            weight: 1.0,
         };
         let started = Instant::now();
         let timed_out = queue

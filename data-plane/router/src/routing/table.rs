@@ -55,6 +55,9 @@ pub struct VariantRoute {
     /// MaxInFlightPerInstance: fleet-wide requests in flight per instance before requests
     /// wait in the router's queue (None: no cap, no queue).
     pub max_in_flight_per_instance: Option<u32>,
+    /// FairnessWeights, by fairness key (`switchyard_policy::hash::fairness_key`); ids not
+    /// named weigh 1.
+    pub fairness_weights: Arc<HashMap<u64, f64>>,
 }
 
 impl VariantRoute {
@@ -306,6 +309,19 @@ pub fn endpoint_route<'a>(
             )
             .then(Arc::default),
             max_in_flight_per_instance: variant.max_in_flight_per_instance,
+            fairness_weights: Arc::new(
+                variant
+                    .fairness_weights
+                    .iter()
+                    .flatten()
+                    .map(|(id, weight)| {
+                        (
+                            switchyard_policy::hash::fairness_key(id.as_bytes()),
+                            *weight,
+                        )
+                    })
+                    .collect(),
+            ),
         });
     }
     let disaggregation = config
