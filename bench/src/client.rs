@@ -28,6 +28,8 @@ pub struct Outcome {
     /// `x-switchyard-prompt-tokens`: the prompt's tokens as a disaggregating router counted
     /// them (`N`, or `N+` when it stopped counting past its threshold).
     pub router_prompt_tokens: Option<String>,
+    /// `Retry-After`, on a refusal.
+    pub retry_after: Option<String>,
     pub ttft: Option<Duration>,
     /// Gaps between consecutive text events.
     pub itl: Vec<Duration>,
@@ -102,6 +104,7 @@ async fn exchange(client: &HttpClient, url: &http::Uri, body: Bytes, started: In
     outcome.instance = header("x-switchyard-instance");
     outcome.route = header("x-switchyard-route");
     outcome.router_prompt_tokens = header("x-switchyard-prompt-tokens");
+    outcome.retry_after = header("retry-after");
     let mut body = response.into_body();
     let success = (200..300).contains(&outcome.status);
     let mut events = SseBuffer::default();

@@ -11,7 +11,7 @@
 //!   requests;
 //! - [`fleet`](mod@fleet): the control plane and the sync protocol at fleet scale;
 //! - [`dpd`](mod@dpd): disaggregated prefill/decode against colocated engines of the same
-//!   count;
+//!   count; [`flow`](mod@flow): flow control under a burst, without the cap and with it;
 //! - [`report`]: the report of `compare` and of a driven router, its table, its [`svg`] chart
 //!   and its JSON; [`output`]: what every benchmark's report shares (where it was measured,
 //!   the command line, the JSON file); [`stats`], [`scrape`]: percentiles, `/metrics` pages.
@@ -33,6 +33,7 @@ pub mod drive;
 mod error;
 mod flags;
 pub mod fleet;
+pub mod flow;
 pub mod forward;
 pub mod oracle;
 pub mod output;
@@ -54,6 +55,7 @@ pub use dpd::{DpdArgs, DpdReport, DpdSettings, dpd, dpd_compare};
 pub use drive::{DriveArgs, drive};
 pub use error::UsageError;
 pub use fleet::{FleetArgs, FleetReport, fleet};
+pub use flow::{FlowArgs, FlowReport, flow};
 pub use overhead::{OverheadArgs, OverheadReport, overhead};
 pub use overload::{OverloadArgs, OverloadReport, overload};
 pub use peer::Peer;

@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use switchyard_bench::{
-    DemoArgs, DpdArgs, DriveArgs, FleetArgs, OverheadArgs, OverloadArgs, UsageError,
+    DemoArgs, DpdArgs, DriveArgs, FleetArgs, FlowArgs, OverheadArgs, OverloadArgs, UsageError,
 };
 use switchyard_process::{self as process, EXIT_USAGE};
 
@@ -67,6 +67,11 @@ enum Command {
     /// `--quick` is a smoke run of seconds; the full run takes a few minutes in a release
     /// build. docs/benchmarks.md explains what the simulator models.
     Dpd(Box<DpdArgs>),
+    /// Flow control (MaxInFlightPerInstance) under bursty open-loop load at 2x the fleet's
+    /// measured capacity, from a heavy and a light fairness id, two priorities: without the
+    /// cap and with it, same run, same engines. TTFT per class against an idle fleet's,
+    /// engines' queue depth, refusals.
+    Flow(FlowArgs),
     /// A bare reverse proxy (internal: the baseline hop `overhead` starts).
     #[command(hide = true)]
     Forward(switchyard_bench::forward::ForwardArgs),
@@ -82,6 +87,7 @@ async fn main() {
         Some(Command::Overload(args)) => switchyard_bench::overload(args).await.map(drop),
         Some(Command::Fleet(args)) => switchyard_bench::fleet(*args).await.map(drop),
         Some(Command::Dpd(args)) => Box::pin(switchyard_bench::dpd(*args)).await.map(drop),
+        Some(Command::Flow(args)) => switchyard_bench::flow(args).await.map(drop),
         Some(Command::Forward(args)) => switchyard_bench::forward::forward(args).await,
         None => switchyard_bench::drive(cli.drive).await.map(drop),
     };

@@ -101,6 +101,13 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                     }
                 }),
             }),
+            max_in_flight_per_instance: variant.max_in_flight_per_instance,
+            fairness_weights: variant
+                .fairness_weights
+                .iter()
+                .flatten()
+                .map(|(id, weight)| (id.clone(), *weight))
+                .collect(),
             migration_limit: variant.migration_limit,
         }
     }
@@ -145,6 +152,10 @@ fn production_variant(
         instance_type: non_empty(variant.instance_type),
         initial_variant_weight: variant.initial_variant_weight,
         routing_config,
+        max_in_flight_per_instance: variant.max_in_flight_per_instance,
+        // proto3 maps cannot be absent: empty means no weights.
+        fairness_weights: (!variant.fairness_weights.is_empty())
+            .then(|| variant.fairness_weights.into_iter().collect()),
         migration_limit: variant.migration_limit,
     })
 }
@@ -762,7 +773,7 @@ mod tests {
     fn kv_aware_and_kv_events_round_trip() {
         let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
-            {"VariantName":"b","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            {"VariantName":"b","MaxInFlightPerInstance":4,"FairnessWeights":{"gold":2.5},"RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
@@ -780,6 +791,11 @@ mod tests {
                 .unwrap()
                 .routing_strategy,
             4
+        );
+        assert_eq!(wire.production_variants[0].max_in_flight_per_instance, None);
+        assert_eq!(
+            wire.production_variants[1].max_in_flight_per_instance,
+            Some(4)
         );
         assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
 

@@ -266,6 +266,49 @@ mod tests {
     }
 
     #[test]
+    fn max_in_flight_per_instance_is_optional_and_refused_out_of_range_by_name() {
+        let capped = |cap| ProductionVariant {
+            max_in_flight_per_instance: cap,
+            ..variant("a", None)
+        };
+        for cap in [None, Some(1), Some(65536)] {
+            config(vec![capped(cap)]).validate().unwrap();
+        }
+        for cap in [0, 65537] {
+            assert_eq!(
+                field_of(&config(vec![capped(Some(cap))])),
+                "ProductionVariants[0].MaxInFlightPerInstance"
+            );
+        }
+        // FairnessWeights: weights in range, ids named.
+        let weighted = |id: &str, weight: f64| ProductionVariant {
+            fairness_weights: Some([(id.to_owned(), weight)].into_iter().collect()),
+            ..variant("a", None)
+        };
+        config(vec![weighted("gold", 3.0)]).validate().unwrap();
+        assert_eq!(
+            field_of(&config(vec![weighted("gold", 0.0)])),
+            "ProductionVariants[0].FairnessWeights.gold"
+        );
+        assert_eq!(
+            field_of(&config(vec![weighted("", 1.0)])),
+            "ProductionVariants[0].FairnessWeights"
+        );
+        // Read from SageMaker-shaped JSON beside RoutingConfig, and absent by default.
+        let parsed = crate::sagemaker::parse_production_variants(
+            r#"[{"VariantName":"a","MaxInFlightPerInstance":8},{"VariantName":"b"}]"#,
+        )
+        .unwrap();
+        assert_eq!(parsed.variants[0].max_in_flight_per_instance, Some(8));
+        assert_eq!(parsed.variants[1].max_in_flight_per_instance, None);
+        assert!(
+            !serde_json::to_string(&parsed.variants[1])
+                .unwrap()
+                .contains("MaxInFlightPerInstance")
+        );
+    }
+
+    #[test]
     fn kv_aware_takes_optional_knobs_and_refuses_the_prefix_config() {
         for knobs in [
             None,

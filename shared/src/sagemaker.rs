@@ -18,6 +18,8 @@ const VARIANT_FIELDS: &[&str] = &[
     "InstanceType",
     "InitialVariantWeight",
     "RoutingConfig",
+    "MaxInFlightPerInstance",
+    "FairnessWeights",
     // Switchyard's extension (a pasted SageMaker config never has it).
     "MigrationLimit",
 ];

@@ -2,6 +2,7 @@
 //! (PascalCase JSON, as `aws sagemaker create-endpoint-config` takes), with Switchyard's
 //! extensions (bounded loads, KV_AWARE's knobs); `validate_variant` names the offending field.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -25,6 +26,13 @@ pub const LOAD_BALANCE_SLACK_RANGE: std::ops::RangeInclusive<u32> = 0..=1024;
 /// shows why).
 pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
+/// `MaxInFlightPerInstance` (Switchyard's flow-control extension of ProductionVariant).
+pub const MAX_IN_FLIGHT_PER_INSTANCE_RANGE: std::ops::RangeInclusive<u32> = 1..=65536;
+/// `FairnessWeights`: a fairness id's weight in the flow-control queue.
+pub const FAIRNESS_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.01..=100.0;
+/// `FairnessWeights`: most ids given weights, and the longest id in bytes.
+pub const MAX_FAIRNESS_WEIGHTS: usize = 1000;
+pub const MAX_FAIRNESS_ID_BYTES: usize = 256;
 /// Longest `InstanceType`, in characters.
 pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
 /// `MigrationLimit` (Switchyard's extension of a ProductionVariant): how many times one
@@ -253,6 +261,13 @@ pub struct ProductionVariant {
     pub instance_type: Option<String>,
     pub initial_variant_weight: Option<f64>,
     pub routing_config: Option<RoutingConfig>,
+    /// Switchyard extension (flow control): at most this many requests in flight on each
+    /// instance of the variant, fleet-wide; past it requests wait in the router's queue.
+    /// Absent: no cap (SageMaker's behaviour).
+    pub max_in_flight_per_instance: Option<u32>,
+    /// Switchyard extension (flow control): the share of the queue's turns each fairness id
+    /// gets, relative to the others (ids not named weigh 1). Absent: every id weighs the same.
+    pub fairness_weights: Option<BTreeMap<String, f64>>,
     /// Switchyard extension: a streamed chat or completions answer whose engine dies midway
     /// continues on another instance, at most this many times (0–10; absent or 0: the stream
     /// ends with an error event, as on SageMaker).
@@ -269,6 +284,8 @@ impl ProductionVariant {
             instance_type: None,
             initial_variant_weight: None,
             routing_config: None,
+            max_in_flight_per_instance: None,
+            fairness_weights: None,
             migration_limit: None,
         }
     }
@@ -337,6 +354,48 @@ pub(crate) fn validate_variant(
             format!("{field}.InitialVariantWeight"),
             format!("must be a finite number at least 0, got {weight}"),
         ));
+    }
+    if let Some(cap) = variant.max_in_flight_per_instance
+        && !MAX_IN_FLIGHT_PER_INSTANCE_RANGE.contains(&cap)
+    {
+        return Err(ValidationError::new(
+            format!("{field}.MaxInFlightPerInstance"),
+            format!(
+                "must be between {} and {}, got {cap}",
+                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.start(),
+                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.end(),
+            ),
+        ));
+    }
+    if let Some(weights) = &variant.fairness_weights {
+        let weights_field = format!("{field}.FairnessWeights");
+        if weights.len() > MAX_FAIRNESS_WEIGHTS {
+            return Err(ValidationError::new(
+                weights_field,
+                format!(
+                    "names at most {MAX_FAIRNESS_WEIGHTS} fairness ids, got {}",
+                    weights.len()
+                ),
+            ));
+        }
+        for (id, weight) in weights {
+            if id.is_empty() || id.len() > MAX_FAIRNESS_ID_BYTES {
+                return Err(ValidationError::new(
+                    weights_field,
+                    format!("ids must be 1-{MAX_FAIRNESS_ID_BYTES} bytes, got {:?}", id),
+                ));
+            }
+            if !FAIRNESS_WEIGHT_RANGE.contains(weight) {
+                return Err(ValidationError::new(
+                    format!("{weights_field}.{id}"),
+                    format!(
+                        "must be a number between {} and {}, got {weight}",
+                        FAIRNESS_WEIGHT_RANGE.start(),
+                        FAIRNESS_WEIGHT_RANGE.end()
+                    ),
+                ));
+            }
+        }
     }
     let routing = variant.routing();
     let kv_field = format!("{field}.RoutingConfig.KvAwareRoutingConfig");

@@ -319,3 +319,48 @@ async fn with_etcd_down_calls_answer_service_unavailable() -> anyhow::Result<()>
     control.shutdown().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_sagemaker_api_takes_max_in_flight_per_instance_and_names_a_bad_one()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let control = control_plane_with_sagemaker_api(dir.path(), None).await?;
+    let api = control
+        .sagemaker_url()
+        .expect("the SageMaker API is served");
+    let (status, code, message) = call(
+        &api,
+        "SageMaker.CreateEndpointConfig",
+        r#"{"EndpointConfigName":"c","ProductionVariants":[{"VariantName":"a","MaxInFlightPerInstance":0}]}"#,
+    )
+    .await?;
+    assert_eq!((status, code.as_str()), (400, "ValidationException"));
+    assert!(
+        message.starts_with("ProductionVariants[0].MaxInFlightPerInstance: "),
+        "{message}"
+    );
+    let (status, _, message) = call(
+        &api,
+        "SageMaker.CreateEndpointConfig",
+        r#"{"EndpointConfigName":"c","ProductionVariants":[{"VariantName":"a","MaxInFlightPerInstance":8}]}"#,
+    )
+    .await?;
+    assert_eq!(status, 200, "{message}");
+    let described = http_post(
+        &api,
+        &[
+            ("x-amz-target", "SageMaker.DescribeEndpointConfig"),
+            ("content-type", "application/x-amz-json-1.1"),
+        ],
+        r#"{"EndpointConfigName":"c"}"#,
+    )
+    .await?;
+    assert_eq!(
+        described.json()["ProductionVariants"][0]["MaxInFlightPerInstance"],
+        8,
+        "{}",
+        described.body
+    );
+    control.shutdown().await?;
+    Ok(())
+}

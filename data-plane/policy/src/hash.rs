@@ -25,6 +25,12 @@ pub fn session_key(session_id: &[u8]) -> u64 {
     routing_key(b"session", session_id)
 }
 
+/// The key of a flow-control fairness id (`x-switchyard-fairness-id`, or the body's
+/// `safety_identifier` / `user`).
+pub fn fairness_key(fairness_id: &[u8]) -> u64 {
+    routing_key(b"fairness", fairness_id)
+}
+
 /// The per-instance hash used in rendezvous ranking.
 pub fn instance_hash(instance_id: &str) -> u64 {
     xxh3_64(instance_id.as_bytes())

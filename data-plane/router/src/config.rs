@@ -103,6 +103,22 @@ pub struct RouterConfig {
     /// count with an optional KiB, MiB or GiB suffix.
     #[arg(long, default_value = "512MiB", value_name = "BYTES", value_parser = parse_byte_size)]
     pub max_buffered_bytes: u64,
+    /// Flow control (variants with MaxInFlightPerInstance): requests that may wait at once in
+    /// each variant's queue on this router. Beyond it: 503 with Retry-After.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_queued_requests: usize,
+    /// Flow control: longest wait in a variant's queue, in seconds; then 503 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub queue_timeout_seconds: u64,
+    /// Flow control: order the queue by the clients' `x-switchyard-priority` and
+    /// `x-switchyard-fairness-id` headers and the body's `priority`. Off by default: any
+    /// client could then put itself first; without it the two headers are removed (not read,
+    /// not forwarded), every request has priority 0, and fairness ids come from the body's
+    /// `safety_identifier` or `user`. Turn it on when an authenticating gateway in front of
+    /// the router sets these headers.
+    #[arg(long)]
+    pub trust_flow_headers: bool,
     /// Protocol to instances that do not name one (an instance's own `protocol`, set at
     /// registration or in the static file, wins): pooled HTTP/1.1 keep-alive connections
     /// (what vLLM's server speaks), or h2c (HTTP/2 without TLS, prior knowledge: requests
@@ -184,6 +200,9 @@ impl RouterConfig {
             max_connections: 8192,
             max_in_flight: 4096,
             max_buffered_bytes: 512 << 20,
+            max_queued_requests: 1024,
+            queue_timeout_seconds: 30,
+            trust_flow_headers: false,
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
@@ -252,6 +271,16 @@ impl RouterConfig {
         }
         check_range("--max-connections", self.max_connections, 1..=10_000_000)?;
         check_range("--max-in-flight", self.max_in_flight, 1..=10_000_000)?;
+        check_range(
+            "--max-queued-requests",
+            self.max_queued_requests,
+            1..=1_000_000,
+        )?;
+        check_range(
+            "--queue-timeout-seconds",
+            self.queue_timeout_seconds,
+            1..=DAY,
+        )?;
         // At least one maximal body must fit, or every large request would be refused.
         check_range(
             "--max-buffered-bytes",
@@ -307,6 +336,12 @@ impl RouterConfig {
                 max_connections: self.max_connections,
                 max_in_flight: self.max_in_flight,
                 max_buffered_bytes: self.max_buffered_bytes,
+            },
+            queue: crate::request::queue::QueueSettings {
+                max_queued: self.max_queued_requests,
+                timeout: seconds(self.queue_timeout_seconds),
+                trust_headers: self.trust_flow_headers,
+                grace: seconds(self.shutdown_grace_seconds),
             },
             kv,
             kv_tokenize_timeout,
@@ -373,6 +408,8 @@ pub struct Settings {
     pub worker_threads: usize,
     pub deadlines: Deadlines,
     pub limits: Limits,
+    /// Flow control: the queues' bounds and whether clients' flow headers are trusted.
+    pub queue: crate::request::queue::QueueSettings,
     /// OpenTelemetry traces, when on.
     pub telemetry: Option<TelemetrySettings>,
     /// KV_AWARE: the index's bounds and the subscribers' probes.

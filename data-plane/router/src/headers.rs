@@ -9,6 +9,12 @@ pub const PREFIX_AWARE_ID: HeaderName = HeaderName::from_static("x-amzn-sagemake
 pub const TARGET_VARIANT: HeaderName = HeaderName::from_static("x-amzn-sagemaker-target-variant");
 /// A session that sticks to one instance.
 pub const SESSION_ID: HeaderName = HeaderName::from_static("x-amzn-sagemaker-session-id");
+/// Flow control: the request's priority in the router's queue (an integer, lower first, as
+/// vLLM's `priority`); read only with `--trust-flow-headers`, else removed.
+pub const PRIORITY: HeaderName = HeaderName::from_static("x-switchyard-priority");
+/// Flow control: whose share of the queue the request counts against; read only with
+/// `--trust-flow-headers`, else removed.
+pub const FAIRNESS_ID: HeaderName = HeaderName::from_static("x-switchyard-fairness-id");
 /// The request's id, on both hops and in every log line (made when the client sent none).
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -30,6 +36,11 @@ pub const PREFILL_INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-p
 /// instance held.
 pub const PREFILL_CACHED_TOKENS: HeaderName =
     HeaderName::from_static("x-switchyard-prefill-cached-tokens");
+/// Milliseconds the request waited in the router's flow-control queue (for a disaggregated
+/// request, its wait for a prefill instance).
+pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-queue-ms");
+/// A disaggregated request: milliseconds it waited for a decode slot after its prefill.
+pub const DECODE_QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-decode-queue-ms");
 
 // Written on error answers.
 /// SageMaker's error type on native errors (`ValidationError`, `ModelError`, …).

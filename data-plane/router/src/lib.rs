@@ -3,7 +3,7 @@
 //!
 //! A request meets, in order: `server` (listeners, serving threads, routes, connection and
 //! request admission) → `request` (the orchestrator of one request's phases: read the body,
-//! plan, queue, settle, forward, respond) → `plan` (CPU only: endpoint, variant, ranked
+//! plan, settle, queue, forward, respond) → `plan` (CPU only: endpoint, variant, ranked
 //! candidates, the engine's body) → `forward` (attempts under the retry rule; prefill then
 //! decode) → `respond` (the client's answer: headers, the streamed body, SageMaker's event
 //! stream, response ids). Beside them: `config` (flags → `Settings`), `routing` (the table

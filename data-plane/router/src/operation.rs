@@ -108,6 +108,14 @@ impl Operation {
         matches!(self, Operation::ChatCompletions | Operation::Completions)
     }
 
+    /// Inference work an engine schedules, which waits for a slot under flow control
+    /// (MaxInFlightPerInstance); `/tokenize`, `/detokenize` and the requests about a stored
+    /// response do not wait.
+    pub(crate) fn queues(self) -> bool {
+        !matches!(self, Operation::Tokenize | Operation::Detokenize)
+            && !self.names_stored_response()
+    }
+
     /// A request about the stored response its path names (`/v1/responses/{id}[/cancel]`).
     pub(crate) fn names_stored_response(self) -> bool {
         matches!(

@@ -112,6 +112,12 @@ struct Body<'a> {
     data_2: Option<&'a RawValue>,
     #[serde(borrow, default)]
     tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    priority: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    safety_identifier: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    user: Option<&'a RawValue>,
 }
 
 /// The fields other APIs than chat and completions take their text from.
@@ -186,6 +192,11 @@ pub struct OpenAiRequest<'a> {
     messages: Option<Vec<Message<'a>>>,
     prompt: Option<&'a RawValue>,
     other: OtherText<'a>,
+    /// vLLM's `priority`, when it is an integer (lower is served first).
+    pub priority: Option<i64>,
+    /// Whom the request is for, for fair queueing: `safety_identifier`, else `user`, when a
+    /// non-empty string.
+    pub end_user: Option<Cow<'a, str>>,
 }
 
 impl std::fmt::Debug for OpenAiRequest<'_> {
@@ -250,7 +261,17 @@ impl<'a> OpenAiRequest<'a> {
                 });
             }
         };
+        let text = |raw: Option<&'a RawValue>| {
+            raw.and_then(|raw| serde_json::from_str::<Cow<'a, str>>(raw.get()).ok())
+                .filter(|text| !text.is_empty())
+        };
+        let end_user = text(parsed.safety_identifier).or_else(|| text(parsed.user));
+        let priority = parsed
+            .priority
+            .and_then(|raw| serde_json::from_str::<i64>(raw.get()).ok());
         Ok(Self {
+            priority,
+            end_user,
             body,
             model,
             model_span,

@@ -32,7 +32,8 @@ use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
 use crate::operation::Operation;
 use crate::plan::Plan;
-use crate::routing::cells::InstanceCell;
+use crate::request::queue::FlowControl;
+use crate::routing::cells::{InstanceCell, SlotClaim};
 use crate::routing::table::{EndpointRoute, InstanceRoute};
 use crate::server::admission::BufferReservation;
 use upstream::{Failure, UpstreamClients, classify, upstream_request, upstream_uri};
@@ -79,6 +80,8 @@ pub struct Forwarder<'a> {
     pub metrics: &'a Arc<RouterMetrics>,
     /// The request's spans, when tracing is on.
     pub trace: Option<&'a RequestTrace>,
+    /// Flow control: a disaggregated request's decode hop waits here for its decoders' cap.
+    pub flow: &'a FlowControl,
 }
 
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the
@@ -87,9 +90,12 @@ pub struct Forwarder<'a> {
 pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
 
 impl InFlight {
-    /// Counts the attempt, sent now.
-    fn start(cell: &Arc<InstanceCell>, span: SpanGuard) -> Self {
-        cell.local.fetch_add(1, Ordering::Relaxed);
+    /// Counts the attempt, sent now: with the slot `claim` took for it when the claim is on
+    /// this instance (else the claim's slot is freed).
+    fn start(cell: &Arc<InstanceCell>, span: SpanGuard, claim: Option<SlotClaim>) -> Self {
+        if !claim.is_some_and(|claim| claim.adopt(cell)) {
+            cell.local.fetch_add(1, Ordering::Relaxed);
+        }
         Self(Arc::clone(cell), span, Instant::now())
     }
 }
@@ -97,6 +103,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.local.fetch_sub(1, Ordering::Relaxed);
+        self.0.slot_freed();
     }
 }
 
@@ -129,6 +136,8 @@ pub struct Hop {
     pub path: Option<String>,
     /// KV_AWARE: the leading prompt tokens each instance holds, by position in the variant.
     pub cached_tokens: Vec<u32>,
+    /// Flow control: the slot the queue took for the first candidate.
+    pub claim: Option<SlotClaim>,
 }
 
 impl From<Plan> for Hop {
@@ -143,23 +152,34 @@ impl From<Plan> for Hop {
             time_first_frame: false,
             path: plan.path,
             cached_tokens: plan.cached_tokens,
+            claim: None,
         }
     }
 }
 
 impl Forwarder<'_> {
     /// Forwards a plan: straight to its candidates, or prefill → decode when the plan says so.
+    /// `claim`: the slot the queue phase took for the plan's first candidate (the first
+    /// prefill candidate's, for a request that goes prefill → decode).
     pub async fn forward(
         &self,
         operation: Operation,
         mut plan: Plan,
         client_headers: &HeaderMap,
         reservation: BufferReservation,
+        claim: Option<SlotClaim>,
     ) -> Result<Answered, ApiError> {
         match plan.prefill_hop.take() {
             Some(disaggregated) => {
-                self.disaggregate(operation, plan, disaggregated, client_headers, reservation)
-                    .await
+                self.disaggregate(
+                    operation,
+                    plan,
+                    disaggregated,
+                    client_headers,
+                    reservation,
+                    claim,
+                )
+                .await
             }
             None => {
                 if plan.endpoint.disaggregation.is_some() {
@@ -169,8 +189,11 @@ impl Forwarder<'_> {
                         label => self.metrics.count_disaggregation(label),
                     }
                 }
-                self.send(operation, plan.into(), client_headers, reservation)
-                    .await
+                let hop = Hop {
+                    claim,
+                    ..plan.into()
+                };
+                self.send(operation, hop, client_headers, reservation).await
             }
         }
     }
@@ -185,6 +208,7 @@ impl Forwarder<'_> {
         mut request: http::Request<Full<Bytes>>,
         deadline: Duration,
         hop: &'static str,
+        claim: Option<SlotClaim>,
     ) -> Result<(http::Response<hyper::body::Incoming>, InFlight), Failure> {
         // Traced, the engine's parent is this attempt's span (not the client's).
         let span = match self.trace {
@@ -194,7 +218,7 @@ impl Forwarder<'_> {
             }
             None => SpanGuard::default(),
         };
-        let in_flight = InFlight::start(&instance.cell, span);
+        let in_flight = InFlight::start(&instance.cell, span, claim);
         let sent = in_flight.2;
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {
@@ -249,6 +273,7 @@ impl Forwarder<'_> {
             time_first_frame,
             path,
             cached_tokens,
+            mut claim,
         } = hop;
         let variant = &endpoint.variants[variant_index];
         // The body and its reservation are held until a response head arrives (a retry may
@@ -279,7 +304,13 @@ impl Forwarder<'_> {
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
             let request = upstream_request(operation.method(), uri, client_headers, body.clone());
             let attempt = self
-                .attempt(instance, request, self.settings.upstream_header, hop)
+                .attempt(
+                    instance,
+                    request,
+                    self.settings.upstream_header,
+                    hop,
+                    claim.take(),
+                )
                 .await;
             let failure = match attempt {
                 Ok((response, in_flight)) => {

@@ -36,12 +36,13 @@ use tokio::time::Instant;
 use super::upstream::{Failure, upstream_request, upstream_uri};
 use super::{Answered, Forwarder, Hop};
 use crate::errors::ApiError;
-use crate::headers::{PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
+use crate::headers::{DECODE_QUEUE_MS, PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
 use crate::observe::labels::{RouteLabel, UpstreamError};
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
 use crate::plan::engine_body::with_kv_transfer_params;
 use crate::plan::{Plan, PrefillHop};
+use crate::routing::cells::SlotClaim;
 use crate::routing::table::{Disaggregation, EndpointRoute, InstanceRoute, VariantRoute};
 use crate::server::admission::BufferReservation;
 
@@ -85,6 +86,7 @@ impl Forwarder<'_> {
         mut disaggregated: PrefillHop,
         client_headers: &HeaderMap,
         mut reservation: BufferReservation,
+        prefill_claim: Option<SlotClaim>,
     ) -> Result<Answered, ApiError> {
         let endpoint = std::sync::Arc::clone(&plan.endpoint);
         let Some(pd) = endpoint.disaggregation.as_ref() else {
@@ -114,12 +116,14 @@ impl Forwarder<'_> {
                         client_headers,
                         copy,
                         &mut reservation,
+                        prefill_claim,
                     )
                     .await
                 }
             }
         };
         let tokens = disaggregated.count.header_text();
+        let flow = plan.flow;
         let mut hop = Hop::from(plan);
         let decided = match prefilled {
             Ok(prefilled) => {
@@ -162,6 +166,28 @@ impl Forwarder<'_> {
             }
         }
         reservation.resize_to(hop.body.len() as u64);
+        // The decoders' own cap: the request waits for a decode slot now (for its partner
+        // alone after an LMCACHE prefill, which pushed the KV cache there).
+        let pinned =
+            hop.label == RouteLabel::Disaggregated && pd.protocol == KvTransferProtocol::Lmcache;
+        let decode_variant = &endpoint.variants[pd.decode];
+        if let Some((claim, waited)) = self
+            .flow
+            .slot(
+                decode_variant,
+                &endpoint,
+                &mut hop.ranking.order,
+                pinned,
+                flow,
+            )
+            .await?
+        {
+            hop.claim = Some(claim);
+            hop.explain.push((
+                DECODE_QUEUE_MS,
+                http::HeaderValue::from(waited.as_millis() as u64),
+            ));
+        }
         self.send(operation, hop, client_headers, reservation).await
     }
 
@@ -178,6 +204,7 @@ impl Forwarder<'_> {
         client_headers: &HeaderMap,
         body: Bytes,
         reservation: &mut BufferReservation,
+        mut claim: Option<SlotClaim>,
     ) -> Result<Prefilled, NoPrefill> {
         let headers = prefill_headers(client_headers);
         let variant = &endpoint.variants[pd.prefill];
@@ -193,10 +220,12 @@ impl Forwarder<'_> {
                 continue;
             };
             let deadline = pd.prefill_timeout;
+            let claim = claim.take();
             let answer = tokio::time::timeout(deadline, async {
                 let request = upstream_request(operation.method(), uri, &headers, body.clone());
-                let (response, in_flight) =
-                    self.attempt(instance, request, deadline, "prefill").await?;
+                let (response, in_flight) = self
+                    .attempt(instance, request, deadline, "prefill", claim)
+                    .await?;
                 let status = response.status();
                 let read = read_answer(response.into_body(), reservation, held).await;
                 drop(in_flight);

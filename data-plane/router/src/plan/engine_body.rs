@@ -130,6 +130,8 @@ mod tests {
             instances: Vec::new(),
             views: Vec::new(),
             popularity: None,
+            max_in_flight_per_instance: None,
+            fairness_weights: Default::default(),
             migration_limit: 0,
         }
     }

@@ -9,6 +9,7 @@
 pub(crate) mod count;
 pub(crate) mod disaggregation;
 pub(crate) mod engine_body;
+pub(crate) mod flow;
 pub(crate) mod kv;
 mod planned;
 mod rank;
@@ -233,6 +234,12 @@ pub fn plan(
         _ => None,
     };
     let variant = &endpoint.variants[variant_index];
+    let flow = flow::FlowKey::read(request.headers, target.openai.as_ref())?;
+    let pinned = match target.destination {
+        Destination::Stored { .. } | Destination::FollowUp { .. } => true,
+        Destination::Variant(_) => target.routing.session.is_some(),
+        Destination::Disaggregated => false,
+    };
     let (engine_body, path) = match &target.destination {
         // Stored responses: the engine's id in the path, the body as it came (none but on
         // POST).
@@ -278,6 +285,8 @@ pub fn plan(
         prefill_hop: None,
         cached_tokens: Vec::new(),
         routing_key,
+        flow,
+        pinned,
     };
     let purpose = match split {
         Some(split) => {

@@ -8,6 +8,7 @@ use http::header::HeaderName;
 use switchyard_policy::rank as policy_rank;
 
 use super::count::Count;
+use super::flow::FlowKey;
 use crate::observe::labels::RouteLabel;
 use crate::routing::table::{EndpointRoute, VariantRoute};
 
@@ -32,6 +33,11 @@ pub struct Plan {
     pub cached_tokens: Vec<u32>,
     /// PREFIX_AWARE: the routing key the ranking hashed (for the trace; None otherwise).
     pub routing_key: Option<u64>,
+    /// Its place in a flow-control queue (priority, fairness id).
+    pub flow: FlowKey,
+    /// Pinned to one instance (a stored response's holder, a follow-up, a session): under
+    /// flow control it waits for that instance rather than going elsewhere.
+    pub pinned: bool,
 }
 
 impl Plan {

@@ -5,14 +5,19 @@
 //!    body read within its limits, a request id made when the client sent none;
 //! 2. **plan** (`crate::plan`, CPU only, large bodies and disaggregated endpoints on a
 //!    blocking thread): where it goes, ranked, the body the engine gets;
-//! 3. **queue**: where a request waits for a slot at its instances (today it never waits);
-//! 4. **settle** (`settle`): what needs the prompt's token ids (a KV index's ranking, the
+//! 3. **settle** (`settle`): what needs the prompt's token ids (a KV index's ranking, the
 //!    UNCACHED_TOKENS decision) gets them and is finished;
+//! 4. **queue** (`queue`): a variant with MaxInFlightPerInstance lets a request go only
+//!    with a slot at an instance below the cap, and holds it in a fair, prioritised queue
+//!    meanwhile. It comes after settle so that the ranking a slot is taken from is final
+//!    (a KV_AWARE ranking changes once the token ids are known), and a queued request holds
+//!    its instance's slot only from the moment it is sent on;
 //! 5. **forward** (`crate::forward`): attempts under the retry rule, one hop or prefill then
 //!    decode, until an instance answers;
 //! 6. **respond** (`crate::respond`): the client's answer. Every refusal on the way is
 //!    answered in the shape of the API the request came in on.
 
+pub(crate) mod queue;
 pub(crate) mod read;
 mod settle;
 pub(crate) mod tokenize;
@@ -117,26 +122,44 @@ async fn phases(
     })?;
     // The body now held is the plan's (the original is gone if `model` was rewritten).
     reservation.resize_to(planned.plan().body.len() as u64);
-    let planned = queue(planned);
-    let mut plan = settle::settle(worker, planned).await?;
+    let plan = settle::settle(worker, planned).await?;
     drop(decision);
-    if let Some(trace) = trace {
-        trace.record_plan(&plan);
-    }
     worker
         .metrics
         .decision_seconds
         .observe(arrived.elapsed().as_secs_f64());
+    // A queued request keeps its `--max-in-flight` slot and its body's reservation.
+    let queue::Admitted {
+        mut plan,
+        claim,
+        waited,
+    } = worker.flow.admit(operation, plan).await?;
     let migration = Migration::prepare(operation, &mut plan);
+    if let Some(trace) = trace {
+        trace.record_plan(&plan);
+        if let Some(waited) = waited.filter(|_| trace.is_recording()) {
+            trace.set_attribute(KeyValue::new(
+                "switchyard.queue_ms",
+                waited.as_millis() as i64,
+            ));
+        }
+    }
     let forwarder = Forwarder {
         clients: &worker.clients,
         settings: worker.forwarding,
         metrics: &worker.metrics,
         trace,
+        flow: &worker.flow,
     };
-    let answered = forwarder
-        .forward(operation, plan, &headers, reservation)
+    let mut answered = forwarder
+        .forward(operation, plan, &headers, reservation, claim)
         .await?;
+    if let Some(waited) = waited {
+        answered.explain.push((
+            crate::headers::QUEUE_MS,
+            http::HeaderValue::from(waited.as_millis() as u64),
+        ));
+    }
     let responder = Responder {
         stream_idle: worker.forwarding.stream_idle,
         metrics: &worker.metrics,
@@ -190,6 +213,10 @@ async fn read(
     .await?;
     let (uri, mut headers) = (parts.uri, parts.headers);
     read::ensure_request_id(&mut headers);
+    if !worker.flow.trusts_headers() {
+        headers.remove(crate::headers::PRIORITY);
+        headers.remove(crate::headers::FAIRNESS_ID);
+    }
     if let Some(trace) = trace.filter(|trace| trace.is_recording()) {
         trace.set_attribute(KeyValue::new(
             "switchyard.request_id",
@@ -254,10 +281,4 @@ struct Held {
     headers: HeaderMap,
     reservation: BufferReservation,
     permit: RequestPermit,
-}
-
-/// The queue phase: where a request will wait for a slot at the instances it needs (the flow
-/// control capability adds it). Today every request goes straight on.
-fn queue(planned: Planned) -> Planned {
-    planned
 }

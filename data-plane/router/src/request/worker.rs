@@ -6,6 +6,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use switchyard_kv::KvIndex;
 
+use super::queue::FlowControl;
 use super::tokenize::TokenizeClient;
 use crate::forward::ForwardSettings;
 use crate::forward::upstream::UpstreamClients;
@@ -35,6 +36,8 @@ pub struct Worker {
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.
     pub tokenize: TokenizeClient,
+    /// MaxInFlightPerInstance: the router's flow-control queues (shared by every thread).
+    pub flow: Arc<FlowControl>,
 }
 
 impl Worker {
@@ -53,6 +56,7 @@ impl Worker {
             tracer: self.tracer.clone(),
             kv_index: Arc::clone(&self.kv_index),
             tokenize: self.tokenize.like(),
+            flow: Arc::clone(&self.flow),
         }
     }
 }

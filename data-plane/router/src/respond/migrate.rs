@@ -32,6 +32,7 @@ use crate::forward::{Answered, Forwarder};
 use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;
 use crate::plan::Plan;
+use crate::plan::flow::FlowKey;
 use crate::request::worker::Worker;
 use crate::routing::table::EndpointRoute;
 use crate::server::admission::RequestPermit;
@@ -50,6 +51,7 @@ pub(crate) struct Migration {
     ranking: Ranking,
     path: Option<String>,
     label: RouteLabel,
+    flow: FlowKey,
     limit: u32,
 }
 
@@ -63,7 +65,8 @@ impl Migration {
             _ => return None,
         };
         let limit = plan.variant().migration_limit;
-        if limit == 0 {
+        // A pinned request (a stored response's follow-up, a session) has nowhere to move.
+        if limit == 0 || plan.pinned {
             return None;
         }
         let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&plan.body) else {
@@ -99,6 +102,7 @@ impl Migration {
             ranking: plan.ranking.clone(),
             path: plan.path.clone(),
             label: plan.label,
+            flow: plan.flow,
             limit,
         })
     }
@@ -164,6 +168,9 @@ impl Migration {
             prefill_hop: None,
             cached_tokens: Vec::new(),
             routing_key: None,
+            flow: self.flow,
+            // A pinned request has one instance; it cannot move.
+            pinned: false,
         }
     }
 }
@@ -452,9 +459,12 @@ impl Migrating {
                 settings: worker.forwarding,
                 metrics: &worker.metrics,
                 trace: None,
+                flow: &worker.flow,
             };
+            // A continuation does not queue again: the request has waited its turn (the
+            // instance it goes to may go over its MaxInFlightPerInstance by this one).
             forwarder
-                .forward(operation, plan, &headers, reservation)
+                .forward(operation, plan, &headers, reservation, None)
                 .await
         }));
     }

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use switchyard_shared::InstanceKey;
 
@@ -34,6 +34,49 @@ pub struct InstanceCell {
     /// the variant's key counts ([`KeyPopularity`]); a new copy goes where it is smallest
     /// among the instances within one request of the least loaded.
     pub recent: AtomicU32,
+    /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
+    /// slot frees here (set by the first request that waits for the variant).
+    pub waker: OnceLock<Weak<dyn SlotWaker>>,
+}
+
+/// One in-flight slot of an instance taken ahead of sending (flow control): counted in the
+/// instance's `local` count from the moment it is taken, so no other request of this router
+/// can take it meanwhile. The attempt that sends to that instance adopts it
+/// ([`SlotClaim::adopt`]); dropped unused, it frees the slot.
+#[derive(Debug)]
+pub struct SlotClaim(Option<Arc<InstanceCell>>);
+
+impl SlotClaim {
+    /// Takes a slot of `cell` below `cap` ([`InstanceCell::try_take_slot`]), if one is free.
+    pub fn take(cell: &Arc<InstanceCell>, cap: u32) -> Option<Self> {
+        cell.try_take_slot(cap)
+            .then(|| Self(Some(Arc::clone(cell))))
+    }
+
+    /// Whether the claim is on `cell`; if so it becomes that attempt's count (nothing is
+    /// freed when the claim goes).
+    pub fn adopt(mut self, cell: &Arc<InstanceCell>) -> bool {
+        let same = self.0.as_ref().is_some_and(|held| Arc::ptr_eq(held, cell));
+        if same {
+            self.0 = None;
+        }
+        same
+    }
+}
+
+impl Drop for SlotClaim {
+    fn drop(&mut self) {
+        if let Some(cell) = self.0.take() {
+            cell.local.fetch_sub(1, Ordering::Relaxed);
+            cell.slot_freed();
+        }
+    }
+}
+
+/// Told when an instance's in-flight count drops (a request ended, or a load report lowered
+/// the other routers' count): a flow-control queue, which may now let a request go.
+pub trait SlotWaker: Send + Sync + std::fmt::Debug {
+    fn slot_freed(&self);
 }
 
 /// The PREFIX_AWARE keys a router spilled onto one instance under bounded loads: where it
@@ -205,6 +248,25 @@ impl InstanceCell {
         self.local
             .load(Ordering::Relaxed)
             .saturating_add(self.remote.load(Ordering::Relaxed))
+    }
+
+    /// Takes one of this instance's `cap` fleet-wide slots for a request of this router, if
+    /// one is free: atomic against this router's other requests (the other routers' share is
+    /// as of their last load report).
+    pub fn try_take_slot(&self, cap: u32) -> bool {
+        let remote = self.remote.load(Ordering::Relaxed);
+        self.local
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |local| {
+                (local.saturating_add(remote) < cap).then_some(local + 1)
+            })
+            .is_ok()
+    }
+
+    /// Tells the variant's flow-control queue, if it has one, that a slot may be free.
+    pub fn slot_freed(&self) {
+        if let Some(waker) = self.waker.get().and_then(Weak::upgrade) {
+            waker.slot_freed();
+        }
     }
 
     pub fn count_upstream(&self, kind: UpstreamError) {

@@ -376,6 +376,8 @@ pub fn apply_fleet_load(registry: &LoadRegistry, loads: &[InstanceLoad]) {
         .collect();
     registry.for_each(|key, cell| {
         let remote = figures.get(key).copied().unwrap_or(0);
-        cell.remote.store(remote, Ordering::Relaxed);
+        if cell.remote.swap(remote, Ordering::Relaxed) > remote {
+            cell.slot_freed();
+        }
     });
 }

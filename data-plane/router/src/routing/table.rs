@@ -51,6 +51,12 @@ pub struct VariantRoute {
     /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
     /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
     pub popularity: Option<Arc<KeyPopularity>>,
+    /// MaxInFlightPerInstance: fleet-wide requests in flight per instance before requests
+    /// wait in the router's queue (None: no cap, no queue).
+    pub max_in_flight_per_instance: Option<u32>,
+    /// FairnessWeights, by fairness key (`switchyard_policy::hash::fairness_key`); ids not
+    /// named weigh 1.
+    pub fairness_weights: Arc<HashMap<u64, f64>>,
     /// MigrationLimit: how many times a streamed answer may continue on another instance.
     pub migration_limit: u32,
 }
@@ -302,6 +308,20 @@ pub fn endpoint_route<'a>(
                 }
             )
             .then(Arc::default),
+            max_in_flight_per_instance: variant.max_in_flight_per_instance,
+            fairness_weights: Arc::new(
+                variant
+                    .fairness_weights
+                    .iter()
+                    .flatten()
+                    .map(|(id, weight)| {
+                        (
+                            switchyard_policy::hash::fairness_key(id.as_bytes()),
+                            *weight,
+                        )
+                    })
+                    .collect(),
+            ),
             migration_limit: variant.migration_limit(),
         });
     }

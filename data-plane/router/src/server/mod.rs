@@ -33,6 +33,7 @@ use crate::kv::KvThread;
 use crate::observe::metrics;
 use crate::operation::Operation;
 use crate::plan::count::TokenCounters;
+use crate::request::queue::FlowControl;
 use crate::request::tokenize::TokenizeClient;
 use crate::request::{Worker, handle};
 use crate::routing::cells::LoadRegistry;
@@ -154,6 +155,7 @@ impl RouterHandle {
                 settings.kv_tokenize_timeout,
                 settings.kv_tokenize_pause,
             ),
+            flow: Arc::new(FlowControl::new(settings.queue, shutdown.clone())),
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
         let tokenizers = Arc::clone(&worker.counters);
@@ -288,6 +290,11 @@ impl RouterHandle {
     /// The routing table in use now.
     pub fn table(&self) -> Arc<RoutingTable> {
         self.worker.table.load_full()
+    }
+
+    /// Requests waiting now in this router's flow-control queue of `endpoint`'s `variant`.
+    pub fn queued(&self, endpoint: &str, variant: &str) -> usize {
+        self.worker.flow.queued(endpoint, variant)
     }
 
     /// Requests this router has in flight, summed over instances.
@@ -550,6 +557,9 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
             worker.counters.fallbacks(),
         );
         text.push_str(&worker.kv_index.render_metrics());
+        let mut flow = switchyard_process::metrics::TextEncoder::new();
+        worker.flow.render(&mut flow);
+        text.push_str(&flow.finish());
         (
             [(
                 http::header::CONTENT_TYPE,

@@ -1,0 +1,1048 @@
+//! The queue phase: flow control for variants with `MaxInFlightPerInstance`.
+//!
+//! A request to such a variant leaves this phase only with a slot at an instance: one whose
+//! fleet-wide in-flight count (this router's exact count plus the other routers' last
+//! reported one) is below the cap, taken atomically against this router's other requests
+//! ([`SlotClaim`]) and handed to the forward phase, whose attempt adopts it. When every
+//! candidate is at the cap the request waits in its variant's queue on this router, which
+//! lets requests go in this order:
+//!
+//! 1. **priority**: lower first (strict: a request of priority 0 waits while any of
+//!    priority -1 can be served);
+//! 2. **fairness id**: within a priority, ids take turns in proportion to their weights
+//!    (the variant's `FairnessWeights`, 1 for ids it does not name: stride scheduling, a cost
+//!    of one per request), so that two backlogged ids of equal weight share the slots evenly
+//!    however many requests each sends;
+//! 3. **arrival**, within an id.
+//!
+//! A request that cannot be served because its own candidates are full (one pinned to its
+//! instance) does not hold up the others: the next one in order that can go, goes.
+//!
+//! What wakes the queue: an attempt ending on one of the variant's instances
+//! ([`InstanceCell::slot_freed`]), a load report that lowers another router's count, and a
+//! recheck every [`RECHECK`] by a waiting request (for changes nothing reports, such as an
+//! ejection ending). Where a request goes is decided when it leaves, on that moment's counts:
+//! the first of its ranked candidates below the cap.
+//!
+//! Bounds: `--max-queued-requests` waiting requests per variant (beyond: 503), each for at
+//! most `--queue-timeout-seconds` (then 503); the fairness ids tracked are those of waiting
+//! requests, so never more than the requests waiting. A client that goes away leaves the
+//! queue at once. After SIGTERM a waiting request keeps its place for half the grace period,
+//! then gets 503, so the answers of those served still fit in the grace period.
+//!
+//! Disaggregated prefill/decode: each variant applies its own cap, and a request waits for
+//! the one it needs next: this phase takes a prefill slot for a request that goes prefill →
+//! decode, and the forward phase waits for a decode slot ([`FlowControl::slot`]) once the
+//! prefill is done (a direct request waits for the decoders here).
+//!
+//! Not held here: `/tokenize`, `/detokenize` and requests about a stored response (only
+//! inference waits); a request whose candidates are all ejected (forwarding answers it as
+//! without flow control).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use switchyard_process::metrics::{Histogram, TextEncoder};
+use switchyard_shared::{EndpointName, VariantName};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::errors::ApiError;
+use crate::observe::labels::RouteLabel;
+use crate::operation::Operation;
+use crate::plan::Plan;
+use crate::plan::flow::FlowKey;
+use crate::routing::cells::{InstanceCell, SlotClaim, SlotWaker};
+use crate::routing::table::{EndpointRoute, VariantRoute};
+
+/// How often a waiting request has the queue look again when nothing said a slot freed.
+pub const RECHECK: Duration = Duration::from_millis(200);
+
+/// Seconds waited in a queue.
+const WAIT_BOUNDS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// The queues' bounds, from the router's flags.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueSettings {
+    /// `--max-queued-requests`, per variant.
+    pub max_queued: usize,
+    /// `--queue-timeout-seconds`.
+    pub timeout: Duration,
+    /// `--trust-flow-headers`.
+    pub trust_headers: bool,
+    /// `--shutdown-grace-seconds`: waiting requests keep their place for half of it.
+    pub grace: Duration,
+}
+
+/// Why a request left a queue without a slot: the `reason` label of
+/// `switchyard_router_queue_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    Overflow,
+    Timeout,
+    Disconnect,
+    Shutdown,
+}
+
+impl Dropped {
+    pub const ALL: [Dropped; 4] = [
+        Dropped::Overflow,
+        Dropped::Timeout,
+        Dropped::Disconnect,
+        Dropped::Shutdown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dropped::Overflow => "overflow",
+            Dropped::Timeout => "timeout",
+            Dropped::Disconnect => "disconnect",
+            Dropped::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Every variant queue of one router (made when a request first meets the cap's variant).
+#[derive(Debug)]
+pub struct FlowControl {
+    settings: QueueSettings,
+    shutdown: CancellationToken,
+    queues: Mutex<HashMap<(EndpointName, VariantName), Arc<VariantQueue>>>,
+}
+
+/// A request through the queue phase: its plan (the ranking starting with the instance whose
+/// slot it holds), the slot, and how long it waited (None: no cap on its variant).
+#[derive(Debug)]
+pub struct Admitted {
+    pub plan: Plan,
+    pub claim: Option<SlotClaim>,
+    pub waited: Option<Duration>,
+}
+
+impl FlowControl {
+    pub fn new(settings: QueueSettings, shutdown: CancellationToken) -> Self {
+        Self {
+            settings,
+            shutdown,
+            queues: Mutex::default(),
+        }
+    }
+
+    /// Whether clients' `x-switchyard-priority` and `x-switchyard-fairness-id` are read.
+    pub fn trusts_headers(&self) -> bool {
+        self.settings.trust_headers
+    }
+
+    /// The queue phase: a slot for `plan` at an instance below its variant's cap, waiting
+    /// for one if need be (see the module docs); a plan without a cap goes straight on.
+    pub async fn admit(&self, operation: Operation, mut plan: Plan) -> Result<Admitted, ApiError> {
+        if !operation.queues() {
+            return Ok(Admitted {
+                plan,
+                claim: None,
+                waited: None,
+            });
+        }
+        // A disaggregated request needs a prefill instance first (its decoder waits in the
+        // forward phase, once the prefill is done).
+        if let Some(pd) = plan.endpoint.disaggregation.as_ref()
+            && let Some(hop) = plan.prefill_hop.as_mut()
+        {
+            let prefill = &plan.endpoint.variants[pd.prefill];
+            let slot = self
+                .slot(
+                    prefill,
+                    &plan.endpoint,
+                    &mut hop.prefill.order,
+                    false,
+                    plan.flow,
+                )
+                .await?;
+            return Ok(match slot {
+                Some((claim, waited)) => Admitted {
+                    plan,
+                    claim: Some(claim),
+                    waited: Some(waited),
+                },
+                None => Admitted {
+                    plan,
+                    claim: None,
+                    waited: None,
+                },
+            });
+        }
+        let endpoint = Arc::clone(&plan.endpoint);
+        let variant = &endpoint.variants[plan.variant_index];
+        let first = plan.ranking.order.first().copied();
+        let Some((claim, waited)) = self
+            .slot(
+                variant,
+                &endpoint,
+                &mut plan.ranking.order,
+                plan.pinned,
+                plan.flow,
+            )
+            .await?
+        else {
+            return Ok(Admitted {
+                plan,
+                claim: None,
+                waited: None,
+            });
+        };
+        // A prefix's (or its copy's) instance was full: another took it, as PREFIX_AWARE's
+        // overflow does.
+        if plan.ranking.order.first().copied() != first && plan.label == RouteLabel::Prefix {
+            plan.label = RouteLabel::Overflow;
+        }
+        Ok(Admitted {
+            plan,
+            claim: Some(claim),
+            waited: Some(waited),
+        })
+    }
+
+    /// A slot at one of `variant`'s instances in `order` (only the first when `pinned`), below
+    /// its MaxInFlightPerInstance, waiting in the variant's queue at `flow`'s place if need
+    /// be; `order` then starts with the granted instance, followed (for a retry after a
+    /// failed connection) by the others below the cap now. None: the variant has no cap, or
+    /// none of its candidates is available (forwarding answers as without flow control).
+    pub async fn slot(
+        &self,
+        variant: &VariantRoute,
+        endpoint: &EndpointRoute,
+        order: &mut Vec<usize>,
+        pinned: bool,
+        flow: FlowKey,
+    ) -> Result<Option<(SlotClaim, Duration)>, ApiError> {
+        let Some(cap) = variant.max_in_flight_per_instance else {
+            return Ok(None);
+        };
+        let now_ms = switchyard_process::clock::unix_ms();
+        let ranked: &[usize] = if pinned {
+            &order[..order.len().min(1)]
+        } else {
+            order
+        };
+        let candidates: Vec<Candidate> = ranked
+            .iter()
+            .filter(|&&position| variant.instances[position].cell.available(now_ms))
+            .map(|&position| Candidate {
+                position,
+                cell: Arc::clone(&variant.instances[position].cell),
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let queue = self.queue(&endpoint.name, &variant.name);
+        for candidate in &candidates {
+            let waker: Weak<dyn SlotWaker> = Arc::downgrade(&queue) as Weak<dyn SlotWaker>;
+            let _ = candidate.cell.waker.get_or_init(|| waker);
+        }
+        let body_priority = flow.body_priority.filter(|_| self.settings.trust_headers);
+        let fairness = flow.fairness.unwrap_or(0);
+        let place = Place {
+            priority: flow.header_priority.or(body_priority).unwrap_or(0),
+            fairness,
+            weight: variant
+                .fairness_weights
+                .get(&fairness)
+                .copied()
+                .unwrap_or(1.0),
+        };
+        let since = Instant::now();
+        let grant = match queue.wait(self, place, candidates, cap, since).await {
+            Ok(grant) => grant,
+            Err(dropped) => {
+                queue.dropped[dropped as usize].fetch_add(1, Ordering::Relaxed);
+                return Err(self.refusal(dropped, &endpoint.name, &variant.name));
+            }
+        };
+        let waited = since.elapsed();
+        queue.wait_seconds.observe(waited.as_secs_f64());
+        let granted = grant.position;
+        let rest: Vec<usize> = if pinned {
+            Vec::new()
+        } else {
+            order
+                .iter()
+                .copied()
+                .filter(|&position| {
+                    position != granted && variant.instances[position].cell.fleet_load() < cap
+                })
+                .collect()
+        };
+        *order = std::iter::once(granted).chain(rest).collect();
+        Ok(Some((grant.claim, waited)))
+    }
+
+    fn refusal(
+        &self,
+        dropped: Dropped,
+        endpoint: &EndpointName,
+        variant: &VariantName,
+    ) -> ApiError {
+        let mut error = match dropped {
+            Dropped::Overflow => ApiError::overloaded(format!(
+                "{} requests already wait for variant {variant} of endpoint {endpoint} on this \
+                 router (--max-queued-requests); retry shortly",
+                self.settings.max_queued
+            )),
+            Dropped::Timeout => ApiError::overloaded(format!(
+                "no instance of variant {variant} of endpoint {endpoint} had a free slot \
+                 (MaxInFlightPerInstance) within {} s (--queue-timeout-seconds); retry shortly",
+                self.settings.timeout.as_secs()
+            )),
+            // The client is gone: nobody reads this.
+            Dropped::Disconnect | Dropped::Shutdown => ApiError::overloaded(
+                "the router is shutting down and its queue was not served in time; retry on \
+                 another router",
+            ),
+        };
+        error.openai_code = match dropped {
+            Dropped::Overflow => "queue_full",
+            Dropped::Timeout => "queue_timeout",
+            Dropped::Disconnect | Dropped::Shutdown => "shutting_down",
+        };
+        error
+    }
+
+    fn queue(&self, endpoint: &EndpointName, variant: &VariantName) -> Arc<VariantQueue> {
+        let mut queues = self
+            .queues
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        Arc::clone(
+            queues
+                .entry((endpoint.clone(), variant.clone()))
+                .or_insert_with(|| Arc::new(VariantQueue::default())),
+        )
+    }
+
+    /// Requests waiting in `endpoint`'s `variant` queue now.
+    pub fn queued(&self, endpoint: &str, variant: &str) -> usize {
+        let queues = self
+            .queues
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        queues
+            .iter()
+            .find(|((e, v), _)| e.as_str() == endpoint && v.as_str() == variant)
+            .map_or(0, |(_, queue)| queue.lock().len)
+    }
+
+    /// The queues' metrics: length and oldest wait per variant and priority (priorities with
+    /// waiting requests only), waits, and requests dropped by reason. No label per fairness
+    /// id.
+    pub fn render(&self, out: &mut TextEncoder) {
+        let mut queues: Vec<((EndpointName, VariantName), Arc<VariantQueue>)> = self
+            .queues
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .iter()
+            .map(|(key, queue)| (key.clone(), Arc::clone(queue)))
+            .collect();
+        queues.sort_by(|a, b| a.0.cmp(&b.0));
+        let now = Instant::now();
+        let mut bands = Vec::new();
+        for ((endpoint, variant), queue) in &queues {
+            let state = queue.lock();
+            for (priority, band) in &state.bands {
+                let length: usize = band.flows.values().map(|flow| flow.waiters.len()).sum();
+                let oldest = band
+                    .flows
+                    .values()
+                    .filter_map(|flow| flow.waiters.front().map(|waiter| waiter.since))
+                    .min()
+                    .map_or(0.0, |since| now.duration_since(since).as_secs_f64());
+                bands.push((
+                    endpoint.to_string(),
+                    variant.to_string(),
+                    priority.to_string(),
+                    length,
+                    oldest,
+                ));
+            }
+        }
+        out.family(
+            "switchyard_router_queue_length",
+            "gauge",
+            "Requests waiting in this router's flow-control queue, per variant and priority (MaxInFlightPerInstance).",
+        );
+        for (endpoint, variant, priority, length, _) in &bands {
+            out.sample(
+                "switchyard_router_queue_length",
+                &[
+                    ("endpoint", endpoint),
+                    ("variant", variant),
+                    ("priority", priority),
+                ],
+                *length as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_queue_oldest_seconds",
+            "gauge",
+            "How long the oldest waiting request has waited, per variant and priority.",
+        );
+        for (endpoint, variant, priority, _, oldest) in &bands {
+            out.sample(
+                "switchyard_router_queue_oldest_seconds",
+                &[
+                    ("endpoint", endpoint),
+                    ("variant", variant),
+                    ("priority", priority),
+                ],
+                *oldest,
+            );
+        }
+        out.family(
+            "switchyard_router_queue_wait_seconds",
+            "histogram",
+            "Time requests of capped variants waited for a slot (0 when one was free), per variant.",
+        );
+        for ((endpoint, variant), queue) in &queues {
+            out.histogram(
+                "switchyard_router_queue_wait_seconds",
+                &[
+                    ("endpoint", endpoint.as_str()),
+                    ("variant", variant.as_str()),
+                ],
+                &queue.wait_seconds,
+            );
+        }
+        out.family(
+            "switchyard_router_queue_dropped_total",
+            "counter",
+            "Requests that left the queue without a slot, by reason: overflow (--max-queued-requests), timeout (--queue-timeout-seconds), disconnect (the client went away), shutdown.",
+        );
+        for ((endpoint, variant), queue) in &queues {
+            for reason in Dropped::ALL {
+                out.sample(
+                    "switchyard_router_queue_dropped_total",
+                    &[
+                        ("endpoint", endpoint.as_str()),
+                        ("variant", variant.as_str()),
+                        ("reason", reason.as_str()),
+                    ],
+                    queue.dropped[reason as usize].load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+    }
+}
+
+/// An instance a waiting request may go to, by position in its variant.
+#[derive(Debug)]
+struct Candidate {
+    position: usize,
+    cell: Arc<InstanceCell>,
+}
+
+/// A slot for a waiting request: where, and the slot itself.
+#[derive(Debug)]
+struct Grant {
+    position: usize,
+    claim: SlotClaim,
+}
+
+/// Where a request waits: its priority band, its fairness id and that id's weight.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    priority: i32,
+    fairness: u64,
+    weight: f64,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    seq: u64,
+    since: Instant,
+    cap: u32,
+    candidates: Vec<Candidate>,
+    reply: oneshot::Sender<Grant>,
+}
+
+impl Waiter {
+    fn try_grant(&self, full: &mut Vec<*const InstanceCell>) -> Option<Grant> {
+        try_grant(&self.candidates, self.cap, full)
+    }
+}
+
+/// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
+/// pass (`full`, which gets the ones found full now).
+fn try_grant(
+    candidates: &[Candidate],
+    cap: u32,
+    full: &mut Vec<*const InstanceCell>,
+) -> Option<Grant> {
+    for candidate in candidates {
+        let cell = Arc::as_ptr(&candidate.cell);
+        if full.contains(&cell) {
+            continue;
+        }
+        match SlotClaim::take(&candidate.cell, cap) {
+            Some(claim) => {
+                return Some(Grant {
+                    position: candidate.position,
+                    claim,
+                });
+            }
+            None => full.push(cell),
+        }
+    }
+    None
+}
+
+/// One variant's queue on this router.
+#[derive(Debug)]
+struct VariantQueue {
+    state: Mutex<State>,
+    wait_seconds: Histogram,
+    dropped: [AtomicU64; Dropped::ALL.len()],
+    /// When a waiting request last had the queue look again (ms since `epoch`), so that a
+    /// long queue rechecks a few times a second, not once per request.
+    rechecked_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for VariantQueue {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            wait_seconds: Histogram::new(&WAIT_BOUNDS),
+            dropped: Default::default(),
+            rechecked_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+/// Priority bands, lowest first; in each, fairness ids by their pass (weighted turns); in
+/// each id, arrival order.
+#[derive(Debug, Default)]
+struct State {
+    bands: BTreeMap<i32, Band>,
+    len: usize,
+    next_seq: u64,
+}
+
+/// One priority's waiting requests. Each fairness id has a pass: served ids in order of it
+/// (ties by who was served longest ago, or arrived first), and a request served adds
+/// 1 / weight to its id's pass (stride scheduling: over time each backlogged id gets turns in
+/// proportion to its weight; with equal weights, one each in turn). An id that starts waiting
+/// starts at the pass of the last request served, neither behind the others nor ahead.
+#[derive(Debug, Default)]
+struct Band {
+    flows: HashMap<u64, Flow>,
+    /// The pass at which the last request was served.
+    clock: f64,
+    /// Tie-break order: when each id last arrived or was served.
+    next_order: u64,
+}
+
+#[derive(Debug)]
+struct Flow {
+    waiters: VecDeque<Waiter>,
+    pass: f64,
+    weight: f64,
+    order: u64,
+}
+
+impl State {
+    fn push(&mut self, place: Place, waiter: Waiter) {
+        let band = self.bands.entry(place.priority).or_default();
+        let (clock, order) = (band.clock, band.next_order);
+        let flow = band.flows.entry(place.fairness).or_insert_with(|| Flow {
+            waiters: VecDeque::new(),
+            pass: clock,
+            weight: place.weight,
+            order,
+        });
+        if flow.waiters.is_empty() {
+            band.next_order += 1;
+        }
+        flow.waiters.push_back(waiter);
+        self.len += 1;
+    }
+
+    /// Takes out the waiter `seq` (if it is still there).
+    fn remove(&mut self, place: Place, seq: u64) -> bool {
+        let Some(band) = self.bands.get_mut(&place.priority) else {
+            return false;
+        };
+        let Some(flow) = band.flows.get_mut(&place.fairness) else {
+            return false;
+        };
+        let Some(at) = flow.waiters.iter().position(|waiter| waiter.seq == seq) else {
+            return false;
+        };
+        flow.waiters.remove(at);
+        self.len -= 1;
+        if flow.waiters.is_empty() {
+            band.flows.remove(&place.fairness);
+        }
+        if band.flows.is_empty() {
+            self.bands.remove(&place.priority);
+        }
+        true
+    }
+
+    /// The next waiter in order that can have a slot now, taken out with its slot; its id's
+    /// pass moves on by 1 / weight.
+    fn next_grant(&mut self, full: &mut Vec<*const InstanceCell>) -> Option<(Waiter, Grant)> {
+        let mut found = None;
+        'bands: for (&priority, band) in self.bands.iter_mut() {
+            let mut ids: Vec<(f64, u64, u64)> = band
+                .flows
+                .iter()
+                .map(|(id, flow)| (flow.pass, flow.order, *id))
+                .collect();
+            ids.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for (_, _, id) in ids {
+                let Some(flow) = band.flows.get_mut(&id) else {
+                    continue;
+                };
+                for at in 0..flow.waiters.len() {
+                    if let Some(grant) = flow.waiters[at].try_grant(full) {
+                        let waiter = flow.waiters.remove(at).expect("the waiter is there");
+                        band.clock = flow.pass;
+                        flow.pass += 1.0 / flow.weight;
+                        flow.order = band.next_order;
+                        band.next_order += 1;
+                        if flow.waiters.is_empty() {
+                            band.flows.remove(&id);
+                        }
+                        found = Some((priority, waiter, grant));
+                        break 'bands;
+                    }
+                }
+            }
+        }
+        let (priority, waiter, grant) = found?;
+        self.len -= 1;
+        if self
+            .bands
+            .get(&priority)
+            .is_some_and(|band| band.flows.is_empty())
+        {
+            self.bands.remove(&priority);
+        }
+        Some((waiter, grant))
+    }
+}
+
+impl VariantQueue {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Gives slots to waiting requests, in order, while there are free ones for them.
+    fn dispatch(&self) {
+        let mut unsent = Vec::new();
+        {
+            let mut state = self.lock();
+            let mut full = Vec::new();
+            while let Some((waiter, grant)) = state.next_grant(&mut full) {
+                // A waiter in the queue is still listening (it leaves before it stops);
+                // a grant it cannot take is freed outside the lock.
+                if let Err(grant) = waiter.reply.send(grant) {
+                    unsent.push(grant);
+                }
+            }
+        }
+        drop(unsent);
+    }
+
+    /// Waits for a slot at one of `candidates` (see the module docs).
+    async fn wait(
+        self: &Arc<Self>,
+        flow: &FlowControl,
+        place: Place,
+        candidates: Vec<Candidate>,
+        cap: u32,
+        since: Instant,
+    ) -> Result<Grant, Dropped> {
+        let (seq, receiver) = {
+            let mut state = self.lock();
+            // Nobody waits: a free slot is this request's (the common case, no channel).
+            if state.len == 0
+                && let Some(grant) = try_grant(&candidates, cap, &mut Vec::new())
+            {
+                return Ok(grant);
+            }
+            if state.len >= flow.settings.max_queued {
+                return Err(Dropped::Overflow);
+            }
+            let (reply, receiver) = oneshot::channel();
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            state.push(
+                place,
+                Waiter {
+                    seq,
+                    since,
+                    cap,
+                    candidates,
+                    reply,
+                },
+            );
+            (seq, receiver)
+        };
+        let mut waiting = Waiting {
+            queue: self,
+            place,
+            seq,
+            receiver,
+            settled: false,
+        };
+        self.dispatch();
+        let grace_left = flow.settings.grace / 2;
+        let mut deadline = since + flow.settings.timeout;
+        let mut draining = flow.shutdown.is_cancelled();
+        if draining {
+            // Arrived during shutdown: a slot now or a refusal.
+            deadline = since;
+        }
+        loop {
+            tokio::select! {
+                biased;
+                granted = &mut waiting.receiver => {
+                    waiting.settled = true;
+                    // The sender goes only with a grant or with the queue's entry, which
+                    // is only taken out by `Waiting` itself.
+                    return granted.map_err(|_| Dropped::Shutdown);
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    let reason = if draining { Dropped::Shutdown } else { Dropped::Timeout };
+                    return waiting.leave(reason);
+                }
+                () = flow.shutdown.cancelled(), if !draining => {
+                    draining = true;
+                    deadline = deadline.min(Instant::now() + grace_left);
+                }
+                () = tokio::time::sleep(RECHECK) => self.recheck(),
+            }
+        }
+    }
+
+    /// A waiting request's periodic look, at most once per [`RECHECK`] for the queue.
+    fn recheck(&self) {
+        let now_ms = self.epoch.elapsed().as_millis() as u64;
+        let last = self.rechecked_ms.load(Ordering::Relaxed);
+        if now_ms.saturating_sub(last) >= RECHECK.as_millis() as u64 / 2
+            && self
+                .rechecked_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.dispatch();
+        }
+    }
+}
+
+impl SlotWaker for VariantQueue {
+    fn slot_freed(&self) {
+        self.dispatch();
+    }
+}
+
+/// A request's place in the queue while it waits: dropped (the client went away), it leaves
+/// the queue at once.
+struct Waiting<'a> {
+    queue: &'a Arc<VariantQueue>,
+    place: Place,
+    seq: u64,
+    receiver: oneshot::Receiver<Grant>,
+    settled: bool,
+}
+
+impl Waiting<'_> {
+    /// Leaves the queue for `reason`, unless a slot arrived meanwhile (then it is taken).
+    fn leave(&mut self, reason: Dropped) -> Result<Grant, Dropped> {
+        self.settled = true;
+        self.queue.lock().remove(self.place, self.seq);
+        self.receiver.try_recv().map_err(|_| reason)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if self.queue.lock().remove(self.place, self.seq) {
+            self.queue.dropped[Dropped::Disconnect as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        // A slot granted but not taken goes with the receiver, after the lock.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(max_queued: usize) -> QueueSettings {
+        QueueSettings {
+            max_queued,
+            timeout: Duration::from_secs(5),
+            trust_headers: true,
+            grace: Duration::from_secs(2),
+        }
+    }
+
+    fn candidates(cells: &[Arc<InstanceCell>]) -> Vec<Candidate> {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(position, cell)| Candidate {
+                position,
+                cell: Arc::clone(cell),
+            })
+            .collect()
+    }
+
+    /// Waits in `queue` at `place` for a slot at `cell` (cap 1), reporting on `served`.
+    fn spawn_waiter(
+        flow: &Arc<FlowControl>,
+        queue: &Arc<VariantQueue>,
+        cell: &Arc<InstanceCell>,
+        place: Place,
+        name: &'static str,
+        served: &tokio::sync::mpsc::UnboundedSender<(&'static str, SlotClaim)>,
+    ) -> tokio::task::JoinHandle<()> {
+        let (flow, queue, cell, served) = (
+            Arc::clone(flow),
+            Arc::clone(queue),
+            Arc::clone(cell),
+            served.clone(),
+        );
+        tokio::spawn(async move {
+            let grant = queue
+                .wait(&flow, place, candidates(&[cell]), 1, Instant::now())
+                .await
+                .unwrap();
+            served.send((name, grant.claim)).unwrap();
+        })
+    }
+
+    fn registered(queue: &Arc<VariantQueue>) -> Arc<InstanceCell> {
+        let cell = Arc::new(InstanceCell::default());
+        let waker: Weak<dyn SlotWaker> = Arc::downgrade(queue) as Weak<dyn SlotWaker>;
+        let _ = cell.waker.set(waker);
+        cell
+    }
+
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn slots_go_by_priority_then_in_turn_across_ids_then_in_arrival_order() {
+        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let held = SlotClaim::take(&cell, 1).unwrap();
+        let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
+        let place = |priority, fairness| Place {
+            priority,
+            fairness,
+            weight: 1.0,
+        };
+        let mut tasks = Vec::new();
+        for (name, priority, fairness) in [
+            ("a1", 0, 1),
+            ("a2", 0, 1),
+            ("a3", 0, 1),
+            ("b1", 0, 2),
+            ("b2", 0, 2),
+            ("urgent", -1, 3),
+        ] {
+            tasks.push(spawn_waiter(
+                &flow,
+                &queue,
+                &cell,
+                place(priority, fairness),
+                name,
+                &served,
+            ));
+            settle().await;
+        }
+        assert_eq!(queue.lock().len, 6);
+        drop(held);
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            let (name, claim) = order.recv().await.unwrap();
+            assert_eq!(cell.local.load(Ordering::Relaxed), 1, "one at a time");
+            seen.push(name);
+            drop(claim);
+        }
+        assert_eq!(seen, ["urgent", "a1", "b1", "a2", "b2", "a3"]);
+        assert_eq!(cell.local.load(Ordering::Relaxed), 0);
+        for task in tasks {
+            task.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn ids_take_turns_in_proportion_to_their_weights() {
+        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let held = SlotClaim::take(&cell, 1).unwrap();
+        let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for (name, fairness, weight) in [("gold", 1, 3.0), ("plain", 2, 1.0)] {
+            for _ in 0..20 {
+                let place = Place {
+                    priority: 0,
+                    fairness,
+                    weight,
+                };
+                tasks.push(spawn_waiter(&flow, &queue, &cell, place, name, &served));
+            }
+            settle().await;
+        }
+        assert_eq!(queue.lock().len, 40);
+        drop(held);
+        let mut seen = Vec::new();
+        for _ in 0..40 {
+            let (name, claim) = order.recv().await.unwrap();
+            seen.push(name);
+            drop(claim);
+        }
+        // While both wait (the first 20 served), gold has three turns for each of plain's.
+        let gold = seen[..20].iter().filter(|name| **name == "gold").count();
+        assert_eq!(gold, 15, "{seen:?}");
+        for task in tasks {
+            task.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn overflow_is_refused_and_a_dropped_waiter_leaves_at_once() {
+        let flow = Arc::new(FlowControl::new(settings(1), CancellationToken::new()));
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let _held = SlotClaim::take(&cell, 1).unwrap();
+        let (served, _order) = tokio::sync::mpsc::unbounded_channel();
+        let waiter = spawn_waiter(
+            &flow,
+            &queue,
+            &cell,
+            Place {
+                priority: 0,
+                fairness: 0,
+                weight: 1.0,
+            },
+            "w",
+            &served,
+        );
+        settle().await;
+        let second = queue
+            .wait(
+                &flow,
+                Place {
+                    priority: 0,
+                    fairness: 0,
+                    weight: 1.0,
+                },
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                Instant::now(),
+            )
+            .await;
+        assert_eq!(second.unwrap_err(), Dropped::Overflow);
+        waiter.abort();
+        let _ = waiter.await;
+        assert_eq!(queue.lock().len, 0);
+        assert_eq!(
+            queue.dropped[Dropped::Disconnect as usize].load(Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[tokio::test]
+    async fn a_wait_ends_at_the_timeout_and_sooner_after_shutdown() {
+        let shutdown = CancellationToken::new();
+        let flow = FlowControl::new(
+            QueueSettings {
+                timeout: Duration::from_millis(300),
+                ..settings(10)
+            },
+            shutdown.clone(),
+        );
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let _held = SlotClaim::take(&cell, 1).unwrap();
+        let anywhere = Place {
+            priority: 0,
+            fairness: 0,
+            weight: 1.0,
+        };
+        let started = Instant::now();
+        let timed_out = queue
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                started,
+            )
+            .await;
+        assert_eq!(timed_out.unwrap_err(), Dropped::Timeout);
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        // After the signal a waiting request keeps its place for half the grace period
+        // (1 s), well before its own timeout (60 s).
+        let flow = FlowControl::new(
+            QueueSettings {
+                timeout: Duration::from_secs(60),
+                ..settings(10)
+            },
+            shutdown.clone(),
+        );
+        let cancel = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            cancel.cancel();
+        });
+        let started = Instant::now();
+        let shut = queue
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                started,
+            )
+            .await;
+        assert_eq!(shut.unwrap_err(), Dropped::Shutdown);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(1) && waited < Duration::from_secs(30),
+            "{waited:?}"
+        );
+        assert_eq!(queue.lock().len, 0);
+        // Arriving during shutdown: a slot now, or a refusal at once.
+        let refused = queue
+            .wait(
+                &flow,
+                anywhere,
+                candidates(&[Arc::clone(&cell)]),
+                1,
+                Instant::now(),
+            )
+            .await;
+        assert_eq!(refused.unwrap_err(), Dropped::Shutdown);
+    }
+}
