@@ -1444,3 +1444,73 @@ async fn uncached_tokens_decide_direct_or_disaggregated_and_tokenize_down_falls_
     settles(&router).await?;
     Ok(())
 }
+
+/// A decode leg whose engine dies midway continues on another decoder (MigrationLimit on the
+/// decode variant) as a plain request of the prompt plus the text so far: the client reads the
+/// undisturbed answer.
+#[tokio::test]
+async fn a_decode_leg_that_dies_continues_on_another_decoder() -> anyhow::Result<()> {
+    let mut pool = Pool {
+        prefill: Vec::new(),
+        decode: Vec::new(),
+    };
+    pool.decode.push(
+        switchyard_engine_sim::spawn(SimConfig {
+            die_mid_stream_rate: 1.0,
+            ..engine(InstanceRole::Decode)
+        })
+        .await?,
+    );
+    pool.decode
+        .push(switchyard_engine_sim::spawn(engine(InstanceRole::Decode)).await?);
+    pool.prefill
+        .push(switchyard_engine_sim::spawn(engine(InstanceRole::Prefill)).await?);
+    let instances = line(&pool.prefill[0].url, "p0", "prefill", "")
+        + &line(&pool.decode[0].url, "d0", "decode", ", Weight: 1000000")
+        + &line(&pool.decode[1].url, "d1", "decode", "");
+    let dir = tempfile::tempdir()?;
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim, MigrationLimit: 1}}\n    DisaggregationConfig: {{PrefillVariantName: prefill, DecodeVariantName: decode, DecodeRoutingStrategy: RANDOM}}\n    Instances:\n{instances}"
+    );
+    let router = router_from_file(&dir.path().join("pd.yaml"), &yaml, |_| {}).await?;
+    let body = completion(&hellos(5000), 8, true);
+    let undisturbed = bounded(
+        "an undisturbed answer",
+        http_post(
+            &format!("{}/v1/completions", pool.decode[1].url),
+            &[],
+            body.replace(r#""model":"pd""#, r#""model":"sim""#),
+        ),
+    )
+    .await?;
+    let reply = bounded("a migrated answer", http_post(&url(&router), &[], body)).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    let text = |body: &str| -> String {
+        body.lines()
+            .filter_map(|line| line.strip_prefix("data: "))
+            .filter_map(|data| serde_json::from_str::<serde_json::Value>(data).ok())
+            .filter_map(|event| event["choices"][0]["text"].as_str().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(text(&reply.body), text(&undisturbed.body));
+    assert!(
+        reply
+            .body
+            .contains(": switchyard migrated this answer from d0 to d1"),
+        "{}",
+        reply.body
+    );
+    assert_eq!(reply.body.matches("data: [DONE]").count(), 1);
+    assert_eq!(pool.decode[0].stats().responses_cut, 1);
+    // The continuation went to the other decoder as a plain request: no hand-off to pull.
+    let continued = pool.decode[1].received();
+    assert_eq!(
+        continued.len(),
+        2,
+        "the undisturbed request and the continuation"
+    );
+    assert!(!continued[1].kv_transfer_params, "{:?}", continued[1]);
+    settles(&router).await?;
+    Ok(())
+}

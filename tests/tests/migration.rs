@@ -14,6 +14,15 @@ async fn start_router(
     limit: u32,
     engines: &[(&str, &SimHandle, f64)],
 ) -> anyhow::Result<RouterHandle> {
+    start_tuned(dir, limit, engines, |_| {}).await
+}
+
+async fn start_tuned(
+    dir: &tempfile::TempDir,
+    limit: u32,
+    engines: &[(&str, &SimHandle, f64)],
+    tune: impl FnOnce(&mut switchyard_router::RouterConfig),
+) -> anyhow::Result<RouterHandle> {
     let mut yaml = format!(
         "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: AllTraffic\n        ModelName: sim\n        MigrationLimit: {limit}\n    Instances:\n"
     );
@@ -23,7 +32,7 @@ async fn start_router(
             engine.url
         ));
     }
-    router_from_file(&dir.path().join("routes.yaml"), &yaml, |_| {}).await
+    router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
 fn dying() -> SimConfig {
@@ -128,6 +137,7 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
         metrics.get(r#"switchyard_router_migrations_total{outcome="continued"}"#),
         Some(2.0)
     );
+    settles(&router).await?;
     Ok(())
 }
 
@@ -152,6 +162,7 @@ async fn beyond_the_limit_the_stream_ends_with_an_error_event() -> anyhow::Resul
         let series = format!(r#"switchyard_router_migrations_total{{outcome="{outcome}"}}"#);
         assert_eq!(metrics.get(&series), Some(count), "{series}");
     }
+    settles(&router).await?;
     Ok(())
 }
 
@@ -171,5 +182,75 @@ async fn what_a_continuation_cannot_finish_is_not_moved() -> anyhow::Result<()> 
         "upstream_reset"
     );
     assert!(healthy.received().is_empty(), "a guided answer was moved");
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_stalled_stream_is_dropped_and_continued_elsewhere() -> anyhow::Result<()> {
+    let stalls = switchyard_engine_sim::spawn(SimConfig {
+        stall_mid_stream_rate: 1.0,
+        ..fast()
+    })
+    .await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let engines = [("stalls", &stalls, 1e6), ("healthy", &healthy, 1.0)];
+    let router = start_tuned(&dir, 1, &engines, |config| {
+        config.stream_idle_timeout_seconds = 1;
+    })
+    .await?;
+    let mut direct = chat(10);
+    direct["model"] = json!("sim");
+    let undisturbed = stream(&format!("{}/v1/chat/completions", healthy.url), direct).await?;
+    let migrated = stream(&chat_url(&router), chat(10)).await?;
+    assert_eq!(migrated.text, undisturbed.text);
+    assert_eq!(migrated.done, 1);
+    assert_eq!(migrated.comments.len(), 1, "{:?}", migrated.comments);
+    // The stalled answer counted against its instance, and its connection was let go: no
+    // request is left in flight at either instance.
+    assert_eq!(
+        metric(&router.url(), r#"switchyard_router_upstream_errors_total{endpoint="chat",instance="stalls",kind="stream_idle"}"#).await,
+        Some(1.0)
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+/// The `openai` Python client reads a migrated stream as one answer, and a stream beyond the
+/// limit as an APIError carrying the router's final error event.
+#[tokio::test]
+async fn the_openai_client_reads_a_migrated_stream() -> anyhow::Result<()> {
+    let python = test_python();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_stream.py");
+    let dies = switchyard_engine_sim::spawn(dying()).await?;
+    let also_dies = switchyard_engine_sim::spawn(dying()).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let moving = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
+    let other = tempfile::tempdir()?;
+    let stuck = start_router(&other, 1, &[("a", &dies, 1.0), ("b", &also_dies, 1.0)]).await?;
+    let mut direct = chat(9);
+    direct["model"] = json!("sim");
+    let expected = stream(&format!("{}/v1/chat/completions", healthy.url), direct)
+        .await?
+        .text;
+    for (router, args) in [
+        (&moving, vec!["complete", expected.as_str()]),
+        (&stuck, vec!["broken"]),
+    ] {
+        let output = tokio::process::Command::new(&python)
+            .arg(&script)
+            .arg(format!("{}/v1", router.url()))
+            .arg("9")
+            .args(&args)
+            .output()
+            .await?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{args:?}:\n{stdout}\n{stderr}");
+        assert!(stdout.contains("all ok"), "{stdout}\n{stderr}");
+        settles(router).await?;
+    }
     Ok(())
 }
