@@ -137,6 +137,11 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
         metrics.get(r#"switchyard_router_migrations_total{outcome="continued"}"#),
         Some(2.0)
     );
+    // A migrated answer's last engine body is read to its end: no client counted gone.
+    assert_eq!(
+        metrics.get(r#"switchyard_router_errors_total{kind="client_gone"}"#),
+        Some(0.0)
+    );
     settles(&router).await?;
     Ok(())
 }

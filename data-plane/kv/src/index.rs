@@ -208,6 +208,8 @@ type Holders = Vec<u32>;
 struct VariantBlocks {
     /// Block size of the variant's engines, from their first event.
     block_size: Option<usize>,
+    /// The instance whose event set `block_size`: only it may widen it.
+    block_size_from: Option<u32>,
     holders: HashMap<u64, Holders>,
     slots: Vec<Option<InstanceBlocks>>,
     by_id: HashMap<InstanceId, u32>,
@@ -277,13 +279,16 @@ impl VariantBlocks {
         }
     }
 
-    /// Takes `block_size` as the variant's if it is the largest seen: an earlier, smaller
-    /// one was a partial block's, and what was indexed at it is dropped. False if the event
-    /// is smaller than the variant's block size (a partial block: skipped).
-    fn learn_block_size(&mut self, block_size: usize) -> bool {
+    /// Takes `block_size` (of an event from `slot`) as the variant's if it is the largest
+    /// seen from the instance that set the current one: that earlier, smaller size was a
+    /// partial block's, and what was indexed at it is dropped. False if the event does not
+    /// count: smaller than the variant's block size (a partial block), or larger from another
+    /// instance (a misconfigured engine must not switch the variant's KV routing off).
+    fn learn_block_size(&mut self, slot: u32, block_size: usize) -> bool {
         match self.block_size {
             Some(known) if known == block_size => true,
             Some(known) if known > block_size => false,
+            Some(_) if self.block_size_from != Some(slot) => false,
             Some(_) => {
                 for slot in 0..self.slots.len() as u32 {
                     if self.slots[slot as usize].is_some() {
@@ -295,6 +300,7 @@ impl VariantBlocks {
             }
             None => {
                 self.block_size = Some(block_size);
+                self.block_size_from = Some(slot);
                 true
             }
         }
@@ -304,7 +310,7 @@ impl VariantBlocks {
         let block_size = event.block_size as usize;
         if block_size == 0
             || event.token_ids.len() != event.block_hashes.len() * block_size
-            || !self.learn_block_size(block_size)
+            || !self.learn_block_size(slot, block_size)
         {
             counters.events_ignored.fetch_add(1, Ordering::Relaxed);
             return;
@@ -1165,6 +1171,24 @@ mod tests {
         assert_eq!(index.block_count(&id("a")), 2);
         let hashes = index.request_hashes(&[1, 2, 3, 4]).unwrap();
         assert_eq!(index.matched_blocks_of(&hashes, &id("a")), 2);
+    }
+
+    #[test]
+    fn a_larger_block_size_from_another_instance_changes_nothing() {
+        let index = VariantIndex::default();
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        let misconfigured = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![EngineHash(9)],
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 4,
+            ..BlockStored::default()
+        });
+        apply(&index, "b", vec![misconfigured]);
+        assert_eq!(index.block_size(), Some(2));
+        assert_eq!(index.block_count(&id("a")), 2, "another instance cleared a");
+        assert_eq!(index.block_count(&id("b")), 0);
+        apply(&index, "a", vec![stored(Some(2), &[3], &[5, 6])]);
+        assert_eq!(index.block_count(&id("a")), 3);
     }
 
     #[test]

@@ -96,16 +96,21 @@ impl Forwarder<'_> {
         };
         let prefill_variant = &endpoint.variants[pd.prefill];
         let started = Instant::now();
+        // A fallback frees the prefill slot the queue phase took at once (not at the answer).
         let prefilled = match disaggregated.prefill_body.take() {
-            None => Err(NoPrefill::Fallback("prefill_failed")),
+            None => {
+                drop(prefill_claim);
+                Err(NoPrefill::Fallback("prefill_failed"))
+            }
             // The prefill copy is held beside the body: both count against the bound.
             Some(copy) if !reservation.grow_within((plan.body.len() + copy.len()) as u64) => {
-                drop(copy);
+                drop((copy, prefill_claim));
                 Err(NoPrefill::Fallback("buffer_full"))
             }
             Some(copy) => {
                 let order = prefill_order(pd, &endpoint.variants[pd.decode], &disaggregated);
                 if order.is_empty() {
+                    drop(prefill_claim);
                     Err(NoPrefill::Fallback("no_decode_partner"))
                 } else {
                     self.prefill(

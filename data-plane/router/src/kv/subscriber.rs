@@ -167,7 +167,10 @@ impl Follower {
             &target.counters,
         );
         self.expected = Some(seq + 1);
-        self.last_ts = self.last_ts.max(batch.ts);
+        // A timestamp that is not a number of seconds would blind the restart rule for good.
+        if batch.ts.is_finite() {
+            self.last_ts = self.last_ts.max(batch.ts);
+        }
     }
 
     fn rebuild(&mut self, why: &str) {
@@ -279,6 +282,9 @@ pub async fn run(
     stop: CancellationToken,
 ) {
     let instance = target.instance.clone();
+    // A new subscription starts from nothing: whatever an earlier one of this instance left
+    // (a write that raced its stop) is not this run's.
+    target.index.clear(&instance, true);
     let (mut sub, mut monitor) = loop {
         let mut sub = zeromq::SubSocket::new();
         let monitor = sub.monitor();
@@ -324,6 +330,9 @@ pub async fn run(
     let mut housekeeping = tokio::time::interval(Duration::from_millis(50));
     loop {
         tokio::select! {
+            // A stopped subscriber writes nothing more: the instance was cleared after it was
+            // told to stop, and a batch applied now would come back as a leftover.
+            biased;
             () = stop.cancelled() => break,
             event = monitor.next(), if monitor_open => match event {
                 Some(zeromq::SocketEvent::Disconnected(_)) => {

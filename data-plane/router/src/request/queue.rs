@@ -267,17 +267,15 @@ impl FlowControl {
         let waited = since.elapsed();
         queue.wait_seconds.observe(waited.as_secs_f64());
         let granted = grant.position;
-        let rest: Vec<usize> = if pinned {
-            Vec::new()
-        } else {
-            order
-                .iter()
-                .copied()
-                .filter(|&position| {
-                    position != granted && variant.instances[position].cell.fleet_load() < cap
-                })
-                .collect()
-        };
+        // The retries (a pinned request's ranking keeps its fallbacks too: a session's
+        // rendezvous order; a stored response's has none).
+        let rest: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|&position| {
+                position != granted && variant.instances[position].cell.fleet_load() < cap
+            })
+            .collect();
         *order = std::iter::once(granted).chain(rest).collect();
         Ok(Some((grant.claim, waited)))
     }
@@ -482,9 +480,12 @@ fn try_grant(
     cap: u32,
     full: &mut Vec<*const InstanceCell>,
 ) -> Option<Grant> {
+    let now_ms = switchyard_process::clock::unix_ms();
     for candidate in candidates {
         let cell = Arc::as_ptr(&candidate.cell);
-        if full.contains(&cell) {
+        // An instance ejected meanwhile (it failed fast: its slots free at once) is not
+        // granted, or it would turn the queue into errors while healthy instances are busy.
+        if full.contains(&cell) || !candidate.cell.available(now_ms) {
             continue;
         }
         match SlotClaim::take(&candidate.cell, cap) {
@@ -680,7 +681,9 @@ impl VariantQueue {
                 return Ok(grant);
             }
             if state.len >= flow.settings.max_queued {
-                return Err(Dropped::Overflow);
+                // A full queue refuses only a request that would wait: a slot free now is one
+                // no waiter can use (waiters pinned to a busy instance fill a queue too).
+                return try_grant(&candidates, cap, &mut Vec::new()).ok_or(Dropped::Overflow);
             }
             let (reply, receiver) = oneshot::channel();
             let seq = state.next_seq;

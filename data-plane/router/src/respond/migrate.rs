@@ -4,15 +4,17 @@
 //! instance of the plan's ranking. The continuation asks for the rest: chat with the text so
 //! far as a final assistant message and vLLM's `continue_final_message: true`,
 //! `add_generation_prompt: false`; completions with the prompt plus the text so far; the
-//! token budget less the tokens sent (counted as one token per streamed chunk that carries
-//! text, which is what vLLM streams without speculative decoding). Its events are spliced into
+//! token budget (and `min_tokens`) less the tokens sent, as the engine counted them (the
+//! router asks for vLLM's `continuous_usage_stats`; without it, one token per chunk that
+//! carries text). Its events are spliced into
 //! the client's stream: the first answer's `id`, `created` and `model`, no second role chunk,
 //! usage counted for the client's own request, an SSE comment line at the splice, `[DONE]`
 //! once. Only whole events reach the client, so a break never leaves half an event behind.
 //!
 //! Not migrated (the stream ends with an error event, as without a limit): `n` > 1, guided
 //! decoding or `response_format`, logprobs, `echo`, a prompt that is not one string, an answer
-//! that has begun a tool call.
+//! that has begun a tool call or reasoning, an engine's own error event (vLLM reports a dead
+//! engine core so), an event longer than [`MAX_EVENT_BYTES`].
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -76,6 +78,9 @@ impl Migration {
             return None;
         }
         // The engine counts the tokens sent in every chunk; the client sees what it asked for.
+        if body.get("stream_options").is_some_and(Value::is_null) {
+            body.remove("stream_options");
+        }
         let options = body.get("stream_options");
         let asked = |key: &str| options.is_some_and(|options| options[key] == Value::Bool(true));
         let (client_usage, client_continuous) = (
@@ -107,27 +112,49 @@ impl Migration {
         })
     }
 
-    fn continuation(&self, sent: &Splice) -> Option<Vec<u8>> {
-        continuation(&self.body, self.chat, sent)
+    fn continuation(&self, sent: &Splice) -> Next {
+        if sent.text.is_empty() {
+            let mut body = self.body.clone();
+            body.remove("kv_transfer_params");
+            return serde_json::to_vec(&body).map_or(Next::Impossible, Next::Body);
+        }
+        if sent.budget_spent(&self.body) {
+            return Next::Spent;
+        }
+        continuation(&self.body, self.chat, sent).map_or(Next::Impossible, Next::Body)
     }
 }
 
-/// The request that asks for the rest of an answer of which `sent` has reached the client;
-/// `None` when nothing is left to ask for.
+/// What to do about a broken answer.
+enum Next {
+    /// Send this continuation.
+    Body(Vec<u8>),
+    /// Nothing is left to ask for: the token budget was spent.
+    Spent,
+    /// No continuation can be made (e.g. a final message that is not one string).
+    Impossible,
+}
+
+/// The request that asks for the rest of an answer of which `sent` (some text) has reached
+/// the client; `None` when it cannot be made.
 fn continuation(body: &Map<String, Value>, chat: bool, sent: &Splice) -> Option<Vec<u8>> {
     let mut body = body.clone();
     body.remove("kv_transfer_params");
-    if sent.text.is_empty() {
-        return serde_json::to_vec(&body).ok();
-    }
+    let done = u64::from(sent.tokens);
     for key in ["max_tokens", "max_completion_tokens"] {
         if let Some(budget) = body.get(key).and_then(Value::as_u64) {
-            let left = budget.saturating_sub(u64::from(sent.tokens));
-            if left == 0 {
-                return None;
-            }
-            body.insert(key.to_owned(), Value::from(left));
+            body.insert(
+                key.to_owned(),
+                Value::from(budget.saturating_sub(done).max(1)),
+            );
         }
+    }
+    // vLLM refuses a min_tokens above max_tokens.
+    if let Some(least) = body.get("min_tokens").and_then(Value::as_u64) {
+        body.insert(
+            "min_tokens".to_owned(),
+            Value::from(least.saturating_sub(done)),
+        );
     }
     if chat {
         let continuing = body.get("continue_final_message") == Some(&Value::Bool(true));
@@ -226,18 +253,70 @@ struct Splice {
     /// What the client asked for: a final usage chunk, usage in every chunk.
     client_usage: bool,
     client_continuous: bool,
+    /// The first answer's `object` (for the chunks the router writes itself).
+    object: Value,
+    /// A usage-only chunk has reached the client.
+    usage_sent: bool,
 }
 
 impl Splice {
     /// The complete events in `data`, as the client gets them.
     fn feed(&mut self, data: &[u8], out: &mut VecDeque<Bytes>) {
         self.partial.extend_from_slice(data);
-        while let Some(end) = find(&self.partial, b"\n\n") {
-            let event = self.partial.split_to(end + 2).freeze();
+        while let Some((end, gap)) = event_end(&self.partial) {
+            let event = self.partial.split_to(end + gap).freeze();
             if let Some(event) = self.event(event) {
                 out.push_back(event);
             }
         }
+        if self.partial.len() > MAX_EVENT_BYTES {
+            // Not an event stream the router can hold: it passes through and cannot move.
+            self.final_answer = true;
+            out.push_back(self.partial.split().freeze());
+        }
+    }
+
+    /// Whether the tokens sent have used up the request's budget.
+    fn budget_spent(&self, body: &Map<String, Value>) -> bool {
+        ["max_tokens", "max_completion_tokens"].iter().any(|key| {
+            body.get(*key)
+                .and_then(Value::as_u64)
+                .is_some_and(|budget| u64::from(self.tokens) >= budget)
+        })
+    }
+
+    /// What ends an answer whose engine was lost after its last token: a chunk with its
+    /// finish reason when none came, the usage the client asked for, `[DONE]`.
+    fn ending(&self, out: &mut VecDeque<Bytes>) {
+        let Some((id, created, model)) = &self.identity else {
+            out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            return;
+        };
+        let envelope = |choices: Value| {
+            json!({"id": id, "object": self.object, "created": created, "model": model,
+                   "choices": choices})
+        };
+        let mut events = Vec::new();
+        if !self.finished {
+            let choice = if self.object == "text_completion" {
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "length"})
+            } else {
+                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": "length"})
+            };
+            events.push(envelope(json!([choice])));
+        }
+        if self.client_usage && !self.usage_sent {
+            let prompt = self.prompt_tokens.unwrap_or(0);
+            let completion = u64::from(self.tokens);
+            let mut chunk = envelope(json!([]));
+            chunk["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": completion,
+                                    "total_tokens": prompt + completion});
+            events.push(chunk);
+        }
+        for event in events {
+            out.push_back(Bytes::from(format!("data: {event}\n\n")));
+        }
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
     }
 
     fn event(&mut self, event: Bytes) -> Option<Bytes> {
@@ -268,7 +347,11 @@ impl Splice {
             .as_str()
             .or_else(|| choice["text"].as_str())
             .unwrap_or("");
-        if !delta["tool_calls"].is_null() {
+        // A tool call or reasoning under way cannot be continued as text.
+        if ["tool_calls", "reasoning_content", "reasoning"]
+            .iter()
+            .any(|key| !delta[*key].is_null())
+        {
             self.final_answer = true;
         }
         if !choice["finish_reason"].is_null() {
@@ -300,6 +383,7 @@ impl Splice {
                 self.prompt_tokens.get_or_insert(prompt);
             }
             if self.identity.is_none() {
+                self.object = chunk.get("object").cloned().unwrap_or(Value::Null);
                 self.identity = Some((
                     chunk.get("id").cloned().unwrap_or(Value::Null),
                     chunk.get("created").cloned().unwrap_or(Value::Null),
@@ -322,6 +406,7 @@ impl Splice {
             if usage_only && !self.client_usage {
                 return None;
             }
+            self.usage_sent |= usage_only;
             match usage {
                 Some(Value::Object(mut usage)) if usage_only || self.client_continuous => {
                     // The client's own request: its prompt, everything it was sent.
@@ -359,11 +444,23 @@ impl Splice {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
+/// Where the first whole event of `bytes` ends: the index of its blank line and that line's
+/// length (`\n\n`, or `\r\n\r\n` as some servers write them).
+fn event_end(bytes: &[u8]) -> Option<(usize, usize)> {
+    let find = |needle: &[u8]| {
+        bytes
+            .windows(needle.len())
+            .position(|window| window == needle)
+            .map(|at| (at, needle.len()))
+    };
+    match (find(b"\n\n"), find(b"\r\n\r\n")) {
+        (Some(lf), Some(crlf)) => Some(if crlf.0 < lf.0 { crlf } else { lf }),
+        (lf, crlf) => lf.or(crlf),
+    }
 }
+
+/// The longest SSE event held whole; past it the stream passes through and cannot move.
+const MAX_EVENT_BYTES: usize = 1 << 20;
 
 type Continuing = Pin<Box<dyn Future<Output = Result<Answered, ApiError>> + Send>>;
 
@@ -420,29 +517,28 @@ impl Migrating {
             self.ended = true;
             return;
         }
-        if self.splice.finished {
+        let next = if self.splice.finished {
             // Only the end was lost: the answer is whole.
-            self.worker.metrics.count_migration("whole");
-            self.ready
-                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-            self.ended = true;
-            return;
-        }
-        let body = (self.moves < self.migration.limit && !self.splice.final_answer)
-            .then(|| self.migration.continuation(&self.splice))
-            .flatten();
-        let Some(body) = body else {
-            if self.moves < self.migration.limit && !self.splice.final_answer {
-                // Nothing left to ask for: the budget was spent.
+            Next::Spent
+        } else if self.moves < self.migration.limit && !self.splice.final_answer {
+            self.migration.continuation(&self.splice)
+        } else {
+            Next::Impossible
+        };
+        let body = match next {
+            Next::Body(body) => body,
+            Next::Spent => {
                 self.worker.metrics.count_migration("whole");
-                self.ready
-                    .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-            } else {
+                self.splice.ending(&mut self.ready);
+                self.ended = true;
+                return;
+            }
+            Next::Impossible => {
                 self.worker.metrics.count_migration("limit");
                 self.give_up();
+                self.ended = true;
+                return;
             }
-            self.ended = true;
-            return;
         };
         self.moves += 1;
         let plan = self.migration.plan(body, &self.dead);
@@ -552,24 +648,23 @@ impl http_body::Body for Migrating {
                 this.ended = true;
                 continue;
             };
-            match std::task::ready!(Pin::new(leg).poll_frame(cx)) {
+            let polled = std::task::ready!(Pin::new(leg).poll_frame(cx));
+            if this.splice.done {
+                // After `[DONE]` the rest of the body is read to its end (nothing more goes
+                // to the client), so the engine's connection is kept for the next request.
+                if !matches!(polled, Some(Ok(_))) {
+                    this.leg = None;
+                    this.ended = true;
+                }
+                continue;
+            }
+            match polled {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         this.splice.feed(data, &mut this.ready);
                     }
-                    if this.splice.done {
-                        this.leg = None;
-                        this.ended = true;
-                    }
                 }
-                Some(Err(_)) => this.broke(),
-                None => {
-                    if this.splice.done {
-                        this.ended = true;
-                    } else {
-                        this.broke();
-                    }
-                }
+                Some(Err(_)) | None => this.broke(),
             }
         }
     }
@@ -664,7 +759,8 @@ data: [DONE]
     #[test]
     fn a_continuation_asks_for_the_rest() {
         let chat = migration(json!({"messages": [{"role": "user", "content": "hi"}],
-            "stream": true, "max_tokens": 5, "kv_transfer_params": {"do_remote_prefill": true}}))
+            "stream": true, "max_tokens": 5, "min_tokens": 4,
+            "kv_transfer_params": {"do_remote_prefill": true}}))
         .unwrap();
         let sent = Splice {
             text: "lorem ipsum".into(),
@@ -674,6 +770,7 @@ data: [DONE]
         let body: Value =
             serde_json::from_slice(&continuation(&chat, true, &sent).unwrap()).unwrap();
         assert_eq!(body["max_tokens"], 3);
+        assert_eq!(body["min_tokens"], 2);
         assert_eq!(
             body["messages"][1],
             json!({"role": "assistant", "content": "lorem ipsum"})
@@ -686,10 +783,55 @@ data: [DONE]
             tokens: 5,
             ..Splice::default()
         };
-        assert!(continuation(&chat, true, &spent).is_none());
+        assert!(spent.budget_spent(&chat) && !sent.budget_spent(&chat));
         let completions = migration(json!({"prompt": "say", "stream": true})).unwrap();
         let body: Value =
             serde_json::from_slice(&continuation(&completions, false, &sent).unwrap()).unwrap();
         assert_eq!(body["prompt"], "saylorem ipsum");
+    }
+
+    #[test]
+    fn crlf_events_pass_whole_and_reasoning_or_tools_end_the_chance_to_move() {
+        let mut splice = Splice::default();
+        let out = events(
+            &mut splice,
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\r\n\r\ndata: {\"id\"",
+        );
+        assert_eq!(out.matches("data: ").count(), 1, "{out}");
+        assert_eq!(splice.text, "x");
+        assert!(!splice.final_answer);
+        events(
+            &mut splice,
+            ":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"reasoning_content\":\"hm\"}}]}\n\n",
+        );
+        assert!(
+            splice.final_answer,
+            "a continuation would lose the reasoning"
+        );
+    }
+
+    #[test]
+    fn a_spent_budget_ends_with_a_finish_reason_and_the_usage_asked_for() {
+        let mut splice = Splice {
+            client_usage: true,
+            ..Splice::default()
+        };
+        events(
+            &mut splice,
+            r#"data: {"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"x"}}],"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8}}
+
+"#,
+        );
+        let mut out = VecDeque::new();
+        splice.ending(&mut out);
+        let out: Vec<String> = out
+            .iter()
+            .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+            .collect();
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert!(out[0].contains(r#""finish_reason":"length""#), "{}", out[0]);
+        assert!(out[0].contains(r#""id":"a""#), "{}", out[0]);
+        assert!(out[1].contains(r#""prompt_tokens":7"#), "{}", out[1]);
+        assert_eq!(out[2], "data: [DONE]\n\n");
     }
 }
