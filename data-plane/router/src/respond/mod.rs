@@ -130,6 +130,7 @@ impl Responder<'_> {
                     disaggregated_decode: time_first_frame,
                 }),
                 done: ends_with_done.then(DoneWatch::default),
+                partial: bytes::BytesMut::new(),
             };
             let body = if let Some(migration) = migration {
                 Body::new(Migrating::new(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::HeaderValue;
 use http_body::Frame;
 use tokio::time::{Instant, Sleep};
@@ -82,6 +82,29 @@ pub(super) struct TrackedBody {
     /// A chat or completions stream, which ends with `data: [DONE]`: an end before it counts
     /// as a break.
     pub(super) done: Option<DoneWatch>,
+    /// An SSE answer's bytes after its last whole event, held until the event is whole, so
+    /// that a final error event never lands inside half an event.
+    pub(super) partial: BytesMut,
+}
+
+/// The longest SSE event held back whole; a longer one passes through as it comes.
+const MAX_HELD_EVENT: usize = 1 << 20;
+
+/// Of an SSE answer's `data`, what ends on an event boundary (the rest is held in `partial`).
+fn whole_events(partial: &mut BytesMut, data: Bytes) -> Bytes {
+    let boundary = |bytes: &[u8]| bytes.ends_with(b"\n\n") || bytes.ends_with(b"\r\n\r\n");
+    if partial.is_empty() && boundary(&data) {
+        return data;
+    }
+    partial.extend_from_slice(&data);
+    let end = (0..partial.len())
+        .rev()
+        .find(|&at| boundary(&partial[..at + 1]))
+        .map_or(0, |at| at + 1);
+    if end == 0 && partial.len() > MAX_HELD_EVENT {
+        return partial.split().freeze();
+    }
+    partial.split_to(end).freeze()
 }
 
 /// A request's ids for the log lines of its answer.
@@ -134,6 +157,7 @@ impl TrackedBody {
                 trace_id: None,
             },
             done: Some(DoneWatch::default()),
+            partial: BytesMut::new(),
         }
     }
 }
@@ -212,24 +236,27 @@ impl TrackedBody {
     }
 }
 
-impl http_body::Body for TrackedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let this = self.get_mut();
+impl TrackedBody {
+    /// One frame of the answer, as [`http_body::Body::poll_frame`] gives it (which skips the
+    /// empty frames of an SSE event held until whole).
+    fn poll_one(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self;
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
-        match Pin::new(&mut *inner).poll_frame(cx) {
+        match http_body::Body::poll_frame(Pin::new(&mut *inner), cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(done), Some(data)) = (this.done.as_mut(), frame.data_ref()) {
                     done.saw(data);
                 }
-                if frame.is_data()
+                let frame = match (this.stall, frame.into_data()) {
+                    (Stall::SseErrorEvent, Ok(data)) => {
+                        Frame::data(whole_events(&mut this.partial, data))
+                    }
+                    (_, Ok(data)) => Frame::data(data),
+                    (_, Err(frame)) => frame,
+                };
+                if frame.data_ref().is_some_and(|data| !data.is_empty())
                     && let Some(first) = this.first_frame.take()
                 {
                     this.metrics
@@ -247,7 +274,17 @@ impl http_body::Body for TrackedBody {
                     if this.done.as_ref().is_some_and(|done| !done.done()) {
                         return this.complete_broken(frame);
                     }
+                    // A whole answer: what was held goes too.
+                    let frame = match frame.into_data() {
+                        Ok(data) if !this.partial.is_empty() => {
+                            this.partial.extend_from_slice(&data);
+                            Frame::data(this.partial.split().freeze())
+                        }
+                        Ok(data) => Frame::data(data),
+                        Err(frame) => frame,
+                    };
                     this.end();
+                    return Poll::Ready(Some(Ok(frame)));
                 } else {
                     this.last_frame = Instant::now();
                 }
@@ -258,8 +295,13 @@ impl http_body::Body for TrackedBody {
                 if this.done.as_ref().is_some_and(|done| !done.done()) {
                     return this.broken(ENDED_BEFORE_DONE.into());
                 }
+                let rest = this.partial.split().freeze();
                 this.end();
-                Poll::Ready(None)
+                if rest.is_empty() {
+                    Poll::Ready(None)
+                } else {
+                    Poll::Ready(Some(Ok(Frame::data(rest))))
+                }
             }
             Poll::Pending => {
                 if !this.stalled(cx) {
@@ -280,6 +322,26 @@ impl http_body::Body for TrackedBody {
                         "the instance's answer stalled (--stream-idle-timeout-seconds)",
                     ))))),
                 }
+            }
+        }
+    }
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        loop {
+            let polled = this.poll_one(cx);
+            let held = matches!(&polled, Poll::Ready(Some(Ok(frame)))
+                if frame.data_ref().is_some_and(Bytes::is_empty) && this.inner.is_some());
+            if !held {
+                return polled;
             }
         }
     }
@@ -327,6 +389,26 @@ mod tests {
             let json: serde_json::Value = serde_json::from_str(data).unwrap();
             assert_eq!(json["error"]["code"], code);
         }
+    }
+
+    #[test]
+    fn only_whole_events_pass_and_the_rest_waits_for_its_end() {
+        let mut partial = BytesMut::new();
+        let whole = Bytes::from_static(b"data: {\"a\":1}\n\n");
+        assert_eq!(whole_events(&mut partial, whole.clone()), whole);
+        assert_eq!(
+            whole_events(
+                &mut partial,
+                Bytes::from_static(b"data: {\"a\":2}\n\ndata: {\"b")
+            ),
+            Bytes::from_static(b"data: {\"a\":2}\n\n")
+        );
+        assert!(whole_events(&mut partial, Bytes::from_static(b"\":3}")).is_empty());
+        assert_eq!(
+            whole_events(&mut partial, Bytes::from_static(b"\r\n\r\n")),
+            Bytes::from_static(b"data: {\"b\":3}\r\n\r\n")
+        );
+        assert!(partial.is_empty());
     }
 
     #[test]
