@@ -194,9 +194,10 @@ async fn wait_held(router: &RouterHandle, tokens: &[u32], matched: &[u32]) -> an
         "the router's index to follow the events",
         &matched.to_vec(),
         || {
+            // What the index holds (a request's match stops a token short of the end).
             index
-                .match_tokens(tokens, &instances)
-                .map(|found| found.matched)
+                .request_hashes(tokens)
+                .map(|hashes| index.matched_blocks(&hashes, &instances))
                 .unwrap_or_default()
         },
     )
@@ -513,14 +514,15 @@ async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
         wait_held(&router, &plain_tokens, &[n, 0]).await?;
         wait_held(&router, &eagle_tokens, &[0, eagle_tokens.len() as u32]).await?;
         assert_eq!(index(&router).await?.block_size(), Some(1), "{flavor}");
+        // The engine computes the last prompt token again (SGLang as vLLM).
         assert_eq!(
             route(&router, &plain).await?,
-            ("e0".into(), "kv".into(), n),
+            ("e0".into(), "kv".into(), n - 1),
             "{flavor}"
         );
         assert_eq!(
             route(&router, &eagle).await?,
-            ("e1".into(), "kv".into(), eagle_tokens.len() as u32),
+            ("e1".into(), "kv".into(), eagle_tokens.len() as u32 - 1),
             "{flavor}"
         );
         let choice = route(&router, &salted).await?;
@@ -532,7 +534,7 @@ async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
             let salt = |salt: &str| json!({ "cache_salt": salt });
             assert_eq!(
                 route_with(&router, &salted, salt("tenant-a")).await?,
-                ("e0".into(), "kv".into(), salted_tokens.len() as u32),
+                ("e0".into(), "kv".into(), salted_tokens.len() as u32 - 1),
                 "{flavor}: the salted request"
             );
             let other = route_with(&router, &salted, salt("tenant-b")).await?;
@@ -585,9 +587,11 @@ async fn every_block_size_an_engine_publishes_is_routed_exactly() -> anyhow::Res
             &[blocks, (half / block_size) as u32],
         )
         .await?;
+        // What the engine reuses: its blocks before the one holding the last prompt token.
+        let reused = ((prompt_tokens.len() - 1) / block_size * block_size) as u32;
         assert_eq!(
             route(&router, &prompt).await?,
-            ("e0".into(), "kv".into(), blocks * block_size as u32),
+            ("e0".into(), "kv".into(), reused),
             "block size {block_size}"
         );
         router.shutdown().await;

@@ -83,9 +83,10 @@ async fn wait_router_matched(
         "the router's index to reflect the engines",
         &matched.to_vec(),
         || {
+            // What the index holds (a request's match stops a token short of the end).
             index
-                .match_tokens(tokens, instances)
-                .map(|found| found.matched)
+                .request_hashes(tokens)
+                .map(|hashes| index.matched_blocks(&hashes, instances))
                 .unwrap_or_default()
         },
     )
@@ -443,6 +444,51 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     assert_eq!(
         choice(&route(&router, &prompt).await?),
         ("e0".into(), "kv".into(), Some(192))
+    );
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prompt_of_whole_blocks_claims_only_what_the_engine_reuses() -> anyhow::Result<()> {
+    // vLLM computes a prompt's last token again: of a prompt of exactly 12 blocks it reuses
+    // 11 (seen on vLLM 0.32: 640 cached tokens for a 768-token prompt, where the router said
+    // 768). The router's claim and the decision agree with the engine's own count.
+    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 100)).await?;
+    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 100)).await?;
+    let dir = tempfile::tempdir()?;
+    let router = static_router(dir.path(), &[&a, &b], Value::Null, 1000).await?;
+    let instances = instance_ids(&["e0", "e1"]);
+    let ids: Vec<u32> = (1000..1192).collect();
+    let body = json!({"model": "sim", "prompt": ids, "max_tokens": 2});
+    let placed = http_post(&format!("{}/v1/completions", a.url), &[], body.to_string()).await?;
+    assert_eq!(placed.status, 200, "{}", placed.body);
+    wait_router_matched(&router, &ids, &instances, &[12, 0]).await?;
+    let reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
+        &[],
+        body.to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(choice(&reply), ("e0".into(), "kv".into(), Some(176)));
+    assert_eq!(
+        reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        176,
+        "the engine's own count"
+    );
+    // One token more: all 12 blocks are reused.
+    let longer: Vec<u32> = (1000..1193).collect();
+    let reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
+        &[],
+        json!({"model": "sim", "prompt": longer, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    assert_eq!(choice(&reply), ("e0".into(), "kv".into(), Some(192)));
+    assert_eq!(
+        reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        192
     );
     router.shutdown().await;
     Ok(())

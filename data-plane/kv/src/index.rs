@@ -560,7 +560,10 @@ impl VariantIndex {
     ) -> Option<TokenMatch> {
         let blocks = self.read();
         let block_size = blocks.block_size?;
-        let total = token_ids.len() / block_size;
+        // An engine never reuses a prompt's last token (vLLM caps a cache hit at
+        // `num_tokens - 1`): a prompt of exactly k blocks recomputes its last one, so at most
+        // k - 1 of its blocks can be a hit.
+        let total = token_ids.len().saturating_sub(1) / block_size;
         let mut matched = vec![0u32; instances.len()];
         let mut active = Self::live_slots(&blocks, instances);
         let mut parent = match cache_salt {
@@ -569,14 +572,15 @@ impl VariantIndex {
         };
         let mut prefix_key = 0;
         for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
-            if active.is_empty() && depth >= PREFIX_KEY_BLOCKS {
+            let matching = depth < total && !active.is_empty();
+            if !matching && depth >= PREFIX_KEY_BLOCKS {
                 break;
             }
             parent = block_hash(parent, chunk);
             if depth < PREFIX_KEY_BLOCKS {
                 prefix_key = parent;
             }
-            if active.is_empty() {
+            if !matching {
                 continue;
             }
             let holders = blocks.holders.get(&parent);
@@ -1049,7 +1053,9 @@ mod tests {
                 salted(stored(Some(7), &[8], &[3, 4])),
             ],
         );
-        let matched = |salt| index.match_prompt(&tokens, salt, &ids).unwrap().matched;
+        // One token past the held blocks: an engine never reuses a prompt's last token.
+        let asked = [1, 2, 3, 4, 5];
+        let matched = |salt| index.match_prompt(&asked, salt, &ids).unwrap().matched;
         assert_eq!(matched(Some("s")), [2, 2]);
         assert_eq!(matched(None), [0, 0]);
         assert_eq!(matched(Some("t")), [0, 0]);
@@ -1061,8 +1067,25 @@ mod tests {
                 e.extra_keys = vec![ExtraKeys::None, ExtraKeys::Strings(vec!["s".into()])];
             })],
         );
-        let odd = index.match_prompt(&tokens, None, &[id("odd")]).unwrap();
+        let odd = index.match_prompt(&asked, None, &[id("odd")]).unwrap();
         assert_eq!(odd.matched, [1]);
+    }
+
+    #[test]
+    fn the_block_holding_the_last_prompt_token_is_never_a_hit() {
+        // vLLM caps a prefix-cache hit at the prompt's length minus one token, so a prompt of
+        // exactly k held blocks gets k - 1 of them (seen: 640 cached tokens, not 768, for a
+        // 768-token prompt at block size 128).
+        let index = VariantIndex::default();
+        apply(&index, "a", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        let found = |tokens: &[u32]| index.match_tokens(tokens, &[id("a")]).unwrap();
+        assert_eq!(found(&[1, 2, 3, 4]).matched, [1]);
+        assert_eq!(found(&[1, 2, 3, 4]).blocks, 1);
+        assert_eq!(found(&[1, 2, 3, 4, 5]).matched, [2]);
+        assert_eq!(found(&[1, 2]).matched, [0]);
+        assert_eq!(found(&[]).matched, [0]);
+        // The tie-break key still covers the prompt's full blocks.
+        assert_ne!(found(&[1, 2]).prefix_key, found(&[]).prefix_key);
     }
 
     #[test]
