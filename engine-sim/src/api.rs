@@ -10,8 +10,8 @@ mod store;
 
 pub(crate) use common::Shared;
 use common::{
-    SseStream, check_fits, check_model, draw_fault, output_budget, request_id, usage,
-    wait_finished, with_request_id,
+    SseStream, check_fits, check_model, draw_fault, event_stream, output_budget, request_id,
+    sse_data, usage, wait_finished, with_request_id,
 };
 pub(crate) use store::ResponseStore;
 
@@ -30,14 +30,14 @@ use serde_json::{Value, json};
 use switchyard_shared::InstanceRole;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::config::SimConfig;
+use crate::config::{KvLoadFailurePolicy, SimConfig};
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::faults::{Faults, TokenizeFault};
 use crate::handoff::{IssuedHandoff, Push};
 use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
-use crate::nixl::{Handoff, prefill_response_params};
+use crate::nixl::{Handoff, internal_request_id, prefill_response_params};
 use crate::openai::{
     ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, parse_json, parse_request,
 };
@@ -63,13 +63,20 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/sim/faults", get(sim_faults).post(set_sim_faults))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/handoffs", get(sim_handoffs))
-        .route("/sim/handoffs/{request_id}", get(sim_handoff))
         .route("/sim/kv-push", post(sim_kv_push))
         .route("/sim/kv-events", get(sim_kv_events).post(set_sim_kv_events))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .merge(responses::routes())
         .merge(pooling::routes())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+/// The NIXL side channel, a listener apart from the HTTP port (as vLLM's handshake is): a
+/// decoder pulls a hand-off here (`GET /handoffs/{remote_request_id}`), once.
+pub(crate) fn side_channel(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/handoffs/{request_id}", get(pull_handoff))
         .with_state(shared)
 }
 
@@ -138,7 +145,8 @@ async fn infer(
         ..ReceivedRequest::default()
     };
     // A decode request's hand-off is checked with the prefill engine it names before the
-    // pull; a hand-off that does not check out is recomputed here, as vLLM does.
+    // pull; a hand-off that does not check out fails the request or is recomputed here, as
+    // `--kv-load-failure-policy` says (vLLM's `kv_load_failure_policy`).
     let mut pull = Pull::None;
     if let Ok(parsed) = &parsed {
         let kv = parsed.body.kv_transfer();
@@ -149,15 +157,21 @@ async fn infer(
         record.do_remote_decode = kv.do_remote_decode;
         record.do_remote_prefill = kv.do_remote_prefill;
         if kv.do_remote_prefill {
-            match crate::handoff::verify(&shared.http, &kv, &request_id).await {
+            let verified = match crate::handoff::verify(&shared.http, &kv).await {
+                Ok(()) if shared.faults.draw_kv_pull_failure() => {
+                    Err("the KV transfer failed (fault injection)".to_owned())
+                }
+                verified => verified.map_err(|error| error.to_string()),
+            };
+            match verified {
                 Ok(()) => {
                     record.handoff = Some("accepted".into());
                     pull = Pull::Accepted;
                 }
-                Err(error) => {
-                    let why = error.to_string();
+                Err(why) => {
                     Metrics::increment(&shared.metrics.kv_pull_failures);
-                    tracing::warn!(request_id, why, "KV pull failed; recomputing the prompt");
+                    let policy = shared.config.kv_load_failure_policy;
+                    tracing::warn!(request_id, why, ?policy, "KV pull failed");
                     record.handoff = Some(format!("rejected: {why}"));
                     pull = Pull::Rejected;
                 }
@@ -219,6 +233,19 @@ async fn run_request(
     check_fits(config, prompt_len, max_tokens)?;
     let report_reuse = body.reports_reuse()?;
     let streaming = body.stream() && !kv.do_remote_decode;
+    let meta = ResponseMeta {
+        id: match kind {
+            ApiKind::Chat => format!("chatcmpl-{request_id}"),
+            ApiKind::Completion => format!("cmpl-{request_id}"),
+        },
+        created: switchyard_process::clock::unix_seconds(),
+        model: config.served_model_name.clone(),
+        kind,
+        resume_at,
+    };
+    if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
+        return Ok(kv_load_failed(&meta, streaming, body.include_usage()));
+    }
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
         Ok(interruption) => interruption,
         Err(response) => return Ok(response),
@@ -266,16 +293,6 @@ async fn run_request(
         .engine
         .submit(spec, arrival)
         .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
-    let meta = ResponseMeta {
-        id: match kind {
-            ApiKind::Chat => format!("chatcmpl-{request_id}"),
-            ApiKind::Completion => format!("cmpl-{request_id}"),
-        },
-        created: switchyard_process::clock::unix_seconds(),
-        model: config.served_model_name.clone(),
-        kind,
-        resume_at,
-    };
     if kv.do_remote_decode {
         return prefill_only_response(shared, &meta, events, request_id, prompt_len).await;
     }
@@ -310,6 +327,26 @@ async fn run_request(
         return Ok(stream.into_response(events));
     }
     whole_response(&meta, events, prompt_len).await
+}
+
+/// A disaggregated decode whose KV cache could not be pulled, under vLLM's default
+/// `kv_load_failure_policy` "fail": the request ends with vLLM's generation error (500
+/// `InternalServerError`, "Internal server error"), before any token. A stream has already
+/// begun: the error is an event after the role chunk (chat), then `[DONE]`.
+fn kv_load_failed(meta: &ResponseMeta, streaming: bool, include_usage: bool) -> Response {
+    let error = ApiError::internal("Internal server error".to_owned());
+    if !streaming {
+        return error.into_response();
+    }
+    let mut events = Vec::with_capacity(3);
+    if meta.kind == ApiKind::Chat {
+        events.push(sse_data(&meta.role_chunk(include_usage)));
+    }
+    events.push(sse_data(&error.to_json()));
+    events.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    event_stream(futures::stream::iter(
+        events.into_iter().map(Ok::<_, std::io::Error>),
+    ))
 }
 
 /// Leading prompt tokens a disaggregated decode request pulls from its prefill engine: those
@@ -350,15 +387,21 @@ async fn prefill_only_response(
     prompt_len: u32,
 ) -> Result<Response, ApiError> {
     let finished = wait_finished(&mut events).await?;
-    let block_ids = shared
-        .handoffs
-        .record(request_id, prompt_len, shared.config.block_size);
+    // The engine's own id of the request (what a decoder names in its pull), as vLLM makes it.
+    let internal_id = internal_request_id(&meta.id);
+    let block_ids = shared.handoffs.record(
+        &internal_id,
+        request_id,
+        prompt_len,
+        shared.config.block_size,
+    );
     Metrics::increment(&shared.metrics.kv_handoffs);
     let params = prefill_response_params(
         &shared.engine_id,
-        request_id,
+        &internal_id,
         &block_ids,
-        shared.local_addr.get().copied(),
+        prompt_len,
+        shared.side_channel.get(),
     );
     let text = meta.text(finished.completion_tokens);
     let body = meta.response(text, "length", usage(prompt_len, &finished), Some(params));
@@ -432,21 +475,18 @@ async fn sim_handoffs(State(shared): State<Arc<Shared>>) -> Json<Vec<Handoff>> {
     Json(shared.handoffs.snapshot())
 }
 
-/// What this (prefill) engine handed off for one request: what a decoder checks before it
-/// pulls. 404 if it issued nothing for that request id.
-async fn sim_handoff(
+/// A decoder's pull of what this (prefill) engine handed off under its internal request id
+/// (the side channel's one route): 404 if nothing was issued under that id or it was pulled
+/// already (vLLM frees the blocks once they are read).
+async fn pull_handoff(
     State(shared): State<Arc<Shared>>,
     axum::extract::Path(request_id): axum::extract::Path<String>,
 ) -> Result<Json<IssuedHandoff>, ApiError> {
-    let handoff = shared
-        .handoffs
-        .snapshot()
-        .into_iter()
-        .rev()
-        .find(|handoff| handoff.request_id == request_id)
-        .ok_or_else(|| {
-            ApiError::not_found(format!("no hand-off issued for request {request_id}"))
-        })?;
+    let handoff = shared.handoffs.pull(&request_id).ok_or_else(|| {
+        ApiError::not_found(format!(
+            "no hand-off to pull for request {request_id} (never issued, or pulled already)"
+        ))
+    })?;
     Ok(Json(IssuedHandoff {
         engine_id: shared.engine_id.clone(),
         request_id: handoff.request_id,

@@ -113,6 +113,11 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub tokenize_hang_rate: f64,
 
+    /// Fraction of a decode engine's KV pulls (NixlConnector) that fail, as a transfer error
+    /// would; see --kv-load-failure-policy.
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub kv_pull_fail_rate: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
@@ -136,6 +141,35 @@ pub struct SimConfig {
     /// backend does for the decoder in its config.
     #[arg(long, value_name = "URL")]
     pub kv_push_to: Option<String>,
+
+    /// NixlConnector on a decode engine (vLLM's `kv_load_failure_policy` in
+    /// `--kv-transfer-config`): what happens to a disaggregated request whose KV cache cannot
+    /// be pulled: `fail` answers an error (vLLM's default: 500, or an error event in a
+    /// stream), `recompute` prefills the prompt here instead.
+    #[arg(long, value_enum, default_value_t = KvLoadFailurePolicy::Fail)]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
+
+    /// NixlConnector: the host this engine's side channel reports in `remote_host`
+    /// (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST, which is `localhost` unless set: a decoder on
+    /// another host needs it set, or a router that rewrites it). The side channel listens on
+    /// this host, apart from the HTTP port.
+    #[arg(
+        long,
+        env = "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        default_value = "localhost",
+        value_name = "HOST"
+    )]
+    pub side_channel_host: String,
+
+    /// NixlConnector: the side channel's port, reported in `remote_port` (vLLM's
+    /// VLLM_NIXL_SIDE_CHANNEL_PORT, 5600 there; one per engine on a host). 0 picks a free port.
+    #[arg(
+        long,
+        env = "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        default_value_t = 0,
+        value_name = "PORT"
+    )]
+    pub side_channel_port: u16,
 
     /// This engine's id in kv_transfer_params (`remote_engine_id`). Default: generated at
     /// start.
@@ -165,6 +199,15 @@ pub struct SimConfig {
     /// KV-event batches kept for replay (vLLM's buffer_steps).
     #[arg(long, default_value_t = 10_000, value_name = "BATCHES")]
     pub kv_events_replay_buffer: usize,
+}
+
+/// vLLM's `kv_load_failure_policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvLoadFailurePolicy {
+    /// The request fails with an error (vLLM's default).
+    Fail,
+    /// The prompt is prefilled on this engine instead.
+    Recompute,
 }
 
 /// Parses an empty command line, so that [`Default`] always agrees with the flags.
@@ -234,6 +277,11 @@ impl SimConfig {
         {
             return Err(ConfigError::NotHttpUrl { url: url.clone() });
         }
+        if self.side_channel_host.trim().is_empty() {
+            return Err(ConfigError::Empty {
+                flag: "--side-channel-host",
+            });
+        }
         if let Some(id) = &self.engine_id
             && id.trim().is_empty()
         {
@@ -266,6 +314,7 @@ impl SimConfig {
             stall_mid_stream_rate: self.stall_mid_stream_rate,
             tokenize_fail_rate: self.tokenize_fail_rate,
             tokenize_hang_rate: self.tokenize_hang_rate,
+            kv_pull_fail_rate: self.kv_pull_fail_rate,
         }
     }
 }

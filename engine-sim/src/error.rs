@@ -12,6 +12,13 @@ pub enum SimError {
     /// A KV-event socket could not be bound; the message names the flag.
     #[error(transparent)]
     KvEventsBind(#[from] KvEventsBindError),
+    #[error("--side-channel-host {host} --side-channel-port {port}: cannot listen there ({error})")]
+    SideChannelBind {
+        host: String,
+        port: u16,
+        #[source]
+        error: std::io::Error,
+    },
     #[error("socket error: {0}")]
     Io(#[source] std::io::Error),
     #[error("the engine task panicked")]

@@ -25,6 +25,10 @@ pub struct Faults {
     pub tokenize_fail_rate: f64,
     /// `POST /tokenize`: accept and never answer.
     pub tokenize_hang_rate: f64,
+    /// A decode engine's pull of a disaggregated request's KV cache (drawn per pull, apart
+    /// from the other draws): fails, as a NIXL transfer error would; the request then fails
+    /// or is recomputed as `--kv-load-failure-policy` says.
+    pub kv_pull_fail_rate: f64,
 }
 
 impl Faults {
@@ -52,6 +56,11 @@ impl Faults {
                 "--tokenize-hang-rate",
                 "tokenize_hang_rate",
                 self.tokenize_hang_rate,
+            ),
+            (
+                "--kv-pull-fail-rate",
+                "kv_pull_fail_rate",
+                self.kv_pull_fail_rate,
             ),
         ] {
             if !(0.0..=1.0).contains(&value) {
@@ -96,6 +105,7 @@ pub(crate) enum TokenizeFault {
 pub(crate) struct FaultInjector {
     state: Mutex<(Faults, fastrand::Rng)>,
     tokenize: Mutex<fastrand::Rng>,
+    kv_pull: Mutex<fastrand::Rng>,
 }
 
 impl FaultInjector {
@@ -103,6 +113,7 @@ impl FaultInjector {
         Self {
             state: Mutex::new((faults, fastrand::Rng::with_seed(seed))),
             tokenize: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x746f_6b65_6e69_7a65)),
+            kv_pull: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x6b76_5f70_756c_6c00)),
         }
     }
 
@@ -131,6 +142,17 @@ impl FaultInjector {
         } else {
             TokenizeFault::None
         }
+    }
+
+    /// Whether the next KV pull fails (one draw every time).
+    pub(crate) fn draw_kv_pull_failure(&self) -> bool {
+        let rate = self.get().kv_pull_fail_rate;
+        let draw = self
+            .kv_pull
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .f64();
+        draw < rate
     }
 
     /// Draws the fault for the next request. Four draws every time, so the sequence of

@@ -1,11 +1,13 @@
-//! The two KV hand-offs between simulated engines, done for real over HTTP so that a router
-//! cannot fake them:
+//! The two KV hand-offs between simulated engines, done for real over the network so that a
+//! router cannot fake them:
 //!
 //! - NixlConnector (pull): a decode request carries the `kv_transfer_params` a prefill engine
-//!   answered with. Before pulling, the decoder asks that engine (`remote_host:remote_port`,
-//!   `GET /sim/handoffs/{remote_request_id}`) what it issued, and accepts the hand-off only if
-//!   the engine id, the request id (its own `X-Request-Id` too) and the block ids all match;
-//!   otherwise it recomputes the prompt, as vLLM does when a KV load fails.
+//!   answered with. Before pulling, the decoder asks that engine's side channel (a listener
+//!   apart from its HTTP port, at `remote_host:remote_port`, as vLLM's NIXL handshake is) for
+//!   the hand-off `remote_request_id`, and pulls only if it was issued, not pulled before, and
+//!   the engine id and the block ids (one list per KV-cache group) match. Otherwise the pull
+//!   fails, and the request fails or is recomputed as `--kv-load-failure-policy` says. Like
+//!   vLLM, the decoder never compares `remote_request_id` with its own request id.
 //! - LMCache (push): a prefill engine started with `--kv-push-to URL` pushes each prompt's
 //!   blocks to that decoder (`POST /sim/kv-push`) after prefilling it; the decoder caches them,
 //!   so the request sent to it next finds its prompt cached.
@@ -20,7 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 
-use crate::openai::KvTransfer;
+use crate::openai::{BlockIds, KvTransfer};
 
 pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -36,7 +38,8 @@ pub(crate) fn http_client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build(connector)
 }
 
-/// What a prefill engine says it handed off for one request (`GET /sim/handoffs/{id}`).
+/// What a prefill engine's side channel says it handed off for one request
+/// (`GET /handoffs/{id}` there).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct IssuedHandoff {
     pub engine_id: String,
@@ -62,8 +65,10 @@ pub(crate) enum HandoffError {
     NoRemoteAddress,
     #[error("kv_transfer_params has no remote_request_id")]
     NoRemoteRequestId,
-    #[error("remote_request_id {remote} is not this request's ({own})")]
-    OtherRequest { remote: String, own: String },
+    #[error(
+        "remote_block_ids must hold one list of block ids per KV-cache group (this engine has 1)"
+    )]
+    NotGrouped,
     #[error("remote_engine_id {claimed:?} is not the engine at {host}:{port} ({actual})")]
     OtherEngine {
         claimed: Option<String>,
@@ -73,7 +78,7 @@ pub(crate) enum HandoffError {
     },
     #[error("remote_block_ids differ from the blocks the prefill engine issued")]
     OtherBlocks,
-    #[error("{url} answered {status}: no such hand-off")]
+    #[error("{url} answered {status}: no such hand-off (or it was pulled already)")]
     NoSuchHandoff { url: String, status: StatusCode },
     #[error("{url} answered {status}")]
     Refused { url: String, status: StatusCode },
@@ -115,11 +120,7 @@ async fn call(
 
 /// Checks a decode request's hand-off with the prefill engine it names. `Ok` means the KV can
 /// be pulled; `Err` says why not.
-pub(crate) async fn verify(
-    client: &HttpClient,
-    kv: &KvTransfer,
-    own_request_id: &str,
-) -> Result<(), HandoffError> {
+pub(crate) async fn verify(client: &HttpClient, kv: &KvTransfer) -> Result<(), HandoffError> {
     let (Some(host), Some(port)) = (&kv.remote_host, kv.remote_port) else {
         return Err(HandoffError::NoRemoteAddress);
     };
@@ -127,13 +128,17 @@ pub(crate) async fn verify(
         .remote_request_id
         .as_deref()
         .ok_or(HandoffError::NoRemoteRequestId)?;
-    if request_id != own_request_id {
-        return Err(HandoffError::OtherRequest {
-            remote: request_id.to_owned(),
-            own: own_request_id.to_owned(),
-        });
-    }
-    let url = format!("http://{host}:{port}/sim/handoffs/{request_id}");
+    let groups = match &kv.remote_block_ids {
+        Some(BlockIds::Groups(groups)) if groups.len() == 1 => groups,
+        _ => return Err(HandoffError::NotGrouped),
+    };
+    let host = host.trim_matches(['[', ']']);
+    let authority = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let url = format!("http://{authority}/handoffs/{}", path_segment(request_id));
     let request = http::Request::get(&url).body(Full::new(Bytes::new()))?;
     let (status, body) = call(client, request).await?;
     if !status.is_success() {
@@ -146,15 +151,29 @@ pub(crate) async fn verify(
     if kv.remote_engine_id.as_deref() != Some(issued.engine_id.as_str()) {
         return Err(HandoffError::OtherEngine {
             claimed: kv.remote_engine_id.clone(),
-            host: host.clone(),
+            host: host.to_owned(),
             port,
             actual: issued.engine_id,
         });
     }
-    if kv.remote_block_ids.as_deref() != Some(issued.block_ids.as_slice()) {
+    if groups[0] != issued.block_ids {
         return Err(HandoffError::OtherBlocks);
     }
     Ok(())
+}
+
+/// `text` as one URL path segment: unreserved characters as they are, every other byte
+/// percent-encoded (a client's request id may hold anything).
+fn path_segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
 }
 
 /// Pushes a prompt's blocks to the decoder at `partner` (a base URL); returns how many were
@@ -188,6 +207,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_request_id_is_one_path_segment() {
+        assert_eq!(path_segment("chatcmpl-a_b.c~1-0f"), "chatcmpl-a_b.c~1-0f");
+        assert_eq!(path_segment("a/b c?é"), "a%2Fb%20c%3F%C3%A9");
+    }
+
+    #[test]
     fn messages_are_the_ones_records_and_logs_show() {
         let url = "http://h:1/sim/handoffs/r".to_owned();
         for (error, message) in [
@@ -200,11 +225,8 @@ mod tests {
                 "kv_transfer_params has no remote_request_id",
             ),
             (
-                HandoffError::OtherRequest {
-                    remote: "a".into(),
-                    own: "b".into(),
-                },
-                "remote_request_id a is not this request's (b)",
+                HandoffError::NotGrouped,
+                "remote_block_ids must hold one list of block ids per KV-cache group (this engine has 1)",
             ),
             (
                 HandoffError::OtherEngine {
@@ -224,7 +246,7 @@ mod tests {
                     url: url.clone(),
                     status: StatusCode::NOT_FOUND,
                 },
-                "http://h:1/sim/handoffs/r answered 404 Not Found: no such hand-off",
+                "http://h:1/sim/handoffs/r answered 404 Not Found: no such hand-off (or it was pulled already)",
             ),
             (
                 HandoffError::Refused {

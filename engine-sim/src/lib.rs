@@ -9,7 +9,9 @@
 //! - a **continuous-batching engine** with chunked prefill whose step time depends on the
 //!   prefill tokens and the decodes in the step, so TTFT, ITL and prefill/decode interference
 //!   come out of the model ([`engine`]), run in real time scaled by `--time-scale`;
-//! - **NixlConnector disaggregation**: `kv_transfer_params` on prefill and decode requests;
+//! - **NixlConnector disaggregation** as strict as vLLM 0.32: `kv_transfer_params` on prefill
+//!   and decode requests (one block list per KV-cache group, the internal request id, the
+//!   side channel a listener of its own), a hand-off pulled once, `kv_load_failure_policy`;
 //! - **faults**: errors, hangs, connections dying mid-stream, a killed instance;
 //! - **KV-cache events** in vLLM's wire format (ZMQ PUB + replay ROUTER, msgpack), from the
 //!   prefix cache's real stores and evictions.
@@ -39,7 +41,7 @@ pub mod tokenizer;
 
 mod api;
 
-pub use config::{ConfigError, SimConfig};
+pub use config::{ConfigError, KvLoadFailurePolicy, SimConfig};
 pub use error::SimError;
 pub use faults::{FaultRateError, Faults};
 pub use kv_events::{KvEventsBindError, KvEventsFormat};

@@ -1,8 +1,9 @@
 //! vLLM's NixlConnector hand-off, as the prefill side sees it: the `kv_transfer_params` a
-//! prefill-only request is answered with, and a bounded memory of recent hand-offs.
+//! prefill-only request is answered with (vLLM 0.32's fields), and a bounded memory of recent
+//! hand-offs, each of which a decoder can pull once (vLLM frees the blocks once read).
 //!
-//! The decode side needs nothing from here: it reads `do_remote_prefill` and the number of
-//! `remote_block_ids`, and models the pull by its transfer time (see [`crate::engine`]).
+//! The decode side (`crate::handoff`) asks the prefill engine's side channel about the hand-off
+//! before it models the pull by its transfer time (see [`crate::engine`]).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -18,9 +19,15 @@ const HANDOFFS_KEPT: usize = 1000;
 /// One prefill result handed to a remote decoder (listed by `GET /sim/handoffs`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct Handoff {
+    /// The engine's internal id of the prefill request (`remote_request_id`): the client's
+    /// id, then `-` and 8 hex digits, as vLLM makes it.
     pub request_id: String,
+    /// The client's `X-Request-Id` of the prefill request.
+    pub external_id: String,
     pub block_ids: Vec<u64>,
     pub prompt_tokens: u32,
+    /// A decoder pulled it (a second pull finds nothing).
+    pub pulled: bool,
 }
 
 /// Hands out block ids and remembers the latest hand-offs.
@@ -40,12 +47,19 @@ impl Handoffs {
         }
     }
 
-    /// Records a hand-off of a `prompt_tokens`-token prompt and returns its block ids (one per
-    /// block, the partial last one included). The ids look like vLLM's physical block
-    /// indices; a decoder only counts them.
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Handoff>> {
+        self.recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a hand-off of a `prompt_tokens`-token prompt under the engine's internal id
+    /// `request_id` and returns its block ids (one per block, the partial last one
+    /// included). The ids look like vLLM's physical block indices; a decoder only counts them.
     pub(crate) fn record(
         &self,
         request_id: &str,
+        external_id: &str,
         prompt_tokens: u32,
         block_size: usize,
     ) -> Vec<u64> {
@@ -54,53 +68,74 @@ impl Handoffs {
         let block_ids: Vec<u64> = (first..first + blocks)
             .map(|id| id % self.pool_blocks)
             .collect();
-        let mut recent = self
-            .recent
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut recent = self.lock();
         if recent.len() == HANDOFFS_KEPT {
             recent.pop_front();
         }
         recent.push_back(Handoff {
             request_id: request_id.to_owned(),
+            external_id: external_id.to_owned(),
             block_ids: block_ids.clone(),
             prompt_tokens,
+            pulled: false,
         });
         block_ids
     }
 
+    /// A decoder's pull of the hand-off `request_id`: it, marked pulled, if it was issued
+    /// and not pulled yet.
+    pub(crate) fn pull(&self, request_id: &str) -> Option<Handoff> {
+        let mut recent = self.lock();
+        let handoff = recent
+            .iter_mut()
+            .rev()
+            .find(|handoff| handoff.request_id == request_id && !handoff.pulled)?;
+        handoff.pulled = true;
+        Some(handoff.clone())
+    }
+
     /// The remembered hand-offs, oldest first.
     pub(crate) fn snapshot(&self) -> Vec<Handoff> {
-        self.recent
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .cloned()
-            .collect()
+        self.lock().iter().cloned().collect()
     }
 }
 
+/// The engine's internal id of a request whose client id is `external` (vLLM:
+/// `{external}-{8 hex digits}`).
+pub(crate) fn internal_request_id(external: &str) -> String {
+    format!("{external}-{:08x}", fastrand::u32(..))
+}
+
+/// Where this engine's side channel is: the host it reports and the address it listens on.
+#[derive(Debug, Clone)]
+pub(crate) struct SideChannel {
+    pub host: String,
+    pub addr: SocketAddr,
+}
+
 /// The `kv_transfer_params` of a prefill response, which a proxy copies into the decode
-/// request.
+/// request: vLLM 0.32's fields, the block ids as one list per KV-cache group (one group here).
 pub(crate) fn prefill_response_params(
     engine_id: &str,
     request_id: &str,
     block_ids: &[u64],
-    addr: Option<SocketAddr>,
+    prompt_tokens: u32,
+    side_channel: Option<&SideChannel>,
 ) -> Value {
-    let host = match addr {
-        Some(addr) if !addr.ip().is_unspecified() => addr.ip().to_string(),
-        _ => "127.0.0.1".to_owned(),
-    };
     json!({
         "do_remote_prefill": true,
         "do_remote_decode": false,
-        "remote_block_ids": block_ids,
+        "remote_block_ids": [block_ids],
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
-        "remote_host": host,
-        "remote_port": addr.map_or(0, |addr| addr.port()),
+        "remote_host": side_channel.map_or("localhost", |side| side.host.as_str()),
+        "remote_port": side_channel.map_or(0, |side| side.addr.port()),
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": prompt_tokens,
+        "remote_blocks_expiry_time": null,
+        "transfer_mode": "pull",
     })
 }
 
@@ -111,22 +146,54 @@ mod tests {
     #[test]
     fn one_block_id_per_prompt_block_including_the_partial_one() {
         let handoffs = Handoffs::new(10);
-        assert_eq!(handoffs.record("a", 33, 16), vec![0, 1, 2]);
-        assert_eq!(handoffs.record("b", 160, 16).len(), 10);
+        assert_eq!(handoffs.record("a-1", "a", 33, 16), vec![0, 1, 2]);
+        assert_eq!(handoffs.record("b-1", "b", 160, 16).len(), 10);
         let recent = handoffs.snapshot();
         assert_eq!(recent.len(), 2);
-        assert_eq!(recent[0].request_id, "a");
+        assert_eq!(recent[0].request_id, "a-1");
+        assert_eq!(recent[0].external_id, "a");
         assert_eq!(recent[0].prompt_tokens, 33);
     }
 
     #[test]
-    fn params_name_this_engine() {
-        let addr: SocketAddr = "0.0.0.0:9001".parse().unwrap();
-        let params = prefill_response_params("engine-1", "req-1", &[4, 5], Some(addr));
-        assert_eq!(params["remote_host"], "127.0.0.1");
-        assert_eq!(params["remote_port"], 9001);
+    fn a_hand_off_is_pulled_once() {
+        let handoffs = Handoffs::new(10);
+        handoffs.record("a-1", "a", 33, 16);
+        assert!(
+            handoffs.pull("a").is_none(),
+            "the client's id is not the engine's"
+        );
+        assert_eq!(handoffs.pull("a-1").unwrap().block_ids, vec![0, 1, 2]);
+        assert!(handoffs.pull("a-1").is_none());
+        assert!(handoffs.snapshot()[0].pulled);
+    }
+
+    #[test]
+    fn params_are_vllm_0_32s() {
+        let side = SideChannel {
+            host: "localhost".into(),
+            addr: "127.0.0.1:5600".parse().unwrap(),
+        };
+        let params =
+            prefill_response_params("engine-1", "req-1-0a1b2c3d", &[4, 5], 20, Some(&side));
+        assert_eq!(params["remote_host"], "localhost");
+        assert_eq!(params["remote_port"], 5600);
         assert_eq!(params["do_remote_prefill"], true);
-        assert_eq!(params["remote_block_ids"], json!([4, 5]));
-        assert_eq!(params["tp_size"], 1);
+        assert_eq!(params["remote_block_ids"], json!([[4, 5]]));
+        assert_eq!(params["remote_num_tokens"], 20);
+        for (field, value) in [
+            ("tp_size", json!(1)),
+            ("dcp_size", json!(1)),
+            ("pp_size", json!(1)),
+        ] {
+            assert_eq!(params[field], value, "{field}");
+        }
+        assert_eq!(params["transfer_mode"], "pull");
+        assert!(params["remote_blocks_expiry_time"].is_null());
+        let id = internal_request_id("chatcmpl-r");
+        assert!(
+            id.starts_with("chatcmpl-r-") && id.len() == "chatcmpl-r-".len() + 8,
+            "{id}"
+        );
     }
 }

@@ -143,11 +143,12 @@ impl InferenceBody {
 pub(crate) struct KvTransfer {
     pub do_remote_decode: bool,
     pub do_remote_prefill: bool,
-    /// Length of `remote_block_ids`, if given.
+    /// How many blocks `remote_block_ids` names (its first KV-cache group's), if given.
     pub remote_blocks: Option<usize>,
-    /// The hand-off a decoder pulls: which engine prefilled which request into which blocks,
-    /// and where that engine is.
-    pub remote_block_ids: Option<Vec<u64>>,
+    /// The hand-off a decoder pulls: which engine prefilled which request into which blocks
+    /// (one list per KV-cache group, as vLLM sends them; a flat list is kept as it came, for
+    /// the decoder to refuse), and where that engine's side channel is.
+    pub remote_block_ids: Option<BlockIds>,
     pub remote_engine_id: Option<String>,
     pub remote_request_id: Option<String>,
     pub remote_host: Option<String>,
@@ -158,14 +159,32 @@ impl KvTransfer {
     fn from_value(value: &Value) -> Self {
         let flag = |name: &str| value.get(name).and_then(Value::as_bool).unwrap_or(false);
         let text = |name: &str| value.get(name).and_then(Value::as_str).map(str::to_owned);
-        let remote_block_ids: Option<Vec<u64>> = value
-            .get("remote_block_ids")
-            .and_then(Value::as_array)
-            .map(|ids| ids.iter().filter_map(Value::as_u64).collect());
+        let ids = |list: &Value| -> Option<Vec<u64>> {
+            list.as_array()?.iter().map(Value::as_u64).collect()
+        };
+        let remote_block_ids =
+            value
+                .get("remote_block_ids")
+                .and_then(Value::as_array)
+                .map(|items| {
+                    if items.iter().all(Value::is_array) && !items.is_empty() {
+                        match items.iter().map(ids).collect::<Option<Vec<_>>>() {
+                            Some(groups) => BlockIds::Groups(groups),
+                            None => BlockIds::Malformed,
+                        }
+                    } else {
+                        match items.iter().map(Value::as_u64).collect::<Option<Vec<_>>>() {
+                            Some(flat) => BlockIds::Flat(flat),
+                            None => BlockIds::Malformed,
+                        }
+                    }
+                });
         Self {
             do_remote_decode: flag("do_remote_decode"),
             do_remote_prefill: flag("do_remote_prefill"),
-            remote_blocks: remote_block_ids.as_ref().map(Vec::len),
+            remote_blocks: remote_block_ids
+                .as_ref()
+                .and_then(BlockIds::first_group_len),
             remote_block_ids,
             remote_engine_id: text("remote_engine_id"),
             remote_request_id: text("remote_request_id"),
@@ -174,6 +193,27 @@ impl KvTransfer {
                 .get("remote_port")
                 .and_then(Value::as_u64)
                 .and_then(|port| u16::try_from(port).ok()),
+        }
+    }
+}
+
+/// `kv_transfer_params.remote_block_ids` as a decoder reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BlockIds {
+    /// One list per KV-cache group (vLLM's `[[0, 1, 2]]`).
+    Groups(Vec<Vec<u64>>),
+    /// One flat list of ids, which vLLM does not send.
+    Flat(Vec<u64>),
+    /// Anything else (not ids).
+    Malformed,
+}
+
+impl BlockIds {
+    fn first_group_len(&self) -> Option<usize> {
+        match self {
+            BlockIds::Groups(groups) => groups.first().map(Vec::len),
+            BlockIds::Flat(ids) => Some(ids.len()),
+            BlockIds::Malformed => None,
         }
     }
 }
@@ -594,7 +634,7 @@ mod tests {
     fn reads_max_tokens_and_kv_transfer_params() {
         let body: InferenceBody = serde_json::from_str(
             r#"{"max_tokens":5,"max_completion_tokens":7,
-                "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2,3]}}"#,
+                "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1,2,3]]}}"#,
         )
         .unwrap();
         assert_eq!(body.requested_max_tokens().unwrap(), Some(7));

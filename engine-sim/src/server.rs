@@ -24,7 +24,7 @@ use crate::error::SimError;
 use crate::faults::{FaultInjector, Faults};
 use crate::kv_events::{KvEventsPublisher, QUEUE_BATCHES};
 use crate::metrics::{Metrics, SimStats};
-use crate::nixl::Handoffs;
+use crate::nixl::{Handoffs, SideChannel};
 use crate::records::{ReceivedRequest, Recorder};
 
 /// One simulated vLLM instance, ready to serve on a listener.
@@ -36,6 +36,8 @@ pub struct SimServer {
     /// The engine's prefix-cache changes, for the KV-event publisher (with `--kv-events`).
     kv_batches: Option<mpsc::Receiver<Vec<CacheEvent>>>,
     kv_publisher: Option<KvEventsPublisher>,
+    /// The NIXL side channel's listener, once bound.
+    side_channel: Option<TcpListener>,
 }
 
 impl SimServer {
@@ -67,7 +69,7 @@ impl SimServer {
             faults: FaultInjector::new(config.faults(), config.seed),
             records: Recorder::new(config.record_requests),
             handoffs: Handoffs::new(config.kv_cache_blocks),
-            local_addr: OnceLock::new(),
+            side_channel: OnceLock::new(),
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),
             http: crate::handoff::http_client(),
@@ -80,7 +82,33 @@ impl SimServer {
             kill: CancellationToken::new(),
             kv_batches,
             kv_publisher: None,
+            side_channel: None,
         })
+    }
+
+    /// Binds the NIXL side channel (`--side-channel-host`, `--side-channel-port`), where
+    /// decoders ask about this engine's hand-offs, so that its port is known before serving
+    /// starts. [`run`](Self::run) does it if not done yet.
+    pub async fn bind_side_channel(&mut self) -> Result<(), SimError> {
+        if self.side_channel.is_some() {
+            return Ok(());
+        }
+        let config = &self.shared.config;
+        let (host, port) = (config.side_channel_host.as_str(), config.side_channel_port);
+        let listener = TcpListener::bind((host.trim_matches(['[', ']']), port))
+            .await
+            .map_err(|error| SimError::SideChannelBind {
+                host: host.to_owned(),
+                port,
+                error,
+            })?;
+        let addr = listener.local_addr().map_err(SimError::Io)?;
+        let _ = self.shared.side_channel.set(SideChannel {
+            host: host.to_owned(),
+            addr,
+        });
+        self.side_channel = Some(listener);
+        Ok(())
     }
 
     /// Binds the KV-event sockets (with `--kv-events`; otherwise does nothing), so that their
@@ -141,24 +169,37 @@ impl SimServer {
         shutdown: CancellationToken,
     ) -> Result<(), SimError> {
         self.bind_kv_events().await?;
+        self.bind_side_channel().await?;
         let SimServer {
             shared,
             driver,
             kill,
             kv_batches,
             kv_publisher,
+            side_channel,
         } = self;
         let addr = listener.local_addr().map_err(SimError::Io)?;
-        let _ = shared.local_addr.set(addr);
         let config = &shared.config;
+        let side_addr = shared.side_channel.get().map(|side| side.addr);
         tracing::info!(
             %addr,
+            side_channel = ?side_addr,
             model = %config.served_model_name,
             role = %config.role,
             time_scale = config.time_scale,
             engine_id = %shared.engine_id,
             "engine simulator listening"
         );
+        // The side channel lives until the HTTP connections are drained (a decoder may still
+        // pull what a finished prefill handed off), and dies with a kill.
+        let side_stop = CancellationToken::new();
+        let side_task = side_channel.map(|listener| {
+            let (stop, kill) = (side_stop.clone(), kill.clone());
+            let app = api::side_channel(Arc::clone(&shared));
+            AbortOnDropHandle::new(tokio::spawn(async move {
+                serve_connections(listener, app, &stop, &kill, Duration::ZERO).await;
+            }))
+        });
 
         let engine_stop = CancellationToken::new();
         let engine_task = AbortOnDropHandle::new(tokio::spawn(driver.run(engine_stop.clone())));
@@ -176,6 +217,8 @@ impl SimServer {
         let grace = Duration::try_from_secs_f64(config.shutdown_grace_s).unwrap_or(Duration::MAX);
         let app = api::router(Arc::clone(&shared));
         serve_connections(listener, app, &shutdown, &kill, grace).await;
+        side_stop.cancel();
+        drop(side_task);
 
         // Connections are closed: nothing can use the engine any more.
         engine_stop.cancel();
@@ -296,6 +339,7 @@ pub struct SimHandle {
 pub async fn spawn(config: SimConfig) -> Result<SimHandle, SimError> {
     let mut server = SimServer::new(config)?;
     server.bind_kv_events().await?;
+    server.bind_side_channel().await?;
     let listener = TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
         .await
         .map_err(SimError::Io)?;
@@ -342,6 +386,7 @@ impl SimHandle {
             stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
             tokenize_fail_rate: clamp(faults.tokenize_fail_rate),
             tokenize_hang_rate: clamp(faults.tokenize_hang_rate),
+            kv_pull_fail_rate: clamp(faults.kv_pull_fail_rate),
         });
     }
 
@@ -352,6 +397,11 @@ impl SimHandle {
     /// This engine's id (`remote_engine_id` in kv_transfer_params).
     pub fn engine_id(&self) -> &str {
         &self.shared.engine_id
+    }
+
+    /// Where the NIXL side channel listens (`remote_port` in kv_transfer_params).
+    pub fn side_channel_addr(&self) -> Option<SocketAddr> {
+        self.shared.side_channel.get().map(|side| side.addr)
     }
 
     /// Responses API responses this instance stores now.

@@ -628,21 +628,38 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
     assert_eq!(params["do_remote_prefill"], true);
     assert_eq!(params["do_remote_decode"], false);
     assert_eq!(params["remote_engine_id"], prefill.engine_id());
-    assert_eq!(params["remote_request_id"], "r1");
-    assert_eq!(params["remote_host"], "127.0.0.1");
-    assert_eq!(params["remote_port"], prefill.addr.port());
+    // vLLM's internal id: the API's id of the request, then 8 hex digits.
+    let internal = params["remote_request_id"].as_str().unwrap();
+    assert!(
+        internal.starts_with("chatcmpl-r1-") && internal.len() == "chatcmpl-r1-".len() + 8,
+        "{internal}"
+    );
+    // The side channel: vLLM's default host, a port of its own.
+    assert_eq!(params["remote_host"], "localhost");
+    let side = prefill.side_channel_addr().expect("a side channel");
+    assert_eq!(params["remote_port"], side.port());
+    assert_ne!(side.port(), prefill.addr.port());
+    // One list of block ids per KV-cache group.
+    let groups = params["remote_block_ids"].as_array().unwrap();
+    assert_eq!(groups.len(), 1);
     assert_eq!(
-        params["remote_block_ids"].as_array().unwrap().len() as u64,
+        groups[0].as_array().unwrap().len() as u64,
         prompt_tokens.div_ceil(16)
     );
+    assert_eq!(params["remote_num_tokens"].as_u64(), Some(prompt_tokens));
+    for field in ["tp_size", "dcp_size", "pp_size"] {
+        assert_eq!(params[field], 1, "{field}");
+    }
+    assert_eq!(params["transfer_mode"], "pull");
     assert_eq!(prefill.stats().kv_handoffs, 1);
     assert_eq!(prefill.stats().prefill_tokens_computed, prompt_tokens);
 
-    // Hop 2: the original request plus the prefill's params, to the decoder.
+    // Hop 2: the original request plus the prefill's params, to the decoder (under another
+    // request id: vLLM never compares the two).
     let response = open_post_with(
         decode.addr,
         "/v1/chat/completions",
-        &[("x-request-id", "r1")],
+        &[("x-request-id", "d1")],
         &json!({"model": "sim", "messages": messages, "max_tokens": 4, "stream": true,
                "stream_options": {"include_usage": true}, "kv_transfer_params": params}),
     )
@@ -677,6 +694,110 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
     );
     prefill.shutdown().await;
     decode.shutdown().await;
+    Ok(())
+}
+
+/// A decode engine refuses what vLLM 0.32 refuses: a hand-off pulled before, block ids not
+/// grouped per KV-cache group, a side channel that is the HTTP port. Under
+/// `kv_load_failure_policy` "fail" (the default) it answers vLLM's generation error; under
+/// "recompute" it prefills the prompt itself.
+#[tokio::test]
+async fn a_failed_kv_pull_fails_the_request_as_vllm_does() -> Result<()> {
+    let prefill = spawn(SimConfig {
+        role: InstanceRole::Prefill,
+        ..fast_config()
+    })
+    .await?;
+    let decode = spawn(SimConfig {
+        role: InstanceRole::Decode,
+        ..fast_config()
+    })
+    .await?;
+    let recompute = spawn(SimConfig {
+        role: InstanceRole::Decode,
+        kv_load_failure_policy: switchyard_engine_sim::KvLoadFailurePolicy::Recompute,
+        ..fast_config()
+    })
+    .await?;
+    let prompt = words(300);
+    let handoff = || async {
+        let reply = post(
+            prefill.addr,
+            "/v1/completions",
+            &json!({"model": "sim", "prompt": prompt, "max_tokens": 1,
+                   "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .await?;
+        anyhow::Ok(reply.json()["kv_transfer_params"].clone())
+    };
+    let decode_body = |params: &Value, stream: bool| {
+        json!({"model": "sim", "prompt": prompt, "max_tokens": 3, "stream": stream,
+               "kv_transfer_params": params})
+    };
+    let params = handoff().await?;
+    let ok = post(decode.addr, "/v1/completions", &decode_body(&params, false)).await?;
+    assert_eq!(ok.status, StatusCode::OK);
+    assert_eq!(decode.received()[0].handoff.as_deref(), Some("accepted"));
+
+    // Pulled already; flat block ids; the HTTP port named as the side channel.
+    let mut flat = handoff().await?;
+    flat["remote_block_ids"] = flat["remote_block_ids"][0].clone();
+    let mut http_port = handoff().await?;
+    http_port["remote_port"] = prefill.addr.port().into();
+    for (what, bad) in [
+        ("pulled", &params),
+        ("flat", &flat),
+        ("http port", &http_port),
+    ] {
+        let reply = post(decode.addr, "/v1/completions", &decode_body(bad, false)).await?;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{what}");
+        assert_eq!(
+            reply.json(),
+            json!({"error": {"message": "Internal server error",
+                             "type": "InternalServerError", "param": null, "code": 500}}),
+            "{what}"
+        );
+    }
+    let verdicts: Vec<String> = decode
+        .received()
+        .iter()
+        .skip(1)
+        .map(|request| request.handoff.clone().unwrap_or_default())
+        .collect();
+    assert!(verdicts[0].contains("pulled already"), "{verdicts:?}");
+    assert!(
+        verdicts[1].contains("one list of block ids per KV-cache group"),
+        "{verdicts:?}"
+    );
+    assert!(verdicts[2].starts_with("rejected"), "{verdicts:?}");
+    assert_eq!(decode.stats().kv_pull_failures, 3);
+
+    // A stream has begun: the role chunk (chat), the error event, [DONE].
+    let chat = json!({"model": "sim", "messages": [{"role": "user", "content": prompt}],
+                      "max_tokens": 3, "stream": true, "kv_transfer_params": params});
+    let response = open_post(decode.addr, "/v1/chat/completions", &chat).await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    let events = read_events(&mut response.into_body()).await?;
+    assert_eq!(events.len(), 3, "{events:?}");
+    let role: Value = serde_json::from_str(&events[0])?;
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
+    let error: Value = serde_json::from_str(&events[1])?;
+    assert_eq!(error["error"]["code"], 500);
+    assert_eq!(events[2], "[DONE]");
+
+    // Under "recompute" the same refusal is prefilled here and answered.
+    let reply = post(
+        recompute.addr,
+        "/v1/completions",
+        &decode_body(&params, false),
+    )
+    .await?;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 3);
+    assert_eq!(recompute.stats().kv_pull_failures, 1);
+    for sim in [prefill, decode, recompute] {
+        sim.shutdown().await;
+    }
     Ok(())
 }
 

@@ -2,7 +2,6 @@
 //! generation path makes (model, prompt fits, faults drawn), waiting for a sequence, and the
 //! SSE stream with its injected interruptions.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
 use axum::body::{Body, Bytes};
@@ -20,7 +19,7 @@ use crate::faults::{Fault, FaultInjector};
 use crate::handoff::HttpClient;
 use crate::kv_events::{KvEventsControl, KvEventsInfo};
 use crate::metrics::Metrics;
-use crate::nixl::Handoffs;
+use crate::nixl::{Handoffs, SideChannel};
 use crate::openai::{ApiError, ApiKind, InferenceBody, KvTransfer, ResponseMeta, Usage};
 use crate::records::Recorder;
 
@@ -42,8 +41,8 @@ pub(crate) struct Shared {
     pub faults: FaultInjector,
     pub records: Recorder,
     pub handoffs: Handoffs,
-    /// The listening address, known once serving starts.
-    pub local_addr: OnceLock<SocketAddr>,
+    /// The NIXL side channel as bound, known before serving starts.
+    pub side_channel: OnceLock<SideChannel>,
     /// The KV-event sockets as bound (with `--kv-events`), known once bound.
     pub kv_events: OnceLock<KvEventsInfo>,
     pub kv_control: Arc<KvEventsControl>,
