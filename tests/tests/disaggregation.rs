@@ -286,8 +286,12 @@ async fn the_threshold_holds_at_its_boundary_and_the_decoder_accepts_the_exact_h
     let issuer = &pool.prefill[prefilled_on.trim_start_matches('p').parse::<usize>()?];
     assert_eq!(
         handed["remote_port"],
-        serde_json::json!(issuer.addr.port()),
-        "the hand-off names the prefill engine that did it"
+        serde_json::json!(issuer.side_channel_addr().expect("a side channel").port()),
+        "the hand-off names the side channel of the prefill engine that did it"
+    );
+    assert_eq!(
+        handed["remote_host"], "localhost",
+        "loopback stays loopback"
     );
     // The same, counted with Llama 3's tokenizer.json from --tokenizer-dir.
     let site = std::process::Command::new(test_python())
@@ -404,6 +408,112 @@ async fn a_disaggregated_stream_reaches_the_client_while_the_decoder_is_still_ge
     .await;
     assert!(!text.contains("[DONE]"), "{text}");
     drop(response);
+    settles(&router).await?;
+    Ok(())
+}
+
+/// vLLM's default `kv_load_failure_policy` "fail": a decoder whose KV pull fails answers an
+/// error before any token (500, or an error event after the role chunk of a stream). The
+/// router sends that decoder the request without the hand-off; the client never sees the
+/// refusal. Under "recompute" the decoder prefills it itself and nothing falls back.
+#[tokio::test]
+async fn a_decoder_that_refuses_the_hand_off_gets_the_request_without_it() -> anyhow::Result<()> {
+    let refusing = SimConfig {
+        kv_pull_fail_rate: 1.0,
+        ..engine(InstanceRole::Decode)
+    };
+    let pool = Pool::start_with(|_| engine(InstanceRole::Prefill), refusing.clone()).await?;
+    let dir = tempfile::tempdir()?;
+    let relaying = router(&dir, &pool, NIXL, |_| {}).await?;
+    let chat = |id: &str, stream: bool| {
+        serde_json::json!({"model": "pd", "max_tokens": 3, "stream": stream,
+            "messages": [{"role": "user", "content": format!("{id} {}", hellos(5000))}]})
+        .to_string()
+    };
+    let chat_url = format!("{}/v1/chat/completions", relaying.url());
+    for (id, stream) in [("whole", false), ("streamed", true)] {
+        let reply = bounded(
+            "a refused hand-off",
+            http_post(&chat_url, &[("x-request-id", id)], chat(id, stream)),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("fallback"), "{id}");
+        assert!(!reply.body.contains("\"error\""), "{id}: {}", reply.body);
+        if stream {
+            assert!(
+                reply.body.trim_end().ends_with("data: [DONE]"),
+                "{}",
+                reply.body
+            );
+            assert_eq!(reply.body.matches("\"role\"").count(), 1, "{}", reply.body);
+            assert_eq!(
+                reply.body.matches("\"content\":\"").count(),
+                4,
+                "{}",
+                reply.body
+            );
+        } else {
+            assert_eq!(reply.json()["usage"]["completion_tokens"], 3, "{id}");
+        }
+        // The same decoder twice: with the hand-off (refused), then without it.
+        let decoded = received_as(&pool.decode, id);
+        assert_eq!(decoded.len(), 2, "{id}: {decoded:?}");
+        assert!(
+            decoded[0]
+                .handoff
+                .as_deref()
+                .is_some_and(|v| v.starts_with("rejected"))
+        );
+        assert!(decoded[1].kv_transfer.is_none(), "{id}: {:?}", decoded[1]);
+        assert_eq!(
+            decoded[0].header("x-request-id"),
+            decoded[1].header("x-request-id")
+        );
+    }
+    assert_eq!(
+        fallbacks(&relaying, "decode_refused_handoff").await,
+        Some(2.0)
+    );
+    settles(&relaying).await?;
+
+    let recomputing = SimConfig {
+        kv_load_failure_policy: switchyard_engine_sim::KvLoadFailurePolicy::Recompute,
+        ..refusing
+    };
+    let pool = Pool::start_with(|_| engine(InstanceRole::Prefill), recomputing).await?;
+    let dir = tempfile::tempdir()?;
+    let recomputed = router(&dir, &pool, NIXL, |_| {}).await?;
+    let reply = complete(&recomputed, &[("x-request-id", "kept")], long()).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert_eq!(received_as(&pool.decode, "kept").len(), 1);
+    assert_eq!(
+        fallbacks(&recomputed, "decode_refused_handoff").await,
+        Some(0.0)
+    );
+    settles(&recomputed).await?;
+    Ok(())
+}
+
+/// vLLM answers a batch of completions prompts with the hand-off of its first prompt only, so
+/// a batch is not disaggregated.
+#[tokio::test]
+async fn a_batch_of_prompts_goes_to_a_decoder_directly() -> anyhow::Result<()> {
+    let (pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
+    let batch = serde_json::json!({"model": "pd", "max_tokens": 2,
+        "prompt": [hellos(5000), format!("other {}", hellos(5000))]})
+    .to_string();
+    let reply = complete(&router, &[("x-request-id", "batch")], batch).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+    assert!(received_as(&pool.prefill, "batch").is_empty());
+    let decoded = received_as(&pool.decode, "batch");
+    assert_eq!(decoded.len(), 1);
+    assert!(decoded[0].kv_transfer.is_none());
+    // One prompt in an array is one prompt.
+    let single =
+        serde_json::json!({"model": "pd", "max_tokens": 2, "prompt": [hellos(5000)]}).to_string();
+    let reply = complete(&router, &[], single).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
     settles(&router).await?;
     Ok(())
 }

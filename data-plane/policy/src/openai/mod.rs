@@ -301,6 +301,21 @@ impl<'a> OpenAiRequest<'a> {
         self.messages.as_ref().map_or(0, Vec::len)
     }
 
+    /// A completions `prompt` that is a batch of several prompts (an array of two or more
+    /// strings or token-id arrays). An engine answers such a request with one hand-off for
+    /// its first prompt only (vLLM returns `final_res_batch[0].kv_transfer_params`).
+    pub fn is_prompt_batch(&self) -> bool {
+        let Some(raw) = self.prompt.map(RawValue::get) else {
+            return false;
+        };
+        if !raw.starts_with('[') {
+            return false;
+        }
+        serde_json::from_str::<Vec<&RawValue>>(raw).is_ok_and(|items| {
+            items.len() > 1 && items.iter().all(|item| item.get().starts_with(['"', '[']))
+        })
+    }
+
     /// A completions `prompt` given as token ids (an array of integers): how many.
     pub fn prompt_token_ids(&self) -> Option<usize> {
         let raw = self.prompt?.get();
@@ -430,6 +445,21 @@ mod tests {
             }
         );
         assert!(OpenAiRequest::parse(br#"{"model":5}"#).is_err());
+    }
+
+    #[test]
+    fn a_batch_is_two_or_more_prompts() {
+        let batch = |body: &str| {
+            OpenAiRequest::parse(body.as_bytes())
+                .unwrap()
+                .is_prompt_batch()
+        };
+        assert!(batch(r#"{"prompt":["a","b"]}"#));
+        assert!(batch(r#"{"prompt":[[1,2],[3]]}"#));
+        assert!(!batch(r#"{"prompt":["a"]}"#));
+        assert!(!batch(r#"{"prompt":[1,2,3]}"#));
+        assert!(!batch(r#"{"prompt":"a"}"#));
+        assert!(!batch(r#"{"messages":[]}"#));
     }
 
     #[test]

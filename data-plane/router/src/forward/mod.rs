@@ -14,6 +14,7 @@
 //! an `.await` (the table is an `ArcSwap` snapshot, load is atomics).
 
 pub(crate) mod prefill;
+pub(crate) mod refusal;
 pub(crate) mod upstream;
 
 use std::sync::Arc;
@@ -57,7 +58,7 @@ pub struct ForwardSettings {
 /// An instance's answer head, with what the client is told about who answered and why.
 #[derive(Debug)]
 pub struct Answered {
-    pub response: http::Response<hyper::body::Incoming>,
+    pub response: http::Response<refusal::UpstreamBody>,
     /// The instance's in-flight count, held until the answer's body ends.
     pub in_flight: InFlight,
     pub endpoint: Arc<EndpointRoute>,
@@ -138,6 +139,9 @@ pub struct Hop {
     pub cached_tokens: Vec<u32>,
     /// Flow control: the slot the queue took for the first candidate.
     pub claim: Option<SlotClaim>,
+    /// A NIXL decode: the request without the hand-off, sent instead if a decoder refuses
+    /// the hand-off before generating anything (`refusal`).
+    pub plain_body: Option<Bytes>,
 }
 
 impl From<Plan> for Hop {
@@ -153,6 +157,7 @@ impl From<Plan> for Hop {
             path: plan.path,
             cached_tokens: plan.cached_tokens,
             claim: None,
+            plain_body: None,
         }
     }
 }
@@ -274,6 +279,7 @@ impl Forwarder<'_> {
             path,
             cached_tokens,
             mut claim,
+            mut plain_body,
         } = hop;
         let variant = &endpoint.variants[variant_index];
         // The body and its reservation are held until a response head arrives (a retry may
@@ -293,7 +299,10 @@ impl Forwarder<'_> {
         } else {
             "forward"
         };
-        for &index in ranking.order.iter().take(attempts) {
+        let mut order = ranking.order.iter().take(attempts).copied();
+        // The same decoder once more, after it refused a hand-off.
+        let mut again = None;
+        while let Some(index) = again.take().or_else(|| order.next()) {
             let instance = &variant.instances[index];
             let Some((body, _)) = &held else {
                 break;
@@ -314,6 +323,26 @@ impl Forwarder<'_> {
                 .await;
             let failure = match attempt {
                 Ok((response, in_flight)) => {
+                    let response = if plain_body.is_some() {
+                        match refusal::decoded(response, self.settings.stream_idle).await {
+                            refusal::Decoded::Answer(response) => response,
+                            refusal::Decoded::Refused(why) => {
+                                drop(in_flight);
+                                if let (Some(plain), Some((body, _))) =
+                                    (plain_body.take(), held.as_mut())
+                                {
+                                    *body = plain;
+                                }
+                                self.metrics.count_fallback("decode_refused_handoff");
+                                tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, why, "the decoder refused the hand-off before any token (vLLM's kv_load_failure_policy \"fail\"); sending it the request without the hand-off");
+                                label = RouteLabel::Fallback;
+                                again = Some(index);
+                                continue;
+                            }
+                        }
+                    } else {
+                        response.map(refusal::UpstreamBody::from)
+                    };
                     drop(held.take());
                     return Ok(Answered {
                         response,

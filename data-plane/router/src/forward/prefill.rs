@@ -4,7 +4,10 @@
 //! `stream: false`, `kv_transfer_params.do_remote_decode: true`) goes to a prefill instance;
 //! its answer's `kv_transfer_params` (engine, block ids, host, port) are copied into the
 //! original request, which goes to a decoder, and the decoder's answer is relayed; the decoder
-//! pulls the KV blocks itself, so any decoder may take it. With `LMCACHE` (LMCache's PD
+//! pulls the KV blocks itself, so any decoder may take it (a side channel reported as loopback
+//! is named by the prefill instance's host instead). A decoder that refuses the hand-off
+//! before any token (vLLM's `kv_load_failure_policy` "fail") gets the request again without
+//! it (`super::refusal`). With `LMCACHE` (LMCache's PD
 //! backend): the prefill copy carries no `kv_transfer_params`, the prefill instance pushes
 //! the KV cache to the decoder its own LMCache config names, and the original request goes to
 //! that decoder (the instance's registered decode partner).
@@ -139,7 +142,7 @@ impl Forwarder<'_> {
                 let prefill_instance = &prefill_variant.instances[prefilled.instance];
                 let decode_variant = &hop.endpoint.variants[pd.decode];
                 let partner = usable_partner(pd, decode_variant, prefilled.instance);
-                hand_off(&mut hop, pd, &prefilled, partner).map(|()| {
+                hand_off(&mut hop, pd, &prefilled, prefill_instance, partner).map(|()| {
                     hop.explain
                         .push((PREFILL_INSTANCE, prefill_instance.id_header.clone()));
                     if let Some(&cached) =
@@ -170,7 +173,9 @@ impl Forwarder<'_> {
                 tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), reason, "disaggregate=False: the prefill could not be used; the decoder serves the whole request");
             }
         }
-        reservation.resize_to(hop.body.len() as u64);
+        // The request without the hand-off is held too, for a decoder that refuses it.
+        let plain = hop.plain_body.as_ref().map_or(0, Bytes::len);
+        reservation.resize_to((hop.body.len() + plain) as u64);
         // The decoders' own cap: the request waits for a decode slot now (for its partner
         // alone after an LMCACHE prefill, which pushed the KV cache there).
         let pinned =
@@ -414,12 +419,15 @@ fn hand_off(
     hop: &mut Hop,
     pd: &Disaggregation,
     prefilled: &Prefilled,
+    prefill_instance: &InstanceRoute,
     partner: Option<usize>,
 ) -> Result<(), FallbackReason> {
     match pd.protocol {
         KvTransferProtocol::Nixl => {
-            let params = prefilled.kv_transfer_params.as_ref().ok_or("bad_handoff")?;
-            hop.body = with_kv_transfer_params(&hop.body, params).ok_or("bad_handoff")?;
+            let mut params = prefilled.kv_transfer_params.clone().ok_or("bad_handoff")?;
+            reachable_side_channel(&mut params, &prefill_instance.url);
+            let handed = with_kv_transfer_params(&hop.body, &params).ok_or("bad_handoff")?;
+            hop.plain_body = Some(std::mem::replace(&mut hop.body, handed));
             Ok(())
         }
         KvTransferProtocol::Lmcache => {
@@ -432,10 +440,67 @@ fn hand_off(
     }
 }
 
+/// vLLM's prefiller names its NIXL side channel by `VLLM_NIXL_SIDE_CHANNEL_HOST`, which is
+/// `localhost` unless set: a decoder on another host would dial itself. When the reported host
+/// is a loopback name or address and the prefill instance's URL is not, the host is the
+/// instance's (the port is kept: the side channel listens on its own).
+fn reachable_side_channel(params: &mut Value, instance_url: &str) {
+    let Some(reported) = params.get("remote_host").and_then(Value::as_str) else {
+        return;
+    };
+    let Some(instance_host) = instance_url.parse::<http::Uri>().ok().and_then(|uri| {
+        uri.host()
+            .map(|host| host.trim_matches(['[', ']']).to_owned())
+    }) else {
+        return;
+    };
+    if is_loopback(reported) && !is_loopback(&instance_host) {
+        params["remote_host"] = Value::String(instance_host);
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_matches(['[', ']']);
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn a_loopback_side_channel_is_the_prefill_instance_host() {
+        let rewritten = |reported: Value, url: &str| {
+            let mut params = serde_json::json!({"remote_host": reported, "remote_port": 5600});
+            reachable_side_channel(&mut params, url);
+            params
+        };
+        for (reported, url, expected) in [
+            (
+                "localhost",
+                "http://prefill-0.example:8000",
+                "prefill-0.example",
+            ),
+            ("127.0.0.1", "http://192.0.2.7:8000", "192.0.2.7"),
+            ("::1", "http://[2001:db8::7]:8000", "2001:db8::7"),
+            // (Documentation-range names: nothing is dialled.) Both loopback, or a host the
+            // engine was told: kept.
+            ("localhost", "http://127.0.0.1:8000", "localhost"),
+            ("192.0.2.9", "http://192.0.2.7:8000", "192.0.2.9"),
+        ] {
+            let params = rewritten(Value::from(reported), url);
+            assert_eq!(params["remote_host"], expected, "{reported} at {url}");
+            assert_eq!(params["remote_port"], 5600);
+        }
+        assert_eq!(
+            rewritten(Value::Null, "http://192.0.2.7:8000")["remote_host"],
+            Value::Null
+        );
+    }
 
     #[test]
     fn a_hand_off_must_name_an_engine_and_blocks() {

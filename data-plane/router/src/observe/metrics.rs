@@ -114,7 +114,7 @@ pub const MIGRATION_OUTCOMES: [&str; 4] = ["continued", "whole", "limit", "faile
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
-pub const FALLBACK_REASONS: [&str; 7] = [
+pub const FALLBACK_REASONS: [&str; 8] = [
     "no_prefill_instance",
     "prefill_unreachable",
     "prefill_failed",
@@ -122,6 +122,7 @@ pub const FALLBACK_REASONS: [&str; 7] = [
     "no_decode_partner",
     "bad_handoff",
     "buffer_full",
+    "decode_refused_handoff",
 ];
 
 const DISAGGREGATION_PATHS: [RouteLabel; 3] = [

@@ -1,7 +1,8 @@
 //! A disaggregated endpoint's decision for one request: a decoder serves it whole (`direct`),
 //! or a prefill instance first (`disaggregated`), or the decoder serves it whole because no
 //! prefill instance is routable (`fallback`). Below `RouteThreshold` (and for native bodies,
-//! which are not parsed, and every operation but chat and completions) it is `direct`.
+//! which are not parsed, a completions batch of several prompts, and every operation but chat
+//! and completions) it is `direct`.
 //! PROMPT_TOKENS decides at planning on the router's own count of the prompt
 //! ([`super::count`]); UNCACHED_TOKENS needs the prompt's token ids and the decoders' KV index,
 //! so it only counts at planning and decides in [`finish`]; a KV_AWARE prefill pool is ranked
@@ -60,7 +61,12 @@ pub(super) fn split(
     let pd = endpoint.disaggregation.as_ref()?;
     // Chat and completions prompts are counted against the threshold; every other operation
     // (and native bodies, which are not parsed) goes straight to a decoder.
-    let Some(request) = target.openai.as_ref().filter(|_| operation.is_generation()) else {
+    // A batch of completions prompts too: an engine hands off only its first prompt's KV.
+    let Some(request) = target
+        .openai
+        .as_ref()
+        .filter(|request| operation.is_generation() && !request.is_prompt_batch())
+    else {
         return Some(Split {
             label: RouteLabel::Direct,
             explain: Vec::new(),

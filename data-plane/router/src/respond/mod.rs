@@ -169,7 +169,7 @@ impl Responder<'_> {
     async fn model_error(
         &self,
         parts: http::response::Parts,
-        incoming: hyper::body::Incoming,
+        incoming: crate::forward::refusal::UpstreamBody,
         in_flight: InFlight,
     ) -> Response {
         // The container's message, its first 64 KiB at most, read within the idle deadline.

@@ -66,7 +66,7 @@ pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// the engine's connection, which cancels its work).
 pub(super) struct TrackedBody {
     /// `None` once the body ended, failed or stalled.
-    pub(super) inner: Option<hyper::body::Incoming>,
+    pub(super) inner: Option<crate::forward::refusal::UpstreamBody>,
     pub(super) in_flight: Option<InFlight>,
     /// The request's admission; `None` when the body that wraps this one holds it.
     pub(super) permit: Option<RequestPermit>,
@@ -137,7 +137,7 @@ impl TrackedBody {
     /// wrapper decides what the client sees), an end before `[DONE]` is a break, and the
     /// wrapper holds the request's admission.
     pub(super) fn leg(
-        incoming: hyper::body::Incoming,
+        incoming: crate::forward::refusal::UpstreamBody,
         in_flight: InFlight,
         idle: Duration,
         metrics: Arc<RouterMetrics>,

@@ -1,0 +1,228 @@
+//! A decoder that refuses a NIXL hand-off. vLLM's `kv_load_failure_policy` is `"fail"` by
+//! default: a decoder whose KV pull fails ends the request with its generation error before
+//! any token, as a 5xx answer, or, for a stream (whose 200 head went out at once), as an SSE
+//! error event after the role chunk. Nothing was generated, so the decode can be sent again
+//! without `kv_transfer_params` (the decoder prefills it itself).
+//!
+//! [`UpstreamBody`] is an instance's answer body with the bytes read ahead of the client put
+//! back in front: the start of a stream read to see whether it opens with that error.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::Value;
+
+/// The most of a stream's opening read to look for a refusal.
+const MOST_OPENING_BYTES: usize = 64 * 1024;
+
+/// An instance's answer body: what was read ahead of the client, then the rest.
+#[derive(Debug)]
+pub struct UpstreamBody {
+    read_ahead: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl From<Incoming> for UpstreamBody {
+    fn from(rest: Incoming) -> Self {
+        Self {
+            read_ahead: None,
+            rest,
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(read_ahead) = this.read_ahead.take() {
+            return Poll::Ready(Some(Ok(Frame::data(read_ahead))));
+        }
+        Pin::new(&mut this.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.read_ahead.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let ahead = self
+            .read_ahead
+            .as_ref()
+            .map_or(0, |bytes| bytes.len() as u64);
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + ahead);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + ahead);
+        }
+        hint
+    }
+}
+
+/// What a decoder did with a hand-off, as far as the start of its answer tells.
+#[derive(Debug)]
+pub enum Decoded {
+    /// Its answer, to relay (any bytes read ahead put back).
+    Answer(http::Response<UpstreamBody>),
+    /// It refused the hand-off before generating anything: why, for the log.
+    Refused(String),
+}
+
+/// Reads as much of a decoder's answer to a hand-off as tells whether it refused it: a 5xx
+/// status; or, for an SSE stream, events up to the first that is not a bare role chunk, read
+/// within `idle` per frame and [`MOST_OPENING_BYTES`] in all; that event an error with a
+/// 5xx code. Anything else (tokens, a 4xx, a stall, a cut) is the answer, relayed as it came.
+pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Decoded {
+    let status = response.status();
+    if status.is_server_error() {
+        return Decoded::Refused(format!("the decoder answered {status}"));
+    }
+    let (parts, mut rest) = response.into_parts();
+    let is_stream = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim_start().starts_with("text/event-stream"));
+    if !status.is_success() || !is_stream {
+        return Decoded::Answer(http::Response::from_parts(parts, rest.into()));
+    }
+    let mut opening = BytesMut::new();
+    let verdict = loop {
+        match opening_verdict(&opening) {
+            Verdict::Undecided if opening.len() < MOST_OPENING_BYTES => {}
+            Verdict::Refused(why) => break Some(why),
+            _ => break None,
+        }
+        match tokio::time::timeout(idle, rest.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    opening.extend_from_slice(&data);
+                }
+            }
+            // Ended, cut or stalled: relayed as it is, the client's answer says what happened.
+            _ => break None,
+        }
+    };
+    match verdict {
+        Some(why) => Decoded::Refused(why),
+        None => Decoded::Answer(http::Response::from_parts(
+            parts,
+            UpstreamBody {
+                read_ahead: (!opening.is_empty()).then(|| opening.freeze()),
+                rest,
+            },
+        )),
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Only whole bare role chunks so far, or no whole event.
+    Undecided,
+    /// The first other event is not an engine error.
+    Relay,
+    Refused(String),
+}
+
+/// What the whole SSE events at the start of a stream say.
+fn opening_verdict(opening: &[u8]) -> Verdict {
+    let text = String::from_utf8_lossy(opening).replace("\r\n", "\n");
+    let mut events: Vec<&str> = text.split("\n\n").collect();
+    // The last piece is not a whole event (yet).
+    events.pop();
+    for event in events {
+        let data: String = event
+            .lines()
+            .filter_map(|line| line.strip_prefix("data:"))
+            .map(|data| data.strip_prefix(' ').unwrap_or(data))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if data.is_empty() {
+            // A comment or an event without data.
+            continue;
+        }
+        let Ok(value) = serde_json::from_str::<Value>(&data) else {
+            return Verdict::Relay;
+        };
+        if let Some(error) = value.get("error") {
+            let code = error.get("code").and_then(Value::as_u64).unwrap_or(0);
+            if code >= 500 {
+                let message = error.get("message").and_then(Value::as_str).unwrap_or("");
+                return Verdict::Refused(format!(
+                    "the decoder's stream opened with error {code} ({message})"
+                ));
+            }
+            return Verdict::Relay;
+        }
+        if !is_bare_role_chunk(&value) {
+            return Verdict::Relay;
+        }
+    }
+    Verdict::Undecided
+}
+
+/// A chat chunk that only opens the assistant's message: a role, no content, no finish.
+fn is_bare_role_chunk(chunk: &Value) -> bool {
+    let Some(choices) = chunk.get("choices").and_then(Value::as_array) else {
+        return false;
+    };
+    !choices.is_empty()
+        && choices.iter().all(|choice| {
+            choice.get("finish_reason").is_none_or(Value::is_null)
+                && choice.get("delta").is_some_and(|delta| {
+                    delta.get("role").is_some()
+                        && delta
+                            .get("content")
+                            .is_none_or(|content| content.as_str().is_some_and(str::is_empty))
+                        && delta.get("tool_calls").is_none()
+                        && delta.get("reasoning_content").is_none()
+                })
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROLE: &str = r#"data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
+    const ERROR: &str = r#"data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}"#;
+
+    #[test]
+    fn an_engine_error_before_any_token_is_a_refusal() {
+        let refused = |text: &str| matches!(opening_verdict(text.as_bytes()), Verdict::Refused(_));
+        assert!(refused(&format!("{ROLE}\n\n{ERROR}\n\ndata: [DONE]\n\n")));
+        assert!(refused(&format!("{ERROR}\n\n")));
+        assert!(refused(&format!("{ROLE}\r\n\r\n{ERROR}\r\n\r\n")));
+        assert!(refused(&format!(": ping\n\n{ROLE}\n\n{ERROR}\n\n")));
+    }
+
+    #[test]
+    fn tokens_client_errors_and_half_events_are_not() {
+        let token = r#"data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}"#;
+        let client_error =
+            r#"data: {"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}"#;
+        let verdict = |text: String| opening_verdict(text.as_bytes());
+        assert_eq!(
+            verdict(format!("{ROLE}\n\n{token}\n\n{ERROR}\n\n")),
+            Verdict::Relay
+        );
+        assert_eq!(verdict(format!("{client_error}\n\n")), Verdict::Relay);
+        assert_eq!(verdict("data: [DONE]\n\n".into()), Verdict::Relay);
+        assert_eq!(verdict(format!("{ROLE}\n\n")), Verdict::Undecided);
+        assert_eq!(verdict(ERROR[..40].to_owned()), Verdict::Undecided);
+        let completion =
+            r#"data: {"id":"c","choices":[{"index":0,"text":"Hi","finish_reason":null}]}"#;
+        assert_eq!(verdict(format!("{completion}\n\n")), Verdict::Relay);
+    }
+}
