@@ -2,6 +2,8 @@
 //! continues on another instance, spliced into the client's stream so that it reads as the
 //! undisturbed answer; beyond the limit, the stream ends with a final error event.
 
+use std::time::Duration;
+
 use serde_json::{Value, json};
 use switchyard_engine_sim::{SimConfig, SimHandle};
 use switchyard_router::RouterHandle;
@@ -257,5 +259,74 @@ async fn the_openai_client_reads_a_migrated_stream() -> anyhow::Result<()> {
         assert!(stdout.contains("all ok"), "{stdout}\n{stderr}");
         settles(router).await?;
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_continuation_is_an_attempt_span_of_the_clients_request() -> anyhow::Result<()> {
+    let sink = switchyard_testkit::otlp_sink::OtlpSink::start(true).await?;
+    let dies = switchyard_engine_sim::spawn(dying()).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let otlp = sink.url();
+    let router = start_tuned(
+        &dir,
+        1,
+        &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)],
+        |config| config.telemetry.otlp_endpoint = Some(otlp),
+    )
+    .await?;
+    let mut response = post_streaming(
+        &format!("{}/endpoints/chat/openai/v1/chat/completions", router.url()),
+        &[("x-request-id", "moved-1")],
+        chat(12).to_string(),
+    )
+    .await?;
+    assert_eq!(response.status(), 200);
+    let body = read_body(&mut response).await;
+    assert!(
+        !body.broke && body.text.contains("migrated"),
+        "{}",
+        body.text
+    );
+
+    // The server span of the request, and under it one client span per attempt: the first
+    // engine's, then the continuation's, marked with its move.
+    let attempts = |spans: &[switchyard_testkit::otlp_sink::ReceivedSpan]| {
+        let Some(server) = spans.iter().find(|span| {
+            span.kind == 2 && span.attribute("switchyard.request_id") == Some("moved-1")
+        }) else {
+            return Vec::new();
+        };
+        let mut attempts: Vec<_> = spans
+            .iter()
+            .filter(|span| {
+                span.kind == 3
+                    && span.trace_id == server.trace_id
+                    && span.parent_span_id == server.span_id
+            })
+            .map(|span| {
+                (
+                    span.attribute("switchyard.instance")
+                        .unwrap_or("")
+                        .to_owned(),
+                    span.attribute("switchyard.migration").map(str::to_owned),
+                )
+            })
+            .collect();
+        attempts.sort();
+        attempts
+    };
+    let wanted = vec![
+        ("dies".to_owned(), None),
+        ("healthy".to_owned(), Some("1".to_owned())),
+    ];
+    eventually(Duration::from_secs(15), "both attempts' spans", || {
+        let got = attempts(&sink.spans()) == wanted;
+        async move { got }
+    })
+    .await
+    .map_err(|err| anyhow::anyhow!("{err}: {:?}", attempts(&sink.spans())))?;
+    settles(&router).await?;
     Ok(())
 }

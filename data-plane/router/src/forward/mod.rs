@@ -91,6 +91,11 @@ pub struct Forwarder<'a> {
 pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
 
 impl InFlight {
+    /// Adds `attribute` to the attempt's span (nothing when it is not traced).
+    pub fn annotate(&self, attribute: KeyValue) {
+        self.1.set_attribute(attribute);
+    }
+
     /// Counts the attempt, sent now: with the slot `claim` took for it when the claim is on
     /// this instance (else the claim's slot is freed).
     fn start(cell: &Arc<InstanceCell>, span: SpanGuard, claim: Option<SlotClaim>) -> Self {

@@ -172,6 +172,18 @@ impl RequestTrace {
         self.context.trace_id()
     }
 
+    /// A handle that makes more children of this request's server span after the request
+    /// itself has been answered (a migrating stream's continuations, each an attempt span of
+    /// its own); it holds no span of its own.
+    pub fn for_continuations(&self) -> Self {
+        Self {
+            sink: self.sink.clone(),
+            context: self.context.clone(),
+            recording: self.recording,
+            server: SpanGuard::default(),
+        }
+    }
+
     /// Whether this request's spans are made (attributes for them are worth building).
     pub fn is_recording(&self) -> bool {
         self.recording

@@ -25,6 +25,7 @@ use std::task::{Context, Poll};
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::Frame;
+use opentelemetry::KeyValue;
 use serde_json::{Map, Value, json};
 use switchyard_policy::rank::Ranking;
 
@@ -32,6 +33,7 @@ use super::stream::{BoxError, STREAM_BROKEN_EVENT, TrackedBody, is_event_stream}
 use crate::errors::ApiError;
 use crate::forward::{Answered, Forwarder};
 use crate::observe::labels::RouteLabel;
+use crate::observe::trace::{RequestTrace, ShowTraceId, request_id};
 use crate::operation::Operation;
 use crate::plan::Plan;
 use crate::plan::flow::FlowKey;
@@ -476,6 +478,8 @@ pub(super) struct Migrating {
     /// The instances (by index in the variant) whose answers broke, the current one last.
     dead: Vec<usize>,
     moves: u32,
+    /// Makes each continuation's attempt span under the request's server span (traced).
+    trace: Option<Arc<RequestTrace>>,
     /// The request's admission, held for the whole stream.
     _permit: RequestPermit,
     ended: bool,
@@ -489,6 +493,7 @@ impl Migrating {
         worker: Arc<Worker>,
         headers: HeaderMap,
         permit: RequestPermit,
+        trace: Option<RequestTrace>,
     ) -> Self {
         Self {
             leg: Some(leg),
@@ -504,6 +509,7 @@ impl Migrating {
             headers: Arc::new(headers),
             dead: vec![instance_index],
             moves: 0,
+            trace: trace.map(Arc::new),
             _permit: permit,
             ended: false,
         }
@@ -542,10 +548,11 @@ impl Migrating {
         };
         self.moves += 1;
         let plan = self.migration.plan(body, &self.dead);
-        let (worker, headers, operation) = (
+        let (worker, headers, operation, trace) = (
             Arc::clone(&self.worker),
             Arc::clone(&self.headers),
             self.migration.operation,
+            self.trace.clone(),
         );
         self.continuing = Some(Box::pin(async move {
             let mut reservation = worker.admission.buffer();
@@ -554,7 +561,7 @@ impl Migrating {
                 clients: &worker.clients,
                 settings: worker.forwarding,
                 metrics: &worker.metrics,
-                trace: None,
+                trace: trace.as_deref(),
                 flow: &worker.flow,
             };
             // A continuation does not queue again: the request has waited its turn (the
@@ -563,6 +570,11 @@ impl Migrating {
                 .forward(operation, plan, &headers, reservation, None)
                 .await
         }));
+    }
+
+    /// The trace id for log lines (empty when the request is not traced).
+    fn trace_id(&self) -> ShowTraceId {
+        ShowTraceId(self.trace.as_deref().map(RequestTrace::trace_id))
     }
 
     fn give_up(&mut self) {
@@ -581,8 +593,11 @@ impl Migrating {
                 .map_or_else(String::new, |instance| instance.id.to_string())
         };
         let is_stream = is_event_stream(answered.response.headers());
+        answered
+            .in_flight
+            .annotate(KeyValue::new("switchyard.migration", i64::from(self.moves)));
         if !answered.response.status().is_success() || !is_stream {
-            tracing::warn!(status = %answered.response.status(), "a continuation was refused; the answer is incomplete");
+            tracing::warn!(request_id = request_id(&self.headers), trace_id = %self.trace_id(), status = %answered.response.status(), "a continuation was refused; the answer is incomplete");
             self.worker.metrics.count_migration("failed");
             self.give_up();
             self.ended = true;
@@ -590,6 +605,8 @@ impl Migrating {
         }
         self.worker.metrics.count_migration("continued");
         tracing::info!(
+            request_id = request_id(&self.headers),
+            trace_id = %self.trace_id(),
             from = from.map(name).unwrap_or_default(),
             to = name(answered.instance_index),
             moves = self.moves,
@@ -636,7 +653,7 @@ impl http_body::Body for Migrating {
                 match answered {
                     Ok(answered) => this.continued(answered),
                     Err(err) => {
-                        tracing::warn!(error = %err.message, "no instance took the continuation; the answer is incomplete");
+                        tracing::warn!(request_id = request_id(&this.headers), trace_id = %this.trace_id(), error = %err.message, "no instance took the continuation; the answer is incomplete");
                         this.worker.metrics.count_migration("failed");
                         this.give_up();
                         this.ended = true;

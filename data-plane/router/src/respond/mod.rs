@@ -140,6 +140,7 @@ impl Responder<'_> {
                     Arc::clone(self.worker),
                     client_headers.clone(),
                     permit,
+                    self.trace.map(RequestTrace::for_continuations),
                 ))
             } else {
                 tracked.permit = Some(permit);
