@@ -105,6 +105,12 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub stall_mid_stream_rate: f64,
 
+    /// Fraction of streamed inference requests that end after a few tokens with vLLM's error
+    /// event (InternalServerError, code 500) and [DONE], as when vLLM's engine core fails
+    /// (non-streaming: a 500 answer).
+    #[arg(long, default_value_t = 0.0, value_name = "F")]
+    pub error_mid_stream_rate: f64,
+
     /// Fraction of `POST /tokenize` requests answered with a 500 error.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub tokenize_fail_rate: f64,
@@ -312,6 +318,7 @@ impl SimConfig {
             hang_rate: self.hang_rate,
             die_mid_stream_rate: self.die_mid_stream_rate,
             stall_mid_stream_rate: self.stall_mid_stream_rate,
+            error_mid_stream_rate: self.error_mid_stream_rate,
             tokenize_fail_rate: self.tokenize_fail_rate,
             tokenize_hang_rate: self.tokenize_hang_rate,
             kv_pull_fail_rate: self.kv_pull_fail_rate,

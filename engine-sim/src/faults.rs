@@ -20,6 +20,10 @@ pub struct Faults {
     /// Stream a few tokens, then send nothing more while keeping the connection open
     /// (non-streaming: send the response head, then nothing).
     pub stall_mid_stream_rate: f64,
+    /// After a few streamed tokens, end the stream with vLLM's error event (an internal error,
+    /// code 500) and `[DONE]`, as vLLM does when its engine core fails under a request
+    /// (non-streaming: answer 500). Drawn apart from the four above, for streams only.
+    pub error_mid_stream_rate: f64,
     /// `POST /tokenize` (drawn per tokenize request, apart from inference requests): answer
     /// 500.
     pub tokenize_fail_rate: f64,
@@ -46,6 +50,11 @@ impl Faults {
                 "--stall-mid-stream-rate",
                 "stall_mid_stream_rate",
                 self.stall_mid_stream_rate,
+            ),
+            (
+                "--error-mid-stream-rate",
+                "error_mid_stream_rate",
+                self.error_mid_stream_rate,
             ),
             (
                 "--tokenize-fail-rate",
@@ -106,6 +115,7 @@ pub(crate) struct FaultInjector {
     state: Mutex<(Faults, fastrand::Rng)>,
     tokenize: Mutex<fastrand::Rng>,
     kv_pull: Mutex<fastrand::Rng>,
+    error_mid_stream: Mutex<fastrand::Rng>,
 }
 
 impl FaultInjector {
@@ -114,6 +124,7 @@ impl FaultInjector {
             state: Mutex::new((faults, fastrand::Rng::with_seed(seed))),
             tokenize: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x746f_6b65_6e69_7a65)),
             kv_pull: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x6b76_5f70_756c_6c00)),
+            error_mid_stream: Mutex::new(fastrand::Rng::with_seed(seed ^ 0x6572_726f_7200_0000)),
         }
     }
 
@@ -149,6 +160,18 @@ impl FaultInjector {
         let rate = self.get().kv_pull_fail_rate;
         let draw = self
             .kv_pull
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .f64();
+        draw < rate
+    }
+
+    /// Whether a request served without another fault ends with an error event (one draw per
+    /// such request, so the sequence still depends only on the seed, knobs and order).
+    pub(crate) fn draw_error_mid_stream(&self) -> bool {
+        let rate = self.get().error_mid_stream_rate;
+        let draw = self
+            .error_mid_stream
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .f64();

@@ -44,6 +44,8 @@ pub struct SimStats {
     pub responses_cut: u64,
     /// Responses left stalled, connection open, by fault injection (stall mid-stream).
     pub responses_stalled: u64,
+    /// Streamed responses ended by fault injection with vLLM's error event (error mid-stream).
+    pub responses_errored: u64,
     /// Decode requests whose hand-off did not check out (the prompt was recomputed).
     pub kv_pull_failures: u64,
     /// LMCache pushes received from prefill engines.
@@ -97,6 +99,7 @@ pub(crate) struct Metrics {
     pub requests_hung: AtomicU64,
     pub responses_cut: AtomicU64,
     pub responses_stalled: AtomicU64,
+    pub responses_errored: AtomicU64,
     /// Decode requests whose hand-off did not check out (the prompt was recomputed).
     pub kv_pull_failures: AtomicU64,
     /// LMCache pushes received from prefill engines.
@@ -139,6 +142,7 @@ impl Default for Metrics {
             requests_hung: AtomicU64::new(0),
             responses_cut: AtomicU64::new(0),
             responses_stalled: AtomicU64::new(0),
+            responses_errored: AtomicU64::new(0),
             kv_pull_failures: AtomicU64::new(0),
             kv_pushes_received: AtomicU64::new(0),
             kv_handoffs: AtomicU64::new(0),
@@ -197,6 +201,7 @@ impl Metrics {
             requests_hung: load(&self.requests_hung),
             responses_cut: load(&self.responses_cut),
             responses_stalled: load(&self.responses_stalled),
+            responses_errored: load(&self.responses_errored),
             kv_pull_failures: load(&self.kv_pull_failures),
             kv_pushes_received: load(&self.kv_pushes_received),
             running: load(&self.running),

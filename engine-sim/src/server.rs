@@ -384,6 +384,7 @@ impl SimHandle {
             hang_rate: clamp(faults.hang_rate),
             die_mid_stream_rate: clamp(faults.die_mid_stream_rate),
             stall_mid_stream_rate: clamp(faults.stall_mid_stream_rate),
+            error_mid_stream_rate: clamp(faults.error_mid_stream_rate),
             tokenize_fail_rate: clamp(faults.tokenize_fail_rate),
             tokenize_hang_rate: clamp(faults.tokenize_hang_rate),
             kv_pull_fail_rate: clamp(faults.kv_pull_fail_rate),

@@ -149,6 +149,62 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
 }
 
 #[tokio::test]
+async fn an_engine_that_reports_its_own_failure_mid_stream_is_moved_from() -> anyhow::Result<()> {
+    // vLLM's engine core failing under a request: a few tokens, then an error event with code
+    // 500 and `[DONE]`.
+    let failing = switchyard_engine_sim::spawn(SimConfig {
+        error_mid_stream_rate: 1.0,
+        ..fast()
+    })
+    .await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router(
+        &dir,
+        1,
+        &[("failing", &failing, 1e6), ("healthy", &healthy, 1.0)],
+    )
+    .await?;
+    let base = format!("{}/endpoints/chat/openai/v1", router.url());
+    for (path, body) in [
+        ("chat/completions", chat(12)),
+        ("completions", completions(12)),
+    ] {
+        let mut direct = body.clone();
+        direct["model"] = json!("sim");
+        let undisturbed = stream(&format!("{}/v1/{path}", healthy.url), direct).await?;
+        let migrated = stream(&format!("{base}/{path}"), body).await?;
+        assert_eq!(migrated.text, undisturbed.text, "{path}");
+        assert_eq!(migrated.done, 1, "{path}");
+        assert!(
+            migrated
+                .events
+                .iter()
+                .all(|event| event.get("error").is_none()),
+            "{path}: {:?}",
+            migrated.events
+        );
+        assert_eq!(
+            migrated.comments,
+            ["switchyard migrated this answer from failing to healthy"],
+            "{path}"
+        );
+    }
+    assert_eq!(failing.stats().responses_errored, 2);
+
+    // No move allowed: the client gets the engine's own error event, then `[DONE]`.
+    let other = tempfile::tempdir()?;
+    let unmoving = start_router(&other, 0, &[("failing", &failing, 1.0)]).await?;
+    let failed = stream(&chat_url(&unmoving), chat(12)).await?;
+    assert_eq!(failed.done, 1);
+    let last = failed.events.last().unwrap();
+    assert_eq!(last["error"]["code"], 500, "{last}");
+    settles(&router).await?;
+    settles(&unmoving).await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn beyond_the_limit_the_stream_ends_with_an_error_event() -> anyhow::Result<()> {
     let first = switchyard_engine_sim::spawn(dying()).await?;
     let second = switchyard_engine_sim::spawn(dying()).await?;

@@ -27,8 +27,30 @@ use crate::records::Recorder;
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Interruption {
     after_tokens: u32,
-    /// Close the connection (die), or keep it open and send nothing more (stall).
-    close: bool,
+    how: Interrupt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Interrupt {
+    /// Close the connection (die).
+    Close,
+    /// Keep it open and send nothing more (stall).
+    Stall,
+    /// End the stream with an error event (the engine failed under the request).
+    ErrorEvent,
+}
+
+/// How a streamed answer is struck.
+pub(super) enum Strike {
+    /// The connection breaks with this error.
+    Cut(std::io::Error),
+    /// The answer ends with an error event and `[DONE]`.
+    ErrorEvent,
+}
+
+/// The error a failing engine reports in its stream (vLLM's `InternalServerError`).
+pub(super) fn engine_failure() -> ApiError {
+    ApiError::internal("simulated engine failure under the request (fault injection)".to_owned())
 }
 
 /// What every handler can reach (built by the server).
@@ -110,6 +132,17 @@ pub(super) async fn draw_fault(
     max_tokens: u32,
 ) -> Result<Option<Interruption>, Response> {
     match shared.faults.draw() {
+        Fault::None if shared.faults.draw_error_mid_stream() => {
+            Metrics::increment(&shared.metrics.responses_errored);
+            if streaming {
+                Ok(Some(Interruption {
+                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                    how: Interrupt::ErrorEvent,
+                }))
+            } else {
+                Err(engine_failure().into_response())
+            }
+        }
         Fault::None => Ok(None),
         Fault::Fail => {
             Metrics::increment(&shared.metrics.requests_failed);
@@ -128,7 +161,7 @@ pub(super) async fn draw_fault(
             if streaming {
                 Ok(Some(Interruption {
                     after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    close: true,
+                    how: Interrupt::Close,
                 }))
             } else {
                 Err(cut_response())
@@ -140,7 +173,7 @@ pub(super) async fn draw_fault(
             if streaming {
                 Ok(Some(Interruption {
                     after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    close: false,
+                    how: Interrupt::Stall,
                 }))
             } else {
                 Err(stalled_response())
@@ -196,16 +229,16 @@ pub(super) async fn wait_finished(
 /// Strikes a streamed answer before its token number `sent`, if `interruption` waits for that
 /// one. A stall never returns: the connection stays open and nothing more is sent (the
 /// request's engine work is dropped with its events when the client leaves). A cut returns
-/// the error that breaks the stream. None: stream on.
-pub(super) async fn interrupt(
-    interruption: Option<Interruption>,
-    sent: u32,
-) -> Option<std::io::Error> {
+/// the error that breaks the stream; an error event says so. None: stream on.
+pub(super) async fn interrupt(interruption: Option<Interruption>, sent: u32) -> Option<Strike> {
     let fault = interruption.filter(|fault| fault.after_tokens == sent)?;
-    if fault.close {
-        return Some(std::io::Error::other("simulated crash (fault injection)"));
+    match fault.how {
+        Interrupt::Close => Some(Strike::Cut(std::io::Error::other(
+            "simulated crash (fault injection)",
+        ))),
+        Interrupt::ErrorEvent => Some(Strike::ErrorEvent),
+        Interrupt::Stall => std::future::pending().await,
     }
-    std::future::pending().await
 }
 
 /// A `text/event-stream` response that sends `stream`'s chunks as they come.
@@ -281,9 +314,17 @@ impl SseStream {
                 };
                 match event {
                     EngineEvent::Token => {
-                        if let Some(error) = interrupt(self.interruption, sent).await {
-                            yield Err(error);
-                            break;
+                        match interrupt(self.interruption, sent).await {
+                            Some(Strike::Cut(error)) => {
+                                yield Err(error);
+                                break;
+                            }
+                            Some(Strike::ErrorEvent) => {
+                                yield Ok(sse_data(&engine_failure().to_json()));
+                                yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+                                break;
+                            }
+                            None => {}
                         }
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
                             let mut chunk = self.meta.role_chunk(self.include_usage);

@@ -31,7 +31,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::common::{
-    Interruption, Shared, check_fits, check_model, draw_fault, event_stream, interrupt,
+    Interruption, Shared, Strike, check_fits, check_model, draw_fault, event_stream, interrupt,
     output_budget, random_id, request_id,
 };
 use super::store::Stored;
@@ -383,9 +383,20 @@ impl Done {
                 };
                 match engine_event {
                     EngineEvent::Token => {
-                        if let Some(error) = interrupt(interruption, sent).await {
-                            yield Err(error);
-                            break;
+                        match interrupt(interruption, sent).await {
+                            Some(Strike::Cut(error)) => {
+                                yield Err(error);
+                                break;
+                            }
+                            Some(Strike::ErrorEvent) => {
+                                yield Ok(event("error", json!({
+                                    "code": "engine_error",
+                                    "message": "simulated engine failure under the request (fault injection)",
+                                    "param": null,
+                                })));
+                                break;
+                            }
+                            None => {}
                         }
                         yield Ok(event("response.output_text.delta", json!({
                             "item_id": meta.message_id,

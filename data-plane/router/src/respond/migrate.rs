@@ -248,8 +248,14 @@ struct Splice {
     leg: u32,
     finished: bool,
     done: bool,
-    /// A tool call has begun, or the engine sent an error: no continuation.
+    /// A tool call has begun, or the engine sent an error of the request's own: no
+    /// continuation.
     final_answer: bool,
+    /// Another move is allowed (set before each feed).
+    can_move: bool,
+    /// The engine reported a failure of its own (an error event with a 5xx code) before the
+    /// answer finished: the event is held back and the answer continues elsewhere.
+    engine_failed: bool,
     /// The first answer's prompt tokens (from the engine's usage).
     prompt_tokens: Option<u64>,
     /// What the client asked for: a final usage chunk, usage in every chunk.
@@ -266,6 +272,11 @@ impl Splice {
     fn feed(&mut self, data: &[u8], out: &mut VecDeque<Bytes>) {
         self.partial.extend_from_slice(data);
         while let Some((end, gap)) = event_end(&self.partial) {
+            if self.engine_failed {
+                // What follows the engine's failure (its `[DONE]`) is not the client's.
+                self.partial.clear();
+                return;
+            }
             let event = self.partial.split_to(end + gap).freeze();
             if let Some(event) = self.event(event) {
                 out.push_back(event);
@@ -335,7 +346,11 @@ impl Splice {
         let Ok(Value::Object(mut chunk)) = serde_json::from_str::<Value>(data) else {
             return Some(event);
         };
-        if chunk.contains_key("error") {
+        if let Some(error) = chunk.get("error") {
+            if self.can_move && !self.final_answer && !self.finished && is_engine_failure(error) {
+                self.engine_failed = true;
+                return None;
+            }
             self.final_answer = true;
             return Some(event);
         }
@@ -444,6 +459,18 @@ impl Splice {
         self.tokens_before = self.tokens;
         self.leg += 1;
     }
+}
+
+/// Whether a stream's error event reports the engine's own failure (vLLM: an engine core that
+/// died or a generation error, `code` 500 or 503), not something wrong with the request (4xx).
+fn is_engine_failure(error: &Value) -> bool {
+    let code = error.get("code");
+    code.and_then(Value::as_u64)
+        .or_else(|| {
+            code.and_then(Value::as_str)
+                .and_then(|code| code.parse().ok())
+        })
+        .is_some_and(|code| (500..600).contains(&code))
 }
 
 /// Where the first whole event of `bytes` ends: the index of its blank line and that line's
@@ -678,7 +705,12 @@ impl http_body::Body for Migrating {
             match polled {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
+                        this.splice.can_move = this.moves < this.migration.limit;
                         this.splice.feed(data, &mut this.ready);
+                        if std::mem::take(&mut this.splice.engine_failed) {
+                            tracing::info!(request_id = request_id(&this.headers), trace_id = %this.trace_id(), "the engine reported its own failure in the stream; the answer continues elsewhere");
+                            this.broke();
+                        }
                     }
                 }
                 Some(Err(_)) | None => this.broke(),
@@ -825,6 +857,38 @@ data: [DONE]
             splice.final_answer,
             "a continuation would lose the reasoning"
         );
+    }
+
+    #[test]
+    fn an_engines_own_failure_is_held_back_while_the_answer_can_move() {
+        let token =
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n";
+        let failure = |code: &str| {
+            format!(
+                "data: {{\"error\":{{\"message\":\"boom\",\"type\":\"InternalServerError\",\"param\":null,\"code\":{code}}}}}\n\ndata: [DONE]\n\n"
+            )
+        };
+        // vLLM's engine-core failure (500, or 503 as a number or text): held back, and what
+        // follows it too; the answer continues elsewhere.
+        for code in ["500", "503", "\"503\""] {
+            let mut splice = Splice {
+                can_move: true,
+                ..Splice::default()
+            };
+            let out = events(&mut splice, &format!("{token}{}", failure(code)));
+            assert_eq!(out, token, "{code}");
+            assert!(splice.engine_failed && !splice.done && !splice.final_answer);
+        }
+        // A request's own error (4xx), or no move left: the client gets the engine's event.
+        for (code, can_move) in [("400", true), ("500", false)] {
+            let mut splice = Splice {
+                can_move,
+                ..Splice::default()
+            };
+            let out = events(&mut splice, &format!("{token}{}", failure(code)));
+            assert!(out.contains("boom") && out.ends_with("[DONE]\n\n"), "{out}");
+            assert!(!splice.engine_failed && splice.final_answer && splice.done);
+        }
     }
 
     #[test]
