@@ -70,6 +70,10 @@ pub struct Answered {
     pub explain: Vec<(HeaderName, HeaderValue)>,
     /// Time the answer's first frame (a disaggregated decode's TTFT).
     pub time_first_frame: bool,
+    /// When the response head arrived (TTFT is timed from it), and the last frame forwarding
+    /// read ahead of the client (the head's time if none): the stream's idle clock starts there.
+    pub head_at: Instant,
+    pub last_frame_at: Instant,
     /// KV_AWARE: the leading prompt tokens the index says the instance holds.
     pub cached_tokens: Option<u32>,
 }
@@ -280,7 +284,7 @@ impl Forwarder<'_> {
             body,
             mut label,
             explain,
-            time_first_frame,
+            mut time_first_frame,
             path,
             cached_tokens,
             mut claim,
@@ -328,11 +332,16 @@ impl Forwarder<'_> {
                 .await;
             let failure = match attempt {
                 Ok((response, in_flight)) => {
-                    let response = if plain_body.is_some() {
+                    let head_at = Instant::now();
+                    let (response, last_frame_at) = if plain_body.is_some() {
                         match refusal::decoded(response, self.settings.stream_idle).await {
-                            refusal::Decoded::Answer(response) => response,
+                            refusal::Decoded::Answer(response, last_frame) => {
+                                (response, last_frame)
+                            }
                             refusal::Decoded::Refused(why) => {
                                 drop(in_flight);
+                                // Recomputed by the decoder: no disaggregated decode to time.
+                                time_first_frame = false;
                                 if let (Some(plain), Some((body, _))) =
                                     (plain_body.take(), held.as_mut())
                                 {
@@ -346,7 +355,7 @@ impl Forwarder<'_> {
                             }
                         }
                     } else {
-                        response.map(refusal::UpstreamBody::from)
+                        (response.map(refusal::UpstreamBody::from), head_at)
                     };
                     drop(held.take());
                     return Ok(Answered {
@@ -359,6 +368,8 @@ impl Forwarder<'_> {
                         label,
                         explain,
                         time_first_frame,
+                        head_at,
+                        last_frame_at,
                     });
                 }
                 Err(failure) => failure,

@@ -440,11 +440,15 @@ fn hand_off(
     }
 }
 
-/// vLLM's prefiller names its NIXL side channel by `VLLM_NIXL_SIDE_CHANNEL_HOST`, which is
-/// `localhost` unless set: a decoder on another host would dial itself. When the reported host
-/// is a loopback name or address and the prefill instance's URL is not, the host is the
-/// instance's (the port is kept: the side channel listens on its own).
+/// vLLM's prefiller listens for NIXL handshakes on `VLLM_NIXL_SIDE_CHANNEL_HOST` and reports
+/// that same host in its hand-off (`localhost` unless set). An unspecified address (`0.0.0.0`,
+/// `::`: it listens on every interface) is no address to dial, so the prefill instance URL's
+/// host takes its place (the port is kept). A loopback host is kept: the listener is bound to
+/// loopback, so only a decoder on the same host can reach it, and dialling the instance's
+/// outside address would find nothing there; when the instance URL is not loopback, that is
+/// logged once, since decoders on other hosts will fail the pull.
 fn reachable_side_channel(params: &mut Value, instance_url: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let Some(reported) = params.get("remote_host").and_then(Value::as_str) else {
         return;
     };
@@ -454,17 +458,38 @@ fn reachable_side_channel(params: &mut Value, instance_url: &str) {
     }) else {
         return;
     };
-    if is_loopback(reported) && !is_loopback(&instance_host) {
+    let reported = host_kind(reported);
+    if reported == HostKind::Unspecified {
         params["remote_host"] = Value::String(instance_host);
+    } else if reported == HostKind::Loopback
+        && host_kind(&instance_host) != HostKind::Loopback
+        && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(
+            instance_url,
+            "a NIXL prefiller reports a loopback side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST \
+             is unset or loopback): only decoders on its own host can pull its hand-offs; set it \
+             to an address the decoders reach, or 0.0.0.0 (logged once)"
+        );
     }
 }
 
-fn is_loopback(host: &str) -> bool {
+#[derive(Debug, PartialEq, Eq)]
+enum HostKind {
+    Loopback,
+    Unspecified,
+    Other,
+}
+
+fn host_kind(host: &str) -> HostKind {
     let host = host.trim_matches(['[', ']']);
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) if ip.is_unspecified() => HostKind::Unspecified,
+        Ok(ip) if ip.is_loopback() => HostKind::Loopback,
+        Ok(_) => HostKind::Other,
+        Err(_) if host.eq_ignore_ascii_case("localhost") => HostKind::Loopback,
+        Err(_) => HostKind::Other,
+    }
 }
 
 #[cfg(test)]
@@ -473,23 +498,29 @@ mod tests {
     use http::HeaderValue;
 
     #[test]
-    fn a_loopback_side_channel_is_the_prefill_instance_host() {
+    fn an_unspecified_side_channel_is_the_prefill_instance_host_and_loopback_is_kept() {
         let rewritten = |reported: Value, url: &str| {
             let mut params = serde_json::json!({"remote_host": reported, "remote_port": 5600});
             reachable_side_channel(&mut params, url);
             params
         };
         for (reported, url, expected) in [
+            // (Documentation-range names: nothing is dialled.) Listening on every interface:
+            // the instance's host.
             (
-                "localhost",
+                "0.0.0.0",
                 "http://prefill-0.example:8000",
                 "prefill-0.example",
             ),
-            ("127.0.0.1", "http://192.0.2.7:8000", "192.0.2.7"),
-            ("::1", "http://[2001:db8::7]:8000", "2001:db8::7"),
-            // (Documentation-range names: nothing is dialled.) Both loopback, or a host the
-            // engine was told: kept.
+            ("0.0.0.0", "http://192.0.2.7:8000", "192.0.2.7"),
+            ("::", "http://[2001:db8::7]:8000", "2001:db8::7"),
+            ("[::]", "http://127.0.0.1:8000", "127.0.0.1"),
+            // Bound to loopback: only its own host reaches it, at that address.
+            ("localhost", "http://prefill-0.example:8000", "localhost"),
+            ("127.0.0.1", "http://192.0.2.7:8000", "127.0.0.1"),
+            ("::1", "http://[2001:db8::7]:8000", "::1"),
             ("localhost", "http://127.0.0.1:8000", "localhost"),
+            // A host the engine was told: kept.
             ("192.0.2.9", "http://192.0.2.7:8000", "192.0.2.9"),
         ] {
             let params = rewritten(Value::from(reported), url);

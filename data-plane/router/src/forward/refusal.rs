@@ -16,6 +16,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::Value;
+use tokio::time::Instant;
 
 /// The most of a stream's opening read to look for a refusal.
 const MOST_OPENING_BYTES: usize = 64 * 1024;
@@ -73,19 +74,34 @@ impl Body for UpstreamBody {
 /// What a decoder did with a hand-off, as far as the start of its answer tells.
 #[derive(Debug)]
 pub enum Decoded {
-    /// Its answer, to relay (any bytes read ahead put back).
-    Answer(http::Response<UpstreamBody>),
+    /// Its answer, to relay (any bytes read ahead put back), and when its last frame read
+    /// ahead arrived (the head's time if none was): the stream's idle clock runs from there.
+    Answer(http::Response<UpstreamBody>, Instant),
     /// It refused the hand-off before generating anything: why, for the log.
     Refused(String),
 }
 
-/// Reads as much of a decoder's answer to a hand-off as tells whether it refused it: a 5xx
-/// status; or, for an SSE stream, events up to the first that is not a bare role chunk, read
-/// within `idle` per frame and [`MOST_OPENING_BYTES`] in all; that event an error with a
-/// 5xx code. Anything else (tokens, a 4xx, a stall, a cut) is the answer, relayed as it came.
+/// vLLM's status (and SSE error `code`) for a request its engine failed to generate, a failed
+/// KV load among them. Other 5xx (a proxy's 502 or 504, an overloaded 503) are not refusals:
+/// the engine may still be generating, or would refuse again at once.
+const GENERATION_ERROR: u64 = 500;
+
+/// An OpenAI error object's `code`, a number or a numeric string (servers write both).
+pub(crate) fn error_code(error: &Value) -> Option<u64> {
+    let code = error.get("code")?;
+    code.as_u64()
+        .or_else(|| code.as_str().and_then(|code| code.trim().parse().ok()))
+}
+
+/// Reads as much of a decoder's answer to a hand-off as tells whether it refused it: status
+/// 500; or, for an SSE stream, events up to the first that is not a bare role chunk, read
+/// within `idle` in all (comments do not extend it) and [`MOST_OPENING_BYTES`]; that event an
+/// error with code 500. Anything else (tokens, another status, a stall, a cut) is the answer,
+/// relayed as it came.
 pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Decoded {
     let status = response.status();
-    if status.is_server_error() {
+    let mut last_frame = Instant::now();
+    if u64::from(status.as_u16()) == GENERATION_ERROR {
         return Decoded::Refused(format!("the decoder answered {status}"));
     }
     let (parts, mut rest) = response.into_parts();
@@ -95,8 +111,9 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
         .and_then(|value| value.to_str().ok())
         .is_some_and(|value| value.trim_start().starts_with("text/event-stream"));
     if !status.is_success() || !is_stream {
-        return Decoded::Answer(http::Response::from_parts(parts, rest.into()));
+        return Decoded::Answer(http::Response::from_parts(parts, rest.into()), last_frame);
     }
+    let deadline = last_frame + idle;
     let mut opening = BytesMut::new();
     let verdict = loop {
         match opening_verdict(&opening) {
@@ -104,8 +121,9 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
             Verdict::Refused(why) => break Some(why),
             _ => break None,
         }
-        match tokio::time::timeout(idle, rest.frame()).await {
+        match tokio::time::timeout_at(deadline, rest.frame()).await {
             Ok(Some(Ok(frame))) => {
+                last_frame = Instant::now();
                 if let Ok(data) = frame.into_data() {
                     opening.extend_from_slice(&data);
                 }
@@ -116,13 +134,16 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
     };
     match verdict {
         Some(why) => Decoded::Refused(why),
-        None => Decoded::Answer(http::Response::from_parts(
-            parts,
-            UpstreamBody {
-                read_ahead: (!opening.is_empty()).then(|| opening.freeze()),
-                rest,
-            },
-        )),
+        None => Decoded::Answer(
+            http::Response::from_parts(
+                parts,
+                UpstreamBody {
+                    read_ahead: (!opening.is_empty()).then(|| opening.freeze()),
+                    rest,
+                },
+            ),
+            last_frame,
+        ),
     }
 }
 
@@ -156,8 +177,8 @@ fn opening_verdict(opening: &[u8]) -> Verdict {
             return Verdict::Relay;
         };
         if let Some(error) = value.get("error") {
-            let code = error.get("code").and_then(Value::as_u64).unwrap_or(0);
-            if code >= 500 {
+            let code = error_code(error).unwrap_or(0);
+            if code == GENERATION_ERROR {
                 let message = error.get("message").and_then(Value::as_str).unwrap_or("");
                 return Verdict::Refused(format!(
                     "the decoder's stream opened with error {code} ({message})"
@@ -205,6 +226,17 @@ mod tests {
         assert!(refused(&format!("{ERROR}\n\n")));
         assert!(refused(&format!("{ROLE}\r\n\r\n{ERROR}\r\n\r\n")));
         assert!(refused(&format!(": ping\n\n{ROLE}\n\n{ERROR}\n\n")));
+        assert!(refused(&format!("{}\n\n", ERROR.replace("500", "\"500\""))));
+    }
+
+    #[test]
+    fn only_a_generation_error_refuses_other_server_errors_are_the_answer() {
+        for code in ["502", "503", "504", "\"503\"", "null", "\"x\""] {
+            let event = format!("{}\n\n", ERROR.replace("500", code));
+            assert_eq!(opening_verdict(event.as_bytes()), Verdict::Relay, "{code}");
+        }
+        assert_eq!(error_code(&serde_json::json!({"code": " 500 "})), Some(500));
+        assert_eq!(error_code(&serde_json::json!({"message": "m"})), None);
     }
 
     #[test]

@@ -265,6 +265,10 @@ struct Splice {
     object: Value,
     /// A usage-only chunk has reached the client.
     usage_sent: bool,
+    /// A chunk naming the assistant's role has reached the client (chat: once per stream).
+    role_sent: bool,
+    /// The current answer's engine failure event, held back: the client's if no move works.
+    held_failure: Option<Bytes>,
 }
 
 impl Splice {
@@ -349,6 +353,7 @@ impl Splice {
         if let Some(error) = chunk.get("error") {
             if self.can_move && !self.final_answer && !self.finished && is_engine_failure(error) {
                 self.engine_failed = true;
+                self.held_failure = Some(event);
                 return None;
             }
             self.final_answer = true;
@@ -392,23 +397,29 @@ impl Splice {
             None if !text.is_empty() => self.tokens += 1,
             None => {}
         }
-        if self.leg == 0 {
+        // The stream's identity is that of the first chunk the client gets: the first
+        // answer's, or a later one's when the first failed before sending any (an engine's
+        // own error event first of all).
+        let first_chunk = self.identity.is_none();
+        if first_chunk {
+            self.object = chunk.get("object").cloned().unwrap_or(Value::Null);
+            self.identity = Some((
+                chunk.get("id").cloned().unwrap_or(Value::Null),
+                chunk.get("created").cloned().unwrap_or(Value::Null),
+                chunk.get("model").cloned().unwrap_or(Value::Null),
+            ));
+        }
+        if self.leg == 0 || self.tokens_before == 0 {
+            // The request as the client sent it (a move before any token re-sends it whole).
             if let Some(prompt) = usage
                 .as_ref()
                 .and_then(|usage| usage["prompt_tokens"].as_u64())
             {
                 self.prompt_tokens.get_or_insert(prompt);
             }
-            if self.identity.is_none() {
-                self.object = chunk.get("object").cloned().unwrap_or(Value::Null);
-                self.identity = Some((
-                    chunk.get("id").cloned().unwrap_or(Value::Null),
-                    chunk.get("created").cloned().unwrap_or(Value::Null),
-                    chunk.get("model").cloned().unwrap_or(Value::Null),
-                ));
-            }
-        } else {
-            if !delta["role"].is_null() && text.is_empty() {
+        }
+        if self.leg > 0 && !first_chunk {
+            if !delta["role"].is_null() && text.is_empty() && self.role_sent {
                 // The client has had its role chunk.
                 return None;
             }
@@ -417,6 +428,9 @@ impl Splice {
                 chunk.insert("created".to_owned(), created.clone());
                 chunk.insert("model".to_owned(), model.clone());
             }
+        }
+        if !delta["role"].is_null() {
+            self.role_sent = true;
         }
         if usage.is_some() || self.leg > 0 {
             let usage_only = choice.is_null();
@@ -456,6 +470,7 @@ impl Splice {
     /// A new answer begins: what is partial of the old one is dropped.
     fn next_leg(&mut self) {
         self.partial.clear();
+        self.held_failure = None;
         self.tokens_before = self.tokens;
         self.leg += 1;
     }
@@ -464,13 +479,7 @@ impl Splice {
 /// Whether a stream's error event reports the engine's own failure (vLLM: an engine core that
 /// died or a generation error, `code` 500 or 503), not something wrong with the request (4xx).
 fn is_engine_failure(error: &Value) -> bool {
-    let code = error.get("code");
-    code.and_then(Value::as_u64)
-        .or_else(|| {
-            code.and_then(Value::as_str)
-                .and_then(|code| code.parse().ok())
-        })
-        .is_some_and(|code| (500..600).contains(&code))
+    crate::forward::refusal::error_code(error).is_some_and(|code| (500..600).contains(&code))
 }
 
 /// Where the first whole event of `bytes` ends: the index of its blank line and that line's
@@ -604,9 +613,19 @@ impl Migrating {
         ShowTraceId(self.trace.as_deref().map(RequestTrace::trace_id))
     }
 
+    /// The stream ends incomplete: with the engine's own failure event when it sent one (and,
+    /// as vLLM follows it, `[DONE]`), else the router's broken-stream event.
     fn give_up(&mut self) {
-        self.ready
-            .push_back(Bytes::from_static(STREAM_BROKEN_EVENT.as_bytes()));
+        match self.splice.held_failure.take() {
+            Some(event) => {
+                self.ready.push_back(event);
+                self.ready
+                    .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            }
+            None => self
+                .ready
+                .push_back(Bytes::from_static(STREAM_BROKEN_EVENT.as_bytes())),
+        }
     }
 
     /// The continuation answered: its stream becomes the current answer.
@@ -889,6 +908,43 @@ data: [DONE]
             assert!(out.contains("boom") && out.ends_with("[DONE]\n\n"), "{out}");
             assert!(!splice.engine_failed && splice.final_answer && splice.done);
         }
+    }
+
+    #[test]
+    fn an_engine_failure_before_any_chunk_leaves_the_role_and_identity_to_the_next_answer() {
+        let mut splice = Splice {
+            can_move: true,
+            ..Splice::default()
+        };
+        let failure = "data: {\"error\":{\"message\":\"boom\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\ndata: [DONE]\n\n";
+        assert_eq!(events(&mut splice, failure), "");
+        assert!(std::mem::take(&mut splice.engine_failed));
+        splice.next_leg();
+        let second = r#"data: {"id":"b","created":2,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
+
+data: {"id":"b","created":2,"model":"m","choices":[{"index":0,"delta":{"content":"lorem"}}]}
+
+"#;
+        let out = events(&mut splice, second);
+        assert_eq!(out.matches("data: ").count(), 2, "{out}");
+        assert!(
+            out.contains(r#""role":"assistant""#),
+            "the role chunk: {out}"
+        );
+        assert_eq!(out.matches(r#""id":"b""#).count(), 2, "{out}");
+        // A third answer's role chunk is the one the client already had.
+        splice.next_leg();
+        let third = r#"data: {"id":"c","created":3,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
+
+data: {"id":"c","created":3,"model":"m","choices":[{"index":0,"delta":{"content":" ipsum"}}]}
+
+"#;
+        let out = events(&mut splice, third);
+        assert_eq!(out.matches("data: ").count(), 1, "{out}");
+        assert!(
+            out.contains(r#""id":"b""#) && out.contains("ipsum"),
+            "{out}"
+        );
     }
 
     #[test]

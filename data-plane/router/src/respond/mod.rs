@@ -18,7 +18,6 @@ use axum::body::Body;
 use axum::response::Response;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http_body_util::BodyExt as _;
-use tokio::time::Instant;
 
 use crate::errors::{Api, ApiError, ErrorKind};
 use crate::forward::upstream::strip_hop_by_hop;
@@ -66,6 +65,8 @@ impl Responder<'_> {
             label,
             explain,
             time_first_frame,
+            head_at,
+            last_frame_at,
             cached_tokens,
         } = answered;
         let variant = &endpoint.variants[variant_index];
@@ -120,13 +121,13 @@ impl Responder<'_> {
                 in_flight: Some(in_flight),
                 permit: None,
                 idle: self.stream_idle,
-                last_frame: Instant::now(),
+                last_frame: last_frame_at,
                 timer: None,
                 stall,
                 metrics: Arc::clone(self.metrics),
                 first_frame: Some(FirstFrame {
                     sent,
-                    answered: Instant::now(),
+                    answered: head_at,
                     disaggregated_decode: time_first_frame,
                 }),
                 done: ends_with_done.then(DoneWatch::default),
