@@ -273,6 +273,10 @@ fn sequence(frame: &[u8]) -> Option<u64> {
     frame.try_into().ok().map(u64::from_be_bytes)
 }
 
+/// Failed connection attempts to a publisher before a warning (with the 500 ms default delay,
+/// about 10 s): a publisher that never listens is most likely configured to connect out.
+const UNREACHABLE_WARNING_ATTEMPTS: u32 = 20;
+
 /// Follows one instance's events until `stop`. Drops nothing from the index on exit: the
 /// caller decides (an instance that left is cleared by the caller).
 pub async fn run(
@@ -285,7 +289,12 @@ pub async fn run(
     // A new subscription starts from nothing: whatever an earlier one of this instance left
     // (a write that raced its stop) is not this run's.
     target.index.clear(&instance, true);
+    let mut attempts = 0u32;
     let (mut sub, mut monitor) = loop {
+        attempts = attempts.saturating_add(1);
+        if attempts == UNREACHABLE_WARNING_ATTEMPTS {
+            tracing::warn!(%instance, endpoint = %endpoints.publisher, "no KV event publisher accepts connections there yet (still trying): the engine may still be starting, or it is configured to connect out: vLLM listens only on a wildcard or ipc endpoint (\"endpoint\":\"tcp://*:5557\"); given a specific address it connects out to it instead");
+        }
         let mut sub = zeromq::SubSocket::new();
         let monitor = sub.monitor();
         let connected = tokio::select! {
