@@ -30,7 +30,7 @@ use serde_json::{Value, json};
 use switchyard_shared::InstanceRole;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::config::{KvLoadFailurePolicy, SimConfig};
+use crate::config::{KvLoadFailurePolicy, SimConfig, lora_of};
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::faults::{Faults, TokenizeFault};
@@ -207,11 +207,14 @@ async fn parse_off_thread(
 ) -> Result<ParsedRequest, ApiError> {
     let block_size = shared.config.block_size;
     if body.len() <= PARSE_INLINE_LIMIT {
-        return parse_request(&body, kind, block_size);
+        return parse_request(&body, kind, block_size, |model| shared.config.lora(model));
     }
-    tokio::task::spawn_blocking(move || parse_request(&body, kind, block_size))
-        .await
-        .unwrap_or_else(|err| Err(ApiError::internal(format!("tokenizer task failed: {err}"))))
+    let modules = shared.config.lora_modules.clone();
+    tokio::task::spawn_blocking(move || {
+        parse_request(&body, kind, block_size, |model| lora_of(&modules, model))
+    })
+    .await
+    .unwrap_or_else(|err| Err(ApiError::internal(format!("tokenizer task failed: {err}"))))
 }
 
 /// Validates a parsed request, applies fault injection, and runs it on the engine.
@@ -239,7 +242,11 @@ async fn run_request(
             ApiKind::Completion => format!("cmpl-{request_id}"),
         },
         created: switchyard_process::clock::unix_seconds(),
-        model: config.served_model_name.clone(),
+        // An adapter's answer names the adapter, as vLLM's does.
+        model: prompt.lora.as_ref().map_or_else(
+            || config.served_model_name.clone(),
+            |lora| lora.name.to_string(),
+        ),
         kind,
         resume_at,
     };
@@ -288,6 +295,7 @@ async fn run_request(
             remote_prompt_tokens(config, &kv, prompt_len)
         },
         report_reuse,
+        lora: prompt.lora,
     };
     let events = shared
         .engine
@@ -412,21 +420,35 @@ async fn ok() -> StatusCode {
     StatusCode::OK
 }
 
+/// `GET /v1/models`: the served model, then each LoRA adapter as vLLM lists them (the path
+/// as `root`, the base model as `parent`).
 async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
     let name = &shared.config.served_model_name;
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": name,
+    let created = switchyard_process::clock::unix_seconds();
+    let mut data = vec![json!({
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": name,
+        "parent": null,
+        "max_model_len": shared.config.max_model_len,
+        "permission": [],
+    })];
+    for module in &shared.config.lora_modules {
+        let (adapter, path) = module.split_once('=').unwrap_or((module, module));
+        data.push(json!({
+            "id": adapter,
             "object": "model",
-            "created": switchyard_process::clock::unix_seconds(),
+            "created": created,
             "owned_by": "vllm",
-            "root": name,
-            "parent": null,
-            "max_model_len": shared.config.max_model_len,
+            "root": path,
+            "parent": name,
+            "max_model_len": null,
             "permission": [],
-        }],
-    }))
+        }));
+    }
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -14,7 +14,9 @@
 //! request releases its blocks tail first, so the end of a sequence is evicted before its start.
 //!
 //! Block hashes chain: block `i`'s hash is `xxh3_64_with_seed(token ids of block i, hash of
-//! block i-1)`, with seed 0 for the first block (token ids as little-endian `u32`s). Equal block
+//! block i-1)`, with seed 0 for the first block (token ids as little-endian `u32`s), or, for a
+//! request of a LoRA adapter, a seed made from the adapter's name (vLLM keys an adapter's
+//! blocks by its name, so they never serve the base model or another adapter). Equal block
 //! contents after different prefixes therefore hash differently. Only full blocks are hashed.
 //!
 //! With [`record_events`](PrefixCache::record_events) on, every change to the table is logged
@@ -24,14 +26,28 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// A LoRA adapter a request runs under (`--lora-modules`): vLLM's `lora_int_id` (1-based, in
+/// the order the adapters were given) and `lora_name`, which its KV events carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lora {
+    pub id: u32,
+    pub name: Arc<str>,
+}
 
 /// The chained hashes of the full blocks of `tokens` (a trailing partial block has none).
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    block_hashes_under(None, tokens, block_size)
+}
+
+/// [`block_hashes`] of a request under `lora` (None: the base model).
+pub fn block_hashes_under(lora: Option<&Lora>, tokens: &[u32], block_size: usize) -> Vec<u64> {
     let block_size = block_size.max(1);
     let mut hashes = Vec::with_capacity(tokens.len() / block_size);
-    let mut parent = 0u64;
+    let mut parent = lora.map_or(0, |lora| xxh3_64(lora.name.as_bytes()) | 1);
     let mut bytes = Vec::with_capacity(block_size * 4);
     for block in tokens.chunks_exact(block_size) {
         bytes.clear();
@@ -54,6 +70,8 @@ pub enum CacheEvent {
         parent: Option<u64>,
         hashes: Vec<u64>,
         tokens: Vec<u32>,
+        /// The adapter the blocks were computed under (None: the base model).
+        lora: Option<Lora>,
     },
     /// Blocks evicted from the table.
     Removed { hashes: Vec<u64> },
@@ -119,12 +137,19 @@ impl PrefixCache {
     }
 
     /// Logs that blocks of one sequence entered the table (see [`CacheEvent::Stored`]).
-    pub fn log_stored(&mut self, parent: Option<u64>, hashes: Vec<u64>, tokens: Vec<u32>) {
+    pub fn log_stored(
+        &mut self,
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+        lora: Option<Lora>,
+    ) {
         if !hashes.is_empty() {
             self.log(CacheEvent::Stored {
                 parent,
                 hashes,
                 tokens,
+                lora,
             });
         }
     }

@@ -1,9 +1,12 @@
 //! The simulator's knobs: one `--flag` each, with defaults for Llama-3.1-70B (bf16) served by
 //! vLLM on 8×H100 80 GB (an ml.p5.48xlarge).
 
+use std::sync::Arc;
+
 use clap::Parser;
 use switchyard_shared::InstanceRole;
 
+use crate::cache::Lora;
 use crate::engine::{Limits, Scheduler, TimeModel};
 use crate::faults::{FaultRateError, Faults};
 use crate::kv_events::KvEventsFormat;
@@ -15,9 +18,16 @@ use crate::kv_events::KvEventsFormat;
 /// (0.1 runs ten times faster). Latency metrics are reported in model time.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimConfig {
-    /// Model name this engine serves; a request naming another model gets vLLM's 404.
+    /// Model name this engine serves; a request naming another model (or adapter) gets
+    /// vLLM's 404.
     #[arg(long, default_value = "sim", value_name = "NAME")]
     pub served_model_name: String,
+
+    /// LoRA adapters served beside the model, as vLLM's --lora-modules (the path is ignored):
+    /// a request whose `model` names one runs under it, its KV blocks keyed by the adapter and
+    /// published with its `lora_id` (1-based, in this order) and `lora_name`.
+    #[arg(long, num_args = 1.., value_name = "NAME[=PATH]")]
+    pub lora_modules: Vec<String>,
 
     /// Disaggregation role: both, prefill or decode. All roles serve every request (a prefill
     /// instance also serves plain requests whole, a decode instance prefills requests that
@@ -240,6 +250,8 @@ pub enum ConfigError {
     BelowOne { flag: &'static str, value: u64 },
     #[error("{flag} must not be empty")]
     Empty { flag: &'static str },
+    #[error("--lora-modules {name:?}: {why}")]
+    LoraModule { name: String, why: &'static str },
     #[error("--kv-push-to {url:?} must be an http:// URL")]
     NotHttpUrl { url: String },
     #[error("--kv-events-replay needs --kv-events")]
@@ -255,7 +267,35 @@ pub enum ConfigError {
     FaultRate(#[from] FaultRateError),
 }
 
+fn lora_names(modules: &[String]) -> impl Iterator<Item = &str> {
+    modules.iter().map(|module| {
+        module
+            .split_once('=')
+            .map_or(module.as_str(), |(name, _)| name)
+    })
+}
+
+/// The adapter of `modules` (`--lora-modules` values) that `model` names, if any.
+pub(crate) fn lora_of(modules: &[String], model: Option<&str>) -> Option<Lora> {
+    let model = model?;
+    let position = lora_names(modules).position(|name| name == model)?;
+    Some(Lora {
+        id: u32::try_from(position + 1).unwrap_or(u32::MAX),
+        name: Arc::from(model),
+    })
+}
+
 impl SimConfig {
+    /// The names of `--lora-modules`, in order.
+    pub(crate) fn lora_names(&self) -> impl Iterator<Item = &str> {
+        lora_names(&self.lora_modules)
+    }
+
+    /// The adapter `model` names, if it is one of `--lora-modules`.
+    pub(crate) fn lora(&self, model: Option<&str>) -> Option<Lora> {
+        lora_of(&self.lora_modules, model)
+    }
+
     /// Checks every value; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
         positive("--time-scale", self.time_scale)?;
@@ -277,6 +317,23 @@ impl SimConfig {
             return Err(ConfigError::Empty {
                 flag: "--served-model-name",
             });
+        }
+        for (index, name) in self.lora_names().enumerate() {
+            let why = if name.trim().is_empty() {
+                Some("an adapter needs a name")
+            } else if name == self.served_model_name {
+                Some("is the served model's name")
+            } else if self.lora_names().take(index).any(|other| other == name) {
+                Some("is given twice")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ConfigError::LoraModule {
+                    name: name.to_owned(),
+                    why,
+                });
+            }
         }
         if let Some(url) = &self.kv_push_to
             && !url.starts_with("http://")
@@ -514,6 +571,18 @@ mod tests {
                 "--served-model-name must not be empty".into(),
             ),
             (&["--engine-id="], "--engine-id must not be empty".into()),
+            (
+                &["--lora-modules", "a=/x", "a"],
+                r#"--lora-modules "a": is given twice"#.into(),
+            ),
+            (
+                &["--lora-modules", "sim"],
+                r#"--lora-modules "sim": is the served model's name"#.into(),
+            ),
+            (
+                &["--lora-modules", "", "b"],
+                r#"--lora-modules "": an adapter needs a name"#.into(),
+            ),
             (
                 &["--kv-push-to=https://x"],
                 r#"--kv-push-to "https://x" must be an http:// URL"#.into(),

@@ -22,7 +22,7 @@
 
 use std::collections::VecDeque;
 
-use crate::cache::PrefixCache;
+use crate::cache::{Lora, PrefixCache};
 
 /// An engine-local request id.
 pub type SeqId = u64;
@@ -152,6 +152,8 @@ pub struct SeqSpec {
     /// vLLM's `kv_cache_report_mode` "full": the prefix blocks found in the cache are
     /// published again (a `BlockStored` from the first block) when the request is admitted.
     pub report_reuse: bool,
+    /// The LoRA adapter the request runs under (its blocks are keyed and published as its).
+    pub lora: Option<Lora>,
 }
 
 /// Why a request was refused.
@@ -289,7 +291,7 @@ impl Seq {
         let tokens = self.spec.prompt_tokens
             [first * block_size..(first + hashes.len()) * block_size]
             .to_vec();
-        cache.log_stored(parent, hashes, tokens);
+        cache.log_stored(parent, hashes, tokens, self.spec.lora.clone());
     }
 
     fn release(&self, cache: &mut PrefixCache) {
@@ -368,7 +370,8 @@ impl Scheduler {
         if cache.recording_events() && tokens.len() >= block_hashes.len() * block_size {
             let parent = known.checked_sub(1).map(|index| block_hashes[index]);
             let run = tokens[known * block_size..block_hashes.len() * block_size].to_vec();
-            cache.log_stored(parent, new.to_vec(), run);
+            // LMCache's push names no adapter: the blocks are published as the base model's.
+            cache.log_stored(parent, new.to_vec(), run, None);
         }
         cache.release(block_hashes, 0);
         stored.len()
@@ -573,8 +576,12 @@ impl Scheduler {
                 .get(..hit_blocks * block_size)
                 .unwrap_or_default()
                 .to_vec();
-            self.cache
-                .log_stored(None, seq.spec.block_hashes[..hit_blocks].to_vec(), tokens);
+            self.cache.log_stored(
+                None,
+                seq.spec.block_hashes[..hit_blocks].to_vec(),
+                tokens,
+                seq.spec.lora.clone(),
+            );
         }
         let transferred = seq.spec.remote_prompt_tokens.saturating_sub(cached_tokens);
         if transferred > 0 {
@@ -653,6 +660,7 @@ pub(crate) mod tests {
             max_tokens,
             remote_prompt_tokens: 0,
             report_reuse: false,
+            lora: None,
         }
     }
 
@@ -953,6 +961,7 @@ pub(crate) mod tests {
                 parent: None,
                 hashes: full.block_hashes.clone(),
                 tokens: full.prompt_tokens[..32].to_vec(),
+                lora: None,
             }]
         );
     }
@@ -971,6 +980,7 @@ pub(crate) mod tests {
                 parent: None,
                 hashes: first.block_hashes.clone(),
                 tokens: first.prompt_tokens[..32].to_vec(),
+                lora: None,
             }]
         );
         // A longer prompt with the same start: only the new blocks, chained to the last old one.
@@ -982,6 +992,7 @@ pub(crate) mod tests {
                 parent: Some(second.block_hashes[1]),
                 hashes: second.block_hashes[2..4].to_vec(),
                 tokens: second.prompt_tokens[32..64].to_vec(),
+                lora: None,
             }]
         );
         assert!(scheduler.reset_prefix_cache());

@@ -329,6 +329,7 @@ fn encode_array_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
             parent,
             hashes,
             tokens,
+            lora,
         } => {
             writer.array(8);
             writer.str("BlockStored");
@@ -336,9 +337,9 @@ fn encode_array_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
             writer.optional_uint(*parent);
             writer.uints(tokens.iter().map(|token| u64::from(*token)));
             writer.uint(block_size(hashes, tokens));
-            writer.nil(); // lora_id
+            writer.optional_uint(lora.as_ref().map(|lora| u64::from(lora.id)));
             writer.str("GPU"); // medium
-            writer.nil(); // lora_name
+            writer.optional_str(lora.as_ref().map(|lora| &*lora.name));
         }
         CacheEvent::Removed { hashes } => {
             writer.array(3);
@@ -359,6 +360,7 @@ fn encode_map_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
             parent,
             hashes,
             tokens,
+            lora,
         } => {
             writer.map(11);
             writer.str("type");
@@ -372,15 +374,22 @@ fn encode_map_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
             writer.str("block_size");
             writer.uint(block_size(hashes, tokens));
             writer.str("lora_id");
-            writer.nil();
+            writer.optional_uint(lora.as_ref().map(|lora| u64::from(lora.id)));
             writer.str("medium");
             writer.str("GPU");
             writer.str("lora_name");
-            writer.nil();
+            writer.optional_str(lora.as_ref().map(|lora| &*lora.name));
+            // vLLM 0.32 names a block's adapter first among its extra keys, on every block.
             writer.str("extra_keys");
             writer.array(hashes.len());
             for _ in hashes {
-                writer.nil();
+                match lora {
+                    Some(lora) => {
+                        writer.array(1);
+                        writer.str(&lora.name);
+                    }
+                    None => writer.nil(),
+                }
             }
             writer.str("group_idx");
             writer.uint(0);
@@ -438,6 +447,12 @@ impl MsgPack<'_> {
             None => self.nil(),
         }
     }
+    fn optional_str(&mut self, value: Option<&str>) {
+        match value {
+            Some(value) => self.str(value),
+            None => self.nil(),
+        }
+    }
     fn uints(&mut self, values: impl ExactSizeIterator<Item = u64>) {
         self.array(values.len());
         for value in values {
@@ -457,6 +472,7 @@ mod tests {
                 parent: None,
                 hashes: vec![7],
                 tokens: vec![1, 2],
+                lora: None,
             },
             CacheEvent::Removed { hashes: vec![7] },
             CacheEvent::Cleared,
@@ -477,6 +493,31 @@ mod tests {
         expected.extend_from_slice(b"AllBlocksCleared");
         expected.push(0);
         assert_eq!(bytes, expected);
+    }
+
+    #[test]
+    fn an_adapters_blocks_carry_its_id_and_name_and_name_every_blocks_extra_keys() {
+        let lora = Some(crate::cache::Lora {
+            id: 2,
+            name: "sql".into(),
+        });
+        let stored = CacheEvent::Stored {
+            parent: None,
+            hashes: vec![7, 8],
+            tokens: vec![1, 2, 3, 4],
+            lora,
+        };
+        let map = encode_batch(1.0, std::slice::from_ref(&stored), KvEventsFormat::Map);
+        let find = |needle: &[u8]| map.windows(needle.len()).position(|w| w == needle);
+        // "lora_id": 2 ... "lora_name": "sql" ... "extra_keys": [["sql"], ["sql"]]
+        let id = find(b"\xa7lora_id").expect("lora_id");
+        assert_eq!(map[id + 8], 2);
+        let name = find(b"\xa9lora_name").expect("lora_name");
+        assert_eq!(&map[name + 10..name + 14], b"\xa3sql");
+        let keys = find(b"\xaaextra_keys").expect("extra_keys");
+        assert_eq!(&map[keys + 11..keys + 22], b"\x92\x91\xa3sql\x91\xa3sql");
+        let array = encode_batch(1.0, &[stored], KvEventsFormat::Array);
+        assert!(array.ends_with(b"\x02\xa3GPU\xa3sql\x00"), "{array:x?}");
     }
 
     #[test]

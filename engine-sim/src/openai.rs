@@ -7,7 +7,7 @@ use http::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::cache::block_hashes;
+use crate::cache::{Lora, block_hashes_under};
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
 /// Chat completions or (text) completions.
@@ -230,6 +230,8 @@ pub(crate) struct ParsedRequest {
 pub(crate) struct Prompt {
     pub tokens: Vec<u32>,
     pub block_hashes: Vec<u64>,
+    /// The adapter the request's `model` names (its blocks are hashed under it).
+    pub lora: Option<Lora>,
 }
 
 /// A JSON body, or a 400 whose message is `what` and serde's reason.
@@ -240,12 +242,14 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     serde_json::from_slice(bytes).map_err(|err| ApiError::bad_request(format!("{what}: {err}")))
 }
 
-/// Parses a body and tokenizes its prompt. `kind` None picks chat if the body has `messages`
-/// (the SageMaker `/invocations` rule). CPU-bound: run large bodies on a blocking thread.
+/// Parses a body and tokenizes its prompt, its blocks hashed under the adapter `lora_of` finds
+/// for its `model`. `kind` None picks chat if the body has `messages` (the SageMaker
+/// `/invocations` rule). CPU-bound: run large bodies on a blocking thread.
 pub(crate) fn parse_request(
     bytes: &[u8],
     kind: Option<ApiKind>,
     block_size: usize,
+    lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
     let body: InferenceBody = parse_json(bytes, "invalid JSON body")?;
     let kind = kind.unwrap_or(if body.messages.is_some() {
@@ -253,9 +257,11 @@ pub(crate) fn parse_request(
     } else {
         ApiKind::Completion
     });
+    let lora = lora_of(body.model.as_deref());
     let prompt = prompt_tokens(&body, kind).map(|tokens| Prompt {
-        block_hashes: block_hashes(&tokens, block_size),
+        block_hashes: block_hashes_under(lora.as_ref(), &tokens, block_size),
         tokens,
+        lora,
     });
     Ok(ParsedRequest { body, kind, prompt })
 }
@@ -606,25 +612,28 @@ mod tests {
             br#"{"model":"sim","messages":[{"role":"user","content":"the cat sat"}],"unknown":1}"#,
             Some(ApiKind::Chat),
             16,
+            |_| None,
         )
         .unwrap();
         assert_eq!(chat.kind, ApiKind::Chat);
         assert_eq!(chat.prompt.unwrap().tokens.len(), 5 + 3 + 6);
 
-        let completion = parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16).unwrap();
+        let completion =
+            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16, |_| None).unwrap();
         assert_eq!(completion.kind, ApiKind::Completion);
         assert_eq!(completion.prompt.unwrap().tokens.len(), 3);
 
-        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16).unwrap();
+        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16, |_| None).unwrap();
         assert_eq!(ids.prompt.unwrap().tokens, vec![1, 2, 3]);
 
-        let invocation = parse_request(br#"{"messages":[]}"#, None, 16).unwrap();
+        let invocation = parse_request(br#"{"messages":[]}"#, None, 16, |_| None).unwrap();
         assert_eq!(invocation.kind, ApiKind::Chat);
 
-        let missing = parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16).unwrap();
+        let missing =
+            parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16, |_| None).unwrap();
         assert_eq!(missing.prompt.unwrap_err().param, Some("messages"));
 
-        let bad = parse_request(b"{not json", None, 16).unwrap_err();
+        let bad = parse_request(b"{not json", None, 16, |_| None).unwrap_err();
         assert_eq!(bad.status, StatusCode::BAD_REQUEST);
         assert_eq!(bad.to_json()["error"]["type"], "BadRequestError");
         assert_eq!(bad.to_json()["error"]["code"], 400);

@@ -450,6 +450,57 @@ async fn a_repeated_long_prompt_hits_the_prefix_cache() -> Result<()> {
 }
 
 #[tokio::test]
+async fn a_lora_adapter_is_served_by_name_with_a_prefix_cache_of_its_own() -> Result<()> {
+    let sim = spawn(SimConfig {
+        lora_modules: vec!["sql-lora=/adapters/sql".into(), "chat-lora".into()],
+        ..fast_config()
+    })
+    .await?;
+    let ask = |model: &str| json!({"model": model, "prompt": words(100), "max_tokens": 2});
+    let cached =
+        |reply: &Reply| reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    let base = post(sim.addr, "/v1/completions", &ask("sim")).await?;
+    assert_eq!(base.status, StatusCode::OK);
+    // The same prompt under an adapter: none of the base model's blocks, then its own.
+    let first = post(sim.addr, "/v1/completions", &ask("sql-lora")).await?;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.json()["model"], "sql-lora");
+    assert_eq!(cached(&first), 0);
+    let again = post(sim.addr, "/v1/completions", &ask("sql-lora")).await?;
+    assert_eq!(cached(&again), 96);
+    assert_eq!(
+        cached(&post(sim.addr, "/v1/completions", &ask("chat-lora")).await?),
+        0
+    );
+    let unknown = post(sim.addr, "/v1/completions", &ask("other-lora")).await?;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert_eq!(unknown.json()["error"]["param"], "model");
+    let models = get(sim.addr, "/v1/models").await?.json();
+    let listed: Vec<(Value, Value, Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|model| {
+            (
+                model["id"].clone(),
+                model["parent"].clone(),
+                model["root"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            (json!("sim"), Value::Null, json!("sim")),
+            (json!("sql-lora"), json!("sim"), json!("/adapters/sql")),
+            (json!("chat-lora"), json!("sim"), json!("chat-lora")),
+        ]
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
 async fn errors_look_like_vllm() -> Result<()> {
     let sim = spawn(fast_config()).await?;
     let wrong = post(

@@ -109,6 +109,7 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                 .map(|(id, weight)| (id.clone(), *weight))
                 .collect(),
             migration_limit: variant.migration_limit,
+            lora_adapters: variant.lora_adapters().to_vec(),
         }
     }
 }
@@ -157,6 +158,8 @@ fn production_variant(
         fairness_weights: (!variant.fairness_weights.is_empty())
             .then(|| variant.fairness_weights.into_iter().collect()),
         migration_limit: variant.migration_limit,
+        // proto3 lists cannot be absent: empty means no adapters.
+        lora_adapters: (!variant.lora_adapters.is_empty()).then_some(variant.lora_adapters),
     })
 }
 

@@ -266,6 +266,21 @@ impl DisaggregationConfig {
                  PrefixAwareRoutingConfig when DecodeRoutingStrategy is PREFIX_AWARE",
             ));
         }
+        // A decode that runs under an adapter pulls KV the prefill computed: under the same
+        // adapter, or the answer would come from mismatched weights.
+        if let Some(missing) = variants[decode]
+            .lora_adapters()
+            .iter()
+            .find(|adapter| !variants[prefill].lora_adapters().contains(adapter))
+        {
+            return Err(ValidationError::new(
+                format!("ProductionVariants[{prefill}].LoraAdapters"),
+                format!(
+                    "the prefill variant must serve every adapter the decode variant lists \
+                     (the decode pulls the KV cache the prefill computed); {missing:?} is missing"
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -416,6 +431,27 @@ mod tests {
                 .unwrap_err();
             assert_eq!(err.field, field, "{json}: {err}");
         }
+        // Adapters: the prefill variant serves every one the decode variant lists.
+        let pd = config(r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode"}"#);
+        let with_adapters = |prefill: &str, decode: &str| {
+            parse_production_variants(&format!(
+                r#"[{{"VariantName":"prefill","LoraAdapters":{prefill}}},{{"VariantName":"decode","LoraAdapters":{decode}}}]"#
+            ))
+            .unwrap()
+            .variants
+        };
+        pd.validate(
+            &with_adapters(r#"["a","b"]"#, r#"["a"]"#),
+            "DisaggregationConfig",
+        )
+        .unwrap();
+        let err = pd
+            .validate(
+                &with_adapters(r#"["a"]"#, r#"["a","b"]"#),
+                "DisaggregationConfig",
+            )
+            .unwrap_err();
+        assert_eq!(err.field, "ProductionVariants[0].LoraAdapters", "{err}");
         // PREFIX_AWARE prefill with the prefill variant's own prefix config is fine.
         config(
             r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode","PrefillRoutingStrategy":"PREFIX_AWARE"}"#,

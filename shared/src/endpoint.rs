@@ -143,6 +143,23 @@ impl EndpointConfig {
                     format!("{} is used by an earlier variant", variant.variant_name),
                 ));
             }
+            // A request's `model` is either a ModelName or an adapter, never both.
+            if let Some((position, adapter)) =
+                variant
+                    .lora_adapters()
+                    .iter()
+                    .enumerate()
+                    .find(|(_, adapter)| {
+                        self.production_variants
+                            .iter()
+                            .any(|other| other.model_name.as_deref() == Some(adapter.as_str()))
+                    })
+            {
+                return Err(ValidationError::new(
+                    format!("ProductionVariants[{index}].LoraAdapters[{position}]"),
+                    format!("{adapter:?} is a ModelName of this endpoint config, not an adapter"),
+                ));
+            }
         }
         let total: f64 = self
             .production_variants
@@ -294,6 +311,39 @@ mod tests {
             field_of(&config(vec![weighted("", 1.0)])),
             "ProductionVariants[0].FairnessWeights"
         );
+        // LoraAdapters: names of 1-256 characters, each once, never the ModelName.
+        let adapters = |names: &[&str]| ProductionVariant {
+            lora_adapters: Some(names.iter().map(|name| (*name).to_owned()).collect()),
+            ..variant("a", None)
+        };
+        config(vec![adapters(&["sql-lora", "chat-lora"])])
+            .validate()
+            .unwrap();
+        config(vec![adapters(&[])]).validate().unwrap();
+        let long = "x".repeat(257);
+        for (names, field) in [
+            (&["a", ""][..], "ProductionVariants[0].LoraAdapters[1]"),
+            (&["a", "a"][..], "ProductionVariants[0].LoraAdapters[1]"),
+            (&["m"][..], "ProductionVariants[0].LoraAdapters[0]"),
+            (
+                &[long.as_str()][..],
+                "ProductionVariants[0].LoraAdapters[0]",
+            ),
+            (&["tab\there"][..], "ProductionVariants[0].LoraAdapters[0]"),
+        ] {
+            assert_eq!(field_of(&config(vec![adapters(names)])), field, "{names:?}");
+        }
+        let many: Vec<String> = (0..257).map(|index| format!("a{index}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert_eq!(
+            field_of(&config(vec![adapters(&many)])),
+            "ProductionVariants[0].LoraAdapters"
+        );
+        let parsed = crate::sagemaker::parse_production_variants(
+            r#"[{"VariantName":"a","ModelName":"m","LoraAdapters":["sql-lora"]}]"#,
+        )
+        .unwrap();
+        assert_eq!(parsed.variants[0].lora_adapters(), ["sql-lora".to_owned()]);
         // Read from SageMaker-shaped JSON beside RoutingConfig, and absent by default.
         let parsed = crate::sagemaker::parse_production_variants(
             r#"[{"VariantName":"a","MaxInFlightPerInstance":8},{"VariantName":"b"}]"#,

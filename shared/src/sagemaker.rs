@@ -20,8 +20,9 @@ const VARIANT_FIELDS: &[&str] = &[
     "RoutingConfig",
     "MaxInFlightPerInstance",
     "FairnessWeights",
-    // Switchyard's extension (a pasted SageMaker config never has it).
+    // Switchyard's extensions (a pasted SageMaker config never has them).
     "MigrationLimit",
+    "LoraAdapters",
 ];
 
 /// SageMaker ProductionVariant fields that Switchyard accepts and ignores (botocore 1.44's

@@ -38,6 +38,9 @@ pub const MAX_INSTANCE_TYPE_CHARS: usize = 256;
 /// `MigrationLimit` (Switchyard's extension of a ProductionVariant): how many times one
 /// streamed answer may move to another instance when its engine dies midway.
 pub const MIGRATION_LIMIT_RANGE: std::ops::RangeInclusive<u32> = 0..=10;
+/// `LoraAdapters`: most adapter names a variant lists, and the longest, in characters.
+pub const MAX_LORA_ADAPTERS: usize = 256;
+pub const MAX_LORA_ADAPTER_CHARS: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
@@ -272,6 +275,11 @@ pub struct ProductionVariant {
     /// continues on another instance, at most this many times (0–10; absent or 0: the stream
     /// ends with an error event, as on SageMaker).
     pub migration_limit: Option<u32>,
+    /// Switchyard extension: the LoRA adapters the variant's engines serve (vLLM's
+    /// `--lora-modules` names). A request whose `model` names one keeps that name upstream
+    /// (every other `model` becomes ModelName) and is matched against the KV blocks the engines
+    /// cached under that adapter. Absent: no adapter.
+    pub lora_adapters: Option<Vec<String>>,
 }
 
 impl ProductionVariant {
@@ -287,6 +295,7 @@ impl ProductionVariant {
             max_in_flight_per_instance: None,
             fairness_weights: None,
             migration_limit: None,
+            lora_adapters: None,
         }
     }
 
@@ -302,6 +311,50 @@ impl ProductionVariant {
     pub fn migration_limit(&self) -> u32 {
         self.migration_limit.unwrap_or(0)
     }
+
+    /// The adapter names of `LoraAdapters` (none when absent).
+    pub fn lora_adapters(&self) -> &[String] {
+        self.lora_adapters.as_deref().unwrap_or_default()
+    }
+}
+
+fn validate_lora_adapters(variant: &ProductionVariant, field: &str) -> Result<(), ValidationError> {
+    let field = format!("{field}.LoraAdapters");
+    let adapters = variant.lora_adapters();
+    if adapters.len() > MAX_LORA_ADAPTERS {
+        return Err(ValidationError::new(
+            field,
+            format!(
+                "names at most {MAX_LORA_ADAPTERS} adapters, got {}",
+                adapters.len()
+            ),
+        ));
+    }
+    for (index, name) in adapters.iter().enumerate() {
+        let at = format!("{field}[{index}]");
+        if name.is_empty()
+            || name.chars().count() > MAX_LORA_ADAPTER_CHARS
+            || name.chars().any(char::is_control)
+        {
+            return Err(ValidationError::new(
+                at,
+                format!("must be 1-{MAX_LORA_ADAPTER_CHARS} characters without control characters"),
+            ));
+        }
+        if variant.model_name.as_deref() == Some(name.as_str()) {
+            return Err(ValidationError::new(
+                at,
+                format!("{name:?} is the variant's ModelName, not an adapter"),
+            ));
+        }
+        if adapters[..index].contains(name) {
+            return Err(ValidationError::new(
+                at,
+                format!("{name:?} is listed twice"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn validate_variant(
@@ -339,6 +392,7 @@ pub(crate) fn validate_variant(
             ),
         ));
     }
+    validate_lora_adapters(variant, field)?;
     if let Some(count) = variant.initial_instance_count
         && count < 1
     {

@@ -180,7 +180,7 @@ def vllm_event(event: dict):
             parent_block_hash=event.get("parent_block_hash"),
             token_ids=event["token_ids"],
             block_size=event["block_size"],
-            lora_id=None,
+            lora_id=event.get("lora_id"),
             medium=event.get("medium", "GPU"),
             lora_name=event.get("lora_name"),
             extra_keys=event.get("extra_keys"),

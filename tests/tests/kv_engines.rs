@@ -14,12 +14,12 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use switchyard_engine_sim::SimHandle;
-use switchyard_kv::VariantIndex;
+use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_router::RouterHandle;
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 use switchyard_tests::{
-    Metrics, Reply, eventually, fast, http_post, router_from_file, sim_tokens, test_python,
-    wait_matched, words,
+    Metrics, Reply, eventually, fast, http_get, http_post, router_from_file, sim_tokens,
+    test_python, wait_matched, words,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
@@ -140,6 +140,16 @@ async fn router(
     sims: &[&SimHandle],
     publishers: &[&Publisher],
 ) -> anyhow::Result<RouterHandle> {
+    router_with(dir, sims, publishers, json!({})).await
+}
+
+/// [`router`] with more fields of the variant (its `LoraAdapters`).
+async fn router_with(
+    dir: &std::path::Path,
+    sims: &[&SimHandle],
+    publishers: &[&Publisher],
+    variant_fields: Value,
+) -> anyhow::Result<RouterHandle> {
     let instances: Vec<Value> = sims
         .iter()
         .zip(publishers)
@@ -153,10 +163,14 @@ async fn router(
             })
         })
         .collect();
+    let variant = with(
+        json!({"VariantName": "AllTraffic", "ModelName": "sim",
+            "RoutingConfig": {"RoutingStrategy": "KV_AWARE"}}),
+        variant_fields,
+    );
     let file = json!({"Endpoints": [{
         "EndpointName": "chat",
-        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim",
-            "RoutingConfig": {"RoutingStrategy": "KV_AWARE"}}],
+        "ProductionVariants": [variant],
         "Instances": instances,
     }]});
     router_from_file(&dir.join("switchyard.json"), &file.to_string(), |config| {
@@ -627,7 +641,14 @@ async fn a_salted_request_routes_to_the_prefix_cached_under_its_salt() -> anyhow
         &vec![blocks as u32, 0],
         || {
             index
-                .match_prompt(&prompt_tokens, Some("tenant-a"), &ids(2))
+                .match_prompt(
+                    &prompt_tokens,
+                    ChainKey {
+                        cache_salt: Some("tenant-a"),
+                        ..ChainKey::default()
+                    },
+                    &ids(2),
+                )
                 .map(|found| found.matched)
                 .unwrap_or_default()
         },
@@ -644,6 +665,108 @@ async fn a_salted_request_routes_to_the_prefix_cached_under_its_salt() -> anyhow
     );
     let other = route_with(&router, &prompt, json!({"cache_salt": "tenant-b"})).await?;
     assert!(not_kv(&other), "another tenant's salt: {other:?}");
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_request_for_a_lora_adapter_routes_to_the_adapters_prefix() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let lora = || switchyard_engine_sim::SimConfig {
+        lora_modules: vec!["sql-lora=/adapters/sql".into()],
+        ..fast()
+    };
+    let (a, b) = (
+        switchyard_engine_sim::spawn(lora()).await?,
+        switchyard_engine_sim::spawn(lora()).await?,
+    );
+    let (mut pa, mut pb) = (
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router_with(
+        dir.path(),
+        &[&a, &b],
+        &[&pa, &pb],
+        json!({"LoraAdapters": ["sql-lora"]}),
+    )
+    .await?;
+    let prompt = words(0, 70);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    let blocks = prompt_tokens.len() / 16;
+    // vLLM 0.32 publishes an adapter's blocks with its lora_id and lora_name, and the name
+    // first among every block's extra keys.
+    let adapter_keys: Vec<Value> = vec![json!(["sql-lora"]); blocks];
+    pa.publish(vec![with(
+        stored(&prompt_tokens, 16, 1),
+        json!({"lora_id": 1, "lora_name": "sql-lora", "extra_keys": adapter_keys}),
+    )])
+    .await?;
+    pb.publish(vec![stored(&prompt_tokens, 16, 1)]).await?;
+    wait_held(&router, &prompt_tokens, &[0, blocks as u32]).await?;
+    let index = index(&router).await?;
+    let adapter = ChainKey {
+        lora_name: Some("sql-lora"),
+        ..ChainKey::default()
+    };
+    wait_matched(
+        "the adapter's chain in the index",
+        &vec![blocks as u32, 0],
+        || {
+            index
+                .match_prompt(&prompt_tokens, adapter, &ids(2))
+                .map(|found| found.matched)
+                .unwrap_or_default()
+        },
+    )
+    .await?;
+    let full = (blocks * 16) as u32;
+    assert_eq!(
+        route_with(&router, &prompt, json!({"model": "sql-lora"})).await?,
+        ("e0".into(), "kv".into(), full),
+        "the adapter's request goes where the adapter's prefix is"
+    );
+    assert_eq!(
+        route(&router, &prompt).await?,
+        ("e1".into(), "kv".into(), full),
+        "the base model's request goes where the base model's prefix is"
+    );
+    // A name the variant does not list is the ModelName's request, as before.
+    assert_eq!(
+        route_with(&router, &prompt, json!({"model": "other"})).await?,
+        ("e1".into(), "kv".into(), full)
+    );
+    let models: Vec<Option<String>> = a
+        .received()
+        .iter()
+        .chain(b.received().iter())
+        .map(|request| request.model.clone())
+        .collect();
+    assert_eq!(
+        models
+            .iter()
+            .filter(|model| model.as_deref() == Some("sql-lora"))
+            .count(),
+        1,
+        "the adapter's name is kept upstream, every other becomes ModelName: {models:?}"
+    );
+    assert!(
+        models
+            .iter()
+            .all(|model| matches!(model.as_deref(), Some("sql-lora" | "sim"))),
+        "{models:?}"
+    );
+    // The adapter is a model of the router's /v1 paths too.
+    let listed = http_get(&format!("{}/v1/models", router.url())).await?;
+    assert!(listed.1.contains("\"sql-lora\""), "{}", listed.1);
+    let plain = http_post(
+        &format!("{}/v1/completions", router.url()),
+        &[],
+        json!({"model": "sql-lora", "prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    assert_eq!(plain.header("x-switchyard-instance"), Some("e0"));
     router.shutdown().await;
     Ok(())
 }

@@ -329,7 +329,7 @@ async fn decide_for(
         variant,
         index.as_deref(),
         Some(&tokens),
-        None,
+        switchyard_kv::ChainKey::default(),
         0,
         7,
     ))
@@ -620,7 +620,14 @@ async fn tokenize_failures_end_within_the_deadline_and_the_decision_falls_back_t
     // Without token ids the decision is LEAST_OUTSTANDING_REQUESTS.
     let registry = LoadRegistry::default();
     let table = kv_table(&[&sim], &registry);
-    let decision = switchyard_router::parts::decide(variant_route(&table), None, None, None, 0, 1);
+    let decision = switchyard_router::parts::decide(
+        variant_route(&table),
+        None,
+        None,
+        switchyard_kv::ChainKey::default(),
+        0,
+        1,
+    );
     assert_eq!(decision.ranking.route, Some(Route::LeastOutstanding));
     assert_eq!(decision.cached_tokens, 0);
     sim.shutdown().await;

@@ -471,6 +471,26 @@ fn hashing(event: &BlockStored, index: usize, chain_start: bool) -> Hashing<'_> 
     }
 }
 
+/// What a request's chain is hashed under besides its token ids, as the engine keys its
+/// blocks: the LoRA adapter the request names (vLLM's `lora_name` extra key on every block)
+/// and its `cache_salt` (on the first).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChainKey<'a> {
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+}
+
+impl ChainKey<'_> {
+    /// The parent hash of the chain's first block.
+    pub fn seed(&self) -> u64 {
+        let seed = chain_seed(self.lora_name);
+        match self.cache_salt {
+            Some(salt) => salted_seed(seed, salt),
+            None => seed,
+        }
+    }
+}
+
 /// A request's match against a variant's index ([`VariantIndex::match_tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenMatch {
@@ -547,15 +567,16 @@ impl VariantIndex {
     /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
     /// holds costs little. None before the block size is known.
     pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
-        self.match_prompt(token_ids, None, instances)
+        self.match_prompt(token_ids, ChainKey::default(), instances)
     }
 
-    /// [`match_tokens`](Self::match_tokens) for a request with a `cache_salt` (vLLM's request
-    /// field): only chains stored under the same salt match.
+    /// [`match_tokens`](Self::match_tokens) for a request under `chain`: a LoRA adapter (only
+    /// the adapter's blocks match) or a `cache_salt` (vLLM's request field: only chains stored
+    /// under the same salt match), or both.
     pub fn match_prompt(
         &self,
         token_ids: &[u32],
-        cache_salt: Option<&str>,
+        chain: ChainKey<'_>,
         instances: &[InstanceId],
     ) -> Option<TokenMatch> {
         let blocks = self.read();
@@ -566,10 +587,7 @@ impl VariantIndex {
         let total = token_ids.len().saturating_sub(1) / block_size;
         let mut matched = vec![0u32; instances.len()];
         let mut active = Self::live_slots(&blocks, instances);
-        let mut parent = match cache_salt {
-            Some(salt) => salted_seed(chain_seed(None), salt),
-            None => chain_seed(None),
-        };
+        let mut parent = chain.seed();
         let mut prefix_key = 0;
         for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
             let matching = depth < total && !active.is_empty();
@@ -1055,7 +1073,13 @@ mod tests {
         );
         // One token past the held blocks: an engine never reuses a prompt's last token.
         let asked = [1, 2, 3, 4, 5];
-        let matched = |salt| index.match_prompt(&asked, salt, &ids).unwrap().matched;
+        let matched = |salt| {
+            let chain = ChainKey {
+                cache_salt: salt,
+                ..ChainKey::default()
+            };
+            index.match_prompt(&asked, chain, &ids).unwrap().matched
+        };
         assert_eq!(matched(Some("s")), [2, 2]);
         assert_eq!(matched(None), [0, 0]);
         assert_eq!(matched(Some("t")), [0, 0]);
@@ -1067,8 +1091,56 @@ mod tests {
                 e.extra_keys = vec![ExtraKeys::None, ExtraKeys::Strings(vec!["s".into()])];
             })],
         );
-        let odd = index.match_prompt(&asked, None, &[id("odd")]).unwrap();
+        let odd = index
+            .match_prompt(&asked, ChainKey::default(), &[id("odd")])
+            .unwrap();
         assert_eq!(odd.matched, [1]);
+    }
+
+    #[test]
+    fn an_adapters_blocks_match_only_requests_for_that_adapter() {
+        // vLLM 0.32 names a LoRA block's adapter in `lora_name` and first in its extra keys,
+        // on every block of the chain; a salted one has the salt after it on the first block.
+        let index = VariantIndex::default();
+        let lora = |event: KvEvent, keys: Vec<Vec<&str>>| {
+            with(event, |e| {
+                e.lora_name = Some("sql".into());
+                e.extra_keys = keys
+                    .into_iter()
+                    .map(|keys| ExtraKeys::Strings(keys.into_iter().map(Into::into).collect()))
+                    .collect();
+            })
+        };
+        apply(
+            &index,
+            "a",
+            vec![lora(
+                stored(None, &[1, 2], &[1, 2, 3, 4]),
+                vec![vec!["sql"], vec!["sql"]],
+            )],
+        );
+        apply(
+            &index,
+            "b",
+            vec![lora(
+                stored(None, &[1, 2], &[1, 2, 3, 4]),
+                vec![vec!["sql", "s"], vec!["sql"]],
+            )],
+        );
+        apply(&index, "c", vec![stored(None, &[1, 2], &[1, 2, 3, 4])]);
+        let ids = [id("a"), id("b"), id("c")];
+        let asked = [1, 2, 3, 4, 5];
+        let matched = |lora_name, cache_salt| {
+            let chain = ChainKey {
+                lora_name,
+                cache_salt,
+            };
+            index.match_prompt(&asked, chain, &ids).unwrap().matched
+        };
+        assert_eq!(matched(Some("sql"), None), [2, 0, 0]);
+        assert_eq!(matched(Some("sql"), Some("s")), [0, 2, 0]);
+        assert_eq!(matched(None, None), [0, 0, 2]);
+        assert_eq!(matched(Some("other"), None), [0, 0, 0]);
     }
 
     #[test]

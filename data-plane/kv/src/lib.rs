@@ -10,4 +10,6 @@
 pub mod index;
 pub mod wire;
 
-pub use index::{Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex};
+pub use index::{
+    ChainKey, Freshness, IndexCounters, IndexSettings, KvIndex, TokenMatch, VariantIndex,
+};

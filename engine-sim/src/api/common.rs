@@ -98,7 +98,9 @@ pub(super) fn with_request_id(mut response: Response, request_id: &str) -> Respo
 /// vLLM's 404 for a request that names a model other than the one served.
 pub(super) fn check_model(config: &SimConfig, model: Option<&str>) -> Result<(), ApiError> {
     match model {
-        Some(model) if model != config.served_model_name => Err(ApiError::model_not_found(model)),
+        Some(model) if model != config.served_model_name && config.lora(Some(model)).is_none() => {
+            Err(ApiError::model_not_found(model))
+        }
         _ => Ok(()),
     }
 }

@@ -223,6 +223,8 @@ async fn run_prefills(
             max_tokens: 1,
             remote_prompt_tokens: 0,
             report_reuse: false,
+            // Pooling runs the base model (vLLM serves adapters for generation).
+            lora: None,
         };
         let events = shared
             .engine

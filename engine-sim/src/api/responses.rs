@@ -35,7 +35,7 @@ use super::common::{
     output_budget, random_id, request_id,
 };
 use super::store::Stored;
-use crate::cache::block_hashes;
+use crate::cache::block_hashes_under;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::metrics::Metrics;
@@ -273,9 +273,14 @@ async fn run(
         Ok(interruption) => interruption,
         Err(response) => return Ok(response),
     };
+    let lora = config.lora(body.model.as_deref());
+    let answering_model = lora.as_ref().map_or_else(
+        || config.served_model_name.clone(),
+        |lora| lora.name.to_string(),
+    );
     let spec = SeqSpec {
         prompt_len,
-        block_hashes: block_hashes(&tokens, config.block_size),
+        block_hashes: block_hashes_under(lora.as_ref(), &tokens, config.block_size),
         prompt_tokens: if config.kv_events.is_some() {
             tokens
         } else {
@@ -284,6 +289,7 @@ async fn run(
         max_tokens,
         remote_prompt_tokens: 0,
         report_reuse: false,
+        lora,
     };
     let events = shared
         .engine
@@ -293,7 +299,7 @@ async fn run(
         id: random_id("resp_"),
         message_id: random_id("msg_"),
         created_at: switchyard_process::clock::unix_seconds(),
-        model: config.served_model_name.clone(),
+        model: answering_model,
         instructions: body.instructions,
         previous_response_id: body.previous_response_id,
         store: body.store.unwrap_or(true),

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use http::{HeaderName, HeaderValue};
-use switchyard_kv::VariantIndex;
+use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_policy::hash::routing_key;
 use switchyard_policy::openai::OpenAiRequest;
 use switchyard_shared::{InstanceId, PrefillRoutingStrategy, ThresholdBasis};
@@ -168,7 +168,7 @@ pub(crate) fn finish(
     mut plan: Plan,
     pending: Pending,
     tokens: Option<&[u32]>,
-    cache_salt: Option<&str>,
+    chain: ChainKey<'_>,
     indexes: PoolIndexes<'_>,
     now_ms: u64,
     random: u64,
@@ -193,7 +193,7 @@ pub(crate) fn finish(
                 .iter()
                 .map(|instance| instance.id.clone())
                 .collect();
-            if let Some(found) = index.match_prompt(ids, cache_salt, &instances) {
+            if let Some(found) = index.match_prompt(ids, chain, &instances) {
                 let block_size = found.block_size as u32;
                 plan.cached_tokens = found
                     .matched
@@ -227,8 +227,7 @@ pub(crate) fn finish(
         && let Some(disaggregated) = plan.prefill_hop.as_mut()
         && let (Some(ids), Some(index)) = (tokens, indexes.prefill)
     {
-        let decision =
-            super::kv::decide(prefill, Some(index), Some(ids), cache_salt, now_ms, random);
+        let decision = super::kv::decide(prefill, Some(index), Some(ids), chain, now_ms, random);
         disaggregated.prefill = decision.ranking;
         disaggregated.prefill_cached_tokens = decision.cached_tokens_by_instance;
     }

@@ -17,19 +17,24 @@ use crate::routing::table::VariantRoute;
 /// The field vLLM's KV connectors read; on a disaggregated endpoint only the router sets it.
 pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
-/// The body for the engine: `model` rewritten to `model_name` (when it differs), the previous
-/// response's id to `previous_id` (a follow-up), and, on a disaggregated endpoint
-/// (`disaggregated_endpoint`), any `kv_transfer_params` the client sent removed. Native bodies
-/// (`openai` None) are sent as they came, but for that removal.
+/// The body for the engine: `model` rewritten to the variant's ModelName (when it differs and
+/// does not name one of the variant's LoRA adapters), the previous response's id to
+/// `previous_id` (a follow-up), and, on a disaggregated endpoint (`disaggregated_endpoint`),
+/// any `kv_transfer_params` the client sent removed. Native bodies (`openai` None) are sent as
+/// they came, but for that removal.
 pub(super) fn for_engine(
     body: Bytes,
     openai: Option<&OpenAiRequest<'_>>,
-    model_name: Option<&str>,
+    variant: &VariantRoute,
     previous_id: Option<&str>,
     disaggregated_endpoint: bool,
 ) -> Bytes {
     let rewritten = openai.and_then(|request| {
-        let model = model_name.filter(|model| request.model.as_deref() != Some(*model));
+        let asked = request.model.as_deref();
+        let model = variant
+            .model_name
+            .as_deref()
+            .filter(|model| asked != Some(*model) && variant.adapter(asked).is_none());
         (model.is_some() || previous_id.is_some()).then(|| request.rewrite(model, previous_id))
     });
     let body = rewritten.map_or(body, Bytes::from);
@@ -69,7 +74,12 @@ pub(crate) fn prefill_body(
     object.insert("stream".into(), json!(false));
     object.remove("stream_options");
     object.remove("min_tokens");
-    if let Some(model) = &variant.model_name {
+    let adapter = variant
+        .adapter(object.get("model").and_then(Value::as_str))
+        .is_some();
+    if let Some(model) = &variant.model_name
+        && !adapter
+    {
         object.insert("model".into(), json!(model));
     }
     match protocol {
@@ -118,22 +128,9 @@ pub(crate) fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Byt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
 
     fn variant(model: Option<&str>) -> VariantRoute {
-        VariantRoute {
-            name: switchyard_shared::VariantName::new("prefill").unwrap(),
-            name_header: HeaderValue::from_static("prefill"),
-            model_name: model.map(str::to_owned),
-            strategy: switchyard_policy::rank::Strategy::Random,
-            prefix_length: 0,
-            instances: Vec::new(),
-            views: Vec::new(),
-            popularity: None,
-            max_in_flight_per_instance: None,
-            fairness_weights: Default::default(),
-            migration_limit: 0,
-        }
+        VariantRoute::bare("prefill", model, &["sql-lora"])
     }
 
     #[test]
@@ -165,6 +162,31 @@ mod tests {
         assert!(copy.get("kv_transfer_params").is_none());
         assert!(copy.get("model").is_none());
         assert!(prefill_body(b"[1]", KvTransferProtocol::Nixl, &variant(None)).is_none());
+    }
+
+    #[test]
+    fn a_model_naming_one_of_the_variants_adapters_is_kept() {
+        let variant = variant(Some("base"));
+        for (asked, sent) in [
+            ("sql-lora", "sql-lora"),
+            ("other", "base"),
+            ("base", "base"),
+        ] {
+            let body = format!(r#"{{"model":"{asked}","prompt":"x"}}"#);
+            let request = OpenAiRequest::parse(body.as_bytes()).unwrap();
+            let out = for_engine(
+                Bytes::from(body.clone()),
+                Some(&request),
+                &variant,
+                None,
+                false,
+            );
+            let out: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(out["model"], sent, "{asked}");
+            let copy = prefill_body(body.as_bytes(), KvTransferProtocol::Nixl, &variant).unwrap();
+            let copy: Value = serde_json::from_slice(&copy).unwrap();
+            assert_eq!(copy["model"], sent, "the prefill copy of {asked}");
+        }
     }
 
     #[test]

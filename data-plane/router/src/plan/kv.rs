@@ -3,7 +3,7 @@
 //! (`policy::kv::rank_kv`). Pure: the index, the ids and the instances' load cells in, a
 //! ranking out.
 
-use switchyard_kv::VariantIndex;
+use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_policy::rank::{Route, Strategy};
 use switchyard_shared::InstanceId;
 
@@ -30,8 +30,8 @@ pub const OFFLOAD_TOKENS: usize = 64 * 1024;
 
 /// Ranks a KV_AWARE variant's instances (or a disaggregated endpoint's KV_AWARE prefill pool,
 /// with the variant's KvAwareRoutingConfig if its own strategy is KV_AWARE, else the defaults)
-/// for a request whose token ids are `tokens` (None: they could not be had) and whose
-/// `cache_salt` is `cache_salt` (its chain is hashed under it), from the
+/// for a request whose token ids are `tokens` (None: they could not be had), hashed under
+/// `chain` (its LoRA adapter and `cache_salt`), from the
 /// variant's index (None: no instance has published yet). Without tokens, index or a known
 /// block size this is LEAST_OUTSTANDING_REQUESTS. Loads and
 /// availability are read from the instances' cells; `random` breaks load ties.
@@ -39,7 +39,7 @@ pub fn decide(
     variant: &VariantRoute,
     index: Option<&VariantIndex>,
     tokens: Option<&[u32]>,
-    cache_salt: Option<&str>,
+    chain: ChainKey<'_>,
     now_ms: u64,
     random: u64,
 ) -> KvDecision {
@@ -78,7 +78,7 @@ pub fn decide(
         .iter()
         .map(|instance| instance.id.clone())
         .collect();
-    let Some(found) = index.match_prompt(tokens, cache_salt, &ids) else {
+    let Some(found) = index.match_prompt(tokens, chain, &ids) else {
         return by_load();
     };
     let ranking = switchyard_policy::kv::rank_kv(
@@ -112,7 +112,7 @@ pub(crate) fn finish(
     plan: Plan,
     index: &VariantIndex,
     tokens: Option<&[u32]>,
-    cache_salt: Option<&str>,
+    chain: ChainKey<'_>,
     now_ms: u64,
     random: u64,
 ) -> Plan {
@@ -120,7 +120,7 @@ pub(crate) fn finish(
         plan.variant(),
         tokens.map(|_| index),
         tokens,
-        cache_salt,
+        chain,
         now_ms,
         random,
     );

@@ -31,7 +31,7 @@ use crate::routing::table::{EndpointRoute, RoutingTable, VariantRoute};
 use count::TokenCounters;
 pub use planned::{Plan, PrefillHop};
 use target::Destination;
-use tokens::KvInput;
+use tokens::{KvInput, RequestChain};
 
 /// What planning made of a request.
 #[derive(Debug)]
@@ -64,8 +64,9 @@ pub struct NeedsTokens {
     /// It is what is forwarded when no KV index has data yet.
     pub plan: Plan,
     purpose: Purpose,
-    /// The request's `cache_salt`: its chain is hashed under it (`VariantIndex::match_prompt`).
-    cache_salt: Option<String>,
+    /// The LoRA adapter and `cache_salt` the request's chain is hashed under
+    /// (`VariantIndex::match_prompt`).
+    chain: RequestChain,
 }
 
 #[derive(Debug)]
@@ -79,8 +80,8 @@ enum Purpose {
 /// What [`NeedsTokens::into_kv`] found.
 #[derive(Debug)]
 pub enum KvOrNot {
-    /// A KV_AWARE plan, its variant's index and the request's `cache_salt`.
-    Kv(Plan, Arc<VariantIndex>, Option<String>),
+    /// A KV_AWARE plan, its variant's index and the request's adapter and `cache_salt`.
+    Kv(Plan, Arc<VariantIndex>, RequestChain),
     /// Any other.
     Not(NeedsTokens),
 }
@@ -158,9 +159,7 @@ impl NeedsTokens {
     /// is.
     pub fn into_kv(self, indexes: &Indexes) -> KvOrNot {
         match (&self.purpose, &indexes.kv) {
-            (Purpose::Kv, Some(index)) => {
-                KvOrNot::Kv(self.plan, Arc::clone(index), self.cache_salt)
-            }
+            (Purpose::Kv, Some(index)) => KvOrNot::Kv(self.plan, Arc::clone(index), self.chain),
             _ => KvOrNot::Not(self),
         }
     }
@@ -176,10 +175,10 @@ impl NeedsTokens {
         now_ms: u64,
         random: u64,
     ) -> Plan {
-        let salt = self.cache_salt.as_deref();
+        let chain = self.chain.key();
         match self.purpose {
             Purpose::Kv => match &indexes.kv {
-                Some(index) => kv::finish(self.plan, index, tokens, salt, now_ms, random),
+                Some(index) => kv::finish(self.plan, index, tokens, chain, now_ms, random),
                 None => self.plan,
             },
             Purpose::Disaggregation(pending) => {
@@ -187,7 +186,7 @@ impl NeedsTokens {
                     decode: indexes.decode.as_deref(),
                     prefill: indexes.prefill.as_deref(),
                 };
-                disaggregation::finish(self.plan, pending, tokens, salt, pools, now_ms, random)
+                disaggregation::finish(self.plan, pending, tokens, chain, pools, now_ms, random)
             }
         }
     }
@@ -258,7 +257,7 @@ pub fn plan(
             let body = engine_body::for_engine(
                 body.clone(),
                 target.openai.as_ref(),
-                variant.model_name.as_deref(),
+                variant,
                 previous_id,
                 endpoint.disaggregation.is_some(),
             );
@@ -308,13 +307,13 @@ pub fn plan(
     Ok(match purpose {
         None => Planned::Ready(plan),
         Some(purpose) => {
-            let (input, cache_salt) = KvInput::of(operation, &plan.body);
+            let (input, chain) = KvInput::of(operation, &plan.body, plan.variant());
             Planned::NeedsTokens {
                 input,
                 needs: NeedsTokens {
                     plan,
                     purpose,
-                    cache_salt,
+                    chain,
                 },
             }
         }
@@ -389,7 +388,8 @@ mod tests {
     }
 
     /// Endpoint `chat`: variant `a` (PREFIX_AWARE, PrefixLength 1024, threshold 2, ModelName
-    /// `m-a`, 3 instances), variant `b` (RANDOM, ModelName `m-b`, 1 instance) and variant `k`
+    /// `m-a`, 3 instances), variant `b` (RANDOM, ModelName `m-b`, LoRA adapter `sql`, 1
+    /// instance) and variant `k`
     /// (KV_AWARE, ModelName `m-k`, 2 instances), `b` and `k` with weight 0.
     fn table() -> RoutingTable {
         let yaml = r#"
@@ -404,6 +404,7 @@ Endpoints:
       - VariantName: b
         ModelName: m-b
         InitialVariantWeight: 0
+        LoraAdapters: [sql]
       - VariantName: k
         ModelName: m-k
         InitialVariantWeight: 0
@@ -510,6 +511,36 @@ Endpoints:
         assert_eq!(plan.variant().name.as_str(), "a");
         let sent: serde_json::Value = serde_json::from_slice(&plan.body).unwrap();
         assert_eq!(sent["model"], "m-a");
+    }
+
+    #[test]
+    fn a_lora_adapter_goes_to_a_variant_that_serves_it_and_keeps_its_name() {
+        let table = table();
+        let plan = |headers: &HeaderMap, seed| {
+            make_plan(
+                &table,
+                Operation::ChatCompletions,
+                chat(&table),
+                &http::Uri::from_static("/"),
+                headers,
+                chat_body("sql", "hello"),
+                &TokenCounters::new(None),
+                &mut fastrand::Rng::with_seed(seed),
+            )
+        };
+        for seed in 0..8 {
+            // b's weight is 0, yet it is the only variant that serves the adapter.
+            let plan = plan(&HeaderMap::new(), seed).unwrap();
+            assert_eq!(plan.variant().name.as_str(), "b");
+            let sent: serde_json::Value = serde_json::from_slice(&plan.body).unwrap();
+            assert_eq!(sent["model"], "sql");
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(TARGET_VARIANT, "a".parse().unwrap());
+        let refused = plan(&headers, 1).unwrap_err();
+        assert_eq!(refused.status, http::StatusCode::BAD_REQUEST);
+        assert_eq!(refused.param, Some("model"));
+        assert!(refused.message.contains("LoraAdapters"), "{refused:?}");
     }
 
     #[test]

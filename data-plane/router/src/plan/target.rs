@@ -23,7 +23,7 @@ use crate::errors::{Api, ApiError};
 use crate::headers::{PREFIX_AWARE_ID, SESSION_ID, TARGET_VARIANT};
 use crate::operation::Operation;
 use crate::respond::response_ids::{self, StoredResponse};
-use crate::routing::table::{EndpointRoute, RoutingTable};
+use crate::routing::table::{EndpointRoute, RoutingTable, VariantRoute};
 
 /// What routing reads from the headers, once checked.
 #[derive(Debug, Default)]
@@ -159,6 +159,7 @@ pub(super) fn resolve<'a>(
         None => Destination::Variant(choose_variant(
             &endpoint,
             routing.target_variant.as_deref(),
+            openai.as_ref().and_then(|request| request.model.as_deref()),
             rng.u64(..),
         )?),
     };
@@ -344,23 +345,46 @@ fn percent_encode(text: &str) -> Cow<'_, str> {
 }
 
 /// The target variant if one is named, else one drawn by weight among those with instances.
+/// The variant named by `target`, else one drawn by weight among those with instances; a
+/// request naming one of the endpoint's LoRA adapters (`model`) only among the variants that
+/// list it (a named variant that does not is refused).
 fn choose_variant(
     endpoint: &EndpointRoute,
     target: Option<&str>,
+    model: Option<&str>,
     random: u64,
 ) -> Result<usize, ApiError> {
+    let adapter = model.filter(|_| {
+        endpoint
+            .variants
+            .iter()
+            .any(|variant| variant.adapter(model).is_some())
+    });
+    let serves = |variant: &VariantRoute| adapter.is_none() || variant.adapter(adapter).is_some();
     let index = match target {
-        Some(name) => endpoint.variant(name).ok_or_else(|| {
-            ApiError::validation(format!(
-                "header {TARGET_VARIANT}: endpoint {} has no variant {name}",
-                endpoint.name
-            ))
-        })?,
+        Some(name) => {
+            let index = endpoint.variant(name).ok_or_else(|| {
+                ApiError::validation(format!(
+                    "header {TARGET_VARIANT}: endpoint {} has no variant {name}",
+                    endpoint.name
+                ))
+            })?;
+            if !serves(&endpoint.variants[index]) {
+                return Err(ApiError::validation(format!(
+                    "header {TARGET_VARIANT}: variant {name} of endpoint {} does not serve the \
+                     LoRA adapter {} (it is not among its LoraAdapters)",
+                    endpoint.name,
+                    adapter.unwrap_or_default()
+                ))
+                .with_param("model"));
+            }
+            index
+        }
         None => {
             let servable: Vec<bool> = endpoint
                 .variants
                 .iter()
-                .map(|variant| !variant.instances.is_empty())
+                .map(|variant| !variant.instances.is_empty() && serves(variant))
                 .collect();
             rank::choose_variant(&endpoint.weights, &servable, random).ok_or_else(|| {
                 ApiError::unavailable(format!(

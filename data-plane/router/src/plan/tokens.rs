@@ -14,8 +14,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::value::RawValue;
+use switchyard_kv::ChainKey;
 
 use crate::operation::Operation;
+use crate::routing::table::VariantRoute;
 
 /// Chat fields that change the prompt the template renders.
 const CHAT_TEMPLATE_FIELDS: &[&str] = &[
@@ -216,6 +218,33 @@ fn cache_salt_of(fields: &Fields<'_>) -> Option<String> {
         .filter(|salt| !salt.is_empty())
 }
 
+/// What a request's chain of block hashes is keyed by besides its token ids: the LoRA adapter
+/// its `model` names (one of the variant's LoraAdapters) and its `cache_salt`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RequestChain {
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+impl RequestChain {
+    fn of(fields: &Fields<'_>, variant: &VariantRoute) -> Self {
+        let model = fields
+            .get("model")
+            .and_then(|model| serde_json::from_str::<String>(model.get()).ok());
+        Self {
+            lora_name: variant.adapter(model.as_deref()).map(str::to_owned),
+            cache_salt: cache_salt_of(fields),
+        }
+    }
+
+    pub fn key(&self) -> ChainKey<'_> {
+        ChainKey {
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+        }
+    }
+}
+
 /// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
 #[derive(Debug)]
 pub enum KvInput {
@@ -228,9 +257,9 @@ pub enum KvInput {
 impl KvInput {
     /// How a request on `operation` gets its token ids: OpenAI bodies by their API; a native
     /// body as a chat request if it is a JSON object with `messages`, as a completions request
-    /// if it has `prompt`, else not at all (routed by load). With the body's `cache_salt`
-    /// (one parse of the body for both).
-    pub fn of(operation: Operation, body: &[u8]) -> (Self, Option<String>) {
+    /// if it has `prompt`, else not at all (routed by load). With what its chain is keyed by on
+    /// `variant` (one parse of the body for both).
+    pub fn of(operation: Operation, body: &[u8], variant: &VariantRoute) -> (Self, RequestChain) {
         let kind = match operation {
             Operation::ChatCompletions => Some(PromptKind::Chat),
             Operation::Completions => Some(PromptKind::Completion),
@@ -240,22 +269,22 @@ impl KvInput {
                     KvInput::Unusable(TokenizeError::Input(format!(
                         "{operation:?} requests are routed by load under KV_AWARE"
                     ))),
-                    None,
+                    RequestChain::default(),
                 );
             }
         };
         let fields = match fields(body) {
             Ok(fields) => fields,
-            Err(err) => return (KvInput::Unusable(err), None),
+            Err(err) => return (KvInput::Unusable(err), RequestChain::default()),
         };
         let tokens = match kind {
             Some(kind) => PromptTokens::of_fields(kind, &fields, body.len()),
             None => PromptTokens::of_native_fields(&fields, body.len()),
         };
-        let salt = cache_salt_of(&fields);
+        let chain = RequestChain::of(&fields, variant);
         match tokens {
-            Ok(tokens) => (KvInput::Tokens(tokens), salt),
-            Err(err) => (KvInput::Unusable(err), salt),
+            Ok(tokens) => (KvInput::Tokens(tokens), chain),
+            Err(err) => (KvInput::Unusable(err), chain),
         }
     }
 }
@@ -265,23 +294,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_cache_salt_comes_with_the_tokens_from_one_parse() {
-        let (input, salt) = KvInput::of(
+    fn the_adapter_and_cache_salt_come_with_the_tokens_from_one_parse() {
+        let variant = VariantRoute::bare("v", Some("m"), &["sql-lora"]);
+        let of = |operation, body: &[u8]| KvInput::of(operation, body, &variant);
+        let (input, chain) = of(
             Operation::Completions,
             br#"{"model":"m","prompt":[1,2],"cache_salt":"tenant-a"}"#,
         );
         assert!(matches!(input, KvInput::Tokens(PromptTokens::Known(ids)) if ids == [1, 2]));
-        assert_eq!(salt.as_deref(), Some("tenant-a"));
+        assert_eq!(chain.cache_salt.as_deref(), Some("tenant-a"));
+        assert_eq!(chain.lora_name, None);
         for body in [
             &br#"{"prompt":"x"}"#[..],
             br#"{"prompt":"x","cache_salt":""}"#,
             br#"{"prompt":"x","cache_salt":7}"#,
+            br#"{"model":"other","prompt":"x"}"#,
         ] {
-            assert_eq!(KvInput::of(Operation::Completions, body).1, None);
+            assert_eq!(of(Operation::Completions, body).1, RequestChain::default());
         }
-        let (input, salt) = KvInput::of(Operation::Invocations, br#"{"cache_salt":"s"}"#);
+        let (input, chain) = of(Operation::Invocations, br#"{"cache_salt":"s"}"#);
         assert!(matches!(input, KvInput::Unusable(_)));
-        assert_eq!(salt.as_deref(), Some("s"));
+        assert_eq!(chain.cache_salt.as_deref(), Some("s"));
+        let (_, chain) = of(
+            Operation::ChatCompletions,
+            br#"{"model":"sql-lora","messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert_eq!(chain.lora_name.as_deref(), Some("sql-lora"));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::errors::ApiError;
 use crate::plan::tokens::{KvInput, PromptTokens};
 use crate::plan::{KvOrNot, NeedsTokens, Plan, Planned, kv};
 use crate::routing::table::VariantRoute;
+use switchyard_kv::ChainKey;
 
 /// The plan to forward.
 pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, ApiError> {
@@ -41,16 +42,24 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
     match needs.into_kv(&indexes) {
         // KV_AWARE: only the walk over the index leaves this thread; if that task fails, the
         // plan here is ranked by load.
-        KvOrNot::Kv(plan, index, salt) => {
+        KvOrNot::Kv(plan, index, chain) => {
             let (endpoint, position) = (Arc::clone(&plan.endpoint), plan.variant_index);
             let decided = tokio::task::spawn_blocking(move || {
                 let variant = &endpoint.variants[position];
-                let (tokens, salt) = (tokens.as_deref(), salt.as_deref());
-                kv::decide(variant, Some(&index), tokens, salt, now_ms(), random)
+                let tokens = tokens.as_deref();
+                kv::decide(variant, Some(&index), tokens, chain.key(), now_ms(), random)
             })
             .await;
-            let decision = decided
-                .unwrap_or_else(|_| kv::decide(plan.variant(), None, None, None, now_ms(), random));
+            let decision = decided.unwrap_or_else(|_| {
+                kv::decide(
+                    plan.variant(),
+                    None,
+                    None,
+                    ChainKey::default(),
+                    now_ms(),
+                    random,
+                )
+            });
             Ok(kv::apply(plan, decision))
         }
         // A disaggregated endpoint's decision (it may make the prefill copy).

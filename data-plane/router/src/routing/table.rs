@@ -59,9 +59,38 @@ pub struct VariantRoute {
     pub fairness_weights: Arc<HashMap<u64, f64>>,
     /// MigrationLimit: how many times a streamed answer may continue on another instance.
     pub migration_limit: u32,
+    /// LoraAdapters: the adapter names a request's `model` may name (kept upstream).
+    pub lora_adapters: Arc<[String]>,
 }
 
 impl VariantRoute {
+    /// `model` if it names one of the variant's LoRA adapters.
+    pub fn adapter<'m>(&self, model: Option<&'m str>) -> Option<&'m str> {
+        model.filter(|model| self.lora_adapters.iter().any(|name| name == model))
+    }
+
+    /// A RANDOM variant without instances (unit tests).
+    #[cfg(test)]
+    pub(crate) fn bare(name: &str, model_name: Option<&str>, lora_adapters: &[&str]) -> Self {
+        VariantRoute {
+            name: VariantName::new(name).expect("a variant name"),
+            name_header: header_value(name),
+            model_name: model_name.map(str::to_owned),
+            strategy: Strategy::Random,
+            prefix_length: 0,
+            instances: Vec::new(),
+            views: Vec::new(),
+            popularity: None,
+            max_in_flight_per_instance: None,
+            fairness_weights: Default::default(),
+            migration_limit: 0,
+            lora_adapters: lora_adapters
+                .iter()
+                .map(|name| (*name).to_owned())
+                .collect(),
+        }
+    }
+
     /// PREFIX_AWARE's ranking of `key` over `views` (this variant's, as of now): with bounded
     /// loads, it counts the key, and reads and updates what this router remembers of where it
     /// sent requests and spilled the key.
@@ -323,6 +352,7 @@ pub fn endpoint_route<'a>(
                     .collect(),
             ),
             migration_limit: variant.migration_limit(),
+            lora_adapters: variant.lora_adapters().into(),
         });
     }
     let disaggregation = config
@@ -378,14 +408,20 @@ fn disaggregation(
     })
 }
 
-/// The ModelNames an endpoint route answers to, each with its first variant of that name.
+/// The ModelNames and LoRA adapter names an endpoint route answers to, each with its first
+/// variant of that name (ModelNames first).
 pub fn route_models(route: &EndpointRoute) -> Vec<(String, usize)> {
     let mut models: Vec<(String, usize)> = Vec::new();
-    for (index, variant) in route.variants.iter().enumerate() {
-        if let Some(model) = &variant.model_name
-            && !models.iter().any(|(known, _)| known == model)
-        {
-            models.push((model.clone(), index));
+    let names =
+        |variant: &VariantRoute| -> Vec<String> { variant.model_name.iter().cloned().collect() };
+    let adapters = |variant: &VariantRoute| variant.lora_adapters.to_vec();
+    for names_of in [&names as &dyn Fn(&VariantRoute) -> Vec<String>, &adapters] {
+        for (index, variant) in route.variants.iter().enumerate() {
+            for model in names_of(variant) {
+                if !models.iter().any(|(known, _)| *known == model) {
+                    models.push((model, index));
+                }
+            }
         }
     }
     models
