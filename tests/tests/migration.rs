@@ -139,6 +139,13 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
         metrics.get(r#"switchyard_router_migrations_total{outcome="continued"}"#),
         Some(2.0)
     );
+    // Counted on the instance whose answers broke.
+    for (instance, count) in [("dies", 2.0), ("healthy", 0.0)] {
+        let series = format!(
+            r#"switchyard_router_instance_migrations_total{{endpoint="chat",instance="{instance}",outcome="continued"}}"#
+        );
+        assert_eq!(metrics.get(&series), Some(count), "{series}");
+    }
     // A migrated answer's last engine body is read to its end: no client counted gone.
     assert_eq!(
         metrics.get(r#"switchyard_router_errors_total{kind="client_gone"}"#),

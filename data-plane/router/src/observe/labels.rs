@@ -3,6 +3,13 @@
 
 use switchyard_policy::rank::Route;
 
+/// What became of a broken stream of a variant with a MigrationLimit: the `outcome` label of
+/// `switchyard_router_migrations_total` and `switchyard_router_instance_migrations_total`.
+/// `continued`: another instance took it up; `whole`: only its end was lost (it had finished),
+/// so it was ended; `limit`: the limit was reached or the request cannot be continued (an
+/// error event ends it); `failed`: no instance took the continuation (an error event ends it).
+pub const MIGRATION_OUTCOMES: [&str; 4] = ["continued", "whole", "limit", "failed"];
+
 /// Why a request went to an instance: the policy's routes, plus the router's own retries.
 /// The `route` label of `switchyard_router_requests_total` and `x-switchyard-route`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use switchyard_process::metrics::{Histogram, TextEncoder};
 
 use crate::errors::ErrorKind;
-use crate::observe::labels::{RouteLabel, UpstreamError};
+use crate::observe::labels::{MIGRATION_OUTCOMES, RouteLabel, UpstreamError};
 use crate::plan::tokens::TokenizeError;
-use crate::routing::cells::LoadRegistry;
+use crate::routing::cells::{InstanceCell, LoadRegistry};
 use crate::routing::table::RoutingTable;
 use crate::server::admission::{Admission, Limit};
 
@@ -105,13 +105,6 @@ pub struct RouterMetrics {
     pub sync: Arc<SyncMetrics>,
 }
 
-/// What became of a broken stream of a variant with a MigrationLimit: the `outcome` label of
-/// `switchyard_router_migrations_total`. `continued`: another instance took it up; `whole`:
-/// only its end was lost (it had finished), so it was ended; `limit`: the limit was reached
-/// or the request cannot be continued (an error event ends it); `failed`: no instance took
-/// the continuation (an error event ends it).
-pub const MIGRATION_OUTCOMES: [&str; 4] = ["continued", "whole", "limit", "failed"];
-
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
 pub const FALLBACK_REASONS: [&str; 8] = [
@@ -163,13 +156,17 @@ impl RouterMetrics {
         }
     }
 
-    /// Counts a broken stream's outcome (one of [`MIGRATION_OUTCOMES`]).
-    pub fn count_migration(&self, outcome: &str) {
+    /// Counts a broken stream's outcome (one of [`MIGRATION_OUTCOMES`]), router-wide and on
+    /// `broken`, the cell of the instance whose answer broke.
+    pub fn count_migration(&self, outcome: &str, broken: Option<&InstanceCell>) {
         if let Some(index) = MIGRATION_OUTCOMES
             .iter()
             .position(|known| *known == outcome)
         {
             self.migrations[index].fetch_add(1, Ordering::Relaxed);
+            if let Some(cell) = broken {
+                cell.migrations[index].fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -299,6 +296,7 @@ impl RouterMetrics {
                 .requests
                 .iter()
                 .chain(&cell.upstream_errors)
+                .chain(&cell.migrations)
                 .map(|counter| counter.load(Ordering::Relaxed))
                 .collect();
             rows.push((
@@ -372,7 +370,7 @@ impl RouterMetrics {
             "Requests to each instance that failed, by how: refused (not reached, retried elsewhere), reset (after sending: 502 or an answer cut short), timeout (no response head in time: 504), stream_idle (the answer stalled).",
         );
         for (endpoint, id, _, _, _, counts) in &rows {
-            let errors = &counts[RouteLabel::ALL.len()..];
+            let errors = &counts[RouteLabel::ALL.len()..][..UpstreamError::ALL.len()];
             for (kind, count) in UpstreamError::ALL.iter().zip(errors) {
                 out.sample(
                     "switchyard_router_upstream_errors_total",
@@ -380,6 +378,25 @@ impl RouterMetrics {
                         ("endpoint", endpoint),
                         ("instance", id),
                         ("kind", kind.as_str()),
+                    ],
+                    *count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_instance_migrations_total",
+            "counter",
+            "Streamed answers of each instance that broke midway on a variant with a MigrationLimit, by outcome (as switchyard_router_migrations_total).",
+        );
+        for (endpoint, id, _, _, _, counts) in &rows {
+            let moves = &counts[RouteLabel::ALL.len() + UpstreamError::ALL.len()..];
+            for (outcome, count) in MIGRATION_OUTCOMES.iter().zip(moves) {
+                out.sample(
+                    "switchyard_router_instance_migrations_total",
+                    &[
+                        ("endpoint", endpoint),
+                        ("instance", id),
+                        ("outcome", outcome),
                     ],
                     *count as f64,
                 );

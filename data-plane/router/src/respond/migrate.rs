@@ -570,13 +570,13 @@ impl Migrating {
         let body = match next {
             Next::Body(body) => body,
             Next::Spent => {
-                self.worker.metrics.count_migration("whole");
+                self.count("whole");
                 self.splice.ending(&mut self.ready);
                 self.ended = true;
                 return;
             }
             Next::Impossible => {
-                self.worker.metrics.count_migration("limit");
+                self.count("limit");
                 self.give_up();
                 self.ended = true;
                 return;
@@ -606,6 +606,16 @@ impl Migrating {
                 .forward(operation, plan, &headers, reservation, None)
                 .await
         }));
+    }
+
+    /// Counts what became of the broken answer (router-wide and on the instance it broke on,
+    /// the last of `dead`).
+    fn count(&self, outcome: &str) {
+        let variant = &self.migration.endpoint.variants[self.migration.variant_index];
+        let broken = (self.dead.last()).and_then(|&index| variant.instances.get(index));
+        self.worker
+            .metrics
+            .count_migration(outcome, broken.map(|instance| &*instance.cell));
     }
 
     /// The trace id for log lines (empty when the request is not traced).
@@ -644,12 +654,12 @@ impl Migrating {
             .annotate(KeyValue::new("switchyard.migration", i64::from(self.moves)));
         if !answered.response.status().is_success() || !is_stream {
             tracing::warn!(request_id = request_id(&self.headers), trace_id = %self.trace_id(), status = %answered.response.status(), "a continuation was refused; the answer is incomplete");
-            self.worker.metrics.count_migration("failed");
+            self.count("failed");
             self.give_up();
             self.ended = true;
             return;
         }
-        self.worker.metrics.count_migration("continued");
+        self.count("continued");
         tracing::info!(
             request_id = request_id(&self.headers),
             trace_id = %self.trace_id(),
@@ -700,7 +710,7 @@ impl http_body::Body for Migrating {
                     Ok(answered) => this.continued(answered),
                     Err(err) => {
                         tracing::warn!(request_id = request_id(&this.headers), trace_id = %this.trace_id(), error = %err.message, "no instance took the continuation; the answer is incomplete");
-                        this.worker.metrics.count_migration("failed");
+                        this.count("failed");
                         this.give_up();
                         this.ended = true;
                     }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use switchyard_shared::InstanceKey;
 
-use crate::observe::labels::{RouteLabel, UpstreamError};
+use crate::observe::labels::{MIGRATION_OUTCOMES, RouteLabel, UpstreamError};
 
 /// Live counters of one instance, shared by every table that contains it.
 #[derive(Debug, Default)]
@@ -28,6 +28,9 @@ pub struct InstanceCell {
     pub requests: [AtomicU64; RouteLabel::ALL.len()],
     /// Failed requests, by `UpstreamError`.
     pub upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
+    /// Streamed answers of this instance that broke on a variant with a MigrationLimit, by
+    /// what became of them (`MIGRATION_OUTCOMES`).
+    pub migrations: [AtomicU64; MIGRATION_OUTCOMES.len()],
     /// PREFIX_AWARE keys this router spilled onto the instance (bounded loads).
     pub spills: SpillMemory,
     /// Bounded PREFIX_AWARE: requests this router sent to the instance lately, halved with
