@@ -37,7 +37,7 @@ use crate::faults::{Faults, TokenizeFault};
 use crate::handoff::{IssuedHandoff, Push};
 use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
-use crate::nixl::{Handoff, internal_request_id, prefill_response_params};
+use crate::nixl::{Handoff, PullError, internal_request_id, prefill_response_params};
 use crate::openai::{
     ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, parse_json, parse_request,
 };
@@ -504,10 +504,15 @@ async fn pull_handoff(
     State(shared): State<Arc<Shared>>,
     axum::extract::Path(request_id): axum::extract::Path<String>,
 ) -> Result<Json<IssuedHandoff>, ApiError> {
-    let handoff = shared.handoffs.pull(&request_id).ok_or_else(|| {
-        ApiError::not_found(format!(
-            "no hand-off to pull for request {request_id} (never issued, or pulled already)"
-        ))
+    let handoff = shared.handoffs.pull(&request_id).map_err(|why| {
+        ApiError::not_found(match why {
+            PullError::Unknown => format!(
+                "no hand-off to pull for request {request_id} (never issued, or pulled already)"
+            ),
+            PullError::Lapsed => format!(
+                "the hand-off of request {request_id} lapsed: not pulled within --kv-lease-s"
+            ),
+        })
     })?;
     Ok(Json(IssuedHandoff {
         engine_id: shared.engine_id.clone(),

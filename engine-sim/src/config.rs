@@ -134,6 +134,13 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub kv_pull_fail_rate: f64,
 
+    /// NixlConnector: how long a prefill engine keeps a hand-off's blocks for a decoder to
+    /// pull, in seconds on the wall clock, not scaled by --time-scale (vLLM 0.32's
+    /// `kv_connector_extra_config.kv_lease_duration`, 30): a pull after that finds nothing, and
+    /// the decoder fails the request as for any failed pull.
+    #[arg(long, default_value_t = 30.0, value_name = "S")]
+    pub kv_lease_s: f64,
+
     /// Seed of the fault-injection random numbers.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub seed: u64,
@@ -299,6 +306,7 @@ impl SimConfig {
     /// Checks every value; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
         positive("--time-scale", self.time_scale)?;
+        positive("--kv-lease-s", self.kv_lease_s)?;
         positive("--prefill-tokens-per-s", self.prefill_tokens_per_s)?;
         positive("--kv-transfer-gbps", self.kv_transfer_gbps)?;
         non_negative("--step-overhead-ms", self.step_overhead_ms)?;

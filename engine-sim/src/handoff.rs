@@ -78,8 +78,13 @@ pub(crate) enum HandoffError {
     },
     #[error("remote_block_ids differ from the blocks the prefill engine issued")]
     OtherBlocks,
-    #[error("{url} answered {status}: no such hand-off (or it was pulled already)")]
-    NoSuchHandoff { url: String, status: StatusCode },
+    #[error("{url} answered {status}: {why}")]
+    NoSuchHandoff {
+        url: String,
+        status: StatusCode,
+        /// The prefill engine's own message (what became of the hand-off).
+        why: String,
+    },
     #[error("{url} answered {status}")]
     Refused { url: String, status: StatusCode },
     /// The other engine's answer is not the JSON expected (the error is in the message).
@@ -142,7 +147,11 @@ pub(crate) async fn verify(client: &HttpClient, kv: &KvTransfer) -> Result<(), H
     let request = http::Request::get(&url).body(Full::new(Bytes::new()))?;
     let (status, body) = call(client, request).await?;
     if !status.is_success() {
-        return Err(HandoffError::NoSuchHandoff { url, status });
+        let why = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|answer| answer["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| "no such hand-off (or it was pulled already)".to_owned());
+        return Err(HandoffError::NoSuchHandoff { url, status, why });
     }
     let issued: IssuedHandoff = match serde_json::from_slice(&body) {
         Ok(issued) => issued,
@@ -245,6 +254,7 @@ mod tests {
                 HandoffError::NoSuchHandoff {
                     url: url.clone(),
                     status: StatusCode::NOT_FOUND,
+                    why: "no such hand-off (or it was pulled already)".into(),
                 },
                 "http://h:1/sim/handoffs/r answered 404 Not Found: no such hand-off (or it was pulled already)",
             ),

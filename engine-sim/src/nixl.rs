@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -28,6 +29,9 @@ pub(crate) struct Handoff {
     pub prompt_tokens: u32,
     /// A decoder pulled it (a second pull finds nothing).
     pub pulled: bool,
+    /// When it was handed off (its blocks are kept for the lease from then).
+    #[serde(skip)]
+    pub issued: Instant,
 }
 
 /// Hands out block ids and remembers the latest hand-offs.
@@ -35,14 +39,17 @@ pub(crate) struct Handoff {
 pub(crate) struct Handoffs {
     next_block_id: AtomicU64,
     pool_blocks: u64,
+    /// How long a hand-off can be pulled (`--kv-lease-s`, on the wall clock).
+    lease: Duration,
     recent: Mutex<VecDeque<Handoff>>,
 }
 
 impl Handoffs {
-    pub(crate) fn new(pool_blocks: usize) -> Self {
+    pub(crate) fn new(pool_blocks: usize, lease: Duration) -> Self {
         Self {
             next_block_id: AtomicU64::new(0),
             pool_blocks: (pool_blocks as u64).max(1),
+            lease,
             recent: Mutex::new(VecDeque::new()),
         }
     }
@@ -78,26 +85,40 @@ impl Handoffs {
             block_ids: block_ids.clone(),
             prompt_tokens,
             pulled: false,
+            issued: Instant::now(),
         });
         block_ids
     }
 
-    /// A decoder's pull of the hand-off `request_id`: it, marked pulled, if it was issued
-    /// and not pulled yet.
-    pub(crate) fn pull(&self, request_id: &str) -> Option<Handoff> {
+    /// A decoder's pull of the hand-off `request_id`: it, marked pulled, if it was issued,
+    /// not pulled yet and is within its lease (vLLM frees the blocks of a lapsed lease).
+    pub(crate) fn pull(&self, request_id: &str) -> Result<Handoff, PullError> {
         let mut recent = self.lock();
         let handoff = recent
             .iter_mut()
             .rev()
-            .find(|handoff| handoff.request_id == request_id && !handoff.pulled)?;
+            .find(|handoff| handoff.request_id == request_id && !handoff.pulled)
+            .ok_or(PullError::Unknown)?;
+        if handoff.issued.elapsed() > self.lease {
+            return Err(PullError::Lapsed);
+        }
         handoff.pulled = true;
-        Some(handoff.clone())
+        Ok(handoff.clone())
     }
 
     /// The remembered hand-offs, oldest first.
     pub(crate) fn snapshot(&self) -> Vec<Handoff> {
         self.lock().iter().cloned().collect()
     }
+}
+
+/// Why a pull found nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PullError {
+    /// Never issued under that id, or pulled already.
+    Unknown,
+    /// Issued, but its lease lapsed before the pull: the blocks are freed.
+    Lapsed,
 }
 
 /// The engine's internal id of a request whose client id is `external` (vLLM:
@@ -145,7 +166,7 @@ mod tests {
 
     #[test]
     fn one_block_id_per_prompt_block_including_the_partial_one() {
-        let handoffs = Handoffs::new(10);
+        let handoffs = Handoffs::new(10, Duration::from_secs(30));
         assert_eq!(handoffs.record("a-1", "a", 33, 16), vec![0, 1, 2]);
         assert_eq!(handoffs.record("b-1", "b", 160, 16).len(), 10);
         let recent = handoffs.snapshot();
@@ -156,16 +177,21 @@ mod tests {
     }
 
     #[test]
-    fn a_hand_off_is_pulled_once() {
-        let handoffs = Handoffs::new(10);
+    fn a_hand_off_is_pulled_once_within_its_lease() {
+        let handoffs = Handoffs::new(10, Duration::from_secs(30));
         handoffs.record("a-1", "a", 33, 16);
-        assert!(
-            handoffs.pull("a").is_none(),
+        assert_eq!(
+            handoffs.pull("a").unwrap_err(),
+            PullError::Unknown,
             "the client's id is not the engine's"
         );
         assert_eq!(handoffs.pull("a-1").unwrap().block_ids, vec![0, 1, 2]);
-        assert!(handoffs.pull("a-1").is_none());
+        assert_eq!(handoffs.pull("a-1").unwrap_err(), PullError::Unknown);
         assert!(handoffs.snapshot()[0].pulled);
+        let lapsing = Handoffs::new(10, Duration::ZERO);
+        lapsing.record("b-1", "b", 33, 16);
+        std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(lapsing.pull("b-1").unwrap_err(), PullError::Lapsed);
     }
 
     #[test]

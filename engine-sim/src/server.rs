@@ -68,7 +68,11 @@ impl SimServer {
             metrics,
             faults: FaultInjector::new(config.faults(), config.seed),
             records: Recorder::new(config.record_requests),
-            handoffs: Handoffs::new(config.kv_cache_blocks),
+            handoffs: Handoffs::new(
+                config.kv_cache_blocks,
+                std::time::Duration::try_from_secs_f64(config.kv_lease_s)
+                    .unwrap_or(std::time::Duration::MAX),
+            ),
             side_channel: OnceLock::new(),
             kv_events: OnceLock::new(),
             kv_control: Arc::default(),

@@ -846,7 +846,32 @@ async fn a_failed_kv_pull_fails_the_request_as_vllm_does() -> Result<()> {
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.json()["usage"]["completion_tokens"], 3);
     assert_eq!(recompute.stats().kv_pull_failures, 1);
-    for sim in [prefill, decode, recompute] {
+
+    // A hand-off not pulled within its lease (vLLM's kv_lease_duration) is freed: the pull
+    // fails like any other.
+    let lapsing = spawn(SimConfig {
+        role: InstanceRole::Prefill,
+        kv_lease_s: 1e-6,
+        ..fast_config()
+    })
+    .await?;
+    let lapsed = post(
+        lapsing.addr,
+        "/v1/completions",
+        &json!({"model": "sim", "prompt": prompt, "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await?
+    .json()["kv_transfer_params"]
+        .clone();
+    let reply = post(decode.addr, "/v1/completions", &decode_body(&lapsed, false)).await?;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let verdict = decode.received().last().unwrap().handoff.clone();
+    assert!(
+        verdict.as_deref().unwrap_or("").contains("lapsed"),
+        "{verdict:?}"
+    );
+    for sim in [prefill, decode, recompute, lapsing] {
         sim.shutdown().await;
     }
     Ok(())
