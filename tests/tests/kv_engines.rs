@@ -770,3 +770,66 @@ async fn a_request_for_a_lora_adapter_routes_to_the_adapters_prefix() -> anyhow:
     router.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn an_engine_announcing_a_huge_frame_is_cut_off_and_the_router_keeps_serving()
+-> anyhow::Result<()> {
+    // zeromq would reserve what the frame header claims (2^40 bytes) and abort the router;
+    // the frame guard cuts the connection at the header instead.
+    let evil = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("tcp://{}", evil.local_addr()?);
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&connections);
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = evil.accept().await else {
+                return;
+            };
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+                greeting.extend_from_slice(b"NULL");
+                greeting.resize(64, 0);
+                greeting.push(0x06);
+                greeting.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                let _ = socket.write_all(&greeting).await;
+                // Held open: only the router can end it.
+                let mut sink = [0u8; 1024];
+                while matches!(tokio::io::AsyncReadExt::read(&mut socket, &mut sink).await, Ok(n) if n > 0)
+                {
+                }
+            });
+        }
+    });
+    let sim = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let file = json!({"Endpoints": [{
+        "EndpointName": "chat",
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim",
+            "RoutingConfig": {"RoutingStrategy": "KV_AWARE"}}],
+        "Instances": [{"Url": sim.url, "InstanceId": "e0", "KvEvents": endpoint}],
+    }]});
+    let router = router_from_file(
+        &dir.path().join("switchyard.json"),
+        &file.to_string(),
+        |config| {
+            config.worker_threads = Some(2);
+        },
+    )
+    .await?;
+    // Cut and dialled again: the router is alive and still following.
+    eventually(
+        WAIT,
+        "the router to dial the engine again after the cut",
+        || {
+            let seen = connections.load(std::sync::atomic::Ordering::SeqCst);
+            async move { seen >= 2 }
+        },
+    )
+    .await?;
+    let (instance, _, cached) = route(&router, &words(0, 40)).await?;
+    assert_eq!((instance.as_str(), cached), ("e0", 0));
+    router.shutdown().await;
+    server.abort();
+    Ok(())
+}

@@ -3,12 +3,15 @@
 //!
 //! - [`subscriber`]: one task per instance: ZMQ SUB in sequence order, gap repair by replay,
 //!   rebuild when that fails, staleness.
+//! - [`frame_guard`]: the loopback relay the subscriber's sockets dial, which cuts an engine
+//!   that announces a frame too long to accept (zeromq would reserve it and abort).
 //!
 //! [`KvThread::spawn`] runs the subscribers for the routing table's KV_AWARE variants (and the
 //! disaggregated pools whose caches DPD reads: [`follows_events`]) on a thread of their own
 //! (the router's start-up; [`KvEvents::start`] does the same on the calling runtime). The
 //! request path reads the index in its settle phase (`request::settle`, `plan::kv`).
 
+pub mod frame_guard;
 pub mod subscriber;
 
 use std::collections::{HashMap, HashSet};

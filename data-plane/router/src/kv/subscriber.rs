@@ -45,6 +45,8 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 use switchyard_kv::index::{Freshness, IndexCounters, IndexSettings, VariantIndex};
 use switchyard_kv::wire::{EventBatch, decode_batch};
 
+use super::frame_guard;
+
 /// The replay stream's end marker: sequence -1.
 const END_OF_REPLAY: [u8; 8] = [0xff; 8];
 
@@ -289,6 +291,20 @@ pub async fn run(
     // A new subscription starts from nothing: whatever an earlier one of this instance left
     // (a write that raced its stop) is not this run's.
     target.index.clear(&instance, true);
+    // The ZMQ sockets dial the engine through a frame guard (an engine announcing a huge
+    // frame would otherwise abort the router); the guards live as long as this subscription.
+    let publisher_guard = frame_guard::start(&endpoints.publisher, instance.as_str()).await;
+    let publisher = publisher_guard
+        .as_ref()
+        .map_or(endpoints.publisher.clone(), |guard| guard.endpoint.clone());
+    let replay_guard = match &endpoints.replay {
+        Some(replay) => frame_guard::start(replay, instance.as_str()).await,
+        None => None,
+    };
+    let replay_endpoint = match &replay_guard {
+        Some(guard) => Some(guard.endpoint.clone()),
+        None => endpoints.replay.clone(),
+    };
     let mut attempts = 0u32;
     let (mut sub, mut monitor) = loop {
         attempts = attempts.saturating_add(1);
@@ -299,7 +315,7 @@ pub async fn run(
         let monitor = sub.monitor();
         let connected = tokio::select! {
             () = stop.cancelled() => return,
-            connected = tokio::time::timeout(settings.reply_timeout, sub.connect(&endpoints.publisher)) => connected,
+            connected = tokio::time::timeout(settings.reply_timeout, sub.connect(&publisher)) => connected,
         };
         match connected {
             Ok(Ok(())) => match sub.subscribe("").await {
@@ -321,7 +337,7 @@ pub async fn run(
     let can_replay = endpoints.replay.is_some();
     let mut follower = Follower::new(target.clone(), settings.max_held_batches);
     let mut replay = Replay {
-        endpoint: endpoints.replay.clone(),
+        endpoint: replay_endpoint,
         dealer: None,
         sent_at: None,
         last_probe: Instant::now(),

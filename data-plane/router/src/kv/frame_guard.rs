@@ -1,0 +1,250 @@
+//! A loopback relay in front of an engine's KV-event sockets that reads the ZMTP framing the
+//! engine sends and cuts the connection at a frame longer than [`MAX_FRAME_BYTES`].
+//!
+//! zeromq 0.7 reserves memory for whatever frame length a peer announces before any of the
+//! frame arrives: one 9-byte header claiming 2^40 bytes aborts the router. The router's SUB and
+//! DEALER sockets therefore dial this relay (`tcp://127.0.0.1:PORT`), which dials the engine
+//! and passes the engine's bytes on only once each frame header is known to be within bounds
+//! (the router's own bytes go out unread). A cut looks to the ZMQ socket like a lost
+//! connection: it reconnects, and the subscriber's restart rule applies.
+//!
+//! ZMTP 3 (rfc.zeromq.org/spec/23): a 64-byte greeting, then frames of a flags byte (bit 1:
+//! an 8-byte length follows, else a 1-byte one; bit 2: a command), the length (big-endian) and
+//! the body.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// The longest frame an engine may send: far above any batch of KV events (vLLM's are a few
+/// KB to a few MB) and far below what allocating would hurt.
+pub const MAX_FRAME_BYTES: u64 = 256 * 1024 * 1024;
+
+const GREETING_BYTES: u64 = 64;
+
+/// A running relay to one engine socket; it stops when dropped.
+#[derive(Debug)]
+pub struct FrameGuard {
+    /// What the router's ZMQ socket dials instead of the engine.
+    pub endpoint: String,
+    stop: CancellationToken,
+}
+
+impl Drop for FrameGuard {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Starts a relay to `target` (`tcp://HOST:PORT`, as registered). `None` when `target` is not
+/// a TCP endpoint or no loopback port can be had: the socket then dials `target` itself.
+pub async fn start(target: &str, instance: &str) -> Option<FrameGuard> {
+    let address = target.strip_prefix("tcp://")?;
+    let listener = match TcpListener::bind("127.0.0.1:0").await {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::warn!(instance, error = %err, "no loopback port for the KV-event frame guard; dialling the engine directly");
+            return None;
+        }
+    };
+    let local: SocketAddr = listener.local_addr().ok()?;
+    let stop = CancellationToken::new();
+    let relay = Relay {
+        target: address.to_owned(),
+        instance: instance.to_owned(),
+    };
+    tokio::spawn(relay.accept(listener, stop.clone()));
+    Some(FrameGuard {
+        endpoint: format!("tcp://{local}"),
+        stop,
+    })
+}
+
+struct Relay {
+    /// `HOST:PORT` of the engine's socket.
+    target: String,
+    instance: String,
+}
+
+impl Relay {
+    async fn accept(self, listener: TcpListener, stop: CancellationToken) {
+        let relay = std::sync::Arc::new(self);
+        loop {
+            let accepted = tokio::select! {
+                () = stop.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let Ok((inbound, _)) = accepted else {
+                // Out of file descriptors, most likely: wait rather than spin.
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                }
+                continue;
+            };
+            let (relay, stop) = (std::sync::Arc::clone(&relay), stop.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = relay.connection(inbound) => {}
+                }
+            });
+        }
+    }
+
+    /// One connection of the router's socket: the engine's side dialled, bytes both ways until
+    /// either side closes or the engine oversteps.
+    async fn connection(&self, inbound: TcpStream) {
+        let Ok(outbound) = TcpStream::connect(self.target.as_str()).await else {
+            // Dropping `inbound` tells the ZMQ socket the engine is not there yet.
+            return;
+        };
+        let _ = inbound.set_nodelay(true);
+        let _ = outbound.set_nodelay(true);
+        let (mut router_read, mut router_write) = inbound.into_split();
+        let (mut engine_read, mut engine_write) = outbound.into_split();
+        let upstream = tokio::io::copy(&mut router_read, &mut engine_write);
+        let downstream = async {
+            let mut framing = Framing::default();
+            // Small: one relay per engine socket, two sockets per engine of a fleet.
+            let mut buffer = vec![0u8; 16 * 1024];
+            loop {
+                let read = match engine_read.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => read,
+                };
+                if let Err(length) = framing.check(&buffer[..read]) {
+                    tracing::warn!(instance = %self.instance, length, most = MAX_FRAME_BYTES, "the engine's KV-event socket announced a frame too long to accept; connection cut");
+                    return;
+                }
+                if router_write.write_all(&buffer[..read]).await.is_err() {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            _ = upstream => {}
+            () = downstream => {}
+        }
+    }
+}
+
+/// Where the engine's byte stream is in the ZMTP framing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Bytes of the greeting seen so far.
+    #[default]
+    Greeting,
+    /// A frame's flags byte is next.
+    Flags,
+    /// Reading a length of `width` bytes, `seen` of them so far, into `value`.
+    Length { width: u8, seen: u8, value: u64 },
+    /// `left` bytes of a frame body remain.
+    Body { left: u64 },
+}
+
+#[derive(Debug, Default)]
+struct Framing {
+    state: State,
+    greeting_seen: u64,
+}
+
+impl Framing {
+    /// Follows `bytes`; `Err(length)` at a frame announced longer than [`MAX_FRAME_BYTES`].
+    fn check(&mut self, mut bytes: &[u8]) -> Result<(), u64> {
+        while !bytes.is_empty() {
+            match self.state {
+                State::Greeting => {
+                    let take = (GREETING_BYTES - self.greeting_seen).min(bytes.len() as u64);
+                    self.greeting_seen += take;
+                    bytes = &bytes[take as usize..];
+                    if self.greeting_seen == GREETING_BYTES {
+                        self.state = State::Flags;
+                    }
+                }
+                State::Flags => {
+                    let long = bytes[0] & 0b10 != 0;
+                    bytes = &bytes[1..];
+                    self.state = State::Length {
+                        width: if long { 8 } else { 1 },
+                        seen: 0,
+                        value: 0,
+                    };
+                }
+                State::Length { width, seen, value } => {
+                    let value = (value << 8) | u64::from(bytes[0]);
+                    bytes = &bytes[1..];
+                    let seen = seen + 1;
+                    if seen < width {
+                        self.state = State::Length { width, seen, value };
+                        continue;
+                    }
+                    if value > MAX_FRAME_BYTES {
+                        return Err(value);
+                    }
+                    self.state = if value == 0 {
+                        State::Flags
+                    } else {
+                        State::Body { left: value }
+                    };
+                }
+                State::Body { left } => {
+                    let take = left.min(bytes.len() as u64);
+                    bytes = &bytes[take as usize..];
+                    self.state = if take == left {
+                        State::Flags
+                    } else {
+                        State::Body { left: left - take }
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn greeting() -> Vec<u8> {
+        let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+        greeting.extend_from_slice(b"NULL");
+        greeting.resize(64, 0);
+        greeting
+    }
+
+    #[test]
+    fn frames_within_bounds_pass_whatever_the_chunking() {
+        let mut stream = greeting();
+        // A short command frame (READY), a short message frame, a long one of 300 bytes.
+        stream.extend_from_slice(&[0x04, 2, b'o', b'k']);
+        stream.extend_from_slice(&[0x01, 1, b'x']);
+        stream.push(0x02);
+        stream.extend_from_slice(&300u64.to_be_bytes());
+        stream.extend(std::iter::repeat_n(7, 300));
+        stream.extend_from_slice(&[0x00, 0]);
+        for chunk in [1, 3, 9, 64, 65, stream.len()] {
+            let mut framing = Framing::default();
+            for piece in stream.chunks(chunk) {
+                framing.check(piece).unwrap();
+            }
+            assert_eq!(framing.state, State::Flags, "chunks of {chunk}");
+        }
+    }
+
+    #[test]
+    fn a_frame_announced_too_long_is_refused_before_its_body() {
+        let mut stream = greeting();
+        stream.push(0x02);
+        stream.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        let mut framing = Framing::default();
+        assert_eq!(framing.check(&stream), Err(1 << 40));
+        let mut at_the_bound = greeting();
+        at_the_bound.push(0x06);
+        at_the_bound.extend_from_slice(&MAX_FRAME_BYTES.to_be_bytes());
+        assert_eq!(Framing::default().check(&at_the_bound), Ok(()));
+    }
+}
