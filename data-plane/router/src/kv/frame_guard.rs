@@ -13,14 +13,25 @@
 //! the body.
 
 use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-/// The longest frame an engine may send: far above any batch of KV events (vLLM's are a few
-/// KB to a few MB) and far below what allocating would hurt.
+/// The longest frame, and message (its frames together), an engine may send: far above any
+/// batch of KV events (vLLM's are a few KB to a few MB) and far below what allocating would
+/// hurt.
 pub const MAX_FRAME_BYTES: u64 = 256 * 1024 * 1024;
+
+/// How long the relay waits to reach the engine for one connection of the router's socket.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// After a cut, connections are refused for this long, doubling with each further cut up to
+/// [`MOST_HOLD`]: an engine that keeps overstepping is not resynchronised every 100 ms.
+const FIRST_HOLD: Duration = Duration::from_secs(1);
+const MOST_HOLD: Duration = Duration::from_secs(60);
 
 const GREETING_BYTES: u64 = 64;
 
@@ -54,6 +65,7 @@ pub async fn start(target: &str, instance: &str) -> Option<FrameGuard> {
     let relay = Relay {
         target: address.to_owned(),
         instance: instance.to_owned(),
+        hold: Mutex::new(Hold::default()),
     };
     tokio::spawn(relay.accept(listener, stop.clone()));
     Some(FrameGuard {
@@ -66,6 +78,14 @@ struct Relay {
     /// `HOST:PORT` of the engine's socket.
     target: String,
     instance: String,
+    hold: Mutex<Hold>,
+}
+
+/// Connections refused after cuts: until when, and the next hold's length.
+#[derive(Debug, Default)]
+struct Hold {
+    until: Option<Instant>,
+    next: Duration,
 }
 
 impl Relay {
@@ -97,9 +117,26 @@ impl Relay {
     /// One connection of the router's socket: the engine's side dialled, bytes both ways until
     /// either side closes or the engine oversteps.
     async fn connection(&self, inbound: TcpStream) {
-        let Ok(outbound) = TcpStream::connect(self.target.as_str()).await else {
-            // Dropping `inbound` tells the ZMQ socket the engine is not there yet.
+        if self.held() {
+            // Dropped: the ZMQ socket tries again later.
             return;
+        }
+        let outbound = match tokio::time::timeout(
+            DIAL_TIMEOUT,
+            TcpStream::connect(self.target.as_str()),
+        )
+        .await
+        {
+            Ok(Ok(outbound)) => outbound,
+            Ok(Err(err)) => {
+                tracing::debug!(instance = %self.instance, target = %self.target, error = %err, "KV-event socket not reachable");
+                // Dropping `inbound` tells the ZMQ socket the engine is not there yet.
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(instance = %self.instance, target = %self.target, "KV-event socket dial timed out");
+                return;
+            }
         };
         let _ = inbound.set_nodelay(true);
         let _ = outbound.set_nodelay(true);
@@ -116,7 +153,8 @@ impl Relay {
                     Ok(read) => read,
                 };
                 if let Err(length) = framing.check(&buffer[..read]) {
-                    tracing::warn!(instance = %self.instance, length, most = MAX_FRAME_BYTES, "the engine's KV-event socket announced a frame too long to accept; connection cut");
+                    let hold = self.cut();
+                    tracing::warn!(instance = %self.instance, length, most = MAX_FRAME_BYTES, hold_s = hold.as_secs(), "the engine's KV-event socket announced a frame or message too long to accept; connection cut, and refused for a while");
                     return;
                 }
                 if router_write.write_all(&buffer[..read]).await.is_err() {
@@ -128,6 +166,29 @@ impl Relay {
             _ = upstream => {}
             () = downstream => {}
         }
+    }
+}
+
+impl Relay {
+    /// Whether connections are refused for now (after a cut).
+    fn held(&self) -> bool {
+        let hold = self
+            .hold
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        hold.until.is_some_and(|until| Instant::now() < until)
+    }
+
+    /// A cut: connections refused for the next hold, which doubles. Returns its length.
+    fn cut(&self) -> Duration {
+        let mut hold = self
+            .hold
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let length = hold.next.max(FIRST_HOLD);
+        hold.until = Some(Instant::now() + length);
+        hold.next = (length * 2).min(MOST_HOLD);
+        length
     }
 }
 
@@ -149,6 +210,9 @@ enum State {
 struct Framing {
     state: State,
     greeting_seen: u64,
+    /// The current message's frames so far (bytes), and whether its current frame has MORE.
+    message: u64,
+    more: bool,
 }
 
 impl Framing {
@@ -166,6 +230,8 @@ impl Framing {
                 }
                 State::Flags => {
                     let long = bytes[0] & 0b10 != 0;
+                    // A command frame stands alone; a message frame with MORE is continued.
+                    self.more = bytes[0] & 0b101 == 0b001;
                     bytes = &bytes[1..];
                     self.state = State::Length {
                         width: if long { 8 } else { 1 },
@@ -181,8 +247,13 @@ impl Framing {
                         self.state = State::Length { width, seen, value };
                         continue;
                     }
-                    if value > MAX_FRAME_BYTES {
-                        return Err(value);
+                    self.message = self.message.saturating_add(value);
+                    if value > MAX_FRAME_BYTES || self.message > MAX_FRAME_BYTES {
+                        return Err(self.message.max(value));
+                    }
+                    if !self.more {
+                        // The message ends with this frame.
+                        self.message = 0;
                     }
                     self.state = if value == 0 {
                         State::Flags
@@ -246,5 +317,38 @@ mod tests {
         at_the_bound.push(0x06);
         at_the_bound.extend_from_slice(&MAX_FRAME_BYTES.to_be_bytes());
         assert_eq!(Framing::default().check(&at_the_bound), Ok(()));
+    }
+
+    #[test]
+    fn a_message_of_many_frames_is_bounded_in_all() {
+        let half = MAX_FRAME_BYTES / 2 + 1;
+        let header = |flags: u8| {
+            let mut header = vec![flags];
+            header.extend_from_slice(&half.to_be_bytes());
+            header
+        };
+        // A body, fed in pieces of 1 MiB.
+        let body = |framing: &mut Framing| {
+            let piece = vec![0u8; 1 << 20];
+            let mut left = half;
+            while left > 0 {
+                let take = left.min(piece.len() as u64);
+                framing.check(&piece[..take as usize]).unwrap();
+                left -= take;
+            }
+        };
+        // Two frames of one message (MORE on the first): over the bound together.
+        let mut framing = Framing::default();
+        framing.check(&greeting()).unwrap();
+        framing.check(&header(0x03)).unwrap();
+        body(&mut framing);
+        assert_eq!(framing.check(&header(0x02)), Err(2 * half));
+        // The same two frames as two messages: each within it.
+        let mut framing = Framing::default();
+        framing.check(&greeting()).unwrap();
+        for _ in 0..2 {
+            framing.check(&header(0x02)).unwrap();
+            body(&mut framing);
+        }
     }
 }
