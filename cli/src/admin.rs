@@ -246,6 +246,12 @@ pub struct RegisterArgs {
     /// tcp://HOST:PORT. Lets routers repair missed events; needs --kv-events.
     #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
     pub kv_events_replay: Option<String>,
+    /// A data-parallel engine (vLLM's --data-parallel-size N): its N ranks publish on the
+    /// --kv-events port + rank (replay: the --kv-events-replay port + rank); routers follow
+    /// each rank and send a request to the rank holding its prefix (vLLM's
+    /// X-data-parallel-rank header). Needs --kv-events. Default 1.
+    #[arg(long, value_name = "N", requires = "kv_events")]
+    pub kv_events_data_parallel_size: Option<u32>,
     /// LMCACHE disaggregation: the InstanceId of the decode instance this prefill instance
     /// pushes its KV cache to (the decoder its LMCache config names).
     #[arg(long, value_name = "ID")]
@@ -548,8 +554,12 @@ async fn register(
     let kv_events = switchyard_shared::KvEventsEndpoints::parse(
         args.kv_events.as_deref(),
         args.kv_events_replay.as_deref(),
-        "--kv-events",
-        "--kv-events-replay",
+        args.kv_events_data_parallel_size,
+        switchyard_shared::KvEventsFields {
+            publisher: "--kv-events",
+            replay: "--kv-events-replay",
+            data_parallel_size: "--kv-events-data-parallel-size",
+        },
     )
     .map_err(|err| UsageError(err.to_string()))?;
     let registered = client
@@ -566,6 +576,7 @@ async fn register(
                 .as_ref()
                 .map(|kv| kv.publisher.clone())
                 .unwrap_or_default(),
+            kv_events_data_parallel_size: kv_events.as_ref().map_or(0, |kv| kv.data_parallel_size),
             kv_events_replay_endpoint: kv_events.and_then(|kv| kv.replay).unwrap_or_default(),
             decode_partner: args.decode_partner.unwrap_or_default(),
         })

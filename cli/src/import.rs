@@ -54,6 +54,8 @@ struct Line {
     /// KV_AWARE: where the engine publishes its KV-cache events, and its replay socket.
     kv_events: Option<String>,
     kv_events_replay: Option<String>,
+    /// A data-parallel engine's ranks (rank r on each KV-event port + r).
+    kv_events_data_parallel_size: Option<u32>,
     /// LMCACHE disaggregation: the decode instance a prefill instance pushes to.
     decode_partner: Option<String>,
     /// Only to refuse it with a clear message.
@@ -121,7 +123,12 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, LineError> {
     };
     let kv_events = line.kv_events.unwrap_or_default();
     let kv_events_replay = line.kv_events_replay.unwrap_or_default();
-    switchyard_proto::convert::kv_events(&kv_events, &kv_events_replay)?;
+    let kv_events_data_parallel_size = line.kv_events_data_parallel_size.unwrap_or(0);
+    switchyard_proto::convert::kv_events(
+        &kv_events,
+        &kv_events_replay,
+        kv_events_data_parallel_size,
+    )?;
     if let Some(partner) = &line.decode_partner {
         InstanceId::new(partner).map_err(name("DecodePartner"))?;
     }
@@ -136,6 +143,7 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, LineError> {
         ttl_seconds: 0,
         kv_events_endpoint: kv_events,
         kv_events_replay_endpoint: kv_events_replay,
+        kv_events_data_parallel_size,
         decode_partner: line.decode_partner.unwrap_or_default(),
     })
 }

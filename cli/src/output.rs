@@ -101,6 +101,7 @@ pub fn instance_json(instance: &Instance) -> Value {
         "RegisteredTime": time(instance.registered_time_ms),
         "KvEvents": instance.kv_events.as_ref().map(|kv| kv.publisher.as_str()),
         "KvEventsReplay": instance.kv_events.as_ref().and_then(|kv| kv.replay.as_deref()),
+        "KvEventsDataParallelSize": instance.kv_events.as_ref().map(|kv| kv.data_parallel_size),
     })
 }
 

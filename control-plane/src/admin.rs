@@ -55,6 +55,7 @@ fn registration(
         kv_events: switchyard_proto::convert::kv_events(
             &request.kv_events_endpoint,
             &request.kv_events_replay_endpoint,
+            request.kv_events_data_parallel_size,
         )?,
         decode_partner: switchyard_proto::convert::decode_partner(&request.decode_partner)?,
     })

@@ -180,13 +180,35 @@ async fn infer(
     }
     shared.records.record(record);
 
-    let response = match parsed {
+    let response = match parsed.and_then(|parsed| {
+        check_data_parallel_rank(&headers, shared.config.data_parallel_size)?;
+        Ok(parsed)
+    }) {
         Ok(parsed) => run_request(&shared, parsed, &request_id, arrival, pull)
             .await
             .unwrap_or_else(IntoResponse::into_response),
         Err(error) => error.into_response(),
     };
     with_request_id(response, &request_id)
+}
+
+/// vLLM's rule for `X-data-parallel-rank`: a header that is not an integer is ignored (the
+/// engine's balancer picks); an integer outside `0..size` is refused with a 400.
+fn check_data_parallel_rank(headers: &HeaderMap, size: u32) -> Result<(), ApiError> {
+    let Some(rank) = headers
+        .get("x-data-parallel-rank")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|text| text.trim().parse::<i64>().ok())
+    else {
+        return Ok(());
+    };
+    if (0..i64::from(size)).contains(&rank) {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "data_parallel_rank {rank} is out of range [0, {size})."
+        )))
+    }
 }
 
 /// A decode request's remote prefill, as checked.

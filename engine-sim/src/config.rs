@@ -29,6 +29,12 @@ pub struct SimConfig {
     #[arg(long, num_args = 1.., value_name = "NAME[=PATH]")]
     pub lora_modules: Vec<String>,
 
+    /// Data-parallel ranks behind this server, as vLLM's --data-parallel-size: a request's
+    /// `X-data-parallel-rank` header must name one (0..N), else vLLM's 400. The simulator
+    /// runs one engine whatever the size (its KV events are rank 0's).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub data_parallel_size: u32,
+
     /// Disaggregation role: both, prefill or decode. All roles serve every request (a prefill
     /// instance also serves plain requests whole, a decode instance prefills requests that
     /// carry no kv_transfer_params), as vLLM with NixlConnector does.

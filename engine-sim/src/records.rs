@@ -13,7 +13,8 @@ pub struct ReceivedRequest {
     /// Request path, e.g. `/v1/chat/completions`.
     pub path: String,
     /// The recorded headers, names lowercase: `traceparent`, `tracestate`, `x-request-id`,
-    /// `x-amzn-sagemaker-*`, `x-switchyard-*` (repeated headers joined with `", "`).
+    /// `x-data-parallel-rank`, `x-amzn-sagemaker-*`, `x-switchyard-*` (repeated headers
+    /// joined with `", "`).
     pub headers: BTreeMap<String, String>,
     /// `HTTP/1.1` or `HTTP/2.0`.
     pub http_version: String,
@@ -54,8 +55,10 @@ impl ReceivedRequest {
         let mut selected: BTreeMap<String, String> = BTreeMap::new();
         for (name, value) in headers {
             let name = name.as_str();
-            let wanted = matches!(name, "traceparent" | "tracestate" | "x-request-id")
-                || name.starts_with("x-amzn-sagemaker-")
+            let wanted = matches!(
+                name,
+                "traceparent" | "tracestate" | "x-request-id" | "x-data-parallel-rank"
+            ) || name.starts_with("x-amzn-sagemaker-")
                 || name.starts_with("x-switchyard-");
             if !wanted {
                 continue;

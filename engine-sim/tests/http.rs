@@ -1249,3 +1249,44 @@ async fn pooling_apis_answer_in_vllms_shapes() -> Result<()> {
     sim.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_data_parallel_rank_outside_the_servers_is_refused_as_vllm_does() -> Result<()> {
+    let sim = spawn(SimConfig {
+        data_parallel_size: 2,
+        ..fast_config()
+    })
+    .await?;
+    let body = json!({"model": "sim", "prompt": "hello", "max_tokens": 2});
+    let path = "/v1/completions";
+    for (rank, status) in [
+        ("0", StatusCode::OK),
+        ("1", StatusCode::OK),
+        // Not an integer: vLLM ignores it and its balancer picks.
+        ("one", StatusCode::OK),
+        ("2", StatusCode::BAD_REQUEST),
+        ("-1", StatusCode::BAD_REQUEST),
+    ] {
+        let reply = post_with(sim.addr, path, &[("x-data-parallel-rank", rank)], &body).await?;
+        assert_eq!(reply.status, status, "rank {rank}");
+        if status == StatusCode::BAD_REQUEST {
+            assert_eq!(
+                reply.json()["error"]["message"],
+                format!("data_parallel_rank {rank} is out of range [0, 2).")
+            );
+        }
+    }
+    let recorded = sim.received();
+    assert_eq!(
+        recorded[0]
+            .headers
+            .get("x-data-parallel-rank")
+            .map(String::as_str),
+        Some("0")
+    );
+    // One rank (the default): only rank 0.
+    let single = spawn(fast_config()).await?;
+    let refused = post_with(single.addr, path, &[("x-data-parallel-rank", "1")], &body).await?;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    Ok(())
+}

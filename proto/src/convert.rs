@@ -14,7 +14,7 @@ use switchyard_shared::disaggregation::{
 use switchyard_shared::sync::{InstanceKey, InstanceLoad, StateUpdate};
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
-    InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints,
+    InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints, KvEventsFields,
     PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
 };
 use switchyard_shared::{EndpointConfigName, EndpointName, InstanceId, VariantName};
@@ -478,6 +478,11 @@ impl From<&Instance> for pb::Instance {
                 .as_ref()
                 .and_then(|kv| kv.replay.clone())
                 .unwrap_or_default(),
+            kv_events_data_parallel_size: instance
+                .kv_events
+                .as_ref()
+                .filter(|kv| kv.data_parallel_size > 1)
+                .map_or(0, |kv| kv.data_parallel_size),
             decode_partner: instance
                 .decode_partner
                 .as_ref()
@@ -496,16 +501,22 @@ pub fn decode_partner(id: &str) -> Result<Option<InstanceId>, ValidationError> {
     }
 }
 
-/// The KV-event endpoints of an `Instance` or a `RegisterInstanceRequest` (empty: none).
+/// The KV-event endpoints of an `Instance` or a `RegisterInstanceRequest` (empty and 0:
+/// none; a data-parallel size of 0 is 1).
 pub fn kv_events(
     publisher: &str,
     replay: &str,
+    data_parallel_size: u32,
 ) -> Result<Option<KvEventsEndpoints>, ValidationError> {
     KvEventsEndpoints::parse(
         Some(publisher),
         Some(replay),
-        "KvEventsEndpoint",
-        "KvEventsReplayEndpoint",
+        Some(data_parallel_size),
+        KvEventsFields {
+            publisher: "KvEventsEndpoint",
+            replay: "KvEventsReplayEndpoint",
+            data_parallel_size: "KvEventsDataParallelSize",
+        },
     )
 }
 
@@ -533,6 +544,7 @@ impl TryFrom<pb::Instance> for Instance {
             kv_events: kv_events(
                 &instance.kv_events_endpoint,
                 &instance.kv_events_replay_endpoint,
+                instance.kv_events_data_parallel_size,
             )?,
             decode_partner: decode_partner(&instance.decode_partner)?,
         })
@@ -816,7 +828,24 @@ mod tests {
         let kv = domain.kv_events.clone().unwrap();
         assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
         assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(kv.data_parallel_size, 1);
         assert_eq!(pb::Instance::from(&domain), instance);
+        let data_parallel = pb::Instance {
+            kv_events_data_parallel_size: 4,
+            ..instance.clone()
+        };
+        let domain = Instance::try_from(data_parallel.clone()).unwrap();
+        assert_eq!(domain.kv_events.as_ref().unwrap().data_parallel_size, 4);
+        assert_eq!(pb::Instance::from(&domain), data_parallel);
+        let without_publisher = pb::Instance {
+            kv_events_endpoint: String::new(),
+            kv_events_replay_endpoint: String::new(),
+            ..data_parallel
+        };
+        assert_eq!(
+            Instance::try_from(without_publisher).unwrap_err().field,
+            "KvEventsDataParallelSize"
+        );
         let bad = pb::Instance {
             kv_events_endpoint: "tcp://*:5557".into(),
             ..instance

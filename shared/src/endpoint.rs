@@ -415,15 +415,61 @@ mod tests {
 
     #[test]
     fn kv_events_endpoints() {
-        let parse = |publisher, replay| KvEventsEndpoints::parse(publisher, replay, "P", "R");
+        let fields = KvEventsFields {
+            publisher: "P",
+            replay: "R",
+            data_parallel_size: "D",
+        };
+        let parse_dp =
+            |publisher, replay, size| KvEventsEndpoints::parse(publisher, replay, size, fields);
+        let parse = |publisher, replay| parse_dp(publisher, replay, None);
         assert_eq!(parse(None, None), Ok(None));
         assert_eq!(parse(Some(""), Some(" ")), Ok(None));
+        assert_eq!(parse_dp(None, None, Some(0)), Ok(None));
         assert_eq!(
             parse(Some("tcp://10.0.0.7:5557"), Some("tcp://[::1]:5558")),
-            Ok(Some(KvEventsEndpoints {
-                publisher: "tcp://10.0.0.7:5557".into(),
-                replay: Some("tcp://[::1]:5558".into()),
-            }))
+            Ok(Some(KvEventsEndpoints::single(
+                "tcp://10.0.0.7:5557",
+                Some("tcp://[::1]:5558")
+            )))
+        );
+        // Data parallel: rank r on each port + r.
+        let dp = parse_dp(Some("tcp://h:5557"), Some("tcp://[::1]:6000"), Some(4))
+            .unwrap()
+            .unwrap();
+        assert_eq!(dp.data_parallel_size, 4);
+        assert_eq!(
+            dp.rank(0),
+            KvEventsEndpoints::single("tcp://h:5557", Some("tcp://[::1]:6000"))
+        );
+        assert_eq!(
+            dp.rank(3),
+            KvEventsEndpoints::single("tcp://h:5560", Some("tcp://[::1]:6003"))
+        );
+        assert_eq!(parse_dp(None, None, Some(2)).unwrap_err().field, "D");
+        assert_eq!(
+            parse_dp(Some("tcp://h:1"), None, Some(MAX_DATA_PARALLEL_SIZE + 1))
+                .unwrap_err()
+                .field,
+            "D"
+        );
+        assert!(parse_dp(Some("tcp://h:65534"), None, Some(2)).is_ok());
+        let past = parse_dp(Some("tcp://h:1"), Some("tcp://h:65535"), Some(2)).unwrap_err();
+        assert_eq!(past.field, "D");
+        assert!(past.message.contains("65535"), "{past:?}");
+        // Stored records written before the field existed read as one rank, and one rank is
+        // left out.
+        let stored: KvEventsEndpoints =
+            serde_json::from_str(r#"{"Publisher":"tcp://h:1"}"#).unwrap();
+        assert_eq!(stored.data_parallel_size, 1);
+        assert_eq!(
+            serde_json::to_string(&stored).unwrap(),
+            r#"{"Publisher":"tcp://h:1"}"#
+        );
+        assert!(
+            serde_json::to_string(&dp)
+                .unwrap()
+                .contains(r#""DataParallelSize":4"#)
         );
         assert_eq!(parse(None, Some("tcp://h:1")).unwrap_err().field, "R");
         for bad in [

@@ -190,42 +190,140 @@ impl Instance {
 }
 
 /// An engine's KV-cache event sockets: vLLM's ZMQ PUB endpoint and, optionally, its ROUTER
-/// replay endpoint (`tcp://host:port` each; routers connect to them).
+/// replay endpoint (`tcp://host:port` each; routers connect to them), and how many
+/// data-parallel ranks publish (vLLM's rank r on each port + r).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct KvEventsEndpoints {
     pub publisher: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<String>,
+    /// A data-parallel engine's ranks (`--data-parallel-size`): vLLM publishes rank r's
+    /// events on the publisher's port + r and answers its replays on the replay port + r.
+    /// 1 (left out of the stored JSON): one stream.
+    #[serde(default = "one_rank", skip_serializing_if = "is_one_rank")]
+    pub data_parallel_size: u32,
+}
+
+fn one_rank() -> u32 {
+    1
+}
+
+fn is_one_rank(size: &u32) -> bool {
+    *size == 1
+}
+
+/// The largest data-parallel size an instance may register (vLLM's wide expert-parallel
+/// deployments run DP 256 and fewer).
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+
+/// Where a [`KvEventsEndpoints::parse`] input comes from: each field's name, for errors.
+#[derive(Debug, Clone, Copy)]
+pub struct KvEventsFields<'a> {
+    pub publisher: &'a str,
+    pub replay: &'a str,
+    pub data_parallel_size: &'a str,
 }
 
 impl KvEventsEndpoints {
-    /// Builds the endpoints from the two optional inputs (empty counts as absent), checking
-    /// each is `tcp://host:port` and that a replay endpoint comes with a publisher. The error
-    /// names `publisher_field` or `replay_field`.
+    /// One stream (no data parallelism), checked by [`parse`](Self::parse)'s rules.
+    pub fn single(publisher: &str, replay: Option<&str>) -> Self {
+        Self {
+            publisher: publisher.to_owned(),
+            replay: replay.map(str::to_owned),
+            data_parallel_size: 1,
+        }
+    }
+
+    /// Builds the endpoints from the optional inputs (empty or 0 counts as absent), checking
+    /// each is `tcp://host:port`, that a replay endpoint or a data-parallel size comes with a
+    /// publisher, and that the size is 1..=[`MAX_DATA_PARALLEL_SIZE`] with every rank's port
+    /// (port + size - 1) at most 65535. The error names the field of `fields`.
     pub fn parse(
         publisher: Option<&str>,
         replay: Option<&str>,
-        publisher_field: &str,
-        replay_field: &str,
+        data_parallel_size: Option<u32>,
+        fields: KvEventsFields<'_>,
     ) -> Result<Option<Self>, ValidationError> {
         fn present(value: Option<&str>) -> Option<&str> {
             value.map(str::trim).filter(|text| !text.is_empty())
         }
-        match (present(publisher), present(replay)) {
-            (None, None) => Ok(None),
-            (None, Some(_)) => Err(ValidationError::new(
-                replay_field,
-                format!("needs {publisher_field} (the event publisher) as well"),
-            )),
-            (Some(publisher), replay) => Ok(Some(Self {
-                publisher: validate_zmq_tcp_endpoint(publisher, publisher_field)?,
-                replay: replay
-                    .map(|replay| validate_zmq_tcp_endpoint(replay, replay_field))
-                    .transpose()?,
-            })),
+        let size = data_parallel_size.filter(|&size| size != 0);
+        let Some(publisher) = present(publisher) else {
+            return match (present(replay), size) {
+                (None, None) => Ok(None),
+                (Some(_), _) => Err(ValidationError::new(
+                    fields.replay,
+                    format!("needs {} (the event publisher) as well", fields.publisher),
+                )),
+                (None, Some(_)) => Err(ValidationError::new(
+                    fields.data_parallel_size,
+                    format!(
+                        "needs {} (the event publisher of rank 0) as well",
+                        fields.publisher
+                    ),
+                )),
+            };
+        };
+        let size = size.unwrap_or(1);
+        if size > MAX_DATA_PARALLEL_SIZE {
+            return Err(ValidationError::new(
+                fields.data_parallel_size,
+                format!("is {size}; at most {MAX_DATA_PARALLEL_SIZE}"),
+            ));
+        }
+        let endpoints = Self {
+            publisher: validate_zmq_tcp_endpoint(publisher, fields.publisher)?,
+            replay: present(replay)
+                .map(|replay| validate_zmq_tcp_endpoint(replay, fields.replay))
+                .transpose()?,
+            data_parallel_size: size,
+        };
+        for (endpoint, field) in [
+            (Some(&endpoints.publisher), fields.publisher),
+            (endpoints.replay.as_ref(), fields.replay),
+        ] {
+            if let Some(endpoint) = endpoint
+                && port_of(endpoint) + u64::from(size) - 1 > u64::from(u16::MAX)
+            {
+                return Err(ValidationError::new(
+                    fields.data_parallel_size,
+                    format!(
+                        "is {size}, but rank {} would publish past port 65535 ({field} {endpoint})",
+                        size - 1
+                    ),
+                ));
+            }
+        }
+        Ok(Some(endpoints))
+    }
+
+    /// The sockets of data-parallel rank `rank` (vLLM's `offset_endpoint_port`: each port +
+    /// rank), as one stream.
+    pub fn rank(&self, rank: u32) -> Self {
+        let offset = |endpoint: &str| match endpoint.rsplit_once(':') {
+            Some((address, port)) if rank > 0 => {
+                format!("{address}:{}", port_of_text(port) + u64::from(rank))
+            }
+            _ => endpoint.to_owned(),
+        };
+        Self {
+            publisher: offset(&self.publisher),
+            replay: self.replay.as_deref().map(offset),
+            data_parallel_size: 1,
         }
     }
+}
+
+fn port_of_text(port: &str) -> u64 {
+    port.parse::<u16>().map_or(0, u64::from)
+}
+
+/// The port of a checked `tcp://host:port` endpoint.
+fn port_of(endpoint: &str) -> u64 {
+    endpoint
+        .rsplit_once(':')
+        .map_or(0, |(_, port)| port_of_text(port))
 }
 
 /// Checks a ZMQ endpoint a router can connect to: `tcp://host:port` (host a name, an IPv4

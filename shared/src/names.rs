@@ -139,6 +139,15 @@ name_type!(
     "1-128 characters of letters, digits and . _ : -, starting with a letter or digit"
 );
 
+impl InstanceId {
+    /// The KV index's name for data-parallel rank `rank` of this instance: `ID#dpRANK`. No
+    /// registered id contains `#`, so it never names another instance; it appears as the
+    /// `instance` label of the KV index's metrics.
+    pub fn data_parallel_rank(&self, rank: u32) -> Self {
+        Self(Arc::from(format!("{}#dp{rank}", self.0)))
+    }
+}
+
 /// A name that does not follow its rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{value:?} is not a valid name ({rule})")]
@@ -150,6 +159,14 @@ pub struct InvalidName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_data_parallel_rank_is_named_apart_from_every_instance() {
+        let id = InstanceId::new("vllm-0").unwrap();
+        let rank = id.data_parallel_rank(3);
+        assert_eq!(rank.as_str(), "vllm-0#dp3");
+        assert!(!is_instance_id(rank.as_str()));
+    }
 
     #[test]
     fn sagemaker_names() {

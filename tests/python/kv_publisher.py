@@ -1,7 +1,7 @@
 """Publishes KV-cache events the way vLLM 0.32 or a generation of SGLang does, for tests that
 drive a router with them.
 
-Usage: python kv_publisher.py FLAVOR
+Usage: python kv_publisher.py FLAVOR [--data-parallel-size N]
 
 FLAVOR is one of
   vllm-0.32       vLLM 0.32.0 (vllm/distributed/kv_events.py): tagged-map events with
@@ -12,7 +12,11 @@ FLAVOR is one of
   sglang-medium   SGLang with positional events and a medium; a salted block is its
                   BlockStoredWithMetadata, whose eighth element is {"cache_salt": ...}.
   sglang-map      SGLang since its events became tagged maps (cache_salt, session_id by name).
-SGLang's batches are [ts, events, attn_dp_rank] and its replay answers [seq, payload].
+  sglang-0.5.23   SGLang 0.5.23 (python/sglang/srt/disaggregation/kv_events.py in its wheel):
+                  tagged maps with lora_name too, and replay answers with a topic frame, as
+                  vLLM's ([topic, seq, payload], end ["", -1, ""]).
+SGLang's batches are [ts, events, attn_dp_rank]; before 0.5.23 its replay answers
+[seq, payload], ending [-1, ""].
 
 The structures are written here from those sources (vLLM 0.32.0's wheel, SGLang's repository
 in December 2026), not imported, so the tests need only msgspec and pyzmq.
@@ -25,6 +29,10 @@ each with one JSON line:
   {"raw": "hex"}                         a payload as given (an undecodable batch)
   {"restart": true}                      a new run: both sockets closed and bound again on the
                                          same ports, sequence from 0, the buffer empty
+With --data-parallel-size N it is N ranks, as vLLM's data-parallel engines are: rank r binds
+the PUB port + r and the ROUTER port + r (vLLM's offset_endpoint_port), stamps its batches with
+data_parallel_rank r and keeps a sequence and buffer of its own; a command's "rank" (default 0)
+says which rank publishes or restarts. The first line names rank 0's sockets.
 An event is a JSON object with "type" and the fields by vLLM's names ({"as_is": map} sends
 the map unchanged, for an unreadable event); "bigram": true sends
 token ids as SGLang's EAGLE pairs (t_i, t_i+1). The answer is {"seq": n} (or {"restarted": 1}).
@@ -32,6 +40,7 @@ token ids as SGLang's EAGLE pairs (t_i, t_i+1). The answer is {"seq": n} (or {"r
 
 import json
 import queue
+import random
 import sys
 import threading
 import time
@@ -146,6 +155,8 @@ class SglMapBlockStored(SglMapEvent, tag="BlockStored"):
     medium: Optional[str] = None
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
+    # Since 0.5.23.
+    lora_name: Optional[str] = None
 
 
 class SglMapBlockRemoved(SglMapEvent, tag="BlockRemoved"):
@@ -218,6 +229,10 @@ def sglang_event(flavor: str, event: dict):
         salt = event.get("cache_salt")
         if flavor == "sglang-map":
             return SglMapBlockStored(**stored, medium=medium, cache_salt=salt)
+        if flavor == "sglang-0.5.23":
+            return SglMapBlockStored(
+                **stored, medium=medium, cache_salt=salt, lora_name=event.get("lora_name")
+            )
         if salt is not None:
             return SglBlockStoredWithMetadata(
                 **stored, medium=medium, metadata=SglMetadata(cache_salt=salt)
@@ -227,20 +242,24 @@ def sglang_event(flavor: str, event: dict):
         if flavor == "sglang-0":
             return Sgl0BlockRemoved(**common)
         medium = event.get("medium", "GPU")
-        if flavor == "sglang-map":
+        if flavor in ("sglang-map", "sglang-0.5.23"):
             return SglMapBlockRemoved(**common, medium=medium)
         return SglBlockRemoved(**common, medium=medium)
-    return SglMapAllBlocksCleared() if flavor == "sglang-map" else SglAllBlocksCleared()
+    if flavor in ("sglang-map", "sglang-0.5.23"):
+        return SglMapAllBlocksCleared()
+    return SglAllBlocksCleared()
 
 
 class Publisher:
-    def __init__(self, flavor: str):
+    def __init__(self, flavor: str, rank: int = 0, ports: tuple = (0, 0), context=None):
         self.flavor = flavor
         self.vllm = flavor.startswith("vllm")
-        self.context = zmq.Context()
+        # vLLM's replay answers carry the topic frame; SGLang's do since 0.5.23.
+        self.topic_in_replay = self.vllm or flavor == "sglang-0.5.23"
+        self.rank = rank
+        self.context = context or zmq.Context()
         self.encoder = msgspec.msgpack.Encoder()
-        self.pub_port = 0
-        self.replay_port = 0
+        self.pub_port, self.replay_port = ports
         self.bind()
 
     def bind(self) -> None:
@@ -249,9 +268,11 @@ class Publisher:
         self.replay = self.context.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
         if self.pub_port:
-            # A restarted engine binds the same ports; the old ones may linger a moment.
+            # A restarted engine binds the same ports; the old ones may linger a moment. A
+            # first bind on chosen ports (a data-parallel rank) tries once.
+            tries = 100 if hasattr(self, "seq") else 1
             for socket, port in ((self.pub, self.pub_port), (self.replay, self.replay_port)):
-                for _ in range(100):
+                for _ in range(tries):
                     try:
                         socket.bind(f"tcp://127.0.0.1:{port}")
                         break
@@ -259,7 +280,9 @@ class Publisher:
                         failure = error
                         time.sleep(0.05)
                 else:
-                    raise SystemExit(f"cannot bind port {port} again: {failure}")
+                    self.pub.close(linger=0)
+                    self.replay.close(linger=0)
+                    raise SystemExit(f"cannot bind port {port}: {failure}")
         else:
             # Above the kernel's ephemeral range (ip_local_port_range, 32768-60999 here):
             # while the ports are closed for a restart, a subscriber reconnecting to them could
@@ -274,12 +297,12 @@ class Publisher:
         if self.vllm:
             batch = VllmBatch(ts=time.time(), events=[vllm_event(e) for e in events])
             # vLLM's publish() fills in the publisher's rank.
-            batch.data_parallel_rank = 0
+            batch.data_parallel_rank = self.rank
         else:
             batch = SglBatch(
                 ts=time.time(),
                 events=[sglang_event(self.flavor, e) for e in events],
-                attn_dp_rank=0,
+                attn_dp_rank=self.rank,
             )
         return self.encoder.encode(batch)
 
@@ -301,12 +324,12 @@ class Publisher:
             start = int.from_bytes(start, "big")
             for seq, payload in self.buffer:
                 if seq >= start:
-                    if self.vllm:
+                    if self.topic_in_replay:
                         answer = (client, b"", b"", seq.to_bytes(8, "big"), payload)
                     else:
                         answer = (client, b"", seq.to_bytes(8, "big"), payload)
                     self.replay.send_multipart(answer)
-            if self.vllm:
+            if self.topic_in_replay:
                 self.replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
             else:
                 self.replay.send_multipart((client, b"", END_OF_REPLAY, b""))
@@ -317,14 +340,37 @@ class Publisher:
         self.bind()
 
 
+def ranks(flavor: str, size: int) -> list:
+    """size publishers on consecutive ports (PUB base + r, ROUTER base + size + r)."""
+    if size == 1:
+        return [Publisher(flavor)]
+    context = zmq.Context()
+    failure = None
+    for _ in range(100):
+        base = random.randrange(61000, 65535 - 2 * size)
+        made = []
+        try:
+            for rank in range(size):
+                made.append(Publisher(flavor, rank, (base + rank, base + size + rank), context))
+            return made
+        except SystemExit as error:
+            failure = error
+            for publisher in made:
+                publisher.pub.close(linger=0)
+                publisher.replay.close(linger=0)
+    raise SystemExit(f"no {2 * size} free consecutive ports: {failure}")
+
+
 def main() -> None:
     flavor = sys.argv[1]
-    publisher = Publisher(flavor)
+    size = int(sys.argv[3]) if sys.argv[2:3] == ["--data-parallel-size"] else 1
+    publishers = ranks(flavor, size)
     print(
         json.dumps(
             {
-                "endpoint": f"tcp://127.0.0.1:{publisher.pub_port}",
-                "replay": f"tcp://127.0.0.1:{publisher.replay_port}",
+                "endpoint": f"tcp://127.0.0.1:{publishers[0].pub_port}",
+                "replay": f"tcp://127.0.0.1:{publishers[0].replay_port}",
+                "data_parallel_size": size,
             }
         ),
         flush=True,
@@ -338,7 +384,8 @@ def main() -> None:
 
     threading.Thread(target=read, daemon=True).start()
     while True:
-        publisher.serve_replay()
+        for publisher in publishers:
+            publisher.serve_replay()
         try:
             line = commands.get(timeout=0.005)
         except queue.Empty:
@@ -346,6 +393,7 @@ def main() -> None:
         if line is None:
             break
         command = json.loads(line)
+        publisher = publishers[command.get("rank", 0)]
         if command.get("restart"):
             publisher.restart()
             print(json.dumps({"restarted": 1}), flush=True)

@@ -30,6 +30,8 @@ const WAIT: Duration = Duration::from_secs(10);
 struct Publisher {
     endpoint: String,
     replay: String,
+    /// Data-parallel ranks (rank r on each port + r).
+    ranks: u32,
     stdin: ChildStdin,
     lines: Lines<BufReader<ChildStdout>>,
     _child: Child,
@@ -37,9 +39,15 @@ struct Publisher {
 
 impl Publisher {
     async fn spawn(flavor: &str) -> anyhow::Result<Self> {
+        Self::spawn_ranks(flavor, 1).await
+    }
+
+    /// A data-parallel engine's `ranks` publishers, as vLLM binds them.
+    async fn spawn_ranks(flavor: &str, ranks: u32) -> anyhow::Result<Self> {
         let mut child = tokio::process::Command::new(test_python())
             .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/kv_publisher.py"))
             .arg(flavor)
+            .args(["--data-parallel-size", &ranks.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -53,6 +61,7 @@ impl Publisher {
         Ok(Self {
             endpoint: info["endpoint"].as_str().expect("endpoint").into(),
             replay: info["replay"].as_str().expect("replay").into(),
+            ranks,
             stdin,
             lines,
             _child: child,
@@ -73,6 +82,14 @@ impl Publisher {
     /// Publishes one batch of `events`; returns its sequence number.
     async fn publish(&mut self, events: Vec<Value>) -> anyhow::Result<u64> {
         let answer = self.command(json!({"publish": events})).await?;
+        Ok(answer["seq"].as_u64().expect("seq"))
+    }
+
+    /// Publishes one batch of `events` from data-parallel rank `rank`.
+    async fn publish_rank(&mut self, rank: u32, events: Vec<Value>) -> anyhow::Result<u64> {
+        let answer = self
+            .command(json!({"publish": events, "rank": rank}))
+            .await?;
         Ok(answer["seq"].as_u64().expect("seq"))
     }
 
@@ -155,12 +172,16 @@ async fn router_with(
         .zip(publishers)
         .enumerate()
         .map(|(index, (sim, publisher))| {
-            json!({
+            let instance = json!({
                 "Url": sim.url,
                 "InstanceId": format!("e{index}"),
                 "KvEvents": publisher.endpoint,
                 "KvEventsReplay": publisher.replay,
-            })
+            });
+            match publisher.ranks {
+                1 => instance,
+                ranks => with(instance, json!({ "KvEventsDataParallelSize": ranks })),
+            }
         })
         .collect();
     let variant = with(
@@ -494,7 +515,7 @@ async fn a_hybrid_model_is_routed_by_its_full_attention_group() -> anyhow::Resul
 
 #[tokio::test]
 async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
-    for flavor in ["sglang-0", "sglang-medium", "sglang-map"] {
+    for flavor in ["sglang-0", "sglang-medium", "sglang-map", "sglang-0.5.23"] {
         let dir = tempfile::tempdir()?;
         let (a, b) = engines().await?;
         let (mut pa, mut pb) = (
@@ -831,5 +852,164 @@ async fn an_engine_announcing_a_huge_frame_is_cut_off_and_the_router_keeps_servi
     assert_eq!((instance.as_str(), cached), ("e0", 0));
     router.shutdown().await;
     server.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holding_the_prefix()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    // e0 is a data-parallel server of 2 ranks (vLLM's --data-parallel-size 2: rank r publishes
+    // on each port + r); e1 an engine of one.
+    let a = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig {
+        data_parallel_size: 2,
+        ..fast()
+    })
+    .await?;
+    let b = switchyard_engine_sim::spawn(fast()).await?;
+    let (mut pa, mut pb) = (
+        Publisher::spawn_ranks("vllm-0.32", 2).await?,
+        Publisher::spawn("vllm-0.32").await?,
+    );
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    let (one, zero, other) = (words(0, 70), words(1, 70), words(2, 70));
+    let (one_tokens, zero_tokens, other_tokens) = (
+        tokens(&a, &one).await?,
+        tokens(&a, &zero).await?,
+        tokens(&a, &other).await?,
+    );
+    let full = |tokens: &[u32]| (tokens.len() / 16 * 16) as u32;
+    pa.publish_rank(1, vec![stored(&one_tokens, 16, 1)]).await?;
+    pa.publish_rank(0, vec![stored(&zero_tokens, 16, 100)])
+        .await?;
+    pb.publish(vec![stored(&other_tokens, 16, 1)]).await?;
+    let index = index(&router).await?;
+    let e0 = InstanceId::new("e0")?;
+    let sources = [
+        e0.data_parallel_rank(0),
+        e0.data_parallel_rank(1),
+        ids(2)[1].clone(),
+    ];
+    for (tokens, held) in [
+        (&one_tokens, [0, 1, 0]),
+        (&zero_tokens, [1, 0, 0]),
+        (&other_tokens, [0, 0, 1]),
+    ] {
+        let blocks = (tokens.len() / 16) as u32;
+        let want: Vec<u32> = held.iter().map(|&held| held * blocks).collect();
+        wait_matched("each rank's events in the index", &want, || {
+            index
+                .request_hashes(tokens)
+                .map(|hashes| index.matched_blocks(&hashes, &sources))
+                .unwrap_or_default()
+        })
+        .await?;
+    }
+
+    // (instance, route, cached tokens, rank on the answer, rank the engine received)
+    let send = |prompt: String, client_rank: Option<&'static str>| {
+        let router = router.url();
+        async move {
+            let headers: Vec<(&str, &str)> = client_rank
+                .map(|rank| vec![("x-data-parallel-rank", rank)])
+                .unwrap_or_default();
+            let reply: Reply = http_post(
+                &format!("{router}/endpoints/chat/openai/v1/completions"),
+                &headers,
+                json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+            )
+            .await?;
+            anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
+            Ok::<_, anyhow::Error>((
+                reply
+                    .header("x-switchyard-instance")
+                    .unwrap_or("")
+                    .to_owned(),
+                reply.header("x-switchyard-route").unwrap_or("").to_owned(),
+                reply
+                    .header("x-switchyard-cached-tokens")
+                    .and_then(|value| value.parse::<u32>().ok())
+                    .unwrap_or(0),
+                reply
+                    .header("x-switchyard-data-parallel-rank")
+                    .map(str::to_owned),
+            ))
+        }
+    };
+    let last_rank = |sim: &SimHandle| {
+        sim.received()
+            .last()
+            .and_then(|request| request.headers.get("x-data-parallel-rank").cloned())
+    };
+    assert_eq!(
+        send(one.clone(), None).await?,
+        (
+            "e0".into(),
+            "kv".into(),
+            full(&one_tokens),
+            Some("1".into())
+        ),
+        "the prefix rank 1 holds goes to e0's rank 1"
+    );
+    assert_eq!(
+        last_rank(&a).as_deref(),
+        Some("1"),
+        "vLLM's header names the rank"
+    );
+    // A client's own rank is replaced by the router's.
+    assert_eq!(
+        send(zero.clone(), Some("1")).await?,
+        (
+            "e0".into(),
+            "kv".into(),
+            full(&zero_tokens),
+            Some("0".into())
+        )
+    );
+    assert_eq!(last_rank(&a).as_deref(), Some("0"));
+    // An engine of one rank gets no rank; nor does a prompt no rank holds (vLLM's own
+    // balancer picks), and a client's header never reaches the engine.
+    assert_eq!(
+        send(other.clone(), Some("7")).await?,
+        ("e1".into(), "kv".into(), full(&other_tokens), None)
+    );
+    assert_eq!(last_rank(&b), None);
+    for seed in 10..14 {
+        let (instance, _, cached, rank) = send(words(seed, 70), Some("1")).await?;
+        assert_eq!((cached, rank), (0, None), "{instance}");
+        let sim = if instance == "e0" { &a } else { &b };
+        assert_eq!(last_rank(sim), None, "{instance}");
+    }
+    // Each rank is its own stream: a restart of rank 1 drops rank 1's blocks only.
+    pa.command(json!({"restart": true, "rank": 1})).await?;
+    pa.publish_rank(1, vec![]).await?;
+    eventually(WAIT, "rank 1's old run dropped", || {
+        let held = index
+            .request_hashes(&one_tokens)
+            .map(|hashes| index.matched_blocks(&hashes, &sources))
+            .unwrap_or_default();
+        async move { held.get(1) == Some(&0) }
+    })
+    .await?;
+    assert_eq!(
+        send(zero.clone(), None).await?,
+        (
+            "e0".into(),
+            "kv".into(),
+            full(&zero_tokens),
+            Some("0".into())
+        ),
+        "rank 0's blocks outlive rank 1's restart"
+    );
+    // Each rank is an instance of the index's metrics.
+    let metrics = Metrics::scrape(&router.url()).await?;
+    let blocks = |instance: &str| {
+        metrics.get(&format!(
+            r#"switchyard_kv_index_blocks{{endpoint="chat",variant="AllTraffic",instance="{instance}"}}"#
+        ))
+    };
+    assert_eq!(blocks("e0#dp0"), Some((zero_tokens.len() / 16) as f64));
+    assert_eq!(blocks("e1"), Some((other_tokens.len() / 16) as f64));
+    router.shutdown().await;
     Ok(())
 }

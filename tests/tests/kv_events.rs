@@ -209,10 +209,10 @@ fn kv_table(sims: &[&SimHandle], registry: &LoadRegistry) -> RoutingTable {
         .iter()
         .enumerate()
         .map(|(index, sim)| Instance {
-            kv_events: Some(KvEventsEndpoints {
-                publisher: sim.kv_events_endpoint().expect("events on"),
-                replay: sim.kv_events_replay_endpoint(),
-            }),
+            kv_events: Some(KvEventsEndpoints::single(
+                &sim.kv_events_endpoint().expect("events on"),
+                sim.kv_events_replay_endpoint().as_deref(),
+            )),
             ..Instance::new(
                 InstanceId::new(&format!("e{index}")).expect("id"),
                 EndpointName::new("chat").expect("name"),

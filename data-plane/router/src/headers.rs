@@ -15,6 +15,9 @@ pub const PRIORITY: HeaderName = HeaderName::from_static("x-switchyard-priority"
 /// Flow control: whose share of the queue the request counts against; read only with
 /// `--trust-flow-headers`, else removed.
 pub const FAIRNESS_ID: HeaderName = HeaderName::from_static("x-switchyard-fairness-id");
+/// vLLM's: the data-parallel rank of the engine that serves the request. The router sets it
+/// when the KV index names the rank holding the prompt's prefix; a client's own is removed.
+pub const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
 /// The request's id, on both hops and in every log line (made when the client sent none).
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -26,6 +29,8 @@ pub const INVOKED_VARIANT: HeaderName =
 pub const INSTANCE: HeaderName = HeaderName::from_static("x-switchyard-instance");
 /// Why that instance (`prefix`, `overflow`, `kv`, `direct`, `disaggregated`, `retry`, …).
 pub const ROUTE: HeaderName = HeaderName::from_static("x-switchyard-route");
+/// A data-parallel instance: the rank the request was sent to (`X-data-parallel-rank`).
+pub const SERVING_RANK: HeaderName = HeaderName::from_static("x-switchyard-data-parallel-rank");
 /// KV_AWARE: leading prompt tokens the KV index says the serving instance holds.
 pub const CACHED_TOKENS: HeaderName = HeaderName::from_static("x-switchyard-cached-tokens");
 /// A disaggregated endpoint's count of the prompt (`N`, or `N+` when counting stopped early).

@@ -28,6 +28,7 @@ use opentelemetry::KeyValue;
 use tokio::time::Instant;
 
 use crate::errors::ApiError;
+use crate::headers::SERVING_RANK;
 use crate::observe::labels::{RouteLabel, UpstreamError};
 use crate::observe::metrics::RouterMetrics;
 use crate::observe::trace::{RequestTrace, ShowTraceId, SpanGuard, request_id};
@@ -37,7 +38,7 @@ use crate::request::queue::FlowControl;
 use crate::routing::cells::{InstanceCell, SlotClaim};
 use crate::routing::table::{EndpointRoute, InstanceRoute};
 use crate::server::admission::BufferReservation;
-use upstream::{Failure, UpstreamClients, classify, upstream_request, upstream_uri};
+use upstream::{Failure, UpstreamClients, classify, upstream_request, upstream_uri, with_rank};
 
 /// How requests are forwarded (from the router's flags).
 #[derive(Debug, Clone, Copy)]
@@ -146,6 +147,8 @@ pub struct Hop {
     pub path: Option<String>,
     /// KV_AWARE: the leading prompt tokens each instance holds, by position in the variant.
     pub cached_tokens: Vec<u32>,
+    /// KV_AWARE: the data-parallel rank to send to, by position in the variant.
+    pub data_parallel_ranks: Vec<Option<u32>>,
     /// Flow control: the slot the queue took for the first candidate.
     pub claim: Option<SlotClaim>,
     /// A NIXL decode: the request without the hand-off, sent instead if a decoder refuses
@@ -165,6 +168,7 @@ impl From<Plan> for Hop {
             time_first_frame: false,
             path: plan.path,
             cached_tokens: plan.cached_tokens,
+            data_parallel_ranks: plan.data_parallel_ranks,
             claim: None,
             plain_body: None,
         }
@@ -283,10 +287,11 @@ impl Forwarder<'_> {
             ranking,
             body,
             mut label,
-            explain,
+            mut explain,
             mut time_first_frame,
             path,
             cached_tokens,
+            data_parallel_ranks,
             mut claim,
             mut plain_body,
         } = hop;
@@ -320,7 +325,9 @@ impl Forwarder<'_> {
                 continue;
             };
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
-            let request = upstream_request(operation.method(), uri, client_headers, body.clone());
+            let mut request =
+                upstream_request(operation.method(), uri, client_headers, body.clone());
+            let rank = with_rank(&mut request, &data_parallel_ranks, index);
             let attempt = self
                 .attempt(
                     instance,
@@ -358,6 +365,9 @@ impl Forwarder<'_> {
                         (response.map(refusal::UpstreamBody::from), head_at)
                     };
                     drop(held.take());
+                    if let Some(rank) = rank {
+                        explain.push((SERVING_RANK, HeaderValue::from(rank)));
+                    }
                     return Ok(Answered {
                         response,
                         in_flight,

@@ -36,7 +36,7 @@ use serde_json::Value;
 use switchyard_shared::KvTransferProtocol;
 use tokio::time::Instant;
 
-use super::upstream::{Failure, upstream_request, upstream_uri};
+use super::upstream::{Failure, upstream_request, upstream_uri, with_rank};
 use super::{Answered, Forwarder, Hop};
 use crate::errors::ApiError;
 use crate::headers::{DECODE_QUEUE_MS, PREFILL_CACHED_TOKENS, PREFILL_INSTANCE};
@@ -120,7 +120,7 @@ impl Forwarder<'_> {
                         operation,
                         &endpoint,
                         pd,
-                        &order,
+                        (&order, &disaggregated.prefill_ranks),
                         client_headers,
                         copy,
                         &mut reservation,
@@ -210,7 +210,7 @@ impl Forwarder<'_> {
         operation: Operation,
         endpoint: &EndpointRoute,
         pd: &Disaggregation,
-        order: &[usize],
+        (order, ranks): (&[usize], &[Option<u32>]),
         client_headers: &HeaderMap,
         body: Bytes,
         reservation: &mut BufferReservation,
@@ -232,7 +232,8 @@ impl Forwarder<'_> {
             let deadline = pd.prefill_timeout;
             let claim = claim.take();
             let answer = tokio::time::timeout(deadline, async {
-                let request = upstream_request(operation.method(), uri, &headers, body.clone());
+                let mut request = upstream_request(operation.method(), uri, &headers, body.clone());
+                with_rank(&mut request, ranks, index);
                 let (response, in_flight) = self
                     .attempt(instance, request, deadline, "prefill", claim)
                     .await?;

@@ -156,7 +156,10 @@ pub(crate) fn upstream_request(
     let listed = connection_listed(client_headers);
     let headers = request.headers_mut();
     for (name, value) in client_headers {
-        let routers_own = name == header::HOST || name == header::CONTENT_LENGTH;
+        // The data-parallel rank is the router's choice (`with_rank`), never the client's.
+        let routers_own = name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == crate::headers::DATA_PARALLEL_RANK;
         if !routers_own && !is_hop_by_hop(name) && !listed.contains(name) {
             headers.append(name.clone(), value.clone());
         }
@@ -167,6 +170,20 @@ pub(crate) fn upstream_request(
             .or_insert(HeaderValue::from_static("application/json"));
     }
     request
+}
+
+/// Sends `request` to data-parallel rank `ranks[index]` (vLLM's `X-data-parallel-rank`), if
+/// the KV index named one for the instance at `index`; returns it.
+pub(crate) fn with_rank(
+    request: &mut http::Request<Full<Bytes>>,
+    ranks: &[Option<u32>],
+    index: usize,
+) -> Option<u32> {
+    let rank = ranks.get(index).copied().flatten()?;
+    request
+        .headers_mut()
+        .insert(crate::headers::DATA_PARALLEL_RANK, HeaderValue::from(rank));
+    Some(rank)
 }
 
 #[cfg(test)]
@@ -180,14 +197,23 @@ mod tests {
         client.insert("x-secret", "token".parse().unwrap());
         client.insert("x-kept", "yes".parse().unwrap());
         client.insert(header::HOST, "router".parse().unwrap());
+        client.insert("x-data-parallel-rank", "3".parse().unwrap());
         client.insert(header::TE, "trailers".parse().unwrap());
         let uri: http::Uri = "http://127.0.0.1:1/v1/completions".parse().unwrap();
-        let request = upstream_request(http::Method::POST, uri, &client, Bytes::from("{}"));
+        let request = upstream_request(http::Method::POST, uri.clone(), &client, Bytes::from("{}"));
         let sent = request.headers();
         assert!(sent.get("x-secret").is_none());
         assert!(sent.get(header::CONNECTION).is_none());
         assert!(sent.get(header::HOST).is_none());
         assert!(sent.get(header::TE).is_none());
+        assert!(sent.get("x-data-parallel-rank").is_none());
+        let mut ranked = upstream_request(http::Method::POST, uri.clone(), &client, Bytes::new());
+        assert_eq!(with_rank(&mut ranked, &[None, Some(2)], 1), Some(2));
+        assert_eq!(ranked.headers()["x-data-parallel-rank"], "2");
+        let mut unranked = upstream_request(http::Method::POST, uri.clone(), &client, Bytes::new());
+        assert_eq!(with_rank(&mut unranked, &[None, Some(2)], 0), None);
+        assert_eq!(with_rank(&mut unranked, &[], 0), None);
+        assert!(unranked.headers().get("x-data-parallel-rank").is_none());
         assert_eq!(sent["x-kept"], "yes");
         assert_eq!(sent[header::CONTENT_TYPE], "application/json");
 

@@ -284,6 +284,20 @@ async fn reconcile_loop(
     while tasks.join_next().await.is_some() {}
 }
 
+/// The index's sources of one instance's events, each with its sockets: the instance itself,
+/// or for a data-parallel engine each rank (`ID#dpR`, on each port + R).
+pub fn sources(
+    id: &InstanceId,
+    endpoints: &KvEventsEndpoints,
+) -> Vec<(InstanceId, KvEventsEndpoints)> {
+    match endpoints.data_parallel_size {
+        0 | 1 => vec![(id.clone(), endpoints.clone())],
+        size => (0..size)
+            .map(|rank| (id.data_parallel_rank(rank), endpoints.rank(rank)))
+            .collect(),
+    }
+}
+
 fn reconcile(
     table: &RoutingTable,
     index: &Arc<KvIndex>,
@@ -301,14 +315,14 @@ fn reconcile(
         {
             variants.insert((endpoint.name.clone(), variant.name.clone()));
             for instance in &variant.instances {
-                if let Some(endpoints) = &instance.kv_events {
+                let Some(endpoints) = &instance.kv_events else {
+                    continue;
+                };
+                // A data-parallel engine: one stream per rank, indexed apart.
+                for (source, endpoints) in sources(&instance.id, endpoints) {
                     wanted.insert(
-                        (
-                            endpoint.name.clone(),
-                            variant.name.clone(),
-                            instance.id.clone(),
-                        ),
-                        endpoints.clone(),
+                        (endpoint.name.clone(), variant.name.clone(), source),
+                        endpoints,
                     );
                 }
             }

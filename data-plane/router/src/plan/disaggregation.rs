@@ -14,7 +14,7 @@ use http::{HeaderName, HeaderValue};
 use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_policy::hash::routing_key;
 use switchyard_policy::openai::OpenAiRequest;
-use switchyard_shared::{InstanceId, PrefillRoutingStrategy, ThresholdBasis};
+use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
 
 use super::count::{Count, TokenCounters, count_prompt};
 use super::planned::{Plan, PrefillHop};
@@ -106,6 +106,7 @@ pub(super) fn split(
             prefill: rank::prefill(prefill, pd, &key, rng.u64(..)),
             count,
             prefill_cached_tokens: Vec::new(),
+            prefill_ranks: Vec::new(),
             prefill_body: None,
         }),
         pending: (pd.prefill_strategy == PrefillRoutingStrategy::KvAware).then_some(Pending {
@@ -187,20 +188,17 @@ pub(crate) fn finish(
             },
             None => local_count,
         };
-        if let (Some(ids), Some(index)) = (tokens, indexes.decode) {
-            let instances: Vec<InstanceId> = decode
-                .instances
+        if let (Some(ids), Some(index)) = (tokens, indexes.decode)
+            && let Some((found, ranks)) =
+                super::kv::match_instances(decode, index, ids, chain, random)
+        {
+            let block_size = found.block_size as u32;
+            plan.cached_tokens = found
+                .matched
                 .iter()
-                .map(|instance| instance.id.clone())
+                .map(|blocks| blocks * block_size)
                 .collect();
-            if let Some(found) = index.match_prompt(ids, chain, &instances) {
-                let block_size = found.block_size as u32;
-                plan.cached_tokens = found
-                    .matched
-                    .iter()
-                    .map(|blocks| blocks * block_size)
-                    .collect();
-            }
+            plan.data_parallel_ranks = ranks;
         }
         let cached = plan
             .ranking
@@ -218,6 +216,7 @@ pub(crate) fn finish(
                 prefill: rank::prefill(prefill, pd, &pending.prefill_key, random),
                 count,
                 prefill_cached_tokens: Vec::new(),
+                prefill_ranks: Vec::new(),
                 prefill_body: super::engine_body::prefill_body(&plan.body, pd.protocol, prefill),
             });
             RouteLabel::Disaggregated
@@ -230,6 +229,7 @@ pub(crate) fn finish(
         let decision = super::kv::decide(prefill, Some(index), Some(ids), chain, now_ms, random);
         disaggregated.prefill = decision.ranking;
         disaggregated.prefill_cached_tokens = decision.cached_tokens_by_instance;
+        disaggregated.prefill_ranks = decision.ranks_by_instance;
     }
     plan
 }

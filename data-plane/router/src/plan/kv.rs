@@ -3,7 +3,7 @@
 //! (`policy::kv::rank_kv`). Pure: the index, the ids and the instances' load cells in, a
 //! ranking out.
 
-use switchyard_kv::{ChainKey, VariantIndex};
+use switchyard_kv::{ChainKey, TokenMatch, VariantIndex};
 use switchyard_policy::rank::{Route, Strategy};
 use switchyard_shared::InstanceId;
 
@@ -22,6 +22,64 @@ pub struct KvDecision {
     /// Leading prompt tokens each instance holds, by position in the variant's instances
     /// (empty when the decision fell back to load): what a retry's instance holds.
     pub cached_tokens_by_instance: Vec<u32>,
+    /// A data-parallel instance's rank holding those tokens, by position (None: not data
+    /// parallel, or no rank holds any; empty when the decision fell back to load).
+    pub ranks_by_instance: Vec<Option<u32>>,
+}
+
+/// A prompt's match against a variant's index, per instance: a data-parallel instance holds
+/// what its best rank holds, and that rank is named (ties between ranks broken by `random`;
+/// None where no rank holds a block, so that the engine's own balancer picks). None before
+/// the block size is known.
+pub fn match_instances(
+    variant: &VariantRoute,
+    index: &VariantIndex,
+    tokens: &[u32],
+    chain: ChainKey<'_>,
+    random: u64,
+) -> Option<(TokenMatch, Vec<Option<u32>>)> {
+    let count = variant.instances.len();
+    let mut sources: Vec<InstanceId> = Vec::with_capacity(count);
+    // (instance position, rank) of each source.
+    let mut owners: Vec<(usize, Option<u32>)> = Vec::with_capacity(count);
+    for (position, instance) in variant.instances.iter().enumerate() {
+        if instance.data_parallel_ranks.is_empty() {
+            sources.push(instance.id.clone());
+            owners.push((position, None));
+        } else {
+            sources.extend(instance.data_parallel_ranks.iter().cloned());
+            owners.extend(
+                (0..instance.data_parallel_ranks.len() as u32).map(|r| (position, Some(r))),
+            );
+        }
+    }
+    let mut found = index.match_prompt(tokens, chain, &sources)?;
+    let mut ranks = vec![None; count];
+    if sources.len() == count {
+        return Some((found, ranks));
+    }
+    let mut matched = vec![0u32; count];
+    let mut ties = vec![0u64; count];
+    let mut draw = random;
+    for (&(position, rank), &held) in owners.iter().zip(&found.matched) {
+        if held == 0 || held < matched[position] {
+            continue;
+        }
+        if held > matched[position] {
+            matched[position] = held;
+            ties[position] = 0;
+        }
+        // One uniform choice among the ranks holding the most (reservoir sampling).
+        ties[position] += 1;
+        draw = draw
+            .wrapping_mul(0x5851_F42D_4C95_7F2D)
+            .wrapping_add(0x1405_7B7E_F767_814F);
+        if (draw >> 33).is_multiple_of(ties[position]) {
+            ranks[position] = rank;
+        }
+    }
+    found.matched = matched;
+    Some((found, ranks))
 }
 
 /// Prompts longer than this are matched against the index on a blocking thread: hashing and
@@ -69,16 +127,13 @@ pub fn decide(
         cached_tokens: 0,
         prompt_blocks: 0,
         cached_tokens_by_instance: Vec::new(),
+        ranks_by_instance: Vec::new(),
     };
     let (Some(index), Some(tokens)) = (index, tokens) else {
         return by_load();
     };
-    let ids: Vec<InstanceId> = variant
-        .instances
-        .iter()
-        .map(|instance| instance.id.clone())
-        .collect();
-    let Some(found) = index.match_prompt(tokens, chain, &ids) else {
+    let Some((found, ranks_by_instance)) = match_instances(variant, index, tokens, chain, random)
+    else {
         return by_load();
     };
     let ranking = switchyard_policy::kv::rank_kv(
@@ -103,6 +158,7 @@ pub fn decide(
         ranking,
         prompt_blocks: found.blocks,
         cached_tokens_by_instance,
+        ranks_by_instance,
     }
 }
 
@@ -132,5 +188,6 @@ pub(crate) fn apply(mut plan: Plan, decision: KvDecision) -> Plan {
     plan.ranking = decision.ranking;
     plan.label = RouteLabel::from(plan.ranking.route.unwrap_or(Route::LeastOutstanding));
     plan.cached_tokens = decision.cached_tokens_by_instance;
+    plan.data_parallel_ranks = decision.ranks_by_instance;
     plan
 }

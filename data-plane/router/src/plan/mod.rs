@@ -283,6 +283,7 @@ pub fn plan(
         explain: Vec::new(),
         prefill_hop: None,
         cached_tokens: Vec::new(),
+        data_parallel_ranks: Vec::new(),
         routing_key,
         flow,
         pinned,

@@ -31,6 +31,9 @@ pub struct Plan {
     /// Once ranked by a KV index: the leading prompt tokens each instance holds, by position
     /// in the variant (`x-switchyard-cached-tokens`); empty otherwise.
     pub cached_tokens: Vec<u32>,
+    /// Once ranked by a KV index: the data-parallel rank to send to, by position in the
+    /// variant (vLLM's `X-data-parallel-rank`; None: the engine picks); empty otherwise.
+    pub data_parallel_ranks: Vec<Option<u32>>,
     /// PREFIX_AWARE: the routing key the ranking hashed (for the trace; None otherwise).
     pub routing_key: Option<u64>,
     /// Its place in a flow-control queue (priority, fairness id).
@@ -57,6 +60,9 @@ pub struct PrefillHop {
     /// tokens each prefill instance holds, by position (`x-switchyard-prefill-cached-tokens`);
     /// empty otherwise.
     pub prefill_cached_tokens: Vec<u32>,
+    /// KV_AWARE prefill: the data-parallel rank of each prefill instance to send to, by
+    /// position (None: the engine picks); empty otherwise.
+    pub prefill_ranks: Vec<Option<u32>>,
     /// The request to send to the prefill instance (made here, off the serving thread).
     pub prefill_body: Option<Bytes>,
 }

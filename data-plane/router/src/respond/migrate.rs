@@ -196,6 +196,7 @@ impl Migration {
             explain: Vec::new(),
             prefill_hop: None,
             cached_tokens: Vec::new(),
+            data_parallel_ranks: Vec::new(),
             routing_key: None,
             flow: self.flow,
             // A pinned request has one instance; it cannot move.

@@ -640,10 +640,10 @@ mod tests {
         membership.apply(version("c", 5), &snapshot()).unwrap();
         let mut moved = (*instance("a", "a1", Health::Healthy)).clone();
         moved.decode_partner = Some(InstanceId::new("d9").unwrap());
-        moved.kv_events = Some(switchyard_shared::KvEventsEndpoints {
-            publisher: "tcp://127.0.0.1:5557".into(),
-            replay: None,
-        });
+        moved.kv_events = Some(switchyard_shared::KvEventsEndpoints::single(
+            "tcp://127.0.0.1:5557",
+            None,
+        ));
         let change = StateUpdate {
             complete: true,
             instances: vec![Arc::new(moved)],

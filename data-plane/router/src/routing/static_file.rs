@@ -51,6 +51,8 @@ struct FileInstance {
     kv_events: Option<String>,
     /// Its replay socket, `tcp://host:port`.
     kv_events_replay: Option<String>,
+    /// A data-parallel engine's ranks (rank r on each KV-event port + r).
+    kv_events_data_parallel_size: Option<u32>,
     /// LMCACHE disaggregation: the InstanceId of the decoder this prefill instance pushes to.
     decode_partner: Option<String>,
 }
@@ -192,8 +194,12 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
             let kv_events = KvEventsEndpoints::parse(
                 instance.kv_events.as_deref(),
                 instance.kv_events_replay.as_deref(),
-                &at("KvEvents"),
-                &at("KvEventsReplay"),
+                instance.kv_events_data_parallel_size,
+                switchyard_shared::KvEventsFields {
+                    publisher: &at("KvEvents"),
+                    replay: &at("KvEventsReplay"),
+                    data_parallel_size: &at("KvEventsDataParallelSize"),
+                },
             )?;
             let weight = instance.weight.unwrap_or(1.0);
             validate_instance_weight(weight)
@@ -286,6 +292,23 @@ mod tests {
         assert_eq!(kv.publisher, "tcp://127.0.0.1:5557");
         assert_eq!(kv.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
         assert_eq!(config.instances[1].kv_events, None);
+        let config = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEvents":"tcp://127.0.0.1:5557",
+            "KvEventsDataParallelSize":4}]}]}"#,
+        )
+        .unwrap();
+        let kv = config.instances[0].kv_events.clone().unwrap();
+        assert_eq!(kv.data_parallel_size, 4);
+        let err = parse(
+            r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
+            "Instances":[{"Url":"http://127.0.0.1:9001","KvEventsDataParallelSize":2}]}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "Endpoints[0].Instances[0].KvEventsDataParallelSize"
+        );
         let err = parse(
             r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[{"VariantName":"v"}],
             "Instances":[{"Url":"http://127.0.0.1:9001","KvEventsReplay":"tcp://127.0.0.1:5558"}]}]}"#,

@@ -32,6 +32,9 @@ pub struct InstanceRoute {
     pub protocol: InstanceProtocol,
     /// Where it publishes KV-cache events (KV_AWARE), if it does.
     pub kv_events: Option<KvEventsEndpoints>,
+    /// A data-parallel engine: the KV index's name of each rank's events (`ID#dpR`, by rank;
+    /// empty otherwise, when the index knows the instance by its id).
+    pub data_parallel_ranks: Arc<[InstanceId]>,
     /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
     pub decode_partner: Option<InstanceId>,
     pub cell: Arc<InstanceCell>,
@@ -257,6 +260,12 @@ impl InstanceRoute {
             completions,
             protocol: instance.protocol,
             kv_events: instance.kv_events.clone(),
+            data_parallel_ranks: match &instance.kv_events {
+                Some(kv) if kv.data_parallel_size > 1 => (0..kv.data_parallel_size)
+                    .map(|rank| instance.instance_id.data_parallel_rank(rank))
+                    .collect(),
+                _ => Arc::from([]),
+            },
             decode_partner: instance.decode_partner.clone(),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
