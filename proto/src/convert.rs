@@ -832,6 +832,7 @@ mod tests {
         assert_eq!(pb::Instance::from(&domain), instance);
         let data_parallel = pb::Instance {
             kv_events_data_parallel_size: 4,
+            kv_events_replay_endpoint: "tcp://127.0.0.1:6557".into(),
             ..instance.clone()
         };
         let domain = Instance::try_from(data_parallel.clone()).unwrap();

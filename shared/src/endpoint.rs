@@ -454,6 +454,12 @@ mod tests {
             "D"
         );
         assert!(parse_dp(Some("tcp://h:65534"), None, Some(2)).is_ok());
+        // vLLM's usual 5557 and 5558 cannot serve two ranks: rank 1 would publish on 5558.
+        let overlap = parse_dp(Some("tcp://h:5557"), Some("tcp://h:5558"), Some(2)).unwrap_err();
+        assert_eq!(overlap.field, "D");
+        assert!(overlap.message.contains("overlap"), "{overlap:?}");
+        assert!(parse_dp(Some("tcp://h:5557"), Some("tcp://h:5559"), Some(2)).is_ok());
+        assert!(parse_dp(Some("tcp://h:5557"), Some("tcp://g:5558"), Some(2)).is_ok());
         let past = parse_dp(Some("tcp://h:1"), Some("tcp://h:65535"), Some(2)).unwrap_err();
         assert_eq!(past.field, "D");
         assert!(past.message.contains("65535"), "{past:?}");

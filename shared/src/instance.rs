@@ -214,8 +214,9 @@ fn is_one_rank(size: &u32) -> bool {
 }
 
 /// The largest data-parallel size an instance may register (vLLM's wide expert-parallel
-/// deployments run DP 256 and fewer).
-pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+/// deployments run DP 256 and fewer). Each rank costs every router two sockets and an index
+/// budget of its own (`--kv-index-max-blocks` is per stream).
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 256;
 
 /// Where a [`KvEventsEndpoints::parse`] input comes from: each field's name, for errors.
 #[derive(Debug, Clone, Copy)]
@@ -238,7 +239,8 @@ impl KvEventsEndpoints {
     /// Builds the endpoints from the optional inputs (empty or 0 counts as absent), checking
     /// each is `tcp://host:port`, that a replay endpoint or a data-parallel size comes with a
     /// publisher, and that the size is 1..=[`MAX_DATA_PARALLEL_SIZE`] with every rank's port
-    /// (port + size - 1) at most 65535. The error names the field of `fields`.
+    /// (port + size - 1) at most 65535 and the ranks' publisher and replay ports apart on one
+    /// host. The error names the field of `fields`.
     pub fn parse(
         publisher: Option<&str>,
         replay: Option<&str>,
@@ -295,6 +297,21 @@ impl KvEventsEndpoints {
                 ));
             }
         }
+        if let Some(replay) = &endpoints.replay
+            && size > 1
+            && host_of(replay) == host_of(&endpoints.publisher)
+            && port_of(replay).abs_diff(port_of(&endpoints.publisher)) < u64::from(size)
+        {
+            return Err(ValidationError::new(
+                fields.data_parallel_size,
+                format!(
+                    "is {size}: ranks publish on {} + 0..{size} and replay on {replay} + \
+                     0..{size}, which overlap; give the replay socket a port at least {size} \
+                     away",
+                    endpoints.publisher
+                ),
+            ));
+        }
         Ok(Some(endpoints))
     }
 
@@ -317,6 +334,11 @@ impl KvEventsEndpoints {
 
 fn port_of_text(port: &str) -> u64 {
     port.parse::<u16>().map_or(0, u64::from)
+}
+
+/// The host of a checked `tcp://host:port` endpoint.
+fn host_of(endpoint: &str) -> &str {
+    endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host)
 }
 
 /// The port of a checked `tcp://host:port` endpoint.

@@ -93,7 +93,7 @@ pub struct Forwarder<'a> {
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the
 /// attempt's span (when traced) with it.
 #[derive(Debug)]
-pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant);
+pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant, Option<u32>);
 
 impl InFlight {
     /// Adds `attribute` to the attempt's span (nothing when it is not traced).
@@ -103,17 +103,29 @@ impl InFlight {
 
     /// Counts the attempt, sent now: with the slot `claim` took for it when the claim is on
     /// this instance (else the claim's slot is freed).
-    fn start(cell: &Arc<InstanceCell>, span: SpanGuard, claim: Option<SlotClaim>) -> Self {
+    /// `rank`: the data-parallel rank it was sent to, counted in the cell's `rank_load`.
+    fn start(
+        cell: &Arc<InstanceCell>,
+        span: SpanGuard,
+        claim: Option<SlotClaim>,
+        rank: Option<u32>,
+    ) -> Self {
         if !claim.is_some_and(|claim| claim.adopt(cell)) {
             cell.local.fetch_add(1, Ordering::Relaxed);
         }
-        Self(Arc::clone(cell), span, Instant::now())
+        if let Some(rank) = rank {
+            cell.rank_load.add(rank);
+        }
+        Self(Arc::clone(cell), span, Instant::now(), rank)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.local.fetch_sub(1, Ordering::Relaxed);
+        if let Some(rank) = self.3 {
+            self.0.rank_load.sub(rank);
+        }
         self.0.slot_freed();
     }
 }
@@ -236,7 +248,12 @@ impl Forwarder<'_> {
             }
             None => SpanGuard::default(),
         };
-        let in_flight = InFlight::start(&instance.cell, span, claim);
+        // The rank `with_rank` set, if any.
+        let rank = request
+            .headers()
+            .get(crate::headers::DATA_PARALLEL_RANK)
+            .and_then(|value| value.to_str().ok()?.parse().ok());
+        let in_flight = InFlight::start(&instance.cell, span, claim, rank);
         let sent = in_flight.2;
         let client = self.clients.for_instance(instance.protocol);
         match tokio::time::timeout(deadline, client.request(request)).await {

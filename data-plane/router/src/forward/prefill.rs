@@ -436,6 +436,9 @@ fn hand_off(
             let order = &mut hop.ranking.order;
             order.retain(|&index| index != partner);
             order.insert(0, partner);
+            // LMCache pushed the KV to the decoder it chose, not to the rank the decode
+            // pool's index would name: the engine picks the rank.
+            hop.data_parallel_ranks.clear();
             Ok(())
         }
     }

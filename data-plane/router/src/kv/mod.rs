@@ -56,9 +56,9 @@ pub struct KvArgs {
     /// tries it again; the other instances are asked meanwhile.
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub kv_tokenize_pause_ms: u64,
-    /// KV_AWARE: KV-cache blocks of 16 tokens the router's index keeps per instance (a token
-    /// budget: engines with other block sizes keep as many tokens; ~310 bytes per block);
-    /// beyond, the least recently stored are forgotten.
+    /// KV_AWARE: KV-cache blocks of 16 tokens the router's index keeps per instance (per rank
+    /// of a data-parallel one; a token budget: engines with other block sizes keep as many
+    /// tokens; ~310 bytes per block); beyond, the least recently stored are forgotten.
     #[arg(long, default_value_t = switchyard_kv::index::DEFAULT_MAX_BLOCKS_PER_INSTANCE, value_name = "BLOCKS")]
     pub kv_index_max_blocks: usize,
     /// KV_AWARE: how often each engine's KV-event replay socket is probed, in ms (two
@@ -284,16 +284,30 @@ async fn reconcile_loop(
     while tasks.join_next().await.is_some() {}
 }
 
-/// The index's sources of one instance's events, each with its sockets: the instance itself,
-/// or for a data-parallel engine each rank (`ID#dpR`, on each port + R).
-pub fn sources(
-    id: &InstanceId,
-    endpoints: &KvEventsEndpoints,
-) -> Vec<(InstanceId, KvEventsEndpoints)> {
+/// One stream of KV events: the name the index knows it by, its sockets, and the
+/// data-parallel rank it is (None: not data parallel).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub id: InstanceId,
+    pub endpoints: KvEventsEndpoints,
+    pub rank: Option<u32>,
+}
+
+/// The index's sources of one instance's events: the instance itself, or for a
+/// data-parallel engine each rank (`ID#dpR`, on each port + R).
+pub fn sources(id: &InstanceId, endpoints: &KvEventsEndpoints) -> Vec<Source> {
     match endpoints.data_parallel_size {
-        0 | 1 => vec![(id.clone(), endpoints.clone())],
+        0 | 1 => vec![Source {
+            id: id.clone(),
+            endpoints: endpoints.clone(),
+            rank: None,
+        }],
         size => (0..size)
-            .map(|rank| (id.data_parallel_rank(rank), endpoints.rank(rank)))
+            .map(|rank| Source {
+                id: id.data_parallel_rank(rank),
+                endpoints: endpoints.rank(rank),
+                rank: Some(rank),
+            })
             .collect(),
     }
 }
@@ -306,7 +320,7 @@ fn reconcile(
     tasks: &mut JoinSet<()>,
     stop: &CancellationToken,
 ) {
-    let mut wanted: HashMap<SubscriberKey, KvEventsEndpoints> = HashMap::new();
+    let mut wanted: HashMap<SubscriberKey, Source> = HashMap::new();
     let mut variants = HashSet::new();
     for endpoint in table.endpoints.values() {
         for variant in (0..endpoint.variants.len())
@@ -319,17 +333,23 @@ fn reconcile(
                     continue;
                 };
                 // A data-parallel engine: one stream per rank, indexed apart.
-                for (source, endpoints) in sources(&instance.id, endpoints) {
+                for source in sources(&instance.id, endpoints) {
                     wanted.insert(
-                        (endpoint.name.clone(), variant.name.clone(), source),
-                        endpoints,
+                        (
+                            endpoint.name.clone(),
+                            variant.name.clone(),
+                            source.id.clone(),
+                        ),
+                        source,
                     );
                 }
             }
         }
     }
     running.retain(|key, subscriber| {
-        let keep = wanted.get(key) == Some(&subscriber.endpoints);
+        let keep = wanted
+            .get(key)
+            .is_some_and(|source| source.endpoints == subscriber.endpoints);
         if !keep {
             subscriber.stop.cancel();
             if let Some(variant) = index.variant(&key.0, &key.1) {
@@ -339,13 +359,20 @@ fn reconcile(
         }
         keep
     });
-    for (key, endpoints) in wanted {
+    for (
+        key,
+        Source {
+            endpoints, rank, ..
+        },
+    ) in wanted
+    {
         if running.contains_key(&key) {
             continue;
         }
         let variant = index.variant_or_insert(&(key.0.clone(), key.1.clone()));
         let target = subscriber::Target {
             instance: key.2.clone(),
+            rank,
             index: variant,
             index_settings: index.settings,
             counters: Arc::clone(&index.counters),

@@ -81,6 +81,9 @@ impl Default for SubscriberSettings {
 #[derive(Debug, Clone)]
 pub struct Target {
     pub instance: InstanceId,
+    /// A data-parallel engine's rank this stream is (its batches must say so); None: not
+    /// data parallel.
+    pub rank: Option<u32>,
     pub index: Arc<VariantIndex>,
     pub index_settings: IndexSettings,
     pub counters: Arc<IndexCounters>,
@@ -161,6 +164,20 @@ impl Follower {
     }
 
     fn apply(&mut self, seq: u64, batch: &EventBatch) {
+        // A data-parallel rank's socket publishing another rank's batches (a registered size
+        // larger than the engine's, meeting a neighbour on port + r): not this rank's cache.
+        if let (Some(rank), Some(said)) = (self.target.rank, batch.data_parallel_rank)
+            && said != i64::from(rank)
+        {
+            let error = format!(
+                "the batch says data_parallel_rank {said}, but this socket is rank {rank}'s \
+                 (is KvEventsDataParallelSize larger than the engine's?)"
+            );
+            let empty = self.undecodable(seq, &error);
+            self.expected = Some(seq + 1);
+            self.last_ts = self.last_ts.max(empty.ts);
+            return;
+        }
         let target = &self.target;
         target.index.apply(
             &target.instance,
@@ -549,6 +566,7 @@ mod tests {
 
     fn target() -> Target {
         Target {
+            rank: None,
             instance: InstanceId::new("a").unwrap(),
             index: Arc::new(VariantIndex::default()),
             index_settings: IndexSettings::default(),

@@ -189,8 +189,14 @@ pub(crate) fn finish(
             None => local_count,
         };
         if let (Some(ids), Some(index)) = (tokens, indexes.decode)
-            && let Some((found, ranks)) =
-                super::kv::match_instances(decode, index, ids, chain, random)
+            && let Some((found, ranks)) = super::kv::match_instances(
+                decode,
+                index,
+                ids,
+                chain,
+                super::kv::params(decode),
+                random,
+            )
         {
             let block_size = found.block_size as u32;
             plan.cached_tokens = found

@@ -27,30 +27,29 @@ pub struct KvDecision {
     pub ranks_by_instance: Vec<Option<u32>>,
 }
 
-/// A prompt's match against a variant's index, per instance: a data-parallel instance holds
-/// what its best rank holds, and that rank is named (ties between ranks broken by `random`;
-/// None where no rank holds a block, so that the engine's own balancer picks). None before
-/// the block size is known.
+/// A prompt's match against a variant's index, per instance. A data-parallel instance's
+/// ranks are ranked among themselves by KV_AWARE's formula (`policy::kv::rank_kv` with
+/// `params`: the blocks each rank holds against the requests this router has in flight on
+/// it): the instance holds what the chosen rank holds, and that rank is named. Where the
+/// formula chooses by load instead (no rank below the threshold holds a block, or the load
+/// outweighs what it holds) no rank is named and the instance is credited with nothing: the
+/// engine's own balancer, which sees every rank's load, picks. None before the block size is
+/// known.
 pub fn match_instances(
     variant: &VariantRoute,
     index: &VariantIndex,
     tokens: &[u32],
     chain: ChainKey<'_>,
+    params: switchyard_policy::kv::KvParams,
     random: u64,
 ) -> Option<(TokenMatch, Vec<Option<u32>>)> {
     let count = variant.instances.len();
     let mut sources: Vec<InstanceId> = Vec::with_capacity(count);
-    // (instance position, rank) of each source.
-    let mut owners: Vec<(usize, Option<u32>)> = Vec::with_capacity(count);
-    for (position, instance) in variant.instances.iter().enumerate() {
+    for instance in &variant.instances {
         if instance.data_parallel_ranks.is_empty() {
             sources.push(instance.id.clone());
-            owners.push((position, None));
         } else {
             sources.extend(instance.data_parallel_ranks.iter().cloned());
-            owners.extend(
-                (0..instance.data_parallel_ranks.len() as u32).map(|r| (position, Some(r))),
-            );
         }
     }
     let mut found = index.match_prompt(tokens, chain, &sources)?;
@@ -58,28 +57,55 @@ pub fn match_instances(
     if sources.len() == count {
         return Some((found, ranks));
     }
-    let mut matched = vec![0u32; count];
-    let mut ties = vec![0u64; count];
-    let mut draw = random;
-    for (&(position, rank), &held) in owners.iter().zip(&found.matched) {
-        if held == 0 || held < matched[position] {
+    let mut matched = Vec::with_capacity(count);
+    let mut at = 0;
+    for (position, instance) in variant.instances.iter().enumerate() {
+        let size = instance.data_parallel_ranks.len();
+        if size == 0 {
+            matched.push(found.matched[at]);
+            at += 1;
             continue;
         }
-        if held > matched[position] {
-            matched[position] = held;
-            ties[position] = 0;
-        }
-        // One uniform choice among the ranks holding the most (reservoir sampling).
-        ties[position] += 1;
-        draw = draw
-            .wrapping_mul(0x5851_F42D_4C95_7F2D)
-            .wrapping_add(0x1405_7B7E_F767_814F);
-        if (draw >> 33).is_multiple_of(ties[position]) {
-            ranks[position] = rank;
+        let held = &found.matched[at..at + size];
+        at += size;
+        let loads = instance.cell.rank_load.loads(size);
+        let ranking = switchyard_policy::kv::rank_kv(
+            params,
+            &instance.data_parallel_views,
+            |rank| loads[rank],
+            held,
+            found.blocks,
+            found.prefix_key,
+            random,
+        );
+        match (ranking.route, ranking.order.first()) {
+            (Some(Route::Kv), Some(&rank)) => {
+                matched.push(held[rank]);
+                ranks[position] = Some(rank as u32);
+            }
+            _ => matched.push(0),
         }
     }
     found.matched = matched;
     Some((found, ranks))
+}
+
+/// KV_AWARE's knobs for `variant`: its own KvAwareRoutingConfig, or the defaults (a
+/// disaggregated pool ranked by another strategy).
+pub fn params(variant: &VariantRoute) -> switchyard_policy::kv::KvParams {
+    match variant.strategy {
+        Strategy::KvAware {
+            concurrency_threshold,
+            load_weight,
+        } => switchyard_policy::kv::KvParams {
+            concurrency_threshold,
+            load_weight,
+        },
+        _ => switchyard_policy::kv::KvParams {
+            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
+            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
+        },
+    }
 }
 
 /// Prompts longer than this are matched against the index on a blocking thread: hashing and
@@ -103,19 +129,7 @@ pub fn decide(
 ) -> KvDecision {
     let views = variant.current_views(now_ms);
     let load = |position: usize| variant.instances[position].cell.fleet_load();
-    let params = match variant.strategy {
-        Strategy::KvAware {
-            concurrency_threshold,
-            load_weight,
-        } => switchyard_policy::kv::KvParams {
-            concurrency_threshold,
-            load_weight,
-        },
-        _ => switchyard_policy::kv::KvParams {
-            concurrency_threshold: switchyard_shared::DEFAULT_KV_CONCURRENCY_THRESHOLD,
-            load_weight: switchyard_shared::DEFAULT_KV_LOAD_WEIGHT,
-        },
-    };
+    let params = params(variant);
     let by_load = || KvDecision {
         ranking: switchyard_policy::rank::rank(
             Strategy::LeastOutstandingRequests,
@@ -132,7 +146,8 @@ pub fn decide(
     let (Some(index), Some(tokens)) = (index, tokens) else {
         return by_load();
     };
-    let Some((found, ranks_by_instance)) = match_instances(variant, index, tokens, chain, random)
+    let Some((found, ranks_by_instance)) =
+        match_instances(variant, index, tokens, chain, params, random)
     else {
         return by_load();
     };
@@ -190,4 +205,86 @@ pub(crate) fn apply(mut plan: Plan, decision: KvDecision) -> Plan {
     plan.cached_tokens = decision.cached_tokens_by_instance;
     plan.data_parallel_ranks = decision.ranks_by_instance;
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use arc_swap::ArcSwap;
+    use switchyard_kv::wire::{BlockStored, EngineHash, EventBatch, KvEvent};
+    use switchyard_kv::{IndexCounters, IndexSettings};
+
+    use crate::routing::table::RoutingTable;
+
+    /// A KV_AWARE endpoint of one data-parallel instance with `ranks` ranks.
+    fn data_parallel(ranks: u32) -> Arc<crate::routing::table::EndpointRoute> {
+        let yaml = format!(
+            "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - {{VariantName: v, RoutingConfig: {{RoutingStrategy: KV_AWARE}}}}\n    Instances:\n      - {{Url: 'http://127.0.0.1:9', InstanceId: e0, KvEvents: 'tcp://127.0.0.1:5557', KvEventsDataParallelSize: {ranks}}}\n"
+        );
+        let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        crate::routing::membership::Membership::new(Arc::default(), Arc::clone(&table))
+            .load_static(config);
+        Arc::clone(&table.load().endpoints["chat"])
+    }
+
+    /// `rank` of e0 holds the first `blocks` blocks of 2 tokens of `tokens`.
+    fn hold(index: &VariantIndex, rank: u32, tokens: &[u32], blocks: usize) {
+        let source = InstanceId::new("e0").unwrap().data_parallel_rank(rank);
+        let stored = KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks as u64)
+                .map(|j| EngineHash(1000 * u64::from(rank) + j))
+                .collect(),
+            token_ids: tokens[..blocks * 2].to_vec(),
+            block_size: 2,
+            medium: Some("GPU".into()),
+            ..BlockStored::default()
+        });
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![stored],
+            data_parallel_rank: Some(i64::from(rank)),
+        };
+        index.apply(
+            &source,
+            &batch,
+            &IndexSettings::default(),
+            &IndexCounters::default(),
+        );
+    }
+
+    #[test]
+    fn a_rank_holding_a_prefix_is_chosen_until_its_load_outweighs_what_it_holds() {
+        let endpoint = data_parallel(4);
+        let variant = &endpoint.variants[0];
+        let index = VariantIndex::default();
+        let tokens: Vec<u32> = (1..=41).collect(); // 20 full blocks, and one token more
+        let shared: Vec<u32> = (1..=2).chain(500..539).collect(); // shares the first block
+        hold(&index, 2, &tokens, 20);
+        let params = params(variant);
+        let choose = |prompt: &[u32]| {
+            let (found, ranks) =
+                match_instances(variant, &index, prompt, ChainKey::default(), params, 7).unwrap();
+            (found.matched[0], ranks[0])
+        };
+        assert_eq!(choose(&tokens), (20, Some(2)), "the whole prompt's rank");
+        let loads = &variant.instances[0].cell.rank_load;
+        // One shared block does not outweigh one request in flight there: no rank is named,
+        // and vLLM's balancer spreads the prompts that only share a preamble.
+        loads.add(2);
+        assert_eq!(choose(&shared), (0, None));
+        // A whole prompt does, until the rank has ConcurrencyThreshold requests in flight.
+        assert_eq!(choose(&tokens), (20, Some(2)));
+        for _ in 1..params.concurrency_threshold {
+            loads.add(2);
+        }
+        assert_eq!(choose(&tokens), (0, None));
+        // A second rank holding it too takes over.
+        hold(&index, 0, &tokens, 20);
+        assert_eq!(choose(&tokens), (20, Some(0)));
+        // A prompt no rank holds: no rank named.
+        assert_eq!(choose(&(900..941).collect::<Vec<u32>>()), (0, None));
+    }
 }

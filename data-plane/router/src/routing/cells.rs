@@ -40,6 +40,43 @@ pub struct InstanceCell {
     /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
     /// slot frees here (set by the first request that waits for the variant).
     pub waker: OnceLock<Weak<dyn SlotWaker>>,
+    /// A data-parallel engine: requests this router has in flight per rank (those it sent
+    /// with `X-data-parallel-rank`).
+    pub rank_load: RankLoad,
+}
+
+/// Requests in flight per data-parallel rank (ranks are below
+/// `switchyard_shared::MAX_DATA_PARALLEL_SIZE`; the vector grows to the highest one sent to).
+#[derive(Debug, Default)]
+pub struct RankLoad(Mutex<Vec<u32>>);
+
+impl RankLoad {
+    fn counts(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.0.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    pub fn add(&self, rank: u32) {
+        let mut counts = self.counts();
+        let rank = rank as usize;
+        if counts.len() <= rank {
+            counts.resize(rank + 1, 0);
+        }
+        counts[rank] += 1;
+    }
+
+    pub fn sub(&self, rank: u32) {
+        if let Some(count) = self.counts().get_mut(rank as usize) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// The in-flight count of ranks `0..size`.
+    pub fn loads(&self, size: usize) -> Vec<u32> {
+        let counts = self.counts();
+        (0..size)
+            .map(|rank| counts.get(rank).copied().unwrap_or(0))
+            .collect()
+    }
 }
 
 /// One in-flight slot of an instance taken ahead of sending (flow control): counted in the

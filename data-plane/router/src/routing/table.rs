@@ -35,6 +35,8 @@ pub struct InstanceRoute {
     /// A data-parallel engine: the KV index's name of each rank's events (`ID#dpR`, by rank;
     /// empty otherwise, when the index knows the instance by its id).
     pub data_parallel_ranks: Arc<[InstanceId]>,
+    /// Those ranks as the KV formula sees them (`policy::kv::rank_kv` picks among them).
+    pub data_parallel_views: Arc<[InstanceView]>,
     /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
     pub decode_partner: Option<InstanceId>,
     pub cell: Arc<InstanceCell>,
@@ -251,6 +253,12 @@ impl InstanceRoute {
             tracing::warn!(instance = %instance.instance_id, url = %instance.url, "skipping instance with an unusable URL");
             return None;
         };
+        let ranks: Arc<[InstanceId]> = match &instance.kv_events {
+            Some(kv) if kv.data_parallel_size > 1 => (0..kv.data_parallel_size)
+                .map(|rank| instance.instance_id.data_parallel_rank(rank))
+                .collect(),
+            _ => Arc::from([]),
+        };
         Some(InstanceRoute {
             id_header: header_value(instance.instance_id.as_str()),
             id: instance.instance_id.clone(),
@@ -260,12 +268,11 @@ impl InstanceRoute {
             completions,
             protocol: instance.protocol,
             kv_events: instance.kv_events.clone(),
-            data_parallel_ranks: match &instance.kv_events {
-                Some(kv) if kv.data_parallel_size > 1 => (0..kv.data_parallel_size)
-                    .map(|rank| instance.instance_id.data_parallel_rank(rank))
-                    .collect(),
-                _ => Arc::from([]),
-            },
+            data_parallel_ranks: ranks.clone(),
+            data_parallel_views: ranks
+                .iter()
+                .map(|rank| InstanceView::new(rank.as_str(), 1.0))
+                .collect(),
             decode_partner: instance.decode_partner.clone(),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
