@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 
 use crate::client::HttpClient;
-use crate::procfs::listening_port;
+use crate::procfs::listening_ports;
 use crate::strategy::Strategy;
 use switchyard_cluster::variants_json;
 
@@ -40,7 +40,7 @@ pub struct ChildServer {
 }
 
 /// Starts `binary` with `args(listen address)` on `127.0.0.1:0`, learns the port it bound
-/// from /proc, and waits until GET `ready_path` answers 200 (10 s at most).
+/// from /proc, and waits until GET `ready_path` answers 200 (30 s at most).
 pub async fn start_child(
     binary: &Path,
     args: &dyn Fn(&str) -> Vec<std::ffi::OsString>,
@@ -57,31 +57,41 @@ pub async fn start_child(
         .spawn()
         .with_context(|| format!("cannot start {}", binary.display()))?;
     let pid = child.id().context("the process exited at once")?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut url = None;
+    // Generous: on a busy 2-core machine (the test suite beside it) a debug build can take
+    // over 10 s to listen.
+    let deadline = Instant::now() + READY_WITHIN;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             bail!("{} exited with {status}", binary.display());
         }
-        if url.is_none() {
-            url = listening_port(pid).map(|port| format!("http://127.0.0.1:{port}"));
-        }
-        if let Some(url) = &url
-            && get_status(client, &format!("{url}{ready_path}")).await == Some(200)
-        {
-            return Ok(ChildServer {
-                _child: child,
-                pid,
-                url: url.clone(),
-            });
+        // Whichever of its listening ports answers the ready path (the others are its side
+        // channel or KV-event sockets: a short probe each).
+        for port in listening_ports(pid) {
+            let url = format!("http://127.0.0.1:{port}");
+            let ready = format!("{url}{ready_path}");
+            let probe = get_status(client, &ready);
+            if tokio::time::timeout(Duration::from_millis(300), probe).await == Ok(Some(200)) {
+                return Ok(ChildServer {
+                    _child: child,
+                    pid,
+                    url,
+                });
+            }
         }
         if Instant::now() >= deadline {
             let _ = child.kill().await;
-            bail!("{} was not ready within 10 s", binary.display());
+            bail!(
+                "{} was not ready within {} s",
+                binary.display(),
+                READY_WITHIN.as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// How long a child server may take to answer its readiness path.
+const READY_WITHIN: Duration = Duration::from_secs(30);
 
 /// Where an engine publishes its KV-cache events.
 #[derive(Debug, Clone, serde::Deserialize)]

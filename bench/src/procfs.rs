@@ -1,12 +1,13 @@
 //! Readings of /proc: a process's CPU time and memory, its threads' CPU time, the listening
 //! port of a child, the load average.
 
-/// The loopback port process `pid` listens on: a listening socket of /proc/PID/net/tcp whose
-/// inode is one of the process's file descriptors. Read from the process itself, so a port
-/// taken by anyone else is never mistaken for its own.
-pub fn listening_port(pid: u32) -> Option<u16> {
-    let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .ok()?
+/// The TCP ports process `pid` listens on, from /proc (a server may listen on several: the
+/// simulator's HTTP port, its NIXL side channel, its KV-event sockets).
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let sockets: Vec<String> = fds
         .filter_map(Result::ok)
         .filter_map(|fd| std::fs::read_link(fd.path()).ok())
         .filter_map(|target| {
@@ -15,15 +16,21 @@ pub fn listening_port(pid: u32) -> Option<u16> {
             Some(inode.to_owned())
         })
         .collect();
-    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
-    table.lines().skip(1).find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
-        if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
-            return None;
-        }
-        u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
-    })
+    let Ok(table) = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")) else {
+        return Vec::new();
+    };
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+            if *state != "0A" || !sockets.iter().any(|socket| socket == inode) {
+                return None;
+            }
+            u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
+        })
+        .collect()
 }
 
 /// (user + system) CPU seconds of a process, from /proc/PID/stat.
