@@ -30,6 +30,9 @@ pub struct Outcome {
     pub router_prompt_tokens: Option<String>,
     /// `Retry-After`, on a refusal.
     pub retry_after: Option<String>,
+    /// `x-switchyard-queue-ms`: how long the request waited in the router's flow-control
+    /// queue (routers with MaxInFlightPerInstance only).
+    pub queue_ms: Option<f64>,
     pub ttft: Option<Duration>,
     /// Gaps between consecutive text events.
     pub itl: Vec<Duration>,
@@ -105,6 +108,7 @@ async fn exchange(client: &HttpClient, url: &http::Uri, body: Bytes, started: In
     outcome.route = header("x-switchyard-route");
     outcome.router_prompt_tokens = header("x-switchyard-prompt-tokens");
     outcome.retry_after = header("retry-after");
+    outcome.queue_ms = header("x-switchyard-queue-ms").and_then(|ms| ms.parse().ok());
     let mut body = response.into_body();
     let success = (200..300).contains(&outcome.status);
     let mut events = SseBuffer::default();

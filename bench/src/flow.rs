@@ -1,9 +1,10 @@
 //! `switchyard-bench flow`: flow control (MaxInFlightPerInstance) under a burst, without the
 //! cap and with it, in the same run, on the same simulated engines.
 //!
-//! The engines batch at most `--cap` requests (`--max-num-seqs`); the capped arm's router caps
-//! each instance at the same number, so an engine's own queue stays empty and what waits,
-//! waits in the router, in its order. The fleet's capacity is measured first (requests per
+//! The engines batch at most `--cap` + `--headroom` requests (`--max-num-seqs`); the capped
+//! arm's router caps each instance at `--cap` (MaxInFlightPerInstance) with `--headroom`
+//! (FlowHeadroomPerInstance) more for urgent requests and ids below their fair share, so an
+//! engine's own queue stays empty and what waits, waits in the router, in its order. The fleet's capacity is measured first (requests per
 //! second, closed loop at engines × cap); then each arm gets the same open-loop schedule at
 //! `--load` × capacity on average, in bursts (half of each second at twice that, half
 //! idle): `--light-share` of the requests from a light fairness id (the body's `user`), the
@@ -34,6 +35,9 @@ pub struct FlowArgs {
     /// capped arm.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub cap: u32,
+    /// FlowHeadroomPerInstance of the capped arm (0: none); the engines batch cap + this.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub headroom: u32,
     /// Output tokens per request.
     #[arg(long, default_value_t = 24, value_name = "TOKENS")]
     pub max_tokens: u32,
@@ -70,6 +74,9 @@ pub struct ClassReport {
     /// Anything else: lost.
     pub lost: usize,
     pub ttft_ms: Summary,
+    /// Time waited in the router's queue (`x-switchyard-queue-ms`; the capped arm only), so
+    /// that the router's part of the TTFT is seen apart from the engine's.
+    pub queue_ms: Summary,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -95,6 +102,7 @@ pub struct FlowReport {
     pub machine: Machine,
     pub engines: usize,
     pub cap: u32,
+    pub headroom: u32,
     pub max_tokens: u32,
     pub capacity_rps: f64,
     pub offered_rps: f64,
@@ -107,16 +115,18 @@ pub struct FlowReport {
 impl FlowReport {
     pub fn table(&self) -> String {
         let mut out = format!(
-            "\nflow control: {} engines batching {} each, {} output tokens; capacity {:.1} req/s, offered {:.1} req/s in bursts\n  unloaded TTFT p50 {:.1} ms, p99 {:.1} ms\n",
+            "\nflow control: {} engines batching {} each (cap {}, headroom {}), {} output tokens; capacity {:.1} req/s, offered {:.1} req/s in bursts\n  unloaded TTFT p50 {:.1} ms, p99 {:.1} ms\n",
             self.engines,
+            self.cap + self.headroom,
             self.cap,
+            self.headroom,
             self.max_tokens,
             self.capacity_rps,
             self.offered_rps,
             self.unloaded_ttft_ms.p50,
             self.unloaded_ttft_ms.p99
         );
-        out.push_str("  arm        class  sent served refused lost  TTFT p50 ms  TTFT p99 ms\n");
+        out.push_str("  arm        class  sent served refused lost  TTFT p50 ms  TTFT p99 ms  queue p50 ms  queue p99 ms\n");
         for arm in &self.arms {
             for (name, class) in [
                 ("light", &arm.light),
@@ -125,7 +135,7 @@ impl FlowReport {
                 ("low", &arm.low),
             ] {
                 out.push_str(&format!(
-                    "  {:<10} {:<6} {:>4} {:>6} {:>7} {:>4} {:>12.1} {:>12.1}\n",
+                    "  {:<10} {:<6} {:>4} {:>6} {:>7} {:>4} {:>12.1} {:>12.1} {:>13.1} {:>13.1}\n",
                     arm.name,
                     name,
                     class.sent,
@@ -133,7 +143,9 @@ impl FlowReport {
                     class.refused,
                     class.lost,
                     class.ttft_ms.p50,
-                    class.ttft_ms.p99
+                    class.ttft_ms.p99,
+                    class.queue_ms.p50,
+                    class.queue_ms.p99
                 ));
             }
             out.push_str(&format!(
@@ -158,6 +170,9 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
     if args.cap == 0 || args.cap > 256 {
         return Err(UsageError::new("--cap must be within 1..=256").into());
     }
+    if args.headroom > 256 {
+        return Err(UsageError::new("--headroom must be within 0..=256").into());
+    }
     if !(0.0..=1.0).contains(&args.light_share) || !(0.0..=1.0).contains(&args.high_share) {
         return Err(UsageError::new("--light-share and --high-share are fractions").into());
     }
@@ -168,7 +183,7 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
     for _ in 0..args.engines {
         engines.push(
             switchyard_engine_sim::spawn(SimConfig {
-                max_num_seqs: args.cap as usize,
+                max_num_seqs: (args.cap + args.headroom) as usize,
                 record_requests: 1,
                 ..SimConfig::default()
             })
@@ -228,10 +243,12 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
         ),
         (
             format!(
-                "engine running <= cap ({} <= {}) and nothing waiting in an engine ({})",
-                capped_arm.engine_running_max, args.cap, capped_arm.engine_waiting_max
+                "engine running <= cap + headroom ({} <= {}) and nothing waiting in an engine ({})",
+                capped_arm.engine_running_max,
+                args.cap + args.headroom,
+                capped_arm.engine_waiting_max
             ),
-            capped_arm.engine_running_max <= f64::from(args.cap)
+            capped_arm.engine_running_max <= f64::from(args.cap + args.headroom)
                 && capped_arm.engine_waiting_max == 0.0,
         ),
         (
@@ -252,6 +269,7 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
         machine: Machine::current(),
         engines: args.engines,
         cap: args.cap,
+        headroom: args.headroom,
         max_tokens: args.max_tokens,
         capacity_rps,
         offered_rps,
@@ -273,7 +291,11 @@ async fn start_router(
     args: &FlowArgs,
 ) -> anyhow::Result<RouterHandle> {
     let cap_line = cap.map_or(String::new(), |cap| {
-        format!("        MaxInFlightPerInstance: {cap}\n")
+        let headroom = match args.headroom {
+            0 => String::new(),
+            headroom => format!("        FlowHeadroomPerInstance: {headroom}\n"),
+        };
+        format!("        MaxInFlightPerInstance: {cap}\n{headroom}")
     });
     let mut yaml = format!(
         "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: v\n        ModelName: sim\n{cap_line}        RoutingConfig: {{RoutingStrategy: LEAST_OUTSTANDING_REQUESTS}}\n    Instances:\n"
@@ -447,6 +469,7 @@ async fn arm(
         lost_examples: Vec::new(),
     };
     let mut ttfts: [Vec<f64>; 4] = Default::default();
+    let mut waits: [Vec<f64>; 4] = Default::default();
     while let Some(joined) = requests.join_next().await {
         let (arrival, outcome) = joined?;
         let refused = matches!(outcome.status, 429 | 503) && outcome.retry_after.is_some();
@@ -475,6 +498,7 @@ async fn arm(
                 (Some(ttft), _) => {
                     counts.served += 1;
                     ttfts[class].push(*ttft);
+                    waits[class].extend(outcome.queue_ms);
                 }
                 (None, true) => counts.refused += 1,
                 (None, false) => counts.lost += 1,
@@ -492,14 +516,15 @@ async fn arm(
     let (running_max, waiting_max) = task.await?;
     report.engine_running_max = running_max;
     report.engine_waiting_max = waiting_max;
-    for (class, samples) in ttfts.iter().enumerate() {
-        let summary = Summary::of(samples);
-        match class {
-            0 => report.light.ttft_ms = summary,
-            1 => report.heavy.ttft_ms = summary,
-            2 => report.high.ttft_ms = summary,
-            _ => report.low.ttft_ms = summary,
-        }
+    for (class, (samples, waited)) in ttfts.iter().zip(&waits).enumerate() {
+        let counts = match class {
+            0 => &mut report.light,
+            1 => &mut report.heavy,
+            2 => &mut report.high,
+            _ => &mut report.low,
+        };
+        counts.ttft_ms = Summary::of(samples);
+        counts.queue_ms = Summary::of(waited);
     }
     Ok(report)
 }

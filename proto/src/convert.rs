@@ -102,6 +102,7 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
                 }),
             }),
             max_in_flight_per_instance: variant.max_in_flight_per_instance,
+            flow_headroom_per_instance: variant.flow_headroom_per_instance,
             fairness_weights: variant
                 .fairness_weights
                 .iter()
@@ -154,6 +155,7 @@ fn production_variant(
         initial_variant_weight: variant.initial_variant_weight,
         routing_config,
         max_in_flight_per_instance: variant.max_in_flight_per_instance,
+        flow_headroom_per_instance: variant.flow_headroom_per_instance,
         // proto3 maps cannot be absent: empty means no weights.
         fairness_weights: (!variant.fairness_weights.is_empty())
             .then(|| variant.fairness_weights.into_iter().collect()),
@@ -788,7 +790,7 @@ mod tests {
     fn kv_aware_and_kv_events_round_trip() {
         let json = r#"[{"VariantName":"a","RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
-            {"VariantName":"b","MaxInFlightPerInstance":4,"FairnessWeights":{"gold":2.5},"RoutingConfig":{"RoutingStrategy":"KV_AWARE",
+            {"VariantName":"b","MaxInFlightPerInstance":4,"FlowHeadroomPerInstance":2,"FairnessWeights":{"gold":2.5},"RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
         let config = EndpointConfig {
             endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),

@@ -297,6 +297,23 @@ mod tests {
                 "ProductionVariants[0].MaxInFlightPerInstance"
             );
         }
+        // FlowHeadroomPerInstance: in range, and only with a cap to add to.
+        let headroom = |cap, headroom| ProductionVariant {
+            max_in_flight_per_instance: cap,
+            flow_headroom_per_instance: Some(headroom),
+            ..variant("a", None)
+        };
+        config(vec![headroom(Some(4), 2)]).validate().unwrap();
+        for bad in [
+            headroom(None, 2),
+            headroom(Some(4), 0),
+            headroom(Some(4), 65537),
+        ] {
+            assert_eq!(
+                field_of(&config(vec![bad])),
+                "ProductionVariants[0].FlowHeadroomPerInstance"
+            );
+        }
         // FairnessWeights: weights in range, ids named.
         let weighted = |id: &str, weight: f64| ProductionVariant {
             fairness_weights: Some([(id.to_owned(), weight)].into_iter().collect()),

@@ -19,6 +19,7 @@ const VARIANT_FIELDS: &[&str] = &[
     "InitialVariantWeight",
     "RoutingConfig",
     "MaxInFlightPerInstance",
+    "FlowHeadroomPerInstance",
     "FairnessWeights",
     // Switchyard's extensions (a pasted SageMaker config never has them).
     "MigrationLimit",

@@ -28,6 +28,8 @@ pub const DEFAULT_LOAD_BALANCE_SLACK: u32 = 3;
 pub const DEFAULT_VARIANT_WEIGHT: f64 = 1.0;
 /// `MaxInFlightPerInstance` (Switchyard's flow-control extension of ProductionVariant).
 pub const MAX_IN_FLIGHT_PER_INSTANCE_RANGE: std::ops::RangeInclusive<u32> = 1..=65536;
+/// `FlowHeadroomPerInstance` (with `MaxInFlightPerInstance`).
+pub const FLOW_HEADROOM_PER_INSTANCE_RANGE: std::ops::RangeInclusive<u32> = 1..=65536;
 /// `FairnessWeights`: a fairness id's weight in the flow-control queue.
 pub const FAIRNESS_WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 0.01..=100.0;
 /// `FairnessWeights`: most ids given weights, and the longest id in bytes.
@@ -268,6 +270,11 @@ pub struct ProductionVariant {
     /// instance of the variant, fleet-wide; past it requests wait in the router's queue.
     /// Absent: no cap (SageMaker's behaviour).
     pub max_in_flight_per_instance: Option<u32>,
+    /// Switchyard extension (flow control, with MaxInFlightPerInstance): this many more
+    /// requests in flight per instance, only for requests that need not wait behind a
+    /// backlog: a priority below 0, or a fairness id holding less than its fair share of the
+    /// variant's capped slots on the router. Absent: none (the cap is a hard limit).
+    pub flow_headroom_per_instance: Option<u32>,
     /// Switchyard extension (flow control): the share of the queue's turns each fairness id
     /// gets, relative to the others (ids not named weigh 1). Absent: every id weighs the same.
     pub fairness_weights: Option<BTreeMap<String, f64>>,
@@ -293,6 +300,7 @@ impl ProductionVariant {
             initial_variant_weight: None,
             routing_config: None,
             max_in_flight_per_instance: None,
+            flow_headroom_per_instance: None,
             fairness_weights: None,
             migration_limit: None,
             lora_adapters: None,
@@ -420,6 +428,25 @@ pub(crate) fn validate_variant(
                 MAX_IN_FLIGHT_PER_INSTANCE_RANGE.end(),
             ),
         ));
+    }
+    if let Some(headroom) = variant.flow_headroom_per_instance {
+        let headroom_field = format!("{field}.FlowHeadroomPerInstance");
+        if !FLOW_HEADROOM_PER_INSTANCE_RANGE.contains(&headroom) {
+            return Err(ValidationError::new(
+                headroom_field,
+                format!(
+                    "must be between {} and {}, got {headroom}",
+                    FLOW_HEADROOM_PER_INSTANCE_RANGE.start(),
+                    FLOW_HEADROOM_PER_INSTANCE_RANGE.end(),
+                ),
+            ));
+        }
+        if variant.max_in_flight_per_instance.is_none() {
+            return Err(ValidationError::new(
+                headroom_field,
+                "needs MaxInFlightPerInstance (the cap it adds to)",
+            ));
+        }
     }
     if let Some(weights) = &variant.fairness_weights {
         let weights_field = format!("{field}.FairnessWeights");

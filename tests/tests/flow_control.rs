@@ -23,8 +23,24 @@ async fn start_router(
     engines: &[&SimHandle],
     tune: impl FnOnce(&mut RouterConfig),
 ) -> anyhow::Result<RouterHandle> {
+    start_router_with(
+        dir,
+        &format!("MaxInFlightPerInstance: {cap}"),
+        engines,
+        tune,
+    )
+    .await
+}
+
+/// [`start_router`] with the variant's flow-control fields as given (`fields`, YAML).
+async fn start_router_with(
+    dir: &tempfile::TempDir,
+    fields: &str,
+    engines: &[&SimHandle],
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<RouterHandle> {
     let mut yaml = format!(
-        "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: v\n        ModelName: sim\n        MaxInFlightPerInstance: {cap}\n        RoutingConfig: {{RoutingStrategy: LEAST_OUTSTANDING_REQUESTS}}\n    Instances:\n"
+        "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - VariantName: v\n        ModelName: sim\n        {fields}\n        RoutingConfig: {{RoutingStrategy: LEAST_OUTSTANDING_REQUESTS}}\n    Instances:\n"
     );
     for (index, engine) in engines.iter().enumerate() {
         yaml.push_str(&format!(
@@ -275,6 +291,79 @@ async fn the_queue_serves_lower_priorities_first_then_in_arrival_order() -> anyh
         assert_eq!(reply.status, 200, "{}", reply.body);
     }
     assert_eq!(served_ids(&engine), ["body", "urgent", "late-1", "late-2"]);
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_backlog()
+-> anyhow::Result<()> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router_with(
+        &dir,
+        "MaxInFlightPerInstance: 1\n        FlowHeadroomPerInstance: 1",
+        &[&engine],
+        |config| config.trust_flow_headers = true,
+    )
+    .await?;
+    hanging(&engine, true);
+    let heavy = |index: usize| {
+        send(
+            &router,
+            &[("x-request-id", &format!("heavy-{index}"))],
+            serde_json::json!({"user": "heavy"}),
+        )
+    };
+    // The heavy id takes the capped slot; its next three wait: it holds its whole share.
+    let mut tasks = vec![heavy(0)];
+    eventually(Duration::from_secs(10), "heavy-0 at the engine", || async {
+        served_ids(&engine) == ["heavy-0"]
+    })
+    .await?;
+    for index in 1..4 {
+        tasks.push(heavy(index));
+    }
+    queued(&router, 3).await?;
+    // The light id holds nothing of its half: it starts at once, within the headroom.
+    tasks.push(send(
+        &router,
+        &[("x-request-id", "light")],
+        serde_json::json!({"user": "light"}),
+    ));
+    eventually(
+        Duration::from_secs(10),
+        "the light request at the engine",
+        || async { served_ids(&engine) == ["heavy-0", "light"] },
+    )
+    .await?;
+    assert_eq!(router.queued("chat", "v"), 3);
+    // Cap + headroom reached: an urgent request waits (the engine never gets a third).
+    tasks.push(send(
+        &router,
+        &[("x-request-id", "urgent")],
+        serde_json::json!({"user": "heavy", "priority": -1}),
+    ));
+    queued(&router, 4).await?;
+    assert_eq!(served_ids(&engine).len(), 2);
+    // The two at the engine leave (their clients go away): the urgent request goes first.
+    hanging(&engine, false);
+    let light = tasks.remove(4);
+    for holder in [tasks.remove(0), light] {
+        holder.abort();
+    }
+    for task in tasks {
+        let reply = bounded("a queued request", task).await??;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let served = served_ids(&engine);
+    assert_eq!(served[..3], ["heavy-0", "light", "urgent"], "{served:?}");
+    let metrics = Metrics::scrape(&router.url()).await?;
+    let grants: f64 = metrics
+        .named("switchyard_router_queue_headroom_grants_total")
+        .map(|sample| sample.value)
+        .sum();
+    assert!(grants >= 2.0, "headroom grants {grants}");
     settles(&router).await?;
     Ok(())
 }

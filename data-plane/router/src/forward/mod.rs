@@ -93,7 +93,14 @@ pub struct Forwarder<'a> {
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the
 /// attempt's span (when traced) with it.
 #[derive(Debug)]
-pub struct InFlight(Arc<InstanceCell>, SpanGuard, Instant, Option<u32>);
+pub struct InFlight(
+    Arc<InstanceCell>,
+    SpanGuard,
+    Instant,
+    Option<u32>,
+    // Held for its drop (the flow-control queue's count of the request's fairness id).
+    Option<crate::routing::cells::Ticket>,
+);
 
 impl InFlight {
     /// Adds `attribute` to the attempt's span (nothing when it is not traced).
@@ -107,21 +114,25 @@ impl InFlight {
     fn start(
         cell: &Arc<InstanceCell>,
         span: SpanGuard,
-        claim: Option<SlotClaim>,
+        mut claim: Option<SlotClaim>,
         rank: Option<u32>,
     ) -> Self {
+        // Held to the end even if the claim was another instance's: the request runs here.
+        let ticket = claim.as_mut().and_then(SlotClaim::take_ticket);
         if !claim.is_some_and(|claim| claim.adopt(cell)) {
             cell.local.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(rank) = rank {
             cell.rank_load.add(rank);
         }
-        Self(Arc::clone(cell), span, Instant::now(), rank)
+        Self(Arc::clone(cell), span, Instant::now(), rank, ticket)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // The fairness id's count first: the queue woken below judges shares from it.
+        drop(self.4.take());
         self.0.local.fetch_sub(1, Ordering::Relaxed);
         if let Some(rank) = self.3 {
             self.0.rank_load.sub(rank);

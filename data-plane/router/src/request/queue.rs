@@ -15,6 +15,16 @@
 //!    however many requests each sends;
 //! 3. **arrival**, within an id.
 //!
+//! **Headroom** (`FlowHeadroomPerInstance`): past the cap, an instance takes that many more
+//! requests, but only those that need not wait behind a backlog: a priority below 0, or a
+//! fairness id holding fewer of the variant's capped slots (cap × instances) through this
+//! router than its fair share (the slots × its weight / the weights of the ids with requests
+//! in flight or waiting here). So an urgent request, or a light client's among a heavy
+//! one's backlog, starts at once on an engine that batches cap + headroom, instead of waiting
+//! for a capped slot to free. The ids' in-flight counts are kept while they hold slots (never
+//! more entries than requests in flight); with several routers each judges shares on its own,
+//! and the headroom still bounds every instance at cap + headroom.
+//!
 //! A request that cannot be served because its own candidates are full (one pinned to its
 //! instance) does not hold up the others: the next one in order that can go, goes.
 //!
@@ -257,7 +267,12 @@ impl FlowControl {
                 .unwrap_or(1.0),
         };
         let since = Instant::now();
-        let grant = match queue.wait(self, place, candidates, cap, since).await {
+        let limits = Limits {
+            cap,
+            headroom: variant.flow_headroom_per_instance,
+            slots: cap.saturating_mul(variant.instances.len() as u32),
+        };
+        let grant = match queue.wait(self, place, candidates, limits, since).await {
             Ok(grant) => grant,
             Err(dropped) => {
                 queue.dropped[dropped as usize].fetch_add(1, Ordering::Relaxed);
@@ -433,6 +448,21 @@ impl FlowControl {
                 );
             }
         }
+        out.family(
+            "switchyard_router_queue_headroom_grants_total",
+            "counter",
+            "Slots granted past MaxInFlightPerInstance, within FlowHeadroomPerInstance (to a priority below 0, or a fairness id below its fair share), per variant.",
+        );
+        for ((endpoint, variant), queue) in &queues {
+            out.sample(
+                "switchyard_router_queue_headroom_grants_total",
+                &[
+                    ("endpoint", endpoint.as_str()),
+                    ("variant", variant.as_str()),
+                ],
+                queue.headroom_grants.load(Ordering::Relaxed) as f64,
+            );
+        }
     }
 }
 
@@ -448,6 +478,8 @@ struct Candidate {
 struct Grant {
     position: usize,
     claim: SlotClaim,
+    /// Taken within the headroom (past the cap).
+    headroom: bool,
 }
 
 /// Where a request waits: its priority band, its fairness id and that id's weight.
@@ -462,15 +494,96 @@ struct Place {
 struct Waiter {
     seq: u64,
     since: Instant,
-    cap: u32,
+    limits: Limits,
     candidates: Vec<Candidate>,
     reply: oneshot::Sender<Grant>,
 }
 
 impl Waiter {
-    fn try_grant(&self, full: &mut Vec<*const InstanceCell>) -> Option<Grant> {
-        try_grant(&self.candidates, self.cap, full)
+    /// A slot below the cap or, for a request that may use it, within the headroom.
+    fn try_grant(&self, favoured: bool, full: &mut Vec<*const InstanceCell>) -> Option<Grant> {
+        try_grant(&self.candidates, self.limits.cap, full)
+            .or_else(|| headroom_grant(&self.candidates, self.limits, favoured))
     }
+}
+
+/// A slot within the headroom, for a request that may use it.
+fn headroom_grant(candidates: &[Candidate], limits: Limits, favoured: bool) -> Option<Grant> {
+    let cap = limits.favoured(favoured)?;
+    let mut grant = try_grant(candidates, cap, &mut Vec::new())?;
+    grant.headroom = true;
+    Some(grant)
+}
+
+/// A variant's per-instance limits, for one request.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// MaxInFlightPerInstance.
+    cap: u32,
+    /// FlowHeadroomPerInstance (0: none).
+    headroom: u32,
+    /// The variant's capped slots (cap × instances): what fair shares divide.
+    slots: u32,
+}
+
+impl Limits {
+    /// The higher limit a request may use when `favoured` (None: no headroom for it).
+    fn favoured(self, favoured: bool) -> Option<u32> {
+        (favoured && self.headroom > 0).then(|| self.cap.saturating_add(self.headroom))
+    }
+}
+
+/// A fairness id's requests holding slots of a variant with headroom, through this router.
+#[derive(Debug, Clone, Copy)]
+struct Holding {
+    count: u32,
+    weight: f64,
+}
+
+type Holdings = Arc<Mutex<HashMap<u64, Holding>>>;
+
+fn lock_holdings(holdings: &Holdings) -> MutexGuard<'_, HashMap<u64, Holding>> {
+    holdings.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// One request's part of its id's [`Holding`], for as long as it holds its slot.
+#[derive(Debug)]
+struct HoldTicket {
+    holdings: Holdings,
+    fairness: u64,
+}
+
+impl Drop for HoldTicket {
+    fn drop(&mut self) {
+        let mut holdings = lock_holdings(&self.holdings);
+        if let Some(holding) = holdings.get_mut(&self.fairness) {
+            holding.count -= 1;
+            if holding.count == 0 {
+                holdings.remove(&self.fairness);
+            }
+        }
+    }
+}
+
+/// Whether a request at `place` may use the headroom: a priority below 0, or its id holding
+/// less than its fair share of `limits.slots` (`active_weight`: the weights of the ids
+/// holding or waiting, this one's included).
+fn may_use_headroom(
+    place: Place,
+    limits: Limits,
+    holdings: &HashMap<u64, Holding>,
+    active_weight: f64,
+) -> bool {
+    if limits.headroom == 0 {
+        return false;
+    }
+    if place.priority < 0 {
+        return true;
+    }
+    let held = holdings
+        .get(&place.fairness)
+        .map_or(0, |holding| holding.count);
+    f64::from(held) < f64::from(limits.slots) * place.weight / active_weight.max(f64::MIN_POSITIVE)
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -493,6 +606,7 @@ fn try_grant(
                 return Some(Grant {
                     position: candidate.position,
                     claim,
+                    headroom: false,
                 });
             }
             None => full.push(cell),
@@ -505,6 +619,10 @@ fn try_grant(
 #[derive(Debug)]
 struct VariantQueue {
     state: Mutex<State>,
+    /// Headroom variants: each fairness id's requests holding slots (lock after `state`).
+    holdings: Holdings,
+    /// Slots granted within the headroom.
+    headroom_grants: AtomicU64,
     wait_seconds: Histogram,
     dropped: [AtomicU64; Dropped::ALL.len()],
     /// When a waiting request last had the queue look again (ms since `epoch`), so that a
@@ -517,6 +635,8 @@ impl Default for VariantQueue {
     fn default() -> Self {
         Self {
             state: Mutex::default(),
+            holdings: Holdings::default(),
+            headroom_grants: AtomicU64::new(0),
             wait_seconds: Histogram::new(&WAIT_BOUNDS),
             dropped: Default::default(),
             rechecked_ms: AtomicU64::new(0),
@@ -557,6 +677,23 @@ struct Flow {
 }
 
 impl State {
+    /// The weights of the fairness ids holding slots or waiting (`extra`: one more id).
+    fn active_weight(&self, holdings: &HashMap<u64, Holding>, extra: Option<Place>) -> f64 {
+        let mut seen: Vec<u64> = holdings.keys().copied().collect();
+        let mut total: f64 = holdings.values().map(|holding| holding.weight).sum();
+        let waiting = self
+            .bands
+            .values()
+            .flat_map(|band| band.flows.iter().map(|(id, flow)| (*id, flow.weight)));
+        for (id, weight) in waiting.chain(extra.map(|place| (place.fairness, place.weight))) {
+            if !seen.contains(&id) {
+                seen.push(id);
+                total += weight;
+            }
+        }
+        total
+    }
+
     fn push(&mut self, place: Place, waiter: Waiter) {
         let band = self.bands.entry(place.priority).or_default();
         let (clock, order) = (band.clock, band.next_order);
@@ -597,7 +734,12 @@ impl State {
 
     /// The next waiter in order that can have a slot now, taken out with its slot; its id's
     /// pass moves on by 1 / weight.
-    fn next_grant(&mut self, full: &mut Vec<*const InstanceCell>) -> Option<(Waiter, Grant)> {
+    fn next_grant(
+        &mut self,
+        full: &mut Vec<*const InstanceCell>,
+        holdings: &HashMap<u64, Holding>,
+    ) -> Option<(Waiter, Grant, Place)> {
+        let active_weight = self.active_weight(holdings, None);
         let mut found = None;
         'bands: for (&priority, band) in self.bands.iter_mut() {
             let mut ids: Vec<(f64, u64, u64)> = band
@@ -610,8 +752,15 @@ impl State {
                 let Some(flow) = band.flows.get_mut(&id) else {
                     continue;
                 };
+                let place = Place {
+                    priority,
+                    fairness: id,
+                    weight: flow.weight,
+                };
                 for at in 0..flow.waiters.len() {
-                    if let Some(grant) = flow.waiters[at].try_grant(full) {
+                    let waiter = &flow.waiters[at];
+                    let favoured = may_use_headroom(place, waiter.limits, holdings, active_weight);
+                    if let Some(grant) = waiter.try_grant(favoured, full) {
                         let waiter = flow.waiters.remove(at).expect("the waiter is there");
                         band.clock = flow.pass;
                         flow.pass += 1.0 / flow.weight;
@@ -620,14 +769,15 @@ impl State {
                         if flow.waiters.is_empty() {
                             band.flows.remove(&id);
                         }
-                        found = Some((priority, waiter, grant));
+                        found = Some((place, waiter, grant));
                         break 'bands;
                     }
                 }
             }
         }
-        let (priority, waiter, grant) = found?;
+        let (place, waiter, grant) = found?;
         self.len -= 1;
+        let priority = place.priority;
         if self
             .bands
             .get(&priority)
@@ -635,7 +785,7 @@ impl State {
         {
             self.bands.remove(&priority);
         }
-        Some((waiter, grant))
+        Some((waiter, grant, place))
     }
 }
 
@@ -646,13 +796,49 @@ impl VariantQueue {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
+    /// `grant`, counted for `place`'s fairness id while the request holds it (on a variant
+    /// with headroom: the fair shares are judged from these counts).
+    fn hold(
+        &self,
+        holdings: &mut HashMap<u64, Holding>,
+        limits: Limits,
+        place: Place,
+        mut grant: Grant,
+    ) -> Grant {
+        if grant.headroom {
+            self.headroom_grants.fetch_add(1, Ordering::Relaxed);
+        }
+        if limits.headroom == 0 {
+            return grant;
+        }
+        holdings
+            .entry(place.fairness)
+            .or_insert(Holding {
+                count: 0,
+                weight: place.weight,
+            })
+            .count += 1;
+        let ticket = HoldTicket {
+            holdings: Arc::clone(&self.holdings),
+            fairness: place.fairness,
+        };
+        grant.claim = grant.claim.with_ticket(Box::new(ticket));
+        grant
+    }
+
     /// Gives slots to waiting requests, in order, while there are free ones for them.
     fn dispatch(&self) {
         let mut unsent = Vec::new();
         {
             let mut state = self.lock();
             let mut full = Vec::new();
-            while let Some((waiter, grant)) = state.next_grant(&mut full) {
+            loop {
+                let mut holdings = lock_holdings(&self.holdings);
+                let Some((waiter, grant, place)) = state.next_grant(&mut full, &holdings) else {
+                    break;
+                };
+                let grant = self.hold(&mut holdings, waiter.limits, place, grant);
+                drop(holdings);
                 // A waiter in the queue is still listening (it leaves before it stops);
                 // a grant it cannot take is freed outside the lock.
                 if let Err(grant) = waiter.reply.send(grant) {
@@ -669,22 +855,36 @@ impl VariantQueue {
         flow: &FlowControl,
         place: Place,
         candidates: Vec<Candidate>,
-        cap: u32,
+        limits: Limits,
         since: Instant,
     ) -> Result<Grant, Dropped> {
+        let cap = limits.cap;
         let (seq, receiver) = {
             let mut state = self.lock();
+            let mut holdings = lock_holdings(&self.holdings);
             // Nobody waits: a free slot is this request's (the common case, no channel).
-            if state.len == 0
-                && let Some(grant) = try_grant(&candidates, cap, &mut Vec::new())
-            {
-                return Ok(grant);
+            let free = if state.len == 0 {
+                try_grant(&candidates, cap, &mut Vec::new())
+            } else {
+                None
+            };
+            // Past the cap, a request that need not wait behind the others takes the headroom.
+            let free = free.or_else(|| {
+                let active_weight = state.active_weight(&holdings, Some(place));
+                let favoured = may_use_headroom(place, limits, &holdings, active_weight);
+                headroom_grant(&candidates, limits, favoured)
+            });
+            if let Some(grant) = free {
+                return Ok(self.hold(&mut holdings, limits, place, grant));
             }
             if state.len >= flow.settings.max_queued {
                 // A full queue refuses only a request that would wait: a slot free now is one
                 // no waiter can use (waiters pinned to a busy instance fill a queue too).
-                return try_grant(&candidates, cap, &mut Vec::new()).ok_or(Dropped::Overflow);
+                return try_grant(&candidates, cap, &mut Vec::new())
+                    .map(|grant| self.hold(&mut holdings, limits, place, grant))
+                    .ok_or(Dropped::Overflow);
             }
+            drop(holdings);
             let (reply, receiver) = oneshot::channel();
             let seq = state.next_seq;
             state.next_seq += 1;
@@ -693,7 +893,7 @@ impl VariantQueue {
                 Waiter {
                     seq,
                     since,
-                    cap,
+                    limits,
                     candidates,
                     reply,
                 },
@@ -802,6 +1002,15 @@ mod tests {
         }
     }
 
+    /// A cap of `cap` on one instance, no headroom.
+    fn capped(cap: u32) -> Limits {
+        Limits {
+            cap,
+            headroom: 0,
+            slots: cap,
+        }
+    }
+
     fn candidates(cells: &[Arc<InstanceCell>]) -> Vec<Candidate> {
         cells
             .iter()
@@ -830,7 +1039,7 @@ mod tests {
         );
         tokio::spawn(async move {
             let grant = queue
-                .wait(&flow, place, candidates(&[cell]), 1, Instant::now())
+                .wait(&flow, place, candidates(&[cell]), capped(1), Instant::now())
                 .await
                 .unwrap();
             served.send((name, grant.claim)).unwrap();
@@ -848,6 +1057,70 @@ mod tests {
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
+    }
+
+    #[tokio::test]
+    async fn the_headroom_goes_to_urgent_requests_and_to_ids_below_their_share() {
+        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        // Cap 1 and headroom 1 on one instance.
+        let limits = Limits {
+            cap: 1,
+            headroom: 1,
+            slots: 1,
+        };
+        let place = |priority, fairness| Place {
+            priority,
+            fairness,
+            weight: 1.0,
+        };
+        let ask = |place: Place| {
+            let (flow, queue, cell) = (Arc::clone(&flow), Arc::clone(&queue), Arc::clone(&cell));
+            tokio::spawn(async move {
+                queue
+                    .wait(&flow, place, candidates(&[cell]), limits, Instant::now())
+                    .await
+                    .unwrap()
+            })
+        };
+        // The heavy id (1) takes the capped slot, and its next request waits: it holds its
+        // whole share.
+        let heavy = ask(place(0, 1)).await.unwrap();
+        assert!(!heavy.headroom);
+        let heavy_next = ask(place(0, 1));
+        settle().await;
+        assert_eq!(queue.lock().len, 1);
+        // The light id (2) holds nothing of its half: it takes the headroom at once.
+        let light = ask(place(0, 2)).await.unwrap();
+        assert!(light.headroom);
+        assert_eq!(cell.fleet_load(), 2);
+        // Cap + headroom reached: an urgent request waits, and goes first when a slot frees,
+        // within the headroom, before the heavy id's request.
+        let urgent = ask(place(-1, 3));
+        settle().await;
+        assert_eq!(queue.lock().len, 2);
+        drop(light);
+        let urgent = urgent.await.unwrap();
+        assert!(urgent.headroom);
+        assert!(
+            !heavy_next.is_finished(),
+            "the heavy id still waits for the cap"
+        );
+        assert_eq!(queue.headroom_grants.load(Ordering::Relaxed), 2);
+        // The urgent one done, the heavy id still holds its share: it waits for the cap.
+        drop(urgent);
+        settle().await;
+        assert!(!heavy_next.is_finished());
+        // Below the cap again, the heavy id's request goes.
+        drop(heavy);
+        let next = heavy_next.await.unwrap();
+        assert!(!next.headroom);
+        drop(next);
+        assert!(
+            lock_holdings(&queue.holdings).is_empty(),
+            "no id is remembered"
+        );
     }
 
     #[tokio::test]
@@ -961,7 +1234,7 @@ mod tests {
                     weight: 1.0,
                 },
                 candidates(&[Arc::clone(&cell)]),
-                1,
+                capped(1),
                 Instant::now(),
             )
             .await;
@@ -999,7 +1272,7 @@ mod tests {
                 &flow,
                 anywhere,
                 candidates(&[Arc::clone(&cell)]),
-                1,
+                capped(1),
                 started,
             )
             .await;
@@ -1025,7 +1298,7 @@ mod tests {
                 &flow,
                 anywhere,
                 candidates(&[Arc::clone(&cell)]),
-                1,
+                capped(1),
                 started,
             )
             .await;
@@ -1042,7 +1315,7 @@ mod tests {
                 &flow,
                 anywhere,
                 candidates(&[Arc::clone(&cell)]),
-                1,
+                capped(1),
                 Instant::now(),
             )
             .await;

@@ -84,13 +84,28 @@ impl RankLoad {
 /// can take it meanwhile. The attempt that sends to that instance adopts it
 /// ([`SlotClaim::adopt`]); dropped unused, it frees the slot.
 #[derive(Debug)]
-pub struct SlotClaim(Option<Arc<InstanceCell>>);
+pub struct SlotClaim(Option<Arc<InstanceCell>>, Option<Ticket>);
+
+/// What a request holds for as long as it runs besides its slot (the flow-control queue's
+/// count of its fairness id's requests in flight), dropped with the attempt.
+pub type Ticket = Box<dyn std::fmt::Debug + Send + Sync>;
 
 impl SlotClaim {
     /// Takes a slot of `cell` below `cap` ([`InstanceCell::try_take_slot`]), if one is free.
     pub fn take(cell: &Arc<InstanceCell>, cap: u32) -> Option<Self> {
         cell.try_take_slot(cap)
-            .then(|| Self(Some(Arc::clone(cell))))
+            .then(|| Self(Some(Arc::clone(cell)), None))
+    }
+
+    /// The claim, holding `ticket` too.
+    pub fn with_ticket(mut self, ticket: Ticket) -> Self {
+        self.1 = Some(ticket);
+        self
+    }
+
+    /// The ticket, for the attempt that runs the request (it keeps it to the end).
+    pub fn take_ticket(&mut self) -> Option<Ticket> {
+        self.1.take()
     }
 
     /// Whether the claim is on `cell`; if so it becomes that attempt's count (nothing is
@@ -106,6 +121,8 @@ impl SlotClaim {
 
 impl Drop for SlotClaim {
     fn drop(&mut self) {
+        // The ticket first: the queue woken below reads what it counted.
+        drop(self.1.take());
         if let Some(cell) = self.0.take() {
             cell.local.fetch_sub(1, Ordering::Relaxed);
             cell.slot_freed();

@@ -59,6 +59,8 @@ pub struct VariantRoute {
     /// MaxInFlightPerInstance: fleet-wide requests in flight per instance before requests
     /// wait in the router's queue (None: no cap, no queue).
     pub max_in_flight_per_instance: Option<u32>,
+    /// FlowHeadroomPerInstance: slots past the cap for requests that need not wait (0: none).
+    pub flow_headroom_per_instance: u32,
     /// FairnessWeights, by fairness key (`switchyard_policy::hash::fairness_key`); ids not
     /// named weigh 1.
     pub fairness_weights: Arc<HashMap<u64, f64>>,
@@ -87,6 +89,7 @@ impl VariantRoute {
             views: Vec::new(),
             popularity: None,
             max_in_flight_per_instance: None,
+            flow_headroom_per_instance: 0,
             fairness_weights: Default::default(),
             migration_limit: 0,
             lora_adapters: lora_adapters
@@ -354,6 +357,7 @@ pub fn endpoint_route<'a>(
             )
             .then(Arc::default),
             max_in_flight_per_instance: variant.max_in_flight_per_instance,
+            flow_headroom_per_instance: variant.flow_headroom_per_instance.unwrap_or(0),
             fairness_weights: Arc::new(
                 variant
                     .fairness_weights
