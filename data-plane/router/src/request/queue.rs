@@ -15,15 +15,18 @@
 //!    however many requests each sends;
 //! 3. **arrival**, within an id.
 //!
-//! **Headroom** (`FlowHeadroomPerInstance`): past the cap, an instance takes that many more
-//! requests, but only those that need not wait behind a backlog: a priority below 0, or a
-//! fairness id holding fewer of the variant's capped slots (cap × instances) through this
-//! router than its fair share (the slots × its weight / the weights of the ids with requests
-//! in flight or waiting here). So an urgent request, or a light client's among a heavy
-//! one's backlog, starts at once on an engine that batches cap + headroom, instead of waiting
-//! for a capped slot to free. The ids' in-flight counts are kept while they hold slots (never
-//! more entries than requests in flight); with several routers each judges shares on its own,
-//! and the headroom still bounds every instance at cap + headroom.
+//! **Headroom** (`FlowHeadroomPerInstance`): an instance at the cap takes that many more
+//! requests, but only those that need not wait behind a backlog: a priority below 0, or, at
+//! priority 0 or better, a fairness id holding less than its weighted share of the requests
+//! this router has in flight on the variant while another id is in flight or waiting (id
+//! holds × total weight < its weight × all holds). So an urgent request, or a light client's
+//! among a heavy one's backlog, starts at once on an engine that batches cap + headroom,
+//! instead of waiting for a capped slot to free; an id alone, or the one holding the most,
+//! never takes it. A headroom slot is only ever one past the cap: a slot below it goes by the
+//! queue's order. The ids' in-flight counts are kept while they hold slots (never more
+//! entries than requests in flight; a retry's or a migrated stream's attempt is not counted);
+//! each router judges shares from its own requests, and every instance stays within cap +
+//! headroom.
 //!
 //! A request that cannot be served because its own candidates are full (one pinned to its
 //! instance) does not hold up the others: the next one in order that can go, goes.
@@ -270,7 +273,6 @@ impl FlowControl {
         let limits = Limits {
             cap,
             headroom: variant.flow_headroom_per_instance,
-            slots: cap.saturating_mul(variant.instances.len() as u32),
         };
         let grant = match queue.wait(self, place, candidates, limits, since).await {
             Ok(grant) => grant,
@@ -500,19 +502,36 @@ struct Waiter {
 }
 
 impl Waiter {
-    /// A slot below the cap or, for a request that may use it, within the headroom.
-    fn try_grant(&self, favoured: bool, full: &mut Vec<*const InstanceCell>) -> Option<Grant> {
-        try_grant(&self.candidates, self.limits.cap, full)
-            .or_else(|| headroom_grant(&self.candidates, self.limits, favoured))
+    /// A slot below the cap or, for a request that may use it (`favoured`, asked only when
+    /// the cap is full and the variant has headroom), within the headroom.
+    fn try_grant(
+        &self,
+        favoured: impl FnOnce() -> bool,
+        full: &mut Vec<*const InstanceCell>,
+    ) -> Option<Grant> {
+        try_grant(&self.candidates, self.limits.cap, full).or_else(|| {
+            (self.limits.headroom > 0)
+                .then(favoured)
+                .and_then(|favoured| headroom_grant(&self.candidates, self.limits, favoured))
+        })
     }
 }
 
-/// A slot within the headroom, for a request that may use it.
+/// A slot within the headroom (an instance at the cap or past it, below cap + headroom), for
+/// a request that may use it.
 fn headroom_grant(candidates: &[Candidate], limits: Limits, favoured: bool) -> Option<Grant> {
-    let cap = limits.favoured(favoured)?;
-    let mut grant = try_grant(candidates, cap, &mut Vec::new())?;
-    grant.headroom = true;
-    Some(grant)
+    let limit = limits.favoured(favoured)?;
+    let now_ms = switchyard_process::clock::unix_ms();
+    candidates
+        .iter()
+        .filter(|candidate| candidate.cell.available(now_ms))
+        .find_map(|candidate| {
+            SlotClaim::take_from(&candidate.cell, limits.cap, limit).map(|claim| Grant {
+                position: candidate.position,
+                claim,
+                headroom: true,
+            })
+        })
 }
 
 /// A variant's per-instance limits, for one request.
@@ -522,8 +541,6 @@ struct Limits {
     cap: u32,
     /// FlowHeadroomPerInstance (0: none).
     headroom: u32,
-    /// The variant's capped slots (cap × instances): what fair shares divide.
-    slots: u32,
 }
 
 impl Limits {
@@ -565,25 +582,31 @@ impl Drop for HoldTicket {
     }
 }
 
-/// Whether a request at `place` may use the headroom: a priority below 0, or its id holding
-/// less than its fair share of `limits.slots` (`active_weight`: the weights of the ids
-/// holding or waiting, this one's included).
+/// Whether a request at `place` may use the headroom: a priority below 0; or, at priority 0
+/// or better, another id in flight or waiting (`active_weight`, the weights of the ids holding
+/// or waiting, this one's included, is more than its own) and its id holding less than its
+/// weighted share of the requests this router has in flight on the variant.
 fn may_use_headroom(
     place: Place,
     limits: Limits,
     holdings: &HashMap<u64, Holding>,
-    active_weight: f64,
+    active_weight: impl FnOnce() -> f64,
 ) -> bool {
-    if limits.headroom == 0 {
+    if limits.headroom == 0 || place.priority > 0 {
         return false;
     }
     if place.priority < 0 {
         return true;
     }
+    let total = active_weight();
+    if total <= place.weight {
+        return false;
+    }
     let held = holdings
         .get(&place.fairness)
         .map_or(0, |holding| holding.count);
-    f64::from(held) < f64::from(limits.slots) * place.weight / active_weight.max(f64::MIN_POSITIVE)
+    let all: u32 = holdings.values().map(|holding| holding.count).sum();
+    f64::from(held) * total < place.weight * f64::from(all.max(1))
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -678,16 +701,17 @@ struct Flow {
 
 impl State {
     /// The weights of the fairness ids holding slots or waiting (`extra`: one more id).
+    /// One walk over the ids (a hash set: linear in the ids waiting and holding); asked only
+    /// for a request that may use the headroom and found the cap full.
     fn active_weight(&self, holdings: &HashMap<u64, Holding>, extra: Option<Place>) -> f64 {
-        let mut seen: Vec<u64> = holdings.keys().copied().collect();
+        let mut seen: std::collections::HashSet<u64> = holdings.keys().copied().collect();
         let mut total: f64 = holdings.values().map(|holding| holding.weight).sum();
         let waiting = self
             .bands
             .values()
             .flat_map(|band| band.flows.iter().map(|(id, flow)| (*id, flow.weight)));
         for (id, weight) in waiting.chain(extra.map(|place| (place.fairness, place.weight))) {
-            if !seen.contains(&id) {
-                seen.push(id);
+            if seen.insert(id) {
                 total += weight;
             }
         }
@@ -739,7 +763,18 @@ impl State {
         full: &mut Vec<*const InstanceCell>,
         holdings: &HashMap<u64, Holding>,
     ) -> Option<(Waiter, Grant, Place)> {
-        let active_weight = self.active_weight(holdings, None);
+        // Once per pass, on a variant with headroom only (its waiters share the limits).
+        let headroom = self
+            .bands
+            .values()
+            .flat_map(|band| band.flows.values())
+            .flat_map(|flow| flow.waiters.front())
+            .any(|waiter| waiter.limits.headroom > 0);
+        let active_weight = if headroom {
+            self.active_weight(holdings, None)
+        } else {
+            0.0
+        };
         let mut found = None;
         'bands: for (&priority, band) in self.bands.iter_mut() {
             let mut ids: Vec<(f64, u64, u64)> = band
@@ -759,7 +794,8 @@ impl State {
                 };
                 for at in 0..flow.waiters.len() {
                     let waiter = &flow.waiters[at];
-                    let favoured = may_use_headroom(place, waiter.limits, holdings, active_weight);
+                    let favoured =
+                        || may_use_headroom(place, waiter.limits, holdings, || active_weight);
                     if let Some(grant) = waiter.try_grant(favoured, full) {
                         let waiter = flow.waiters.remove(at).expect("the waiter is there");
                         band.clock = flow.pass;
@@ -796,6 +832,12 @@ impl VariantQueue {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
+    fn count_headroom(&self, grant: &Grant) {
+        if grant.headroom {
+            self.headroom_grants.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// `grant`, counted for `place`'s fairness id while the request holds it (on a variant
     /// with headroom: the fair shares are judged from these counts).
     fn hold(
@@ -805,9 +847,6 @@ impl VariantQueue {
         place: Place,
         mut grant: Grant,
     ) -> Grant {
-        if grant.headroom {
-            self.headroom_grants.fetch_add(1, Ordering::Relaxed);
-        }
         if limits.headroom == 0 {
             return grant;
         }
@@ -841,8 +880,13 @@ impl VariantQueue {
                 drop(holdings);
                 // A waiter in the queue is still listening (it leaves before it stops);
                 // a grant it cannot take is freed outside the lock.
-                if let Err(grant) = waiter.reply.send(grant) {
-                    unsent.push(grant);
+                let headroom = grant.headroom;
+                match waiter.reply.send(grant) {
+                    Ok(()) if headroom => {
+                        self.headroom_grants.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(()) => {}
+                    Err(grant) => unsent.push(grant),
                 }
             }
         }
@@ -870,11 +914,13 @@ impl VariantQueue {
             };
             // Past the cap, a request that need not wait behind the others takes the headroom.
             let free = free.or_else(|| {
-                let active_weight = state.active_weight(&holdings, Some(place));
-                let favoured = may_use_headroom(place, limits, &holdings, active_weight);
+                let favoured = may_use_headroom(place, limits, &holdings, || {
+                    state.active_weight(&holdings, Some(place))
+                });
                 headroom_grant(&candidates, limits, favoured)
             });
             if let Some(grant) = free {
+                self.count_headroom(&grant);
                 return Ok(self.hold(&mut holdings, limits, place, grant));
             }
             if state.len >= flow.settings.max_queued {
@@ -972,7 +1018,11 @@ impl Waiting<'_> {
     /// Leaves the queue for `reason`, unless a slot arrived meanwhile (then it is taken).
     fn leave(&mut self, reason: Dropped) -> Result<Grant, Dropped> {
         self.settled = true;
-        self.queue.lock().remove(self.place, self.seq);
+        let removed = self.queue.lock().remove(self.place, self.seq);
+        if removed {
+            // One id fewer may make another's share larger (headroom).
+            self.queue.dispatch();
+        }
         self.receiver.try_recv().map_err(|_| reason)
     }
 }
@@ -982,8 +1032,10 @@ impl Drop for Waiting<'_> {
         if self.settled {
             return;
         }
-        if self.queue.lock().remove(self.place, self.seq) {
+        let removed = self.queue.lock().remove(self.place, self.seq);
+        if removed {
             self.queue.dropped[Dropped::Disconnect as usize].fetch_add(1, Ordering::Relaxed);
+            self.queue.dispatch();
         }
         // A slot granted but not taken goes with the receiver, after the lock.
     }
@@ -1004,11 +1056,7 @@ mod tests {
 
     /// A cap of `cap` on one instance, no headroom.
     fn capped(cap: u32) -> Limits {
-        Limits {
-            cap,
-            headroom: 0,
-            slots: cap,
-        }
+        Limits { cap, headroom: 0 }
     }
 
     fn candidates(cells: &[Arc<InstanceCell>]) -> Vec<Candidate> {
@@ -1068,7 +1116,6 @@ mod tests {
         let limits = Limits {
             cap: 1,
             headroom: 1,
-            slots: 1,
         };
         let place = |priority, fairness| Place {
             priority,

@@ -97,6 +97,12 @@ impl SlotClaim {
             .then(|| Self(Some(Arc::clone(cell)), None))
     }
 
+    /// A slot of `cell` while `floor` ≤ its load < `cap` ([`InstanceCell::try_take_slot_from`]).
+    pub fn take_from(cell: &Arc<InstanceCell>, floor: u32, cap: u32) -> Option<Self> {
+        cell.try_take_slot_from(floor, cap)
+            .then(|| Self(Some(Arc::clone(cell)), None))
+    }
+
     /// The claim, holding `ticket` too.
     pub fn with_ticket(mut self, ticket: Ticket) -> Self {
         self.1 = Some(ticket);
@@ -311,10 +317,17 @@ impl InstanceCell {
     /// one is free: atomic against this router's other requests (the other routers' share is
     /// as of their last load report).
     pub fn try_take_slot(&self, cap: u32) -> bool {
+        self.try_take_slot_from(0, cap)
+    }
+
+    /// [`try_take_slot`](Self::try_take_slot) only while at least `floor` are in flight (a
+    /// flow-control headroom slot: never one below the cap, which the queue's order gives).
+    pub fn try_take_slot_from(&self, floor: u32, cap: u32) -> bool {
         let remote = self.remote.load(Ordering::Relaxed);
         self.local
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |local| {
-                (local.saturating_add(remote) < cap).then_some(local + 1)
+                let load = local.saturating_add(remote);
+                (floor <= load && load < cap).then_some(local + 1)
             })
             .is_ok()
     }
