@@ -1013,3 +1013,46 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
     router.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_rank_the_engine_does_not_have_is_sent_again_without_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    // Registered with 2 ranks, but the engine runs 1 (vLLM refuses rank 1 with a 400).
+    let a = switchyard_engine_sim::spawn(fast()).await?;
+    let mut pa = Publisher::spawn_ranks("vllm-0.32", 2).await?;
+    let router = router(dir.path(), &[&a], &[&pa]).await?;
+    let prompt = words(0, 70);
+    let prompt_tokens = tokens(&a, &prompt).await?;
+    pa.publish_rank(1, vec![stored(&prompt_tokens, 16, 1)])
+        .await?;
+    let index = index(&router).await?;
+    let rank_1 = [InstanceId::new("e0")?.data_parallel_rank(1)];
+    let blocks = (prompt_tokens.len() / 16) as u32;
+    wait_matched("rank 1's events in the index", &vec![blocks], || {
+        index
+            .request_hashes(&prompt_tokens)
+            .map(|hashes| index.matched_blocks(&hashes, &rank_1))
+            .unwrap_or_default()
+    })
+    .await?;
+    let reply: Reply = http_post(
+        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
+        &[],
+        json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-data-parallel-rank"), None);
+    let ranks: Vec<Option<String>> = a
+        .received()
+        .iter()
+        .map(|request| request.headers.get("x-data-parallel-rank").cloned())
+        .collect();
+    assert_eq!(
+        ranks,
+        [Some("1".to_owned()), None],
+        "refused with rank 1, then served without a rank"
+    );
+    router.shutdown().await;
+    Ok(())
+}

@@ -344,6 +344,8 @@ impl Forwarder<'_> {
         let mut order = ranking.order.iter().take(attempts).copied();
         // The same decoder once more, after it refused a hand-off.
         let mut again = None;
+        // Set once an engine refused the data-parallel rank it was sent: no rank from then on.
+        let mut rankless = false;
         while let Some(index) = again.take().or_else(|| order.next()) {
             let instance = &variant.instances[index];
             let Some((body, _)) = &held else {
@@ -355,7 +357,11 @@ impl Forwarder<'_> {
             instance.cell.requests[label as usize].fetch_add(1, Ordering::Relaxed);
             let mut request =
                 upstream_request(operation.method(), uri, client_headers, body.clone());
-            let rank = with_rank(&mut request, &data_parallel_ranks, index);
+            let rank = if rankless {
+                None
+            } else {
+                with_rank(&mut request, &data_parallel_ranks, index)
+            };
             let attempt = self
                 .attempt(
                     instance,
@@ -385,6 +391,17 @@ impl Forwarder<'_> {
                                 self.metrics.count_fallback("decode_refused_handoff");
                                 tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, why, "the decoder refused the hand-off before any token (vLLM's kv_load_failure_policy \"fail\"); sending it the request without the hand-off");
                                 label = RouteLabel::Fallback;
+                                again = Some(index);
+                                continue;
+                            }
+                        }
+                    } else if rank.is_some() {
+                        match refusal::rank_refused(response, self.settings.upstream_header).await {
+                            Ok(response) => (response, head_at),
+                            Err(why) => {
+                                drop(in_flight);
+                                rankless = true;
+                                tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, why, "the engine refused the data-parallel rank it was sent (is KvEventsDataParallelSize larger than its --data-parallel-size?); sending the request again without X-data-parallel-rank");
                                 again = Some(index);
                                 continue;
                             }

@@ -147,6 +147,51 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
     }
 }
 
+/// An engine's 400 to a request sent to a data-parallel rank it does not have (vLLM:
+/// `data_parallel_rank R is out of range [0, N).`: a registered size larger than the
+/// engine's, or an engine restarted with fewer ranks): why, to send it again without the
+/// rank. Any other answer is relayed as it came (the body read so far put back), read for at
+/// most `within` and [`MOST_OPENING_BYTES`].
+pub async fn rank_refused(
+    response: http::Response<Incoming>,
+    within: Duration,
+) -> Result<http::Response<UpstreamBody>, String> {
+    if response.status() != http::StatusCode::BAD_REQUEST {
+        return Ok(response.map(UpstreamBody::from));
+    }
+    let (parts, mut rest) = response.into_parts();
+    let deadline = Instant::now() + within;
+    let mut read = BytesMut::new();
+    while read.len() < MOST_OPENING_BYTES && !rest.is_end_stream() {
+        match tokio::time::timeout_at(deadline, rest.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    read.extend_from_slice(&data);
+                }
+            }
+            _ => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&read);
+    if text.contains("data_parallel_rank") && text.contains("out of range") {
+        let message = serde_json::from_slice::<Value>(&read)
+            .ok()
+            .and_then(|body| {
+                let error = body.get("error")?;
+                Some(error.get("message")?.as_str()?.to_owned())
+            })
+            .unwrap_or_else(|| text.chars().take(200).collect());
+        return Err(message);
+    }
+    Ok(http::Response::from_parts(
+        parts,
+        UpstreamBody {
+            read_ahead: (!read.is_empty()).then(|| read.freeze()),
+            rest,
+        },
+    ))
+}
+
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
     /// Only whole bare role chunks so far, or no whole event.
