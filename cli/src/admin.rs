@@ -183,7 +183,7 @@ pub enum EndpointCommand {
 #[derive(Debug, Subcommand)]
 pub enum InstanceCommand {
     /// Register an inference server as an instance of an endpoint's variant.
-    Register(RegisterArgs),
+    Register(Box<RegisterArgs>),
     /// Remove an instance.
     Deregister {
         #[arg(long)]
@@ -256,6 +256,30 @@ pub struct RegisterArgs {
     /// pushes its KV cache to (the decoder its LMCache config names).
     #[arg(long, value_name = "ID")]
     pub decode_partner: Option<String>,
+    /// LMCACHE_PD disaggregation, on a decode instance: the host prefill engines reach its
+    /// LMCache PD receiver at (its LMCache config's pd_peer_host).
+    #[arg(long, value_name = "HOST")]
+    pub lmcache_receiver_host: Option<String>,
+    /// Its init ports, one per tensor-parallel rank (pd_peer_init_port), comma-separated.
+    #[arg(
+        long,
+        value_name = "PORT,...",
+        value_delimiter = ',',
+        requires = "lmcache_receiver_host"
+    )]
+    pub lmcache_receiver_init_ports: Vec<u16>,
+    /// Its alloc ports, one per tensor-parallel rank (pd_peer_alloc_port), comma-separated.
+    #[arg(
+        long,
+        value_name = "PORT,...",
+        value_delimiter = ',',
+        requires = "lmcache_receiver_host"
+    )]
+    pub lmcache_receiver_alloc_ports: Vec<u16>,
+    /// Prompt tokens its PD buffer holds (pd_buffer_size / KV bytes per token): each router
+    /// keeps its hand-offs in flight to it within this. Default: no cap.
+    #[arg(long, value_name = "TOKENS", requires = "lmcache_receiver_host")]
+    pub lmcache_receiver_buffer_tokens: Option<u32>,
 }
 
 fn print_value(format: OutputFormat, value: Value, table: impl FnOnce() -> String) {
@@ -495,7 +519,7 @@ pub async fn instance_command(
     let format = connection.output;
     let mut client = connection.connect().await?;
     match command {
-        InstanceCommand::Register(args) => register(&mut client, format, args).await?,
+        InstanceCommand::Register(args) => register(&mut client, format, *args).await?,
         InstanceCommand::Import(args) => {
             import::import(format, args, |request| client.import_instances(request))
                 .await
@@ -562,6 +586,19 @@ async fn register(
         },
     )
     .map_err(|err| UsageError(err.to_string()))?;
+    let lmcache_receiver = switchyard_shared::LmcacheReceiver::parse(
+        args.lmcache_receiver_host.as_deref(),
+        Some(args.lmcache_receiver_init_ports.clone()),
+        Some(args.lmcache_receiver_alloc_ports.clone()),
+        args.lmcache_receiver_buffer_tokens,
+        [
+            "--lmcache-receiver-host",
+            "--lmcache-receiver-init-ports",
+            "--lmcache-receiver-alloc-ports",
+            "--lmcache-receiver-buffer-tokens",
+        ],
+    )
+    .map_err(|err| UsageError(err.to_string()))?;
     let registered = client
         .register_instance(pb::RegisterInstanceRequest {
             endpoint_name: args.endpoint.clone(),
@@ -579,6 +616,9 @@ async fn register(
             kv_events_data_parallel_size: kv_events.as_ref().map_or(0, |kv| kv.data_parallel_size),
             kv_events_replay_endpoint: kv_events.and_then(|kv| kv.replay).unwrap_or_default(),
             decode_partner: args.decode_partner.unwrap_or_default(),
+            lmcache_receiver: lmcache_receiver
+                .as_ref()
+                .map(switchyard_proto::convert::lmcache_receiver_message),
         })
         .await?
         .into_inner();

@@ -30,7 +30,8 @@ const MAX_ERRORS_SHOWN: usize = 20;
 pub struct ImportArgs {
     /// JSON lines, one instance each: EndpointName, VariantName, InstanceId, Url (required),
     /// Role (both|prefill|decode), Protocol (http1|h2c), Weight, KvEvents, KvEventsReplay
-    /// (tcp://host:port), DecodePartner (optional). Blank lines are
+    /// (tcp://host:port), DecodePartner, LmcacheReceiver ({Host, InitPorts, AllocPorts,
+    /// BufferTokens}) (optional). Blank lines are
     /// skipped. Instances live until deregistered (no TTL: nothing would heartbeat them).
     #[arg(long)]
     pub file: PathBuf,
@@ -58,6 +59,9 @@ struct Line {
     kv_events_data_parallel_size: Option<u32>,
     /// LMCACHE disaggregation: the decode instance a prefill instance pushes to.
     decode_partner: Option<String>,
+    /// LMCACHE_PD disaggregation: a decode instance's LMCache receiver
+    /// (`{Host, InitPorts, AllocPorts, BufferTokens}`).
+    lmcache_receiver: Option<switchyard_shared::LmcacheReceiver>,
     /// Only to refuse it with a clear message.
     #[serde(default, alias = "Ttl")]
     ttl_seconds: Option<u32>,
@@ -129,6 +133,10 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, LineError> {
         &kv_events_replay,
         kv_events_data_parallel_size,
     )?;
+    let lmcache_receiver = line.lmcache_receiver.clone();
+    if let Some(receiver) = &lmcache_receiver {
+        receiver.validate("LmcacheReceiver")?;
+    }
     if let Some(partner) = &line.decode_partner {
         InstanceId::new(partner).map_err(name("DecodePartner"))?;
     }
@@ -145,6 +153,9 @@ fn parse_line(text: &str) -> Result<pb::RegisterInstanceRequest, LineError> {
         kv_events_replay_endpoint: kv_events_replay,
         kv_events_data_parallel_size,
         decode_partner: line.decode_partner.unwrap_or_default(),
+        lmcache_receiver: lmcache_receiver
+            .as_ref()
+            .map(switchyard_proto::convert::lmcache_receiver_message),
     })
 }
 

@@ -58,6 +58,9 @@ fn registration(
             request.kv_events_data_parallel_size,
         )?,
         decode_partner: switchyard_proto::convert::decode_partner(&request.decode_partner)?,
+        lmcache_receiver: switchyard_proto::convert::lmcache_receiver(
+            request.lmcache_receiver.as_ref(),
+        )?,
     })
 }
 

@@ -16,8 +16,8 @@ use serde::de::DeserializeOwned;
 use switchyard_process::clock::unix_ms;
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, EndpointStatus, Health, Instance,
-    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, ValidationError, VariantName,
-    validate_instance_url, validate_instance_weight, validate_ttl,
+    InstanceId, InstanceProtocol, InstanceRole, KvEventsEndpoints, LmcacheReceiver,
+    ValidationError, VariantName, validate_instance_url, validate_instance_weight, validate_ttl,
 };
 
 use crate::keys;
@@ -94,6 +94,8 @@ pub struct Registration {
     pub kv_events: Option<KvEventsEndpoints>,
     /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
     pub decode_partner: Option<InstanceId>,
+    /// LMCACHE_PD disaggregation: this decode instance's LMCache receiver (checked by the edge).
+    pub lmcache_receiver: Option<LmcacheReceiver>,
 }
 
 /// What an import did.
@@ -413,7 +415,10 @@ impl Registry {
                 config.disaggregation_config.as_ref(),
                 &request.variant,
                 request.role,
-                request.decode_partner.is_some(),
+                (
+                    request.decode_partner.is_some(),
+                    request.lmcache_receiver.is_some(),
+                ),
             )?;
             let lease_id: LeaseId = if request.ttl_seconds > 0 {
                 self.store.grant_lease(request.ttl_seconds).await?
@@ -429,6 +434,7 @@ impl Registry {
                 lease_id,
                 kv_events: request.kv_events.clone(),
                 decode_partner: request.decode_partner.clone(),
+                lmcache_receiver: request.lmcache_receiver.clone(),
                 ..Instance::new(
                     id.clone(),
                     request.endpoint.clone(),
@@ -559,6 +565,7 @@ impl Registry {
                 registered_time_ms: now,
                 kv_events: request.kv_events.clone(),
                 decode_partner: request.decode_partner.clone(),
+                lmcache_receiver: request.lmcache_receiver.clone(),
                 ..Instance::new(id, request.endpoint, request.variant, url)
             });
         }
@@ -690,7 +697,10 @@ impl Registry {
                     config.disaggregation_config.as_ref(),
                     &instance.variant_name,
                     instance.role,
-                    instance.decode_partner.is_some(),
+                    (
+                        instance.decode_partner.is_some(),
+                        instance.lmcache_receiver.is_some(),
+                    ),
                 )
                 .map_err(|err| {
                     AdminError::Invalid(ValidationError::new(field(&err.field), err.message))

@@ -286,6 +286,29 @@ async fn run_request(
     if config.role == InstanceRole::Decode && !kv.do_remote_prefill {
         tracing::debug!(request_id, "decode instance prefilling a request itself");
     }
+    // Current LMCache's PD backend on a prefill engine: every request names its receiver.
+    let lmcache_pd = match &config.lmcache_pd_proxy {
+        None => None,
+        Some(proxy) => match crate::lmcache_pd::DisaggSpec::of(body.kv_transfer_params.as_ref()) {
+            None => {
+                return Err(ApiError::internal(
+                    "LMCache PD sender: the request has no kv_transfer_params.disagg_spec (LMCache's \
+                     async PD backend cannot save its KV cache without one)"
+                        .to_owned(),
+                ));
+            }
+            Some(Err(why)) => return Err(ApiError::bad_request(why)),
+            Some(Ok(spec)) => {
+                let full = prompt.block_hashes.len() * config.block_size;
+                Some((
+                    spec,
+                    proxy.clone(),
+                    prompt.block_hashes.clone(),
+                    prompt.tokens[..full.min(prompt.tokens.len())].to_vec(),
+                ))
+            }
+        },
+    };
     // LMCache's PD backend on a prefill engine: the prompt's blocks go to the decode partner
     // once computed (a request that is not itself a NixlConnector prefill, not streamed).
     let push = config
@@ -325,6 +348,34 @@ async fn run_request(
         .map_err(|stopped| ApiError::unavailable(stopped.to_string()))?;
     if kv.do_remote_decode {
         return prefill_only_response(shared, &meta, events, request_id, prompt_len).await;
+    }
+    if let Some((spec, proxy, hashes, tokens)) = lmcache_pd {
+        let mut events = events;
+        let finished = wait_finished(&mut events).await?;
+        let first = crate::openai::output_token_id(meta.resume_at);
+        let text = meta.text(finished.completion_tokens);
+        let answer = meta.response(
+            text,
+            "length",
+            usage(prompt_len, &finished),
+            Some(serde_json::json!({"first_tok": first})),
+        );
+        shared.records.update(request_id, |record| {
+            record.kv_push = Some(format!(
+                "LMCache PD: {} blocks to {}",
+                hashes.len(),
+                spec.receiver_host
+            ));
+        });
+        let drop_notices = config.lmcache_drop_notices;
+        tokio::spawn(crate::lmcache_pd::send(
+            drop_notices,
+            spec,
+            proxy,
+            hashes,
+            tokens,
+        ));
+        return Ok(Json(answer).into_response());
     }
     if let Some((partner, blocks)) = push {
         let mut events = events;

@@ -171,6 +171,26 @@ pub struct SimConfig {
     #[arg(long, value_name = "URL")]
     pub kv_push_to: Option<String>,
 
+    /// Current LMCache's PD backend on a prefill engine (`pd_role: sender`): the proxy's
+    /// notice socket (`pd_proxy_host`/`pd_proxy_port`), tcp://HOST:PORT. Every completions
+    /// request must then carry `kv_transfer_params.disagg_spec`; its KV blocks go to the
+    /// receiver the spec names and a "KV ready" notice per rank to this address.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub lmcache_pd_proxy: Option<String>,
+
+    /// Current LMCache's PD backend on a decode engine (`pd_role: receiver`): the alloc port
+    /// of each tensor-parallel rank (`pd_peer_alloc_port`), comma-separated.
+    #[arg(long, value_name = "PORT,...", value_delimiter = ',')]
+    pub lmcache_receiver_alloc_ports: Vec<u16>,
+
+    /// The host the receiver's ports listen on (`pd_peer_host`).
+    #[arg(long, default_value = "127.0.0.1", value_name = "HOST")]
+    pub lmcache_receiver_host: String,
+
+    /// Fault: an LMCache PD sender transfers the KV cache but never sends its notices.
+    #[arg(long)]
+    pub lmcache_drop_notices: bool,
+
     /// NixlConnector on a decode engine (vLLM's `kv_load_failure_policy` in
     /// `--kv-transfer-config`): what happens to a disaggregated request whose KV cache cannot
     /// be pulled: `fail` answers an error (vLLM's default: 500, or an error event in a

@@ -32,6 +32,7 @@ mod error;
 mod faults;
 mod handoff;
 mod kv_events;
+mod lmcache_pd;
 mod metrics;
 mod nixl;
 mod openai;

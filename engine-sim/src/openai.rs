@@ -109,6 +109,7 @@ impl InferenceBody {
             }
             ApiKind::Completion => Ok(match &self.prompt {
                 Some(Value::String(prompt)) => words_ending(prompt).map_or(0, |(k, _)| k),
+                Some(Value::Array(ids)) => ids_ending(ids),
                 _ => 0,
             }),
         }
@@ -434,6 +435,32 @@ pub(crate) fn output_token_text(index: u32) -> String {
 /// The text of the first `count` output tokens.
 pub(crate) fn output_text(count: u32) -> String {
     (0..count).map(output_token_text).collect()
+}
+
+/// The token id of output token `index` (its text is one token).
+pub(crate) fn output_token_id(index: u32) -> u32 {
+    crate::tokenizer::tokenize(&output_token_text(index))
+        .first()
+        .copied()
+        .unwrap_or(0)
+}
+
+/// The most output tokens k a token-id prompt ends with (an LMCache decode: the prompt plus
+/// the prefill's first token), 0 if none.
+fn ids_ending(ids: &[Value]) -> u32 {
+    let ids: Vec<u64> = ids.iter().filter_map(Value::as_u64).collect();
+    let mut found = 0;
+    for k in 1..=ids.len().min(4096) {
+        let tail = &ids[ids.len() - k..];
+        if tail
+            .iter()
+            .enumerate()
+            .all(|(index, &id)| id == u64::from(output_token_id(index as u32)))
+        {
+            found = k as u32;
+        }
+    }
+    found
 }
 
 /// The most output tokens k ≥ 1 whose text `text` ends with, and where in `text` it starts.

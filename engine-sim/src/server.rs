@@ -183,6 +183,15 @@ impl SimServer {
             side_channel,
         } = self;
         let addr = listener.local_addr().map_err(SimError::Io)?;
+        // LMCache PD receiver: its alloc ports live as long as the server.
+        let _receiver = crate::lmcache_pd::bind_receiver(
+            &shared.engine,
+            &shared.metrics,
+            &shared.config.lmcache_receiver_host,
+            &shared.config.lmcache_receiver_alloc_ports,
+        )
+        .await
+        .map_err(|why| SimError::Io(std::io::Error::other(why)))?;
         let config = &shared.config;
         let side_addr = shared.side_channel.get().map(|side| side.addr);
         tracing::info!(

@@ -15,7 +15,8 @@ use switchyard_shared::sync::{InstanceKey, InstanceLoad, StateUpdate};
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
     InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints, KvEventsFields,
-    PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy, ValidationError,
+    LmcacheReceiver, PrefixAwareRoutingConfig, ProductionVariant, RoutingConfig, RoutingStrategy,
+    ValidationError,
 };
 use switchyard_shared::{EndpointConfigName, EndpointName, InstanceId, VariantName};
 
@@ -240,6 +241,7 @@ impl From<&DisaggregationConfig> for pb::DisaggregationConfig {
                 None => pb::KvTransferProtocol::Unspecified,
                 Some(KvTransferProtocol::Nixl) => pb::KvTransferProtocol::Nixl,
                 Some(KvTransferProtocol::Lmcache) => pb::KvTransferProtocol::Lmcache,
+                Some(KvTransferProtocol::LmcachePd) => pb::KvTransferProtocol::LmcachePd,
             } as i32,
             tokenizer: config.tokenizer.clone(),
             prefill_timeout_seconds: config.prefill_timeout_seconds,
@@ -314,6 +316,7 @@ fn disaggregation_config(
                 pb::KvTransferProtocol::Unspecified => None,
                 pb::KvTransferProtocol::Nixl => Some(KvTransferProtocol::Nixl),
                 pb::KvTransferProtocol::Lmcache => Some(KvTransferProtocol::Lmcache),
+                pb::KvTransferProtocol::LmcachePd => Some(KvTransferProtocol::LmcachePd),
             },
         )?,
         tokenizer: config.tokenizer,
@@ -490,8 +493,52 @@ impl From<&Instance> for pb::Instance {
                 .as_ref()
                 .map(ToString::to_string)
                 .unwrap_or_default(),
+            lmcache_receiver: instance
+                .lmcache_receiver
+                .as_ref()
+                .map(lmcache_receiver_message),
         }
     }
+}
+
+/// An LMCache receiver as its message.
+pub fn lmcache_receiver_message(receiver: &LmcacheReceiver) -> pb::LmcacheReceiver {
+    pb::LmcacheReceiver {
+        host: receiver.host.clone(),
+        init_ports: receiver.init_ports.iter().map(|&p| u32::from(p)).collect(),
+        alloc_ports: receiver.alloc_ports.iter().map(|&p| u32::from(p)).collect(),
+        buffer_tokens: receiver.buffer_tokens.unwrap_or(0),
+    }
+}
+
+/// An LMCache receiver of an `Instance` or a `RegisterInstanceRequest` (absent: none).
+pub fn lmcache_receiver(
+    receiver: Option<&pb::LmcacheReceiver>,
+) -> Result<Option<LmcacheReceiver>, ValidationError> {
+    let Some(receiver) = receiver else {
+        return Ok(None);
+    };
+    let ports = |ports: &[u32], name: &str| {
+        ports
+            .iter()
+            .map(|&port| {
+                u16::try_from(port).map_err(|_| {
+                    ValidationError::new(
+                        format!("LmcacheReceiver.{name}"),
+                        format!("ports must be 1 to 65535, got {port}"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<u16>, _>>()
+    };
+    let domain = LmcacheReceiver {
+        host: receiver.host.clone(),
+        init_ports: ports(&receiver.init_ports, "InitPorts")?,
+        alloc_ports: ports(&receiver.alloc_ports, "AllocPorts")?,
+        buffer_tokens: (receiver.buffer_tokens != 0).then_some(receiver.buffer_tokens),
+    };
+    domain.validate("LmcacheReceiver")?;
+    Ok(Some(domain))
 }
 
 /// A decode partner id (empty: none).
@@ -549,6 +596,7 @@ impl TryFrom<pb::Instance> for Instance {
                 instance.kv_events_data_parallel_size,
             )?,
             decode_partner: decode_partner(&instance.decode_partner)?,
+            lmcache_receiver: lmcache_receiver(instance.lmcache_receiver.as_ref())?,
         })
     }
 }
@@ -766,6 +814,95 @@ pub fn instance_loads(wire: Vec<pb::InstanceLoad>) -> (Vec<InstanceLoad>, usize)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_lmcache_receiver_travels_and_is_checked_at_the_edge() {
+        let wire = pb::LmcacheReceiver {
+            host: "10.0.0.2".into(),
+            init_ports: vec![7300, 7301],
+            alloc_ports: vec![7400, 7401],
+            buffer_tokens: 8192,
+        };
+        let domain = lmcache_receiver(Some(&wire)).unwrap().unwrap();
+        assert_eq!(domain.buffer_tokens, Some(8192));
+        assert_eq!(lmcache_receiver_message(&domain), wire);
+        assert_eq!(lmcache_receiver(None).unwrap(), None);
+        for (bad, field) in [
+            (
+                pb::LmcacheReceiver {
+                    host: String::new(),
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.Host",
+            ),
+            (
+                pb::LmcacheReceiver {
+                    init_ports: vec![],
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.InitPorts",
+            ),
+            (
+                pb::LmcacheReceiver {
+                    alloc_ports: vec![7400],
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.AllocPorts",
+            ),
+            (
+                pb::LmcacheReceiver {
+                    alloc_ports: vec![7400, 70000],
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.AllocPorts",
+            ),
+            (
+                pb::LmcacheReceiver {
+                    alloc_ports: vec![7300, 7401],
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.AllocPorts",
+            ),
+            (
+                pb::LmcacheReceiver {
+                    host: "a b".into(),
+                    ..wire.clone()
+                },
+                "LmcacheReceiver.Host",
+            ),
+        ] {
+            assert_eq!(
+                lmcache_receiver(Some(&bad)).unwrap_err().field,
+                field,
+                "{bad:?}"
+            );
+        }
+        assert!(
+            lmcache_receiver(Some(&pb::LmcacheReceiver {
+                host: "::1".into(),
+                ..wire
+            }))
+            .is_ok()
+        );
+        // The CLI's flags: all absent is none, a port without a host names the host flag.
+        let fields = ["--h", "--i", "--a", "--b"];
+        assert_eq!(
+            LmcacheReceiver::parse(None, None, Some(vec![]), None, fields).unwrap(),
+            None
+        );
+        assert_eq!(
+            LmcacheReceiver::parse(None, Some(vec![1]), None, None, fields)
+                .unwrap_err()
+                .field,
+            "--h"
+        );
+        assert_eq!(
+            LmcacheReceiver::parse(Some("h"), Some(vec![1]), Some(vec![2, 3]), None, fields)
+                .unwrap_err()
+                .field,
+            "--a"
+        );
+    }
 
     #[test]
     fn endpoint_config_round_trip() {

@@ -114,7 +114,15 @@ pub enum KvTransferProtocol {
     Nixl,
     /// LMCache's PD backend as SageMaker HyperPod runs it: each prefill instance pushes the KV
     /// cache to the decoder named in its own LMCache config (its registered decode partner).
+    /// Deprecated: current LMCache names the decoder per request (`LMCACHE_PD`).
     Lmcache,
+    /// Current LMCache's PD protocol (its `disagg_proxy_server.py`): the router picks the
+    /// decoder per request, sends the prefiller the prompt's token ids with
+    /// `kv_transfer_params.disagg_spec` naming that decoder's LMCache receiver (registered as
+    /// the decode instance's `LmcacheReceiver`), waits for the prefiller's "KV ready" notices
+    /// on its notice socket (`--lmcache-notice-bind`), and sends the decoder the token ids plus
+    /// the prefill's first token.
+    LmcachePd,
 }
 
 impl KvTransferProtocol {
@@ -122,6 +130,7 @@ impl KvTransferProtocol {
         match self {
             KvTransferProtocol::Nixl => "NIXL",
             KvTransferProtocol::Lmcache => "LMCACHE",
+            KvTransferProtocol::LmcachePd => "LMCACHE_PD",
         }
     }
 }
@@ -299,12 +308,13 @@ impl DisaggregationConfig {
 /// Checks an instance's role (and decode partner) against its variant's place in the
 /// endpoint config's disaggregation, if any: a prefill instance in the decode pool, or a decode
 /// instance in the prefill pool, is refused (`both` fits either place); only prefill
-/// instances name a decode partner. The error names `Role` or `DecodePartner`.
+/// instances name a decode partner, and only decode instances an LMCache receiver. The error
+/// names `Role`, `DecodePartner` or `LmcacheReceiver`.
 pub fn check_instance_place(
     disaggregation: Option<&DisaggregationConfig>,
     variant: &VariantName,
     role: InstanceRole,
-    has_decode_partner: bool,
+    (has_decode_partner, has_lmcache_receiver): (bool, bool),
 ) -> Result<(), ValidationError> {
     let place = disaggregation.and_then(|config| config.role_of(variant));
     match (place, role) {
@@ -327,6 +337,15 @@ pub fn check_instance_place(
             format!(
                 "only instances of a disaggregated endpoint's prefill variant have a decode \
                  partner; variant {variant} is not one"
+            ),
+        ));
+    }
+    if has_lmcache_receiver && place != Some(InstanceRole::Decode) {
+        return Err(ValidationError::new(
+            "LmcacheReceiver",
+            format!(
+                "only instances of a disaggregated endpoint's decode variant have an LMCache \
+                 receiver; variant {variant} is not one"
             ),
         ));
     }
@@ -478,7 +497,7 @@ mod tests {
         let pd = config(r#"{"PrefillVariantName":"prefill","DecodeVariantName":"decode"}"#);
         let name = |text: &str| VariantName::new(text).unwrap();
         let check = |variant: &str, role, partner| {
-            check_instance_place(Some(&pd), &name(variant), role, partner)
+            check_instance_place(Some(&pd), &name(variant), role, (partner, false))
         };
         check("prefill", InstanceRole::Prefill, true).unwrap();
         check("prefill", InstanceRole::Both, false).unwrap();
@@ -502,7 +521,20 @@ mod tests {
             "DecodePartner"
         );
         // Colocated endpoints take any role.
-        check_instance_place(None, &name("v"), InstanceRole::Prefill, false).unwrap();
+        check_instance_place(None, &name("v"), InstanceRole::Prefill, (false, false)).unwrap();
+        // Only decode instances have an LMCache receiver.
+        check_instance_place(
+            Some(&pd),
+            &name("decode"),
+            InstanceRole::Decode,
+            (false, true),
+        )
+        .unwrap();
+        for variant in ["prefill", "v"] {
+            let refused =
+                check_instance_place(Some(&pd), &name(variant), InstanceRole::Both, (false, true));
+            assert_eq!(refused.unwrap_err().field, "LmcacheReceiver");
+        }
     }
 
     #[test]

@@ -158,12 +158,143 @@ pub struct Instance {
     /// LMCACHE disaggregation: the decode instance this prefill instance pushes its KV cache
     /// to (named in the engine's own LMCache config). Left out of the stored JSON when absent.
     pub decode_partner: Option<InstanceId>,
+    /// LMCACHE_PD disaggregation: where this decode instance's LMCache PD receiver listens
+    /// (its `pd_peer_host`, `pd_peer_init_port`, `pd_peer_alloc_port`), named to the prefiller
+    /// in each request's `disagg_spec`. Left out of the stored JSON when absent.
+    pub lmcache_receiver: Option<LmcacheReceiver>,
+}
+
+/// The most tensor-parallel ranks an LMCache receiver may list (one port pair per rank).
+pub const MAX_LMCACHE_RECEIVER_RANKS: usize = 64;
+
+/// A decode engine's LMCache PD receiver (LMCache's `pd_role: receiver`): the host prefillers
+/// reach it at, one init port and one alloc port per tensor-parallel rank (LMCache's proxy
+/// sends the lists as `receiver_init_port` and `receiver_alloc_port` and waits for one notice
+/// per rank), and optionally how many prompt tokens its PD buffer holds
+/// (`pd_buffer_size` / KV bytes per token), which caps this router's hand-offs in flight to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields)]
+pub struct LmcacheReceiver {
+    pub host: String,
+    pub init_ports: Vec<u16>,
+    pub alloc_ports: Vec<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_tokens: Option<u32>,
+}
+
+impl LmcacheReceiver {
+    /// Checks the receiver; `field` prefixes the names in errors (`LmcacheReceiver`).
+    pub fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        let at = |name: &str| format!("{field}.{name}");
+        let host = self.host.trim();
+        if host.is_empty()
+            || host.len() > 253
+            || host.contains(['/', ' ', '@', ',', ':'])
+                && host.parse::<std::net::Ipv6Addr>().is_err()
+        {
+            return Err(ValidationError::new(
+                at("Host"),
+                format!(
+                    "must be a host name or IP address the prefill engines reach the decoder's \
+                     LMCache receiver at, got {:?}",
+                    self.host
+                ),
+            ));
+        }
+        let ranks = self.init_ports.len();
+        if ranks == 0 || ranks > MAX_LMCACHE_RECEIVER_RANKS {
+            return Err(ValidationError::new(
+                at("InitPorts"),
+                format!(
+                    "must list 1 to {MAX_LMCACHE_RECEIVER_RANKS} ports (one per tensor-parallel \
+                     rank, LMCache's pd_peer_init_port), got {ranks}"
+                ),
+            ));
+        }
+        if self.alloc_ports.len() != ranks {
+            return Err(ValidationError::new(
+                at("AllocPorts"),
+                format!(
+                    "must list one port per InitPorts entry ({ranks}), got {}",
+                    self.alloc_ports.len()
+                ),
+            ));
+        }
+        for (name, ports) in [
+            ("InitPorts", &self.init_ports),
+            ("AllocPorts", &self.alloc_ports),
+        ] {
+            if ports.contains(&0) {
+                return Err(ValidationError::new(at(name), "ports must be 1 to 65535"));
+            }
+        }
+        let mut all: Vec<u16> = self
+            .init_ports
+            .iter()
+            .chain(&self.alloc_ports)
+            .copied()
+            .collect();
+        all.sort_unstable();
+        if all.windows(2).any(|pair| pair[0] == pair[1]) {
+            return Err(ValidationError::new(
+                at("AllocPorts"),
+                "every init and alloc port must be different",
+            ));
+        }
+        if self.buffer_tokens == Some(0) {
+            return Err(ValidationError::new(
+                at("BufferTokens"),
+                "must be at least 1 token (leave it out for no cap)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Builds a receiver from the optional inputs of a flag or a file (all absent: none);
+    /// `fields` names the host, init-port, alloc-port and buffer fields for errors.
+    pub fn parse(
+        host: Option<&str>,
+        init_ports: Option<Vec<u16>>,
+        alloc_ports: Option<Vec<u16>>,
+        buffer_tokens: Option<u32>,
+        fields: [&str; 4],
+    ) -> Result<Option<Self>, ValidationError> {
+        let host = host.map(str::trim).filter(|host| !host.is_empty());
+        let init_ports = init_ports.filter(|ports| !ports.is_empty());
+        let alloc_ports = alloc_ports.filter(|ports| !ports.is_empty());
+        let buffer_tokens = buffer_tokens.filter(|&tokens| tokens != 0);
+        let Some(host) = host else {
+            if init_ports.is_some() || alloc_ports.is_some() || buffer_tokens.is_some() {
+                return Err(ValidationError::new(
+                    fields[0],
+                    "the LMCache receiver needs its host as well",
+                ));
+            }
+            return Ok(None);
+        };
+        let receiver = Self {
+            host: host.to_owned(),
+            init_ports: init_ports.unwrap_or_default(),
+            alloc_ports: alloc_ports.unwrap_or_default(),
+            buffer_tokens,
+        };
+        receiver.validate("").map_err(|err| {
+            let field = match err.field.trim_start_matches('.') {
+                "Host" => fields[0],
+                "InitPorts" => fields[1],
+                "AllocPorts" => fields[2],
+                _ => fields[3],
+            };
+            ValidationError::new(field, err.message)
+        })?;
+        Ok(Some(receiver))
+    }
 }
 
 impl Instance {
     /// An instance of `variant_name` in `endpoint_name` at `url`, as registered with nothing
     /// else said: role BOTH, the router's protocol, weight 1, health not probed yet, no lease,
-    /// no KV-event sockets, no decode partner. Set what differs with struct update syntax.
+    /// no KV-event sockets, no decode partner, no LMCache receiver. Set what differs with struct update syntax.
     pub fn new(
         instance_id: InstanceId,
         endpoint_name: EndpointName,
@@ -185,6 +316,7 @@ impl Instance {
             lease_id: 0,
             kv_events: None,
             decode_partner: None,
+            lmcache_receiver: None,
         }
     }
 }

@@ -136,6 +136,17 @@ pub struct RouterConfig {
     /// in switchyard_router_tokenizer_fallbacks_total).
     #[arg(long, value_name = "DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// LMCACHE_PD disaggregation: where this router binds the ZMQ PULL socket LMCache's
+    /// prefill engines send their "KV ready" notices to (their LMCache config's
+    /// `pd_proxy_host` and `pd_proxy_port`), e.g. tcp://0.0.0.0:7500. Without it an LMCACHE_PD
+    /// endpoint's requests are served by a decoder alone (fallback no_notice_socket).
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub lmcache_notice_bind: Option<String>,
+    /// The HOST:PORT other routers reach this router's notice socket at (request ids name it,
+    /// so a notice that reaches another router is relayed here). Default: the bound address,
+    /// which must then not be a wildcard (0.0.0.0, ::).
+    #[arg(long, value_name = "HOST:PORT", requires = "lmcache_notice_bind")]
+    pub lmcache_notice_advertise: Option<String>,
     /// Threads serving HTTP. Each runs its own single-threaded runtime and upstream
     /// connection pool, so a request never moves between threads (cross-thread wake-ups
     /// cost more than the routing decision). Default: one per CPU.
@@ -206,6 +217,8 @@ impl RouterConfig {
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
+            lmcache_notice_bind: None,
+            lmcache_notice_advertise: None,
             worker_threads: Some(1),
             telemetry: TelemetryArgs::default(),
             kv: crate::kv::KvArgs::default(),
@@ -287,6 +300,35 @@ impl RouterConfig {
             self.max_buffered_bytes,
             crate::request::read::MAX_BODY_BYTES as u64..=u64::MAX,
         )?;
+        if let Some(bind) = &self.lmcache_notice_bind {
+            let address = bind.strip_prefix("tcp://").unwrap_or("");
+            let Some((host, port)) = address.rsplit_once(':') else {
+                return Err(UsageError(format!(
+                    "--lmcache-notice-bind {bind:?} must be tcp://HOST:PORT"
+                )));
+            };
+            if host.is_empty() || port.parse::<u16>().is_err() {
+                return Err(UsageError(format!(
+                    "--lmcache-notice-bind {bind:?} must be tcp://HOST:PORT"
+                )));
+            }
+            let wildcard = matches!(host, "0.0.0.0" | "*" | "[::]" | "::");
+            if wildcard && self.lmcache_notice_advertise.is_none() {
+                return Err(UsageError(format!(
+                    "--lmcache-notice-bind {bind}: a wildcard address is no address other \
+                     routers can relay notices to; set --lmcache-notice-advertise HOST:PORT"
+                )));
+            }
+        }
+        if let Some(advertise) = &self.lmcache_notice_advertise
+            && advertise.rsplit_once(':').is_none_or(|(host, port)| {
+                host.is_empty() || port.parse::<u16>().is_err() || advertise.contains(['/', '@'])
+            })
+        {
+            return Err(UsageError(format!(
+                "--lmcache-notice-advertise {advertise:?} must be HOST:PORT"
+            )));
+        }
         if let Some(dir) = &self.tokenizer_dir
             && !dir.is_dir()
         {

@@ -13,6 +13,8 @@
 //! Architecture invariant: nothing here awaits the control plane, and no lock is held across
 //! an `.await` (the table is an `ArcSwap` snapshot, load is atomics).
 
+mod lmcache;
+pub(crate) mod notices;
 pub(crate) mod prefill;
 pub(crate) mod refusal;
 pub(crate) mod upstream;
@@ -88,6 +90,8 @@ pub struct Forwarder<'a> {
     pub trace: Option<&'a RequestTrace>,
     /// Flow control: a disaggregated request's decode hop waits here for its decoders' cap.
     pub flow: &'a FlowControl,
+    /// LMCACHE_PD: where this router's "KV ready" notices arrive (`--lmcache-notice-bind`).
+    pub notices: Option<&'a Arc<notices::NoticeBoard>>,
 }
 
 /// Decrements the instance's in-flight count exactly once, when dropped; ends the

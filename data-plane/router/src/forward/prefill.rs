@@ -56,7 +56,7 @@ const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
 type FallbackReason = &'static str;
 
 /// Why a request is not prefilled: the decoder serves it whole, or it ends with an error.
-enum NoPrefill {
+pub(super) enum NoPrefill {
     /// The decoder serves the whole request (`fallback`, counted by this reason).
     Fallback(FallbackReason),
     /// The answer to the client: a prefill engine failed after it may have read the request,
@@ -97,6 +97,19 @@ impl Forwarder<'_> {
                 .send(operation, plan.into(), client_headers, reservation)
                 .await;
         };
+        if pd.protocol == KvTransferProtocol::LmcachePd {
+            return self
+                .disaggregate_lmcache(
+                    operation,
+                    plan,
+                    disaggregated,
+                    client_headers,
+                    reservation,
+                    prefill_claim,
+                    self.notices,
+                )
+                .await;
+        }
         let prefill_variant = &endpoint.variants[pd.prefill];
         let started = Instant::now();
         // A fallback frees the prefill slot the queue phase took at once (not at the answer).
@@ -210,12 +223,66 @@ impl Forwarder<'_> {
         operation: Operation,
         endpoint: &EndpointRoute,
         pd: &Disaggregation,
+        candidates: (&[usize], &[Option<u32>]),
+        client_headers: &HeaderMap,
+        body: Bytes,
+        reservation: &mut BufferReservation,
+        claim: Option<SlotClaim>,
+    ) -> Result<Prefilled, NoPrefill> {
+        let (index, answer, in_flight) = self
+            .prefill_answer(
+                operation,
+                endpoint,
+                pd,
+                candidates,
+                client_headers,
+                body,
+                reservation,
+                claim,
+            )
+            .await?;
+        drop(in_flight);
+        let instance = &endpoint.variants[pd.prefill].instances[index];
+        let kv_transfer_params = match pd.protocol {
+            KvTransferProtocol::Lmcache | KvTransferProtocol::LmcachePd => None,
+            KvTransferProtocol::Nixl => {
+                let params = if answer.len() > crate::request::read::OFFLOAD_BYTES {
+                    tokio::task::spawn_blocking(move || handoff_in(&answer))
+                        .await
+                        .unwrap_or(Err("the answer could not be read"))
+                } else {
+                    handoff_in(&answer)
+                };
+                match params {
+                    Ok(params) => Some(params),
+                    Err(why) => {
+                        tracing::warn!(instance = %instance.id, why, "the prefill answer has no usable kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
+                        return Err(NoPrefill::Fallback("bad_handoff"));
+                    }
+                }
+            }
+        };
+        Ok(Prefilled {
+            instance: index,
+            kv_transfer_params,
+        })
+    }
+
+    /// Sends the prefill copy to the prefill candidates in `order` (the next one only when
+    /// the previous one provably never got it) and reads the successful answer: which
+    /// instance, its body (counted in `reservation` as it arrives) and its in-flight count.
+    #[allow(clippy::too_many_arguments)] // the two hops' shared state, passed through once
+    pub(super) async fn prefill_answer(
+        &self,
+        operation: Operation,
+        endpoint: &EndpointRoute,
+        pd: &Disaggregation,
         (order, ranks): (&[usize], &[Option<u32>]),
         client_headers: &HeaderMap,
         body: Bytes,
         reservation: &mut BufferReservation,
         mut claim: Option<SlotClaim>,
-    ) -> Result<Prefilled, NoPrefill> {
+    ) -> Result<(usize, Bytes, super::InFlight), NoPrefill> {
         let headers = prefill_headers(client_headers);
         let variant = &endpoint.variants[pd.prefill];
         let held = reservation.bytes();
@@ -239,11 +306,10 @@ impl Forwarder<'_> {
                     .await?;
                 let status = response.status();
                 let read = read_answer(response.into_body(), reservation, held).await;
-                drop(in_flight);
-                Ok::<_, Failure>((status, read))
+                Ok::<_, Failure>((status, read, in_flight))
             })
             .await;
-            let (status, answer) = match answer {
+            let (status, answer, in_flight) = match answer {
                 Ok(Ok(answer)) => answer,
                 Ok(Err(Failure::NotSent(error))) => {
                     instance.cell.count_upstream(UpstreamError::Refused);
@@ -275,29 +341,7 @@ impl Forwarder<'_> {
                 }
                 Err(ReadError::BufferFull) => return Err(NoPrefill::Fallback("buffer_full")),
             };
-            let kv_transfer_params = match pd.protocol {
-                KvTransferProtocol::Lmcache => None,
-                KvTransferProtocol::Nixl => {
-                    let params = if answer.len() > crate::request::read::OFFLOAD_BYTES {
-                        tokio::task::spawn_blocking(move || handoff_in(&answer))
-                            .await
-                            .unwrap_or(Err("the answer could not be read"))
-                    } else {
-                        handoff_in(&answer)
-                    };
-                    match params {
-                        Ok(params) => Some(params),
-                        Err(why) => {
-                            tracing::warn!(instance = %instance.id, why, "the prefill answer has no usable kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
-                            return Err(NoPrefill::Fallback("bad_handoff"));
-                        }
-                    }
-                }
-            };
-            return Ok(Prefilled {
-                instance: index,
-                kv_transfer_params,
-            });
+            return Ok((index, answer, in_flight));
         }
         Err(NoPrefill::Fallback("prefill_unreachable"))
     }
@@ -345,7 +389,7 @@ fn prefill_order(
 ) -> Vec<usize> {
     let order = disaggregated.prefill.order.iter().copied();
     match pd.protocol {
-        KvTransferProtocol::Nixl => order.collect(),
+        KvTransferProtocol::Nixl | KvTransferProtocol::LmcachePd => order.collect(),
         KvTransferProtocol::Lmcache => order
             .filter(|&index| usable_partner(pd, decode, index).is_some())
             .collect(),
@@ -441,6 +485,8 @@ fn hand_off(
             hop.data_parallel_ranks.clear();
             Ok(())
         }
+        // Its own flow (`super::lmcache`).
+        KvTransferProtocol::LmcachePd => Err("bad_handoff"),
     }
 }
 

@@ -21,18 +21,64 @@ use tokio::time::Instant;
 /// The most of a stream's opening read to look for a refusal.
 const MOST_OPENING_BYTES: usize = 64 * 1024;
 
-/// An instance's answer body: what was read ahead of the client, then the rest.
-#[derive(Debug)]
+/// An instance's answer body: what was read ahead of the client, then the rest (none for an
+/// answer made by the router of what an engine said), each frame of the rest through
+/// `convert` when the router re-shapes the answer (LMCACHE_PD).
 pub struct UpstreamBody {
     read_ahead: Option<Bytes>,
-    rest: Incoming,
+    rest: Option<Incoming>,
+    convert: Option<Box<dyn Convert>>,
+}
+
+/// Re-shapes an answer's bytes as they pass: `data` for each frame (what to pass on; empty
+/// holds it back), `end` once at the end (what is left to pass on).
+pub trait Convert: Send + Sync {
+    fn data(&mut self, data: Bytes) -> Bytes;
+    fn end(&mut self) -> Bytes;
+}
+
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("read_ahead", &self.read_ahead)
+            .field("rest", &self.rest)
+            .field("converted", &self.convert.is_some())
+            .finish()
+    }
 }
 
 impl From<Incoming> for UpstreamBody {
     fn from(rest: Incoming) -> Self {
         Self {
             read_ahead: None,
-            rest,
+            rest: Some(rest),
+            convert: None,
+        }
+    }
+}
+
+impl UpstreamBody {
+    /// A whole answer the router made.
+    pub fn made(bytes: Bytes) -> Self {
+        Self {
+            read_ahead: Some(bytes),
+            rest: None,
+            convert: None,
+        }
+    }
+
+    /// This answer with `head` sent first and the rest through `convert`.
+    pub fn converted(self, head: Option<Bytes>, mut convert: Box<dyn Convert>) -> Self {
+        let ahead = self.read_ahead.map(|ahead| convert.data(ahead));
+        let mut joined = BytesMut::new();
+        for part in [head, ahead].into_iter().flatten() {
+            joined.extend_from_slice(&part);
+        }
+        let read_ahead = (!joined.is_empty()).then(|| joined.freeze());
+        Self {
+            read_ahead,
+            rest: self.rest,
+            convert: Some(convert),
         }
     }
 }
@@ -49,11 +95,37 @@ impl Body for UpstreamBody {
         if let Some(read_ahead) = this.read_ahead.take() {
             return Poll::Ready(Some(Ok(Frame::data(read_ahead))));
         }
-        Pin::new(&mut this.rest).poll_frame(cx)
+        loop {
+            let Some(rest) = this.rest.as_mut() else {
+                return Poll::Ready(this.convert.take().and_then(|mut convert| {
+                    let tail = convert.end();
+                    (!tail.is_empty()).then(|| Ok(Frame::data(tail)))
+                }));
+            };
+            let frame = std::task::ready!(Pin::new(rest).poll_frame(cx));
+            let Some(convert) = this.convert.as_mut() else {
+                return Poll::Ready(frame);
+            };
+            match frame {
+                None => this.rest = None,
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let out = convert.data(data);
+                        if !out.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(out))));
+                        }
+                    }
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                },
+                Some(Err(err)) => return Poll::Ready(Some(Err(err))),
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.read_ahead.is_none() && self.rest.is_end_stream()
+        self.read_ahead.is_none()
+            && self.convert.is_none()
+            && self.rest.as_ref().is_none_or(Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -61,7 +133,11 @@ impl Body for UpstreamBody {
             .read_ahead
             .as_ref()
             .map_or(0, |bytes| bytes.len() as u64);
-        let rest = self.rest.size_hint();
+        let rest = match (&self.rest, &self.convert) {
+            (Some(rest), None) => rest.size_hint(),
+            (None, None) => SizeHint::with_exact(0),
+            _ => SizeHint::new(),
+        };
         let mut hint = SizeHint::new();
         hint.set_lower(rest.lower() + ahead);
         if let Some(upper) = rest.upper() {
@@ -139,7 +215,8 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
                 parts,
                 UpstreamBody {
                     read_ahead: (!opening.is_empty()).then(|| opening.freeze()),
-                    rest,
+                    rest: Some(rest),
+                    convert: None,
                 },
             ),
             last_frame,
@@ -187,7 +264,8 @@ pub async fn rank_refused(
         parts,
         UpstreamBody {
             read_ahead: (!read.is_empty()).then(|| read.freeze()),
-            rest,
+            rest: Some(rest),
+            convert: None,
         },
     ))
 }

@@ -95,6 +95,8 @@ pub struct RouterMetrics {
     disaggregation_paths: [AtomicU64; 3],
     /// Fallbacks by reason (`FALLBACK_REASONS`).
     disaggregation_fallbacks: [AtomicU64; FALLBACK_REASONS.len()],
+    /// LMCACHE_PD notices by outcome (`NOTICE_OUTCOMES`).
+    lmcache_notices: [AtomicU64; NOTICE_OUTCOMES.len()],
     /// KV_AWARE: a request's `/tokenize` round trip to an engine (answered ones).
     pub kv_tokenize_seconds: Histogram,
     /// KV_AWARE: requests routed by load because their token ids could not be had, by
@@ -107,7 +109,7 @@ pub struct RouterMetrics {
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
-pub const FALLBACK_REASONS: [&str; 8] = [
+pub const FALLBACK_REASONS: [&str; 13] = [
     "no_prefill_instance",
     "prefill_unreachable",
     "prefill_failed",
@@ -116,6 +118,22 @@ pub const FALLBACK_REASONS: [&str; 8] = [
     "bad_handoff",
     "buffer_full",
     "decode_refused_handoff",
+    // LMCACHE_PD only.
+    "no_token_ids",
+    "no_notice_socket",
+    "no_receiver",
+    "handoff_cap",
+    "notice_timeout",
+];
+
+/// What became of an LMCache "KV ready" notice (LMCACHE_PD): the `outcome` label of
+/// `switchyard_router_lmcache_notices_total`.
+pub const NOTICE_OUTCOMES: [&str; 5] = [
+    "matched",
+    "relayed",
+    "unknown",
+    "undecodable",
+    "relay_failed",
 ];
 
 const DISAGGREGATION_PATHS: [RouteLabel; 3] = [
@@ -141,6 +159,7 @@ impl RouterMetrics {
             disaggregation_decode_ttft_seconds: Histogram::new(&HOP_BOUNDS),
             disaggregation_paths: Default::default(),
             disaggregation_fallbacks: Default::default(),
+            lmcache_notices: Default::default(),
             kv_tokenize_seconds: Histogram::new(&LATENCY_BOUNDS),
             kv_tokenize_failures: Default::default(),
             migrations: Default::default(),
@@ -171,6 +190,13 @@ impl RouterMetrics {
     }
 
     /// Counts a fallback by its reason (one of [`FALLBACK_REASONS`]).
+    /// One LMCache notice, by what became of it (`NOTICE_OUTCOMES`).
+    pub fn count_notice(&self, outcome: &str) {
+        if let Some(index) = NOTICE_OUTCOMES.iter().position(|known| *known == outcome) {
+            self.lmcache_notices[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     pub fn count_fallback(&self, reason: &str) {
         self.count_disaggregation(RouteLabel::Fallback);
         if let Some(index) = FALLBACK_REASONS.iter().position(|known| *known == reason) {
@@ -545,6 +571,20 @@ impl RouterMetrics {
             out.sample(
                 "switchyard_router_disaggregation_fallbacks_total",
                 &[("reason", reason)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
+            "switchyard_router_lmcache_notices_total",
+            "counter",
+            "LMCACHE_PD: LMCache \"KV ready\" notices this router's notice socket received, by \
+             outcome (matched a request here, relayed to the router that owns it, unknown, \
+             undecodable, relay failed).",
+        );
+        for (outcome, count) in NOTICE_OUTCOMES.iter().zip(&self.lmcache_notices) {
+            out.sample(
+                "switchyard_router_lmcache_notices_total",
+                &[("outcome", outcome)],
                 count.load(Ordering::Relaxed) as f64,
             );
         }

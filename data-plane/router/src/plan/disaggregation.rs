@@ -14,7 +14,7 @@ use http::{HeaderName, HeaderValue};
 use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_policy::hash::routing_key;
 use switchyard_policy::openai::OpenAiRequest;
-use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
+use switchyard_shared::{KvTransferProtocol, PrefillRoutingStrategy, ThresholdBasis};
 
 use super::count::{Count, TokenCounters, count_prompt};
 use super::planned::{Plan, PrefillHop};
@@ -46,6 +46,8 @@ pub(crate) struct Pending {
     pub undecided: Option<Count>,
     /// What ranking the prefill pool needs besides the token ids.
     pub prefill_key: PrefillKey,
+    /// LMCACHE_PD: the hops are made of the token ids.
+    pub token_ids: bool,
 }
 
 /// Decides what planning can for a request to `target` (a disaggregated endpoint) on
@@ -54,6 +56,7 @@ pub(crate) struct Pending {
 pub(super) fn split(
     target: &Target<'_>,
     operation: Operation,
+    body: &[u8],
     counters: &TokenCounters,
     rng: &mut fastrand::Rng,
 ) -> Option<Split> {
@@ -76,6 +79,27 @@ pub(super) fn split(
     };
     let count = count_prompt(request, &counters.get(&pd.tokenizer), pd.threshold);
     let explain = vec![prompt_tokens_header(&count)];
+    let lmcache_pd = pd.protocol == KvTransferProtocol::LmcachePd;
+    // LMCACHE_PD carries a request through completions over token ids: only what that
+    // carries losslessly goes this way.
+    if lmcache_pd {
+        let parsed = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body);
+        let why = match &parsed {
+            Ok(object) => {
+                super::lmcache::carriable(object, operation == Operation::ChatCompletions)
+            }
+            Err(_) => Some("not a JSON object"),
+        };
+        if let Some(why) = why {
+            tracing::debug!(why, "LMCACHE_PD cannot carry this request; it goes direct");
+            return Some(Split {
+                label: RouteLabel::Direct,
+                explain,
+                prefill_hop: None,
+                pending: None,
+            });
+        }
+    }
     let prefill = &endpoint.variants[pd.prefill];
     let decided = |label| Split {
         label,
@@ -88,6 +112,7 @@ pub(super) fn split(
             pending: Some(Pending {
                 undecided: Some(count),
                 prefill_key: prefill_key(endpoint, pd, &target.routing, request),
+                token_ids: lmcache_pd,
             }),
             ..decided(RouteLabel::Direct)
         });
@@ -108,11 +133,15 @@ pub(super) fn split(
             prefill_cached_tokens: Vec::new(),
             prefill_ranks: Vec::new(),
             prefill_body: None,
+            token_ids: None,
         }),
-        pending: (pd.prefill_strategy == PrefillRoutingStrategy::KvAware).then_some(Pending {
-            undecided: None,
-            prefill_key: key,
-        }),
+        pending: (pd.prefill_strategy == PrefillRoutingStrategy::KvAware || lmcache_pd).then_some(
+            Pending {
+                undecided: None,
+                prefill_key: key,
+                token_ids: lmcache_pd,
+            },
+        ),
     })
 }
 
@@ -224,6 +253,7 @@ pub(crate) fn finish(
                 prefill_cached_tokens: Vec::new(),
                 prefill_ranks: Vec::new(),
                 prefill_body: super::engine_body::prefill_body(&plan.body, pd.protocol, prefill),
+                token_ids: None,
             });
             RouteLabel::Disaggregated
         };
@@ -236,6 +266,11 @@ pub(crate) fn finish(
         disaggregated.prefill = decision.ranking;
         disaggregated.prefill_cached_tokens = decision.cached_tokens_by_instance;
         disaggregated.prefill_ranks = decision.ranks_by_instance;
+    }
+    if pending.token_ids
+        && let Some(disaggregated) = plan.prefill_hop.as_mut()
+    {
+        disaggregated.token_ids = tokens.map(<[u32]>::to_vec);
     }
     plan
 }

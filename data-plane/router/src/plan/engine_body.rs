@@ -99,6 +99,8 @@ pub(crate) fn prefill_body(
         KvTransferProtocol::Lmcache => {
             object.remove("kv_transfer_params");
         }
+        // Made from the token ids once they are known (`plan::lmcache`).
+        KvTransferProtocol::LmcachePd => return None,
     }
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }

@@ -11,6 +11,7 @@ pub(crate) mod disaggregation;
 pub(crate) mod engine_body;
 pub(crate) mod flow;
 pub(crate) mod kv;
+pub(crate) mod lmcache;
 mod planned;
 mod rank;
 mod target;
@@ -96,11 +97,13 @@ pub struct Indexes {
     pub decode: Option<Arc<VariantIndex>>,
     /// KV_AWARE prefill: the prefill pool's.
     pub prefill: Option<Arc<VariantIndex>>,
+    /// LMCACHE_PD: the hops are made of the token ids, index or not.
+    pub token_ids: bool,
 }
 
 impl Indexes {
     fn none(&self) -> bool {
-        self.kv.is_none() && self.decode.is_none() && self.prefill.is_none()
+        self.kv.is_none() && self.decode.is_none() && self.prefill.is_none() && !self.token_ids
     }
 }
 
@@ -135,6 +138,7 @@ impl NeedsTokens {
                         && prefill_used)
                         .then(|| index_of(pd.prefill))
                         .flatten(),
+                    token_ids: pending.token_ids && prefill_used,
                 }
             }
         }
@@ -229,7 +233,9 @@ pub fn plan(
     let (variant_index, ranking, routing_key) = rank::serving(&target, operation, &body, rng)?;
     // A disaggregated endpoint's decision: direct, disaggregated, fallback, or undecided.
     let split = match target.destination {
-        Destination::Disaggregated => disaggregation::split(&target, operation, counters, rng),
+        Destination::Disaggregated => {
+            disaggregation::split(&target, operation, &body, counters, rng)
+        }
         _ => None,
     };
     let variant = &endpoint.variants[variant_index];

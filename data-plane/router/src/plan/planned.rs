@@ -65,4 +65,7 @@ pub struct PrefillHop {
     pub prefill_ranks: Vec<Option<u32>>,
     /// The request to send to the prefill instance (made here, off the serving thread).
     pub prefill_body: Option<Bytes>,
+    /// LMCACHE_PD: the prompt's token ids (both hops are made of them once the decoder is
+    /// chosen); None until settled, or when they could not be had.
+    pub token_ids: Option<Vec<u32>>,
 }

@@ -150,6 +150,7 @@ async fn phases(
         metrics: &worker.metrics,
         trace,
         flow: &worker.flow,
+        notices: worker.notices.as_ref(),
     };
     let mut answered = forwarder
         .forward(operation, plan, &headers, reservation, claim)

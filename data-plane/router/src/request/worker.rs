@@ -9,6 +9,7 @@ use switchyard_kv::KvIndex;
 use super::queue::FlowControl;
 use super::tokenize::TokenizeClient;
 use crate::forward::ForwardSettings;
+use crate::forward::notices::NoticeBoard;
 use crate::forward::upstream::UpstreamClients;
 use crate::observe::metrics::RouterMetrics;
 use crate::plan::count::TokenCounters;
@@ -38,6 +39,9 @@ pub struct Worker {
     pub tokenize: TokenizeClient,
     /// MaxInFlightPerInstance: the router's flow-control queues (shared by every thread).
     pub flow: Arc<FlowControl>,
+    /// LMCACHE_PD: the requests waiting for LMCache's "KV ready" notices (None without
+    /// `--lmcache-notice-bind`).
+    pub notices: Option<Arc<NoticeBoard>>,
 }
 
 impl Worker {
@@ -57,6 +61,7 @@ impl Worker {
             kv_index: Arc::clone(&self.kv_index),
             tokenize: self.tokenize.like(),
             flow: Arc::clone(&self.flow),
+            notices: self.notices.clone(),
         }
     }
 }

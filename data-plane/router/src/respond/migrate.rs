@@ -69,8 +69,14 @@ impl Migration {
             _ => return None,
         };
         let limit = plan.variant().migration_limit;
-        // A pinned request (a stored response's follow-up, a session) has nowhere to move.
-        if limit == 0 || plan.pinned {
+        // A pinned request (a stored response's follow-up, a session) has nowhere to move; an
+        // LMCACHE_PD hand-off's answer is re-shaped by the router (its decode is over ids).
+        let lmcache_pd =
+            plan.prefill_hop.is_some()
+                && plan.endpoint.disaggregation.as_ref().is_some_and(|pd| {
+                    pd.protocol == switchyard_shared::KvTransferProtocol::LmcachePd
+                });
+        if limit == 0 || plan.pinned || lmcache_pd {
             return None;
         }
         let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&plan.body) else {
@@ -600,6 +606,7 @@ impl Migrating {
                 metrics: &worker.metrics,
                 trace: trace.as_deref(),
                 flow: &worker.flow,
+                notices: worker.notices.as_ref(),
             };
             // A continuation does not queue again: the request has waited its turn (the
             // instance it goes to may go over its MaxInFlightPerInstance by this one).

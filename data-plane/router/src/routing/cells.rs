@@ -43,6 +43,10 @@ pub struct InstanceCell {
     /// A data-parallel engine: requests this router has in flight per rank (those it sent
     /// with `X-data-parallel-rank`).
     pub rank_load: RankLoad,
+    /// LMCACHE_PD: prompt tokens of the hand-offs this router has in flight to this decoder
+    /// (prefilled into its PD buffer, not yet taken by a decode), against its receiver's
+    /// BufferTokens.
+    pub handoff_tokens: AtomicU64,
 }
 
 /// Requests in flight per data-parallel rank (ranks are below

@@ -112,13 +112,14 @@ impl State {
                 .entry(instance.endpoint_name.clone())
                 .or_default();
             // A health or weight change keeps the route (URIs, cell) it had; anything the
-            // route carries (URL, protocol, KV-event sockets, decode partner) makes a new one.
+            // route carries (URL, protocol, KV-event sockets, decode partner, LMCache receiver) makes a new one.
             let route = match members.get(&instance.instance_id) {
                 Some(previous)
                     if previous.instance.url == instance.url
                         && previous.instance.protocol == instance.protocol
                         && previous.instance.kv_events == instance.kv_events
-                        && previous.instance.decode_partner == instance.decode_partner =>
+                        && previous.instance.decode_partner == instance.decode_partner
+                        && previous.instance.lmcache_receiver == instance.lmcache_receiver =>
                 {
                     previous.route.clone()
                 }

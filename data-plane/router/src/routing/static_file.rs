@@ -55,6 +55,9 @@ struct FileInstance {
     kv_events_data_parallel_size: Option<u32>,
     /// LMCACHE disaggregation: the InstanceId of the decoder this prefill instance pushes to.
     decode_partner: Option<String>,
+    /// LMCACHE_PD disaggregation: a decode instance's LMCache receiver
+    /// (`{Host, InitPorts, AllocPorts, BufferTokens}`).
+    lmcache_receiver: Option<switchyard_shared::LmcacheReceiver>,
 }
 
 /// Reads a static configuration (JSON, or YAML by extension `.yaml`/`.yml`):
@@ -210,6 +213,9 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 .map(InstanceId::new)
                 .transpose()
                 .map_err(|err| ValidationError::new(at("DecodePartner"), err.to_string()))?;
+            if let Some(receiver) = &instance.lmcache_receiver {
+                receiver.validate(&at("LmcacheReceiver"))?;
+            }
             let role = instance
                 .role
                 .as_deref()
@@ -221,7 +227,10 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 config.disaggregation_config.as_ref(),
                 &variant,
                 role,
-                decode_partner.is_some(),
+                (
+                    decode_partner.is_some(),
+                    instance.lmcache_receiver.is_some(),
+                ),
             )
             .map_err(|err| ValidationError::new(at(&err.field), err.message))?;
             if instances.iter().any(|existing: &Instance| {
@@ -238,6 +247,7 @@ fn parse_static(root: FileRoot) -> Result<StaticConfig, ValidationError> {
                 weight,
                 kv_events,
                 decode_partner,
+                lmcache_receiver: instance.lmcache_receiver,
                 ..Instance::new(id, name.clone(), variant, url)
             });
         }

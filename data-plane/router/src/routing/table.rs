@@ -39,6 +39,8 @@ pub struct InstanceRoute {
     pub data_parallel_views: Arc<[InstanceView]>,
     /// LMCACHE disaggregation: the decoder this prefill instance pushes its KV cache to.
     pub decode_partner: Option<InstanceId>,
+    /// LMCACHE_PD: this decode instance's LMCache receiver, named in each `disagg_spec`.
+    pub lmcache_receiver: Option<Arc<switchyard_shared::LmcacheReceiver>>,
     pub cell: Arc<InstanceCell>,
 }
 
@@ -277,6 +279,7 @@ impl InstanceRoute {
                 .map(|rank| InstanceView::new(rank.as_str(), 1.0))
                 .collect(),
             decode_partner: instance.decode_partner.clone(),
+            lmcache_receiver: instance.lmcache_receiver.clone().map(Arc::new),
             cell: registry.cell(&InstanceKey::of(instance)),
         })
     }

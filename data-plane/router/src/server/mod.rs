@@ -68,6 +68,8 @@ pub enum StartError {
     Telemetry(#[from] switchyard_telemetry::TelemetryError),
     #[error("cannot start the KV-event thread: {0}")]
     KvThread(std::io::Error),
+    #[error("LMCache notice socket: {0}")]
+    Notices(std::io::Error),
 }
 
 /// A serving thread's connection pools (HTTP/1.1 and h2c; no connection is made before use).
@@ -133,6 +135,19 @@ impl RouterHandle {
         // table's KV_AWARE variants (idle while there are none).
         let kv_events = KvThread::spawn(Arc::clone(&table), settings.kv, &shutdown)
             .map_err(StartError::KvThread)?;
+        let metrics = Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected)));
+        let notices = match &config.lmcache_notice_bind {
+            None => None,
+            Some(bind) => Some(
+                crate::forward::notices::start(
+                    bind,
+                    config.lmcache_notice_advertise.clone(),
+                    Arc::clone(&metrics),
+                    shutdown.clone(),
+                )
+                .map_err(StartError::Notices)?,
+            ),
+        };
         let worker = Arc::new(Worker {
             table: Arc::clone(&table),
             registry: Arc::clone(&registry),
@@ -146,7 +161,7 @@ impl RouterHandle {
                 stream_idle: settings.deadlines.stream_idle,
             },
             client_body_deadline: settings.deadlines.client_body,
-            metrics: Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected))),
+            metrics,
             admission: Arc::new(Admission::new(limits)),
             counters: Arc::new(TokenCounters::new(config.tokenizer_dir.clone())),
             tracer: telemetry.as_ref().map(|telemetry| telemetry.sink.clone()),
@@ -156,6 +171,7 @@ impl RouterHandle {
                 settings.kv_tokenize_pause,
             ),
             flow: Arc::new(FlowControl::new(settings.queue, shutdown.clone())),
+            notices,
         });
         // The default tokenizer takes about 0.1 s to load: not on a request's time.
         let tokenizers = Arc::clone(&worker.counters);

@@ -1,0 +1,333 @@
+//! LMCACHE_PD's notice socket: LMCache's prefill engines PUSH a "KV ready" notice (msgspec's
+//! tagged msgpack map `{"type": "ProxyNotif", "req_id": …}`) to the address their LMCache
+//! config names (`pd_proxy_host`, `pd_proxy_port`), one per tensor-parallel rank, once that
+//! rank's KV cache is in the decoder's buffer. The router binds a ZMQ PULL socket there
+//! (`--lmcache-notice-bind`) on a thread of its own and wakes the request waiting for it.
+//!
+//! **Several routers.** A prefiller names one notice address, and PUSH load-balances, so a
+//! notice may reach a router that did not send the request. Each request id therefore names
+//! its router: `sy-<random hex>@<host:port>`, the address that router advertises for its notice
+//! socket (`--lmcache-notice-advertise`, else the bound address). A router that receives a
+//! notice for another router's request relays it there (a PUSH socket per peer, at most
+//! [`MOST_PEERS`], dialled on first use), so any number of routers can share one notice
+//! address behind a load balancer, nothing is asked of the control plane, and no router needs
+//! to know the others in advance. A notice for an unknown request (it timed out, or the id is
+//! not one of ours) or one that cannot be decoded is dropped and counted.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Deserialize;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::observe::metrics::RouterMetrics;
+
+/// The most peers a router relays notices to (each a PUSH socket); past it the oldest is
+/// closed.
+pub const MOST_PEERS: usize = 64;
+/// How long relaying one notice may take.
+const RELAY_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A "KV ready" notice, as LMCache's PD backend encodes it.
+#[derive(Debug, Deserialize)]
+struct ProxyNotif {
+    #[serde(rename = "type")]
+    tag: String,
+    req_id: String,
+}
+
+/// The requests waiting for notices, and where this router's notices arrive.
+#[derive(Debug)]
+pub struct NoticeBoard {
+    /// `host:port` that request ids name as this router's.
+    advertised: String,
+    waiting: Mutex<HashMap<String, Waiting>>,
+    metrics: Arc<RouterMetrics>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    needed: usize,
+    got: usize,
+    ready: Option<oneshot::Sender<()>>,
+}
+
+/// One request's wait: [`Expected::ready`] resolves once every rank's notice has come; dropped
+/// (answered, timed out, or the client left), the request is forgotten.
+#[derive(Debug)]
+pub struct Expected {
+    board: Arc<NoticeBoard>,
+    pub req_id: String,
+    ready: Option<oneshot::Receiver<()>>,
+}
+
+impl Expected {
+    /// Waits for the notices, at most `deadline`; false if they did not all come in time.
+    pub async fn ready(&mut self, deadline: Duration) -> bool {
+        let Some(ready) = self.ready.take() else {
+            return true;
+        };
+        matches!(tokio::time::timeout(deadline, ready).await, Ok(Ok(())))
+    }
+}
+
+impl Drop for Expected {
+    fn drop(&mut self) {
+        self.board.lock().remove(&self.req_id);
+    }
+}
+
+impl NoticeBoard {
+    pub fn new(advertised: String, metrics: Arc<RouterMetrics>) -> Arc<Self> {
+        Arc::new(Self {
+            advertised,
+            waiting: Mutex::new(HashMap::new()),
+            metrics,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Waiting>> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// The address request ids name as this router's.
+    pub fn advertised(&self) -> &str {
+        &self.advertised
+    }
+
+    /// A new request id naming this router, expecting `ranks` notices.
+    pub fn expect(self: &Arc<Self>, ranks: usize) -> Expected {
+        let req_id = format!("sy-{:016x}@{}", fastrand::u64(..), self.advertised);
+        let (ready, receiver) = oneshot::channel();
+        self.lock().insert(
+            req_id.clone(),
+            Waiting {
+                needed: ranks.max(1),
+                got: 0,
+                ready: Some(ready),
+            },
+        );
+        Expected {
+            board: Arc::clone(self),
+            req_id,
+            ready: Some(receiver),
+        }
+    }
+
+    fn count(&self, outcome: &str) {
+        self.metrics.count_notice(outcome);
+    }
+
+    /// Takes one notice for `req_id`: this router's request (counted toward its ranks), or
+    /// the address of the router that owns it (to relay to), or nothing (unknown).
+    fn take(&self, req_id: &str) -> Delivery {
+        let mut waiting = self.lock();
+        if let Some(entry) = waiting.get_mut(req_id) {
+            entry.got += 1;
+            if entry.got >= entry.needed
+                && let Some(ready) = entry.ready.take()
+            {
+                let _ = ready.send(());
+            }
+            return Delivery::Matched;
+        }
+        drop(waiting);
+        match req_id.rsplit_once('@') {
+            Some((_, owner)) if owner != self.advertised && !owner.is_empty() => {
+                Delivery::Relay(owner.to_owned())
+            }
+            _ => Delivery::Unknown,
+        }
+    }
+}
+
+enum Delivery {
+    Matched,
+    Relay(String),
+    Unknown,
+}
+
+/// Decodes one notice; None if it is no `ProxyNotif`.
+fn decode(frame: &[u8]) -> Option<String> {
+    let notice: ProxyNotif = rmp_serde::from_slice(frame).ok()?;
+    (notice.tag == "ProxyNotif").then_some(notice.req_id)
+}
+
+/// Binds the PULL socket at `bind` (`tcp://host:port`) and serves it on a thread of its own
+/// until `stop`. Request ids name `advertise`, else the bound address (a port 0 resolved).
+pub fn start(
+    bind: &str,
+    advertise: Option<String>,
+    metrics: Arc<RouterMetrics>,
+    stop: CancellationToken,
+) -> std::io::Result<Arc<NoticeBoard>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Bound on the socket's own thread (this may run inside another runtime), then told here.
+    let (told, bound) = std::sync::mpsc::channel();
+    let bind = bind.to_owned();
+    std::thread::Builder::new()
+        .name("switchyard-notices".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let mut socket = zeromq::PullSocket::new();
+                let board = match socket.bind(&bind).await {
+                    Ok(endpoint) => {
+                        let endpoint = endpoint.to_string();
+                        let advertised = advertise
+                            .unwrap_or_else(|| endpoint.trim_start_matches("tcp://").to_owned());
+                        let board = NoticeBoard::new(advertised, metrics);
+                        let _ = told.send(Ok((endpoint, Arc::clone(&board))));
+                        board
+                    }
+                    Err(err) => {
+                        let _ = told.send(Err(format!("--lmcache-notice-bind {bind}: {err}")));
+                        return;
+                    }
+                };
+                serve(socket, board, stop).await;
+            });
+        })?;
+    let (bound, board) = bound
+        .recv()
+        .map_err(|_| std::io::Error::other("the notice socket's thread ended"))?
+        .map_err(std::io::Error::other)?;
+    tracing::info!(
+        bound,
+        advertised = board.advertised(),
+        "LMCache notice socket listening (LMCACHE_PD: the prefill engines' pd_proxy_host and pd_proxy_port name it)"
+    );
+    Ok(board)
+}
+
+async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: CancellationToken) {
+    let mut peers: Vec<(String, zeromq::PushSocket)> = Vec::new();
+    loop {
+        let message = tokio::select! {
+            () = stop.cancelled() => return,
+            message = socket.recv() => message,
+        };
+        let message = match message {
+            Ok(message) => message,
+            Err(err) => {
+                tracing::warn!(error = %err, "LMCache notice socket: receive failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let frames = message.into_vec();
+        let Some(req_id) = frames.first().and_then(|frame| decode(frame)) else {
+            board.count("undecodable");
+            tracing::debug!("LMCache notice socket: a message that is no ProxyNotif; dropped");
+            continue;
+        };
+        match board.take(&req_id) {
+            Delivery::Matched => board.count("matched"),
+            Delivery::Unknown => {
+                board.count("unknown");
+                tracing::info!(
+                    req_id,
+                    "an LMCache notice for no request waiting here (it timed out, or the id is not a Switchyard router's); dropped"
+                );
+            }
+            Delivery::Relay(owner) => {
+                let relayed = relay(&mut peers, &owner, frames).await;
+                board.count(if relayed { "relayed" } else { "relay_failed" });
+                if !relayed {
+                    tracing::warn!(
+                        req_id,
+                        owner,
+                        "could not relay an LMCache notice to the router that owns the request"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Sends `frames` to the router at `owner` (`host:port`), dialling it on first use.
+async fn relay(
+    peers: &mut Vec<(String, zeromq::PushSocket)>,
+    owner: &str,
+    frames: Vec<Bytes>,
+) -> bool {
+    let position = match peers.iter().position(|(address, _)| address == owner) {
+        Some(position) => position,
+        None => {
+            let mut push = zeromq::PushSocket::new();
+            let endpoint = format!("tcp://{owner}");
+            match tokio::time::timeout(RELAY_TIMEOUT, push.connect(&endpoint)).await {
+                Ok(Ok(())) => {}
+                _ => return false,
+            }
+            if peers.len() >= MOST_PEERS {
+                peers.remove(0);
+            }
+            peers.push((owner.to_owned(), push));
+            peers.len() - 1
+        }
+    };
+    let Ok(message) = ZmqMessage::try_from(frames) else {
+        return false;
+    };
+    match tokio::time::timeout(RELAY_TIMEOUT, peers[position].1.send(message)).await {
+        Ok(Ok(())) => true,
+        _ => {
+            peers.remove(position);
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn notice(req_id: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmp::encode::write_map_len(&mut out, 2).unwrap();
+        rmp::encode::write_str(&mut out, "type").unwrap();
+        rmp::encode::write_str(&mut out, "ProxyNotif").unwrap();
+        rmp::encode::write_str(&mut out, "req_id").unwrap();
+        rmp::encode::write_str(&mut out, req_id).unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn a_request_is_ready_once_every_rank_has_told_and_others_are_relayed() {
+        let metrics = Arc::new(RouterMetrics::new(Default::default()));
+        let board = NoticeBoard::new("127.0.0.1:7500".into(), metrics);
+        let mut expected = board.expect(2);
+        assert!(expected.req_id.ends_with("@127.0.0.1:7500"));
+        assert_eq!(
+            decode(&notice(&expected.req_id)).as_deref(),
+            Some(expected.req_id.as_str())
+        );
+        assert!(matches!(board.take(&expected.req_id), Delivery::Matched));
+        assert!(!expected.ready(Duration::from_millis(10)).await);
+        // The wait above took the receiver: a second wait answers at once.
+        let mut again = board.expect(2);
+        board.take(&again.req_id);
+        board.take(&again.req_id);
+        assert!(again.ready(Duration::from_millis(10)).await);
+        assert!(
+            matches!(board.take("sy-1@127.0.0.2:7500"), Delivery::Relay(owner) if owner == "127.0.0.2:7500")
+        );
+        assert!(matches!(
+            board.take("sy-1@127.0.0.1:7500"),
+            Delivery::Unknown
+        ));
+        assert!(matches!(board.take("42"), Delivery::Unknown));
+        let id = again.req_id.clone();
+        drop(again);
+        assert!(matches!(board.take(&id), Delivery::Unknown));
+        assert_eq!(decode(b"\x90"), None);
+    }
+}

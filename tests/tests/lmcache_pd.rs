@@ -1,0 +1,422 @@
+//! LMCACHE_PD (current LMCache's PD protocol) end to end: routers in front of simulated
+//! LMCache PD senders (prefill) and receivers (decode) that hand the KV cache over their own
+//! ZMQ sockets and notify the router's notice socket, as LMCache's PD backend does. Two
+//! routers share one notice address (the prefillers name router A's): router B's notices
+//! reach A and are relayed.
+
+use std::net::TcpListener;
+
+use serde_json::{Value, json};
+use switchyard_engine_sim::{InstanceRole, SimConfig, SimHandle};
+use switchyard_router::RouterHandle;
+use switchyard_tests::*;
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+const CONFIG: &str = "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE_PD, RouteThreshold: 16, PrefillTimeoutSeconds: 2}";
+
+struct Fleet {
+    prefill: Vec<SimHandle>,
+    decode: Vec<SimHandle>,
+    /// Each decoder's alloc port.
+    alloc: Vec<u16>,
+}
+
+/// Two LMCache PD senders notifying `proxy`, two receivers.
+async fn fleet(proxy: &str, drop_notices: bool) -> anyhow::Result<Fleet> {
+    let mut fleet = Fleet {
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        alloc: Vec::new(),
+    };
+    for _ in 0..2 {
+        let port = free_port()?;
+        fleet.decode.push(
+            switchyard_engine_sim::spawn(SimConfig {
+                role: InstanceRole::Decode,
+                time_scale: 0.002,
+                lmcache_receiver_alloc_ports: vec![port],
+                ..SimConfig::default()
+            })
+            .await?,
+        );
+        fleet.alloc.push(port);
+        fleet.prefill.push(
+            switchyard_engine_sim::spawn(SimConfig {
+                role: InstanceRole::Prefill,
+                time_scale: 0.002,
+                lmcache_pd_proxy: Some(proxy.to_owned()),
+                lmcache_drop_notices: drop_notices,
+                ..SimConfig::default()
+            })
+            .await?,
+        );
+    }
+    Ok(fleet)
+}
+
+/// A router over `fleet` with its notice socket at `notice_port`.
+async fn router(
+    dir: &tempfile::TempDir,
+    name: &str,
+    fleet: &Fleet,
+    notice_port: u16,
+) -> anyhow::Result<RouterHandle> {
+    let mut instances = String::new();
+    for (index, sim) in fleet.prefill.iter().enumerate() {
+        instances.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill}}\n",
+            sim.url
+        ));
+    }
+    for (index, sim) in fleet.decode.iter().enumerate() {
+        instances.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode, LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [{}], AllocPorts: [{}]}}}}\n",
+            sim.url,
+            fleet.alloc[index] + 1,
+            fleet.alloc[index]
+        ));
+    }
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {CONFIG}\n    Instances:\n{instances}"
+    );
+    router_from_file(&dir.path().join(format!("{name}.yaml")), &yaml, |config| {
+        config.lmcache_notice_bind = Some(format!("tcp://127.0.0.1:{notice_port}"));
+    })
+    .await
+}
+
+fn prompt(seed: &str) -> String {
+    format!("{seed} {}", vec!["hello"; 40].join(" "))
+}
+
+/// The text an undisturbed simulator answers with `tokens` tokens (a colocated run).
+async fn colocated_text(
+    sim: &SimHandle,
+    chat: bool,
+    body: &Value,
+    tokens: u32,
+) -> anyhow::Result<String> {
+    let mut body = body.clone();
+    body["stream"] = json!(false);
+    body["max_tokens"] = json!(tokens);
+    body["model"] = json!("sim");
+    let path = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
+    let reply = bounded(
+        "a colocated answer",
+        http_post(&format!("{}{path}", sim.url), &[], body.to_string()),
+    )
+    .await?;
+    anyhow::ensure!(reply.status == 200, "{}", reply.body);
+    let value: Value = serde_json::from_str(&reply.body)?;
+    Ok(text_of(&value, chat))
+}
+
+fn text_of(value: &Value, chat: bool) -> String {
+    if chat {
+        value["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    } else {
+        value["choices"][0]["text"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    }
+}
+
+/// The text and the usage of a streamed answer; every event parsed, `[DONE]` once.
+fn streamed(body: &str, chat: bool) -> (String, Option<Value>) {
+    let mut text = String::new();
+    let mut usage = None;
+    let mut done = 0;
+    for event in body.split("\n\n").filter(|event| !event.trim().is_empty()) {
+        let data = event
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not an event: {event:?}"));
+        if data == "[DONE]" {
+            done += 1;
+            continue;
+        }
+        let value: Value = serde_json::from_str(data).unwrap();
+        assert!(value.get("error").is_none(), "{data}");
+        if let Some(choice) = value["choices"].get(0) {
+            let piece = if chat {
+                &choice["delta"]["content"]
+            } else {
+                &choice["text"]
+            };
+            text.push_str(piece.as_str().unwrap_or(""));
+            assert_eq!(
+                value["object"],
+                if chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                }
+            );
+        }
+        if value.get("usage").is_some_and(|usage| !usage.is_null()) {
+            usage = Some(value["usage"].clone());
+        }
+    }
+    assert_eq!(done, 1, "{body}");
+    (text, usage)
+}
+
+#[tokio::test]
+async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_router()
+-> anyhow::Result<()> {
+    let (port_a, port_b) = (free_port()?, free_port()?);
+    let fleet = fleet(&format!("tcp://127.0.0.1:{port_a}"), false).await?;
+    let dir = tempfile::tempdir()?;
+    let router_a = router(&dir, "a", &fleet, port_a).await?;
+    let router_b = router(&dir, "b", &fleet, port_b).await?;
+    let mut round = 0;
+    for router in [&router_a, &router_b] {
+        for chat in [true, false] {
+            for stream in [false, true] {
+                round += 1;
+                let seed = format!("round{round}");
+                let mut body = if chat {
+                    json!({"model": "pd", "messages": [{"role": "user", "content": prompt(&seed)}], "max_tokens": 6})
+                } else {
+                    json!({"model": "pd", "prompt": prompt(&seed), "max_tokens": 6})
+                };
+                let expected = colocated_text(&fleet.decode[0], chat, &body, 6).await?;
+                body["stream"] = json!(stream);
+                if stream {
+                    body["stream_options"] = json!({"include_usage": true});
+                }
+                let path = if chat {
+                    "v1/chat/completions"
+                } else {
+                    "v1/completions"
+                };
+                let url = format!("{}/endpoints/pd/openai/{path}", router.url());
+                let id = format!("lmpd-{round}");
+                let reply = bounded(
+                    "an LMCACHE_PD request",
+                    http_post(&url, &[("x-request-id", &id)], body.to_string()),
+                )
+                .await?;
+                assert_eq!(reply.status, 200, "{}", reply.body);
+                assert_eq!(
+                    reply.header("x-switchyard-route"),
+                    Some("disaggregated"),
+                    "round {round}"
+                );
+                let decoder = reply
+                    .header("x-switchyard-instance")
+                    .unwrap_or("")
+                    .to_owned();
+                let (text, usage) = if stream {
+                    streamed(&reply.body, chat)
+                } else {
+                    let value: Value = serde_json::from_str(&reply.body)?;
+                    assert_eq!(
+                        value["object"],
+                        if chat {
+                            "chat.completion"
+                        } else {
+                            "text_completion"
+                        }
+                    );
+                    (text_of(&value, chat), Some(value["usage"].clone()))
+                };
+                assert_eq!(
+                    text, expected,
+                    "round {round}: the first token and the decoder's rest"
+                );
+                let usage = usage.expect("usage");
+                assert_eq!(usage["completion_tokens"], 6, "round {round}: {usage}");
+                // The prefiller got the ids and the spec naming the decoder's receiver.
+                let prefilled: Vec<_> = fleet
+                    .prefill
+                    .iter()
+                    .flat_map(SimHandle::received)
+                    .filter(|r| r.header("x-request-id") == Some(id.as_str()))
+                    .collect();
+                assert_eq!(prefilled.len(), 1, "round {round}");
+                let decoder_index: usize = decoder.trim_start_matches('d').parse()?;
+                let spec = &prefilled[0]
+                    .kv_transfer
+                    .as_ref()
+                    .expect("kv_transfer_params")["disagg_spec"];
+                assert_eq!(
+                    spec["receiver_alloc_port"],
+                    json!([fleet.alloc[decoder_index]]),
+                    "round {round}"
+                );
+                assert!(spec["req_id"].as_str().unwrap_or("").ends_with(&format!(
+                    "@127.0.0.1:{}",
+                    if std::ptr::eq(router, &router_a) {
+                        port_a
+                    } else {
+                        port_b
+                    }
+                )));
+                // The decoder found the prompt's blocks in its cache (pushed, not computed).
+                let decoded: Vec<_> = fleet.decode[decoder_index]
+                    .received()
+                    .into_iter()
+                    .filter(|r| r.header("x-request-id") == Some(id.as_str()))
+                    .collect();
+                assert_eq!(decoded.len(), 1, "round {round}");
+            }
+        }
+    }
+    let hits: u64 = fleet
+        .decode
+        .iter()
+        .map(|sim| sim.stats().prefix_cache_hits)
+        .sum();
+    assert!(
+        hits >= 8 * 32,
+        "decoders recomputed pushed prompts: {hits} cached tokens"
+    );
+    // Router B's notices reached A and were relayed.
+    let relayed = metric(
+        &router_a.url(),
+        "switchyard_router_lmcache_notices_total{outcome=\"relayed\"}",
+    )
+    .await;
+    assert_eq!(relayed, Some(4.0));
+    let matched_b = metric(
+        &router_b.url(),
+        "switchyard_router_lmcache_notices_total{outcome=\"matched\"}",
+    )
+    .await;
+    assert_eq!(matched_b, Some(4.0));
+    for router in [&router_a, &router_b] {
+        assert_eq!(
+            metric(
+                &router.url(),
+                "switchyard_router_disaggregation_fallbacks_total{reason=\"notice_timeout\"}"
+            )
+            .await,
+            Some(0.0)
+        );
+        settles(router).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_a_notice_in_time_the_decoder_computes_what_it_lacks() -> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), true).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    let body = json!({"model": "pd", "prompt": prompt("late"), "max_tokens": 4});
+    let expected = colocated_text(&fleet.decode[0], false, &body, 4).await?;
+    let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+    let reply = bounded(
+        "an LMCACHE_PD request",
+        http_post(&url, &[], body.to_string()),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    let value: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(text_of(&value, false), expected);
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_disaggregation_fallbacks_total{reason=\"notice_timeout\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    // A budget of one token: the prefill's answer is the answer, nothing to wait for.
+    let one = json!({"model": "pd", "prompt": prompt("one"), "max_tokens": 1, "stream": true});
+    let reply = bounded("a one-token request", http_post(&url, &[], one.to_string())).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert_eq!(
+        reply
+            .header("x-switchyard-instance")
+            .map(|id| id.starts_with('p')),
+        Some(true)
+    );
+    let (text, _) = streamed(&reply.body, false);
+    assert_eq!(
+        text,
+        colocated_text(&fleet.decode[0], false, &body, 1).await?
+    );
+    // A PD sender refuses a request without disagg_spec, as LMCache's async backend fails.
+    let mut bare = body.clone();
+    bare["model"] = json!("sim");
+    let bare = bounded(
+        "a bare prefill",
+        http_post(
+            &format!("{}/v1/completions", fleet.prefill[0].url),
+            &[],
+            bare.to_string(),
+        ),
+    )
+    .await?;
+    assert_eq!(bare.status, 500, "{}", bare.body);
+    assert!(bare.body.contains("disagg_spec"), "{}", bare.body);
+    // A chat request completions cannot carry (tools) goes direct.
+    let tools = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("tools")}], "max_tokens": 2,
+                       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]});
+    let chat = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
+    let reply = bounded(
+        "a chat with tools",
+        http_post(&chat, &[], tools.to_string()),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() -> anyhow::Result<()>
+{
+    let fleet = fleet("tcp://127.0.0.1:1", false).await?;
+    let dir = tempfile::tempdir()?;
+    let mut instances = String::new();
+    for (index, sim) in fleet.decode.iter().enumerate() {
+        instances.push_str(&format!(
+            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode, LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [1], AllocPorts: [{}]}}}}\n",
+            sim.url, fleet.alloc[index]
+        ));
+    }
+    instances.push_str(&format!(
+        "      - {{Url: \"{}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n",
+        fleet.prefill[0].url
+    ));
+    let yaml = format!(
+        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {CONFIG}\n    Instances:\n{instances}"
+    );
+    let router = router_from_file(&dir.path().join("pd.yaml"), &yaml, |_| {}).await?;
+    let body = json!({"model": "pd", "prompt": prompt("alone"), "max_tokens": 3});
+    let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+    let reply = bounded("a request", http_post(&url, &[], body.to_string())).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_disaggregation_fallbacks_total{reason=\"no_notice_socket\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    assert!(
+        fleet.prefill[0].received().is_empty(),
+        "nothing prefilled for nothing"
+    );
+    settles(&router).await?;
+    Ok(())
+}
