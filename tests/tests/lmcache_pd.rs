@@ -420,3 +420,41 @@ async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() ->
     settles(&router).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_openai_python_client_reads_lmcache_pd_answers() -> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    let body = json!({"model": "pd", "prompt": "x", "max_tokens": 6});
+    let expected = colocated_text(&fleet.decode[0], false, &body, 6).await?;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_lmcache.py");
+    let base_url = format!("{}/endpoints/pd/openai/v1", router.url());
+    let output = bounded_for(
+        std::time::Duration::from_secs(60),
+        "the openai client",
+        tokio::process::Command::new(test_python())
+            .arg(&script)
+            .args([base_url.as_str(), "pd", expected.as_str()])
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("all ok"),
+        "{stdout}\n{stderr}"
+    );
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_disaggregation_requests_total{path=\"disaggregated\"}"
+        )
+        .await,
+        Some(4.0)
+    );
+    settles(&router).await?;
+    Ok(())
+}
