@@ -666,6 +666,42 @@ mod tests {
         );
     }
 
+    /// `KeyHistory::none`'s `sent` is 0 everywhere (cargo mutants: 0 → 1 would favour weight).
+    #[test]
+    fn a_first_seen_keys_new_copy_ignores_weight_when_nothing_was_sent() {
+        // Nothing sent anywhere: every candidate's share is 0 whatever its weight, so the new
+        // copy goes by load, then rendezvous position (not to the heaviest instance).
+        let instances = vec![
+            InstanceView::new("engine-0", 1.0),
+            InstanceView::new("engine-1", 1.0),
+            InstanceView::new("engine-2", 10.0),
+        ];
+        let strategy = bounded(1.25, 3, 10);
+        let mut checked = 0;
+        for key in 0..2_000u64 {
+            let mut order = Vec::new();
+            let Some(owner) = rendezvous_order(&instances, key, &mut order) else {
+                continue;
+            };
+            // Keys whose owner is a light instance and whose last is the heavy one.
+            if order[0] != owner || order[2] != 2 {
+                continue;
+            }
+            let mut loads = [0u32; 3];
+            loads[owner] = 100;
+            let ranking = rank(strategy, &instances, |index| loads[index], key, 0);
+            assert_eq!(
+                ranking.order[0], order[1],
+                "key {key}: by position, not by weight"
+            );
+            checked += 1;
+            if checked == 5 {
+                break;
+            }
+        }
+        assert_eq!(checked, 5, "too few keys with the heavy instance last");
+    }
+
     fn bounded(factor: f64, slack: u32, concurrency_threshold: u32) -> Strategy {
         Strategy::PrefixAware {
             concurrency_threshold,
