@@ -57,15 +57,17 @@ async fn fleet(proxy: &str, drop_notices: bool) -> anyhow::Result<Fleet> {
     Ok(fleet)
 }
 
-/// A router over `fleet` with its notice socket at `notice_port`.
-async fn router(
+/// A router over `fleet` (its first `prefillers` prefill engines) with its notice socket at
+/// `notice_port` (None: no notice socket).
+async fn router_over(
     dir: &tempfile::TempDir,
     name: &str,
     fleet: &Fleet,
-    notice_port: u16,
+    prefillers: usize,
+    notice_port: Option<u16>,
 ) -> anyhow::Result<RouterHandle> {
     let mut instances = String::new();
-    for (index, sim) in fleet.prefill.iter().enumerate() {
+    for (index, sim) in fleet.prefill.iter().take(prefillers).enumerate() {
         instances.push_str(&format!(
             "      - {{Url: \"{}\", InstanceId: p{index}, VariantName: prefill, Role: prefill}}\n",
             sim.url
@@ -83,9 +85,19 @@ async fn router(
         "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {CONFIG}\n    Instances:\n{instances}"
     );
     router_from_file(&dir.path().join(format!("{name}.yaml")), &yaml, |config| {
-        config.lmcache_notice_bind = Some(format!("tcp://127.0.0.1:{notice_port}"));
+        config.lmcache_notice_bind = notice_port.map(|port| format!("tcp://127.0.0.1:{port}"));
     })
     .await
+}
+
+/// A router over the whole `fleet` with its notice socket at `notice_port`.
+async fn router(
+    dir: &tempfile::TempDir,
+    name: &str,
+    fleet: &Fleet,
+    notice_port: u16,
+) -> anyhow::Result<RouterHandle> {
+    router_over(dir, name, fleet, fleet.prefill.len(), Some(notice_port)).await
 }
 
 fn prompt(seed: &str) -> String {
@@ -385,21 +397,7 @@ async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() ->
 {
     let fleet = fleet("tcp://127.0.0.1:1", false).await?;
     let dir = tempfile::tempdir()?;
-    let mut instances = String::new();
-    for (index, sim) in fleet.decode.iter().enumerate() {
-        instances.push_str(&format!(
-            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode, LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [1], AllocPorts: [{}]}}}}\n",
-            sim.url, fleet.alloc[index]
-        ));
-    }
-    instances.push_str(&format!(
-        "      - {{Url: \"{}\", InstanceId: p0, VariantName: prefill, Role: prefill}}\n",
-        fleet.prefill[0].url
-    ));
-    let yaml = format!(
-        "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill, ModelName: sim}}\n      - {{VariantName: decode, ModelName: sim}}\n    DisaggregationConfig: {CONFIG}\n    Instances:\n{instances}"
-    );
-    let router = router_from_file(&dir.path().join("pd.yaml"), &yaml, |_| {}).await?;
+    let router = router_over(&dir, "pd", &fleet, 1, None).await?;
     let body = json!({"model": "pd", "prompt": prompt("alone"), "max_tokens": 3});
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     let reply = bounded("a request", http_post(&url, &[], body.to_string())).await?;

@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
 
@@ -34,7 +34,7 @@ use super::notices::NoticeBoard;
 use super::refusal::{Convert, UpstreamBody};
 use super::{Answered, Forwarder, Hop, InFlight};
 use crate::errors::ApiError;
-use crate::headers::{DECODE_QUEUE_MS, PREFILL_INSTANCE};
+use crate::headers::PREFILL_INSTANCE;
 use crate::observe::labels::RouteLabel;
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
@@ -211,6 +211,7 @@ impl Forwarder<'_> {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
                 tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, prompt_tokens = %tokens, reason, "disaggregate=False: no LMCache hand-off; the decoder serves the whole request");
+                reservation.resize_to(hop.body.len() as u64);
                 return self
                     .decode(operation, hop, client_headers, reservation, flow, false)
                     .await;
@@ -295,6 +296,7 @@ impl Forwarder<'_> {
             self.metrics.count_fallback("notice_timeout");
             tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, prefill_instance = %prefill_instance.id, "no LMCache \"KV ready\" notice in time (is the prefiller's pd_proxy_host/pd_proxy_port this router's --lmcache-notice-bind?); the decoder computes what it lacks");
         }
+        reservation.resize_to(hop.body.len() as u64);
         let mut answered = self
             .decode(
                 Operation::Completions,
@@ -322,40 +324,6 @@ impl Forwarder<'_> {
             answered.response = http::Response::from_parts(parts, body.converted(head, convert));
         }
         Ok(answered)
-    }
-
-    /// The decode hop: its decoders' cap (for the chosen decoder alone when `pinned`), then
-    /// sent.
-    async fn decode(
-        &self,
-        operation: Operation,
-        mut hop: Hop,
-        client_headers: &HeaderMap,
-        mut reservation: BufferReservation,
-        flow: crate::plan::flow::FlowKey,
-        pinned: bool,
-    ) -> Result<Answered, ApiError> {
-        reservation.resize_to(hop.body.len() as u64);
-        let endpoint = Arc::clone(&hop.endpoint);
-        let decode_variant = &endpoint.variants[hop.variant_index];
-        if let Some((claim, waited)) = self
-            .flow
-            .slot(
-                decode_variant,
-                &endpoint,
-                &mut hop.ranking.order,
-                pinned,
-                flow,
-            )
-            .await?
-        {
-            hop.claim = Some(claim);
-            hop.explain.push((
-                DECODE_QUEUE_MS,
-                HeaderValue::from(waited.as_millis() as u64),
-            ));
-        }
-        self.send(operation, hop, client_headers, reservation).await
     }
 
     /// Picks the decoder, prefills with its `disagg_spec`, and reads the first token.

@@ -193,7 +193,23 @@ impl Forwarder<'_> {
         // alone after an LMCACHE prefill, which pushed the KV cache there).
         let pinned =
             hop.label == RouteLabel::Disaggregated && pd.protocol == KvTransferProtocol::Lmcache;
-        let decode_variant = &endpoint.variants[pd.decode];
+        self.decode(operation, hop, client_headers, reservation, flow, pinned)
+            .await
+    }
+
+    /// The decode hop: it waits for its decoders' cap (for the first decoder alone when
+    /// `pinned`), then is sent.
+    pub(super) async fn decode(
+        &self,
+        operation: Operation,
+        mut hop: Hop,
+        client_headers: &HeaderMap,
+        reservation: BufferReservation,
+        flow: crate::plan::flow::FlowKey,
+        pinned: bool,
+    ) -> Result<Answered, ApiError> {
+        let endpoint = std::sync::Arc::clone(&hop.endpoint);
+        let decode_variant = &endpoint.variants[hop.variant_index];
         if let Some((claim, waited)) = self
             .flow
             .slot(

@@ -74,14 +74,7 @@ pub(crate) fn prefill_body(
     object.insert("stream".into(), json!(false));
     object.remove("stream_options");
     object.remove("min_tokens");
-    let adapter = variant
-        .adapter(object.get("model").and_then(Value::as_str))
-        .is_some();
-    if let Some(model) = &variant.model_name
-        && !adapter
-    {
-        object.insert("model".into(), json!(model));
-    }
+    with_prefill_model(object, variant);
     match protocol {
         KvTransferProtocol::Nixl => {
             object.insert(
@@ -103,6 +96,21 @@ pub(crate) fn prefill_body(
         KvTransferProtocol::LmcachePd => return None,
     }
     serde_json::to_vec(&value).ok().map(Bytes::from)
+}
+
+/// `model` set to the prefill variant's ModelName, unless it names one of its LoRA adapters.
+pub(crate) fn with_prefill_model(
+    object: &mut serde_json::Map<String, Value>,
+    variant: &VariantRoute,
+) {
+    let adapter = variant
+        .adapter(object.get("model").and_then(Value::as_str))
+        .is_some();
+    if let Some(model) = &variant.model_name
+        && !adapter
+    {
+        object.insert("model".into(), json!(model));
+    }
 }
 
 /// The request with `kv_transfer_params` set to `params`, spliced in after the opening brace

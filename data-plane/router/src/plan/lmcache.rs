@@ -144,14 +144,7 @@ pub(crate) fn prefill_body(
     {
         out.insert("min_tokens".into(), json!(1));
     }
-    let adapter = prefill
-        .adapter(out.get("model").and_then(Value::as_str))
-        .is_some();
-    if let Some(model) = &prefill.model_name
-        && !adapter
-    {
-        out.insert("model".into(), json!(model));
-    }
+    super::engine_body::with_prefill_model(&mut out, prefill);
     out.insert(
         KV_TRANSFER_PARAMS.into(),
         json!({
