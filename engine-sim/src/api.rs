@@ -354,11 +354,21 @@ async fn run_request(
         let finished = wait_finished(&mut events).await?;
         let first = crate::openai::output_token_id(meta.resume_at);
         let text = meta.text(finished.completion_tokens);
+        let finish = if config.lmcache_first_token_stops {
+            "stop"
+        } else {
+            "length"
+        };
+        // LMCache returns the first token only when asked (`ret_first_tok`).
+        let asked = body
+            .kv_transfer_params
+            .as_ref()
+            .is_some_and(|params| params.get("ret_first_tok").is_some());
         let answer = meta.response(
             text,
-            "length",
+            finish,
             usage(prompt_len, &finished),
-            Some(serde_json::json!({"first_tok": first})),
+            asked.then(|| serde_json::json!({"first_tok": first})),
         );
         shared.records.update(request_id, |record| {
             record.kv_push = Some(format!(

@@ -191,6 +191,11 @@ pub struct SimConfig {
     #[arg(long)]
     pub lmcache_drop_notices: bool,
 
+    /// An LMCache PD sender's first token ends each answer (`finish_reason: "stop"`, as an
+    /// end of sequence would).
+    #[arg(long)]
+    pub lmcache_first_token_stops: bool,
+
     /// NixlConnector on a decode engine (vLLM's `kv_load_failure_policy` in
     /// `--kv-transfer-config`): what happens to a disaggregated request whose KV cache cannot
     /// be pulled: `fail` answers an error (vLLM's default: 500, or an error event in a

@@ -26,6 +26,15 @@ struct Fleet {
 
 /// Two LMCache PD senders notifying `proxy`, two receivers.
 async fn fleet(proxy: &str, drop_notices: bool) -> anyhow::Result<Fleet> {
+    fleet_with(proxy, drop_notices, false).await
+}
+
+/// [`fleet`], the senders' first token ending each answer if `first_token_stops`.
+async fn fleet_with(
+    proxy: &str,
+    drop_notices: bool,
+    first_token_stops: bool,
+) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet {
         prefill: Vec::new(),
         decode: Vec::new(),
@@ -49,6 +58,7 @@ async fn fleet(proxy: &str, drop_notices: bool) -> anyhow::Result<Fleet> {
                 time_scale: 0.002,
                 lmcache_pd_proxy: Some(proxy.to_owned()),
                 lmcache_drop_notices: drop_notices,
+                lmcache_first_token_stops: first_token_stops,
                 ..SimConfig::default()
             })
             .await?,
@@ -347,22 +357,12 @@ async fn without_a_notice_in_time_the_decoder_computes_what_it_lacks() -> anyhow
         .await,
         Some(1.0)
     );
-    // A budget of one token: the prefill's answer is the answer, nothing to wait for.
+    // A budget of one token goes direct: the prefill alone would answer it and leave the KV
+    // it pushed unclaimed in the decoder's buffer.
     let one = json!({"model": "pd", "prompt": prompt("one"), "max_tokens": 1, "stream": true});
     let reply = bounded("a one-token request", http_post(&url, &[], one.to_string())).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
-    assert_eq!(
-        reply
-            .header("x-switchyard-instance")
-            .map(|id| id.starts_with('p')),
-        Some(true)
-    );
-    let (text, _) = streamed(&reply.body, false);
-    assert_eq!(
-        text,
-        colocated_text(&fleet.decode[0], false, &body, 1).await?
-    );
+    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
     // A PD sender refuses a request without disagg_spec, as LMCache's async backend fails.
     let mut bare = body.clone();
     bare["model"] = json!("sim");
@@ -453,6 +453,65 @@ async fn the_openai_python_client_reads_lmcache_pd_answers() -> anyhow::Result<(
         .await,
         Some(4.0)
     );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_first_token_that_ends_the_answer_is_the_answer_and_the_decoder_claims_the_hand_off()
+-> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet_with(&format!("tcp://127.0.0.1:{port}"), false, true).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    let url = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
+    for stream in [false, true] {
+        let id = format!("stops-{stream}");
+        let body = json!({"model": "pd", "messages": [{"role": "user", "content": prompt(&id)}], "max_tokens": 8, "stream": stream});
+        let reply = bounded(
+            "a request",
+            http_post(&url, &[("x-request-id", &id)], body.to_string()),
+        )
+        .await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+        let prefill = reply
+            .header("x-switchyard-instance")
+            .unwrap_or("")
+            .to_owned();
+        assert!(
+            prefill.starts_with('p'),
+            "the prefill instance answered: {prefill}"
+        );
+        let text = if stream {
+            assert!(
+                reply.body.contains("\"finish_reason\":\"stop\""),
+                "{}",
+                reply.body
+            );
+            streamed(&reply.body, true).0
+        } else {
+            let value: Value = serde_json::from_str(&reply.body)?;
+            assert_eq!(value["choices"][0]["finish_reason"], "stop");
+            assert_eq!(value["usage"]["completion_tokens"], 1);
+            text_of(&value, true)
+        };
+        let one = json!({"model": "pd", "prompt": "x", "max_tokens": 1});
+        assert_eq!(
+            text,
+            colocated_text(&fleet.decode[0], false, &one, 1).await?
+        );
+        // The decoder took the pushed KV out of its buffer (a completion, not streamed).
+        let claims: Vec<_> = fleet
+            .decode
+            .iter()
+            .flat_map(SimHandle::received)
+            .filter(|r| r.header("x-request-id") == Some(id.as_str()))
+            .collect();
+        assert_eq!(claims.len(), 1, "one claim of the hand-off");
+        assert!(!claims[0].stream);
+        assert_eq!(claims[0].path, "/v1/completions");
+    }
     settles(&router).await?;
     Ok(())
 }

@@ -38,7 +38,7 @@ use crate::headers::PREFILL_INSTANCE;
 use crate::observe::labels::RouteLabel;
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
-use crate::plan::lmcache::{DisaggSpec, budget, decode_body, prefill_body};
+use crate::plan::lmcache::{DisaggSpec, claim_body, decode_body, prefill_body};
 use crate::plan::{Plan, PrefillHop};
 use crate::routing::cells::{InstanceCell, SlotClaim};
 use crate::routing::table::VariantRoute;
@@ -46,6 +46,12 @@ use crate::server::admission::BufferReservation;
 
 /// The most of a decoder's non-streamed answer held to aggregate it.
 const MOST_ANSWER_BYTES: usize = 64 << 20;
+/// The most of a streamed event held while it is not whole; past it the bytes pass as they
+/// came.
+const MOST_EVENT_BYTES: usize = 1 << 20;
+/// LMCache's default `chunk_size`: its receiver reserves a hand-off's buffer in whole chunks,
+/// so `BufferTokens` is counted in them.
+const LMCACHE_CHUNK_TOKENS: u64 = 256;
 
 /// What the prefill's answer says the request starts with.
 #[derive(Debug, Clone)]
@@ -241,16 +247,42 @@ impl Forwarder<'_> {
         hop.explain
             .push((PREFILL_INSTANCE, prefill_instance.id_header.clone()));
         // The first token ends it: the prefill's answer is the answer.
-        if first.finish_reason == json!("stop") || budget(&object).is_some_and(|budget| budget <= 1)
-        {
-            drop((hold, expected));
+        // The first token ends it (a budget of one token went direct at planning).
+        let stops = first.finish_reason == json!("stop");
+        let in_flight = if stops {
+            in_flight
+        } else {
+            drop(in_flight);
+            None
+        };
+        let left = pd.prefill_timeout.saturating_sub(started.elapsed());
+        let ready = expected.ready(left).await;
+        drop(expected);
+        let ids = disaggregated.token_ids.take().unwrap_or_default();
+        let prompt_tokens = ids.len();
+        let made = if stops {
+            claim_body(&object, &ids, first.token)
+        } else {
+            decode_body(&object, &ids, first.token)
+        };
+        let Some(body) = made else {
+            return Err(ApiError::unavailable(
+                "the decode request could not be made",
+            ));
+        };
+        if let Some(in_flight) = in_flight {
+            let explain = hop.explain.clone();
+            hop.body = body;
+            hop.order_first(decoder);
+            hop.data_parallel_ranks.clear();
+            hop.cached_tokens.clear();
+            hop.plain_body = None;
+            reservation.resize_to(hop.body.len() as u64);
+            self.claim(hop, client_headers, reservation, flow).await;
+            drop(hold);
             self.metrics.count_disaggregation(RouteLabel::Disaggregated);
-            let Some(in_flight) = in_flight else {
-                return Err(ApiError::unavailable("the prefill's answer was lost"));
-            };
             let now = Instant::now();
-            let (content_type, body) =
-                answer.whole(disaggregated.token_ids.as_deref().map_or(0, <[u32]>::len));
+            let (content_type, body) = answer.whole(prompt_tokens);
             let response = http::Response::builder()
                 .header(CONTENT_TYPE, content_type)
                 .body(UpstreamBody::made(body))
@@ -262,24 +294,13 @@ impl Forwarder<'_> {
                 variant_index: pd.prefill,
                 instance_index: prefill_index,
                 label: RouteLabel::Disaggregated,
-                explain: hop.explain,
+                explain,
                 time_first_frame: false,
                 head_at: now,
                 last_frame_at: now,
                 cached_tokens: None,
             });
         }
-        drop(in_flight);
-        let left = pd.prefill_timeout.saturating_sub(started.elapsed());
-        let ready = expected.ready(left).await;
-        drop((hold, expected));
-        let ids = disaggregated.token_ids.take().unwrap_or_default();
-        let prompt_tokens = ids.len();
-        let Some(body) = decode_body(&object, &ids, first.token) else {
-            return Err(ApiError::unavailable(
-                "the decode request could not be made",
-            ));
-        };
         drop(ids);
         hop.body = body;
         hop.order_first(decoder);
@@ -297,7 +318,7 @@ impl Forwarder<'_> {
             tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, prefill_instance = %prefill_instance.id, "no LMCache \"KV ready\" notice in time (is the prefiller's pd_proxy_host/pd_proxy_port this router's --lmcache-notice-bind?); the decoder computes what it lacks");
         }
         reservation.resize_to(hop.body.len() as u64);
-        let mut answered = self
+        let answered = self
             .decode(
                 Operation::Completions,
                 hop,
@@ -306,7 +327,11 @@ impl Forwarder<'_> {
                 flow,
                 true,
             )
-            .await?;
+            .await;
+        // The hand-off's share of the decoder's buffer is held until the decoder answered
+        // (it has then taken the KV cache out).
+        drop(hold);
+        let mut answered = answered?;
         if answered.response.status().is_success() {
             let head = streamed.then(|| answer.head());
             let response = std::mem::replace(
@@ -320,10 +345,54 @@ impl Forwarder<'_> {
                 prompt_tokens,
                 partial: BytesMut::new(),
                 whole: BytesMut::new(),
+                overflowed: false,
             });
             answered.response = http::Response::from_parts(parts, body.converted(head, convert));
         }
         Ok(answered)
+    }
+
+    /// Sends the decoder the one-token claim of a hand-off whose answer is the prefill's, and
+    /// drops what it answers (within the stream idle deadline).
+    async fn claim(
+        &self,
+        hop: Hop,
+        client_headers: &HeaderMap,
+        reservation: BufferReservation,
+        flow: crate::plan::flow::FlowKey,
+    ) {
+        let decoder = hop.endpoint.variants[hop.variant_index].instances
+            [hop.ranking.order.first().copied().unwrap_or(0)]
+        .id
+        .clone();
+        let claimed = self
+            .decode(
+                Operation::Completions,
+                hop,
+                client_headers,
+                reservation,
+                flow,
+                true,
+            )
+            .await;
+        let outcome = match claimed {
+            Ok(answered) => {
+                let status = answered.response.status();
+                let body = answered.response.into_body();
+                let read = tokio::time::timeout(
+                    self.settings.stream_idle,
+                    http_body_util::BodyExt::collect(body),
+                )
+                .await;
+                drop(answered.in_flight);
+                match read {
+                    Ok(Ok(_)) if status.is_success() => return,
+                    _ => format!("status {status}, or its answer did not end in time"),
+                }
+            }
+            Err(error) => error.message,
+        };
+        tracing::warn!(request_id = request_id(client_headers), %decoder, outcome, "the decoder did not take an LMCache hand-off whose answer was the prefill's; its PD buffer may hold those chunks until LMCache frees them");
     }
 
     /// Picks the decoder, prefills with its `disagg_spec`, and reads the first token.
@@ -347,12 +416,16 @@ impl Forwarder<'_> {
             .as_deref()
             .ok_or(NoHandoff::Fallback("no_token_ids"))?;
         let board = notices.ok_or_else(|| {
-            tracing::warn!("an LMCACHE_PD endpoint, but this router has no --lmcache-notice-bind: every request is served by a decoder alone");
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!("an LMCACHE_PD endpoint, but this router has no --lmcache-notice-bind: its requests are served by a decoder alone (logged once)");
+            }
             NoHandoff::Fallback("no_notice_socket")
         })?;
         let decode = &endpoint.variants[pd.decode];
-        let (decoder, hold) = pick_decoder(decode, &hop.ranking.order, ids.len() as u64)
-            .map_err(NoHandoff::Fallback)?;
+        let tokens = (ids.len() as u64).div_ceil(LMCACHE_CHUNK_TOKENS) * LMCACHE_CHUNK_TOKENS;
+        let (decoder, hold) =
+            pick_decoder(decode, &hop.ranking.order, tokens).map_err(NoHandoff::Fallback)?;
         let Some(receiver) = decode.instances[decoder].lmcache_receiver.as_deref() else {
             return Err(NoHandoff::Fallback("no_receiver"));
         };
@@ -577,6 +650,8 @@ struct Converting {
     partial: BytesMut,
     /// A non-streamed answer so far.
     whole: BytesMut,
+    /// It passed [`MOST_ANSWER_BYTES`].
+    overflowed: bool,
 }
 
 impl Convert for Converting {
@@ -584,10 +659,15 @@ impl Convert for Converting {
         if !self.answer.streamed {
             if self.whole.len() + data.len() <= MOST_ANSWER_BYTES {
                 self.whole.extend_from_slice(&data);
+            } else {
+                self.overflowed = true;
             }
             return Bytes::new();
         }
         self.partial.extend_from_slice(&data);
+        if self.partial.len() > MOST_EVENT_BYTES && find_event_end(&self.partial).is_none() {
+            return std::mem::take(&mut self.partial).freeze();
+        }
         let mut out = BytesMut::new();
         while let Some(end) = find_event_end(&self.partial) {
             let event = self.partial.split_to(end.0 + end.1);
@@ -611,6 +691,10 @@ impl Convert for Converting {
             return std::mem::take(&mut self.partial).freeze();
         }
         let whole = std::mem::take(&mut self.whole);
+        if self.overflowed {
+            let error = json!({"error": {"message": format!("the decoder's answer passed {MOST_ANSWER_BYTES} bytes, more than the router re-shapes; ask for a stream"), "type": "server_error", "param": null, "code": "answer_too_large"}});
+            return Bytes::from(serde_json::to_vec(&error).unwrap_or_default());
+        }
         let Ok(value) = serde_json::from_slice::<Value>(&whole) else {
             return whole.freeze();
         };
@@ -691,6 +775,7 @@ mod tests {
             prompt_tokens: 5,
             partial: BytesMut::new(),
             whole: BytesMut::new(),
+            overflowed: false,
         };
         let decoder = "data: {\"id\":\"cmpl-x\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"lo\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}],\"usage\":null}\n\ndata: {\"id\":\"cmpl-x\",\"choices\":[],\"usage\":{\"prompt_tokens\":6,\"completion_tokens\":3,\"total_tokens\":9}}\n\ndata: [DONE]\n\n";
         // Split mid-event: only whole events pass.
@@ -719,6 +804,7 @@ mod tests {
             prompt_tokens: 5,
             partial: BytesMut::new(),
             whole: BytesMut::new(),
+            overflowed: false,
         };
         assert!(convert.data(Bytes::from_static(br#"{"id":"cmpl-x","object":"text_completion","choices":[{"index":0,"text":"lo!","finish_reason":"stop","stop_reason":null}],"#)).is_empty());
         convert.data(Bytes::from_static(

@@ -9,7 +9,9 @@
 //! its router: `sy-<random hex>@<host:port>`, the address that router advertises for its notice
 //! socket (`--lmcache-notice-advertise`, else the bound address). A router that receives a
 //! notice for another router's request relays it there (a PUSH socket per peer, at most
-//! [`MOST_PEERS`], dialled on first use), so any number of routers can share one notice
+//! [`MOST_PEERS`], dialled on first use, each fed by a bounded queue on a task of its own; a
+//! peer that cannot be reached is not dialled again for 5 s; a relayed notice is marked and
+//! never relayed again, so none goes round), so any number of routers can share one notice
 //! address behind a load balancer, nothing is asked of the control plane, and no router needs
 //! to know the others in advance. A notice for an unknown request (it timed out, or the id is
 //! not one of ours) or one that cannot be decoded is dropped and counted.
@@ -207,8 +209,16 @@ pub fn start(
     Ok(board)
 }
 
+/// The frame a relayed notice carries after the notice: a router never relays it again, so a
+/// notice cannot go round between routers that name each other differently.
+const RELAYED: &[u8] = b"switchyard-relayed";
+/// Notices queued for one peer before more are dropped.
+const PEER_QUEUE: usize = 1024;
+/// How long a peer that could not be reached is not dialled again.
+const PEER_PAUSE: Duration = Duration::from_secs(5);
+
 async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: CancellationToken) {
-    let mut peers: Vec<(String, zeromq::PushSocket)> = Vec::new();
+    let mut peers = Peers::default();
     loop {
         let message = tokio::select! {
             () = stop.cancelled() => return,
@@ -223,6 +233,7 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
             }
         };
         let frames = message.into_vec();
+        let relayed = frames.get(1).is_some_and(|frame| frame.as_ref() == RELAYED);
         let Some(req_id) = frames.first().and_then(|frame| decode(frame)) else {
             board.count("undecodable");
             tracing::debug!("LMCache notice socket: a message that is no ProxyNotif; dropped");
@@ -230,6 +241,13 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
         };
         match board.take(&req_id) {
             Delivery::Matched => board.count("matched"),
+            Delivery::Relay(_) | Delivery::Unknown if relayed => {
+                board.count("unknown");
+                tracing::info!(
+                    req_id,
+                    "a notice relayed here by another router names no request waiting here (do two routers advertise the same --lmcache-notice-advertise?); dropped"
+                );
+            }
             Delivery::Unknown => {
                 board.count("unknown");
                 tracing::info!(
@@ -238,9 +256,9 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
                 );
             }
             Delivery::Relay(owner) => {
-                let relayed = relay(&mut peers, &owner, frames).await;
-                board.count(if relayed { "relayed" } else { "relay_failed" });
-                if !relayed {
+                let queued = peers.send(&owner, &req_id, &board);
+                if !queued {
+                    board.count("relay_failed");
                     tracing::warn!(
                         req_id,
                         owner,
@@ -252,37 +270,107 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
     }
 }
 
-/// Sends `frames` to the router at `owner` (`host:port`), dialling it on first use.
+/// The routers notices are relayed to: one task each, fed by a bounded queue, so that a slow
+/// or unreachable peer never holds up this router's own notices.
+#[derive(Default)]
+struct Peers {
+    queues: HashMap<String, tokio::sync::mpsc::Sender<Vec<u8>>>,
+    /// Peers that could not be reached, not dialled again until then.
+    paused: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
+}
+
+impl Peers {
+    /// Queues a notice for `req_id` to `owner`; false if it cannot be.
+    fn send(&mut self, owner: &str, req_id: &str, board: &Arc<NoticeBoard>) -> bool {
+        let now = tokio::time::Instant::now();
+        {
+            let mut paused = self
+                .paused
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            paused.retain(|_, until| *until > now);
+            if paused.contains_key(owner) {
+                return false;
+            }
+        }
+        self.queues.retain(|_, queue| !queue.is_closed());
+        if !self.queues.contains_key(owner) {
+            if self.queues.len() >= MOST_PEERS {
+                let Some(evicted) = self.queues.keys().next().cloned() else {
+                    return false;
+                };
+                self.queues.remove(&evicted);
+            }
+            let (queue, notices) = tokio::sync::mpsc::channel(PEER_QUEUE);
+            tokio::spawn(relay(
+                owner.to_owned(),
+                notices,
+                Arc::clone(&self.paused),
+                Arc::clone(board),
+            ));
+            self.queues.insert(owner.to_owned(), queue);
+        }
+        let notice = ProxyNotifOut {
+            tag: "ProxyNotif",
+            req_id,
+        };
+        let Ok(notice) = rmp_serde::to_vec_named(&notice) else {
+            return false;
+        };
+        self.queues
+            .get(owner)
+            .is_some_and(|queue| queue.try_send(notice).is_ok())
+    }
+}
+
+#[derive(serde::Serialize)]
+struct ProxyNotifOut<'a> {
+    #[serde(rename = "type")]
+    tag: &'a str,
+    req_id: &'a str,
+}
+
+/// One peer's relay: dials `owner` (`host:port`) and sends it what is queued, each notice
+/// rebuilt from its request id and marked relayed. A failure pauses the peer and ends the
+/// task (what is still queued counts as failed).
 async fn relay(
-    peers: &mut Vec<(String, zeromq::PushSocket)>,
-    owner: &str,
-    frames: Vec<Bytes>,
-) -> bool {
-    let position = match peers.iter().position(|(address, _)| address == owner) {
-        Some(position) => position,
-        None => {
-            let mut push = zeromq::PushSocket::new();
-            let endpoint = format!("tcp://{owner}");
-            match tokio::time::timeout(RELAY_TIMEOUT, push.connect(&endpoint)).await {
-                Ok(Ok(())) => {}
-                _ => return false,
+    owner: String,
+    mut notices: tokio::sync::mpsc::Receiver<Vec<u8>>,
+    paused: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
+    board: Arc<NoticeBoard>,
+) {
+    let mut push = zeromq::PushSocket::new();
+    let endpoint = format!("tcp://{owner}");
+    let connected = matches!(
+        tokio::time::timeout(RELAY_TIMEOUT, push.connect(&endpoint)).await,
+        Ok(Ok(()))
+    );
+    if connected {
+        while let Some(notice) = notices.recv().await {
+            let frames = vec![Bytes::from(notice), Bytes::from_static(RELAYED)];
+            let Ok(message) = ZmqMessage::try_from(frames) else {
+                continue;
+            };
+            match tokio::time::timeout(RELAY_TIMEOUT, push.send(message)).await {
+                Ok(Ok(())) => board.count("relayed"),
+                _ => {
+                    board.count("relay_failed");
+                    break;
+                }
             }
-            if peers.len() >= MOST_PEERS {
-                peers.remove(0);
-            }
-            peers.push((owner.to_owned(), push));
-            peers.len() - 1
         }
-    };
-    let Ok(message) = ZmqMessage::try_from(frames) else {
-        return false;
-    };
-    match tokio::time::timeout(RELAY_TIMEOUT, peers[position].1.send(message)).await {
-        Ok(Ok(())) => true,
-        _ => {
-            peers.remove(position);
-            false
-        }
+    }
+    tracing::warn!(
+        owner,
+        "LMCache notices cannot be relayed to this router for now"
+    );
+    paused
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .insert(owner, tokio::time::Instant::now() + PEER_PAUSE);
+    notices.close();
+    while notices.recv().await.is_some() {
+        board.count("relay_failed");
     }
 }
 

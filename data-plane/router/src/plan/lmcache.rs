@@ -70,29 +70,60 @@ const SAMPLING: &[&str] = &[
     "store",
 ];
 
-/// Completions fields a token-id prompt cannot carry the same way (the echo would be the ids,
-/// a suffix needs the text, logprobs would miss the prefill's token).
-const COMPLETIONS_ONLY: &[&str] = &["echo", "suffix", "logprobs", "best_of", "prompt_embeds"];
+/// Completions fields the decode hop carries besides [`SAMPLING`]: `prompt` (the ids replace
+/// it).
+const COMPLETIONS: &[&str] = &["prompt"];
 
-/// Why a request does not go this way (it is then `direct`), or None if it can.
+/// A field left at its default (absent, null, false) asks nothing.
+fn asks(value: &Value) -> bool {
+    !value.is_null() && value != &Value::Bool(false)
+}
+
+/// Why a request does not go this way (it is then `direct`), or None if it can: fields
+/// outside the allow-lists (tools, response formats, guided decoding, logprobs, `echo`,
+/// `suffix`, prompt truncation, …: the decoder would restart or miss them after the first
+/// token), several choices, a budget of at most one token (the prefill alone would answer it,
+/// leaving the KV it pushed unclaimed in the decoder's buffer), or chat content that is not
+/// text (images and audio do not survive the token ids).
 pub(crate) fn carriable(body: &Map<String, Value>, chat: bool) -> Option<&'static str> {
-    if body.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+    if body
+        .get("n")
+        .is_some_and(|n| asks(n) && n.as_u64() != Some(1))
+    {
         return Some("n is not 1");
     }
-    if chat {
-        let unknown = body
-            .keys()
-            .any(|key| !TEMPLATE_ONLY.contains(&key.as_str()) && !SAMPLING.contains(&key.as_str()));
-        if unknown {
-            return Some("a chat field completions do not carry the same way");
-        }
-    } else if COMPLETIONS_ONLY.iter().any(|key| {
-        body.get(*key)
-            .is_some_and(|value| !value.is_null() && value != &json!(false))
-    }) {
-        return Some("echo, suffix, logprobs or best_of");
+    if budget(body).is_some_and(|budget| budget <= 1) {
+        return Some("a budget of at most one token");
+    }
+    let allowed = |key: &str| {
+        SAMPLING.contains(&key)
+            || if chat {
+                TEMPLATE_ONLY.contains(&key)
+            } else {
+                COMPLETIONS.contains(&key)
+            }
+    };
+    if body.iter().any(|(key, value)| asks(value) && !allowed(key)) {
+        return Some("a field completions over token ids do not carry the same way");
+    }
+    if chat && !text_only(body.get("messages")) {
+        return Some("chat content that is not text");
     }
     None
+}
+
+/// Whether every message's content is a string, or parts of type `text`.
+fn text_only(messages: Option<&Value>) -> bool {
+    let Some(Value::Array(messages)) = messages else {
+        return false;
+    };
+    messages.iter().all(|message| match message.get("content") {
+        None | Some(Value::Null | Value::String(_)) => true,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .all(|part| part.get("type").and_then(Value::as_str) == Some("text")),
+        Some(_) => false,
+    })
 }
 
 /// The client's token budget (`max_completion_tokens`, else `max_tokens`), if it set one.
@@ -136,13 +167,18 @@ pub(crate) fn prefill_body(
     out.insert("max_tokens".into(), json!(1));
     out.insert("stream".into(), json!(false));
     out.remove("stream_options");
-    // A client's minimum holds for the one token too (an end of sequence first is no stop).
-    if out
+    // A client's minimum holds for the one token too: no end of sequence, and no stop string
+    // while the minimum is not reached.
+    let min = out
         .remove("min_tokens")
         .and_then(|min| min.as_u64())
-        .is_some_and(|min| min > 0)
-    {
+        .unwrap_or(0);
+    if min > 0 {
         out.insert("min_tokens".into(), json!(1));
+    }
+    if min > 1 {
+        out.remove("stop");
+        out.remove("stop_token_ids");
     }
     super::engine_body::with_prefill_model(&mut out, prefill);
     out.insert(
@@ -179,6 +215,26 @@ pub(crate) fn decode_body(
     serde_json::to_vec(&out).ok().map(Bytes::from)
 }
 
+/// The decode hop of an answer the prefill's first token ended: one token, not streamed, its
+/// answer dropped. It has the decoder take the pushed KV cache out of its PD buffer (LMCache's
+/// receiver frees a chunk only once vLLM retrieves it).
+pub(crate) fn claim_body(
+    body: &Map<String, Value>,
+    ids: &[u32],
+    first_token: u32,
+) -> Option<Bytes> {
+    let mut prompt = Vec::with_capacity(ids.len() + 1);
+    prompt.extend_from_slice(ids);
+    prompt.push(first_token);
+    let mut out = completions(body, &prompt);
+    out.insert("max_tokens".into(), json!(1));
+    out.insert("stream".into(), json!(false));
+    for key in ["stream_options", "min_tokens"] {
+        out.remove(key);
+    }
+    serde_json::to_vec(&out).ok().map(Bytes::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,6 +252,13 @@ mod tests {
         for (body, chat) in [
             (r#"{"messages":[],"tools":[]}"#, true),
             (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+                true,
+            ),
+            (r#"{"messages":[],"max_tokens":1}"#, true),
+            (r#"{"prompt":"p","structured_outputs":{"json":{}}}"#, false),
+            (r#"{"prompt":"p","truncate_prompt_tokens":5}"#, false),
+            (
                 r#"{"messages":[],"response_format":{"type":"json_object"}}"#,
                 true,
             ),
@@ -209,7 +272,7 @@ mod tests {
         }
         assert_eq!(
             carriable(
-                &object(r#"{"prompt":"p","echo":false,"logprobs":null}"#),
+                &object(r#"{"prompt":"p","echo":false,"logprobs":null,"n":null}"#),
                 false
             ),
             None
