@@ -228,12 +228,17 @@ async fn parse_off_thread(
     kind: Option<ApiKind>,
 ) -> Result<ParsedRequest, ApiError> {
     let block_size = shared.config.block_size;
+    let tokenizer = shared.tokenizer.clone();
     if body.len() <= PARSE_INLINE_LIMIT {
-        return parse_request(&body, kind, block_size, |model| shared.config.lora(model));
+        return parse_request(&body, kind, block_size, tokenizer.as_deref(), |model| {
+            shared.config.lora(model)
+        });
     }
     let modules = shared.config.lora_modules.clone();
     tokio::task::spawn_blocking(move || {
-        parse_request(&body, kind, block_size, |model| lora_of(&modules, model))
+        parse_request(&body, kind, block_size, tokenizer.as_deref(), |model| {
+            lora_of(&modules, model)
+        })
     })
     .await
     .unwrap_or_else(|err| Err(ApiError::internal(format!("tokenizer task failed: {err}"))))

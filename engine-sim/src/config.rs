@@ -45,6 +45,13 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     pub time_scale: f64,
 
+    /// A model folder (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`): the
+    /// prompt's token ids (`/tokenize`, usage, KV blocks and events) are then the model's own,
+    /// rendered and tokenized as vLLM does, instead of the built-in approximation. A request
+    /// the renderer does not follow (images, its own chat_template) gets a 400 that says so.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<std::path::PathBuf>,
+
     /// Tokens per KV-cache block (vLLM's --block-size).
     #[arg(long, default_value_t = 16, value_name = "TOKENS")]
     pub block_size: usize,

@@ -19,6 +19,8 @@ pub enum SimError {
         #[source]
         error: std::io::Error,
     },
+    #[error("--tokenizer: {0}")]
+    Tokenizer(#[from] switchyard_tokenize::LoadError),
     #[error("socket error: {0}")]
     Io(#[source] std::io::Error),
     #[error("the engine task panicked")]

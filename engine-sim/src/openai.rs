@@ -250,6 +250,7 @@ pub(crate) fn parse_request(
     bytes: &[u8],
     kind: Option<ApiKind>,
     block_size: usize,
+    tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
     lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
     let body: InferenceBody = parse_json(bytes, "invalid JSON body")?;
@@ -259,12 +260,43 @@ pub(crate) fn parse_request(
         ApiKind::Completion
     });
     let lora = lora_of(body.model.as_deref());
-    let prompt = prompt_tokens(&body, kind).map(|tokens| Prompt {
+    let tokens = match tokenizer {
+        Some(tokenizer)
+            if kind == ApiKind::Chat || matches!(body.prompt, Some(Value::String(_))) =>
+        {
+            model_tokens(tokenizer, bytes, kind)
+        }
+        _ => prompt_tokens(&body, kind),
+    };
+    let prompt = tokens.map(|tokens| Prompt {
         block_hashes: block_hashes_under(lora.as_ref(), &tokens, block_size),
         tokens,
         lora,
     });
     Ok(ParsedRequest { body, kind, prompt })
+}
+
+/// The prompt's ids from the model's own tokenizer (`--tokenizer`), as vLLM computes them; a
+/// request its renderer does not follow is refused with a 400 that says so.
+fn model_tokens(
+    tokenizer: &switchyard_tokenize::EngineTokenizer,
+    bytes: &[u8],
+    kind: ApiKind,
+) -> Result<Vec<u32>, ApiError> {
+    use switchyard_tokenize::Refusal;
+    let param = if kind == ApiKind::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
+    tokenizer.tokenize(bytes).map_err(|refusal| match refusal {
+        Refusal::Invalid(reason) => ApiError::bad_request(reason.to_string()).param(param),
+        Refusal::Engine(reason) => ApiError::bad_request(format!(
+            "the simulator's tokenizer does not render this request ({})",
+            reason.reason()
+        ))
+        .param(param),
+    })
 }
 
 fn prompt_tokens(body: &InferenceBody, kind: ApiKind) -> Result<Vec<u32>, ApiError> {
@@ -639,6 +671,7 @@ mod tests {
             br#"{"model":"sim","messages":[{"role":"user","content":"the cat sat"}],"unknown":1}"#,
             Some(ApiKind::Chat),
             16,
+            None,
             |_| None,
         )
         .unwrap();
@@ -646,21 +679,26 @@ mod tests {
         assert_eq!(chat.prompt.unwrap().tokens.len(), 5 + 3 + 6);
 
         let completion =
-            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16, |_| None).unwrap();
+            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16, None, |_| {
+                None
+            })
+            .unwrap();
         assert_eq!(completion.kind, ApiKind::Completion);
         assert_eq!(completion.prompt.unwrap().tokens.len(), 3);
 
-        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16, |_| None).unwrap();
+        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16, None, |_| None).unwrap();
         assert_eq!(ids.prompt.unwrap().tokens, vec![1, 2, 3]);
 
-        let invocation = parse_request(br#"{"messages":[]}"#, None, 16, |_| None).unwrap();
+        let invocation = parse_request(br#"{"messages":[]}"#, None, 16, None, |_| None).unwrap();
         assert_eq!(invocation.kind, ApiKind::Chat);
 
-        let missing =
-            parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16, |_| None).unwrap();
+        let missing = parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16, None, |_| {
+            None
+        })
+        .unwrap();
         assert_eq!(missing.prompt.unwrap_err().param, Some("messages"));
 
-        let bad = parse_request(b"{not json", None, 16, |_| None).unwrap_err();
+        let bad = parse_request(b"{not json", None, 16, None, |_| None).unwrap_err();
         assert_eq!(bad.status, StatusCode::BAD_REQUEST);
         assert_eq!(bad.to_json()["error"]["type"], "BadRequestError");
         assert_eq!(bad.to_json()["error"]["code"], 400);

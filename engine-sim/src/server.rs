@@ -62,7 +62,15 @@ impl SimServer {
             .engine_id
             .clone()
             .unwrap_or_else(|| format!("switchyard-sim-{:016x}", fastrand::u64(..)));
+        let tokenizer = match &config.tokenizer {
+            Some(dir) => Some(Arc::new(switchyard_tokenize::EngineTokenizer::load(
+                dir,
+                switchyard_tokenize::DEFAULT_CACHE_BYTES,
+            )?)),
+            None => None,
+        };
         let shared = Shared {
+            tokenizer,
             engine_id,
             engine: client,
             metrics,

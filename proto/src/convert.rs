@@ -85,23 +85,27 @@ impl From<&ProductionVariant> for pb::ProductionVariant {
             initial_instance_count: variant.initial_instance_count.unwrap_or(0),
             instance_type: variant.instance_type.clone().unwrap_or_default(),
             initial_variant_weight: variant.initial_variant_weight,
-            routing_config: variant.routing_config.map(|routing| pb::RoutingConfig {
-                routing_strategy: pb::RoutingStrategy::from(routing.routing_strategy) as i32,
-                prefix_aware_routing_config: routing.prefix_aware_routing_config.map(|prefix| {
-                    pb::PrefixAwareRoutingConfig {
-                        prefix_length: prefix.prefix_length,
-                        concurrency_threshold: prefix.concurrency_threshold,
-                        load_balance_factor: prefix.load_balance_factor,
-                        load_balance_slack: prefix.load_balance_slack,
-                    }
+            routing_config: variant
+                .routing_config
+                .as_ref()
+                .map(|routing| pb::RoutingConfig {
+                    routing_strategy: pb::RoutingStrategy::from(routing.routing_strategy) as i32,
+                    prefix_aware_routing_config: routing.prefix_aware_routing_config.map(
+                        |prefix| pb::PrefixAwareRoutingConfig {
+                            prefix_length: prefix.prefix_length,
+                            concurrency_threshold: prefix.concurrency_threshold,
+                            load_balance_factor: prefix.load_balance_factor,
+                            load_balance_slack: prefix.load_balance_slack,
+                        },
+                    ),
+                    kv_aware_routing_config: routing.kv_aware_routing_config.as_ref().map(|kv| {
+                        pb::KvAwareRoutingConfig {
+                            concurrency_threshold: kv.concurrency_threshold.unwrap_or(0),
+                            load_weight: kv.load_weight,
+                            tokenizer: kv.tokenizer.clone(),
+                        }
+                    }),
                 }),
-                kv_aware_routing_config: routing.kv_aware_routing_config.map(|kv| {
-                    pb::KvAwareRoutingConfig {
-                        concurrency_threshold: kv.concurrency_threshold.unwrap_or(0),
-                        load_weight: kv.load_weight,
-                    }
-                }),
-            }),
             max_in_flight_per_instance: variant.max_in_flight_per_instance,
             flow_headroom_per_instance: variant.flow_headroom_per_instance,
             fairness_weights: variant
@@ -142,6 +146,7 @@ fn production_variant(
                     concurrency_threshold: (kv.concurrency_threshold != 0)
                         .then_some(kv.concurrency_threshold),
                     load_weight: kv.load_weight,
+                    tokenizer: kv.tokenizer,
                 }
             }),
         }),
@@ -942,6 +947,7 @@ mod tests {
         assert_eq!(
             wire.production_variants[0]
                 .routing_config
+                .as_ref()
                 .unwrap()
                 .routing_strategy,
             4
@@ -1044,6 +1050,7 @@ mod tests {
         let prefix = |index: usize| {
             wire.production_variants[index]
                 .routing_config
+                .as_ref()
                 .unwrap()
                 .prefix_aware_routing_config
                 .unwrap()

@@ -352,29 +352,7 @@ pub fn check_instance_place(
     Ok(())
 }
 
-/// A name that is no tokenizer name (the message says what one is).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct InvalidTokenizerName(String);
-
-/// A tokenizer name: one of the built-in BPEs, or a file name (letters, digits, `.`, `_`,
-/// `-`; at most 128 characters; no path).
-pub fn validate_tokenizer_name(name: &str) -> Result<(), InvalidTokenizerName> {
-    let fine = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-    if fine {
-        Ok(())
-    } else {
-        Err(InvalidTokenizerName(format!(
-            "{name:?} is not a tokenizer name: cl100k_base, o200k_base, or the name of a \
-             tokenizer.json under the routers' --tokenizer-dir (letters, digits, '.', '_', '-')"
-        )))
-    }
-}
+pub use crate::tokenizer_name::{InvalidTokenizerName, validate_tokenizer_name};
 
 #[cfg(test)]
 mod tests {

@@ -269,6 +269,7 @@ mod tests {
         Some(KvAwareRoutingConfig {
             concurrency_threshold: threshold,
             load_weight: weight,
+            tokenizer: None,
         })
     }
 

@@ -10,6 +10,7 @@ pub mod instance;
 pub mod names;
 pub mod sagemaker;
 pub mod sync;
+pub mod tokenizer_name;
 pub mod variant;
 
 pub use disaggregation::{

@@ -57,7 +57,7 @@ const PREFIX_FIELDS: &[&str] = &[
     "LoadBalanceFactor",
     "LoadBalanceSlack",
 ];
-const KV_FIELDS: &[&str] = &["ConcurrencyThreshold", "LoadWeight"];
+const KV_FIELDS: &[&str] = &["ConcurrencyThreshold", "LoadWeight", "Tokenizer"];
 
 /// Production variants parsed from SageMaker JSON, with the SageMaker-only fields that were
 /// ignored (as `ProductionVariants[i].Field`).

@@ -119,7 +119,7 @@ pub struct PrefixAwareRoutingConfig {
 /// KV_AWARE's knobs, Switchyard's extension: every field is optional and defaults to the
 /// documented value, so a pasted SageMaker config (which has no such object) behaves the same.
 #[skip_serializing_none]
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct KvAwareRoutingConfig {
     /// Fleet-wide in-flight requests at which an instance stops being preferred for its cached
@@ -128,6 +128,12 @@ pub struct KvAwareRoutingConfig {
     /// How much load counts against matched blocks in the score (0–100, default 0.5; see
     /// `switchyard_policy::kv`).
     pub load_weight: Option<f64>,
+    /// The model's tokenizer and chat template, a folder under the routers' `--tokenizer-dir`
+    /// (`NAME/tokenizer.json`, `NAME/tokenizer_config.json`, `NAME/chat_template.jinja`):
+    /// with it the routers compute a prompt's token ids themselves instead of asking an
+    /// engine's `/tokenize` (also for a disaggregated endpoint's KV_AWARE prefill and
+    /// UNCACHED_TOKENS). Absent: the engine is asked.
+    pub tokenizer: Option<String>,
 }
 
 impl KvAwareRoutingConfig {
@@ -164,6 +170,11 @@ impl KvAwareRoutingConfig {
                     KV_LOAD_WEIGHT_RANGE.end(),
                 ),
             ));
+        }
+        if let Some(name) = &self.tokenizer {
+            crate::tokenizer_name::validate_engine_tokenizer_name(name).map_err(|err| {
+                ValidationError::new(format!("{field}.Tokenizer"), err.to_string())
+            })?;
         }
         Ok(())
     }
@@ -247,7 +258,7 @@ impl PrefixAwareRoutingConfig {
 }
 
 #[skip_serializing_none]
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields)]
 pub struct RoutingConfig {
     #[serde(default)]
@@ -313,7 +324,7 @@ impl ProductionVariant {
     }
 
     pub fn routing(&self) -> RoutingConfig {
-        self.routing_config.unwrap_or_default()
+        self.routing_config.clone().unwrap_or_default()
     }
 
     pub fn migration_limit(&self) -> u32 {

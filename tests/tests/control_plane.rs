@@ -163,6 +163,7 @@ async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
             kv_aware_routing_config: Some(pb::KvAwareRoutingConfig {
                 concurrency_threshold: threshold,
                 load_weight: weight,
+                tokenizer: None,
             }),
         })
     };
@@ -626,7 +627,10 @@ async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
             if config.name != "cfg-prefix" {
                 continue;
             }
-            let routing = config.production_variants[0].routing_config.unwrap();
+            let routing = config.production_variants[0]
+                .routing_config
+                .clone()
+                .unwrap();
             assert_eq!(
                 routing.prefix_aware_routing_config.unwrap().prefix_length,
                 2048
@@ -778,7 +782,10 @@ async fn assert_populated(url: &str) -> anyhow::Result<()> {
         })
         .await?
         .into_inner();
-    let routing = config.production_variants[0].routing_config.unwrap();
+    let routing = config.production_variants[0]
+        .routing_config
+        .clone()
+        .unwrap();
     assert_eq!(
         routing
             .prefix_aware_routing_config

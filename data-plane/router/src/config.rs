@@ -136,6 +136,18 @@ pub struct RouterConfig {
     /// in switchyard_router_tokenizer_fallbacks_total).
     #[arg(long, value_name = "DIR")]
     pub tokenizer_dir: Option<PathBuf>,
+    /// Variants whose KvAwareRoutingConfig names a Tokenizer (a folder under --tokenizer-dir
+    /// with the model's tokenizer.json, tokenizer_config.json and chat template) have their
+    /// token ids computed in the router; this share of those requests (0 to 1) is also sent
+    /// to an engine's /tokenize to check them (routed on the engine's ids; three differences
+    /// in a row turn that tokenizer off until restart).
+    #[arg(long, default_value_t = crate::request::local_tokens::DEFAULT_CHECK_FRACTION, value_name = "FRACTION")]
+    pub tokenize_check_fraction: f64,
+    /// Bytes each router tokenizer may keep of cached piece ids (long stretches of prompt text
+    /// between the chat template's special tokens, such as a shared system prompt), so they
+    /// are not tokenized again. A byte count with an optional KiB, MiB or GiB suffix.
+    #[arg(long, default_value = "64MiB", value_name = "BYTES", value_parser = parse_byte_size)]
+    pub tokenize_cache_bytes: u64,
     /// LMCACHE_PD disaggregation: where this router binds the ZMQ PULL socket LMCache's
     /// prefill engines send their "KV ready" notices to (their LMCache config's
     /// `pd_proxy_host` and `pd_proxy_port`), e.g. tcp://0.0.0.0:7500. Without it an LMCACHE_PD
@@ -217,6 +229,8 @@ impl RouterConfig {
             upstream_protocol: UpstreamProtocol::Http1,
             shutdown_grace_seconds: 30,
             tokenizer_dir: None,
+            tokenize_check_fraction: crate::request::local_tokens::DEFAULT_CHECK_FRACTION,
+            tokenize_cache_bytes: switchyard_tokenize::DEFAULT_CACHE_BYTES as u64,
             lmcache_notice_bind: None,
             lmcache_notice_advertise: None,
             worker_threads: Some(1),
@@ -327,6 +341,18 @@ impl RouterConfig {
         {
             return Err(UsageError(format!(
                 "--lmcache-notice-advertise {advertise:?} must be HOST:PORT"
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.tokenize_check_fraction) {
+            return Err(UsageError(format!(
+                "--tokenize-check-fraction: {} is outside 0..=1",
+                self.tokenize_check_fraction
+            )));
+        }
+        if self.tokenize_cache_bytes > 64 << 30 {
+            return Err(UsageError(format!(
+                "--tokenize-cache-bytes: {} is more than 64 GiB",
+                self.tokenize_cache_bytes
             )));
         }
         if let Some(dir) = &self.tokenizer_dir

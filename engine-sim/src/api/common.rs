@@ -72,6 +72,8 @@ pub(crate) struct Shared {
     pub http: HttpClient,
     /// Stored Responses API responses (`previous_response_id`, GET, DELETE).
     pub responses: ResponseStore,
+    /// `--tokenizer`: the model's own tokenizer and chat template.
+    pub tokenizer: Option<Arc<switchyard_tokenize::EngineTokenizer>>,
 }
 
 /// The client's `X-Request-Id` (vLLM uses it as the request id), else a random one.

@@ -114,6 +114,19 @@ impl NeedsTokens {
         self.plan.variant()
     }
 
+    /// The tokenizer folder that gives the token ids in the router: the plan's variant's
+    /// KvAwareRoutingConfig.Tokenizer, else (a disaggregated endpoint) the first variant's
+    /// that names one; None: the engine is asked.
+    pub fn local_tokenizer(&self) -> Option<&Arc<str>> {
+        self.plan.variant().tokenizer.as_ref().or_else(|| {
+            self.plan
+                .endpoint
+                .variants
+                .iter()
+                .find_map(|variant| variant.tokenizer.as_ref())
+        })
+    }
+
     /// The KV indexes finishing reads, from `index_of(variant position)` (which answers only
     /// for a variant whose engines have published): for KV_AWARE the plan's variant; on a
     /// disaggregated endpoint the decode pool's for UNCACHED_TOKENS and the prefill pool's

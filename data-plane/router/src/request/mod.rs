@@ -17,6 +17,7 @@
 //! 6. **respond** (`crate::respond`): the client's answer. Every refusal on the way is
 //!    answered in the shape of the API the request came in on.
 
+pub(crate) mod local_tokens;
 pub(crate) mod queue;
 pub(crate) mod read;
 mod settle;

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::local_tokens::Local;
 use super::worker::Worker;
 use crate::errors::ApiError;
 use crate::plan::tokens::{KvInput, PromptTokens};
@@ -30,7 +31,7 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
             .filter(|index| index.block_size().is_some())
     });
     let tokens = if NeedsTokens::worth_asking(&indexes) {
-        token_ids(worker, needs.tokenizer(), input).await
+        token_ids(worker, needs.tokenizer(), needs.local_tokenizer(), input).await
     } else {
         None
     };
@@ -71,12 +72,30 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
     }
 }
 
-/// The request's token ids for `variant`'s engines: as given, or one `/tokenize` round trip to
-/// its least loaded instance not paused for failing to tokenize within
-/// `--kv-tokenize-timeout-ms` (timed in `switchyard_router_kv_tokenize_seconds`). A failure is
-/// counted in `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by
-/// load.
-async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> Option<Vec<u32>> {
+/// The request's token ids for `variant`'s engines: as given; computed here by the tokenizer
+/// folder `local` names (`super::local_tokens`; a checked share also asked of the engine,
+/// whose ids are then used); or one `/tokenize` round trip to the variant's least loaded
+/// instance not paused for failing to tokenize within `--kv-tokenize-timeout-ms` (timed in
+/// `switchyard_router_kv_tokenize_seconds`). A failure is counted in
+/// `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by load.
+async fn token_ids(
+    worker: &Worker,
+    variant: &VariantRoute,
+    local: Option<&Arc<str>>,
+    input: KvInput,
+) -> Option<Vec<u32>> {
+    let mut checking = None;
+    if let (Some(name), KvInput::Tokens(PromptTokens::Ask(body))) = (local, &input) {
+        match local_ids(worker, name, body).await {
+            Local::Ids { ids, check: false } => return Some(ids),
+            Local::Ids { ids, check: true } => checking = Some((name, ids)),
+            Local::Refused(reason) => {
+                tracing::debug!(variant = %variant.name, tokenizer = %name, reason = %reason, "the request's chat template or fields are refused as vLLM refuses them; routing it by load");
+                return None;
+            }
+            Local::Engine => {}
+        }
+    }
     let fetched = match input {
         KvInput::Unusable(err) => Err(err),
         KvInput::Tokens(tokens) => {
@@ -95,10 +114,36 @@ async fn token_ids(worker: &Worker, variant: &VariantRoute, input: KvInput) -> O
             fetched
         }
     };
+    if let Some((name, ids)) = checking {
+        worker
+            .local_tokens
+            .checked(name, fetched.as_deref().ok(), &ids);
+        // The engine's ids when it answered, else the router's.
+        return Some(fetched.unwrap_or(ids));
+    }
     fetched
         .inspect_err(|err| {
             worker.metrics.kv_tokenize_failed(err);
             tracing::debug!(variant = %variant.name, error = %err, "no token ids for the request; routing it by load");
         })
         .ok()
+}
+
+/// Bodies above this are tokenized on a blocking thread (a cold 4 KiB prompt is about a
+/// millisecond of BPE; a warm one takes much less, but which it is shows only afterwards).
+const OFFLOAD_TOKENIZE_BYTES: usize = 4 * 1024;
+
+/// `body` tokenized by the router's tokenizer `name`.
+async fn local_ids(worker: &Worker, name: &Arc<str>, body: &bytes::Bytes) -> Local {
+    if body.len() <= OFFLOAD_TOKENIZE_BYTES {
+        return worker.local_tokens.tokenize(name, body);
+    }
+    let (tokenizers, name, body) = (
+        Arc::clone(&worker.local_tokens),
+        Arc::clone(name),
+        body.clone(),
+    );
+    tokio::task::spawn_blocking(move || tokenizers.tokenize(&name, &body))
+        .await
+        .unwrap_or(Local::Engine)
 }

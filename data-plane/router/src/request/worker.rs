@@ -6,6 +6,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use switchyard_kv::KvIndex;
 
+use super::local_tokens::LocalTokenizers;
 use super::queue::FlowControl;
 use super::tokenize::TokenizeClient;
 use crate::forward::ForwardSettings;
@@ -37,6 +38,8 @@ pub struct Worker {
     pub kv_index: Arc<KvIndex>,
     /// KV_AWARE: this thread's `/tokenize` client.
     pub tokenize: TokenizeClient,
+    /// KV_AWARE: the token ids computed in the router (KvAwareRoutingConfig.Tokenizer).
+    pub local_tokens: Arc<LocalTokenizers>,
     /// MaxInFlightPerInstance: the router's flow-control queues (shared by every thread).
     pub flow: Arc<FlowControl>,
     /// LMCACHE_PD: the requests waiting for LMCache's "KV ready" notices (None without
@@ -60,6 +63,7 @@ impl Worker {
             tracer: self.tracer.clone(),
             kv_index: Arc::clone(&self.kv_index),
             tokenize: self.tokenize.like(),
+            local_tokens: Arc::clone(&self.local_tokens),
             flow: Arc::clone(&self.flow),
             notices: self.notices.clone(),
         }

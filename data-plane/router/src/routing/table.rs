@@ -70,6 +70,9 @@ pub struct VariantRoute {
     pub migration_limit: u32,
     /// LoraAdapters: the adapter names a request's `model` may name (kept upstream).
     pub lora_adapters: Arc<[String]>,
+    /// KvAwareRoutingConfig.Tokenizer: the folder under `--tokenizer-dir` whose tokenizer and
+    /// chat template give this variant's token ids in the router.
+    pub tokenizer: Option<Arc<str>>,
 }
 
 impl VariantRoute {
@@ -98,6 +101,7 @@ impl VariantRoute {
                 .iter()
                 .map(|name| (*name).to_owned())
                 .collect(),
+            tokenizer: None,
         }
     }
 
@@ -322,7 +326,7 @@ pub fn endpoint_route<'a>(
                 )
             }
             RoutingStrategy::KvAware => {
-                let knobs = routing.kv_aware_routing_config.unwrap_or_default();
+                let knobs = routing.kv_aware_routing_config.clone().unwrap_or_default();
                 (
                     Strategy::KvAware {
                         concurrency_threshold: knobs.concurrency_threshold(),
@@ -376,6 +380,11 @@ pub fn endpoint_route<'a>(
             ),
             migration_limit: variant.migration_limit(),
             lora_adapters: variant.lora_adapters().into(),
+            tokenizer: routing
+                .kv_aware_routing_config
+                .as_ref()
+                .and_then(|kv| kv.tokenizer.as_deref())
+                .map(Arc::from),
         });
     }
     let disaggregation = config

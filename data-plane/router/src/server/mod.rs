@@ -33,6 +33,7 @@ use crate::kv::KvThread;
 use crate::observe::metrics;
 use crate::operation::Operation;
 use crate::plan::count::TokenCounters;
+use crate::request::local_tokens::LocalTokenizers;
 use crate::request::queue::FlowControl;
 use crate::request::tokenize::TokenizeClient;
 use crate::request::{Worker, handle};
@@ -170,6 +171,11 @@ impl RouterHandle {
                 settings.kv_tokenize_timeout,
                 settings.kv_tokenize_pause,
             ),
+            local_tokens: Arc::new(LocalTokenizers::new(
+                config.tokenizer_dir.clone(),
+                usize::try_from(config.tokenize_cache_bytes).unwrap_or(usize::MAX),
+                config.tokenize_check_fraction,
+            )),
             flow: Arc::new(FlowControl::new(settings.queue, shutdown.clone())),
             notices,
         });
@@ -575,6 +581,7 @@ fn app(worker: Arc<Worker>) -> AxumRouter {
         text.push_str(&worker.kv_index.render_metrics());
         let mut flow = switchyard_process::metrics::TextEncoder::new();
         worker.flow.render(&mut flow);
+        worker.local_tokens.render(&mut flow);
         text.push_str(&flow.finish());
         (
             [(

@@ -1,0 +1,544 @@
+//! Token ids computed in the router (KvAwareRoutingConfig.Tokenizer): the model's Hugging Face
+//! tokenizer and chat template from `--tokenizer-dir/NAME/`, rendered and tokenized as vLLM's
+//! `/tokenize` would ([`switchyard_tokenize`]), so KV_AWARE (and a disaggregated endpoint's
+//! KV_AWARE prefill and UNCACHED_TOKENS) need no engine round trip.
+//!
+//! - **Loading** happens off the request path: the first request naming a tokenizer starts its
+//!   load on a thread of its own and is tokenized by the engine meanwhile (reason `loading`).
+//!   A folder that cannot be loaded is logged once and its requests go to the engine
+//!   (`unavailable`); so do chat requests when the folder has no template or one the renderer
+//!   cannot parse (`no_template`, `template_feature`, logged once at load).
+//! - **Per request**, what the renderer does not follow (multimodal content, a request's own
+//!   `chat_template`, …) goes to the engine; what vLLM would refuse too (a template's
+//!   `raise_exception`, both `add_generation_prompt` and `continue_final_message`) is routed
+//!   by load and the engine answers it.
+//! - **The check**: a fraction of the requests tokenized here (`--tokenize-check-fraction`,
+//!   default 1%) is also sent to the engine's `/tokenize`, and the engine's ids are the ones
+//!   routed on. A difference is counted and logged with the tokenizer's name; three in a row
+//!   (no match between them) turn the tokenizer off until the router restarts: its requests go
+//!   to the engine (`disabled`), as they did before this tokenizer was configured.
+//!
+//! Tokenizers are at most [`MOST_TOKENIZERS`] per router, so the metrics' `tokenizer` label
+//! is bounded (a name past that goes to the engine, `too_many`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use switchyard_process::metrics::TextEncoder;
+use switchyard_tokenize::{EngineTokenizer, Refusal, Unsupported};
+
+/// Tokenizer folders one router loads at most.
+pub const MOST_TOKENIZERS: usize = 64;
+/// Differences in a row, with no match between them, that turn a tokenizer off.
+pub const MISMATCHES_TO_DISABLE: u32 = 3;
+/// The default share of locally tokenized requests also sent to the engine.
+pub const DEFAULT_CHECK_FRACTION: f64 = 0.01;
+
+/// Why a request's ids came from the engine although its variant names a tokenizer, beyond
+/// [`Unsupported`]'s reasons.
+const ROUTER_REASONS: [&str; 4] = ["loading", "unavailable", "disabled", "too_many"];
+
+/// The router's tokenizers by name.
+pub struct LocalTokenizers {
+    dir: Option<PathBuf>,
+    cache_bytes: usize,
+    check_fraction: f64,
+    slots: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
+    too_many: AtomicU64,
+}
+
+impl std::fmt::Debug for LocalTokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTokenizers")
+            .field("dir", &self.dir)
+            .field("check_fraction", &self.check_fraction)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`LocalTokenizers::tokenize`] made of a body.
+#[derive(Debug)]
+pub enum Local {
+    /// The ids, and whether this request is one of the checked ones.
+    Ids { ids: Vec<u32>, check: bool },
+    /// Ask the engine (the reason is counted).
+    Engine,
+    /// vLLM would refuse it too: route by load.
+    Refused(String),
+}
+
+impl LocalTokenizers {
+    pub fn new(dir: Option<PathBuf>, cache_bytes: usize, check_fraction: f64) -> Self {
+        Self {
+            dir,
+            cache_bytes,
+            check_fraction,
+            slots: Mutex::new(HashMap::new()),
+            too_many: AtomicU64::new(0),
+        }
+    }
+
+    /// The slot of `name`, its load started on first use (None: too many names).
+    pub fn slot(&self, name: &Arc<str>) -> Option<Arc<Slot>> {
+        let mut slots = self
+            .slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(slot) = slots.get(name) {
+            return Some(Arc::clone(slot));
+        }
+        if slots.len() >= MOST_TOKENIZERS {
+            self.too_many.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let slot = Arc::new(Slot::new(Arc::clone(name)));
+        slots.insert(Arc::clone(name), Arc::clone(&slot));
+        drop(slots);
+        let loading = Arc::clone(&slot);
+        let dir = self.dir.clone();
+        let cache_bytes = self.cache_bytes;
+        let started = std::thread::Builder::new()
+            .name("switchyard-tokenizer-load".into())
+            .spawn(move || loading.load(dir, cache_bytes));
+        if let Err(err) = started {
+            slot.fail(format!("no thread to load it on: {err}"));
+        }
+        Some(slot)
+    }
+
+    /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
+    /// callers run long bodies on a blocking thread.
+    pub fn tokenize(&self, name: &Arc<str>, body: &[u8]) -> Local {
+        let Some(slot) = self.slot(name) else {
+            return Local::Engine;
+        };
+        match slot.tokenize(body) {
+            Local::Ids { ids, .. } => Local::Ids {
+                check: self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction,
+                ids,
+            },
+            other => other,
+        }
+    }
+
+    /// Counts a check of `name`'s ids against the engine's: equal, different, or the engine
+    /// did not answer.
+    pub fn checked(&self, name: &Arc<str>, engine: Option<&[u32]>, local: &[u32]) {
+        let Some(slot) = self.slot(name) else { return };
+        match engine {
+            None => {
+                slot.checks[2].fetch_add(1, Ordering::Relaxed);
+            }
+            Some(engine) if engine == local => {
+                slot.checks[0].fetch_add(1, Ordering::Relaxed);
+                slot.mismatch_run.store(0, Ordering::Relaxed);
+            }
+            Some(engine) => {
+                slot.checks[1].fetch_add(1, Ordering::Relaxed);
+                let at = engine
+                    .iter()
+                    .zip(local)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(engine.len().min(local.len()));
+                let run = slot.mismatch_run.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(
+                    tokenizer = %name,
+                    engine_tokens = engine.len(),
+                    router_tokens = local.len(),
+                    first_difference = at,
+                    "the router's token ids differ from the engine's /tokenize"
+                );
+                if run >= MISMATCHES_TO_DISABLE && !slot.disabled.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        tokenizer = %name,
+                        mismatches = run,
+                        "the router's tokenizer keeps disagreeing with the engine: its requests are tokenized by the engines' /tokenize until the router restarts (check that the folder holds the served model's tokenizer.json and chat template, the one passed to vLLM with --chat-template if any)"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The metric families of every tokenizer loaded.
+    pub fn render(&self, out: &mut TextEncoder) {
+        let slots: Vec<Arc<Slot>> = {
+            let slots = self
+                .slots
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut slots: Vec<Arc<Slot>> = slots.values().cloned().collect();
+            slots.sort_by(|a, b| a.name.cmp(&b.name));
+            slots
+        };
+        out.family(
+            "switchyard_router_local_tokenize_total",
+            "counter",
+            "Requests whose token ids the router computed with the variant's tokenizer (KvAwareRoutingConfig.Tokenizer), by outcome: local (computed here), refused (the template or vLLM's rules refuse it: routed by load, the engine answers), engine (asked of an engine's /tokenize; see switchyard_router_local_tokenize_engine_total).",
+        );
+        for slot in &slots {
+            for (outcome, count) in ["local", "refused", "engine"].iter().zip(&slot.outcomes) {
+                out.sample(
+                    "switchyard_router_local_tokenize_total",
+                    &[("tokenizer", &slot.name), ("outcome", outcome)],
+                    count.load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_local_tokenize_engine_total",
+            "counter",
+            "Requests of a variant with a tokenizer whose ids were asked of an engine, by reason: what the renderer does not follow (no_template, template_feature, request_template, non_text, message, field) or the tokenizer's state (loading, unavailable: its folder could not be loaded, disabled: it disagreed with the engine, too_many: past 64 tokenizer names, counted without a tokenizer label).",
+        );
+        for slot in &slots {
+            for (reason, count) in engine_reasons().zip(&slot.engine) {
+                out.sample(
+                    "switchyard_router_local_tokenize_engine_total",
+                    &[("tokenizer", &slot.name), ("reason", reason)],
+                    count.load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+        out.sample(
+            "switchyard_router_local_tokenize_engine_total",
+            &[("reason", "too_many")],
+            self.too_many.load(Ordering::Relaxed) as f64,
+        );
+        out.family(
+            "switchyard_router_local_tokenize_checks_total",
+            "counter",
+            "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three in a row turn the tokenizer off), failed (the engine did not answer).",
+        );
+        for slot in &slots {
+            for (outcome, count) in ["match", "mismatch", "failed"].iter().zip(&slot.checks) {
+                out.sample(
+                    "switchyard_router_local_tokenize_checks_total",
+                    &[("tokenizer", &slot.name), ("outcome", outcome)],
+                    count.load(Ordering::Relaxed) as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_local_tokenizer_usable",
+            "gauge",
+            "1 while the tokenizer is loaded and agrees with the engines; 0 while it loads, if its folder could not be loaded, or once it disagreed with the engine.",
+        );
+        for slot in &slots {
+            out.sample(
+                "switchyard_router_local_tokenizer_usable",
+                &[("tokenizer", &slot.name)],
+                f64::from(u8::from(slot.usable().is_some())),
+            );
+        }
+        out.family(
+            "switchyard_router_local_tokenize_cache_total",
+            "counter",
+            "Long pieces of prompt text (between the chat template's special tokens, 256 bytes or more) looked up in the tokenizer's cache, by outcome: hit (not tokenized again), miss.",
+        );
+        for slot in &slots {
+            let stats = slot.cache_stats();
+            for (outcome, count) in [("hit", stats.hits), ("miss", stats.misses)] {
+                out.sample(
+                    "switchyard_router_local_tokenize_cache_total",
+                    &[("tokenizer", &slot.name), ("outcome", outcome)],
+                    count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_local_tokenize_cache_bytes",
+            "gauge",
+            "Bytes the tokenizer's piece cache holds (at most --tokenize-cache-bytes).",
+        );
+        for slot in &slots {
+            out.sample(
+                "switchyard_router_local_tokenize_cache_bytes",
+                &[("tokenizer", &slot.name)],
+                slot.cache_stats().bytes as f64,
+            );
+        }
+    }
+}
+
+fn engine_reasons() -> impl Iterator<Item = &'static str> {
+    Unsupported::REASONS
+        .iter()
+        .copied()
+        .chain(ROUTER_REASONS.iter().copied().take(3))
+}
+
+/// One tokenizer: loading, loaded or failed, with its counters.
+pub struct Slot {
+    name: Arc<str>,
+    state: OnceLock<Result<EngineTokenizer, String>>,
+    disabled: AtomicBool,
+    mismatch_run: AtomicU32,
+    /// local, refused, engine.
+    outcomes: [AtomicU64; 3],
+    /// By [`engine_reasons`].
+    engine: [AtomicU64; Unsupported::REASONS.len() + 3],
+    /// match, mismatch, failed.
+    checks: [AtomicU64; 3],
+}
+
+impl Slot {
+    fn new(name: Arc<str>) -> Self {
+        Self {
+            name,
+            state: OnceLock::new(),
+            disabled: AtomicBool::new(false),
+            mismatch_run: AtomicU32::new(0),
+            outcomes: Default::default(),
+            engine: Default::default(),
+            checks: Default::default(),
+        }
+    }
+
+    fn load(&self, dir: Option<PathBuf>, cache_bytes: usize) {
+        let Some(dir) = dir else {
+            self.fail("no --tokenizer-dir given".into());
+            return;
+        };
+        let folder = dir.join(&*self.name);
+        let started = std::time::Instant::now();
+        match EngineTokenizer::load(&folder, cache_bytes) {
+            Ok(tokenizer) => {
+                match tokenizer.template_note() {
+                    Some(note) => tracing::warn!(
+                        tokenizer = %self.name,
+                        folder = %folder.display(),
+                        reason = note,
+                        "chat requests are tokenized by the engines' /tokenize: the folder's chat template cannot be used here"
+                    ),
+                    None => tracing::info!(
+                        tokenizer = %self.name,
+                        folder = %folder.display(),
+                        piece_cache = tokenizer.caches_pieces(),
+                        ms = started.elapsed().as_millis() as u64,
+                        "tokenizer loaded: token ids are computed in the router"
+                    ),
+                }
+                let _ = self.state.set(Ok(tokenizer));
+            }
+            Err(err) => self.fail(err.to_string()),
+        }
+    }
+
+    fn fail(&self, reason: String) {
+        tracing::error!(
+            tokenizer = %self.name,
+            reason = %reason,
+            "tokenizer not loaded: its requests are tokenized by the engines' /tokenize"
+        );
+        let _ = self.state.set(Err(reason));
+    }
+
+    /// The tokenizer, when loaded and not turned off.
+    fn usable(&self) -> Option<&EngineTokenizer> {
+        if self.disabled.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.state.get()?.as_ref().ok()
+    }
+
+    fn cache_stats(&self) -> switchyard_tokenize::pieces::CacheStats {
+        match self.state.get() {
+            Some(Ok(tokenizer)) => tokenizer.cache_stats(),
+            _ => Default::default(),
+        }
+    }
+
+    fn engine_reason(&self, reason: &str) -> Local {
+        self.outcomes[2].fetch_add(1, Ordering::Relaxed);
+        if let Some(index) = engine_reasons().position(|known| known == reason) {
+            self.engine[index].fetch_add(1, Ordering::Relaxed);
+        }
+        Local::Engine
+    }
+
+    fn tokenize(&self, body: &[u8]) -> Local {
+        let tokenizer = match self.state.get() {
+            None => return self.engine_reason("loading"),
+            Some(Err(_)) => return self.engine_reason("unavailable"),
+            Some(Ok(_)) if self.disabled.load(Ordering::Relaxed) => {
+                return self.engine_reason("disabled");
+            }
+            Some(Ok(tokenizer)) => tokenizer,
+        };
+        match tokenizer.tokenize(body) {
+            Ok(ids) => {
+                self.outcomes[0].fetch_add(1, Ordering::Relaxed);
+                Local::Ids { ids, check: false }
+            }
+            Err(Refusal::Engine(reason)) => self.engine_reason(reason.reason()),
+            Err(Refusal::Invalid(reason)) => {
+                self.outcomes[1].fetch_add(1, Ordering::Relaxed);
+                Local::Refused(reason.to_string())
+            }
+        }
+    }
+
+    /// Waits (a bounded number of short sleeps) until the load has ended (tests).
+    #[cfg(test)]
+    fn wait_loaded(&self) {
+        for _ in 0..500 {
+            if self.state.get().is_some() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    /// A folder with a word-level tokenizer (whitespace split) and ChatML markers.
+    fn folder(template: Option<&str>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m");
+        std::fs::create_dir(&model).unwrap();
+        let tokenizer = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [
+                {"id": 0, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 1, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            ],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<|im_start|>": 0, "<|im_end|>": 1, "[UNK]": 2, "user": 3, "assistant": 4, "hello": 5, "world": 6}, "unk_token": "[UNK]"}
+        });
+        std::fs::write(model.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        std::fs::write(
+            model.join("tokenizer_config.json"),
+            r#"{"eos_token":"<|im_end|>"}"#,
+        )
+        .unwrap();
+        if let Some(template) = template {
+            std::fs::write(model.join("chat_template.jinja"), template).unwrap();
+        }
+        dir
+    }
+
+    fn loaded(tokenizers: &LocalTokenizers) -> Arc<Slot> {
+        let slot = tokenizers.slot(&Arc::from("m")).unwrap();
+        slot.wait_loaded();
+        slot
+    }
+
+    #[test]
+    fn a_chat_is_rendered_and_tokenized_here_and_what_is_not_followed_goes_to_the_engine() {
+        let dir = folder(Some(TEMPLATE));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"hello world"}]}"#;
+        assert!(matches!(
+            tokenizers.tokenize(&name, chat),
+            Local::Ids { ids, check: false } if ids == [0, 3, 5, 6, 1, 0, 4]
+        ));
+        let image = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        assert!(matches!(tokenizers.tokenize(&name, image), Local::Engine));
+        let both = br#"{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}"#;
+        assert!(matches!(
+            tokenizers.tokenize(&name, both),
+            Local::Refused(_)
+        ));
+        let mut out = TextEncoder::new();
+        tokenizers.render(&mut out);
+        let text = out.finish();
+        assert!(
+            text.contains(
+                r#"switchyard_router_local_tokenize_total{tokenizer="m",outcome="local"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(r#"switchyard_router_local_tokenize_engine_total{tokenizer="m",reason="non_text"} 1"#), "{text}");
+        assert!(
+            text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 1"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_missing_folder_or_template_leaves_the_requests_to_the_engine() {
+        let tokenizers = LocalTokenizers::new(Some("/nonexistent-switchyard".into()), 1 << 20, 0.0);
+        loaded(&tokenizers);
+        assert!(matches!(
+            tokenizers.tokenize(&Arc::from("m"), br#"{"prompt":"hello"}"#),
+            Local::Engine
+        ));
+        let dir = folder(None);
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        assert!(
+            matches!(tokenizers.tokenize(&name, br#"{"prompt":"hello"}"#), Local::Ids { ids, .. } if ids == [5])
+        );
+        assert!(matches!(
+            tokenizers.tokenize(
+                &name,
+                br#"{"messages":[{"role":"user","content":"hello"}]}"#
+            ),
+            Local::Engine
+        ));
+        let dir = folder(Some(
+            "{% for m in messages %}{{ m.content | no_such_filter }}{% endfor %}",
+        ));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        let slot = loaded(&tokenizers);
+        assert!(matches!(
+            tokenizers.tokenize(
+                &name,
+                br#"{"messages":[{"role":"user","content":"hello"}]}"#
+            ),
+            Local::Engine
+        ));
+        assert_eq!(
+            slot.engine[engine_reasons()
+                .position(|r| r == "template_feature")
+                .unwrap()]
+            .load(Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[test]
+    fn three_differences_in_a_row_turn_the_tokenizer_off() {
+        let dir = folder(Some(TEMPLATE));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 1.0);
+        loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let body = br#"{"prompt":"hello"}"#;
+        let Local::Ids { ids, check: true } = tokenizers.tokenize(&name, body) else {
+            panic!("a fraction of 1 checks every request")
+        };
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        tokenizers.checked(&name, Some(&ids), &ids);
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        tokenizers.checked(&name, None, &ids);
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        assert!(
+            matches!(tokenizers.tokenize(&name, body), Local::Ids { .. }),
+            "a match in between resets the run"
+        );
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        assert!(matches!(tokenizers.tokenize(&name, body), Local::Engine));
+        let mut out = TextEncoder::new();
+        tokenizers.render(&mut out);
+        let text = out.finish();
+        assert!(text.contains(r#"switchyard_router_local_tokenize_checks_total{tokenizer="m",outcome="mismatch"} 5"#), "{text}");
+        assert!(
+            text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 0"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"switchyard_router_local_tokenize_engine_total{tokenizer="m",reason="disabled"} 1"#), "{text}");
+    }
+}

