@@ -63,6 +63,8 @@ struct Vllm {
     replay: u16,
     side_channel: u16,
     log: PathBuf,
+    /// `--chat-template`, when not the model's own.
+    chat_template: Option<PathBuf>,
     child: Option<tokio::process::Child>,
 }
 
@@ -76,6 +78,7 @@ impl Vllm {
             replay: free_port(),
             side_channel: free_port(),
             log: dir.join(format!("{name}.log")),
+            chat_template: None,
             child: None,
         }
     }
@@ -100,6 +103,12 @@ impl Vllm {
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
         });
+        let chat_template = self.chat_template.iter().flat_map(|template| {
+            [
+                std::ffi::OsStr::new("--chat-template"),
+                template.as_os_str(),
+            ]
+        });
         let child = tokio::process::Command::new(home.join("venv/bin/vllm"))
             .arg("serve")
             .arg(home.join("model"))
@@ -110,6 +119,7 @@ impl Vllm {
             .arg("--enable-prompt-tokens-details")
             .args(["--kv-events-config", &kv_events.to_string()])
             .args(["--kv-transfer-config", &kv_transfer.to_string()])
+            .args(chat_template)
             .env("VLLM_TARGET_DEVICE", "cpu")
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", self.cpu.to_string())
@@ -853,4 +863,121 @@ async fn migration(
             .collect::<Vec<_>>()
     );
     Ok(())
+}
+
+/// The token ids the router computes (KvAwareRoutingConfig.Tokenizer), against vLLM's own
+/// `/tokenize`, for 1,000 varied requests (tests/python/tokenize_corpus.py: chat and
+/// completions, multi-turn, system prompts, names, text parts, unicode, whitespace runs,
+/// special-token text in user content, prompts up to ~6,000 words, add_generation_prompt off,
+/// continue_final_message, template kwargs). vllm-0 renders the model's own chat template;
+/// vllm-1 is given the tool-capable fixture (`--chat-template
+/// tests/fixtures/tool-chat-template.jinja`: content parts, tools, tool calls) and gets the
+/// half of the requests that carry tools. Each request is turned into the `/tokenize` body the
+/// router builds (`tokenize_body`), which both sides tokenize; every difference is printed
+/// with its request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real vLLM: scripts/test --real-vllm"]
+async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tool-chat-template.jinja");
+    let mut plain = Vllm::new("vllm-0", 0, dir.path());
+    let mut tools = Vllm::new("vllm-1", 1, dir.path());
+    tools.chat_template = Some(fixture.clone());
+    plain.start()?;
+    tools.start()?;
+    plain.ready().await?;
+    tools.ready().await?;
+    // The router's tokenizer folders: the model's files, and the same with the fixture.
+    let model = install().join("model");
+    let folder = |name: &str, template: &Path| -> anyhow::Result<PathBuf> {
+        let folder = dir.path().join("tokenizers").join(name);
+        std::fs::create_dir_all(&folder)?;
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(model.join(file), folder.join(file))?;
+        }
+        std::fs::copy(template, folder.join("chat_template.jinja"))?;
+        Ok(folder)
+    };
+    let cases = [
+        (
+            &plain,
+            folder("smol", &model.join("chat_template.jinja"))?,
+            "1",
+            "",
+        ),
+        (&tools, folder("tools", &fixture)?, "2", "--tools"),
+    ];
+    let (mut compared, mut differences) = (0, Vec::new());
+    for (engine, folder, seed, flag) in &cases {
+        let tokenizer = switchyard_tokenize::EngineTokenizer::load(folder, 64 << 20)?;
+        anyhow::ensure!(
+            tokenizer.template_note().is_none(),
+            "{:?}",
+            tokenizer.template_note()
+        );
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tokenize_corpus.py");
+        let corpus = std::process::Command::new(switchyard_testkit::test_python())
+            .arg(&script)
+            .args(["500", seed])
+            .args((!flag.is_empty()).then_some(*flag))
+            .output()?;
+        anyhow::ensure!(
+            corpus.status.success(),
+            "{}",
+            String::from_utf8_lossy(&corpus.stderr)
+        );
+        for line in String::from_utf8(corpus.stdout)?.lines() {
+            let case: Value = serde_json::from_str(line)?;
+            let kind = if case["kind"] == "chat" {
+                switchyard_router::parts::PromptKind::Chat
+            } else {
+                switchyard_router::parts::PromptKind::Completion
+            };
+            let request = case["body"].to_string();
+            let body = switchyard_router::parts::tokenize_body(kind, request.as_bytes())?;
+            let ours = tokenizer.tokenize(&body);
+            let (status, answer) =
+                http_post_status(&format!("{}/tokenize", engine.url()), &body).await?;
+            compared += 1;
+            let theirs: Option<Vec<u32>> = (status == 200)
+                .then(|| serde_json::from_value(answer["tokens"].clone()).ok())
+                .flatten();
+            if ours.as_ref().ok() != theirs.as_ref() {
+                differences.push(format!(
+                    "{}: router {:?}, vLLM {status} {}: {request}",
+                    engine.name,
+                    ours.as_ref().map(Vec::len),
+                    theirs
+                        .as_ref()
+                        .map_or_else(|| answer.to_string(), |ids| format!("{} ids", ids.len())),
+                ));
+            }
+        }
+        let stats = tokenizer.cache_stats();
+        println!(
+            "{}: piece cache hits {} misses {} ({} bytes)",
+            engine.name, stats.hits, stats.misses, stats.bytes
+        );
+    }
+    println!(
+        "token ids compared: {compared}, different: {}",
+        differences.len()
+    );
+    for difference in &differences {
+        println!("DIFFERENT {difference}");
+    }
+    anyhow::ensure!(compared == 1000, "{compared} requests compared");
+    anyhow::ensure!(
+        differences.is_empty(),
+        "{} of {compared} differ",
+        differences.len()
+    );
+    Ok(())
+}
+
+/// POSTs `body` as JSON; the status and the answer's JSON (null if none).
+async fn http_post_status(url: &str, body: &[u8]) -> anyhow::Result<(u16, Value)> {
+    let reply = http_post(url, &[], String::from_utf8_lossy(body).into_owned()).await?;
+    let answer = serde_json::from_str(&reply.body).unwrap_or(Value::Null);
+    Ok((reply.status, answer))
 }

@@ -234,7 +234,7 @@ impl LocalTokenizers {
         out.family(
             "switchyard_router_local_tokenize_cache_total",
             "counter",
-            "Long pieces of prompt text (between the chat template's special tokens, 256 bytes or more) looked up in the tokenizer's cache, by outcome: hit (not tokenized again), miss.",
+            "Pieces of prompt text (between the chat template's special tokens) looked up in the tokenizer's cache, by outcome: hit (not tokenized again), miss.",
         );
         for slot in &slots {
             let stats = slot.cache_stats();

