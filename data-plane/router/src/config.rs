@@ -140,7 +140,7 @@ pub struct RouterConfig {
     /// with the model's tokenizer.json, tokenizer_config.json and chat template) have their
     /// token ids computed in the router; this share of those requests (0 to 1) is also sent
     /// to an engine's /tokenize to check them (routed on the engine's ids; three differences
-    /// in a row turn that tokenizer off until restart).
+    /// among its last 16 checks turn that tokenizer off until restart).
     #[arg(long, default_value_t = crate::request::local_tokens::DEFAULT_CHECK_FRACTION, value_name = "FRACTION")]
     pub tokenize_check_fraction: f64,
     /// Bytes each router tokenizer may keep of cached piece ids (long stretches of prompt text

@@ -113,11 +113,32 @@ impl<'de> Deserialize<'de> for Json {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
                 let mut fields: Vec<(String, Json)> = Vec::new();
+                // Where each key is, once an object has many (a linear search per key would
+                // make a body of many keys quadratic).
+                let mut places: Option<std::collections::HashMap<String, usize>> = None;
                 while let Some((name, value)) = map.next_entry::<String, Json>()? {
+                    if places.is_none() && fields.len() >= 16 {
+                        places = Some(
+                            fields
+                                .iter()
+                                .enumerate()
+                                .map(|(place, (known, _))| (known.clone(), place))
+                                .collect(),
+                        );
+                    }
+                    let known = match &places {
+                        Some(places) => places.get(&name).copied(),
+                        None => fields.iter().position(|(known, _)| *known == name),
+                    };
                     // A repeated key keeps its first place and its last value, as in Python.
-                    match fields.iter_mut().find(|(known, _)| *known == name) {
-                        Some(field) => field.1 = value,
-                        None => fields.push((name, value)),
+                    match known {
+                        Some(place) => fields[place].1 = value,
+                        None => {
+                            if let Some(places) = &mut places {
+                                places.insert(name.clone(), fields.len());
+                            }
+                            fields.push((name, value));
+                        }
                     }
                 }
                 Ok(Json::Object(fields))
@@ -269,7 +290,7 @@ fn write_string(out: &mut String, text: &str, ensure_ascii: bool) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+            c if (c as u32) < 0x20 || (ensure_ascii && (!c.is_ascii() || c == '\u{7f}')) => {
                 let mut units = [0u16; 2];
                 for unit in c.encode_utf16(&mut units) {
                     let _ = write!(out, "\\u{unit:04x}");

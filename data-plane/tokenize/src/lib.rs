@@ -52,7 +52,16 @@ pub enum Unsupported {
     /// A body field whose effect is not followed here (`documents`, `add_special_tokens` on a
     /// chat body, kwargs that are `apply_chat_template`'s own parameters).
     Field,
+    /// A body past [`MOST_BODY_BYTES`], [`MOST_MESSAGES`] or [`MOST_PARTS`].
+    Large,
 }
+
+/// The largest body tokenized here (the engine is asked for larger ones).
+pub const MOST_BODY_BYTES: usize = 1 << 20;
+/// The most messages in a chat tokenized here.
+pub const MOST_MESSAGES: usize = 4096;
+/// The most content parts in one message tokenized here.
+pub const MOST_PARTS: usize = 256;
 
 impl Unsupported {
     /// The metric label.
@@ -64,16 +73,18 @@ impl Unsupported {
             Unsupported::NonText => "non_text",
             Unsupported::Message => "message",
             Unsupported::Field => "field",
+            Unsupported::Large => "large",
         }
     }
 
-    pub const REASONS: [&'static str; 6] = [
+    pub const REASONS: [&'static str; 7] = [
         "no_template",
         "template_feature",
         "request_template",
         "non_text",
         "message",
         "field",
+        "large",
     ];
 }
 
@@ -134,6 +145,11 @@ pub struct EngineTokenizer {
     pieces: Option<Pieces>,
     /// The post-processor's ids around a prompt, when they are only a prefix (`[bos]`).
     special_prefix: Option<Vec<u32>>,
+    /// Completions are left to the engine: the config's `add_bos_token`/`add_eos_token` or
+    /// `split_special_tokens` change how transformers tokenizes them.
+    completions_unsupported: bool,
+    /// The config names a `tool_use` template, which transformers picks when tools are given.
+    tool_use_template: bool,
 }
 
 impl std::fmt::Debug for EngineTokenizer {
@@ -152,12 +168,33 @@ impl EngineTokenizer {
     /// chat bodies are left to the engine; the piece cache is used only where it gives the same
     /// ids as tokenizing whole texts.
     pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
+        // Models vLLM does not render with a Hugging Face template (its `mistral` tokenizer
+        // mode picks these files up by itself).
+        for file in ["tekken.json", "tokenizer.model.v3", "tokenizer.model.v7"] {
+            if dir.join(file).exists() {
+                return Err(LoadError::File {
+                    path: dir.join(file),
+                    message: "vLLM renders this model with its own tokenizer mode, not a chat \
+                              template: leave it to the engine's /tokenize"
+                        .into(),
+                });
+            }
+        }
         let path = dir.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&path).map_err(|err| LoadError::File {
+        let mut tokenizer = Tokenizer::from_file(&path).map_err(|err| LoadError::File {
             path: path.clone(),
             message: err.to_string(),
         })?;
+        // transformers turns both off on every call.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|err| LoadError::File {
+                path: path.clone(),
+                message: err.to_string(),
+            })?;
+        tokenizer.with_padding(None);
         let config = read_config(&dir.join("tokenizer_config.json"))?;
+        let special_map = read_config(&dir.join("special_tokens_map.json"))?;
         let jinja = dir.join("chat_template.jinja");
         let source = match std::fs::read_to_string(&jinja) {
             Ok(source) => Some(source),
@@ -181,9 +218,34 @@ impl EngineTokenizer {
                 Err(reason) => (Err(Unsupported::TemplateFeature), Some(reason)),
             },
         };
-        let special_tokens = config.as_ref().map(special_tokens_of).unwrap_or_default();
+        let mut special_tokens = config.as_ref().map(special_tokens_of).unwrap_or_default();
+        for (name, value) in special_map
+            .as_ref()
+            .map(special_tokens_of)
+            .unwrap_or_default()
+        {
+            if !special_tokens.iter().any(|(known, _)| *known == name) {
+                special_tokens.push((name, value));
+            }
+        }
+        let flag = |name: &str| {
+            config
+                .as_ref()
+                .and_then(|config| config.get(name)?.as_bool())
+        };
+        let special_prefix = special_prefix(&tokenizer);
+        let adds_bos = special_prefix
+            .as_ref()
+            .is_some_and(|prefix| !prefix.is_empty());
+        let completions_unsupported = flag("add_eos_token") == Some(true)
+            || flag("add_bos_token").is_some_and(|bos| bos != adds_bos)
+            || flag("split_special_tokens") == Some(true);
+        let tool_use_template = config.as_ref().is_some_and(names_tool_use_template)
+            || dir.join("additional_chat_templates").exists();
         let mut loaded = Self {
-            special_prefix: special_prefix(&tokenizer),
+            completions_unsupported,
+            tool_use_template,
+            special_prefix,
             pieces: Pieces::new(&tokenizer, cache_bytes),
             tokenizer,
             template,
@@ -213,6 +275,9 @@ impl EngineTokenizer {
     /// What vLLM's `POST /tokenize` answers for `body` (a completions or chat body of its
     /// `/tokenize`).
     pub fn tokenize(&self, body: &[u8]) -> Result<Vec<u32>, Refusal> {
+        if body.len() > MOST_BODY_BYTES {
+            return Err(Refusal::Engine(Unsupported::Large));
+        }
         let body: Json = serde_json::from_slice(body)
             .map_err(|err| Refusal::Invalid(Invalid(format!("invalid JSON: {err}"))))?;
         if body.get("messages").is_some() {
@@ -223,6 +288,9 @@ impl EngineTokenizer {
     }
 
     fn completion(&self, body: &Json) -> Result<Vec<u32>, Refusal> {
+        if self.completions_unsupported {
+            return Err(Refusal::Engine(Unsupported::Field));
+        }
         let Some(prompt) = body.get("prompt").and_then(Json::as_str) else {
             return Err(Refusal::Engine(Unsupported::Field));
         };
@@ -258,6 +326,18 @@ impl EngineTokenizer {
             .as_ref()
             .map_err(|reason| Refusal::Engine(*reason))?;
         let present = |name: &str| body.get(name).is_some_and(|value| *value != Json::Null);
+        if self.tool_use_template && present("tools") {
+            return Err(Refusal::Engine(Unsupported::Field));
+        }
+        match body.get("messages") {
+            Some(Json::Array(messages)) if messages.is_empty() => {
+                return Err(Refusal::Engine(Unsupported::Message));
+            }
+            Some(Json::Array(messages)) if messages.len() > MOST_MESSAGES => {
+                return Err(Refusal::Engine(Unsupported::Large));
+            }
+            _ => {}
+        }
         if present("chat_template") {
             return Err(Refusal::Engine(Unsupported::RequestTemplate));
         }
@@ -286,6 +366,14 @@ impl EngineTokenizer {
             None | Some(Json::Null) => {}
             Some(Json::Object(kwargs)) => {
                 for (name, value) in kwargs {
+                    // vLLM's merge drops these values; its own fields set the two flags.
+                    if *value == Json::Null
+                        || value.as_str() == Some("auto")
+                        || name == "add_generation_prompt"
+                        || name == "continue_final_message"
+                    {
+                        continue;
+                    }
                     if name == "chat_template" || name == "tokenize" {
                         return Err(Refusal::Invalid(Invalid(format!(
                             "Found unexpected chat template kwargs from request: {{'{name}'}}"
@@ -448,6 +536,16 @@ fn read_config(path: &Path) -> Result<Option<Json>, LoadError> {
             path: path.to_owned(),
             message: err.to_string(),
         })
+}
+
+/// Whether the config names a `tool_use` template.
+fn names_tool_use_template(config: &Json) -> bool {
+    match config.get("chat_template") {
+        Some(Json::Array(named)) => named
+            .iter()
+            .any(|entry| entry.get("name").and_then(Json::as_str) == Some("tool_use")),
+        _ => false,
+    }
 }
 
 /// The config's `chat_template`: a string, or the `default` of a list of named templates (the

@@ -105,6 +105,9 @@ fn texts_of(content: Option<&Json>) -> Result<Vec<String>, Refusal> {
     match content {
         None | Some(Json::Null) => Ok(Vec::new()),
         Some(Json::String(text)) => Ok(vec![text.clone()]),
+        Some(Json::Array(parts)) if parts.len() > crate::MOST_PARTS => {
+            Err(Refusal::Engine(Unsupported::Large))
+        }
         Some(Json::Array(parts)) => parts.iter().map(text_of_part).collect(),
         Some(_) => Err(Refusal::Invalid(Invalid(
             "a message's content must be a string or a list of parts".into(),
@@ -155,33 +158,33 @@ fn tool_calls(calls: &Json) -> Result<Vec<Json>, Refusal> {
                     "chat completions only support assistant tool_calls of type 'function'.".into(),
                 )));
             }
-            let function = function
-                .iter()
-                .map(|(name, value)| {
-                    let value = if name == "arguments" {
-                        arguments(value)
-                    } else {
-                        value.clone()
-                    };
-                    (name.clone(), value)
-                })
-                .collect::<Vec<_>>();
-            let mut function = function;
-            if !function.iter().any(|(name, _)| name == "arguments") {
-                function.push(("arguments".into(), Json::Object(Vec::new())));
-            }
-            Ok(Json::Object(
+            // vLLM's validation writes a call's keys in its schema's order: `id`, `function`,
+            // `type`, then any others; in `function`, `arguments`, `name`, then any others.
+            let in_function = |name: &str| function.iter().find(|(known, _)| known == name);
+            let mut function_out: Vec<(String, Json)> = vec![(
+                "arguments".into(),
+                in_function("arguments")
+                    .map_or(Json::Object(Vec::new()), |(_, value)| arguments(value)),
+            )];
+            function_out.extend(in_function("name").cloned());
+            function_out.extend(
+                function
+                    .iter()
+                    .filter(|(name, _)| name != "arguments" && name != "name")
+                    .cloned(),
+            );
+            let in_call = |name: &str| fields.iter().find(|(known, _)| known == name).cloned();
+            let mut out: Vec<(String, Json)> = Vec::new();
+            out.extend(in_call("id"));
+            out.push(("function".into(), Json::Object(function_out)));
+            out.extend(in_call("type"));
+            out.extend(
                 fields
                     .iter()
-                    .map(|(name, value)| {
-                        if name == "function" {
-                            (name.clone(), Json::Object(function.clone()))
-                        } else {
-                            (name.clone(), value.clone())
-                        }
-                    })
-                    .collect(),
-            ))
+                    .filter(|(name, _)| !matches!(name.as_str(), "id" | "function" | "type"))
+                    .cloned(),
+            );
+            Ok(Json::Object(out))
         })
         .collect()
 }
@@ -256,6 +259,22 @@ mod tests {
         };
         assert_eq!(arguments(0), json(r#"{"b": 1, "a": [2]}"#));
         assert_eq!(arguments(1), Json::Object(vec![]));
+        let keys = |value: &Json| match value {
+            Json::Object(fields) => fields
+                .iter()
+                .map(|(name, _)| name.clone())
+                .collect::<Vec<_>>(),
+            _ => Vec::new(),
+        };
+        assert_eq!(
+            keys(&calls[0]),
+            ["id", "function", "type"],
+            "vLLM's schema order"
+        );
+        assert_eq!(
+            keys(calls[0].get("function").unwrap()),
+            ["arguments", "name"]
+        );
         assert_eq!(arguments(2), Json::Object(vec![]));
         assert!(out[1].get("tool_calls").is_none());
         assert_eq!(

@@ -17,6 +17,12 @@ use crate::json::{DumpOptions, dumps, float_repr};
 const NAME: &str = "chat";
 /// What marks an error the template raised itself (`raise_exception`).
 const RAISED: &str = "raise_exception: ";
+/// The most template instructions one rendering may run (a conversation of thousands of
+/// messages takes a small share): past it the request is left to the engine, so no template
+/// and no body can keep a router thread busy.
+const FUEL: u64 = 5_000_000;
+/// The widest `tojson` indent (Python allows any; no template needs more).
+const MOST_INDENT: usize = 64;
 /// Hugging Face's tag for `continue_final_message`.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
@@ -61,7 +67,11 @@ pub enum RenderError {
 impl ChatTemplate {
     /// Compiles `source`; an error names what the renderer cannot parse.
     pub fn new(source: String) -> Result<Self, String> {
+        // Hugging Face's assistant-mask extension: `{% generation %}` marks what it renders and
+        // changes nothing of the text.
+        let source = strip_generation_tags(&source);
         let mut env = Environment::new();
+        env.set_fuel(Some(FUEL));
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
             .lstrip_blocks(true)
@@ -205,6 +215,30 @@ fn cut_at_tag(rendered: String, final_text: &str) -> Result<String, RenderError>
     }
 }
 
+/// `source` with `{% generation %}` … `{% endgeneration %}` as `{% if true %}` … `{% endif %}`
+/// (whitespace control kept, so the text is what Jinja2 renders with the extension).
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let Some(length) = rest[start..].find("%}") else {
+            break;
+        };
+        let tag = &rest[start..start + length + 2];
+        let inner =
+            tag[2..tag.len() - 2].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        out.push_str(&rest[..start]);
+        match inner {
+            "generation" => out.push_str(&tag.replacen("generation", "if true", 1)),
+            "endgeneration" => out.push_str(&tag.replacen("endgeneration", "endif", 1)),
+            _ => out.push_str(tag),
+        }
+        rest = &rest[start + length + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn classify(err: Error) -> RenderError {
     if let Some(reason) = err.detail().and_then(|detail| detail.strip_prefix(RAISED)) {
         return RenderError::Raised(reason.to_owned());
@@ -287,7 +321,9 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
                 options.indent = match value.kind() {
                     ValueKind::None | ValueKind::Undefined => None,
                     ValueKind::String => Some(value.as_str().unwrap_or_default().to_owned()),
-                    ValueKind::Number => Some(" ".repeat(i64::try_from(value)?.max(0) as usize)),
+                    ValueKind::Number => {
+                        Some(" ".repeat((i64::try_from(value)?.max(0) as usize).min(MOST_INDENT)))
+                    }
                     _ => return Err(Error::new(ErrorKind::InvalidOperation, "indent")),
                 }
             }
@@ -561,6 +597,21 @@ mod tests {
             content_format_of("{% for message in messages %}{{ message['content'] }}{% endfor %}"),
             ContentFormat::String
         );
+    }
+
+    #[test]
+    fn generation_tags_render_their_text_and_runaway_templates_run_out_of_fuel() {
+        let source = "{% for m in messages %}{%- generation -%}\n[{{ m.content }}]\n{%- endgeneration %}{% endfor %}";
+        assert_eq!(
+            render(source, r#"[{"content":"a"},{"content":"b"}]"#, &[]).unwrap(),
+            "[a][b]"
+        );
+        let spin =
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        assert!(matches!(
+            render(spin, "[]", &[]),
+            Err(RenderError::Unsupported(_))
+        ));
     }
 
     #[test]

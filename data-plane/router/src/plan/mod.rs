@@ -115,15 +115,13 @@ impl NeedsTokens {
     }
 
     /// The tokenizer folder that gives the token ids in the router: the plan's variant's
-    /// KvAwareRoutingConfig.Tokenizer, else (a disaggregated endpoint) the first variant's
-    /// that names one; None: the engine is asked.
+    /// KvAwareRoutingConfig.Tokenizer, else on a disaggregated endpoint its prefill variant's
+    /// (the two pools serve one model); None: the engine is asked.
     pub fn local_tokenizer(&self) -> Option<&Arc<str>> {
+        let endpoint = &self.plan.endpoint;
         self.plan.variant().tokenizer.as_ref().or_else(|| {
-            self.plan
-                .endpoint
-                .variants
-                .iter()
-                .find_map(|variant| variant.tokenizer.as_ref())
+            let pd = endpoint.disaggregation.as_ref()?;
+            endpoint.variants.get(pd.prefill)?.tokenizer.as_ref()
         })
     }
 

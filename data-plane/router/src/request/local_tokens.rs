@@ -14,9 +14,9 @@
 //!   by load and the engine answers it.
 //! - **The check**: a fraction of the requests tokenized here (`--tokenize-check-fraction`,
 //!   default 1%) is also sent to the engine's `/tokenize`, and the engine's ids are the ones
-//!   routed on. A difference is counted and logged with the tokenizer's name; three in a row
-//!   (no match between them) turn the tokenizer off until the router restarts: its requests go
-//!   to the engine (`disabled`), as they did before this tokenizer was configured.
+//!   routed on. A difference is counted and logged with the tokenizer's name; three among the
+//!   last 16 checks turn the tokenizer off until the router restarts: its requests go to the
+//!   engine (`disabled`), as they did before this tokenizer was configured.
 //!
 //! Tokenizers are at most [`MOST_TOKENIZERS`] per router, so the metrics' `tokenizer` label
 //! is bounded (a name past that goes to the engine, `too_many`).
@@ -31,8 +31,11 @@ use switchyard_tokenize::{EngineTokenizer, Refusal, Unsupported};
 
 /// Tokenizer folders one router loads at most.
 pub const MOST_TOKENIZERS: usize = 64;
-/// Differences in a row, with no match between them, that turn a tokenizer off.
+/// Differences among the last [`CHECK_WINDOW`] checks that turn a tokenizer off.
 pub const MISMATCHES_TO_DISABLE: u32 = 3;
+/// The checks [`MISMATCHES_TO_DISABLE`] counts over (a tokenizer wrong for one request in
+/// five or more is caught within a few windows).
+pub const CHECK_WINDOW: u32 = 16;
 /// The default share of locally tokenized requests also sent to the engine.
 pub const DEFAULT_CHECK_FRACTION: f64 = 0.01;
 
@@ -114,7 +117,14 @@ impl LocalTokenizers {
         let Some(slot) = self.slot(name) else {
             return Local::Engine;
         };
-        match slot.tokenize(body) {
+        // A panic in the tokenizer or the renderer costs this request its local ids, nothing
+        // more.
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slot.tokenize(body)))
+            .unwrap_or_else(|_| {
+                tracing::error!(tokenizer = %name, "the router's tokenizer panicked on a request; asking the engine");
+                Local::Engine
+            });
+        match outcome {
             Local::Ids { ids, .. } => Local::Ids {
                 check: self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction,
                 ids,
@@ -133,7 +143,7 @@ impl LocalTokenizers {
             }
             Some(engine) if engine == local => {
                 slot.checks[0].fetch_add(1, Ordering::Relaxed);
-                slot.mismatch_run.store(0, Ordering::Relaxed);
+                slot.remember_check(false);
             }
             Some(engine) => {
                 slot.checks[1].fetch_add(1, Ordering::Relaxed);
@@ -142,7 +152,7 @@ impl LocalTokenizers {
                     .zip(local)
                     .position(|(a, b)| a != b)
                     .unwrap_or(engine.len().min(local.len()));
-                let run = slot.mismatch_run.fetch_add(1, Ordering::Relaxed) + 1;
+                let run = slot.remember_check(true);
                 tracing::warn!(
                     tokenizer = %name,
                     engine_tokens = engine.len(),
@@ -153,7 +163,7 @@ impl LocalTokenizers {
                 if run >= MISMATCHES_TO_DISABLE && !slot.disabled.swap(true, Ordering::Relaxed) {
                     tracing::error!(
                         tokenizer = %name,
-                        mismatches = run,
+                        mismatches_of_last_16 = run,
                         "the router's tokenizer keeps disagreeing with the engine: its requests are tokenized by the engines' /tokenize until the router restarts (check that the folder holds the served model's tokenizer.json and chat template, the one passed to vLLM with --chat-template if any)"
                     );
                 }
@@ -189,7 +199,7 @@ impl LocalTokenizers {
         out.family(
             "switchyard_router_local_tokenize_engine_total",
             "counter",
-            "Requests of a variant with a tokenizer whose ids were asked of an engine, by reason: what the renderer does not follow (no_template, template_feature, request_template, non_text, message, field) or the tokenizer's state (loading, unavailable: its folder could not be loaded, disabled: it disagreed with the engine, too_many: past 64 tokenizer names, counted without a tokenizer label).",
+            "Requests of a variant with a tokenizer whose ids were asked of an engine, by reason: what the renderer does not follow (no_template, template_feature, request_template, non_text, message, field, large) or the tokenizer's state (loading, unavailable: its folder could not be loaded, disabled: it disagreed with the engine, too_many: past 64 tokenizer names, counted without a tokenizer label).",
         );
         for slot in &slots {
             for (reason, count) in engine_reasons().zip(&slot.engine) {
@@ -208,7 +218,7 @@ impl LocalTokenizers {
         out.family(
             "switchyard_router_local_tokenize_checks_total",
             "counter",
-            "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three in a row turn the tokenizer off), failed (the engine did not answer).",
+            "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three among the last 16 checks turn the tokenizer off), failed (the engine did not answer).",
         );
         for slot in &slots {
             for (outcome, count) in ["match", "mismatch", "failed"].iter().zip(&slot.checks) {
@@ -273,7 +283,8 @@ pub struct Slot {
     name: Arc<str>,
     state: OnceLock<Result<EngineTokenizer, String>>,
     disabled: AtomicBool,
-    mismatch_run: AtomicU32,
+    /// The last checks, newest in the lowest bit: 1 for a difference.
+    check_history: AtomicU32,
     /// local, refused, engine.
     outcomes: [AtomicU64; 3],
     /// By [`engine_reasons`].
@@ -288,11 +299,23 @@ impl Slot {
             name,
             state: OnceLock::new(),
             disabled: AtomicBool::new(false),
-            mismatch_run: AtomicU32::new(0),
+            check_history: AtomicU32::new(0),
             outcomes: Default::default(),
             engine: Default::default(),
             checks: Default::default(),
         }
+    }
+
+    /// Records a check's outcome; returns the differences among the last [`CHECK_WINDOW`].
+    fn remember_check(&self, different: bool) -> u32 {
+        let window = (1u32 << CHECK_WINDOW) - 1;
+        let previous = self
+            .check_history
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |history| {
+                Some(((history << 1) | u32::from(different)) & window)
+            })
+            .unwrap_or(0);
+        (((previous << 1) | u32::from(different)) & window).count_ones()
     }
 
     fn load(&self, dir: Option<PathBuf>, cache_bytes: usize) {
@@ -510,7 +533,7 @@ mod tests {
     }
 
     #[test]
-    fn three_differences_in_a_row_turn_the_tokenizer_off() {
+    fn three_differences_among_the_last_16_checks_turn_the_tokenizer_off() {
         let dir = folder(Some(TEMPLATE));
         let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 1.0);
         loaded(&tokenizers);
@@ -520,21 +543,27 @@ mod tests {
             panic!("a fraction of 1 checks every request")
         };
         tokenizers.checked(&name, Some(&[9]), &ids);
-        tokenizers.checked(&name, Some(&[9]), &ids);
-        tokenizers.checked(&name, Some(&ids), &ids);
-        tokenizers.checked(&name, Some(&[9]), &ids);
+        for _ in 0..15 {
+            tokenizers.checked(&name, Some(&ids), &ids);
+        }
         tokenizers.checked(&name, None, &ids);
         tokenizers.checked(&name, Some(&[9]), &ids);
         assert!(
             matches!(tokenizers.tokenize(&name, body), Local::Ids { .. }),
-            "a match in between resets the run"
+            "the first difference has left the window of 16"
         );
+        tokenizers.checked(&name, Some(&[9]), &ids);
+        assert!(
+            matches!(tokenizers.tokenize(&name, body), Local::Ids { .. }),
+            "two in the window"
+        );
+        tokenizers.checked(&name, Some(&ids), &ids);
         tokenizers.checked(&name, Some(&[9]), &ids);
         assert!(matches!(tokenizers.tokenize(&name, body), Local::Engine));
         let mut out = TextEncoder::new();
         tokenizers.render(&mut out);
         let text = out.finish();
-        assert!(text.contains(r#"switchyard_router_local_tokenize_checks_total{tokenizer="m",outcome="mismatch"} 5"#), "{text}");
+        assert!(text.contains(r#"switchyard_router_local_tokenize_checks_total{tokenizer="m",outcome="mismatch"} 4"#), "{text}");
         assert!(
             text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 0"#),
             "{text}"

@@ -115,6 +115,9 @@ async fn token_ids(
         }
     };
     if let Some((name, ids)) = checking {
+        if let Err(err) = &fetched {
+            worker.metrics.kv_tokenize_failed(err);
+        }
         worker
             .local_tokens
             .checked(name, fetched.as_deref().ok(), &ids);
@@ -143,7 +146,11 @@ async fn local_ids(worker: &Worker, name: &Arc<str>, body: &bytes::Bytes) -> Loc
         Arc::clone(name),
         body.clone(),
     );
-    tokio::task::spawn_blocking(move || tokenizers.tokenize(&name, &body))
-        .await
-        .unwrap_or(Local::Engine)
+    // Within the `/tokenize` deadline, as the engine would be (the renderer's fuel bounds the
+    // work itself); past it the engine is asked.
+    let task = tokio::task::spawn_blocking(move || tokenizers.tokenize(&name, &body));
+    match tokio::time::timeout(worker.tokenize.timeout(), task).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) | Err(_) => Local::Engine,
+    }
 }
