@@ -173,10 +173,11 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
     let capacity = (engines * args.kv_cache_blocks) as u64;
     let concurrency = args.concurrency;
     let prepared_spec = spec.clone();
-    let (trace, oracle, workload) =
-        tokio::task::spawn_blocking(move || prepare(&prepared_spec, concurrency, capacity, 16))
-            .await
-            .context("trace generation failed")??;
+    let (trace, oracle, workload) = tokio::task::spawn_blocking(move || {
+        prepare(&prepared_spec, concurrency, capacity, 16, None)
+    })
+    .await
+    .context("trace generation failed")??;
     let client = http_client();
     let metrics: Vec<String> = args
         .engine_metrics

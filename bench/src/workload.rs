@@ -294,6 +294,21 @@ impl TraceRequest {
         Bytes::from(body)
     }
 
+    /// The `/tokenize` body of the request's prompt (its messages), for the oracle bound with
+    /// a real tokenizer.
+    pub fn tokenize_body(&self) -> Vec<u8> {
+        let messages: Vec<serde_json::Value> = self
+            .messages
+            .iter()
+            .map(|message| {
+                serde_json::json!({"role": message.role.as_str(), "content": message.content()})
+            })
+            .collect();
+        serde_json::json!({ "messages": messages })
+            .to_string()
+            .into_bytes()
+    }
+
     /// The prompt as the simulator sees it (its chat template), for the oracle bound.
     pub fn prompt_text(&self) -> String {
         let messages: Vec<serde_json::Value> = self

@@ -90,6 +90,8 @@ pub struct ClusterTuning {
     /// Run each router as a process of this `switchyard-router` executable (as deployed, and
     /// as peer routers run) instead of inside this process.
     pub router_binary: Option<PathBuf>,
+    /// The routers' `--tokenizer-dir` (for variants naming a KvAwareRoutingConfig.Tokenizer).
+    pub router_tokenizer_dir: Option<PathBuf>,
 }
 
 impl Default for ClusterTuning {
@@ -104,6 +106,7 @@ impl Default for ClusterTuning {
             load_interval_ms: 100,
             ready_timeout: Duration::from_secs(30),
             router_binary: None,
+            router_tokenizer_dir: None,
         }
     }
 }
@@ -149,13 +152,23 @@ pub fn variants_json(strategy: &str, prefix: Option<(u32, u32)>) -> String {
 /// A ProductionVariants JSON like [`variants_json`] for KV_AWARE with ConcurrencyThreshold
 /// `threshold` (LoadWeight at its default).
 pub fn kv_aware_variants_json(threshold: u32) -> String {
+    kv_aware_variants_json_with(threshold, None)
+}
+
+/// [`kv_aware_variants_json`] with a KvAwareRoutingConfig.Tokenizer (token ids computed in the
+/// routers, from the folder of that name under their `--tokenizer-dir`).
+pub fn kv_aware_variants_json_with(threshold: u32, tokenizer: Option<&str>) -> String {
+    let mut knobs = serde_json::json!({"ConcurrencyThreshold": threshold});
+    if let Some(tokenizer) = tokenizer {
+        knobs["Tokenizer"] = serde_json::json!(tokenizer);
+    }
     serde_json::json!([{
         "VariantName": "AllTraffic",
         "ModelName": "sim",
         "InitialInstanceCount": 1,
         "RoutingConfig": {
             "RoutingStrategy": "KV_AWARE",
-            "KvAwareRoutingConfig": {"ConcurrencyThreshold": threshold},
+            "KvAwareRoutingConfig": knobs,
         },
     }])
     .to_string()
@@ -450,6 +463,7 @@ impl LocalCluster {
             config.router_id = Some(format!("router-{index}"));
             config.worker_threads = Some(tuning.router_worker_threads);
             config.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
+            config.tokenizer_dir = tuning.router_tokenizer_dir.clone();
             let settings = config
                 .validate()
                 .map_err(|err| anyhow::anyhow!("router: {err}"))?;
@@ -475,7 +489,12 @@ impl LocalCluster {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?
                 .local_addr()?
                 .port();
+            let tokenizer_dir = tuning
+                .router_tokenizer_dir
+                .iter()
+                .flat_map(|dir| [std::ffi::OsStr::new("--tokenizer-dir"), dir.as_os_str()]);
             let child = tokio::process::Command::new(binary)
+                .args(tokenizer_dir)
                 .args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--control-plane", &self.control_plane_url])
                 .args(["--router-id", &format!("router-{index}")])

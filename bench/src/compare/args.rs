@@ -85,6 +85,12 @@ pub struct DemoArgs {
     /// Stop starting sessions after this many wall seconds per run.
     #[arg(long, value_name = "SECONDS")]
     pub max_duration: Option<f64>,
+    /// A model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja): the
+    /// simulated engines serve its real tokenizer, the oracle counts with it, and KV_AWARE's
+    /// routers compute token ids with it (KvAwareRoutingConfig.Tokenizer) instead of asking
+    /// the engines' /tokenize.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -167,6 +173,12 @@ impl DemoArgs {
                 return Err(SettingsError::MaxDuration(seconds));
             }
             settings.max_duration = Duration::from_secs_f64(seconds);
+        }
+        if let Some(folder) = &self.tokenizer {
+            if !folder.join("tokenizer.json").is_file() {
+                return Err(SettingsError::NoTokenizer(folder.clone()));
+            }
+            settings.sim.tokenizer = Some(folder.clone());
         }
         settings.progress = !self.output.quiet;
         settings.validate()?;

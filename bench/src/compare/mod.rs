@@ -46,13 +46,21 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
     let concurrency = settings.concurrency;
     let capacity = (settings.engines * settings.sim.kv_cache_blocks) as u64;
     let block_size = settings.sim.block_size;
+    let tokenizer = settings.sim.tokenizer.clone();
     if settings.progress {
         eprintln!("generating the {} trace and its oracle bound…", spec.kind);
     }
-    let (trace, oracle, workload) =
-        tokio::task::spawn_blocking(move || prepare(&spec, concurrency, capacity, block_size))
-            .await
-            .context("trace generation failed")??;
+    let (trace, oracle, workload) = tokio::task::spawn_blocking(move || {
+        prepare(
+            &spec,
+            concurrency,
+            capacity,
+            block_size,
+            tokenizer.as_deref(),
+        )
+    })
+    .await
+    .context("trace generation failed")??;
     let trace = Arc::new(trace);
     let client = http_client();
 

@@ -19,8 +19,8 @@ use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
 use crate::strategy::Strategy;
 use crate::workload::Trace;
 use switchyard_cluster::{
-    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json, prefix_aware_variants_json,
-    variants_json,
+    ClusterSpec, ClusterTuning, LocalCluster, kv_aware_variants_json_with,
+    prefix_aware_variants_json, variants_json,
 };
 
 /// The engines' counters, summed.
@@ -90,10 +90,19 @@ fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
     match arm {
         Arm::Strategy(Strategy::PrefixAware) => prefix_aware_variants_json(&prefix(None)),
         Arm::Bounded(balance) => prefix_aware_variants_json(&prefix(Some(balance))),
-        Arm::Strategy(Strategy::KvAware) => kv_aware_variants_json(settings.concurrency_threshold),
+        Arm::Strategy(Strategy::KvAware) => kv_aware_variants_json_with(
+            settings.concurrency_threshold,
+            tokenizer_name(settings).as_deref(),
+        ),
         Arm::Strategy(strategy) => variants_json(strategy.as_str(), None),
         Arm::Peer(_) => String::new(),
     }
+}
+
+/// The simulator's `--tokenizer` folder's name, which the KV_AWARE routers load from its parent.
+fn tokenizer_name(settings: &CompareSettings) -> Option<String> {
+    let folder = settings.sim.tokenizer.as_ref()?;
+    Some(folder.file_name()?.to_string_lossy().into_owned())
 }
 
 /// One run of a comparison: its settings, router count and label, and what every run shares.
@@ -145,6 +154,12 @@ pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow:
     let tuning = ClusterTuning {
         load_interval_ms: settings.load_interval_ms,
         router_binary: settings.router_binary.clone(),
+        router_tokenizer_dir: settings
+            .sim
+            .tokenizer
+            .as_ref()
+            .and_then(|folder| folder.parent())
+            .map(std::path::Path::to_path_buf),
         ..ClusterTuning::default()
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;

@@ -265,4 +265,6 @@ pub enum SettingsError {
     NoSuchRouterBinary(PathBuf),
     #[error("--max-duration must be positive, got {0}")]
     MaxDuration(f64),
+    #[error("--tokenizer {}: no tokenizer.json in it", .0.display())]
+    NoTokenizer(PathBuf),
 }
