@@ -5,8 +5,9 @@
 //!
 //! - **Loading** happens off the request path: the first request naming a tokenizer starts its
 //!   load on a thread of its own and is tokenized by the engine meanwhile (reason `loading`).
-//!   A folder that cannot be loaded is logged once and its requests go to the engine
-//!   (`unavailable`); so do chat requests when the folder has no template or one the renderer
+//!   A folder that cannot be loaded is logged and its requests go to the engine
+//!   (`unavailable`); it is tried again [`RETRY_LOAD`] after each failure, so a folder put in
+//!   place later is picked up without a restart; so do chat requests when the folder has no template or one the renderer
 //!   cannot parse (`no_template`, `template_feature`, logged once at load).
 //! - **Per request**, what the renderer does not follow (multimodal content, a request's own
 //!   `chat_template`, …) goes to the engine; what vLLM would refuse too (a template's
@@ -29,6 +30,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use switchyard_process::metrics::TextEncoder;
 use switchyard_tokenize::{EngineTokenizer, Refusal, Unsupported};
 
+/// How long after a failed load the folder is tried again.
+pub const RETRY_LOAD: std::time::Duration = std::time::Duration::from_secs(30);
 /// Tokenizer folders one router loads at most.
 pub const MOST_TOKENIZERS: usize = 64;
 /// Differences among the last [`CHECK_WINDOW`] checks that turn a tokenizer off.
@@ -50,6 +53,7 @@ pub struct LocalTokenizers {
     check_fraction: f64,
     slots: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     too_many: AtomicU64,
+    retry: std::time::Duration,
 }
 
 impl std::fmt::Debug for LocalTokenizers {
@@ -80,7 +84,15 @@ impl LocalTokenizers {
             check_fraction,
             slots: Mutex::new(HashMap::new()),
             too_many: AtomicU64::new(0),
+            retry: RETRY_LOAD,
         }
+    }
+
+    /// The same with failed loads tried again after `retry` (tests).
+    #[cfg(test)]
+    fn retrying_after(mut self, retry: std::time::Duration) -> Self {
+        self.retry = retry;
+        self
     }
 
     /// The slot of `name`, its load started on first use (None: too many names).
@@ -96,18 +108,15 @@ impl LocalTokenizers {
             self.too_many.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let slot = Arc::new(Slot::new(Arc::clone(name)));
+        let slot = Arc::new(Slot::new(
+            Arc::clone(name),
+            self.dir.clone(),
+            self.cache_bytes,
+            self.retry,
+        ));
         slots.insert(Arc::clone(name), Arc::clone(&slot));
         drop(slots);
-        let loading = Arc::clone(&slot);
-        let dir = self.dir.clone();
-        let cache_bytes = self.cache_bytes;
-        let started = std::thread::Builder::new()
-            .name("switchyard-tokenizer-load".into())
-            .spawn(move || loading.load(dir, cache_bytes));
-        if let Err(err) = started {
-            slot.fail(format!("no thread to load it on: {err}"));
-        }
+        Slot::start_load(&slot);
         Some(slot)
     }
 
@@ -119,6 +128,9 @@ impl LocalTokenizers {
         };
         // A panic in the tokenizer or the renderer costs this request its local ids, nothing
         // more.
+        if slot.ready.get().is_none() {
+            Slot::retry_load(&slot);
+        }
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slot.tokenize(body)))
             .unwrap_or_else(|_| {
                 tracing::error!(tokenizer = %name, "the router's tokenizer panicked on a request; asking the engine");
@@ -281,7 +293,15 @@ fn engine_reasons() -> impl Iterator<Item = &'static str> {
 /// One tokenizer: loading, loaded or failed, with its counters.
 pub struct Slot {
     name: Arc<str>,
-    state: OnceLock<Result<EngineTokenizer, String>>,
+    dir: Option<PathBuf>,
+    cache_bytes: usize,
+    retry: std::time::Duration,
+    /// The tokenizer, once a load succeeded.
+    ready: OnceLock<EngineTokenizer>,
+    /// A load is under way.
+    loading: AtomicBool,
+    /// When the last load failed (monotonic ms; 0: none has).
+    failed_ms: AtomicU64,
     disabled: AtomicBool,
     /// The last checks, newest in the lowest bit: 1 for a difference.
     check_history: AtomicU32,
@@ -294,10 +314,20 @@ pub struct Slot {
 }
 
 impl Slot {
-    fn new(name: Arc<str>) -> Self {
+    fn new(
+        name: Arc<str>,
+        dir: Option<PathBuf>,
+        cache_bytes: usize,
+        retry: std::time::Duration,
+    ) -> Self {
         Self {
             name,
-            state: OnceLock::new(),
+            dir,
+            cache_bytes,
+            retry,
+            ready: OnceLock::new(),
+            loading: AtomicBool::new(false),
+            failed_ms: AtomicU64::new(0),
             disabled: AtomicBool::new(false),
             check_history: AtomicU32::new(0),
             outcomes: Default::default(),
@@ -318,14 +348,39 @@ impl Slot {
         (((previous << 1) | u32::from(different)) & window).count_ones()
     }
 
-    fn load(&self, dir: Option<PathBuf>, cache_bytes: usize) {
-        let Some(dir) = dir else {
+    /// Starts a load on a thread of its own unless one is under way.
+    fn start_load(slot: &Arc<Slot>) {
+        if slot.loading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let loading = Arc::clone(slot);
+        let started = std::thread::Builder::new()
+            .name("switchyard-tokenizer-load".into())
+            .spawn(move || loading.load());
+        if let Err(err) = started {
+            slot.fail(format!("no thread to load it on: {err}"));
+        }
+    }
+
+    /// Starts a load again if the last one failed at least `retry` ago.
+    fn retry_load(slot: &Arc<Slot>) {
+        let failed = slot.failed_ms.load(Ordering::Acquire);
+        if failed != 0
+            && switchyard_process::clock::monotonic_ms().saturating_sub(failed)
+                >= slot.retry.as_millis() as u64
+        {
+            Slot::start_load(slot);
+        }
+    }
+
+    fn load(&self) {
+        let Some(dir) = &self.dir else {
             self.fail("no --tokenizer-dir given".into());
             return;
         };
         let folder = dir.join(&*self.name);
         let started = std::time::Instant::now();
-        match EngineTokenizer::load(&folder, cache_bytes) {
+        match EngineTokenizer::load(&folder, self.cache_bytes) {
             Ok(tokenizer) => {
                 match tokenizer.template_note() {
                     Some(note) => tracing::warn!(
@@ -342,7 +397,8 @@ impl Slot {
                         "tokenizer loaded: token ids are computed in the router"
                     ),
                 }
-                let _ = self.state.set(Ok(tokenizer));
+                let _ = self.ready.set(tokenizer);
+                self.loading.store(false, Ordering::Release);
             }
             Err(err) => self.fail(err.to_string()),
         }
@@ -352,9 +408,14 @@ impl Slot {
         tracing::error!(
             tokenizer = %self.name,
             reason = %reason,
-            "tokenizer not loaded: its requests are tokenized by the engines' /tokenize"
+            retry_s = self.retry.as_secs(),
+            "tokenizer not loaded: its requests are tokenized by the engines' /tokenize; tried again after the pause"
         );
-        let _ = self.state.set(Err(reason));
+        self.failed_ms.store(
+            switchyard_process::clock::monotonic_ms().max(1),
+            Ordering::Release,
+        );
+        self.loading.store(false, Ordering::Release);
     }
 
     /// The tokenizer, when loaded and not turned off.
@@ -362,14 +423,14 @@ impl Slot {
         if self.disabled.load(Ordering::Relaxed) {
             return None;
         }
-        self.state.get()?.as_ref().ok()
+        self.ready.get()
     }
 
     fn cache_stats(&self) -> switchyard_tokenize::pieces::CacheStats {
-        match self.state.get() {
-            Some(Ok(tokenizer)) => tokenizer.cache_stats(),
-            _ => Default::default(),
-        }
+        self.ready
+            .get()
+            .map(EngineTokenizer::cache_stats)
+            .unwrap_or_default()
     }
 
     fn engine_reason(&self, reason: &str) -> Local {
@@ -381,13 +442,15 @@ impl Slot {
     }
 
     fn tokenize(&self, body: &[u8]) -> Local {
-        let tokenizer = match self.state.get() {
-            None => return self.engine_reason("loading"),
-            Some(Err(_)) => return self.engine_reason("unavailable"),
-            Some(Ok(_)) if self.disabled.load(Ordering::Relaxed) => {
+        let tokenizer = match self.ready.get() {
+            None if self.failed_ms.load(Ordering::Acquire) == 0 => {
+                return self.engine_reason("loading");
+            }
+            None => return self.engine_reason("unavailable"),
+            Some(_) if self.disabled.load(Ordering::Relaxed) => {
                 return self.engine_reason("disabled");
             }
-            Some(Ok(tokenizer)) => tokenizer,
+            Some(tokenizer) => tokenizer,
         };
         match tokenizer.tokenize(body) {
             Ok(ids) => {
@@ -406,7 +469,7 @@ impl Slot {
     #[cfg(test)]
     fn wait_loaded(&self) {
         for _ in 0..500 {
-            if self.state.get().is_some() {
+            if !self.loading.load(Ordering::Acquire) {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
@@ -487,6 +550,29 @@ mod tests {
             text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 1"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_folder_put_in_place_after_a_failed_load_is_picked_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0)
+            .retrying_after(std::time::Duration::ZERO);
+        let name: Arc<str> = Arc::from("m");
+        let slot = loaded(&tokenizers);
+        assert!(matches!(
+            tokenizers.tokenize(&name, br#"{"prompt":"hello"}"#),
+            Local::Engine
+        ));
+        slot.wait_loaded();
+        let ready = folder(Some(TEMPLATE));
+        std::fs::rename(ready.path().join("m"), dir.path().join("m")).unwrap();
+        // The next request starts another load; the one after finds it done.
+        let _ = tokenizers.tokenize(&name, br#"{"prompt":"hello"}"#);
+        slot.wait_loaded();
+        assert!(matches!(
+            tokenizers.tokenize(&name, br#"{"prompt":"hello"}"#),
+            Local::Ids { ids, .. } if ids == [5]
+        ));
     }
 
     #[test]
