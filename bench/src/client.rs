@@ -33,6 +33,9 @@ pub struct Outcome {
     /// `x-switchyard-queue-ms`: how long the request waited in the router's flow-control
     /// queue (routers with MaxInFlightPerInstance only).
     pub queue_ms: Option<f64>,
+    /// `x-switchyard-decision-us`: the router's time from the request's arrival to its
+    /// routing decision (routers only).
+    pub decision_us: Option<u64>,
     pub ttft: Option<Duration>,
     /// Gaps between consecutive text events.
     pub itl: Vec<Duration>,
@@ -109,6 +112,7 @@ async fn exchange(client: &HttpClient, url: &http::Uri, body: Bytes, started: In
     outcome.router_prompt_tokens = header("x-switchyard-prompt-tokens");
     outcome.retry_after = header("retry-after");
     outcome.queue_ms = header("x-switchyard-queue-ms").and_then(|ms| ms.parse().ok());
+    outcome.decision_us = header("x-switchyard-decision-us").and_then(|us| us.parse().ok());
     let mut body = response.into_body();
     let success = (200..300).contains(&outcome.status);
     let mut events = SseBuffer::default();

@@ -237,6 +237,7 @@ pub async fn drive(args: DriveArgs) -> anyhow::Result<Report> {
             kv_from_usage,
             router_decision: None,
             kv_tokenize: None,
+            router_cost: None,
             versus_baseline: None,
             instances_routable_at_end: Vec::new(),
             disagreement: None,

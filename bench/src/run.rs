@@ -39,6 +39,10 @@ pub struct Measured {
     pub session: usize,
     pub turn: usize,
     pub class: RequestClass,
+    /// The index in [`RunConfig::targets`] it was sent to.
+    pub target: usize,
+    /// When it was sent, from the run's start.
+    pub sent: Duration,
     pub outcome: Outcome,
 }
 
@@ -64,6 +68,7 @@ struct Shared {
     client: HttpClient,
     counters: Counters,
     next_target: AtomicUsize,
+    started: Instant,
 }
 
 impl Shared {
@@ -74,6 +79,7 @@ impl Shared {
             let body = request.body(&self.config.model);
             let target =
                 self.next_target.fetch_add(1, Ordering::Relaxed) % self.config.targets.len();
+            let sent = self.started.elapsed();
             let outcome = stream_request(
                 &self.client,
                 &self.config.targets[target],
@@ -89,6 +95,8 @@ impl Shared {
                 session,
                 turn,
                 class: request.class,
+                target,
+                sent,
                 outcome,
             });
         }
@@ -104,14 +112,15 @@ pub async fn run(
 ) -> anyhow::Result<RunOutput> {
     anyhow::ensure!(!config.targets.is_empty(), "no target to send requests to");
     let total = trace.request_count();
+    let started = Instant::now();
     let shared = Arc::new(Shared {
         trace,
         config,
         client,
         counters: Counters::default(),
         next_target: AtomicUsize::new(0),
+        started,
     });
-    let started = Instant::now();
     let deadline = started + shared.config.max_duration;
     let finished = CancellationToken::new();
     let progress = shared.config.progress.then(|| {

@@ -92,6 +92,10 @@ pub struct ClusterTuning {
     pub router_binary: Option<PathBuf>,
     /// The routers' `--tokenizer-dir` (for variants naming a KvAwareRoutingConfig.Tokenizer).
     pub router_tokenizer_dir: Option<PathBuf>,
+    /// The routers' `--tokenize-check-fraction` (None: the router's default).
+    pub router_tokenize_check_fraction: Option<f64>,
+    /// The routers' `--tokenize-cache-bytes` (None: the router's default; 0: no piece cache).
+    pub router_tokenize_cache_bytes: Option<u64>,
 }
 
 impl Default for ClusterTuning {
@@ -107,6 +111,8 @@ impl Default for ClusterTuning {
             ready_timeout: Duration::from_secs(30),
             router_binary: None,
             router_tokenizer_dir: None,
+            router_tokenize_check_fraction: None,
+            router_tokenize_cache_bytes: None,
         }
     }
 }
@@ -464,6 +470,12 @@ impl LocalCluster {
             config.worker_threads = Some(tuning.router_worker_threads);
             config.telemetry.otlp_endpoint = spec.otlp_endpoint.clone();
             config.tokenizer_dir = tuning.router_tokenizer_dir.clone();
+            if let Some(fraction) = tuning.router_tokenize_check_fraction {
+                config.tokenize_check_fraction = fraction;
+            }
+            if let Some(bytes) = tuning.router_tokenize_cache_bytes {
+                config.tokenize_cache_bytes = bytes;
+            }
             let settings = config
                 .validate()
                 .map_err(|err| anyhow::anyhow!("router: {err}"))?;
@@ -493,8 +505,16 @@ impl LocalCluster {
                 .router_tokenizer_dir
                 .iter()
                 .flat_map(|dir| [std::ffi::OsStr::new("--tokenizer-dir"), dir.as_os_str()]);
+            let mut tokenize = Vec::new();
+            if let Some(fraction) = tuning.router_tokenize_check_fraction {
+                tokenize.extend(["--tokenize-check-fraction".to_owned(), fraction.to_string()]);
+            }
+            if let Some(bytes) = tuning.router_tokenize_cache_bytes {
+                tokenize.extend(["--tokenize-cache-bytes".to_owned(), bytes.to_string()]);
+            }
             let child = tokio::process::Command::new(binary)
                 .args(tokenizer_dir)
+                .args(tokenize)
                 .args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--control-plane", &self.control_plane_url])
                 .args(["--router-id", &format!("router-{index}")])
@@ -582,6 +602,14 @@ impl LocalCluster {
     /// Requests in flight in the routers in this process (0 once every answer is complete).
     pub fn in_flight(&self) -> u32 {
         self.routers.iter().map(|router| router.in_flight()).sum()
+    }
+
+    /// The process ids of routers running as processes ([`ClusterTuning::router_binary`]).
+    pub fn router_pids(&self) -> Vec<u32> {
+        self.router_processes
+            .iter()
+            .filter_map(tokio::process::Child::id)
+            .collect()
     }
 
     pub fn engines(&self) -> &[SimHandle] {

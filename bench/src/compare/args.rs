@@ -91,6 +91,14 @@ pub struct DemoArgs {
     /// the engines' /tokenize.
     #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
+    /// With --tokenizer: run KV_AWARE once more with its routers' piece cache off
+    /// (--tokenize-cache-bytes 0), to show what the cache saves in decision time and CPU.
+    #[arg(long, requires = "tokenizer")]
+    pub also_without_piece_cache: bool,
+    /// The routers' --tokenize-check-fraction: the share of locally tokenized requests also
+    /// sent to an engine's /tokenize as a check. Default: the router's (0.01).
+    #[arg(long, value_name = "FRACTION")]
+    pub tokenize_check_fraction: Option<f64>,
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -179,6 +187,13 @@ impl DemoArgs {
                 return Err(SettingsError::NoTokenizer(folder.clone()));
             }
             settings.sim.tokenizer = Some(folder.clone());
+        }
+        settings.kv_without_piece_cache = self.also_without_piece_cache;
+        if let Some(fraction) = self.tokenize_check_fraction {
+            if !(0.0..=1.0).contains(&fraction) {
+                return Err(SettingsError::TokenizeCheckFraction(fraction));
+            }
+            settings.tokenize_check_fraction = Some(fraction);
         }
         settings.progress = !self.output.quiet;
         settings.validate()?;

@@ -108,7 +108,9 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
             // Boxed: a run is a large future.
             let run = match arm {
                 Arm::Peer(peer) => Box::pin(run_peer(&column, peer)).await,
-                Arm::Strategy(_) | Arm::Bounded(_) => Box::pin(run_one(&column, arm, &keys)).await,
+                Arm::Strategy(_) | Arm::Bounded(_) | Arm::KvNoPieceCache => {
+                    Box::pin(run_one(&column, arm, &keys)).await
+                }
             }
             .with_context(|| format!("run {label}"))?;
             runs.push(run);

@@ -12,7 +12,8 @@ use crate::client::HttpClient;
 use crate::oracle::OracleBound;
 use crate::peer::{Peer, PeerRouters};
 use crate::report::{
-    DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, RunReport, RunStats, percent,
+    DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, RouterCost, RunReport, RunStats,
+    percent,
 };
 use crate::run::{RunConfig, RunOutput, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
@@ -32,11 +33,13 @@ async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<
     Ok(total)
 }
 
-/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip.
+/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip;
+/// and the checks of a router tokenizer's ids among those round trips.
 #[derive(Debug, Default)]
 struct RouterHistograms {
     decision: Histogram,
     tokenize: Histogram,
+    tokenize_checks: f64,
 }
 
 impl RouterHistograms {
@@ -44,6 +47,7 @@ impl RouterHistograms {
         Self {
             decision: self.decision.since(&before.decision),
             tokenize: self.tokenize.since(&before.tokenize),
+            tokenize_checks: self.tokenize_checks - before.tokenize_checks,
         }
     }
 }
@@ -62,8 +66,93 @@ async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<
         {
             total.tokenize.add(&histogram);
         }
+        total.tokenize_checks +=
+            crate::scrape::total(&samples, "switchyard_router_local_tokenize_checks_total");
     }
     Ok(total)
+}
+
+/// Decision times from the answers' `x-switchyard-decision-us`, split by whether the router
+/// that took the request had been sent its prefix before: the same shared prefix (`group`), or
+/// the session's previous turn.
+fn decision_split(
+    trace: &Trace,
+    output: &RunOutput,
+) -> (
+    Option<DecisionStats>,
+    Option<DecisionStats>,
+    Option<DecisionStats>,
+) {
+    let mut order: Vec<&crate::run::Measured> = output.measured.iter().collect();
+    order.sort_by_key(|measured| measured.sent);
+    let mut groups = std::collections::HashSet::new();
+    let mut last_turn_target = std::collections::HashMap::new();
+    let (mut all, mut seen, mut first) = (Vec::new(), Vec::new(), Vec::new());
+    for measured in order {
+        let request = &trace.sessions[measured.session].requests[measured.turn];
+        let group_seen = request
+            .group
+            .is_some_and(|group| !groups.insert((measured.target, group)));
+        let turn_seen =
+            measured.turn > 0 && last_turn_target.get(&measured.session) == Some(&measured.target);
+        last_turn_target.insert(measured.session, measured.target);
+        let Some(us) = measured.outcome.decision_us else {
+            continue;
+        };
+        let ms = us as f64 / 1e3;
+        all.push(ms);
+        if group_seen || turn_seen {
+            seen.push(ms);
+        } else {
+            first.push(ms);
+        }
+    }
+    (
+        DecisionStats::from_samples(&all),
+        DecisionStats::from_samples(&seen),
+        DecisionStats::from_samples(&first),
+    )
+}
+
+/// Waits until every router has loaded the tokenizer `name` (they start loading it when the
+/// routing state names it), so no request of the run is tokenized by an engine meanwhile.
+async fn wait_tokenizer_usable(
+    client: &HttpClient,
+    router_urls: &[String],
+    name: &str,
+) -> anyhow::Result<()> {
+    let line = format!("switchyard_router_local_tokenizer_usable{{tokenizer=\"{name}\"}} 1");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    for url in router_urls {
+        loop {
+            let samples = scrape(client, &metrics_url(url)).await?;
+            let usable = samples.iter().any(|sample| {
+                sample.name == "switchyard_router_local_tokenizer_usable"
+                    && sample.value == 1.0
+                    && sample.label("tokenizer") == Some(name)
+            });
+            if usable {
+                break;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "router {url}: the tokenizer {name} was not loaded within 120 s ({line})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
+/// CPU seconds (user + system) of the router processes, summed.
+fn routers_cpu_seconds(cluster: &LocalCluster) -> Option<f64> {
+    let pids = cluster.router_pids();
+    if pids.is_empty() {
+        return None;
+    }
+    pids.iter()
+        .map(|pid| crate::procfs::process_cpu_seconds(&pid.to_string()))
+        .sum()
 }
 
 /// The `smg` (or other peer) binary to run, if there is one.
@@ -90,7 +179,7 @@ fn arm_variants_json(settings: &CompareSettings, arm: Arm) -> String {
     match arm {
         Arm::Strategy(Strategy::PrefixAware) => prefix_aware_variants_json(&prefix(None)),
         Arm::Bounded(balance) => prefix_aware_variants_json(&prefix(Some(balance))),
-        Arm::Strategy(Strategy::KvAware) => kv_aware_variants_json_with(
+        Arm::Strategy(Strategy::KvAware) | Arm::KvNoPieceCache => kv_aware_variants_json_with(
             settings.concurrency_threshold,
             tokenizer_name(settings).as_deref(),
         ),
@@ -138,7 +227,8 @@ impl Column<'_> {
 pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow::Result<RunReport> {
     let (settings, routers) = (column.settings, column.routers);
     let mut sim = settings.sim.clone();
-    if arm == Arm::Strategy(Strategy::KvAware) {
+    let kv_aware = matches!(arm, Arm::Strategy(Strategy::KvAware) | Arm::KvNoPieceCache);
+    if kv_aware {
         // The engines publish their KV-cache events; the routers follow them.
         sim.kv_events = Some("tcp://127.0.0.1:0".into());
         sim.kv_events_replay = Some("tcp://127.0.0.1:0".into());
@@ -160,9 +250,14 @@ pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow:
             .as_ref()
             .and_then(|folder| folder.parent())
             .map(std::path::Path::to_path_buf),
+        router_tokenize_check_fraction: settings.tokenize_check_fraction,
+        router_tokenize_cache_bytes: (arm == Arm::KvNoPieceCache).then_some(0),
         ..ClusterTuning::default()
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;
+    if kv_aware && let Some(name) = tokenizer_name(settings) {
+        wait_tokenizer_usable(column.client, &cluster.router_urls, &name).await?;
+    }
     // Boxed: the run and the sampler side by side make a large future.
     let result = Box::pin(measure(column, arm, keys, &cluster)).await;
     cluster.shutdown().await;
@@ -179,6 +274,7 @@ async fn measure(
     let time_scale = settings.time_scale();
     let engines_before = scrape_engines(client, &cluster.engine_urls).await?;
     let decisions_before = scrape_routers(client, &cluster.router_urls).await?;
+    let cpu_before = routers_cpu_seconds(cluster);
     let targets = cluster
         .router_urls
         .iter()
@@ -226,6 +322,11 @@ async fn measure(
     let decisions = scrape_routers(client, &cluster.router_urls)
         .await?
         .since(&decisions_before);
+    let cpu = routers_cpu_seconds(cluster)
+        .zip(cpu_before)
+        .map(|(after, before)| after - before);
+    let (decision, decision_seen_before, decision_first_seen) =
+        decision_split(column.trace, &output);
     let mut stats = RunStats::from_output(&output, time_scale);
     stats.include_idle_instances(&cluster.instance_ids());
     let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
@@ -234,6 +335,7 @@ async fn measure(
         strategy: match arm {
             Arm::Strategy(strategy) => Some(strategy.as_str().to_owned()),
             Arm::Bounded(_) => Some(Strategy::PrefixAware.as_str().to_owned()),
+            Arm::KvNoPieceCache => Some(Strategy::KvAware.as_str().to_owned()),
             Arm::Peer(_) => None,
         },
         load_balance: match arm {
@@ -248,6 +350,17 @@ async fn measure(
         kv_tokenize: (decisions.tokenize.count > 0.0)
             .then(|| DecisionStats::from_histogram(&decisions.tokenize))
             .flatten(),
+        router_cost: Some(RouterCost {
+            decision,
+            decision_seen_before,
+            decision_first_seen,
+            cpu_ms_per_request: cpu.map(|seconds| seconds * 1e3 / stats.ok.max(1) as f64),
+            tokenize_checks: (matches!(
+                arm,
+                Arm::Strategy(Strategy::KvAware) | Arm::KvNoPieceCache
+            ) && tokenizer_name(settings).is_some())
+            .then_some(decisions.tokenize_checks),
+        }),
         versus_baseline: None,
         instances_routable_at_end: cluster.routable_instances(),
         disagreement,
@@ -356,6 +469,7 @@ async fn measure_peer(
         kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
         router_decision: None,
         kv_tokenize: None,
+        router_cost: None,
         versus_baseline: None,
         instances_routable_at_end: Vec::new(),
         disagreement: None,

@@ -21,6 +21,9 @@ pub enum Arm {
     Bounded(LoadBalanceSetting),
     /// A peer router in front of the same number of fresh simulated engines.
     Peer(Peer),
+    /// KV_AWARE with a router tokenizer whose piece cache is off (every prompt tokenized
+    /// whole): what the cache saves.
+    KvNoPieceCache,
 }
 
 impl Arm {
@@ -30,6 +33,7 @@ impl Arm {
             Arm::Strategy(strategy) => strategy.as_str().to_owned(),
             Arm::Bounded(balance) => balance.column_name(),
             Arm::Peer(peer) => peer.name().to_owned(),
+            Arm::KvNoPieceCache => format!("{} no piece cache", Strategy::KvAware.as_str()),
         }
     }
 }
@@ -75,6 +79,10 @@ pub struct CompareSettings {
     pub sglang_bin: Option<PathBuf>,
     /// Run Switchyard's routers as processes of this executable (default: in this process).
     pub router_binary: Option<PathBuf>,
+    /// With a `sim.tokenizer`: KV_AWARE runs a second time with its routers' piece cache off.
+    pub kv_without_piece_cache: bool,
+    /// The routers' `--tokenize-check-fraction` (None: the router's default).
+    pub tokenize_check_fraction: Option<f64>,
     /// Router load reports and control-plane broadcasts (wall ms).
     pub load_interval_ms: u64,
     pub max_duration: Duration,
@@ -164,6 +172,8 @@ impl CompareSettings {
             peers: Vec::new(),
             sglang_bin: None,
             router_binary: None,
+            kv_without_piece_cache: false,
+            tokenize_check_fraction: None,
             load_interval_ms: load_interval_for(time_scale),
             max_duration: Duration::from_secs(600),
             request_timeout: Duration::from_secs(120),
@@ -184,6 +194,12 @@ impl CompareSettings {
                 self.load_balance
                     .iter()
                     .map(|balance| Arm::Bounded(*balance)),
+            )
+            .chain(
+                (self.kv_without_piece_cache
+                    && self.sim.tokenizer.is_some()
+                    && self.strategies.contains(&Strategy::KvAware))
+                .then_some(Arm::KvNoPieceCache),
             )
             .chain(self.peers.iter().map(|peer| Arm::Peer(*peer)))
             .collect()
@@ -267,4 +283,6 @@ pub enum SettingsError {
     MaxDuration(f64),
     #[error("--tokenizer {}: no tokenizer.json in it", .0.display())]
     NoTokenizer(PathBuf),
+    #[error("--tokenize-check-fraction must be within 0-1, got {0}")]
+    TokenizeCheckFraction(f64),
 }

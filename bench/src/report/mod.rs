@@ -299,6 +299,40 @@ impl DecisionStats {
     }
 }
 
+impl DecisionStats {
+    /// Exact quantiles of `samples_ms` (None when empty).
+    pub fn from_samples(samples_ms: &[f64]) -> Option<Self> {
+        let mut sorted = samples_ms.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Some(Self {
+            count: sorted.len() as f64,
+            mean_ms: sorted.iter().sum::<f64>() / sorted.len().max(1) as f64,
+            p50_ms: crate::stats::percentile(&sorted, 0.5)?,
+            p99_ms: crate::stats::percentile(&sorted, 0.99)?,
+        })
+    }
+}
+
+/// What routing cost the routers, from each answer's `x-switchyard-decision-us` and the
+/// router processes' CPU time: requests whose prefix that router had routed before apart from
+/// first-seen ones (a KV_AWARE router tokenizes a first-seen prefix whole, then keeps its
+/// pieces' ids).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct RouterCost {
+    /// Every answer's decision time (exact, not bucketed).
+    pub decision: Option<DecisionStats>,
+    /// Requests whose shared prefix (or earlier turn) the same router had been sent before.
+    pub decision_seen_before: Option<DecisionStats>,
+    /// The others: the first request of a prefix at each router.
+    pub decision_first_seen: Option<DecisionStats>,
+    /// The router processes' CPU time (user + system) over the run, per request answered
+    /// (`--router-processes` only).
+    pub cpu_ms_per_request: Option<f64>,
+    /// KV_AWARE with a router tokenizer: `/tokenize` calls to engines that were checks of the
+    /// router's ids (`--tokenize-check-fraction`), not needed for routing.
+    pub tokenize_checks: Option<f64>,
+}
+
 /// A run against the baseline run of the same group (RANDOM): relative changes.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Versus {
@@ -331,6 +365,8 @@ pub struct RunReport {
     /// KV_AWARE: the routers' `/tokenize` round trips to the engines
     /// (`switchyard_router_kv_tokenize_seconds`).
     pub kv_tokenize: Option<DecisionStats>,
+    /// Switchyard's routers: decision time per request, split by prefix seen or not, and CPU.
+    pub router_cost: Option<RouterCost>,
     pub versus_baseline: Option<Versus>,
     /// Instances the routers saw at the end (a drop means one was marked unhealthy).
     pub instances_routable_at_end: Vec<usize>,

@@ -44,6 +44,10 @@ pub const PREFILL_CACHED_TOKENS: HeaderName =
 /// Milliseconds the request waited in the router's flow-control queue (for a disaggregated
 /// request, its wait for a prefill instance).
 pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-queue-ms");
+/// Microseconds from the request's arrival to its routing decision (body read, plan, token
+/// ids, ranking; the flow-control queue's wait not included), as in
+/// `switchyard_router_decision_seconds`.
+pub const DECISION_US: HeaderName = HeaderName::from_static("x-switchyard-decision-us");
 /// A disaggregated request: milliseconds it waited for a decode slot after its prefill.
 pub const DECODE_QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-decode-queue-ms");
 

@@ -275,19 +275,44 @@ impl EngineTokenizer {
     /// What vLLM's `POST /tokenize` answers for `body` (a completions or chat body of its
     /// `/tokenize`).
     pub fn tokenize(&self, body: &[u8]) -> Result<Vec<u32>, Refusal> {
+        Ok(self.tokenize_within(body, usize::MAX)?.unwrap_or_default())
+    }
+
+    /// [`Self::tokenize`], or None (nothing tokenized) when more than `fresh_bytes` of the
+    /// rendered prompt is text the piece cache does not hold (the whole prompt without a
+    /// cache): a warm prompt costs its parse, render and lookups, tens of microseconds for a
+    /// long one; a cold one about a millisecond per 3 KiB of fresh text.
+    pub fn tokenize_within(
+        &self,
+        body: &[u8],
+        fresh_bytes: usize,
+    ) -> Result<Option<Vec<u32>>, Refusal> {
         if body.len() > MOST_BODY_BYTES {
             return Err(Refusal::Engine(Unsupported::Large));
         }
         let body: Json = serde_json::from_slice(body)
             .map_err(|err| Refusal::Invalid(Invalid(format!("invalid JSON: {err}"))))?;
         if body.get("messages").is_some() {
-            self.chat(&body)
-        } else {
-            self.completion(&body)
+            let rendered = self.chat(&body)?;
+            return self.encode_within(&rendered, fresh_bytes);
+        }
+        let (prompt, special) = self.completion(&body)?;
+        match special {
+            Special::None => self.encode_within(prompt, fresh_bytes),
+            Special::Prefix(prefix) => Ok(self
+                .encode_within(prompt, fresh_bytes)?
+                .map(|ids| prefix.iter().copied().chain(ids).collect())),
+            Special::PostProcessor if prompt.len() > fresh_bytes => Ok(None),
+            Special::PostProcessor => self
+                .tokenizer
+                .encode_fast(prompt, true)
+                .map(|encoding| Some(encoding.get_ids().to_vec()))
+                .map_err(|err| Refusal::Invalid(Invalid(err.to_string()))),
         }
     }
 
-    fn completion(&self, body: &Json) -> Result<Vec<u32>, Refusal> {
+    /// A completions body's prompt, and the special tokens it is tokenized with.
+    fn completion<'a>(&'a self, body: &'a Json) -> Result<(&'a str, Special<'a>), Refusal> {
         if self.completions_unsupported {
             return Err(Refusal::Engine(Unsupported::Field));
         }
@@ -303,24 +328,16 @@ impl EngineTokenizer {
                 )));
             }
         };
-        if !add_special {
-            return self.encode(prompt);
-        }
-        match &self.special_prefix {
-            Some(prefix) => {
-                let mut ids = prefix.clone();
-                ids.extend(self.encode(prompt)?);
-                Ok(ids)
-            }
-            None => self
-                .tokenizer
-                .encode_fast(prompt, true)
-                .map(|encoding| encoding.get_ids().to_vec())
-                .map_err(|err| Refusal::Invalid(Invalid(err.to_string()))),
-        }
+        let special = match &self.special_prefix {
+            _ if !add_special => Special::None,
+            Some(prefix) => Special::Prefix(prefix),
+            None => Special::PostProcessor,
+        };
+        Ok((prompt, special))
     }
 
-    fn chat(&self, body: &Json) -> Result<Vec<u32>, Refusal> {
+    /// A chat body's conversation rendered by the chat template.
+    fn chat(&self, body: &Json) -> Result<String, Refusal> {
         let template = self
             .template
             .as_ref()
@@ -403,7 +420,7 @@ impl EngineTokenizer {
         ));
         let messages = body.get("messages").unwrap_or(&Json::Null);
         let conversation = messages::conversation(messages, template.content_format())?;
-        let rendered = template
+        template
             .render(
                 conversation.iter().map(Json::to_value).collect(),
                 variables,
@@ -414,17 +431,31 @@ impl EngineTokenizer {
                     Refusal::Invalid(Invalid(reason))
                 }
                 RenderError::Unsupported(_) => Refusal::Engine(Unsupported::TemplateFeature),
-            })?;
-        self.encode(&rendered)
+            })
     }
 
     /// `text`'s ids without special tokens added, through the piece cache when it holds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, Refusal> {
+        Ok(self.encode_within(text, usize::MAX)?.unwrap_or_default())
+    }
+
+    /// [`Self::encode`], or None (nothing tokenized) when more than `fresh_bytes` of `text`
+    /// is not in the piece cache.
+    pub fn encode_within(
+        &self,
+        text: &str,
+        fresh_bytes: usize,
+    ) -> Result<Option<Vec<u32>>, Refusal> {
+        let invalid = |err| Refusal::Invalid(Invalid(err));
         match &self.pieces {
-            Some(pieces) => pieces.encode(&self.tokenizer, text),
-            None => pieces::plain(&self.tokenizer, text),
+            Some(pieces) => pieces
+                .encode_within(&self.tokenizer, text, fresh_bytes)
+                .map_err(invalid),
+            None if text.len() > fresh_bytes => Ok(None),
+            None => pieces::plain(&self.tokenizer, text)
+                .map(Some)
+                .map_err(invalid),
         }
-        .map_err(|err| Refusal::Invalid(Invalid(err)))
     }
 
     /// Whether cutting at markers gives the tokenizer's own ids on sample texts (spaces,
@@ -462,6 +493,15 @@ impl EngineTokenizer {
             })
         })
     }
+}
+
+/// The special tokens a completions prompt is tokenized with.
+enum Special<'a> {
+    None,
+    /// The post-processor's ids are only these, before the prompt.
+    Prefix(&'a [u32]),
+    /// Another post-processor: the prompt is tokenized whole with it.
+    PostProcessor,
 }
 
 /// The tools as vLLM 0.32 hands them to the template (`ChatCompletionToolsParam.model_dump()`):

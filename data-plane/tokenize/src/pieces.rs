@@ -20,10 +20,10 @@ use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128;
 
-/// Pieces shorter than this are tokenized every time. Every piece is cached: a short one (a
-/// role name, `"\n\n"`) costs the tokenizer several microseconds of fixed work per call, more
-/// than a lookup, and a unique one (a new question) is evicted before pieces in use.
-pub const MIN_CACHED_BYTES: usize = 1;
+// Every piece is cached, however short: a short one (a role name, `"\n\n"`) costs the
+// tokenizer several microseconds of fixed work per call, more than a lookup, and a unique one
+// (a new question) is evicted before pieces in use.
+
 /// The cache's bookkeeping per entry, counted against its budget.
 const ENTRY_OVERHEAD_BYTES: usize = 64;
 
@@ -86,39 +86,80 @@ impl Pieces {
 
     /// The ids of `text` without the post-processor's special tokens.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {
-        let mut ids = Vec::with_capacity(text.len() / 3 + 8);
-        let mut at = 0;
-        for found in self.markers.find_iter(text) {
-            self.piece(tokenizer, &text[at..found.start()], &mut ids)?;
-            ids.push(self.marker_ids[found.pattern().as_usize()]);
-            at = found.end();
-        }
-        self.piece(tokenizer, &text[at..], &mut ids)?;
-        Ok(ids)
+        Ok(self
+            .encode_within(tokenizer, text, usize::MAX)?
+            .unwrap_or_default())
     }
 
-    fn piece(&self, tokenizer: &Tokenizer, piece: &str, ids: &mut Vec<u32>) -> Result<(), String> {
-        if piece.is_empty() {
-            return Ok(());
+    /// The ids of `text` without the post-processor's special tokens, or None (nothing
+    /// tokenized, nothing counted) when the pieces the cache does not hold add up to more than
+    /// `fresh_bytes`: what is cached costs a lookup, what is not costs the tokenizer about a
+    /// microsecond and a half per token, so a caller can keep a cold prompt off a thread that
+    /// must not wait.
+    pub fn encode_within(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        fresh_bytes: usize,
+    ) -> Result<Option<Vec<u32>>, String> {
+        let mut parts = Vec::new();
+        let mut fresh = 0usize;
+        let mut at = 0;
+        let cut = |start: usize, end: usize, parts: &mut Vec<Part>, fresh: &mut usize| {
+            let piece = &text[start..end];
+            if piece.is_empty() {
+                return;
+            }
+            let key = xxh3_128(piece.as_bytes());
+            match self.cache.lookup(key, piece.len()) {
+                Some(ids) => parts.push(Part::Cached(ids)),
+                None => {
+                    *fresh = fresh.saturating_add(piece.len());
+                    parts.push(Part::Fresh(start, piece.len(), key));
+                }
+            }
+        };
+        for found in self.markers.find_iter(text) {
+            cut(at, found.start(), &mut parts, &mut fresh);
+            parts.push(Part::Marker(self.marker_ids[found.pattern().as_usize()]));
+            at = found.end();
         }
-        if piece.len() < MIN_CACHED_BYTES {
-            ids.extend_from_slice(&plain(tokenizer, piece)?);
-            return Ok(());
+        cut(at, text.len(), &mut parts, &mut fresh);
+        if fresh > fresh_bytes {
+            return Ok(None);
         }
-        let key = xxh3_128(piece.as_bytes());
-        if let Some(cached) = self.cache.get(key, piece.len()) {
-            ids.extend_from_slice(&cached);
-            return Ok(());
+        let mut ids = Vec::with_capacity(text.len() / 3 + 8);
+        let (mut hits, mut misses) = (0, 0);
+        for part in parts {
+            match part {
+                Part::Marker(id) => ids.push(id),
+                Part::Cached(cached) => {
+                    hits += 1;
+                    ids.extend_from_slice(&cached);
+                }
+                Part::Fresh(start, len, key) => {
+                    misses += 1;
+                    let piece = plain(tokenizer, &text[start..start + len])?;
+                    ids.extend_from_slice(&piece);
+                    self.cache.put(key, len, piece);
+                }
+            }
         }
-        let fresh = plain(tokenizer, piece)?;
-        ids.extend_from_slice(&fresh);
-        self.cache.put(key, piece.len(), fresh);
-        Ok(())
+        self.cache.count(hits, misses);
+        Ok(Some(ids))
     }
 
     pub fn stats(&self) -> CacheStats {
         self.cache.stats()
     }
+}
+
+/// A stretch of a text being encoded: a marker's id, a piece the cache holds, or a piece to
+/// tokenize (its start, length and cache key).
+enum Part {
+    Marker(u32),
+    Cached(std::sync::Arc<[u32]>),
+    Fresh(usize, usize, u128),
 }
 
 /// `text`'s ids from the tokenizer itself, without the post-processor's special tokens.
@@ -161,23 +202,31 @@ impl PieceCache {
         }
     }
 
+    /// The ids cached for (`key`, `len`), marked as used; not counted ([`Self::count`]).
+    fn lookup(&self, key: u128, len: usize) -> Option<std::sync::Arc<[u32]>> {
+        let mut inner = self
+            .inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        inner.entries.get_mut(&(key, len)).map(|entry| {
+            entry.used = true;
+            std::sync::Arc::clone(&entry.ids)
+        })
+    }
+
+    fn count(&self, hits: u64, misses: u64) {
+        if hits > 0 {
+            self.hits.fetch_add(hits, Ordering::Relaxed);
+        }
+        if misses > 0 {
+            self.misses.fetch_add(misses, Ordering::Relaxed);
+        }
+    }
+
+    #[cfg(test)]
     fn get(&self, key: u128, len: usize) -> Option<std::sync::Arc<[u32]>> {
-        let found = {
-            let mut inner = self
-                .inner
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            inner.entries.get_mut(&(key, len)).map(|entry| {
-                entry.used = true;
-                std::sync::Arc::clone(&entry.ids)
-            })
-        };
-        let counter = if found.is_some() {
-            &self.hits
-        } else {
-            &self.misses
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        let found = self.lookup(key, len);
+        self.count(u64::from(found.is_some()), u64::from(found.is_none()));
         found
     }
 

@@ -74,6 +74,9 @@ pub enum Local {
     Engine,
     /// vLLM would refuse it too: route by load.
     Refused(String),
+    /// [`LocalTokenizers::tokenize_within`]: more fresh text than its budget (nothing done or
+    /// counted); tokenize it where a wait does no harm.
+    Costly,
 }
 
 impl LocalTokenizers {
@@ -123,6 +126,13 @@ impl LocalTokenizers {
     /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
     /// callers run long bodies on a blocking thread.
     pub fn tokenize(&self, name: &Arc<str>, body: &[u8]) -> Local {
+        self.tokenize_within(name, body, usize::MAX)
+    }
+
+    /// [`Self::tokenize`], or [`Local::Costly`] when more than `fresh_bytes` of the prompt is
+    /// text the piece cache does not hold: a prompt seen before costs tens of microseconds, a
+    /// cold one about a millisecond per 3 KiB of new text.
+    pub fn tokenize_within(&self, name: &Arc<str>, body: &[u8], fresh_bytes: usize) -> Local {
         let Some(slot) = self.slot(name) else {
             return Local::Engine;
         };
@@ -131,7 +141,9 @@ impl LocalTokenizers {
         if slot.ready.get().is_none() {
             Slot::retry_load(&slot);
         }
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slot.tokenize(body)))
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            slot.tokenize(body, fresh_bytes)
+        }))
             .unwrap_or_else(|_| {
                 tracing::error!(tokenizer = %name, "the router's tokenizer panicked on a request; asking the engine");
                 Local::Engine
@@ -441,7 +453,7 @@ impl Slot {
         Local::Engine
     }
 
-    fn tokenize(&self, body: &[u8]) -> Local {
+    fn tokenize(&self, body: &[u8], fresh_bytes: usize) -> Local {
         let tokenizer = match self.ready.get() {
             None if self.failed_ms.load(Ordering::Acquire) == 0 => {
                 return self.engine_reason("loading");
@@ -452,8 +464,9 @@ impl Slot {
             }
             Some(tokenizer) => tokenizer,
         };
-        match tokenizer.tokenize(body) {
-            Ok(ids) => {
+        match tokenizer.tokenize_within(body, fresh_bytes) {
+            Ok(None) => Local::Costly,
+            Ok(Some(ids)) => {
                 self.outcomes[0].fetch_add(1, Ordering::Relaxed);
                 Local::Ids { ids, check: false }
             }
@@ -549,6 +562,59 @@ mod tests {
         assert!(
             text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 1"#),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_prompt_with_more_uncached_text_than_the_budget_is_left_for_a_blocking_thread() {
+        let dir = folder(Some(TEMPLATE));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        let slot = loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let long = vec!["hello world"; 200].join(" ");
+        let chat = |question: &str| {
+            serde_json::json!({"messages": [
+                {"role": "system", "content": long},
+                {"role": "user", "content": question},
+            ]})
+            .to_string()
+        };
+        let first = chat("hello");
+        let looked_up = |slot: &Slot| slot.cache_stats().misses + slot.cache_stats().hits;
+        let before = looked_up(&slot);
+        assert!(
+            matches!(
+                tokenizers.tokenize_within(&name, first.as_bytes(), 64),
+                Local::Costly
+            ),
+            "2 KiB of new text is over a 64-byte budget"
+        );
+        assert_eq!(looked_up(&slot), before, "nothing tokenized or counted");
+        let Local::Ids { ids: whole, .. } = tokenizers.tokenize(&name, first.as_bytes()) else {
+            panic!("tokenized without a budget")
+        };
+        // The system prompt is cached now: a new question is within the budget, and the ids
+        // are those of tokenizing everything.
+        let second = chat("world hello");
+        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, second.as_bytes(), 64)
+        else {
+            panic!("the new text is 11 bytes")
+        };
+        let uncached = LocalTokenizers::new(Some(dir.path().into()), 0, 0.0);
+        loaded(&uncached);
+        let Local::Ids { ids: fresh, .. } = uncached.tokenize(&name, second.as_bytes()) else {
+            panic!("tokenized without a cache")
+        };
+        assert_eq!(ids, fresh);
+        // "hello" then "world hello", each followed by <|im_end|>, <|im_start|>, "assistant".
+        assert_eq!(ids[..ids.len() - 5], whole[..whole.len() - 4]);
+        let mut out = TextEncoder::new();
+        tokenizers.render(&mut out);
+        assert!(
+            out.finish().contains(
+                r#"switchyard_router_local_tokenize_total{tokenizer="m",outcome="local"} 2"#
+            ),
+            "the refused attempt is not counted as an outcome"
         );
     }
 

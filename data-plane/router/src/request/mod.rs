@@ -125,10 +125,11 @@ async fn phases(
     reservation.resize_to(planned.plan().body.len() as u64);
     let plan = settle::settle(worker, planned).await?;
     drop(decision);
+    let decided = arrived.elapsed();
     worker
         .metrics
         .decision_seconds
-        .observe(arrived.elapsed().as_secs_f64());
+        .observe(decided.as_secs_f64());
     // A queued request keeps its `--max-in-flight` slot and its body's reservation.
     let queue::Admitted {
         mut plan,
@@ -156,6 +157,10 @@ async fn phases(
     let mut answered = forwarder
         .forward(operation, plan, &headers, reservation, claim)
         .await?;
+    answered.explain.push((
+        crate::headers::DECISION_US,
+        http::HeaderValue::from(u64::try_from(decided.as_micros()).unwrap_or(u64::MAX)),
+    ));
     if let Some(waited) = waited {
         answered.explain.push((
             crate::headers::QUEUE_MS,

@@ -24,6 +24,7 @@ use switchyard_shared::{
 };
 
 use crate::plan::count::TokenCounters;
+use crate::request::local_tokens::LocalTokenizers;
 use crate::routing::cells::LoadRegistry;
 use crate::routing::static_file::StaticConfig;
 use crate::routing::table::{self, EndpointRoute, InstanceRoute, RoutingTable};
@@ -215,6 +216,8 @@ pub struct Membership {
     pending: BTreeSet<EndpointName>,
     /// Loads the tokenizers disaggregation configs name as they arrive.
     tokenizers: Option<Arc<TokenCounters>>,
+    /// Starts loading the tokenizer folders KvAwareRoutingConfigs name as they arrive.
+    local_tokenizers: Option<Arc<LocalTokenizers>>,
 }
 
 impl Membership {
@@ -230,12 +233,20 @@ impl Membership {
             retired_cells: Vec::new(),
             pending: BTreeSet::new(),
             tokenizers: None,
+            local_tokenizers: None,
         }
     }
 
     /// Has the tokenizers that disaggregation configs name loaded as the configs arrive.
     pub fn with_tokenizers(mut self, tokenizers: Arc<TokenCounters>) -> Self {
         self.tokenizers = Some(tokenizers);
+        self
+    }
+
+    /// Has the tokenizer folders that KvAwareRoutingConfigs name loaded as the configs arrive,
+    /// so the first requests need not ask the engines while a folder loads.
+    pub fn with_local_tokenizers(mut self, tokenizers: Arc<LocalTokenizers>) -> Self {
+        self.local_tokenizers = Some(tokenizers);
         self
     }
 
@@ -442,6 +453,18 @@ impl Membership {
                 .map(|pd| pd.tokenizer.clone())
                 .collect();
             tokenizers.preload(names);
+        }
+        if let Some(tokenizers) = &self.local_tokenizers {
+            let names: BTreeSet<&Arc<str>> = table
+                .endpoints
+                .values()
+                .flat_map(|endpoint| &endpoint.variants)
+                .filter_map(|variant| variant.tokenizer.as_ref())
+                .collect();
+            for name in names {
+                // Starts its load on a thread of its own, once.
+                let _ = tokenizers.slot(name);
+            }
         }
         let old = self.table.swap(Arc::new(table));
         self.retired_tables.push(old);

@@ -241,7 +241,8 @@ impl RouterHandle {
             }
         }
         let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table))
-            .with_tokenizers(Arc::clone(&worker.counters));
+            .with_tokenizers(Arc::clone(&worker.counters))
+            .with_local_tokenizers(Arc::clone(&worker.local_tokens));
         let sync_task = match &settings.source {
             Source::Static(file) => {
                 membership.load_static(file.clone());
