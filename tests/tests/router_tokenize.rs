@@ -113,10 +113,9 @@ fn chat(question: &str) -> Value {
     ]})
 }
 
-/// Sends one request through `router` (which starts loading its tokenizer) and waits until
-/// the tokenizer `name` is loaded.
+/// Waits until the tokenizer `name` is loaded (the router starts loading it when its routing
+/// state names it, before any request).
 async fn warm(router: &RouterHandle, name: &str) -> anyhow::Result<()> {
-    send(&routed_url(router), &chat("Warming up?")).await?;
     let usable = format!(r#"switchyard_router_local_tokenizer_usable{{tokenizer="{name}"}}"#);
     eventually(WAIT, "the router's tokenizer to load", || {
         let (url, usable) = (router.url(), usable.clone());
@@ -178,8 +177,8 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
     send(&format!("{}/v1/chat/completions", a.url), &first).await?;
     let blocks = (tokens.len() / 16) as u32 - 1;
     wait_held(&router, &tokens, blocks).await?;
-    // The first request starts the tokenizer's load (the engine is asked meanwhile); then
-    // the same system prompt with other questions: the router's own ids find e0.
+    // The tokenizer loads as the routing state names it; then the same system prompt with
+    // other questions: the router's own ids find e0.
     warm(&router, "llama3").await?;
     let mut routed = Vec::new();
     for question in ["And now?", "Still there?", "Once more?"] {
@@ -213,12 +212,15 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
     let loading = metrics.value(
         r#"switchyard_router_local_tokenize_engine_total{tokenizer="llama3",reason="loading"}"#,
     )?;
-    assert_eq!(local, 3.0, "every request after the load is tokenized here");
-    assert_eq!(loading, 1.0, "the one that started the load");
+    assert_eq!(local, 3.0, "every request is tokenized here");
+    assert_eq!(
+        loading, 0.0,
+        "the tokenizer was loaded before the first request"
+    );
     assert_eq!(
         metrics.value("switchyard_router_kv_tokenize_seconds_count")?,
-        loading,
-        "an engine's /tokenize is asked only while the tokenizer loads"
+        0.0,
+        "no engine's /tokenize is asked"
     );
     assert!(
         metrics.value(

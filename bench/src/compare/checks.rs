@@ -72,9 +72,12 @@ pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
     let kv_runs: Vec<&RunReport> = report
         .runs
         .iter()
-        .filter(|run| run.strategy.as_deref() == Some(Strategy::KvAware.as_str()))
+        .filter(|run| run.column() == Strategy::KvAware.as_str())
         .collect();
     for run in &kv_runs {
+        if let Some(check) = kv_decision_check(report, run) {
+            checks.extend(check);
+        }
         if let Some(fraction) = run.kv.and_then(|kv| kv.fraction_of_oracle) {
             checks.push(Check {
                 what: format!(
@@ -89,6 +92,52 @@ pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
     }
     checks.extend(no_drop_with_more_routers("KV_AWARE", &kv_runs));
     checks
+}
+
+/// With the token ids computed in the router (issue 27): KV_AWARE's decision p50 at most 3×
+/// PREFIX_AWARE's of the same router count, its p99 over prefixes seen before at most 1 ms,
+/// and no engine `/tokenize` call needed for routing (the sampled checks apart).
+fn kv_decision_check(report: &Report, run: &RunReport) -> Option<Vec<Check>> {
+    let cost = run.router_cost?;
+    cost.tokenize_checks?;
+    let routers = count(run.routers, "router");
+    let prefix = report.runs.iter().find(|other| {
+        other.routers == run.routers && other.column() == Strategy::PrefixAware.as_str()
+    });
+    let mut checks = Vec::new();
+    if let (Some(ours), Some(theirs)) = (
+        cost.decision,
+        prefix.and_then(|prefix| prefix.router_cost?.decision),
+    ) {
+        checks.push(Check {
+            what: format!("KV_AWARE decision p50 vs PREFIX_AWARE's, {routers}"),
+            target: "<= 3x".into(),
+            measured: format!(
+                "{:.0} us vs {:.0} us ({:.1}x)",
+                ours.p50_ms * 1e3,
+                theirs.p50_ms * 1e3,
+                ours.p50_ms / theirs.p50_ms.max(f64::MIN_POSITIVE)
+            ),
+            pass: ours.p50_ms <= 3.0 * theirs.p50_ms,
+        });
+    }
+    if let Some(seen) = cost.decision_seen_before {
+        checks.push(Check {
+            what: format!("KV_AWARE decision p99, prefix seen before, {routers}"),
+            target: "<= 1 ms".into(),
+            measured: format!("{:.2} ms", seen.p99_ms),
+            pass: seen.p99_ms <= 1.0,
+        });
+    }
+    let calls = run.kv_tokenize.map_or(0.0, |stats| stats.count);
+    let routing = (calls - cost.tokenize_checks.unwrap_or(0.0)).max(0.0);
+    checks.push(Check {
+        what: format!("KV_AWARE engine /tokenize calls for routing, {routers}"),
+        target: "0".into(),
+        measured: format!("{routing:.0}"),
+        pass: routing == 0.0,
+    });
+    Some(checks)
 }
 
 /// The last router count's hit rate against the first's (`runs` of one strategy, in run

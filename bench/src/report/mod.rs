@@ -380,8 +380,14 @@ impl RunReport {
         if let Some(balance) = self.load_balance {
             return balance.column_name();
         }
+        // A run's label starts with its arm's name (`KV_AWARE no piece cache · 1 router`).
+        let arm = self.label.split(" · ").next();
         self.strategy
-            .clone()
+            .as_ref()
+            .map(|strategy| match arm {
+                Some(arm) if arm.starts_with(strategy.as_str()) => arm.to_owned(),
+                _ => strategy.clone(),
+            })
             .or_else(|| self.peer.clone())
             .unwrap_or_else(|| self.label.clone())
     }

@@ -189,12 +189,49 @@ fn render_columns(runs: &[&RunReport]) -> String {
             |stats| format!("{:.0} / {:.0}", stats.p50_ms * 1e3, stats.p99_ms * 1e3),
         )
     };
+    // Exact, from the answers' x-switchyard-decision-us, where the routers sent it; else
+    // their histogram's buckets.
     row("router decision p50/p99 us", &|run| {
-        micros(run.router_decision)
+        micros(
+            run.router_cost
+                .and_then(|cost| cost.decision)
+                .or(run.router_decision),
+        )
     });
+    if runs.iter().any(|run| run.router_cost.is_some()) {
+        let cost = |run: &RunReport| run.router_cost.unwrap_or_default();
+        row("decision p50/p99 us, prefix seen before", &|run| {
+            micros(cost(run).decision_seen_before)
+        });
+        row("decision p50/p99 us, first seen", &|run| {
+            micros(cost(run).decision_first_seen)
+        });
+        if runs
+            .iter()
+            .any(|run| cost(run).cpu_ms_per_request.is_some())
+        {
+            row("router CPU ms per request", &|run| {
+                cost(run)
+                    .cpu_ms_per_request
+                    .map_or_else(|| "-".into(), |ms| format!("{ms:.3}"))
+            });
+        }
+    }
     if runs.iter().any(|run| run.kv_tokenize.is_some()) {
         row("KV tokenize round trip p50/p99 us", &|run| {
             micros(run.kv_tokenize)
+        });
+    }
+    if runs.iter().any(|run| {
+        run.router_cost
+            .is_some_and(|cost| cost.tokenize_checks.is_some())
+    }) {
+        row("engine /tokenize calls: routing / checks", &|run| {
+            let calls = run.kv_tokenize.map_or(0.0, |stats| stats.count);
+            match run.router_cost.and_then(|cost| cost.tokenize_checks) {
+                Some(checks) => format!("{:.0} / {checks:.0}", (calls - checks).max(0.0)),
+                None => "-".into(),
+            }
         });
     }
     row("requests ok / errors", &|run| {

@@ -42,6 +42,7 @@ use switchyard_policy::kv::{
 };
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 
+use crate::block_hasher::BlockHashing;
 use crate::wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
 
 /// An index's bounds.
@@ -138,7 +139,7 @@ fn is_gpu(medium: &str) -> bool {
 struct InstanceBlocks {
     id: InstanceId,
     freshness: Freshness,
-    blocks: HashMap<u64, OwnEntry>,
+    blocks: HashMap<u64, OwnEntry, BlockHashing>,
     engine: HashMap<EngineHash, EngineEntry>,
     /// Blocks by store order (oldest first).
     lru: BTreeMap<u64, u64>,
@@ -159,7 +160,7 @@ impl InstanceBlocks {
         Self {
             id,
             freshness: Freshness::Live,
-            blocks: HashMap::new(),
+            blocks: HashMap::default(),
             engine: HashMap::new(),
             lru: BTreeMap::new(),
             next_tick: 0,
@@ -201,8 +202,12 @@ impl InstanceBlocks {
     }
 }
 
-/// The holders of one block: instance slots, sorted (rarely more than a few).
-type Holders = Vec<u32>;
+/// Blocks whose holders are looked up together in a walk.
+const LOOKUP_BATCH: usize = 32;
+
+/// The holders of one block: instance slots, sorted (rarely more than a few, so kept inline:
+/// a walk reads them without another memory access).
+type Holders = smallvec::SmallVec<[u32; 4]>;
 
 #[derive(Debug, Default)]
 struct VariantBlocks {
@@ -210,7 +215,7 @@ struct VariantBlocks {
     block_size: Option<usize>,
     /// The instance whose event set `block_size`: only it may widen it.
     block_size_from: Option<u32>,
-    holders: HashMap<u64, Holders>,
+    holders: HashMap<u64, Holders, BlockHashing>,
     slots: Vec<Option<InstanceBlocks>>,
     by_id: HashMap<InstanceId, u32>,
 }
@@ -589,26 +594,48 @@ impl VariantIndex {
         let mut active = Self::live_slots(&blocks, instances);
         let mut parent = chain.seed();
         let mut prefix_key = 0;
-        for (depth, chunk) in token_ids.chunks_exact(block_size).enumerate() {
-            let matching = depth < total && !active.is_empty();
-            if !matching && depth >= PREFIX_KEY_BLOCKS {
-                break;
-            }
-            parent = block_hash(parent, chunk);
-            if depth < PREFIX_KEY_BLOCKS {
-                prefix_key = parent;
-            }
-            if !matching {
-                continue;
-            }
-            let holders = blocks.holders.get(&parent);
-            active.retain(|&(position, slot)| {
-                let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
-                if !held {
-                    matched[position] = depth as u32;
+        let mut chunks = token_ids.chunks_exact(block_size);
+        // Blocks hashed so far.
+        let mut depth = 0;
+        let mut batch = [0u64; LOOKUP_BATCH];
+        while depth < total && !active.is_empty() {
+            let size = LOOKUP_BATCH.min(total - depth);
+            for (offset, chunk) in chunks.by_ref().take(size).enumerate() {
+                parent = block_hash(parent, chunk);
+                if depth + offset < PREFIX_KEY_BLOCKS {
+                    prefix_key = parent;
                 }
-                held
+                batch[offset] = parent;
+            }
+            // The batch's lookups do not depend on each other, so the CPU overlaps their
+            // cache misses (in a full index nearly every lookup is one); then the walk.
+            let found: [Option<&Holders>; LOOKUP_BATCH] = std::array::from_fn(|offset| {
+                if offset < size {
+                    blocks.holders.get(&batch[offset])
+                } else {
+                    None
+                }
             });
+            for (offset, holders) in found[..size].iter().enumerate() {
+                if active.is_empty() {
+                    break;
+                }
+                active.retain(|&(position, slot)| {
+                    let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                    if !held {
+                        matched[position] = (depth + offset) as u32;
+                    }
+                    held
+                });
+            }
+            depth += size;
+        }
+        // The tie-break key covers the first blocks, however far the walk went.
+        while depth < PREFIX_KEY_BLOCKS {
+            let Some(chunk) = chunks.next() else { break };
+            parent = block_hash(parent, chunk);
+            prefix_key = parent;
+            depth += 1;
         }
         for (position, _) in active {
             matched[position] = total as u32;

@@ -7,6 +7,7 @@
 //! - [`index`]: per variant, which instance holds which chain of blocks (router-owned hashes
 //!   over token ids), bounded per instance, with metrics.
 
+mod block_hasher;
 pub mod index;
 pub mod wire;
 
