@@ -183,6 +183,11 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
     let mut routed = Vec::new();
     for question in ["And now?", "Still there?", "Once more?"] {
         let reply = send(&routed_url(&router), &chat(question)).await?;
+        let decided: u64 = reply
+            .header("x-switchyard-decision-us")
+            .ok_or_else(|| anyhow::anyhow!("no x-switchyard-decision-us"))?
+            .parse()?;
+        assert!(decided > 0, "arrival to decision takes some time");
         routed.push((
             reply
                 .header("x-switchyard-instance")
