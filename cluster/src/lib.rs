@@ -96,6 +96,8 @@ pub struct ClusterTuning {
     pub router_tokenize_check_fraction: Option<f64>,
     /// The routers' `--tokenize-cache-bytes` (None: the router's default; 0: no piece cache).
     pub router_tokenize_cache_bytes: Option<u64>,
+    /// The routers' `--decision-time-header` (benchmarks).
+    pub router_decision_header: bool,
 }
 
 impl Default for ClusterTuning {
@@ -113,6 +115,7 @@ impl Default for ClusterTuning {
             router_tokenizer_dir: None,
             router_tokenize_check_fraction: None,
             router_tokenize_cache_bytes: None,
+            router_decision_header: false,
         }
     }
 }
@@ -476,6 +479,7 @@ impl LocalCluster {
             if let Some(bytes) = tuning.router_tokenize_cache_bytes {
                 config.tokenize_cache_bytes = bytes;
             }
+            config.decision_time_header = tuning.router_decision_header;
             let settings = config
                 .validate()
                 .map_err(|err| anyhow::anyhow!("router: {err}"))?;
@@ -511,6 +515,9 @@ impl LocalCluster {
             }
             if let Some(bytes) = tuning.router_tokenize_cache_bytes {
                 tokenize.extend(["--tokenize-cache-bytes".to_owned(), bytes.to_string()]);
+            }
+            if tuning.router_decision_header {
+                tokenize.push("--decision-time-header".to_owned());
             }
             let child = tokio::process::Command::new(binary)
                 .args(tokenizer_dir)

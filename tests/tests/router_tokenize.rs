@@ -100,6 +100,7 @@ async fn router(
             config.kv.kv_events_probe_ms = 100;
             config.tokenizer_dir = Some(tokenizer_dir);
             config.tokenize_check_fraction = check_fraction;
+            config.decision_time_header = true;
         },
     )
     .await

@@ -99,7 +99,7 @@ pub fn kv_aware_checks(report: &Report) -> Vec<Check> {
 /// and no engine `/tokenize` call needed for routing (the sampled checks apart).
 fn kv_decision_check(report: &Report, run: &RunReport) -> Option<Vec<Check>> {
     let cost = run.router_cost?;
-    cost.tokenize_checks?;
+    let calls = cost.tokenize_calls?;
     let routers = count(run.routers, "router");
     let prefix = report.runs.iter().find(|other| {
         other.routers == run.routers && other.column() == Strategy::PrefixAware.as_str()
@@ -129,8 +129,7 @@ fn kv_decision_check(report: &Report, run: &RunReport) -> Option<Vec<Check>> {
             pass: seen.p99_ms <= 1.0,
         });
     }
-    let calls = run.kv_tokenize.map_or(0.0, |stats| stats.count);
-    let routing = (calls - cost.tokenize_checks.unwrap_or(0.0)).max(0.0);
+    let routing = calls.routing;
     checks.push(Check {
         what: format!("KV_AWARE engine /tokenize calls for routing, {routers}"),
         target: "0".into(),

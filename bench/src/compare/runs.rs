@@ -13,7 +13,7 @@ use crate::oracle::OracleBound;
 use crate::peer::{Peer, PeerRouters};
 use crate::report::{
     DecisionStats, InstanceShare, KvStats, LoadBalanceSetting, RouterCost, RunReport, RunStats,
-    percent,
+    TokenizeCalls, percent,
 };
 use crate::run::{RunConfig, RunOutput, run};
 use crate::scrape::{EngineCounters, Histogram, metrics_url, scrape};
@@ -33,13 +33,16 @@ async fn scrape_engines(client: &HttpClient, urls: &[String]) -> anyhow::Result<
     Ok(total)
 }
 
-/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip;
-/// and the checks of a router tokenizer's ids among those round trips.
+/// The routers' histograms, summed: decision time, and KV_AWARE's `/tokenize` round trip
+/// (answered ones); the round trips that failed; and the checks of a router tokenizer's ids
+/// among them (answered, failed).
 #[derive(Debug, Default)]
 struct RouterHistograms {
     decision: Histogram,
     tokenize: Histogram,
-    tokenize_checks: f64,
+    tokenize_failures: f64,
+    checks_answered: f64,
+    checks_failed: f64,
 }
 
 impl RouterHistograms {
@@ -47,8 +50,17 @@ impl RouterHistograms {
         Self {
             decision: self.decision.since(&before.decision),
             tokenize: self.tokenize.since(&before.tokenize),
-            tokenize_checks: self.tokenize_checks - before.tokenize_checks,
+            tokenize_failures: self.tokenize_failures - before.tokenize_failures,
+            checks_answered: self.checks_answered - before.checks_answered,
+            checks_failed: self.checks_failed - before.checks_failed,
         }
+    }
+
+    /// `/tokenize` calls to engines that routing needed (answered or not): all of them less
+    /// the checks.
+    fn routing_calls(&self) -> f64 {
+        (self.tokenize.count - self.checks_answered).max(0.0)
+            + (self.tokenize_failures - self.checks_failed).max(0.0)
     }
 }
 
@@ -66,8 +78,17 @@ async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<
         {
             total.tokenize.add(&histogram);
         }
-        total.tokenize_checks +=
-            crate::scrape::total(&samples, "switchyard_router_local_tokenize_checks_total");
+        total.tokenize_failures +=
+            crate::scrape::total(&samples, "switchyard_router_kv_tokenize_failures_total");
+        for sample in samples
+            .iter()
+            .filter(|sample| sample.name == "switchyard_router_local_tokenize_checks_total")
+        {
+            match sample.label("outcome") {
+                Some("failed") => total.checks_failed += sample.value,
+                _ => total.checks_answered += sample.value,
+            }
+        }
     }
     Ok(total)
 }
@@ -252,6 +273,7 @@ pub async fn run_one(column: &Column<'_>, arm: Arm, keys: &KeyShares) -> anyhow:
             .map(std::path::Path::to_path_buf),
         router_tokenize_check_fraction: settings.tokenize_check_fraction,
         router_tokenize_cache_bytes: (arm == Arm::KvNoPieceCache).then_some(0),
+        router_decision_header: true,
         ..ClusterTuning::default()
     };
     let cluster = LocalCluster::start_with(spec, tuning).await?;
@@ -355,11 +377,12 @@ async fn measure(
             decision_seen_before,
             decision_first_seen,
             cpu_ms_per_request: cpu.map(|seconds| seconds * 1e3 / stats.ok.max(1) as f64),
-            tokenize_checks: (matches!(
-                arm,
-                Arm::Strategy(Strategy::KvAware) | Arm::KvNoPieceCache
-            ) && tokenizer_name(settings).is_some())
-            .then_some(decisions.tokenize_checks),
+            tokenize_calls: (matches!(arm, Arm::Strategy(Strategy::KvAware) | Arm::KvNoPieceCache)
+                && tokenizer_name(settings).is_some())
+            .then(|| TokenizeCalls {
+                routing: decisions.routing_calls(),
+                checks: decisions.checks_answered + decisions.checks_failed,
+            }),
         }),
         versus_baseline: None,
         instances_routable_at_end: cluster.routable_instances(),

@@ -328,9 +328,17 @@ pub struct RouterCost {
     /// The router processes' CPU time (user + system) over the run, per request answered
     /// (`--router-processes` only).
     pub cpu_ms_per_request: Option<f64>,
-    /// KV_AWARE with a router tokenizer: `/tokenize` calls to engines that were checks of the
-    /// router's ids (`--tokenize-check-fraction`), not needed for routing.
-    pub tokenize_checks: Option<f64>,
+    /// KV_AWARE with a router tokenizer: its `/tokenize` calls to engines.
+    pub tokenize_calls: Option<TokenizeCalls>,
+}
+
+/// A router tokenizer's `/tokenize` calls to engines, answered or failed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct TokenizeCalls {
+    /// Needed for routing (the router could not compute the ids).
+    pub routing: f64,
+    /// Checks of the router's ids (`--tokenize-check-fraction`).
+    pub checks: f64,
 }
 
 /// A run against the baseline run of the same group (RANDOM): relative changes.

@@ -224,14 +224,14 @@ fn render_columns(runs: &[&RunReport]) -> String {
     }
     if runs.iter().any(|run| {
         run.router_cost
-            .is_some_and(|cost| cost.tokenize_checks.is_some())
+            .is_some_and(|cost| cost.tokenize_calls.is_some())
     }) {
-        row("engine /tokenize calls: routing / checks", &|run| {
-            let calls = run.kv_tokenize.map_or(0.0, |stats| stats.count);
-            match run.router_cost.and_then(|cost| cost.tokenize_checks) {
-                Some(checks) => format!("{:.0} / {checks:.0}", (calls - checks).max(0.0)),
-                None => "-".into(),
-            }
+        row("engine /tokenize calls: routing / checks", &|run| match run
+            .router_cost
+            .and_then(|cost| cost.tokenize_calls)
+        {
+            Some(calls) => format!("{:.0} / {:.0}", calls.routing, calls.checks),
+            None => "-".into(),
         });
     }
     row("requests ok / errors", &|run| {

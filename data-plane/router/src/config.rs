@@ -55,6 +55,12 @@ pub struct RouterConfig {
     /// attempt. Retried requests say `x-switchyard-route: retry-after-send`.
     #[arg(long)]
     pub retry_after_send: bool,
+    /// Add `x-switchyard-decision-us` (microseconds from a request's arrival to its routing
+    /// decision) to every answer, for benchmarks and debugging. Off by default: under
+    /// KV_AWARE with a router tokenizer, it tells a client whether text was already in the
+    /// router's token-id cache (which other clients' prompts filled).
+    #[arg(long)]
+    pub decision_time_header: bool,
     /// Consecutive connection failures (refused, reset) before this router stops sending to
     /// an instance for --eject-seconds. Timeouts and clients' cancellations do not count.
     #[arg(long, default_value_t = 3)]
@@ -212,6 +218,7 @@ impl RouterConfig {
             load_report_interval_ms: 100,
             max_attempts: 3,
             retry_after_send: false,
+            decision_time_header: false,
             eject_after_failures: 3,
             eject_seconds: 5,
             connect_timeout_ms: 2000,

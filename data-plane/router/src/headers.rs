@@ -46,7 +46,7 @@ pub const PREFILL_CACHED_TOKENS: HeaderName =
 pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-queue-ms");
 /// Microseconds from the request's arrival to its routing decision (body read, plan, token
 /// ids, ranking; the flow-control queue's wait not included), as in
-/// `switchyard_router_decision_seconds`.
+/// `switchyard_router_decision_seconds` (with `--decision-time-header`).
 pub const DECISION_US: HeaderName = HeaderName::from_static("x-switchyard-decision-us");
 /// A disaggregated request: milliseconds it waited for a decode slot after its prefill.
 pub const DECODE_QUEUE_MS: HeaderName = HeaderName::from_static("x-switchyard-decode-queue-ms");

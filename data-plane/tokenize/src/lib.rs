@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod fast;
 pub mod json;
 mod messages;
 pub mod pieces;
@@ -60,6 +61,8 @@ pub enum Unsupported {
 pub const MOST_BODY_BYTES: usize = 1 << 20;
 /// The most messages in a chat tokenized here.
 pub const MOST_MESSAGES: usize = 4096;
+/// The most messages in a chat [`EngineTokenizer::tokenize_within`] renders under a budget.
+pub const MOST_MESSAGES_WITHIN: usize = 256;
 /// The most content parts in one message tokenized here.
 pub const MOST_PARTS: usize = 256;
 
@@ -143,6 +146,8 @@ pub struct EngineTokenizer {
     template_note: Option<String>,
     special_tokens: Vec<(String, Value)>,
     pieces: Option<Pieces>,
+    /// The faster way to new text's ids ([`fast`]), when it agrees with the tokenizer.
+    fast: Option<fast::FastBpe>,
     /// The post-processor's ids around a prompt, when they are only a prefix (`[bos]`).
     special_prefix: Option<Vec<u32>>,
     /// Completions are left to the engine: the config's `add_bos_token`/`add_eos_token` or
@@ -157,6 +162,7 @@ impl std::fmt::Debug for EngineTokenizer {
         f.debug_struct("EngineTokenizer")
             .field("template", &self.template.as_ref().map(|_| ()))
             .field("pieces", &self.pieces.is_some())
+            .field("fast", &self.fast.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -242,10 +248,16 @@ impl EngineTokenizer {
             || flag("split_special_tokens") == Some(true);
         let tool_use_template = config.as_ref().is_some_and(names_tool_use_template)
             || dir.join("additional_chat_templates").exists();
+        let fast = std::fs::read(&path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+            .and_then(|config| fast::FastBpe::new(&config))
+            .filter(|fast| fast::agrees(fast, &tokenizer));
         let mut loaded = Self {
             completions_unsupported,
             tool_use_template,
             special_prefix,
+            fast,
             pieces: Pieces::new(&tokenizer, cache_bytes),
             tokenizer,
             template,
@@ -266,6 +278,20 @@ impl EngineTokenizer {
     /// Whether long pieces are cached.
     pub fn caches_pieces(&self) -> bool {
         self.pieces.is_some()
+    }
+
+    /// Whether new text is tokenized the faster way ([`fast`]).
+    pub fn tokenizes_fast(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// `text`'s ids without the post-processor's special tokens, the faster way when there is
+    /// one.
+    fn plain(&self, text: &str) -> Result<Vec<u32>, String> {
+        match &self.fast {
+            Some(fast) => fast.encode(&self.tokenizer, text),
+            None => pieces::plain(&self.tokenizer, text),
+        }
     }
 
     pub fn cache_stats(&self) -> CacheStats {
@@ -292,7 +318,13 @@ impl EngineTokenizer {
         }
         let body: Json = serde_json::from_slice(body)
             .map_err(|err| Refusal::Invalid(Invalid(format!("invalid JSON: {err}"))))?;
-        if body.get("messages").is_some() {
+        if let Some(messages) = body.get("messages") {
+            // A long conversation's render is work enough whatever is cached.
+            let many =
+                matches!(messages, Json::Array(messages) if messages.len() > MOST_MESSAGES_WITHIN);
+            if many && fresh_bytes != usize::MAX {
+                return Ok(None);
+            }
             let rendered = self.chat(&body)?;
             return self.encode_within(&rendered, fresh_bytes);
         }
@@ -449,12 +481,10 @@ impl EngineTokenizer {
         let invalid = |err| Refusal::Invalid(Invalid(err));
         match &self.pieces {
             Some(pieces) => pieces
-                .encode_within(&self.tokenizer, text, fresh_bytes)
+                .encode_within(&|piece| self.plain(piece), text, fresh_bytes)
                 .map_err(invalid),
             None if text.len() > fresh_bytes => Ok(None),
-            None => pieces::plain(&self.tokenizer, text)
-                .map(Some)
-                .map_err(invalid),
+            None => self.plain(text).map(Some).map_err(invalid),
         }
     }
 
@@ -489,7 +519,7 @@ impl EngineTokenizer {
             .iter()
             .all(|text| {
                 let whole = pieces::plain(&self.tokenizer, text);
-                whole.is_ok() && pieces.encode(&self.tokenizer, text).ok() == whole.ok()
+                whole.is_ok() && pieces.encode(&|piece| self.plain(piece), text).ok() == whole.ok()
             })
         })
     }

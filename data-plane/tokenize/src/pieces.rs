@@ -84,52 +84,68 @@ impl Pieces {
         })
     }
 
-    /// The ids of `text` without the post-processor's special tokens.
-    pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {
+    /// The ids of `text` without the post-processor's special tokens; `plain` tokenizes a
+    /// piece the cache does not hold (the tokenizer's own ids for it).
+    pub fn encode(&self, plain: &Plain<'_>, text: &str) -> Result<Vec<u32>, String> {
         Ok(self
-            .encode_within(tokenizer, text, usize::MAX)?
+            .encode_within(plain, text, usize::MAX)?
             .unwrap_or_default())
     }
 
     /// The ids of `text` without the post-processor's special tokens, or None (nothing
     /// tokenized, nothing counted) when the pieces the cache does not hold add up to more than
-    /// `fresh_bytes`: what is cached costs a lookup, what is not costs the tokenizer about a
-    /// microsecond and a half per token, so a caller can keep a cold prompt off a thread that
-    /// must not wait.
+    /// `fresh_bytes`, or, with a budget, the text has more than [`MOST_PARTS_WITHIN`] pieces
+    /// and markers: what is cached costs a lookup, what is not costs the tokenizer about a
+    /// microsecond per token, so a caller can keep a cold prompt off a thread that must not
+    /// wait. A piece that recurs in the text is tokenized once.
     pub fn encode_within(
         &self,
-        tokenizer: &Tokenizer,
+        plain: &Plain<'_>,
         text: &str,
         fresh_bytes: usize,
     ) -> Result<Option<Vec<u32>>, String> {
+        let most_parts = if fresh_bytes == usize::MAX {
+            usize::MAX
+        } else {
+            MOST_PARTS_WITHIN
+        };
         let mut parts = Vec::new();
         let mut fresh = 0usize;
+        let mut fresh_keys = std::collections::HashSet::new();
         let mut at = 0;
-        let cut = |start: usize, end: usize, parts: &mut Vec<Part>, fresh: &mut usize| {
+        // False once over the budget.
+        let mut cut = |start: usize, end: usize, parts: &mut Vec<Part>| -> bool {
             let piece = &text[start..end];
             if piece.is_empty() {
-                return;
+                return true;
             }
             let key = xxh3_128(piece.as_bytes());
             match self.cache.lookup(key, piece.len()) {
                 Some(ids) => parts.push(Part::Cached(ids)),
                 None => {
-                    *fresh = fresh.saturating_add(piece.len());
+                    if fresh_keys.insert((key, piece.len())) {
+                        fresh = fresh.saturating_add(piece.len());
+                    }
                     parts.push(Part::Fresh(start, piece.len(), key));
                 }
             }
+            fresh <= fresh_bytes && parts.len() <= most_parts
         };
         for found in self.markers.find_iter(text) {
-            cut(at, found.start(), &mut parts, &mut fresh);
+            if !cut(at, found.start(), &mut parts) {
+                return Ok(None);
+            }
             parts.push(Part::Marker(self.marker_ids[found.pattern().as_usize()]));
             at = found.end();
         }
-        cut(at, text.len(), &mut parts, &mut fresh);
-        if fresh > fresh_bytes {
+        if !cut(at, text.len(), &mut parts) {
             return Ok(None);
         }
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
         let (mut hits, mut misses) = (0, 0);
+        // Fresh pieces tokenized in this call, for their repeats (the cache may not keep them).
+        let mut done: std::collections::HashMap<(u128, usize), std::sync::Arc<[u32]>> =
+            std::collections::HashMap::new();
         for part in parts {
             match part {
                 Part::Marker(id) => ids.push(id),
@@ -138,10 +154,16 @@ impl Pieces {
                     ids.extend_from_slice(&cached);
                 }
                 Part::Fresh(start, len, key) => {
+                    if let Some(piece) = done.get(&(key, len)) {
+                        hits += 1;
+                        ids.extend_from_slice(piece);
+                        continue;
+                    }
                     misses += 1;
-                    let piece = plain(tokenizer, &text[start..start + len])?;
+                    let piece: std::sync::Arc<[u32]> = plain(&text[start..start + len])?.into();
                     ids.extend_from_slice(&piece);
-                    self.cache.put(key, len, piece);
+                    self.cache.put(key, len, std::sync::Arc::clone(&piece));
+                    done.insert((key, len), piece);
                 }
             }
         }
@@ -161,6 +183,13 @@ enum Part {
     Cached(std::sync::Arc<[u32]>),
     Fresh(usize, usize, u128),
 }
+
+/// A piece's ids, without the post-processor's special tokens.
+pub type Plain<'a> = dyn Fn(&str) -> Result<Vec<u32>, String> + 'a;
+
+/// Pieces and markers past which [`Pieces::encode_within`] gives up under a budget (a prompt
+/// of thousands of short pieces costs thousands of lookups even when all are cached).
+pub const MOST_PARTS_WITHIN: usize = 2048;
 
 /// `text`'s ids from the tokenizer itself, without the post-processor's special tokens.
 pub fn plain(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {
@@ -230,7 +259,7 @@ impl PieceCache {
         found
     }
 
-    fn put(&self, key: u128, len: usize, ids: Vec<u32>) {
+    fn put(&self, key: u128, len: usize, ids: std::sync::Arc<[u32]>) {
         let cost = ids.len() * 4 + ENTRY_OVERHEAD_BYTES;
         if cost > self.budget {
             return;
@@ -267,13 +296,7 @@ impl PieceCache {
         }
         inner.bytes += cost;
         inner.order.push_back((key, len));
-        inner.entries.insert(
-            (key, len),
-            Entry {
-                ids: ids.into(),
-                used: false,
-            },
-        );
+        inner.entries.insert((key, len), Entry { ids, used: false });
     }
 
     fn stats(&self) -> CacheStats {
@@ -298,10 +321,10 @@ mod tests {
     fn the_cache_stays_within_its_budget_and_keeps_what_is_used() {
         let cache = PieceCache::new(3 * (400 + ENTRY_OVERHEAD_BYTES));
         for key in 0..3u128 {
-            cache.put(key, 1, vec![7; 100]);
+            cache.put(key, 1, vec![7; 100].into());
         }
         assert!(cache.get(0, 1).is_some());
-        cache.put(3, 1, vec![8; 100]);
+        cache.put(3, 1, vec![8; 100].into());
         let stats = cache.stats();
         assert_eq!(stats.entries, 3);
         assert!(stats.bytes <= 3 * (400 + ENTRY_OVERHEAD_BYTES) as u64);
@@ -309,7 +332,7 @@ mod tests {
         assert!(
             cache.get(0, 1).is_some() && cache.get(1, 1).is_none() && cache.get(3, 1).is_some()
         );
-        cache.put(9, 1, vec![0; 10_000]);
+        cache.put(9, 1, vec![0; 10_000].into());
         assert!(
             cache.get(9, 1).is_none(),
             "larger than the whole budget: not kept"

@@ -56,6 +56,8 @@ pub struct ForwardSettings {
     pub upstream_header: Duration,
     /// Longest gap between two frames of an answer.
     pub stream_idle: Duration,
+    /// `--decision-time-header`.
+    pub decision_header: bool,
 }
 
 /// An instance's answer head, with what the client is told about who answered and why.

@@ -123,6 +123,21 @@ impl LocalTokenizers {
         Some(slot)
     }
 
+    /// Starts loading `name` (the routing state names it) unless it is loaded, loading, or
+    /// past [`MOST_TOKENIZERS`] (left to the first request that needs it, and counted then).
+    pub fn preload(&self, name: &Arc<str>) {
+        let slots = self
+            .slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let known = slots.contains_key(name);
+        let full = slots.len() >= MOST_TOKENIZERS;
+        drop(slots);
+        if !known && !full {
+            let _ = self.slot(name);
+        }
+    }
+
     /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
     /// callers run long bodies on a blocking thread.
     pub fn tokenize(&self, name: &Arc<str>, body: &[u8]) -> Local {
@@ -616,6 +631,31 @@ mod tests {
             ),
             "the refused attempt is not counted as an outcome"
         );
+    }
+
+    #[test]
+    fn a_new_piece_repeated_in_one_prompt_is_tokenized_once() {
+        let dir = folder(Some(TEMPLATE));
+        // No cache at all: only the call's own memory can spare the repeats.
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 0, 0.0);
+        let slot = loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let messages: Vec<serde_json::Value> = (0..50)
+            .map(|_| serde_json::json!({"role": "user", "content": "hello world"}))
+            .collect();
+        let body = serde_json::json!({"messages": messages}).to_string();
+        let before = slot.cache_stats();
+        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, body.as_bytes(), 64) else {
+            panic!("three distinct pieces of 27 bytes in all are within 64")
+        };
+        assert_eq!(ids.len(), 50 * 5 + 2);
+        let after = slot.cache_stats();
+        assert_eq!(
+            after.misses - before.misses,
+            3,
+            "user+text, the newline, assistant"
+        );
+        assert_eq!(after.hits - before.hits, 98);
     }
 
     #[test]

@@ -157,10 +157,12 @@ async fn phases(
     let mut answered = forwarder
         .forward(operation, plan, &headers, reservation, claim)
         .await?;
-    answered.explain.push((
-        crate::headers::DECISION_US,
-        http::HeaderValue::from(u64::try_from(decided.as_micros()).unwrap_or(u64::MAX)),
-    ));
+    if worker.forwarding.decision_header {
+        answered.explain.push((
+            crate::headers::DECISION_US,
+            http::HeaderValue::from(u64::try_from(decided.as_micros()).unwrap_or(u64::MAX)),
+        ));
+    }
     if let Some(waited) = waited {
         answered.explain.push((
             crate::headers::QUEUE_MS,

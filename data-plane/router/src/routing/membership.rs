@@ -463,7 +463,7 @@ impl Membership {
                 .collect();
             for name in names {
                 // Starts its load on a thread of its own, once.
-                let _ = tokenizers.slot(name);
+                tokenizers.preload(name);
             }
         }
         let old = self.table.swap(Arc::new(table));

