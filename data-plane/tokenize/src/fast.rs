@@ -9,8 +9,8 @@
 //! `regex` crate's automata, the alternative's effect is applied to the matches (a whitespace
 //! run without a line break, of two or more characters and followed by a non-space, gives up
 //! its last character to what follows), and each piece goes straight to the tokenizer's own
-//! BPE model. [`FastBpe::new`] accepts only a pattern that ends in `\s+(?!\S)|\s+` and has no
-//! other look-around, and the caller compares both ways on sample texts when it loads
+//! BPE model. [`FastBpe::new`] accepts only the patterns for which that rule is known to hold
+//! (Llama 3's), and the caller compares both ways on sample texts when it loads
 //! (`crate::EngineTokenizer::load`), so a tokenizer for which this would not hold keeps the
 //! `tokenizers` crate's own path.
 
@@ -19,6 +19,13 @@ use tokenizers::{Model, Tokenizer};
 
 /// The alternative the `regex` crate cannot run, and the one after it.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// The patterns before [`LOOKAHEAD_TAIL`] for which the look-ahead rule is known to hold:
+/// only `\s*[\r\n]+` and the tail match whitespace alone, so a whitespace match without a line
+/// break comes from the tail. Llama 3's (and OpenAI's cl100k_base).
+const KNOWN_HEADS: &[&str] = &[
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+",
+];
 
 /// See the module docs.
 pub struct FastBpe {
@@ -79,7 +86,7 @@ impl FastBpe {
         }
         let pattern = split.get("pattern")?.get("Regex")?.as_str()?;
         let head = pattern.strip_suffix(LOOKAHEAD_TAIL)?;
-        if head.contains("(?=") || head.contains("(?!") || head.contains("(?<") {
+        if !KNOWN_HEADS.contains(&head) {
             return None;
         }
         let split = regex::Regex::new(&format!(r"{head}|\s+")).ok()?;
@@ -166,6 +173,10 @@ pub const SAMPLES: &[&str] = &[
     "   leading spaces",
     "naïve café — 日本語のテキスト ✓ 🙂👍🏽 Ελληνικά кириллица",
     "x\u{a0}\u{a0}y \u{3000}z\u{2003}\u{2003}w",
+    "x'ſ y 'ſ 'K",
+    "a\u{85}\u{85}b a\u{b}\u{c}b a \u{2028}b a\u{2029}\u{2029}b",
+    "x\r y \r\r z\r",
+    "  \u{301} \u{1680}\u{1680}1 \u{1680}x",
     "!!! ... ?? a.b (c) [d] {e} \"quoted\" 'single' `tick` #hash @at $5 %6 ^7 &8 *9",
     "The quick brown fox, naïve café 123 — jumps.\n\n  ",
     "mixedCASE snake_case kebab-case CamelCase HTTPServer v2.0.1-rc3",
@@ -222,6 +233,14 @@ mod tests {
         assert!(
             FastBpe::new(&config(r"(?=x)a|\s+(?!\S)|\s+", Value::Null)).is_none(),
             "another look-around"
+        );
+        assert!(
+            FastBpe::new(&config(
+                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+                Value::Null
+            ))
+            .is_none(),
+            "GPT-2's: its head matches whitespace too"
         );
         assert!(
             FastBpe::new(&config(r"\p{L}+|\s+", Value::Null)).is_none(),

@@ -267,6 +267,11 @@ impl EngineTokenizer {
         if !loaded.pieces_agree() {
             loaded.pieces = None;
         }
+        // The faster way knows nothing of added tokens: it may only see the pieces between
+        // them.
+        if loaded.pieces.is_none() {
+            loaded.fast = None;
+        }
         Ok(loaded)
     }
 

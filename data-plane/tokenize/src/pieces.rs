@@ -117,7 +117,7 @@ impl Pieces {
         let mut cut = |start: usize, end: usize, parts: &mut Vec<Part>| -> bool {
             let piece = &text[start..end];
             if piece.is_empty() {
-                return true;
+                return parts.len() <= most_parts;
             }
             let key = xxh3_128(piece.as_bytes());
             match self.cache.lookup(key, piece.len()) {

@@ -89,8 +89,8 @@ const PALETTE: &[&str] = &[
     "🇫🇷",
     "✓",
     " ",
-    " ",
-    " ",
+    "\u{2009}",
+    "\u{202f}",
     "  ",
     "   ",
     "\t",
@@ -105,6 +105,17 @@ const PALETTE: &[&str] = &[
     "\u{2003}",
     "\u{200b}",
     "  \t ",
+    "\r",
+    "\u{85}",
+    "\u{b}",
+    "\u{c}",
+    "\u{2028}",
+    "\u{2029}",
+    "\u{1680}",
+    "\u{301}",
+    "'ſ",
+    "'K",
+    "K",
 ];
 
 #[test]
@@ -137,5 +148,45 @@ fn the_fast_way_gives_the_tokenizers_own_ids() {
         "{} of 4,000 differ, e.g. {:?}",
         differences.len(),
         &differences[..differences.len().min(5)]
+    );
+}
+
+/// A folder holding `config` as its tokenizer.json.
+fn folder_with(config: &serde_json::Value) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token":"<|begin_of_text|>","eos_token":"<|eot_id|>"}"#,
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn the_fast_way_only_ever_sees_text_between_added_tokens() {
+    let path = tokenizer_json();
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let text = "<|begin_of_text|>hi there<|eot_id|>  <|start_header_id|>x";
+    // As shipped: markers are cut out first, so the faster way is used.
+    let dir = folder_with(&config);
+    let loaded = switchyard_tokenize::EngineTokenizer::load(dir.path(), 1 << 20).unwrap();
+    assert!(loaded.tokenizes_fast());
+    let own = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+    assert_eq!(
+        loaded.encode(text).unwrap(),
+        own.encode_fast(text, false).unwrap().get_ids()
+    );
+    // A marker that strips the spaces around it: no piece cache, so no faster way either
+    // (it would tokenize the markers as text).
+    let mut stripping = config.clone();
+    stripping["added_tokens"][1]["lstrip"] = serde_json::Value::Bool(true);
+    let dir = folder_with(&stripping);
+    let loaded = switchyard_tokenize::EngineTokenizer::load(dir.path(), 1 << 20).unwrap();
+    assert!(!loaded.caches_pieces() && !loaded.tokenizes_fast());
+    let own = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+    assert_eq!(
+        loaded.encode(text).unwrap(),
+        own.encode_fast(text, false).unwrap().get_ids()
     );
 }

@@ -98,8 +98,23 @@ impl LocalTokenizers {
         self
     }
 
-    /// The slot of `name`, its load started on first use (None: too many names).
+    /// The slot of `name`, its load started on first use (None: too many names, counted).
     pub fn slot(&self, name: &Arc<str>) -> Option<Arc<Slot>> {
+        let slot = self.slot_or_none(name);
+        if slot.is_none() {
+            self.too_many.fetch_add(1, Ordering::Relaxed);
+        }
+        slot
+    }
+
+    /// Starts loading `name` (the routing state names it) unless it is loaded, loading, or
+    /// past [`MOST_TOKENIZERS`] (then left to the requests that name it, and counted there).
+    pub fn preload(&self, name: &Arc<str>) {
+        let _ = self.slot_or_none(name);
+    }
+
+    /// The slot of `name`, its load started on first use; None past [`MOST_TOKENIZERS`].
+    fn slot_or_none(&self, name: &Arc<str>) -> Option<Arc<Slot>> {
         let mut slots = self
             .slots
             .lock()
@@ -108,7 +123,6 @@ impl LocalTokenizers {
             return Some(Arc::clone(slot));
         }
         if slots.len() >= MOST_TOKENIZERS {
-            self.too_many.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let slot = Arc::new(Slot::new(
@@ -121,21 +135,6 @@ impl LocalTokenizers {
         drop(slots);
         Slot::start_load(&slot);
         Some(slot)
-    }
-
-    /// Starts loading `name` (the routing state names it) unless it is loaded, loading, or
-    /// past [`MOST_TOKENIZERS`] (left to the first request that needs it, and counted then).
-    pub fn preload(&self, name: &Arc<str>) {
-        let slots = self
-            .slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let known = slots.contains_key(name);
-        let full = slots.len() >= MOST_TOKENIZERS;
-        drop(slots);
-        if !known && !full {
-            let _ = self.slot(name);
-        }
     }
 
     /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
