@@ -94,8 +94,10 @@ async fn scrape_routers(client: &HttpClient, urls: &[String]) -> anyhow::Result<
 }
 
 /// Decision times from the answers' `x-switchyard-decision-us`, split by whether the router
-/// that took the request had been sent its prefix before: the same shared prefix (`group`), or
-/// the session's previous turn.
+/// that took the request had seen its prefix before it arrived: an earlier request with the
+/// same shared prefix (`group`) had been decided by that router before this one was sent (one
+/// still being tokenized when this one came does not count: the router had not seen it yet),
+/// or the session's previous turn went to that router.
 fn decision_split(
     trace: &Trace,
     output: &RunOutput,
@@ -106,20 +108,30 @@ fn decision_split(
 ) {
     let mut order: Vec<&crate::run::Measured> = output.measured.iter().collect();
     order.sort_by_key(|measured| measured.sent);
-    let mut groups = std::collections::HashSet::new();
+    // (router, group) -> the earliest time a request of it had been decided.
+    let mut decided: std::collections::HashMap<(usize, u32), Duration> =
+        std::collections::HashMap::new();
     let mut last_turn_target = std::collections::HashMap::new();
     let (mut all, mut seen, mut first) = (Vec::new(), Vec::new(), Vec::new());
     for measured in order {
         let request = &trace.sessions[measured.session].requests[measured.turn];
-        let group_seen = request
-            .group
-            .is_some_and(|group| !groups.insert((measured.target, group)));
+        let group = request.group.map(|group| (measured.target, group));
+        let group_seen = group
+            .and_then(|key| decided.get(&key))
+            .is_some_and(|at| *at <= measured.sent);
         let turn_seen =
             measured.turn > 0 && last_turn_target.get(&measured.session) == Some(&measured.target);
         last_turn_target.insert(measured.session, measured.target);
         let Some(us) = measured.outcome.decision_us else {
             continue;
         };
+        if let Some(key) = group {
+            let at = measured.sent + Duration::from_micros(us);
+            decided
+                .entry(key)
+                .and_modify(|earliest| *earliest = (*earliest).min(at))
+                .or_insert(at);
+        }
         let ms = us as f64 / 1e3;
         all.push(ms);
         if group_seen || turn_seen {

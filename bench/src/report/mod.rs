@@ -321,7 +321,8 @@ impl DecisionStats {
 pub struct RouterCost {
     /// Every answer's decision time (exact, not bucketed).
     pub decision: Option<DecisionStats>,
-    /// Requests whose shared prefix (or earlier turn) the same router had been sent before.
+    /// Requests whose shared prefix the same router had decided for an earlier request before
+    /// this one was sent (or whose session's previous turn it served).
     pub decision_seen_before: Option<DecisionStats>,
     /// The others: the first request of a prefix at each router.
     pub decision_first_seen: Option<DecisionStats>,
