@@ -522,3 +522,82 @@ async fn scrape_each(client: &HttpClient, urls: &[String]) -> anyhow::Result<Vec
     }
     Ok(each)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::Outcome;
+    use crate::run::Measured;
+    use crate::workload::{RequestClass, Session, TraceRequest, WorkloadKind, WorkloadSpec};
+
+    fn request(group: Option<u32>) -> TraceRequest {
+        TraceRequest {
+            messages: Vec::new(),
+            max_tokens: 1,
+            class: RequestClass::Long,
+            group,
+        }
+    }
+
+    fn measured(session: usize, turn: usize, target: usize, sent_ms: u64, us: u64) -> Measured {
+        Measured {
+            session,
+            turn,
+            class: RequestClass::Long,
+            target,
+            sent: Duration::from_millis(sent_ms),
+            outcome: Outcome {
+                decision_us: Some(us),
+                ..Outcome::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_prefix_counts_as_seen_once_a_request_of_it_was_decided_by_that_router() {
+        let trace = Trace {
+            spec: WorkloadSpec::defaults(WorkloadKind::LongContext),
+            sessions: vec![
+                Session {
+                    requests: vec![request(Some(7))],
+                },
+                Session {
+                    requests: vec![request(Some(7))],
+                },
+                Session {
+                    requests: vec![request(Some(7))],
+                },
+                Session {
+                    requests: vec![request(Some(7))],
+                },
+                Session {
+                    requests: vec![request(None), request(None)],
+                },
+            ],
+        };
+        let output = RunOutput {
+            measured: vec![
+                // Decided at 5 ms.
+                measured(0, 0, 0, 0, 5_000),
+                // Sent while the first was still being decided: not seen yet.
+                measured(1, 0, 0, 1, 3_000),
+                // After: seen.
+                measured(2, 0, 0, 10, 100),
+                // Another router: not seen there.
+                measured(3, 0, 1, 11, 4_000),
+                // A session's second turn at the router of its first.
+                measured(4, 0, 1, 20, 2_000),
+                measured(4, 1, 1, 30, 200),
+            ],
+            wall: Duration::from_secs(1),
+            complete: true,
+        };
+        let (all, seen, first) = decision_split(&trace, &output);
+        assert_eq!(all.unwrap().count, 6.0);
+        let seen = seen.unwrap();
+        assert_eq!(seen.count, 2.0);
+        // The third request (0.1 ms) and the second turn (0.2 ms).
+        assert!((seen.mean_ms - 0.15).abs() < 1e-9, "{seen:?}");
+        assert_eq!(first.unwrap().count, 4.0);
+    }
+}
