@@ -1,7 +1,10 @@
 //! Peer routers run in front of the same simulated engines as Switchyard, so that `compare`
-//! can put them in the same table: today the SGLang model gateway (`pip install
-//! sglang-router`, binary `smg`) with its `cache_aware` policy. Optional: a missing binary
-//! skips the peer's runs with a note, it never fails a comparison.
+//! can put them in the same table: the SGLang model gateway in its two PyPI lineages, the older
+//! `sglang-router` (0.3.2, whose binary prints `sgl-model-gateway`) and the current `smg`
+//! (1.13.0), both with their `cache_aware` policy. Both install a binary named `smg`, so each is
+//! looked for in its own venv first and a candidate is taken only when its `--version` names its
+//! lineage. Optional: a missing binary skips the peer's runs with a note, it never fails a
+//! comparison.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -16,9 +19,13 @@ use crate::client::HttpClient;
 /// A peer router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize)]
 pub enum Peer {
-    /// The SGLang model gateway (`smg launch … --policy cache_aware`), one process per router.
+    /// The SGLang model gateway as PyPI's `sglang-router` 0.3.2 ships it (`smg launch …
+    /// --policy cache_aware`), one process per router.
     #[value(name = "sglang")]
     Sglang,
+    /// The current SGLang model gateway, PyPI's `smg` 1.13.0 (same command line).
+    #[value(name = "smg")]
+    Smg,
 }
 
 impl Peer {
@@ -26,41 +33,98 @@ impl Peer {
     pub fn name(self) -> &'static str {
         match self {
             Peer::Sglang => "SGLang cache_aware",
+            Peer::Smg => "smg cache_aware",
         }
     }
 
     /// The binary, and how to install it, for messages.
     pub fn binary_name(self) -> &'static str {
+        "smg"
+    }
+
+    /// The flag that names the binary.
+    pub fn flag(self) -> &'static str {
         match self {
-            Peer::Sglang => "smg",
+            Peer::Sglang => "--sglang-bin",
+            Peer::Smg => "--smg-bin",
         }
     }
 
     pub fn install_hint(self) -> &'static str {
         match self {
             Peer::Sglang => {
-                "python3 -m venv target/peers && target/peers/bin/pip install sglang-router"
+                "python3 -m venv target/peers-sglang && target/peers-sglang/bin/pip install sglang-router==0.3.2"
+            }
+            Peer::Smg => {
+                "python3 -m venv target/peers-smg && target/peers-smg/bin/pip install smg==1.13.0"
             }
         }
     }
 
-    /// `explicit`, else the binary on PATH, else in the `target/peers` venv of the current
-    /// directory (where docs/benchmarks.md installs it).
+    /// What the first word of `smg --version` is for this lineage.
+    fn version_word(self) -> &'static str {
+        match self {
+            Peer::Sglang => "sgl-model-gateway",
+            Peer::Smg => "smg",
+        }
+    }
+
+    /// Whether `version` (the output of `smg --version`) is this peer's lineage.
+    pub fn is_version_of(self, version: &str) -> bool {
+        version.split_whitespace().next() == Some(self.version_word())
+    }
+
+    /// `explicit` as given, else the first `smg` of this lineage among: this peer's venv under
+    /// `target/` of the current directory (where docs/benchmarks.md installs it), PATH, and
+    /// `target/peers/bin` (the older single venv).
     pub fn find_binary(self, explicit: Option<&Path>) -> Option<PathBuf> {
         if let Some(path) = explicit {
             return path.is_file().then(|| path.to_path_buf());
         }
         let name = self.binary_name();
-        let on_path = std::env::var_os("PATH").and_then(|paths| {
-            std::env::split_paths(&paths)
-                .map(|dir| dir.join(name))
-                .find(|candidate| candidate.is_file())
-        });
-        on_path.or_else(|| {
-            let venv = Path::new("target/peers/bin").join(name);
-            venv.is_file().then_some(venv)
-        })
+        let venv = match self {
+            Peer::Sglang => "target/peers-sglang/bin",
+            Peer::Smg => "target/peers-smg/bin",
+        };
+        let on_path = std::env::var_os("PATH")
+            .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+            .unwrap_or_default();
+        std::iter::once(PathBuf::from(venv))
+            .chain(on_path)
+            .chain(std::iter::once(PathBuf::from("target/peers/bin")))
+            .map(|dir| dir.join(name))
+            .filter(|candidate| candidate.is_file())
+            .find(|candidate| {
+                binary_version(candidate).is_some_and(|version| self.is_version_of(&version))
+            })
     }
+}
+
+/// The first line of `binary --version`; None if it cannot run or takes over 10 s (killed).
+pub fn binary_version(binary: &Path) -> Option<String> {
+    let mut child = std::process::Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .ok()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().ok()?.is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    text.lines()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .map(str::to_owned)
 }
 
 /// Running peer router processes (killed on drop).
@@ -96,7 +160,7 @@ impl PeerRouters {
             let log = std::fs::File::create(&log_path)?;
             let mut command = tokio::process::Command::new(binary);
             match peer {
-                Peer::Sglang => {
+                Peer::Sglang | Peer::Smg => {
                     command
                         .args(["launch", "--host", "127.0.0.1", "--port"])
                         .arg(port.to_string())
@@ -165,5 +229,19 @@ impl PeerRouters {
         for child in &mut self.children {
             let _ = child.kill().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Peer;
+
+    #[test]
+    fn a_version_line_names_its_lineage() {
+        assert!(Peer::Sglang.is_version_of("sgl-model-gateway 0.3.2"));
+        assert!(!Peer::Smg.is_version_of("sgl-model-gateway 0.3.2"));
+        assert!(Peer::Smg.is_version_of("smg 1.13.0"));
+        assert!(!Peer::Sglang.is_version_of("smg 1.13.0"));
+        assert!(!Peer::Smg.is_version_of(""));
     }
 }

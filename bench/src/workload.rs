@@ -68,8 +68,12 @@ pub struct TraceArgs {
     #[arg(long, value_name = "N")]
     pub prefixes: Option<usize>,
     /// Tokens per shared prefix (long-context, mixed) or system prompt (sharegpt).
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, value_name = "TOKENS", conflicts_with = "prefix_chars")]
     pub prefix_tokens: Option<u32>,
+    /// long-context, mixed: the size of each shared prefix in characters instead of tokens
+    /// (words are added until it is reached, so a prefix may be a few characters longer).
+    #[arg(long, value_name = "CHARS")]
+    pub prefix_chars: Option<u32>,
     /// Prefix popularity: 0 uniform, s > 0 Zipf with exponent s.
     #[arg(long, value_name = "S")]
     pub zipf: Option<f64>,
@@ -88,6 +92,11 @@ impl TraceArgs {
         set(&mut spec.seed, self.seed);
         set(&mut spec.prefixes, self.prefixes);
         set(&mut spec.prefix_tokens, self.prefix_tokens);
+        if self.prefix_chars.is_some() {
+            spec.prefix_chars = self.prefix_chars;
+        } else if self.prefix_tokens.is_some() {
+            spec.prefix_chars = None;
+        }
         set(&mut spec.zipf, self.zipf);
         set(&mut spec.max_tokens, self.max_tokens);
         set(&mut spec.long_fraction, self.long_fraction);
@@ -106,6 +115,9 @@ pub struct WorkloadSpec {
     /// long-context and mixed: tokens of each shared prefix; sharegpt: of each system prompt
     /// (rag documents are 2,000–6,000 tokens).
     pub prefix_tokens: u32,
+    /// long-context and mixed: when set, each shared prefix is this many characters (about)
+    /// instead of `prefix_tokens` tokens.
+    pub prefix_chars: Option<u32>,
     /// Popularity of the prefixes (documents): 0 is uniform, s > 0 is Zipf with exponent s.
     pub zipf: f64,
     /// Output tokens per request (sharegpt: at most this, the answer's length in the history).
@@ -123,6 +135,7 @@ impl WorkloadSpec {
             seed: 1,
             prefixes: 64,
             prefix_tokens: 8000,
+            prefix_chars: None,
             zipf: 0.0,
             max_tokens: 64,
             long_fraction: 0.3,
@@ -154,6 +167,11 @@ impl WorkloadSpec {
         if self.prefix_tokens == 0 {
             return Err(WorkloadError::NoPrefixTokens);
         }
+        if let Some(chars) = self.prefix_chars
+            && !(MIN_PREFIX_CHARS..=MAX_PREFIX_CHARS).contains(&chars)
+        {
+            return Err(WorkloadError::PrefixChars(chars));
+        }
         if !(self.zipf.is_finite() && self.zipf >= 0.0) {
             return Err(WorkloadError::Zipf(self.zipf));
         }
@@ -176,6 +194,8 @@ pub enum WorkloadError {
     NoPrefixes,
     #[error("--prefix-tokens must be at least 1")]
     NoPrefixTokens,
+    #[error("--prefix-chars must be within {MIN_PREFIX_CHARS}-{MAX_PREFIX_CHARS}, got {0}")]
+    PrefixChars(u32),
     #[error("--zipf must be zero or more, got {0}")]
     Zipf(f64),
     #[error("--max-tokens must be at least 1")]
@@ -183,6 +203,11 @@ pub enum WorkloadError {
     #[error("--long-fraction must be within 0-1, got {0}")]
     LongFraction(f64),
 }
+
+/// The range of `--prefix-chars`: room for the "Document N." that starts each prefix, and at
+/// most about a million tokens.
+pub const MIN_PREFIX_CHARS: u32 = 32;
+pub const MAX_PREFIX_CHARS: u32 = 4_000_000;
 
 /// A text with its JSON-escaped form (without quotes), both shared.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -450,6 +475,28 @@ impl Generator {
         text
     }
 
+    /// Prose as [`Generator::prose`] writes it, of `chars` characters or a few more (the
+    /// word that reaches the size and the final ".").
+    fn prose_chars(&mut self, chars: usize) -> String {
+        let mut text = String::with_capacity(chars + 8);
+        let mut sentence_left = self.rng.u32(8..=24);
+        while text.len() + 1 < chars {
+            if sentence_left == 0 {
+                text.push(self.rng.choice(['.', ',', ';']).unwrap_or('.'));
+                sentence_left = self.rng.u32(8..=24);
+                continue;
+            }
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            let word = self.rng.usize(..self.vocabulary.len());
+            text.push_str(&self.vocabulary[word]);
+            sentence_left -= 1;
+        }
+        text.push('.');
+        text
+    }
+
     /// A question: `tokens` tokens ending with "?", numbered so that no two are equal.
     fn question(&mut self, number: usize, tokens: u32) -> String {
         // "Question N:" is 4 tokens ("Questi", "on", " N", ":"); the prose's final "." becomes
@@ -470,8 +517,12 @@ impl Generator {
         (0..spec.prefixes)
             .map(|index| {
                 // "Document N." starts each prefix: different prefixes differ at once.
-                let body = self.prose(spec.prefix_tokens.saturating_sub(4).max(1));
-                Text::new(format!("Document {index}. {body}"))
+                let head = format!("Document {index}. ");
+                let body = match spec.prefix_chars {
+                    Some(chars) => self.prose_chars((chars as usize).saturating_sub(head.len())),
+                    None => self.prose(spec.prefix_tokens.saturating_sub(4).max(1)),
+                };
+                Text::new(head + &body)
             })
             .collect()
     }
@@ -698,6 +749,33 @@ mod tests {
         groups.sort_unstable();
         groups.dedup();
         assert_eq!(groups.len(), 5);
+    }
+
+    #[test]
+    fn prefixes_given_in_characters_have_that_size() {
+        let trace = Trace::generate(&WorkloadSpec {
+            prefix_chars: Some(32_000),
+            ..spec(WorkloadKind::LongContext)
+        })
+        .unwrap();
+        for request in trace.requests() {
+            let prefix = request.messages[0].content();
+            // At most one word (6 letters and its space) and the final "." past the size.
+            assert!(
+                (32_000..=32_008).contains(&prefix.len()),
+                "{}",
+                prefix.len()
+            );
+            assert!(prefix.starts_with("Document ") && prefix.ends_with('.'));
+        }
+        let too_small = WorkloadSpec {
+            prefix_chars: Some(MIN_PREFIX_CHARS - 1),
+            ..spec(WorkloadKind::LongContext)
+        };
+        assert_eq!(
+            too_small.validate(),
+            Err(WorkloadError::PrefixChars(MIN_PREFIX_CHARS - 1))
+        );
     }
 
     #[test]

@@ -64,16 +64,22 @@ pub struct DemoArgs {
     #[arg(long, value_delimiter = ',', value_name = "S,..")]
     pub load_balance_slack: Option<Vec<u32>>,
     /// Peer routers to run in front of the same simulated engines, comma-separated (sglang:
-    /// the SGLang model gateway, `smg launch --policy cache_aware`). A peer whose binary is
-    /// not found is skipped with a note.
+    /// the SGLang model gateway of PyPI's `sglang-router` 0.3.2; smg: PyPI's `smg` 1.13.0;
+    /// both `smg launch --policy cache_aware`). A peer whose binary is not found is skipped
+    /// with a note.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "PEER,..")]
     pub peers: Option<Vec<Peer>>,
     /// No peer runs (overrides the preset's).
     #[arg(long, conflicts_with = "peers")]
     pub no_peers: bool,
-    /// The SGLang gateway's `smg` binary. Default: `smg` on PATH, else target/peers/bin/smg.
+    /// `sglang-router`'s `smg` binary. Default: the first `smg` whose --version says
+    /// `sgl-model-gateway`, in target/peers-sglang/bin, on PATH, or in target/peers/bin.
     #[arg(long, value_name = "FILE")]
     pub sglang_bin: Option<PathBuf>,
+    /// The `smg` package's binary. Default: the first `smg` whose --version says `smg`, in
+    /// target/peers-smg/bin, on PATH, or in target/peers/bin.
+    #[arg(long, value_name = "FILE")]
+    pub smg_bin: Option<PathBuf>,
     /// Run each Switchyard router as its own process, as deployed and as the peers run (the
     /// fair setting beside a peer). Default: inside this process, where the benchmark can also
     /// sample how often several routers disagree.
@@ -164,6 +170,9 @@ impl DemoArgs {
         }
         if self.sglang_bin.is_some() {
             settings.sglang_bin = self.sglang_bin.clone();
+        }
+        if self.smg_bin.is_some() {
+            settings.smg_bin = self.smg_bin.clone();
         }
         if self.router_processes {
             let binary = self

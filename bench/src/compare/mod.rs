@@ -80,16 +80,29 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
     arms.retain(|arm| match arm {
         Arm::Peer(peer) if peer_binary(settings, *peer).is_none() => {
             let note = format!(
-                "{}: skipped, `{}` not found (install it: {}; or give --sglang-bin)",
+                "{}: skipped, `{}` not found (install it: {}; or give {})",
                 peer.name(),
                 peer.binary_name(),
-                peer.install_hint()
+                peer.install_hint(),
+                peer.flag()
             );
             if settings.progress {
                 eprintln!("{note}");
             }
             notes.push(note);
             false
+        }
+        Arm::Peer(peer) => {
+            if let Some(binary) = peer_binary(settings, *peer) {
+                let version = crate::peer::binary_version(&binary);
+                notes.push(format!(
+                    "{}: {} ({})",
+                    peer.name(),
+                    binary.display(),
+                    version.as_deref().unwrap_or("version unknown")
+                ));
+            }
+            true
         }
         _ => true,
     });
@@ -165,7 +178,7 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
     report.checks = checks(&report, settings.engines);
     report
         .checks
-        .extend(hot_prefix_checks(&report, settings.engines));
+        .extend(hot_prefix_checks(&report.runs, settings.engines));
     for run in &report.runs {
         if run
             .instances_routable_at_end

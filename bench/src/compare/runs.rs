@@ -192,6 +192,7 @@ fn routers_cpu_seconds(cluster: &LocalCluster) -> Option<f64> {
 pub fn peer_binary(settings: &CompareSettings, peer: Peer) -> Option<std::path::PathBuf> {
     match peer {
         Peer::Sglang => peer.find_binary(settings.sglang_bin.as_deref()),
+        Peer::Smg => peer.find_binary(settings.smg_bin.as_deref()),
     }
 }
 

@@ -53,9 +53,18 @@ pub enum Preset {
     /// prefixes of 8,000 tokens whose popularity follows a Zipf law (exponent 1.1), 32 output
     /// tokens, 16 clients, time scale 0.25, ConcurrencyThreshold 16; PREFIX_AWARE with
     /// SageMaker's semantics, then with LoadBalanceFactor 1.1, 1.25, 1.5 and 2 (slack 3), then
-    /// the SGLang gateway (skipped if `smg` is not installed), with 1 and 4 routers. About 8
+    /// both SGLang gateways (each skipped if not installed), with 1 and 4 routers. About 8
     /// minutes on 2 cores in a release build.
     Zipf,
+    /// Hot prefixes as an independent load generator shaped them (issue 28, docs/benchmarks.md
+    /// section 7): 7 engines at real speed, 400 streamed chat requests from 16 clients, each a
+    /// system message holding one of 24 shared prefixes of 32,000 characters drawn with Zipf
+    /// weights 1/rank and a distinct question, 16-token answers; PREFIX_AWARE with
+    /// PrefixLength 4096 and ConcurrencyThreshold 16, with SageMaker's semantics and with
+    /// LoadBalanceFactor 2 (slack 3), then both SGLang gateways, with 1 and 4 routers. About
+    /// 2 minutes on 2 cores in a release build.
+    #[value(name = "hot-prefixes")]
+    HotPrefixes,
 }
 
 /// Everything a comparison needs, after presets and flags.
@@ -75,8 +84,10 @@ pub struct CompareSettings {
     pub load_balance: Vec<LoadBalanceSetting>,
     /// Peer routers, after the bounded-load runs.
     pub peers: Vec<Peer>,
-    /// `smg` (default: found on PATH or in target/peers/bin).
+    /// `sglang-router`'s `smg` (default: found by [`Peer::find_binary`]).
     pub sglang_bin: Option<PathBuf>,
+    /// The `smg` package's `smg` (default: found by [`Peer::find_binary`]).
+    pub smg_bin: Option<PathBuf>,
     /// Run Switchyard's routers as processes of this executable (default: in this process).
     pub router_binary: Option<PathBuf>,
     /// With a `sim.tokenizer`: KV_AWARE runs a second time with its routers' piece cache off.
@@ -139,7 +150,30 @@ impl CompareSettings {
                         .into_iter()
                         .map(|factor| LoadBalanceSetting { factor, slack })
                         .collect(),
-                    peers: vec![Peer::Sglang],
+                    peers: vec![Peer::Sglang, Peer::Smg],
+                    ..article
+                }
+            }
+            Preset::HotPrefixes => {
+                let time_scale = 1.0;
+                Self {
+                    workload: WorkloadSpec {
+                        requests: 400,
+                        prefixes: 24,
+                        prefix_chars: Some(32_000),
+                        zipf: 1.0,
+                        max_tokens: 16,
+                        ..article.workload
+                    },
+                    strategies: vec![Strategy::PrefixAware],
+                    concurrency_threshold: 16,
+                    load_balance: vec![LoadBalanceSetting {
+                        factor: 2.0,
+                        slack: switchyard_shared::DEFAULT_LOAD_BALANCE_SLACK,
+                    }],
+                    peers: vec![Peer::Sglang, Peer::Smg],
+                    sim: bench_sim(time_scale, 79_000),
+                    load_interval_ms: load_interval_for(time_scale),
                     ..article
                 }
             }
@@ -171,6 +205,7 @@ impl CompareSettings {
             load_balance: Vec::new(),
             peers: Vec::new(),
             sglang_bin: None,
+            smg_bin: None,
             router_binary: None,
             kv_without_piece_cache: false,
             tokenize_check_fraction: None,
