@@ -44,23 +44,19 @@ async fn a_short_compare_reports_every_strategy_through_real_routers() {
         assert!(run.stats.complete);
         assert!(run.stats.ttft.wall_ms.p50 > 0.0);
         assert!(run.stats.ttft.model_ms.p50 >= run.stats.ttft.wall_ms.p50);
-        let shares: f64 = run
+        // The instances' shares and request counts add up to the whole run.
+        let (shares, requests) = run
             .stats
             .instance_shares
             .iter()
-            .map(|share| share.share)
-            .sum();
+            .fold((0.0, 0), |(shares, requests), share| {
+                (shares + share.share, requests + share.requests)
+            });
         assert!(
             (shares - 1.0).abs() < 1e-9,
             "{}: shares sum to {shares}",
             run.label
         );
-        let requests: u64 = run
-            .stats
-            .instance_shares
-            .iter()
-            .map(|share| share.requests)
-            .sum();
         assert_eq!(requests as usize, settings.workload.requests);
         // The engines' counters and the answers' usage agree on what was cached.
         let (kv, usage) = (run.kv.unwrap(), run.kv_from_usage.unwrap());

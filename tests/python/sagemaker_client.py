@@ -60,6 +60,17 @@ def expect_error(call, code, message=None, contains=None):
     raise AssertionError(f"expected {code}, the call succeeded")
 
 
+def expect_missing(call, kind, name):
+    """`call` fails as SageMaker's API fails on a missing endpoint or endpoint configuration
+    (`kind`: "endpoint" or "endpoint-config") named `name`."""
+    what = {"endpoint": "endpoint", "endpoint-config": "endpoint configuration"}[kind]
+    expect_error(
+        call,
+        "ValidationException",
+        message=f'Could not find {what} "{ARN}:{kind}/{name}".',
+    )
+
+
 PREFIX_VARIANT = {
     "VariantName": "AllTraffic",
     "ModelName": "sim",
@@ -104,10 +115,10 @@ def admin_create(url):
         "ValidationException",
         contains="ProductionVariants[0].RoutingConfig.PrefixAwareRoutingConfig",
     )
-    expect_error(
+    expect_missing(
         lambda: sm.describe_endpoint_config(EndpointConfigName="sm-bad"),
-        "ValidationException",
-        message=f'Could not find endpoint configuration "{ARN}:endpoint-config/sm-bad".',
+        "endpoint-config",
+        "sm-bad",
     )
 
     described = sm.describe_endpoint_config(EndpointConfigName="sm-prefix")
@@ -143,10 +154,10 @@ def admin_create(url):
         "ValidationException",
         message=f'Cannot create already existing endpoint "{ARN}:endpoint/sm-chat".',
     )
-    expect_error(
+    expect_missing(
         lambda: sm.create_endpoint(EndpointName="sm-other", EndpointConfigName="nope"),
-        "ValidationException",
-        message=f'Could not find endpoint configuration "{ARN}:endpoint-config/nope".',
+        "endpoint-config",
+        "nope",
     )
 
     updated = sm.update_endpoint(EndpointName="sm-chat", EndpointConfigName="sm-prefix")
@@ -158,21 +169,17 @@ def admin_create(url):
     assert summary["VariantName"] == "AllTraffic", summary
     assert summary["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE", summary
     print("ok: sm-chat updated to sm-prefix")
-    expect_error(
+    expect_missing(
         lambda: sm.update_endpoint(EndpointName="missing", EndpointConfigName="sm-lor"),
-        "ValidationException",
-        message=f'Could not find endpoint "{ARN}:endpoint/missing".',
+        "endpoint",
+        "missing",
     )
-    expect_error(
+    expect_missing(
         lambda: sm.update_endpoint(EndpointName="sm-chat", EndpointConfigName="nope"),
-        "ValidationException",
-        message=f'Could not find endpoint configuration "{ARN}:endpoint-config/nope".',
+        "endpoint-config",
+        "nope",
     )
-    expect_error(
-        lambda: sm.describe_endpoint(EndpointName="missing"),
-        "ValidationException",
-        message=f'Could not find endpoint "{ARN}:endpoint/missing".',
-    )
+    expect_missing(lambda: sm.describe_endpoint(EndpointName="missing"), "endpoint", "missing")
 
     pages = sm.get_paginator("list_endpoint_configs").paginate(
         SortBy="Name", SortOrder="Ascending", PaginationConfig={"PageSize": 1}
@@ -194,17 +201,13 @@ def admin_delete(url):
         contains="used by endpoint sm-chat",
     )
     sm.delete_endpoint(EndpointName="sm-chat")
-    expect_error(
-        lambda: sm.delete_endpoint(EndpointName="sm-chat"),
-        "ValidationException",
-        message=f'Could not find endpoint "{ARN}:endpoint/sm-chat".',
-    )
+    expect_missing(lambda: sm.delete_endpoint(EndpointName="sm-chat"), "endpoint", "sm-chat")
     sm.delete_endpoint_config(EndpointConfigName="sm-prefix")
     sm.delete_endpoint_config(EndpointConfigName="sm-lor")
-    expect_error(
+    expect_missing(
         lambda: sm.delete_endpoint_config(EndpointConfigName="sm-lor"),
-        "ValidationException",
-        message=f'Could not find endpoint configuration "{ARN}:endpoint-config/sm-lor".',
+        "endpoint-config",
+        "sm-lor",
     )
     assert sm.list_endpoints()["Endpoints"] == []
     assert sm.list_endpoint_configs()["EndpointConfigs"] == []

@@ -87,7 +87,7 @@ pub async fn create_endpoint(
 }
 
 /// Creates the config `request` makes, and endpoint `endpoint` on it.
-async fn create_endpoint_from(
+pub async fn create_endpoint_from(
     admin: &mut AdminClient<Channel>,
     endpoint: &str,
     request: pb::CreateEndpointConfigRequest,
@@ -105,6 +105,21 @@ async fn create_endpoint_from(
         })
         .await?;
     Ok(())
+}
+
+/// Points endpoint `endpoint` at the config `config` (UpdateEndpoint); returns the endpoint.
+pub async fn switch_endpoint_config(
+    admin: &mut AdminClient<Channel>,
+    endpoint: &str,
+    config: &str,
+) -> anyhow::Result<pb::Endpoint> {
+    let updated = admin
+        .update_endpoint(pb::UpdateEndpointRequest {
+            name: endpoint.into(),
+            endpoint_config_name: config.into(),
+        })
+        .await?;
+    Ok(updated.into_inner())
 }
 
 /// Registers an instance without a lease.
@@ -160,6 +175,19 @@ pub async fn first_instance_health(admin: &AdminClient<Channel>) -> i32 {
                 .map(|instance| instance.health)
         })
         .unwrap_or(-1)
+}
+
+/// Waits (10 s at most) until the first instance the control plane lists has `health`
+/// ([`first_instance_health`]); `what` names the wait.
+pub async fn wait_first_instance_health(
+    admin: &AdminClient<Channel>,
+    health: pb::HealthStatus,
+    what: &str,
+) -> anyhow::Result<()> {
+    switchyard_testkit::eventually(Duration::from_secs(10), what, || async {
+        first_instance_health(admin).await == health as i32
+    })
+    .await
 }
 
 /// The ids of the instances of `endpoint` the control plane lists, sorted.

@@ -34,3 +34,40 @@ pub fn words(first: usize, count: usize) -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// One line of an OpenAI server-sent event stream that says something: see [`sse_lines`].
+#[derive(Debug)]
+pub enum SseLine {
+    /// A comment (`: text`, the router's keep-alives and notes), its text trimmed.
+    Comment(String),
+    /// `data: [DONE]`.
+    Done,
+    /// A `data:` line's JSON event.
+    Event(serde_json::Value),
+}
+
+/// The comments, `[DONE]`s and JSON events of an SSE stream's `text`, in order; other lines
+/// (`event:`, blank ones) are left out. An event that is not JSON is an error.
+pub fn sse_lines(text: &str) -> anyhow::Result<Vec<SseLine>> {
+    let mut lines = Vec::new();
+    for line in text.lines() {
+        if let Some(comment) = line.strip_prefix(':') {
+            lines.push(SseLine::Comment(comment.trim().to_owned()));
+        } else if line == "data: [DONE]" {
+            lines.push(SseLine::Done);
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            lines.push(SseLine::Event(serde_json::from_str(data)?));
+        }
+    }
+    Ok(lines)
+}
+
+/// The text of an OpenAI choice: a chat chunk's delta, a chat answer's message or a
+/// completion's text (`""` when it has none).
+pub fn choice_text(choice: &serde_json::Value) -> &str {
+    choice["delta"]["content"]
+        .as_str()
+        .or(choice["message"]["content"].as_str())
+        .or(choice["text"].as_str())
+        .unwrap_or("")
+}

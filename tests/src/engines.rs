@@ -62,6 +62,11 @@ pub async fn place_sharing_starts(sims: &[SimHandle]) -> anyhow::Result<Vec<Stri
     Ok(prompts)
 }
 
+/// The prefix-cache hits (in tokens) of `sims`, summed.
+pub fn prefix_cache_hits(sims: &[SimHandle]) -> u64 {
+    sims.iter().map(|sim| sim.stats().prefix_cache_hits).sum()
+}
+
 /// The token ids `sim`'s `/tokenize` gives for `body` (a prompt or messages, and `model`).
 pub async fn sim_tokens(sim: &SimHandle, body: serde_json::Value) -> anyhow::Result<Vec<u32>> {
     let reply = http_post(&format!("{}/tokenize", sim.url), &[], body.to_string()).await?;

@@ -8,6 +8,8 @@
 //!   route to, and their counts back at zero ([`settles`]);
 //! - [`Cluster`]: the local cluster of `switchyard up` on a real etcd;
 //! - request bodies and prompts; simulated engines as the tests configure them;
+//! - KV_AWARE routing: simulators publishing KV events, the router's KV index waited on, the
+//!   choice a routed answer reports;
 //! - [`Relay`] (a freezable TCP relay), [`HealthServer`] (an instance whose health a test
 //!   controls), [`SwitchyardUp`] (`switchyard up` as a process).
 //!
@@ -19,25 +21,32 @@ mod cluster;
 mod control;
 mod engines;
 mod health_server;
+mod kv;
 mod relay;
 mod router;
 mod up;
 
 pub use admin::{
     RPC_TIMEOUT, admin, config_request, config_request_with_health, create_endpoint,
-    create_quiet_endpoint, first_instance_health, listed_instances, register, variant_json,
-    wait_leader,
+    create_endpoint_from, create_quiet_endpoint, first_instance_health, listed_instances, register,
+    switch_endpoint_config, variant_json, wait_first_instance_health, wait_leader,
 };
-pub use bodies::{chat_body, prompt, words};
+pub use bodies::{SseLine, chat_body, choice_text, prompt, sse_lines, words};
 pub use cluster::Cluster;
 pub use control::{
-    control_plane, control_process, embedded_control_plane, etcd_control_plane,
-    etcd_control_process,
+    control_plane, control_process, embedded_admin, embedded_control_plane, etcd_admin,
+    etcd_control_plane, etcd_control_process, etcd_replica_pair,
 };
 pub use engines::{
-    fast, instance_ids, kv_sim, place, place_sharing_starts, real_time, sim_tokens, stand_in,
+    fast, instance_ids, kv_sim, place, place_sharing_starts, prefix_cache_hits, real_time,
+    sim_tokens, stand_in,
 };
 pub use health_server::HealthServer;
+pub use kv::{
+    assert_repaired_without_rebuild, kv_instances, kv_sim_replaying_3_batches, kv_sims,
+    place_after_lost_batches, place_past_the_replay_buffer, routed_choice, three_small_kv_sims,
+    wait_kv_index, wait_router_matched,
+};
 pub use relay::Relay;
 pub use router::{
     chat_url, invocations_url, routed_count, routed_instances, router, router_from_file,

@@ -142,23 +142,37 @@ impl Graph {
     }
 }
 
-/// A rule broken in `graph`, if any: `forbidden` crates reachable from `crate_name`.
-fn reachable(graph: &Graph, crate_name: &str, forbidden: &[&str]) -> Vec<String> {
-    let closure = graph.closure(&graph.member(crate_name));
-    forbidden
-        .iter()
-        .filter(|name| closure.contains(**name))
-        .map(|name| (*name).to_owned())
-        .collect()
+/// Asserts that no crate `forbidden` says is forbidden is reachable from `crate_name` in
+/// `graph`; a failure says which `rule` is broken (`{crate_name} {rule}`) and by which crates.
+fn assert_reaches_none(
+    graph: &Graph,
+    crate_name: &str,
+    forbidden: impl Fn(&str) -> bool,
+    rule: &str,
+) {
+    let found: Vec<String> = graph
+        .closure(&graph.member(crate_name))
+        .into_iter()
+        .filter(|dep| forbidden(dep))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "{crate_name} {rule}, but depends on {found:?}"
+    );
+}
+
+/// For [`assert_reaches_none`]: the crates named `names`.
+fn named<'a>(names: &'a [&str]) -> impl Fn(&str) -> bool + 'a {
+    move |dep| names.contains(&dep)
 }
 
 #[test]
 fn the_routing_policy_stays_free_of_runtimes_and_network_stacks() {
     let graph = Graph::load();
-    let found = reachable(
+    assert_reaches_none(
         &graph,
         "switchyard-policy",
-        &[
+        named(&[
             "tokio",
             "tonic",
             "axum",
@@ -166,11 +180,8 @@ fn the_routing_policy_stays_free_of_runtimes_and_network_stacks() {
             "mio",
             "h2",
             "etcd-client",
-        ],
-    );
-    assert!(
-        found.is_empty(),
-        "switchyard-policy must stay pure (ARCHITECTURE.md) but depends on {found:?}"
+        ]),
+        "must stay pure (ARCHITECTURE.md)",
     );
 }
 
@@ -178,18 +189,15 @@ fn the_routing_policy_stays_free_of_runtimes_and_network_stacks() {
 fn the_simulator_and_the_policy_carry_no_opentelemetry_and_no_grpc() {
     let graph = Graph::load();
     for name in ["switchyard-engine-sim", "switchyard-policy"] {
-        let found: Vec<String> = graph
-            .closure(&graph.member(name))
-            .into_iter()
-            .filter(|dep| {
+        assert_reaches_none(
+            &graph,
+            name,
+            |dep| {
                 dep.starts_with("opentelemetry")
                     || dep.starts_with("tracing-opentelemetry")
                     || dep.starts_with("tonic")
-            })
-            .collect();
-        assert!(
-            found.is_empty(),
-            "{name} must not depend on OpenTelemetry or tonic (ARCHITECTURE.md), but reaches {found:?}"
+            },
+            "must not depend on OpenTelemetry or tonic (ARCHITECTURE.md)",
         );
     }
 }
@@ -204,14 +212,11 @@ fn no_product_crate_carries_benchmark_or_test_code() {
         "switchyard-cluster",
         "switchyard-cli",
     ] {
-        let found = reachable(
+        assert_reaches_none(
             &graph,
             name,
-            &["switchyard-bench", "switchyard-testkit", "switchyard-tests"],
-        );
-        assert!(
-            found.is_empty(),
-            "{name} is part of what users run and must not depend on {found:?}"
+            named(&["switchyard-bench", "switchyard-testkit", "switchyard-tests"]),
+            "is part of what users run and must carry no benchmark or test code",
         );
     }
 }
@@ -232,10 +237,11 @@ fn nothing_under_data_plane_reaches_etcd() {
         data_plane.display()
     );
     for name in crates {
-        let found = reachable(&graph, name, &["etcd-client"]);
-        assert!(
-            found.is_empty(),
-            "{name} is under data-plane/ and must never talk to etcd, but depends on etcd-client"
+        assert_reaches_none(
+            &graph,
+            name,
+            named(&["etcd-client"]),
+            "is under data-plane/ and must never talk to etcd",
         );
     }
 }

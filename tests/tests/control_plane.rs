@@ -24,9 +24,7 @@ async fn etcd_store_keeps_the_storage_contract() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn admin_round_trips_on_etcd() -> anyhow::Result<()> {
-    let etcd = Etcd::start().await?;
-    let cp = etcd_control_plane(&etcd, "/rt/").await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (_etcd, cp, mut admin) = etcd_admin("/rt/").await?;
 
     let created = admin
         .create_endpoint_config(config_request(
@@ -61,13 +59,7 @@ async fn admin_round_trips_on_etcd() -> anyhow::Result<()> {
         .await?
         .into_inner();
     assert_eq!(endpoint.status, pb::EndpointStatus::InService as i32);
-    let updated = admin
-        .update_endpoint(pb::UpdateEndpointRequest {
-            name: "chat".into(),
-            endpoint_config_name: "cfg-b".into(),
-        })
-        .await?
-        .into_inner();
+    let updated = switch_endpoint_config(&mut admin, "chat", "cfg-b").await?;
     assert_eq!(updated.endpoint_config_name, "cfg-b");
     let described = admin
         .describe_endpoint(pb::DescribeEndpointRequest {
@@ -136,8 +128,7 @@ async fn admin_round_trips_on_etcd() -> anyhow::Result<()> {
 #[tokio::test]
 async fn every_validation_rule_names_its_field() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     let variant = |name: &str, routing: Option<pb::RoutingConfig>| pb::ProductionVariant {
         variant_name: name.into(),
         routing_config: routing,
@@ -596,9 +587,7 @@ async fn next_change(
 
 #[tokio::test]
 async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
-    let etcd = Etcd::start().await?;
-    let cp = etcd_control_plane(&etcd, "/sync/").await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (_etcd, cp, mut admin) = etcd_admin("/sync/").await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
 
     let (_sender, mut stream) = sync_client(&cp.url(), "r1").await?;
@@ -614,12 +603,7 @@ async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
             &variant_json("PREFIX_AWARE", Some((2048, 5))),
         ))
         .await?;
-    admin
-        .update_endpoint(pb::UpdateEndpointRequest {
-            name: "chat".into(),
-            endpoint_config_name: "cfg-prefix".into(),
-        })
-        .await?;
+    switch_endpoint_config(&mut admin, "chat", "cfg-prefix").await?;
     loop {
         if let pb::sync_message::Message::EndpointChanged(routed) = next_change(&mut stream).await?
         {
@@ -652,8 +636,7 @@ async fn changes_reach_a_connected_sync_client() -> anyhow::Result<()> {
 #[tokio::test]
 async fn fleet_load_is_the_sum_of_the_other_routers_over_known_instances() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
     register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
     let (a, mut a_stream) = sync_client(&cp.url(), "router-a").await?;
@@ -697,9 +680,7 @@ async fn fleet_load_is_the_sum_of_the_other_routers_over_known_instances() -> an
 
 #[tokio::test]
 async fn an_instance_whose_heartbeats_stop_leaves_after_its_ttl() -> anyhow::Result<()> {
-    let etcd = Etcd::start().await?;
-    let cp = etcd_control_plane(&etcd, "/ttl/").await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (_etcd, _control_plane, mut admin) = etcd_admin("/ttl/").await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
     admin
         .register_instance(pb::RegisterInstanceRequest {
@@ -849,13 +830,10 @@ async fn killing_the_leader_hands_probing_to_the_other_replica() -> anyhow::Resu
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
     let engine = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig::default()).await?;
     register(&mut admin, "chat", "engine", &engine.url).await?;
-    eventually(
-        Duration::from_secs(10),
+    wait_first_instance_health(
+        &admin,
+        pb::HealthStatus::Healthy,
         "the leader to mark the engine healthy",
-        || {
-            let probe = first_instance_health(&admin);
-            async move { probe.await == pb::HealthStatus::Healthy as i32 }
-        },
     )
     .await?;
 
@@ -869,13 +847,10 @@ async fn killing_the_leader_hands_probing_to_the_other_replica() -> anyhow::Resu
     .await?;
     // Probing runs on the new leader: the engine dies and is marked unhealthy.
     engine.kill();
-    eventually(
-        Duration::from_secs(10),
+    wait_first_instance_health(
+        &admin,
+        pb::HealthStatus::Unhealthy,
         "the new leader to mark the engine unhealthy",
-        || {
-            let probe = first_instance_health(&admin);
-            async move { probe.await == pb::HealthStatus::Unhealthy as i32 }
-        },
     )
     .await?;
     Ok(())
@@ -1334,9 +1309,7 @@ async fn fleet_load_crosses_replicas_and_a_dead_replicas_share_lapses() -> anyho
     // Two replicas on one etcd: a router on replica 1 reports load; a router on replica 2 must
     // see it (replica 1 publishes its routers' sum under load/{replica}, replica 2 follows).
     // Replica 1 is a real process, killed with SIGKILL: its share goes with its lease.
-    let etcd = Etcd::start().await?;
-    let mut first = etcd_control_process(&etcd, "/xload/")?;
-    let second = etcd_control_plane(&etcd, "/xload/").await?;
+    let (_etcd, mut first, second) = etcd_replica_pair("/xload/").await?;
     let mut admin = admin(&second.url()).await?;
     create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
     register(&mut admin, "chat", "i1", "http://127.0.0.1:9").await?;
@@ -1509,8 +1482,7 @@ async fn health_writes_are_fenced_by_the_leader_key_on_etcd() -> anyhow::Result<
 async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() -> anyhow::Result<()>
 {
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     admin
         .create_endpoint_config(config_request_with_health(
             "chat-cfg",
@@ -1552,11 +1524,7 @@ async fn an_unhealthy_instance_returns_only_after_healthy_threshold_successes() 
 
     server.set_healthy(true);
     let successes_before = server.successes();
-    eventually(Duration::from_secs(10), "healthy again", || {
-        let health = first_instance_health(&admin);
-        async move { health.await == pb::HealthStatus::Healthy as i32 }
-    })
-    .await?;
+    wait_first_instance_health(&admin, pb::HealthStatus::Healthy, "healthy again").await?;
     // Polled every 20 ms against probes every 100 ms: seen within a probe of the transition.
     let successes = server.successes() - successes_before;
     assert!(

@@ -671,11 +671,7 @@ async fn lmcache_prefill_pushes_to_its_partner_which_then_decodes() -> anyhow::R
         );
     }
     // The partners found the pushed prompts cached.
-    let hits: u64 = pool
-        .decode
-        .iter()
-        .map(|sim| sim.stats().prefix_cache_hits)
-        .sum();
+    let hits = prefix_cache_hits(&pool.decode);
     assert!(
         hits >= 4 * 4096,
         "decoders recomputed pushed prompts: {hits} cached tokens"

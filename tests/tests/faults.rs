@@ -30,6 +30,63 @@ async fn start_router(
     router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
+/// The instances of a router that prefers `id` at `url` (a million to one) to a healthy
+/// simulator, `healthy`.
+fn preferred_to_healthy<'a>(
+    id: &'a str,
+    url: &'a str,
+    healthy: &'a SimHandle,
+) -> [(&'a str, &'a str, f64); 2] {
+    [
+        (id, url, 1_000_000.0),
+        ("healthy", healthy.url.as_str(), 1.0),
+    ]
+}
+
+/// A chat request (`text`, `max_tokens`, not streamed) with `headers` to `router`'s endpoint
+/// `chat`; `what` names it if it takes longer than a step may ([`bounded`]).
+async fn chat(
+    router: &RouterHandle,
+    what: &str,
+    headers: &[(&str, &str)],
+    text: &str,
+    max_tokens: u32,
+) -> anyhow::Result<Reply> {
+    let body = chat_body(text, max_tokens, false);
+    bounded(what, http_post(&chat_url(router), headers, body)).await
+}
+
+/// Sends `rounds` chat requests (`r0`, `r1`, …, 2 tokens each) to `router` one after another
+/// ([`chat`]) and asserts that each was answered 200; returns the answers.
+async fn chats_in_turn(
+    router: &RouterHandle,
+    what: &str,
+    rounds: usize,
+) -> anyhow::Result<Vec<Reply>> {
+    let mut replies = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let reply = chat(router, what, &[], &format!("r{round}"), 2).await?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        replies.push(reply);
+    }
+    Ok(replies)
+}
+
+/// A SageMaker invocation of `body` with `headers` to `router`'s endpoint `chat`; `what` names
+/// it if it takes longer than a step may ([`bounded`]).
+async fn invoke(
+    router: &RouterHandle,
+    what: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> anyhow::Result<Reply> {
+    bounded(
+        what,
+        http_post(&invocations_url(router), headers, body.to_owned()),
+    )
+    .await
+}
+
 fn request_ids(engine: &SimHandle) -> HashSet<String> {
     engine
         .received()
@@ -38,23 +95,29 @@ fn request_ids(engine: &SimHandle) -> HashSet<String> {
         .collect()
 }
 
-fn dying(config: SimConfig) -> SimConfig {
-    SimConfig {
-        die_mid_stream_rate: 1.0,
-        ..config
+/// A simulator 50× faster than real time, misbehaving as `set` makes it (a fault rate at 1).
+fn misbehaving(set: impl FnOnce(&mut SimConfig)) -> SimConfig {
+    let mut config = fast();
+    set(&mut config);
+    config
+}
+
+/// Asserts that each of `counters` (a series, by its whole name and labels, and its value)
+/// reads as given on `router`'s /metrics now.
+async fn assert_counters(router: &RouterHandle, counters: &[(&str, f64)]) {
+    for &(series, value) in counters {
+        assert_eq!(metric(&router.url(), series).await, Some(value), "{series}");
     }
 }
 
 #[tokio::test]
 async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> anyhow::Result<()> {
-    let dies = switchyard_engine_sim::spawn(dying(fast())).await?;
+    let dies =
+        switchyard_engine_sim::spawn(misbehaving(|sim| sim.die_mid_stream_rate = 1.0)).await?;
     let healthy = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
     // The dying engine is first choice for all but one in a million draws.
-    let instances = [
-        ("dies", dies.url.as_str(), 1_000_000.0),
-        ("healthy", healthy.url.as_str(), 1.0),
-    ];
+    let instances = preferred_to_healthy("dies", &dies.url, &healthy);
     let router = start_router(&dir, &instances, |config| config.eject_after_failures = 100).await?;
     for (round, stream) in [false, true, false, true].into_iter().enumerate() {
         let id = format!("dies-{round}");
@@ -116,13 +179,12 @@ async fn an_engine_that_dies_after_reading_gets_one_error_and_no_resend() -> any
         config.retry_after_send = true;
     })
     .await?;
-    let reply = bounded(
+    let reply = chat(
+        &router,
         "a retried request",
-        http_post(
-            &chat_url(&router),
-            &[("x-request-id", "opt-in")],
-            chat_body("crash me", 4, false),
-        ),
+        &[("x-request-id", "opt-in")],
+        "crash me",
+        4,
     )
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
@@ -141,23 +203,10 @@ async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> a
     let refusing_url = refusing.url();
     let healthy = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
-    let instances = [
-        ("refusing", refusing_url.as_str(), 1_000_000.0),
-        ("healthy", healthy.url.as_str(), 1.0),
-    ];
+    let instances = preferred_to_healthy("refusing", &refusing_url, &healthy);
     let router = start_router(&dir, &instances, |config| config.eject_after_failures = 3).await?;
     let mut routes = Vec::new();
-    for round in 0..6 {
-        let reply = bounded(
-            "a request past a refusing engine",
-            http_post(
-                &chat_url(&router),
-                &[],
-                chat_body(&format!("r{round}"), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+    for reply in chats_in_turn(&router, "a request past a refusing engine", 6).await? {
         assert_eq!(reply.header("x-switchyard-instance"), Some("healthy"));
         routes.push(reply.header("x-switchyard-route").unwrap_or("").to_owned());
     }
@@ -165,14 +214,14 @@ async fn an_engine_refusing_connections_is_retried_elsewhere_then_ejected() -> a
     // plane here could have removed it) and went straight to the healthy one.
     assert_eq!(routes[..3], ["retry", "retry", "retry"], "{routes:?}");
     assert_eq!(routes[3..], ["random", "random", "random"], "{routes:?}");
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"refusing\"}"
-        )
-        .await,
-        Some(1.0)
-    );
+    assert_counters(
+        &router,
+        &[(
+            "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"refusing\"}",
+            1.0,
+        )],
+    )
+    .await;
     settles(&router).await?;
     Ok(())
 }
@@ -187,9 +236,12 @@ async fn with_every_instance_refusing_the_client_gets_a_503_naming_the_error() -
     let dir = tempfile::tempdir()?;
     let instances = [("r0", urls[0].as_str(), 1.0), ("r1", urls[1].as_str(), 1.0)];
     let router = start_router(&dir, &instances, |_| {}).await?;
-    let reply = bounded(
+    let reply = chat(
+        &router,
         "a request with nothing reachable",
-        http_post(&chat_url(&router), &[], chat_body("anyone?", 2, false)),
+        &[],
+        "anyone?",
+        2,
     )
     .await?;
     assert_eq!(reply.status, 503, "{}", reply.body);
@@ -208,30 +260,21 @@ async fn with_every_instance_refusing_the_client_gets_a_503_naming_the_error() -
 
 #[tokio::test]
 async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Result<()> {
-    let hangs = switchyard_engine_sim::spawn(SimConfig {
-        hang_rate: 1.0,
-        ..fast()
-    })
-    .await?;
+    let hangs = switchyard_engine_sim::spawn(misbehaving(|sim| sim.hang_rate = 1.0)).await?;
     let healthy = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
-    let instances = [
-        ("hangs", hangs.url.as_str(), 1_000_000.0),
-        ("healthy", healthy.url.as_str(), 1.0),
-    ];
+    let instances = preferred_to_healthy("hangs", &hangs.url, &healthy);
     let router = start_router(&dir, &instances, |config| {
         config.upstream_header_timeout_seconds = 1;
         config.connect_timeout_ms = 500;
     })
     .await?;
     let started = Instant::now();
-    let reply = bounded(
+    let reply = invoke(
+        &router,
         "a request to a hung engine",
-        http_post(
-            &invocations_url(&router),
-            &[("x-request-id", "hung")],
-            r#"{"prompt":"wait","max_tokens":2}"#,
-        ),
+        &[("x-request-id", "hung")],
+        r#"{"prompt":"wait","max_tokens":2}"#,
     )
     .await?;
     // SageMaker's answer to a container that timed out: 424 ModelError, which boto3 does not
@@ -246,29 +289,22 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
     assert_eq!(reply.json()["ErrorCode"], "ModelError", "{}", reply.body);
     assert!(reply.body.contains("--upstream-header-timeout-seconds"));
     assert!(!request_ids(&healthy).contains("hung"), "sent twice");
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_errors_total{kind=\"upstream_timeout\"}"
-        )
-        .await,
-        Some(1.0)
-    );
-    // A timeout is not a connection failure: the instance stays in rotation.
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"hangs\"}"
-        )
-        .await,
-        Some(0.0)
-    );
-    assert_eq!(
-        metric(&router.url(), "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}"
-        )
-        .await,
-        Some(1.0)
-    );
+    assert_counters(
+        &router,
+        &[
+            ("switchyard_router_errors_total{kind=\"upstream_timeout\"}", 1.0),
+            // A timeout is not a connection failure: the instance stays in rotation.
+            (
+                "switchyard_router_instance_ejected{endpoint=\"chat\",instance=\"hangs\"}",
+                0.0,
+            ),
+            (
+                "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"hangs\",kind=\"timeout\"}",
+                1.0,
+            ),
+        ],
+    )
+    .await;
     settles(&router).await?;
     router.shutdown().await;
 
@@ -294,11 +330,7 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
         config.connect_timeout_ms = 500;
     })
     .await?;
-    let reply = bounded(
-        "a request to a silent engine",
-        http_post(&chat_url(&router), &[], chat_body("wait", 2, false)),
-    )
-    .await?;
+    let reply = chat(&router, "a request to a silent engine", &[], "wait", 2).await?;
     assert_eq!(reply.status, 504, "{}", reply.body);
     // openai-python would resend a 504: the answer tells it not to.
     assert_eq!(reply.header("x-should-retry"), Some("false"));
@@ -313,11 +345,8 @@ async fn a_hung_engine_gets_a_504_at_the_deadline_and_no_retry() -> anyhow::Resu
 
 #[tokio::test]
 async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
-    let stalls = switchyard_engine_sim::spawn(SimConfig {
-        stall_mid_stream_rate: 1.0,
-        ..fast()
-    })
-    .await?;
+    let stalls =
+        switchyard_engine_sim::spawn(misbehaving(|sim| sim.stall_mid_stream_rate = 1.0)).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("stalls", stalls.url.as_str(), 1.0)], |config| {
         config.stream_idle_timeout_seconds = 1;
@@ -350,27 +379,20 @@ async fn a_stalled_answer_ends_at_the_idle_deadline() -> anyhow::Result<()> {
         "the error came after {gap:?}"
     );
     // A non-streaming answer whose body never comes is cut.
-    let cut = bounded(
-        "a stalled body",
-        http_post(&chat_url(&router), &[], chat_body("tell me", 20, false)),
+    let cut = chat(&router, "a stalled body", &[], "tell me", 20).await;
+    assert!(cut.is_err(), "a stalled body arrived whole: {cut:?}");
+    assert_counters(
+        &router,
+        &[
+            ("switchyard_router_errors_total{kind=\"stream_idle_timeout\"}", 2.0),
+            // Both are also counted against the instance.
+            (
+                "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"stalls\",kind=\"stream_idle\"}",
+                2.0,
+            ),
+        ],
     )
     .await;
-    assert!(cut.is_err(), "a stalled body arrived whole: {cut:?}");
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_errors_total{kind=\"stream_idle_timeout\"}"
-        )
-        .await,
-        Some(2.0)
-    );
-    // Both are also counted against the instance.
-    assert_eq!(
-        metric(&router.url(), "switchyard_router_upstream_errors_total{endpoint=\"chat\",instance=\"stalls\",kind=\"stream_idle\"}"
-        )
-        .await,
-        Some(2.0)
-    );
     settles(&router).await?;
     Ok(())
 }
@@ -406,18 +428,7 @@ async fn half_sent_headers_are_closed_while_others_are_served() -> anyhow::Resul
     }
     let last_opened = Instant::now();
     // Other clients are served meanwhile.
-    for round in 0..5 {
-        let reply = bounded(
-            "a request beside 1,000 slow sockets",
-            http_post(
-                &chat_url(&router),
-                &[],
-                chat_body(&format!("r{round}"), 2, false),
-            ),
-        )
-        .await?;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
+    chats_in_turn(&router, "a request beside 1,000 slow sockets", 5).await?;
     // Every slow socket is closed by the router (`bounded` fails the test otherwise), and
     // not before its deadline: the last one opened is read first.
     for mut socket in slow.into_iter().rev() {
@@ -442,11 +453,7 @@ async fn half_sent_headers_are_closed_while_others_are_served() -> anyhow::Resul
 
 #[tokio::test]
 async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()> {
-    let hangs = switchyard_engine_sim::spawn(SimConfig {
-        hang_rate: 1.0,
-        ..fast()
-    })
-    .await?;
+    let hangs = switchyard_engine_sim::spawn(misbehaving(|sim| sim.hang_rate = 1.0)).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("hangs", hangs.url.as_str(), 1.0)], |config| {
         config.max_in_flight = 2;
@@ -485,11 +492,7 @@ async fn over_the_limits_clients_get_503_with_retry_after() -> anyhow::Result<()
         || async { router.admission().in_flight() == 2 },
     )
     .await?;
-    let refused = bounded(
-        "a third request",
-        http_post(&url, &[], chat_body("x", 1, false)),
-    )
-    .await?;
+    let refused = chat(&router, "a third request", &[], "x", 1).await?;
     assert_eq!(refused.status, 503, "{}", refused.body);
     assert_eq!(refused.header("retry-after"), Some("1"));
     assert!(refused.body.contains("--max-in-flight"), "{}", refused.body);
@@ -546,20 +549,12 @@ async fn an_engines_own_overload_answer_reaches_the_client() -> anyhow::Result<(
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("busy", url.as_str(), 1.0)], |_| {}).await?;
     // OpenAI clients see the engine's answer unchanged.
-    let reply = bounded(
-        "an OpenAI request",
-        http_post(&chat_url(&router), &[], chat_body("hi", 1, false)),
-    )
-    .await?;
+    let reply = chat(&router, "an OpenAI request", &[], "hi", 1).await?;
     assert_eq!(reply.status, 429);
     assert_eq!(reply.header("retry-after"), Some("7"));
     assert_eq!(reply.json()["error"]["message"], "queue full");
     // SageMaker clients see 424 ModelError carrying the engine's status and Retry-After.
-    let reply = bounded(
-        "a native request",
-        http_post(&invocations_url(&router), &[], "{}"),
-    )
-    .await?;
+    let reply = invoke(&router, "a native request", &[], "{}").await?;
     assert_eq!(reply.status, 424);
     assert_eq!(reply.json()["ErrorCode"], "ModelError");
     assert_eq!(reply.json()["OriginalStatusCode"], 429);
@@ -588,11 +583,7 @@ async fn a_long_container_error_message_is_cut_at_64_kib() -> anyhow::Result<()>
     let (url, server) = stand_in(app).await?;
     let dir = tempfile::tempdir()?;
     let router = start_router(&dir, &[("broken", url.as_str(), 1.0)], |_| {}).await?;
-    let reply = bounded(
-        "a native request",
-        http_post(&invocations_url(&router), &[], "{}"),
-    )
-    .await?;
+    let reply = invoke(&router, "a native request", &[], "{}").await?;
     assert_eq!(reply.status, 424);
     assert_eq!(reply.json()["OriginalStatusCode"], 500);
     let message = reply.json()["Message"]
@@ -631,10 +622,11 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
         .await?;
         assert_eq!(status, 200);
     }
-    let native = invocations_url(&router);
-    let reply = bounded(
+    let reply = invoke(
+        &router,
         "a native answer",
-        http_post(&native, &[], r#"{"prompt":"hi","max_tokens":2}"#),
+        &[],
+        r#"{"prompt":"hi","max_tokens":2}"#,
     )
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
@@ -696,14 +688,14 @@ async fn clients_that_leave_or_stop_reading_release_everything() -> anyhow::Resu
         || async { router.admission().in_flight() == 0 && router.in_flight() == 0 },
     )
     .await?;
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_errors_total{kind=\"client_stalled\"}"
-        )
-        .await,
-        Some(1.0)
-    );
+    assert_counters(
+        &router,
+        &[(
+            "switchyard_router_errors_total{kind=\"client_stalled\"}",
+            1.0,
+        )],
+    )
+    .await;
     drop(socket);
     settles(&router).await?;
     Ok(())
@@ -737,22 +729,18 @@ async fn an_http2_stream_refused_by_the_engine_is_retried_and_another_reset_is_n
         });
         let healthy = switchyard_engine_sim::spawn(fast()).await?;
         let dir = tempfile::tempdir()?;
-        let instances = [
-            ("resets", resetting_url.as_str(), 1_000_000.0),
-            ("healthy", healthy.url.as_str(), 1.0),
-        ];
+        let instances = preferred_to_healthy("resets", &resetting_url, &healthy);
         let router = start_router(&dir, &instances, |config| {
             config.upstream_protocol = switchyard_router::UpstreamProtocol::H2c;
             config.eject_after_failures = 100;
         })
         .await?;
-        let reply = bounded(
+        let reply = chat(
+            &router,
             "a request to a resetting engine",
-            http_post(
-                &chat_url(&router),
-                &[("x-request-id", "once")],
-                chat_body("hi", 2, false),
-            ),
+            &[("x-request-id", "once")],
+            "hi",
+            2,
         )
         .await?;
         assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);

@@ -33,18 +33,23 @@ fn registrations(count: usize, url_bytes: usize) -> Vec<pb::RegisterInstanceRequ
         .collect()
 }
 
-fn router_config(urls: &[String]) -> switchyard_router::RouterConfig {
+/// The settings of a router following the control planes at `urls`, on one serving thread.
+fn router_settings(urls: &[String]) -> anyhow::Result<switchyard_router::Settings> {
     let mut config =
         switchyard_router::RouterConfig::with_control_plane(loopback_any(), urls.to_vec());
     config.worker_threads = Some(1);
-    config
+    config.validate().map_err(anyhow::Error::msg)
+}
+
+/// Starts a router of [`router_settings`].
+async fn start_router(urls: &[String]) -> anyhow::Result<switchyard_router::RouterHandle> {
+    Ok(switchyard_router::RouterHandle::start(router_settings(urls)?).await?)
 }
 
 #[tokio::test]
 async fn a_snapshot_above_16_mib_reaches_a_router_intact() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     create_quiet_endpoint(&mut admin, "chat").await?;
     let instances = registrations(9000, 2000);
     let bytes: usize = instances
@@ -62,12 +67,7 @@ async fn a_snapshot_above_16_mib_reaches_a_router_intact() -> anyhow::Result<()>
     assert_eq!(imported.imported, 9000);
     assert!(imported.transactions >= 9000 / 127, "{imported:?}");
 
-    let router = switchyard_router::RouterHandle::start(
-        router_config(&[cp.url()])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    )
-    .await?;
+    let router = start_router(&[cp.url()]).await?;
     eventually(
         Duration::from_secs(60),
         "the router to load 9000 instances",
@@ -239,12 +239,7 @@ async fn a_router_refuses_an_older_snapshot_and_takes_a_new_cluster() -> anyhow:
     }]);
     let (a_url, _a_stop) = a.clone().serve().await?;
     let (b_url, _b_stop) = b.clone().serve().await?;
-    let router = switchyard_router::RouterHandle::start(
-        router_config(&[a_url, b_url])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    )
-    .await?;
+    let router = start_router(&[a_url, b_url]).await?;
     // A's first stream delivers revision 10 and ends; B offers 9 and is refused; A's next
     // stream, another cluster, is taken.
     eventually(
@@ -303,12 +298,7 @@ async fn a_router_follows_a_control_plane_that_speaks_only_protocol_1() -> anyho
         hold: true,
     }]);
     let (url, _stop) = old.serve().await?;
-    let router = switchyard_router::RouterHandle::start(
-        router_config(&[url])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    )
-    .await?;
+    let router = start_router(&[url]).await?;
     eventually(
         Duration::from_secs(10),
         "the router to apply every change",
@@ -336,11 +326,9 @@ fn applying_happens_off_the_serving_threads() -> anyhow::Result<()> {
     let serving = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let router = serving.block_on(switchyard_router::RouterHandle::start(
-        router_config(&[url])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    ))?;
+    let router = serving.block_on(switchyard_router::RouterHandle::start(router_settings(&[
+        url,
+    ])?))?;
     let wait = |what: &str, check: &dyn Fn() -> bool| -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         while !check() {
@@ -389,18 +377,8 @@ async fn a_frozen_etcd_member_stops_its_replica_and_routers_move() -> anyhow::Re
     register(&mut admin_all, "chat", "before", "http://127.0.0.1:9").await?;
     // One router starts on the lone replica, with the other as its fallback; one follows the
     // replica with every member.
-    let moving = switchyard_router::RouterHandle::start(
-        router_config(&[lone.url(), all.url()])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    )
-    .await?;
-    let staying = switchyard_router::RouterHandle::start(
-        router_config(&[all.url()])
-            .validate()
-            .map_err(anyhow::Error::msg)?,
-    )
-    .await?;
+    let moving = start_router(&[lone.url(), all.url()]).await?;
+    let staying = start_router(&[all.url()]).await?;
     for router in [&moving, &staying] {
         eventually(
             Duration::from_secs(15),
@@ -573,8 +551,7 @@ async fn a_second_control_plane_on_the_same_data_dir_exits_64_and_the_first_keep
 #[tokio::test]
 async fn instance_import_checks_every_line_first_and_imports_in_batches() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     create_quiet_endpoint(&mut admin, "chat").await?;
     let line = |id: usize, variant: &str| {
         format!(

@@ -7,6 +7,7 @@
 //! answer), so that what waits and what reaches the engine is exact; the holders' clients
 //! then leave, which frees the slots, with the engine answering again.
 
+use std::ops::RangeInclusive;
 use std::time::Duration;
 
 use switchyard_engine_sim::{InstanceRole, SimConfig, SimHandle};
@@ -51,6 +52,37 @@ async fn start_router_with(
     router_from_file(&dir.path().join("routes.yaml"), &yaml, tune).await
 }
 
+/// A simulated engine (50× real time) and a router over it ([`start_router`], MaxInFlightPerInstance
+/// `cap`, `tune` applied): the engine, the folder of the router's file, the router.
+async fn engine_and_router(
+    cap: u32,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<(SimHandle, tempfile::TempDir, RouterHandle)> {
+    engine_and_router_with(&format!("MaxInFlightPerInstance: {cap}"), tune).await
+}
+
+/// [`engine_and_router`] with the variant's flow-control fields as given (`fields`, YAML).
+async fn engine_and_router_with(
+    fields: &str,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<(SimHandle, tempfile::TempDir, RouterHandle)> {
+    let engine = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let router = start_router_with(&dir, fields, &[&engine], tune).await?;
+    Ok((engine, dir, router))
+}
+
+/// [`engine_and_router`] with the engine's `cap` slots held ([`hold_slots`]): the engine, the
+/// folder of the router's file, the router, the holders.
+async fn held_engine_and_router(
+    cap: u32,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<(SimHandle, tempfile::TempDir, RouterHandle, Vec<Pending>)> {
+    let (engine, dir, router) = engine_and_router(cap, tune).await?;
+    let holders = hold_slots(&router, &engine, cap as usize).await?;
+    Ok((engine, dir, router, holders))
+}
+
 fn hanging(engine: &SimHandle, hang: bool) {
     engine.set_faults(switchyard_engine_sim::Faults {
         hang_rate: if hang { 1.0 } else { 0.0 },
@@ -58,13 +90,12 @@ fn hanging(engine: &SimHandle, hang: bool) {
     });
 }
 
+/// A request in a task of its own; its client leaves when the task is aborted.
+type Pending = JoinHandle<anyhow::Result<Reply>>;
+
 /// A chat request (one token) through `router`, in a task of its own, with `headers`; its
 /// body carries `extra` fields.
-fn send(
-    router: &RouterHandle,
-    headers: &[(&str, &str)],
-    extra: serde_json::Value,
-) -> JoinHandle<anyhow::Result<Reply>> {
+fn send(router: &RouterHandle, headers: &[(&str, &str)], extra: serde_json::Value) -> Pending {
     let url = chat_url(router);
     let headers: Vec<(String, String)> = headers
         .iter()
@@ -83,41 +114,119 @@ fn send(
     })
 }
 
+/// [`send`] with `x-request-id: id` and nothing added to the body.
+fn send_as(router: &RouterHandle, id: &str) -> Pending {
+    send(router, &[("x-request-id", id)], serde_json::json!({}))
+}
+
+/// Waits for each of `tasks` (`what` names them if one hangs) and asserts that it was
+/// answered 200; returns the answers, in order.
+async fn all_answered(tasks: Vec<Pending>, what: &str) -> anyhow::Result<Vec<Reply>> {
+    let mut replies = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        let reply = bounded(what, task).await??;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        replies.push(reply);
+    }
+    Ok(replies)
+}
+
+/// Asserts that `reply` turned the client away for now: 503, to be tried again in a second.
+fn assert_try_again(reply: &Reply) {
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(reply.header("retry-after"), Some("1"));
+}
+
+/// [`assert_try_again`], in OpenAI's error shape with the error code `code`.
+fn assert_try_again_openai(reply: &Reply, code: &str) {
+    assert_try_again(reply);
+    assert_eq!(reply.json()["error"]["code"], code, "{}", reply.body);
+}
+
+/// Asserts that of the first `first` of `served` (request ids), the share of those starting
+/// with `prefix` lies within `within`.
+fn assert_share(served: &[String], first: usize, prefix: &str, within: RangeInclusive<f64>) {
+    let count = served[..first]
+        .iter()
+        .filter(|id| id.starts_with(prefix))
+        .count();
+    let share = count as f64 / first as f64;
+    assert!(
+        within.contains(&share),
+        "{prefix} share {share}: {served:?}"
+    );
+}
+
+/// Holds `engine`'s one slot ([`hold_slots`]), then queues each backlog of `backlogs` in turn:
+/// (fairness id, requests, the body field naming it), the requests `{id}-{index}`, each with
+/// `headers` too. Frees the slot and waits for every answer; returns the ids in the order
+/// `engine` served them.
+async fn serve_backlogs(
+    router: &RouterHandle,
+    engine: &SimHandle,
+    backlogs: &[(&str, usize, &str)],
+    headers: &[(&str, &str)],
+) -> anyhow::Result<Vec<String>> {
+    let holders = hold_slots(router, engine, 1).await?;
+    let mut tasks = Vec::new();
+    for &(id, count, field) in backlogs {
+        for index in 0..count {
+            let request_id = format!("{id}-{index}");
+            let mut request_headers = vec![("x-request-id", request_id.as_str())];
+            request_headers.extend_from_slice(headers);
+            tasks.push(send(
+                router,
+                &request_headers,
+                serde_json::json!({ field: id }),
+            ));
+        }
+        queued(router, tasks.len()).await?;
+    }
+    release(engine, holders);
+    all_answered(tasks, "a queued request").await?;
+    Ok(served_ids(engine))
+}
+
 /// Fills `cap` slots of `engine` with requests it never answers: the holders, whose
 /// clients leave when aborted.
 async fn hold_slots(
     router: &RouterHandle,
     engine: &SimHandle,
     cap: usize,
-) -> anyhow::Result<Vec<JoinHandle<anyhow::Result<Reply>>>> {
+) -> anyhow::Result<Vec<Pending>> {
     hanging(engine, true);
     let before = engine.received().len();
     let holders: Vec<_> = (0..cap)
-        .map(|index| {
-            send(
-                router,
-                &[("x-request-id", &format!("holder-{index}"))],
-                serde_json::json!({}),
-            )
-        })
+        .map(|index| send_as(router, &format!("holder-{index}")))
         .collect();
-    eventually(
-        Duration::from_secs(10),
-        "the holders to reach the engine",
-        || async { engine.received().len() == before + cap },
-    )
-    .await?;
+    received(engine, before + cap, "the holders to reach the engine").await?;
     Ok(holders)
+}
+
+/// Waits (10 s at most) until `check` holds (`what` names it if it never does).
+async fn wait_until(what: &str, check: impl Fn() -> bool) -> anyhow::Result<()> {
+    eventually(Duration::from_secs(10), what, || async { check() }).await
+}
+
+/// Waits until `engine` has received `count` requests in all.
+async fn received(engine: &SimHandle, count: usize, what: &str) -> anyhow::Result<()> {
+    wait_until(what, || engine.received().len() == count).await
 }
 
 /// Waits until `count` requests wait in the queue of `chat`/`v`.
 async fn queued(router: &RouterHandle, count: usize) -> anyhow::Result<()> {
-    eventually(
-        Duration::from_secs(10),
-        &format!("{count} requests queued"),
-        || async { router.queued("chat", "v") == count },
-    )
-    .await
+    queued_in(router, "chat", "v", count).await
+}
+
+/// Waits until `count` requests wait in the queue of `endpoint`/`variant`.
+async fn queued_in(
+    router: &RouterHandle,
+    endpoint: &str,
+    variant: &str,
+    count: usize,
+) -> anyhow::Result<()> {
+    let what = format!("{count} requests queued for {endpoint}/{variant}");
+    wait_until(&what, || router.queued(endpoint, variant) == count).await
 }
 
 /// The ids of the requests `engine` received, in arrival order, holders left out.
@@ -130,7 +239,7 @@ fn served_ids(engine: &SimHandle) -> Vec<String> {
         .collect()
 }
 
-fn release(engine: &SimHandle, holders: Vec<JoinHandle<anyhow::Result<Reply>>>) {
+fn release(engine: &SimHandle, holders: Vec<Pending>) {
     hanging(engine, false);
     for holder in holders {
         holder.abort();
@@ -148,18 +257,9 @@ async fn dropped(router: &RouterHandle, reason: &str) -> anyhow::Result<f64> {
 
 #[tokio::test]
 async fn past_the_cap_requests_wait_and_each_is_served_when_a_slot_frees() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, 2, &[&engine], |_| {}).await?;
-    let holders = hold_slots(&router, &engine, 2).await?;
+    let (engine, _dir, router, holders) = held_engine_and_router(2, |_| {}).await?;
     let waiting: Vec<_> = (0..3)
-        .map(|index| {
-            send(
-                &router,
-                &[("x-request-id", &format!("queued-{index}"))],
-                serde_json::json!({}),
-            )
-        })
+        .map(|index| send_as(&router, &format!("queued-{index}")))
         .collect();
     queued(&router, 3).await?;
     // Exactly the cap reached the engine; the rest wait in the router.
@@ -179,9 +279,7 @@ async fn past_the_cap_requests_wait_and_each_is_served_when_a_slot_frees() -> an
     hanging(&engine, false);
     let mut holders = holders.into_iter();
     holders.next().unwrap().abort();
-    for task in waiting {
-        let reply = bounded("a queued request", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
+    for reply in all_answered(waiting, "a queued request").await? {
         let waited: u64 = reply.header("x-switchyard-queue-ms").unwrap().parse()?;
         assert!(waited < 30_000, "{waited}");
     }
@@ -240,10 +338,7 @@ async fn under_load_no_engine_runs_more_than_the_cap() -> anyhow::Result<()> {
             most_in_flight = most_in_flight.max(sample.value);
         }
     }
-    for task in load {
-        let reply = bounded("a request under load", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
+    all_answered(load, "a request under load").await?;
     assert!(
         most_running.iter().all(|&running| running <= CAP),
         "engines ran {most_running:?} at once (cap {CAP})"
@@ -262,13 +357,8 @@ async fn under_load_no_engine_runs_more_than_the_cap() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn the_queue_serves_lower_priorities_first_then_in_arrival_order() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, 1, &[&engine], |config| {
-        config.trust_flow_headers = true
-    })
-    .await?;
-    let holders = hold_slots(&router, &engine, 1).await?;
+    let (engine, _dir, router, holders) =
+        held_engine_and_router(1, |config| config.trust_flow_headers = true).await?;
     // Arrival: late-1 and late-2 (priority 5), urgent (header -1), body (body priority -5).
     let mut tasks = Vec::new();
     let cases: [(&str, Option<&str>, serde_json::Value); 4] = [
@@ -286,10 +376,7 @@ async fn the_queue_serves_lower_priorities_first_then_in_arrival_order() -> anyh
         queued(&router, index + 1).await?;
     }
     release(&engine, holders);
-    for task in tasks {
-        let reply = bounded("a queued request", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
+    all_answered(tasks, "a queued request").await?;
     assert_eq!(served_ids(&engine), ["body", "urgent", "late-1", "late-2"]);
     settles(&router).await?;
     Ok(())
@@ -298,12 +385,8 @@ async fn the_queue_serves_lower_priorities_first_then_in_arrival_order() -> anyh
 #[tokio::test]
 async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_backlog()
 -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router_with(
-        &dir,
+    let (engine, _dir, router) = engine_and_router_with(
         "MaxInFlightPerInstance: 1\n        FlowHeadroomPerInstance: 1",
-        &[&engine],
         |config| config.trust_flow_headers = true,
     )
     .await?;
@@ -317,7 +400,7 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
     };
     // The heavy id takes the capped slot; its next three wait: it holds its whole share.
     let mut tasks = vec![heavy(0)];
-    eventually(Duration::from_secs(10), "heavy-0 at the engine", || async {
+    wait_until("heavy-0 at the engine", || {
         served_ids(&engine) == ["heavy-0"]
     })
     .await?;
@@ -331,11 +414,9 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
         &[("x-request-id", "light")],
         serde_json::json!({"user": "light"}),
     ));
-    eventually(
-        Duration::from_secs(10),
-        "the light request at the engine",
-        || async { served_ids(&engine) == ["heavy-0", "light"] },
-    )
+    wait_until("the light request at the engine", || {
+        served_ids(&engine) == ["heavy-0", "light"]
+    })
     .await?;
     assert_eq!(router.queued("chat", "v"), 3);
     // Cap + headroom reached: an urgent request waits (the engine never gets a third).
@@ -352,10 +433,7 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
     for holder in [tasks.remove(0), light] {
         holder.abort();
     }
-    for task in tasks {
-        let reply = bounded("a queued request", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
+    all_answered(tasks, "a queued request").await?;
     let served = served_ids(&engine);
     assert_eq!(served[..3], ["heavy-0", "light", "urgent"], "{served:?}");
     let metrics = Metrics::scrape(&router.url()).await?;
@@ -370,44 +448,20 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
 
 #[tokio::test]
 async fn two_backlogged_fairness_ids_share_the_slots_evenly() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
     // Headers untrusted (the default): fairness ids come from the body, and a header naming
     // one shared id for everybody is stripped, not read.
-    let router = start_router(&dir, 1, &[&engine], |_| {}).await?;
-    let holders = hold_slots(&router, &engine, 1).await?;
-    let mut tasks = Vec::new();
+    let (engine, _dir, router) = engine_and_router(1, |_| {}).await?;
     // The heavy id's 90 requests all arrive before the light id's 30.
-    for (id, count, field) in [("heavy", 90, "safety_identifier"), ("light", 30, "user")] {
-        for index in 0..count {
-            tasks.push(send(
-                &router,
-                &[
-                    ("x-request-id", &format!("{id}-{index}")),
-                    ("x-switchyard-fairness-id", "everyone"),
-                ],
-                serde_json::json!({ field: id }),
-            ));
-        }
-        queued(&router, tasks.len()).await?;
-    }
-    release(&engine, holders);
-    for task in tasks {
-        let reply = bounded("a queued request", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
-    let served = served_ids(&engine);
+    let served = serve_backlogs(
+        &router,
+        &engine,
+        &[("heavy", 90, "safety_identifier"), ("light", 30, "user")],
+        &[("x-switchyard-fairness-id", "everyone")],
+    )
+    .await?;
     assert_eq!(served.len(), 120);
     // While both were backlogged (the first 60 served), each had half.
-    let heavy = served[..60]
-        .iter()
-        .filter(|id| id.starts_with("heavy-"))
-        .count();
-    let share = heavy as f64 / 60.0;
-    assert!(
-        (0.45..=0.55).contains(&share),
-        "heavy share {share}: {served:?}"
-    );
+    assert_share(&served, 60, "heavy-", 0.45..=0.55);
     settles(&router).await?;
     Ok(())
 }
@@ -421,55 +475,27 @@ async fn fairness_weights_from_the_config_divide_the_turns() -> anyhow::Result<(
         engine.url
     );
     let router = router_from_file(&dir.path().join("routes.yaml"), &yaml, |_| {}).await?;
-    let holders = hold_slots(&router, &engine, 1).await?;
-    let mut tasks = Vec::new();
-    for id in ["gold", "plain"] {
-        for index in 0..40 {
-            tasks.push(send(
-                &router,
-                &[("x-request-id", &format!("{id}-{index}"))],
-                serde_json::json!({ "user": id }),
-            ));
-        }
-        queued(&router, tasks.len()).await?;
-    }
-    release(&engine, holders);
-    for task in tasks {
-        let reply = bounded("a queued request", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
-    let served = served_ids(&engine);
+    let backlogs = [("gold", 40, "user"), ("plain", 40, "user")];
+    let served = serve_backlogs(&router, &engine, &backlogs, &[]).await?;
     // While both waited (the first 40 served), gold (weight 3) had three turns for each of
     // plain's (weight 1, not named): 75% ± 5%.
-    let gold = served[..40]
-        .iter()
-        .filter(|id| id.starts_with("gold-"))
-        .count();
-    let share = gold as f64 / 40.0;
-    assert!(
-        (0.70..=0.80).contains(&share),
-        "gold share {share}: {served:?}"
-    );
+    assert_share(&served, 40, "gold-", 0.70..=0.80);
     settles(&router).await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_full_queue_refuses_at_once_and_a_wait_ends_at_the_timeout() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, 1, &[&engine], |config| {
+    let (engine, _dir, router, holders) = held_engine_and_router(1, |config| {
         config.max_queued_requests = 1;
         config.queue_timeout_seconds = 1;
     })
     .await?;
-    let holders = hold_slots(&router, &engine, 1).await?;
     let waiting = send(&router, &[], serde_json::json!({}));
     queued(&router, 1).await?;
     // Overflow, on the native path: SageMaker's error shape.
     let refused = http_post(&invocations_url(&router), &[], chat_body("x", 1, false)).await?;
-    assert_eq!(refused.status, 503, "{}", refused.body);
-    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_try_again(&refused);
     assert_eq!(
         refused.json()["ErrorCode"],
         "ServiceUnavailable",
@@ -483,14 +509,7 @@ async fn a_full_queue_refuses_at_once_and_a_wait_ends_at_the_timeout() -> anyhow
     );
     // Timeout, on the OpenAI path: OpenAI's error shape.
     let timed_out = bounded("the queued request", waiting).await??;
-    assert_eq!(timed_out.status, 503, "{}", timed_out.body);
-    assert_eq!(timed_out.header("retry-after"), Some("1"));
-    assert_eq!(
-        timed_out.json()["error"]["code"],
-        "queue_timeout",
-        "{}",
-        timed_out.body
-    );
+    assert_try_again_openai(&timed_out, "queue_timeout");
     assert_eq!(router.queued("chat", "v"), 0);
     assert_eq!(dropped(&router, "overflow").await?, 1.0);
     assert_eq!(dropped(&router, "timeout").await?, 1.0);
@@ -503,16 +522,9 @@ async fn a_full_queue_refuses_at_once_and_a_wait_ends_at_the_timeout() -> anyhow
 
 #[tokio::test]
 async fn a_client_that_goes_away_leaves_the_queue_at_once() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, 1, &[&engine], |_| {}).await?;
-    let holders = hold_slots(&router, &engine, 1).await?;
-    let leaving = send(
-        &router,
-        &[("x-request-id", "leaves")],
-        serde_json::json!({}),
-    );
-    let staying = send(&router, &[("x-request-id", "stays")], serde_json::json!({}));
+    let (engine, _dir, router, holders) = held_engine_and_router(1, |_| {}).await?;
+    let leaving = send_as(&router, "leaves");
+    let staying = send_as(&router, "stays");
     queued(&router, 2).await?;
     leaving.abort();
     queued(&router, 1).await?;
@@ -533,28 +545,17 @@ async fn a_client_that_goes_away_leaves_the_queue_at_once() -> anyhow::Result<()
 #[tokio::test]
 async fn after_sigterm_the_queue_is_served_within_the_grace_period_then_refused()
 -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
     let grace = |config: &mut RouterConfig| config.shutdown_grace_seconds = 4;
     // A slot frees during the grace period: the queued requests are served.
-    let served = start_router(&dir, 1, &[&engine], grace).await?;
+    let (engine, _dir, served) = engine_and_router(1, grace).await?;
     let holders = hold_slots(&served, &engine, 1).await?;
     let waiting: Vec<_> = (0..2)
-        .map(|index| {
-            send(
-                &served,
-                &[("x-request-id", &format!("drained-{index}"))],
-                serde_json::json!({}),
-            )
-        })
+        .map(|index| send_as(&served, &format!("drained-{index}")))
         .collect();
     queued(&served, 2).await?;
     served.shutdown_token().cancel();
     release(&engine, holders);
-    for task in waiting {
-        let reply = bounded("a request queued at SIGTERM", task).await??;
-        assert_eq!(reply.status, 200, "{}", reply.body);
-    }
+    all_answered(waiting, "a request queued at SIGTERM").await?;
     // No slot frees: after half the grace period the queue is answered 503.
     let dir = tempfile::tempdir()?;
     let refused = start_router(&dir, 1, &[&engine], grace).await?;
@@ -563,14 +564,7 @@ async fn after_sigterm_the_queue_is_served_within_the_grace_period_then_refused(
     queued(&refused, 1).await?;
     refused.shutdown_token().cancel();
     let reply = bounded("a request left in the queue", waiting).await??;
-    assert_eq!(reply.status, 503, "{}", reply.body);
-    assert_eq!(reply.header("retry-after"), Some("1"));
-    assert_eq!(
-        reply.json()["error"]["code"],
-        "shutting_down",
-        "{}",
-        reply.body
-    );
+    assert_try_again_openai(&reply, "shutting_down");
     assert_eq!(dropped(&refused, "shutdown").await.unwrap_or(1.0), 1.0);
     release(&engine, holders);
     Ok(())
@@ -578,9 +572,7 @@ async fn after_sigterm_the_queue_is_served_within_the_grace_period_then_refused(
 
 #[tokio::test]
 async fn untrusted_flow_headers_are_stripped_and_trusted_ones_are_checked() -> anyhow::Result<()> {
-    let engine = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let untrusted = start_router(&dir, 4, &[&engine], |_| {}).await?;
+    let (engine, _dir, untrusted) = engine_and_router(4, |_| {}).await?;
     let headers = [
         ("x-request-id", "untrusted"),
         ("x-switchyard-priority", "not-a-number"),
@@ -621,9 +613,7 @@ async fn untrusted_flow_headers_are_stripped_and_trusted_ones_are_checked() -> a
 
 #[tokio::test]
 async fn the_cap_travels_from_the_admin_api_through_etcd_to_the_router() -> anyhow::Result<()> {
-    let etcd = Etcd::start().await?;
-    let cp = etcd_control_plane(&etcd, "/flow/").await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (_etcd, cp, mut admin) = etcd_admin("/flow/").await?;
     // Out of range: refused at the API, naming the field; nothing stored.
     let mut bad = config_request("bad", r#"[{"VariantName":"v","ModelName":"sim"}]"#);
     if let Some(config) = bad.endpoint_config.as_mut() {
@@ -693,8 +683,7 @@ async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() 
     const CAP: usize = 2;
     let engine = switchyard_engine_sim::spawn(fast()).await?;
     let dir = tempfile::tempdir()?;
-    let cp = embedded_control_plane(dir.path()).await?;
-    let mut admin = admin(&cp.url()).await?;
+    let (cp, mut admin) = embedded_admin(dir.path()).await?;
     create_endpoint(
         &mut admin,
         "chat",
@@ -711,23 +700,12 @@ async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() 
     // The first router fills the cap; once its load report reached the second, the second
     // holds its request back.
     let holders = hold_slots(&first, &engine, CAP).await?;
-    eventually(
-        Duration::from_secs(10),
-        "the first router's load at the second",
-        || async { remote(&second) == CAP as u32 },
-    )
+    wait_until("the first router's load at the second", || {
+        remote(&second) == CAP as u32
+    })
     .await?;
-    let held_back = send(
-        &second,
-        &[("x-request-id", "second")],
-        serde_json::json!({}),
-    );
-    eventually(
-        Duration::from_secs(10),
-        "the second router to queue",
-        || async { second.queued("chat", "AllTraffic") == 1 },
-    )
-    .await?;
+    let held_back = send_as(&second, "second");
+    queued_in(&second, "chat", "AllTraffic", 1).await?;
     assert_eq!(engine.received().len(), CAP);
     // The first router's requests end; the report that says so wakes the second's queue.
     release(&engine, holders);
@@ -735,7 +713,7 @@ async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() 
     assert_eq!(reply.status, 200, "{}", reply.body);
     settles(&first).await?;
     settles(&second).await?;
-    eventually(Duration::from_secs(10), "reports back at zero", || async {
+    wait_until("reports back at zero", || {
         remote(&first) == 0 && remote(&second) == 0
     })
     .await?;
@@ -746,28 +724,15 @@ async fn the_cap_is_fleet_wide_across_routers_within_one_load_report_of_slack() 
     let burst: Vec<_> = (0..2 * CAP)
         .flat_map(|index| {
             [
-                send(
-                    &first,
-                    &[("x-request-id", &format!("burst-a{index}"))],
-                    serde_json::json!({}),
-                ),
-                send(
-                    &second,
-                    &[("x-request-id", &format!("burst-b{index}"))],
-                    serde_json::json!({}),
-                ),
+                send_as(&first, &format!("burst-a{index}")),
+                send_as(&second, &format!("burst-b{index}")),
             ]
         })
         .collect();
-    eventually(
-        Duration::from_secs(10),
-        "the burst to be placed or queued",
-        || async {
-            let placed = engine.received().len() - before;
-            placed + first.queued("chat", "AllTraffic") + second.queued("chat", "AllTraffic")
-                == 4 * CAP
-        },
-    )
+    wait_until("the burst to be placed or queued", || {
+        let placed = engine.received().len() - before;
+        placed + first.queued("chat", "AllTraffic") + second.queued("chat", "AllTraffic") == 4 * CAP
+    })
     .await?;
     let placed = engine.received().len() - before;
     println!("burst on 2 routers at once, cap {CAP}: {placed} requests reached the engine");
@@ -794,12 +759,35 @@ async fn disaggregated_router(
 
 /// A completion of about 300 tokens (past the threshold: prefill, then decode) through
 /// `router`'s endpoint `pd`, in a task of its own.
-fn send_long(router: &RouterHandle, id: &str) -> JoinHandle<anyhow::Result<Reply>> {
+fn send_long(router: &RouterHandle, id: &str) -> Pending {
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     let prompt = format!("{id} {}", "hello ".repeat(300));
     let body = serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2}).to_string();
     let id = id.to_owned();
     tokio::spawn(async move { http_post(&url, &[("x-request-id", &id)], body).await })
+}
+
+/// Holds the one slot of `engine` (serving `variant` of `pd`) with a request it never answers
+/// (`holder`) and sends `next` after it; waits until `engine` has received `received_then`
+/// requests in all and `next` waits in `variant`'s queue. Returns both tasks.
+async fn hold_then_queue(
+    router: &RouterHandle,
+    engine: &SimHandle,
+    variant: &str,
+    (holder, received_then): (&str, usize),
+    next: &str,
+) -> anyhow::Result<(Pending, Pending)> {
+    hanging(engine, true);
+    let holder = send_long(router, holder);
+    received(
+        engine,
+        received_then,
+        &format!("the holder at the {variant} engine"),
+    )
+    .await?;
+    let next = send_long(router, next);
+    queued_in(router, "pd", variant, 1).await?;
+    Ok((holder, next))
 }
 
 #[tokio::test]
@@ -810,49 +798,21 @@ async fn under_disaggregation_each_variant_applies_its_own_cap() -> anyhow::Resu
     let dir = tempfile::tempdir()?;
     let router = disaggregated_router(&dir, &prefill, &decode).await?;
     // The decoder holds its one slot: the next request is prefilled, then waits for it.
-    hanging(&decode, true);
-    let holder = send_long(&router, "holder-decode");
-    eventually(
-        Duration::from_secs(10),
-        "the holder at the decoder",
-        || async { decode.received().len() == 1 },
-    )
-    .await?;
-    let second = send_long(&router, "second");
-    eventually(
-        Duration::from_secs(10),
-        "the second request waiting for a decoder",
-        || async { router.queued("pd", "decode") == 1 },
-    )
-    .await?;
+    let (holder, second) =
+        hold_then_queue(&router, &decode, "decode", ("holder-decode", 1), "second").await?;
     assert_eq!(prefill.received().len(), 2, "both were prefilled");
     assert_eq!(decode.received().len(), 1, "the decoder's cap held");
-    hanging(&decode, false);
-    holder.abort();
+    release(&decode, vec![holder]);
     let reply = bounded("the request that waited for a decoder", second).await??;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
     assert!(reply.header("x-switchyard-decode-queue-ms").is_some());
     settles(&router).await?;
     // The prefill instance holds its one slot: the next request waits before its prefill.
-    hanging(&prefill, true);
-    let holder = send_long(&router, "holder-prefill");
-    eventually(
-        Duration::from_secs(10),
-        "the holder at the prefill engine",
-        || async { prefill.received().len() == 3 },
-    )
-    .await?;
-    let third = send_long(&router, "third");
-    eventually(
-        Duration::from_secs(10),
-        "the third request waiting for a prefill",
-        || async { router.queued("pd", "prefill") == 1 },
-    )
-    .await?;
+    let (holder, third) =
+        hold_then_queue(&router, &prefill, "prefill", ("holder-prefill", 3), "third").await?;
     assert_eq!(prefill.received().len(), 3, "the prefill cap held");
-    hanging(&prefill, false);
-    holder.abort();
+    release(&prefill, vec![holder]);
     let reply = bounded("the request that waited for a prefill", third).await??;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(reply.header("x-switchyard-queue-ms").is_some());

@@ -18,8 +18,8 @@ use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_router::RouterHandle;
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 use switchyard_tests::{
-    Metrics, Reply, eventually, fast, http_get, http_post, router_from_file, sim_tokens,
-    test_python, wait_matched, words,
+    Metrics, Reply, eventually, fast, http_get, http_post, routed_choice, router_from_file,
+    sim_tokens, test_python, wait_kv_index, wait_matched, wait_router_matched, words,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
@@ -208,35 +208,56 @@ fn ids(count: usize) -> Vec<InstanceId> {
 }
 
 async fn index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
+    wait_kv_index(router, "chat", WAIT).await?;
     let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
-    eventually(WAIT, "the router's KV index of the variant", || {
-        let ready = router.kv_index().variant(&endpoint, &variant).is_some();
-        async move { ready }
-    })
-    .await?;
     Ok(router
         .kv_index()
         .variant(&endpoint, &variant)
         .expect("the variant's index"))
 }
 
+/// The leading blocks of `tokens` that `index` says each of `sources` holds (a request's match
+/// stops a token short of the end).
+fn held_blocks(index: &VariantIndex, tokens: &[u32], sources: &[InstanceId]) -> Vec<u32> {
+    index
+        .request_hashes(tokens)
+        .map(|hashes| index.matched_blocks(&hashes, sources))
+        .unwrap_or_default()
+}
+
+/// Publishes `tokens`' full blocks from `e0` (`pa`) with the `fields` of a chain of its own
+/// (a salt's or an adapter's extra keys) and plainly from `e1` (`pb`), and waits until the
+/// router's index holds both: the plain chain on `e1` alone, the one of `key` on `e0` alone
+/// (`what` names that wait). Returns the tokens of those full blocks.
+async fn publish_keyed_and_plain(
+    router: &RouterHandle,
+    pa: &mut Publisher,
+    pb: &mut Publisher,
+    tokens: &[u32],
+    fields: Value,
+    key: ChainKey<'_>,
+    what: &str,
+) -> anyhow::Result<u32> {
+    let blocks = (tokens.len() / 16) as u32;
+    pa.publish(vec![with(stored(tokens, 16, 1), fields)])
+        .await?;
+    pb.publish(vec![stored(tokens, 16, 1)]).await?;
+    wait_held(router, tokens, &[0, blocks]).await?;
+    let index = index(router).await?;
+    wait_matched(what, &vec![blocks, 0], || {
+        index
+            .match_prompt(tokens, key, &ids(2))
+            .map(|found| found.matched)
+            .unwrap_or_default()
+    })
+    .await?;
+    Ok(blocks * 16)
+}
+
 /// Waits until the router's index says each instance holds `matched` leading blocks of
 /// `tokens` (the events have arrived).
 async fn wait_held(router: &RouterHandle, tokens: &[u32], matched: &[u32]) -> anyhow::Result<()> {
-    let index = index(router).await?;
-    let instances = ids(matched.len());
-    wait_matched(
-        "the router's index to follow the events",
-        &matched.to_vec(),
-        || {
-            // What the index holds (a request's match stops a token short of the end).
-            index
-                .request_hashes(tokens)
-                .map(|hashes| index.matched_blocks(&hashes, &instances))
-                .unwrap_or_default()
-        },
-    )
-    .await
+    wait_router_matched(router, tokens, &ids(matched.len()), matched).await
 }
 
 /// (instance, route, cached tokens) of `prompt` completed through the router.
@@ -261,18 +282,19 @@ async fn route_with(
     )
     .await?;
     anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
-    Ok((
-        reply.header("x-switchyard-instance").unwrap_or("").into(),
-        reply.header("x-switchyard-route").unwrap_or("").into(),
-        reply
-            .header("x-switchyard-cached-tokens")
-            .and_then(|value| value.parse().ok())
-            .unwrap_or(0),
-    ))
+    let (instance, route, cached) = routed_choice(&reply);
+    Ok((instance, route, cached.unwrap_or(0)))
 }
 
 async fn tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>> {
     sim_tokens(sim, json!({"model": "sim", "prompt": prompt})).await
+}
+
+/// A prompt of `count` words (`words(0, count)`) and its token ids as `sim` counts them.
+async fn prompt_and_tokens(sim: &SimHandle, count: usize) -> anyhow::Result<(String, Vec<u32>)> {
+    let prompt = words(0, count);
+    let tokens = tokens(sim, &prompt).await?;
+    Ok((prompt, tokens))
 }
 
 /// Two simulators answering requests (their own KV events off).
@@ -283,21 +305,40 @@ async fn engines() -> anyhow::Result<(SimHandle, SimHandle)> {
     ))
 }
 
+/// Two vLLM 0.32 publishers, one for each of two engines.
+async fn vllm_publishers() -> anyhow::Result<(Publisher, Publisher)> {
+    Ok((
+        Publisher::spawn("vllm-0.32").await?,
+        Publisher::spawn("vllm-0.32").await?,
+    ))
+}
+
+/// Two simulators answering requests ([`engines`]), a vLLM 0.32 publisher for each, and a
+/// router following them as `e0` and `e1` ([`router`]): the folder of its static file, the
+/// engines, their publishers, the router.
+async fn vllm_pair() -> anyhow::Result<(
+    tempfile::TempDir,
+    SimHandle,
+    SimHandle,
+    Publisher,
+    Publisher,
+    RouterHandle,
+)> {
+    let dir = tempfile::tempdir()?;
+    let (a, b) = engines().await?;
+    let (pa, pb) = vllm_publishers().await?;
+    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+    Ok((dir, a, b, pa, pb, router))
+}
+
 fn not_kv(choice: &(String, String, u32)) -> bool {
     choice.1 != "kv" && choice.2 == 0
 }
 
 #[tokio::test]
 async fn vllm_reuse_reports_leave_no_phantom_blocks() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let (a, b) = engines().await?;
-    let (mut pa, pb) = (
-        Publisher::spawn("vllm-0.32").await?,
-        Publisher::spawn("vllm-0.32").await?,
-    );
-    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
-    let prompt = words(0, 70);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (_dir, a, _b, mut pa, _pb, router) = vllm_pair().await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 70).await?;
     let blocks = (prompt_tokens.len() / 16) as u32;
     assert!(blocks >= 4, "{} tokens", prompt_tokens.len());
 
@@ -326,10 +367,7 @@ async fn an_undecodable_batch_is_skipped_counted_and_never_replayed_in_a_loop() 
 {
     let dir = tempfile::tempdir()?;
     let (a, b) = engines().await?;
-    let (mut pa, pb) = (
-        Publisher::spawn("vllm-0.32").await?,
-        Publisher::spawn("vllm-0.32").await?,
-    );
+    let (mut pa, pb) = vllm_publishers().await?;
     let first = words(0, 40);
     let first_tokens = tokens(&a, &first).await?;
     let second = words(500, 40);
@@ -398,13 +436,7 @@ async fn an_engine_restart_drops_the_old_run_and_fetches_the_new_runs_missed_bat
 -> anyhow::Result<()> {
     // (live batches of the new run the router first sees, missed ones before them)
     for (new_run_missed, label) in [(1u64, "sequence backwards"), (4, "sequence past the old")] {
-        let dir = tempfile::tempdir()?;
-        let (a, b) = engines().await?;
-        let (mut pa, pb) = (
-            Publisher::spawn("vllm-0.32").await?,
-            Publisher::spawn("vllm-0.32").await?,
-        );
-        let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
+        let (_dir, a, _b, mut pa, _pb, router) = vllm_pair().await?;
         let old = words(0, 40);
         let old_tokens = tokens(&a, &old).await?;
         let new = words(900, 40);
@@ -459,15 +491,8 @@ async fn an_engine_restart_drops_the_old_run_and_fetches_the_new_runs_missed_bat
 
 #[tokio::test]
 async fn a_hybrid_model_is_routed_by_its_full_attention_group() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let (a, b) = engines().await?;
-    let (mut pa, pb) = (
-        Publisher::spawn("vllm-0.32").await?,
-        Publisher::spawn("vllm-0.32").await?,
-    );
-    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
-    let prompt = words(0, 140);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (_dir, a, _b, mut pa, _pb, router) = vllm_pair().await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 140).await?;
     let blocks = (prompt_tokens.len() / 64) as u32;
     assert!(blocks >= 2);
     let hashes = hashes(&prompt_tokens, 64, 1);
@@ -592,15 +617,11 @@ async fn every_sglang_generation_routes_at_page_size_1() -> anyhow::Result<()> {
 #[tokio::test]
 async fn every_block_size_an_engine_publishes_is_routed_exactly() -> anyhow::Result<()> {
     let (a, b) = engines().await?;
-    let prompt = words(0, 600);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 600).await?;
     assert!(prompt_tokens.len() >= 512);
     for block_size in [1usize, 16, 32, 64, 128, 256] {
         let dir = tempfile::tempdir()?;
-        let (mut pa, mut pb) = (
-            Publisher::spawn("vllm-0.32").await?,
-            Publisher::spawn("vllm-0.32").await?,
-        );
+        let (mut pa, mut pb) = vllm_publishers().await?;
         let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
         let blocks = (prompt_tokens.len() / block_size) as u32;
         // e0 holds the whole prompt; e1 its first half, in two chained events.
@@ -636,46 +657,26 @@ async fn every_block_size_an_engine_publishes_is_routed_exactly() -> anyhow::Res
 
 #[tokio::test]
 async fn a_salted_request_routes_to_the_prefix_cached_under_its_salt() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let (a, b) = engines().await?;
-    let (mut pa, mut pb) = (
-        Publisher::spawn("vllm-0.32").await?,
-        Publisher::spawn("vllm-0.32").await?,
-    );
-    let router = router(dir.path(), &[&a, &b], &[&pa, &pb]).await?;
-    let prompt = words(0, 70);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (_dir, a, _b, mut pa, mut pb, router) = vllm_pair().await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 70).await?;
     let blocks = prompt_tokens.len() / 16;
     // vLLM 0.32 publishes a request's cache_salt as its first block's extra key.
     let mut extra: Vec<Value> = vec![Value::Null; blocks];
     extra[0] = json!(["tenant-a"]);
-    pa.publish(vec![with(
-        stored(&prompt_tokens, 16, 1),
+    let salted = ChainKey {
+        cache_salt: Some("tenant-a"),
+        ..ChainKey::default()
+    };
+    let full = publish_keyed_and_plain(
+        &router,
+        &mut pa,
+        &mut pb,
+        &prompt_tokens,
         json!({ "extra_keys": extra }),
-    )])
-    .await?;
-    pb.publish(vec![stored(&prompt_tokens, 16, 1)]).await?;
-    wait_held(&router, &prompt_tokens, &[0, blocks as u32]).await?;
-    let index = index(&router).await?;
-    wait_matched(
+        salted,
         "the salted chain in the index",
-        &vec![blocks as u32, 0],
-        || {
-            index
-                .match_prompt(
-                    &prompt_tokens,
-                    ChainKey {
-                        cache_salt: Some("tenant-a"),
-                        ..ChainKey::default()
-                    },
-                    &ids(2),
-                )
-                .map(|found| found.matched)
-                .unwrap_or_default()
-        },
     )
     .await?;
-    let full = (blocks * 16) as u32;
     assert_eq!(
         route_with(&router, &prompt, json!({"cache_salt": "tenant-a"})).await?,
         ("e0".into(), "kv".into(), full)
@@ -701,10 +702,7 @@ async fn a_request_for_a_lora_adapter_routes_to_the_adapters_prefix() -> anyhow:
         switchyard_engine_sim::spawn(lora()).await?,
         switchyard_engine_sim::spawn(lora()).await?,
     );
-    let (mut pa, mut pb) = (
-        Publisher::spawn("vllm-0.32").await?,
-        Publisher::spawn("vllm-0.32").await?,
-    );
+    let (mut pa, mut pb) = vllm_publishers().await?;
     let router = router_with(
         dir.path(),
         &[&a, &b],
@@ -712,36 +710,26 @@ async fn a_request_for_a_lora_adapter_routes_to_the_adapters_prefix() -> anyhow:
         json!({"LoraAdapters": ["sql-lora"]}),
     )
     .await?;
-    let prompt = words(0, 70);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 70).await?;
     let blocks = prompt_tokens.len() / 16;
     // vLLM 0.32 publishes an adapter's blocks with its lora_id and lora_name, and the name
     // first among every block's extra keys.
     let adapter_keys: Vec<Value> = vec![json!(["sql-lora"]); blocks];
-    pa.publish(vec![with(
-        stored(&prompt_tokens, 16, 1),
-        json!({"lora_id": 1, "lora_name": "sql-lora", "extra_keys": adapter_keys}),
-    )])
-    .await?;
-    pb.publish(vec![stored(&prompt_tokens, 16, 1)]).await?;
-    wait_held(&router, &prompt_tokens, &[0, blocks as u32]).await?;
-    let index = index(&router).await?;
     let adapter = ChainKey {
         lora_name: Some("sql-lora"),
         ..ChainKey::default()
     };
-    wait_matched(
+    let fields = json!({"lora_id": 1, "lora_name": "sql-lora", "extra_keys": adapter_keys});
+    let full = publish_keyed_and_plain(
+        &router,
+        &mut pa,
+        &mut pb,
+        &prompt_tokens,
+        fields,
+        adapter,
         "the adapter's chain in the index",
-        &vec![blocks as u32, 0],
-        || {
-            index
-                .match_prompt(&prompt_tokens, adapter, &ids(2))
-                .map(|found| found.matched)
-                .unwrap_or_default()
-        },
     )
     .await?;
-    let full = (blocks * 16) as u32;
     assert_eq!(
         route_with(&router, &prompt, json!({"model": "sql-lora"})).await?,
         ("e0".into(), "kv".into(), full),
@@ -879,6 +867,15 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
         tokens(&a, &other).await?,
     );
     let full = |tokens: &[u32]| (tokens.len() / 16 * 16) as u32;
+    // What a prompt whose blocks e0's `rank` holds gets: KV routing there, all of them cached.
+    let on_e0_rank = |tokens: &[u32], rank: &str| {
+        (
+            "e0".to_owned(),
+            "kv".to_owned(),
+            full(tokens),
+            Some(rank.to_owned()),
+        )
+    };
     pa.publish_rank(1, vec![stored(&one_tokens, 16, 1)]).await?;
     pa.publish_rank(0, vec![stored(&zero_tokens, 16, 100)])
         .await?;
@@ -898,10 +895,7 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
         let blocks = (tokens.len() / 16) as u32;
         let want: Vec<u32> = held.iter().map(|&held| held * blocks).collect();
         wait_matched("each rank's events in the index", &want, || {
-            index
-                .request_hashes(tokens)
-                .map(|hashes| index.matched_blocks(&hashes, &sources))
-                .unwrap_or_default()
+            held_blocks(&index, tokens, &sources)
         })
         .await?;
     }
@@ -920,20 +914,11 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
             )
             .await?;
             anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
-            Ok::<_, anyhow::Error>((
-                reply
-                    .header("x-switchyard-instance")
-                    .unwrap_or("")
-                    .to_owned(),
-                reply.header("x-switchyard-route").unwrap_or("").to_owned(),
-                reply
-                    .header("x-switchyard-cached-tokens")
-                    .and_then(|value| value.parse::<u32>().ok())
-                    .unwrap_or(0),
-                reply
-                    .header("x-switchyard-data-parallel-rank")
-                    .map(str::to_owned),
-            ))
+            let (instance, route, cached) = routed_choice(&reply);
+            let rank = reply
+                .header("x-switchyard-data-parallel-rank")
+                .map(str::to_owned);
+            Ok::<_, anyhow::Error>((instance, route, cached.unwrap_or(0), rank))
         }
     };
     let last_rank = |sim: &SimHandle| {
@@ -943,12 +928,7 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
     };
     assert_eq!(
         send(one.clone(), None).await?,
-        (
-            "e0".into(),
-            "kv".into(),
-            full(&one_tokens),
-            Some("1".into())
-        ),
+        on_e0_rank(&one_tokens, "1"),
         "the prefix rank 1 holds goes to e0's rank 1"
     );
     assert_eq!(
@@ -959,12 +939,7 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
     // A client's own rank is replaced by the router's.
     assert_eq!(
         send(zero.clone(), Some("1")).await?,
-        (
-            "e0".into(),
-            "kv".into(),
-            full(&zero_tokens),
-            Some("0".into())
-        )
+        on_e0_rank(&zero_tokens, "0")
     );
     assert_eq!(last_rank(&a).as_deref(), Some("0"));
     // An engine of one rank gets no rank; nor does a prompt no rank holds (vLLM's own
@@ -984,21 +959,13 @@ async fn a_data_parallel_engine_is_followed_per_rank_and_sent_to_the_rank_holdin
     pa.command(json!({"restart": true, "rank": 1})).await?;
     pa.publish_rank(1, vec![]).await?;
     eventually(WAIT, "rank 1's old run dropped", || {
-        let held = index
-            .request_hashes(&one_tokens)
-            .map(|hashes| index.matched_blocks(&hashes, &sources))
-            .unwrap_or_default();
+        let held = held_blocks(&index, &one_tokens, &sources);
         async move { held.get(1) == Some(&0) }
     })
     .await?;
     assert_eq!(
         send(zero.clone(), None).await?,
-        (
-            "e0".into(),
-            "kv".into(),
-            full(&zero_tokens),
-            Some("0".into())
-        ),
+        on_e0_rank(&zero_tokens, "0"),
         "rank 0's blocks outlive rank 1's restart"
     );
     // Each rank is an instance of the index's metrics.
@@ -1021,18 +988,14 @@ async fn a_rank_the_engine_does_not_have_is_sent_again_without_it() -> anyhow::R
     let a = switchyard_engine_sim::spawn(fast()).await?;
     let mut pa = Publisher::spawn_ranks("vllm-0.32", 2).await?;
     let router = router(dir.path(), &[&a], &[&pa]).await?;
-    let prompt = words(0, 70);
-    let prompt_tokens = tokens(&a, &prompt).await?;
+    let (prompt, prompt_tokens) = prompt_and_tokens(&a, 70).await?;
     pa.publish_rank(1, vec![stored(&prompt_tokens, 16, 1)])
         .await?;
     let index = index(&router).await?;
     let rank_1 = [InstanceId::new("e0")?.data_parallel_rank(1)];
     let blocks = (prompt_tokens.len() / 16) as u32;
     wait_matched("rank 1's events in the index", &vec![blocks], || {
-        index
-            .request_hashes(&prompt_tokens)
-            .map(|hashes| index.matched_blocks(&hashes, &rank_1))
-            .unwrap_or_default()
+        held_blocks(&index, &prompt_tokens, &rank_1)
     })
     .await?;
     let reply: Reply = http_post(

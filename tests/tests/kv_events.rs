@@ -9,8 +9,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use switchyard_engine_sim::{KvEventsFormat, SimHandle};
 use switchyard_tests::{
-    RefusingPort, http_get, http_post, instance_ids, kv_sim, place, place_sharing_starts,
-    test_python, wait_matched, words,
+    RefusingPort, assert_repaired_without_rebuild, http_get, http_post, instance_ids, kv_sim,
+    kv_sim_replaying_3_batches, kv_sims, place, place_after_lost_batches,
+    place_past_the_replay_buffer, place_sharing_starts, test_python, three_small_kv_sims,
+    wait_matched, words,
 };
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -338,8 +340,7 @@ async fn decide_for(
 #[tokio::test]
 async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> anyhow::Result<()> {
     // 40 blocks each; a 200-token prompt (12 full blocks) + output reserves 13.
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 40)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 40)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Array, KvEventsFormat::Map], 40).await?;
     let registry = LoadRegistry::default();
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
@@ -425,9 +426,7 @@ async fn the_index_follows_prefixes_placed_and_evicted_on_the_simulators() -> an
 #[tokio::test]
 async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuilds()
 -> anyhow::Result<()> {
-    let mut config = kv_sim(KvEventsFormat::Array, 400);
-    config.kv_events_replay_buffer = 3;
-    let sim = switchyard_engine_sim::spawn(config).await?;
+    let sim = kv_sim_replaying_3_batches().await?;
     let registry = LoadRegistry::default();
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&sim], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
@@ -438,39 +437,17 @@ async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuil
     let index = variant_index(&events).await?;
 
     // Two batches never reach the wire; the third shows the gap; replay fills it.
-    sim.drop_kv_event_batches(2);
-    let prompts: Vec<String> = (1..=3).map(|round| words(round * 1000, 40)).collect();
-    for prompt in &prompts {
-        place(&sim, prompt).await?;
-    }
+    let prompts = place_after_lost_batches(&sim, 2, 1..=3).await?;
     for prompt in &prompts {
         let hashes = prompt_hashes(&table.load(), &index, prompt).await?;
         wait_index_matched(&index, &hashes, &instances, &[2]).await?;
     }
-    assert!(
-        counters
-            .gaps_repaired
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-    );
-    assert_eq!(
-        counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
+    assert_repaired_without_rebuild(&counters.gaps_repaired, &counters.rebuilds);
 
     // Five lost batches, but the engine keeps only the last three: the entries are dropped
     // (a lost BlockRemoved would leave blocks the engine no longer has) and rebuilt from
     // the batches that follow.
-    sim.drop_kv_event_batches(5);
-    let lost: Vec<String> = (10..16).map(|round| words(round * 1000, 40)).collect();
-    for prompt in &lost {
-        place(&sim, prompt).await?;
-    }
-    eventually(WAIT, "a rebuild", || {
-        let rebuilt = counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed) > 0;
-        async move { rebuilt }
-    })
-    .await?;
+    let lost = place_past_the_replay_buffer(&sim, &counters.rebuilds).await?;
     let old = prompt_hashes(&table.load(), &index, &prompts[0]).await?;
     assert_eq!(index.matched_blocks(&old, &instances), [0], "dropped");
     let last = prompt_hashes(&table.load(), &index, &lost[5]).await?;
@@ -482,8 +459,7 @@ async fn a_dropped_sequence_is_repaired_by_replay_and_an_unrepairable_one_rebuil
 
 #[tokio::test]
 async fn an_instance_whose_events_stop_is_stale_until_they_return() -> anyhow::Result<()> {
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Map, KvEventsFormat::Map], 400).await?;
     let registry = LoadRegistry::default();
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&[&a, &b], &registry)));
     let stop = tokio_util::sync::CancellationToken::new();
@@ -534,11 +510,7 @@ async fn an_instance_whose_events_stop_is_stale_until_they_return() -> anyhow::R
 
 #[tokio::test]
 async fn two_routers_fed_the_same_events_give_the_same_scores() -> anyhow::Result<()> {
-    let sims = [
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 60)).await?,
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
-    ];
+    let sims = three_small_kv_sims().await?;
     let refs: Vec<&SimHandle> = sims.iter().collect();
     let registry = LoadRegistry::default();
     let table = Arc::new(ArcSwap::from_pointee(kv_table(&refs, &registry)));

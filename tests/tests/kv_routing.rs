@@ -15,9 +15,11 @@ use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_router::RouterHandle;
 use switchyard_shared::{EndpointName, InstanceId, VariantName};
 use switchyard_tests::{
-    Metrics, Reply, eventually, http_post, instance_ids, invocations_url, kv_sim, place,
-    place_sharing_starts, post_streaming, routed_count, router_from_file, sim_tokens, wait_matched,
-    words,
+    Metrics, Reply, assert_repaired_without_rebuild, eventually, http_post, instance_ids,
+    invocations_url, kv_instances, kv_sim, kv_sim_replaying_3_batches, kv_sims, place,
+    place_after_lost_batches, place_past_the_replay_buffer, place_sharing_starts, post_streaming,
+    routed_choice, routed_count, router_from_file, sim_tokens, three_small_kv_sims, wait_kv_index,
+    wait_router_matched, words,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -30,67 +32,31 @@ async fn prompt_tokens(sim: &SimHandle, prompt: &str) -> anyhow::Result<Vec<u32>
     sim_tokens(sim, json!({"model": "sim", "prompt": prompt})).await
 }
 
-/// A completion through the router (endpoint `chat`).
+/// A completion of `prompt` through the router (endpoint `chat`).
 async fn route(router: &RouterHandle, prompt: &str) -> anyhow::Result<Reply> {
+    route_body(router, completion(prompt)).await
+}
+
+/// A completions `body` through the router (endpoint `chat`), answered 200.
+async fn route_body(router: &RouterHandle, body: String) -> anyhow::Result<Reply> {
     let reply = http_post(
         &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
         &[],
-        completion(prompt),
+        body,
     )
     .await?;
     anyhow::ensure!(reply.status == 200, "routed request failed: {}", reply.body);
     Ok(reply)
 }
 
-/// (instance, route, cached tokens) of a routed answer.
-fn choice(reply: &Reply) -> (String, String, Option<u32>) {
-    (
-        reply.header("x-switchyard-instance").unwrap_or("").into(),
-        reply.header("x-switchyard-route").unwrap_or("").into(),
-        reply
-            .header("x-switchyard-cached-tokens")
-            .and_then(|value| value.parse().ok()),
-    )
-}
-
 /// The router's index of `chat`/`AllTraffic`, once an engine of it has published.
 async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
+    wait_kv_index(router, "chat", WAIT).await?;
     let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
-    eventually(WAIT, "the router's KV index of the variant", || {
-        let ready = router
-            .kv_index()
-            .variant(&endpoint, &variant)
-            .is_some_and(|index| index.block_size().is_some());
-        async move { ready }
-    })
-    .await?;
     Ok(router
         .kv_index()
         .variant(&endpoint, &variant)
         .expect("the variant's index"))
-}
-
-/// Waits until the router's index says each instance holds `matched` leading blocks of
-/// `tokens` (the engines' events have arrived).
-async fn wait_router_matched(
-    router: &RouterHandle,
-    tokens: &[u32],
-    instances: &[InstanceId],
-    matched: &[u32],
-) -> anyhow::Result<()> {
-    let index = variant_index(router).await?;
-    wait_matched(
-        "the router's index to reflect the engines",
-        &matched.to_vec(),
-        || {
-            // What the index holds (a request's match stops a token short of the end).
-            index
-                .request_hashes(tokens)
-                .map(|hashes| index.matched_blocks(&hashes, instances))
-                .unwrap_or_default()
-        },
-    )
-    .await
 }
 
 /// [`wait_router_matched`] for `prompt`'s tokens, as `sim` counts them.
@@ -143,22 +109,10 @@ async fn static_router_with(
     if !kv_config.is_null() {
         routing["KvAwareRoutingConfig"] = kv_config;
     }
-    let instances: Vec<Value> = sims
-        .iter()
-        .enumerate()
-        .map(|(index, sim)| {
-            json!({
-                "Url": sim.url,
-                "InstanceId": format!("e{index}"),
-                "KvEvents": sim.kv_events_endpoint(),
-                "KvEventsReplay": sim.kv_events_replay_endpoint(),
-            })
-        })
-        .collect();
     let file = json!({"Endpoints": [{
         "EndpointName": "chat",
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": routing}],
-        "Instances": instances,
+        "Instances": kv_instances(sims),
     }]});
     router_from_file(&dir.join("switchyard.json"), &file.to_string(), |config| {
         config.worker_threads = Some(2);
@@ -172,8 +126,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
 -> anyhow::Result<()> {
     // Through the control plane: the instances declare their KV-event sockets at registration.
     let dir = tempfile::tempdir()?;
-    let control_plane = switchyard_tests::embedded_control_plane(dir.path()).await?;
-    let mut admin = switchyard_tests::admin(&control_plane.url()).await?;
+    let (control_plane, mut admin) = switchyard_tests::embedded_admin(dir.path()).await?;
     switchyard_tests::create_endpoint(
         &mut admin,
         "chat",
@@ -181,8 +134,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     )
     .await?;
     // 40 blocks each; a 200-token prompt (12 full blocks) and its output reserve 13.
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 40)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 40)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Array, KvEventsFormat::Map], 40).await?;
     for (id, sim) in [("engine-0", &a), ("engine-1", &b)] {
         admin
             .register_instance(switchyard_proto::v1::RegisterInstanceRequest {
@@ -212,7 +164,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     for _ in 0..3 {
         let reply = route(&router, &prompt).await?;
         assert_eq!(
-            choice(&reply),
+            routed_choice(&reply),
             ("engine-0".into(), "kv".into(), Some(192)),
             "12 blocks of 16 tokens"
         );
@@ -220,7 +172,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     // A longer prompt with the same start goes there too, for its first 12 blocks.
     let longer = format!("{prompt} {}", words(5000, 40));
     assert_eq!(
-        choice(&route(&router, &longer).await?),
+        routed_choice(&route(&router, &longer).await?),
         ("engine-0".into(), "kv".into(), Some(192))
     );
 
@@ -255,7 +207,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(
-        choice(&reply),
+        routed_choice(&reply),
         ("engine-1".into(), "kv".into(), Some(chat_blocks * 16))
     );
 
@@ -267,13 +219,16 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
     place(&b, &prompt).await?;
     wait_router_matched(&router, &prompt_ids, &instances, &[0, 12]).await?;
     assert_eq!(
-        choice(&route(&router, &prompt).await?),
+        routed_choice(&route(&router, &prompt).await?),
         ("engine-1".into(), "kv".into(), Some(192))
     );
     // A native invocation with a `prompt` is tokenized as a completion.
     let reply = http_post(&invocations_url(&router), &[], completion(&prompt)).await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(choice(&reply), ("engine-1".into(), "kv".into(), Some(192)));
+    assert_eq!(
+        routed_choice(&reply),
+        ("engine-1".into(), "kv".into(), Some(192))
+    );
     // One with no prompt to tokenize is routed by load, and counted.
     let reply = http_post(
         &invocations_url(&router),
@@ -312,9 +267,7 @@ async fn the_router_sends_a_prompt_to_the_instance_holding_it_and_follows_its_ev
 async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_chooses()
 -> anyhow::Result<()> {
     // engine e0 keeps its last 3 batches for replay.
-    let mut config = kv_sim(KvEventsFormat::Array, 400);
-    config.kv_events_replay_buffer = 3;
-    let a = switchyard_engine_sim::spawn(config).await?;
+    let a = kv_sim_replaying_3_batches().await?;
     let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
     let dir = tempfile::tempdir()?;
     // No periodic probe of the replay socket during the test (the longest interval allowed,
@@ -330,44 +283,22 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     wait_prompt_matched(&router, &a, &first, &instances, &[2, 0]).await?;
 
     // Two batches never reach the wire; the third shows the gap; replay fills it.
-    a.drop_kv_event_batches(2);
-    let prompts: Vec<String> = (1..=3).map(|round| words(round * 1000, 40)).collect();
-    for prompt in &prompts {
-        place(&a, prompt).await?;
-    }
+    let prompts = place_after_lost_batches(&a, 2, 1..=3).await?;
     for prompt in &prompts {
         wait_prompt_matched(&router, &a, prompt, &instances, &[2, 0]).await?;
         assert_eq!(
-            choice(&route(&router, prompt).await?),
+            routed_choice(&route(&router, prompt).await?),
             ("e0".into(), "kv".into(), Some(32))
         );
     }
     let counters = &router.kv_index().counters;
-    assert!(
-        counters
-            .gaps_repaired
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > 0
-    );
-    assert_eq!(
-        counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
+    assert_repaired_without_rebuild(&counters.gaps_repaired, &counters.rebuilds);
 
     // Five lost batches, but e0 keeps only three: its entries are dropped and rebuilt from the
     // batches that follow. Meanwhile what it held before routes by load, not to a guess.
-    a.drop_kv_event_batches(5);
-    let lost: Vec<String> = (10..16).map(|round| words(round * 1000, 40)).collect();
-    for prompt in &lost {
-        place(&a, prompt).await?;
-    }
-    eventually(WAIT, "a rebuild", || {
-        let rebuilt = counters.rebuilds.load(std::sync::atomic::Ordering::Relaxed) > 0;
-        async move { rebuilt }
-    })
-    .await?;
+    let lost = place_past_the_replay_buffer(&a, &counters.rebuilds).await?;
     wait_prompt_matched(&router, &a, &first, &instances, &[0, 0]).await?;
-    let (_, route_taken, cached) = choice(&route(&router, &first).await?);
+    let (_, route_taken, cached) = routed_choice(&route(&router, &first).await?);
     assert_eq!(
         (route_taken.as_str(), cached),
         ("least-outstanding", Some(0))
@@ -375,7 +306,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
     let last = &lost[5];
     wait_prompt_matched(&router, &a, last, &instances, &[2, 0]).await?;
     assert_eq!(
-        choice(&route(&router, last).await?),
+        routed_choice(&route(&router, last).await?),
         ("e0".into(), "kv".into(), Some(32))
     );
     assert!(
@@ -390,8 +321,7 @@ async fn a_dropped_event_sequence_is_repaired_by_replay_before_the_router_choose
 
 #[tokio::test]
 async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> anyhow::Result<()> {
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Map, KvEventsFormat::Array], 400).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
     let instances = instance_ids(&["e0", "e1"]);
@@ -416,7 +346,7 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
         1.0
     );
     let reply = route(&router, &prompt).await?;
-    let (went_to, route_taken, cached) = choice(&reply);
+    let (went_to, route_taken, cached) = routed_choice(&reply);
     assert_eq!(
         (route_taken.as_str(), cached),
         ("least-outstanding", Some(0))
@@ -431,7 +361,7 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     .await?;
     let expected = if went_to == "e1" { [12, 12] } else { [12, 0] };
     wait_router_matched(&router, &prompt_ids, &instances, &expected).await?;
-    let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
+    let (_, route_taken, cached) = routed_choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
 
     // A killed engine goes stale too; the other keeps serving.
@@ -442,7 +372,7 @@ async fn an_instance_whose_events_stop_is_routed_by_load_until_they_return() -> 
     })
     .await?;
     assert_eq!(
-        choice(&route(&router, &prompt).await?),
+        routed_choice(&route(&router, &prompt).await?),
         ("e0".into(), "kv".into(), Some(192))
     );
     router.shutdown().await;
@@ -454,8 +384,7 @@ async fn a_prompt_of_whole_blocks_claims_only_what_the_engine_reuses() -> anyhow
     // vLLM computes a prompt's last token again: of a prompt of exactly 12 blocks it reuses
     // 11 (seen on vLLM 0.32: 640 cached tokens for a 768-token prompt, where the router said
     // 768). The router's claim and the decision agree with the engine's own count.
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 100)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 100)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Map, KvEventsFormat::Map], 100).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router(dir.path(), &[&a, &b], Value::Null, 1000).await?;
     let instances = instance_ids(&["e0", "e1"]);
@@ -464,14 +393,8 @@ async fn a_prompt_of_whole_blocks_claims_only_what_the_engine_reuses() -> anyhow
     let placed = http_post(&format!("{}/v1/completions", a.url), &[], body.to_string()).await?;
     assert_eq!(placed.status, 200, "{}", placed.body);
     wait_router_matched(&router, &ids, &instances, &[12, 0]).await?;
-    let reply = http_post(
-        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
-        &[],
-        body.to_string(),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(choice(&reply), ("e0".into(), "kv".into(), Some(176)));
+    let reply = route_body(&router, body.to_string()).await?;
+    assert_eq!(routed_choice(&reply), ("e0".into(), "kv".into(), Some(176)));
     assert_eq!(
         reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
         176,
@@ -479,13 +402,12 @@ async fn a_prompt_of_whole_blocks_claims_only_what_the_engine_reuses() -> anyhow
     );
     // One token more: all 12 blocks are reused.
     let longer: Vec<u32> = (1000..1193).collect();
-    let reply = http_post(
-        &format!("{}/endpoints/chat/openai/v1/completions", router.url()),
-        &[],
+    let reply = route_body(
+        &router,
         json!({"model": "sim", "prompt": longer, "max_tokens": 2}).to_string(),
     )
     .await?;
-    assert_eq!(choice(&reply), ("e0".into(), "kv".into(), Some(192)));
+    assert_eq!(routed_choice(&reply), ("e0".into(), "kv".into(), Some(192)));
     assert_eq!(
         reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
         192
@@ -538,7 +460,7 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
     }
     // At the threshold the holder is no candidate: the idle non-holder gets the request.
     assert_eq!(
-        choice(&route(&router, &prompt).await?),
+        routed_choice(&route(&router, &prompt).await?),
         ("e1".into(), "least-outstanding".into(), Some(0))
     );
     drop(streams);
@@ -548,11 +470,7 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
 
 #[tokio::test]
 async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyhow::Result<()> {
-    let sims = [
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 60)).await?,
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 60)).await?,
-    ];
+    let sims = three_small_kv_sims().await?;
     let refs: Vec<&SimHandle> = sims.iter().collect();
     let dir = tempfile::tempdir()?;
     let first = static_router(dir.path(), &refs, Value::Null, 250).await?;
@@ -577,8 +495,8 @@ async fn two_routers_that_applied_the_same_events_make_the_same_choice() -> anyh
         })
         .await?;
         let (one_choice, two_choice) = (
-            choice(&route(&first, prompt).await?),
-            choice(&route(&second, prompt).await?),
+            routed_choice(&route(&first, prompt).await?),
+            routed_choice(&route(&second, prompt).await?),
         );
         assert_eq!(one_choice.0, two_choice.0, "{prompt}");
         assert_eq!(one_choice.1, two_choice.1, "{prompt}");
@@ -604,8 +522,7 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
     // e0 is asked first (least loaded, first in the table). Its /tokenize hangs, then fails:
     // two failures in a row pause it (for a minute here, so that nothing below depends on
     // timing). e1 is asked next, fails twice, and is paused too. Then no instance is asked.
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Array, KvEventsFormat::Map], 400).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router_with(dir.path(), &[&a, &b], Value::Null, |config| {
         config.kv.kv_events_probe_ms = 100;
@@ -659,7 +576,7 @@ async fn with_tokenize_failing_or_hanging_requests_are_still_served_by_load() ->
 
 #[tokio::test]
 async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::Result<()> {
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?;
+    let [a] = kv_sims([KvEventsFormat::Array], 400).await?;
     let dir = tempfile::tempdir()?;
     let router = static_router_with(dir.path(), &[&a], Value::Null, |config| {
         config.kv.kv_events_probe_ms = 100;
@@ -687,10 +604,10 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
     eventually(WAIT, "KV routing after the pause", || async {
         route(&router, &prompt)
             .await
-            .is_ok_and(|reply| choice(&reply).1 == "kv")
+            .is_ok_and(|reply| routed_choice(&reply).1 == "kv")
     })
     .await?;
-    let (_, route_taken, cached) = choice(&route(&router, &prompt).await?);
+    let (_, route_taken, cached) = routed_choice(&route(&router, &prompt).await?);
     assert_eq!((route_taken.as_str(), cached), ("kv", Some(192)));
     assert_eq!(router.metrics().kv_tokenize_failures("status"), 2);
     router.shutdown().await;
@@ -701,10 +618,7 @@ async fn a_paused_tokenizer_is_tried_again_and_kv_routing_returns() -> anyhow::R
 /// the KV index says: the other instance would not know its `previous_response_id`.
 #[tokio::test]
 async fn a_responses_follow_up_sticks_to_the_instance_storing_its_response() -> anyhow::Result<()> {
-    let sims = [
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Array, 400)).await?,
-        switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 400)).await?,
-    ];
+    let sims = kv_sims([KvEventsFormat::Array, KvEventsFormat::Map], 400).await?;
     let refs: Vec<&SimHandle> = sims.iter().collect();
     let dir = tempfile::tempdir()?;
     let router = static_router(dir.path(), &refs, Value::Null, 250).await?;
@@ -761,8 +675,7 @@ async fn the_simulators_reuse_reports_leave_no_phantom_blocks() -> anyhow::Resul
     // prefix it reuses; the eviction sends one BlockRemoved per block.
     let dir = tempfile::tempdir()?;
     // 20 blocks each; a 50-word prompt is 3 full blocks and reserves 4.
-    let a = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 20)).await?;
-    let b = switchyard_engine_sim::spawn(kv_sim(KvEventsFormat::Map, 20)).await?;
+    let [a, b] = kv_sims([KvEventsFormat::Map, KvEventsFormat::Map], 20).await?;
     let router = static_router(dir.path(), &[&a, &b], Value::Null, 250).await?;
     let instances = instance_ids(&["e0", "e1"]);
     let prompt = words(0, 50);
@@ -779,7 +692,7 @@ async fn the_simulators_reuse_reports_leave_no_phantom_blocks() -> anyhow::Resul
     }
     wait_prompt_matched(&router, &a, &prompt, &instances, &[3, 0]).await?;
     assert_eq!(
-        choice(&route(&router, &prompt).await?),
+        routed_choice(&route(&router, &prompt).await?),
         ("e0".into(), "kv".into(), Some(48))
     );
     // Other prompts evict it from e0 (LRU); the router must not keep claiming it.
@@ -787,7 +700,7 @@ async fn the_simulators_reuse_reports_leave_no_phantom_blocks() -> anyhow::Resul
         place(&a, &words(round * 100, 50)).await?;
     }
     wait_prompt_matched(&router, &a, &prompt, &instances, &[0, 0]).await?;
-    let (_, route_label, cached) = choice(&route(&router, &prompt).await?);
+    let (_, route_label, cached) = routed_choice(&route(&router, &prompt).await?);
     assert_eq!(
         (route_label.as_str(), cached),
         ("least-outstanding", Some(0))

@@ -110,6 +110,37 @@ async fn router(
     router_over(dir, name, fleet, fleet.prefill.len(), Some(notice_port)).await
 }
 
+/// A fleet ([`fleet_with`]) notifying a router `a` over all of it ([`router`]) on a free port:
+/// the fleet, the folder of the router's static file, the router.
+async fn fleet_and_router(
+    drop_notices: bool,
+    first_token_stops: bool,
+) -> anyhow::Result<(Fleet, tempfile::TempDir, RouterHandle)> {
+    let port = free_port()?;
+    let proxy = format!("tcp://127.0.0.1:{port}");
+    let fleet = fleet_with(&proxy, drop_notices, first_token_stops).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    Ok((fleet, dir, router))
+}
+
+/// The requests `sims` received with `x-request-id: id`.
+fn received_as(sims: &[SimHandle], id: &str) -> Vec<switchyard_engine_sim::ReceivedRequest> {
+    sims.iter()
+        .flat_map(SimHandle::received)
+        .filter(|request| request.header("x-request-id") == Some(id))
+        .collect()
+}
+
+/// Posts `body` to `url` (`what` names it if it hangs), asserts that it was answered 200 by
+/// way of `route` (`x-switchyard-route`), and returns the answer.
+async fn post_routed(url: &str, body: &Value, what: &str, route: &str) -> anyhow::Result<Reply> {
+    let reply = bounded(what, http_post(url, &[], body.to_string())).await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some(route));
+    Ok(reply)
+}
+
 fn prompt(seed: &str) -> String {
     format!("{seed} {}", vec!["hello"; 40].join(" "))
 }
@@ -260,12 +291,7 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
                 let usage = usage.expect("usage");
                 assert_eq!(usage["completion_tokens"], 6, "round {round}: {usage}");
                 // The prefiller got the ids and the spec naming the decoder's receiver.
-                let prefilled: Vec<_> = fleet
-                    .prefill
-                    .iter()
-                    .flat_map(SimHandle::received)
-                    .filter(|r| r.header("x-request-id") == Some(id.as_str()))
-                    .collect();
+                let prefilled = received_as(&fleet.prefill, &id);
                 assert_eq!(prefilled.len(), 1, "round {round}");
                 let decoder_index: usize = decoder.trim_start_matches('d').parse()?;
                 let spec = &prefilled[0]
@@ -286,20 +312,12 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
                     }
                 )));
                 // The decoder found the prompt's blocks in its cache (pushed, not computed).
-                let decoded: Vec<_> = fleet.decode[decoder_index]
-                    .received()
-                    .into_iter()
-                    .filter(|r| r.header("x-request-id") == Some(id.as_str()))
-                    .collect();
+                let decoded = received_as(&fleet.decode[decoder_index..=decoder_index], &id);
                 assert_eq!(decoded.len(), 1, "round {round}");
             }
         }
     }
-    let hits: u64 = fleet
-        .decode
-        .iter()
-        .map(|sim| sim.stats().prefix_cache_hits)
-        .sum();
+    let hits = prefix_cache_hits(&fleet.decode);
     assert!(
         hits >= 8 * 32,
         "decoders recomputed pushed prompts: {hits} cached tokens"
@@ -333,20 +351,11 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
 
 #[tokio::test]
 async fn without_a_notice_in_time_the_decoder_computes_what_it_lacks() -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), true).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
+    let (fleet, _dir, router) = fleet_and_router(true, false).await?;
     let body = json!({"model": "pd", "prompt": prompt("late"), "max_tokens": 4});
     let expected = colocated_text(&fleet.decode[0], false, &body, 4).await?;
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
-    let reply = bounded(
-        "an LMCACHE_PD request",
-        http_post(&url, &[], body.to_string()),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    let reply = post_routed(&url, &body, "an LMCACHE_PD request", "fallback").await?;
     let value: Value = serde_json::from_str(&reply.body)?;
     assert_eq!(text_of(&value, false), expected);
     assert_eq!(
@@ -360,9 +369,7 @@ async fn without_a_notice_in_time_the_decoder_computes_what_it_lacks() -> anyhow
     // A budget of one token goes direct: the prefill alone would answer it and leave the KV
     // it pushed unclaimed in the decoder's buffer.
     let one = json!({"model": "pd", "prompt": prompt("one"), "max_tokens": 1, "stream": true});
-    let reply = bounded("a one-token request", http_post(&url, &[], one.to_string())).await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+    post_routed(&url, &one, "a one-token request", "direct").await?;
     // A PD sender refuses a request without disagg_spec, as LMCache's async backend fails.
     let mut bare = body.clone();
     bare["model"] = json!("sim");
@@ -381,13 +388,7 @@ async fn without_a_notice_in_time_the_decoder_computes_what_it_lacks() -> anyhow
     let tools = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("tools")}], "max_tokens": 2,
                        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]});
     let chat = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
-    let reply = bounded(
-        "a chat with tools",
-        http_post(&chat, &[], tools.to_string()),
-    )
-    .await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("direct"));
+    post_routed(&chat, &tools, "a chat with tools", "direct").await?;
     settles(&router).await?;
     Ok(())
 }
@@ -400,9 +401,7 @@ async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() ->
     let router = router_over(&dir, "pd", &fleet, 1, None).await?;
     let body = json!({"model": "pd", "prompt": prompt("alone"), "max_tokens": 3});
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
-    let reply = bounded("a request", http_post(&url, &[], body.to_string())).await?;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    post_routed(&url, &body, "a request", "fallback").await?;
     assert_eq!(
         metric(
             &router.url(),
@@ -421,10 +420,7 @@ async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() ->
 
 #[tokio::test]
 async fn the_openai_python_client_reads_lmcache_pd_answers() -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
+    let (fleet, _dir, router) = fleet_and_router(false, false).await?;
     let body = json!({"model": "pd", "prompt": "x", "max_tokens": 6});
     let expected = colocated_text(&fleet.decode[0], false, &body, 6).await?;
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_lmcache.py");
@@ -460,10 +456,7 @@ async fn the_openai_python_client_reads_lmcache_pd_answers() -> anyhow::Result<(
 #[tokio::test]
 async fn a_first_token_that_ends_the_answer_is_the_answer_and_the_decoder_claims_the_hand_off()
 -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet_with(&format!("tcp://127.0.0.1:{port}"), false, true).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
+    let (fleet, _dir, router) = fleet_and_router(false, true).await?;
     let url = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
     for stream in [false, true] {
         let id = format!("stops-{stream}");
@@ -502,12 +495,7 @@ async fn a_first_token_that_ends_the_answer_is_the_answer_and_the_decoder_claims
             colocated_text(&fleet.decode[0], false, &one, 1).await?
         );
         // The decoder took the pushed KV out of its buffer (a completion, not streamed).
-        let claims: Vec<_> = fleet
-            .decode
-            .iter()
-            .flat_map(SimHandle::received)
-            .filter(|r| r.header("x-request-id") == Some(id.as_str()))
-            .collect();
+        let claims = received_as(&fleet.decode, &id);
         assert_eq!(claims.len(), 1, "one claim of the hand-off");
         assert!(!claims[0].stream);
         assert_eq!(claims[0].path, "/v1/completions");

@@ -38,10 +38,53 @@ async fn start_tuned(
 }
 
 fn dying() -> SimConfig {
-    SimConfig {
-        die_mid_stream_rate: 1.0,
-        ..fast()
+    Breaks::Dies.config()
+}
+
+/// How an engine's streams go wrong midway, and the instance id it is given.
+#[derive(Clone, Copy)]
+enum Breaks {
+    /// The connection is cut (`dies`).
+    Dies,
+    /// An error event with code 500, then `[DONE]`, as vLLM's failing engine core (`failing`).
+    Errors,
+    /// No more tokens, the connection kept open (`stalls`).
+    Stalls,
+}
+
+impl Breaks {
+    fn id(self) -> &'static str {
+        match self {
+            Breaks::Dies => "dies",
+            Breaks::Errors => "failing",
+            Breaks::Stalls => "stalls",
+        }
     }
+
+    fn config(self) -> SimConfig {
+        let mut config = fast();
+        match self {
+            Breaks::Dies => config.die_mid_stream_rate = 1.0,
+            Breaks::Errors => config.error_mid_stream_rate = 1.0,
+            Breaks::Stalls => config.stall_mid_stream_rate = 1.0,
+        }
+        config
+    }
+}
+
+/// An engine whose streams break as `breaks` says (the first choice for all but one draw in a
+/// million) and a healthy one, and a router allowing one move between them ([`start_tuned`]):
+/// the folder of its static file, the two engines, the router.
+async fn breaking_then_healthy(
+    breaks: Breaks,
+    tune: impl FnOnce(&mut switchyard_router::RouterConfig),
+) -> anyhow::Result<(tempfile::TempDir, SimHandle, SimHandle, RouterHandle)> {
+    let breaking = switchyard_engine_sim::spawn(breaks.config()).await?;
+    let healthy = switchyard_engine_sim::spawn(fast()).await?;
+    let dir = tempfile::tempdir()?;
+    let engines = [(breaks.id(), &breaking, 1e6), ("healthy", &healthy, 1.0)];
+    let router = start_tuned(&dir, 1, &engines, tune).await?;
+    Ok((dir, breaking, healthy, router))
 }
 
 /// A streamed answer as the client reads it.
@@ -67,22 +110,51 @@ async fn stream(url: &str, body: Value) -> anyhow::Result<Streamed> {
         comments: Vec::new(),
         done: 0,
     };
-    for line in text.lines() {
-        if let Some(comment) = line.strip_prefix(':') {
-            streamed.comments.push(comment.trim().to_owned());
-        } else if line == "data: [DONE]" {
-            streamed.done += 1;
-        } else if let Some(data) = line.strip_prefix("data: ") {
-            let event: Value = serde_json::from_str(data)?;
-            let choice = &event["choices"][0];
-            let piece = choice["delta"]["content"]
-                .as_str()
-                .or(choice["text"].as_str());
-            streamed.text.push_str(piece.unwrap_or(""));
-            streamed.events.push(event);
+    for line in sse_lines(&text)? {
+        match line {
+            SseLine::Comment(comment) => streamed.comments.push(comment),
+            SseLine::Done => streamed.done += 1,
+            SseLine::Event(event) => {
+                streamed.text.push_str(choice_text(&event["choices"][0]));
+                streamed.events.push(event);
+            }
         }
     }
     Ok(streamed)
+}
+
+/// `body` (`path` an OpenAI API under `/v1`) streamed straight to `engine`, as model `sim`:
+/// the undisturbed answer a migrated one must read as.
+async fn straight_to(engine: &SimHandle, path: &str, body: &Value) -> anyhow::Result<Streamed> {
+    let mut direct = body.clone();
+    direct["model"] = json!("sim");
+    stream(&format!("{}/v1/{path}", engine.url), direct).await
+}
+
+/// The two streaming APIs migration is checked on, each body asking for `max_tokens`: (path
+/// under `/v1`, body).
+fn both_apis(max_tokens: u32) -> [(&'static str, Value); 2] {
+    [
+        ("chat/completions", chat(max_tokens)),
+        ("completions", completions(max_tokens)),
+    ]
+}
+
+/// Streams `body` (`path` an OpenAI API under `/v1`) through `router`'s endpoint `chat` and
+/// straight to `healthy`, and asserts that the migrated answer reads as the undisturbed one:
+/// the same text, one `[DONE]`. Returns (migrated, undisturbed).
+async fn migrated_and_undisturbed(
+    router: &RouterHandle,
+    healthy: &SimHandle,
+    path: &str,
+    body: Value,
+) -> anyhow::Result<(Streamed, Streamed)> {
+    let undisturbed = straight_to(healthy, path, &body).await?;
+    let url = format!("{}/endpoints/chat/openai/v1/{path}", router.url());
+    let migrated = stream(&url, body).await?;
+    assert_eq!(migrated.text, undisturbed.text, "{path}");
+    assert_eq!(migrated.done, 1, "{path}");
+    Ok((migrated, undisturbed))
 }
 
 fn chat(max_tokens: u32) -> Value {
@@ -97,22 +169,10 @@ fn completions(max_tokens: u32) -> Value {
 
 #[tokio::test]
 async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> anyhow::Result<()> {
-    let dies = switchyard_engine_sim::spawn(dying()).await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    // The dying engine is first choice for all but one in a million draws.
-    let router = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
-    let base = format!("{}/endpoints/chat/openai/v1", router.url());
-    for (path, body) in [
-        ("chat/completions", chat(12)),
-        ("completions", completions(12)),
-    ] {
-        let mut direct = body.clone();
-        direct["model"] = json!("sim");
-        let undisturbed = stream(&format!("{}/v1/{path}", healthy.url), direct).await?;
-        let migrated = stream(&format!("{base}/{path}"), body).await?;
-        assert_eq!(migrated.text, undisturbed.text, "{path}");
-        assert_eq!(migrated.done, 1, "{path}");
+    let (_dir, dies, healthy, router) = breaking_then_healthy(Breaks::Dies, |_| {}).await?;
+    for (path, body) in both_apis(12) {
+        let (migrated, undisturbed) =
+            migrated_and_undisturbed(&router, &healthy, path, body).await?;
         assert_eq!(
             migrated.comments,
             ["switchyard migrated this answer from dies to healthy"],
@@ -159,30 +219,9 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
 async fn an_engine_that_reports_its_own_failure_mid_stream_is_moved_from() -> anyhow::Result<()> {
     // vLLM's engine core failing under a request: a few tokens, then an error event with code
     // 500 and `[DONE]`.
-    let failing = switchyard_engine_sim::spawn(SimConfig {
-        error_mid_stream_rate: 1.0,
-        ..fast()
-    })
-    .await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(
-        &dir,
-        1,
-        &[("failing", &failing, 1e6), ("healthy", &healthy, 1.0)],
-    )
-    .await?;
-    let base = format!("{}/endpoints/chat/openai/v1", router.url());
-    for (path, body) in [
-        ("chat/completions", chat(12)),
-        ("completions", completions(12)),
-    ] {
-        let mut direct = body.clone();
-        direct["model"] = json!("sim");
-        let undisturbed = stream(&format!("{}/v1/{path}", healthy.url), direct).await?;
-        let migrated = stream(&format!("{base}/{path}"), body).await?;
-        assert_eq!(migrated.text, undisturbed.text, "{path}");
-        assert_eq!(migrated.done, 1, "{path}");
+    let (_dir, failing, healthy, router) = breaking_then_healthy(Breaks::Errors, |_| {}).await?;
+    for (path, body) in both_apis(12) {
+        let (migrated, _) = migrated_and_undisturbed(&router, &healthy, path, body).await?;
         assert!(
             migrated
                 .events
@@ -238,10 +277,7 @@ async fn beyond_the_limit_the_stream_ends_with_an_error_event() -> anyhow::Resul
 
 #[tokio::test]
 async fn what_a_continuation_cannot_finish_is_not_moved() -> anyhow::Result<()> {
-    let dies = switchyard_engine_sim::spawn(dying()).await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let router = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
+    let (_dir, _dies, healthy, router) = breaking_then_healthy(Breaks::Dies, |_| {}).await?;
     let mut body = chat(12);
     body["response_format"] = json!({"type": "json_object"});
     let broken = stream(&chat_url(&router), body).await?;
@@ -258,24 +294,12 @@ async fn what_a_continuation_cannot_finish_is_not_moved() -> anyhow::Result<()> 
 
 #[tokio::test]
 async fn a_stalled_stream_is_dropped_and_continued_elsewhere() -> anyhow::Result<()> {
-    let stalls = switchyard_engine_sim::spawn(SimConfig {
-        stall_mid_stream_rate: 1.0,
-        ..fast()
-    })
-    .await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let engines = [("stalls", &stalls, 1e6), ("healthy", &healthy, 1.0)];
-    let router = start_tuned(&dir, 1, &engines, |config| {
+    let (_dir, _stalls, healthy, router) = breaking_then_healthy(Breaks::Stalls, |config| {
         config.stream_idle_timeout_seconds = 1;
     })
     .await?;
-    let mut direct = chat(10);
-    direct["model"] = json!("sim");
-    let undisturbed = stream(&format!("{}/v1/chat/completions", healthy.url), direct).await?;
-    let migrated = stream(&chat_url(&router), chat(10)).await?;
-    assert_eq!(migrated.text, undisturbed.text);
-    assert_eq!(migrated.done, 1);
+    let (migrated, _) =
+        migrated_and_undisturbed(&router, &healthy, "chat/completions", chat(10)).await?;
     assert_eq!(migrated.comments.len(), 1, "{:?}", migrated.comments);
     // The stalled answer counted against its instance, and its connection was let go: no
     // request is left in flight at either instance.
@@ -293,16 +317,11 @@ async fn a_stalled_stream_is_dropped_and_continued_elsewhere() -> anyhow::Result
 async fn the_openai_client_reads_a_migrated_stream() -> anyhow::Result<()> {
     let python = test_python();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_stream.py");
-    let dies = switchyard_engine_sim::spawn(dying()).await?;
+    let (_dir, dies, healthy, moving) = breaking_then_healthy(Breaks::Dies, |_| {}).await?;
     let also_dies = switchyard_engine_sim::spawn(dying()).await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
-    let moving = start_router(&dir, 1, &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)]).await?;
     let other = tempfile::tempdir()?;
     let stuck = start_router(&other, 1, &[("a", &dies, 1.0), ("b", &also_dies, 1.0)]).await?;
-    let mut direct = chat(9);
-    direct["model"] = json!("sim");
-    let expected = stream(&format!("{}/v1/chat/completions", healthy.url), direct)
+    let expected = straight_to(&healthy, "chat/completions", &chat(9))
         .await?
         .text;
     for (router, args) in [
@@ -328,16 +347,10 @@ async fn the_openai_client_reads_a_migrated_stream() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_continuation_is_an_attempt_span_of_the_clients_request() -> anyhow::Result<()> {
     let sink = switchyard_testkit::otlp_sink::OtlpSink::start(true).await?;
-    let dies = switchyard_engine_sim::spawn(dying()).await?;
-    let healthy = switchyard_engine_sim::spawn(fast()).await?;
-    let dir = tempfile::tempdir()?;
     let otlp = sink.url();
-    let router = start_tuned(
-        &dir,
-        1,
-        &[("dies", &dies, 1e6), ("healthy", &healthy, 1.0)],
-        |config| config.telemetry.otlp_endpoint = Some(otlp),
-    )
+    let (_dir, _dies, _healthy, router) = breaking_then_healthy(Breaks::Dies, |config| {
+        config.telemetry.otlp_endpoint = Some(otlp)
+    })
     .await?;
     let mut response = post_streaming(
         &format!("{}/endpoints/chat/openai/v1/chat/completions", router.url()),

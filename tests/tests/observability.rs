@@ -25,8 +25,7 @@ struct Fleet {
 impl Fleet {
     async fn start(engines: usize) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
-        let control_plane = embedded_control_plane(dir.path()).await?;
-        let mut admin = admin(&control_plane.url()).await?;
+        let (control_plane, mut admin) = embedded_admin(dir.path()).await?;
         create_endpoint(&mut admin, "chat", &variant_json("RANDOM", None)).await?;
         let sim = switchyard_engine_sim::SimConfig {
             time_scale: 0.01,
@@ -73,6 +72,24 @@ impl Fleet {
     }
 }
 
+/// A fleet of `engines` simulators, and a router over it exporting its spans to a fresh OTLP
+/// sink (4,096 spans queued at most).
+async fn traced_fleet(
+    engines: usize,
+) -> anyhow::Result<(OtlpSink, Fleet, switchyard_router::RouterHandle)> {
+    let sink = OtlpSink::start(true).await?;
+    let fleet = Fleet::start(engines).await?;
+    let router = fleet.router(Some(sink.url()), 4096).await?;
+    Ok((sink, fleet, router))
+}
+
+/// The client's `traceparent`: its trace [`CLIENT_TRACE`] and span [`CLIENT_SPAN`], sampled or
+/// not.
+fn client_traceparent(sampled: bool) -> String {
+    let flags = if sampled { "01" } else { "00" };
+    format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-{flags}")
+}
+
 async fn chat(router: &str, headers: &[(&str, &str)]) -> anyhow::Result<Reply> {
     http_post(
         &format!("{router}/endpoints/chat/openai/v1/chat/completions"),
@@ -111,10 +128,8 @@ fn children<'a>(spans: &'a [ReceivedSpan], parent: &ReceivedSpan) -> Vec<&'a Rec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_is_traced_from_the_clients_span_through_the_router_to_the_engine()
 -> anyhow::Result<()> {
-    let sink = OtlpSink::start(true).await?;
-    let fleet = Fleet::start(2).await?;
-    let router = fleet.router(Some(sink.url()), 4096).await?;
-    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let (sink, fleet, router) = traced_fleet(2).await?;
+    let traceparent = client_traceparent(true);
     let reply = chat(
         &router.url(),
         &[
@@ -226,10 +241,8 @@ fn reply_instance(fleet: &Fleet, id: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsampled_parent_is_honoured_and_nothing_is_exported() -> anyhow::Result<()> {
-    let sink = OtlpSink::start(true).await?;
-    let fleet = Fleet::start(1).await?;
-    let router = fleet.router(Some(sink.url()), 4096).await?;
-    let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    let (sink, fleet, router) = traced_fleet(1).await?;
+    let traceparent = client_traceparent(false);
     let reply = chat(
         &router.url(),
         &[("traceparent", &traceparent), ("x-request-id", "unsampled")],

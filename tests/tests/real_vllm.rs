@@ -227,9 +227,7 @@ async fn a_real_vllm_fleet_behind_the_router() -> anyhow::Result<()> {
     for engine in &mut engines {
         engine.ready().await?;
     }
-    let etcd = Etcd::start().await?;
-    let control = etcd_control_plane(&etcd, "/switchyard/real-vllm/").await?;
-    let mut admin = admin(&control.url()).await?;
+    let (_etcd, control, mut admin) = etcd_admin("/switchyard/real-vllm/").await?;
     create_endpoints(&mut admin).await?;
     register_instances(&mut admin, &engines).await?;
     let router = router(&[control.url()]).await?;
@@ -272,19 +270,7 @@ async fn create_endpoints(admin: &mut Admin) -> anyhow::Result<()> {
         ),
     );
     for (name, request) in [("pd", pd), ("kv", kv), ("mig", mig)] {
-        let config = request
-            .endpoint_config
-            .as_ref()
-            .expect("config")
-            .name
-            .clone();
-        admin.create_endpoint_config(request).await?;
-        admin
-            .create_endpoint(pb::CreateEndpointRequest {
-                name: name.into(),
-                endpoint_config_name: config,
-            })
-            .await?;
+        create_endpoint_from(admin, name, request).await?;
     }
     Ok(())
 }
@@ -348,20 +334,16 @@ struct Answer {
 impl Answer {
     /// Takes in an SSE stream's events: text, usage, comments, error events, `[DONE]`s.
     fn read_stream(&mut self, text: &str) -> anyhow::Result<()> {
-        for line in text.lines() {
-            if let Some(comment) = line.strip_prefix(':') {
-                self.comments.push(comment.trim().to_owned());
-            } else if line == "data: [DONE]" {
-                self.done += 1;
-            } else if let Some(data) = line.strip_prefix("data: ") {
-                let event: Value = serde_json::from_str(data)?;
-                if event.get("error").is_some() {
-                    self.errors.push(event);
-                    continue;
-                }
-                self.text.push_str(piece(&event["choices"][0]));
-                if !event["usage"].is_null() {
-                    self.usage = event["usage"].clone();
+        for line in sse_lines(text)? {
+            match line {
+                SseLine::Comment(comment) => self.comments.push(comment),
+                SseLine::Done => self.done += 1,
+                SseLine::Event(event) if event.get("error").is_some() => self.errors.push(event),
+                SseLine::Event(event) => {
+                    self.text.push_str(choice_text(&event["choices"][0]));
+                    if !event["usage"].is_null() {
+                        self.usage = event["usage"].clone();
+                    }
                 }
             }
         }
@@ -380,14 +362,6 @@ impl Answer {
             .as_u64()
             .unwrap_or(0)
     }
-}
-
-fn piece(choice: &Value) -> &str {
-    choice["delta"]["content"]
-        .as_str()
-        .or(choice["message"]["content"].as_str())
-        .or(choice["text"].as_str())
-        .unwrap_or("")
 }
 
 /// POSTs `body` to `url` and reads the whole answer, a stream event by event.
@@ -417,7 +391,7 @@ async fn ask(url: &str, body: &Value) -> anyhow::Result<Answer> {
     let text = String::from_utf8_lossy(&collected.to_bytes()).into_owned();
     if body["stream"] != json!(true) || answer.status != 200 {
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text.clone()));
-        answer.text = piece(&value["choices"][0]).to_owned();
+        answer.text = choice_text(&value["choices"][0]).to_owned();
         answer.usage = value["usage"].clone();
         if answer.status != 200 {
             answer.errors.push(value);
@@ -619,18 +593,7 @@ async fn kv_aware(
         first.header("x-switchyard-route")
     );
 
-    eventually(
-        Duration::from_secs(30),
-        "the router's KV index of kv",
-        || {
-            let ready = router
-                .kv_index()
-                .variant(&endpoint, &variant)
-                .is_some_and(|index| index.block_size().is_some());
-            async move { ready }
-        },
-    )
-    .await?;
+    wait_kv_index(router, "kv", Duration::from_secs(30)).await?;
     let index = router
         .kv_index()
         .variant(&endpoint, &variant)

@@ -39,11 +39,7 @@ async fn same_prefix_same_instance_through_two_routers_and_prefixes_spread() -> 
         "24 prefixes over 4 instances used only {chosen:?}"
     );
     // The engines saw their cached prefixes hit.
-    let hits: u64 = cluster
-        .engines()
-        .iter()
-        .map(|engine| engine.stats().prefix_cache_hits)
-        .sum();
+    let hits = prefix_cache_hits(cluster.engines());
     assert!(hits > 0, "repeated prefixes should hit the engines' caches");
     cluster.wait_idle().await?;
     Ok(())
@@ -87,8 +83,26 @@ async fn prefix_aware_ids_split_identical_prompts() -> anyhow::Result<()> {
 }
 
 /// Both routers' answers (`via_a`, `via_b`) overflowed from `owner`, to the same instance.
-fn same_second_choice(via_a: &Reply, via_b: &Reply, owner: &str, verb: &str) {
-    for reply in [via_a, via_b] {
+/// Waits until `router_b` counts two requests in flight on `owner` fleet-wide (router A's,
+/// from the control plane's load reports), then sends `short` through both routers and asserts
+/// that each moves it off the owner (route `overflow`), to the same second choice (`verb`
+/// says how, in the failure).
+async fn both_overflow_alike(
+    router_a: &switchyard_router::RouterHandle,
+    router_b: &switchyard_router::RouterHandle,
+    owner: &str,
+    short: &str,
+    verb: &str,
+) -> anyhow::Result<()> {
+    eventually(
+        Duration::from_secs(5),
+        "router B to see the owner's load",
+        || async { fleet_in_flight(router_b, owner).await >= 2 },
+    )
+    .await?;
+    let via_b = http_post(&chat_url(router_b), &[], short.to_owned()).await?;
+    let via_a = http_post(&chat_url(router_a), &[], short.to_owned()).await?;
+    for reply in [&via_a, &via_b] {
         assert_eq!(reply.status, 200, "{}", reply.body);
         assert_eq!(reply.header("x-switchyard-route"), Some("overflow"));
         assert_ne!(reply.header("x-switchyard-instance"), Some(owner));
@@ -98,6 +112,23 @@ fn same_second_choice(via_a: &Reply, via_b: &Reply, owner: &str, verb: &str) {
         via_b.header("x-switchyard-instance"),
         "both routers {verb} to the same second choice"
     );
+    Ok(())
+}
+
+/// A long stream of `body` through `router`, held open: the response, and the instance it
+/// went to.
+async fn hold_stream(
+    router: &switchyard_router::RouterHandle,
+    body: &str,
+) -> anyhow::Result<(http::Response<hyper::body::Incoming>, String)> {
+    let response = post_streaming(&chat_url(router), &[], body.to_owned()).await?;
+    let instance = response
+        .headers()
+        .get("x-switchyard-instance")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    Ok((response, instance))
 }
 
 /// `text` with every ASCII letter replaced by a Greek one (2 bytes in UTF-8 instead of 1).
@@ -289,30 +320,15 @@ async fn a_hot_prefix_overflows_to_the_same_second_choice_on_both_routers() -> a
 
     // Two long requests through router A put the owner at the threshold (2) fleet-wide.
     let long = chat_body(&hot, 400, true);
+    let (router_a, router_b) = (&cluster.routers()[0], &cluster.routers()[1]);
     let mut holds = Vec::new();
     for _ in 0..2 {
-        let response = post_streaming(&chat_url(&cluster.routers()[0]), &[], long.clone()).await?;
-        assert_eq!(
-            response
-                .headers()
-                .get("x-switchyard-instance")
-                .unwrap()
-                .to_str()?,
-            owner
-        );
+        let (response, on) = hold_stream(router_a, &long).await?;
+        assert_eq!(on, owner);
         holds.push(response);
     }
     // Router B learns the fleet-wide load from the control plane.
-    let router_b = &cluster.routers()[1];
-    eventually(
-        Duration::from_secs(5),
-        "router B to see the owner's load",
-        || async { fleet_in_flight(router_b, &owner).await >= 2 },
-    )
-    .await?;
-    let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
-    let via_a = http_post(&chat_url(&cluster.routers()[0]), &[], short.clone()).await?;
-    same_second_choice(&via_a, &via_b, &owner, "overflow");
+    both_overflow_alike(router_a, router_b, &owner, &short, "overflow").await?;
     drop(holds);
     cluster.wait_idle().await?;
     Ok(())
@@ -334,39 +350,17 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
     cluster.wait_idle().await?;
 
     let long = chat_body(&hot, 400, true);
-    let hold = |router: &switchyard_router::RouterHandle| {
-        let url = chat_url(router);
-        let long = long.clone();
-        async move {
-            let response = post_streaming(&url, &[], long).await?;
-            let instance = response
-                .headers()
-                .get("x-switchyard-instance")
-                .and_then(|value| value.to_str().ok())
-                .unwrap_or_default()
-                .to_owned();
-            anyhow::Ok((response, instance))
-        }
-    };
     // One in flight (bound ⌈2/4⌉ + 1 = 2): the slack keeps a lightly loaded fleet on the owner.
-    let (first, on) = hold(router_a).await?;
+    let (first, on) = hold_stream(router_a, &long).await?;
     assert_eq!(on, owner);
     let reply = http_post(&chat_url(router_a), &[], short.clone()).await?;
     assert_eq!(reply.header("x-switchyard-route"), Some("prefix"));
-    let (second, on) = hold(router_a).await?;
+    let (second, on) = hold_stream(router_a, &long).await?;
     assert_eq!(on, owner);
     // Two in flight on the owner, none elsewhere: bound ⌈3/4⌉ + 1 = 2, so the prefix spills.
     // Neither router has sent anything to another instance, so both place the new copy alike:
     // on the second choice.
-    eventually(
-        Duration::from_secs(5),
-        "router B to see the owner's load",
-        || async { fleet_in_flight(router_b, &owner).await >= 2 },
-    )
-    .await?;
-    let via_b = http_post(&chat_url(router_b), &[], short.clone()).await?;
-    let via_a = http_post(&chat_url(router_a), &[], short.clone()).await?;
-    same_second_choice(&via_a, &via_b, &owner, "spill");
+    both_overflow_alike(router_a, router_b, &owner, &short, "spill").await?;
     drop((first, second));
     cluster.wait_idle().await?;
     Ok(())
@@ -479,12 +473,7 @@ async fn a_strategy_switch_takes_effect_without_a_failed_request() -> anyhow::Re
         completed() >= 40
     })
     .await?;
-    admin
-        .update_endpoint(pb::UpdateEndpointRequest {
-            name: "chat".into(),
-            endpoint_config_name: "chat-prefix".into(),
-        })
-        .await?;
+    switch_endpoint_config(&mut admin, "chat", "chat-prefix").await?;
     let router = &cluster.routers()[0];
     eventually(
         Duration::from_secs(5),
@@ -633,9 +622,7 @@ async fn a_router_fails_over_across_its_control_plane_urls() -> anyhow::Result<(
     // --control-plane URL1,URL2,URL3: the first refuses connections, the second is a replica
     // that gets killed (SIGKILL), the third a replica on the same etcd. The router syncs from
     // the second, then follows the third.
-    let etcd = Etcd::start().await?;
-    let mut first_replica = etcd_control_process(&etcd, "/failover/")?;
-    let second_replica = etcd_control_plane(&etcd, "/failover/").await?;
+    let (_etcd, mut first_replica, second_replica) = etcd_replica_pair("/failover/").await?;
     let refusing = RefusingPort::new()?;
     let router = router(&[refusing.url(), first_replica.url(), second_replica.url()]).await?;
     let mut admin = admin(&second_replica.url()).await?;
@@ -1139,15 +1126,12 @@ async fn sessions_stick_and_variants_share_traffic_by_weight() -> anyhow::Result
     let mut admin = admin(cluster.control_plane_url()).await?;
     let variants = r#"[{"VariantName":"Small","ModelName":"sim","InitialVariantWeight":1},
                        {"VariantName":"Large","ModelName":"sim","InitialVariantWeight":3}]"#;
-    admin
-        .create_endpoint_config(config_request("two-variants", variants))
-        .await?;
-    admin
-        .create_endpoint(pb::CreateEndpointRequest {
-            name: "split".into(),
-            endpoint_config_name: "two-variants".into(),
-        })
-        .await?;
+    create_endpoint_from(
+        &mut admin,
+        "split",
+        config_request("two-variants", variants),
+    )
+    .await?;
     for (index, variant) in ["Small", "Large"].iter().enumerate() {
         admin
             .register_instance(pb::RegisterInstanceRequest {

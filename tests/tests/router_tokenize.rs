@@ -12,7 +12,8 @@ use serde_json::{Value, json};
 use switchyard_engine_sim::{KvEventsFormat, SimHandle};
 use switchyard_router::RouterHandle;
 use switchyard_tests::{
-    Metrics, eventually, http_post, instance_ids, kv_sim, router_from_file, sim_tokens, words,
+    Metrics, eventually, http_post, instance_ids, kv_instances, kv_sim, routed_choice,
+    router_from_file, sim_tokens, words,
 };
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -71,25 +72,13 @@ async fn router(
     name: &str,
     check_fraction: f64,
 ) -> anyhow::Result<RouterHandle> {
-    let instances: Vec<Value> = sims
-        .iter()
-        .enumerate()
-        .map(|(index, sim)| {
-            json!({
-                "Url": sim.url,
-                "InstanceId": format!("e{index}"),
-                "KvEvents": sim.kv_events_endpoint(),
-                "KvEventsReplay": sim.kv_events_replay_endpoint(),
-            })
-        })
-        .collect();
     let file = json!({"Endpoints": [{
         "EndpointName": "chat",
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": {
             "RoutingStrategy": "KV_AWARE",
             "KvAwareRoutingConfig": {"Tokenizer": name},
         }}],
-        "Instances": instances,
+        "Instances": kv_instances(&sims),
     }]});
     let tokenizer_dir = tokenizer_dir.to_owned();
     router_from_file(
@@ -189,17 +178,8 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
             .ok_or_else(|| anyhow::anyhow!("no x-switchyard-decision-us"))?
             .parse()?;
         assert!(decided > 0, "arrival to decision takes some time");
-        routed.push((
-            reply
-                .header("x-switchyard-instance")
-                .unwrap_or("")
-                .to_owned(),
-            reply.header("x-switchyard-route").unwrap_or("").to_owned(),
-            reply
-                .header("x-switchyard-cached-tokens")
-                .and_then(|value| value.parse::<usize>().ok())
-                .unwrap_or(0),
-        ));
+        let (instance, route, cached) = routed_choice(&reply);
+        routed.push((instance, route, cached.unwrap_or(0)));
     }
     for (instance, route, cached) in &routed {
         assert_eq!(

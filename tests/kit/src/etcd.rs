@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail};
 
 use crate::pki::TestPki;
 use crate::ports::unused_port;
-use crate::process::signal_child;
+use crate::process::{kill_and_reap, signal_child};
 use crate::{eventually, http_get};
 
 /// A real etcd (Debian's `etcd-server`) for one test, stopped and wiped on drop.
@@ -150,8 +150,7 @@ impl Etcd {
 
     /// Stops etcd abruptly (SIGKILL).
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kill_and_reap(&mut self.child);
     }
 }
 
@@ -279,8 +278,7 @@ impl Drop for EtcdCluster {
             if member.frozen {
                 let _ = signal_child(&member.child, "CONT");
             }
-            let _ = member.child.kill();
-            let _ = member.child.wait();
+            kill_and_reap(&mut member.child);
         }
     }
 }

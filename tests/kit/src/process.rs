@@ -12,6 +12,12 @@ use anyhow::{Context as _, bail};
 
 use crate::ports::loopback_any;
 
+/// Kills a child process (SIGKILL), as a crash would, and reaps it; one already gone is fine.
+pub(crate) fn kill_and_reap(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Sends a signal by name to a child process that must still be there (`kill -NAME PID`).
 pub(crate) fn signal_child(child: &Child, name: &str) -> anyhow::Result<()> {
     let status = Command::new("kill")
@@ -286,8 +292,7 @@ impl Process {
 
     /// Stops it abruptly (SIGKILL), as a crash would, and reaps it.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        kill_and_reap(&mut self.child);
     }
 }
 
