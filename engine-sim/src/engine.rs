@@ -938,9 +938,22 @@ pub(crate) mod tests {
         assert!(now < 0.1, "{now}");
     }
 
+    /// The event of `blocks` of `spec`'s prompt (16 tokens each) stored, chained to the block
+    /// before them.
+    fn stored(spec: &SeqSpec, blocks: std::ops::Range<usize>) -> crate::cache::CacheEvent {
+        crate::cache::CacheEvent::Stored {
+            parent: blocks
+                .start
+                .checked_sub(1)
+                .map(|last| spec.block_hashes[last]),
+            tokens: spec.prompt_tokens[blocks.start * 16..blocks.end * 16].to_vec(),
+            hashes: spec.block_hashes[blocks].to_vec(),
+            lora: None,
+        }
+    }
+
     #[test]
     fn reuse_reports_publish_the_reused_prefix_from_its_first_block() {
-        use crate::cache::CacheEvent;
         let mut scheduler = scheduler();
         scheduler.record_cache_events(true);
         let mut now = 0.0;
@@ -955,15 +968,7 @@ pub(crate) mod tests {
             ..spec(0, 40, 1)
         };
         serve(&mut scheduler, &mut now, 3, full.clone());
-        assert_eq!(
-            scheduler.take_cache_events(),
-            vec![CacheEvent::Stored {
-                parent: None,
-                hashes: full.block_hashes.clone(),
-                tokens: full.prompt_tokens[..32].to_vec(),
-                lora: None,
-            }]
-        );
+        assert_eq!(scheduler.take_cache_events(), vec![stored(&full, 0..2)]);
     }
 
     #[test]
@@ -974,27 +979,11 @@ pub(crate) mod tests {
         let mut now = 0.0;
         serve(&mut scheduler, &mut now, 1, spec(0, 40, 1));
         let first = spec(0, 40, 1);
-        assert_eq!(
-            scheduler.take_cache_events(),
-            vec![CacheEvent::Stored {
-                parent: None,
-                hashes: first.block_hashes.clone(),
-                tokens: first.prompt_tokens[..32].to_vec(),
-                lora: None,
-            }]
-        );
+        assert_eq!(scheduler.take_cache_events(), vec![stored(&first, 0..2)]);
         // A longer prompt with the same start: only the new blocks, chained to the last old one.
         serve(&mut scheduler, &mut now, 2, spec(0, 70, 1));
         let second = spec(0, 70, 1);
-        assert_eq!(
-            scheduler.take_cache_events(),
-            vec![CacheEvent::Stored {
-                parent: Some(second.block_hashes[1]),
-                hashes: second.block_hashes[2..4].to_vec(),
-                tokens: second.prompt_tokens[32..64].to_vec(),
-                lora: None,
-            }]
-        );
+        assert_eq!(scheduler.take_cache_events(), vec![stored(&second, 2..4)]);
         assert!(scheduler.reset_prefix_cache());
         assert_eq!(scheduler.take_cache_events(), vec![CacheEvent::Cleared]);
     }

@@ -157,25 +157,13 @@ impl FaultInjector {
 
     /// Whether the next KV pull fails (one draw every time).
     pub(crate) fn draw_kv_pull_failure(&self) -> bool {
-        let rate = self.get().kv_pull_fail_rate;
-        let draw = self
-            .kv_pull
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .f64();
-        draw < rate
+        draw(&self.kv_pull, self.get().kv_pull_fail_rate)
     }
 
     /// Whether a request served without another fault ends with an error event (one draw per
     /// such request, so the sequence still depends only on the seed, knobs and order).
     pub(crate) fn draw_error_mid_stream(&self) -> bool {
-        let rate = self.get().error_mid_stream_rate;
-        let draw = self
-            .error_mid_stream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .f64();
-        draw < rate
+        draw(&self.error_mid_stream, self.get().error_mid_stream_rate)
     }
 
     /// Draws the fault for the next request. Four draws every time, so the sequence of
@@ -203,6 +191,15 @@ impl FaultInjector {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// One draw of `rng`: whether it falls below `rate`.
+fn draw(rng: &Mutex<fastrand::Rng>, rate: f64) -> bool {
+    let draw = rng
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .f64();
+    draw < rate
 }
 
 #[cfg(test)]

@@ -314,16 +314,17 @@ pub(crate) fn encode_batch(ts: f64, events: &[CacheEvent], format: KvEventsForma
     writer.float(ts);
     writer.array(events.len());
     for event in events {
-        match format {
-            KvEventsFormat::Array => encode_array_event(&mut writer, event),
-            KvEventsFormat::Map => encode_map_event(&mut writer, event),
-        }
+        encode_event(&mut writer, event, format);
     }
     writer.uint(0); // data_parallel_rank
     out
 }
 
-fn encode_array_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
+/// Writes one event: a tagged positional array (its fields in vLLM's order) or a tagged map
+/// (the same fields by name, and the ones only current vLLM sends).
+fn encode_event(writer: &mut MsgPack<'_>, event: &CacheEvent, format: KvEventsFormat) {
+    let named = format == KvEventsFormat::Map;
+    let mut fields = EventFields { writer, named };
     match event {
         CacheEvent::Stored {
             parent,
@@ -331,87 +332,76 @@ fn encode_array_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
             tokens,
             lora,
         } => {
-            writer.array(8);
-            writer.str("BlockStored");
-            writer.uints(hashes.iter().copied());
-            writer.optional_uint(*parent);
-            writer.uints(tokens.iter().map(|token| u64::from(*token)));
-            writer.uint(block_size(hashes, tokens));
-            writer.optional_uint(lora.as_ref().map(|lora| u64::from(lora.id)));
-            writer.str("GPU"); // medium
-            writer.optional_str(lora.as_ref().map(|lora| &*lora.name));
+            fields.start(8, 11);
+            fields.field("type").str("BlockStored");
+            fields.field("block_hashes").uints(hashes.iter().copied());
+            fields.field("parent_block_hash").optional_uint(*parent);
+            fields
+                .field("token_ids")
+                .uints(tokens.iter().map(|token| u64::from(*token)));
+            fields.field("block_size").uint(block_size(hashes, tokens));
+            fields
+                .field("lora_id")
+                .optional_uint(lora.as_ref().map(|lora| u64::from(lora.id)));
+            fields.field("medium").str("GPU");
+            fields
+                .field("lora_name")
+                .optional_str(lora.as_ref().map(|lora| &*lora.name));
+            if named {
+                // vLLM 0.32 names a block's adapter first among its extra keys, on every block.
+                let writer = fields.field("extra_keys");
+                writer.array(hashes.len());
+                for _ in hashes {
+                    match lora {
+                        Some(lora) => {
+                            writer.array(1);
+                            writer.str(&lora.name);
+                        }
+                        None => writer.nil(),
+                    }
+                }
+                fields.field("group_idx").uint(0);
+                fields.field("kv_cache_spec_kind").str("full_attention");
+            }
         }
         CacheEvent::Removed { hashes } => {
-            writer.array(3);
-            writer.str("BlockRemoved");
-            writer.uints(hashes.iter().copied());
-            writer.str("GPU");
+            fields.start(3, 4);
+            fields.field("type").str("BlockRemoved");
+            fields.field("block_hashes").uints(hashes.iter().copied());
+            fields.field("medium").str("GPU");
+            if named {
+                fields.field("group_idx").uint(0);
+            }
         }
         CacheEvent::Cleared => {
-            writer.array(1);
-            writer.str("AllBlocksCleared");
+            fields.start(1, 1);
+            fields.field("type").str("AllBlocksCleared");
         }
     }
 }
 
-fn encode_map_event(writer: &mut MsgPack<'_>, event: &CacheEvent) {
-    match event {
-        CacheEvent::Stored {
-            parent,
-            hashes,
-            tokens,
-            lora,
-        } => {
-            writer.map(11);
-            writer.str("type");
-            writer.str("BlockStored");
-            writer.str("block_hashes");
-            writer.uints(hashes.iter().copied());
-            writer.str("parent_block_hash");
-            writer.optional_uint(*parent);
-            writer.str("token_ids");
-            writer.uints(tokens.iter().map(|token| u64::from(*token)));
-            writer.str("block_size");
-            writer.uint(block_size(hashes, tokens));
-            writer.str("lora_id");
-            writer.optional_uint(lora.as_ref().map(|lora| u64::from(lora.id)));
-            writer.str("medium");
-            writer.str("GPU");
-            writer.str("lora_name");
-            writer.optional_str(lora.as_ref().map(|lora| &*lora.name));
-            // vLLM 0.32 names a block's adapter first among its extra keys, on every block.
-            writer.str("extra_keys");
-            writer.array(hashes.len());
-            for _ in hashes {
-                match lora {
-                    Some(lora) => {
-                        writer.array(1);
-                        writer.str(&lora.name);
-                    }
-                    None => writer.nil(),
-                }
-            }
-            writer.str("group_idx");
-            writer.uint(0);
-            writer.str("kv_cache_spec_kind");
-            writer.str("full_attention");
+/// An event's fields as they are written: by position, or each after its name.
+struct EventFields<'w, 'a> {
+    writer: &'w mut MsgPack<'a>,
+    named: bool,
+}
+
+impl<'a> EventFields<'_, 'a> {
+    /// Starts the event: `positional` fields in an array, or `named` ones in a map.
+    fn start(&mut self, positional: usize, named: usize) {
+        if self.named {
+            self.writer.map(named);
+        } else {
+            self.writer.array(positional);
         }
-        CacheEvent::Removed { hashes } => {
-            writer.map(4);
-            writer.str("type");
-            writer.str("BlockRemoved");
-            writer.str("block_hashes");
-            writer.uints(hashes.iter().copied());
-            writer.str("medium");
-            writer.str("GPU");
-            writer.str("group_idx");
-            writer.uint(0);
+    }
+
+    /// The writer of the next field's value, its name written first in a map.
+    fn field(&mut self, name: &str) -> &mut MsgPack<'a> {
+        if self.named {
+            self.writer.str(name);
         }
-        CacheEvent::Cleared => {
-            writer.map(1);
-            writer.str("type");
-            writer.str("AllBlocksCleared");
-        }
+        self.writer
     }
 }
 

@@ -666,17 +666,25 @@ struct Gather {
 }
 
 impl Gather {
-    fn keep<T>(&mut self, field: String, result: Result<T, ValidationError>) -> Option<T> {
-        match result {
-            Ok(value) => Some(value),
-            Err(err) => {
-                self.errors.push(ValidationError::new(
-                    format!("{field}.{}", err.field),
+    /// Converts each item of the wire list named `list`; an item that does not convert is
+    /// left out and named in the errors as `list[index].field`.
+    fn each<W, T>(
+        &mut self,
+        list: &str,
+        wire: impl IntoIterator<Item = W>,
+        convert: impl Fn(W) -> Result<T, ValidationError>,
+    ) -> Vec<T> {
+        let mut kept = Vec::new();
+        for (index, item) in wire.into_iter().enumerate() {
+            match convert(item) {
+                Ok(value) => kept.push(value),
+                Err(err) => self.errors.push(ValidationError::new(
+                    format!("{list}[{index}].{}", err.field),
                     err.message,
-                ));
-                None
+                )),
             }
         }
+        kept
     }
 }
 
@@ -684,48 +692,34 @@ impl Gather {
 /// errors (the rest still applies: one bad record does not hold up a fleet's state).
 pub fn state_update(wire: pb::StateUpdate) -> (StateUpdate, Vec<ValidationError>) {
     let mut gather = Gather::default();
-    let mut update = StateUpdate {
+    let update = StateUpdate {
         reset: wire.reset,
         complete: wire.complete,
-        ..StateUpdate::default()
+        configs: gather.each("StateUpdate.Configs", wire.configs, |config| {
+            EndpointConfig::try_from(config).map(Arc::new)
+        }),
+        removed_configs: gather.each(
+            "StateUpdate.RemovedConfigs",
+            &wire.removed_configs,
+            |name| endpoint_config_name("Name", name),
+        ),
+        endpoints: gather.each("StateUpdate.Endpoints", wire.endpoints, |endpoint| {
+            Endpoint::try_from(endpoint).map(Arc::new)
+        }),
+        removed_endpoints: gather.each(
+            "StateUpdate.RemovedEndpoints",
+            &wire.removed_endpoints,
+            |name| endpoint_name("Name", name),
+        ),
+        instances: gather.each("StateUpdate.Instances", wire.instances, |instance| {
+            Instance::try_from(instance).map(Arc::new)
+        }),
+        removed_instances: gather.each(
+            "StateUpdate.RemovedInstances",
+            &wire.removed_instances,
+            |removed| instance_key("Instance", &removed.endpoint_name, &removed.id),
+        ),
     };
-    for (index, config) in wire.configs.into_iter().enumerate() {
-        let field = format!("StateUpdate.Configs[{index}]");
-        if let Some(config) = gather.keep(field, EndpointConfig::try_from(config)) {
-            update.configs.push(Arc::new(config));
-        }
-    }
-    for (index, name) in wire.removed_configs.iter().enumerate() {
-        let field = format!("StateUpdate.RemovedConfigs[{index}]");
-        if let Some(name) = gather.keep(field, endpoint_config_name("Name", name)) {
-            update.removed_configs.push(name);
-        }
-    }
-    for (index, endpoint) in wire.endpoints.into_iter().enumerate() {
-        let field = format!("StateUpdate.Endpoints[{index}]");
-        if let Some(endpoint) = gather.keep(field, Endpoint::try_from(endpoint)) {
-            update.endpoints.push(Arc::new(endpoint));
-        }
-    }
-    for (index, name) in wire.removed_endpoints.iter().enumerate() {
-        let field = format!("StateUpdate.RemovedEndpoints[{index}]");
-        if let Some(name) = gather.keep(field, endpoint_name("Name", name)) {
-            update.removed_endpoints.push(name);
-        }
-    }
-    for (index, instance) in wire.instances.into_iter().enumerate() {
-        let field = format!("StateUpdate.Instances[{index}]");
-        if let Some(instance) = gather.keep(field, Instance::try_from(instance)) {
-            update.instances.push(Arc::new(instance));
-        }
-    }
-    for (index, removed) in wire.removed_instances.iter().enumerate() {
-        let field = format!("StateUpdate.RemovedInstances[{index}]");
-        let key = instance_key("Instance", &removed.endpoint_name, &removed.id);
-        if let Some(key) = gather.keep(field, key) {
-            update.removed_instances.push(key);
-        }
-    }
     (update, gather.errors)
 }
 
@@ -819,6 +813,19 @@ pub fn instance_loads(wire: Vec<pb::InstanceLoad>) -> (Vec<InstanceLoad>, usize)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An endpoint config named `cfg` with the variants of a SageMaker JSON list.
+    fn config_from_json(json: &str, creation_time_ms: i64) -> EndpointConfig {
+        EndpointConfig {
+            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
+            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
+                .unwrap()
+                .variants,
+            health_check_config: HealthCheckConfig::default(),
+            creation_time_ms,
+            disaggregation_config: None,
+        }
+    }
 
     #[test]
     fn an_lmcache_receiver_travels_and_is_checked_at_the_edge() {
@@ -915,15 +922,7 @@ mod tests {
             "InitialVariantWeight":2.5,
             "RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
             "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":10}}}]"#;
-        let config = EndpointConfig {
-            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
-                .unwrap()
-                .variants,
-            health_check_config: HealthCheckConfig::default(),
-            creation_time_ms: 42,
-            disaggregation_config: None,
-        };
+        let config = config_from_json(json, 42);
         let wire = pb::EndpointConfig::from(&config);
         assert_eq!(EndpointConfig::try_from(wire).unwrap(), config);
     }
@@ -934,15 +933,7 @@ mod tests {
             "KvAwareRoutingConfig":{"LoadWeight":2.0}}},
             {"VariantName":"b","MaxInFlightPerInstance":4,"FlowHeadroomPerInstance":2,"FairnessWeights":{"gold":2.5},"RoutingConfig":{"RoutingStrategy":"KV_AWARE",
             "KvAwareRoutingConfig":{"ConcurrencyThreshold":3}}}]"#;
-        let config = EndpointConfig {
-            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
-                .unwrap()
-                .variants,
-            health_check_config: HealthCheckConfig::default(),
-            creation_time_ms: 1,
-            disaggregation_config: None,
-        };
+        let config = config_from_json(json, 1);
         let wire = pb::EndpointConfig::from(&config);
         assert_eq!(
             wire.production_variants[0]
@@ -1037,15 +1028,7 @@ mod tests {
             "LoadBalanceFactor":1.25,"LoadBalanceSlack":2}}},
             {"VariantName":"SageMaker","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
             "PrefixAwareRoutingConfig":{"PrefixLength":4096,"ConcurrencyThreshold":16}}}]"#;
-        let config = EndpointConfig {
-            endpoint_config_name: EndpointConfigName::new("cfg").unwrap(),
-            production_variants: switchyard_shared::sagemaker::parse_production_variants(json)
-                .unwrap()
-                .variants,
-            health_check_config: HealthCheckConfig::default(),
-            creation_time_ms: 0,
-            disaggregation_config: None,
-        };
+        let config = config_from_json(json, 0);
         let wire = pb::EndpointConfig::from(&config);
         let prefix = |index: usize| {
             wire.production_variants[index]

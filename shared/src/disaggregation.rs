@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
 
-use crate::error::ValidationError;
+use crate::error::{ValidationError, whole_in_range};
 use crate::instance::InstanceRole;
 use crate::names::VariantName;
 use crate::variant::{ProductionVariant, RoutingStrategy};
@@ -221,29 +221,21 @@ impl DisaggregationConfig {
                 ),
             ));
         }
-        if let Some(threshold) = self.route_threshold
-            && !ROUTE_THRESHOLD_RANGE.contains(&threshold)
-        {
-            return Err(ValidationError::new(
+        if let Some(threshold) = self.route_threshold {
+            whole_in_range(
                 at("RouteThreshold"),
-                format!(
-                    "must be between {} and {} tokens, got {threshold}",
-                    ROUTE_THRESHOLD_RANGE.start(),
-                    ROUTE_THRESHOLD_RANGE.end()
-                ),
-            ));
+                &ROUTE_THRESHOLD_RANGE,
+                threshold,
+                " tokens",
+            )?;
         }
-        if let Some(seconds) = self.prefill_timeout_seconds
-            && !PREFILL_TIMEOUT_RANGE.contains(&seconds)
-        {
-            return Err(ValidationError::new(
+        if let Some(seconds) = self.prefill_timeout_seconds {
+            whole_in_range(
                 at("PrefillTimeoutSeconds"),
-                format!(
-                    "must be between {} and {} seconds, got {seconds}",
-                    PREFILL_TIMEOUT_RANGE.start(),
-                    PREFILL_TIMEOUT_RANGE.end()
-                ),
-            ));
+                &PREFILL_TIMEOUT_RANGE,
+                seconds,
+                " seconds",
+            )?;
         }
         if let Some(name) = &self.tokenizer {
             validate_tokenizer_name(name)
@@ -331,23 +323,30 @@ pub fn check_instance_place(
         }
         _ => {}
     }
-    if has_decode_partner && place != Some(InstanceRole::Prefill) {
-        return Err(ValidationError::new(
+    // What only one pool's instances have.
+    for (has, pool, field, what) in [
+        (
+            has_decode_partner,
+            InstanceRole::Prefill,
             "DecodePartner",
-            format!(
-                "only instances of a disaggregated endpoint's prefill variant have a decode \
-                 partner; variant {variant} is not one"
-            ),
-        ));
-    }
-    if has_lmcache_receiver && place != Some(InstanceRole::Decode) {
-        return Err(ValidationError::new(
+            "a decode partner",
+        ),
+        (
+            has_lmcache_receiver,
+            InstanceRole::Decode,
             "LmcacheReceiver",
-            format!(
-                "only instances of a disaggregated endpoint's decode variant have an LMCache \
-                 receiver; variant {variant} is not one"
-            ),
-        ));
+            "an LMCache receiver",
+        ),
+    ] {
+        if has && place != Some(pool) {
+            return Err(ValidationError::new(
+                field,
+                format!(
+                    "only instances of a disaggregated endpoint's {pool} variant have {what}; \
+                     variant {variant} is not one"
+                ),
+            ));
+        }
     }
     Ok(())
 }

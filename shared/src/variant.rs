@@ -8,7 +8,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
 
-use crate::error::ValidationError;
+use crate::error::{ValidationError, names_at_most, number_in_range, whole_in_range};
 use crate::names::VariantName;
 
 pub const PREFIX_LENGTH_RANGE: std::ops::RangeInclusive<u32> = 1024..=65536;
@@ -147,29 +147,16 @@ impl KvAwareRoutingConfig {
     }
 
     fn validate(&self, field: &str) -> Result<(), ValidationError> {
-        if let Some(threshold) = self.concurrency_threshold
-            && !CONCURRENCY_THRESHOLD_RANGE.contains(&threshold)
-        {
-            return Err(ValidationError::new(
+        if let Some(threshold) = self.concurrency_threshold {
+            whole_in_range(
                 format!("{field}.ConcurrencyThreshold"),
-                format!(
-                    "must be between {} and {}, got {threshold}",
-                    CONCURRENCY_THRESHOLD_RANGE.start(),
-                    CONCURRENCY_THRESHOLD_RANGE.end(),
-                ),
-            ));
+                &CONCURRENCY_THRESHOLD_RANGE,
+                threshold,
+                "",
+            )?;
         }
-        if let Some(weight) = self.load_weight
-            && !KV_LOAD_WEIGHT_RANGE.contains(&weight)
-        {
-            return Err(ValidationError::new(
-                format!("{field}.LoadWeight"),
-                format!(
-                    "must be a number between {} and {}, got {weight}",
-                    KV_LOAD_WEIGHT_RANGE.start(),
-                    KV_LOAD_WEIGHT_RANGE.end(),
-                ),
-            ));
+        if let Some(weight) = self.load_weight {
+            number_in_range(format!("{field}.LoadWeight"), &KV_LOAD_WEIGHT_RANGE, weight)?;
         }
         if let Some(name) = &self.tokenizer {
             crate::tokenizer_name::validate_engine_tokenizer_name(name).map_err(|err| {
@@ -203,55 +190,36 @@ impl PrefixAwareRoutingConfig {
     }
 
     fn validate(&self, field: &str) -> Result<(), ValidationError> {
-        if !PREFIX_LENGTH_RANGE.contains(&self.prefix_length) {
-            return Err(ValidationError::new(
-                format!("{field}.PrefixLength"),
-                format!(
-                    "must be between {} and {}, got {}",
-                    PREFIX_LENGTH_RANGE.start(),
-                    PREFIX_LENGTH_RANGE.end(),
-                    self.prefix_length
-                ),
-            ));
-        }
-        if !CONCURRENCY_THRESHOLD_RANGE.contains(&self.concurrency_threshold) {
-            return Err(ValidationError::new(
-                format!("{field}.ConcurrencyThreshold"),
-                format!(
-                    "must be between {} and {}, got {}",
-                    CONCURRENCY_THRESHOLD_RANGE.start(),
-                    CONCURRENCY_THRESHOLD_RANGE.end(),
-                    self.concurrency_threshold
-                ),
-            ));
-        }
-        if let Some(factor) = self.load_balance_factor
-            && !LOAD_BALANCE_FACTOR_RANGE.contains(&factor)
-        {
-            return Err(ValidationError::new(
+        whole_in_range(
+            format!("{field}.PrefixLength"),
+            &PREFIX_LENGTH_RANGE,
+            self.prefix_length,
+            "",
+        )?;
+        whole_in_range(
+            format!("{field}.ConcurrencyThreshold"),
+            &CONCURRENCY_THRESHOLD_RANGE,
+            self.concurrency_threshold,
+            "",
+        )?;
+        if let Some(factor) = self.load_balance_factor {
+            number_in_range(
                 format!("{field}.LoadBalanceFactor"),
-                format!(
-                    "must be a number between {} and {}, got {factor}",
-                    LOAD_BALANCE_FACTOR_RANGE.start(),
-                    LOAD_BALANCE_FACTOR_RANGE.end(),
-                ),
-            ));
+                &LOAD_BALANCE_FACTOR_RANGE,
+                factor,
+            )?;
         }
         match (self.load_balance_factor, self.load_balance_slack) {
             (None, Some(_)) => Err(ValidationError::new(
                 format!("{field}.LoadBalanceSlack"),
                 "is only allowed together with LoadBalanceFactor",
             )),
-            (_, Some(slack)) if !LOAD_BALANCE_SLACK_RANGE.contains(&slack) => {
-                Err(ValidationError::new(
-                    format!("{field}.LoadBalanceSlack"),
-                    format!(
-                        "must be between {} and {}, got {slack}",
-                        LOAD_BALANCE_SLACK_RANGE.start(),
-                        LOAD_BALANCE_SLACK_RANGE.end(),
-                    ),
-                ))
-            }
+            (_, Some(slack)) => whole_in_range(
+                format!("{field}.LoadBalanceSlack"),
+                &LOAD_BALANCE_SLACK_RANGE,
+                slack,
+                "",
+            ),
             _ => Ok(()),
         }
     }
@@ -340,15 +308,12 @@ impl ProductionVariant {
 fn validate_lora_adapters(variant: &ProductionVariant, field: &str) -> Result<(), ValidationError> {
     let field = format!("{field}.LoraAdapters");
     let adapters = variant.lora_adapters();
-    if adapters.len() > MAX_LORA_ADAPTERS {
-        return Err(ValidationError::new(
-            field,
-            format!(
-                "names at most {MAX_LORA_ADAPTERS} adapters, got {}",
-                adapters.len()
-            ),
-        ));
-    }
+    names_at_most(
+        field.as_str(),
+        MAX_LORA_ADAPTERS,
+        "adapters",
+        adapters.len(),
+    )?;
     for (index, name) in adapters.iter().enumerate() {
         let at = format!("{field}[{index}]");
         if name.is_empty()
@@ -399,17 +364,13 @@ pub(crate) fn validate_variant(
             ),
         ));
     }
-    if let Some(limit) = variant.migration_limit
-        && !MIGRATION_LIMIT_RANGE.contains(&limit)
-    {
-        return Err(ValidationError::new(
+    if let Some(limit) = variant.migration_limit {
+        whole_in_range(
             format!("{field}.MigrationLimit"),
-            format!(
-                "must be between {} and {}, got {limit}",
-                MIGRATION_LIMIT_RANGE.start(),
-                MIGRATION_LIMIT_RANGE.end()
-            ),
-        ));
+            &MIGRATION_LIMIT_RANGE,
+            limit,
+            "",
+        )?;
     }
     validate_lora_adapters(variant, field)?;
     if let Some(count) = variant.initial_instance_count
@@ -428,30 +389,22 @@ pub(crate) fn validate_variant(
             format!("must be a finite number at least 0, got {weight}"),
         ));
     }
-    if let Some(cap) = variant.max_in_flight_per_instance
-        && !MAX_IN_FLIGHT_PER_INSTANCE_RANGE.contains(&cap)
-    {
-        return Err(ValidationError::new(
+    if let Some(cap) = variant.max_in_flight_per_instance {
+        whole_in_range(
             format!("{field}.MaxInFlightPerInstance"),
-            format!(
-                "must be between {} and {}, got {cap}",
-                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.start(),
-                MAX_IN_FLIGHT_PER_INSTANCE_RANGE.end(),
-            ),
-        ));
+            &MAX_IN_FLIGHT_PER_INSTANCE_RANGE,
+            cap,
+            "",
+        )?;
     }
     if let Some(headroom) = variant.flow_headroom_per_instance {
         let headroom_field = format!("{field}.FlowHeadroomPerInstance");
-        if !FLOW_HEADROOM_PER_INSTANCE_RANGE.contains(&headroom) {
-            return Err(ValidationError::new(
-                headroom_field,
-                format!(
-                    "must be between {} and {}, got {headroom}",
-                    FLOW_HEADROOM_PER_INSTANCE_RANGE.start(),
-                    FLOW_HEADROOM_PER_INSTANCE_RANGE.end(),
-                ),
-            ));
-        }
+        whole_in_range(
+            headroom_field.as_str(),
+            &FLOW_HEADROOM_PER_INSTANCE_RANGE,
+            headroom,
+            "",
+        )?;
         if variant.max_in_flight_per_instance.is_none() {
             return Err(ValidationError::new(
                 headroom_field,
@@ -461,15 +414,12 @@ pub(crate) fn validate_variant(
     }
     if let Some(weights) = &variant.fairness_weights {
         let weights_field = format!("{field}.FairnessWeights");
-        if weights.len() > MAX_FAIRNESS_WEIGHTS {
-            return Err(ValidationError::new(
-                weights_field,
-                format!(
-                    "names at most {MAX_FAIRNESS_WEIGHTS} fairness ids, got {}",
-                    weights.len()
-                ),
-            ));
-        }
+        names_at_most(
+            weights_field.as_str(),
+            MAX_FAIRNESS_WEIGHTS,
+            "fairness ids",
+            weights.len(),
+        )?;
         for (id, weight) in weights {
             if id.is_empty() || id.len() > MAX_FAIRNESS_ID_BYTES {
                 return Err(ValidationError::new(
@@ -477,16 +427,11 @@ pub(crate) fn validate_variant(
                     format!("ids must be 1-{MAX_FAIRNESS_ID_BYTES} bytes, got {:?}", id),
                 ));
             }
-            if !FAIRNESS_WEIGHT_RANGE.contains(weight) {
-                return Err(ValidationError::new(
-                    format!("{weights_field}.{id}"),
-                    format!(
-                        "must be a number between {} and {}, got {weight}",
-                        FAIRNESS_WEIGHT_RANGE.start(),
-                        FAIRNESS_WEIGHT_RANGE.end()
-                    ),
-                ));
-            }
+            number_in_range(
+                format!("{weights_field}.{id}"),
+                &FAIRNESS_WEIGHT_RANGE,
+                *weight,
+            )?;
         }
     }
     let routing = variant.routing();

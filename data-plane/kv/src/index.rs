@@ -740,18 +740,13 @@ impl VariantIndex {
 
     /// Per instance: (undecodable batches, malformed events) since it was first followed.
     pub fn decode_failures(&self) -> Vec<(InstanceId, u64, u64)> {
-        self.read()
-            .slots
-            .iter()
-            .flatten()
-            .map(|instance| {
-                (
-                    instance.id.clone(),
-                    instance.undecodable_batches,
-                    instance.malformed_events,
-                )
-            })
-            .collect()
+        self.each_instance(|instance| {
+            (
+                instance.id.clone(),
+                instance.undecodable_batches,
+                instance.malformed_events,
+            )
+        })
     }
 
     pub fn set_freshness(&self, instance: &InstanceId, freshness: Freshness) {
@@ -780,18 +775,18 @@ impl VariantIndex {
 
     /// Instances indexed, with their block count and freshness.
     pub fn instances(&self) -> Vec<(InstanceId, usize, Freshness)> {
-        self.read()
-            .slots
-            .iter()
-            .flatten()
-            .map(|instance| {
-                (
-                    instance.id.clone(),
-                    instance.blocks.len(),
-                    instance.freshness,
-                )
-            })
-            .collect()
+        self.each_instance(|instance| {
+            (
+                instance.id.clone(),
+                instance.blocks.len(),
+                instance.freshness,
+            )
+        })
+    }
+
+    /// `view` of every instance indexed, in slot order.
+    fn each_instance<T>(&self, view: impl Fn(&InstanceBlocks) -> T) -> Vec<T> {
+        self.read().slots.iter().flatten().map(view).collect()
     }
 }
 

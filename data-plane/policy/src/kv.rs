@@ -201,13 +201,8 @@ pub fn rank_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rank::views;
     use proptest::prelude::{ProptestConfig, any, prop_assert, prop_assert_eq, proptest};
-
-    fn views(count: usize) -> Vec<InstanceView> {
-        (0..count)
-            .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
-            .collect()
-    }
 
     const PARAMS: KvParams = KvParams {
         concurrency_threshold: 10,

@@ -467,16 +467,18 @@ fn variant_at(weights: &[f64], servable: &[bool], mut point: f64) -> Option<usiz
     last
 }
 
+/// `count` instances of weight 1 named `engine-0`, `engine-1`, … (the unit tests' fleet).
+#[cfg(test)]
+pub(crate) fn views(count: usize) -> Vec<InstanceView> {
+    (0..count)
+        .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::{ProptestConfig, any, prop_assert, prop_assert_eq, proptest};
-
-    fn views(count: usize) -> Vec<InstanceView> {
-        (0..count)
-            .map(|index| InstanceView::new(&format!("engine-{index}"), 1.0))
-            .collect()
-    }
 
     const PREFIX: Strategy = Strategy::PrefixAware {
         concurrency_threshold: 10,
@@ -997,6 +999,23 @@ mod tests {
         assert!(loads[first] < before, "{ranking:?}");
     }
 
+    /// The share of 4000 keys whose first choice moves when `count` idle instances become
+    /// `count + 1`, and the ideal share (1 / (count + 1)).
+    fn moved_by_one_more_instance(strategy: Strategy, count: usize) -> (f64, f64) {
+        let before = views(count);
+        let after = views(count + 1);
+        let keys = 4000u64;
+        let moved = (0..keys)
+            .filter(|key| {
+                let key = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let old = before[rank(strategy, &before, |_| 0, key, 0).first().unwrap()].id_hash;
+                let new = after[rank(strategy, &after, |_| 0, key, 0).first().unwrap()].id_hash;
+                old != new
+            })
+            .count();
+        (moved as f64 / keys as f64, 1.0 / (count + 1) as f64)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -1028,19 +1047,7 @@ mod tests {
 
         #[test]
         fn adding_one_instance_moves_about_one_in_n_plus_one(count in 2usize..20) {
-            let before = views(count);
-            let after = views(count + 1);
-            let keys = 4000u64;
-            let moved = (0..keys)
-                .filter(|key| {
-                    let key = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    let old = before[rank(PREFIX, &before, |_| 0, key, 0).first().unwrap()].id_hash;
-                    let new = after[rank(PREFIX, &after, |_| 0, key, 0).first().unwrap()].id_hash;
-                    old != new
-                })
-                .count();
-            let fraction = moved as f64 / keys as f64;
-            let ideal = 1.0 / (count + 1) as f64;
+            let (fraction, ideal) = moved_by_one_more_instance(PREFIX, count);
             // Only keys won by the newcomer move; sampling noise on 4000 keys stays well inside this.
             prop_assert!(fraction <= ideal * 1.1 + 0.02, "moved {fraction}, ideal {ideal}");
             prop_assert!(fraction >= ideal * 0.9 - 0.02, "moved {fraction}, ideal {ideal}");
@@ -1224,20 +1231,7 @@ mod tests {
             factor in 1.0f64..3.0,
             slack in 0u32..4,
         ) {
-            let strategy = bounded(factor, slack, 10);
-            let before = views(count);
-            let after = views(count + 1);
-            let keys = 4000u64;
-            let moved = (0..keys)
-                .filter(|key| {
-                    let key = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    let old = before[rank(strategy, &before, |_| 0, key, 0).first().unwrap()].id_hash;
-                    let new = after[rank(strategy, &after, |_| 0, key, 0).first().unwrap()].id_hash;
-                    old != new
-                })
-                .count();
-            let fraction = moved as f64 / keys as f64;
-            let ideal = 1.0 / (count + 1) as f64;
+            let (fraction, ideal) = moved_by_one_more_instance(bounded(factor, slack, 10), count);
             prop_assert!(fraction <= ideal * 1.1 + 0.02, "moved {fraction}, ideal {ideal}");
             prop_assert!(fraction >= ideal * 0.9 - 0.02, "moved {fraction}, ideal {ideal}");
         }

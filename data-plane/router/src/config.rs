@@ -350,12 +350,11 @@ impl RouterConfig {
                 "--lmcache-notice-advertise {advertise:?} must be HOST:PORT"
             )));
         }
-        if !(0.0..=1.0).contains(&self.tokenize_check_fraction) {
-            return Err(UsageError(format!(
-                "--tokenize-check-fraction: {} is outside 0..=1",
-                self.tokenize_check_fraction
-            )));
-        }
+        check_range(
+            "--tokenize-check-fraction",
+            self.tokenize_check_fraction,
+            0.0..=1.0,
+        )?;
         if self.tokenize_cache_bytes > 64 << 30 {
             return Err(UsageError(format!(
                 "--tokenize-cache-bytes: {} is more than 64 GiB",

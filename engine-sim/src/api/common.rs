@@ -135,17 +135,19 @@ pub(super) async fn draw_fault(
     streaming: bool,
     max_tokens: u32,
 ) -> Result<Option<Interruption>, Response> {
+    // A streamed answer is interrupted after a few tokens; any other is answered now.
+    let interrupted = |how: Interrupt| {
+        streaming.then(|| {
+            Some(Interruption {
+                after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
+                how,
+            })
+        })
+    };
     match shared.faults.draw() {
         Fault::None if shared.faults.draw_error_mid_stream() => {
             Metrics::increment(&shared.metrics.responses_errored);
-            if streaming {
-                Ok(Some(Interruption {
-                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    how: Interrupt::ErrorEvent,
-                }))
-            } else {
-                Err(engine_failure().into_response())
-            }
+            interrupted(Interrupt::ErrorEvent).ok_or_else(|| engine_failure().into_response())
         }
         Fault::None => Ok(None),
         Fault::Fail => {
@@ -162,26 +164,12 @@ pub(super) async fn draw_fault(
         }
         Fault::DieMidStream => {
             Metrics::increment(&shared.metrics.responses_cut);
-            if streaming {
-                Ok(Some(Interruption {
-                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    how: Interrupt::Close,
-                }))
-            } else {
-                Err(cut_response())
-            }
+            interrupted(Interrupt::Close).ok_or_else(cut_response)
         }
         Fault::StallMidStream => {
             Metrics::increment(&shared.metrics.responses_stalled);
             tracing::debug!(request_id, "fault injection: stalling the answer");
-            if streaming {
-                Ok(Some(Interruption {
-                    after_tokens: CUT_AFTER_TOKENS.min(max_tokens - 1),
-                    how: Interrupt::Stall,
-                }))
-            } else {
-                Err(stalled_response())
-            }
+            interrupted(Interrupt::Stall).ok_or_else(stalled_response)
         }
     }
 }

@@ -895,13 +895,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn https_is_refused_with_a_reason() {
+    /// Why `--otlp-endpoint` `endpoint` is refused.
+    fn refusal_of(endpoint: &str) -> UsageError {
         let args = TelemetryArgs {
-            otlp_endpoint: Some("https://collector:4317".into()),
+            otlp_endpoint: Some(endpoint.into()),
             otlp_queue_spans: 16,
         };
-        let err = args.validate().unwrap_err();
+        args.validate().unwrap_err()
+    }
+
+    #[test]
+    fn https_is_refused_with_a_reason() {
+        let err = refusal_of("https://collector:4317");
         assert!(
             err.0.contains("TLS to the collector is not supported"),
             "{err}"
@@ -910,11 +915,7 @@ mod tests {
 
     #[test]
     fn the_endpoint_must_be_a_url() {
-        let args = TelemetryArgs {
-            otlp_endpoint: Some("localhost:4317".into()),
-            otlp_queue_spans: 16,
-        };
-        let err = args.validate().unwrap_err();
+        let err = refusal_of("localhost:4317");
         assert!(err.0.starts_with("--otlp-endpoint"), "{err}");
         let off = TelemetryArgs::default();
         assert!(off.validate().unwrap().is_none());

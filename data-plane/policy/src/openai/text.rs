@@ -153,69 +153,69 @@ impl PrefixBuilder {
     }
 }
 
-fn content_text(content: &RawValue, out: &mut PrefixBuilder) {
-    let raw = content.get();
+/// A JSON string's text; for a list, what `list` makes of its raw JSON; nothing otherwise.
+fn string_or_list(
+    value: &RawValue,
+    out: &mut PrefixBuilder,
+    list: impl FnOnce(&str, &mut PrefixBuilder),
+) {
+    let raw = value.get();
     match raw.as_bytes().first() {
         Some(b'"') => {
             if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
                 out.push(&text);
             }
         }
-        Some(b'[') => {
-            if let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(raw) {
-                for part in parts {
-                    match part.kind.as_deref() {
-                        Some("text" | "input_text" | "output_text") => {
-                            if let Some(text) = &part.text {
-                                out.push(text);
-                            }
-                        }
-                        Some("image_url" | "input_image") => {
-                            if let Some(url) = part.image_url.as_ref().and_then(ImageUrl::url) {
-                                out.push(url);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
+        Some(b'[') => list(raw, out),
         _ => {}
     }
 }
 
+fn content_text(content: &RawValue, out: &mut PrefixBuilder) {
+    string_or_list(content, out, |raw, out| {
+        if let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(raw) {
+            for part in parts {
+                match part.kind.as_deref() {
+                    Some("text" | "input_text" | "output_text") => {
+                        if let Some(text) = &part.text {
+                            out.push(text);
+                        }
+                    }
+                    Some("image_url" | "input_image") => {
+                        if let Some(url) = part.image_url.as_ref().and_then(ImageUrl::url) {
+                            out.push(url);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    });
+}
+
 fn prompt_text(prompt: &RawValue, out: &mut PrefixBuilder) {
-    let raw = prompt.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => {
-            if let Ok(text) = serde_json::from_str::<Cow<'_, str>>(raw) {
-                out.push(&text);
+    string_or_list(prompt, out, |raw, out| {
+        if let Ok(texts) = serde_json::from_str::<Vec<Cow<'_, str>>>(raw) {
+            for (index, text) in texts.iter().enumerate() {
+                if index > 0 {
+                    out.push("\n");
+                }
+                out.push(text);
+            }
+        } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
+            let mut buffer = String::with_capacity(20);
+            for (index, token) in tokens.iter().enumerate() {
+                if out.full() {
+                    break;
+                }
+                if index > 0 {
+                    out.push(" ");
+                }
+                buffer.clear();
+                use std::fmt::Write as _;
+                let _ = write!(buffer, "{token}");
+                out.push(&buffer);
             }
         }
-        Some(b'[') => {
-            if let Ok(texts) = serde_json::from_str::<Vec<Cow<'_, str>>>(raw) {
-                for (index, text) in texts.iter().enumerate() {
-                    if index > 0 {
-                        out.push("\n");
-                    }
-                    out.push(text);
-                }
-            } else if let Ok(tokens) = serde_json::from_str::<Vec<u64>>(raw) {
-                let mut buffer = String::with_capacity(20);
-                for (index, token) in tokens.iter().enumerate() {
-                    if out.full() {
-                        break;
-                    }
-                    if index > 0 {
-                        out.push(" ");
-                    }
-                    buffer.clear();
-                    use std::fmt::Write as _;
-                    let _ = write!(buffer, "{token}");
-                    out.push(&buffer);
-                }
-            }
-        }
-        _ => {}
-    }
+    });
 }

@@ -38,7 +38,7 @@ use crate::headers::PREFILL_INSTANCE;
 use crate::observe::labels::RouteLabel;
 use crate::observe::trace::request_id;
 use crate::operation::Operation;
-use crate::plan::lmcache::{DisaggSpec, claim_body, decode_body, prefill_body};
+use crate::plan::lmcache::{DisaggSpec, decode_body, prefill_body};
 use crate::plan::{Plan, PrefillHop};
 use crate::routing::cells::{InstanceCell, SlotClaim};
 use crate::routing::table::VariantRoute;
@@ -260,11 +260,7 @@ impl Forwarder<'_> {
         drop(expected);
         let ids = disaggregated.token_ids.take().unwrap_or_default();
         let prompt_tokens = ids.len();
-        let made = if stops {
-            claim_body(&object, &ids, first.token)
-        } else {
-            decode_body(&object, &ids, first.token)
-        };
+        let made = decode_body(&object, &ids, first.token, stops);
         let Some(body) = made else {
             return Err(ApiError::unavailable(
                 "the decode request could not be made",
@@ -319,14 +315,7 @@ impl Forwarder<'_> {
         }
         reservation.resize_to(hop.body.len() as u64);
         let answered = self
-            .decode(
-                Operation::Completions,
-                hop,
-                client_headers,
-                reservation,
-                flow,
-                true,
-            )
+            .decode_pushed(hop, client_headers, reservation, flow)
             .await;
         // The hand-off's share of the decoder's buffer is held until the decoder answered
         // (it has then taken the KV cache out).
@@ -352,6 +341,26 @@ impl Forwarder<'_> {
         Ok(answered)
     }
 
+    /// Sends a completions hop to the decoder the hand-off pushed its KV cache to (the
+    /// hop's first decoder, waited for alone).
+    async fn decode_pushed(
+        &self,
+        hop: Hop,
+        client_headers: &HeaderMap,
+        reservation: BufferReservation,
+        flow: crate::plan::flow::FlowKey,
+    ) -> Result<Answered, ApiError> {
+        self.decode(
+            Operation::Completions,
+            hop,
+            client_headers,
+            reservation,
+            flow,
+            true,
+        )
+        .await
+    }
+
     /// Sends the decoder the one-token claim of a hand-off whose answer is the prefill's, and
     /// drops what it answers (within the stream idle deadline).
     async fn claim(
@@ -366,14 +375,7 @@ impl Forwarder<'_> {
         .id
         .clone();
         let claimed = self
-            .decode(
-                Operation::Completions,
-                hop,
-                client_headers,
-                reservation,
-                flow,
-                true,
-            )
+            .decode_pushed(hop, client_headers, reservation, flow)
             .await;
         let outcome = match claimed {
             Ok(answered) => {

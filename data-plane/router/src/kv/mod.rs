@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use switchyard_process::UsageError;
+use switchyard_process::{UsageError, check_range};
 
 use arc_swap::ArcSwap;
 use switchyard_policy::rank::Strategy;
@@ -83,29 +83,25 @@ impl KvArgs {
     /// Checks the flags; the error names the flag.
     /// Returns the settings, the `/tokenize` deadline and the first pause.
     pub fn validate(&self) -> Result<(KvSettings, Duration, Duration), UsageError> {
-        if !(10..=10_000).contains(&self.kv_tokenize_timeout_ms) {
-            return Err(UsageError(format!(
-                "--kv-tokenize-timeout-ms: {} is outside 10..=10000",
-                self.kv_tokenize_timeout_ms
-            )));
-        }
-        if !(100..=600_000).contains(&self.kv_tokenize_pause_ms) {
-            return Err(UsageError(format!(
-                "--kv-tokenize-pause-ms: {} is outside 100..=600000",
-                self.kv_tokenize_pause_ms
-            )));
-        }
-        if !(1_000..=100_000_000).contains(&self.kv_index_max_blocks) {
-            return Err(UsageError(format!(
-                "--kv-index-max-blocks: {} is outside 1000..=100000000",
-                self.kv_index_max_blocks
-            )));
-        }
-        if !(50..=60_000).contains(&self.kv_events_probe_ms) {
-            return Err(UsageError(format!(
-                "--kv-events-probe-ms: {} is outside 50..=60000",
-                self.kv_events_probe_ms
-            )));
+        for (flag, value, range) in [
+            (
+                "--kv-tokenize-timeout-ms",
+                self.kv_tokenize_timeout_ms,
+                10..=10_000,
+            ),
+            (
+                "--kv-tokenize-pause-ms",
+                self.kv_tokenize_pause_ms,
+                100..=600_000,
+            ),
+            (
+                "--kv-index-max-blocks",
+                self.kv_index_max_blocks as u64,
+                1_000..=100_000_000,
+            ),
+            ("--kv-events-probe-ms", self.kv_events_probe_ms, 50..=60_000),
+        ] {
+            check_range(flag, value, range)?;
         }
         let probe = Duration::from_millis(self.kv_events_probe_ms);
         let settings = KvSettings {
@@ -435,11 +431,8 @@ mod tests {
             let yaml = format!(
                 "Endpoints:\n  - EndpointName: pd\n    ProductionVariants:\n      - {{VariantName: prefill}}\n      - {{VariantName: decode}}\n    DisaggregationConfig: {disaggregation}\n"
             );
-            let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
-            let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-            crate::routing::membership::Membership::new(Arc::default(), Arc::clone(&table))
-                .load_static(config);
-            let endpoint = Arc::clone(&table.load().endpoints["pd"]);
+            let table = crate::routing::membership::static_table(&yaml);
+            let endpoint = Arc::clone(&table.endpoints["pd"]);
             (0..2)
                 .map(|position| follows_events(&endpoint, position))
                 .collect()

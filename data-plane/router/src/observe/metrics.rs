@@ -316,7 +316,7 @@ impl RouterMetrics {
             &[],
             &self.sync.apply_seconds,
         );
-        let mut rows = Vec::new();
+        let mut rows: Vec<InstanceRow> = Vec::new();
         registry.for_each(|key, cell| {
             let requests: Vec<u64> = cell
                 .requests
@@ -372,74 +372,47 @@ impl RouterMetrics {
                 f64::from(u8::from(*ejected_until > now)),
             );
         }
-        out.family(
-            "switchyard_router_requests_total",
-            "counter",
-            "Requests sent to each instance, by why it was chosen.",
+        let routes = RouteLabel::ALL.map(RouteLabel::as_str);
+        let errors = UpstreamError::ALL.map(UpstreamError::as_str);
+        instance_counters(
+            &mut out,
+            &rows,
+            (
+                "switchyard_router_requests_total",
+                "Requests sent to each instance, by why it was chosen.",
+            ),
+            ("route", &routes),
+            0,
         );
-        for (endpoint, id, _, _, _, counts) in &rows {
-            for (label, count) in RouteLabel::ALL.iter().zip(counts) {
-                out.sample(
-                    "switchyard_router_requests_total",
-                    &[
-                        ("endpoint", endpoint),
-                        ("instance", id),
-                        ("route", label.as_str()),
-                    ],
-                    *count as f64,
-                );
-            }
-        }
-        out.family(
-            "switchyard_router_upstream_errors_total",
-            "counter",
-            "Requests to each instance that failed, by how: refused (not reached, retried elsewhere), reset (after sending: 502 or an answer cut short), timeout (no response head in time: 504), stream_idle (the answer stalled).",
+        instance_counters(
+            &mut out,
+            &rows,
+            (
+                "switchyard_router_upstream_errors_total",
+                "Requests to each instance that failed, by how: refused (not reached, retried elsewhere), reset (after sending: 502 or an answer cut short), timeout (no response head in time: 504), stream_idle (the answer stalled).",
+            ),
+            ("kind", &errors),
+            routes.len(),
         );
-        for (endpoint, id, _, _, _, counts) in &rows {
-            let errors = &counts[RouteLabel::ALL.len()..][..UpstreamError::ALL.len()];
-            for (kind, count) in UpstreamError::ALL.iter().zip(errors) {
-                out.sample(
-                    "switchyard_router_upstream_errors_total",
-                    &[
-                        ("endpoint", endpoint),
-                        ("instance", id),
-                        ("kind", kind.as_str()),
-                    ],
-                    *count as f64,
-                );
-            }
-        }
-        out.family(
-            "switchyard_router_instance_migrations_total",
-            "counter",
-            "Streamed answers of each instance that broke midway on a variant with a MigrationLimit, by outcome (as switchyard_router_migrations_total).",
+        instance_counters(
+            &mut out,
+            &rows,
+            (
+                "switchyard_router_instance_migrations_total",
+                "Streamed answers of each instance that broke midway on a variant with a MigrationLimit, by outcome (as switchyard_router_migrations_total).",
+            ),
+            ("outcome", &MIGRATION_OUTCOMES),
+            routes.len() + errors.len(),
         );
-        for (endpoint, id, _, _, _, counts) in &rows {
-            let moves = &counts[RouteLabel::ALL.len() + UpstreamError::ALL.len()..];
-            for (outcome, count) in MIGRATION_OUTCOMES.iter().zip(moves) {
-                out.sample(
-                    "switchyard_router_instance_migrations_total",
-                    &[
-                        ("endpoint", endpoint),
-                        ("instance", id),
-                        ("outcome", outcome),
-                    ],
-                    *count as f64,
-                );
-            }
-        }
-        out.family(
-            "switchyard_router_errors_total",
-            "counter",
-            "Requests answered with an error by the router, by kind.",
-        );
-        for (kind, count) in ErrorKind::ALL.iter().zip(&self.errors) {
-            out.sample(
+        labelled_counters(
+            &mut out,
+            (
                 "switchyard_router_errors_total",
-                &[("kind", kind.as_str())],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
+                "Requests answered with an error by the router, by kind.",
+            ),
+            ("kind", &ErrorKind::ALL.map(ErrorKind::as_str)),
+            &self.errors,
+        );
         out.family(
             "switchyard_router_admission_refused_total",
             "counter",
@@ -538,56 +511,44 @@ impl RouterMetrics {
             &[],
             tokenizer_fallbacks as f64,
         );
-        out.family(
-            "switchyard_router_disaggregation_requests_total",
-            "counter",
-            "Requests of disaggregated endpoints by path: direct (below the threshold, a decoder alone), disaggregated (prefill then decode), fallback (the prefill could not be done; the decoder served it whole).",
-        );
-        for (path, count) in DISAGGREGATION_PATHS.iter().zip(&self.disaggregation_paths) {
-            out.sample(
+        labelled_counters(
+            &mut out,
+            (
                 "switchyard_router_disaggregation_requests_total",
-                &[("path", path.as_str())],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
-            "switchyard_router_migrations_total",
-            "counter",
-            "Streamed answers that broke midway on a variant with a MigrationLimit, by outcome: continued (on another instance), whole (only the end was lost), limit (the limit reached or not continuable), failed (no instance took the continuation).",
+                "Requests of disaggregated endpoints by path: direct (below the threshold, a decoder alone), disaggregated (prefill then decode), fallback (the prefill could not be done; the decoder served it whole).",
+            ),
+            ("path", &DISAGGREGATION_PATHS.map(RouteLabel::as_str)),
+            &self.disaggregation_paths,
         );
-        for (outcome, count) in MIGRATION_OUTCOMES.iter().zip(&self.migrations) {
-            out.sample(
+        labelled_counters(
+            &mut out,
+            (
                 "switchyard_router_migrations_total",
-                &[("outcome", outcome)],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
-            "switchyard_router_disaggregation_fallbacks_total",
-            "counter",
-            "Disaggregated requests the decoder served whole, by why the prefill was not used.",
+                "Streamed answers that broke midway on a variant with a MigrationLimit, by outcome: continued (on another instance), whole (only the end was lost), limit (the limit reached or not continuable), failed (no instance took the continuation).",
+            ),
+            ("outcome", &MIGRATION_OUTCOMES),
+            &self.migrations,
         );
-        for (reason, count) in FALLBACK_REASONS.iter().zip(&self.disaggregation_fallbacks) {
-            out.sample(
+        labelled_counters(
+            &mut out,
+            (
                 "switchyard_router_disaggregation_fallbacks_total",
-                &[("reason", reason)],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
-        out.family(
-            "switchyard_router_lmcache_notices_total",
-            "counter",
-            "LMCACHE_PD: LMCache \"KV ready\" notices this router's notice socket received, by \
+                "Disaggregated requests the decoder served whole, by why the prefill was not used.",
+            ),
+            ("reason", &FALLBACK_REASONS),
+            &self.disaggregation_fallbacks,
+        );
+        labelled_counters(
+            &mut out,
+            (
+                "switchyard_router_lmcache_notices_total",
+                "LMCACHE_PD: LMCache \"KV ready\" notices this router's notice socket received, by \
              outcome (matched a request here, relayed to the router that owns it, unknown, \
              undecodable, relay failed).",
+            ),
+            ("outcome", &NOTICE_OUTCOMES),
+            &self.lmcache_notices,
         );
-        for (outcome, count) in NOTICE_OUTCOMES.iter().zip(&self.lmcache_notices) {
-            out.sample(
-                "switchyard_router_lmcache_notices_total",
-                &[("outcome", outcome)],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
         out.family(
             "switchyard_router_kv_tokenize_seconds",
             "histogram",
@@ -598,21 +559,15 @@ impl RouterMetrics {
             &[],
             &self.kv_tokenize_seconds,
         );
-        out.family(
-            "switchyard_router_kv_tokenize_failures_total",
-            "counter",
-            "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, backoff (every available instance paused after its /tokenize failed), input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
-        );
-        for (reason, count) in TokenizeError::REASONS
-            .iter()
-            .zip(&self.kv_tokenize_failures)
-        {
-            out.sample(
+        labelled_counters(
+            &mut out,
+            (
                 "switchyard_router_kv_tokenize_failures_total",
-                &[("reason", reason)],
-                count.load(Ordering::Relaxed) as f64,
-            );
-        }
+                "KV_AWARE requests routed as LEAST_OUTSTANDING_REQUESTS because their token ids could not be had, by reason: no_instance, backoff (every available instance paused after its /tokenize failed), input (no prompt or messages in the body), request (connection failed), timeout (--kv-tokenize-timeout-ms), status (an error status), answer (unreadable).",
+            ),
+            ("reason", &TokenizeError::REASONS),
+            &self.kv_tokenize_failures,
+        );
         for (name, help, histogram) in [
             (
                 "switchyard_router_disaggregation_prefill_seconds",
@@ -634,5 +589,48 @@ impl RouterMetrics {
             out.histogram(name, &[], histogram);
         }
         out.finish()
+    }
+}
+
+/// An instance's figures for the per-instance families: endpoint, id, requests in flight here
+/// and elsewhere, ejected until (unix ms), and its counters (routes, upstream errors,
+/// migrations, in that order).
+type InstanceRow = (String, String, u32, u32, u64, Vec<u64>);
+
+/// A counter family with one sample per value of `label`, read from `counters` in that order.
+fn labelled_counters(
+    out: &mut TextEncoder,
+    (name, help): (&str, &str),
+    (label, values): (&str, &[&str]),
+    counters: &[AtomicU64],
+) {
+    out.family(name, "counter", help);
+    for (value, count) in values.iter().zip(counters) {
+        out.sample(
+            name,
+            &[(label, value)],
+            count.load(Ordering::Relaxed) as f64,
+        );
+    }
+}
+
+/// A counter family with one sample per instance and value of `label`, read from each row's
+/// counters from `first` on.
+fn instance_counters(
+    out: &mut TextEncoder,
+    rows: &[InstanceRow],
+    (name, help): (&str, &str),
+    (label, values): (&str, &[&str]),
+    first: usize,
+) {
+    out.family(name, "counter", help);
+    for (endpoint, id, _, _, _, counts) in rows {
+        for (value, count) in values.iter().zip(&counts[first..]) {
+            out.sample(
+                name,
+                &[("endpoint", endpoint), ("instance", id), (label, value)],
+                *count as f64,
+            );
+        }
     }
 }

@@ -212,22 +212,15 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    use arc_swap::ArcSwap;
     use switchyard_kv::wire::{BlockStored, EngineHash, EventBatch, KvEvent};
     use switchyard_kv::{IndexCounters, IndexSettings};
-
-    use crate::routing::table::RoutingTable;
 
     /// A KV_AWARE endpoint of one data-parallel instance with `ranks` ranks.
     fn data_parallel(ranks: u32) -> Arc<crate::routing::table::EndpointRoute> {
         let yaml = format!(
             "Endpoints:\n  - EndpointName: chat\n    ProductionVariants:\n      - {{VariantName: v, RoutingConfig: {{RoutingStrategy: KV_AWARE}}}}\n    Instances:\n      - {{Url: 'http://127.0.0.1:9', InstanceId: e0, KvEvents: 'tcp://127.0.0.1:5557', KvEventsDataParallelSize: {ranks}}}\n"
         );
-        let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
-        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        crate::routing::membership::Membership::new(Arc::default(), Arc::clone(&table))
-            .load_static(config);
-        Arc::clone(&table.load().endpoints["chat"])
+        Arc::clone(&crate::routing::membership::static_table(&yaml).endpoints["chat"])
     }
 
     /// `rank` of e0 holds the first `blocks` blocks of 2 tokens of `tokens`.

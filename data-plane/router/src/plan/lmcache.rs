@@ -197,40 +197,31 @@ pub(crate) fn prefill_body(
 }
 
 /// The decode request (see the module docs): the ids and the first token, one token less of
-/// budget.
+/// budget. When the prefill's first token ended the answer (`ended`), the claim instead: one
+/// token, not streamed, its answer dropped. It has the decoder take the pushed KV cache out of
+/// its PD buffer (LMCache's receiver frees a chunk only once vLLM retrieves it).
 pub(crate) fn decode_body(
     body: &Map<String, Value>,
     ids: &[u32],
     first_token: u32,
+    ended: bool,
 ) -> Option<Bytes> {
     let mut prompt = Vec::with_capacity(ids.len() + 1);
     prompt.extend_from_slice(ids);
     prompt.push(first_token);
     let mut out = completions(body, &prompt);
-    for key in ["max_tokens", "min_tokens"] {
-        if let Some(count) = out.get(key).and_then(Value::as_u64) {
-            out.insert(key.into(), json!(count.saturating_sub(1)));
+    if ended {
+        out.insert("max_tokens".into(), json!(1));
+        out.insert("stream".into(), json!(false));
+        for key in ["stream_options", "min_tokens"] {
+            out.remove(key);
         }
-    }
-    serde_json::to_vec(&out).ok().map(Bytes::from)
-}
-
-/// The decode hop of an answer the prefill's first token ended: one token, not streamed, its
-/// answer dropped. It has the decoder take the pushed KV cache out of its PD buffer (LMCache's
-/// receiver frees a chunk only once vLLM retrieves it).
-pub(crate) fn claim_body(
-    body: &Map<String, Value>,
-    ids: &[u32],
-    first_token: u32,
-) -> Option<Bytes> {
-    let mut prompt = Vec::with_capacity(ids.len() + 1);
-    prompt.extend_from_slice(ids);
-    prompt.push(first_token);
-    let mut out = completions(body, &prompt);
-    out.insert("max_tokens".into(), json!(1));
-    out.insert("stream".into(), json!(false));
-    for key in ["stream_options", "min_tokens"] {
-        out.remove(key);
+    } else {
+        for key in ["max_tokens", "min_tokens"] {
+            if let Some(count) = out.get(key).and_then(Value::as_u64) {
+                out.insert(key.into(), json!(count.saturating_sub(1)));
+            }
+        }
     }
     serde_json::to_vec(&out).ok().map(Bytes::from)
 }
@@ -308,7 +299,7 @@ mod tests {
             })
         );
         let decode: Value =
-            serde_json::from_slice(&decode_body(&body, &[1, 2, 3], 9).unwrap()).unwrap();
+            serde_json::from_slice(&decode_body(&body, &[1, 2, 3], 9, false).unwrap()).unwrap();
         assert_eq!(
             decode,
             json!({

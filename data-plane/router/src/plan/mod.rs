@@ -343,13 +343,12 @@ mod tests {
     use super::*;
     use crate::headers::{PREFIX_AWARE_ID, SESSION_ID, TARGET_VARIANT};
     use crate::respond::response_ids;
-    use crate::routing::membership::Membership;
-    use arc_swap::ArcSwap;
+    use crate::routing::membership::static_table;
     use switchyard_policy::rank;
     use tokens::PromptTokens;
 
-    /// What planning makes of `body` on `operation`.
-    #[allow(clippy::too_many_arguments)] // a test's every input, spelled out
+    /// What planning makes of `body` on `operation`, with fresh token counters and the
+    /// random choices seeded with `seed`.
     fn planned(
         table: &RoutingTable,
         operation: Operation,
@@ -357,8 +356,7 @@ mod tests {
         uri: &http::Uri,
         headers: &HeaderMap,
         body: Bytes,
-        counters: &TokenCounters,
-        rng: &mut fastrand::Rng,
+        seed: u64,
     ) -> Result<Planned, ApiError> {
         let request = Request {
             table,
@@ -367,28 +365,34 @@ mod tests {
             uri,
             headers,
         };
-        plan(request, body, counters, rng)
+        let counters = TokenCounters::new(None);
+        plan(
+            request,
+            body,
+            &counters,
+            &mut fastrand::Rng::with_seed(seed),
+        )
     }
 
-    /// The plan of `body` on `operation` (as it stands, when it needs token ids).
-    #[allow(clippy::too_many_arguments)] // a test's every input, spelled out
+    /// The plan as it stands, also when it needs token ids.
+    fn as_it_stands(planned: Planned) -> Plan {
+        match planned {
+            Planned::Ready(plan) => plan,
+            Planned::NeedsTokens { needs, .. } => needs.plan,
+        }
+    }
+
+    /// The plan (as it stands) of `body` sent to `/` on `operation`.
     fn make_plan(
         table: &RoutingTable,
         operation: Operation,
         endpoint: Option<Arc<EndpointRoute>>,
-        uri: &http::Uri,
         headers: &HeaderMap,
         body: Bytes,
-        counters: &TokenCounters,
-        rng: &mut fastrand::Rng,
+        seed: u64,
     ) -> Result<Plan, ApiError> {
-        planned(
-            table, operation, endpoint, uri, headers, body, counters, rng,
-        )
-        .map(|planned| match planned {
-            Planned::Ready(plan) => plan,
-            Planned::NeedsTokens { needs, .. } => needs.plan,
-        })
+        let uri = http::Uri::from_static("/");
+        planned(table, operation, endpoint, &uri, headers, body, seed).map(as_it_stands)
     }
 
     fn needs_tokens(planned: Planned) -> (NeedsTokens, KvInput) {
@@ -435,10 +439,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:5", InstanceId: k1, VariantName: k}
       - {Url: "http://127.0.0.1:6", InstanceId: k2, VariantName: k}
 "#;
-        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
-        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
-        RoutingTable::clone(&table.load())
+        static_table(yaml)
     }
 
     fn chat(table: &RoutingTable) -> Option<Arc<EndpointRoute>> {
@@ -460,40 +461,24 @@ Endpoints:
     fn same_prefix_different_suffix_same_instance_and_the_suffix_is_ignored() {
         let table = table();
         let prefix = "p".repeat(1024);
-        let plan = |suffix: &str| {
+        let plan = |prompt: &str| {
             make_plan(
                 &table,
                 Operation::ChatCompletions,
                 chat(&table),
-                &http::Uri::from_static("/"),
                 &HeaderMap::new(),
-                chat_body("m-a", &format!("{prefix}{suffix}")),
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(7),
+                chat_body("m-a", prompt),
+                7,
             )
             .unwrap()
         };
-        let first = plan("one ending");
-        let second = plan("a different, longer ending");
+        let first = plan(&format!("{prefix}one ending"));
+        let second = plan(&format!("{prefix}a different, longer ending"));
         assert_eq!(first.ranking.route, Some(Route::Prefix));
         assert_eq!(first.ranking.order, second.ranking.order);
         // A different prefix is ranked on its own hash: over a few, not all land alike.
         let orders: std::collections::HashSet<Vec<usize>> = (0..8)
-            .map(|index| {
-                make_plan(
-                    &table,
-                    Operation::ChatCompletions,
-                    chat(&table),
-                    &http::Uri::from_static("/"),
-                    &HeaderMap::new(),
-                    chat_body("m-a", &format!("{index}{prefix}")),
-                    &TokenCounters::new(None),
-                    &mut fastrand::Rng::with_seed(7),
-                )
-                .unwrap()
-                .ranking
-                .order
-            })
+            .map(|index| plan(&format!("{index}{prefix}")).ranking.order)
             .collect();
         assert!(orders.len() > 1, "every prefix ranked alike: {orders:?}");
     }
@@ -501,31 +486,22 @@ Endpoints:
     #[test]
     fn a_plain_v1_model_picks_endpoint_variant_and_model_name() {
         let table = table();
-        let plan = make_plan(
-            &table,
-            Operation::ChatCompletions,
-            None,
-            &http::Uri::from_static("/"),
-            &HeaderMap::new(),
-            chat_body("m-b", "hello"),
-            &TokenCounters::new(None),
-            &mut fastrand::Rng::with_seed(1),
-        )
-        .unwrap();
+        let plan_for = |model: &str| {
+            make_plan(
+                &table,
+                Operation::ChatCompletions,
+                None,
+                &HeaderMap::new(),
+                chat_body(model, "hello"),
+                1,
+            )
+            .unwrap()
+        };
+        let plan = plan_for("m-b");
         assert_eq!(plan.variant().name.as_str(), "b", "ModelName m-b selects b");
         assert_eq!(first_choice(&plan), "b1");
         // The endpoint's name picks by weight (b has weight 0), and the engine sees m-a.
-        let plan = make_plan(
-            &table,
-            Operation::ChatCompletions,
-            None,
-            &http::Uri::from_static("/"),
-            &HeaderMap::new(),
-            chat_body("chat", "hello"),
-            &TokenCounters::new(None),
-            &mut fastrand::Rng::with_seed(1),
-        )
-        .unwrap();
+        let plan = plan_for("chat");
         assert_eq!(plan.variant().name.as_str(), "a");
         let sent: serde_json::Value = serde_json::from_slice(&plan.body).unwrap();
         assert_eq!(sent["model"], "m-a");
@@ -539,11 +515,9 @@ Endpoints:
                 &table,
                 Operation::ChatCompletions,
                 chat(&table),
-                &http::Uri::from_static("/"),
                 headers,
                 chat_body("sql", "hello"),
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(seed),
+                seed,
             )
         };
         for seed in 0..8 {
@@ -569,11 +543,9 @@ Endpoints:
                 &table,
                 operation,
                 endpoint,
-                &http::Uri::from_static("/"),
                 headers,
                 Bytes::from(body.to_owned()),
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(1),
+                1,
             )
         };
         let no_model = plan(
@@ -624,11 +596,9 @@ Endpoints:
                 &table,
                 Operation::Invocations,
                 chat(&table),
-                &http::Uri::from_static("/"),
                 &headers,
                 Bytes::from(body),
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(3),
+                3,
             )
             .unwrap()
         };
@@ -645,16 +615,16 @@ Endpoints:
         uri: &str,
         body: &str,
     ) -> Result<Plan, ApiError> {
-        make_plan(
+        planned(
             table,
             operation,
             endpoint,
             &uri.parse().unwrap(),
             &HeaderMap::new(),
             Bytes::from(body.to_owned()),
-            &TokenCounters::new(None),
-            &mut fastrand::Rng::with_seed(5),
+            5,
         )
+        .map(as_it_stands)
     }
 
     #[test]
@@ -670,10 +640,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:1", InstanceId: p1, VariantName: prefill, Role: prefill}
       - {Url: "http://127.0.0.1:2", InstanceId: d1, VariantName: decode, Role: decode}
 "#;
-        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
-        let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
-        let table = RoutingTable::clone(&shared.load());
+        let table = static_table(yaml);
         let pd = table.endpoints.get("pd").cloned();
         let body = |prompt: &str| {
             format!(
@@ -774,37 +741,30 @@ Endpoints:
             assert_eq!(error.param, Some("response_id"));
         }
         // An id no router made, an endpoint that is gone, another endpoint's response.
-        let not_ours = plan_at(
-            &table,
-            Operation::ResponseRetrieve,
-            None,
-            "/v1/responses/resp_0123abcd",
-            "",
-        )
-        .unwrap_err();
-        assert!(not_ours.message.contains("not issued"), "{not_ours:?}");
         let other = response_ids::wrap("other", "a", "a1", "resp_engine");
-        let error = plan_at(
-            &table,
-            Operation::ResponseRetrieve,
-            None,
-            &format!("/v1/responses/{other}"),
-            "",
-        )
-        .unwrap_err();
-        assert!(error.message.contains("no longer exists"), "{error:?}");
-        let error = plan_at(
-            &table,
-            Operation::ResponseCancel,
-            chat(&table),
-            &format!("/endpoints/chat/openai/v1/responses/{other}/cancel"),
-            "",
-        )
-        .unwrap_err();
-        assert!(
-            error.message.contains("belongs to endpoint other"),
-            "{error:?}"
-        );
+        for (operation, endpoint, uri, says) in [
+            (
+                Operation::ResponseRetrieve,
+                None,
+                "/v1/responses/resp_0123abcd".to_owned(),
+                "not issued",
+            ),
+            (
+                Operation::ResponseRetrieve,
+                None,
+                format!("/v1/responses/{other}"),
+                "no longer exists",
+            ),
+            (
+                Operation::ResponseCancel,
+                chat(&table),
+                format!("/endpoints/chat/openai/v1/responses/{other}/cancel"),
+                "belongs to endpoint other",
+            ),
+        ] {
+            let error = plan_at(&table, operation, endpoint, &uri, "").unwrap_err();
+            assert!(error.message.contains(says), "{error:?}");
+        }
     }
 
     #[test]
@@ -877,8 +837,7 @@ Endpoints:
                 &"/v1/chat/completions".parse().unwrap(),
                 headers,
                 Bytes::from(body.to_owned()),
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(5),
+                5,
             )
             .unwrap()
         };
@@ -968,10 +927,7 @@ Endpoints:
       - {{Url: "http://127.0.0.1:4", InstanceId: d2, VariantName: decode, Role: decode}}
 "#
         );
-        let config = crate::routing::static_file::parse_static_text(&yaml, true).unwrap();
-        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
-        RoutingTable::clone(&table.load())
+        static_table(&yaml)
     }
 
     #[test]
@@ -989,8 +945,7 @@ Endpoints:
                 &"/v1/completions".parse().unwrap(),
                 &HeaderMap::new(),
                 body,
-                &TokenCounters::new(None),
-                &mut fastrand::Rng::with_seed(5),
+                5,
             )
             .unwrap()
         };
@@ -1060,10 +1015,7 @@ Endpoints:
       - {Url: "http://127.0.0.1:2", InstanceId: p2, VariantName: prefill, Role: prefill}
       - {Url: "http://127.0.0.1:3", InstanceId: d1, VariantName: decode, Role: decode}
 "#;
-        let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
-        let shared = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
-        Membership::new(Arc::default(), Arc::clone(&shared)).load_static(config);
-        let table = RoutingTable::clone(&shared.load());
+        let table = static_table(yaml);
         let prefill_of = |topic: usize| {
             let prompt = format!("topic {topic}: {}", "word ".repeat(40));
             let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();

@@ -220,53 +220,41 @@ impl LocalTokenizers {
             slots.sort_by(|a, b| a.name.cmp(&b.name));
             slots
         };
-        out.family(
-            "switchyard_router_local_tokenize_total",
-            "counter",
-            "Requests whose token ids the router computed with the variant's tokenizer (KvAwareRoutingConfig.Tokenizer), by outcome: local (computed here), refused (the template or vLLM's rules refuse it: routed by load, the engine answers), engine (asked of an engine's /tokenize; see switchyard_router_local_tokenize_engine_total).",
+        slot_counters(
+            out,
+            &slots,
+            (
+                "switchyard_router_local_tokenize_total",
+                "Requests whose token ids the router computed with the variant's tokenizer (KvAwareRoutingConfig.Tokenizer), by outcome: local (computed here), refused (the template or vLLM's rules refuse it: routed by load, the engine answers), engine (asked of an engine's /tokenize; see switchyard_router_local_tokenize_engine_total).",
+            ),
+            ("outcome", &["local", "refused", "engine"]),
+            |slot| &slot.outcomes,
         );
-        for slot in &slots {
-            for (outcome, count) in ["local", "refused", "engine"].iter().zip(&slot.outcomes) {
-                out.sample(
-                    "switchyard_router_local_tokenize_total",
-                    &[("tokenizer", &slot.name), ("outcome", outcome)],
-                    count.load(Ordering::Relaxed) as f64,
-                );
-            }
-        }
-        out.family(
-            "switchyard_router_local_tokenize_engine_total",
-            "counter",
-            "Requests of a variant with a tokenizer whose ids were asked of an engine, by reason: what the renderer does not follow (no_template, template_feature, request_template, non_text, message, field, large) or the tokenizer's state (loading, unavailable: its folder could not be loaded, disabled: it disagreed with the engine, too_many: past 64 tokenizer names, counted without a tokenizer label).",
+        slot_counters(
+            out,
+            &slots,
+            (
+                "switchyard_router_local_tokenize_engine_total",
+                "Requests of a variant with a tokenizer whose ids were asked of an engine, by reason: what the renderer does not follow (no_template, template_feature, request_template, non_text, message, field, large) or the tokenizer's state (loading, unavailable: its folder could not be loaded, disabled: it disagreed with the engine, too_many: past 64 tokenizer names, counted without a tokenizer label).",
+            ),
+            ("reason", &engine_reasons().collect::<Vec<_>>()),
+            |slot| &slot.engine,
         );
-        for slot in &slots {
-            for (reason, count) in engine_reasons().zip(&slot.engine) {
-                out.sample(
-                    "switchyard_router_local_tokenize_engine_total",
-                    &[("tokenizer", &slot.name), ("reason", reason)],
-                    count.load(Ordering::Relaxed) as f64,
-                );
-            }
-        }
         out.sample(
             "switchyard_router_local_tokenize_engine_total",
             &[("reason", "too_many")],
             self.too_many.load(Ordering::Relaxed) as f64,
         );
-        out.family(
-            "switchyard_router_local_tokenize_checks_total",
-            "counter",
-            "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three among the last 16 checks turn the tokenizer off), failed (the engine did not answer).",
+        slot_counters(
+            out,
+            &slots,
+            (
+                "switchyard_router_local_tokenize_checks_total",
+                "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three among the last 16 checks turn the tokenizer off), failed (the engine did not answer).",
+            ),
+            ("outcome", &["match", "mismatch", "failed"]),
+            |slot| &slot.checks,
         );
-        for slot in &slots {
-            for (outcome, count) in ["match", "mismatch", "failed"].iter().zip(&slot.checks) {
-                out.sample(
-                    "switchyard_router_local_tokenize_checks_total",
-                    &[("tokenizer", &slot.name), ("outcome", outcome)],
-                    count.load(Ordering::Relaxed) as f64,
-                );
-            }
-        }
         out.family(
             "switchyard_router_local_tokenizer_usable",
             "gauge",
@@ -314,6 +302,27 @@ fn engine_reasons() -> impl Iterator<Item = &'static str> {
         .iter()
         .copied()
         .chain(ROUTER_REASONS.iter().copied().take(3))
+}
+
+/// A counter family with one sample per tokenizer and value of `label`, read from each slot's
+/// `counters` in the order of `values`.
+fn slot_counters(
+    out: &mut TextEncoder,
+    slots: &[Arc<Slot>],
+    (name, help): (&str, &str),
+    (label, values): (&str, &[&str]),
+    counters: fn(&Slot) -> &[AtomicU64],
+) {
+    out.family(name, "counter", help);
+    for slot in slots {
+        for (value, count) in values.iter().zip(counters(slot)) {
+            out.sample(
+                name,
+                &[("tokenizer", &slot.name), (label, value)],
+                count.load(Ordering::Relaxed) as f64,
+            );
+        }
+    }
 }
 
 /// One tokenizer: loading, loaded or failed, with its counters.
@@ -545,11 +554,18 @@ mod tests {
         slot
     }
 
+    /// The tokenizer `m` of a folder with TEMPLATE (1 MiB cache, checking `check_fraction`),
+    /// loaded: the folder (kept while the test runs), the tokenizers, its slot.
+    fn templated(check_fraction: f64) -> (tempfile::TempDir, LocalTokenizers, Arc<Slot>) {
+        let dir = folder(Some(TEMPLATE));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, check_fraction);
+        let slot = loaded(&tokenizers);
+        (dir, tokenizers, slot)
+    }
+
     #[test]
     fn a_chat_is_rendered_and_tokenized_here_and_what_is_not_followed_goes_to_the_engine() {
-        let dir = folder(Some(TEMPLATE));
-        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
-        loaded(&tokenizers);
+        let (_dir, tokenizers, _) = templated(0.0);
         let name: Arc<str> = Arc::from("m");
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"hello world"}]}"#;
         assert!(matches!(
@@ -581,9 +597,7 @@ mod tests {
 
     #[test]
     fn a_prompt_with_more_uncached_text_than_the_budget_is_left_for_a_blocking_thread() {
-        let dir = folder(Some(TEMPLATE));
-        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
-        let slot = loaded(&tokenizers);
+        let (dir, tokenizers, slot) = templated(0.0);
         let name: Arc<str> = Arc::from("m");
         let long = vec!["hello world"; 200].join(" ");
         let chat = |question: &str| {
@@ -725,9 +739,7 @@ mod tests {
 
     #[test]
     fn three_differences_among_the_last_16_checks_turn_the_tokenizer_off() {
-        let dir = folder(Some(TEMPLATE));
-        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 1.0);
-        loaded(&tokenizers);
+        let (_dir, tokenizers, _) = templated(1.0);
         let name: Arc<str> = Arc::from("m");
         let body = br#"{"prompt":"hello"}"#;
         let Local::Ids { ids, check: true } = tokenizers.tokenize(&name, body) else {

@@ -422,13 +422,20 @@ impl FlowControl {
             "histogram",
             "Time requests of capped variants waited for a slot (0 when one was free), per variant.",
         );
-        for ((endpoint, variant), queue) in &queues {
-            out.histogram(
-                "switchyard_router_queue_wait_seconds",
-                &[
+        // The labels of each queue's variant, in the order of `queues`.
+        let variant_labels: Vec<[(&str, &str); 2]> = queues
+            .iter()
+            .map(|((endpoint, variant), _)| {
+                [
                     ("endpoint", endpoint.as_str()),
                     ("variant", variant.as_str()),
-                ],
+                ]
+            })
+            .collect();
+        for (labels, (_, queue)) in variant_labels.iter().zip(&queues) {
+            out.histogram(
+                "switchyard_router_queue_wait_seconds",
+                labels,
                 &queue.wait_seconds,
             );
         }
@@ -437,15 +444,11 @@ impl FlowControl {
             "counter",
             "Requests that left the queue without a slot, by reason: overflow (--max-queued-requests), timeout (--queue-timeout-seconds), disconnect (the client went away), shutdown.",
         );
-        for ((endpoint, variant), queue) in &queues {
+        for (&[endpoint, variant], (_, queue)) in variant_labels.iter().zip(&queues) {
             for reason in Dropped::ALL {
                 out.sample(
                     "switchyard_router_queue_dropped_total",
-                    &[
-                        ("endpoint", endpoint.as_str()),
-                        ("variant", variant.as_str()),
-                        ("reason", reason.as_str()),
-                    ],
+                    &[endpoint, variant, ("reason", reason.as_str())],
                     queue.dropped[reason as usize].load(Ordering::Relaxed) as f64,
                 );
             }
@@ -455,13 +458,10 @@ impl FlowControl {
             "counter",
             "Slots granted past MaxInFlightPerInstance, within FlowHeadroomPerInstance (to a priority below 0, or a fairness id below its fair share), per variant.",
         );
-        for ((endpoint, variant), queue) in &queues {
+        for (labels, (_, queue)) in variant_labels.iter().zip(&queues) {
             out.sample(
                 "switchyard_router_queue_headroom_grants_total",
-                &[
-                    ("endpoint", endpoint.as_str()),
-                    ("variant", variant.as_str()),
-                ],
+                labels,
                 queue.headroom_grants.load(Ordering::Relaxed) as f64,
             );
         }
@@ -1101,6 +1101,94 @@ mod tests {
         cell
     }
 
+    /// A place of priority `priority` for the fairness id `fairness`, of weight 1.
+    fn place(priority: i32, fairness: u64) -> Place {
+        Place {
+            priority,
+            fairness,
+            weight: 1.0,
+        }
+    }
+
+    /// Waits in `queue` for a slot at `cell` (cap 1) at a place of no priority or id.
+    async fn wait_anywhere(
+        queue: &Arc<VariantQueue>,
+        flow: &FlowControl,
+        cell: &Arc<InstanceCell>,
+        since: Instant,
+    ) -> Result<Grant, Dropped> {
+        let candidates = candidates(&[Arc::clone(cell)]);
+        queue
+            .wait(flow, place(0, 0), candidates, capped(1), since)
+            .await
+    }
+
+    /// One instance of cap 1 and its queue, its slot held, and the waiters spawned on it,
+    /// which report on `order` when served.
+    struct Waiting {
+        flow: Arc<FlowControl>,
+        queue: Arc<VariantQueue>,
+        cell: Arc<InstanceCell>,
+        held: Option<SlotClaim>,
+        served: tokio::sync::mpsc::UnboundedSender<(&'static str, SlotClaim)>,
+        order: tokio::sync::mpsc::UnboundedReceiver<(&'static str, SlotClaim)>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    }
+
+    impl Waiting {
+        fn new(max_queued: usize) -> Self {
+            let flow = Arc::new(FlowControl::new(
+                settings(max_queued),
+                CancellationToken::new(),
+            ));
+            let queue = Arc::new(VariantQueue::default());
+            let cell = registered(&queue);
+            let held = Some(SlotClaim::take(&cell, 1).unwrap());
+            let (served, order) = tokio::sync::mpsc::unbounded_channel();
+            Waiting {
+                flow,
+                queue,
+                cell,
+                held,
+                served,
+                order,
+                tasks: Vec::new(),
+            }
+        }
+
+        fn spawn(&mut self, place: Place, name: &'static str) {
+            let waiter = spawn_waiter(
+                &self.flow,
+                &self.queue,
+                &self.cell,
+                place,
+                name,
+                &self.served,
+            );
+            self.tasks.push(waiter);
+        }
+
+        /// Lets the held slot go, then takes the next `count` slots served one at a time
+        /// (each given back before the next; `check` runs while it is held): the names.
+        async fn served(&mut self, count: usize, check: impl Fn()) -> Vec<&'static str> {
+            drop(self.held.take());
+            let mut seen = Vec::new();
+            for _ in 0..count {
+                let (name, claim) = self.order.recv().await.unwrap();
+                check();
+                seen.push(name);
+                drop(claim);
+            }
+            seen
+        }
+
+        async fn join(self) {
+            for task in self.tasks {
+                task.await.unwrap();
+            }
+        }
+    }
+
     async fn settle() {
         for _ in 0..10 {
             tokio::task::yield_now().await;
@@ -1116,11 +1204,6 @@ mod tests {
         let limits = Limits {
             cap: 1,
             headroom: 1,
-        };
-        let place = |priority, fairness| Place {
-            priority,
-            fairness,
-            weight: 1.0,
         };
         let ask = |place: Place| {
             let (flow, queue, cell) = (Arc::clone(&flow), Arc::clone(&queue), Arc::clone(&cell));
@@ -1172,17 +1255,7 @@ mod tests {
 
     #[tokio::test]
     async fn slots_go_by_priority_then_in_turn_across_ids_then_in_arrival_order() {
-        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
-        let queue = Arc::new(VariantQueue::default());
-        let cell = registered(&queue);
-        let held = SlotClaim::take(&cell, 1).unwrap();
-        let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let place = |priority, fairness| Place {
-            priority,
-            fairness,
-            weight: 1.0,
-        };
-        let mut tasks = Vec::new();
+        let mut waiting = Waiting::new(100);
         for (name, priority, fairness) in [
             ("a1", 0, 1),
             ("a2", 0, 1),
@@ -1191,40 +1264,24 @@ mod tests {
             ("b2", 0, 2),
             ("urgent", -1, 3),
         ] {
-            tasks.push(spawn_waiter(
-                &flow,
-                &queue,
-                &cell,
-                place(priority, fairness),
-                name,
-                &served,
-            ));
+            waiting.spawn(place(priority, fairness), name);
             settle().await;
         }
-        assert_eq!(queue.lock().len, 6);
-        drop(held);
-        let mut seen = Vec::new();
-        for _ in 0..6 {
-            let (name, claim) = order.recv().await.unwrap();
-            assert_eq!(cell.local.load(Ordering::Relaxed), 1, "one at a time");
-            seen.push(name);
-            drop(claim);
-        }
+        assert_eq!(waiting.queue.lock().len, 6);
+        let cell = Arc::clone(&waiting.cell);
+        let seen = waiting
+            .served(6, || {
+                assert_eq!(cell.local.load(Ordering::Relaxed), 1, "one at a time");
+            })
+            .await;
         assert_eq!(seen, ["urgent", "a1", "b1", "a2", "b2", "a3"]);
         assert_eq!(cell.local.load(Ordering::Relaxed), 0);
-        for task in tasks {
-            task.await.unwrap();
-        }
+        waiting.join().await;
     }
 
     #[tokio::test]
     async fn ids_take_turns_in_proportion_to_their_weights() {
-        let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
-        let queue = Arc::new(VariantQueue::default());
-        let cell = registered(&queue);
-        let held = SlotClaim::take(&cell, 1).unwrap();
-        let (served, mut order) = tokio::sync::mpsc::unbounded_channel();
-        let mut tasks = Vec::new();
+        let mut waiting = Waiting::new(100);
         for (name, fairness, weight) in [("gold", 1, 3.0), ("plain", 2, 1.0)] {
             for _ in 0..20 {
                 let place = Place {
@@ -1232,24 +1289,16 @@ mod tests {
                     fairness,
                     weight,
                 };
-                tasks.push(spawn_waiter(&flow, &queue, &cell, place, name, &served));
+                waiting.spawn(place, name);
             }
             settle().await;
         }
-        assert_eq!(queue.lock().len, 40);
-        drop(held);
-        let mut seen = Vec::new();
-        for _ in 0..40 {
-            let (name, claim) = order.recv().await.unwrap();
-            seen.push(name);
-            drop(claim);
-        }
+        assert_eq!(waiting.queue.lock().len, 40);
+        let seen = waiting.served(40, || {}).await;
         // While both wait (the first 20 served), gold has three turns for each of plain's.
         let gold = seen[..20].iter().filter(|name| **name == "gold").count();
         assert_eq!(gold, 15, "{seen:?}");
-        for task in tasks {
-            task.await.unwrap();
-        }
+        waiting.join().await;
     }
 
     #[tokio::test]
@@ -1259,32 +1308,9 @@ mod tests {
         let cell = registered(&queue);
         let _held = SlotClaim::take(&cell, 1).unwrap();
         let (served, _order) = tokio::sync::mpsc::unbounded_channel();
-        let waiter = spawn_waiter(
-            &flow,
-            &queue,
-            &cell,
-            Place {
-                priority: 0,
-                fairness: 0,
-                weight: 1.0,
-            },
-            "w",
-            &served,
-        );
+        let waiter = spawn_waiter(&flow, &queue, &cell, place(0, 0), "w", &served);
         settle().await;
-        let second = queue
-            .wait(
-                &flow,
-                Place {
-                    priority: 0,
-                    fairness: 0,
-                    weight: 1.0,
-                },
-                candidates(&[Arc::clone(&cell)]),
-                capped(1),
-                Instant::now(),
-            )
-            .await;
+        let second = wait_anywhere(&queue, &flow, &cell, Instant::now()).await;
         assert_eq!(second.unwrap_err(), Dropped::Overflow);
         waiter.abort();
         let _ = waiter.await;
@@ -1308,21 +1334,8 @@ mod tests {
         let queue = Arc::new(VariantQueue::default());
         let cell = registered(&queue);
         let _held = SlotClaim::take(&cell, 1).unwrap();
-        let anywhere = Place {
-            priority: 0,
-            fairness: 0,
-            weight: 1.0,
-        };
         let started = Instant::now();
-        let timed_out = queue
-            .wait(
-                &flow,
-                anywhere,
-                candidates(&[Arc::clone(&cell)]),
-                capped(1),
-                started,
-            )
-            .await;
+        let timed_out = wait_anywhere(&queue, &flow, &cell, started).await;
         assert_eq!(timed_out.unwrap_err(), Dropped::Timeout);
         assert!(started.elapsed() >= Duration::from_millis(300));
         // After the signal a waiting request keeps its place for half the grace period
@@ -1340,15 +1353,7 @@ mod tests {
             cancel.cancel();
         });
         let started = Instant::now();
-        let shut = queue
-            .wait(
-                &flow,
-                anywhere,
-                candidates(&[Arc::clone(&cell)]),
-                capped(1),
-                started,
-            )
-            .await;
+        let shut = wait_anywhere(&queue, &flow, &cell, started).await;
         assert_eq!(shut.unwrap_err(), Dropped::Shutdown);
         let waited = started.elapsed();
         assert!(
@@ -1357,15 +1362,7 @@ mod tests {
         );
         assert_eq!(queue.lock().len, 0);
         // Arriving during shutdown: a slot now, or a refusal at once.
-        let refused = queue
-            .wait(
-                &flow,
-                anywhere,
-                candidates(&[Arc::clone(&cell)]),
-                capped(1),
-                Instant::now(),
-            )
-            .await;
+        let refused = wait_anywhere(&queue, &flow, &cell, Instant::now()).await;
         assert_eq!(refused.unwrap_err(), Dropped::Shutdown);
     }
 }

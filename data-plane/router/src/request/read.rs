@@ -182,18 +182,22 @@ mod tests {
         Body::from_stream(futures::stream::iter(frames))
     }
 
+    /// Reads a body of `parts` sent with `headers` within a second.
+    async fn read_chunks(
+        parts: &[&'static [u8]],
+        headers: &HeaderMap,
+        reservation: &mut BufferReservation,
+    ) -> Result<Bytes, ApiError> {
+        read_body(chunked(parts), headers, Duration::from_secs(1), reservation).await
+    }
+
     #[tokio::test]
     async fn a_body_is_counted_while_held_and_released_after() {
         let admission = admission(10);
         let mut reservation = admission.buffer();
-        let body = read_body(
-            chunked(&[b"abc", b"def"]),
-            &HeaderMap::new(),
-            Duration::from_secs(1),
-            &mut reservation,
-        )
-        .await
-        .unwrap();
+        let body = read_chunks(&[b"abc", b"def"], &HeaderMap::new(), &mut reservation)
+            .await
+            .unwrap();
         assert_eq!(&body[..], b"abcdef");
         assert_eq!(admission.buffered_bytes(), 6);
         drop(reservation);
@@ -204,28 +208,18 @@ mod tests {
     async fn a_body_over_the_budget_is_refused_with_retry_after() {
         let admission = admission(4);
         let mut reservation = admission.buffer();
-        let err = read_body(
-            chunked(&[b"abc", b"def"]),
-            &HeaderMap::new(),
-            Duration::from_secs(1),
-            &mut reservation,
-        )
-        .await
-        .unwrap_err();
+        let err = read_chunks(&[b"abc", b"def"], &HeaderMap::new(), &mut reservation)
+            .await
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Overloaded);
         assert!(err.retry_after.is_some());
         // A declared length over the budget is refused before reading.
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, "5".parse().unwrap());
         let mut reservation = admission.buffer();
-        let err = read_body(
-            chunked(&[b"abcde"]),
-            &headers,
-            Duration::from_secs(1),
-            &mut reservation,
-        )
-        .await
-        .unwrap_err();
+        let err = read_chunks(&[b"abcde"], &headers, &mut reservation)
+            .await
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Overloaded);
         assert_eq!(reservation.bytes(), 0);
     }
@@ -245,14 +239,9 @@ mod tests {
         assert!(futures::poll!(reading.as_mut()).is_pending());
         assert_eq!(admission.buffered_bytes(), 6_000_000, "declared, reserved");
         let mut second = admission.buffer();
-        let err = read_body(
-            chunked(&[b"abc"]),
-            &headers,
-            Duration::from_secs(1),
-            &mut second,
-        )
-        .await
-        .unwrap_err();
+        let err = read_chunks(&[b"abc"], &headers, &mut second)
+            .await
+            .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Overloaded);
         assert_eq!(second.bytes(), 0);
         assert_eq!(admission.buffered_bytes(), 6_000_000);

@@ -928,6 +928,19 @@ data: [DONE]
         }
     }
 
+    /// A streamed chat answer `id` of model `m`: its role chunk, then one chunk of `content`.
+    fn role_then_content(id: &str, created: u32, content: &str) -> String {
+        let chunk = |delta: &str| {
+            format!(
+                r#"data: {{"id":"{id}","created":{created},"model":"m","choices":[{{"index":0,"delta":{delta}}}]}}
+
+"#
+            )
+        };
+        chunk(r#"{"role":"assistant","content":""}"#)
+            + &chunk(&format!(r#"{{"content":"{content}"}}"#))
+    }
+
     #[test]
     fn an_engine_failure_before_any_chunk_leaves_the_role_and_identity_to_the_next_answer() {
         let mut splice = Splice {
@@ -938,12 +951,7 @@ data: [DONE]
         assert_eq!(events(&mut splice, failure), "");
         assert!(std::mem::take(&mut splice.engine_failed));
         splice.next_leg();
-        let second = r#"data: {"id":"b","created":2,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
-
-data: {"id":"b","created":2,"model":"m","choices":[{"index":0,"delta":{"content":"lorem"}}]}
-
-"#;
-        let out = events(&mut splice, second);
+        let out = events(&mut splice, &role_then_content("b", 2, "lorem"));
         assert_eq!(out.matches("data: ").count(), 2, "{out}");
         assert!(
             out.contains(r#""role":"assistant""#),
@@ -952,12 +960,7 @@ data: {"id":"b","created":2,"model":"m","choices":[{"index":0,"delta":{"content"
         assert_eq!(out.matches(r#""id":"b""#).count(), 2, "{out}");
         // A third answer's role chunk is the one the client already had.
         splice.next_leg();
-        let third = r#"data: {"id":"c","created":3,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}
-
-data: {"id":"c","created":3,"model":"m","choices":[{"index":0,"delta":{"content":" ipsum"}}]}
-
-"#;
-        let out = events(&mut splice, third);
+        let out = events(&mut splice, &role_then_content("c", 3, " ipsum"));
         assert_eq!(out.matches("data: ").count(), 1, "{out}");
         assert!(
             out.contains(r#""id":"b""#) && out.contains("ipsum"),

@@ -510,6 +510,15 @@ impl Membership {
     }
 }
 
+/// The routing table a static config in YAML makes (the unit tests' tables).
+#[cfg(test)]
+pub(crate) fn static_table(yaml: &str) -> RoutingTable {
+    let config = crate::routing::static_file::parse_static_text(yaml, true).unwrap();
+    let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+    Membership::new(Arc::default(), Arc::clone(&table)).load_static(config);
+    RoutingTable::clone(&table.load())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
