@@ -503,3 +503,69 @@ async fn a_first_token_that_ends_the_answer_is_the_answer_and_the_decoder_claims
     settles(&router).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_notice_sender_announcing_a_huge_frame_is_cut_off_and_notices_still_arrive()
+-> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = free_port()?;
+    let proxy = format!("tcp://127.0.0.1:{port}");
+    let fleet = fleet(&proxy, false).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    // zeromq would reserve what the header claims (2^40 bytes) and abort the router; the
+    // frame guard in front of the notice socket cuts this connection at the header instead.
+    let mut forged = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    greeting.extend_from_slice(b"NULL");
+    greeting.resize(64, 0);
+    greeting.push(0x06);
+    greeting.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    forged.write_all(&greeting).await?;
+    let mut sink = vec![0u8; 4096];
+    let cut = bounded("the forged connection to be cut", async {
+        loop {
+            match forged.read(&mut sink).await {
+                Ok(0) | Err(_) => return anyhow::Ok(()),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        cut.is_ok(),
+        "the router kept a connection announcing 2^40 bytes"
+    );
+    // The prefillers' notices still arrive.
+    let url = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
+    let body = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("after")}], "max_tokens": 6});
+    post_routed(&url, &body, "a request after the cut", "disaggregated").await?;
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_lmcache_notices_total{outcome=\"matched\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_chat_request_without_a_budget_goes_to_a_decoder_directly() -> anyhow::Result<()> {
+    // Chat runs to the end of sequence; a decode over completions would stop at vLLM's
+    // completions default (16 tokens) and cut the answer short.
+    let (fleet, _dir, router) = fleet_and_router(false, false).await?;
+    let url = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
+    let absent = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("open")}]});
+    post_routed(&url, &absent, "a request without a budget", "direct").await?;
+    let null = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("open")}], "max_tokens": null});
+    post_routed(&url, &null, "a request with a null budget", "direct").await?;
+    assert!(
+        fleet.prefill.iter().all(|sim| sim.received().is_empty()),
+        "nothing prefilled"
+    );
+    settles(&router).await?;
+    Ok(())
+}

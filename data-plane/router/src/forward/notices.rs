@@ -179,21 +179,20 @@ pub fn start(
         .name("switchyard-notices".into())
         .spawn(move || {
             runtime.block_on(async move {
+                // The socket binds on loopback behind a frame guard that listens where asked:
+                // zeromq reserves whatever length a frame header announces, so one forged
+                // header from anyone who can reach the port would abort the router.
                 let mut socket = zeromq::PullSocket::new();
-                let board = match socket.bind(&bind).await {
-                    Ok(endpoint) => {
-                        let endpoint = endpoint.to_string();
-                        let advertised = advertise
-                            .unwrap_or_else(|| endpoint.trim_start_matches("tcp://").to_owned());
-                        let board = NoticeBoard::new(advertised, metrics);
-                        let _ = told.send(Ok((endpoint, Arc::clone(&board))));
-                        board
-                    }
+                let bound = match guarded_bind(&mut socket, &bind, stop.clone()).await {
+                    Ok(bound) => bound,
                     Err(err) => {
                         let _ = told.send(Err(format!("--lmcache-notice-bind {bind}: {err}")));
                         return;
                     }
                 };
+                let advertised = advertise.unwrap_or_else(|| bound.to_string());
+                let board = NoticeBoard::new(advertised, metrics);
+                let _ = told.send(Ok((format!("tcp://{bound}"), Arc::clone(&board))));
                 serve(socket, board, stop).await;
             });
         })?;
@@ -207,6 +206,44 @@ pub fn start(
         "LMCache notice socket listening (LMCACHE_PD: the prefill engines' pd_proxy_host and pd_proxy_port name it)"
     );
     Ok(board)
+}
+
+/// The longest frame, and message, a notice sender may send: a `ProxyNotif` is well under a
+/// kilobyte, a relayed one two frames of about that.
+pub const MOST_NOTICE_BYTES: u64 = 64 * 1024;
+
+/// Binds `socket` on a loopback port and a frame guard at `bind` (`tcp://HOST:PORT`, `*` for
+/// every address) in front of it, relaying until `stop`; the guard's bound address.
+async fn guarded_bind(
+    socket: &mut zeromq::PullSocket,
+    bind: &str,
+    stop: CancellationToken,
+) -> Result<std::net::SocketAddr, String> {
+    let address = bind
+        .strip_prefix("tcp://")
+        .ok_or_else(|| "must be tcp://HOST:PORT".to_owned())?;
+    let address = match address.strip_prefix("*:") {
+        Some(port) => format!("0.0.0.0:{port}"),
+        None => address.to_owned(),
+    };
+    let listener = tokio::net::TcpListener::bind(&address)
+        .await
+        .map_err(|err| err.to_string())?;
+    let public = listener.local_addr().map_err(|err| err.to_string())?;
+    let internal = socket
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .map_err(|err| format!("the loopback socket behind the frame guard: {err}"))?;
+    let internal = internal.to_string();
+    let internal = internal.trim_start_matches("tcp://").to_owned();
+    tokio::spawn(crate::kv::frame_guard::serve_inbound(
+        listener,
+        internal,
+        "LMCache notice socket",
+        MOST_NOTICE_BYTES,
+        stop,
+    ));
+    Ok(public)
 }
 
 /// The frame a relayed notice carries after the notice: a router never relays it again, so a

@@ -8,6 +8,11 @@
 //! (the router's own bytes go out unread). A cut looks to the ZMQ socket like a lost
 //! connection: it reconnects, and the subscriber's restart rule applies.
 //!
+//! The same relay guards a socket the router binds for others to dial (LMCACHE_PD's notice
+//! socket, [`start_inbound`]): it listens where the socket would, binds the socket on loopback
+//! behind it, and reads what each dialler sends with a much smaller bound. A dialler that
+//! oversteps loses its connection; nobody else's is refused.
+//!
 //! ZMTP 3 (rfc.zeromq.org/spec/23): a 64-byte greeting, then frames of a flags byte (bit 1:
 //! an 8-byte length follows, else a 1-byte one; bit 2: a command), the length (big-endian) and
 //! the body.
@@ -34,6 +39,15 @@ const FIRST_HOLD: Duration = Duration::from_secs(1);
 const MOST_HOLD: Duration = Duration::from_secs(60);
 
 const GREETING_BYTES: u64 = 64;
+
+/// Which side's bytes the relay reads against the bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Checked {
+    /// The side it dials (an engine's socket): the router's socket dials the relay.
+    Dialled,
+    /// The side that dials it (a peer of a socket the router binds behind it).
+    Accepted,
+}
 
 /// A running relay to one engine socket; it stops when dropped.
 #[derive(Debug)]
@@ -65,7 +79,9 @@ pub async fn start(target: &str, instance: &str) -> Option<FrameGuard> {
     let relay = Relay {
         target: address.to_owned(),
         instance: instance.to_owned(),
-        hold: Mutex::new(Hold::default()),
+        hold: Some(Mutex::new(Hold::default())),
+        checked: Checked::Dialled,
+        most: MAX_FRAME_BYTES,
     };
     tokio::spawn(relay.accept(listener, stop.clone()));
     Some(FrameGuard {
@@ -74,11 +90,35 @@ pub async fn start(target: &str, instance: &str) -> Option<FrameGuard> {
     })
 }
 
+/// Listens on `listener` for others' connections to a socket bound at `target`
+/// (`HOST:PORT`, on loopback), relaying each one there and cutting it at a frame or message
+/// longer than `most` bytes. `what` names the socket in logs. Runs until `stop`.
+pub async fn serve_inbound(
+    listener: TcpListener,
+    target: String,
+    what: &str,
+    most: u64,
+    stop: CancellationToken,
+) {
+    let relay = Relay {
+        target,
+        instance: what.to_owned(),
+        hold: None,
+        checked: Checked::Accepted,
+        most,
+    };
+    relay.accept(listener, stop).await;
+}
+
 struct Relay {
-    /// `HOST:PORT` of the engine's socket.
+    /// `HOST:PORT` of the engine's socket (or of the router's own, inbound).
     target: String,
     instance: String,
-    hold: Mutex<Hold>,
+    /// Refusals after a cut (None inbound: one dialler's cut must not refuse the others).
+    hold: Option<Mutex<Hold>>,
+    checked: Checked,
+    /// The longest frame, and message, the checked side may send.
+    most: u64,
 }
 
 /// Connections refused after cuts: until when, and the next hold's length.
@@ -140,24 +180,36 @@ impl Relay {
         };
         let _ = inbound.set_nodelay(true);
         let _ = outbound.set_nodelay(true);
-        let (mut router_read, mut router_write) = inbound.into_split();
-        let (mut engine_read, mut engine_write) = outbound.into_split();
-        let upstream = tokio::io::copy(&mut router_read, &mut engine_write);
+        let (accepted, dialled) = (inbound.into_split(), outbound.into_split());
+        // The checked side's bytes are read frame by frame on their way to the other side;
+        // the other side's go to it unread.
+        let ((mut checked_read, mut to_checked), (mut other_read, mut to_other)) =
+            match self.checked {
+                Checked::Dialled => (dialled, accepted),
+                Checked::Accepted => (accepted, dialled),
+            };
+        let upstream = tokio::io::copy(&mut other_read, &mut to_checked);
         let downstream = async {
-            let mut framing = Framing::default();
+            let mut framing = Framing::with_most(self.most);
             // Small: one relay per engine socket, two sockets per engine of a fleet.
             let mut buffer = vec![0u8; 16 * 1024];
             loop {
-                let read = match engine_read.read(&mut buffer).await {
+                let read = match checked_read.read(&mut buffer).await {
                     Ok(0) | Err(_) => return,
                     Ok(read) => read,
                 };
                 if let Err(length) = framing.check(&buffer[..read]) {
-                    let hold = self.cut();
-                    tracing::warn!(instance = %self.instance, length, most = MAX_FRAME_BYTES, hold_s = hold.as_secs(), "the engine's KV-event socket announced a frame or message too long to accept; connection cut, and refused for a while");
+                    match self.cut() {
+                        Some(hold) => {
+                            tracing::warn!(instance = %self.instance, length, most = self.most, hold_s = hold.as_secs(), "the engine's KV-event socket announced a frame or message too long to accept; connection cut, and refused for a while");
+                        }
+                        None => {
+                            tracing::warn!(socket = %self.instance, length, most = self.most, "a peer announced a frame or message too long to accept; its connection cut");
+                        }
+                    }
                     return;
                 }
-                if router_write.write_all(&buffer[..read]).await.is_err() {
+                if to_other.write_all(&buffer[..read]).await.is_err() {
                     return;
                 }
             }
@@ -172,23 +224,27 @@ impl Relay {
 impl Relay {
     /// Whether connections are refused for now (after a cut).
     fn held(&self) -> bool {
-        let hold = self
-            .hold
+        let Some(hold) = &self.hold else {
+            return false;
+        };
+        let hold = hold
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         hold.until.is_some_and(|until| Instant::now() < until)
     }
 
-    /// A cut: connections refused for the next hold, which doubles. Returns its length.
-    fn cut(&self) -> Duration {
+    /// A cut: connections refused for the next hold, which doubles. Returns its length (None
+    /// for a relay that never refuses).
+    fn cut(&self) -> Option<Duration> {
         let mut hold = self
             .hold
+            .as_ref()?
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let length = hold.next.max(FIRST_HOLD);
         hold.until = Some(Instant::now() + length);
         hold.next = (length * 2).min(MOST_HOLD);
-        length
+        Some(length)
     }
 }
 
@@ -206,8 +262,10 @@ enum State {
     Body { left: u64 },
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Framing {
+    /// The longest frame, and message.
+    most: u64,
     state: State,
     greeting_seen: u64,
     /// The current message's frames so far (bytes), and whether its current frame has MORE.
@@ -215,8 +273,24 @@ struct Framing {
     more: bool,
 }
 
+impl Default for Framing {
+    fn default() -> Self {
+        Self::with_most(MAX_FRAME_BYTES)
+    }
+}
+
 impl Framing {
-    /// Follows `bytes`; `Err(length)` at a frame announced longer than [`MAX_FRAME_BYTES`].
+    fn with_most(most: u64) -> Self {
+        Self {
+            most,
+            state: State::default(),
+            greeting_seen: 0,
+            message: 0,
+            more: false,
+        }
+    }
+
+    /// Follows `bytes`; `Err(length)` at a frame or message announced longer than `most`.
     fn check(&mut self, mut bytes: &[u8]) -> Result<(), u64> {
         while !bytes.is_empty() {
             match self.state {
@@ -248,7 +322,7 @@ impl Framing {
                         continue;
                     }
                     self.message = self.message.saturating_add(value);
-                    if value > MAX_FRAME_BYTES || self.message > MAX_FRAME_BYTES {
+                    if value > self.most || self.message > self.most {
                         return Err(self.message.max(value));
                     }
                     if !self.more {

@@ -83,8 +83,10 @@ fn asks(value: &Value) -> bool {
 /// outside the allow-lists (tools, response formats, guided decoding, logprobs, `echo`,
 /// `suffix`, prompt truncation, …: the decoder would restart or miss them after the first
 /// token), several choices, a budget of at most one token (the prefill alone would answer it,
-/// leaving the KV it pushed unclaimed in the decoder's buffer), or chat content that is not
-/// text (images and audio do not survive the token ids).
+/// leaving the KV it pushed unclaimed in the decoder's buffer), a chat request without a budget
+/// (chat runs until the end of sequence; the decode over completions would stop at vLLM's
+/// completions default, [`COMPLETIONS_DEFAULT_MAX_TOKENS`]), or chat content that is not text
+/// (images and audio do not survive the token ids).
 pub(crate) fn carriable(body: &Map<String, Value>, chat: bool) -> Option<&'static str> {
     if body
         .get("n")
@@ -92,8 +94,10 @@ pub(crate) fn carriable(body: &Map<String, Value>, chat: bool) -> Option<&'stati
     {
         return Some("n is not 1");
     }
-    if budget(body).is_some_and(|budget| budget <= 1) {
-        return Some("a budget of at most one token");
+    match budget(body) {
+        Some(budget) if budget <= 1 => return Some("a budget of at most one token"),
+        None if chat => return Some("a chat request without a token budget"),
+        _ => {}
     }
     let allowed = |key: &str| {
         SAMPLING.contains(&key)
@@ -125,6 +129,9 @@ fn text_only(messages: Option<&Value>) -> bool {
         Some(_) => false,
     })
 }
+
+/// vLLM's `max_tokens` for a completions request that gives none (OpenAI's legacy default).
+pub(crate) const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// The client's token budget (`max_completion_tokens`, else `max_tokens`), if it set one.
 pub(crate) fn budget(body: &Map<String, Value>) -> Option<u64> {
@@ -217,6 +224,11 @@ pub(crate) fn decode_body(
             out.remove(key);
         }
     } else {
+        // A completions client without a budget gets vLLM's default in all: the prefill's
+        // token and one fewer from the decoder.
+        if out.get("max_tokens").and_then(Value::as_u64).is_none() {
+            out.insert("max_tokens".into(), json!(COMPLETIONS_DEFAULT_MAX_TOKENS));
+        }
         for key in ["max_tokens", "min_tokens"] {
             if let Some(count) = out.get(key).and_then(Value::as_u64) {
                 out.insert(key.into(), json!(count.saturating_sub(1)));
@@ -247,6 +259,8 @@ mod tests {
                 true,
             ),
             (r#"{"messages":[],"max_tokens":1}"#, true),
+            (r#"{"messages":[]}"#, true),
+            (r#"{"messages":[],"max_tokens":null}"#, true),
             (r#"{"prompt":"p","structured_outputs":{"json":{}}}"#, false),
             (r#"{"prompt":"p","truncate_prompt_tokens":5}"#, false),
             (
@@ -308,5 +322,19 @@ mod tests {
             })
         );
         assert_eq!(budget(&body), Some(8));
+    }
+
+    #[test]
+    fn a_completions_decode_without_a_budget_ends_where_vllms_default_would() {
+        let body: Map<String, Value> =
+            serde_json::from_str(r#"{"model":"m","prompt":"p","stream":true}"#).unwrap();
+        assert_eq!(carriable(&body, false), None);
+        let sent: Value =
+            serde_json::from_slice(&decode_body(&body, &[1, 2], 3, false).unwrap()).unwrap();
+        assert_eq!(
+            sent["max_tokens"],
+            json!(COMPLETIONS_DEFAULT_MAX_TOKENS - 1)
+        );
+        assert_eq!(sent["prompt"], json!([1, 2, 3]));
     }
 }

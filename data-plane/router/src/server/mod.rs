@@ -137,6 +137,11 @@ impl RouterHandle {
         let kv_events = KvThread::spawn(Arc::clone(&table), settings.kv, &shutdown)
             .map_err(StartError::KvThread)?;
         let metrics = Arc::new(metrics::RouterMetrics::new(Arc::clone(&connected)));
+        // The notice socket outlives the drain: a request past its prefill waits for its notices
+        // within the grace period, and other routers' notices are still relayed. It stops
+        // once every serving thread is done, or when start fails (the guard is dropped).
+        let notices_stop = CancellationToken::new();
+        let notices_stopped = notices_stop.clone().drop_guard();
         let notices = match &config.lmcache_notice_bind {
             None => None,
             Some(bind) => Some(
@@ -144,7 +149,7 @@ impl RouterHandle {
                     bind,
                     config.lmcache_notice_advertise.clone(),
                     Arc::clone(&metrics),
-                    shutdown.clone(),
+                    notices_stop,
                 )
                 .map_err(StartError::Notices)?,
             ),
@@ -286,6 +291,7 @@ impl RouterHandle {
             for finished in others {
                 let _ = finished.await;
             }
+            drop(notices_stopped);
             if let Some(task) = sync_task {
                 task.abort();
             }
