@@ -67,13 +67,26 @@ async fn fleet_with(
     Ok(fleet)
 }
 
-/// A router over `fleet` (its first `prefillers` prefill engines) with its notice socket at
-/// `notice_port` (None: no notice socket).
+/// What the decoders register as their LMCache receivers.
+#[derive(Clone, Copy)]
+enum Receivers {
+    /// Each its own receiver (host, init and alloc ports).
+    Registered,
+    /// The same, with `BufferTokens` this small.
+    Buffer(u32),
+    /// None at all.
+    Absent,
+}
+
+/// A router over `fleet` (its first `prefillers` prefill engines and first `decoders` decode
+/// engines, registered as `receivers` says) with its notice socket at `notice_port` (None: no
+/// notice socket).
 async fn router_over(
     dir: &tempfile::TempDir,
     name: &str,
     fleet: &Fleet,
-    prefillers: usize,
+    (prefillers, decoders): (usize, usize),
+    receivers: Receivers,
     notice_port: Option<u16>,
 ) -> anyhow::Result<RouterHandle> {
     let mut instances = String::new();
@@ -83,12 +96,20 @@ async fn router_over(
             sim.url
         ));
     }
-    for (index, sim) in fleet.decode.iter().enumerate() {
+    for (index, sim) in fleet.decode.iter().take(decoders).enumerate() {
+        let (init, alloc) = (fleet.alloc[index] + 1, fleet.alloc[index]);
+        let receiver = match receivers {
+            Receivers::Registered => format!(
+                ", LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [{init}], AllocPorts: [{alloc}]}}"
+            ),
+            Receivers::Buffer(tokens) => format!(
+                ", LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [{init}], AllocPorts: [{alloc}], BufferTokens: {tokens}}}"
+            ),
+            Receivers::Absent => String::new(),
+        };
         instances.push_str(&format!(
-            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode, LmcacheReceiver: {{Host: 127.0.0.1, InitPorts: [{}], AllocPorts: [{}]}}}}\n",
-            sim.url,
-            fleet.alloc[index] + 1,
-            fleet.alloc[index]
+            "      - {{Url: \"{}\", InstanceId: d{index}, VariantName: decode, Role: decode{receiver}}}\n",
+            sim.url
         ));
     }
     let yaml = format!(
@@ -107,7 +128,16 @@ async fn router(
     fleet: &Fleet,
     notice_port: u16,
 ) -> anyhow::Result<RouterHandle> {
-    router_over(dir, name, fleet, fleet.prefill.len(), Some(notice_port)).await
+    let pools = (fleet.prefill.len(), fleet.decode.len());
+    router_over(
+        dir,
+        name,
+        fleet,
+        pools,
+        Receivers::Registered,
+        Some(notice_port),
+    )
+    .await
 }
 
 /// A fleet ([`fleet_with`]) notifying a router `a` over all of it ([`router`]) on a free port:
@@ -233,6 +263,7 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
     let router_a = router(&dir, "a", &fleet, port_a).await?;
     let router_b = router(&dir, "b", &fleet, port_b).await?;
     let mut round = 0;
+    let mut served = std::collections::BTreeSet::new();
     for router in [&router_a, &router_b] {
         for chat in [true, false] {
             for stream in [false, true] {
@@ -270,6 +301,13 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
                     .header("x-switchyard-instance")
                     .unwrap_or("")
                     .to_owned();
+                served.insert(decoder.clone());
+                served.insert(
+                    reply
+                        .header("x-switchyard-prefill-instance")
+                        .unwrap_or("")
+                        .to_owned(),
+                );
                 let (text, usage) = if stream {
                     streamed(&reply.body, chat)
                 } else {
@@ -317,6 +355,11 @@ async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_r
             }
         }
     }
+    // 2P2D: both prefillers and both decoders took part.
+    assert_eq!(
+        served.iter().map(String::as_str).collect::<Vec<_>>(),
+        ["d0", "d1", "p0", "p1"]
+    );
     let hits = prefix_cache_hits(&fleet.decode);
     assert!(
         hits >= 8 * 32,
@@ -398,7 +441,7 @@ async fn a_router_without_a_notice_socket_leaves_lmcache_pd_to_the_decoders() ->
 {
     let fleet = fleet("tcp://127.0.0.1:1", false).await?;
     let dir = tempfile::tempdir()?;
-    let router = router_over(&dir, "pd", &fleet, 1, None).await?;
+    let router = router_over(&dir, "pd", &fleet, (1, 2), Receivers::Registered, None).await?;
     let body = json!({"model": "pd", "prompt": prompt("alone"), "max_tokens": 3});
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     post_routed(&url, &body, "a request", "fallback").await?;
@@ -566,6 +609,158 @@ async fn a_chat_request_without_a_budget_goes_to_a_decoder_directly() -> anyhow:
         fleet.prefill.iter().all(|sim| sim.received().is_empty()),
         "nothing prefilled"
     );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_prefiller_and_one_decoder_serve_chat_and_completions_streamed_or_not()
+-> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router_over(&dir, "a", &fleet, (1, 1), Receivers::Registered, Some(port)).await?;
+    for chat in [true, false] {
+        for stream in [false, true] {
+            let seed = format!("one-{chat}-{stream}");
+            let mut body = if chat {
+                json!({"model": "pd", "messages": [{"role": "user", "content": prompt(&seed)}], "max_tokens": 5})
+            } else {
+                json!({"model": "pd", "prompt": prompt(&seed), "max_tokens": 5})
+            };
+            let expected = colocated_text(&fleet.decode[1], chat, &body, 5).await?;
+            body["stream"] = json!(stream);
+            let path = if chat {
+                "chat/completions"
+            } else {
+                "completions"
+            };
+            let url = format!("{}/endpoints/pd/openai/v1/{path}", router.url());
+            let reply = post_routed(&url, &body, "a 1P1D request", "disaggregated").await?;
+            assert_eq!(reply.header("x-switchyard-instance"), Some("d0"));
+            assert_eq!(reply.header("x-switchyard-prefill-instance"), Some("p0"));
+            let text = if stream {
+                streamed(&reply.body, chat).0
+            } else {
+                text_of(&serde_json::from_str(&reply.body)?, chat)
+            };
+            assert_eq!(text, expected, "chat {chat} stream {stream}");
+        }
+    }
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_answer_without_its_first_token_is_served_by_the_decoder_whole()
+-> anyhow::Result<()> {
+    // Prefill engines that are no LMCache PD senders answer without `first_tok`.
+    let port = free_port()?;
+    let mut fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+    fleet.prefill = vec![
+        switchyard_engine_sim::spawn(SimConfig {
+            role: InstanceRole::Prefill,
+            time_scale: 0.002,
+            ..SimConfig::default()
+        })
+        .await?,
+    ];
+    let dir = tempfile::tempdir()?;
+    let router = router_over(&dir, "a", &fleet, (1, 2), Receivers::Registered, Some(port)).await?;
+    let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+    let body = json!({"model": "pd", "prompt": prompt("plain"), "max_tokens": 4});
+    post_routed(&url, &body, "a request", "fallback").await?;
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_disaggregation_fallbacks_total{reason=\"bad_handoff\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn decoders_without_a_receiver_or_room_in_it_serve_the_request_whole() -> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+    let dir = tempfile::tempdir()?;
+    let body = json!({"model": "pd", "prompt": prompt("whole"), "max_tokens": 4});
+    for (receivers, reason) in [
+        (Receivers::Absent, "no_receiver"),
+        // The prompt alone (about 45 tokens) is more than the buffer holds.
+        (Receivers::Buffer(16), "handoff_cap"),
+    ] {
+        let router =
+            router_over(&dir, reason, &fleet, (2, 2), receivers, Some(free_port()?)).await?;
+        let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+        post_routed(&url, &body, reason, "fallback").await?;
+        assert_eq!(
+            metric(
+                &router.url(),
+                &format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}")
+            )
+            .await,
+            Some(1.0),
+            "{reason}"
+        );
+        settles(&router).await?;
+    }
+    assert!(
+        fleet.prefill.iter().all(|sim| sim.received().is_empty()),
+        "nothing prefilled"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn notices_for_no_request_and_messages_that_are_no_notice_are_counted_and_dropped()
+-> anyhow::Result<()> {
+    let notice_port = free_port()?;
+    let fleet = fleet(&format!("tcp://127.0.0.1:{notice_port}"), false).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, notice_port).await?;
+    // A ProxyNotif for an id no router made, then a message that is no ProxyNotif, pushed as
+    // LMCache's PD backend pushes (pyzmq, msgspec).
+    let script = r#"
+import sys, zmq, msgspec
+class ProxyNotif(msgspec.Struct, tag=True):
+    req_id: str
+socket = zmq.Context().socket(zmq.PUSH)
+socket.connect(sys.argv[1])
+socket.send(msgspec.msgpack.encode(ProxyNotif(req_id="not-a-switchyard-id")))
+socket.send(b"\x90")
+socket.close(linger=5000)
+"#;
+    let output = bounded_for(
+        std::time::Duration::from_secs(30),
+        "the notice sender",
+        tokio::process::Command::new(test_python())
+            .args(["-c", script, &format!("tcp://127.0.0.1:{notice_port}")])
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await?;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for outcome in ["unknown", "undecodable"] {
+        let series = format!("switchyard_router_lmcache_notices_total{{outcome=\"{outcome}\"}}");
+        let url = router.url();
+        eventually(std::time::Duration::from_secs(10), &series, || {
+            let (url, series) = (url.clone(), series.clone());
+            async move { metric(&url, &series).await == Some(1.0) }
+        })
+        .await?;
+    }
+    // The requests of the fleet are still served the disaggregated way.
+    let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
+    let body = json!({"model": "pd", "prompt": prompt("still"), "max_tokens": 4});
+    post_routed(&url, &body, "a request after them", "disaggregated").await?;
     settles(&router).await?;
     Ok(())
 }
