@@ -176,6 +176,21 @@ async fn infer(
                     pull = Pull::Rejected;
                 }
             }
+        } else if !shared.config.lmcache_receiver_alloc_ports.is_empty()
+            && matches!(&parsed.body.prompt, Some(serde_json::Value::Array(ids)) if ids.first().is_some_and(serde_json::Value::is_u64))
+            && shared.faults.draw_kv_pull_failure()
+        {
+            // An LMCache PD receiver loading what a prefiller pushed for a prompt of token ids
+            // (LMCache's decode hop): the load fails as `kv_pull_fail_rate` says.
+            Metrics::increment(&shared.metrics.kv_pull_failures);
+            let policy = shared.config.kv_load_failure_policy;
+            tracing::warn!(
+                request_id,
+                ?policy,
+                "LMCache KV load failed (fault injection)"
+            );
+            record.handoff = Some("rejected: the LMCache KV load failed (fault injection)".into());
+            pull = Pull::Rejected;
         }
     }
     shared.records.record(record);

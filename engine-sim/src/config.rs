@@ -142,8 +142,9 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub tokenize_hang_rate: f64,
 
-    /// Fraction of a decode engine's KV pulls (NixlConnector) that fail, as a transfer error
-    /// would; see --kv-load-failure-policy.
+    /// Fraction of a decode engine's KV pulls (NixlConnector), and of an LMCache PD
+    /// receiver's loads for a prompt of token ids, that fail, as a transfer error would; see
+    /// --kv-load-failure-policy.
     #[arg(long, default_value_t = 0.0, value_name = "F")]
     pub kv_pull_fail_rate: f64,
 

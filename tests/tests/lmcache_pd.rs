@@ -35,6 +35,17 @@ async fn fleet_with(
     drop_notices: bool,
     first_token_stops: bool,
 ) -> anyhow::Result<Fleet> {
+    fleet_of(proxy, drop_notices, first_token_stops, 0.0).await
+}
+
+/// [`fleet_with`], the receivers failing `load_fail_rate` of their loads of pushed KV (with
+/// vLLM's default kv_load_failure_policy, "fail": the request fails).
+async fn fleet_of(
+    proxy: &str,
+    drop_notices: bool,
+    first_token_stops: bool,
+    load_fail_rate: f64,
+) -> anyhow::Result<Fleet> {
     let mut fleet = Fleet {
         prefill: Vec::new(),
         decode: Vec::new(),
@@ -47,6 +58,7 @@ async fn fleet_with(
                 role: InstanceRole::Decode,
                 time_scale: 0.002,
                 lmcache_receiver_alloc_ports: vec![port],
+                kv_pull_fail_rate: load_fail_rate,
                 ..SimConfig::default()
             })
             .await?,
@@ -761,6 +773,67 @@ socket.close(linger=5000)
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     let body = json!({"model": "pd", "prompt": prompt("still"), "max_tokens": 4});
     post_routed(&url, &body, "a request after them", "disaggregated").await?;
+    settles(&router).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_decoder_that_fails_to_load_the_pushed_kv_gets_the_clients_request_instead()
+-> anyhow::Result<()> {
+    let port = free_port()?;
+    let fleet = fleet_of(&format!("tcp://127.0.0.1:{port}"), false, false, 1.0).await?;
+    let dir = tempfile::tempdir()?;
+    let router = router(&dir, "a", &fleet, port).await?;
+    let mut round = 0;
+    for chat in [true, false] {
+        for stream in [false, true] {
+            round += 1;
+            let id = format!("refused-{round}");
+            let body = if chat {
+                json!({"model": "pd", "messages": [{"role": "user", "content": prompt(&id)}], "max_tokens": 4, "stream": stream})
+            } else {
+                json!({"model": "pd", "prompt": prompt(&id), "max_tokens": 4, "stream": stream})
+            };
+            let path = if chat {
+                "chat/completions"
+            } else {
+                "completions"
+            };
+            let url = format!("{}/endpoints/pd/openai/v1/{path}", router.url());
+            let reply = bounded(
+                "a refused LMCACHE_PD decode",
+                http_post(&url, &[("x-request-id", &id)], body.to_string()),
+            )
+            .await?;
+            assert_eq!(reply.status, 200, "{id}: {}", reply.body);
+            assert_eq!(reply.header("x-switchyard-route"), Some("fallback"), "{id}");
+            assert!(!reply.body.contains("\"error\""), "{id}: {}", reply.body);
+            let text = if stream {
+                streamed(&reply.body, chat).0
+            } else {
+                text_of(&serde_json::from_str(&reply.body)?, chat)
+            };
+            assert!(!text.is_empty(), "{id}: {}", reply.body);
+            // The same decoder twice: the ids (refused), then the client's own request.
+            let decoded = received_as(&fleet.decode, &id);
+            assert_eq!(decoded.len(), 2, "{id}");
+            let expected_path = if chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            };
+            assert_eq!(decoded[0].path, "/v1/completions", "{id}");
+            assert_eq!(decoded[1].path, expected_path, "{id}");
+        }
+    }
+    assert_eq!(
+        metric(
+            &router.url(),
+            "switchyard_router_disaggregation_fallbacks_total{reason=\"decode_refused_handoff\"}"
+        )
+        .await,
+        Some(4.0)
+    );
     settles(&router).await?;
     Ok(())
 }

@@ -295,14 +295,18 @@ impl Forwarder<'_> {
                 head_at: now,
                 last_frame_at: now,
                 cached_tokens: None,
+                plain: false,
             });
         }
         drop(ids);
-        hop.body = body;
+        // A decoder that refuses the hand-off before any token (vLLM's
+        // kv_load_failure_policy "fail") gets the client's own request instead, as NIXL's do.
+        let client_body = std::mem::replace(&mut hop.body, body);
         hop.order_first(decoder);
         hop.data_parallel_ranks.clear();
         hop.cached_tokens.clear();
-        hop.plain_body = None;
+        hop.plain_body = Some(client_body);
+        hop.plain_operation = Some(operation);
         if ready {
             hop.label = RouteLabel::Disaggregated;
             hop.time_first_frame = true;
@@ -313,7 +317,8 @@ impl Forwarder<'_> {
             self.metrics.count_fallback("notice_timeout");
             tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, prefill_instance = %prefill_instance.id, "no LMCache \"KV ready\" notice in time (is the prefiller's pd_proxy_host/pd_proxy_port this router's --lmcache-notice-bind?); the decoder computes what it lacks");
         }
-        reservation.resize_to(hop.body.len() as u64);
+        let plain = hop.plain_body.as_ref().map_or(0, Bytes::len);
+        reservation.resize_to((hop.body.len() + plain) as u64);
         let answered = self
             .decode_pushed(hop, client_headers, reservation, flow)
             .await;
@@ -321,7 +326,8 @@ impl Forwarder<'_> {
         // (it has then taken the KV cache out).
         drop(hold);
         let mut answered = answered?;
-        if answered.response.status().is_success() {
+        // After a refusal the decoder answered the client's own request: nothing to convert.
+        if answered.response.status().is_success() && !answered.plain {
             let head = streamed.then(|| answer.head());
             let response = std::mem::replace(
                 &mut answered.response,

@@ -81,6 +81,9 @@ pub struct Answered {
     pub last_frame_at: Instant,
     /// KV_AWARE: the leading prompt tokens the index says the instance holds.
     pub cached_tokens: Option<u32>,
+    /// The hop's plain body went instead of its hand-off (a decoder refused it): the answer
+    /// is to the client's own request.
+    pub plain: bool,
 }
 
 /// What forwarding needs from the serving thread.
@@ -183,6 +186,9 @@ pub struct Hop {
     /// A NIXL decode: the request without the hand-off, sent instead if a decoder refuses
     /// the hand-off before generating anything (`refusal`).
     pub plain_body: Option<Bytes>,
+    /// The operation `plain_body` is for, when it is not the hop's own (an LMCACHE_PD decode
+    /// goes over completions; the client's request may be chat).
+    pub plain_operation: Option<Operation>,
 }
 
 impl From<Plan> for Hop {
@@ -200,6 +206,7 @@ impl From<Plan> for Hop {
             data_parallel_ranks: plan.data_parallel_ranks,
             claim: None,
             plain_body: None,
+            plain_operation: None,
         }
     }
 }
@@ -328,7 +335,10 @@ impl Forwarder<'_> {
             data_parallel_ranks,
             mut claim,
             mut plain_body,
+            mut plain_operation,
         } = hop;
+        let mut operation = operation;
+        let mut sent_plain = false;
         let variant = &endpoint.variants[variant_index];
         // The body and its reservation are held until a response head arrives (a retry may
         // need them), then released at once: a non-streaming answer can take minutes.
@@ -394,6 +404,10 @@ impl Forwarder<'_> {
                                 {
                                     *body = plain;
                                 }
+                                if let Some(plain) = plain_operation.take() {
+                                    operation = plain;
+                                }
+                                sent_plain = true;
                                 self.metrics.count_fallback("decode_refused_handoff");
                                 tracing::warn!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %endpoint.name, instance = %instance.id, why, "the decoder refused the hand-off before any token (vLLM's kv_load_failure_policy \"fail\"); sending it the request without the hand-off");
                                 label = RouteLabel::Fallback;
@@ -431,6 +445,7 @@ impl Forwarder<'_> {
                         time_first_frame,
                         head_at,
                         last_frame_at,
+                        plain: sent_plain,
                     });
                 }
                 Err(failure) => failure,

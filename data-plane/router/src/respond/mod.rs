@@ -68,6 +68,7 @@ impl Responder<'_> {
             head_at,
             last_frame_at,
             cached_tokens,
+            plain: _,
         } = answered;
         let variant = &endpoint.variants[variant_index];
         let instance = &variant.instances[instance_index];
