@@ -28,9 +28,12 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::observe::metrics::RouterMetrics;
 
-/// The most peers a router relays notices to (each a PUSH socket); past it the oldest is
-/// closed.
+/// The most peers a router relays notices to (each a PUSH socket); past it the one relayed
+/// to least recently is closed.
 pub const MOST_PEERS: usize = 64;
+/// The most peers remembered as unreachable at once (each for [`PEER_PAUSE`]); past it a
+/// failing peer is not remembered, and is dialled again on its next notice.
+const MOST_PAUSED: usize = 1024;
 /// How long relaying one notice may take.
 const RELAY_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -280,14 +283,14 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
             Delivery::Matched => board.count("matched"),
             Delivery::Relay(_) | Delivery::Unknown if relayed => {
                 board.count("unknown");
-                tracing::info!(
+                tracing::debug!(
                     req_id,
                     "a notice relayed here by another router names no request waiting here (do two routers advertise the same --lmcache-notice-advertise?); dropped"
                 );
             }
             Delivery::Unknown => {
                 board.count("unknown");
-                tracing::info!(
+                tracing::debug!(
                     req_id,
                     "an LMCache notice for no request waiting here (it timed out, or the id is not a Switchyard router's); dropped"
                 );
@@ -311,7 +314,8 @@ async fn serve(mut socket: zeromq::PullSocket, board: Arc<NoticeBoard>, stop: Ca
 /// or unreachable peer never holds up this router's own notices.
 #[derive(Default)]
 struct Peers {
-    queues: HashMap<String, tokio::sync::mpsc::Sender<Vec<u8>>>,
+    /// Each peer's queue, and when a notice was last queued for it.
+    queues: HashMap<String, (tokio::sync::mpsc::Sender<Vec<u8>>, tokio::time::Instant)>,
     /// Peers that could not be reached, not dialled again until then.
     paused: Arc<Mutex<HashMap<String, tokio::time::Instant>>>,
 }
@@ -330,12 +334,18 @@ impl Peers {
                 return false;
             }
         }
-        self.queues.retain(|_, queue| !queue.is_closed());
+        self.queues.retain(|_, (queue, _)| !queue.is_closed());
         if !self.queues.contains_key(owner) {
             if self.queues.len() >= MOST_PEERS {
-                let Some(evicted) = self.queues.keys().next().cloned() else {
+                let Some(evicted) = self
+                    .queues
+                    .iter()
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(peer, _)| peer.clone())
+                else {
                     return false;
                 };
+                // Its task ends once the queue is gone, without pausing the peer.
                 self.queues.remove(&evicted);
             }
             let (queue, notices) = tokio::sync::mpsc::channel(PEER_QUEUE);
@@ -345,7 +355,7 @@ impl Peers {
                 Arc::clone(&self.paused),
                 Arc::clone(board),
             ));
-            self.queues.insert(owner.to_owned(), queue);
+            self.queues.insert(owner.to_owned(), (queue, now));
         }
         let notice = ProxyNotifOut {
             tag: "ProxyNotif",
@@ -354,9 +364,10 @@ impl Peers {
         let Ok(notice) = rmp_serde::to_vec_named(&notice) else {
             return false;
         };
-        self.queues
-            .get(owner)
-            .is_some_and(|queue| queue.try_send(notice).is_ok())
+        self.queues.get_mut(owner).is_some_and(|(queue, used)| {
+            *used = now;
+            queue.try_send(notice).is_ok()
+        })
     }
 }
 
@@ -369,7 +380,8 @@ struct ProxyNotifOut<'a> {
 
 /// One peer's relay: dials `owner` (`host:port`) and sends it what is queued, each notice
 /// rebuilt from its request id and marked relayed. A failure pauses the peer and ends the
-/// task (what is still queued counts as failed).
+/// task (what is still queued counts as failed); a queue closed here (the peer evicted) ends
+/// it quietly.
 async fn relay(
     owner: String,
     mut notices: tokio::sync::mpsc::Receiver<Vec<u8>>,
@@ -383,7 +395,11 @@ async fn relay(
         Ok(Ok(()))
     );
     if connected {
-        while let Some(notice) = notices.recv().await {
+        loop {
+            let Some(notice) = notices.recv().await else {
+                // Evicted: nothing failed.
+                return;
+            };
             let frames = vec![Bytes::from(notice), Bytes::from_static(RELAYED)];
             let Ok(message) = ZmqMessage::try_from(frames) else {
                 continue;
@@ -401,10 +417,12 @@ async fn relay(
         owner,
         "LMCache notices cannot be relayed to this router for now"
     );
-    paused
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner())
-        .insert(owner, tokio::time::Instant::now() + PEER_PAUSE);
+    {
+        let mut paused = paused.lock().unwrap_or_else(|poison| poison.into_inner());
+        if paused.len() < MOST_PAUSED {
+            paused.insert(owner, tokio::time::Instant::now() + PEER_PAUSE);
+        }
+    }
     notices.close();
     while notices.recv().await.is_some() {
         board.count("relay_failed");
