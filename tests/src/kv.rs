@@ -105,6 +105,24 @@ pub async fn place_past_the_replay_buffer(
     Ok(prompts)
 }
 
+/// `router`'s KV index of `endpoint`'s variant `AllTraffic`, once an engine of it has published
+/// ([`wait_kv_index`], at most `limit`).
+pub async fn kv_variant_index(
+    router: &RouterHandle,
+    endpoint: &str,
+    limit: Duration,
+) -> anyhow::Result<std::sync::Arc<switchyard_kv::VariantIndex>> {
+    wait_kv_index(router, endpoint, limit).await?;
+    let (endpoint, variant) = (
+        EndpointName::new(endpoint)?,
+        VariantName::new("AllTraffic")?,
+    );
+    router
+        .kv_index()
+        .variant(&endpoint, &variant)
+        .ok_or_else(|| anyhow::anyhow!("no KV index of {endpoint}"))
+}
+
 /// Waits (at most `limit`) until `router`'s KV index of `endpoint`'s variant `AllTraffic` has
 /// heard from an engine (it knows the block size).
 pub async fn wait_kv_index(

@@ -44,8 +44,8 @@ pub use engines::{
 pub use health_server::HealthServer;
 pub use kv::{
     assert_repaired_without_rebuild, kv_instances, kv_sim_replaying_3_batches, kv_sims,
-    place_after_lost_batches, place_past_the_replay_buffer, routed_choice, three_small_kv_sims,
-    wait_kv_index, wait_router_matched,
+    kv_variant_index, place_after_lost_batches, place_past_the_replay_buffer, routed_choice,
+    three_small_kv_sims, wait_kv_index, wait_router_matched,
 };
 pub use relay::Relay;
 pub use router::{

@@ -16,10 +16,10 @@ use serde_json::{Value, json};
 use switchyard_engine_sim::SimHandle;
 use switchyard_kv::{ChainKey, VariantIndex};
 use switchyard_router::RouterHandle;
-use switchyard_shared::{EndpointName, InstanceId, VariantName};
+use switchyard_shared::InstanceId;
 use switchyard_tests::{
-    Metrics, Reply, eventually, fast, http_get, http_post, routed_choice, router_from_file,
-    sim_tokens, test_python, wait_kv_index, wait_matched, wait_router_matched, words,
+    Metrics, Reply, eventually, fast, http_get, http_post, kv_variant_index, routed_choice,
+    router_from_file, sim_tokens, test_python, wait_matched, wait_router_matched, words,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
@@ -208,12 +208,7 @@ fn ids(count: usize) -> Vec<InstanceId> {
 }
 
 async fn index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
-    wait_kv_index(router, "chat", WAIT).await?;
-    let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
-    Ok(router
-        .kv_index()
-        .variant(&endpoint, &variant)
-        .expect("the variant's index"))
+    kv_variant_index(router, "chat", WAIT).await
 }
 
 /// The leading blocks of `tokens` that `index` says each of `sources` holds (a request's match

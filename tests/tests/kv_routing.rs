@@ -13,12 +13,12 @@ use serde_json::{Value, json};
 use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
 use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_router::RouterHandle;
-use switchyard_shared::{EndpointName, InstanceId, VariantName};
+use switchyard_shared::InstanceId;
 use switchyard_tests::{
     Metrics, Reply, assert_repaired_without_rebuild, eventually, http_post, instance_ids,
-    invocations_url, kv_instances, kv_sim, kv_sim_replaying_3_batches, kv_sims, place,
-    place_after_lost_batches, place_past_the_replay_buffer, place_sharing_starts, post_streaming,
-    routed_choice, routed_count, router_from_file, sim_tokens, three_small_kv_sims, wait_kv_index,
+    invocations_url, kv_instances, kv_sim, kv_sim_replaying_3_batches, kv_sims, kv_variant_index,
+    place, place_after_lost_batches, place_past_the_replay_buffer, place_sharing_starts,
+    post_streaming, routed_choice, routed_count, router_from_file, sim_tokens, three_small_kv_sims,
     wait_router_matched, words,
 };
 
@@ -51,12 +51,7 @@ async fn route_body(router: &RouterHandle, body: String) -> anyhow::Result<Reply
 
 /// The router's index of `chat`/`AllTraffic`, once an engine of it has published.
 async fn variant_index(router: &RouterHandle) -> anyhow::Result<Arc<VariantIndex>> {
-    wait_kv_index(router, "chat", WAIT).await?;
-    let (endpoint, variant) = (EndpointName::new("chat")?, VariantName::new("AllTraffic")?);
-    Ok(router
-        .kv_index()
-        .variant(&endpoint, &variant)
-        .expect("the variant's index"))
+    kv_variant_index(router, "chat", WAIT).await
 }
 
 /// [`wait_router_matched`] for `prompt`'s tokens, as `sim` counts them.

@@ -166,6 +166,36 @@ async fn fleet_and_router(
     Ok((fleet, dir, router))
 }
 
+/// A fleet ([`fleet_of`], its receivers failing `load_fail_rate` of their loads) notifying a
+/// router over its first `pools` engines (prefill, decode), the decoders registered as
+/// `receivers` says: the fleet, the folder of the router's file, the router, its notice port.
+async fn fleet_and_router_of(
+    pools: (usize, usize),
+    receivers: Receivers,
+    load_fail_rate: f64,
+) -> anyhow::Result<(Fleet, tempfile::TempDir, RouterHandle, u16)> {
+    let port = free_port()?;
+    let fleet = fleet_of(
+        &format!("tcp://127.0.0.1:{port}"),
+        false,
+        false,
+        load_fail_rate,
+    )
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let router = router_over(&dir, "a", &fleet, pools, receivers, Some(port)).await?;
+    Ok((fleet, dir, router, port))
+}
+
+/// Asserts that `router`'s metric `series` reads `expected`.
+async fn assert_metric(router: &RouterHandle, series: &str, expected: f64) {
+    assert_eq!(
+        metric(&router.url(), series).await,
+        Some(expected),
+        "{series}"
+    );
+}
+
 /// The requests `sims` received with `x-request-id: id`.
 fn received_as(sims: &[SimHandle], id: &str) -> Vec<switchyard_engine_sim::ReceivedRequest> {
     sims.iter()
@@ -563,11 +593,8 @@ async fn a_first_token_that_ends_the_answer_is_the_answer_and_the_decoder_claims
 async fn a_notice_sender_announcing_a_huge_frame_is_cut_off_and_notices_still_arrive()
 -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let port = free_port()?;
-    let proxy = format!("tcp://127.0.0.1:{port}");
-    let fleet = fleet(&proxy, false).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
+    let (_fleet, _dir, router, port) =
+        fleet_and_router_of((2, 2), Receivers::Registered, 0.0).await?;
     // zeromq would reserve what the header claims (2^40 bytes) and abort the router; the
     // frame guard in front of the notice socket cuts this connection at the header instead.
     let mut forged = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
@@ -595,14 +622,12 @@ async fn a_notice_sender_announcing_a_huge_frame_is_cut_off_and_notices_still_ar
     let url = format!("{}/endpoints/pd/openai/v1/chat/completions", router.url());
     let body = json!({"model": "pd", "messages": [{"role": "user", "content": prompt("after")}], "max_tokens": 6});
     post_routed(&url, &body, "a request after the cut", "disaggregated").await?;
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_lmcache_notices_total{outcome=\"matched\"}"
-        )
-        .await,
-        Some(1.0)
-    );
+    assert_metric(
+        &router,
+        "switchyard_router_lmcache_notices_total{outcome=\"matched\"}",
+        1.0,
+    )
+    .await;
     settles(&router).await?;
     Ok(())
 }
@@ -628,10 +653,7 @@ async fn a_chat_request_without_a_budget_goes_to_a_decoder_directly() -> anyhow:
 #[tokio::test]
 async fn one_prefiller_and_one_decoder_serve_chat_and_completions_streamed_or_not()
 -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router_over(&dir, "a", &fleet, (1, 1), Receivers::Registered, Some(port)).await?;
+    let (fleet, _dir, router, _) = fleet_and_router_of((1, 1), Receivers::Registered, 0.0).await?;
     for chat in [true, false] {
         for stream in [false, true] {
             let seed = format!("one-{chat}-{stream}");
@@ -682,14 +704,12 @@ async fn a_prefill_answer_without_its_first_token_is_served_by_the_decoder_whole
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     let body = json!({"model": "pd", "prompt": prompt("plain"), "max_tokens": 4});
     post_routed(&url, &body, "a request", "fallback").await?;
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_disaggregation_fallbacks_total{reason=\"bad_handoff\"}"
-        )
-        .await,
-        Some(1.0)
-    );
+    assert_metric(
+        &router,
+        "switchyard_router_disaggregation_fallbacks_total{reason=\"bad_handoff\"}",
+        1.0,
+    )
+    .await;
     settles(&router).await?;
     Ok(())
 }
@@ -709,15 +729,12 @@ async fn decoders_without_a_receiver_or_room_in_it_serve_the_request_whole() -> 
             router_over(&dir, reason, &fleet, (2, 2), receivers, Some(free_port()?)).await?;
         let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
         post_routed(&url, &body, reason, "fallback").await?;
-        assert_eq!(
-            metric(
-                &router.url(),
-                &format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}")
-            )
-            .await,
-            Some(1.0),
-            "{reason}"
-        );
+        assert_metric(
+            &router,
+            &format!("switchyard_router_disaggregation_fallbacks_total{{reason=\"{reason}\"}}"),
+            1.0,
+        )
+        .await;
         settles(&router).await?;
     }
     assert!(
@@ -730,10 +747,8 @@ async fn decoders_without_a_receiver_or_room_in_it_serve_the_request_whole() -> 
 #[tokio::test]
 async fn notices_for_no_request_and_messages_that_are_no_notice_are_counted_and_dropped()
 -> anyhow::Result<()> {
-    let notice_port = free_port()?;
-    let fleet = fleet(&format!("tcp://127.0.0.1:{notice_port}"), false).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, notice_port).await?;
+    let (_fleet, _dir, router, notice_port) =
+        fleet_and_router_of((2, 2), Receivers::Registered, 0.0).await?;
     // A ProxyNotif for an id no router made, then a message that is no ProxyNotif, pushed as
     // LMCache's PD backend pushes (pyzmq, msgspec).
     let script = r#"
@@ -780,10 +795,7 @@ socket.close(linger=5000)
 #[tokio::test]
 async fn a_decoder_that_fails_to_load_the_pushed_kv_gets_the_clients_request_instead()
 -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet_of(&format!("tcp://127.0.0.1:{port}"), false, false, 1.0).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
+    let (fleet, _dir, router, _) = fleet_and_router_of((2, 2), Receivers::Registered, 1.0).await?;
     let mut round = 0;
     for chat in [true, false] {
         for stream in [false, true] {
@@ -826,14 +838,12 @@ async fn a_decoder_that_fails_to_load_the_pushed_kv_gets_the_clients_request_ins
             assert_eq!(decoded[1].path, expected_path, "{id}");
         }
     }
-    assert_eq!(
-        metric(
-            &router.url(),
-            "switchyard_router_disaggregation_fallbacks_total{reason=\"decode_refused_handoff\"}"
-        )
-        .await,
-        Some(4.0)
-    );
+    assert_metric(
+        &router,
+        "switchyard_router_disaggregation_fallbacks_total{reason=\"decode_refused_handoff\"}",
+        4.0,
+    )
+    .await;
     settles(&router).await?;
     Ok(())
 }
