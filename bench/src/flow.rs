@@ -23,7 +23,7 @@ use switchyard_router::{RouterConfig, RouterHandle};
 
 use crate::client::{HttpClient, Outcome, http_client, stream_request};
 use crate::error::UsageError;
-use crate::output::{Machine, command_line, emit_json};
+use crate::output::{Invocation, emit_json};
 use crate::stats::Summary;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -97,9 +97,8 @@ pub struct ArmReport {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FlowReport {
-    pub tool: String,
-    pub command: String,
-    pub machine: Machine,
+    #[serde(flatten)]
+    pub invocation: Invocation,
     pub engines: usize,
     pub cap: u32,
     pub headroom: u32,
@@ -264,9 +263,7 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
         ),
     ];
     let report = FlowReport {
-        tool: "switchyard-bench".into(),
-        command: command_line(),
-        machine: Machine::current(),
+        invocation: Invocation::current("switchyard-bench".into()),
         engines: args.engines,
         cap: args.cap,
         headroom: args.headroom,

@@ -50,6 +50,25 @@ pub fn command_line() -> String {
     std::env::args().collect::<Vec<_>>().join(" ")
 }
 
+/// The first keys of a report: which tool wrote it, how it was called, and where it ran.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Invocation {
+    pub tool: String,
+    pub command: String,
+    pub machine: Machine,
+}
+
+impl Invocation {
+    /// This process, as the tool `tool`.
+    pub fn current(tool: String) -> Self {
+        Self {
+            tool,
+            command: command_line(),
+            machine: Machine::current(),
+        }
+    }
+}
+
 /// Writes `report` as pretty-printed JSON and a newline.
 pub fn write_json(path: &Path, report: &impl Serialize) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(report)?;

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::child::{ChildServer, sibling_bin, start_child, start_router};
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::{Machine, command_line, emit_json};
+use crate::output::{Invocation, emit_json};
 use crate::procfs::memory_mib;
 use crate::strategy::Strategy;
 
@@ -49,9 +49,8 @@ pub struct OverloadArgs {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OverloadReport {
-    pub tool: String,
-    pub command: String,
-    pub machine: Machine,
+    #[serde(flatten)]
+    pub invocation: Invocation,
     pub requests: usize,
     pub body_bytes: usize,
     pub max_buffered_bytes: u64,
@@ -233,9 +232,7 @@ async fn flood(
     }
     let (peak_rss_mib, _) = memory_mib(router.pid).context("cannot read the router's memory")?;
     Ok(OverloadReport {
-        tool: "switchyard-bench".into(),
-        command: command_line(),
-        machine: Machine::current(),
+        invocation: Invocation::current("switchyard-bench".into()),
         requests: args.requests,
         body_bytes: body.len(),
         max_buffered_bytes,

@@ -322,28 +322,24 @@ impl TraceRequest {
     /// The `/tokenize` body of the request's prompt (its messages), for the oracle bound with
     /// a real tokenizer.
     pub fn tokenize_body(&self) -> Vec<u8> {
-        let messages: Vec<serde_json::Value> = self
-            .messages
-            .iter()
-            .map(|message| {
-                serde_json::json!({"role": message.role.as_str(), "content": message.content()})
-            })
-            .collect();
-        serde_json::json!({ "messages": messages })
+        serde_json::json!({ "messages": self.messages_json() })
             .to_string()
             .into_bytes()
     }
 
     /// The prompt as the simulator sees it (its chat template), for the oracle bound.
     pub fn prompt_text(&self) -> String {
-        let messages: Vec<serde_json::Value> = self
-            .messages
+        switchyard_engine_sim::chat_prompt_text(&self.messages_json())
+    }
+
+    /// The messages as OpenAI chat JSON (`role` and `content`).
+    fn messages_json(&self) -> Vec<serde_json::Value> {
+        self.messages
             .iter()
             .map(|message| {
                 serde_json::json!({"role": message.role.as_str(), "content": message.content()})
             })
-            .collect();
-        switchyard_engine_sim::chat_prompt_text(&messages)
+            .collect()
     }
 }
 
@@ -448,11 +444,25 @@ impl Generator {
         Self { rng, vocabulary }
     }
 
+    /// Words before the next punctuation mark.
+    fn sentence_length(&mut self) -> u32 {
+        self.rng.u32(8..=24)
+    }
+
+    /// Appends a random vocabulary word to `text`, after a space unless `text` is empty.
+    fn push_word(&mut self, text: &mut String) {
+        if !text.is_empty() {
+            text.push(' ');
+        }
+        let word = self.rng.usize(..self.vocabulary.len());
+        text.push_str(&self.vocabulary[word]);
+    }
+
     /// Exactly `tokens` tokens of prose by the simulator's tokenizer: words of 2–6 letters
     /// (one token each, with their leading space) and punctuation (one token each).
     fn prose(&mut self, tokens: u32) -> String {
         let mut text = String::with_capacity(tokens as usize * 6);
-        let mut sentence_left = self.rng.u32(8..=24);
+        let mut sentence_left = self.sentence_length();
         for emitted in 0..tokens {
             let last = emitted + 1 == tokens;
             if sentence_left == 0 || last {
@@ -462,14 +472,10 @@ impl Generator {
                     self.rng.choice(['.', ',', ';']).unwrap_or('.')
                 };
                 text.push(mark);
-                sentence_left = self.rng.u32(8..=24);
+                sentence_left = self.sentence_length();
                 continue;
             }
-            if !text.is_empty() {
-                text.push(' ');
-            }
-            let word = self.rng.usize(..self.vocabulary.len());
-            text.push_str(&self.vocabulary[word]);
+            self.push_word(&mut text);
             sentence_left -= 1;
         }
         text
@@ -479,18 +485,14 @@ impl Generator {
     /// word that reaches the size and the final ".").
     fn prose_chars(&mut self, chars: usize) -> String {
         let mut text = String::with_capacity(chars + 8);
-        let mut sentence_left = self.rng.u32(8..=24);
+        let mut sentence_left = self.sentence_length();
         while text.len() + 1 < chars {
             if sentence_left == 0 {
                 text.push(self.rng.choice(['.', ',', ';']).unwrap_or('.'));
-                sentence_left = self.rng.u32(8..=24);
+                sentence_left = self.sentence_length();
                 continue;
             }
-            if !text.is_empty() {
-                text.push(' ');
-            }
-            let word = self.rng.usize(..self.vocabulary.len());
-            text.push_str(&self.vocabulary[word]);
+            self.push_word(&mut text);
             sentence_left -= 1;
         }
         text.push('.');

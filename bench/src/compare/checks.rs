@@ -138,6 +138,16 @@ fn kv_decision_check(report: &Report, run: &RunReport) -> Option<Vec<Check>> {
     Some(checks)
 }
 
+/// A hit rate against a reference one: it passes when at most `margin` below it.
+fn hit_rate_check(what: String, target: &str, (hit, reference): (f64, f64), margin: f64) -> Check {
+    Check {
+        what,
+        target: target.into(),
+        measured: format!("{} vs {}", percent(hit), percent(reference)),
+        pass: hit >= reference - margin,
+    }
+}
+
 /// The last router count's hit rate against the first's (`runs` of one strategy, in run
 /// order): no drop beyond 1 point. None with a single router count.
 fn no_drop_with_more_routers(strategy: &str, runs: &[&RunReport]) -> Option<Check> {
@@ -146,15 +156,15 @@ fn no_drop_with_more_routers(strategy: &str, runs: &[&RunReport]) -> Option<Chec
         return None;
     }
     let (one, many) = (first.hit_rate()?, last.hit_rate()?);
-    Some(Check {
-        what: format!(
+    Some(hit_rate_check(
+        format!(
             "{strategy} hit rate, {} routers vs {}",
             last.routers, first.routers
         ),
-        target: "no drop (within 1 point)".into(),
-        measured: format!("{} vs {}", percent(many), percent(one)),
-        pass: many >= one - 0.01,
-    })
+        "no drop (within 1 point)",
+        (many, one),
+        0.01,
+    ))
 }
 
 /// The hot-prefix targets (PRODUCT.md, issue 28), checked on the bounded-load runs against the
@@ -204,12 +214,12 @@ pub fn hot_prefix_checks(runs: &[RunReport], engines: usize) -> Vec<Check> {
                     .find(|other| Some(other.routers) == one_router && other.column() == name)
                     .and_then(|other| other.hit_rate()),
             ) {
-                checks.push(Check {
-                    what: format!("{name} hit rate, {routers_text} vs 1"),
-                    target: "within 1 point".into(),
-                    measured: format!("{} vs {}", percent(hit), percent(one)),
-                    pass: hit >= one - 0.01,
-                });
+                checks.push(hit_rate_check(
+                    format!("{name} hit rate, {routers_text} vs 1"),
+                    "within 1 point",
+                    (hit, one),
+                    0.01,
+                ));
             }
         }
     }
@@ -234,12 +244,12 @@ fn versus_best_peer(run: &RunReport, peer: &RunReport, routers: &str) -> Vec<Che
         pass: ours >= 0.98 * theirs,
     }];
     if let (Some(hit), Some(peer_hit)) = (run.hit_rate(), peer.hit_rate()) {
-        checks.push(Check {
-            what: format!("{name} hit rate vs the best peer ({peer_name}), {routers}"),
-            target: "at least the peer's - 0.5 points".into(),
-            measured: format!("{} vs {}", percent(hit), percent(peer_hit)),
-            pass: hit >= peer_hit - 0.005,
-        });
+        checks.push(hit_rate_check(
+            format!("{name} hit rate vs the best peer ({peer_name}), {routers}"),
+            "at least the peer's - 0.5 points",
+            (hit, peer_hit),
+            0.005,
+        ));
     }
     checks
 }
@@ -275,13 +285,11 @@ mod tests {
             factor: 2.0,
             slack: 3,
         });
+        let label = format!("{} · {routers}", peer.unwrap_or("PREFIX_AWARE"));
         RunReport {
-            label: format!("{} · {routers}", peer.unwrap_or("PREFIX_AWARE")),
             strategy: peer.is_none().then(|| "PREFIX_AWARE".to_owned()),
             load_balance,
             peer: peer.map(str::to_owned),
-            routers,
-            stats,
             kv: Some(KvStats {
                 hit_rate: hit,
                 hit_tokens: 0.0,
@@ -289,13 +297,7 @@ mod tests {
                 source: "engine-metrics",
                 fraction_of_oracle: None,
             }),
-            kv_from_usage: None,
-            router_decision: None,
-            kv_tokenize: None,
-            router_cost: None,
-            versus_baseline: None,
-            instances_routable_at_end: Vec::new(),
-            disagreement: None,
+            ..RunReport::client_side(label, routers, stats)
         }
     }
 

@@ -495,21 +495,12 @@ async fn measure_peer(
             share: counters.requests_success / served.max(1.0),
         })
         .collect();
+    let kv_from_usage = KvStats::from_usage(&stats, Some(oracle));
     let report = RunReport {
-        label: column.label.to_owned(),
-        strategy: None,
-        load_balance: None,
         peer: Some(peer.name().to_owned()),
-        routers: column.routers,
         kv: Some(KvStats::from_engines(&engines, Some(oracle))),
-        kv_from_usage: KvStats::from_usage(&stats, Some(oracle)),
-        router_decision: None,
-        kv_tokenize: None,
-        router_cost: None,
-        versus_baseline: None,
-        instances_routable_at_end: Vec::new(),
-        disagreement: None,
-        stats,
+        kv_from_usage,
+        ..RunReport::client_side(column.label.to_owned(), column.routers, stats)
     };
     progress_line(settings, &report);
     Ok(report)

@@ -55,19 +55,7 @@ fn change_panel(out: &mut String, (x, y): (f64, f64), width: f64, title: &str, b
         } else {
             end + 11.0
         };
-        let _ = writeln!(
-            out,
-            r#"<text x="{center:.1}" y="{text_y:.1}" class="value" text-anchor="middle">{}</text>"#,
-            escape(&bar.text)
-        );
-        for (line, text) in bar.label.lines().enumerate() {
-            let _ = writeln!(
-                out,
-                r#"<text x="{center:.1}" y="{:.1}" class="label" text-anchor="middle">{}</text>"#,
-                y + HEIGHT + 14.0 + 11.0 * line as f64,
-                escape(text)
-            );
-        }
+        bar.write_captions(out, center, text_y, y + HEIGHT + 14.0, 11.0);
     }
 }
 

@@ -29,7 +29,7 @@ use switchyard_router::parts::TokenCounters;
 
 use crate::client::http_client;
 use crate::error::UsageError;
-use crate::output::{Machine, command_line};
+use crate::output::Invocation;
 use switchyard_cluster::LocalCluster;
 
 mod args;
@@ -140,9 +140,7 @@ pub async fn dpd_compare(settings: &DpdSettings) -> anyhow::Result<DpdReport> {
         result?;
     }
     Ok(DpdReport {
-        tool: format!("switchyard-bench {}", env!("CARGO_PKG_VERSION")),
-        command: command_line(),
-        machine: Machine::current(),
+        invocation: Invocation::current(format!("switchyard-bench {}", env!("CARGO_PKG_VERSION"))),
         threshold: settings.threshold,
         long_tokens: settings.long_tokens,
         output_tokens: settings.output_tokens,

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::args::{Load, Topology};
-use crate::output::{Machine, count};
+use crate::output::{Invocation, count};
 use crate::report::RunStats;
 use crate::run::RunOutput;
 use crate::stats::{Latency, relative_change};
@@ -124,9 +124,8 @@ pub struct PromptCounts {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DpdReport {
-    pub tool: String,
-    pub command: String,
-    pub machine: Machine,
+    #[serde(flatten)]
+    pub invocation: Invocation,
     pub threshold: u32,
     pub long_tokens: u32,
     pub output_tokens: u32,

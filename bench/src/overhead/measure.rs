@@ -11,7 +11,7 @@ use crate::child::ChildServer;
 use crate::client::HttpClient;
 use crate::output::{Machine, command_line};
 use crate::report::DecisionStats;
-use crate::scrape::{Histogram, scrape};
+use crate::scrape::{Histogram, scrape, total};
 use crate::stats::Summary;
 
 /// One way to reach the engine.
@@ -114,13 +114,7 @@ pub async fn measure(
     }
     let direct_ms = Summary::of(&paths[0].samples);
     let router_ms = Summary::of(&paths[1].samples);
-    let per_core = |throughput: &Throughput, cpu: f64| {
-        if cpu > 0.0 {
-            throughput.requests as f64 / cpu
-        } else {
-            0.0
-        }
-    };
+    let per_core = |throughput: &Throughput, cpu: f64| ratio(throughput.requests as f64, cpu);
     let added = |index: usize| AddedLatency::against(&paths[index].samples, &paths[0].samples);
     let router_added = added(1);
     let index_of = |name: &str| paths.iter().position(|path| path.name == name);
@@ -191,41 +185,29 @@ pub async fn measure(
         let samples = scrape(client, &format!("{}/metrics", server.url))
             .await
             .unwrap_or_default();
-        let counter = |name: &str| {
-            samples
-                .iter()
-                .filter(|sample| sample.name == name)
-                .map(|sample| sample.value)
-                .sum::<f64>()
-        };
         let latency_ms = Summary::of(&paths[*index].samples);
-        let throughput_ratio = if untraced_throughput.requests_per_s > 0.0 {
-            throughput.requests_per_s / untraced_throughput.requests_per_s
-        } else {
-            0.0
-        };
+        let throughput_ratio = ratio(
+            throughput.requests_per_s,
+            untraced_throughput.requests_per_s,
+        );
         tracing.push(TracingMode {
             mode: (*mode).to_owned(),
             added_p50_ms: latency_ms.p50 - router_ms.p50,
-            p50_ratio: if router_ms.p50 > 0.0 {
-                latency_ms.p50 / router_ms.p50
-            } else {
-                0.0
-            },
+            p50_ratio: ratio(latency_ms.p50, router_ms.p50),
             latency_ms,
             throughput,
             throughput_ratio,
             throughput_cost: 1.0 - throughput_ratio,
             cpu_seconds: cpu,
             requests_per_core_second: per_core(&throughput, cpu),
-            per_core_ratio: match per_core(&untraced_throughput, untraced_cpu) {
-                untraced if untraced > 0.0 => per_core(&throughput, cpu) / untraced,
-                _ => 0.0,
-            },
+            per_core_ratio: ratio(
+                per_core(&throughput, cpu),
+                per_core(&untraced_throughput, untraced_cpu),
+            ),
             // The latency phase stops at the first failed request.
             latency_errors: 0,
-            spans_exported: counter("switchyard_trace_spans_exported_total"),
-            spans_dropped: counter("switchyard_trace_spans_dropped_total"),
+            spans_exported: total(&samples, "switchyard_trace_spans_exported_total"),
+            spans_dropped: total(&samples, "switchyard_trace_spans_dropped_total"),
         });
     }
     let forwarder = baseline("forwarder", forwarder_load);
@@ -309,4 +291,9 @@ pub async fn measure(
         kv_tokenize,
         notes,
     })
+}
+
+/// `value / base`, or 0 when `base` is not positive (nothing measured).
+fn ratio(value: f64, base: f64) -> f64 {
+    if base > 0.0 { value / base } else { 0.0 }
 }

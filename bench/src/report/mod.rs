@@ -384,6 +384,27 @@ pub struct RunReport {
 }
 
 impl RunReport {
+    /// A run measured from the client side only (the target or a peer router): no strategy,
+    /// no KV statistics yet, no router-side decision times or costs, no comparison.
+    pub fn client_side(label: String, routers: usize, stats: RunStats) -> Self {
+        Self {
+            label,
+            strategy: None,
+            load_balance: None,
+            peer: None,
+            routers,
+            stats,
+            kv: None,
+            kv_from_usage: None,
+            router_decision: None,
+            kv_tokenize: None,
+            router_cost: None,
+            versus_baseline: None,
+            instances_routable_at_end: Vec::new(),
+            disagreement: None,
+        }
+    }
+
     /// The column name: the strategy (with its load balance), the peer, or the label.
     pub fn column(&self) -> String {
         if let Some(balance) = self.load_balance {

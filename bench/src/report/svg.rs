@@ -77,6 +77,33 @@ pub(crate) struct Bar {
     pub color: &'static str,
 }
 
+impl Bar {
+    /// Writes the value text centred at `value_y` and the label's lines below the bar, the
+    /// first at `labels_top`, one every `line_height`.
+    pub(crate) fn write_captions(
+        &self,
+        out: &mut String,
+        center: f64,
+        value_y: f64,
+        labels_top: f64,
+        line_height: f64,
+    ) {
+        let _ = writeln!(
+            out,
+            r#"<text x="{center:.1}" y="{value_y:.1}" class="value" text-anchor="middle">{}</text>"#,
+            escape(&self.text)
+        );
+        for (line, text) in self.label.lines().enumerate() {
+            let _ = writeln!(
+                out,
+                r#"<text x="{center:.1}" y="{:.1}" class="label" text-anchor="middle">{}</text>"#,
+                labels_top + line_height * line as f64,
+                escape(text)
+            );
+        }
+    }
+}
+
 /// A bar chart panel at x with a y axis from 0 to `axis.0` in steps of `axis.1`, and an
 /// optional dashed reference line.
 #[allow(clippy::too_many_arguments)]
@@ -128,20 +155,7 @@ fn panel(
             escape(&bar.label.replace('\n', " ")),
             escape(&bar.text)
         );
-        let _ = writeln!(
-            out,
-            r#"<text x="{center:.1}" y="{:.1}" class="value" text-anchor="middle">{}</text>"#,
-            bar_top - 4.0,
-            escape(&bar.text)
-        );
-        for (line, text) in bar.label.lines().enumerate() {
-            let _ = writeln!(
-                out,
-                r#"<text x="{center:.1}" y="{:.1}" class="label" text-anchor="middle">{}</text>"#,
-                y + PANEL_HEIGHT + 14.0 + 12.0 * line as f64,
-                escape(text)
-            );
-        }
+        bar.write_captions(out, center, bar_top - 4.0, y + PANEL_HEIGHT + 14.0, 12.0);
     }
     if let Some((value, label)) = reference {
         let line_y = scale(value);
