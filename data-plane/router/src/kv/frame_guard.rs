@@ -9,7 +9,7 @@
 //! connection: it reconnects, and the subscriber's restart rule applies.
 //!
 //! The same relay guards a socket the router binds for others to dial (LMCACHE_PD's notice
-//! socket, [`start_inbound`]): it listens where the socket would, binds the socket on loopback
+//! socket, [`serve_inbound`]): it listens where the socket would, binds the socket on loopback
 //! behind it, and reads what each dialler sends with a much smaller bound. A dialler that
 //! oversteps loses its connection; nobody else's is refused.
 //!
@@ -169,12 +169,12 @@ impl Relay {
         {
             Ok(Ok(outbound)) => outbound,
             Ok(Err(err)) => {
-                tracing::debug!(instance = %self.instance, target = %self.target, error = %err, "KV-event socket not reachable");
+                tracing::debug!(instance = %self.instance, target = %self.target, error = %err, "the socket behind the frame guard is not reachable");
                 // Dropping `inbound` tells the ZMQ socket the engine is not there yet.
                 return;
             }
             Err(_) => {
-                tracing::debug!(instance = %self.instance, target = %self.target, "KV-event socket dial timed out");
+                tracing::debug!(instance = %self.instance, target = %self.target, "the socket behind the frame guard: dial timed out");
                 return;
             }
         };

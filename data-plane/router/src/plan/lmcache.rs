@@ -97,6 +97,10 @@ pub(crate) fn carriable(body: &Map<String, Value>, chat: bool) -> Option<&'stati
     match budget(body) {
         Some(budget) if budget <= 1 => return Some("a budget of at most one token"),
         None if chat => return Some("a chat request without a token budget"),
+        // `null` asks for no limit (up to the context), which a count cannot say.
+        None if body.contains_key("max_tokens") || body.contains_key("max_completion_tokens") => {
+            return Some("a budget that is not a count");
+        }
         _ => {}
     }
     let allowed = |key: &str| {
@@ -261,6 +265,11 @@ mod tests {
             (r#"{"messages":[],"max_tokens":1}"#, true),
             (r#"{"messages":[]}"#, true),
             (r#"{"messages":[],"max_tokens":null}"#, true),
+            (r#"{"prompt":"p","max_tokens":null}"#, false),
+            (
+                r#"{"prompt":"p","max_tokens":9,"max_completion_tokens":null}"#,
+                false,
+            ),
             (r#"{"prompt":"p","structured_outputs":{"json":{}}}"#, false),
             (r#"{"prompt":"p","truncate_prompt_tokens":5}"#, false),
             (
