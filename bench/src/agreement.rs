@@ -104,21 +104,8 @@ impl Tally {
         for &(key, weight) in &keys.0 {
             choices.clear();
             for (variant, views, loads) in &routers {
-                // What this router knows of the key counts, as when it routes (read without
-                // counting the key again).
-                let history = rank::KeyHistory {
-                    hot: variant
-                        .popularity
-                        .as_ref()
-                        .is_some_and(|popularity| popularity.peek(key, views.len())),
-                    remembered: |i: usize| variant.instances[i].cell.spills.remembers(key, clock),
-                    sent: |i: usize| {
-                        variant.instances[i]
-                            .cell
-                            .recent
-                            .load(std::sync::atomic::Ordering::Relaxed)
-                    },
-                };
+                // What this router knows of the key, as when it routes.
+                let history = variant.key_history(key, clock);
                 let ranking =
                     rank::rank_remembering(variant.strategy, views, |i| loads[i], key, 0, history);
                 let Some(first) = ranking.first() else {

@@ -14,6 +14,11 @@
 //! `router_timeout`; if the other replicas' sums cannot be followed, they are dropped too
 //! rather than kept frozen.
 //!
+//! Key placements (PREFIX_AWARE with bounded loads: a router sent a key to an instance it had
+//! not sent it to lately) are not summed: each router's are passed on at once to this
+//! replica's other routers ([`LoadHub::announce`]). Routers on other replicas do not get them
+//! (a hint: a router that misses one places a copy of its own).
+//!
 //! A report is trusted only so far: the sync stream keeps the figures of instances the control
 //! plane knows (`StateCache::retain_known`), and each count is capped at
 //! [`MAX_IN_FLIGHT_PER_ROUTER`], so one router token cannot steer the whole fleet's view.
@@ -25,9 +30,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use switchyard_shared::sync::InstanceLoad;
+use switchyard_shared::sync::{InstanceLoad, KeyPlacement};
 use switchyard_shared::{EndpointName, InstanceId, InstanceKey};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -39,6 +44,19 @@ pub type Counts = HashMap<InstanceKey, u32>;
 /// The most in-flight requests one router may claim on one instance (a router's
 /// `--max-in-flight` is far below it; more is a broken or hostile report).
 pub const MAX_IN_FLIGHT_PER_ROUTER: u32 = 100_000;
+
+/// The most placements taken from one message of a router (more are dropped).
+pub const MOST_PLACEMENTS_PER_MESSAGE: usize = 4096;
+/// Announcements (messages) a slow stream may fall behind by before it skips some; with
+/// [`MOST_PLACEMENTS_PER_MESSAGE`] this bounds what the hub holds for its slowest stream.
+const ANNOUNCEMENTS_BUFFERED: usize = 128;
+
+/// Key placements one router announced, for the others.
+#[derive(Debug)]
+pub struct Announced {
+    pub router_id: String,
+    pub placements: Vec<KeyPlacement>,
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct LoadConfig {
@@ -103,6 +121,7 @@ pub struct LoadHub {
     /// The sum of this replica's routers, for the publisher.
     local: watch::Sender<Arc<Counts>>,
     connections: AtomicU64,
+    announced: broadcast::Sender<Arc<Announced>>,
 }
 
 /// What a replica publishes under `load/{replica}`.
@@ -127,7 +146,27 @@ impl LoadHub {
             snapshot: watch::Sender::new(Arc::new(Snapshot::default())),
             local: watch::Sender::new(Arc::new(Counts::new())),
             connections: AtomicU64::new(1),
+            announced: broadcast::Sender::new(ANNOUNCEMENTS_BUFFERED),
         })
+    }
+
+    /// Passes `router_id`'s key placements (of instances the caller knows) on to every stream;
+    /// each sends them to its router unless it is `router_id`.
+    pub fn announce(&self, router_id: &str, mut placements: Vec<KeyPlacement>) {
+        if placements.is_empty() {
+            return;
+        }
+        placements.truncate(MOST_PLACEMENTS_PER_MESSAGE);
+        // No stream listening is not an error.
+        let _ = self.announced.send(Arc::new(Announced {
+            router_id: router_id.to_owned(),
+            placements,
+        }));
+    }
+
+    /// Every router's announced placements from now on.
+    pub fn announcements(&self) -> broadcast::Receiver<Arc<Announced>> {
+        self.announced.subscribe()
     }
 
     pub fn config(&self) -> LoadConfig {
@@ -379,6 +418,37 @@ mod tests {
             EndpointName::new(endpoint).unwrap(),
             InstanceId::new(id).unwrap(),
         )
+    }
+
+    #[test]
+    fn placements_go_to_every_stream_bounded_per_message() {
+        let hub = LoadHub::new("r".into(), LoadConfig::default());
+        let mut stream = hub.announcements();
+        hub.announce("router-1", Vec::new());
+        let many: Vec<KeyPlacement> = (0..MOST_PLACEMENTS_PER_MESSAGE as u64 + 10)
+            .map(|key| KeyPlacement {
+                instance: key_of("chat", "i-1"),
+                key,
+            })
+            .collect();
+        hub.announce("router-1", many);
+        let announced = stream.try_recv().expect("one announcement");
+        assert_eq!(announced.router_id, "router-1");
+        assert_eq!(announced.placements.len(), MOST_PLACEMENTS_PER_MESSAGE);
+        assert!(stream.try_recv().is_err(), "nothing for an empty list");
+        // A stream that falls behind skips what it missed, and goes on.
+        for key in 0..ANNOUNCEMENTS_BUFFERED as u64 + 1 {
+            let placement = KeyPlacement {
+                instance: key_of("chat", "i-1"),
+                key,
+            };
+            hub.announce("router-2", vec![placement]);
+        }
+        assert!(matches!(
+            stream.try_recv(),
+            Err(broadcast::error::TryRecvError::Lagged(1))
+        ));
+        assert_eq!(stream.try_recv().expect("the rest").placements[0].key, 1);
     }
 
     fn load(endpoint: &str, id: &str, in_flight: u32) -> InstanceLoad {

@@ -17,7 +17,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use switchyard_shared::sync::{InstanceLoad, StateChange, StateVersion};
+use switchyard_shared::sync::{StateChange, StateVersion};
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointConfigName, EndpointName, HealthCheckConfig, Instance,
     InstanceId, InstanceKey,
@@ -370,13 +370,13 @@ impl StateCache {
             .map(|instance| view.probe_target(instance))
     }
 
-    /// Keeps the figures of instances the view knows; returns how many it dropped. (A router
-    /// can only have requests in flight on instances it was sent.)
-    pub fn retain_known(&self, loads: &mut Vec<InstanceLoad>) -> usize {
-        let before = loads.len();
+    /// Keeps the figures (or placements) of instances the view knows; returns how many it
+    /// dropped. (A router can only have requests in flight on instances it was sent.)
+    pub fn retain_known<T>(&self, items: &mut Vec<T>, key: impl Fn(&T) -> &InstanceKey) -> usize {
+        let before = items.len();
         let view = self.lock();
-        loads.retain(|load| view.instances.contains_key(&load.key));
-        before - loads.len()
+        items.retain(|item| view.instances.contains_key(key(item)));
+        before - items.len()
     }
 
     /// Takes a new listing. Listed again from the same cluster and not older, the difference

@@ -23,14 +23,15 @@ use futures::Stream;
 use prost::Message as _;
 use switchyard_proto::v1 as pb;
 use switchyard_shared::sync::{
-    Coalescer, SYNC_PIECE_BYTES, SYNC_PROTOCOL, StateChange, StateUpdate, StateVersion,
+    Coalescer, KeyPlacement, SYNC_PIECE_BYTES, SYNC_PROTOCOL, StateChange, StateUpdate,
+    StateVersion,
 };
 use switchyard_shared::{Endpoint, EndpointConfig, EndpointConfigName, EndpointName};
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::load::{Counts, LoadHub};
+use crate::load::{Counts, LoadHub, MOST_PLACEMENTS_PER_MESSAGE};
 use crate::metrics::ControlMetrics;
 use crate::state::{Published, Readiness, StateCache, StateSnapshot};
 
@@ -178,6 +179,16 @@ fn fleet_message(replica_id: &str, others: &Counts) -> pb::SyncMessage {
                     in_flight: *count,
                 })
                 .collect(),
+        }),
+    )
+}
+
+fn placements_message(replica_id: &str, placements: &[KeyPlacement]) -> pb::SyncMessage {
+    frame(
+        replica_id,
+        &StateVersion::default(),
+        pb::sync_message::Message::Placements(pb::KeyPlacements {
+            placements: placements.iter().map(Into::into).collect(),
         }),
     )
 }
@@ -534,6 +545,7 @@ impl pb::router_sync_server::RouterSync for SyncService {
                 yield message;
             }
             let load = service.load.snapshots();
+            let mut announcements = service.load.announcements();
             let mut ticks = tokio::time::interval(service.load.config().interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // None: nothing sent yet, so the first tick always sends (possibly empty) figures.
@@ -568,11 +580,20 @@ impl pb::router_sync_server::RouterSync for SyncService {
                     inbound = inbound.message() => match inbound {
                         Ok(Some(pb::RouterMessage { message: Some(pb::router_message::Message::Load(report)) })) => {
                             let (mut loads, _) = switchyard_proto::convert::instance_loads(report.loads);
-                            let unknown = service.cache.retain_known(&mut loads);
+                            let unknown = service.cache.retain_known(&mut loads, |load| &load.key);
                             if unknown > 0 {
                                 tracing::debug!(router = %router_id, unknown, "load report names instances this control plane does not know; ignored");
                             }
                             service.load.report(&router_id, connection, &loads);
+                        }
+                        Ok(Some(pb::RouterMessage { message: Some(pb::router_message::Message::Placements(mut placed)) })) => {
+                            placed.placements.truncate(MOST_PLACEMENTS_PER_MESSAGE);
+                            let (mut placements, unreadable) = switchyard_proto::convert::key_placements(placed.placements);
+                            let unknown = service.cache.retain_known(&mut placements, |placement| &placement.instance);
+                            if unreadable + unknown > 0 {
+                                tracing::debug!(router = %router_id, unreadable, unknown, "key placements name instances this control plane does not know; ignored");
+                            }
+                            service.load.announce(&router_id, placements);
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => break,
@@ -616,6 +637,15 @@ impl pb::router_sync_server::RouterSync for SyncService {
                             };
                         }
                     }
+                    announced = announcements.recv() => match announced {
+                        Ok(announced) => if announced.router_id != router_id {
+                            yield placements_message(&replica, &announced.placements);
+                        },
+                        Err(RecvError::Lagged(missed)) => {
+                            tracing::debug!(router = %router_id, missed, "router stream fell behind the key placements; skipped some");
+                        }
+                        Err(RecvError::Closed) => break,
+                    },
                     _ = ticks.tick() => {
                         let others = load.borrow().others(&router_id);
                         let due = last_sent_at.elapsed() >= FLEET_REFRESH;

@@ -11,7 +11,7 @@ use switchyard_shared::disaggregation::{
     DecodeRoutingStrategy, DisaggregationConfig, KvTransferProtocol, PrefillRoutingStrategy,
     ThresholdBasis,
 };
-use switchyard_shared::sync::{InstanceKey, InstanceLoad, StateUpdate};
+use switchyard_shared::sync::{InstanceKey, InstanceLoad, KeyPlacement, StateUpdate};
 use switchyard_shared::{
     Endpoint, EndpointConfig, EndpointStatus, Health, HealthCheckConfig, Instance,
     InstanceProtocol, InstanceRole, KvAwareRoutingConfig, KvEventsEndpoints, KvEventsFields,
@@ -764,7 +764,7 @@ pub fn legacy_state_update(
             removed_instances: vec![removed],
             ..pb::StateUpdate::default()
         },
-        Message::FleetLoad(_) | Message::Update(_) => return None,
+        Message::FleetLoad(_) | Message::Update(_) | Message::Placements(_) => return None,
     };
     Some(state_update(wire))
 }
@@ -808,6 +808,38 @@ pub fn instance_loads(wire: Vec<pb::InstanceLoad>) -> (Vec<InstanceLoad>, usize)
         })
         .collect();
     (loads, skipped)
+}
+
+/// Key placements of the wire; the count of those skipped (an unreadable instance name).
+pub fn key_placements(wire: Vec<pb::KeyPlacement>) -> (Vec<KeyPlacement>, usize) {
+    let total = wire.len();
+    let placements: Vec<KeyPlacement> = wire
+        .into_iter()
+        .filter_map(|placement| {
+            let instance = instance_key(
+                "Placement",
+                &placement.endpoint_name,
+                &placement.instance_id,
+            )
+            .ok()?;
+            Some(KeyPlacement {
+                instance,
+                key: placement.key,
+            })
+        })
+        .collect();
+    let skipped = total - placements.len();
+    (placements, skipped)
+}
+
+impl From<&KeyPlacement> for pb::KeyPlacement {
+    fn from(placement: &KeyPlacement) -> Self {
+        pb::KeyPlacement {
+            endpoint_name: placement.instance.endpoint.to_string(),
+            instance_id: placement.instance.id.to_string(),
+            key: placement.key,
+        }
+    }
 }
 
 #[cfg(test)]

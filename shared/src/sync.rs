@@ -58,6 +58,13 @@ pub struct InstanceLoad {
     pub in_flight: u32,
 }
 
+/// A PREFIX_AWARE key a router placed on an instance (bounded loads), announced to the others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPlacement {
+    pub instance: InstanceKey,
+    pub key: u64,
+}
+
 /// Where a routing state comes from and how far it goes: `cluster` is the identity of the store
 /// (made when it was first used; empty from control planes before it existed), `revision` the
 /// store revision. Within one cluster revisions only grow.

@@ -1578,7 +1578,7 @@ impl Follower {
                 return Ok(());
             }
             Some(Message::Update(update)) => return self.apply_update(version, update),
-            Some(Message::FleetLoad(_)) | None => return Ok(()),
+            Some(Message::FleetLoad(_) | Message::Placements(_)) | None => return Ok(()),
             Some(Message::InstanceChanged(instance)) => {
                 self.instances
                     .insert((instance.endpoint_name, instance.id), instance.url);

@@ -367,6 +367,79 @@ async fn bounded_loads_spill_a_hot_prefix_long_before_the_threshold_and_both_rou
 }
 
 #[tokio::test]
+async fn a_new_prefix_placed_by_one_router_is_sent_there_by_the_other() -> anyhow::Result<()> {
+    // Slow engines so held streams stay in flight. Bound ⌈1.0 × (L + 1) / 4⌉ + 1; the
+    // threshold is never reached.
+    let sim = real_time();
+    let variants = r#"[{"VariantName":"AllTraffic","ModelName":"sim","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE",
+        "PrefixAwareRoutingConfig":{"PrefixLength":1024,"ConcurrencyThreshold":100,"LoadBalanceFactor":1.0,"LoadBalanceSlack":1}}}]"#;
+    let cluster = Cluster::start(4, 2, variants, sim).await?;
+    let (router_a, router_b) = (&cluster.routers()[0], &cluster.routers()[1]);
+    // A session per instance: sessions stick to their instance whatever the prefix, and
+    // place no prefix.
+    let short = |text: &str| chat_body(text, 1, false);
+    let mut sessions: HashMap<String, String> = HashMap::new();
+    for index in 0..64 {
+        let session = format!("pin-{index}");
+        let on = instance_for(
+            &chat_url(router_a),
+            &[("x-amzn-sagemaker-session-id", &session)],
+            &short("pinning"),
+        )
+        .await?;
+        sessions.entry(on).or_insert(session);
+        if sessions.len() == 4 {
+            break;
+        }
+    }
+    assert_eq!(sessions.len(), 4, "a session for every instance");
+    cluster.wait_idle().await?;
+    // Two streams held on three instances, none on the fourth: 6 in flight, bound 3, and
+    // only the idle one within a request of the least loaded.
+    let idle = sessions.keys().min().cloned().unwrap_or_default();
+    let mut holds = Vec::new();
+    for (instance, session) in &sessions {
+        if *instance == idle {
+            continue;
+        }
+        for _ in 0..2 {
+            let response = post_streaming(
+                &chat_url(router_a),
+                &[("x-amzn-sagemaker-session-id", session)],
+                chat_body(&prompt("held", 200), 400, true),
+            )
+            .await?;
+            holds.push(response);
+        }
+    }
+    // Router A places five new prefixes on the idle instance, whatever their owners.
+    let prefixes: Vec<String> = (0..5)
+        .map(|index| short(&prompt(&format!("new prefix {index}"), 1500)))
+        .collect();
+    for body in &prefixes {
+        assert_eq!(instance_for(&chat_url(router_a), &[], body).await?, idle);
+    }
+    drop(holds);
+    cluster.wait_idle().await?;
+    // Router B learns the placements from the control plane and, on an idle fleet, sends
+    // each prefix where router A put it (not to its owner, where a new key would go).
+    let learned = "switchyard_router_key_placements_learned_total";
+    eventually(
+        Duration::from_secs(5),
+        "router B to learn the placements",
+        || async { metric(&router_b.url(), learned).await.unwrap_or(0.0) >= 5.0 },
+    )
+    .await?;
+    for body in &prefixes {
+        assert_eq!(instance_for(&chat_url(router_b), &[], body).await?, idle);
+    }
+    let announced = "switchyard_router_key_placements_announced_total";
+    assert!(metric(&router_a.url(), announced).await.unwrap_or(0.0) >= 5.0);
+    cluster.wait_idle().await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn least_outstanding_requests_sends_each_request_to_a_least_loaded_instance()
 -> anyhow::Result<()> {
     // Streams are held open, so the router's in-flight counts are exactly what the test holds.

@@ -49,14 +49,14 @@ pub enum Strategy {
 /// PREFIX_AWARE: an instance takes a key only while it has fewer than [`LoadBalance::bound`]
 /// requests in flight fleet-wide, a bound that follows the variant's mean load, so a hot
 /// prefix spills before its owner drowns while another instance idles. A key goes to the
-/// least loaded of its holders below the bound (its owner, and the instances this router
-/// already spilled it to, which hold a copy; the owner wins ties), else to a new copy on a
-/// lightly loaded instance below the bound: see [`rank_remembering`].
+/// least loaded of its holders below the bound (the instances it was sent to lately, which
+/// hold a copy), else to a new copy on a lightly loaded instance below the bound (a new key's
+/// first copy on its owner if the owner has room): see [`rank_remembering`].
 ///
-/// Every router computes the same bound from the same fleet-wide loads, so a key stays on its
-/// owner below the bound everywhere. Past it, each router places and reuses copies from what
-/// it sent and spilled itself, so two routers may choose different copies (all of which hold
-/// the prefix).
+/// Every router computes the same bound from the same fleet-wide loads. Each places and
+/// reuses copies from what it sent itself and what the other routers announced through the
+/// control plane, so routers agree on a key's holders once the announcements have arrived
+/// (within a load report interval); until then two routers may each place a new key once.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadBalance {
     /// `c ≥ 1`: how far above the mean load an instance may go.
@@ -79,13 +79,6 @@ impl LoadBalance {
         let bound = (self.factor * mean_with_this_one).ceil();
         // Saturating float-to-int conversion; the threshold caps the result anyway.
         (bound as u32).saturating_add(self.slack)
-    }
-
-    /// The bound of a hot key ([`rank_remembering`]): the same without the slack. The slack
-    /// spares a key the miss of a new copy while the fleet is lightly loaded; a hot key's
-    /// copies are paid back by its own traffic.
-    pub fn hot(self) -> Self {
-        Self { slack: 0, ..self }
     }
 }
 
@@ -217,16 +210,18 @@ pub fn rank(
 /// What a router knows of one PREFIX_AWARE key beyond its hash, and of where it sent requests
 /// lately ([`rank_remembering`]).
 #[derive(Debug, Clone, Copy)]
-pub struct KeyHistory<R, S> {
-    /// The key carried at least `1 / (2 N)` of the variant's recent requests here.
-    pub hot: bool,
-    /// `remembered(i)`: the router spilled the key to instance i before.
+pub struct KeyHistory<R, S, C> {
+    /// `remembered(i)`: the key was sent to instance i lately (by this router, or by another
+    /// that announced it).
     pub remembered: R,
     /// `sent(i)`: how many of the variant's recent requests the router sent to instance i.
     pub sent: S,
+    /// `copies(i)`: how many new copies of keys were placed on instance i lately (each a
+    /// miss of a whole prefix).
+    pub copies: C,
 }
 
-impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32> {
+impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
     /// A key seen for the first time, by a router that has sent nothing yet.
     pub fn none() -> Self {
         fn nowhere(_: usize) -> bool {
@@ -236,36 +231,38 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32> {
             0
         }
         Self {
-            hot: false,
             remembered: nowhere,
             sent: nothing,
+            copies: nothing,
         }
     }
 }
 
-/// [`rank`], with what this router remembers of where it spilled `key` before:
-/// `remembered(i)` is true if it sent `key` to instance i as an overflow (so i likely holds a
-/// copy of the prefix in its KV cache). Only PREFIX_AWARE with a [`LoadBalance`] reads it:
+/// [`rank`], with what this router remembers of where `key` was sent lately:
+/// `remembered(i)` is true if this router sent `key` to instance i, or another router
+/// announced that it did (through the control plane), so i likely holds a copy of the prefix
+/// in its KV cache. Only PREFIX_AWARE with a [`LoadBalance`] reads it. The key's *holders* are
+/// the remembered instances, or its rendezvous owner if it was sent nowhere yet:
 ///
-/// 1. the least loaded of the key's holders (its rendezvous owner and the remembered
-///    instances) that is available and below the bound ([`prefix_aware_bound`], without the
-///    slack if the key is hot); ties go to
-///    the earlier in the key's rendezvous order, so an owner as idle as any copy keeps it;
-/// 2. else a new copy: of the available instances below the bound and within one request of
-///    the least loaded of them, the one the router sent the fewest recent requests (`sent`,
-///    per unit of weight), then the least loaded, then by rendezvous order. Copies of hot keys
-///    spread over the instances that serve least instead of whichever is momentarily idlest,
-///    and the one miss lands where it stalls few requests; the band keeps an instance that
-///    served nothing (one that just joined) from drawing every new copy;
+/// 1. a key sent somewhere: the least loaded of its holders that is available and below the
+///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order;
+/// 2. else a new copy, in the band of available instances below the bound within one request
+///    of the least loaded of them. A key sent nowhere yet goes to the one with the fewest new
+///    copies placed lately (`copies`), then its owner, then the one this router sent the
+///    fewest recent requests (`sent`): a first copy is a miss of the whole prefix, a long
+///    prefill that stalls whatever the engine batches with it, and spreading those prefills
+///    evenly matters more than where the key's owner is. A further copy (the key's holders
+///    are all at the bound) adds capacity for a hot key: the fewest requests sent, then the
+///    fewest copies. Both per unit of weight, then the least loaded, then by rendezvous order.
+///    The band keeps an instance that served nothing (one that just joined) from drawing
+///    every new copy;
 /// 3. else the least loaded available instance.
-///
-/// `hot`: the key is hot (the router saw it carry a large share of the variant's recent
-/// requests): its bound is [`LoadBalance::hot`]'s, without the slack.
 ///
 /// `Prefix` if the choice is the owner, else `Overflow`. With a [`LoadBalance`] the rest follow
 /// with the key's holders first (retries try a copy before making one), each group in
-/// rendezvous order; unavailable instances last. Routers that remember the same spills, count
-/// alike and see the same loads choose alike.
+/// rendezvous order; unavailable instances last. Routers that remember the same placements,
+/// count alike and see the same loads choose alike; routers that have not learned of each
+/// other's placements yet may each place a new key once.
 pub fn rank_remembering(
     strategy: Strategy,
     instances: &[InstanceView],
@@ -273,10 +270,10 @@ pub fn rank_remembering(
     key: u64,
     random: u64,
     KeyHistory {
-        hot,
         remembered,
         sent,
-    }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32>,
+        copies,
+    }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
     if instances.is_empty() {
@@ -291,54 +288,79 @@ pub fn rank_remembering(
             concurrency_threshold,
             balance,
         } => {
-            let balance = balance.map(|balance| if hot { balance.hot() } else { balance });
             let bound = prefix_aware_bound(concurrency_threshold, balance, &loads);
             let owner = rendezvous_order(instances, key, &mut order);
             let eligible = |index: usize| instances[index].available && load(index) < bound;
-            // Which instances hold the key (the owner, or a copy this router made), read once:
-            // the memory changes under concurrent requests, and the retry sort below needs
-            // keys that stay put.
-            let holder: Vec<bool> = match balance {
+            // Which instances hold the key, read once (the memory changes under concurrent
+            // requests, and the retry sort below needs keys that stay put): those the key was
+            // sent to lately (by this router, or by another that announced it), or, for a key
+            // sent nowhere yet, its owner.
+            let remembered: Vec<bool> = match balance {
                 None => Vec::new(),
-                Some(_) => (0..instances.len())
-                    .map(|index| Some(index) == owner || remembered(index))
-                    .collect(),
+                Some(_) => (0..instances.len()).map(&remembered).collect(),
+            };
+            let placed = remembered.iter().any(|&held| held);
+            let holder: Vec<bool> = if placed {
+                remembered
+            } else {
+                (0..remembered.len())
+                    .map(|index| Some(index) == owner)
+                    .collect()
             };
             let below = match balance {
                 None => order.iter().position(|&index| eligible(index)),
                 Some(_) => {
                     let order = &order;
-                    // The least loaded holder below the bound; ties by position (rendezvous
-                    // order), so an owner as idle as a copy keeps the key.
-                    (0..order.len())
-                        .filter(|&position| eligible(order[position]) && holder[order[position]])
-                        .min_by_key(|&position| (load(order[position]), position))
-                        .or_else(|| {
-                            // A new copy: of the instances below the bound within one request
-                            // of the least loaded, the one this router sent the fewest
-                            // requests lately, then the least loaded, then by position.
-                            let floor = order
-                                .iter()
-                                .filter(|&&i| eligible(i))
-                                .map(|&i| load(i))
-                                .min()?;
-                            (0..order.len())
-                                .filter(|&position| {
-                                    let index = order[position];
-                                    eligible(index) && load(index) <= floor + 1
-                                })
-                                .map(|position| {
-                                    let index = order[position];
-                                    // Sent per unit of weight: a heavier instance takes more.
-                                    let weight = instances[index].weight.max(f64::MIN_POSITIVE);
-                                    let share = f64::from(sent(index)) / weight;
-                                    (share, load(index), position)
-                                })
-                                .min_by(|a, b| {
-                                    a.0.total_cmp(&b.0).then((a.1, a.2).cmp(&(b.1, b.2)))
-                                })
-                                .map(|(_, _, position)| position)
+                    // A placed key: the least loaded holder below the bound; ties by position
+                    // (rendezvous order).
+                    let held = (0..order.len())
+                        .filter(|&position| {
+                            placed && eligible(order[position]) && holder[order[position]]
                         })
+                        .min_by_key(|&position| (load(order[position]), position));
+                    held.or_else(|| {
+                        // Else a new copy in the band of instances below the bound within one
+                        // request of the least loaded. A key's first copy: the one with the
+                        // fewest copies placed lately, then the owner, then the fewest requests
+                        // this router sent it lately. A further copy (its holders are at the
+                        // bound): the fewest requests sent, then the fewest copies. Counts per
+                        // unit of weight (a heavier instance takes more), then the least
+                        // loaded, then by position.
+                        let floor = order
+                            .iter()
+                            .filter(|&&i| eligible(i))
+                            .map(|&i| load(i))
+                            .min()?;
+                        (0..order.len())
+                            .filter(|&position| {
+                                let index = order[position];
+                                eligible(index) && load(index) <= floor + 1
+                            })
+                            .map(|position| {
+                                let index = order[position];
+                                let weight = instances[index].weight.max(f64::MIN_POSITIVE);
+                                let per_weight = |count: u32| f64::from(count) / weight;
+                                let (copies, sent) =
+                                    (per_weight(copies(index)), per_weight(sent(index)));
+                                let order = if placed {
+                                    [sent, copies, 0.0]
+                                } else {
+                                    // The owner before fewer requests sent: `sent` is this
+                                    // router's own, so routers that agree on the copies
+                                    // agree on the owner.
+                                    let other = f64::from(u8::from(Some(index) != owner));
+                                    [copies, other, sent]
+                                };
+                                (order, load(index), position)
+                            })
+                            .min_by(|a, b| {
+                                let by_counts = a.0.iter().zip(&b.0).map(|(x, y)| x.total_cmp(y));
+                                by_counts
+                                    .fold(std::cmp::Ordering::Equal, std::cmp::Ordering::then)
+                                    .then((a.1, a.2).cmp(&(b.1, b.2)))
+                            })
+                            .map(|(_, _, position)| position)
+                    })
                 }
             };
             let chosen = match below {
@@ -828,51 +850,84 @@ mod tests {
         );
     }
 
-    fn copies(
+    fn held_on(
         remembered: impl Fn(usize) -> bool,
-    ) -> KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32> {
+    ) -> KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32> {
         KeyHistory {
-            hot: false,
             remembered,
             sent: |_: usize| 0,
+            copies: |_: usize| 0,
         }
     }
 
     #[test]
-    fn a_hot_key_spills_without_the_slack() {
+    fn a_new_copy_goes_where_the_fewest_copies_were_placed() {
         let instances = views(7);
         let strategy = bounded(2.0, 3, 16);
         let order = rank(strategy, &instances, |_| 0, 7, 0).order;
         let owner = order[0];
-        // 15 in flight, 6 on the owner: ⌈2 × 16 / 7⌉ = 5, + 3 = 8 for a key, 5 for a hot one.
-        let by_rank = [6, 2, 0, 1, 2, 2, 2];
-        let load = |i: usize| by_rank[order.iter().position(|&o| o == i).unwrap()];
-        let total: u32 = (0..7).map(load).sum();
-        assert_eq!(total, 15);
-        let cold = rank(strategy, &instances, load, 7, 0);
+        let idle = |_: usize| 0;
+        // A key sent nowhere, on an idle fleet: its owner, unless another instance had fewer
+        // new copies placed on it lately.
+        let nowhere = |_: usize| false;
+        let even = KeyHistory {
+            remembered: nowhere,
+            sent: |_: usize| 3,
+            copies: |_: usize| 1,
+        };
+        let first = rank_remembering(strategy, &instances, idle, 7, 0, even);
         assert_eq!(
-            (cold.first(), cold.route),
+            (first.first(), first.route),
             (Some(owner), Some(Route::Prefix))
         );
-        let history = KeyHistory {
-            hot: true,
-            remembered: |_: usize| false,
-            sent: |_: usize| 0,
+        let fewer = |i: usize| u32::from(i != order[4]);
+        let spread = KeyHistory {
+            remembered: nowhere,
+            sent: |_: usize| 3,
+            copies: fewer,
         };
-        let hot = rank_remembering(strategy, &instances, load, 7, 0, history);
+        let spread = rank_remembering(strategy, &instances, idle, 7, 0, spread);
         assert_eq!(
-            (hot.first(), hot.route),
-            (Some(order[2]), Some(Route::Overflow)),
-            "to the least loaded"
+            (spread.first(), spread.route),
+            (Some(order[4]), Some(Route::Overflow))
         );
-        // Without the extension, hotness changes nothing.
+        // Copies count before requests sent: fewer copies beats fewer requests.
+        let busy = KeyHistory {
+            remembered: nowhere,
+            sent: |i: usize| if i == order[4] { 9 } else { 0 },
+            copies: fewer,
+        };
+        let by_copies = rank_remembering(strategy, &instances, idle, 7, 0, busy);
+        assert_eq!(by_copies.first(), Some(order[4]));
+        // Per unit of weight: an instance of weight 4 with 2 copies takes the copy from those
+        // of weight 1 with 1.
+        let mut heavy = instances.clone();
+        heavy[order[5]].weight = 4.0;
+        let weighted = KeyHistory {
+            remembered: nowhere,
+            sent: |_: usize| 0,
+            copies: |i: usize| if i == order[5] { 2 } else { 1 },
+        };
+        let chosen = rank_remembering(strategy, &heavy, idle, 7, 0, weighted).first();
+        assert_eq!(chosen, Some(order[5]));
+        // A key held on its owner stays there below the bound, whatever the copies elsewhere.
+        let held = KeyHistory {
+            remembered: |i: usize| i == owner,
+            sent: |_: usize| 0,
+            copies: |i: usize| if i == owner { 9 } else { 0 },
+        };
+        assert_eq!(
+            rank_remembering(strategy, &instances, idle, 7, 0, held).first(),
+            Some(owner)
+        );
+        // Without the extension, none of it changes anything.
         let sagemaker = Strategy::PrefixAware {
             concurrency_threshold: 5,
             balance: None,
         };
         assert_eq!(
-            rank_remembering(sagemaker, &instances, load, 7, 0, history),
-            rank(sagemaker, &instances, load, 7, 0)
+            rank_remembering(sagemaker, &instances, idle, 7, 0, busy),
+            rank(sagemaker, &instances, idle, 7, 0)
         );
     }
 
@@ -883,7 +938,7 @@ mod tests {
         let instances = views(40);
         let calls = std::cell::Cell::new(0usize);
         let flipping = KeyHistory {
-            hot: false,
+            copies: |_: usize| 0,
             remembered: |_: usize| {
                 calls.set(calls.get() + 1);
                 calls.get().is_multiple_of(2)
@@ -919,7 +974,7 @@ mod tests {
         // ... or, within one request of it, the one the router sent the fewest requests lately:
         // an instance idle on the whole beats one momentarily idler ...
         let served = KeyHistory {
-            hot: false,
+            copies: |_: usize| 0,
             remembered: |_: usize| false,
             sent: |i: usize| if i == third { 9 } else { 1 },
         };
@@ -947,18 +1002,21 @@ mod tests {
         );
         // Once the router has spilled the key to the second choice, it goes back there
         // while that copy is below the bound, though another instance is idler.
-        let back = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == second));
+        let back = rank_remembering(strategy, &instances, load, 7, 0, held_on(|i| i == second));
         assert_eq!(back.first(), Some(second));
-        // A spill that goes to a new copy is retried on the key's holders first: the owner,
-        // then the remembered copy, then the rest in rendezvous order.
+        // A spill that goes to a new copy is retried on the key's holders first (the
+        // instances it was sent to: here only the fourth choice, not the owner), then the rest
+        // in rendezvous order.
         let fourth = idle.order[3];
-        let copy = rank_remembering(strategy, &instances, load, 7, 0, copies(|i| i == fourth));
+        let copy = rank_remembering(strategy, &instances, load, 7, 0, held_on(|i| i == fourth));
         assert_eq!(copy.first(), Some(third), "the copy is at the bound (3)");
-        assert_eq!(copy.order[1..3], [owner, fourth]);
-        assert_eq!(copy.order[3], second);
-        // An owner as idle as its copy keeps the key (12 in flight: bound 2).
+        assert_eq!(copy.order[1], fourth);
+        assert_eq!(copy.order[2..4], [owner, second]);
+        // An owner that holds the key and is as idle as its copy keeps it (12 in flight:
+        // bound 2).
         let even = |i: usize| if i == owner || i == second { 1 } else { 2 };
-        let kept = rank_remembering(strategy, &instances, even, 7, 0, copies(|i| i == second));
+        let both = |i: usize| i == second || i == owner;
+        let kept = rank_remembering(strategy, &instances, even, 7, 0, held_on(both));
         assert_eq!(
             (kept.first(), kept.route),
             (Some(owner), Some(Route::Prefix))
@@ -970,7 +1028,14 @@ mod tests {
             i if i == owner => 1,
             _ => 2,
         };
-        let moved = rank_remembering(strategy, &instances, lighter, 7, 0, copies(|i| i == second));
+        let moved = rank_remembering(
+            strategy,
+            &instances,
+            lighter,
+            7,
+            0,
+            held_on(|i| i == second),
+        );
         assert_eq!(
             (moved.first(), moved.route),
             (Some(second), Some(Route::Overflow))
@@ -1076,15 +1141,16 @@ mod tests {
             if available.iter().any(|&i| loads[i] < bound) {
                 prop_assert!(instances[first].available);
                 prop_assert!(loads[first] < bound, "chose load {} at bound {bound}", loads[first]);
-                // The owner if it is below the bound, else the least loaded below it, the
+                // A key sent nowhere yet: the owner if it is below the bound and within one
+                // request of the least loaded below it, else the least loaded below it, the
                 // earliest in the key's rendezvous order among equals.
                 let mut order = Vec::new();
                 let owner = rendezvous_order(&instances, key, &mut order).unwrap();
                 let eligible = |i: usize| instances[i].available && loads[i] < bound;
-                let expected = if eligible(owner) {
+                let least = order.iter().filter(|&&i| eligible(i)).map(|&i| loads[i]).min().unwrap();
+                let expected = if eligible(owner) && loads[owner] <= least + 1 {
                     owner
                 } else {
-                    let least = order.iter().filter(|&&i| eligible(i)).map(|&i| loads[i]).min().unwrap();
                     order.iter().copied().find(|&i| eligible(i) && loads[i] == least).unwrap()
                 };
                 prop_assert_eq!(first, expected);
@@ -1107,10 +1173,10 @@ mod tests {
             remembered in proptest::collection::vec(any::<bool>(), 30),
             ejected in proptest::collection::vec(any::<bool>(), 30),
             sent in proptest::collection::vec(0u32..4, 30),
+            copies in proptest::collection::vec(0u32..3, 30),
             weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
-            hot in any::<bool>(),
         ) {
             let mut instances = views(loads.len());
             for ((instance, ejected), weight) in instances.iter_mut().zip(&ejected).zip(&weights) {
@@ -1119,15 +1185,17 @@ mod tests {
             }
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
-            let bound = prefix_aware_bound(1024, Some(if hot { balance.hot() } else { balance }), &loads);
-            let history = KeyHistory { hot, remembered: |i: usize| remembered[i], sent: |i: usize| sent[i] };
+            let bound = prefix_aware_bound(1024, Some(balance), &loads);
+            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i] };
             let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
             let first = ranking.first().unwrap();
             let mut order = Vec::new();
             let owner = rendezvous_order(&instances, key, &mut order).unwrap();
             let eligible = |i: usize| instances[i].available && loads[i] < bound;
-            let holder = |i: usize| i == owner || remembered[i];
-            if (0..loads.len()).any(|i| eligible(i) && holder(i)) {
+            // The instances the key was sent to, or its owner if it was sent nowhere.
+            let placed = remembered[..loads.len()].iter().any(|&held| held);
+            let holder = |i: usize| if placed { remembered[i] } else { i == owner };
+            if placed && (0..loads.len()).any(|i| eligible(i) && holder(i)) {
                 // The least loaded holder below the bound, the earliest in the key's order.
                 prop_assert!(eligible(first) && holder(first), "chose {first}");
                 let least = (0..loads.len()).filter(|&i| eligible(i) && holder(i)).map(|i| loads[i]).min().unwrap();
@@ -1135,15 +1203,20 @@ mod tests {
                 prop_assert_eq!(Some(first), expected);
             } else if (0..loads.len()).any(eligible) {
                 // A new copy: of the instances below the bound within one request of the least
-                // loaded, the one the router sent the fewest requests lately, then the least
-                // loaded of those, then the earliest in the key's order.
+                // loaded, for a key sent nowhere yet the one with the fewest copies, then the
+                // owner, then the fewest requests sent; for a further copy the fewest requests
+                // sent, then the fewest copies (per unit of weight); then the least loaded,
+                // then the earliest in the key's order.
                 prop_assert!(eligible(first));
                 let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
                 let near = |i: usize| eligible(i) && loads[i] <= floor + 1;
-                let share = |i: usize| f64::from(sent[i]) / weights[i];
-                let fewest = (0..loads.len()).filter(|&i| near(i)).map(share).min_by(f64::total_cmp).unwrap();
-                let least = (0..loads.len()).filter(|&i| near(i) && share(i) == fewest).map(|i| loads[i]).min().unwrap();
-                let expected = order.iter().copied().find(|&i| near(i) && share(i) == fewest && loads[i] == least);
+                let (copies, sent) = (|i: usize| f64::from(copies[i]) / weights[i], |i: usize| f64::from(sent[i]) / weights[i]);
+                let is_other = |i: usize| f64::from(u8::from(i != owner));
+                let share = |i: usize| if placed { (sent(i), copies(i), 0.0) } else { (copies(i), is_other(i), sent(i)) };
+                let fewest = (0..loads.len()).filter(|&i| near(i)).map(share).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.total_cmp(&b.2))).unwrap();
+                let best = |i: usize| near(i) && share(i) == fewest;
+                let least = (0..loads.len()).filter(|&i| best(i)).map(|i| loads[i]).min().unwrap();
+                let expected = order.iter().copied().find(|&i| best(i) && loads[i] == least);
                 prop_assert_eq!(Some(first), expected);
             }
             // Retries: the other holders first, then the rest, the unavailable last.
@@ -1195,8 +1268,10 @@ mod tests {
             let mut other_sent = sent.clone();
             other_sent.rotate_left(rotation);
             other_sent.reverse();
-            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| remembered[i], sent: |i: usize| sent[i] });
-            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { hot: key % 2 == 0, remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i] });
+            let copies = |i: usize| (instances[i].id_hash % 3) as u32;
+            let other_copies = |i: usize| (other_instances[i].id_hash % 3) as u32;
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies });
             let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_c, ids_d);

@@ -56,6 +56,10 @@ pub struct SyncMetrics {
     pub apply_seconds: Histogram,
     /// Load reports not sent because the stream's send queue was full.
     pub reports_skipped: AtomicU64,
+    /// Key placements (bounded PREFIX_AWARE) sent to the control plane for the other routers.
+    pub placements_announced: AtomicU64,
+    /// Key placements of other routers taken from the control plane.
+    pub placements_learned: AtomicU64,
     /// Routing tables swapped in so far (watchable: tests and benchmarks wait on it).
     pub swaps: tokio::sync::watch::Sender<u64>,
 }
@@ -70,6 +74,8 @@ impl Default for SyncMetrics {
             last_message_ms: AtomicU64::new(0),
             apply_seconds: Histogram::new(&APPLY_BOUNDS),
             reports_skipped: AtomicU64::new(0),
+            placements_announced: AtomicU64::new(0),
+            placements_learned: AtomicU64::new(0),
             swaps: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -287,6 +293,16 @@ impl RouterMetrics {
                 "switchyard_router_sync_reports_skipped_total",
                 "Load reports to the control plane skipped because the stream's send queue was full (the control plane is not reading; the next report carries the same figures).",
                 &self.sync.reports_skipped,
+            ),
+            (
+                "switchyard_router_key_placements_announced_total",
+                "Bounded PREFIX_AWARE: keys this router sent to an instance it had not sent them to lately, announced to the other routers through the control plane.",
+                &self.sync.placements_announced,
+            ),
+            (
+                "switchyard_router_key_placements_learned_total",
+                "Bounded PREFIX_AWARE: key placements of other routers taken from the control plane (the instance then counts as holding the key).",
+                &self.sync.placements_learned,
             ),
         ];
         for (name, help, counter) in counters {

@@ -1,6 +1,6 @@
 //! What the router keeps per instance beyond a table's life: live load, local ejection, the
-//! `/tokenize` pause, and the bounded-load memories (keys spilled onto the instance, recent
-//! sends) and per-variant key popularity. Shared by every table that contains the instance,
+//! `/tokenize` pause, and the bounded-load memories (keys sent to the instance, recent sends,
+//! copies placed, placements to announce) and per-variant request windows. Shared by every table that contains the instance,
 //! so counts stay exact across membership and config changes; lock-free (atomics).
 
 use std::collections::HashMap;
@@ -31,12 +31,19 @@ pub struct InstanceCell {
     /// Streamed answers of this instance that broke on a variant with a MigrationLimit, by
     /// what became of them (`MIGRATION_OUTCOMES`).
     pub migrations: [AtomicU64; MIGRATION_OUTCOMES.len()],
-    /// PREFIX_AWARE keys this router spilled onto the instance (bounded loads).
+    /// PREFIX_AWARE keys sent to the instance lately, by this router or (announced through
+    /// the control plane) by others (bounded loads).
     pub spills: SpillMemory,
-    /// Bounded PREFIX_AWARE: requests this router sent to the instance lately, halved with
-    /// the variant's key counts ([`KeyPopularity`]); a new copy goes where it is smallest
-    /// among the instances within one request of the least loaded.
+    /// Keys this router placed on the instance that it had not sent there lately, for the
+    /// control plane to pass on to the other routers ([`Announcements`]).
+    pub announced: Announcements,
+    /// Bounded PREFIX_AWARE: requests this router sent to the instance lately, halved every
+    /// window of the variant's requests ([`SendWindow`]).
     pub recent: AtomicU32,
+    /// Bounded PREFIX_AWARE: new copies of keys placed on the instance lately (by this
+    /// router, or by others as announced), halved like `recent`. Each is a miss of a whole
+    /// prefix: a new copy goes where the fewest were placed, so those prefills spread.
+    pub copies: AtomicU32,
     /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
     /// slot frees here (set by the first request that waits for the variant).
     pub waker: OnceLock<Weak<dyn SlotWaker>>,
@@ -146,13 +153,14 @@ pub trait SlotWaker: Send + Sync + std::fmt::Debug {
     fn slot_freed(&self);
 }
 
-/// The PREFIX_AWARE keys a router spilled onto one instance under bounded loads: where it
-/// knows a copy of the prefix is cached besides the key's owner, so that later spills of the
-/// key go back there instead of making yet another copy (`rank::rank_remembering`).
+/// The PREFIX_AWARE keys sent to one instance lately under bounded loads (by this router, or
+/// by others as announced): where a copy of the prefix is cached, so that the key's later
+/// requests go back there instead of making yet another copy (`rank::rank_remembering`).
 ///
 /// A hint, kept small and lock-free: a direct-mapped table of [`SPILL_SLOTS`] keys, allocated
-/// on the first spill. A key that collides with another forgets the older one, whose next
-/// spill then goes where a new key's would. Each entry carries when the key was last spilled
+/// on the first placement. A key that collides with another forgets the older one, whose next
+/// request is then placed as a new key's would be (4,096 slots per instance, 32 KiB, keep
+/// collisions rare below a few thousand active keys per instance). Each entry carries when the key was last spilled
 /// there and is forgotten [`SPILL_MEMORY_MS`] later: the engine has likely evicted a copy
 /// nobody used for that long, and going back to it would cost a miss anyway. Until then, an
 /// instance that lost its cache (a restart under the same id) costs one miss per remembered
@@ -166,7 +174,7 @@ pub struct SpillMemory {
 }
 
 /// Keys remembered per instance (8 bytes each).
-pub const SPILL_SLOTS: usize = 512;
+pub const SPILL_SLOTS: usize = 4096;
 /// How long a spill is remembered after the last one of its key to that instance.
 pub const SPILL_MEMORY_MS: u64 = 120_000;
 /// The resolution of [`SpillMemory`]'s times.
@@ -174,97 +182,25 @@ const SPILL_TICK_MS: u64 = 1024;
 const SPILL_TICK_BITS: u32 = 32;
 const SPILL_TICK_MASK: u64 = (1 << SPILL_TICK_BITS) - 1;
 
-/// How often each PREFIX_AWARE key of one variant came through this router lately, enough to
-/// tell a hot key (at least `1 / (2 N)` of the variant's recent requests, N its instances)
-/// from the rest: a hot key spills without the slack (`LoadBalance::hot`).
-///
-/// A heavy-hitter sketch, lock-free and fixed in size: [`POPULARITY_SLOTS`] direct-mapped
-/// counters. A key that finds its slot held by another wears the holder's count down by one
-/// and takes the slot at zero, so a frequent key keeps its slot against rare ones. Every
-/// [`POPULARITY_WINDOW`] requests all counts (and the total) are halved, so a key that cools
-/// down stops being hot within a few windows. Nothing counts as hot before
-/// [`POPULARITY_MIN_COUNTED`] requests.
-#[derive(Debug)]
-pub struct KeyPopularity {
-    /// Per slot: the key's top 40 bits, then a 24-bit count.
-    slots: Box<[AtomicU64]>,
-    /// Requests counted, halved with the counts.
-    counted: AtomicU64,
-    /// Requests seen, never halved: when to halve.
+/// Adds one to `count`, stopping at `u32::MAX`.
+pub fn saturating_increment(count: &AtomicU32) {
+    let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1));
+}
+
+/// Bounded PREFIX_AWARE: the variant's requests through this router, in windows of
+/// [`WINDOW_REQUESTS`]. Each window's end halves the instances' `recent` and `copies` counts,
+/// so that they follow what happened lately. Kept across table rebuilds.
+#[derive(Debug, Default)]
+pub struct SendWindow {
     seen: AtomicU64,
 }
 
-pub const POPULARITY_SLOTS: usize = 1024;
-pub const POPULARITY_WINDOW: u64 = 1024;
-pub const POPULARITY_MIN_COUNTED: u64 = 64;
-const COUNT_BITS: u32 = 24;
-const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+pub const WINDOW_REQUESTS: u64 = 1024;
 
-impl Default for KeyPopularity {
-    fn default() -> Self {
-        Self {
-            slots: (0..POPULARITY_SLOTS).map(|_| AtomicU64::new(0)).collect(),
-            counted: AtomicU64::new(0),
-            seen: AtomicU64::new(0),
-        }
-    }
-}
-
-impl KeyPopularity {
-    /// Counts one request for `key`: whether the key is hot among `instances` instances, and
-    /// whether this request closed a window (every count was halved).
-    pub fn record(&self, key: u64, instances: usize) -> (bool, bool) {
-        let slot = &self.slots[(key % POPULARITY_SLOTS as u64) as usize];
-        let tag = key >> COUNT_BITS;
-        let mut count = 0;
-        // The closure never returns None, so this cannot fail.
-        let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-            let (holder, held) = (word >> COUNT_BITS, word & COUNT_MASK);
-            let next = if holder == tag || held == 0 {
-                count = if holder == tag { held + 1 } else { 1 };
-                (tag << COUNT_BITS) | count.min(COUNT_MASK)
-            } else {
-                count = 0;
-                word - 1
-            };
-            Some(next)
-        });
-        let counted = self.counted.fetch_add(1, Ordering::Relaxed) + 1;
-        let closed =
-            (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(POPULARITY_WINDOW);
-        if closed {
-            self.halve();
-        }
-        (Self::is_hot(count, counted, instances), closed)
-    }
-
-    /// Whether `key` is hot now, without counting it.
-    pub fn peek(&self, key: u64, instances: usize) -> bool {
-        let word = self.slots[(key % POPULARITY_SLOTS as u64) as usize].load(Ordering::Relaxed);
-        let count = if word >> COUNT_BITS == key >> COUNT_BITS {
-            word & COUNT_MASK
-        } else {
-            0
-        };
-        Self::is_hot(count, self.counted.load(Ordering::Relaxed), instances)
-    }
-
-    fn is_hot(count: u64, counted: u64, instances: usize) -> bool {
-        counted >= POPULARITY_MIN_COUNTED
-            && count.saturating_mul(2 * instances.max(1) as u64) >= counted
-    }
-
-    fn halve(&self) {
-        for slot in self.slots.iter() {
-            let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                Some((word & !COUNT_MASK) | ((word & COUNT_MASK) >> 1))
-            });
-        }
-        let _ = self
-            .counted
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |counted| {
-                Some(counted / 2)
-            });
+impl SendWindow {
+    /// Counts one request; whether it closed a window.
+    pub fn record(&self) -> bool {
+        (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(WINDOW_REQUESTS)
     }
 }
 
@@ -301,13 +237,33 @@ impl SpillMemory {
     }
 
     /// Records that `key` was spilled onto the instance at `now_ms` ([`switchyard_process::clock::monotonic_ms`]).
-    pub fn remember(&self, key: u64, now_ms: u64) {
+    /// Returns how it stood before: `Fresh` if the key was remembered here and stored less
+    /// than half of [`SPILL_MEMORY_MS`] ago, `Aging` if remembered but older (worth telling
+    /// the other routers again, whose memory of it may run out first), `New` if not
+    /// remembered.
+    pub fn remember(&self, key: u64, now_ms: u64) -> Remembered {
         let (index, tag) = Self::slot(key);
         let slots = self
             .slots
             .get_or_init(|| (0..SPILL_SLOTS).map(|_| AtomicU64::new(0)).collect());
-        slots[index].store(tag | Self::tick(now_ms), Ordering::Relaxed);
+        let before = slots[index].swap(tag | Self::tick(now_ms), Ordering::Relaxed);
+        let age = Self::tick(now_ms).saturating_sub(before & SPILL_TICK_MASK) * SPILL_TICK_MS;
+        if before & !SPILL_TICK_MASK != tag || age >= SPILL_MEMORY_MS {
+            Remembered::New
+        } else if age >= SPILL_MEMORY_MS / 2 {
+            Remembered::Aging
+        } else {
+            Remembered::Fresh
+        }
     }
+}
+
+/// What [`SpillMemory::remember`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remembered {
+    New,
+    Aging,
+    Fresh,
 }
 
 impl InstanceCell {
@@ -352,6 +308,41 @@ impl InstanceCell {
     }
 }
 
+/// The keys a router placed on one instance for the first time lately (bounded loads), until
+/// its sync loop takes them to the control plane, which passes them on to every other router:
+/// a router that has not seen a key then sends it where another router put it, instead of
+/// placing a copy of its own. At most [`MOST_ANNOUNCED`] wait; past that (no control plane,
+/// or a stream that cannot keep up) new ones are dropped, which costs other routers a copy
+/// at most.
+#[derive(Debug, Default)]
+pub struct Announcements(Mutex<Vec<u64>>);
+
+/// The most keys waiting to be announced per instance.
+pub const MOST_ANNOUNCED: usize = 1024;
+
+impl Announcements {
+    fn keys(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.0.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Queues `key`; false if the queue is full (the key is not announced).
+    pub fn push(&self, key: u64) -> bool {
+        let mut keys = self.keys();
+        if keys.len() >= MOST_ANNOUNCED {
+            return false;
+        }
+        keys.push(key);
+        true
+    }
+
+    /// At most `most` of the keys waiting, oldest first, taken off the queue.
+    pub fn take(&self, most: usize) -> Vec<u64> {
+        let mut keys = self.keys();
+        let most = most.min(keys.len());
+        keys.drain(..most).collect()
+    }
+}
+
 /// Every instance cell by key. Cells of instances that left membership are kept while
 /// requests are still in flight on them, so the counts reported stay exact.
 #[derive(Debug, Default)]
@@ -368,6 +359,11 @@ impl LoadRegistry {
 
     pub fn cell(&self, key: &InstanceKey) -> Arc<InstanceCell> {
         Arc::clone(self.lock().entry(key.clone()).or_default())
+    }
+
+    /// The cell of `key`, if the router holds one (it does for every member instance).
+    pub fn find(&self, key: &InstanceKey) -> Option<Arc<InstanceCell>> {
+        self.lock().get(key).cloned()
     }
 
     /// Forgets the cells of `retired` instances (no longer members: `is_member` says) that
@@ -497,6 +493,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn remembering_tells_a_new_key_from_a_fresh_and_an_aging_one() {
+        let memory = SpillMemory::default();
+        let t = 1_000_000;
+        assert_eq!(memory.remember(7, t), Remembered::New);
+        assert_eq!(memory.remember(7, t + 1_000), Remembered::Fresh);
+        // Past half the memory's span since it was last stored: worth announcing again.
+        let half = t + 1_000 + SPILL_MEMORY_MS / 2 + SPILL_TICK_MS;
+        assert_eq!(memory.remember(7, half), Remembered::Aging);
+        // Past the whole span: forgotten, so new again.
+        assert_eq!(
+            memory.remember(7, half + SPILL_MEMORY_MS + SPILL_TICK_MS),
+            Remembered::New
+        );
+        // Another key in the same slot replaces it.
+        let other = 7 + SPILL_SLOTS as u64;
+        assert_eq!(memory.remember(other, half), Remembered::New);
+        assert_eq!(memory.remember(7, half), Remembered::New);
+        // Announcements wait in order, bounded, and are taken a number at a time.
+        let queue = Announcements::default();
+        for key in 0..MOST_ANNOUNCED as u64 {
+            assert!(queue.push(key));
+        }
+        assert!(!queue.push(u64::MAX), "full");
+        assert_eq!(queue.take(2), [0, 1]);
+        assert_eq!(queue.take(usize::MAX).len(), MOST_ANNOUNCED - 2);
+        // Counts stop at the top instead of wrapping.
+        let count = AtomicU32::new(u32::MAX - 1);
+        saturating_increment(&count);
+        saturating_increment(&count);
+        assert_eq!(count.load(Ordering::Relaxed), u32::MAX);
+    }
+
+    #[test]
     fn an_instance_failing_to_tokenize_is_paused_longer_each_time_until_it_answers() {
         let backoff = TokenizeBackoff::default();
         let first = 1_000;
@@ -536,46 +565,5 @@ mod tests {
         long.failed(0, 0, 60_000);
         assert_eq!(long.failed(1, 1, 60_000), Some(60_000));
         assert_eq!(long.failed(60_001, 60_001, 60_000), Some(60_000));
-    }
-
-    #[test]
-    fn a_key_with_a_large_share_of_recent_requests_is_hot() {
-        let popularity = KeyPopularity::default();
-        let instances = 7;
-        // Key 1 carries 30% of the requests, key 2 8%, key 3 58%, and 4% are keys seen once.
-        // Hot means at least 1 / 14 (7.1%).
-        let mut hot = [0u32; 4];
-        let mut windows = 0;
-        for request in 0..5000u64 {
-            let (class, key) = match request % 100 {
-                0..=29 => (1, 1u64 << 40 | 1),
-                30..=37 => (2, 2u64 << 40 | 2),
-                38..=41 => (0, 1000 + request),
-                _ => (3, 3u64 << 40 | 3),
-            };
-            let (is_hot, closed) = popularity.record(key, instances);
-            windows += u32::from(closed);
-            if request >= 2000 {
-                hot[class] += u32::from(is_hot);
-            }
-        }
-        // Of the last 3000 requests, every one of keys 1, 2 and 3 was hot; no rare one.
-        assert_eq!(hot, [0, 900, 240, 1740]);
-        assert_eq!(windows as u64, 5000 / POPULARITY_WINDOW);
-        assert!(popularity.peek(1u64 << 40 | 1, instances));
-        // A rare key never is, and 8% is not hot among 4 instances (at least 12.5%).
-        assert!(!popularity.peek(1000 + 4999, instances));
-        assert!(!popularity.peek(2u64 << 40 | 2, 4));
-        // Nothing is hot before enough requests were counted.
-        let fresh = KeyPopularity::default();
-        for _ in 0..POPULARITY_MIN_COUNTED - 1 {
-            assert!(!fresh.record(5, instances).0);
-        }
-        assert!(fresh.record(5, instances).0);
-        // A key that stops coming cools down within a few windows.
-        for request in 0..8 * POPULARITY_WINDOW {
-            popularity.record(10_000 + request, instances);
-        }
-        assert!(!popularity.peek(1u64 << 40 | 1, instances));
     }
 }

@@ -837,12 +837,18 @@ mod tests {
         let idle = variant.rank_prefix(&views, key);
         assert_eq!(idle.route, Some(Route::Prefix));
         let (owner, second, third) = (idle.order[0], idle.order[1], idle.order[2]);
-        assert!(
-            variant
-                .instances
-                .iter()
-                .all(|i| !i.cell.spills.remembers(key, monotonic_ms()))
-        );
+        // Every placement is remembered (and counted as a copy, and queued for the other
+        // routers), the owner's too.
+        let held: Vec<bool> = variant
+            .instances
+            .iter()
+            .map(|i| i.cell.spills.remembers(key, monotonic_ms()))
+            .collect();
+        assert_eq!(held.iter().filter(|&&held| held).count(), 1);
+        assert!(held[owner]);
+        let cell = &variant.instances[owner].cell;
+        assert_eq!(cell.copies.load(Ordering::Relaxed), 1);
+        assert_eq!(cell.announced.take(usize::MAX), [key]);
         // 8 in flight over 4: bound ⌈9 / 4⌉ = 3. The owner is at 5; the third choice is idler
         // than the second, so the first spill goes there and is remembered.
         let set = |loads: [(usize, u32); 4]| {
@@ -872,10 +878,10 @@ mod tests {
         // The router counts where it sent each request: a new copy goes where it sent fewest.
         let recent = |index: usize| variant.instances[index].cell.recent.load(Ordering::Relaxed);
         assert_eq!((recent(owner), recent(second), recent(third)), (1, 0, 2));
-        // The counts are halved with the key counts, once per window of requests: idle, the
-        // next POPULARITY_WINDOW requests go to the owner, and one of them closes a window.
+        // The counts are halved once per window of the variant's requests: idle, the next
+        // WINDOW_REQUESTS requests go to the owner, and one of them closes a window.
         set([(owner, 0), (second, 0), (third, 0), (fourth, 0)]);
-        for _ in 0..crate::routing::cells::POPULARITY_WINDOW {
+        for _ in 0..crate::routing::cells::WINDOW_REQUESTS {
             assert_eq!(variant.rank_prefix(&views, key).first(), Some(owner));
         }
         // (The owner had 1; 1,020 more make 1,021, halved to 510 when the variant's 1,024th
@@ -915,11 +921,11 @@ mod tests {
                 .load(Ordering::Relaxed),
             owner_recent
         );
-        // So are the key counts (whether a key is hot).
+        // So is the window of requests.
         let old_variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
         assert!(Arc::ptr_eq(
-            variant.popularity.as_ref().unwrap(),
-            old_variant.popularity.as_ref().unwrap()
+            variant.window.as_ref().unwrap(),
+            old_variant.window.as_ref().unwrap()
         ));
         // The memory itself: direct-mapped, so a colliding key replaces the older one.
         use crate::routing::cells::{SPILL_MEMORY_MS, SPILL_SLOTS, SpillMemory};

@@ -22,15 +22,15 @@ use switchyard_proto::v1 as pb;
 use switchyard_proto::v1::router_sync_client::RouterSyncClient;
 use switchyard_shared::InstanceKey;
 use switchyard_shared::sync::{
-    InstanceLoad, ROUTER_MAX_MESSAGE_BYTES, SYNC_MAX_MESSAGE_BYTES, SYNC_PROTOCOL, StateUpdate,
-    StateVersion,
+    InstanceLoad, KeyPlacement, ROUTER_MAX_MESSAGE_BYTES, SYNC_MAX_MESSAGE_BYTES, SYNC_PROTOCOL,
+    StateUpdate, StateVersion,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::observe::metrics::SyncMetrics;
-use crate::routing::cells::LoadRegistry;
+use crate::routing::cells::{LoadRegistry, Remembered, saturating_increment};
 use crate::routing::membership::{ApplyError, Membership};
 
 /// How often replaced tables and departed instances' cells are checked for freeing.
@@ -201,6 +201,7 @@ async fn connect(url: &str, settings: &SyncSettings) -> Result<Channel, ConnectE
 enum Received {
     State(StateVersion, StateUpdate),
     FleetLoad(Vec<InstanceLoad>),
+    Placements(Vec<KeyPlacement>),
     Nothing,
 }
 
@@ -218,6 +219,14 @@ fn receive(message: pb::SyncMessage) -> Received {
                 tracing::debug!(skipped, "fleet load names unreadable instances; ignored");
             }
             return Received::FleetLoad(loads);
+        }
+        Some(Message::Placements(placed)) => {
+            let (placements, skipped) =
+                switchyard_proto::convert::key_placements(placed.placements);
+            if skipped > 0 {
+                tracing::debug!(skipped, "key placements name unreadable instances; ignored");
+            }
+            return Received::Placements(placements);
         }
         Some(Message::Update(update)) => switchyard_proto::convert::state_update(update),
         Some(legacy) => match switchyard_proto::convert::legacy_state_update(legacy) {
@@ -270,6 +279,7 @@ async fn follow(
         Ok(response) => response.into_inner(),
         Err(err) => return Ended::Failed(status(err)),
     };
+    forget_placements(registry);
     let mut reports = tokio::time::interval(settings.report_interval);
     reports.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut garbage = tokio::time::interval(GARBAGE_EVERY);
@@ -300,6 +310,10 @@ async fn follow(
                 match receive(message) {
                     Received::Nothing => {}
                     Received::FleetLoad(loads) => apply_fleet_load(registry, &loads),
+                    Received::Placements(placements) => {
+                        let learned = apply_placements(registry, &placements);
+                        metrics.placements_learned.fetch_add(learned, Ordering::Relaxed);
+                    }
                     Received::State(version, update) => {
                         let started = Instant::now();
                         let applied = match membership.apply(version, &update) {
@@ -329,25 +343,30 @@ async fn follow(
                 // Unchanged reports are skipped, but one goes out every second regardless so
                 // the control plane knows this router is alive.
                 let heartbeat_due = u128::from(since_report) * settings.report_interval.as_millis() >= 1000;
-                if last_report.as_ref() == Some(&loads) && !heartbeat_due {
-                    continue;
-                }
-                since_report = 0;
-                let message = pb::RouterMessage {
-                    message: Some(pb::router_message::Message::Load(pb::LoadReport {
-                        loads: loads.iter().map(Into::into).collect(),
-                    })),
-                };
-                // Never wait here: a router blocked on sending stops reading the stream, and a
-                // control plane blocked on a full stream stops reading reports. A report that
-                // does not fit is skipped; the next one carries the same figures.
-                match outbound.try_send(message) {
-                    Ok(()) => last_report = Some(loads),
-                    Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
-                        metrics.reports_skipped.fetch_add(1, Ordering::Relaxed);
+                if last_report.as_ref() != Some(&loads) || heartbeat_due {
+                    since_report = 0;
+                    let message = pb::RouterMessage {
+                        message: Some(pb::router_message::Message::Load(pb::LoadReport {
+                            loads: loads.iter().map(Into::into).collect(),
+                        })),
+                    };
+                    // Never wait here: a router blocked on sending stops reading the stream,
+                    // and a control plane blocked on a full stream stops reading reports. A
+                    // report that does not fit is skipped; the next one carries the same
+                    // figures.
+                    match outbound.try_send(message) {
+                        Ok(()) => last_report = Some(loads),
+                        Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                            metrics.reports_skipped.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Ended::Closed,
                     }
-                    Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Ended::Closed,
                 }
+                // Then the key placements, after the load report and only into room the
+                // reports do not need: placements that find none wait for the next tick (at
+                // most MOST_ANNOUNCED per instance; past that, new ones are dropped).
+                let sent = send_placements(registry, &outbound);
+                metrics.placements_announced.fetch_add(sent, Ordering::Relaxed);
             }
         }
     }
@@ -366,6 +385,74 @@ fn local_loads(registry: &LoadRegistry) -> Vec<InstanceLoad> {
     });
     loads.sort_by(|a, b| a.key.cmp(&b.key));
     loads
+}
+
+/// The most placements in one message (the control plane takes at most 4,096 from one).
+const PLACEMENTS_PER_MESSAGE: usize = 4096;
+/// Room in the stream's send queue that placements leave to load reports.
+const ROOM_FOR_REPORTS: usize = 4;
+
+/// Sends the key placements the routing tables queued, in messages of at most
+/// [`PLACEMENTS_PER_MESSAGE`], while the stream's send queue has more than
+/// [`ROOM_FOR_REPORTS`] free; what finds no room stays queued. Returns how many were sent.
+fn send_placements(registry: &LoadRegistry, outbound: &mpsc::Sender<pb::RouterMessage>) -> u64 {
+    let mut sent = 0;
+    while outbound.capacity() > ROOM_FOR_REPORTS {
+        let mut placements = Vec::new();
+        registry.for_each(|instance, cell| {
+            let room = PLACEMENTS_PER_MESSAGE - placements.len();
+            placements.extend(
+                cell.announced
+                    .take(room)
+                    .into_iter()
+                    .map(|key| KeyPlacement {
+                        instance: instance.clone(),
+                        key,
+                    }),
+            );
+        });
+        if placements.is_empty() {
+            break;
+        }
+        let count = placements.len() as u64;
+        let message = pb::RouterMessage {
+            message: Some(pb::router_message::Message::Placements(pb::KeyPlacements {
+                placements: placements.iter().map(Into::into).collect(),
+            })),
+        };
+        // Only this task sends, and there was room: this fails only on a closed stream,
+        // whose end the loop sees next.
+        if outbound.try_send(message).is_err() {
+            break;
+        }
+        sent += count;
+    }
+    sent
+}
+
+/// Forgets the placements still queued (a new stream starts from what happens on it: older
+/// ones would reach the other routers as if they had just happened).
+fn forget_placements(registry: &LoadRegistry) {
+    registry.for_each(|_, cell| {
+        cell.announced.take(usize::MAX);
+    });
+}
+
+/// Remembers the keys other routers placed, as if this router had sent them there (a copy it
+/// did not know of counts among the instance's copies); how many named an instance this
+/// router knows.
+pub fn apply_placements(registry: &LoadRegistry, placements: &[KeyPlacement]) -> u64 {
+    let now_ms = switchyard_process::clock::monotonic_ms();
+    let mut learned = 0;
+    for placement in placements {
+        if let Some(cell) = registry.find(&placement.instance) {
+            if cell.spills.remember(placement.key, now_ms) == Remembered::New {
+                saturating_increment(&cell.copies);
+            }
+            learned += 1;
+        }
+    }
+    learned
 }
 
 /// Sets every cell's remote count from the control plane's figures (absent means zero).

@@ -9,10 +9,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::routing::cells::{InstanceCell, KeyPopularity, LoadRegistry};
-use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Route, Strategy};
+use crate::routing::cells::{
+    InstanceCell, LoadRegistry, Remembered, SendWindow, saturating_increment,
+};
+use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Strategy};
 use switchyard_shared::{
     DecodeRoutingStrategy, EndpointConfig, EndpointName, Instance, InstanceId, InstanceKey,
     InstanceProtocol, KvEventsEndpoints, KvTransferProtocol, PrefillRoutingStrategy,
@@ -55,9 +57,9 @@ pub struct VariantRoute {
     pub prefix_length: usize,
     pub instances: Vec<InstanceRoute>,
     pub views: Vec<InstanceView>,
-    /// PREFIX_AWARE with bounded loads: how often each key came through this router lately.
-    /// Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
-    pub popularity: Option<Arc<KeyPopularity>>,
+    /// PREFIX_AWARE with bounded loads: the variant's requests through this router, in
+    /// windows. Shared with the tables that replace this one ([`EndpointRoute::inherit`]).
+    pub window: Option<Arc<SendWindow>>,
     /// MaxInFlightPerInstance: fleet-wide requests in flight per instance before requests
     /// wait in the router's queue (None: no cap, no queue).
     pub max_in_flight_per_instance: Option<u32>,
@@ -92,7 +94,7 @@ impl VariantRoute {
             prefix_length: 0,
             instances: Vec::new(),
             views: Vec::new(),
-            popularity: None,
+            window: None,
             max_in_flight_per_instance: None,
             flow_headroom_per_instance: 0,
             fairness_weights: Default::default(),
@@ -106,45 +108,70 @@ impl VariantRoute {
     }
 
     /// PREFIX_AWARE's ranking of `key` over `views` (this variant's, as of now): with bounded
-    /// loads, it counts the key, and reads and updates what this router remembers of where it
-    /// sent requests and spilled the key.
+    /// loads, it reads and updates what this router knows of where the key and the variant's
+    /// requests went lately, and queues a new placement for the other routers.
     pub fn rank_prefix(&self, views: &[InstanceView], key: u64) -> rank::Ranking {
         let load = |index: usize| self.instances[index].cell.fleet_load();
         let (
             Strategy::PrefixAware {
                 balance: Some(_), ..
             },
-            Some(popularity),
-        ) = (self.strategy, &self.popularity)
+            Some(window),
+        ) = (self.strategy, &self.window)
         else {
             return rank::rank(self.strategy, views, load, key, 0);
         };
-        let (hot, closed) = popularity.record(key, views.len());
-        if closed {
+        if window.record() {
+            let halve = |count: &AtomicU32| {
+                let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n / 2));
+            };
             for instance in &self.instances {
-                let recent = &instance.cell.recent;
-                let _ = recent.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n / 2));
+                halve(&instance.cell.recent);
+                halve(&instance.cell.copies);
             }
         }
         let now_ms = switchyard_process::clock::monotonic_ms();
-        let history = KeyHistory {
-            hot,
-            remembered: |index: usize| self.instances[index].cell.spills.remembers(key, now_ms),
-            sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
-        };
+        let history = self.key_history(key, now_ms);
         let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
         if let Some(first) = ranking.first() {
-            self.instances[first]
-                .cell
-                .recent
-                .fetch_add(1, Ordering::Relaxed);
+            let cell = &self.instances[first].cell;
+            cell.recent.fetch_add(1, Ordering::Relaxed);
             // Remembered only if the request can go there now: an ejected instance chosen
-            // because every instance is ejected would not get it.
-            if ranking.route == Some(Route::Overflow) && views[first].available {
-                self.instances[first].cell.spills.remember(key, now_ms);
+            // because every instance is ejected would not get it. A placement that neither
+            // this router nor (as announced) another made lately is a new copy; it is
+            // announced to the others, and again once a minute while the key keeps coming
+            // here, so that their memory of it does not run out while this router's is kept.
+            if views[first].available {
+                let before = cell.spills.remember(key, now_ms);
+                if before == Remembered::New {
+                    saturating_increment(&cell.copies);
+                }
+                if before != Remembered::Fresh && !cell.announced.push(key) {
+                    tracing::debug!("too many placements waiting to be announced; one dropped");
+                }
             }
         }
         ranking
+    }
+
+    /// What this router knows of where `key` and the variant's requests went lately, as
+    /// bounded PREFIX_AWARE reads it (`now_ms`: [`switchyard_process::clock::monotonic_ms`]).
+    pub fn key_history(
+        &self,
+        key: u64,
+        now_ms: u64,
+    ) -> KeyHistory<
+        impl Fn(usize) -> bool + '_,
+        impl Fn(usize) -> u32 + '_,
+        impl Fn(usize) -> u32 + '_,
+    > {
+        KeyHistory {
+            remembered: move |index: usize| {
+                self.instances[index].cell.spills.remembers(key, now_ms)
+            },
+            sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
+            copies: |index: usize| self.instances[index].cell.copies.load(Ordering::Relaxed),
+        }
     }
 
     /// Views with availability as of `now_ms`.
@@ -161,20 +188,20 @@ impl VariantRoute {
 }
 
 impl EndpointRoute {
-    /// Keeps what `previous` (the route this one replaces) learned of its keys' popularity,
-    /// variant by variant (by name), so a membership or config change does not reset it.
+    /// Keeps the request windows of `previous` (the route this one replaces), variant by
+    /// variant (by name), so a membership or config change does not restart them.
     pub fn inherit(&mut self, previous: &EndpointRoute) {
         for variant in &mut self.variants {
-            let Some(popularity) = &mut variant.popularity else {
+            let Some(window) = &mut variant.window else {
                 continue;
             };
             if let Some(old) = previous
                 .variants
                 .iter()
                 .find(|old| old.name == variant.name)
-                .and_then(|old| old.popularity.as_ref())
+                .and_then(|old| old.window.as_ref())
             {
-                *popularity = Arc::clone(old);
+                *window = Arc::clone(old);
             }
         }
     }
@@ -355,7 +382,7 @@ pub fn endpoint_route<'a>(
             prefix_length,
             instances: routes,
             views,
-            popularity: matches!(
+            window: matches!(
                 strategy,
                 Strategy::PrefixAware {
                     balance: Some(_),
