@@ -247,11 +247,13 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
 ///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order;
 /// 2. else a new copy, in the band of available instances below the bound within one request
-///    of the least loaded of them. A key sent nowhere yet goes to the one with the fewest new
-///    copies placed lately (`copies`), then its owner, then the one this router sent the
-///    fewest recent requests (`sent`): a first copy is a miss of the whole prefix, a long
-///    prefill that stalls whatever the engine batches with it, and spreading those prefills
-///    evenly matters more than where the key's owner is. A further copy (the key's holders
+///    of the least loaded of them. A key sent nowhere yet goes to the most starving one
+///    (`sent` below [`STARVING_SHARE`] of its fair share of this router's recent requests),
+///    then the one with the fewest new copies placed lately (`copies`), then its owner, then
+///    the one this router sent the fewest recent requests (`sent`): a first copy is a miss of
+///    the whole prefix wherever it goes, a long prefill that stalls whatever the engine
+///    batches with it, and spreading those prefills evenly (and giving them to an engine that
+///    serves little) matters more than where the key's owner is. A further copy (the key's holders
 ///    are all at the bound) adds capacity for a hot key: the fewest requests sent, then the
 ///    fewest copies. Both per unit of weight, then the least loaded, then by rendezvous order.
 ///    The band keeps an instance that served nothing (one that just joined) from drawing
@@ -331,6 +333,11 @@ pub fn rank_remembering(
                             .filter(|&&i| eligible(i))
                             .map(|&i| load(i))
                             .min()?;
+                        let starving = if placed {
+                            Vec::new()
+                        } else {
+                            starving(instances, &sent)
+                        };
                         (0..order.len())
                             .filter(|&position| {
                                 let index = order[position];
@@ -343,13 +350,15 @@ pub fn rank_remembering(
                                 let (copies, sent) =
                                     (per_weight(copies(index)), per_weight(sent(index)));
                                 let order = if placed {
-                                    [sent, copies, 0.0]
+                                    [sent, copies, 0.0, 0.0]
                                 } else {
-                                    // The owner before fewer requests sent: `sent` is this
-                                    // router's own, so routers that agree on the copies
-                                    // agree on the owner.
+                                    // The most starving instance first (a first copy is
+                                    // a miss wherever it goes). The owner before fewer requests
+                                    // sent: `sent` is this router's own, so routers that
+                                    // agree on the copies agree on the owner.
+                                    let fed = starving[index];
                                     let other = f64::from(u8::from(Some(index) != owner));
-                                    [copies, other, sent]
+                                    [fed, copies, other, sent]
                                 };
                                 (order, load(index), position)
                             })
@@ -412,6 +421,35 @@ pub fn rank_remembering(
         order,
         route: Some(route),
     }
+}
+
+/// Recent requests an instance may fall short of before it counts as starving: below this
+/// share of its fair share (by weight) of the requests this router sent the variant lately.
+pub const STARVING_SHARE: f64 = 0.5;
+/// Recent requests per instance, on average, before starvation is judged at all (fewer say
+/// little: a fleet that just started has sent each instance a handful).
+pub const STARVING_AFTER: u32 = 4;
+
+/// How starving each instance is: its share of the requests this router sent the variant
+/// lately over its fair share (by weight, among the available instances), where that is below
+/// [`STARVING_SHARE`], once those requests average [`STARVING_AFTER`] an available instance;
+/// 1 for the others (and for all before). Only eligible instances are read.
+fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64> {
+    let available = || (0..instances.len()).filter(|&index| instances[index].available);
+    let total: f64 = available().map(|index| f64::from(sent(index))).sum();
+    let weights: f64 = available().map(|index| instances[index].weight).sum();
+    let judged = total >= f64::from(STARVING_AFTER) * available().count() as f64 && weights > 0.0;
+    (0..instances.len())
+        .map(|index| {
+            let fair = total * instances[index].weight / weights;
+            let share = f64::from(sent(index)) / fair;
+            if judged && share < STARVING_SHARE {
+                share
+            } else {
+                1.0
+            }
+        })
+        .collect()
 }
 
 /// Sticky sessions: the session's rendezvous order, whatever the load.
@@ -932,6 +970,50 @@ mod tests {
     }
 
     #[test]
+    fn a_first_copy_goes_to_the_most_starving_instance() {
+        let instances = views(7);
+        let strategy = bounded(2.0, 6, 16);
+        let order = rank(strategy, &instances, |_| 0, 7, 0).order;
+        let owner = order[0];
+        let idle = |_: usize| 0;
+        let nowhere = |_: usize| false;
+        // Sent counts in the key's rendezvous order; copies alike everywhere.
+        let first_copy = |counts: [u32; 7], copies: [u32; 7]| {
+            let sent = |i: usize| counts[order.iter().position(|&o| o == i).unwrap()];
+            let copies = |i: usize| copies[order.iter().position(|&o| o == i).unwrap()];
+            let history = KeyHistory {
+                remembered: nowhere,
+                sent,
+                copies,
+            };
+            rank_remembering(strategy, &instances, idle, 7, 0, history).first()
+        };
+        // 28 sent (4 an instance on average, enough to judge): order[3] had 1, a quarter of
+        // its fair share of 4, so it takes the key although it is not the owner.
+        assert_eq!(first_copy([5, 5, 5, 1, 4, 4, 4], [0; 7]), Some(order[3]));
+        // Exactly half its fair share is not starving: the owner.
+        assert_eq!(first_copy([5, 5, 4, 2, 4, 4, 4], [0; 7]), Some(owner));
+        // Fewer than 4 an instance on average: nothing is judged yet.
+        assert_eq!(first_copy([5, 5, 5, 0, 4, 4, 4], [0; 7]), Some(owner));
+        // The most starving first, whatever the copies placed on it.
+        assert_eq!(
+            first_copy([6, 6, 6, 1, 6, 0, 5], [0, 0, 0, 0, 0, 3, 0]),
+            Some(order[5])
+        );
+        // A starving instance outside the band (two above the least loaded) does not.
+        let busy = |i: usize| u32::from(i == order[3]) * 2;
+        let history = KeyHistory {
+            remembered: nowhere,
+            sent: |i: usize| if i == order[3] { 1 } else { 5 },
+            copies: |_: usize| 0,
+        };
+        assert_eq!(
+            rank_remembering(strategy, &instances, busy, 7, 0, history).first(),
+            Some(owner)
+        );
+    }
+
+    #[test]
     fn a_memory_that_changes_while_ranking_is_read_once_per_instance() {
         // Other requests update the spill memory concurrently; a ranking must neither panic
         // nor ask twice (a retry sort whose keys change under it may panic).
@@ -1172,7 +1254,7 @@ mod tests {
             loads in proptest::collection::vec(0u32..40, 1..30),
             remembered in proptest::collection::vec(any::<bool>(), 30),
             ejected in proptest::collection::vec(any::<bool>(), 30),
-            sent in proptest::collection::vec(0u32..4, 30),
+            sent in proptest::collection::vec(0u32..12, 30),
             copies in proptest::collection::vec(0u32..3, 30),
             weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
@@ -1203,17 +1285,27 @@ mod tests {
                 prop_assert_eq!(Some(first), expected);
             } else if (0..loads.len()).any(eligible) {
                 // A new copy: of the instances below the bound within one request of the least
-                // loaded, for a key sent nowhere yet the one with the fewest copies, then the
-                // owner, then the fewest requests sent; for a further copy the fewest requests
+                // loaded, for a key sent nowhere yet the most starving one, then the one with
+                // the fewest copies, then the owner, then the fewest requests sent; for a further copy the fewest requests
                 // sent, then the fewest copies (per unit of weight); then the least loaded,
                 // then the earliest in the key's order.
                 prop_assert!(eligible(first));
                 let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
                 let near = |i: usize| eligible(i) && loads[i] <= floor + 1;
+                // Starving (a key sent nowhere yet): below half its fair share of the requests
+                // sent, once those average 4 an available instance; the most starving first.
+                let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
+                let total: f64 = available.iter().map(|&i| f64::from(sent[i])).sum();
+                let all_weight: f64 = available.iter().map(|&i| weights[i]).sum();
+                let judged = total >= 4.0 * available.len() as f64;
+                let hunger = |i: usize| {
+                    let share = f64::from(sent[i]) / (total * weights[i] / all_weight);
+                    if judged && instances[i].available && share < 0.5 { share } else { 1.0 }
+                };
                 let (copies, sent) = (|i: usize| f64::from(copies[i]) / weights[i], |i: usize| f64::from(sent[i]) / weights[i]);
                 let is_other = |i: usize| f64::from(u8::from(i != owner));
-                let share = |i: usize| if placed { (sent(i), copies(i), 0.0) } else { (copies(i), is_other(i), sent(i)) };
-                let fewest = (0..loads.len()).filter(|&i| near(i)).map(share).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.total_cmp(&b.2))).unwrap();
+                let share = |i: usize| if placed { (0.0, sent(i), copies(i), 0.0) } else { (hunger(i), copies(i), is_other(i), sent(i)) };
+                let fewest = (0..loads.len()).filter(|&i| near(i)).map(share).min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.total_cmp(&b.2)).then(a.3.total_cmp(&b.3))).unwrap();
                 let best = |i: usize| near(i) && share(i) == fewest;
                 let least = (0..loads.len()).filter(|&i| best(i)).map(|i| loads[i]).min().unwrap();
                 let expected = order.iter().copied().find(|&i| best(i) && loads[i] == least);
