@@ -50,8 +50,8 @@ pub enum Strategy {
 /// requests in flight fleet-wide, a bound that follows the variant's mean load, so a hot
 /// prefix spills before its owner drowns while another instance idles. A key goes to the
 /// least loaded of its holders below the bound (the instances it was sent to lately, which
-/// hold a copy), else to a new copy on a lightly loaded instance below the bound (a new key's
-/// first copy on its owner if the owner has room): see [`rank_remembering`].
+/// hold a copy), else to a new copy on a lightly loaded instance below the bound: see
+/// [`rank_remembering`].
 ///
 /// Every router computes the same bound from the same fleet-wide loads. Each places and
 /// reuses copies from what it sent itself and what the other routers announced through the
@@ -322,9 +322,10 @@ pub fn rank_remembering(
                         .min_by_key(|&position| (load(order[position]), position));
                     held.or_else(|| {
                         // Else a new copy in the band of instances below the bound within one
-                        // request of the least loaded. A key's first copy: the one with the
-                        // fewest copies placed lately, then the owner, then the fewest requests
-                        // this router sent it lately. A further copy (its holders are at the
+                        // request of the least loaded. A key's first copy: the most starving
+                        // one, then the one with the fewest copies placed lately, then the
+                        // owner, then the fewest requests this router sent it lately. A further
+                        // copy (its holders are at the
                         // bound): the fewest requests sent, then the fewest copies. Counts per
                         // unit of weight (a heavier instance takes more), then the least
                         // loaded, then by position.
@@ -353,9 +354,12 @@ pub fn rank_remembering(
                                     [sent, copies, 0.0, 0.0]
                                 } else {
                                     // The most starving instance first (a first copy is
-                                    // a miss wherever it goes). The owner before fewer requests
-                                    // sent: `sent` is this router's own, so routers that
-                                    // agree on the copies agree on the owner.
+                                    // a miss wherever it goes). Starving is judged on this
+                                    // router's own `sent`, so two routers that place the
+                                    // same new key before either announced it may choose
+                                    // differently (the cost: one more prefill of it). The
+                                    // owner before fewer requests sent, for the same reason:
+                                    // routers that agree on the copies agree on the owner.
                                     let fed = starving[index];
                                     let other = f64::from(u8::from(Some(index) != owner));
                                     [fed, copies, other, sent]
@@ -898,12 +902,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_new_copy_goes_where_the_fewest_copies_were_placed() {
+    /// Seven instances of weight 1, key 7's rendezvous order on an idle fleet and its owner.
+    fn idle_seven(strategy: Strategy) -> (Vec<InstanceView>, Vec<usize>, usize) {
         let instances = views(7);
-        let strategy = bounded(2.0, 3, 16);
         let order = rank(strategy, &instances, |_| 0, 7, 0).order;
         let owner = order[0];
+        (instances, order, owner)
+    }
+
+    #[test]
+    fn a_new_copy_goes_where_the_fewest_copies_were_placed() {
+        let strategy = bounded(2.0, 3, 16);
+        let (instances, order, owner) = idle_seven(strategy);
         let idle = |_: usize| 0;
         // A key sent nowhere, on an idle fleet: its owner, unless another instance had fewer
         // new copies placed on it lately.
@@ -971,12 +981,9 @@ mod tests {
 
     #[test]
     fn a_first_copy_goes_to_the_most_starving_instance() {
-        let instances = views(7);
+        let (nowhere, idle) = (|_: usize| false, |_: usize| 0);
         let strategy = bounded(2.0, 6, 16);
-        let order = rank(strategy, &instances, |_| 0, 7, 0).order;
-        let owner = order[0];
-        let idle = |_: usize| 0;
-        let nowhere = |_: usize| false;
+        let (instances, order, owner) = idle_seven(strategy);
         // Sent counts in the key's rendezvous order; copies alike everywhere.
         let first_copy = |counts: [u32; 7], copies: [u32; 7]| {
             let sent = |i: usize| counts[order.iter().position(|&o| o == i).unwrap()];
@@ -999,6 +1006,46 @@ mod tests {
         assert_eq!(
             first_copy([6, 6, 6, 1, 6, 0, 5], [0, 0, 0, 0, 0, 3, 0]),
             Some(order[5])
+        );
+        // Fair shares follow the weights: order[3] of weight 4 with 5 of the 32 sent is below
+        // half of its fair share (32 × 4 / 10 = 12.8); order[5] of weight 1 with 2 is not
+        // starving (its fair share is 3.2), though it was sent fewer.
+        let mut heavy = instances.clone();
+        heavy[order[3]].weight = 4.0;
+        let weighted = KeyHistory {
+            remembered: nowhere,
+            sent: |i: usize| match order.iter().position(|&o| o == i).unwrap() {
+                3 => 5,
+                5 => 2,
+                _ => 5,
+            },
+            copies: |_: usize| 0,
+        };
+        // (A key that order[3], heavier now, does not own.)
+        let key = (0..64)
+            .find(|&key| rank(strategy, &heavy, idle, key, 0).first() != Some(order[3]))
+            .unwrap();
+        assert_eq!(
+            rank_remembering(strategy, &heavy, idle, key, 0, weighted).first(),
+            Some(order[3])
+        );
+        // Only available instances count: with order[6] ejected, 24 sent over 6 is judged
+        // (order[3]'s 1 is a quarter of its fair 4); with it counted, 24 over 7 would not be.
+        let mut ejected = instances.clone();
+        ejected[order[6]].available = false;
+        let without = KeyHistory {
+            remembered: nowhere,
+            sent: |i: usize| match order.iter().position(|&o| o == i).unwrap() {
+                3 => 1,
+                6 => 0,
+                1 => 3,
+                _ => 5,
+            },
+            copies: |_: usize| 0,
+        };
+        assert_eq!(
+            rank_remembering(strategy, &ejected, idle, 7, 0, without).first(),
+            Some(order[3])
         );
         // A starving instance outside the band (two above the least loaded) does not.
         let busy = |i: usize| u32::from(i == order[3]) * 2;
