@@ -246,14 +246,16 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 ///
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
 ///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order;
-/// 2. else a new copy, in the band of available instances below the bound within one request
-///    of the least loaded of them. A key sent nowhere yet goes to the most starving one
+/// 2. else a new copy, in the band of available instances below the bound as loaded as the
+///    least loaded of them (a first copy) or within one request of it (a further copy). A key
+///    sent nowhere yet goes to the most starving one
 ///    (`sent` below [`STARVING_SHARE`] of its fair share of this router's recent requests),
 ///    then the one with the fewest new copies placed lately (`copies`), then its owner, then
 ///    the one this router sent the fewest recent requests (`sent`): a first copy is a miss of
 ///    the whole prefix wherever it goes, a long prefill that stalls whatever the engine
 ///    batches with it, and spreading those prefills evenly (and giving them to an engine that
-///    serves little) matters more than where the key's owner is. A further copy (the key's holders
+///    serves little) matters more than where the key's owner is; a full prefill is best
+///    started where least is running. A further copy (the key's holders
 ///    are all at the bound) adds capacity for a hot key: the fewest requests sent, then the
 ///    fewest copies. Both per unit of weight, then the least loaded, then by rendezvous order.
 ///    The band keeps an instance that served nothing (one that just joined) from drawing
@@ -334,6 +336,10 @@ pub fn rank_remembering(
                             .filter(|&&i| eligible(i))
                             .map(|&i| load(i))
                             .min()?;
+                        // A first copy only on a least loaded instance (a full prefill is best
+                        // started where least is running); a further copy within one request
+                        // of it.
+                        let band = u32::from(placed);
                         let starving = if placed {
                             Vec::new()
                         } else {
@@ -342,7 +348,7 @@ pub fn rank_remembering(
                         (0..order.len())
                             .filter(|&position| {
                                 let index = order[position];
-                                eligible(index) && load(index) <= floor + 1
+                                eligible(index) && load(index) <= floor + band
                             })
                             .map(|position| {
                                 let index = order[position];
@@ -884,11 +890,17 @@ mod tests {
             rank(sagemaker, &instances, loads, 7, 0).first(),
             Some(owner)
         );
-        // The same owner load on a busy fleet is below the mean: no spill.
+        // The same owner load on a busy fleet is below the mean: a key held there stays.
         let loaded = |i: usize| if i == owner { 5 } else { 4 };
+        let history = held_on(|i: usize| i == owner);
+        assert_eq!(
+            rank_remembering(strategy, &instances, loaded, 7, 0, history).first(),
+            Some(owner)
+        );
+        // A key sent nowhere yet starts on a least loaded instance.
         assert_eq!(
             rank(strategy, &instances, loaded, 7, 0).first(),
-            Some(owner)
+            Some(second)
         );
     }
 
@@ -1100,11 +1112,12 @@ mod tests {
             (Some(third), Some(Route::Overflow)),
             "a first spill goes to the least loaded, not the next in order"
         );
-        // ... or, within one request of it, the one the router sent the fewest requests lately:
+        // A further copy (the key's holder, the owner, is at the bound) goes within one
+        // request of the least loaded to the one the router sent the fewest requests lately:
         // an instance idle on the whole beats one momentarily idler ...
         let served = KeyHistory {
             copies: |_: usize| 0,
-            remembered: |_: usize| false,
+            remembered: |i: usize| i == owner,
             sent: |i: usize| if i == third { 9 } else { 1 },
         };
         let near = |i: usize| if i == second { 1 } else { load(i) };
@@ -1270,14 +1283,14 @@ mod tests {
             if available.iter().any(|&i| loads[i] < bound) {
                 prop_assert!(instances[first].available);
                 prop_assert!(loads[first] < bound, "chose load {} at bound {bound}", loads[first]);
-                // A key sent nowhere yet: the owner if it is below the bound and within one
-                // request of the least loaded below it, else the least loaded below it, the
+                // A key sent nowhere yet: the owner if it is below the bound and as little
+                // loaded as the least loaded below it, else the least loaded below it, the
                 // earliest in the key's rendezvous order among equals.
                 let mut order = Vec::new();
                 let owner = rendezvous_order(&instances, key, &mut order).unwrap();
                 let eligible = |i: usize| instances[i].available && loads[i] < bound;
                 let least = order.iter().filter(|&&i| eligible(i)).map(|&i| loads[i]).min().unwrap();
-                let expected = if eligible(owner) && loads[owner] <= least + 1 {
+                let expected = if eligible(owner) && loads[owner] == least {
                     owner
                 } else {
                     order.iter().copied().find(|&i| eligible(i) && loads[i] == least).unwrap()
@@ -1331,14 +1344,15 @@ mod tests {
                 let expected = order.iter().copied().find(|&i| eligible(i) && holder(i) && loads[i] == least);
                 prop_assert_eq!(Some(first), expected);
             } else if (0..loads.len()).any(eligible) {
-                // A new copy: of the instances below the bound within one request of the least
-                // loaded, for a key sent nowhere yet the most starving one, then the one with
-                // the fewest copies, then the owner, then the fewest requests sent; for a further copy the fewest requests
-                // sent, then the fewest copies (per unit of weight); then the least loaded,
-                // then the earliest in the key's order.
+                // A new copy: for a key sent nowhere yet, of the least loaded instances below
+                // the bound, the most starving one, then the one with the fewest copies, then
+                // the owner, then the fewest requests sent; for a further copy, of those
+                // within one request of the least loaded, the fewest requests sent, then the
+                // fewest copies (per unit of weight); then the least loaded, then the earliest
+                // in the key's order.
                 prop_assert!(eligible(first));
                 let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
-                let near = |i: usize| eligible(i) && loads[i] <= floor + 1;
+                let near = |i: usize| eligible(i) && loads[i] <= floor + u32::from(placed);
                 // Starving (a key sent nowhere yet): below half its fair share of the requests
                 // sent, once those average 4 an available instance; the most starving first.
                 let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
