@@ -92,6 +92,16 @@ mod tests {
         assert_ne!(session_key(b"s-1"), routing_key(b"", b"s-1"));
     }
 
+    /// Routers share FairnessWeights by this key, so it must not collapse ids together nor
+    /// meet a session's or a prefix's key.
+    #[test]
+    fn fairness_keys_are_routing_keys_in_their_own_namespace() {
+        assert_eq!(fairness_key(b"team-a"), routing_key(b"fairness", b"team-a"));
+        assert_ne!(fairness_key(b"team-a"), fairness_key(b"team-b"));
+        assert_ne!(fairness_key(b"team-a"), session_key(b"team-a"));
+        assert_ne!(fairness_key(b"team-a"), routing_key(b"", b"team-a"));
+    }
+
     #[test]
     fn streaming_equals_one_shot_layout() {
         let id = b"tenant";

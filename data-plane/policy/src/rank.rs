@@ -446,7 +446,8 @@ pub const STARVING_AFTER: u32 = 4;
 /// How starving each instance is: its share of the requests this router sent the variant
 /// lately over its fair share (by weight, among the available instances), where that is below
 /// [`STARVING_SHARE`], once those requests average [`STARVING_AFTER`] an available instance;
-/// 1 for the others (and for all before). Only eligible instances are read.
+/// [`STARVING_SHARE`] for the others (and for all before), so they tie. Only eligible
+/// instances are read.
 fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64> {
     let available = || (0..instances.len()).filter(|&index| instances[index].available);
     let total: f64 = available().map(|index| f64::from(sent(index))).sum();
@@ -456,10 +457,10 @@ fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64
         .map(|index| {
             let fair = total * instances[index].weight / weights;
             let share = f64::from(sent(index)) / fair;
-            if judged && share < STARVING_SHARE {
-                share
+            if judged {
+                share.min(STARVING_SHARE)
             } else {
-                1.0
+                STARVING_SHARE
             }
         })
         .collect()
@@ -1065,11 +1066,13 @@ mod tests {
             rank_remembering(strategy, &ejected, idle, 7, 0, without).first(),
             Some(order[3])
         );
-        // A starving instance outside the band (two above the least loaded) does not.
+        // A starving instance outside the band (two above the least loaded) does not; the
+        // band's instances all have their fair share (4 of 28) or more, so they tie however
+        // many more one has: the owner (sent 5) before order[4] (sent 4).
         let busy = |i: usize| u32::from(i == order[3]) * 2;
         let history = KeyHistory {
             remembered: nowhere,
-            sent: |i: usize| if i == order[3] { 1 } else { 5 },
+            sent: |i: usize| [5, 5, 5, 1, 4, 4, 4][order.iter().position(|&o| o == i).unwrap()],
             copies: |_: usize| 0,
         };
         assert_eq!(

@@ -398,6 +398,23 @@ mod tests {
     }
 
     #[test]
+    fn whom_a_request_is_for_is_its_safety_identifier_else_its_user() {
+        let end_user = |body: &str| {
+            OpenAiRequest::parse(body.as_bytes())
+                .unwrap()
+                .end_user
+                .map(|user| user.into_owned())
+        };
+        let both = r#"{"prompt":"a","safety_identifier":"sid","user":"bob"}"#;
+        assert_eq!(end_user(both).as_deref(), Some("sid"));
+        let empty_id = r#"{"prompt":"a","safety_identifier":"","user":"bob"}"#;
+        assert_eq!(end_user(empty_id).as_deref(), Some("bob"));
+        assert_eq!(end_user(r#"{"prompt":"a","user":""}"#), None);
+        assert_eq!(end_user(r#"{"prompt":"a","user":7}"#), None);
+        assert_eq!(end_user(r#"{"prompt":"a"}"#), None);
+    }
+
+    #[test]
     fn completions_text_rule() {
         assert_eq!(prefix(r#"{"prompt":"abc"}"#, 10), "abc");
         assert_eq!(prefix(r#"{"prompt":["a","b"]}"#, 10), "a\nb");
