@@ -323,8 +323,8 @@ pub fn rank_remembering(
                         })
                         .min_by_key(|&position| (load(order[position]), position));
                     held.or_else(|| {
-                        // Else a new copy in the band of instances below the bound within one
-                        // request of the least loaded. A key's first copy: the most starving
+                        // Else a new copy below the bound: a first copy on a least loaded
+                        // instance, a further copy within one request of it. A key's first copy: the most starving
                         // one, then the one with the fewest copies placed lately, then the
                         // owner, then the fewest requests this router sent it lately. A further
                         // copy (its holders are at the
