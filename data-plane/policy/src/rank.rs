@@ -210,7 +210,7 @@ pub fn rank(
 /// What a router knows of one PREFIX_AWARE key beyond its hash, and of where it sent requests
 /// lately ([`rank_remembering`]).
 #[derive(Debug, Clone, Copy)]
-pub struct KeyHistory<R, S, C = S, F = S> {
+pub struct KeyHistory<R, S, C> {
     /// `remembered(i)`: the key was sent to instance i lately (by this router, or by another
     /// that announced it).
     pub remembered: R,
@@ -219,9 +219,6 @@ pub struct KeyHistory<R, S, C = S, F = S> {
     /// `copies(i)`: how many new copies of keys were placed on instance i lately (each a
     /// miss of a whole prefix).
     pub copies: C,
-    /// `further(i)`: how many further copies of keys already held elsewhere were placed on
-    /// instance i lately.
-    pub further: F,
 }
 
 impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
@@ -237,7 +234,6 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
             remembered: nowhere,
             sent: nothing,
             copies: nothing,
-            further: nothing,
         }
     }
 }
@@ -249,12 +245,7 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 /// the remembered instances, or its rendezvous owner if it was sent nowhere yet:
 ///
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
-///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order.
-///    Unless that holder is busy (`⌈c × mean⌉` requests or more) and an idle instance is
-///    starving (below half its fair share), holds no copy of the key and was given no further
-///    copy lately (`further`): it relieves the holder with a further copy, the most starving
-///    first. An instance holding only cold prefixes would otherwise stay starved, and once
-///    per window keeps the prefills this costs few;
+///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order;
 /// 2. else a new copy, in the band of available instances below the bound as loaded as the
 ///    least loaded of them (a first copy) or within one request of it (a further copy). A key
 ///    sent nowhere yet goes to the most starving one
@@ -286,13 +277,7 @@ pub fn rank_remembering(
         remembered,
         sent,
         copies,
-        further,
-    }: KeyHistory<
-        impl Fn(usize) -> bool,
-        impl Fn(usize) -> u32,
-        impl Fn(usize) -> u32,
-        impl Fn(usize) -> u32,
-    >,
+    }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
     if instances.is_empty() {
@@ -337,24 +322,6 @@ pub fn rank_remembering(
                             placed && eligible(order[position]) && holder[order[position]]
                         })
                         .min_by_key(|&position| (load(order[position]), position));
-                    // A busy key's relief: its least loaded holder has `⌈c × mean⌉` requests
-                    // or more, and an idle instance below half its fair share, not holding
-                    // the key and given no further copy lately, takes a further copy.
-                    let held = match (held, balance) {
-                        (Some(position), Some(balance)) => {
-                            let total: u64 = loads.iter().map(|&l| u64::from(l)).sum();
-                            let busy = balance
-                                .bound(total, loads.len())
-                                .saturating_sub(balance.slack);
-                            if load(order[position]) >= busy {
-                                relieve(instances, order, &loads, &holder, &sent, &further, bound)
-                                    .or(held)
-                            } else {
-                                held
-                            }
-                        }
-                        _ => held,
-                    };
                     held.or_else(|| {
                         // Else a new copy below the bound: a first copy on a least loaded
                         // instance, a further copy within one request of it. A key's first copy: the most starving
@@ -497,36 +464,6 @@ fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64
             }
         })
         .collect()
-}
-
-/// A busy key's relief: the position in `order` of an idle available instance below half its
-/// fair share that does not hold the key and took no further copy lately (the most starving),
-/// if any.
-fn relieve(
-    instances: &[InstanceView],
-    order: &[usize],
-    loads: &[u32],
-    holder: &[bool],
-    sent: &impl Fn(usize) -> u32,
-    further: &impl Fn(usize) -> u32,
-    bound: u32,
-) -> Option<usize> {
-    let starving = starving(instances, sent);
-    (0..order.len())
-        .filter(|&position| {
-            let index = order[position];
-            instances[index].available
-                && loads[index] == 0
-                && loads[index] < bound
-                && !holder[index]
-                && starving[index] < 0.5
-                && further(index) == 0
-        })
-        .min_by(|&a, &b| {
-            starving[order[a]]
-                .total_cmp(&starving[order[b]])
-                .then(a.cmp(&b))
-        })
 }
 
 /// Sticky sessions: the session's rendezvous order, whatever the load.
@@ -973,13 +910,11 @@ mod tests {
 
     fn held_on(
         remembered: impl Fn(usize) -> bool,
-    ) -> KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32 + Copy> {
-        let none = |_: usize| 0;
+    ) -> KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32> {
         KeyHistory {
             remembered,
-            sent: none,
-            copies: none,
-            further: none,
+            sent: |_: usize| 0,
+            copies: |_: usize| 0,
         }
     }
 
@@ -1003,7 +938,6 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: |_: usize| 1,
-            further: |_: usize| 0,
         };
         let first = rank_remembering(strategy, &instances, idle, 7, 0, even);
         assert_eq!(
@@ -1015,7 +949,6 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: fewer,
-            further: |_: usize| 0,
         };
         let spread = rank_remembering(strategy, &instances, idle, 7, 0, spread);
         assert_eq!(
@@ -1027,7 +960,6 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| if i == order[4] { 9 } else { 0 },
             copies: fewer,
-            further: |_: usize| 0,
         };
         let by_copies = rank_remembering(strategy, &instances, idle, 7, 0, busy);
         assert_eq!(by_copies.first(), Some(order[4]));
@@ -1039,7 +971,6 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 0,
             copies: |i: usize| if i == order[5] { 2 } else { 1 },
-            further: |_: usize| 0,
         };
         let chosen = rank_remembering(strategy, &heavy, idle, 7, 0, weighted).first();
         assert_eq!(chosen, Some(order[5]));
@@ -1048,7 +979,6 @@ mod tests {
             remembered: |i: usize| i == owner,
             sent: |_: usize| 0,
             copies: |i: usize| if i == owner { 9 } else { 0 },
-            further: |_: usize| 0,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, idle, 7, 0, held).first(),
@@ -1078,7 +1008,6 @@ mod tests {
                 remembered: nowhere,
                 sent,
                 copies,
-                further: |_: usize| 0,
             };
             rank_remembering(strategy, &instances, idle, 7, 0, history).first()
         };
@@ -1110,7 +1039,6 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
-            further: |_: usize| 0,
         };
         // (A key that order[3], heavier now, does not own.)
         let key = (0..64)
@@ -1133,7 +1061,6 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
-            further: |_: usize| 0,
         };
         assert_eq!(
             rank_remembering(strategy, &ejected, idle, 7, 0, without).first(),
@@ -1147,49 +1074,11 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| [5, 5, 5, 1, 4, 4, 4][order.iter().position(|&o| o == i).unwrap()],
             copies: |_: usize| 0,
-            further: |_: usize| 0,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, busy, 7, 0, history).first(),
             Some(owner)
         );
-    }
-
-    #[test]
-    fn a_busy_keys_holder_is_relieved_once_by_an_idle_starving_instance() {
-        let strategy = bounded(2.0, 6, 16);
-        let (instances, order, owner) = idle_seven(strategy);
-        let at = |i: usize| order.iter().position(|&o| o == i).unwrap();
-        // Key 7 is held by its owner only. Loads in the key's rendezvous order; order[4] is
-        // idle. Sent: 32 (judged), order[4] had 1, about a fifth of its fair share.
-        let relieved = |loads: [u32; 7], sent: [u32; 7], further: [u32; 7]| {
-            let history = KeyHistory {
-                remembered: |i: usize| i == owner,
-                sent: |i: usize| sent[at(i)],
-                copies: |_: usize| 0,
-                further: |i: usize| further[at(i)],
-            };
-            rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history).first()
-        };
-        let sent = [6, 5, 5, 5, 1, 5, 5];
-        // 8 in flight: the mean with this request is 9 / 7, ⌈2 × 9 / 7⌉ = 3, so an owner with
-        // 3 is busy (below its bound of 9, it would otherwise take the key).
-        let busy = [3, 1, 1, 1, 0, 1, 1];
-        assert_eq!(relieved(busy, sent, [0; 7]), Some(order[4]));
-        // Once: an instance given a further copy lately does not relieve again.
-        let mut once = [0; 7];
-        once[4] = 1;
-        assert_eq!(relieved(busy, sent, once), Some(owner));
-        // An owner with 2 is not busy.
-        assert_eq!(relieved([2, 1, 1, 1, 0, 1, 2], sent, [0; 7]), Some(owner));
-        // Only an idle instance relieves (order[5], idle, has its fair share), and only below
-        // half its fair share (2 of 33 sent is 0.42 of it, 3 of 34 is 0.62).
-        assert_eq!(relieved([3, 1, 1, 1, 1, 0, 1], sent, [0; 7]), Some(owner));
-        assert_eq!(
-            relieved(busy, [6, 5, 5, 5, 2, 5, 5], [0; 7]),
-            Some(order[4])
-        );
-        assert_eq!(relieved(busy, [6, 5, 5, 5, 3, 5, 5], [0; 7]), Some(owner));
     }
 
     #[test]
@@ -1205,7 +1094,6 @@ mod tests {
                 calls.get().is_multiple_of(2)
             },
             sent: |_: usize| 0,
-            further: |_: usize| 0,
         };
         let load = |i: usize| (i % 5) as u32 * 3;
         let ranking = rank_remembering(bounded(1.0, 0, 16), &instances, load, 7, 0, flipping);
@@ -1240,7 +1128,6 @@ mod tests {
             copies: |_: usize| 0,
             remembered: |i: usize| i == owner,
             sent: |i: usize| if i == third { 9 } else { 1 },
-            further: |_: usize| 0,
         };
         let near = |i: usize| if i == second { 1 } else { load(i) };
         let spread = rank_remembering(strategy, &instances, near, 7, 0, served);
@@ -1438,7 +1325,6 @@ mod tests {
             ejected in proptest::collection::vec(any::<bool>(), 30),
             sent in proptest::collection::vec(0u32..12, 30),
             copies in proptest::collection::vec(0u32..3, 30),
-            further in proptest::collection::vec(0u32..2, 30),
             weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
@@ -1451,7 +1337,7 @@ mod tests {
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
             let bound = prefix_aware_bound(1024, Some(balance), &loads);
-            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i], further: |i: usize| further[i] };
+            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i] };
             let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
             let first = ranking.first().unwrap();
             let mut order = Vec::new();
@@ -1460,28 +1346,11 @@ mod tests {
             // The instances the key was sent to, or its owner if it was sent nowhere.
             let placed = remembered[..loads.len()].iter().any(|&held| held);
             let holder = |i: usize| if placed { remembered[i] } else { i == owner };
-            // Starving: below its fair share of the requests sent, once those average 4 an
-            // available instance.
-            let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
-            let total: f64 = available.iter().map(|&i| f64::from(sent[i])).sum();
-            let all_weight: f64 = available.iter().map(|&i| weights[i]).sum();
-            let judged = total >= 4.0 * available.len() as f64;
-            let hunger = |i: usize| {
-                let share = f64::from(sent[i]) / (total * weights[i] / all_weight);
-                if judged && instances[i].available && share < 1.0 { share } else { 1.0 }
-            };
             if placed && (0..loads.len()).any(|i| eligible(i) && holder(i)) {
-                // The least loaded holder below the bound, the earliest in the key's order,
-                // unless it has ⌈c × mean⌉ requests or more and an idle instance below half
-                // its fair share, not a holder and given no further copy lately, relieves it
-                // (the most starving, the earliest in the key's order).
+                // The least loaded holder below the bound, the earliest in the key's order.
+                prop_assert!(eligible(first) && holder(first), "chose {first}");
                 let least = (0..loads.len()).filter(|&i| eligible(i) && holder(i)).map(|i| loads[i]).min().unwrap();
-                let held = order.iter().copied().find(|&i| eligible(i) && holder(i) && loads[i] == least);
-                let total_load: u64 = loads.iter().map(|&l| u64::from(l)).sum();
-                let busy = balance.bound(total_load, loads.len()) - slack;
-                let relieves = |i: usize| eligible(i) && loads[i] == 0 && !holder(i) && hunger(i) < 0.5 && further[i] == 0;
-                let relief = order.iter().copied().filter(|&i| relieves(i)).min_by(|&a, &b| hunger(a).total_cmp(&hunger(b)));
-                let expected = if least >= busy { relief.or(held) } else { held };
+                let expected = order.iter().copied().find(|&i| eligible(i) && holder(i) && loads[i] == least);
                 prop_assert_eq!(Some(first), expected);
             } else if (0..loads.len()).any(eligible) {
                 // A new copy: for a key sent nowhere yet, of the least loaded instances below
@@ -1493,7 +1362,16 @@ mod tests {
                 prop_assert!(eligible(first));
                 let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
                 let near = |i: usize| eligible(i) && loads[i] <= floor + u32::from(placed);
-                // A key sent nowhere yet: the most starving first.
+                // Starving (a key sent nowhere yet): below its fair share of the requests sent,
+                // once those average 4 an available instance; the most starving first.
+                let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
+                let total: f64 = available.iter().map(|&i| f64::from(sent[i])).sum();
+                let all_weight: f64 = available.iter().map(|&i| weights[i]).sum();
+                let judged = total >= 4.0 * available.len() as f64;
+                let hunger = |i: usize| {
+                    let share = f64::from(sent[i]) / (total * weights[i] / all_weight);
+                    if judged && instances[i].available && share < 1.0 { share } else { 1.0 }
+                };
                 let (copies, sent) = (|i: usize| f64::from(copies[i]) / weights[i], |i: usize| f64::from(sent[i]) / weights[i]);
                 let is_other = |i: usize| f64::from(u8::from(i != owner));
                 let share = |i: usize| if placed { (0.0, sent(i), copies(i), 0.0) } else { (hunger(i), copies(i), is_other(i), sent(i)) };
@@ -1554,8 +1432,8 @@ mod tests {
             other_sent.reverse();
             let copies = |i: usize| (instances[i].id_hash % 3) as u32;
             let other_copies = |i: usize| (other_instances[i].id_hash % 3) as u32;
-            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies, further: |_: usize| 0 });
-            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies, further: |_: usize| 0 });
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies });
             let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_c, ids_d);

@@ -44,9 +44,6 @@ pub struct InstanceCell {
     /// router, or by others as announced), halved like `recent`. Each is a miss of a whole
     /// prefix: a new copy goes where the fewest were placed, so those prefills spread.
     pub copies: AtomicU32,
-    /// Bounded PREFIX_AWARE: the new copies among `copies` of keys already held elsewhere
-    /// (further copies of a busy key), halved like `recent`.
-    pub further: AtomicU32,
     /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
     /// slot frees here (set by the first request that waits for the variant).
     pub waker: OnceLock<Weak<dyn SlotWaker>>,
@@ -191,7 +188,7 @@ pub fn saturating_increment(count: &AtomicU32) {
 }
 
 /// Bounded PREFIX_AWARE: the variant's requests through this router, in windows of
-/// [`WINDOW_REQUESTS`]. Each window's end halves the instances' `recent`, `copies` and `further` counts,
+/// [`WINDOW_REQUESTS`]. Each window's end halves the instances' `recent` and `copies` counts,
 /// so that they follow what happened lately. Kept across table rebuilds.
 #[derive(Debug, Default)]
 pub struct SendWindow {

@@ -128,12 +128,10 @@ impl VariantRoute {
             for instance in &self.instances {
                 halve(&instance.cell.recent);
                 halve(&instance.cell.copies);
-                halve(&instance.cell.further);
             }
         }
         let now_ms = switchyard_process::clock::monotonic_ms();
         let history = self.key_history(key, now_ms);
-        let placed = (0..views.len()).any(|index| (history.remembered)(index));
         let ranking = rank::rank_remembering(self.strategy, views, load, key, 0, history);
         if let Some(first) = ranking.first() {
             let cell = &self.instances[first].cell;
@@ -147,9 +145,6 @@ impl VariantRoute {
                 let before = cell.spills.remember(key, now_ms);
                 if before == Remembered::New {
                     saturating_increment(&cell.copies);
-                    if placed {
-                        saturating_increment(&cell.further);
-                    }
                 }
                 if before != Remembered::Fresh && !cell.announced.push(key) {
                     tracing::debug!("too many placements waiting to be announced; one dropped");
@@ -165,20 +160,18 @@ impl VariantRoute {
         &self,
         key: u64,
         now_ms: u64,
-    ) -> KeyHistory<impl Fn(usize) -> bool + '_, impl Fn(usize) -> u32 + '_> {
+    ) -> KeyHistory<
+        impl Fn(usize) -> bool + '_,
+        impl Fn(usize) -> u32 + '_,
+        impl Fn(usize) -> u32 + '_,
+    > {
         KeyHistory {
             remembered: move |index: usize| {
                 self.instances[index].cell.spills.remembers(key, now_ms)
             },
-            sent: self.count(|cell| &cell.recent),
-            copies: self.count(|cell| &cell.copies),
-            further: self.count(|cell| &cell.further),
+            sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
+            copies: |index: usize| self.instances[index].cell.copies.load(Ordering::Relaxed),
         }
-    }
-
-    /// One of the instances' recent counts, by index.
-    fn count(&self, of: fn(&InstanceCell) -> &AtomicU32) -> impl Fn(usize) -> u32 + '_ {
-        move |index: usize| of(&self.instances[index].cell).load(Ordering::Relaxed)
     }
 
     /// Views with availability as of `now_ms`.
