@@ -258,8 +258,8 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 ///    started where least is running. A further copy (the key's holders
 ///    are all at the bound) adds capacity for a hot key: the fewest requests sent, then the
 ///    fewest copies. Both per unit of weight, then the least loaded, then by rendezvous order.
-///    The band keeps an instance that served nothing (one that just joined) from drawing
-///    every new copy;
+///    The band keeps an instance that served little (one that just joined) from drawing
+///    every new copy once it is busier than the least loaded;
 /// 3. else the least loaded available instance.
 ///
 /// `Prefix` if the choice is the owner, else `Overflow`. With a [`LoadBalance`] the rest follow
