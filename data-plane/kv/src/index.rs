@@ -5,7 +5,9 @@
 //! each `BlockStored`'s token ids and its parent's router hash; the engine's hashes (which
 //! depend on the engine's hash function and seed) are only mapped to it, for `BlockRemoved`.
 //! A request is then scored by walking its own block hashes in order: instance X holds the
-//! first `j` blocks if the first `j` hashes list X among their holders.
+//! first `j` blocks if the first `j` hashes list X among their holders. A walk starts, per
+//! instance, at the deepest checkpoint an earlier walk found it holding, if it has lost no
+//! block since ([`WalkCache`]).
 //!
 //! What an event means (vLLM's semantics, per instance, KV-cache group and medium): a
 //! `BlockStored` says the engine holds these blocks now; storing a block already held changes
@@ -35,7 +37,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use switchyard_policy::kv::{
     PREFIX_KEY_BLOCKS, block_hash, chain_hashes, chain_seed, salted_seed, unmatchable_block_hash,
@@ -139,6 +141,9 @@ fn is_gpu(medium: &str) -> bool {
 struct InstanceBlocks {
     id: InstanceId,
     freshness: Freshness,
+    /// Changes whenever the instance loses a block (and when the slot is taken): while it
+    /// stays the same, every block it held is still held ([`WalkCache`]).
+    epoch: u64,
     blocks: HashMap<u64, OwnEntry, BlockHashing>,
     engine: HashMap<EngineHash, EngineEntry>,
     /// Blocks by store order (oldest first).
@@ -156,10 +161,11 @@ struct InstanceBlocks {
 }
 
 impl InstanceBlocks {
-    fn new(id: InstanceId) -> Self {
+    fn new(id: InstanceId, epoch: u64) -> Self {
         Self {
             id,
             freshness: Freshness::Live,
+            epoch,
             blocks: HashMap::default(),
             engine: HashMap::new(),
             lru: BTreeMap::new(),
@@ -218,6 +224,8 @@ struct VariantBlocks {
     holders: HashMap<u64, Holders, BlockHashing>,
     slots: Vec<Option<InstanceBlocks>>,
     by_id: HashMap<InstanceId, u32>,
+    /// The last epoch handed out (epochs are never reused, whatever the slot).
+    last_epoch: u64,
 }
 
 impl VariantBlocks {
@@ -232,9 +240,21 @@ impl VariantBlocks {
                 self.slots.len() - 1
             }
         } as u32;
-        self.slots[slot as usize] = Some(InstanceBlocks::new(id.clone()));
+        let epoch = self.next_epoch();
+        self.slots[slot as usize] = Some(InstanceBlocks::new(id.clone(), epoch));
         self.by_id.insert(id.clone(), slot);
         slot
+    }
+
+    fn next_epoch(&mut self) -> u64 {
+        self.last_epoch += 1;
+        self.last_epoch
+    }
+
+    /// `slot` lost (or is about to lose) a block: what the walk cache holds of it is void.
+    fn lost_block(&mut self, slot: u32) {
+        let epoch = self.next_epoch();
+        self.instance(slot).epoch = epoch;
     }
 
     fn instance(&mut self, slot: u32) -> &mut InstanceBlocks {
@@ -263,6 +283,7 @@ impl VariantBlocks {
 
     /// Drops one of `slot`'s blocks and the engine hashes mapped to it.
     fn drop_block(&mut self, slot: u32, own: u64) {
+        self.lost_block(slot);
         let instance = self.instance(slot);
         if let Some(entry) = instance.blocks.remove(&own) {
             instance.lru.remove(&entry.tick);
@@ -274,6 +295,7 @@ impl VariantBlocks {
     }
 
     fn clear_instance(&mut self, slot: u32) {
+        self.lost_block(slot);
         let instance = self.instance(slot);
         let owns: Vec<u64> = instance.blocks.keys().copied().collect();
         instance.blocks.clear();
@@ -508,10 +530,71 @@ pub struct TokenMatch {
     pub prefix_key: u64,
 }
 
+/// Blocks between two checkpoints of a [`WalkCache`].
+const CHECKPOINT_BLOCKS: usize = if cfg!(test) { 2 } else { 64 };
+/// Checkpoints a variant's [`WalkCache`] keeps (direct-mapped by chain hash; about 100 bytes
+/// each, allocated by the variant's first walk over a prompt of a checkpoint or more).
+const WALK_CACHE_ENTRIES: usize = 8192;
+/// Checkpoints a walk records: the deepest it reached.
+const RECORDED_CHECKPOINTS: usize = 4;
+
+/// What earlier walks found at a checkpoint of a chain (every [`CHECKPOINT_BLOCKS`]th block):
+/// the instances that held every block of the chain up to it, each with its epoch then.
+#[derive(Debug, Default)]
+struct Checkpoint {
+    /// The chain hash of the checkpoint's block.
+    key: u64,
+    /// (slot, epoch) of each instance that held the chain up to it.
+    holders: smallvec::SmallVec<[(u32, u64); 4]>,
+}
+
+/// Where the walks of a variant's prompts may start. An instance whose epoch has not changed
+/// since a walk found that it held a chain up to a checkpoint has lost no block since, so it
+/// still holds them: the next walk over a prompt with the same start (a shared system prompt,
+/// an earlier turn) starts there for that instance, instead of looking up every block again
+/// (in a large index each lookup is a cache miss). Exact: blocks stored since are found by
+/// walking on from the checkpoint, and any lost block voids the instance's checkpoints.
+#[derive(Debug, Default)]
+struct WalkCache {
+    entries: OnceLock<Box<[Mutex<Checkpoint>]>>,
+}
+
+impl WalkCache {
+    fn entry(&self, key: u64) -> std::sync::MutexGuard<'_, Checkpoint> {
+        let entries = self
+            .entries
+            .get_or_init(|| (0..WALK_CACHE_ENTRIES).map(|_| Mutex::default()).collect());
+        entries[(key % WALK_CACHE_ENTRIES as u64) as usize]
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// The instances known to hold the chain up to the checkpoint `key`.
+    fn holders(&self, key: u64) -> smallvec::SmallVec<[(u32, u64); 4]> {
+        let entry = self.entry(key);
+        if entry.key == key {
+            entry.holders.clone()
+        } else {
+            smallvec::SmallVec::new()
+        }
+    }
+
+    fn record(&self, key: u64, holders: smallvec::SmallVec<[(u32, u64); 4]>) {
+        let mut entry = self.entry(key);
+        if entry.key != key || entry.holders != holders {
+            *entry = Checkpoint { key, holders };
+        }
+    }
+}
+
 /// The index of one variant.
 #[derive(Debug, Default)]
 pub struct VariantIndex {
     blocks: RwLock<VariantBlocks>,
+    walks: WalkCache,
+    /// Blocks looked up by walks (tests).
+    #[cfg(test)]
+    lookups: AtomicU64,
 }
 
 impl VariantIndex {
@@ -553,7 +636,7 @@ impl VariantIndex {
                 break;
             }
             let holders = blocks.holders.get(hash);
-            active.retain(|&(position, slot)| {
+            active.retain(|&(position, slot, _)| {
                 let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
                 if !held {
                     matched[position] = depth as u32;
@@ -561,23 +644,25 @@ impl VariantIndex {
                 held
             });
         }
-        for (position, _) in active {
+        for (position, _, _) in active {
             matched[position] = hashes.len() as u32;
         }
         matched
     }
 
-    /// [`matched_blocks`](Self::matched_blocks) straight from token ids: hashes each block
-    /// only while some instance still matches (and for the first
-    /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS`, for the tie-break key), so a prompt nobody
-    /// holds costs little. None before the block size is known.
+    /// [`matched_blocks`](Self::matched_blocks) straight from token ids: hashes the first
+    /// `switchyard_policy::kv::PREFIX_KEY_BLOCKS` (the tie-break key), and the rest only if
+    /// some instance holds the first block, so a prompt nobody holds costs little. None before
+    /// the block size is known.
     pub fn match_tokens(&self, token_ids: &[u32], instances: &[InstanceId]) -> Option<TokenMatch> {
         self.match_prompt(token_ids, ChainKey::default(), instances)
     }
 
     /// [`match_tokens`](Self::match_tokens) for a request under `chain`: a LoRA adapter (only
     /// the adapter's blocks match) or a `cache_salt` (vLLM's request field: only chains stored
-    /// under the same salt match), or both.
+    /// under the same salt match), or both. An instance known to hold the prompt's chain up to
+    /// one of its checkpoints ([`WalkCache`]) is walked from there; what this walk finds is
+    /// kept for the next.
     pub fn match_prompt(
         &self,
         token_ids: &[u32],
@@ -590,55 +675,37 @@ impl VariantIndex {
         // `num_tokens - 1`): a prompt of exactly k blocks recomputes its last one, so at most
         // k - 1 of its blocks can be a hit.
         let total = token_ids.len().saturating_sub(1) / block_size;
+        let full = token_ids.len() / block_size;
         let mut matched = vec![0u32; instances.len()];
-        let mut active = Self::live_slots(&blocks, instances);
+        let live = Self::live_slots(&blocks, instances);
+        // The chain's hashes, as far as they are needed: the tie-break key covers the first
+        // blocks; the walk needs all `total` only if some instance holds the first.
+        let mut hashes = Vec::new();
         let mut parent = chain.seed();
-        let mut prefix_key = 0;
-        let mut chunks = token_ids.chunks_exact(block_size);
-        // Blocks hashed so far.
-        let mut depth = 0;
-        let mut batch = [0u64; LOOKUP_BATCH];
-        while depth < total && !active.is_empty() {
-            let size = LOOKUP_BATCH.min(total - depth);
-            for (offset, chunk) in chunks.by_ref().take(size).enumerate() {
-                parent = block_hash(parent, chunk);
-                if depth + offset < PREFIX_KEY_BLOCKS {
-                    prefix_key = parent;
-                }
-                batch[offset] = parent;
+        let mut hash_to = |count: usize, hashes: &mut Vec<u64>| {
+            while hashes.len() < count {
+                let at = hashes.len() * block_size;
+                parent = block_hash(parent, &token_ids[at..at + block_size]);
+                hashes.push(parent);
             }
-            // The batch's lookups do not depend on each other, so the CPU overlaps their
-            // cache misses (in a full index nearly every lookup is one); then the walk.
-            let found: [Option<&Holders>; LOOKUP_BATCH] = std::array::from_fn(|offset| {
-                if offset < size {
-                    blocks.holders.get(&batch[offset])
-                } else {
-                    None
-                }
-            });
-            for (offset, holders) in found[..size].iter().enumerate() {
-                if active.is_empty() {
-                    break;
-                }
-                active.retain(|&(position, slot)| {
-                    let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
-                    if !held {
-                        matched[position] = (depth + offset) as u32;
-                    }
-                    held
-                });
-            }
-            depth += size;
-        }
-        // The tie-break key covers the first blocks, however far the walk went.
-        while depth < PREFIX_KEY_BLOCKS {
-            let Some(chunk) = chunks.next() else { break };
-            parent = block_hash(parent, chunk);
-            prefix_key = parent;
-            depth += 1;
-        }
-        for (position, _) in active {
-            matched[position] = total as u32;
+        };
+        hash_to(PREFIX_KEY_BLOCKS.min(full).max(total.min(1)), &mut hashes);
+        let prefix_key = hashes[..PREFIX_KEY_BLOCKS.min(full)]
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let held = |slot: u32, holders: Option<&Holders>| {
+            holders.is_some_and(|holders| holders.binary_search(&slot).is_ok())
+        };
+        // Only the instances that hold the first block are walked.
+        let first = hashes.first().and_then(|hash| blocks.holders.get(hash));
+        let walkers: Vec<(usize, u32, u64)> = live
+            .into_iter()
+            .filter(|&(_, slot, _)| held(slot, first))
+            .collect();
+        if total > 0 && !walkers.is_empty() {
+            hash_to(total, &mut hashes);
+            self.walk(&blocks, &hashes[..total], &walkers, &mut matched);
         }
         Some(TokenMatch {
             matched,
@@ -648,17 +715,118 @@ impl VariantIndex {
         })
     }
 
-    /// (position in `instances`, slot) of the instances known and live.
-    fn live_slots(blocks: &VariantBlocks, instances: &[InstanceId]) -> Vec<(usize, u32)> {
+    /// Sets `matched` (by position in the instances asked about) for the `live` instances: the
+    /// leading `hashes` each holds, walked from the deepest checkpoint the [`WalkCache`] vouches
+    /// for, the lookups 32 at a time; then records the checkpoints this walk reached.
+    fn walk(
+        &self,
+        blocks: &VariantBlocks,
+        hashes: &[u64],
+        live: &[(usize, u32, u64)],
+        matched: &mut [u32],
+    ) {
+        let total = hashes.len();
+        // Where each live instance's walk starts: its deepest vouched-for checkpoint, else 0.
+        let mut start = vec![0usize; live.len()];
+        let mut open = live.len();
+        for depth in (1..=total / CHECKPOINT_BLOCKS)
+            .rev()
+            .map(|k| k * CHECKPOINT_BLOCKS)
+        {
+            if open == 0 {
+                break;
+            }
+            for (slot, epoch) in self.walks.holders(hashes[depth - 1]) {
+                for (index, &(_, live_slot, live_epoch)) in live.iter().enumerate() {
+                    if start[index] == 0 && (live_slot, live_epoch) == (slot, epoch) {
+                        start[index] = depth;
+                        open -= 1;
+                    }
+                }
+            }
+        }
+        let mut waiting: Vec<usize> = (0..live.len()).collect();
+        waiting.sort_by_key(|&index| std::cmp::Reverse(start[index]));
+        // Indexes into `live` of the instances still matching at `depth`.
+        let mut active: Vec<usize> = Vec::with_capacity(live.len());
+        let mut depth = 0;
+        loop {
+            while waiting.last().is_some_and(|&index| start[index] <= depth) {
+                active.extend(waiting.pop());
+            }
+            let next_start = waiting.last().map(|&index| start[index]);
+            if active.is_empty() {
+                match next_start {
+                    Some(next) => {
+                        depth = next;
+                        continue;
+                    }
+                    None => break,
+                }
+            }
+            if depth >= total {
+                break;
+            }
+            // Up to the next waiting instance's start, so that it joins there.
+            let size = LOOKUP_BATCH.min(next_start.unwrap_or(total).min(total) - depth);
+            #[cfg(test)]
+            self.lookups.fetch_add(size as u64, Ordering::Relaxed);
+            // The batch's lookups do not depend on each other, so the CPU overlaps their
+            // cache misses (in a full index nearly every lookup is one); then the walk.
+            let found: [Option<&Holders>; LOOKUP_BATCH] = std::array::from_fn(|offset| {
+                if offset < size {
+                    blocks.holders.get(&hashes[depth + offset])
+                } else {
+                    None
+                }
+            });
+            for (offset, holders) in found[..size].iter().enumerate() {
+                if active.is_empty() {
+                    break;
+                }
+                active.retain(|&index| {
+                    let (position, slot, _) = live[index];
+                    let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                    if !held {
+                        matched[position] = (depth + offset) as u32;
+                    }
+                    held
+                });
+            }
+            depth += size;
+        }
+        for index in active {
+            matched[live[index].0] = total as u32;
+        }
+        // The deepest checkpoints some instance reached: the next prompt with the same start
+        // (a longer turn, another question after the same system prompt) finds one of them.
+        let reached = live
+            .iter()
+            .map(|&(position, _, _)| matched[position] as usize)
+            .max()
+            .unwrap_or(0);
+        let deepest = (1..=reached / CHECKPOINT_BLOCKS)
+            .rev()
+            .map(|k| k * CHECKPOINT_BLOCKS);
+        for depth in deepest.take(RECORDED_CHECKPOINTS) {
+            let holders: smallvec::SmallVec<[(u32, u64); 4]> = live
+                .iter()
+                .filter(|&&(position, _, _)| matched[position] as usize >= depth)
+                .map(|&(_, slot, epoch)| (slot, epoch))
+                .collect();
+            self.walks.record(hashes[depth - 1], holders);
+        }
+    }
+
+    /// (position in `instances`, slot, epoch) of the instances known and live.
+    fn live_slots(blocks: &VariantBlocks, instances: &[InstanceId]) -> Vec<(usize, u32, u64)> {
         instances
             .iter()
             .enumerate()
             .filter_map(|(position, id)| {
                 let slot = *blocks.by_id.get(id)?;
-                let live = blocks.slots[slot as usize]
-                    .as_ref()
-                    .is_some_and(|instance| instance.freshness == Freshness::Live);
-                live.then_some((position, slot))
+                let instance = blocks.slots[slot as usize].as_ref()?;
+                (instance.freshness == Freshness::Live).then_some((position, slot, instance.epoch))
             })
             .collect()
     }
@@ -1001,6 +1169,43 @@ mod tests {
             &IndexSettings::default(),
             &IndexCounters::default(),
         );
+    }
+
+    #[test]
+    fn a_walk_starts_where_an_earlier_one_found_the_chain_held_until_a_block_is_lost() {
+        let index = VariantIndex::default();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes: Vec<u64> = (100..120).collect();
+        apply(&index, "a", vec![stored(None, &hashes, &tokens)]);
+        // 20 blocks of 2, and one more token (the last token's block is never a hit).
+        let prompt: Vec<u32> = (0..41).collect();
+        let walk = |expected: u32| {
+            let before = index.lookups.load(Ordering::Relaxed);
+            let found = index.match_tokens(&prompt, &[id("a"), id("b")]).unwrap();
+            assert_eq!(found.matched, [expected, 0]);
+            index.lookups.load(Ordering::Relaxed) - before
+        };
+        assert_eq!(walk(20), 20, "the first walk looks up every block");
+        assert_eq!(walk(20), 0, "the next starts at the last checkpoint");
+        // A block stored since is found past the checkpoint (a longer prompt).
+        let longer: Vec<u32> = (0..45).collect();
+        apply(
+            &index,
+            "a",
+            vec![stored(Some(119), &[120, 121], &longer[40..44])],
+        );
+        let found = index.match_tokens(&longer, &[id("a")]).unwrap();
+        assert_eq!(found.matched, [22]);
+        // A lost block voids what was known of the instance: walked from the start again.
+        apply(&index, "a", vec![removed(&[115])]);
+        // (Lookups go 32 at a time, so a walk counts its whole batch.)
+        assert_eq!(walk(15), 20);
+        assert_eq!(walk(15), 6, "from the checkpoint at 14");
+        // Another instance's loss changes nothing for this one (nor does an instance that
+        // held the first block once).
+        apply(&index, "b", vec![stored(None, &[200], &[0, 1])]);
+        apply(&index, "b", vec![removed(&[200])]);
+        assert_eq!(walk(15), 6);
     }
 
     #[test]
@@ -1470,6 +1675,18 @@ mod tests {
                         let hash = engine_hash(p, start);
                         if engine.remove(&hash).is_some() {
                             apply(&index, name, vec![removed(&[hash])]);
+                        }
+                    }
+                    // Walking from token ids (twice: the second walk may start at checkpoints
+                    // the first recorded, whatever changed since the last op).
+                    for p in 0..4 {
+                        for _ in 0..2 {
+                            let Some(found) = index.match_tokens(&prompt(p), &[id("x"), id("y")]) else { continue };
+                            for (instance, held) in held.iter().enumerate() {
+                                // (The block of the last prompt token is never a hit.)
+                                let expected = (0..5).take_while(|j| held.contains_key(&engine_hash(p, *j))).count() as u32;
+                                prop_assert_eq!(found.matched[instance], expected, "prompt {} instance {}", p, instance);
+                            }
                         }
                     }
                 }
