@@ -33,7 +33,7 @@
 //!
 //! Concurrency: one `RwLock` per variant. Subscribers take it for writing once per batch;
 //! the request path takes it for reading for one walk over the request's hashes (no await
-//! while held).
+//! while held), and under it one [`WalkCache`] entry's mutex at a time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -533,10 +533,11 @@ pub struct TokenMatch {
 /// Blocks between two checkpoints of a [`WalkCache`].
 const CHECKPOINT_BLOCKS: usize = if cfg!(test) { 2 } else { 64 };
 /// Checkpoints a variant's [`WalkCache`] keeps (direct-mapped by chain hash; about 100 bytes
-/// each, allocated by the variant's first walk over a prompt of a checkpoint or more).
-const WALK_CACHE_ENTRIES: usize = 8192;
-/// Checkpoints a walk records: the deepest it reached.
-const RECORDED_CHECKPOINTS: usize = 4;
+/// each, 400 KB, allocated by the variant's first walk past a checkpoint, freed with the
+/// variant).
+const WALK_CACHE_ENTRIES: usize = 4096;
+/// Checkpoints a walk records per depth an instance reached: the deepest up to it.
+const RECORDED_CHECKPOINTS: usize = 2;
 
 /// What earlier walks found at a checkpoint of a chain (every [`CHECKPOINT_BLOCKS`]th block):
 /// the instances that held every block of the chain up to it, each with its epoch then.
@@ -679,7 +680,7 @@ impl VariantIndex {
         let mut matched = vec![0u32; instances.len()];
         let live = Self::live_slots(&blocks, instances);
         // The chain's hashes, as far as they are needed: the tie-break key covers the first
-        // blocks; the walk needs all `total` only if some instance holds the first.
+        // blocks; the walk needs all `total` only if some instance holds the head.
         let mut hashes = Vec::new();
         let mut parent = chain.seed();
         let mut hash_to = |count: usize, hashes: &mut Vec<u64>| {
@@ -704,8 +705,19 @@ impl VariantIndex {
             .filter(|&(_, slot, _)| held(slot, first))
             .collect();
         if total > 0 && !walkers.is_empty() {
-            hash_to(total, &mut hashes);
-            self.walk(&blocks, &hashes[..total], &walkers, &mut matched);
+            // The head (one batch of lookups) for all of them: a prompt they share only the
+            // start of (a chat template's) is hashed no further.
+            let head = LOOKUP_BATCH.min(CHECKPOINT_BLOCKS).min(total);
+            hash_to(head, &mut hashes);
+            let still = self.walk_head(&blocks, &hashes[..head], walkers, &mut matched);
+            if head == total {
+                for &(position, _, _) in &still {
+                    matched[position] = total as u32;
+                }
+            } else if !still.is_empty() {
+                hash_to(total, &mut hashes);
+                self.walk(&blocks, &hashes[..total], &still, head, &mut matched);
+            }
         }
         Some(TokenMatch {
             matched,
@@ -715,30 +727,58 @@ impl VariantIndex {
         })
     }
 
-    /// Sets `matched` (by position in the instances asked about) for the `live` instances: the
-    /// leading `hashes` each holds, walked from the deepest checkpoint the [`WalkCache`] vouches
-    /// for, the lookups 32 at a time; then records the checkpoints this walk reached.
+    /// The `walkers` that hold every block of `head` (one batch of lookups); `matched` set for
+    /// the others.
+    fn walk_head(
+        &self,
+        blocks: &VariantBlocks,
+        head: &[u64],
+        mut walkers: Vec<(usize, u32, u64)>,
+        matched: &mut [u32],
+    ) -> Vec<(usize, u32, u64)> {
+        #[cfg(test)]
+        self.lookups.fetch_add(head.len() as u64, Ordering::Relaxed);
+        let found: [Option<&Holders>; LOOKUP_BATCH] =
+            std::array::from_fn(|depth| head.get(depth).and_then(|hash| blocks.holders.get(hash)));
+        for (depth, holders) in found[..head.len()].iter().enumerate() {
+            walkers.retain(|&(position, slot, _)| {
+                let held = holders.is_some_and(|holders| holders.binary_search(&slot).is_ok());
+                if !held {
+                    matched[position] = depth as u32;
+                }
+                held
+            });
+        }
+        walkers
+    }
+
+    /// Sets `matched` (by position in the instances asked about) for the `live` instances,
+    /// which hold the first `from` of `hashes`: the leading `hashes` each holds, walked from
+    /// the deepest checkpoint the [`WalkCache`] vouches for (else from `from`), the lookups 32
+    /// at a time; then records the checkpoints this walk reached.
     fn walk(
         &self,
         blocks: &VariantBlocks,
         hashes: &[u64],
         live: &[(usize, u32, u64)],
+        from: usize,
         matched: &mut [u32],
     ) {
         let total = hashes.len();
-        // Where each live instance's walk starts: its deepest vouched-for checkpoint, else 0.
-        let mut start = vec![0usize; live.len()];
+        // Where each live instance's walk starts: its deepest vouched-for checkpoint, else
+        // `from`.
+        let mut start = vec![from; live.len()];
         let mut open = live.len();
         for depth in (1..=total / CHECKPOINT_BLOCKS)
             .rev()
             .map(|k| k * CHECKPOINT_BLOCKS)
         {
-            if open == 0 {
+            if open == 0 || depth <= from {
                 break;
             }
             for (slot, epoch) in self.walks.holders(hashes[depth - 1]) {
                 for (index, &(_, live_slot, live_epoch)) in live.iter().enumerate() {
-                    if start[index] == 0 && (live_slot, live_epoch) == (slot, epoch) {
+                    if start[index] == from && (live_slot, live_epoch) == (slot, epoch) {
                         start[index] = depth;
                         open -= 1;
                     }
@@ -749,7 +789,7 @@ impl VariantIndex {
         waiting.sort_by_key(|&index| std::cmp::Reverse(start[index]));
         // Indexes into `live` of the instances still matching at `depth`.
         let mut active: Vec<usize> = Vec::with_capacity(live.len());
-        let mut depth = 0;
+        let mut depth = from;
         loop {
             while waiting.last().is_some_and(|&index| start[index] <= depth) {
                 active.extend(waiting.pop());
@@ -798,17 +838,23 @@ impl VariantIndex {
         for index in active {
             matched[live[index].0] = total as u32;
         }
-        // The deepest checkpoints some instance reached: the next prompt with the same start
-        // (a longer turn, another question after the same system prompt) finds one of them.
-        let reached = live
+        // For each depth an instance reached, the deepest checkpoints up to it: the next prompt
+        // with the same start (a longer turn, another question after the same system prompt)
+        // finds one of them, for every instance that holds it.
+        let mut depths: Vec<usize> = live
             .iter()
-            .map(|&(position, _, _)| matched[position] as usize)
-            .max()
-            .unwrap_or(0);
-        let deepest = (1..=reached / CHECKPOINT_BLOCKS)
-            .rev()
-            .map(|k| k * CHECKPOINT_BLOCKS);
-        for depth in deepest.take(RECORDED_CHECKPOINTS) {
+            .flat_map(|&(position, _, _)| {
+                let reached = matched[position] as usize / CHECKPOINT_BLOCKS;
+                (1..=reached)
+                    .rev()
+                    .take(RECORDED_CHECKPOINTS)
+                    .map(|k| k * CHECKPOINT_BLOCKS)
+            })
+            .filter(|&depth| depth > from)
+            .collect();
+        depths.sort_unstable();
+        depths.dedup();
+        for depth in depths {
             let holders: smallvec::SmallVec<[(u32, u64); 4]> = live
                 .iter()
                 .filter(|&&(position, _, _)| matched[position] as usize >= depth)
@@ -1186,7 +1232,11 @@ mod tests {
             index.lookups.load(Ordering::Relaxed) - before
         };
         assert_eq!(walk(20), 20, "the first walk looks up every block");
-        assert_eq!(walk(20), 0, "the next starts at the last checkpoint");
+        assert_eq!(
+            walk(20),
+            2,
+            "the next: the head, then from the last checkpoint"
+        );
         // A block stored since is found past the checkpoint (a longer prompt).
         let longer: Vec<u32> = (0..45).collect();
         apply(
@@ -1200,12 +1250,12 @@ mod tests {
         apply(&index, "a", vec![removed(&[115])]);
         // (Lookups go 32 at a time, so a walk counts its whole batch.)
         assert_eq!(walk(15), 20);
-        assert_eq!(walk(15), 6, "from the checkpoint at 14");
+        assert_eq!(walk(15), 2 + 6, "the head, then from the checkpoint at 14");
         // Another instance's loss changes nothing for this one (nor does an instance that
         // held the first block once).
         apply(&index, "b", vec![stored(None, &[200], &[0, 1])]);
         apply(&index, "b", vec![removed(&[200])]);
-        assert_eq!(walk(15), 6);
+        assert_eq!(walk(15), 2 + 6);
     }
 
     #[test]
@@ -1613,6 +1663,192 @@ mod tests {
                 a.matched_blocks(&hashes, &ids),
                 b.matched_blocks(&hashes, &ids)
             );
+        }
+    }
+
+    mod walk_cache {
+        //! Walking from token ids (with the walk cache) against the plain linear walk over the
+        //! prompt's hashes (`matched_blocks`), after every kind of change to the index: stores
+        //! (some reusing another chain's engine hashes), removals, clears, an instance leaving
+        //! and coming back, staleness, the budget, a larger block size; three chains (plain, a
+        //! LoRA adapter, a salt) and three instance lists (with duplicates and an unknown id).
+        use super::*;
+        use proptest::prelude::*;
+
+        const BLOCK: usize = 2;
+        const BLOCKS: usize = 7;
+        /// Four prompts of 7 blocks and a token; 0-1 share 4 blocks, 2-3 share 1.
+        fn prompt(p: usize) -> Vec<u32> {
+            let shared = [4, 4, 1, 1][p];
+            (0..BLOCKS * BLOCK + 1)
+                .map(|t| {
+                    if t / BLOCK < shared {
+                        (p / 2 * 100 + t) as u32
+                    } else {
+                        (p * 1000 + t) as u32
+                    }
+                })
+                .collect()
+        }
+        fn engine_hash(p: usize, j: usize, lora: bool) -> u64 {
+            let mut chain: Vec<u8> = prompt(p)[..(j + 1) * BLOCK]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            chain.push(u8::from(lora));
+            xxhash_rust::xxh3::xxh3_64(&chain)
+        }
+        fn stored_as(
+            parent: Option<u64>,
+            hashes: &[u64],
+            tokens: &[u32],
+            block_size: u32,
+            lora: bool,
+        ) -> KvEvent {
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes.iter().map(|hash| EngineHash(*hash)).collect(),
+                parent_block_hash: parent.map(EngineHash),
+                token_ids: tokens.to_vec(),
+                block_size,
+                medium: Some("GPU".into()),
+                lora_name: lora.then(|| "l".to_string()),
+                extra_keys: if lora {
+                    hashes
+                        .iter()
+                        .map(|_| ExtraKeys::Strings(vec!["l".into()]))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+                ..BlockStored::default()
+            })
+        }
+        /// The linear walk over the prompt's hashes.
+        fn linear(
+            index: &VariantIndex,
+            tokens: &[u32],
+            chain: ChainKey<'_>,
+            list: &[InstanceId],
+        ) -> Option<TokenMatch> {
+            let block_size = index.block_size()?;
+            let total = tokens.len().saturating_sub(1) / block_size;
+            let full = tokens.len() / block_size;
+            let mut hashes = Vec::new();
+            chain_hashes(
+                chain.seed(),
+                &tokens[..full * block_size],
+                block_size,
+                &mut hashes,
+            );
+            Some(TokenMatch {
+                matched: index.matched_blocks(&hashes[..total], list),
+                blocks: total as u32,
+                block_size,
+                prefix_key: hashes[..PREFIX_KEY_BLOCKS.min(full)]
+                    .last()
+                    .copied()
+                    .unwrap_or(0),
+            })
+        }
+        const NAMES: [&str; 3] = ["x", "y", "z"];
+
+        #[test]
+        fn a_cleared_instance_is_walked_from_the_start_again() {
+            let index = VariantIndex::default();
+            let store = |count: usize| {
+                let hashes: Vec<u64> = (0..count).map(|j| engine_hash(0, j, false)).collect();
+                apply(
+                    &index,
+                    "x",
+                    vec![stored_as(
+                        None,
+                        &hashes,
+                        &prompt(0)[..count * BLOCK],
+                        BLOCK as u32,
+                        false,
+                    )],
+                );
+            };
+            let tokens = &prompt(0)[..9];
+            let walk = || {
+                index
+                    .match_prompt(tokens, ChainKey::default(), &[id("x")])
+                    .unwrap()
+                    .matched
+            };
+            store(4);
+            assert_eq!(walk(), [4]);
+            apply(
+                &index,
+                "x",
+                vec![KvEvent::AllBlocksCleared { medium: None }],
+            );
+            store(2);
+            assert_eq!(walk(), [2]);
+            index.clear(&id("x"), false);
+            store(3);
+            assert_eq!(walk(), [3]);
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn a_walk_from_checkpoints_equals_the_linear_walk(
+                budget in 0usize..3,
+                ops in proptest::collection::vec((0usize..16, 0usize..3, 0usize..4, 0usize..BLOCKS, 1usize..5, any::<bool>(), any::<bool>()), 1..60),
+            ) {
+                let index = VariantIndex::default();
+                let settings = IndexSettings { max_blocks_per_instance: [1, 2, DEFAULT_MAX_BLOCKS_PER_INSTANCE][budget] };
+                let counters = IndexCounters::default();
+                let lists: Vec<Vec<InstanceId>> = vec![
+                    NAMES.iter().map(|name| id(name)).collect(),
+                    vec![id("z"), id("y")],
+                    vec![id("x"), id("x"), id("y"), id("w")],
+                ];
+                for (kind, instance, p, start, len, lora, flag) in ops {
+                    let name = NAMES[instance];
+                    let send = |events: Vec<KvEvent>| index.apply(&id(name), &batch(events), &settings, &counters);
+                    match kind {
+                        0..=7 => {
+                            // Blocks [start, start + len) of prompt p after their parent; with
+                            // `flag`, kind 7 reuses another prompt's engine hashes.
+                            let end = (start + len).min(BLOCKS);
+                            let hashed = if flag && kind == 7 { (p + 1) % 4 } else { p };
+                            let hashes: Vec<u64> = (start..end).map(|j| engine_hash(hashed, j, lora)).collect();
+                            let tokens = prompt(p)[start * BLOCK..end * BLOCK].to_vec();
+                            let parent = start.checked_sub(1).map(|j| engine_hash(hashed, j, lora));
+                            send(vec![stored_as(parent, &hashes, &tokens, BLOCK as u32, lora)]);
+                        }
+                        8..=10 => send(vec![removed(&[engine_hash(p, start, lora)])]),
+                        11 => send(vec![KvEvent::AllBlocksCleared { medium: None }]),
+                        12 => index.clear(&id(name), flag),
+                        13 | 14 => index.set_freshness(&id(name), if flag { Freshness::Stale } else { Freshness::Live }),
+                        _ => {
+                            if flag && len == 4 {
+                                // A larger block size: the index restarts if it comes from the
+                                // instance that set the block size.
+                                let hashes = [engine_hash(p, 0, lora) ^ 7];
+                                send(vec![stored_as(None, &hashes, &prompt(p)[..2 * BLOCK], 2 * BLOCK as u32, lora)]);
+                            }
+                        }
+                    }
+                    for p in 0..4 {
+                        for cut in [3usize, 9, 15] {
+                            let tokens = &prompt(p)[..cut];
+                            for chain in [ChainKey::default(), ChainKey { lora_name: Some("l"), cache_salt: None }] {
+                                for list in &lists {
+                                    let expected = linear(&index, tokens, chain, list);
+                                    for round in 0..2 {
+                                        let found = index.match_prompt(tokens, chain, list);
+                                        prop_assert_eq!(&found, &expected, "prompt {} cut {} round {} list {:?}", p, cut, round, list);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 
