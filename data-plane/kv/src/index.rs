@@ -593,6 +593,9 @@ impl WalkCache {
 pub struct VariantIndex {
     blocks: RwLock<VariantBlocks>,
     walks: WalkCache,
+    /// Instances walked past a prompt's first 32 blocks, and of them those walked from a
+    /// checkpoint (the [`WalkCache`]'s hits).
+    walked: [AtomicU64; 2],
     /// Blocks looked up by walks (tests).
     #[cfg(test)]
     lookups: AtomicU64,
@@ -609,6 +612,16 @@ impl VariantIndex {
         self.blocks
             .write()
             .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Instances walked past a prompt's first 32 blocks, and of them those walked from a
+    /// checkpoint, since the index was made.
+    pub fn walked(&self) -> (u64, u64) {
+        let [walked, from_checkpoint] = &self.walked;
+        (
+            walked.load(Ordering::Relaxed),
+            from_checkpoint.load(Ordering::Relaxed),
+        )
     }
 
     /// The block size of the variant's engines, once one has published.
@@ -785,6 +798,8 @@ impl VariantIndex {
                 }
             }
         }
+        self.walked[0].fetch_add(live.len() as u64, Ordering::Relaxed);
+        self.walked[1].fetch_add((live.len() - open) as u64, Ordering::Relaxed);
         let mut waiting: Vec<usize> = (0..live.len()).collect();
         waiting.sort_by_key(|&index| std::cmp::Reverse(start[index]));
         // Indexes into `live` of the instances still matching at `depth`.
@@ -1123,6 +1138,26 @@ impl KvIndex {
             "Instances whose KV events stopped (routed as if they held nothing).",
         );
         out.sample("switchyard_kv_stale_instances", &[], stale as f64);
+        let (walked, from_checkpoint) = self
+            .variants()
+            .iter()
+            .map(|(_, index)| index.walked())
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+        for (name, help, value) in [
+            (
+                "switchyard_kv_walked_instances_total",
+                "Instances walked past a prompt's first 32 blocks in the KV index.",
+                walked,
+            ),
+            (
+                "switchyard_kv_walk_checkpoint_starts_total",
+                "Of those, instances walked from a checkpoint an earlier walk recorded.",
+                from_checkpoint,
+            ),
+        ] {
+            out.family(name, "counter", help);
+            out.sample(name, &[], value as f64);
+        }
         let counters = &self.counters;
         for (name, help, value) in [
             (
@@ -1237,6 +1272,7 @@ mod tests {
             2,
             "the next: the head, then from the last checkpoint"
         );
+        assert_eq!(index.walked(), (2, 1));
         // A block stored since is found past the checkpoint (a longer prompt).
         let longer: Vec<u32> = (0..45).collect();
         apply(
