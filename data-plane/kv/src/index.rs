@@ -778,9 +778,9 @@ impl VariantIndex {
         matched: &mut [u32],
     ) {
         let total = hashes.len();
-        // Where each live instance's walk starts: its deepest vouched-for checkpoint, else
-        // `from`.
-        let mut start = vec![from; live.len()];
+        // (where its walk starts, index into `live`) of each live instance: its deepest
+        // vouched-for checkpoint, else `from`.
+        let mut waiting: Vec<(usize, usize)> = (0..live.len()).map(|index| (from, index)).collect();
         let mut open = live.len();
         for depth in (1..=total / CHECKPOINT_BLOCKS)
             .rev()
@@ -790,9 +790,10 @@ impl VariantIndex {
                 break;
             }
             for (slot, epoch) in self.walks.holders(hashes[depth - 1]) {
-                for (index, &(_, live_slot, live_epoch)) in live.iter().enumerate() {
-                    if start[index] == from && (live_slot, live_epoch) == (slot, epoch) {
-                        start[index] = depth;
+                for (start, index) in &mut waiting {
+                    let (_, live_slot, live_epoch) = live[*index];
+                    if *start == from && (live_slot, live_epoch) == (slot, epoch) {
+                        *start = depth;
                         open -= 1;
                     }
                 }
@@ -800,16 +801,15 @@ impl VariantIndex {
         }
         self.walked[0].fetch_add(live.len() as u64, Ordering::Relaxed);
         self.walked[1].fetch_add((live.len() - open) as u64, Ordering::Relaxed);
-        let mut waiting: Vec<usize> = (0..live.len()).collect();
-        waiting.sort_by_key(|&index| std::cmp::Reverse(start[index]));
+        waiting.sort_by_key(|&(start, _)| std::cmp::Reverse(start));
         // Indexes into `live` of the instances still matching at `depth`.
         let mut active: Vec<usize> = Vec::with_capacity(live.len());
         let mut depth = from;
         loop {
-            while waiting.last().is_some_and(|&index| start[index] <= depth) {
-                active.extend(waiting.pop());
+            while waiting.last().is_some_and(|&(start, _)| start <= depth) {
+                active.extend(waiting.pop().map(|(_, index)| index));
             }
-            let next_start = waiting.last().map(|&index| start[index]);
+            let next_start = waiting.last().map(|&(start, _)| start);
             if active.is_empty() {
                 match next_start {
                     Some(next) => {
@@ -1702,6 +1702,20 @@ mod tests {
         }
     }
 
+    /// Prompt `p` of `len` tokens: its first `shared` tokens are those of its pair (0-1, 2-3),
+    /// the rest its own.
+    fn paired_prompt(p: usize, shared: usize, len: usize) -> Vec<u32> {
+        (0..len)
+            .map(|t| {
+                if t < shared {
+                    (p / 2 * 100 + t) as u32
+                } else {
+                    (p * 1000 + t) as u32
+                }
+            })
+            .collect()
+    }
+
     mod walk_cache {
         //! Walking from token ids (with the walk cache) against the plain linear walk over the
         //! prompt's hashes (`matched_blocks`), after every kind of change to the index: stores
@@ -1715,16 +1729,7 @@ mod tests {
         const BLOCKS: usize = 7;
         /// Four prompts of 7 blocks and a token; 0-1 share 4 blocks, 2-3 share 1.
         fn prompt(p: usize) -> Vec<u32> {
-            let shared = [4, 4, 1, 1][p];
-            (0..BLOCKS * BLOCK + 1)
-                .map(|t| {
-                    if t / BLOCK < shared {
-                        (p / 2 * 100 + t) as u32
-                    } else {
-                        (p * 1000 + t) as u32
-                    }
-                })
-                .collect()
+            paired_prompt(p, [4, 4, 1, 1][p] * BLOCK, BLOCKS * BLOCK + 1)
         }
         fn engine_hash(p: usize, j: usize, lora: bool) -> u64 {
             let mut chain: Vec<u8> = prompt(p)[..(j + 1) * BLOCK]
@@ -1899,16 +1904,7 @@ mod tests {
         const BLOCK: usize = 2;
         /// Four prompts of 6 blocks; prompts 0-1 share 3 blocks, 2-3 share 1.
         fn prompt(p: usize) -> Vec<u32> {
-            let shared = [3, 3, 1, 1][p];
-            (0..6 * BLOCK)
-                .map(|t| {
-                    if t / BLOCK < shared {
-                        (p / 2 * 100 + t) as u32
-                    } else {
-                        (p * 1000 + t) as u32
-                    }
-                })
-                .collect()
+            paired_prompt(p, [3, 3, 1, 1][p] * BLOCK, 6 * BLOCK)
         }
         /// The engine's hash of block j of prompt p: a function of the chain's content.
         fn engine_hash(p: usize, j: usize) -> u64 {
