@@ -4,18 +4,20 @@
 //! Hugging Face's `tojson` filter calls.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use minijinja::Value;
 use minijinja::value::ValueKind;
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-/// A JSON value whose objects keep their key order.
+/// A JSON value whose objects keep their key order. Strings are shared, so that a long
+/// message's text is copied once, from the body, and reaches the template without another copy.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Json {
     Null,
     Bool(bool),
     Number(serde_json::Number),
-    String(String),
+    String(Arc<str>),
     Array(Vec<Json>),
     Object(Vec<(String, Json)>),
 }
@@ -59,7 +61,7 @@ impl Json {
                     Value::from(number.as_f64().unwrap_or(f64::NAN))
                 }
             }
-            Json::String(text) => Value::from(text.as_str()),
+            Json::String(text) => Value::from(Arc::clone(text)),
             Json::Array(items) => Value::from_iter(items.iter().map(Json::to_value)),
             Json::Object(fields) => Value::from_pairs(
                 fields
@@ -99,10 +101,10 @@ impl<'de> Deserialize<'de> for Json {
                     .ok_or_else(|| E::custom("a number that is not finite"))
             }
             fn visit_str<E>(self, value: &str) -> Result<Json, E> {
-                Ok(Json::String(value.to_owned()))
+                Ok(Json::String(value.into()))
             }
             fn visit_string<E>(self, value: String) -> Result<Json, E> {
-                Ok(Json::String(value))
+                Ok(Json::String(value.into()))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json, A::Error> {
                 let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));

@@ -627,7 +627,7 @@ fn names_tool_use_template(config: &Json) -> bool {
 /// `tool_use` one is not chosen here: such a config is left to its default).
 fn template_in_config(config: &Json) -> Option<String> {
     match config.get("chat_template")? {
-        Json::String(source) => Some(source.clone()),
+        Json::String(source) => Some(source.to_string()),
         Json::Array(named) => named.iter().find_map(|entry| {
             (entry.get("name")?.as_str()? == "default")
                 .then(|| entry.get("template")?.as_str().map(str::to_owned))
@@ -644,7 +644,7 @@ fn special_tokens_of(config: &Json) -> Vec<(String, Value)> {
         .iter()
         .filter_map(|name| {
             let text = match config.get(name)? {
-                Json::String(text) => text.clone(),
+                Json::String(text) => text.to_string(),
                 object @ Json::Object(_) => object.get("content")?.as_str()?.to_owned(),
                 _ => return None,
             };

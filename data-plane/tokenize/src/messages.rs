@@ -15,6 +15,8 @@
 //! the `developer` role (vLLM rewrites it for templates without it), and a system text
 //! starting with Claude Code's billing header (vLLM strips that line).
 
+use std::sync::Arc;
+
 use crate::json::Json;
 use crate::template::ContentFormat;
 use crate::{Invalid, Refusal, Unsupported};
@@ -53,7 +55,10 @@ fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
     }
     let mut out: Vec<(String, Json)> = vec![("role".into(), Json::String(role.into()))];
     let content = if role == "tool" || format == ContentFormat::String {
-        Json::String(texts.join("\n"))
+        match texts.as_slice() {
+            [text] => Json::String(Arc::clone(text)),
+            _ => Json::String(texts.join("\n").into()),
+        }
     } else {
         Json::Array(
             texts
@@ -100,8 +105,8 @@ fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
     Ok(Json::Object(out))
 }
 
-/// The texts of a message's content.
-fn texts_of(content: Option<&Json>) -> Result<Vec<String>, Refusal> {
+/// The texts of a message's content (shared, not copied).
+fn texts_of(content: Option<&Json>) -> Result<Vec<Arc<str>>, Refusal> {
     match content {
         None | Some(Json::Null) => Ok(Vec::new()),
         Some(Json::String(text)) => Ok(vec![text.clone()]),
@@ -115,7 +120,7 @@ fn texts_of(content: Option<&Json>) -> Result<Vec<String>, Refusal> {
     }
 }
 
-fn text_of_part(part: &Json) -> Result<String, Refusal> {
+fn text_of_part(part: &Json) -> Result<Arc<str>, Refusal> {
     match part {
         Json::String(text) => Ok(text.clone()),
         Json::Object(fields) => {

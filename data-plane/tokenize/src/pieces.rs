@@ -141,7 +141,16 @@ impl Pieces {
         if !cut(at, text.len(), &mut parts) {
             return Ok(None);
         }
-        let mut ids = Vec::with_capacity(text.len() / 3 + 8);
+        // Sized once: a long cached prompt's ids are not copied again by a reallocation.
+        let capacity = parts
+            .iter()
+            .map(|part| match part {
+                Part::Marker(_) => 1,
+                Part::Cached(ids) => ids.len(),
+                Part::Fresh(_, len, _) => len / 2 + 1,
+            })
+            .sum();
+        let mut ids = Vec::with_capacity(capacity);
         let (mut hits, mut misses) = (0, 0);
         // Fresh pieces tokenized in this call, for their repeats (the cache may not keep them).
         let mut done: std::collections::HashMap<(u128, usize), std::sync::Arc<[u32]>> =
