@@ -103,8 +103,8 @@ impl FastBpe {
         })
     }
 
-    /// The ids of `text` (no special tokens added), as `tokenizer` (the one this was made
-    /// for) gives them.
+    /// The ids of `text` (no special tokens added), as `tokenizer` gives them. `tokenizer`
+    /// must be the one this was made for, every time: the word cache keeps that model's ids.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {
         let model = tokenizer.get_model();
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
@@ -161,45 +161,60 @@ impl FastBpe {
 /// Pieces of new text seen before (words, mostly: a question's, a new turn's) and their ids,
 /// so a piece costs one lookup in a small table instead of the BPE model's work, which on a
 /// serving thread whose caches other requests have filled is mostly misses in the model's
-/// large vocabulary and merge tables. Exact: a piece's ids depend on the piece alone. Only
-/// pieces of at most [`Word::MOST_BYTES`] bytes and [`Word::MOST_IDS`] ids are kept, inline;
-/// at most [`WORDS_PER_SHARD`] in each of [`WORD_SHARDS`] shards; a full shard is emptied
-/// (at most about 4 MiB in all).
+/// large vocabulary and merge tables. Exact: a piece's ids depend on the piece alone (for the
+/// one model this [`FastBpe`] serves). Only pieces of at most [`Word::MOST_BYTES`] bytes and
+/// [`Word::MOST_IDS`] ids are kept, inline; at most [`WORDS_PER_SHARD`] in each of
+/// [`WORD_SHARDS`] shards, whose tables are sized once so that they never grow (64 bytes an
+/// entry, about 2 MiB in all, allocated by a shard's first word); a full shard is emptied. A
+/// shard another thread holds is passed by (a miss, or nothing kept): a serving thread never
+/// waits here.
 struct Words {
-    shards: Box<[Mutex<HashMap<u64, Word>>]>,
+    shards: Box<[Shard]>,
 }
 
+/// A shard on cache lines of its own (two threads using neighbouring shards do not contend).
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard(Mutex<HashMap<u64, Word>>);
+
 const WORD_SHARDS: usize = 8;
-const WORDS_PER_SHARD: usize = 4096;
+/// 7/8 of a 4,096-slot table: the most it holds without growing.
+const WORDS_PER_SHARD: usize = 3584;
 
 impl Default for Words {
     fn default() -> Self {
         Self {
-            shards: (0..WORD_SHARDS)
-                .map(|_| Mutex::new(HashMap::new()))
-                .collect(),
+            shards: (0..WORD_SHARDS).map(|_| Shard::default()).collect(),
         }
     }
 }
 
 impl Words {
-    fn shard(&self, key: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Word>> {
+    /// `key`'s shard, or None while another thread holds it.
+    fn shard(&self, key: u64) -> Option<std::sync::MutexGuard<'_, HashMap<u64, Word>>> {
         // The shard from the high bits, the map's own hash from all of them.
         let shard = &self.shards[(key >> 61) as usize % WORD_SHARDS];
-        shard
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        match shard.0.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Appends `piece`'s ids to `ids` when they are kept.
     fn extend(&self, key: u64, piece: &str, ids: &mut Vec<u32>) -> bool {
-        let shard = self.shard(key);
-        match shard.get(&key) {
-            Some(word) if word.text() == piece.as_bytes() => {
-                ids.extend_from_slice(word.ids());
+        let found = self.shard(key).and_then(|shard| {
+            shard
+                .get(&key)
+                .filter(|word| word.text() == piece.as_bytes())
+                .map(|word| (word.ids, word.ids_len))
+        });
+        match found {
+            Some((found, len)) => {
+                ids.extend_from_slice(&found[..usize::from(len)]);
                 true
             }
-            _ => false,
+            None => false,
         }
     }
 
@@ -207,9 +222,13 @@ impl Words {
         let Some(word) = Word::new(piece, ids) else {
             return;
         };
-        let mut shard = self.shard(key);
+        let Some(mut shard) = self.shard(key) else {
+            return;
+        };
         if shard.len() >= WORDS_PER_SHARD {
             shard.clear();
+        } else if shard.capacity() == 0 {
+            shard.reserve(WORDS_PER_SHARD);
         }
         shard.insert(key, word);
     }
@@ -244,10 +263,6 @@ impl Word {
 
     fn text(&self) -> &[u8] {
         &self.text[..usize::from(self.text_len)]
-    }
-
-    fn ids(&self) -> &[u32] {
-        &self.ids[..usize::from(self.ids_len)]
     }
 }
 
@@ -325,9 +340,26 @@ mod tests {
         // Keys below 2^61 share the first shard; a full shard is emptied, never outgrown.
         for key in 0..=(WORDS_PER_SHARD as u64 * 2) {
             words.put(key, "w", &[4]);
-            assert!(words.shard(key).len() <= WORDS_PER_SHARD);
+            let shard = words.shard(key).expect("no other thread");
+            assert!(shard.len() <= WORDS_PER_SHARD);
+            assert!(
+                shard.capacity() < 2 * WORDS_PER_SHARD,
+                "the table never grew"
+            );
         }
         assert!(words.extend(WORDS_PER_SHARD as u64 * 2, "w", &mut ids));
+        // A shard another thread holds is passed by, not waited for.
+        let other = 1 << 61;
+        words.put(other, "v", &[5]);
+        let held = words.shard(other).expect("free");
+        assert!(!words.extend(other, "v", &mut ids), "a miss while held");
+        words.put(other + 1, "u", &[6]);
+        drop(held);
+        assert!(words.extend(other, "v", &mut ids));
+        assert!(
+            !words.extend(other + 1, "u", &mut ids),
+            "nothing kept while held"
+        );
     }
 
     #[test]
