@@ -106,16 +106,37 @@ impl FastBpe {
     /// The ids of `text` (no special tokens added), as `tokenizer` gives them. `tokenizer`
     /// must be the one this was made for, every time: the word cache keeps that model's ids.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {
+        let unbounded = std::cell::Cell::new(usize::MAX);
+        Ok(self
+            .encode_within(tokenizer, text, &unbounded)?
+            .unwrap_or_default())
+    }
+
+    /// [`Self::encode`], or None when more than `new_words` pieces (what the BPE model is
+    /// asked, about a microsecond or more each; a piece in the word cache costs a lookup) would
+    /// be needed; `new_words` is lowered by those asked. What was asked before giving up is
+    /// kept in the word cache, so a retry costs less.
+    pub fn encode_within(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        new_words: &std::cell::Cell<usize>,
+    ) -> Result<Option<Vec<u32>>, String> {
         let model = tokenizer.get_model();
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         let mut mapped = String::new();
-        let mut piece = |piece: &str, ids: &mut Vec<u32>| -> Result<(), String> {
+        // False once over `new_words`.
+        let mut piece = |piece: &str, ids: &mut Vec<u32>| -> Result<bool, String> {
             let key = (piece.len() <= Word::MOST_BYTES).then(|| xxh3_64(piece.as_bytes()));
             if let Some(key) = key
                 && self.words.extend(key, piece, ids)
             {
-                return Ok(());
+                return Ok(true);
             }
+            let Some(left) = new_words.get().checked_sub(1) else {
+                return Ok(false);
+            };
+            new_words.set(left);
             mapped.clear();
             mapped.extend(piece.bytes().map(|byte| self.byte_chars[usize::from(byte)]));
             let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
@@ -124,7 +145,7 @@ impl FastBpe {
             if let Some(key) = key {
                 self.words.put(key, piece, &ids[start..]);
             }
-            Ok(())
+            Ok(true)
         };
         let mut at = 0;
         while at < text.len() {
@@ -132,8 +153,8 @@ impl FastBpe {
                 break;
             };
             let (start, mut end) = (found.start(), found.end());
-            if start > at {
-                piece(&text[at..start], &mut ids)?;
+            if start > at && !piece(&text[at..start], &mut ids)? {
+                return Ok(None);
             }
             let matched = &text[start..end];
             // `\s+(?!\S)`: the run less its last character when a non-space follows.
@@ -148,13 +169,15 @@ impl FastBpe {
             {
                 end = start + last;
             }
-            piece(&text[start..end], &mut ids)?;
+            if !piece(&text[start..end], &mut ids)? {
+                return Ok(None);
+            }
             at = end;
         }
-        if at < text.len() {
-            piece(&text[at..], &mut ids)?;
+        if at < text.len() && !piece(&text[at..], &mut ids)? {
+            return Ok(None);
         }
-        Ok(ids)
+        Ok(Some(ids))
     }
 }
 

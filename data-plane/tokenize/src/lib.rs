@@ -57,6 +57,33 @@ pub enum Unsupported {
     Large,
 }
 
+/// How much work [`EngineTokenizer::tokenize_within`] may do before it gives up (None), so
+/// that a caller can tokenize a prompt seen before on a thread that must not wait and take a
+/// colder one elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Within {
+    /// Bytes of the prompt the piece cache does not hold.
+    pub fresh_bytes: usize,
+    /// Of those, pieces the BPE model must be asked (not in the fast way's word cache); without
+    /// the fast way, every 8 bytes of new text count as one.
+    pub new_words: usize,
+}
+
+impl Within {
+    /// No bound.
+    pub const ALL: Self = Self {
+        fresh_bytes: usize::MAX,
+        new_words: usize::MAX,
+    };
+
+    fn bounded(self) -> bool {
+        self != Self::ALL
+    }
+}
+
+/// Bytes of new text counted as one word where there is no word cache to tell ([`Within`]).
+const BYTES_PER_NEW_WORD: usize = 8;
+
 /// The largest body tokenized here (the engine is asked for larger ones).
 pub const MOST_BODY_BYTES: usize = 1 << 20;
 /// The most messages in a chat tokenized here.
@@ -291,11 +318,25 @@ impl EngineTokenizer {
     }
 
     /// `text`'s ids without the post-processor's special tokens, the faster way when there is
-    /// one.
-    fn plain(&self, text: &str) -> Result<Vec<u32>, String> {
+    /// one; None when that needs more than `new_words` new words ([`Within::new_words`]),
+    /// which is lowered by those used.
+    fn plain(
+        &self,
+        text: &str,
+        new_words: &std::cell::Cell<usize>,
+    ) -> Result<Option<Vec<u32>>, String> {
         match &self.fast {
-            Some(fast) => fast.encode(&self.tokenizer, text),
-            None => pieces::plain(&self.tokenizer, text),
+            Some(fast) => fast.encode_within(&self.tokenizer, text, new_words),
+            None => {
+                let Some(left) = new_words
+                    .get()
+                    .checked_sub(text.len().div_ceil(BYTES_PER_NEW_WORD))
+                else {
+                    return Ok(None);
+                };
+                new_words.set(left);
+                pieces::plain(&self.tokenizer, text).map(Some)
+            }
         }
     }
 
@@ -306,17 +347,19 @@ impl EngineTokenizer {
     /// What vLLM's `POST /tokenize` answers for `body` (a completions or chat body of its
     /// `/tokenize`).
     pub fn tokenize(&self, body: &[u8]) -> Result<Vec<u32>, Refusal> {
-        Ok(self.tokenize_within(body, usize::MAX)?.unwrap_or_default())
+        Ok(self.tokenize_within(body, Within::ALL)?.unwrap_or_default())
     }
 
-    /// [`Self::tokenize`], or None (nothing tokenized) when more than `fresh_bytes` of the
-    /// rendered prompt is text the piece cache does not hold (the whole prompt without a
-    /// cache): a warm prompt costs its parse, render and lookups, tens of microseconds for a
-    /// long one; a cold one about a millisecond per 3 KiB of fresh text.
+    /// [`Self::tokenize`], or None when it would take more work than `within` allows: more
+    /// than `within.fresh_bytes` of the rendered prompt is text the piece cache does not hold
+    /// (the whole prompt without a cache), or more than `within.new_words` of that text's
+    /// pieces are not in the word cache. A warm prompt costs its parse, render and lookups,
+    /// tens of microseconds for a long one; new text of known words a few microseconds per
+    /// 100 bytes; new words about a microsecond or more each.
     pub fn tokenize_within(
         &self,
         body: &[u8],
-        fresh_bytes: usize,
+        within: Within,
     ) -> Result<Option<Vec<u32>>, Refusal> {
         if body.len() > MOST_BODY_BYTES {
             return Err(Refusal::Engine(Unsupported::Large));
@@ -327,19 +370,24 @@ impl EngineTokenizer {
             // A long conversation's render is work enough whatever is cached.
             let many =
                 matches!(messages, Json::Array(messages) if messages.len() > MOST_MESSAGES_WITHIN);
-            if many && fresh_bytes != usize::MAX {
+            if many && within.bounded() {
                 return Ok(None);
             }
             let rendered = self.chat(&body)?;
-            return self.encode_within(&rendered, fresh_bytes);
+            return self.encode_within(&rendered, within);
         }
         let (prompt, special) = self.completion(&body)?;
         match special {
-            Special::None => self.encode_within(prompt, fresh_bytes),
+            Special::None => self.encode_within(prompt, within),
             Special::Prefix(prefix) => Ok(self
-                .encode_within(prompt, fresh_bytes)?
+                .encode_within(prompt, within)?
                 .map(|ids| prefix.iter().copied().chain(ids).collect())),
-            Special::PostProcessor if prompt.len() > fresh_bytes => Ok(None),
+            Special::PostProcessor
+                if prompt.len() > within.fresh_bytes
+                    || prompt.len().div_ceil(BYTES_PER_NEW_WORD) > within.new_words =>
+            {
+                Ok(None)
+            }
             Special::PostProcessor => self
                 .tokenizer
                 .encode_fast(prompt, true)
@@ -473,23 +521,24 @@ impl EngineTokenizer {
 
     /// `text`'s ids without special tokens added, through the piece cache when it holds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, Refusal> {
-        Ok(self.encode_within(text, usize::MAX)?.unwrap_or_default())
+        Ok(self.encode_within(text, Within::ALL)?.unwrap_or_default())
     }
 
-    /// [`Self::encode`], or None (nothing tokenized) when more than `fresh_bytes` of `text`
-    /// is not in the piece cache.
-    pub fn encode_within(
-        &self,
-        text: &str,
-        fresh_bytes: usize,
-    ) -> Result<Option<Vec<u32>>, Refusal> {
+    /// [`Self::encode`], or None when that takes more work than `within` allows (see
+    /// [`Self::tokenize_within`]).
+    pub fn encode_within(&self, text: &str, within: Within) -> Result<Option<Vec<u32>>, Refusal> {
         let invalid = |err| Refusal::Invalid(Invalid(err));
+        let new_words = std::cell::Cell::new(within.new_words);
         match &self.pieces {
             Some(pieces) => pieces
-                .encode_within(&|piece| self.plain(piece), text, fresh_bytes)
+                .encode_within(
+                    &|piece| self.plain(piece, &new_words),
+                    text,
+                    within.fresh_bytes,
+                )
                 .map_err(invalid),
-            None if text.len() > fresh_bytes => Ok(None),
-            None => self.plain(text).map(Some).map_err(invalid),
+            None if text.len() > within.fresh_bytes => Ok(None),
+            None => self.plain(text, &new_words).map_err(invalid),
         }
     }
 
@@ -524,7 +573,14 @@ impl EngineTokenizer {
             .iter()
             .all(|text| {
                 let whole = pieces::plain(&self.tokenizer, text);
-                whole.is_ok() && pieces.encode(&|piece| self.plain(piece), text).ok() == whole.ok()
+                whole.is_ok()
+                    && pieces
+                        .encode(
+                            &|piece| self.plain(piece, &std::cell::Cell::new(usize::MAX)),
+                            text,
+                        )
+                        .ok()
+                        == whole.ok()
             })
         })
     }

@@ -97,7 +97,8 @@ impl Pieces {
     /// `fresh_bytes`, or, with a budget, the text has more than [`MOST_PARTS_WITHIN`] pieces
     /// and markers: what is cached costs a lookup, what is not costs the tokenizer about a
     /// microsecond per token, so a caller can keep a cold prompt off a thread that must not
-    /// wait. A piece that recurs in the text is tokenized once.
+    /// wait. Also None when `plain` gives up on a piece (its budget of new words spent; the
+    /// pieces tokenized before are cached). A piece that recurs in the text is tokenized once.
     pub fn encode_within(
         &self,
         plain: &Plain<'_>,
@@ -169,7 +170,12 @@ impl Pieces {
                         continue;
                     }
                     misses += 1;
-                    let piece: std::sync::Arc<[u32]> = plain(&text[start..start + len])?.into();
+                    let Some(piece) = plain(&text[start..start + len])? else {
+                        // Over the caller's budget of new words: nothing more is done.
+                        self.cache.count(hits, misses);
+                        return Ok(None);
+                    };
+                    let piece: std::sync::Arc<[u32]> = piece.into();
                     ids.extend_from_slice(&piece);
                     self.cache.put(key, len, std::sync::Arc::clone(&piece));
                     done.insert((key, len), piece);
@@ -193,8 +199,9 @@ enum Part {
     Fresh(usize, usize, u128),
 }
 
-/// A piece's ids, without the post-processor's special tokens.
-pub type Plain<'a> = dyn Fn(&str) -> Result<Vec<u32>, String> + 'a;
+/// A piece's ids, without the post-processor's special tokens, or None when the caller's
+/// budget of new words is spent.
+pub type Plain<'a> = dyn Fn(&str) -> Result<Option<Vec<u32>>, String> + 'a;
 
 /// Pieces and markers past which [`Pieces::encode_within`] gives up under a budget (a prompt
 /// of thousands of short pieces costs thousands of lookups even when all are cached).

@@ -141,6 +141,43 @@ fn the_fast_way_gives_the_tokenizers_own_ids() {
     );
 }
 
+#[test]
+fn new_words_past_the_budget_give_up_and_the_words_done_make_the_retry_cheaper() {
+    let path = tokenizer_json();
+    let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer.json");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let fast = FastBpe::new(&config).expect("Llama 3's tokenizer has the fast shape");
+    let own = |text: &str| {
+        tokenizer
+            .encode_fast(text, false)
+            .unwrap()
+            .get_ids()
+            .to_vec()
+    };
+    // Pre-tokenized: "Zyxophone", " quandaries", " plinth", ".": 4 pieces for the model.
+    let text = "Zyxophone quandaries plinth.";
+    let budget = std::cell::Cell::new(2);
+    assert_eq!(fast.encode_within(&tokenizer, text, &budget).unwrap(), None);
+    assert_eq!(budget.get(), 0, "the budget is spent");
+    // The two pieces done are in the word cache now: the other two fit in a budget of 2.
+    let two = std::cell::Cell::new(2);
+    let whole = fast.encode_within(&tokenizer, text, &two).unwrap();
+    assert_eq!(whole.as_deref(), Some(own(text).as_slice()));
+    assert_eq!(two.get(), 0);
+    // Every piece is known now: no new word is needed.
+    let none_left = std::cell::Cell::new(0);
+    assert_eq!(
+        fast.encode_within(&tokenizer, text, &none_left).unwrap(),
+        Some(own(text))
+    );
+    // A text of other words does not fit in a budget of 0.
+    assert_eq!(
+        fast.encode_within(&tokenizer, "Brontosaurus", &none_left)
+            .unwrap(),
+        None
+    );
+}
+
 /// A folder holding `config` as its tokenizer.json.
 fn folder_with(config: &serde_json::Value) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

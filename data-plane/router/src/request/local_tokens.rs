@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use switchyard_process::metrics::TextEncoder;
-use switchyard_tokenize::{EngineTokenizer, Refusal, Unsupported};
+use switchyard_tokenize::{EngineTokenizer, Refusal, Unsupported, Within};
 
 /// How long after a failed load the folder is tried again.
 pub const RETRY_LOAD: std::time::Duration = std::time::Duration::from_secs(30);
@@ -140,13 +140,14 @@ impl LocalTokenizers {
     /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
     /// callers run long bodies on a blocking thread.
     pub fn tokenize(&self, name: &Arc<str>, body: &[u8]) -> Local {
-        self.tokenize_within(name, body, usize::MAX)
+        self.tokenize_within(name, body, Within::ALL)
     }
 
-    /// [`Self::tokenize`], or [`Local::Costly`] when more than `fresh_bytes` of the prompt is
-    /// text the piece cache does not hold: a prompt seen before costs tens of microseconds, a
-    /// cold one about a millisecond per 3 KiB of new text.
-    pub fn tokenize_within(&self, name: &Arc<str>, body: &[u8], fresh_bytes: usize) -> Local {
+    /// [`Self::tokenize`], or [`Local::Costly`] when it would take more work than `within`
+    /// allows (new text the piece cache does not hold, new words the word cache does not
+    /// hold): a prompt seen before costs tens of microseconds, a cold one about a millisecond
+    /// per 3 KiB of new text.
+    pub fn tokenize_within(&self, name: &Arc<str>, body: &[u8], within: Within) -> Local {
         let Some(slot) = self.slot(name) else {
             return Local::Engine;
         };
@@ -156,7 +157,7 @@ impl LocalTokenizers {
             Slot::retry_load(&slot);
         }
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            slot.tokenize(body, fresh_bytes)
+            slot.tokenize(body, within)
         }))
             .unwrap_or_else(|_| {
                 tracing::error!(tokenizer = %name, "the router's tokenizer panicked on a request; asking the engine");
@@ -476,7 +477,7 @@ impl Slot {
         Local::Engine
     }
 
-    fn tokenize(&self, body: &[u8], fresh_bytes: usize) -> Local {
+    fn tokenize(&self, body: &[u8], within: Within) -> Local {
         let tokenizer = match self.ready.get() {
             None if self.failed_ms.load(Ordering::Acquire) == 0 => {
                 return self.engine_reason("loading");
@@ -487,7 +488,7 @@ impl Slot {
             }
             Some(tokenizer) => tokenizer,
         };
-        match tokenizer.tokenize_within(body, fresh_bytes) {
+        match tokenizer.tokenize_within(body, within) {
             Ok(None) => Local::Costly,
             Ok(Some(ids)) => {
                 self.outcomes[0].fetch_add(1, Ordering::Relaxed);
@@ -516,6 +517,12 @@ impl Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// At most 64 bytes of new text.
+    const BYTES_64: Within = Within {
+        fresh_bytes: 64,
+        new_words: usize::MAX,
+    };
 
     const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
@@ -612,7 +619,7 @@ mod tests {
         let before = looked_up(&slot);
         assert!(
             matches!(
-                tokenizers.tokenize_within(&name, first.as_bytes(), 64),
+                tokenizers.tokenize_within(&name, first.as_bytes(), BYTES_64),
                 Local::Costly
             ),
             "2 KiB of new text is over a 64-byte budget"
@@ -624,7 +631,7 @@ mod tests {
         // The system prompt is cached now: a new question is within the budget, and the ids
         // are those of tokenizing everything.
         let second = chat("world hello");
-        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, second.as_bytes(), 64)
+        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, second.as_bytes(), BYTES_64)
         else {
             panic!("the new text is 11 bytes")
         };
@@ -647,6 +654,33 @@ mod tests {
     }
 
     #[test]
+    fn without_a_word_cache_every_8_bytes_of_new_text_count_as_a_new_word() {
+        // The tests' toy tokenizer is not of Llama 3's shape: no fast way, no word cache.
+        let (_dir, tokenizers, _slot) = templated(0.0);
+        let name: Arc<str> = Arc::from("m");
+        let question = "hello world ".repeat(8); // 96 bytes: 12 words of 8 bytes.
+        let body =
+            serde_json::json!({"messages": [{"role": "user", "content": question}]}).to_string();
+        let within = |new_words| Within {
+            fresh_bytes: 4096,
+            new_words,
+        };
+        // The rendered prompt's new text is the question and the template's own pieces.
+        assert!(matches!(
+            tokenizers.tokenize_within(&name, body.as_bytes(), within(11)),
+            Local::Costly
+        ));
+        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, body.as_bytes(), within(64))
+        else {
+            panic!("within 64 words")
+        };
+        let Local::Ids { ids: whole, .. } = tokenizers.tokenize(&name, body.as_bytes()) else {
+            panic!("tokenized without a budget")
+        };
+        assert_eq!(ids, whole);
+    }
+
+    #[test]
     fn a_new_piece_repeated_in_one_prompt_is_tokenized_once() {
         let dir = folder(Some(TEMPLATE));
         // No cache at all: only the call's own memory can spare the repeats.
@@ -658,7 +692,8 @@ mod tests {
             .collect();
         let body = serde_json::json!({"messages": messages}).to_string();
         let before = slot.cache_stats();
-        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, body.as_bytes(), 64) else {
+        let Local::Ids { ids, .. } = tokenizers.tokenize_within(&name, body.as_bytes(), BYTES_64)
+        else {
             panic!("three distinct pieces of 27 bytes in all are within 64")
         };
         assert_eq!(ids.len(), 50 * 5 + 2);
