@@ -112,10 +112,12 @@ impl FastBpe {
             .unwrap_or_default())
     }
 
-    /// [`Self::encode`], or None when more than `new_words` pieces (what the BPE model is
-    /// asked, about a microsecond or more each; a piece in the word cache costs a lookup) would
-    /// be needed; `new_words` is lowered by those asked. What was asked before giving up is
-    /// kept in the word cache, so a retry costs less.
+    /// [`Self::encode`], or None when the pieces the BPE model must be asked (not in the word
+    /// cache, which costs a lookup) add up to more than `new_words` words, a piece counting
+    /// one word per [`BYTES_PER_NEW_WORD`] bytes begun (about a microsecond or more of BPE
+    /// each); `new_words` is lowered by those asked. The budget is checked before each piece
+    /// is tokenized, so giving up costs at most the budget's work, and what was done is kept
+    /// in the word cache: a retry costs less.
     pub fn encode_within(
         &self,
         tokenizer: &Tokenizer,
@@ -133,7 +135,12 @@ impl FastBpe {
             {
                 return Ok(true);
             }
-            let Some(left) = new_words.get().checked_sub(1) else {
+            // A long piece (a run of letters without spaces, CJK, punctuation) costs the BPE
+            // model more: every 8 bytes count as a word.
+            let Some(left) = new_words
+                .get()
+                .checked_sub(piece.len().div_ceil(BYTES_PER_NEW_WORD))
+            else {
                 return Ok(false);
             };
             new_words.set(left);
@@ -199,6 +206,9 @@ struct Words {
 #[repr(align(128))]
 #[derive(Default)]
 struct Shard(Mutex<HashMap<u64, Word>>);
+
+/// Bytes of a piece counted as one new word ([`FastBpe::encode_within`]).
+pub const BYTES_PER_NEW_WORD: usize = 8;
 
 const WORD_SHARDS: usize = 8;
 /// 7/8 of a 4,096-slot table: the most it holds without growing.

@@ -64,8 +64,9 @@ pub enum Unsupported {
 pub struct Within {
     /// Bytes of the prompt the piece cache does not hold.
     pub fresh_bytes: usize,
-    /// Of those, pieces the BPE model must be asked (not in the fast way's word cache); without
-    /// the fast way, every 8 bytes of new text count as one.
+    /// Of those, what the BPE model must be asked (pieces not in the fast way's word cache),
+    /// in words of up to 8 bytes ([`fast::BYTES_PER_NEW_WORD`]); without the fast way, all of
+    /// the new text.
     pub new_words: usize,
 }
 
@@ -81,8 +82,7 @@ impl Within {
     }
 }
 
-/// Bytes of new text counted as one word where there is no word cache to tell ([`Within`]).
-const BYTES_PER_NEW_WORD: usize = 8;
+use fast::BYTES_PER_NEW_WORD;
 
 /// The largest body tokenized here (the engine is asked for larger ones).
 pub const MOST_BODY_BYTES: usize = 1 << 20;
@@ -534,7 +534,7 @@ impl EngineTokenizer {
                 .encode_within(
                     &|piece| self.plain(piece, &new_words),
                     text,
-                    within.fresh_bytes,
+                    within.bounded().then_some(within.fresh_bytes),
                 )
                 .map_err(invalid),
             None if text.len() > within.fresh_bytes => Ok(None),

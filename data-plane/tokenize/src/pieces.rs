@@ -87,14 +87,12 @@ impl Pieces {
     /// The ids of `text` without the post-processor's special tokens; `plain` tokenizes a
     /// piece the cache does not hold (the tokenizer's own ids for it).
     pub fn encode(&self, plain: &Plain<'_>, text: &str) -> Result<Vec<u32>, String> {
-        Ok(self
-            .encode_within(plain, text, usize::MAX)?
-            .unwrap_or_default())
+        Ok(self.encode_within(plain, text, None)?.unwrap_or_default())
     }
 
     /// The ids of `text` without the post-processor's special tokens, or None (nothing
     /// tokenized, nothing counted) when the pieces the cache does not hold add up to more than
-    /// `fresh_bytes`, or, with a budget, the text has more than [`MOST_PARTS_WITHIN`] pieces
+    /// `fresh_bytes` (None: no bound), or, with a bound, the text has more than [`MOST_PARTS_WITHIN`] pieces
     /// and markers: what is cached costs a lookup, what is not costs the tokenizer about a
     /// microsecond per token, so a caller can keep a cold prompt off a thread that must not
     /// wait. Also None when `plain` gives up on a piece (its budget of new words spent; the
@@ -103,12 +101,11 @@ impl Pieces {
         &self,
         plain: &Plain<'_>,
         text: &str,
-        fresh_bytes: usize,
+        fresh_bytes: Option<usize>,
     ) -> Result<Option<Vec<u32>>, String> {
-        let most_parts = if fresh_bytes == usize::MAX {
-            usize::MAX
-        } else {
-            MOST_PARTS_WITHIN
+        let (fresh_bytes, most_parts) = match fresh_bytes {
+            None => (usize::MAX, usize::MAX),
+            Some(bytes) => (bytes, MOST_PARTS_WITHIN),
         };
         let mut parts = Vec::new();
         let mut fresh = 0usize;
@@ -171,8 +168,8 @@ impl Pieces {
                     }
                     misses += 1;
                     let Some(piece) = plain(&text[start..start + len])? else {
-                        // Over the caller's budget of new words: nothing more is done.
-                        self.cache.count(hits, misses);
+                        // Over the caller's budget of new words: nothing more is done, nothing
+                        // counted (the retry counts).
                         return Ok(None);
                     };
                     let piece: std::sync::Arc<[u32]> = piece.into();

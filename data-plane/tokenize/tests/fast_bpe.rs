@@ -154,16 +154,26 @@ fn new_words_past_the_budget_give_up_and_the_words_done_make_the_retry_cheaper()
             .get_ids()
             .to_vec()
     };
-    // Pre-tokenized: "Zyxophone", " quandaries", " plinth", ".": 4 pieces for the model.
+    // Pre-tokenized: "Zyxophone", " quandaries", " plinth", "."; a word per 8 bytes begun:
+    // 2 + 2 + 1 + 1.
     let text = "Zyxophone quandaries plinth.";
-    let budget = std::cell::Cell::new(2);
+    let budget = std::cell::Cell::new(3);
     assert_eq!(fast.encode_within(&tokenizer, text, &budget).unwrap(), None);
-    assert_eq!(budget.get(), 0, "the budget is spent");
-    // The two pieces done are in the word cache now: the other two fit in a budget of 2.
-    let two = std::cell::Cell::new(2);
-    let whole = fast.encode_within(&tokenizer, text, &two).unwrap();
+    assert_eq!(
+        budget.get(),
+        1,
+        "the first piece done, the second over the budget"
+    );
+    // The first piece is in the word cache now: the other three fit in a budget of 4.
+    let four = std::cell::Cell::new(4);
+    let whole = fast.encode_within(&tokenizer, text, &four).unwrap();
     assert_eq!(whole.as_deref(), Some(own(text).as_slice()));
-    assert_eq!(two.get(), 0);
+    assert_eq!(four.get(), 0);
+    // A long run of letters counts by its length, not as one word.
+    let run = "x".repeat(100);
+    let twelve = std::cell::Cell::new(12);
+    assert_eq!(fast.encode_within(&tokenizer, &run, &twelve).unwrap(), None);
+    assert_eq!(twelve.get(), 12, "nothing asked of the model");
     // Every piece is known now: no new word is needed.
     let none_left = std::cell::Cell::new(0);
     assert_eq!(
