@@ -134,9 +134,9 @@ async fn token_ids(
 }
 
 /// The tokenizing a serving thread does at most (STYLE habit 9: under half a millisecond):
-/// 4 KiB of new text (not in the tokenizer's piece cache), of which at most 128 pieces not in
-/// its word cache (about a microsecond or more of BPE each; a known word costs a lookup, so
-/// 4 KiB of them about 0.1 ms). A prompt seen before (a shared system prompt, earlier turns,
+/// 4 KiB of new text (not in the tokenizer's piece cache), of which at most 128 words of 8
+/// bytes (1 KiB) not in its word cache (about a microsecond or more of BPE each; a known word
+/// costs a lookup, so 4 KiB of them about 0.1 ms). A prompt seen before (a shared system prompt, earlier turns,
 /// a new turn in common words) is tokenized here without a thread hop, which on a busy
 /// machine costs more than the work; a colder one goes to a blocking thread (what was done
 /// before giving up stays in the caches). Without the word cache (a tokenizer not of Llama
