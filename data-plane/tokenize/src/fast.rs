@@ -137,13 +137,9 @@ impl FastBpe {
             }
             // A long piece (a run of letters without spaces, CJK, punctuation) costs the BPE
             // model more: every 8 bytes count as a word.
-            let Some(left) = new_words
-                .get()
-                .checked_sub(piece.len().div_ceil(BYTES_PER_NEW_WORD))
-            else {
+            if !spend_new_words(new_words, piece) {
                 return Ok(false);
-            };
-            new_words.set(left);
+            }
             mapped.clear();
             mapped.extend(piece.bytes().map(|byte| self.byte_chars[usize::from(byte)]));
             let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
@@ -209,6 +205,21 @@ struct Shard(Mutex<HashMap<u64, Word>>);
 
 /// Bytes of a piece counted as one new word ([`FastBpe::encode_within`]).
 pub const BYTES_PER_NEW_WORD: usize = 8;
+
+/// Takes `piece`'s words (one per [`BYTES_PER_NEW_WORD`] bytes begun) from `new_words`;
+/// false, leaving it as it was, when there are not that many left.
+pub fn spend_new_words(new_words: &std::cell::Cell<usize>, piece: &str) -> bool {
+    match new_words
+        .get()
+        .checked_sub(piece.len().div_ceil(BYTES_PER_NEW_WORD))
+    {
+        Some(left) => {
+            new_words.set(left);
+            true
+        }
+        None => false,
+    }
+}
 
 const WORD_SHARDS: usize = 8;
 /// 7/8 of a 4,096-slot table: the most it holds without growing.

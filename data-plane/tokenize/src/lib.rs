@@ -327,16 +327,8 @@ impl EngineTokenizer {
     ) -> Result<Option<Vec<u32>>, String> {
         match &self.fast {
             Some(fast) => fast.encode_within(&self.tokenizer, text, new_words),
-            None => {
-                let Some(left) = new_words
-                    .get()
-                    .checked_sub(text.len().div_ceil(BYTES_PER_NEW_WORD))
-                else {
-                    return Ok(None);
-                };
-                new_words.set(left);
-                pieces::plain(&self.tokenizer, text).map(Some)
-            }
+            None if !fast::spend_new_words(new_words, text) => Ok(None),
+            None => pieces::plain(&self.tokenizer, text).map(Some),
         }
     }
 

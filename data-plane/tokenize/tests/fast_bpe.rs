@@ -101,12 +101,18 @@ const PALETTE: &[&str] = &[
     "K",
 ];
 
-#[test]
-fn the_fast_way_gives_the_tokenizers_own_ids() {
+/// Llama 3's tokenizer and its fast way.
+fn llama3_fast() -> (tokenizers::Tokenizer, FastBpe) {
     let path = tokenizer_json();
     let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer.json");
     let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let fast = FastBpe::new(&config).expect("Llama 3's tokenizer has the fast shape");
+    (tokenizer, fast)
+}
+
+#[test]
+fn the_fast_way_gives_the_tokenizers_own_ids() {
+    let (tokenizer, fast) = llama3_fast();
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut next = move || {
         state ^= state << 13;
@@ -143,10 +149,7 @@ fn the_fast_way_gives_the_tokenizers_own_ids() {
 
 #[test]
 fn new_words_past_the_budget_give_up_and_the_words_done_make_the_retry_cheaper() {
-    let path = tokenizer_json();
-    let tokenizer = tokenizers::Tokenizer::from_file(&path).expect("tokenizer.json");
-    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let fast = FastBpe::new(&config).expect("Llama 3's tokenizer has the fast shape");
+    let (tokenizer, fast) = llama3_fast();
     let own = |text: &str| {
         tokenizer
             .encode_fast(text, false)
