@@ -112,6 +112,15 @@ impl FastBpe {
             .unwrap_or_default())
     }
 
+    /// Pieces of new text found in the word cache, and pieces asked of the BPE model.
+    pub fn word_stats(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.words.hits.load(Relaxed),
+            self.words.misses.load(Relaxed),
+        )
+    }
+
     /// [`Self::encode`], or None when the pieces the BPE model must be asked (not in the word
     /// cache, which costs a lookup) add up to more than `new_words` words, a piece counting
     /// one word per [`BYTES_PER_NEW_WORD`] bytes begun (about a microsecond or more of BPE
@@ -140,6 +149,9 @@ impl FastBpe {
             if !spend_new_words(new_words, piece) {
                 return Ok(false);
             }
+            self.words
+                .misses
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             mapped.clear();
             mapped.extend(piece.bytes().map(|byte| self.byte_chars[usize::from(byte)]));
             let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
@@ -196,6 +208,9 @@ impl FastBpe {
 /// waits here.
 struct Words {
     shards: Box<[Shard]>,
+    /// Pieces found here, and pieces asked of the BPE model.
+    hits: std::sync::atomic::AtomicU64,
+    misses: std::sync::atomic::AtomicU64,
 }
 
 /// A shard on cache lines of its own (two threads using neighbouring shards do not contend).
@@ -229,6 +244,8 @@ impl Default for Words {
     fn default() -> Self {
         Self {
             shards: (0..WORD_SHARDS).map(|_| Shard::default()).collect(),
+            hits: Default::default(),
+            misses: Default::default(),
         }
     }
 }
@@ -256,6 +273,7 @@ impl Words {
         match found {
             Some((found, len)) => {
                 ids.extend_from_slice(&found[..usize::from(len)]);
+                self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 true
             }
             None => false,

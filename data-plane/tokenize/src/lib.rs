@@ -336,6 +336,12 @@ impl EngineTokenizer {
         self.pieces.as_ref().map(Pieces::stats).unwrap_or_default()
     }
 
+    /// With the faster way ([`fast`]): pieces of new text found in its word cache, and pieces
+    /// asked of the BPE model.
+    pub fn word_stats(&self) -> Option<(u64, u64)> {
+        self.fast.as_ref().map(fast::FastBpe::word_stats)
+    }
+
     /// What vLLM's `POST /tokenize` answers for `body` (a completions or chat body of its
     /// `/tokenize`).
     pub fn tokenize(&self, body: &[u8]) -> Result<Vec<u32>, Refusal> {

@@ -178,10 +178,16 @@ fn new_words_past_the_budget_give_up_and_the_words_done_make_the_retry_cheaper()
     assert_eq!(fast.encode_within(&tokenizer, &run, &twelve).unwrap(), None);
     assert_eq!(twelve.get(), 12, "nothing asked of the model");
     // Every piece is known now: no new word is needed.
+    let (hits, misses) = fast.word_stats();
     let none_left = std::cell::Cell::new(0);
     assert_eq!(
         fast.encode_within(&tokenizer, text, &none_left).unwrap(),
         Some(own(text))
+    );
+    assert_eq!(
+        fast.word_stats(),
+        (hits + 4, misses),
+        "4 pieces found in the word cache, none asked of the model"
     );
     // A text of other words does not fit in a budget of 0.
     assert_eq!(

@@ -168,6 +168,10 @@ impl LocalTokenizers {
                 check: self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction,
                 ids,
             },
+            Local::Costly => {
+                slot.costly.fetch_add(1, Ordering::Relaxed);
+                Local::Costly
+            }
             other => other,
         }
     }
@@ -284,6 +288,36 @@ impl LocalTokenizers {
             }
         }
         out.family(
+            "switchyard_router_local_tokenize_words_total",
+            "counter",
+            "Pieces of new text (words, mostly) of a Llama 3-shaped tokenizer, by outcome: hit (found in its word cache), miss (asked of the BPE model).",
+        );
+        for slot in &slots {
+            let Some((hits, misses)) = slot.ready.get().and_then(EngineTokenizer::word_stats)
+            else {
+                continue;
+            };
+            for (outcome, count) in [("hit", hits), ("miss", misses)] {
+                out.sample(
+                    "switchyard_router_local_tokenize_words_total",
+                    &[("tokenizer", &slot.name), ("outcome", outcome)],
+                    count as f64,
+                );
+            }
+        }
+        out.family(
+            "switchyard_router_local_tokenize_blocking_total",
+            "counter",
+            "Prompts whose new text was over the serving thread's budget (more than 4 KiB, or 1 KiB of words not seen before): tokenized on a blocking thread.",
+        );
+        for slot in &slots {
+            out.sample(
+                "switchyard_router_local_tokenize_blocking_total",
+                &[("tokenizer", &slot.name)],
+                slot.costly.load(Ordering::Relaxed) as f64,
+            );
+        }
+        out.family(
             "switchyard_router_local_tokenize_cache_bytes",
             "gauge",
             "Bytes the tokenizer's piece cache holds (at most --tokenize-cache-bytes).",
@@ -347,6 +381,8 @@ pub struct Slot {
     engine: [AtomicU64; Unsupported::REASONS.len() + 3],
     /// match, mismatch, failed.
     checks: [AtomicU64; 3],
+    /// Prompts over a caller's budget ([`Local::Costly`]).
+    costly: AtomicU64,
 }
 
 impl Slot {
@@ -369,6 +405,7 @@ impl Slot {
             outcomes: Default::default(),
             engine: Default::default(),
             checks: Default::default(),
+            costly: AtomicU64::new(0),
         }
     }
 
@@ -625,6 +662,12 @@ mod tests {
             "2 KiB of new text is over a 64-byte budget"
         );
         assert_eq!(looked_up(&slot), before, "nothing tokenized or counted");
+        let mut out = TextEncoder::new();
+        tokenizers.render(&mut out);
+        assert!(
+            out.finish()
+                .contains(r#"switchyard_router_local_tokenize_blocking_total{tokenizer="m"} 1"#)
+        );
         let Local::Ids { ids: whole, .. } = tokenizers.tokenize(&name, first.as_bytes()) else {
             panic!("tokenized without a budget")
         };
