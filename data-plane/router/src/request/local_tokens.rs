@@ -272,39 +272,27 @@ impl LocalTokenizers {
                 f64::from(u8::from(slot.usable().is_some())),
             );
         }
-        out.family(
-            "switchyard_router_local_tokenize_cache_total",
-            "counter",
-            "Pieces of prompt text (between the chat template's special tokens) looked up in the tokenizer's cache, by outcome: hit (not tokenized again), miss.",
+        hits_and_misses(
+            out,
+            &slots,
+            (
+                "switchyard_router_local_tokenize_cache_total",
+                "Pieces of prompt text (between the chat template's special tokens) looked up in the tokenizer's cache, by outcome: hit (not tokenized again), miss.",
+            ),
+            |slot| {
+                let stats = slot.cache_stats();
+                Some((stats.hits, stats.misses))
+            },
         );
-        for slot in &slots {
-            let stats = slot.cache_stats();
-            for (outcome, count) in [("hit", stats.hits), ("miss", stats.misses)] {
-                out.sample(
-                    "switchyard_router_local_tokenize_cache_total",
-                    &[("tokenizer", &slot.name), ("outcome", outcome)],
-                    count as f64,
-                );
-            }
-        }
-        out.family(
-            "switchyard_router_local_tokenize_words_total",
-            "counter",
-            "Pieces of new text (words, mostly) of a Llama 3-shaped tokenizer, by outcome: hit (found in its word cache), miss (asked of the BPE model).",
+        hits_and_misses(
+            out,
+            &slots,
+            (
+                "switchyard_router_local_tokenize_words_total",
+                "Pieces of new text (words, mostly) of a Llama 3-shaped tokenizer, by outcome: hit (found in its word cache), miss (asked of the BPE model).",
+            ),
+            |slot| slot.ready.get().and_then(EngineTokenizer::word_stats),
         );
-        for slot in &slots {
-            let Some((hits, misses)) = slot.ready.get().and_then(EngineTokenizer::word_stats)
-            else {
-                continue;
-            };
-            for (outcome, count) in [("hit", hits), ("miss", misses)] {
-                out.sample(
-                    "switchyard_router_local_tokenize_words_total",
-                    &[("tokenizer", &slot.name), ("outcome", outcome)],
-                    count as f64,
-                );
-            }
-        }
         out.family(
             "switchyard_router_local_tokenize_blocking_total",
             "counter",
@@ -341,6 +329,28 @@ fn engine_reasons() -> impl Iterator<Item = &'static str> {
 
 /// A counter family with one sample per tokenizer and value of `label`, read from each slot's
 /// `counters` in the order of `values`.
+/// A counter family of hits and misses per tokenizer (`of` None: no samples for that one).
+fn hits_and_misses(
+    out: &mut TextEncoder,
+    slots: &[Arc<Slot>],
+    (name, help): (&str, &str),
+    of: impl Fn(&Slot) -> Option<(u64, u64)>,
+) {
+    out.family(name, "counter", help);
+    for slot in slots {
+        let Some((hits, misses)) = of(slot) else {
+            continue;
+        };
+        for (outcome, count) in [("hit", hits), ("miss", misses)] {
+            out.sample(
+                name,
+                &[("tokenizer", &slot.name), ("outcome", outcome)],
+                count as f64,
+            );
+        }
+    }
+}
+
 fn slot_counters(
     out: &mut TextEncoder,
     slots: &[Arc<Slot>],
