@@ -6,7 +6,7 @@
 //! `\s+(?!\S)` (a run of spaces, less the last one when a word follows it), and builds an
 //! `Encoding` (token strings, offsets) around every call: on this project's machines that is
 //! three quarters of its 2 µs per token. Here the regex runs without that alternative on the
-//! `regex` crate's automata, the alternative's effect is applied to the matches (a whitespace
+//! `regex-automata` crate's automata (the `regex` crate's engine), the alternative's effect is applied to the matches (a whitespace
 //! run without a line break, of two or more characters and followed by a non-space, gives up
 //! its last character to what follows), and each piece goes straight to the tokenizer's own
 //! BPE model. [`FastBpe::new`] accepts only the patterns for which that rule is known to hold
@@ -14,14 +14,14 @@
 //! (`crate::EngineTokenizer::load`), so a tokenizer for which this would not hold keeps the
 //! `tokenizers` crate's own path.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
+use regex_automata::{Anchored, Input};
 use serde_json::Value;
 use tokenizers::{Model, Tokenizer};
 use xxhash_rust::xxh3::xxh3_64;
 
-/// The alternative the `regex` crate cannot run, and the one after it.
+/// The alternative `regex-automata` cannot run, and the one after it.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
 
 /// The patterns before [`LOOKAHEAD_TAIL`] for which the look-ahead rule is known to hold:
@@ -33,7 +33,7 @@ const KNOWN_HEADS: &[&str] = &[
 
 /// See the module docs.
 pub struct FastBpe {
-    split: regex::Regex,
+    split: regex_automata::meta::Regex,
     /// GPT-2's byte-to-character map of the `ByteLevel` pre-tokenizer.
     byte_chars: [char; 256],
     /// Short pieces seen before and their ids.
@@ -43,7 +43,7 @@ pub struct FastBpe {
 impl std::fmt::Debug for FastBpe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FastBpe")
-            .field("split", &self.split.as_str())
+            .field("split", &self.split)
             .finish_non_exhaustive()
     }
 }
@@ -95,7 +95,7 @@ impl FastBpe {
         if !KNOWN_HEADS.contains(&head) {
             return None;
         }
-        let split = regex::Regex::new(&format!(r"{head}|\s+")).ok()?;
+        let split = regex_automata::meta::Regex::new(&format!(r"{head}|\s+")).ok()?;
         Some(Self {
             split,
             byte_chars: byte_chars(),
@@ -127,6 +127,10 @@ impl FastBpe {
     /// each); `new_words` is lowered by those asked. The budget is checked before each piece
     /// is tokenized, so giving up costs at most the budget's work, and what was done is kept
     /// in the word cache: a retry costs less.
+    ///
+    /// The pieces are looked up [`LOOKUP_BATCH`] at a time, each shard locked once per batch:
+    /// on a serving thread the table is mostly out of the CPU's caches, and lookups with no
+    /// lock between them wait for memory together rather than one after another.
     pub fn encode_within(
         &self,
         tokenizer: &Tokenizer,
@@ -136,63 +140,144 @@ impl FastBpe {
         let model = tokenizer.get_model();
         let mut ids = Vec::with_capacity(text.len() / 3 + 4);
         let mut mapped = String::new();
-        // False once over `new_words`.
-        let mut piece = |piece: &str, ids: &mut Vec<u32>| -> Result<bool, String> {
-            let key = (piece.len() <= Word::MOST_BYTES).then(|| xxh3_64(piece.as_bytes()));
-            if let Some(key) = key
-                && self.words.extend(key, piece, ids)
-            {
-                return Ok(true);
-            }
-            // A long piece (a run of letters without spaces, CJK, punctuation) costs the BPE
-            // model more: every 8 bytes count as a word.
-            if !spend_new_words(new_words, piece) {
-                return Ok(false);
-            }
-            self.words
-                .misses
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            mapped.clear();
-            mapped.extend(piece.bytes().map(|byte| self.byte_chars[usize::from(byte)]));
-            let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
-            let start = ids.len();
-            ids.extend(tokens.iter().map(|token| token.id));
-            if let Some(key) = key {
-                self.words.put(key, piece, &ids[start..]);
-            }
-            Ok(true)
+        let mut split = Split {
+            regex: &self.split,
+            text,
+            at: 0,
+            pending: None,
         };
-        let mut at = 0;
-        while at < text.len() {
-            let Some(found) = self.split.find_at(text, at) else {
-                break;
-            };
-            let (start, mut end) = (found.start(), found.end());
-            if start > at && !piece(&text[at..start], &mut ids)? {
-                return Ok(None);
+        let mut batch: Vec<Piece> = Vec::with_capacity(LOOKUP_BATCH);
+        let mut found: Vec<Option<Word>> = Vec::with_capacity(LOOKUP_BATCH);
+        // Words this batch asked of the BPE model: (piece, where its ids are in `ids`).
+        let mut asked: Vec<(Piece, usize, usize)> = Vec::new();
+        loop {
+            batch.clear();
+            batch.extend(split.by_ref().take(LOOKUP_BATCH).map(|(start, end)| {
+                let piece = &text[start..end];
+                let key = (piece.len() <= Word::MOST_BYTES).then(|| xxh3_64(piece.as_bytes()));
+                Piece { start, end, key }
+            }));
+            if batch.is_empty() {
+                return Ok(Some(ids));
             }
-            let matched = &text[start..end];
-            // `\s+(?!\S)`: the run less its last character when a non-space follows.
-            if text[end..]
-                .chars()
-                .next()
-                .is_some_and(|next| !next.is_whitespace())
-                && matched.chars().all(char::is_whitespace)
-                && !matched.contains(['\r', '\n'])
-                && let Some((last, _)) = matched.char_indices().last()
-                && last > 0
-            {
-                end = start + last;
+            self.words.find_all(text, &batch, &mut found);
+            asked.clear();
+            for (piece, word) in batch.iter().zip(&found) {
+                if let Some(word) = word {
+                    ids.extend_from_slice(word.ids());
+                    continue;
+                }
+                let text_of = |piece: &Piece| &text[piece.start..piece.end];
+                // A word this batch already asked for (a common word, twice in new text).
+                if piece.key.is_some()
+                    && let Some(&(_, from, to)) = asked.iter().find(|(other, _, _)| {
+                        other.key == piece.key && text_of(other) == text_of(piece)
+                    })
+                {
+                    ids.extend_from_within(from..to);
+                    continue;
+                }
+                // A long piece (a run of letters without spaces, CJK, punctuation) costs the
+                // BPE model more: every 8 bytes count as a word.
+                if !spend_new_words(new_words, text_of(piece)) {
+                    self.words.put_all(text, &asked, &ids);
+                    return Ok(None);
+                }
+                self.words
+                    .misses
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                mapped.clear();
+                mapped.extend(
+                    text_of(piece)
+                        .bytes()
+                        .map(|byte| self.byte_chars[usize::from(byte)]),
+                );
+                let tokens = model.tokenize(&mapped).map_err(|err| err.to_string())?;
+                let from = ids.len();
+                ids.extend(tokens.iter().map(|token| token.id));
+                if piece.key.is_some() {
+                    asked.push((*piece, from, ids.len()));
+                }
             }
-            if !piece(&text[start..end], &mut ids)? {
-                return Ok(None);
-            }
-            at = end;
+            self.words.put_all(text, &asked, &ids);
         }
-        if at < text.len() && !piece(&text[at..], &mut ids)? {
-            return Ok(None);
+    }
+}
+
+/// Pieces of new text looked up in the word cache together ([`FastBpe::encode_within`]).
+const LOOKUP_BATCH: usize = 64;
+
+/// A piece of the text being encoded, and its key in the word cache (None: too long to keep).
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    start: usize,
+    end: usize,
+    key: Option<u64>,
+}
+
+/// The pieces of a text as the tokenizer's pre-tokenizer cuts it: the regex's matches, with
+/// `\s+(?!\S)` applied to them (a run of spaces less its last character when a non-space
+/// follows), and whatever lies between or after them.
+struct Split<'a> {
+    regex: &'a regex_automata::meta::Regex,
+    text: &'a str,
+    at: usize,
+    /// A match to give after the stretch before it.
+    pending: Option<(usize, usize)>,
+}
+
+impl Iterator for Split<'_> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        if let Some(pending) = self.pending.take() {
+            return Some(pending);
         }
-        Ok(Some(ids))
+        let text = self.text;
+        if self.at >= text.len() {
+            return None;
+        }
+        let rest = (self.at, text.len());
+        // A match at `at` is the leftmost one, and the anchored search finds it without the
+        // reverse scan an unanchored one needs for where a match starts. The known patterns
+        // match at every position; the unanchored search is for the others.
+        let from = Input::new(text).span(self.at..text.len());
+        let found = self
+            .regex
+            .search(&from.clone().anchored(Anchored::Yes))
+            .or_else(|| self.regex.search(&from));
+        let Some(found) = found else {
+            self.at = text.len();
+            return Some(rest);
+        };
+        let (start, mut end) = (found.start(), found.end());
+        if end <= start {
+            // The known patterns never match nothing; were one to, the rest is one piece.
+            self.at = text.len();
+            return Some(rest);
+        }
+        let matched = &text[start..end];
+        // `\s+(?!\S)`: the run less its last character when a non-space follows.
+        if text[end..]
+            .chars()
+            .next()
+            .is_some_and(|next| !next.is_whitespace())
+            && matched.chars().all(char::is_whitespace)
+            && !matched.contains(['\r', '\n'])
+            && let Some((last, _)) = matched.char_indices().last()
+            && last > 0
+        {
+            end = start + last;
+        }
+        let gap = (start > self.at).then_some((self.at, start));
+        self.at = end;
+        match gap {
+            Some(gap) => {
+                self.pending = Some((start, end));
+                Some(gap)
+            }
+            None => Some((start, end)),
+        }
     }
 }
 
@@ -201,11 +286,13 @@ impl FastBpe {
 /// serving thread whose caches other requests have filled is mostly misses in the model's
 /// large vocabulary and merge tables. Exact: a piece's ids depend on the piece alone (for the
 /// one model this [`FastBpe`] serves). Only pieces of at most [`Word::MOST_BYTES`] bytes and
-/// [`Word::MOST_IDS`] ids are kept, inline; at most [`WORDS_PER_SHARD`] in each of
-/// [`WORD_SHARDS`] shards, whose tables are sized once so that they never grow (64 bytes an
-/// entry, about 2 MiB in all, allocated by a shard's first word); a full shard is emptied. A
-/// shard another thread holds is passed by (a miss, or nothing kept): a serving thread never
-/// waits here.
+/// [`Word::MOST_IDS`] ids are kept, inline, 64 bytes a word.
+///
+/// [`WORD_SHARDS`] shards of [`SETS_PER_SHARD`] sets of two words, 2 MiB in all, a shard's
+/// table allocated by its first word and never grown. A word's set comes from its key: a
+/// lookup reads one pair of cache lines, and a new word takes the place of the one of its set
+/// used least lately. A shard another thread holds is passed by (a miss, or nothing kept): a
+/// serving thread never waits here.
 struct Words {
     shards: Box<[Shard]>,
     /// Pieces found here, and pieces asked of the BPE model.
@@ -216,7 +303,15 @@ struct Words {
 /// A shard on cache lines of its own (two threads using neighbouring shards do not contend).
 #[repr(align(128))]
 #[derive(Default)]
-struct Shard(Mutex<HashMap<u64, Word>>);
+struct Shard(Mutex<Box<[Set]>>);
+
+/// A shard's table, locked.
+type Table<'a> = std::sync::MutexGuard<'a, Box<[Set]>>;
+
+/// Two words whose keys share their low bits, the one used last first; a pair of cache lines.
+#[repr(align(128))]
+#[derive(Clone, Copy, Default)]
+struct Set([Word; 2]);
 
 /// Bytes of a piece counted as one new word ([`FastBpe::encode_within`]).
 pub const BYTES_PER_NEW_WORD: usize = 8;
@@ -237,8 +332,8 @@ pub fn spend_new_words(new_words: &std::cell::Cell<usize>, piece: &str) -> bool 
 }
 
 const WORD_SHARDS: usize = 8;
-/// 7/8 of a 4,096-slot table: the most it holds without growing.
-const WORDS_PER_SHARD: usize = 3584;
+/// 2,048 sets of two words: 4,096 words, 256 KiB a shard.
+const SETS_PER_SHARD: usize = 2048;
 
 impl Default for Words {
     fn default() -> Self {
@@ -251,56 +346,109 @@ impl Default for Words {
 }
 
 impl Words {
-    /// `key`'s shard, or None while another thread holds it.
-    fn shard(&self, key: u64) -> Option<std::sync::MutexGuard<'_, HashMap<u64, Word>>> {
-        // The shard from the high bits, the map's own hash from all of them.
-        let shard = &self.shards[(key >> 61) as usize % WORD_SHARDS];
-        match shard.0.try_lock() {
+    /// The shard of `key`: its high bits (the set comes from the low ones).
+    fn shard_of(key: u64) -> usize {
+        (key >> 61) as usize % WORD_SHARDS
+    }
+
+    /// `index`'s table, or None while another thread holds it.
+    fn lock(&self, index: usize) -> Option<Table<'_>> {
+        match self.shards[index].0.try_lock() {
             Ok(guard) => Some(guard),
             Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
 
-    /// Appends `piece`'s ids to `ids` when they are kept.
-    fn extend(&self, key: u64, piece: &str, ids: &mut Vec<u32>) -> bool {
-        let found = self.shard(key).and_then(|shard| {
-            shard
-                .get(&key)
-                .filter(|word| word.text() == piece.as_bytes())
-                .map(|word| (word.ids, word.ids_len))
-        });
-        match found {
-            Some((found, len)) => {
-                ids.extend_from_slice(&found[..usize::from(len)]);
-                self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                true
-            }
-            None => false,
+    /// The shards `keys` fall in, as a bit set.
+    fn shards_of(keys: impl Iterator<Item = u64>) -> u32 {
+        keys.fold(0, |shards, key| shards | 1 << Self::shard_of(key))
+    }
+
+    /// `found[i]`: the word kept for `batch[i]` (a piece of `text`), if any. Each shard the
+    /// batch needs is locked once, and all of them are let go together at the end (no lock
+    /// taken or let go between two lookups); a held one is passed by.
+    fn find_all(&self, text: &str, batch: &[Piece], found: &mut Vec<Option<Word>>) {
+        found.clear();
+        let mut hits = 0;
+        // Per shard: not tried yet, or its table (None: held by another thread).
+        let mut locked: [Option<Option<Table<'_>>>; WORD_SHARDS] = Default::default();
+        found.extend(batch.iter().map(|piece| {
+            let key = piece.key?;
+            let shard = Self::shard_of(key);
+            let sets = locked[shard]
+                .get_or_insert_with(|| self.lock(shard))
+                .as_mut()?;
+            let set = sets.get_mut(key as usize % SETS_PER_SHARD)?;
+            let word = set.find(key, &text.as_bytes()[piece.start..piece.end]);
+            hits += u64::from(word.is_some());
+            word
+        }));
+        drop(locked);
+        if hits > 0 {
+            self.hits
+                .fetch_add(hits, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
-    fn put(&self, key: u64, piece: &str, ids: &[u32]) {
-        let Some(word) = Word::new(piece, ids) else {
-            return;
-        };
-        let Some(mut shard) = self.shard(key) else {
-            return;
-        };
-        if shard.len() >= WORDS_PER_SHARD {
-            shard.clear();
-        } else if shard.capacity() == 0 {
-            shard.reserve(WORDS_PER_SHARD);
+    /// Keeps the words `asked` (a piece of `text`, its ids at `ids[from..to]`) that fit, each
+    /// shard locked once; a held one keeps nothing.
+    fn put_all(&self, text: &str, asked: &[(Piece, usize, usize)], ids: &[u32]) {
+        let needed = Self::shards_of(asked.iter().filter_map(|(piece, _, _)| piece.key));
+        for index in (0..WORD_SHARDS).filter(|index| needed & 1 << index != 0) {
+            let Some(mut sets) = self.lock(index) else {
+                continue;
+            };
+            for (piece, from, to) in asked {
+                let Some(key) = piece.key.filter(|&key| Self::shard_of(key) == index) else {
+                    continue;
+                };
+                let Some(word) = Word::new(key, &text[piece.start..piece.end], &ids[*from..*to])
+                else {
+                    continue;
+                };
+                if sets.is_empty() {
+                    *sets = vec![Set::default(); SETS_PER_SHARD].into_boxed_slice();
+                }
+                sets[key as usize % SETS_PER_SHARD].put(word);
+            }
         }
-        shard.insert(key, word);
     }
 }
 
-/// A kept piece and its ids, inline.
+impl Set {
+    /// The word kept for (`key`, `text`), now first in its set.
+    fn find(&mut self, key: u64, text: &[u8]) -> Option<Word> {
+        if self.0[0].is(key, text) {
+            return Some(self.0[0]);
+        }
+        if !self.0[1].is(key, text) {
+            return None;
+        }
+        self.0.swap(0, 1);
+        Some(self.0[0])
+    }
+
+    /// Keeps `word` first; the other word of the set is the one used last before it.
+    fn put(&mut self, word: Word) {
+        let text = word.text();
+        match self.0.iter().position(|kept| kept.is(word.key, text)) {
+            Some(way) => self.0.swap(0, way),
+            None => {
+                self.0[1] = self.0[0];
+                self.0[0] = word;
+            }
+        }
+    }
+}
+
+/// A kept piece and its ids, inline (no ids: an empty place).
+#[derive(Clone, Copy, Default)]
 struct Word {
+    key: u64,
     text: [u8; Word::MOST_BYTES],
-    text_len: u8,
     ids: [u32; Word::MOST_IDS],
+    text_len: u8,
     ids_len: u8,
 }
 
@@ -308,14 +456,15 @@ impl Word {
     const MOST_BYTES: usize = 24;
     const MOST_IDS: usize = 6;
 
-    fn new(piece: &str, ids: &[u32]) -> Option<Self> {
-        if piece.len() > Self::MOST_BYTES || ids.len() > Self::MOST_IDS {
+    fn new(key: u64, piece: &str, ids: &[u32]) -> Option<Self> {
+        if piece.len() > Self::MOST_BYTES || ids.is_empty() || ids.len() > Self::MOST_IDS {
             return None;
         }
         let mut word = Self {
+            key,
             text: [0; Self::MOST_BYTES],
-            text_len: piece.len() as u8,
             ids: [0; Self::MOST_IDS],
+            text_len: piece.len() as u8,
             ids_len: ids.len() as u8,
         };
         word.text[..piece.len()].copy_from_slice(piece.as_bytes());
@@ -323,8 +472,16 @@ impl Word {
         Some(word)
     }
 
+    fn is(&self, key: u64, text: &[u8]) -> bool {
+        self.ids_len > 0 && self.key == key && self.text() == text
+    }
+
     fn text(&self) -> &[u8] {
         &self.text[..usize::from(self.text_len)]
+    }
+
+    fn ids(&self) -> &[u32] {
+        &self.ids[..usize::from(self.ids_len)]
     }
 }
 
@@ -385,43 +542,105 @@ pub fn agrees(fast: &FastBpe, tokenizer: &Tokenizer) -> bool {
 mod tests {
     use super::*;
 
+    /// One piece at a time through the batch calls: the ids found for `piece` under `key`.
+    fn find(words: &Words, key: u64, piece: &str) -> Option<Vec<u32>> {
+        let batch = [Piece {
+            start: 0,
+            end: piece.len(),
+            key: Some(key),
+        }];
+        let mut found = Vec::new();
+        words.find_all(piece, &batch, &mut found);
+        found[0].map(|word| word.ids().to_vec())
+    }
+
+    fn put(words: &Words, key: u64, piece: &str, ids: &[u32]) {
+        let asked = [(
+            Piece {
+                start: 0,
+                end: piece.len(),
+                key: Some(key),
+            },
+            0,
+            ids.len(),
+        )];
+        words.put_all(piece, &asked, ids);
+    }
+
     #[test]
     fn the_word_cache_keeps_short_pieces_within_its_bound_and_checks_the_text() {
         let words = Words::default();
-        let mut ids = Vec::new();
-        words.put(7, "hello", &[1, 2]);
-        assert!(words.extend(7, "hello", &mut ids));
-        assert_eq!(ids, [1, 2]);
-        assert!(!words.extend(7, "jello", &mut ids), "same key, other text");
-        assert!(!words.extend(8, "hello", &mut ids));
-        words.put(9, &"x".repeat(Word::MOST_BYTES + 1), &[3]);
-        words.put(10, "many", &[1; Word::MOST_IDS + 1]);
-        assert!(!words.extend(9, &"x".repeat(Word::MOST_BYTES + 1), &mut ids));
-        assert!(!words.extend(10, "many", &mut ids));
-        assert_eq!(ids, [1, 2], "nothing appended on a miss");
-        // Keys below 2^61 share the first shard; a full shard is emptied, never outgrown.
-        for key in 0..=(WORDS_PER_SHARD as u64 * 2) {
-            words.put(key, "w", &[4]);
-            let shard = words.shard(key).expect("no other thread");
-            assert!(shard.len() <= WORDS_PER_SHARD);
-            assert!(
-                shard.capacity() < 2 * WORDS_PER_SHARD,
-                "the table never grew"
-            );
+        put(&words, 7, "hello", &[1, 2]);
+        assert_eq!(find(&words, 7, "hello"), Some(vec![1, 2]));
+        assert_eq!(find(&words, 7, "jello"), None, "same key, other text");
+        assert_eq!(find(&words, 8, "hello"), None);
+        put(&words, 9, &"x".repeat(Word::MOST_BYTES + 1), &[3]);
+        put(&words, 10, "many", &[1; Word::MOST_IDS + 1]);
+        put(&words, 11, "none", &[]);
+        assert_eq!(find(&words, 9, &"x".repeat(Word::MOST_BYTES + 1)), None);
+        assert_eq!(find(&words, 10, "many"), None);
+        assert_eq!(find(&words, 11, "none"), None);
+        assert_eq!(words.hits.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_set_keeps_the_two_words_used_last_and_the_table_never_grows() {
+        let words = Words::default();
+        // Keys below 2^61 share the first shard; these three share a set.
+        let [a, b, c] = [
+            5u64,
+            5 + SETS_PER_SHARD as u64,
+            5 + 2 * SETS_PER_SHARD as u64,
+        ];
+        put(&words, a, "a", &[1]);
+        put(&words, b, "b", &[2]);
+        assert_eq!(find(&words, a, "a"), Some(vec![1]), "both kept");
+        // `a` was used last, so `c` takes `b`'s place.
+        put(&words, c, "c", &[3]);
+        assert_eq!(find(&words, b, "b"), None);
+        assert_eq!(find(&words, a, "a"), Some(vec![1]));
+        assert_eq!(find(&words, c, "c"), Some(vec![3]));
+        for key in 0..(4 * SETS_PER_SHARD as u64) {
+            put(&words, key, "w", &[4]);
         }
-        assert!(words.extend(WORDS_PER_SHARD as u64 * 2, "w", &mut ids));
-        // A shard another thread holds is passed by, not waited for.
+        let sets = words.lock(0).expect("no other thread");
+        assert_eq!(sets.len(), SETS_PER_SHARD, "the table never grew");
+        assert_eq!(std::mem::size_of::<Set>(), 128, "a pair of cache lines");
+        assert_eq!(std::mem::align_of::<Set>(), 128);
+    }
+
+    #[test]
+    fn a_shard_another_thread_holds_is_passed_by() {
+        let words = Words::default();
         let other = 1 << 61;
-        words.put(other, "v", &[5]);
-        let held = words.shard(other).expect("free");
-        assert!(!words.extend(other, "v", &mut ids), "a miss while held");
-        words.put(other + 1, "u", &[6]);
+        put(&words, other, "v", &[5]);
+        let held = words.lock(1).expect("free");
+        assert_eq!(find(&words, other, "v"), None, "a miss while held");
+        put(&words, other + 1, "u", &[6]);
+        assert_eq!(find(&words, 3, "t"), None, "another shard is not held");
         drop(held);
-        assert!(words.extend(other, "v", &mut ids));
-        assert!(
-            !words.extend(other + 1, "u", &mut ids),
+        assert_eq!(find(&words, other, "v"), Some(vec![5]));
+        assert_eq!(
+            find(&words, other + 1, "u"),
+            None,
             "nothing kept while held"
         );
+    }
+
+    #[test]
+    fn the_split_keeps_what_lies_between_matches() {
+        // Not a known pattern: `x` matches nowhere, so the search falls back to unanchored.
+        let regex = regex_automata::meta::Regex::new(r"a+|\s+").unwrap();
+        let text = "xxaa  b aa x";
+        let split = Split {
+            regex: &regex,
+            text,
+            at: 0,
+            pending: None,
+        };
+        let pieces: Vec<&str> = split.map(|(start, end)| &text[start..end]).collect();
+        // "  " before `b` gives up its last space (`\s+(?!\S)`), which stands alone then.
+        assert_eq!(pieces, ["xx", "aa", " ", " ", "b", " ", "aa", " ", "x"]);
     }
 
     #[test]

@@ -197,6 +197,34 @@ fn new_words_past_the_budget_give_up_and_the_words_done_make_the_retry_cheaper()
     );
 }
 
+#[test]
+fn a_new_word_repeated_in_one_text_is_asked_of_the_model_once() {
+    let (tokenizer, fast) = llama3_fast();
+    // 301 pieces (several lookup batches): "Quixotry", then " plover" and " Quixotry" 150
+    // times each, none seen before; a budget that holds each new word once only.
+    let text = format!("Quixotry{}", " plover Quixotry".repeat(150));
+    let (hits, misses) = fast.word_stats();
+    let budget = std::cell::Cell::new(4);
+    let ids = fast.encode_within(&tokenizer, &text, &budget).unwrap();
+    let own = tokenizer.encode_fast(text.as_str(), false).unwrap();
+    assert_eq!(ids.as_deref(), Some(own.get_ids()));
+    let (now_hits, now_misses) = fast.word_stats();
+    assert_eq!(
+        now_misses - misses,
+        3,
+        "three different pieces asked of the model"
+    );
+    assert!(
+        now_hits - hits >= 150,
+        "the repeats in later batches are found in the word cache"
+    );
+    assert_eq!(
+        budget.get(),
+        0,
+        "a word per 8 bytes begun: 1 (8 bytes), 1 (7), 2 (9), each once"
+    );
+}
+
 /// A folder holding `config` as its tokenizer.json.
 fn folder_with(config: &serde_json::Value) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
