@@ -398,7 +398,7 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
             serde_json::json!({"user": "heavy"}),
         )
     };
-    // The heavy id takes the capped slot; its next three wait: it holds its whole share.
+    // The heavy id takes the capped slot; its next three wait: it took every slot so far.
     let mut tasks = vec![heavy(0)];
     wait_until("heavy-0 at the engine", || {
         served_ids(&engine) == ["heavy-0"]
@@ -408,7 +408,7 @@ async fn the_headroom_serves_a_light_id_and_urgent_requests_past_a_heavy_ids_bac
         tasks.push(heavy(index));
     }
     queued(&router, 3).await?;
-    // The light id holds nothing of its half: it starts at once, within the headroom.
+    // The light id took none of the slots: it starts at once, within the headroom.
     tasks.push(send(
         &router,
         &[("x-request-id", "light")],

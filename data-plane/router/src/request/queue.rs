@@ -17,16 +17,19 @@
 //!
 //! **Headroom** (`FlowHeadroomPerInstance`): an instance at the cap takes that many more
 //! requests, but only those that need not wait behind a backlog: a priority below 0, or, at
-//! priority 0 or better, a fairness id holding less than its weighted share of the requests
-//! this router has in flight on the variant while another id is in flight or waiting (id
-//! holds × total weight < its weight × all holds). So an urgent request, or a light client's
-//! among a heavy one's backlog, starts at once on an engine that batches cap + headroom,
-//! instead of waiting for a capped slot to free; an id alone, or the one holding the most,
-//! never takes it. A headroom slot is only ever one past the cap: a slot below it goes by the
-//! queue's order. The ids' in-flight counts are kept while they hold slots (never more
-//! entries than requests in flight; a retry's or a migrated stream's attempt is not counted);
-//! each router judges shares from its own requests, and every instance stays within cap +
-//! headroom.
+//! priority 0 or better, a fairness id that took less than its weighted share of the slots
+//! taken lately by the ids holding slots on the variant through this router, while another id
+//! is in flight or waiting (id's slots taken × total weight < its weight × all of them; a slot
+//! taken counts less as it ages, halved every 10 s, and an id's count starts again when it
+//! holds none). A share of the slots taken, not of those held: a light client's burst holds as
+//! many slots at once as a heavy client's capped backlog (its answers take as long), though
+//! it takes a small share of them over time. So an urgent request, or a light client's among
+//! a heavy one's backlog, starts at once on an engine that batches cap + headroom, instead of
+//! waiting for a capped slot to free; an id alone, or the one taking the most, never takes it.
+//! A headroom slot is only ever one past the cap: a slot below it goes by the queue's order.
+//! The ids' counts are kept while they hold slots (never more entries than requests in
+//! flight; a retry's or a migrated stream's attempt is not counted); each router judges
+//! shares from its own requests, and every instance stays within cap + headroom.
 //!
 //! A request that cannot be served because its own candidates are full (one pinned to its
 //! instance) does not hold up the others: the next one in order that can go, goes.
@@ -555,6 +558,21 @@ impl Limits {
 struct Holding {
     count: u32,
     weight: f64,
+    /// Slots it was granted since it began holding, each counting less as it ages (halved
+    /// every [`STARTS_HALF_LIFE`]), as of `at`: the rate at which it takes slots.
+    started: f64,
+    at: std::time::Instant,
+}
+
+/// How fast a fairness id's slots taken are forgotten ([`Holding::started`]).
+const STARTS_HALF_LIFE: Duration = Duration::from_secs(10);
+
+impl Holding {
+    /// [`Self::started`] as of `now`.
+    fn started_at(&self, now: std::time::Instant) -> f64 {
+        let age = now.saturating_duration_since(self.at).as_secs_f64();
+        self.started * (-age / STARTS_HALF_LIFE.as_secs_f64()).exp2()
+    }
 }
 
 type Holdings = Arc<Mutex<HashMap<u64, Holding>>>;
@@ -584,8 +602,11 @@ impl Drop for HoldTicket {
 
 /// Whether a request at `place` may use the headroom: a priority below 0; or, at priority 0
 /// or better, another id in flight or waiting (`active_weight`, the weights of the ids holding
-/// or waiting, this one's included, is more than its own) and its id holding less than its
-/// weighted share of the requests this router has in flight on the variant.
+/// or waiting, this one's included, is more than its own) and its id having taken less than
+/// its weighted share of the slots the ids holding slots on the variant through this router
+/// took lately ([`Holding::started`]). A share of the slots taken, not of those held: a light
+/// client's burst holds as many slots at once as the heavy client's capped backlog (its
+/// answers take as long), though it takes a small share of them over time.
 fn may_use_headroom(
     place: Place,
     limits: Limits,
@@ -602,11 +623,15 @@ fn may_use_headroom(
     if total <= place.weight {
         return false;
     }
-    let held = holdings
+    let now = std::time::Instant::now();
+    let taken = holdings
         .get(&place.fairness)
-        .map_or(0, |holding| holding.count);
-    let all: u32 = holdings.values().map(|holding| holding.count).sum();
-    f64::from(held) * total < place.weight * f64::from(all.max(1))
+        .map_or(0.0, |holding| holding.started_at(now));
+    let all: f64 = holdings
+        .values()
+        .map(|holding| holding.started_at(now))
+        .sum();
+    taken * total < place.weight * all.max(1.0)
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -850,13 +875,16 @@ impl VariantQueue {
         if limits.headroom == 0 {
             return grant;
         }
-        holdings
-            .entry(place.fairness)
-            .or_insert(Holding {
-                count: 0,
-                weight: place.weight,
-            })
-            .count += 1;
+        let now = std::time::Instant::now();
+        let holding = holdings.entry(place.fairness).or_insert(Holding {
+            count: 0,
+            weight: place.weight,
+            started: 0.0,
+            at: now,
+        });
+        holding.count += 1;
+        holding.started = holding.started_at(now) + 1.0;
+        holding.at = now;
         let ticket = HoldTicket {
             holdings: Arc::clone(&self.holdings),
             fairness: place.fairness,
@@ -1195,6 +1223,41 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_headroom_goes_by_the_share_of_slots_taken_lately_not_of_slots_held() {
+        let now = std::time::Instant::now();
+        let holding = |count, started, secs_ago| Holding {
+            count,
+            weight: 1.0,
+            started,
+            at: now - Duration::from_secs(secs_ago),
+        };
+        let limits = Limits {
+            cap: 4,
+            headroom: 4,
+        };
+        // Both hold 4 slots; the heavy id (1) took 40 lately, the light one (2) 4 (its burst).
+        let holdings = HashMap::from([(1, holding(4, 40.0, 0)), (2, holding(4, 4.0, 0))]);
+        let two_ids = || 2.0;
+        assert!(may_use_headroom(place(0, 2), limits, &holdings, two_ids));
+        assert!(!may_use_headroom(place(0, 1), limits, &holdings, two_ids));
+        // An id alone never takes it; an urgent request always may.
+        assert!(!may_use_headroom(place(0, 2), limits, &holdings, || 1.0));
+        assert!(may_use_headroom(place(-1, 1), limits, &holdings, two_ids));
+        // A slot taken counts half as much 10 s on: the heavy id's 40 of 20 s ago weigh 10,
+        // less than half of the light id's recent 24.
+        let aged = HashMap::from([(1, holding(4, 40.0, 20)), (2, holding(4, 24.0, 0))]);
+        assert!((aged[&1].started_at(now) - 10.0).abs() < 0.1);
+        assert!(may_use_headroom(place(0, 1), limits, &aged, two_ids));
+        assert!(!may_use_headroom(place(0, 2), limits, &aged, two_ids));
+        // Without headroom, nobody.
+        let none = Limits {
+            cap: 4,
+            headroom: 0,
+        };
+        assert!(!may_use_headroom(place(-1, 2), none, &holdings, two_ids));
+    }
+
     #[tokio::test]
     async fn the_headroom_goes_to_urgent_requests_and_to_ids_below_their_share() {
         let flow = Arc::new(FlowControl::new(settings(100), CancellationToken::new()));
@@ -1214,14 +1277,14 @@ mod tests {
                     .unwrap()
             })
         };
-        // The heavy id (1) takes the capped slot, and its next request waits: it holds its
-        // whole share.
+        // The heavy id (1) takes the capped slot, and its next request waits: it took every
+        // slot so far.
         let heavy = ask(place(0, 1)).await.unwrap();
         assert!(!heavy.headroom);
         let heavy_next = ask(place(0, 1));
         settle().await;
         assert_eq!(queue.lock().len, 1);
-        // The light id (2) holds nothing of its half: it takes the headroom at once.
+        // The light id (2) took none of the slots: it takes the headroom at once.
         let light = ask(place(0, 2)).await.unwrap();
         assert!(light.headroom);
         assert_eq!(cell.fleet_load(), 2);
