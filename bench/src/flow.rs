@@ -1,5 +1,6 @@
 //! `switchyard-bench flow`: flow control (MaxInFlightPerInstance) under a burst, without the
-//! cap and with it, in the same run, on the same simulated engines.
+//! cap and with it, in the same run, on the same engines: simulated ones, or engines already
+//! running (`--engine-url`, e.g. a real vLLM).
 //!
 //! The engines batch at most `--cap` + `--headroom` requests (`--max-num-seqs`); the capped
 //! arm's router caps each instance at `--cap` (MaxInFlightPerInstance) with `--headroom`
@@ -31,6 +32,12 @@ pub struct FlowArgs {
     /// Simulated engines.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub engines: usize,
+    /// An engine already running (for example a real vLLM started with `--max-num-seqs` =
+    /// cap + headroom and `--served-model-name sim`), instead of simulated ones; repeat it
+    /// per engine. Its `/metrics` must report `vllm:num_requests_running` and
+    /// `vllm:num_requests_waiting`.
+    #[arg(long = "engine-url", value_name = "URL")]
+    pub engine_urls: Vec<String>,
     /// Requests each engine batches (its --max-num-seqs), and MaxInFlightPerInstance of the
     /// capped arm.
     #[arg(long, default_value_t = 4, value_name = "N")]
@@ -163,8 +170,19 @@ impl FlowReport {
 }
 
 pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
-    if args.engines == 0 || args.engines > 16 {
-        return Err(UsageError::new("--engines must be within 1..=16").into());
+    if args.engines == 0 || args.engines > 16 || args.engine_urls.len() > 16 {
+        return Err(UsageError::new(
+            "--engines must be within 1..=16, and so must the --engine-url count",
+        )
+        .into());
+    }
+    for url in &args.engine_urls {
+        if url
+            .parse::<http::Uri>()
+            .map_or(true, |uri| uri.host().is_none())
+        {
+            return Err(UsageError::new(format!("--engine-url {url:?} is not an http URL")).into());
+        }
     }
     if args.cap == 0 || args.cap > 256 {
         return Err(UsageError::new("--cap must be within 1..=256").into());
@@ -178,17 +196,30 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
     if !(0.1..=20.0).contains(&args.load) {
         return Err(UsageError::new("--load must be within 0.1..=20").into());
     }
-    let mut engines = Vec::with_capacity(args.engines);
-    for _ in 0..args.engines {
-        engines.push(
-            switchyard_engine_sim::spawn(SimConfig {
-                max_num_seqs: (args.cap + args.headroom) as usize,
-                record_requests: 1,
-                ..SimConfig::default()
-            })
-            .await?,
-        );
+    let mut sims: Vec<SimHandle> = Vec::new();
+    if args.engine_urls.is_empty() {
+        for _ in 0..args.engines {
+            sims.push(
+                switchyard_engine_sim::spawn(SimConfig {
+                    max_num_seqs: (args.cap + args.headroom) as usize,
+                    record_requests: 1,
+                    ..SimConfig::default()
+                })
+                .await?,
+            );
+        }
     }
+    let engines: Vec<String> = match args.engine_urls.as_slice() {
+        [] => sims.iter().map(|sim| sim.url.clone()).collect(),
+        urls => urls
+            .iter()
+            .map(|url| url.trim_end_matches('/').to_owned())
+            .collect(),
+    };
+    let args = FlowArgs {
+        engines: engines.len(),
+        ..args
+    };
     let dir = tempfile::Builder::new()
         .prefix("switchyard-flow-")
         .tempdir()?;
@@ -284,7 +315,7 @@ async fn start_router(
     dir: &tempfile::TempDir,
     name: &str,
     cap: Option<u32>,
-    engines: &[SimHandle],
+    engines: &[String],
     args: &FlowArgs,
 ) -> anyhow::Result<RouterHandle> {
     let cap_line = cap.map_or(String::new(), |cap| {
@@ -299,8 +330,7 @@ async fn start_router(
     );
     for (index, engine) in engines.iter().enumerate() {
         yaml.push_str(&format!(
-            "      - {{Url: \"{}\", InstanceId: e{index}, VariantName: v}}\n",
-            engine.url
+            "      - {{Url: \"{engine}\", InstanceId: e{index}, VariantName: v}}\n"
         ));
     }
     let path = dir.path().join(format!("{name}.yaml"));
@@ -394,12 +424,12 @@ fn schedule(args: &FlowArgs, rps: f64) -> Vec<Arrival> {
 }
 
 /// Waits until no engine runs or queues anything.
-async fn idle(engines: &[SimHandle]) -> anyhow::Result<()> {
+async fn idle(engines: &[String]) -> anyhow::Result<()> {
     let client = http_client();
     for _ in 0..600 {
         let mut busy = 0.0;
         for engine in engines {
-            let (running, waiting) = load_at(&client, &engine.url).await;
+            let (running, waiting) = load_at(&client, engine).await;
             busy += running + waiting;
         }
         if busy == 0.0 {
@@ -415,7 +445,7 @@ async fn arm(
     client: &HttpClient,
     url: &http::Uri,
     schedule: &[Arrival],
-    engines: &[SimHandle],
+    engines: &[String],
     args: &FlowArgs,
 ) -> anyhow::Result<ArmReport> {
     let started = tokio::time::Instant::now();
@@ -435,7 +465,7 @@ async fn arm(
     }
     let watcher = {
         let client = client.clone();
-        let urls: Vec<String> = engines.iter().map(|engine| engine.url.clone()).collect();
+        let urls = engines.to_vec();
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let (mut running_max, mut waiting_max) = (0.0f64, 0.0f64);
