@@ -48,6 +48,11 @@ pub struct FlowArgs {
     /// Output tokens per request.
     #[arg(long, default_value_t = 24, value_name = "TOKENS")]
     pub max_tokens: u32,
+    /// Words added to every prompt (about a token each; every prompt still its own, nothing
+    /// shared to cache). 0: a one-line question (about 15 tokens), whose TTFT is mostly the
+    /// engine's step; chat prompts are usually hundreds to thousands of tokens.
+    #[arg(long, default_value_t = 0, value_name = "WORDS")]
+    pub prompt_words: u32,
     /// Seconds of load per arm.
     #[arg(long, default_value_t = 10, value_name = "SECONDS")]
     pub seconds: u64,
@@ -110,6 +115,7 @@ pub struct FlowReport {
     pub cap: u32,
     pub headroom: u32,
     pub max_tokens: u32,
+    pub prompt_words: u32,
     pub capacity_rps: f64,
     pub offered_rps: f64,
     pub unloaded_ttft_ms: Summary,
@@ -121,11 +127,12 @@ pub struct FlowReport {
 impl FlowReport {
     pub fn table(&self) -> String {
         let mut out = format!(
-            "\nflow control: {} engines batching {} each (cap {}, headroom {}), {} output tokens; capacity {:.1} req/s, offered {:.1} req/s in bursts\n  unloaded TTFT p50 {:.1} ms, p99 {:.1} ms\n",
+            "\nflow control: {} engines batching {} each (cap {}, headroom {}), {} words added to each prompt, {} output tokens; capacity {:.1} req/s, offered {:.1} req/s in bursts\n  unloaded TTFT p50 {:.1} ms, p99 {:.1} ms\n",
             self.engines,
             self.cap + self.headroom,
             self.cap,
             self.headroom,
+            self.prompt_words,
             self.max_tokens,
             self.capacity_rps,
             self.offered_rps,
@@ -192,6 +199,9 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
     }
     if !(0.0..=1.0).contains(&args.light_share) || !(0.0..=1.0).contains(&args.high_share) {
         return Err(UsageError::new("--light-share and --high-share are fractions").into());
+    }
+    if args.prompt_words > 100_000 {
+        return Err(UsageError::new("--prompt-words must be within 0..=100000").into());
     }
     if !(0.1..=20.0).contains(&args.load) {
         return Err(UsageError::new("--load must be within 0.1..=20").into());
@@ -299,6 +309,7 @@ pub async fn flow(args: FlowArgs) -> anyhow::Result<FlowReport> {
         cap: args.cap,
         headroom: args.headroom,
         max_tokens: args.max_tokens,
+        prompt_words: args.prompt_words,
         capacity_rps,
         offered_rps,
         unloaded_ttft_ms,
@@ -349,10 +360,18 @@ async fn start_router(
 /// A streamed chat body: a prompt of its own (no shared prefix), the fairness id in `user`,
 /// the priority in `priority`.
 fn body(index: usize, user: &str, priority: i32, args: &FlowArgs) -> Bytes {
+    const FILLER: [&str; 8] = [
+        "queue", "engine", "router", "batch", "token", "prefix", "cache", "stream",
+    ];
+    let mut content = format!("request {index} from {user}: tell me about flow control in routers");
+    for word in 0..args.prompt_words as usize {
+        content.push(' ');
+        content.push_str(FILLER[(word * 5 + index) % FILLER.len()]);
+    }
     Bytes::from(
         serde_json::json!({
             "model": "sim",
-            "messages": [{"role": "user", "content": format!("request {index} from {user}: tell me about flow control in routers")}],
+            "messages": [{"role": "user", "content": content}],
             "max_tokens": args.max_tokens,
             "stream": true,
             "user": user,
