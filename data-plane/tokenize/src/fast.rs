@@ -864,6 +864,49 @@ mod tests {
     }
 
     #[test]
+    fn the_hand_cut_answers_on_ascii_and_defers_on_wide_characters() {
+        // Without these the differential test above would pass if the hand cut always
+        // deferred to the regex.
+        let cut = |text: &str, at: usize| llama3_ascii(text.as_bytes(), at);
+        assert_eq!(cut("'s", 0), Some(2));
+        assert_eq!(cut("'LL go", 0), Some(3));
+        assert_eq!(cut("hello world", 0), Some(5));
+        assert_eq!(
+            cut("hello world", 5),
+            Some(11),
+            "a space joins the word after it"
+        );
+        assert_eq!(cut("123456", 0), Some(3));
+        assert_eq!(
+            cut(" \n\nx", 0),
+            Some(3),
+            "whitespace up to its last line break"
+        );
+        assert_eq!(
+            cut("a  b", 1),
+            Some(3),
+            "the caller leaves the last space to the word"
+        );
+        assert_eq!(
+            cut("...!\n\nx", 0),
+            Some(6),
+            "symbols take the line breaks after them"
+        );
+        assert_eq!(
+            cut("héllo", 0),
+            None,
+            "a letter beyond ASCII may continue the word"
+        );
+        assert_eq!(cut("'ſ", 0), None, "`ſ` folds to `s`");
+        assert_eq!(
+            cut("12٣", 0),
+            None,
+            "a digit beyond ASCII within the first three"
+        );
+        assert_eq!(cut("123٣", 0), Some(3));
+    }
+
+    #[test]
     fn the_byte_map_is_gpt2s() {
         let chars = byte_chars();
         assert_eq!(chars[usize::from(b'a')], 'a');
