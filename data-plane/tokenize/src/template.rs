@@ -82,6 +82,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(python_formatter);
         env.add_filter("tojson", tojson);
+        env.add_filter("trim", trim);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(NAME, source.clone())
@@ -293,6 +294,27 @@ fn content_format_of(source: &str) -> ContentFormat {
         rest = &rest[end..];
     }
     ContentFormat::String
+}
+
+/// minijinja's `trim`, without copying a string that has nothing to trim: chat templates trim
+/// every message's content (`message['content'] | trim`), and a long system prompt usually
+/// has no space at either end. Anything else is the built-in's answer.
+fn trim(
+    state: &minijinja::State,
+    value: &Value,
+    chars: Option<std::borrow::Cow<'_, str>>,
+) -> Result<Value, Error> {
+    if chars.is_none()
+        && value.kind() == ValueKind::String
+        && let Some(text) = value.as_str()
+        && text.trim().len() == text.len()
+    {
+        return Ok(value.clone());
+    }
+    Ok(minijinja::filters::trim(
+        minijinja::value::StringInput::new(state, value)?,
+        chars,
+    ))
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -539,6 +561,32 @@ mod tests {
             variables,
             false,
         )
+    }
+
+    #[test]
+    fn trim_answers_as_the_built_in_does() {
+        let source = "{% for m in messages %}[{{ m.content | trim }}|{{ m.content | trim('x ') }}|\
+                      {{ (m.content | trim) is string }}|{{ (m.content | trim) | length }}|\
+                      {{ m.content | trim + '.' }}]{% endfor %}[{{ missing | trim }}]\
+                      [{{ 5 | trim }}][{{ '<b> ' | safe | trim }}][{{ ('<b>' | safe | trim) is safe }}]";
+        let messages = r#"[{"role":"u","content":"  a b \n"},{"role":"u","content":"ab"},
+            {"role":"u","content":""},{"role":"u","content":"\u00a0x\u2003"},
+            {"role":"u","content":"xx a xx"},{"role":"u","content":7},{"role":"u","content":null}]"#;
+        let ours = render(source, messages, &[]).unwrap();
+        let mut env = Environment::new();
+        env.set_formatter(python_formatter);
+        env.add_template("t", source).unwrap();
+        let json: crate::json::Json = serde_json::from_str(messages).unwrap();
+        let built_in = env
+            .get_template("t")
+            .unwrap()
+            .render(minijinja::context! { messages => json.to_value() })
+            .unwrap();
+        assert_eq!(ours, built_in);
+        assert!(
+            ours.starts_with("[a b|a b \n|True|3|a b.][ab|ab|True|2|ab.]"),
+            "{ours}"
+        );
     }
 
     #[test]
