@@ -530,13 +530,20 @@ pub struct TokenMatch {
     pub prefix_key: u64,
 }
 
-/// Blocks between two checkpoints of a [`WalkCache`].
-const CHECKPOINT_BLOCKS: usize = if cfg!(test) { 2 } else { 64 };
+/// Blocks between two checkpoints of a [`WalkCache`]. A walk from the deepest one a prompt
+/// reaches looks up the blocks past it (on average half this many, each a cache miss in a
+/// full index) and the prompt's new tail.
+const CHECKPOINT_BLOCKS: usize = if cfg!(test) { 2 } else { 16 };
+/// Every so many checkpoints one is also recorded among the coarse ones, so that a prompt
+/// that leaves a known chain further back (another conversation after the same system
+/// prompt) still finds a checkpoint within [`RECORDED_CHECKPOINTS`] of these.
+const COARSE_EVERY: usize = 4;
 /// Checkpoints a variant's [`WalkCache`] keeps (direct-mapped by chain hash; about 100 bytes
 /// each, 400 KB, allocated by the variant's first walk past a checkpoint, freed with the
 /// variant).
 const WALK_CACHE_ENTRIES: usize = 4096;
-/// Checkpoints a walk records per depth an instance reached: the deepest up to it.
+/// Checkpoints a walk records per depth an instance reached: the deepest up to it, and as
+/// many of the coarse ones (every [`COARSE_EVERY`]th).
 const RECORDED_CHECKPOINTS: usize = 2;
 
 /// What earlier walks found at a checkpoint of a chain (every [`CHECKPOINT_BLOCKS`]th block):
@@ -593,7 +600,7 @@ impl WalkCache {
 pub struct VariantIndex {
     blocks: RwLock<VariantBlocks>,
     walks: WalkCache,
-    /// Instances walked past a prompt's first 32 blocks, and of them those walked from a
+    /// Instances walked past a prompt's first 16 blocks, and of them those walked from a
     /// checkpoint (the [`WalkCache`]'s hits).
     walked: [AtomicU64; 2],
     /// Blocks looked up by walks (tests).
@@ -614,7 +621,7 @@ impl VariantIndex {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    /// Instances walked past a prompt's first 32 blocks, and of them those walked from a
+    /// Instances walked past a prompt's first 16 blocks, and of them those walked from a
     /// checkpoint, since the index was made.
     pub fn walked(&self) -> (u64, u64) {
         let [walked, from_checkpoint] = &self.walked;
@@ -853,17 +860,21 @@ impl VariantIndex {
         for index in active {
             matched[live[index].0] = total as u32;
         }
-        // For each depth an instance reached, the deepest checkpoints up to it: the next prompt
-        // with the same start (a longer turn, another question after the same system prompt)
-        // finds one of them, for every instance that holds it.
+        // For each depth an instance reached, the deepest checkpoints up to it and the deepest
+        // coarse ones: the next prompt with the same start (a longer turn, another question
+        // after the same system prompt) finds one of them, for every instance that holds it.
+        let deepest = |reached: usize, every: usize| {
+            (1..=reached / every)
+                .rev()
+                .take(RECORDED_CHECKPOINTS)
+                .map(move |k| k * every)
+        };
         let mut depths: Vec<usize> = live
             .iter()
             .flat_map(|&(position, _, _)| {
-                let reached = matched[position] as usize / CHECKPOINT_BLOCKS;
-                (1..=reached)
-                    .rev()
-                    .take(RECORDED_CHECKPOINTS)
-                    .map(|k| k * CHECKPOINT_BLOCKS)
+                let reached = matched[position] as usize;
+                deepest(reached, CHECKPOINT_BLOCKS)
+                    .chain(deepest(reached, CHECKPOINT_BLOCKS * COARSE_EVERY))
             })
             .filter(|&depth| depth > from)
             .collect();
@@ -1146,7 +1157,7 @@ impl KvIndex {
         for (name, help, value) in [
             (
                 "switchyard_kv_walked_instances_total",
-                "Instances walked past a prompt's first 32 blocks in the KV index.",
+                "Instances walked past a prompt's first 16 blocks in the KV index.",
                 walked,
             ),
             (
@@ -1292,6 +1303,27 @@ mod tests {
         apply(&index, "b", vec![stored(None, &[200], &[0, 1])]);
         apply(&index, "b", vec![removed(&[200])]);
         assert_eq!(walk(15), 2 + 6);
+    }
+
+    #[test]
+    fn a_prompt_that_leaves_a_walked_chain_further_back_starts_at_a_coarse_checkpoint() {
+        let index = VariantIndex::default();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes: Vec<u64> = (100..120).collect();
+        apply(&index, "a", vec![stored(None, &hashes, &tokens)]);
+        let lookups = |prompt: &[u32], expected: u32| {
+            let before = index.lookups.load(Ordering::Relaxed);
+            let found = index.match_tokens(prompt, &[id("a")]).unwrap();
+            assert_eq!(found.matched, [expected]);
+            index.lookups.load(Ordering::Relaxed) - before
+        };
+        // Walked whole: checkpoints at 20 and 18, and the coarse ones at 16 and 8.
+        let whole: Vec<u32> = (0..41).collect();
+        assert_eq!(lookups(&whole, 20), 20);
+        // Shares 17 blocks, then another question: past the fine checkpoints, so the walk
+        // starts at the coarse one at 16 (the head, then one batch from 16 to the end).
+        let other: Vec<u32> = (0..34).chain(500..507).collect();
+        assert_eq!(lookups(&other, 17), 2 + 4);
     }
 
     #[test]
