@@ -17,15 +17,17 @@
 //!
 //! **Headroom** (`FlowHeadroomPerInstance`): an instance at the cap takes that many more
 //! requests, but only those that need not wait behind a backlog: a priority below 0, or, at
-//! priority 0 or better, a fairness id that took less than its weighted share of the slots
-//! taken lately by the ids holding slots on the variant through this router, while another id
-//! is in flight or waiting (id's slots taken × total weight < its weight × all of them; a slot
-//! taken counts less as it ages, halved every 10 s, and an id's count starts again when it
-//! holds none). A share of the slots taken, not of those held: a light client's burst holds as
-//! many slots at once as a heavy client's capped backlog (its answers take as long), though
-//! it takes a small share of them over time. So an urgent request, or a light client's among
-//! a heavy one's backlog, starts at once on an engine that batches cap + headroom, instead of
-//! waiting for a capped slot to free; an id alone, or the one taking the most, never takes it.
+//! priority 0 or better, a fairness id that held less than its weighted share of the
+//! slot-seconds held lately by the ids holding slots on the variant through this router, while
+//! another id is in flight or waiting (id's slot-seconds × total weight < its weight × all of
+//! them; a second counts less as it ages, halved every 10 s, and an id's count starts again
+//! when it holds none). Slot-seconds, not the slots held now: a light client's burst holds as
+//! many slots at once as a heavy client's capped backlog (its answers take as long), but for
+//! a short while. Nor the slots taken lately: with answers much longer than the half-life a
+//! backlogged id takes few slots a second, yet holds its share of the cap all along. So an
+//! urgent request, or a light client's among a heavy one's backlog, starts at once on an
+//! engine that batches cap + headroom, instead of waiting for a capped slot to free; an id
+//! alone, or the one that held the most, never takes it.
 //! A headroom slot is only ever one past the cap: a slot below it goes by the queue's order.
 //! The ids' counts are kept while they hold slots (never more entries than requests in
 //! flight; a retry's or a migrated stream's attempt is not counted); each router judges
@@ -558,20 +560,40 @@ impl Limits {
 struct Holding {
     count: u32,
     weight: f64,
-    /// Slots it was granted since it began holding, each counting less as it ages (halved
-    /// every [`STARTS_HALF_LIFE`]), as of `at`: the rate at which it takes slots.
-    started: f64,
+    /// The slot-seconds it held since it began holding, each second counting less as it ages
+    /// (halved every [`HELD_HALF_LIFE`]), as of `at`: how much of the variant it used lately.
+    held: f64,
     at: std::time::Instant,
 }
 
-/// How fast a fairness id's slots taken are forgotten ([`Holding::started`]).
-const STARTS_HALF_LIFE: Duration = Duration::from_secs(10);
+/// How fast a fairness id's slot-seconds held are forgotten ([`Holding::held`]).
+const HELD_HALF_LIFE: Duration = Duration::from_secs(10);
 
 impl Holding {
-    /// [`Self::started`] as of `now`.
-    fn started_at(&self, now: std::time::Instant) -> f64 {
-        let age = now.saturating_duration_since(self.at).as_secs_f64();
-        self.started * (-age / STARTS_HALF_LIFE.as_secs_f64()).exp2()
+    /// A holding of nothing, from `now`.
+    fn new(weight: f64, now: std::time::Instant) -> Self {
+        Self {
+            count: 0,
+            weight,
+            held: 0.0,
+            at: now,
+        }
+    }
+
+    /// [`Self::held`] as of `now`: the faded past, plus `count` slots held since `at`.
+    fn held_at(&self, now: std::time::Instant) -> f64 {
+        let half_life = HELD_HALF_LIFE.as_secs_f64();
+        let fade = (-now.saturating_duration_since(self.at).as_secs_f64() / half_life).exp2();
+        // Integral of count × 2^(-age / half-life) over the time since `at`.
+        let mean_life = half_life / std::f64::consts::LN_2;
+        self.held * fade + f64::from(self.count) * mean_life * (1.0 - fade)
+    }
+
+    /// `count` slots held from `now` on.
+    fn set_count(&mut self, count: u32, now: std::time::Instant) {
+        self.held = self.held_at(now);
+        self.at = now;
+        self.count = count;
     }
 }
 
@@ -592,26 +614,31 @@ impl Drop for HoldTicket {
     fn drop(&mut self) {
         let mut holdings = lock_holdings(&self.holdings);
         if let Some(holding) = holdings.get_mut(&self.fairness) {
-            holding.count -= 1;
-            if holding.count == 0 {
+            let count = holding.count - 1;
+            if count == 0 {
                 holdings.remove(&self.fairness);
+            } else {
+                holding.set_count(count, std::time::Instant::now());
             }
         }
     }
 }
 
-/// Whether a request at `place` may use the headroom: a priority below 0; or, at priority 0
-/// or better, another id in flight or waiting (`active_weight`, the weights of the ids holding
-/// or waiting, this one's included, is more than its own) and its id having taken less than
-/// its weighted share of the slots the ids holding slots on the variant through this router
-/// took lately ([`Holding::started`]). A share of the slots taken, not of those held: a light
-/// client's burst holds as many slots at once as the heavy client's capped backlog (its
-/// answers take as long), though it takes a small share of them over time.
+/// Whether a request at `place` may use the headroom at `now`: a priority below 0; or, at
+/// priority 0 or better, another id in flight or waiting (`active_weight`, the weights of the
+/// ids holding or waiting, this one's included, is more than its own) and its id having held
+/// less than its weighted share of the slot-seconds the ids holding slots on the variant
+/// through this router held lately ([`Holding::held`]). Slot-seconds, not the slots held now:
+/// a light client's burst holds as many slots at once as the heavy client's capped backlog
+/// (its answers take as long), but for a short while. Nor the slots taken lately: with
+/// answers much longer than the half-life a backlogged id takes few slots a second while it
+/// holds its backlog's all along.
 fn may_use_headroom(
     place: Place,
     limits: Limits,
     holdings: &HashMap<u64, Holding>,
     active_weight: impl FnOnce() -> f64,
+    now: std::time::Instant,
 ) -> bool {
     if limits.headroom == 0 || place.priority > 0 {
         return false;
@@ -623,15 +650,12 @@ fn may_use_headroom(
     if total <= place.weight {
         return false;
     }
-    let now = std::time::Instant::now();
-    let taken = holdings
+    let held = holdings
         .get(&place.fairness)
-        .map_or(0.0, |holding| holding.started_at(now));
-    let all: f64 = holdings
-        .values()
-        .map(|holding| holding.started_at(now))
-        .sum();
-    taken * total < place.weight * all.max(1.0)
+        .map_or(0.0, |holding| holding.held_at(now));
+    let all: f64 = holdings.values().map(|holding| holding.held_at(now)).sum();
+    // Nothing held through this router (other routers fill the cap): below any share.
+    all <= 0.0 || held * total < place.weight * all
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -787,6 +811,7 @@ impl State {
         &mut self,
         full: &mut Vec<*const InstanceCell>,
         holdings: &HashMap<u64, Holding>,
+        now: std::time::Instant,
     ) -> Option<(Waiter, Grant, Place)> {
         // Once per pass, on a variant with headroom only (its waiters share the limits).
         let headroom = self
@@ -820,7 +845,7 @@ impl State {
                 for at in 0..flow.waiters.len() {
                     let waiter = &flow.waiters[at];
                     let favoured =
-                        || may_use_headroom(place, waiter.limits, holdings, || active_weight);
+                        || may_use_headroom(place, waiter.limits, holdings, || active_weight, now);
                     if let Some(grant) = waiter.try_grant(favoured, full) {
                         let waiter = flow.waiters.remove(at).expect("the waiter is there");
                         band.clock = flow.pass;
@@ -863,28 +888,23 @@ impl VariantQueue {
         }
     }
 
-    /// `grant`, counted for `place`'s fairness id while the request holds it (on a variant
-    /// with headroom: the fair shares are judged from these counts).
+    /// `grant`, counted at `now` for `place`'s fairness id while the request holds it (on a
+    /// variant with headroom: the fair shares are judged from these counts).
     fn hold(
         &self,
         holdings: &mut HashMap<u64, Holding>,
         limits: Limits,
         place: Place,
         mut grant: Grant,
+        now: std::time::Instant,
     ) -> Grant {
         if limits.headroom == 0 {
             return grant;
         }
-        let now = std::time::Instant::now();
-        let holding = holdings.entry(place.fairness).or_insert(Holding {
-            count: 0,
-            weight: place.weight,
-            started: 0.0,
-            at: now,
-        });
-        holding.count += 1;
-        holding.started = holding.started_at(now) + 1.0;
-        holding.at = now;
+        let holding = holdings
+            .entry(place.fairness)
+            .or_insert_with(|| Holding::new(place.weight, now));
+        holding.set_count(holding.count + 1, now);
         let ticket = HoldTicket {
             holdings: Arc::clone(&self.holdings),
             fairness: place.fairness,
@@ -901,10 +921,12 @@ impl VariantQueue {
             let mut full = Vec::new();
             loop {
                 let mut holdings = lock_holdings(&self.holdings);
-                let Some((waiter, grant, place)) = state.next_grant(&mut full, &holdings) else {
+                let now = std::time::Instant::now();
+                let Some((waiter, grant, place)) = state.next_grant(&mut full, &holdings, now)
+                else {
                     break;
                 };
-                let grant = self.hold(&mut holdings, waiter.limits, place, grant);
+                let grant = self.hold(&mut holdings, waiter.limits, place, grant, now);
                 drop(holdings);
                 // A waiter in the queue is still listening (it leaves before it stops);
                 // a grant it cannot take is freed outside the lock.
@@ -934,6 +956,7 @@ impl VariantQueue {
         let (seq, receiver) = {
             let mut state = self.lock();
             let mut holdings = lock_holdings(&self.holdings);
+            let now = std::time::Instant::now();
             // Nobody waits: a free slot is this request's (the common case, no channel).
             let free = if state.len == 0 {
                 try_grant(&candidates, cap, &mut Vec::new())
@@ -942,20 +965,24 @@ impl VariantQueue {
             };
             // Past the cap, a request that need not wait behind the others takes the headroom.
             let free = free.or_else(|| {
-                let favoured = may_use_headroom(place, limits, &holdings, || {
-                    state.active_weight(&holdings, Some(place))
-                });
+                let favoured = may_use_headroom(
+                    place,
+                    limits,
+                    &holdings,
+                    || state.active_weight(&holdings, Some(place)),
+                    now,
+                );
                 headroom_grant(&candidates, limits, favoured)
             });
             if let Some(grant) = free {
                 self.count_headroom(&grant);
-                return Ok(self.hold(&mut holdings, limits, place, grant));
+                return Ok(self.hold(&mut holdings, limits, place, grant, now));
             }
             if state.len >= flow.settings.max_queued {
                 // A full queue refuses only a request that would wait: a slot free now is one
                 // no waiter can use (waiters pinned to a busy instance fill a queue too).
                 return try_grant(&candidates, cap, &mut Vec::new())
-                    .map(|grant| self.hold(&mut holdings, limits, place, grant))
+                    .map(|grant| self.hold(&mut holdings, limits, place, grant, now))
                     .ok_or(Dropped::Overflow);
             }
             drop(holdings);
@@ -1223,39 +1250,132 @@ mod tests {
         }
     }
 
+    /// Seconds a slot held all along counts for ([`Holding::held`] of one slot, forever).
+    fn mean_life() -> f64 {
+        HELD_HALF_LIFE.as_secs_f64() / std::f64::consts::LN_2
+    }
+
     #[test]
-    fn the_headroom_goes_by_the_share_of_slots_taken_lately_not_of_slots_held() {
-        let now = std::time::Instant::now();
-        let holding = |count, started, secs_ago| Holding {
+    fn the_headroom_goes_by_the_share_of_slot_seconds_held_lately_not_of_slots_held_now() {
+        let then = std::time::Instant::now();
+        let now = then + Duration::from_secs(60);
+        let since = |secs_ago| now - Duration::from_secs(secs_ago);
+        let holding = |count, at| Holding {
             count,
-            weight: 1.0,
-            started,
-            at: now - Duration::from_secs(secs_ago),
+            ..Holding::new(1.0, at)
         };
         let limits = Limits {
             cap: 4,
             headroom: 4,
         };
-        // Both hold 4 slots; the heavy id (1) took 40 lately, the light one (2) 4 (its burst).
-        let holdings = HashMap::from([(1, holding(4, 40.0, 0)), (2, holding(4, 4.0, 0))]);
-        let two_ids = || 2.0;
-        assert!(may_use_headroom(place(0, 2), limits, &holdings, two_ids));
-        assert!(!may_use_headroom(place(0, 1), limits, &holdings, two_ids));
+        let may = |place, limits, holdings: &HashMap<u64, Holding>, active: f64| {
+            may_use_headroom(place, limits, holdings, || active, now)
+        };
+        // Both hold 4 slots now: the heavy id (1) for a minute (its capped backlog), the light
+        // one (2) for a second (its burst).
+        let holdings = HashMap::from([(1, holding(4, then)), (2, holding(4, since(1)))]);
+        assert!(may(place(0, 2), limits, &holdings, 2.0));
+        assert!(!may(place(0, 1), limits, &holdings, 2.0));
         // An id alone never takes it; an urgent request always may.
-        assert!(!may_use_headroom(place(0, 2), limits, &holdings, || 1.0));
-        assert!(may_use_headroom(place(-1, 1), limits, &holdings, two_ids));
-        // A slot taken counts half as much 10 s on: the heavy id's 40 of 20 s ago weigh 10,
-        // less than half of the light id's recent 24.
-        let aged = HashMap::from([(1, holding(4, 40.0, 20)), (2, holding(4, 24.0, 0))]);
-        assert!((aged[&1].started_at(now) - 10.0).abs() < 0.1);
-        assert!(may_use_headroom(place(0, 1), limits, &aged, two_ids));
-        assert!(!may_use_headroom(place(0, 2), limits, &aged, two_ids));
+        assert!(!may(place(0, 2), limits, &holdings, 1.0));
+        assert!(may(place(-1, 1), limits, &holdings, 2.0));
+        // Nobody holds a slot through this router (other routers fill the cap): below any share.
+        assert!(may(place(0, 1), limits, &HashMap::new(), 2.0));
         // Without headroom, nobody.
         let none = Limits {
             cap: 4,
             headroom: 0,
         };
-        assert!(!may_use_headroom(place(-1, 2), none, &holdings, two_ids));
+        assert!(!may(place(-1, 2), none, &holdings, 2.0));
+    }
+
+    #[test]
+    fn with_answers_longer_than_the_half_life_the_backlogged_id_still_waits() {
+        // Answers of a minute: the heavy id (1) took its 6 slots (cap and 2 of headroom) a
+        // minute ago and holds them still; the light id (2) took its one just now. Counted
+        // by slots taken lately, the heavy id's 6 would weigh 6 / 64 and the light id's 1
+        // more: the heavy id would take the headroom. By slot-seconds held, it does not.
+        let then = std::time::Instant::now();
+        let now = then + Duration::from_secs(60);
+        let limits = Limits {
+            cap: 4,
+            headroom: 4,
+        };
+        let holding = |count, at| Holding {
+            count,
+            ..Holding::new(1.0, at)
+        };
+        let holdings = HashMap::from([(1, holding(6, then)), (2, holding(1, now))]);
+        let may = |fairness, holdings: &HashMap<u64, Holding>| {
+            may_use_headroom(place(0, fairness), limits, holdings, || 2.0, now)
+        };
+        assert!(!may(1, &holdings), "the backlogged id waits");
+        assert!(may(2, &holdings), "the light id goes");
+        // Once the light id held as much for as long, it is no longer below its share.
+        let even = HashMap::from([(1, holding(6, then)), (2, holding(6, then))]);
+        assert!(!may(1, &even) && !may(2, &even));
+        // Per weight: a weight of 8 makes 6 slots less than its share against 1.
+        let weighted = HashMap::from([
+            (
+                1,
+                Holding {
+                    weight: 8.0,
+                    ..holding(6, then)
+                },
+            ),
+            (2, holding(1, then)),
+        ]);
+        let heavy = Place {
+            priority: 0,
+            fairness: 1,
+            weight: 8.0,
+        };
+        assert!(may_use_headroom(heavy, limits, &weighted, || 9.0, now));
+    }
+
+    #[test]
+    fn a_holding_adds_up_the_slot_seconds_and_fades_the_past() {
+        let queue = Arc::new(VariantQueue::default());
+        let cell = registered(&queue);
+        let limits = Limits {
+            cap: 8,
+            headroom: 1,
+        };
+        let t0 = std::time::Instant::now();
+        let after = |secs| t0 + Duration::from_secs(secs);
+        let grant = || Grant {
+            position: 0,
+            claim: SlotClaim::take(&cell, 8).unwrap(),
+            headroom: false,
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b.max(1.0);
+        let mut holdings = lock_holdings(&queue.holdings);
+        let first = queue.hold(&mut holdings, limits, place(0, 1), grant(), t0);
+        assert_eq!((holdings[&1].count, holdings[&1].held), (1, 0.0));
+        // One slot for a half-life: half of all it could ever count for.
+        assert!(close(holdings[&1].held_at(after(10)), mean_life() / 2.0));
+        // A second slot at 10 s: the first's seconds are kept as of then.
+        let second = queue.hold(&mut holdings, limits, place(0, 1), grant(), after(10));
+        assert_eq!(holdings[&1].count, 2);
+        assert!(close(holdings[&1].held, mean_life() / 2.0));
+        assert_eq!(holdings[&1].at, after(10));
+        // 10 s on: the past halved, plus two slots for a half-life.
+        assert!(close(
+            holdings[&1].held_at(after(20)),
+            mean_life() / 4.0 + mean_life()
+        ));
+        // Another id starts from nothing; a variant without headroom keeps no count.
+        let other = queue.hold(&mut holdings, limits, place(0, 2), grant(), after(10));
+        assert_eq!(holdings[&2].held, 0.0);
+        let plain = queue.hold(&mut holdings, capped(8), place(0, 3), grant(), after(10));
+        assert!(!holdings.contains_key(&3));
+        // Each slot's ticket counts its id down when it ends; an id holding none is forgotten.
+        drop(holdings);
+        drop(first);
+        assert_eq!(lock_holdings(&queue.holdings)[&1].count, 1);
+        drop((second, other, plain));
+        assert!(lock_holdings(&queue.holdings).is_empty());
+        assert_eq!(cell.fleet_load(), 0);
     }
 
     #[tokio::test]
