@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_engine_sim::{KvEventsFormat, SimHandle};
-use switchyard_router::RouterHandle;
+use switchyard_engine_sim::{Faults, KvEventsFormat, SimHandle};
+use switchyard_router::{RouterConfig, RouterHandle};
 use switchyard_tests::{
     Metrics, eventually, http_post, instance_ids, kv_instances, kv_sim, routed_choice,
     router_from_file, sim_tokens, words,
@@ -72,6 +72,18 @@ async fn router(
     name: &str,
     check_fraction: f64,
 ) -> anyhow::Result<RouterHandle> {
+    router_tuned(dir, sims, tokenizer_dir, name, check_fraction, |_| {}).await
+}
+
+/// [`router`], its configuration then changed by `tune`.
+async fn router_tuned(
+    dir: &Path,
+    sims: [&SimHandle; 2],
+    tokenizer_dir: &Path,
+    name: &str,
+    check_fraction: f64,
+    tune: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<RouterHandle> {
     let file = json!({"Endpoints": [{
         "EndpointName": "chat",
         "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "sim", "RoutingConfig": {
@@ -90,6 +102,7 @@ async fn router(
             config.tokenizer_dir = Some(tokenizer_dir);
             config.tokenize_check_fraction = check_fraction;
             config.decision_time_header = true;
+            tune(config);
         },
     )
     .await
@@ -234,23 +247,21 @@ async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned
     send(&format!("{}/v1/chat/completions", a.url), &first).await?;
     wait_held(&router, &tokens, (tokens.len() / 16) as u32 - 1).await?;
     warm(&router, "stale").await?;
-    let mismatches =
-        r#"switchyard_router_local_tokenize_checks_total{tokenizer="stale",outcome="mismatch"}"#;
-    // Every request is checked, and routed on the engine's ids: still to the holder.
+    let usable = r#"switchyard_router_local_tokenizer_usable{tokenizer="stale"}"#;
+    // Every request is checked, apart from it: it is routed at once on the router's ids (they
+    // match nothing held, so by load), and the checks' differences turn the tokenizer off.
     let mut sent = 0;
-    while Metrics::scrape(&router.url()).await?.value(mismatches)? < 3.0 {
+    while Metrics::scrape(&router.url()).await?.value(usable)? != 0.0 {
         anyhow::ensure!(sent < 20, "the differences were not caught");
-        let reply = send(&routed_url(&router), &chat(&format!("Question {sent}?"))).await?;
-        assert_eq!(reply.header("x-switchyard-instance"), Some("e0"));
-        assert_eq!(reply.header("x-switchyard-route"), Some("kv"));
+        send(&routed_url(&router), &chat(&format!("Question {sent}?"))).await?;
         sent += 1;
     }
+    // From then on the engine's ids (counted below as `disabled`).
     let reply = send(&routed_url(&router), &chat("After?")).await?;
-    assert_eq!(
-        reply.header("x-switchyard-route"),
-        Some("kv"),
-        "the engine's ids"
-    );
+    assert_eq!(reply.header("x-switchyard-route"), Some("kv"));
+    let mismatches =
+        r#"switchyard_router_local_tokenize_checks_total{tokenizer="stale",outcome="mismatch"}"#;
+    assert!(Metrics::scrape(&router.url()).await?.value(mismatches)? >= 3.0);
     let metrics = Metrics::scrape(&router.url()).await?;
     assert_eq!(
         metrics.value(r#"switchyard_router_local_tokenizer_usable{tokenizer="stale"}"#)?,
@@ -261,6 +272,61 @@ async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned
             r#"switchyard_router_local_tokenize_engine_total{tokenizer="stale",reason="disabled"}"#
         )?,
         1.0
+    );
+    router.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_checked_request_is_routed_on_the_routers_ids_without_waiting_for_the_engine()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tokenizers = dir.path().join("tokenizers");
+    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (a, b) = sims(&folder).await?;
+    // Every request checked; an engine's /tokenize may take 10 s before it counts as failed.
+    let router = router_tuned(dir.path(), [&a, &b], &tokenizers, "llama3", 1.0, |config| {
+        config.kv.kv_tokenize_timeout_ms = 10_000;
+    })
+    .await?;
+    let first = chat("Which engine holds this?");
+    let tokens = sim_tokens(&a, first.clone()).await?;
+    send(&format!("{}/v1/chat/completions", a.url), &first).await?;
+    wait_held(&router, &tokens, (tokens.len() / 16) as u32 - 1).await?;
+    warm(&router, "llama3").await?;
+    // Both engines' /tokenize hang: the checks wait, the requests do not.
+    let hang = || Faults {
+        tokenize_hang_rate: 1.0,
+        ..Faults::default()
+    };
+    a.set_faults(hang());
+    b.set_faults(hang());
+    for question in ["One?", "Two?", "Three?"] {
+        let reply = tokio::time::timeout(
+            Duration::from_secs(30),
+            send(&routed_url(&router), &chat(question)),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("the request waited for its check"))??;
+        assert_eq!(reply.header("x-switchyard-instance"), Some("e0"));
+        assert_eq!(reply.header("x-switchyard-route"), Some("kv"));
+    }
+    let metrics = Metrics::scrape(&router.url()).await?;
+    for outcome in ["match", "mismatch", "failed"] {
+        let checks = format!(
+            r#"switchyard_router_local_tokenize_checks_total{{tokenizer="llama3",outcome="{outcome}"}}"#
+        );
+        assert_eq!(
+            metrics.value(&checks)?,
+            0.0,
+            "{outcome}: the checks still wait"
+        );
+    }
+    assert_eq!(
+        metrics.value(
+            r#"switchyard_router_local_tokenize_total{tokenizer="llama3",outcome="local"}"#
+        )?,
+        3.0
     );
     router.shutdown().await;
     Ok(())

@@ -28,7 +28,7 @@ use switchyard_shared::{PrefillRoutingStrategy, ThresholdBasis};
 use crate::errors::ApiError;
 use crate::observe::labels::RouteLabel;
 use crate::operation::Operation;
-use crate::routing::table::{EndpointRoute, RoutingTable, VariantRoute};
+use crate::routing::table::{EndpointRoute, RoutingTable};
 use count::TokenCounters;
 pub use planned::{Plan, PrefillHop};
 use target::Destination;
@@ -109,9 +109,10 @@ impl Indexes {
 
 impl NeedsTokens {
     /// The variant whose engines are asked to tokenize: the plan's (a disaggregated endpoint's
-    /// decoders; the body names their ModelName).
-    pub fn tokenizer(&self) -> &VariantRoute {
-        self.plan.variant()
+    /// decoders; the body names their ModelName), as its endpoint and position (a check may
+    /// outlive the request).
+    pub fn tokenizer(&self) -> (&Arc<EndpointRoute>, usize) {
+        (&self.plan.endpoint, self.plan.variant_index)
     }
 
     /// The tokenizer folder that gives the token ids in the router: the plan's variant's

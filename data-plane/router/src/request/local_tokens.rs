@@ -14,17 +14,19 @@
 //!   `raise_exception`, both `add_generation_prompt` and `continue_final_message`) is routed
 //!   by load and the engine answers it.
 //! - **The check**: a fraction of the requests tokenized here (`--tokenize-check-fraction`,
-//!   default 1%) is also sent to the engine's `/tokenize`, and the engine's ids are the ones
-//!   routed on. A difference is counted and logged with the tokenizer's name; three among the
-//!   last 16 checks turn the tokenizer off until the router restarts: its requests go to the
-//!   engine (`disabled`), as they did before this tokenizer was configured.
+//!   default 1%) is also sent to the engine's `/tokenize`, apart from the request, which is
+//!   routed on the router's ids at once (a checked request does not wait for an engine; at
+//!   most [`MOST_CHECKS_RUNNING`] checks at a time). A difference is counted and logged with
+//!   the tokenizer's name; three among the last 16 checks turn the tokenizer off until the
+//!   router restarts: its requests go to the engine (`disabled`), as they did before this
+//!   tokenizer was configured.
 //!
 //! Tokenizers are at most [`MOST_TOKENIZERS`] per router, so the metrics' `tokenizer` label
 //! is bounded (a name past that goes to the engine, `too_many`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use switchyard_process::metrics::TextEncoder;
@@ -41,6 +43,9 @@ pub const MISMATCHES_TO_DISABLE: u32 = 3;
 pub const CHECK_WINDOW: u32 = 16;
 /// The default share of locally tokenized requests also sent to the engine.
 pub const DEFAULT_CHECK_FRACTION: f64 = 0.01;
+/// Checks under way at once at most (a request sampled beyond them is not checked): an engine
+/// whose `/tokenize` hangs holds each one for `--kv-tokenize-timeout-ms`.
+pub const MOST_CHECKS_RUNNING: usize = 16;
 
 /// Why a request's ids came from the engine although its variant names a tokenizer, beyond
 /// [`Unsupported`]'s reasons.
@@ -54,6 +59,29 @@ pub struct LocalTokenizers {
     slots: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     too_many: AtomicU64,
     retry: std::time::Duration,
+    /// Checks under way ([`CheckTicket`]).
+    checks_running: Arc<AtomicUsize>,
+}
+
+/// A check under way, counted in [`LocalTokenizers`]'s bound until it is dropped.
+#[derive(Debug)]
+pub struct CheckTicket(Arc<AtomicUsize>);
+
+impl CheckTicket {
+    fn take(running: &Arc<AtomicUsize>) -> Option<Self> {
+        running
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                (now < MOST_CHECKS_RUNNING).then_some(now + 1)
+            })
+            .ok()
+            .map(|_| Self(Arc::clone(running)))
+    }
+}
+
+impl Drop for CheckTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl std::fmt::Debug for LocalTokenizers {
@@ -68,8 +96,12 @@ impl std::fmt::Debug for LocalTokenizers {
 /// What [`LocalTokenizers::tokenize`] made of a body.
 #[derive(Debug)]
 pub enum Local {
-    /// The ids, and whether this request is one of the checked ones.
-    Ids { ids: Vec<u32>, check: bool },
+    /// The ids, and a ticket when this request is one of the checked ones: its caller asks
+    /// the engine too, apart from the request, and reports with [`LocalTokenizers::checked`].
+    Ids {
+        ids: Vec<u32>,
+        check: Option<CheckTicket>,
+    },
     /// Ask the engine (the reason is counted).
     Engine,
     /// vLLM would refuse it too: route by load.
@@ -88,6 +120,7 @@ impl LocalTokenizers {
             slots: Mutex::new(HashMap::new()),
             too_many: AtomicU64::new(0),
             retry: RETRY_LOAD,
+            checks_running: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -165,7 +198,9 @@ impl LocalTokenizers {
             });
         match outcome {
             Local::Ids { ids, .. } => Local::Ids {
-                check: self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction,
+                check: (self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction)
+                    .then(|| CheckTicket::take(&self.checks_running))
+                    .flatten(),
                 ids,
             },
             Local::Costly => {
@@ -539,7 +574,7 @@ impl Slot {
             Ok(None) => Local::Costly,
             Ok(Some(ids)) => {
                 self.outcomes[0].fetch_add(1, Ordering::Relaxed);
-                Local::Ids { ids, check: false }
+                Local::Ids { ids, check: None }
             }
             Err(Refusal::Engine(reason)) => self.engine_reason(reason.reason()),
             Err(Refusal::Invalid(reason)) => {
@@ -624,7 +659,7 @@ mod tests {
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"hello world"}]}"#;
         assert!(matches!(
             tokenizers.tokenize(&name, chat),
-            Local::Ids { ids, check: false } if ids == [0, 3, 5, 6, 1, 0, 4]
+            Local::Ids { ids, check: None } if ids == [0, 3, 5, 6, 1, 0, 4]
         ));
         let image = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
         assert!(matches!(tokenizers.tokenize(&name, image), Local::Engine));
@@ -830,7 +865,11 @@ mod tests {
         let (_dir, tokenizers, _) = templated(1.0);
         let name: Arc<str> = Arc::from("m");
         let body = br#"{"prompt":"hello"}"#;
-        let Local::Ids { ids, check: true } = tokenizers.tokenize(&name, body) else {
+        let Local::Ids {
+            ids,
+            check: Some(_),
+        } = tokenizers.tokenize(&name, body)
+        else {
             panic!("a fraction of 1 checks every request")
         };
         tokenizers.checked(&name, Some(&[9]), &ids);
@@ -860,5 +899,24 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(r#"switchyard_router_local_tokenize_engine_total{tokenizer="m",reason="disabled"} 1"#), "{text}");
+    }
+    #[test]
+    fn at_most_16_checks_run_at_once() {
+        let (_dir, tokenizers, _) = templated(1.0);
+        let name: Arc<str> = Arc::from("m");
+        let body = br#"{"prompt":"hello"}"#;
+        let ticket = || match tokenizers.tokenize(&name, body) {
+            Local::Ids { check, .. } => check,
+            other => panic!("{other:?}"),
+        };
+        let mut running: Vec<CheckTicket> =
+            (0..MOST_CHECKS_RUNNING).map_while(|_| ticket()).collect();
+        assert_eq!(running.len(), MOST_CHECKS_RUNNING);
+        assert!(ticket().is_none(), "the 17th is not checked");
+        running.pop();
+        assert!(ticket().is_some(), "one ended: a check again");
+        assert!(ticket().is_some(), "and that one ended too");
+        running.push(ticket().unwrap());
+        assert!(ticket().is_none());
     }
 }

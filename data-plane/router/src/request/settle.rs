@@ -9,12 +9,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::local_tokens::Local;
+use super::local_tokens::{CheckTicket, Local};
 use super::worker::Worker;
 use crate::errors::ApiError;
 use crate::plan::tokens::{KvInput, PromptTokens};
 use crate::plan::{KvOrNot, NeedsTokens, Plan, Planned, kv};
-use crate::routing::table::VariantRoute;
+use crate::routing::table::EndpointRoute;
 use switchyard_kv::ChainKey;
 use switchyard_tokenize::Within;
 
@@ -73,23 +73,38 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
     }
 }
 
-/// The request's token ids for `variant`'s engines: as given; computed here by the tokenizer
-/// folder `local` names (`super::local_tokens`; a checked share also asked of the engine,
-/// whose ids are then used); or one `/tokenize` round trip to the variant's least loaded
-/// instance not paused for failing to tokenize within `--kv-tokenize-timeout-ms` (timed in
+/// The request's token ids for the engines of the plan's variant (`endpoint`'s at
+/// `position`): as given; computed here by the tokenizer folder `local` names
+/// (`super::local_tokens`; a sampled share also asked of an engine apart from the request,
+/// [`check_later`]); or one `/tokenize` round trip to the variant's least loaded instance not
+/// paused for failing to tokenize within `--kv-tokenize-timeout-ms` (timed in
 /// `switchyard_router_kv_tokenize_seconds`). A failure is counted in
 /// `switchyard_router_kv_tokenize_failures_total` and logged; the caller routes by load.
 async fn token_ids(
     worker: &Worker,
-    variant: &VariantRoute,
+    (endpoint, position): (&Arc<EndpointRoute>, usize),
     local: Option<&Arc<str>>,
     input: KvInput,
 ) -> Option<Vec<u32>> {
-    let mut checking = None;
+    let variant = &endpoint.variants[position];
     if let (Some(name), KvInput::Tokens(PromptTokens::Ask(body))) = (local, &input) {
         match local_ids(worker, name, body).await {
-            Local::Ids { ids, check: false } => return Some(ids),
-            Local::Ids { ids, check: true } => checking = Some((name, ids)),
+            Local::Ids { ids, check: None } => return Some(ids),
+            Local::Ids {
+                ids,
+                check: Some(ticket),
+            } => {
+                let check = Check {
+                    endpoint: Arc::clone(endpoint),
+                    position,
+                    tokenizer: Arc::clone(name),
+                    body: body.clone(),
+                    ids: ids.clone(),
+                    ticket,
+                };
+                check_later(worker, check);
+                return Some(ids);
+            }
             Local::Refused(reason) => {
                 tracing::debug!(variant = %variant.name, tokenizer = %name, reason = %reason, "the request's chat template or fields are refused as vLLM refuses them; routing it by load");
                 return None;
@@ -115,22 +130,49 @@ async fn token_ids(
             fetched
         }
     };
-    if let Some((name, ids)) = checking {
-        if let Err(err) = &fetched {
-            worker.metrics.kv_tokenize_failed(err);
-        }
-        worker
-            .local_tokens
-            .checked(name, fetched.as_deref().ok(), &ids);
-        // The engine's ids when it answered, else the router's.
-        return Some(fetched.unwrap_or(ids));
-    }
     fetched
         .inspect_err(|err| {
             worker.metrics.kv_tokenize_failed(err);
             tracing::debug!(variant = %variant.name, error = %err, "no token ids for the request; routing it by load");
         })
         .ok()
+}
+
+/// A request's ids computed here, to compare with an engine's `/tokenize` of its body.
+struct Check {
+    endpoint: Arc<EndpointRoute>,
+    position: usize,
+    tokenizer: Arc<str>,
+    body: bytes::Bytes,
+    ids: Vec<u32>,
+    ticket: CheckTicket,
+}
+
+/// Asks an engine of the check's variant for the body's ids on a task of its own and reports
+/// the comparison ([`super::local_tokens::LocalTokenizers::checked`]), so the request it was
+/// sampled from is routed on the router's ids without waiting for the engine. A failed ask is
+/// counted as the request path's are.
+fn check_later(worker: &Worker, check: Check) {
+    let (client, tokenizers, metrics) = (
+        worker.tokenize.clone(),
+        Arc::clone(&worker.local_tokens),
+        Arc::clone(&worker.metrics),
+    );
+    tokio::spawn(async move {
+        let variant = &check.endpoint.variants[check.position];
+        let fetched = client
+            .token_ids(
+                PromptTokens::Ask(check.body),
+                variant,
+                switchyard_process::clock::unix_ms(),
+            )
+            .await;
+        if let Err(err) = &fetched {
+            metrics.kv_tokenize_failed(err);
+        }
+        tokenizers.checked(&check.tokenizer, fetched.as_deref().ok(), &check.ids);
+        drop(check.ticket);
+    });
 }
 
 /// The tokenizing a serving thread does at most (STYLE habit 9: under half a millisecond):
