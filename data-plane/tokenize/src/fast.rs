@@ -431,8 +431,10 @@ fn llama3_ascii(text: &[u8], at: usize) -> Option<usize> {
 /// [`WORD_SHARDS`] shards of [`SETS_PER_SHARD`] sets of two words, 2 MiB in all, a shard's
 /// table allocated by its first word and never grown. A word's set comes from its key: a
 /// lookup reads one pair of cache lines, and a new word takes the place of the one of its set
-/// used least lately. A shard another thread holds is passed by (a miss, or nothing kept): a
-/// serving thread never waits here.
+/// used least lately. A lookup waits for a shard another thread holds (for at most that
+/// thread's batch of lookups, microseconds; shards are taken in order, so no two threads wait
+/// for each other): a miss it would otherwise see spends a caller's budget of new words on a
+/// known word. Keeping new words passes a held shard by (nothing kept).
 struct Words {
     shards: Box<[Shard]>,
     /// Pieces found here, and pieces asked of the BPE model.
@@ -505,21 +507,32 @@ impl Words {
         keys.fold(0, |shards, key| shards | 1 << Self::shard_of(key))
     }
 
-    /// `found[i]`: the word kept for `batch[i]` (a piece of `text`), if any. Each shard the
-    /// batch needs is locked once, and all of them are let go together at the end (no lock
-    /// taken or let go between two lookups); a held one is passed by.
+    /// `index`'s table, waiting while another thread holds it.
+    fn wait_for(&self, index: usize) -> Table<'_> {
+        self.shards[index]
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// `found[i]`: the word kept for `batch[i]` (a piece of `text`), if any. The shards the
+    /// batch needs are locked once each, in order (waiting for a held one), and all let go
+    /// together at the end (no lock taken or let go between two lookups).
     fn find_all(&self, text: &str, batch: &[Piece], found: &mut Vec<Option<Word>>) {
         found.clear();
         let mut hits = 0;
-        // Per shard: not tried yet, or its table (None: held by another thread).
-        let mut locked: [Option<Option<Table<'_>>>; WORD_SHARDS] = Default::default();
+        let needed = Self::shards_of(batch.iter().filter_map(|piece| piece.key));
+        let mut locked: [Option<Table<'_>>; WORD_SHARDS] = Default::default();
+        for (index, table) in locked.iter_mut().enumerate() {
+            if needed & 1 << index != 0 {
+                *table = Some(self.wait_for(index));
+            }
+        }
         // First each set's first line is read, with nothing else between the reads, so that
         // the CPU waits for all those lines at once; the lookups then find them in its cache.
         let mut touched = 0_u64;
         for key in batch.iter().filter_map(|piece| piece.key) {
-            let shard = Self::shard_of(key);
-            if let Some(set) = locked[shard]
-                .get_or_insert_with(|| self.lock(shard))
+            if let Some(set) = locked[Self::shard_of(key)]
                 .as_ref()
                 .and_then(|sets| sets.get(key as usize % SETS_PER_SHARD))
             {
@@ -529,10 +542,7 @@ impl Words {
         std::hint::black_box(touched);
         found.extend(batch.iter().map(|piece| {
             let key = piece.key?;
-            let shard = Self::shard_of(key);
-            let sets = locked[shard]
-                .get_or_insert_with(|| self.lock(shard))
-                .as_mut()?;
+            let sets = locked[Self::shard_of(key)].as_mut()?;
             let set = sets.get_mut(key as usize % SETS_PER_SHARD)?;
             let word = set.find(key, &text.as_bytes()[piece.start..piece.end]);
             hits += u64::from(word.is_some());
@@ -764,21 +774,70 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_another_thread_holds_is_passed_by() {
+    fn a_lookup_waits_for_a_shard_another_thread_holds_and_keeping_passes_it_by() {
         let words = Words::default();
         let other = 1 << 61;
         put(&words, other, "v", &[5]);
         let held = words.lock(1).expect("free");
-        assert_eq!(find(&words, other, "v"), None, "a miss while held");
         put(&words, other + 1, "u", &[6]);
         assert_eq!(find(&words, 3, "t"), None, "another shard is not held");
-        drop(held);
-        assert_eq!(find(&words, other, "v"), Some(vec![5]));
+        let started = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            let finder = scope.spawn(|| {
+                started.wait();
+                find(&words, other, "v")
+            });
+            started.wait();
+            // Let the finder reach the held shard (if it has not, it finds the word all the
+            // same: the assert below then checks less, never wrongly).
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            drop(held);
+            assert_eq!(finder.join().unwrap(), Some(vec![5]), "waited, then found");
+        });
         assert_eq!(
             find(&words, other + 1, "u"),
             None,
             "nothing kept while held"
         );
+    }
+
+    #[test]
+    fn lookups_on_many_threads_take_shards_in_order_and_never_wait_for_each_other() {
+        let words = Words::default();
+        // Keys in every shard, each thread asking them in another order (bounded: 200
+        // batches a thread).
+        let keys: Vec<u64> = (0..WORD_SHARDS as u64)
+            .map(|shard| shard << 61 | 7)
+            .collect();
+        for &key in &keys {
+            put(&words, key, "w", &[key as u32 & 0xff]);
+        }
+        let text = "w";
+        std::thread::scope(|scope| {
+            for turn in 0..4 {
+                let (words, keys) = (&words, &keys);
+                scope.spawn(move || {
+                    let mut order = keys.clone();
+                    order.rotate_left(turn * 2);
+                    if turn % 2 == 1 {
+                        order.reverse();
+                    }
+                    let batch: Vec<Piece> = order
+                        .iter()
+                        .map(|&key| Piece {
+                            start: 0,
+                            end: text.len(),
+                            key: Some(key),
+                        })
+                        .collect();
+                    let mut found = Vec::new();
+                    for _ in 0..200 {
+                        words.find_all(text, &batch, &mut found);
+                        assert!(found.iter().all(Option::is_some), "every word found");
+                    }
+                });
+            }
+        });
     }
 
     #[test]
