@@ -774,6 +774,26 @@ mod tests {
     }
 
     #[test]
+    fn a_word_of_24_bytes_and_6_ids_is_kept_and_one_byte_or_id_more_is_not() {
+        let bytes_24 = "abcdefghijklmnopqrstuvwx";
+        let ids_6 = [1, 2, 3, 4, 5, 6];
+        let word = Word::new(9, bytes_24, &ids_6).expect("at the limits");
+        assert_eq!((word.text(), word.ids()), (bytes_24.as_bytes(), &ids_6[..]));
+        assert!(word.is(9, bytes_24.as_bytes()));
+        assert!(
+            !word.is(9, &bytes_24.as_bytes()[..23]),
+            "a prefix is another word"
+        );
+        assert!(Word::new(9, &format!("{bytes_24}y"), &ids_6).is_none());
+        assert!(Word::new(9, bytes_24, &[1, 2, 3, 4, 5, 6, 7]).is_none());
+        assert!(Word::new(9, "a", &[]).is_none(), "no ids: an empty place");
+        // Through the cache: kept and found whole.
+        let words = Words::default();
+        put(&words, 9, bytes_24, &ids_6);
+        assert_eq!(find(&words, 9, bytes_24), Some(ids_6.to_vec()));
+    }
+
+    #[test]
     fn a_lookup_waits_for_a_shard_another_thread_holds_and_keeping_passes_it_by() {
         let words = Words::default();
         let other = 1 << 61;
