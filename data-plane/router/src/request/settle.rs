@@ -151,13 +151,10 @@ struct Check {
 /// Asks an engine of the check's variant for the body's ids on a task of its own and reports
 /// the comparison ([`super::local_tokens::LocalTokenizers::checked`]), so the request it was
 /// sampled from is routed on the router's ids without waiting for the engine. A failed ask is
-/// counted as the request path's are.
+/// counted among the checks (`failed`), not as a request routed by load; it still counts
+/// towards pausing the instance's `/tokenize`.
 fn check_later(worker: &Worker, check: Check) {
-    let (client, tokenizers, metrics) = (
-        worker.tokenize.clone(),
-        Arc::clone(&worker.local_tokens),
-        Arc::clone(&worker.metrics),
-    );
+    let (client, tokenizers) = (worker.tokenize.clone(), Arc::clone(&worker.local_tokens));
     tokio::spawn(async move {
         let variant = &check.endpoint.variants[check.position];
         let fetched = client
@@ -167,9 +164,6 @@ fn check_later(worker: &Worker, check: Check) {
                 switchyard_process::clock::unix_ms(),
             )
             .await;
-        if let Err(err) = &fetched {
-            metrics.kv_tokenize_failed(err);
-        }
         tokenizers.checked(&check.tokenizer, fetched.as_deref().ok(), &check.ids);
         drop(check.ticket);
     });
