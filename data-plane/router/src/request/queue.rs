@@ -613,13 +613,19 @@ struct HoldTicket {
 impl Drop for HoldTicket {
     fn drop(&mut self) {
         let mut holdings = lock_holdings(&self.holdings);
-        if let Some(holding) = holdings.get_mut(&self.fairness) {
-            let count = holding.count - 1;
-            if count == 0 {
-                holdings.remove(&self.fairness);
-            } else {
-                holding.set_count(count, std::time::Instant::now());
+        release(&mut holdings, self.fairness, std::time::Instant::now());
+    }
+}
+
+/// One slot of `fairness`'s let go at `now`: its seconds until then are kept; an id holding
+/// none is forgotten.
+fn release(holdings: &mut HashMap<u64, Holding>, fairness: u64, now: std::time::Instant) {
+    if let Some(holding) = holdings.get_mut(&fairness) {
+        match holding.count.checked_sub(1) {
+            Some(0) | None => {
+                holdings.remove(&fairness);
             }
+            Some(count) => holding.set_count(count, now),
         }
     }
 }
@@ -1369,6 +1375,17 @@ mod tests {
         assert_eq!(holdings[&2].held, 0.0);
         let plain = queue.hold(&mut holdings, capped(8), place(0, 3), grant(), after(10));
         assert!(!holdings.contains_key(&3));
+        // A slot let go at 20 s: the seconds until then are kept, one slot counts on.
+        let mut copy = holdings.clone();
+        release(&mut copy, 1, after(20));
+        assert_eq!(copy[&1].count, 1);
+        assert!(close(copy[&1].held, mean_life() / 4.0 + mean_life()));
+        assert!(close(
+            copy[&1].held_at(after(30)),
+            (mean_life() / 4.0 + mean_life()) / 2.0 + mean_life() / 2.0
+        ));
+        release(&mut copy, 1, after(30));
+        assert!(!copy.contains_key(&1), "holding none: forgotten");
         // Each slot's ticket counts its id down when it ends; an id holding none is forgotten.
         drop(holdings);
         drop(first);
