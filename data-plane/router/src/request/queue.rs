@@ -1355,13 +1355,16 @@ mod tests {
             headroom: false,
         };
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b.max(1.0);
+        // The slots, declared before the lock: a failed assert lets the lock go before the
+        // tickets (a ticket locks the holdings when it is dropped).
+        let mut slots = Vec::new();
         let mut holdings = lock_holdings(&queue.holdings);
-        let first = queue.hold(&mut holdings, limits, place(0, 1), grant(), t0);
+        slots.push(queue.hold(&mut holdings, limits, place(0, 1), grant(), t0));
         assert_eq!((holdings[&1].count, holdings[&1].held), (1, 0.0));
         // One slot for a half-life: half of all it could ever count for.
         assert!(close(holdings[&1].held_at(after(10)), mean_life() / 2.0));
         // A second slot at 10 s: the first's seconds are kept as of then.
-        let second = queue.hold(&mut holdings, limits, place(0, 1), grant(), after(10));
+        slots.push(queue.hold(&mut holdings, limits, place(0, 1), grant(), after(10)));
         assert_eq!(holdings[&1].count, 2);
         assert!(close(holdings[&1].held, mean_life() / 2.0));
         assert_eq!(holdings[&1].at, after(10));
@@ -1371,9 +1374,9 @@ mod tests {
             mean_life() / 4.0 + mean_life()
         ));
         // Another id starts from nothing; a variant without headroom keeps no count.
-        let other = queue.hold(&mut holdings, limits, place(0, 2), grant(), after(10));
+        slots.push(queue.hold(&mut holdings, limits, place(0, 2), grant(), after(10)));
         assert_eq!(holdings[&2].held, 0.0);
-        let plain = queue.hold(&mut holdings, capped(8), place(0, 3), grant(), after(10));
+        slots.push(queue.hold(&mut holdings, capped(8), place(0, 3), grant(), after(10)));
         assert!(!holdings.contains_key(&3));
         // A slot let go at 20 s: the seconds until then are kept, one slot counts on.
         let mut copy = holdings.clone();
@@ -1388,9 +1391,9 @@ mod tests {
         assert!(!copy.contains_key(&1), "holding none: forgotten");
         // Each slot's ticket counts its id down when it ends; an id holding none is forgotten.
         drop(holdings);
-        drop(first);
+        drop(slots.remove(0));
         assert_eq!(lock_holdings(&queue.holdings)[&1].count, 1);
-        drop((second, other, plain));
+        drop(slots);
         assert!(lock_holdings(&queue.holdings).is_empty());
         assert_eq!(cell.fleet_load(), 0);
     }
