@@ -16,7 +16,7 @@
 //! - **The check**: a fraction of the requests tokenized here (`--tokenize-check-fraction`,
 //!   default 1%) is also sent to the engine's `/tokenize`, apart from the request, which is
 //!   routed on the router's ids at once (a checked request does not wait for an engine; at
-//!   most [`MOST_CHECKS_RUNNING`] checks at a time). A difference is counted and logged with
+//!   most [`MOST_CHECKS_RUNNING`] checks per tokenizer at a time, the rest counted `skipped`). A difference is counted and logged with
 //!   the tokenizer's name; three among the last 16 checks turn the tokenizer off until the
 //!   router restarts: its requests go to the engine (`disabled`), as they did before this
 //!   tokenizer was configured.
@@ -43,8 +43,9 @@ pub const MISMATCHES_TO_DISABLE: u32 = 3;
 pub const CHECK_WINDOW: u32 = 16;
 /// The default share of locally tokenized requests also sent to the engine.
 pub const DEFAULT_CHECK_FRACTION: f64 = 0.01;
-/// Checks under way at once at most (a request sampled beyond them is not checked): an engine
-/// whose `/tokenize` hangs holds each one for `--kv-tokenize-timeout-ms`.
+/// Checks of one tokenizer under way at once at most (a request sampled beyond them is not
+/// checked, counted `skipped`): an engine whose `/tokenize` hangs holds each one for
+/// `--kv-tokenize-timeout-ms`, and one model's hanging engines do not stop another's checks.
 pub const MOST_CHECKS_RUNNING: usize = 16;
 
 /// Why a request's ids came from the engine although its variant names a tokenizer, beyond
@@ -59,11 +60,9 @@ pub struct LocalTokenizers {
     slots: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     too_many: AtomicU64,
     retry: std::time::Duration,
-    /// Checks under way ([`CheckTicket`]).
-    checks_running: Arc<AtomicUsize>,
 }
 
-/// A check under way, counted in [`LocalTokenizers`]'s bound until it is dropped.
+/// A check under way, counted in its tokenizer's bound until it is dropped.
 #[derive(Debug)]
 pub struct CheckTicket(Arc<AtomicUsize>);
 
@@ -120,7 +119,6 @@ impl LocalTokenizers {
             slots: Mutex::new(HashMap::new()),
             too_many: AtomicU64::new(0),
             retry: RETRY_LOAD,
-            checks_running: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -197,12 +195,16 @@ impl LocalTokenizers {
                 Local::Engine
             });
         match outcome {
-            Local::Ids { ids, .. } => Local::Ids {
-                check: (self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction)
-                    .then(|| CheckTicket::take(&self.checks_running))
-                    .flatten(),
-                ids,
-            },
+            Local::Ids { ids, .. } => {
+                let sampled = self.check_fraction > 0.0 && fastrand::f64() < self.check_fraction;
+                let check = sampled
+                    .then(|| CheckTicket::take(&slot.checks_running))
+                    .flatten();
+                if sampled && check.is_none() {
+                    slot.checks[3].fetch_add(1, Ordering::Relaxed);
+                }
+                Local::Ids { ids, check }
+            }
             Local::Costly => {
                 slot.costly.fetch_add(1, Ordering::Relaxed);
                 Local::Costly
@@ -290,9 +292,9 @@ impl LocalTokenizers {
             &slots,
             (
                 "switchyard_router_local_tokenize_checks_total",
-                "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three among the last 16 checks turn the tokenizer off), failed (the engine did not answer).",
+                "Locally tokenized requests also sent to an engine's /tokenize (--tokenize-check-fraction), by outcome: match, mismatch (three among the last 16 checks turn the tokenizer off), failed (the engine did not answer), skipped (sampled while 16 checks of the tokenizer were under way: not checked).",
             ),
-            ("outcome", &["match", "mismatch", "failed"]),
+            ("outcome", &["match", "mismatch", "failed", "skipped"]),
             |slot| &slot.checks,
         );
         out.family(
@@ -424,8 +426,10 @@ pub struct Slot {
     outcomes: [AtomicU64; 3],
     /// By [`engine_reasons`].
     engine: [AtomicU64; Unsupported::REASONS.len() + 3],
-    /// match, mismatch, failed.
-    checks: [AtomicU64; 3],
+    /// match, mismatch, failed, skipped.
+    checks: [AtomicU64; 4],
+    /// Checks under way ([`CheckTicket`]).
+    checks_running: Arc<AtomicUsize>,
     /// Prompts over a caller's budget ([`Local::Costly`]).
     costly: AtomicU64,
 }
@@ -450,6 +454,7 @@ impl Slot {
             outcomes: Default::default(),
             engine: Default::default(),
             checks: Default::default(),
+            checks_running: Arc::new(AtomicUsize::new(0)),
             costly: AtomicU64::new(0),
         }
     }
@@ -901,8 +906,8 @@ mod tests {
         assert!(text.contains(r#"switchyard_router_local_tokenize_engine_total{tokenizer="m",reason="disabled"} 1"#), "{text}");
     }
     #[test]
-    fn at_most_16_checks_run_at_once() {
-        let (_dir, tokenizers, _) = templated(1.0);
+    fn at_most_16_checks_of_a_tokenizer_run_at_once() {
+        let (dir, tokenizers, _) = templated(1.0);
         let name: Arc<str> = Arc::from("m");
         let body = br#"{"prompt":"hello"}"#;
         let ticket = || match tokenizers.tokenize(&name, body) {
@@ -918,5 +923,24 @@ mod tests {
         assert!(ticket().is_some(), "and that one ended too");
         running.push(ticket().unwrap());
         assert!(ticket().is_none());
+        // Per tokenizer: another model's checks still run.
+        let other: Arc<str> = Arc::from("n");
+        std::fs::create_dir(dir.path().join("n")).unwrap();
+        for file in std::fs::read_dir(dir.path().join("m")).unwrap() {
+            let file = file.unwrap();
+            std::fs::copy(file.path(), dir.path().join("n").join(file.file_name())).unwrap();
+        }
+        tokenizers.slot(&other).unwrap().wait_loaded();
+        match tokenizers.tokenize(&other, body) {
+            Local::Ids { check, .. } => assert!(check.is_some(), "another tokenizer's checks run"),
+            other => panic!("{other:?}"),
+        }
+        let mut out = TextEncoder::new();
+        tokenizers.render(&mut out);
+        let text = out.finish();
+        assert!(
+            text.contains(r#"switchyard_router_local_tokenize_checks_total{tokenizer="m",outcome="skipped"} 2"#),
+            "{text}"
+        );
     }
 }

@@ -17,11 +17,12 @@
 //!
 //! **Headroom** (`FlowHeadroomPerInstance`): an instance at the cap takes that many more
 //! requests, but only those that need not wait behind a backlog: a priority below 0, or, at
-//! priority 0 or better, a fairness id that held less than its weighted share of the
-//! slot-seconds held lately by the ids holding slots on the variant through this router, while
-//! another id is in flight or waiting (id's slot-seconds × total weight < its weight × all of
-//! them; a second counts less as it ages, halved every 10 s, and an id's count starts again
-//! when it holds none). Slot-seconds, not the slots held now: a light client's burst holds as
+//! priority 0 or better, a fairness id with no other request waiting that held less than its
+//! weighted share of the slot-seconds held lately by the ids on the variant through this
+//! router, while another id is in flight or waiting (id's slot-seconds × total weight < its
+//! weight × all of them; a second counts less as it ages, halved every 10 s; an id holding
+//! none is remembered until its seconds fade). An id with a backlog waits its turn: two
+//! backlogged ids do not take the headroom in turn. Slot-seconds, not the slots held now: a light client's burst holds as
 //! many slots at once as a heavy client's capped backlog (its answers take as long), but for
 //! a short while. Nor the slots taken lately: with answers much longer than the half-life a
 //! backlogged id takes few slots a second, yet holds its share of the cap all along. So an
@@ -29,9 +30,10 @@
 //! engine that batches cap + headroom, instead of waiting for a capped slot to free; an id
 //! alone, or the one that held the most, never takes it.
 //! A headroom slot is only ever one past the cap: a slot below it goes by the queue's order.
-//! The ids' counts are kept while they hold slots (never more entries than requests in
-//! flight; a retry's or a migrated stream's attempt is not counted); each router judges
-//! shares from its own requests, and every instance stays within cap + headroom.
+//! The ids' counts are kept while they hold slots, and after until they fade (at most
+//! requests in flight + 256 entries; a retry's or a migrated stream's attempt is not counted);
+//! each router judges shares from its own requests, and every instance stays within
+//! cap + headroom.
 //!
 //! A request that cannot be served because its own candidates are full (one pinned to its
 //! instance) does not hold up the others: the next one in order that can go, goes.
@@ -569,6 +571,16 @@ struct Holding {
 /// How fast a fairness id's slot-seconds held are forgotten ([`Holding::held`]).
 const HELD_HALF_LIFE: Duration = Duration::from_secs(10);
 
+/// An id holding no slot is remembered (its slot-seconds fading) until they are below this
+/// part of one slot held for ever, and at most [`MOST_IDLE_IDS`] such ids are: so that an id
+/// holding one slot at a time through this router, one request after the other, is not
+/// taken afresh for a light one at each request.
+const FORGET_BELOW: f64 = 0.01;
+
+/// At most this many ids holding no slot are remembered per variant; past it the one that
+/// held least is forgotten.
+const MOST_IDLE_IDS: usize = 256;
+
 impl Holding {
     /// A holding of nothing, from `now`.
     fn new(weight: f64, now: std::time::Instant) -> Self {
@@ -595,6 +607,16 @@ impl Holding {
         self.at = now;
         self.count = count;
     }
+
+    /// Holding nothing, and what it held faded to nothing that counts.
+    fn faded(&self, now: std::time::Instant) -> bool {
+        self.count == 0 && self.held_at(now) < FORGET_BELOW * mean_life()
+    }
+}
+
+/// Seconds one slot held for ever counts for ([`Holding::held`]'s limit).
+fn mean_life() -> f64 {
+    HELD_HALF_LIFE.as_secs_f64() / std::f64::consts::LN_2
 }
 
 type Holdings = Arc<Mutex<HashMap<u64, Holding>>>;
@@ -617,24 +639,47 @@ impl Drop for HoldTicket {
     }
 }
 
-/// One slot of `fairness`'s let go at `now`: its seconds until then are kept; an id holding
-/// none is forgotten.
+/// One slot of `fairness`'s let go at `now`: its seconds until then are kept. An id holding
+/// none is remembered while its seconds count ([`FORGET_BELOW`], [`MOST_IDLE_IDS`]).
 fn release(holdings: &mut HashMap<u64, Holding>, fairness: u64, now: std::time::Instant) {
-    if let Some(holding) = holdings.get_mut(&fairness) {
-        match holding.count.checked_sub(1) {
-            Some(0) | None => {
-                holdings.remove(&fairness);
-            }
-            Some(count) => holding.set_count(count, now),
+    let Some(holding) = holdings.get_mut(&fairness) else {
+        return;
+    };
+    holding.set_count(holding.count.saturating_sub(1), now);
+    if holding.count > 0 {
+        return;
+    }
+    if holding.faded(now) {
+        holdings.remove(&fairness);
+        return;
+    }
+    if holdings.len() <= MOST_IDLE_IDS {
+        return;
+    }
+    holdings.retain(|_, holding| !holding.faded(now));
+    let idle = holdings
+        .values()
+        .filter(|holding| holding.count == 0)
+        .count();
+    if idle > MOST_IDLE_IDS {
+        let least = holdings
+            .iter()
+            .filter(|(_, holding)| holding.count == 0)
+            .min_by(|a, b| a.1.held_at(now).total_cmp(&b.1.held_at(now)))
+            .map(|(id, _)| *id);
+        if let Some(id) = least {
+            holdings.remove(&id);
         }
     }
 }
 
 /// Whether a request at `place` may use the headroom at `now`: a priority below 0; or, at
-/// priority 0 or better, another id in flight or waiting (`active_weight`, the weights of the
-/// ids holding or waiting, this one's included, is more than its own) and its id having held
-/// less than its weighted share of the slot-seconds the ids holding slots on the variant
-/// through this router held lately ([`Holding::held`]). Slot-seconds, not the slots held now:
+/// priority 0 or better, no other request of its id waiting (`own_waiting`: an id with a
+/// backlog waits its turn, so that two backlogged ids do not take the headroom in turn and
+/// fill cap + headroom between them), another id in flight or waiting (`active_weight`, the
+/// weights of the ids holding or waiting, this one's included, is more than its own) and its
+/// id having held less than its weighted share of the slot-seconds the ids held on the variant
+/// through this router lately ([`Holding::held`]; `all_held`, their sum). Slot-seconds, not the slots held now:
 /// a light client's burst holds as many slots at once as the heavy client's capped backlog
 /// (its answers take as long), but for a short while. Nor the slots taken lately: with
 /// answers much longer than the half-life a backlogged id takes few slots a second while it
@@ -642,8 +687,8 @@ fn release(holdings: &mut HashMap<u64, Holding>, fairness: u64, now: std::time::
 fn may_use_headroom(
     place: Place,
     limits: Limits,
-    holdings: &HashMap<u64, Holding>,
-    active_weight: impl FnOnce() -> f64,
+    (holdings, own_waiting): (&HashMap<u64, Holding>, bool),
+    weights: impl FnOnce() -> Weights,
     now: std::time::Instant,
 ) -> bool {
     if limits.headroom == 0 || place.priority > 0 {
@@ -652,16 +697,42 @@ fn may_use_headroom(
     if place.priority < 0 {
         return true;
     }
-    let total = active_weight();
-    if total <= place.weight {
+    if own_waiting {
+        return false;
+    }
+    let Weights { active, all_held } = weights();
+    if active <= place.weight {
         return false;
     }
     let held = holdings
         .get(&place.fairness)
         .map_or(0.0, |holding| holding.held_at(now));
-    let all: f64 = holdings.values().map(|holding| holding.held_at(now)).sum();
     // Nothing held through this router (other routers fill the cap): below any share.
-    all <= 0.0 || held * total < place.weight * all
+    all_held <= 0.0 || held * active < place.weight * all_held
+}
+
+/// What the fair share of the headroom is judged against, worked out once per pass over the
+/// queue.
+#[derive(Debug, Clone, Copy)]
+struct Weights {
+    /// The weights of the ids holding slots or waiting.
+    active: f64,
+    /// The slot-seconds held lately by all the ids remembered.
+    all_held: f64,
+}
+
+impl Weights {
+    fn of(state: &State, holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> Self {
+        Self {
+            active: state.active_weight(holdings, None),
+            all_held: all_held(holdings, now),
+        }
+    }
+}
+
+/// The slot-seconds held lately by all the ids remembered.
+fn all_held(holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> f64 {
+    holdings.values().map(|holding| holding.held_at(now)).sum()
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -759,8 +830,9 @@ impl State {
     /// One walk over the ids (a hash set: linear in the ids waiting and holding); asked only
     /// for a request that may use the headroom and found the cap full.
     fn active_weight(&self, holdings: &HashMap<u64, Holding>, extra: Option<Place>) -> f64 {
-        let mut seen: std::collections::HashSet<u64> = holdings.keys().copied().collect();
-        let mut total: f64 = holdings.values().map(|holding| holding.weight).sum();
+        let holding = holdings.iter().filter(|(_, holding)| holding.count > 0);
+        let mut seen: std::collections::HashSet<u64> = holding.clone().map(|(id, _)| *id).collect();
+        let mut total: f64 = holding.map(|(_, holding)| holding.weight).sum();
         let waiting = self
             .bands
             .values()
@@ -826,10 +898,13 @@ impl State {
             .flat_map(|band| band.flows.values())
             .flat_map(|flow| flow.waiters.front())
             .any(|waiter| waiter.limits.headroom > 0);
-        let active_weight = if headroom {
-            self.active_weight(holdings, None)
+        let weights = if headroom {
+            Weights::of(self, holdings, now)
         } else {
-            0.0
+            Weights {
+                active: 0.0,
+                all_held: 0.0,
+            }
         };
         let mut found = None;
         'bands: for (&priority, band) in self.bands.iter_mut() {
@@ -848,10 +923,18 @@ impl State {
                     fairness: id,
                     weight: flow.weight,
                 };
+                let own_waiting = flow.waiters.len() > 1;
                 for at in 0..flow.waiters.len() {
                     let waiter = &flow.waiters[at];
-                    let favoured =
-                        || may_use_headroom(place, waiter.limits, holdings, || active_weight, now);
+                    let favoured = || {
+                        may_use_headroom(
+                            place,
+                            waiter.limits,
+                            (holdings, own_waiting),
+                            || weights,
+                            now,
+                        )
+                    };
                     if let Some(grant) = waiter.try_grant(favoured, full) {
                         let waiter = flow.waiters.remove(at).expect("the waiter is there");
                         band.clock = flow.pass;
@@ -911,6 +994,8 @@ impl VariantQueue {
             .entry(place.fairness)
             .or_insert_with(|| Holding::new(place.weight, now));
         holding.set_count(holding.count + 1, now);
+        // The endpoint's weights may have changed since the id began holding.
+        holding.weight = place.weight;
         let ticket = HoldTicket {
             holdings: Arc::clone(&self.holdings),
             fairness: place.fairness,
@@ -971,11 +1056,19 @@ impl VariantQueue {
             };
             // Past the cap, a request that need not wait behind the others takes the headroom.
             let free = free.or_else(|| {
+                let own_waiting = state.bands.get(&place.priority).is_some_and(|band| {
+                    band.flows
+                        .get(&place.fairness)
+                        .is_some_and(|flow| !flow.waiters.is_empty())
+                });
                 let favoured = may_use_headroom(
                     place,
                     limits,
-                    &holdings,
-                    || state.active_weight(&holdings, Some(place)),
+                    (&holdings, own_waiting),
+                    || Weights {
+                        active: state.active_weight(&holdings, Some(place)),
+                        all_held: all_held(&holdings, now),
+                    },
                     now,
                 );
                 headroom_grant(&candidates, limits, favoured)
@@ -1256,9 +1349,12 @@ mod tests {
         }
     }
 
-    /// Seconds a slot held all along counts for ([`Holding::held`] of one slot, forever).
-    fn mean_life() -> f64 {
-        HELD_HALF_LIFE.as_secs_f64() / std::f64::consts::LN_2
+    /// `active` weight against all that `holdings` held at `now`.
+    fn weights(active: f64, holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> Weights {
+        Weights {
+            active,
+            all_held: all_held(holdings, now),
+        }
     }
 
     #[test]
@@ -1275,7 +1371,13 @@ mod tests {
             headroom: 4,
         };
         let may = |place, limits, holdings: &HashMap<u64, Holding>, active: f64| {
-            may_use_headroom(place, limits, holdings, || active, now)
+            may_use_headroom(
+                place,
+                limits,
+                (holdings, false),
+                || weights(active, holdings, now),
+                now,
+            )
         };
         // Both hold 4 slots now: the heavy id (1) for a minute (its capped backlog), the light
         // one (2) for a second (its burst).
@@ -1311,32 +1413,114 @@ mod tests {
             count,
             ..Holding::new(1.0, at)
         };
-        let holdings = HashMap::from([(1, holding(6, then)), (2, holding(1, now))]);
+        let holdings = HashMap::from([
+            (1, holding(6, then)),
+            (2, holding(1, now - Duration::from_secs(5))),
+        ]);
         let may = |fairness, holdings: &HashMap<u64, Holding>| {
-            may_use_headroom(place(0, fairness), limits, holdings, || 2.0, now)
+            may_use_headroom(
+                place(0, fairness),
+                limits,
+                (holdings, false),
+                || weights(2.0, holdings, now),
+                now,
+            )
         };
         assert!(!may(1, &holdings), "the backlogged id waits");
         assert!(may(2, &holdings), "the light id goes");
         // Once the light id held as much for as long, it is no longer below its share.
         let even = HashMap::from([(1, holding(6, then)), (2, holding(6, then))]);
         assert!(!may(1, &even) && !may(2, &even));
-        // Per weight: a weight of 8 makes 6 slots less than its share against 1.
-        let weighted = HashMap::from([
-            (
-                1,
-                Holding {
-                    weight: 8.0,
-                    ..holding(6, then)
-                },
-            ),
-            (2, holding(1, then)),
-        ]);
-        let heavy = Place {
-            priority: 0,
-            fairness: 1,
-            weight: 8.0,
+        // Two backlogged ids do not take the headroom in turn: one a little below its share
+        // (5 slots against 6) may, unless another of its requests waits already.
+        let near = HashMap::from([(1, holding(6, then)), (2, holding(5, then))]);
+        assert!(may(2, &near));
+        let backlogged = may_use_headroom(
+            place(0, 2),
+            limits,
+            (&near, true),
+            || weights(2.0, &near, now),
+            now,
+        );
+        assert!(!backlogged, "its own request waits: it waits its turn");
+        let urgent = may_use_headroom(
+            place(-1, 2),
+            limits,
+            (&near, true),
+            || weights(2.0, &near, now),
+            now,
+        );
+        assert!(urgent, "urgent requests are not held back by their own");
+        // Per weight: 6 slots against 2 is above an even share; with a weight of 8 against 1
+        // it is below its share (8 / 9).
+        let weighted = |weight| {
+            HashMap::from([
+                (
+                    1,
+                    Holding {
+                        weight,
+                        ..holding(6, then)
+                    },
+                ),
+                (2, holding(2, then)),
+            ])
         };
-        assert!(may_use_headroom(heavy, limits, &weighted, || 9.0, now));
+        let id_1 = |weight| {
+            let holdings = weighted(weight);
+            let place = Place {
+                priority: 0,
+                fairness: 1,
+                weight,
+            };
+            may_use_headroom(
+                place,
+                limits,
+                (&holdings, false),
+                || weights(weight + 1.0, &holdings, now),
+                now,
+            )
+        };
+        assert!(!id_1(1.0));
+        assert!(id_1(8.0));
+    }
+
+    #[test]
+    fn an_id_holding_nothing_is_remembered_while_its_seconds_count_and_within_a_bound() {
+        let t0 = std::time::Instant::now();
+        let after = |secs| t0 + Duration::from_secs(secs);
+        let mut holdings = HashMap::from([(1, Holding::new(1.0, t0))]);
+        holdings.get_mut(&1).unwrap().set_count(1, t0);
+        // One slot for 20 s, let go: remembered, holding nothing, its seconds fading.
+        release(&mut holdings, 1, after(20));
+        assert_eq!(holdings[&1].count, 0);
+        let held = holdings[&1].held_at(after(20));
+        assert!((held - mean_life() * 0.75).abs() < 1e-9);
+        // It weighs in the shares, but not among the ids active.
+        let state = State::default();
+        assert_eq!(state.active_weight(&holdings, None), 0.0);
+        assert!((Weights::of(&state, &holdings, after(20)).all_held - held).abs() < 1e-9);
+        // Once faded below a hundredth of a slot held for ever, the next release forgets it.
+        holdings.insert(2, Holding::new(1.0, after(200)));
+        holdings.get_mut(&2).unwrap().set_count(1, after(200));
+        release(&mut holdings, 2, after(201));
+        assert!(holdings[&1].faded(after(201)));
+        assert!(holdings.contains_key(&1), "pruned only past the bound");
+        // Past MOST_IDLE_IDS idle ids, the faded go, then the one that held least.
+        for id in 10..10 + MOST_IDLE_IDS as u64 {
+            let mut holding = Holding::new(1.0, after(200));
+            holding.set_count(1, after(200));
+            holdings.insert(id, holding);
+            release(&mut holdings, id, after(210));
+        }
+        assert!(!holdings.contains_key(&1), "faded: forgotten");
+        assert!(holdings.values().all(|holding| holding.count == 0));
+        assert_eq!(holdings.len(), MOST_IDLE_IDS);
+        // The one that held least (id 2: one second) went; the others held ten.
+        assert!(!holdings.contains_key(&2));
+        // Releasing an id never seen, or one at 0 already, changes nothing.
+        release(&mut holdings, 999, after(210));
+        release(&mut holdings, 10, after(210));
+        assert_eq!(holdings.len(), MOST_IDLE_IDS);
     }
 
     #[test]
@@ -1388,13 +1572,17 @@ mod tests {
             (mean_life() / 4.0 + mean_life()) / 2.0 + mean_life() / 2.0
         ));
         release(&mut copy, 1, after(30));
-        assert!(!copy.contains_key(&1), "holding none: forgotten");
-        // Each slot's ticket counts its id down when it ends; an id holding none is forgotten.
+        assert_eq!(copy[&1].count, 0, "holding none: its seconds still count");
+        // Each slot's ticket counts its id down when it ends.
         drop(holdings);
         drop(slots.remove(0));
         assert_eq!(lock_holdings(&queue.holdings)[&1].count, 1);
         drop(slots);
-        assert!(lock_holdings(&queue.holdings).is_empty());
+        assert!(
+            lock_holdings(&queue.holdings)
+                .values()
+                .all(|holding| holding.count == 0)
+        );
         assert_eq!(cell.fleet_load(), 0);
     }
 
