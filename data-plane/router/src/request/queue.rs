@@ -619,9 +619,25 @@ fn mean_life() -> f64 {
     HELD_HALF_LIFE.as_secs_f64() / std::f64::consts::LN_2
 }
 
-type Holdings = Arc<Mutex<HashMap<u64, Holding>>>;
+/// The fairness ids' holdings of one variant, and how many of them hold no slot.
+#[derive(Debug, Default, Clone)]
+struct Held {
+    ids: HashMap<u64, Holding>,
+    /// Entries with a count of 0 (remembered for their seconds).
+    idle: usize,
+}
 
-fn lock_holdings(holdings: &Holdings) -> MutexGuard<'_, HashMap<u64, Holding>> {
+impl std::ops::Deref for Held {
+    type Target = HashMap<u64, Holding>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.ids
+    }
+}
+
+type Holdings = Arc<Mutex<Held>>;
+
+fn lock_holdings(holdings: &Holdings) -> MutexGuard<'_, Held> {
     holdings.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
@@ -640,37 +656,44 @@ impl Drop for HoldTicket {
 }
 
 /// One slot of `fairness`'s let go at `now`: its seconds until then are kept. An id holding
-/// none is remembered while its seconds count ([`FORGET_BELOW`], [`MOST_IDLE_IDS`]).
-fn release(holdings: &mut HashMap<u64, Holding>, fairness: u64, now: std::time::Instant) {
-    let Some(holding) = holdings.get_mut(&fairness) else {
+/// none is remembered while its seconds count ([`FORGET_BELOW`]); past [`MOST_IDLE_IDS`] such
+/// ids, the faded are forgotten and then those that held least, down to half of it (so the
+/// walk over the ids is paid once per many releases, however many ids hold slots).
+fn release(held: &mut Held, fairness: u64, now: std::time::Instant) {
+    let Some(holding) = held.ids.get_mut(&fairness) else {
         return;
     };
-    holding.set_count(holding.count.saturating_sub(1), now);
+    if holding.count == 0 {
+        return;
+    }
+    holding.set_count(holding.count - 1, now);
     if holding.count > 0 {
         return;
     }
     if holding.faded(now) {
-        holdings.remove(&fairness);
+        held.ids.remove(&fairness);
         return;
     }
-    if holdings.len() <= MOST_IDLE_IDS {
+    held.idle += 1;
+    if held.idle <= MOST_IDLE_IDS {
         return;
     }
-    holdings.retain(|_, holding| !holding.faded(now));
-    let idle = holdings
-        .values()
-        .filter(|holding| holding.count == 0)
-        .count();
-    if idle > MOST_IDLE_IDS {
-        let least = holdings
-            .iter()
-            .filter(|(_, holding)| holding.count == 0)
-            .min_by(|a, b| a.1.held_at(now).total_cmp(&b.1.held_at(now)))
-            .map(|(id, _)| *id);
-        if let Some(id) = least {
-            holdings.remove(&id);
+    held.ids.retain(|_, holding| !holding.faded(now));
+    let mut idle: Vec<(f64, u64)> = held
+        .ids
+        .iter()
+        .filter(|(_, holding)| holding.count == 0)
+        .map(|(id, holding)| (holding.held_at(now), *id))
+        .collect();
+    let keep = MOST_IDLE_IDS / 2;
+    if idle.len() > keep {
+        let cut = idle.len() - keep;
+        idle.select_nth_unstable_by(cut - 1, |a, b| a.0.total_cmp(&b.0));
+        for (_, id) in &idle[..cut] {
+            held.ids.remove(id);
         }
     }
+    held.idle = idle.len().min(keep);
 }
 
 /// Whether a request at `place` may use the headroom at `now`: a priority below 0; or, at
@@ -981,7 +1004,7 @@ impl VariantQueue {
     /// variant with headroom: the fair shares are judged from these counts).
     fn hold(
         &self,
-        holdings: &mut HashMap<u64, Holding>,
+        holdings: &mut Held,
         limits: Limits,
         place: Place,
         mut grant: Grant,
@@ -990,7 +1013,15 @@ impl VariantQueue {
         if limits.headroom == 0 {
             return grant;
         }
+        if holdings
+            .ids
+            .get(&place.fairness)
+            .is_some_and(|holding| holding.count == 0)
+        {
+            holdings.idle = holdings.idle.saturating_sub(1);
+        }
         let holding = holdings
+            .ids
             .entry(place.fairness)
             .or_insert_with(|| Holding::new(place.weight, now));
         holding.set_count(holding.count + 1, now);
@@ -1488,39 +1519,62 @@ mod tests {
     fn an_id_holding_nothing_is_remembered_while_its_seconds_count_and_within_a_bound() {
         let t0 = std::time::Instant::now();
         let after = |secs| t0 + Duration::from_secs(secs);
-        let mut holdings = HashMap::from([(1, Holding::new(1.0, t0))]);
-        holdings.get_mut(&1).unwrap().set_count(1, t0);
+        let queue = VariantQueue::default();
+        let cell = Arc::new(InstanceCell::default());
+        let limits = Limits {
+            cap: 1000,
+            headroom: 1,
+        };
+        let mut held = Held::default();
+        // Takes a slot for `id` at `at` and lets it go at `until`.
+        let hold_for = |held: &mut Held, id: u64, at, until| {
+            let grant = Grant {
+                position: 0,
+                claim: SlotClaim::take(&cell, 1000).unwrap(),
+                headroom: false,
+            };
+            let grant = queue.hold(held, limits, place(0, id), grant, at);
+            // The ticket would lock the queue's own holdings: these are the test's.
+            std::mem::forget(grant);
+            release(held, id, until);
+        };
         // One slot for 20 s, let go: remembered, holding nothing, its seconds fading.
-        release(&mut holdings, 1, after(20));
-        assert_eq!(holdings[&1].count, 0);
-        let held = holdings[&1].held_at(after(20));
-        assert!((held - mean_life() * 0.75).abs() < 1e-9);
+        hold_for(&mut held, 1, t0, after(20));
+        assert_eq!((held[&1].count, held.idle), (0, 1));
+        let seconds = held[&1].held_at(after(20));
+        assert!((seconds - mean_life() * 0.75).abs() < 1e-9);
         // It weighs in the shares, but not among the ids active.
         let state = State::default();
-        assert_eq!(state.active_weight(&holdings, None), 0.0);
-        assert!((Weights::of(&state, &holdings, after(20)).all_held - held).abs() < 1e-9);
-        // Once faded below a hundredth of a slot held for ever, the next release forgets it.
-        holdings.insert(2, Holding::new(1.0, after(200)));
-        holdings.get_mut(&2).unwrap().set_count(1, after(200));
-        release(&mut holdings, 2, after(201));
-        assert!(holdings[&1].faded(after(201)));
-        assert!(holdings.contains_key(&1), "pruned only past the bound");
-        // Past MOST_IDLE_IDS idle ids, the faded go, then the one that held least.
+        assert_eq!(state.active_weight(&held, None), 0.0);
+        assert!((Weights::of(&state, &held, after(20)).all_held - seconds).abs() < 1e-9);
+        // Holding again, it is no longer idle; a second release counts it idle once.
+        hold_for(&mut held, 1, after(20), after(21));
+        assert_eq!(held.idle, 1);
+        release(&mut held, 1, after(21));
+        release(&mut held, 999, after(21));
+        assert_eq!(
+            (held.len(), held.idle),
+            (1, 1),
+            "releasing nothing changes nothing"
+        );
+        // An id whose seconds faded below a hundredth of a slot's by its release is forgotten
+        // at once.
+        let mut faded = Holding::new(1.0, t0);
+        faded.count = 1;
+        held.ids.insert(2, faded);
+        release(&mut held, 2, t0 + Duration::from_millis(1));
+        assert!(!held.contains_key(&2));
+        // Past MOST_IDLE_IDS idle ids: the faded go (id 1, by 300 s), then those that held
+        // least, down to half.
         for id in 10..10 + MOST_IDLE_IDS as u64 {
-            let mut holding = Holding::new(1.0, after(200));
-            holding.set_count(1, after(200));
-            holdings.insert(id, holding);
-            release(&mut holdings, id, after(210));
+            // Id 10 held 1 s, id 11 2 s, …: the longest ones are kept.
+            hold_for(&mut held, id, after(300 - (id - 9)), after(300));
         }
-        assert!(!holdings.contains_key(&1), "faded: forgotten");
-        assert!(holdings.values().all(|holding| holding.count == 0));
-        assert_eq!(holdings.len(), MOST_IDLE_IDS);
-        // The one that held least (id 2: one second) went; the others held ten.
-        assert!(!holdings.contains_key(&2));
-        // Releasing an id never seen, or one at 0 already, changes nothing.
-        release(&mut holdings, 999, after(210));
-        release(&mut holdings, 10, after(210));
-        assert_eq!(holdings.len(), MOST_IDLE_IDS);
+        assert!(!held.contains_key(&1), "faded: forgotten");
+        assert_eq!(held.idle, MOST_IDLE_IDS / 2);
+        assert_eq!(held.len(), MOST_IDLE_IDS / 2);
+        let kept = (10..10 + MOST_IDLE_IDS as u64).filter(|id| held.contains_key(id));
+        assert!(kept.eq(10 + MOST_IDLE_IDS as u64 / 2..10 + MOST_IDLE_IDS as u64));
     }
 
     #[test]
@@ -1563,7 +1617,7 @@ mod tests {
         slots.push(queue.hold(&mut holdings, capped(8), place(0, 3), grant(), after(10)));
         assert!(!holdings.contains_key(&3));
         // A slot let go at 20 s: the seconds until then are kept, one slot counts on.
-        let mut copy = holdings.clone();
+        let mut copy = (*holdings).clone();
         release(&mut copy, 1, after(20));
         assert_eq!(copy[&1].count, 1);
         assert!(close(copy[&1].held, mean_life() / 4.0 + mean_life()));
