@@ -431,10 +431,10 @@ fn llama3_ascii(text: &[u8], at: usize) -> Option<usize> {
 /// [`WORD_SHARDS`] shards of [`SETS_PER_SHARD`] sets of two words, 2 MiB in all, a shard's
 /// table allocated by its first word and never grown. A word's set comes from its key: a
 /// lookup reads one pair of cache lines, and a new word takes the place of the one of its set
-/// used least lately. A lookup waits for a shard another thread holds (for at most that
-/// thread's batch of lookups, microseconds; shards are taken in order, so no two threads wait
-/// for each other): a miss it would otherwise see spends a caller's budget of new words on a
-/// known word. Keeping new words passes a held shard by (nothing kept).
+/// used least lately. A lookup waits for a shard another thread holds (never while holding
+/// one itself, so no two threads wait for each other): a miss it would otherwise see spends a
+/// caller's budget of new words on a known word. Keeping new words passes a held shard by
+/// (nothing kept).
 struct Words {
     shards: Box<[Shard]>,
     /// Pieces found here, and pieces asked of the BPE model.
@@ -516,23 +516,53 @@ impl Words {
     }
 
     /// `found[i]`: the word kept for `batch[i]` (a piece of `text`), if any. The shards the
-    /// batch needs are locked once each, in order (waiting for a held one), and all let go
-    /// together at the end (no lock taken or let go between two lookups).
+    /// batch needs are taken at once if none is held (one pass over the batch); else each is
+    /// waited for and looked up in alone, then let go before the next. A thread never holds a
+    /// shard while it waits for another, so no two threads wait for each other, and one that
+    /// meets another holds a shard for an eighth of its batch.
     fn find_all(&self, text: &str, batch: &[Piece], found: &mut Vec<Option<Word>>) {
         found.clear();
-        let mut hits = 0;
+        found.resize(batch.len(), None);
         let needed = Self::shards_of(batch.iter().filter_map(|piece| piece.key));
-        let mut locked: [Option<Table<'_>>; WORD_SHARDS] = Default::default();
-        for (index, table) in locked.iter_mut().enumerate() {
-            if needed & 1 << index != 0 {
-                *table = Some(self.wait_for(index));
-            }
+        let needed = || (0..WORD_SHARDS).filter(move |index| needed & 1 << index != 0);
+        let mut tables: [Option<Table<'_>>; WORD_SHARDS] = Default::default();
+        let mut free = true;
+        for index in needed() {
+            tables[index] = self.lock(index);
+            free &= tables[index].is_some();
         }
+        let hits = if free {
+            Self::look_up(text, batch, &mut tables, found)
+        } else {
+            tables = Default::default();
+            needed()
+                .map(|index| {
+                    tables[index] = Some(self.wait_for(index));
+                    let hits = Self::look_up(text, batch, &mut tables, found);
+                    tables[index] = None;
+                    hits
+                })
+                .sum()
+        };
+        if hits > 0 {
+            self.hits
+                .fetch_add(hits, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// [`Self::find_all`]'s lookups in the shards held in `tables` (the others' pieces are
+    /// left as they are in `found`): the hits.
+    fn look_up(
+        text: &str,
+        batch: &[Piece],
+        tables: &mut [Option<Table<'_>>; WORD_SHARDS],
+        found: &mut [Option<Word>],
+    ) -> u64 {
         // First each set's first line is read, with nothing else between the reads, so that
         // the CPU waits for all those lines at once; the lookups then find them in its cache.
         let mut touched = 0_u64;
         for key in batch.iter().filter_map(|piece| piece.key) {
-            if let Some(set) = locked[Self::shard_of(key)]
+            if let Some(set) = tables[Self::shard_of(key)]
                 .as_ref()
                 .and_then(|sets| sets.get(key as usize % SETS_PER_SHARD))
             {
@@ -540,19 +570,20 @@ impl Words {
             }
         }
         std::hint::black_box(touched);
-        found.extend(batch.iter().map(|piece| {
-            let key = piece.key?;
-            let sets = locked[Self::shard_of(key)].as_mut()?;
-            let set = sets.get_mut(key as usize % SETS_PER_SHARD)?;
+        let mut hits = 0;
+        for (at, piece) in batch.iter().enumerate() {
+            let Some(key) = piece.key else { continue };
+            let Some(set) = tables[Self::shard_of(key)]
+                .as_mut()
+                .and_then(|sets| sets.get_mut(key as usize % SETS_PER_SHARD))
+            else {
+                continue;
+            };
             let word = set.find(key, &text.as_bytes()[piece.start..piece.end]);
             hits += u64::from(word.is_some());
-            word
-        }));
-        drop(locked);
-        if hits > 0 {
-            self.hits
-                .fetch_add(hits, std::sync::atomic::Ordering::Relaxed);
+            found[at] = word;
         }
+        hits
     }
 
     /// Keeps the words `asked` (a piece of `text`, its ids at `ids[from..to]`) that fit, each
@@ -822,7 +853,7 @@ mod tests {
     }
 
     #[test]
-    fn lookups_on_many_threads_take_shards_in_order_and_never_wait_for_each_other() {
+    fn lookups_on_many_threads_hold_one_shard_at_a_time_and_never_wait_for_each_other() {
         let words = Words::default();
         // Keys in every shard, each thread asking them in another order (bounded: 200
         // batches a thread).
