@@ -699,10 +699,11 @@ fn release(held: &mut Held, fairness: u64, now: std::time::Instant) {
 /// Whether a request at `place` may use the headroom at `now`: a priority below 0; or, at
 /// priority 0 or better, no other request of its id waiting (`own_waiting`: an id with a
 /// backlog waits its turn, so that two backlogged ids do not take the headroom in turn and
-/// fill cap + headroom between them), another id in flight or waiting (`active_weight`, the
-/// weights of the ids holding or waiting, this one's included, is more than its own) and its
-/// id having held less than its weighted share of the slot-seconds the ids held on the variant
-/// through this router lately ([`Holding::held`]; `all_held`, their sum). Slot-seconds, not the slots held now:
+/// fill cap + headroom between them), another id in flight or waiting ([`Weights::active`],
+/// the weights of the ids holding or waiting, this one's included, is more than its own) and
+/// its id having held less than its weighted share of the slot-seconds those ids held on the
+/// variant through this router lately ([`Holding::held`]; [`Weights::all_held`], their sum;
+/// ids holding nothing and not waiting weigh in neither). Slot-seconds, not the slots held now:
 /// a light client's burst holds as many slots at once as the heavy client's capped backlog
 /// (its answers take as long), but for a short while. Nor the slots taken lately: with
 /// answers much longer than the half-life a backlogged id takes few slots a second while it
@@ -734,28 +735,14 @@ fn may_use_headroom(
     all_held <= 0.0 || held * active < place.weight * all_held
 }
 
-/// What the fair share of the headroom is judged against, worked out once per pass over the
-/// queue.
+/// What the fair share of the headroom is judged against ([`State::weights`]), worked out
+/// once per pass over the queue.
 #[derive(Debug, Clone, Copy)]
 struct Weights {
     /// The weights of the ids holding slots or waiting.
     active: f64,
-    /// The slot-seconds held lately by all the ids remembered.
+    /// The slot-seconds those ids held lately.
     all_held: f64,
-}
-
-impl Weights {
-    fn of(state: &State, holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> Self {
-        Self {
-            active: state.active_weight(holdings, None),
-            all_held: all_held(holdings, now),
-        }
-    }
-}
-
-/// The slot-seconds held lately by all the ids remembered.
-fn all_held(holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> f64 {
-    holdings.values().map(|holding| holding.held_at(now)).sum()
 }
 
 /// A slot at the first of `candidates` below `cap`, skipping cells already found full in this
@@ -849,23 +836,39 @@ struct Flow {
 }
 
 impl State {
-    /// The weights of the fairness ids holding slots or waiting (`extra`: one more id).
-    /// One walk over the ids (a hash set: linear in the ids waiting and holding); asked only
-    /// for a request that may use the headroom and found the cap full.
-    fn active_weight(&self, holdings: &HashMap<u64, Holding>, extra: Option<Place>) -> f64 {
-        let holding = holdings.iter().filter(|(_, holding)| holding.count > 0);
-        let mut seen: std::collections::HashSet<u64> = holding.clone().map(|(id, _)| *id).collect();
-        let mut total: f64 = holding.map(|(_, holding)| holding.weight).sum();
+    /// The weights of the fairness ids holding slots or waiting (`extra`: one more id), and
+    /// the slot-seconds they held lately as of `now` (an id waiting with none held counts its
+    /// remembered seconds). One walk over the ids (a hash set: linear in the ids remembered
+    /// and waiting).
+    fn weights(
+        &self,
+        holdings: &HashMap<u64, Holding>,
+        extra: Option<Place>,
+        now: std::time::Instant,
+    ) -> Weights {
+        let mut seen = std::collections::HashSet::new();
+        let mut weights = Weights {
+            active: 0.0,
+            all_held: 0.0,
+        };
+        for (id, holding) in holdings.iter().filter(|(_, holding)| holding.count > 0) {
+            seen.insert(*id);
+            weights.active += holding.weight;
+            weights.all_held += holding.held_at(now);
+        }
         let waiting = self
             .bands
             .values()
             .flat_map(|band| band.flows.iter().map(|(id, flow)| (*id, flow.weight)));
         for (id, weight) in waiting.chain(extra.map(|place| (place.fairness, place.weight))) {
             if seen.insert(id) {
-                total += weight;
+                weights.active += weight;
+                weights.all_held += holdings
+                    .get(&id)
+                    .map_or(0.0, |holding| holding.held_at(now));
             }
         }
-        total
+        weights
     }
 
     fn push(&mut self, place: Place, waiter: Waiter) {
@@ -922,7 +925,7 @@ impl State {
             .flat_map(|flow| flow.waiters.front())
             .any(|waiter| waiter.limits.headroom > 0);
         let weights = if headroom {
-            Weights::of(self, holdings, now)
+            self.weights(holdings, None, now)
         } else {
             Weights {
                 active: 0.0,
@@ -1096,10 +1099,7 @@ impl VariantQueue {
                     place,
                     limits,
                     (&holdings, own_waiting),
-                    || Weights {
-                        active: state.active_weight(&holdings, Some(place)),
-                        all_held: all_held(&holdings, now),
-                    },
+                    || state.weights(&holdings, Some(place), now),
                     now,
                 );
                 headroom_grant(&candidates, limits, favoured)
@@ -1384,7 +1384,7 @@ mod tests {
     fn weights(active: f64, holdings: &HashMap<u64, Holding>, now: std::time::Instant) -> Weights {
         Weights {
             active,
-            all_held: all_held(holdings, now),
+            all_held: holdings.values().map(|holding| holding.held_at(now)).sum(),
         }
     }
 
@@ -1516,6 +1516,46 @@ mod tests {
     }
 
     #[test]
+    fn ids_holding_nothing_do_not_loosen_the_others_shares() {
+        let then = std::time::Instant::now();
+        let now = then + Duration::from_secs(60);
+        let limits = Limits {
+            cap: 4,
+            headroom: 4,
+        };
+        let holding = |count, at| Holding {
+            count,
+            ..Holding::new(1.0, at)
+        };
+        // The heavy id (1) has held 8 slots for a minute, the light one (2) one for a second;
+        // ten more held as much as the heavy one and hold nothing now.
+        let mut holdings = HashMap::from([
+            (1, holding(8, then)),
+            (2, holding(1, now - Duration::from_secs(1))),
+        ]);
+        for id in 10..20 {
+            let mut idle = holding(8, then);
+            idle.set_count(0, now);
+            holdings.insert(id, idle);
+        }
+        let state = State::default();
+        let may = |id| {
+            may_use_headroom(
+                place(0, id),
+                limits,
+                (&holdings, false),
+                || state.weights(&holdings, Some(place(0, id)), now),
+                now,
+            )
+        };
+        assert!(
+            !may(1),
+            "the heavy id is not below its share for the idle ids' seconds"
+        );
+        assert!(may(2));
+    }
+
+    #[test]
     fn an_id_holding_nothing_is_remembered_while_its_seconds_count_and_within_a_bound() {
         let t0 = std::time::Instant::now();
         let after = |secs| t0 + Duration::from_secs(secs);
@@ -1543,10 +1583,14 @@ mod tests {
         assert_eq!((held[&1].count, held.idle), (0, 1));
         let seconds = held[&1].held_at(after(20));
         assert!((seconds - mean_life() * 0.75).abs() < 1e-9);
-        // It weighs in the shares, but not among the ids active.
+        // Neither its weight nor its seconds weigh in the others' shares; back (here as the
+        // request asking), its seconds count for it.
         let state = State::default();
-        assert_eq!(state.active_weight(&held, None), 0.0);
-        assert!((Weights::of(&state, &held, after(20)).all_held - seconds).abs() < 1e-9);
+        let idle = state.weights(&held, None, after(20));
+        assert_eq!((idle.active, idle.all_held), (0.0, 0.0));
+        let back = state.weights(&held, Some(place(0, 1)), after(20));
+        assert_eq!(back.active, 1.0);
+        assert!((back.all_held - seconds).abs() < 1e-9);
         // Holding again, it is no longer idle; a second release counts it idle once.
         hold_for(&mut held, 1, after(20), after(21));
         assert_eq!(held.idle, 1);
