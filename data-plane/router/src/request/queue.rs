@@ -1388,19 +1388,28 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_headroom_goes_by_the_share_of_slot_seconds_held_lately_not_of_slots_held_now() {
-        let then = std::time::Instant::now();
-        let now = then + Duration::from_secs(60);
-        let since = |secs_ago| now - Duration::from_secs(secs_ago);
-        let holding = |count, at| Holding {
+    /// An id of weight 1 holding `count` slots since `at`.
+    fn holding(count: u32, at: std::time::Instant) -> Holding {
+        Holding {
             count,
             ..Holding::new(1.0, at)
-        };
+        }
+    }
+
+    /// A moment (`then`), a minute later (`now`), and a cap of 4 with a headroom of 4.
+    fn a_minute_later() -> (std::time::Instant, std::time::Instant, Limits) {
+        let then = std::time::Instant::now();
         let limits = Limits {
             cap: 4,
             headroom: 4,
         };
+        (then, then + Duration::from_secs(60), limits)
+    }
+
+    #[test]
+    fn the_headroom_goes_by_the_share_of_slot_seconds_held_lately_not_of_slots_held_now() {
+        let (then, now, limits) = a_minute_later();
+        let since = |secs_ago| now - Duration::from_secs(secs_ago);
         let may = |place, limits, holdings: &HashMap<u64, Holding>, active: f64| {
             may_use_headroom(
                 place,
@@ -1434,16 +1443,7 @@ mod tests {
         // minute ago and holds them still; the light id (2) took its one just now. Counted
         // by slots taken lately, the heavy id's 6 would weigh 6 / 64 and the light id's 1
         // more: the heavy id would take the headroom. By slot-seconds held, it does not.
-        let then = std::time::Instant::now();
-        let now = then + Duration::from_secs(60);
-        let limits = Limits {
-            cap: 4,
-            headroom: 4,
-        };
-        let holding = |count, at| Holding {
-            count,
-            ..Holding::new(1.0, at)
-        };
+        let (then, now, limits) = a_minute_later();
         let holdings = HashMap::from([
             (1, holding(6, then)),
             (2, holding(1, now - Duration::from_secs(5))),
@@ -1517,16 +1517,7 @@ mod tests {
 
     #[test]
     fn ids_holding_nothing_do_not_loosen_the_others_shares() {
-        let then = std::time::Instant::now();
-        let now = then + Duration::from_secs(60);
-        let limits = Limits {
-            cap: 4,
-            headroom: 4,
-        };
-        let holding = |count, at| Holding {
-            count,
-            ..Holding::new(1.0, at)
-        };
+        let (then, now, limits) = a_minute_later();
         // The heavy id (1) has held 8 slots for a minute, the light one (2) one for a second;
         // ten more held as much as the heavy one and hold nothing now.
         let mut holdings = HashMap::from([
