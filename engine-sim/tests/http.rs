@@ -646,18 +646,21 @@ async fn records_headers_and_sets_faults_over_http() -> Result<()> {
     Ok(())
 }
 
+/// A prefill and a decode engine of [`fast_config`].
+async fn prefill_and_decode() -> Result<(SimHandle, SimHandle)> {
+    let role = |role| SimConfig {
+        role,
+        ..fast_config()
+    };
+    Ok((
+        spawn(role(InstanceRole::Prefill)).await?,
+        spawn(role(InstanceRole::Decode)).await?,
+    ))
+}
+
 #[tokio::test]
 async fn kv_transfer_params_round_trip() -> Result<()> {
-    let prefill = spawn(SimConfig {
-        role: InstanceRole::Prefill,
-        ..fast_config()
-    })
-    .await?;
-    let decode = spawn(SimConfig {
-        role: InstanceRole::Decode,
-        ..fast_config()
-    })
-    .await?;
+    let (prefill, decode) = prefill_and_decode().await?;
     let messages = json!([{"role": "user", "content": words(1000)}]);
 
     // Hop 1: the proxy's prefill request.
@@ -754,16 +757,7 @@ async fn kv_transfer_params_round_trip() -> Result<()> {
 /// "recompute" it prefills the prompt itself.
 #[tokio::test]
 async fn a_failed_kv_pull_fails_the_request_as_vllm_does() -> Result<()> {
-    let prefill = spawn(SimConfig {
-        role: InstanceRole::Prefill,
-        ..fast_config()
-    })
-    .await?;
-    let decode = spawn(SimConfig {
-        role: InstanceRole::Decode,
-        ..fast_config()
-    })
-    .await?;
+    let (prefill, decode) = prefill_and_decode().await?;
     let recompute = spawn(SimConfig {
         role: InstanceRole::Decode,
         kv_load_failure_policy: switchyard_engine_sim::KvLoadFailurePolicy::Recompute,
