@@ -15,6 +15,24 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// `setup` (which takes its ports with [`free_port`] and binds them later: the notice socket,
+/// the receivers) tried again, up to 5 times, while another test took one of its ports in
+/// between.
+async fn with_free_ports<T, F>(mut setup: impl FnMut() -> F) -> anyhow::Result<T>
+where
+    F: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut attempt = 1;
+    loop {
+        match setup().await {
+            Err(err) if attempt < 5 && format!("{err:#}").contains("Address already in use") => {
+                attempt += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
 const CONFIG: &str = "{PrefillVariantName: prefill, DecodeVariantName: decode, KvTransferProtocol: LMCACHE_PD, RouteThreshold: 16, PrefillTimeoutSeconds: 2}";
 
 struct Fleet {
@@ -158,12 +176,15 @@ async fn fleet_and_router(
     drop_notices: bool,
     first_token_stops: bool,
 ) -> anyhow::Result<(Fleet, tempfile::TempDir, RouterHandle)> {
-    let port = free_port()?;
-    let proxy = format!("tcp://127.0.0.1:{port}");
-    let fleet = fleet_with(&proxy, drop_notices, first_token_stops).await?;
-    let dir = tempfile::tempdir()?;
-    let router = router(&dir, "a", &fleet, port).await?;
-    Ok((fleet, dir, router))
+    with_free_ports(|| async {
+        let port = free_port()?;
+        let proxy = format!("tcp://127.0.0.1:{port}");
+        let fleet = fleet_with(&proxy, drop_notices, first_token_stops).await?;
+        let dir = tempfile::tempdir()?;
+        let router = router(&dir, "a", &fleet, port).await?;
+        Ok((fleet, dir, router))
+    })
+    .await
 }
 
 /// A fleet ([`fleet_of`], its receivers failing `load_fail_rate` of their loads) notifying a
@@ -174,17 +195,15 @@ async fn fleet_and_router_of(
     receivers: Receivers,
     load_fail_rate: f64,
 ) -> anyhow::Result<(Fleet, tempfile::TempDir, RouterHandle, u16)> {
-    let port = free_port()?;
-    let fleet = fleet_of(
-        &format!("tcp://127.0.0.1:{port}"),
-        false,
-        false,
-        load_fail_rate,
-    )
-    .await?;
-    let dir = tempfile::tempdir()?;
-    let router = router_over(&dir, "a", &fleet, pools, receivers, Some(port)).await?;
-    Ok((fleet, dir, router, port))
+    with_free_ports(|| async {
+        let port = free_port()?;
+        let proxy = format!("tcp://127.0.0.1:{port}");
+        let fleet = fleet_of(&proxy, false, false, load_fail_rate).await?;
+        let dir = tempfile::tempdir()?;
+        let router = router_over(&dir, "a", &fleet, pools, receivers, Some(port)).await?;
+        Ok((fleet, dir, router, port))
+    })
+    .await
 }
 
 /// Asserts that `router`'s metric `series` reads `expected`.
@@ -299,11 +318,15 @@ fn streamed(body: &str, chat: bool) -> (String, Option<Value>) {
 #[tokio::test]
 async fn each_request_is_prefilled_for_its_decoder_and_notified_through_either_router()
 -> anyhow::Result<()> {
-    let (port_a, port_b) = (free_port()?, free_port()?);
-    let fleet = fleet(&format!("tcp://127.0.0.1:{port_a}"), false).await?;
-    let dir = tempfile::tempdir()?;
-    let router_a = router(&dir, "a", &fleet, port_a).await?;
-    let router_b = router(&dir, "b", &fleet, port_b).await?;
+    let (fleet, _dir, (router_a, port_a), (router_b, port_b)) = with_free_ports(|| async {
+        let (port_a, port_b) = (free_port()?, free_port()?);
+        let fleet = fleet(&format!("tcp://127.0.0.1:{port_a}"), false).await?;
+        let dir = tempfile::tempdir()?;
+        let router_a = router(&dir, "a", &fleet, port_a).await?;
+        let router_b = router(&dir, "b", &fleet, port_b).await?;
+        Ok((fleet, dir, (router_a, port_a), (router_b, port_b)))
+    })
+    .await?;
     let mut served = std::collections::BTreeSet::new();
     let (mut through_b, mut rounds) = (0, 0);
     // Each router, chat or not, streamed or not; the idle decoders tie, so which one serves is
@@ -698,18 +721,23 @@ async fn one_prefiller_and_one_decoder_serve_chat_and_completions_streamed_or_no
 async fn a_prefill_answer_without_its_first_token_is_served_by_the_decoder_whole()
 -> anyhow::Result<()> {
     // Prefill engines that are no LMCache PD senders answer without `first_tok`.
-    let port = free_port()?;
-    let mut fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
-    fleet.prefill = vec![
-        switchyard_engine_sim::spawn(SimConfig {
-            role: InstanceRole::Prefill,
-            time_scale: 0.002,
-            ..SimConfig::default()
-        })
-        .await?,
-    ];
-    let dir = tempfile::tempdir()?;
-    let router = router_over(&dir, "a", &fleet, (1, 2), Receivers::Registered, Some(port)).await?;
+    let (_fleet, _dir, router) = with_free_ports(|| async {
+        let port = free_port()?;
+        let mut fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+        fleet.prefill = vec![
+            switchyard_engine_sim::spawn(SimConfig {
+                role: InstanceRole::Prefill,
+                time_scale: 0.002,
+                ..SimConfig::default()
+            })
+            .await?,
+        ];
+        let dir = tempfile::tempdir()?;
+        let router =
+            router_over(&dir, "a", &fleet, (1, 2), Receivers::Registered, Some(port)).await?;
+        Ok((fleet, dir, router))
+    })
+    .await?;
     let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
     let body = json!({"model": "pd", "prompt": prompt("plain"), "max_tokens": 4});
     post_routed(&url, &body, "a request", "fallback").await?;
@@ -725,8 +753,11 @@ async fn a_prefill_answer_without_its_first_token_is_served_by_the_decoder_whole
 
 #[tokio::test]
 async fn decoders_without_a_receiver_or_room_in_it_serve_the_request_whole() -> anyhow::Result<()> {
-    let port = free_port()?;
-    let fleet = fleet(&format!("tcp://127.0.0.1:{port}"), false).await?;
+    let fleet = with_free_ports(|| async {
+        let port = free_port()?;
+        fleet(&format!("tcp://127.0.0.1:{port}"), false).await
+    })
+    .await?;
     let dir = tempfile::tempdir()?;
     let body = json!({"model": "pd", "prompt": prompt("whole"), "max_tokens": 4});
     for (receivers, reason) in [
@@ -734,8 +765,10 @@ async fn decoders_without_a_receiver_or_room_in_it_serve_the_request_whole() -> 
         // The prompt alone (about 45 tokens) is more than the buffer holds.
         (Receivers::Buffer(16), "handoff_cap"),
     ] {
-        let router =
-            router_over(&dir, reason, &fleet, (2, 2), receivers, Some(free_port()?)).await?;
+        let router = with_free_ports(|| async {
+            router_over(&dir, reason, &fleet, (2, 2), receivers, Some(free_port()?)).await
+        })
+        .await?;
         let url = format!("{}/endpoints/pd/openai/v1/completions", router.url());
         post_routed(&url, &body, reason, "fallback").await?;
         assert_metric(
