@@ -577,8 +577,8 @@ const HELD_HALF_LIFE: Duration = Duration::from_secs(10);
 /// taken afresh for a light one at each request.
 const FORGET_BELOW: f64 = 0.01;
 
-/// At most this many ids holding no slot are remembered per variant; past it the one that
-/// held least is forgotten.
+/// At most this many ids holding no slot are remembered per variant; past it the faded are
+/// forgotten, then those that held least, down to half as many ([`release`]).
 const MOST_IDLE_IDS: usize = 256;
 
 impl Holding {
