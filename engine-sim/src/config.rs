@@ -87,10 +87,16 @@ pub struct SimConfig {
     #[arg(long, default_value_t = 25_000.0, value_name = "TOKENS")]
     pub prefill_tokens_per_s: f64,
 
-    /// Added to a step in which any request decodes, in ms: reading 140 GB of weights from
-    /// the HBM of 8 GPUs once per step.
-    #[arg(long, default_value_t = 10.0, value_name = "MS")]
-    pub decode_ms_per_step: f64,
+    /// Added to every step that runs the model, in ms: reading 140 GB of weights from the HBM
+    /// of 8 GPUs once per forward pass, whether it prefills, decodes or both. A short prompt's
+    /// prefill is bound by this read as a decode step is. (Older name: --decode-ms-per-step.)
+    #[arg(
+        long,
+        alias = "decode-ms-per-step",
+        default_value_t = 10.0,
+        value_name = "MS"
+    )]
+    pub weights_ms_per_step: f64,
 
     /// Added to a decoding step per 1,000 tokens of context of its decoding requests, in ms
     /// (reading their KV cache).
@@ -349,7 +355,7 @@ impl SimConfig {
         positive("--prefill-tokens-per-s", self.prefill_tokens_per_s)?;
         positive("--kv-transfer-gbps", self.kv_transfer_gbps)?;
         non_negative("--step-overhead-ms", self.step_overhead_ms)?;
-        non_negative("--decode-ms-per-step", self.decode_ms_per_step)?;
+        non_negative("--weights-ms-per-step", self.weights_ms_per_step)?;
         non_negative("--kv-read-ms-per-1k-tokens", self.kv_read_ms_per_1k_tokens)?;
         non_negative("--shutdown-grace-s", self.shutdown_grace_s)?;
         at_least_one("--block-size", self.block_size as u64)?;
@@ -438,7 +444,7 @@ impl TimeModel {
         Self {
             step_overhead_s: config.step_overhead_ms / 1e3,
             prefill_tokens_per_s: config.prefill_tokens_per_s,
-            decode_s_per_step: config.decode_ms_per_step / 1e3,
+            weights_s_per_step: config.weights_ms_per_step / 1e3,
             kv_read_s_per_token: config.kv_read_ms_per_1k_tokens / 1e6,
             kv_transfer_bytes_per_s: config.kv_transfer_gbps * 1e9,
             kv_bytes_per_token: config.kv_bytes_per_token as f64,

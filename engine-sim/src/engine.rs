@@ -32,7 +32,7 @@ pub type SeqId = u64;
 pub struct TimeModel {
     pub step_overhead_s: f64,
     pub prefill_tokens_per_s: f64,
-    pub decode_s_per_step: f64,
+    pub weights_s_per_step: f64,
     pub kv_read_s_per_token: f64,
     pub kv_transfer_bytes_per_s: f64,
     pub kv_bytes_per_token: f64,
@@ -48,11 +48,11 @@ impl TimeModel {
         decode_context_tokens: u64,
     ) -> f64 {
         let mut seconds = self.step_overhead_s + prefill_tokens as f64 / self.prefill_tokens_per_s;
-        if decode_seqs > 0 {
-            seconds +=
-                self.decode_s_per_step + self.kv_read_s_per_token * decode_context_tokens as f64;
+        if prefill_tokens > 0 || decode_seqs > 0 {
+            // One forward pass reads every weight once, for a prefill as for a decode.
+            seconds += self.weights_s_per_step;
         }
-        seconds
+        seconds + self.kv_read_s_per_token * decode_context_tokens as f64
     }
 
     /// Time to pull the KV cache of `tokens` tokens from a remote prefill engine.
@@ -629,7 +629,7 @@ pub(crate) mod tests {
         TimeModel {
             step_overhead_s: 4.0 / 1e3,
             prefill_tokens_per_s: 25_000.0,
-            decode_s_per_step: 10.0 / 1e3,
+            weights_s_per_step: 10.0 / 1e3,
             kv_read_s_per_token: 0.02 / 1e6,
             kv_transfer_bytes_per_s: 50.0 * 1e9,
             kv_bytes_per_token: 327_680.0,
@@ -708,7 +708,12 @@ pub(crate) mod tests {
     fn step_duration_follows_the_documented_formula() {
         let model = model();
         assert!(close(model.step_duration(0, 0, 0), 0.004));
-        assert!(close(model.step_duration(25_000, 0, 0), 1.004));
+        assert!(close(model.step_duration(25_000, 0, 0), 1.014));
+        // A short prompt's prefill reads the weights as a decode step does.
+        assert!(close(
+            model.step_duration(15, 0, 0),
+            model.step_duration(0, 1, 0) + 15.0 / 25_000.0
+        ));
         assert!(close(
             model.step_duration(0, 3, 100_000),
             0.004 + 0.010 + 0.002
@@ -744,8 +749,8 @@ pub(crate) mod tests {
         let reports = serve(&mut scheduler, &mut now, 1, spec(0, 1000, 4));
         let times = token_times(&reports, 1);
         assert_eq!(times.len(), 4);
-        // First token after one prefill step of 1,000 tokens.
-        assert!(close(times[0], 0.004 + 1000.0 / 25_000.0));
+        // First token after one prefill step of 1,000 tokens (it reads the weights too).
+        assert!(close(times[0], 0.004 + 0.010 + 1000.0 / 25_000.0));
         // Then one decode step each: overhead + decode + KV read of ~1,000 tokens.
         let itl = times[1] - times[0];
         assert!(close(itl, 0.004 + 0.010 + 0.02 * 1001.0 / 1000.0 / 1000.0));
@@ -760,7 +765,7 @@ pub(crate) mod tests {
         let reports = serve(&mut scheduler, &mut now, 1, spec(0, 20_000, 1));
         let chunks: Vec<u64> = reports.iter().map(|r| r.prefill_tokens).collect();
         assert_eq!(chunks, vec![8192, 8192, 3616]);
-        assert!(close(now, 3.0 * 0.004 + 20_000.0 / 25_000.0));
+        assert!(close(now, 3.0 * (0.004 + 0.010) + 20_000.0 / 25_000.0));
     }
 
     #[test]
@@ -776,8 +781,8 @@ pub(crate) mod tests {
         let reports = run(&mut scheduler, &mut now);
         assert_eq!(reports[0].prefill_tokens, 100);
         assert_eq!(reports[0].finished[0].cached_tokens, 8_000);
-        assert!(close(now - start, 0.004 + 100.0 / 25_000.0));
-        assert!(close(cold, 0.004 + 8_000.0 / 25_000.0));
+        assert!(close(now - start, 0.004 + 0.010 + 100.0 / 25_000.0));
+        assert!(close(cold, 0.004 + 0.010 + 8_000.0 / 25_000.0));
         let counters = scheduler.counters();
         assert_eq!(counters.prefix_cache_queries, 16_100);
         assert_eq!(counters.prefix_cache_hits, 8_000);
