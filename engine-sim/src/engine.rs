@@ -9,10 +9,11 @@
 //!    (`--max-num-batched-tokens`);
 //! 3. the rest of the budget goes to prefill chunks, first of running requests, then of waiting
 //!    ones admitted in FIFO order while there are seats (`--max-num-seqs`) and KV blocks;
-//! 4. the step lasts `overhead + uncached prefill tokens / prefill rate`, plus
-//!    `decode time + KV read time × decode context` if anything decodes. A long prefill
-//!    therefore stretches the step for every decode batched with it: the prefill/decode
-//!    interference that disaggregation removes;
+//! 4. the step lasts `overhead + weights read + uncached prefill tokens / prefill rate +
+//!    KV read time × decode context`: every forward pass reads the weights once, so a short
+//!    prompt's prefill alone costs about a decode step. A long prefill stretches the step for
+//!    every decode batched with it: the prefill/decode interference that disaggregation
+//!    removes;
 //! 5. at the end of the step, each decode emits one token, and so does each request whose
 //!    prefill completed (its first token).
 //!
