@@ -676,4 +676,12 @@ mod tests {
         assert_eq!(parsed.config.served_model_name, "llama");
         assert!(DefaultsOnly::try_parse_from(["sim", "--role", "neither"]).is_err());
     }
+
+    #[test]
+    fn the_weights_read_keeps_its_older_flag_name() {
+        for flag in ["--weights-ms-per-step", "--decode-ms-per-step"] {
+            let parsed = DefaultsOnly::try_parse_from(["sim", flag, "7.5"]).expect("valid flags");
+            assert_eq!(parsed.config.weights_ms_per_step, 7.5, "{flag}");
+        }
+    }
 }

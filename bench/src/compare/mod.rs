@@ -157,6 +157,8 @@ pub async fn compare(settings: &CompareSettings) -> anyhow::Result<Report> {
             kv_cache_blocks: settings.sim.kv_cache_blocks,
             block_size: settings.sim.block_size,
             prefill_tokens_per_s: settings.sim.prefill_tokens_per_s,
+            step_overhead_ms: settings.sim.step_overhead_ms,
+            weights_ms_per_step: settings.sim.weights_ms_per_step,
             prefix_length: settings.prefix_length,
             concurrency_threshold: settings.concurrency_threshold,
             load_interval_ms: settings.load_interval_ms,

@@ -474,6 +474,11 @@ pub struct Setup {
     pub kv_cache_blocks: usize,
     pub block_size: usize,
     pub prefill_tokens_per_s: f64,
+    /// Simulated engines' fixed cost of a step, model ms.
+    pub step_overhead_ms: f64,
+    /// Simulated engines' read of the weights, paid by every step that runs the model
+    /// (before 46235ae only by steps that decoded), model ms.
+    pub weights_ms_per_step: f64,
     pub prefix_length: u32,
     pub concurrency_threshold: u32,
     /// Router load reports and control-plane load broadcasts, wall ms.
