@@ -373,7 +373,7 @@ fn parse_amz_date(text: &str) -> Option<u64> {
     if second > 60 || year < 1970 {
         return None;
     }
-    let days = days_from_civil(year as i64, month as i64, day as i64);
+    let days = switchyard_process::clock::days_from_civil(year as i64, month as u32, day as u32);
     Some(days as u64 * 86_400 + hour * 3600 + minute * 60 + second)
 }
 
@@ -381,40 +381,13 @@ fn parse_amz_date(text: &str) -> Option<u64> {
 fn format_amz_date(seconds: u64) -> String {
     let days = (seconds / 86_400) as i64;
     let rest = seconds % 86_400;
-    let (year, month, day) = civil_from_days(days);
+    let (year, month, day) = switchyard_process::clock::civil_from_days(days);
     format!(
         "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
         rest / 3600,
         rest % 3600 / 60,
         rest % 60
     )
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let year_of_era = year - era * 400;
-    let day_of_year = (153 * (month + if month > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    era * 146_097 + day_of_era - 719_468
-}
-
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let days = days + 719_468;
-    let era = days.div_euclid(146_097);
-    let day_of_era = days - era * 146_097;
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_index = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
-    let month = if month_index < 10 {
-        month_index + 3
-    } else {
-        month_index - 9
-    };
-    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
 }
 
 #[cfg(test)]

@@ -490,7 +490,7 @@ pub(crate) fn strftime(format: &str, seconds: i64) -> Option<String> {
     ];
     let days = seconds.div_euclid(86_400);
     let of_day = seconds.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
+    let (year, month, day) = switchyard_process::clock::civil_from_days(days);
     // 1970-01-01 was a Thursday (index 3 from Monday).
     let weekday = (days + 3).rem_euclid(7) as usize;
     let mut out = String::new();
@@ -522,20 +522,6 @@ pub(crate) fn strftime(format: &str, seconds: i64) -> Option<String> {
         }
     }
     Some(out)
-}
-
-/// (year, month, day) of a day count from 1970-01-01 (Howard Hinnant's civil algorithm).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 #[cfg(test)]
