@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use serde::Deserialize;
+use switchyard_testkit::http::header_text;
 
 pub use switchyard_cluster::http::{HttpClient, http_client};
 
@@ -100,13 +101,7 @@ async fn exchange(client: &HttpClient, url: &http::Uri, body: Bytes, started: In
         }
     };
     outcome.status = response.status().as_u16();
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned)
-    };
+    let header = |name: &str| header_text(response.headers(), name).map(str::to_owned);
     outcome.instance = header("x-switchyard-instance");
     outcome.route = header("x-switchyard-route");
     outcome.router_prompt_tokens = header("x-switchyard-prompt-tokens");

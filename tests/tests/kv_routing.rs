@@ -14,6 +14,7 @@ use switchyard_engine_sim::{Faults, KvEventsFormat, SimConfig, SimHandle};
 use switchyard_kv::{Freshness, VariantIndex};
 use switchyard_router::RouterHandle;
 use switchyard_shared::InstanceId;
+use switchyard_testkit::http::header_text;
 use switchyard_tests::{
     Metrics, Reply, assert_repaired_without_rebuild, eventually, http_post, instance_ids,
     invocations_url, kv_instances, kv_sim, kv_sim_replaying_3_batches, kv_sims, kv_variant_index,
@@ -444,15 +445,9 @@ async fn a_saturated_holder_loses_to_an_idle_non_holder() -> anyhow::Result<()> 
     for _ in 0..2 {
         let response = post_streaming(&url, &[], stream.clone()).await?;
         assert_eq!(response.status(), 200);
-        let header = |name: &str| {
-            response
-                .headers()
-                .get(name)
-                .and_then(|value| value.to_str().ok())
-                .map(str::to_owned)
-        };
-        assert_eq!(header("x-switchyard-instance").as_deref(), Some("e0"));
-        assert_eq!(header("x-switchyard-route").as_deref(), Some("kv"));
+        let header = |name: &str| header_text(response.headers(), name);
+        assert_eq!(header("x-switchyard-instance"), Some("e0"));
+        assert_eq!(header("x-switchyard-route"), Some("kv"));
         streams.push(response);
     }
     // At the threshold the holder is no candidate: the idle non-holder gets the request.

@@ -53,9 +53,14 @@ pub struct Reply {
     pub body: String,
 }
 
+/// A response header's value as text (None if absent or not visible ASCII).
+pub fn header_text<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|value| value.to_str().ok())
+}
+
 impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|value| value.to_str().ok())
+        header_text(&self.headers, name)
     }
 
     pub fn json(&self) -> serde_json::Value {
