@@ -78,6 +78,13 @@ mod tests {
             (11_017, (2000, 3, 1)),
             (20_427, (2025, 12, 5)),
             (-719_468, (0, 3, 1)),
+            // Century years: 1900 and 2100 are not leap years, 1600 is (checked with Python's
+            // datetime, an independent calendar).
+            (-25_509, (1900, 2, 28)),
+            (-25_508, (1900, 3, 1)),
+            (47_540, (2100, 2, 28)),
+            (47_541, (2100, 3, 1)),
+            (-135_081, (1600, 2, 29)),
         ] {
             assert_eq!(civil_from_days(days), date, "{days}");
             assert_eq!(days_from_civil(date.0, date.1, date.2), days, "{date:?}");
