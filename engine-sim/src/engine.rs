@@ -19,7 +19,9 @@
 //!
 //! Admission pins the request's cached leading blocks (at most `prompt − 1` tokens are taken
 //! from the cache: the last prompt token is always computed, as in vLLM) and reserves blocks
-//! for the rest of its prompt and all of its output. The sim never preempts.
+//! for the rest of its prompt and all of its output. The full blocks a prefill chunk computes
+//! are cached when the chunk is scheduled (as vLLM caches them when it allocates the step's
+//! slots), so a request admitted later in the same step hits them. The sim never preempts.
 
 use std::collections::VecDeque;
 
@@ -306,7 +308,8 @@ impl Seq {
 #[derive(Debug, Clone, Copy)]
 enum Work {
     Decode(usize),
-    Prefill(usize, u32),
+    /// A prefill chunk, already counted in the request's `computed` when it was scheduled.
+    Prefill(usize),
 }
 
 /// The continuous-batching scheduler.
@@ -459,11 +462,18 @@ impl Scheduler {
                 work.push(Work::Decode(index));
             }
         }
-        for (index, seq) in self.running.iter().enumerate() {
+        // A chunk's blocks are cached when it is scheduled, as vLLM's `allocate_slots` caches
+        // the blocks a step will compute: a request admitted later in the same step hits
+        // them (measured on vLLM 0.32: two identical prompts scheduled in one step, the
+        // second's full blocks all hit).
+        let block_size = self.limits.block_size;
+        for (index, seq) in self.running.iter_mut().enumerate() {
             if seq.ready() && seq.prefill_left() > 0 {
                 let granted = batch.add_prefill(u64::from(seq.prefill_left()));
                 if granted > 0 {
-                    work.push(Work::Prefill(index, granted as u32));
+                    seq.computed += granted as u32;
+                    seq.commit_computed_blocks(&mut self.cache, block_size);
+                    work.push(Work::Prefill(index));
                 }
             }
         }
@@ -472,11 +482,13 @@ impl Scheduler {
                 break;
             }
             let index = self.running.len() - 1;
-            let seq = &self.running[index];
+            let seq = &mut self.running[index];
             if seq.ready() {
                 let granted = batch.add_prefill(u64::from(seq.prefill_left()));
                 if granted > 0 {
-                    work.push(Work::Prefill(index, granted as u32));
+                    seq.computed += granted as u32;
+                    seq.commit_computed_blocks(&mut self.cache, block_size);
+                    work.push(Work::Prefill(index));
                 }
             }
         }
@@ -496,10 +508,8 @@ impl Scheduler {
                     seq.generated += 1;
                     tokens.push(seq.id);
                 }
-                Work::Prefill(index, granted) => {
+                Work::Prefill(index) => {
                     let seq = &mut self.running[index];
-                    seq.computed += granted;
-                    seq.commit_computed_blocks(&mut self.cache, self.limits.block_size);
                     if seq.prefill_left() == 0 {
                         seq.generated += 1;
                         tokens.push(seq.id);
@@ -787,6 +797,43 @@ pub(crate) mod tests {
         let counters = scheduler.counters();
         assert_eq!(counters.prefix_cache_queries, 16_100);
         assert_eq!(counters.prefix_cache_hits, 8_000);
+    }
+
+    #[test]
+    fn a_prompt_scheduled_after_the_same_prompt_in_one_step_hits_its_blocks() {
+        // vLLM 0.32 caches a step's blocks when it schedules them: two identical 700-token
+        // prompts scheduled together, the second's full blocks all hit (measured with its
+        // `vllm:prefix_cache_hits_total`).
+        let mut together = scheduler();
+        let mut now = 0.0;
+        together.add(1, spec(0, 700, 1)).unwrap();
+        together.add(2, spec(0, 700, 1)).unwrap();
+        let reports = run(&mut together, &mut now);
+        assert_eq!(reports[0].prefill_tokens, 700 + 700 - 688);
+        let mut cached: Vec<u32> = reports[0]
+            .finished
+            .iter()
+            .map(|seq| seq.cached_tokens)
+            .collect();
+        cached.sort_unstable();
+        assert_eq!(cached, vec![0, 688]);
+        assert_eq!(together.counters().prefix_cache_hits, 688);
+        // A chunk scheduled for a running request counts too: a 20,000-token prompt is
+        // prefilled in chunks of the 8,192-token budget; the same prompt, arriving after the
+        // first chunk, is admitted in the step of the last chunk (3,616 tokens) and hits every
+        // full block but the one with its last token, that chunk's included (16,384 before).
+        let mut chunked = scheduler();
+        let mut now = 0.0;
+        chunked.add(1, spec(0, 20_000, 1)).unwrap();
+        let Step::Ran(first) = chunked.step(now) else {
+            panic!("a step");
+        };
+        now = first.end_s();
+        chunked.add(2, spec(0, 20_000, 1)).unwrap();
+        let reports = run(&mut chunked, &mut now);
+        let prefills: Vec<u64> = reports.iter().map(|r| r.prefill_tokens).collect();
+        assert_eq!(prefills, vec![8_192, 3_616 + 16]);
+        assert_eq!(chunked.counters().prefix_cache_hits, 19_984);
     }
 
     #[test]
