@@ -1042,6 +1042,38 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn blocks_shared_within_one_step_are_stored_once_and_all_released() {
+        // Two identical prompts scheduled in one step: one BlockStored event for the first's
+        // full blocks (the second hits them, so it stores nothing new; with reuse reports it
+        // publishes the reused prefix as vLLM's "full" mode does), and when both finish no
+        // block is held.
+        for report_reuse in [false, true] {
+            let mut scheduler = scheduler();
+            scheduler.record_cache_events(true);
+            let mut now = 0.0;
+            let prompt = SeqSpec {
+                report_reuse,
+                ..spec(0, 40, 1)
+            };
+            scheduler.add(1, prompt.clone()).unwrap();
+            scheduler.add(2, prompt.clone()).unwrap();
+            let reports = run(&mut scheduler, &mut now);
+            assert_eq!(
+                reports[0].prefill_tokens,
+                40 + 8,
+                "reuse reports {report_reuse}"
+            );
+            let mut expected = vec![stored(&prompt, 0..2)];
+            if report_reuse {
+                expected.push(stored(&prompt, 0..2));
+            }
+            assert_eq!(scheduler.take_cache_events(), expected);
+            assert_eq!(scheduler.cache().used_blocks(), 0);
+            assert_eq!(scheduler.cache().cached_blocks(), 2);
+        }
+    }
+
+    #[test]
     fn remote_prefill_only_pulls_what_is_not_cached_locally() {
         let mut scheduler = scheduler();
         let mut now = 0.0;
