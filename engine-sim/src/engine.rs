@@ -257,6 +257,23 @@ impl Seq {
         self.generated >= self.spec.max_tokens
     }
 
+    /// Grants this request the prefill chunk the step's budget allows and caches the full
+    /// blocks it computes at once, as vLLM does when it schedules them; whether it got one.
+    fn schedule_prefill(
+        &mut self,
+        batch: &mut StepBuilder,
+        cache: &mut PrefixCache,
+        block_size: usize,
+    ) -> bool {
+        let granted = batch.add_prefill(u64::from(self.prefill_left()));
+        if granted == 0 {
+            return false;
+        }
+        self.computed += granted as u32;
+        self.commit_computed_blocks(cache, block_size);
+        true
+    }
+
     /// Moves the blocks that `computed` now covers into the cache table, logging each run of
     /// blocks new to the table when the cache records events.
     fn commit_computed_blocks(&mut self, cache: &mut PrefixCache, block_size: usize) {
@@ -468,13 +485,11 @@ impl Scheduler {
         // second's full blocks all hit).
         let block_size = self.limits.block_size;
         for (index, seq) in self.running.iter_mut().enumerate() {
-            if seq.ready() && seq.prefill_left() > 0 {
-                let granted = batch.add_prefill(u64::from(seq.prefill_left()));
-                if granted > 0 {
-                    seq.computed += granted as u32;
-                    seq.commit_computed_blocks(&mut self.cache, block_size);
-                    work.push(Work::Prefill(index));
-                }
+            if seq.ready()
+                && seq.prefill_left() > 0
+                && seq.schedule_prefill(&mut batch, &mut self.cache, block_size)
+            {
+                work.push(Work::Prefill(index));
             }
         }
         while batch.budget_left() > 0 && self.running.len() < self.limits.max_num_seqs {
@@ -483,13 +498,8 @@ impl Scheduler {
             }
             let index = self.running.len() - 1;
             let seq = &mut self.running[index];
-            if seq.ready() {
-                let granted = batch.add_prefill(u64::from(seq.prefill_left()));
-                if granted > 0 {
-                    seq.computed += granted as u32;
-                    seq.commit_computed_blocks(&mut self.cache, block_size);
-                    work.push(Work::Prefill(index));
-                }
+            if seq.ready() && seq.schedule_prefill(&mut batch, &mut self.cache, block_size) {
+                work.push(Work::Prefill(index));
             }
         }
 
