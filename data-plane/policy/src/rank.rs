@@ -219,6 +219,10 @@ pub struct KeyHistory<R, S, C> {
     /// `copies(i)`: how many new copies of keys were placed on instance i lately (each a
     /// miss of a whole prefix).
     pub copies: C,
+    /// Whether a further copy (of a key another instance held) was placed lately, by this
+    /// router or by another as announced: then no relief ([`RELIEF_SHARE`]) until the
+    /// router's window of requests ends.
+    pub relieved: bool,
 }
 
 impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
@@ -234,6 +238,7 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
             remembered: nowhere,
             sent: nothing,
             copies: nothing,
+            relieved: false,
         }
     }
 }
@@ -245,9 +250,14 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 /// the remembered instances, or its rendezvous owner if it was sent nowhere yet:
 ///
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
-///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order;
+///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order.
+///    Unless every available holder took [`RELIEF_SHARE`] fair shares or more of this
+///    router's recent requests and no further copy was placed lately (`relieved`): then the
+///    key is *relieved*, a further copy on the most starving instance within one request of
+///    the least loaded (see [`RELIEF_SHARE`]);
 /// 2. else a new copy, in the band of available instances below the bound as loaded as the
-///    least loaded of them (a first copy) or within one request of it (a further copy). A key
+///    least loaded of them (a first copy; an instance below [`REACH_SHARE`] of its fair share
+///    also one request above it) or within one request of it (a further copy). A key
 ///    sent nowhere yet goes to the most starving one
 ///    (`sent` below [`STARVING_SHARE`] of its fair share of this router's recent requests),
 ///    then the one with the fewest new copies placed lately (`copies`), then its owner, then
@@ -277,6 +287,7 @@ pub fn rank_remembering(
         remembered,
         sent,
         copies,
+        relieved,
     }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
@@ -322,7 +333,11 @@ pub fn rank_remembering(
                             placed && eligible(order[position]) && holder[order[position]]
                         })
                         .min_by_key(|&position| (load(order[position]), position));
-                    held.or_else(|| {
+                    // Relief of a key whose holders all took far more than their share.
+                    let relief = held
+                        .filter(|_| !relieved)
+                        .and_then(|_| relief(instances, order, &holder, eligible, load, &sent));
+                    relief.or(held).or_else(|| {
                         // Else a new copy below the bound: a first copy on a least loaded
                         // instance, a further copy within one request of it. A key's first copy: the most starving
                         // one, then the one with the fewest copies placed lately, then the
@@ -348,7 +363,14 @@ pub fn rank_remembering(
                         (0..order.len())
                             .filter(|&position| {
                                 let index = order[position];
-                                eligible(index) && load(index) <= floor + band
+                                // A first copy reaches an instance far below its share one
+                                // request above the least loaded.
+                                let reach = if !placed && starving[index] < REACH_SHARE {
+                                    1
+                                } else {
+                                    band
+                                };
+                                eligible(index) && load(index) <= floor + reach
                             })
                             .map(|position| {
                                 let index = order[position];
@@ -449,21 +471,86 @@ pub const STARVING_AFTER: u32 = 4;
 /// [`STARVING_SHARE`] for the others (and for all before), so they tie. Only eligible
 /// instances are read.
 fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64> {
+    match shares(instances, sent, STARVING_AFTER) {
+        Some(shares) => shares
+            .into_iter()
+            .map(|share| share.min(STARVING_SHARE))
+            .collect(),
+        None => vec![STARVING_SHARE; instances.len()],
+    }
+}
+
+/// Each instance's share of the requests this router sent the variant lately over its fair
+/// share (by weight, among the available instances), once those requests average `after` an
+/// available instance; `None` before.
+fn shares(
+    instances: &[InstanceView],
+    sent: &impl Fn(usize) -> u32,
+    after: u32,
+) -> Option<Vec<f64>> {
     let available = || (0..instances.len()).filter(|&index| instances[index].available);
     let total: f64 = available().map(|index| f64::from(sent(index))).sum();
     let weights: f64 = available().map(|index| instances[index].weight).sum();
-    let judged = total >= f64::from(STARVING_AFTER) * available().count() as f64 && weights > 0.0;
-    (0..instances.len())
-        .map(|index| {
-            let fair = total * instances[index].weight / weights;
-            let share = f64::from(sent(index)) / fair;
-            if judged {
-                share.min(STARVING_SHARE)
-            } else {
-                STARVING_SHARE
-            }
+    let judged = total >= f64::from(after) * available().count() as f64 && weights > 0.0;
+    judged.then(|| {
+        (0..instances.len())
+            .map(|index| f64::from(sent(index)) / (total * instances[index].weight / weights))
+            .collect()
+    })
+}
+
+/// A placed key whose every available holder took at least this many fair shares of the
+/// requests this router sent lately is *relieved*: one request of it goes to the most starving
+/// instance instead (a further copy: one miss of the whole prefix, so that an instance left
+/// with only cold keys takes part of a hot one). Once per window of the router's requests, and
+/// not after another further copy (`KeyHistory::relieved`). 1.75: on a Zipf workload the
+/// hottest key alone is about 1.85 fair shares of seven instances (docs/benchmarks.md section 7).
+pub const RELIEF_SHARE: f64 = 1.75;
+/// Recent requests per available instance, on average, before relief is judged at all.
+pub const RELIEF_AFTER: u32 = 8;
+/// A key's first copy goes to a least loaded instance, or to one a request above it that took
+/// less than this share of its fair share lately (starving judged as for [`STARVING_SHARE`]).
+pub const REACH_SHARE: f64 = 0.75;
+
+/// The position in `order` of the instance that relieves a key held by `holder`
+/// ([`RELIEF_SHARE`]): of the eligible instances that do not hold it, within one request of the
+/// least loaded eligible one and below their fair share, the most starving, then the least
+/// loaded, then the earliest in the key's order. `None` if the key needs no relief or no one
+/// can take it.
+fn relief(
+    instances: &[InstanceView],
+    order: &[usize],
+    holder: &[bool],
+    eligible: impl Fn(usize) -> bool,
+    load: impl Fn(usize) -> u32,
+    sent: &impl Fn(usize) -> u32,
+) -> Option<usize> {
+    let shares = shares(instances, sent, RELIEF_AFTER)?;
+    let overloaded = (0..instances.len())
+        .filter(|&index| holder[index] && instances[index].available)
+        .all(|index| shares[index] >= RELIEF_SHARE);
+    if !overloaded {
+        return None;
+    }
+    let floor = order
+        .iter()
+        .filter(|&&index| eligible(index))
+        .map(|&index| load(index))
+        .min()?;
+    (0..order.len())
+        .filter(|&position| {
+            let index = order[position];
+            eligible(index)
+                && !holder[index]
+                && load(index) <= floor + 1
+                && shares[index] < STARVING_SHARE
         })
-        .collect()
+        .min_by(|&a, &b| {
+            let (a_index, b_index) = (order[a], order[b]);
+            shares[a_index]
+                .total_cmp(&shares[b_index])
+                .then((load(a_index), a).cmp(&(load(b_index), b)))
+        })
 }
 
 /// Sticky sessions: the session's rendezvous order, whatever the load.
@@ -915,6 +1002,7 @@ mod tests {
             remembered,
             sent: |_: usize| 0,
             copies: |_: usize| 0,
+            relieved: false,
         }
     }
 
@@ -938,6 +1026,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: |_: usize| 1,
+            relieved: false,
         };
         let first = rank_remembering(strategy, &instances, idle, 7, 0, even);
         assert_eq!(
@@ -949,6 +1038,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: fewer,
+            relieved: false,
         };
         let spread = rank_remembering(strategy, &instances, idle, 7, 0, spread);
         assert_eq!(
@@ -960,6 +1050,7 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| if i == order[4] { 9 } else { 0 },
             copies: fewer,
+            relieved: false,
         };
         let by_copies = rank_remembering(strategy, &instances, idle, 7, 0, busy);
         assert_eq!(by_copies.first(), Some(order[4]));
@@ -971,6 +1062,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 0,
             copies: |i: usize| if i == order[5] { 2 } else { 1 },
+            relieved: false,
         };
         let chosen = rank_remembering(strategy, &heavy, idle, 7, 0, weighted).first();
         assert_eq!(chosen, Some(order[5]));
@@ -979,6 +1071,7 @@ mod tests {
             remembered: |i: usize| i == owner,
             sent: |_: usize| 0,
             copies: |i: usize| if i == owner { 9 } else { 0 },
+            relieved: false,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, idle, 7, 0, held).first(),
@@ -996,6 +1089,98 @@ mod tests {
     }
 
     #[test]
+    fn a_key_whose_holders_all_took_far_more_than_their_share_is_relieved_once() {
+        let strategy = bounded(2.0, 6, 16);
+        let (instances, order, owner) = idle_seven(strategy);
+        // The key is held by its owner (order[0]) and by `also`; sent counts, loads and
+        // whether a further copy was placed lately, all in the key's rendezvous order.
+        let choose = |also: Option<usize>, counts: [u32; 7], loads: [u32; 7], relieved: bool| {
+            let at = |i: usize| order.iter().position(|&o| o == i).unwrap();
+            let history = KeyHistory {
+                remembered: |i: usize| at(i) == 0 || Some(at(i)) == also,
+                sent: |i: usize| counts[at(i)],
+                copies: |_: usize| 0,
+                relieved,
+            };
+            let ranking = rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history);
+            (ranking.first().map(at), ranking.route)
+        };
+        // 56 sent (8 an instance on average, enough to judge): the owner took 14, 1.75 fair
+        // shares; order[3] took 4 (half its share), the most starving: it takes the request.
+        let counts = [14, 10, 7, 4, 7, 7, 7];
+        let idle = [0; 7];
+        assert_eq!(
+            choose(None, counts, idle, false),
+            (Some(3), Some(Route::Overflow))
+        );
+        // Not once a further copy was placed lately.
+        assert_eq!(
+            choose(None, counts, idle, true),
+            (Some(0), Some(Route::Prefix))
+        );
+        // Not below 1.75 fair shares (13 of 56), nor before 8 an instance (55 sent).
+        assert_eq!(
+            choose(None, [13, 11, 7, 4, 7, 7, 7], idle, false).0,
+            Some(0)
+        );
+        assert_eq!(choose(None, [14, 9, 7, 4, 7, 7, 7], idle, false).0, Some(0));
+        // Every holder must be that far above: a second holder below keeps the key (the
+        // least loaded holder, then the earliest); two holders at 14 each are relieved.
+        assert_eq!(choose(Some(2), counts, idle, false).0, Some(0));
+        assert_eq!(
+            choose(Some(1), [14, 14, 7, 5, 7, 6, 3], idle, false).0,
+            Some(6)
+        );
+        // Within one request of the least loaded: order[3] one above still takes it, two
+        // above not (the next most starving does, the least loaded of those, then the earliest).
+        assert_eq!(
+            choose(None, counts, [0, 0, 0, 1, 0, 0, 0], false).0,
+            Some(3)
+        );
+        assert_eq!(
+            choose(None, counts, [0, 0, 1, 2, 0, 0, 0], false).0,
+            Some(4)
+        );
+        // Only an instance below its fair share relieves (8 of 56 is exactly it).
+        assert_eq!(
+            choose(None, [14, 8, 8, 2, 8, 8, 8], [0, 0, 0, 2, 0, 0, 0], false).0,
+            Some(0)
+        );
+        // A holder at the bound is not relieved: the key takes a further copy as before.
+        let full = [16, 0, 0, 0, 0, 0, 0];
+        assert_eq!(choose(None, counts, full, false).0, Some(3));
+        assert_eq!(choose(None, counts, full, true).0, Some(3));
+        assert_eq!(order[0], owner);
+    }
+
+    #[test]
+    fn a_first_copy_reaches_a_starving_instance_one_request_above_the_least_loaded() {
+        let strategy = bounded(2.0, 6, 16);
+        let (instances, order, _) = idle_seven(strategy);
+        let first_copy = |counts: [u32; 7], loads: [u32; 7]| {
+            let at = |i: usize| order.iter().position(|&o| o == i).unwrap();
+            let history = KeyHistory {
+                remembered: |_: usize| false,
+                sent: |i: usize| counts[at(i)],
+                copies: |_: usize| 0,
+                relieved: false,
+            };
+            let ranking = rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history);
+            ranking.first().map(at)
+        };
+        // 28 sent: order[3] took 2 of its fair 4, below three quarters of it.
+        let counts = [5, 5, 4, 2, 4, 4, 4];
+        assert_eq!(first_copy(counts, [0, 0, 0, 1, 0, 0, 0]), Some(3));
+        // Two above, not: the least loaded (none of them below its share): the owner.
+        assert_eq!(first_copy(counts, [0, 0, 0, 2, 0, 0, 0]), Some(0));
+        // Three quarters exactly (3 of 4) is not reached for either.
+        assert_eq!(
+            first_copy([5, 4, 4, 3, 4, 4, 4], [0, 0, 0, 1, 0, 0, 0]),
+            Some(0)
+        );
+    }
+
+    #[test]
     fn a_first_copy_goes_to_the_most_starving_instance() {
         let (nowhere, idle) = (|_: usize| false, |_: usize| 0);
         let strategy = bounded(2.0, 6, 16);
@@ -1008,6 +1193,7 @@ mod tests {
                 remembered: nowhere,
                 sent,
                 copies,
+                relieved: false,
             };
             rank_remembering(strategy, &instances, idle, 7, 0, history).first()
         };
@@ -1039,6 +1225,7 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
+            relieved: false,
         };
         // (A key that order[3], heavier now, does not own.)
         let key = (0..64)
@@ -1061,6 +1248,7 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
+            relieved: false,
         };
         assert_eq!(
             rank_remembering(strategy, &ejected, idle, 7, 0, without).first(),
@@ -1074,6 +1262,7 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| [5, 5, 5, 1, 4, 4, 4][order.iter().position(|&o| o == i).unwrap()],
             copies: |_: usize| 0,
+            relieved: false,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, busy, 7, 0, history).first(),
@@ -1094,6 +1283,7 @@ mod tests {
                 calls.get().is_multiple_of(2)
             },
             sent: |_: usize| 0,
+            relieved: false,
         };
         let load = |i: usize| (i % 5) as u32 * 3;
         let ranking = rank_remembering(bounded(1.0, 0, 16), &instances, load, 7, 0, flipping);
@@ -1128,6 +1318,7 @@ mod tests {
             copies: |_: usize| 0,
             remembered: |i: usize| i == owner,
             sent: |i: usize| if i == third { 9 } else { 1 },
+            relieved: false,
         };
         let near = |i: usize| if i == second { 1 } else { load(i) };
         let spread = rank_remembering(strategy, &instances, near, 7, 0, served);
@@ -1320,14 +1511,15 @@ mod tests {
         #[test]
         fn a_remembered_copy_below_the_bound_is_preferred_to_a_new_one(
             key in any::<u64>(),
-            loads in proptest::collection::vec(0u32..40, 1..30),
-            remembered in proptest::collection::vec(any::<bool>(), 30),
+            loads in proptest::collection::vec(proptest::prop_oneof![0u32..3, 0u32..40], 1..30),
+            remembered in proptest::collection::vec(proptest::prop_oneof![any::<bool>(), proptest::bool::weighted(0.1)], 30),
             ejected in proptest::collection::vec(any::<bool>(), 30),
-            sent in proptest::collection::vec(0u32..12, 30),
+            sent in proptest::collection::vec(proptest::prop_oneof![0u32..12, 0u32..40], 30),
             copies in proptest::collection::vec(0u32..3, 30),
             weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
+            relieved in any::<bool>(),
         ) {
             let mut instances = views(loads.len());
             for ((instance, ejected), weight) in instances.iter_mut().zip(&ejected).zip(&weights) {
@@ -1337,7 +1529,7 @@ mod tests {
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
             let bound = prefix_aware_bound(1024, Some(balance), &loads);
-            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i] };
+            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i], relieved };
             let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
             let first = ranking.first().unwrap();
             let mut order = Vec::new();
@@ -1346,7 +1538,26 @@ mod tests {
             // The instances the key was sent to, or its owner if it was sent nowhere.
             let placed = remembered[..loads.len()].iter().any(|&held| held);
             let holder = |i: usize| if placed { remembered[i] } else { i == owner };
-            if placed && (0..loads.len()).any(|i| eligible(i) && holder(i)) {
+            // Each instance's share of the requests sent over its fair share (by weight,
+            // among the available instances), judged once they average `after` an instance.
+            let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
+            let total: f64 = available.iter().map(|&i| f64::from(sent[i])).sum();
+            let all_weight: f64 = available.iter().map(|&i| weights[i]).sum();
+            let judged = |after: f64| total >= after * available.len() as f64;
+            let share = |i: usize| f64::from(sent[i]) / (total * weights[i] / all_weight);
+            let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min();
+            // Relief: every available holder took 1.75 fair shares or more (judged after 8
+            // an instance); the most starving non-holder below its fair share within one
+            // request of the least loaded, then the least loaded, then the earliest.
+            let overloaded = !relieved && judged(8.0)
+                && (0..loads.len()).filter(|&i| holder(i) && instances[i].available).all(|i| share(i) >= 1.75);
+            let reliever = |i: usize| overloaded && eligible(i) && !holder(i) && Some(loads[i]) <= floor.map(|f| f + 1) && share(i) < 1.0;
+            let relief = (0..loads.len()).filter(|&i| reliever(i)).min_by(|&a, &b| share(a).total_cmp(&share(b)).then(loads[a].cmp(&loads[b])));
+            if placed && (0..loads.len()).any(|i| eligible(i) && holder(i)) && relief.is_some() {
+                let most = relief.unwrap();
+                let expected = order.iter().copied().find(|&i| reliever(i) && share(i) == share(most) && loads[i] == loads[most]);
+                prop_assert_eq!(Some(first), expected);
+            } else if placed && (0..loads.len()).any(|i| eligible(i) && holder(i)) {
                 // The least loaded holder below the bound, the earliest in the key's order.
                 prop_assert!(eligible(first) && holder(first), "chose {first}");
                 let least = (0..loads.len()).filter(|&i| eligible(i) && holder(i)).map(|i| loads[i]).min().unwrap();
@@ -1360,18 +1571,15 @@ mod tests {
                 // fewest copies (per unit of weight); then the least loaded, then the earliest
                 // in the key's order.
                 prop_assert!(eligible(first));
-                let floor = (0..loads.len()).filter(|&i| eligible(i)).map(|i| loads[i]).min().unwrap();
-                let near = |i: usize| eligible(i) && loads[i] <= floor + u32::from(placed);
+                let floor = floor.unwrap();
                 // Starving (a key sent nowhere yet): below its fair share of the requests sent,
                 // once those average 4 an available instance; the most starving first.
-                let available: Vec<usize> = (0..loads.len()).filter(|&i| instances[i].available).collect();
-                let total: f64 = available.iter().map(|&i| f64::from(sent[i])).sum();
-                let all_weight: f64 = available.iter().map(|&i| weights[i]).sum();
-                let judged = total >= 4.0 * available.len() as f64;
                 let hunger = |i: usize| {
-                    let share = f64::from(sent[i]) / (total * weights[i] / all_weight);
-                    if judged && instances[i].available && share < 1.0 { share } else { 1.0 }
+                    if judged(4.0) && instances[i].available && share(i) < 1.0 { share(i) } else { 1.0 }
                 };
+                // A first copy: the least loaded, or one request above for an instance below
+                // three quarters of its share; a further copy: within one request.
+                let near = |i: usize| eligible(i) && loads[i] <= floor + u32::from(placed || hunger(i) < 0.75);
                 let (copies, sent) = (|i: usize| f64::from(copies[i]) / weights[i], |i: usize| f64::from(sent[i]) / weights[i]);
                 let is_other = |i: usize| f64::from(u8::from(i != owner));
                 let share = |i: usize| if placed { (0.0, sent(i), copies(i), 0.0) } else { (hunger(i), copies(i), is_other(i), sent(i)) };
@@ -1432,8 +1640,8 @@ mod tests {
             other_sent.reverse();
             let copies = |i: usize| (instances[i].id_hash % 3) as u32;
             let other_copies = |i: usize| (other_instances[i].id_hash % 3) as u32;
-            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies });
-            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies });
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies, relieved: false });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies, relieved: false });
             let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_c, ids_d);

@@ -44,6 +44,10 @@ pub struct InstanceCell {
     /// router, or by others as announced), halved like `recent`. Each is a miss of a whole
     /// prefix: a new copy goes where the fewest were placed, so those prefills spread.
     pub copies: AtomicU32,
+    /// Bounded PREFIX_AWARE: further copies placed on the instance lately (of keys another
+    /// instance held; by this router, or by others as announced), cleared when the variant's
+    /// window ends. While any instance of the variant has one, no key is relieved.
+    pub further: AtomicU32,
     /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
     /// slot frees here (set by the first request that waits for the variant).
     pub waker: OnceLock<Weak<dyn SlotWaker>>,

@@ -813,6 +813,101 @@ mod tests {
     }
 
     #[test]
+    fn a_hot_key_is_relieved_once_a_window_and_not_after_another_routers_further_copy() {
+        use std::sync::atomic::Ordering;
+        use switchyard_process::clock::monotonic_ms;
+        use switchyard_shared::sync::KeyPlacement;
+        let registry: Arc<LoadRegistry> = Arc::default();
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
+        let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
+        membership.load_static(
+            parse(
+                r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
+                {"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+                  {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":2.0,"LoadBalanceSlack":6}}}],
+                "Instances":[{"Url":"http://127.0.0.1:9001","InstanceId":"a"},{"Url":"http://127.0.0.1:9002","InstanceId":"b"},
+                  {"Url":"http://127.0.0.1:9003","InstanceId":"c"},{"Url":"http://127.0.0.1:9004","InstanceId":"d"}]}]}"#,
+            )
+            .unwrap(),
+        );
+        let current = table.load();
+        let variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
+        let views = variant.current_views(0);
+        let cell = |index: usize| &variant.instances[index].cell;
+        let holders = |key: u64| -> Vec<usize> {
+            (0..4)
+                .filter(|&index| cell(index).spills.remembers(key, monotonic_ms()))
+                .collect()
+        };
+        // Two keys, each placed on its owner.
+        let (hot, warm) = (0x5eed_u64, 0xbeef_u64);
+        let hot_owner = variant.rank_prefix(&views, hot).order[0];
+        let warm_owner = variant.rank_prefix(&views, warm).order[0];
+        // This router sent 32 requests lately (8 an instance): the hot key's owner took 16,
+        // two fair shares; the idlest instance 2.
+        let idlest = (0..4).find(|&index| index != hot_owner).unwrap();
+        for index in 0..4 {
+            let sent = if index == hot_owner {
+                16
+            } else if index == idlest {
+                2
+            } else {
+                7
+            };
+            cell(index).recent.store(sent, Ordering::Relaxed);
+        }
+        // The hot key is relieved: its next request goes to the idlest instance, a further
+        // copy there, remembered.
+        assert_eq!(variant.rank_prefix(&views, hot).first(), Some(idlest));
+        assert_eq!(cell(idlest).further.load(Ordering::Relaxed), 1);
+        let mut both = vec![hot_owner, idlest];
+        both.sort_unstable();
+        assert_eq!(holders(hot), both);
+        // Once: with the counts as they were, another key whose holder took as much stays
+        // where it is for the rest of the window.
+        cell(warm_owner).recent.store(16, Ordering::Relaxed);
+        assert_eq!(variant.rank_prefix(&views, warm).first(), Some(warm_owner));
+        // The window's end clears it (the 1,024th request of the variant, 4 made so far; the
+        // counts halved, 17 sent are too few to judge again).
+        let window = variant.window.as_ref().unwrap();
+        for _ in 0..crate::routing::cells::WINDOW_REQUESTS - 5 {
+            assert!(!window.record());
+        }
+        variant.rank_prefix(&views, warm);
+        assert!((0..4).all(|index| cell(index).further.load(Ordering::Relaxed) == 0));
+        // Another router's further copy counts as this router's own: a placement announced
+        // for an instance of a key another holds.
+        let announced = (0..4)
+            .find(|&index| !holders(warm).contains(&index))
+            .unwrap();
+        let learned = crate::routing::sync_client::apply_placements(
+            &registry,
+            &[KeyPlacement {
+                instance: InstanceKey::new(
+                    EndpointName::new("chat").unwrap(),
+                    variant.instances[announced].id.clone(),
+                ),
+                key: warm,
+            }],
+        );
+        assert_eq!(learned, 1);
+        assert_eq!(cell(announced).further.load(Ordering::Relaxed), 1);
+        // A first placement (a key held nowhere) is not a further copy.
+        let fresh = 0xf00d_u64;
+        crate::routing::sync_client::apply_placements(
+            &registry,
+            &[KeyPlacement {
+                instance: InstanceKey::new(
+                    EndpointName::new("chat").unwrap(),
+                    variant.instances[hot_owner].id.clone(),
+                ),
+                key: fresh,
+            }],
+        );
+        assert_eq!(cell(hot_owner).further.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
     fn bounded_loads_remember_a_spill_and_send_the_key_back_to_its_copy() {
         use std::sync::atomic::Ordering;
         use switchyard_policy::rank::Route;

@@ -439,8 +439,8 @@ fn forget_placements(registry: &LoadRegistry) {
 }
 
 /// Remembers the keys other routers placed, as if this router had sent them there (a copy it
-/// did not know of counts among the instance's copies); how many named an instance this
-/// router knows.
+/// did not know of counts among the instance's copies, and among its further copies if
+/// another instance held the key); how many named an instance this router knows.
 pub fn apply_placements(registry: &LoadRegistry, placements: &[KeyPlacement]) -> u64 {
     let now_ms = switchyard_process::clock::monotonic_ms();
     let mut learned = 0;
@@ -448,6 +448,15 @@ pub fn apply_placements(registry: &LoadRegistry, placements: &[KeyPlacement]) ->
         if let Some(cell) = registry.find(&placement.instance) {
             if cell.spills.remember(placement.key, now_ms) == Remembered::New {
                 saturating_increment(&cell.copies);
+                let mut elsewhere = false;
+                registry.for_each(|instance, other| {
+                    elsewhere |= instance.endpoint == placement.instance.endpoint
+                        && *instance != placement.instance
+                        && other.spills.remembers(placement.key, now_ms);
+                });
+                if elsewhere {
+                    saturating_increment(&cell.further);
+                }
             }
             learned += 1;
         }

@@ -128,6 +128,7 @@ impl VariantRoute {
             for instance in &self.instances {
                 halve(&instance.cell.recent);
                 halve(&instance.cell.copies);
+                instance.cell.further.store(0, Ordering::Relaxed);
             }
         }
         let now_ms = switchyard_process::clock::monotonic_ms();
@@ -145,6 +146,12 @@ impl VariantRoute {
                 let before = cell.spills.remember(key, now_ms);
                 if before == Remembered::New {
                     saturating_increment(&cell.copies);
+                    let elsewhere = (0..self.instances.len()).any(|index| {
+                        index != first && self.instances[index].cell.spills.remembers(key, now_ms)
+                    });
+                    if elsewhere {
+                        saturating_increment(&cell.further);
+                    }
                 }
                 if before != Remembered::Fresh && !cell.announced.push(key) {
                     tracing::debug!("too many placements waiting to be announced; one dropped");
@@ -171,6 +178,10 @@ impl VariantRoute {
             },
             sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
             copies: |index: usize| self.instances[index].cell.copies.load(Ordering::Relaxed),
+            relieved: self
+                .instances
+                .iter()
+                .any(|instance| instance.cell.further.load(Ordering::Relaxed) > 0),
         }
     }
 
