@@ -429,6 +429,7 @@ mod tests {
             .map(|key| KeyPlacement {
                 instance: key_of("chat", "i-1"),
                 key,
+                further: key % 2 == 1,
             })
             .collect();
         hub.announce("router-1", many);
@@ -441,6 +442,7 @@ mod tests {
             let placement = KeyPlacement {
                 instance: key_of("chat", "i-1"),
                 key,
+                further: false,
             };
             hub.announce("router-2", vec![placement]);
         }

@@ -825,6 +825,7 @@ pub fn key_placements(wire: Vec<pb::KeyPlacement>) -> (Vec<KeyPlacement>, usize)
             Some(KeyPlacement {
                 instance,
                 key: placement.key,
+                further: placement.further,
             })
         })
         .collect();
@@ -838,6 +839,7 @@ impl From<&KeyPlacement> for pb::KeyPlacement {
             endpoint_name: placement.instance.endpoint.to_string(),
             instance_id: placement.instance.id.to_string(),
             key: placement.key,
+            further: placement.further,
         }
     }
 }
@@ -845,6 +847,40 @@ impl From<&KeyPlacement> for pb::KeyPlacement {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_placements_cross_the_wire_with_their_further_flag() {
+        let placements = [
+            KeyPlacement {
+                instance: instance_key("Placement", "chat", "i-1").unwrap(),
+                key: u64::MAX,
+                further: true,
+            },
+            KeyPlacement {
+                instance: instance_key("Placement", "chat", "i-2").unwrap(),
+                key: 7,
+                further: false,
+            },
+        ];
+        let mut wire: Vec<pb::KeyPlacement> = placements.iter().map(Into::into).collect();
+        // A router before the flag sends none: false. An unreadable name is skipped, counted.
+        wire.push(pb::KeyPlacement {
+            endpoint_name: "chat".into(),
+            instance_id: "i-3".into(),
+            key: 9,
+            ..Default::default()
+        });
+        wire.push(pb::KeyPlacement {
+            endpoint_name: "bad name!".into(),
+            instance_id: "i-4".into(),
+            key: 1,
+            further: true,
+        });
+        let (read, skipped) = key_placements(wire);
+        assert_eq!(skipped, 1);
+        assert_eq!(read[..2], placements[..]);
+        assert!(!read[2].further);
+    }
 
     /// An endpoint config named `cfg` with the variants of a SageMaker JSON list.
     fn config_from_json(json: &str, creation_time_ms: i64) -> EndpointConfig {

@@ -63,6 +63,8 @@ pub struct InstanceLoad {
 pub struct KeyPlacement {
     pub instance: InstanceKey,
     pub key: u64,
+    /// Another instance of the variant held the key when it was placed here.
+    pub further: bool,
 }
 
 /// Where a routing state comes from and how far it goes: `cluster` is the identity of the store

@@ -220,9 +220,8 @@ pub struct KeyHistory<R, S, C> {
     /// miss of a whole prefix).
     pub copies: C,
     /// Whether a further copy (of a key another instance held) was placed lately, by this
-    /// router or by another as announced: then no relief ([`RELIEF_SHARE`]) until the
-    /// router's window of requests ends.
-    pub relieved: bool,
+    /// router or by another as announced: then no key is relieved ([`RELIEF_SHARE`]).
+    pub further_lately: bool,
 }
 
 impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
@@ -238,7 +237,7 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
             remembered: nowhere,
             sent: nothing,
             copies: nothing,
-            relieved: false,
+            further_lately: false,
         }
     }
 }
@@ -252,7 +251,7 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
 ///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order.
 ///    Unless every available holder took [`RELIEF_SHARE`] fair shares or more of this
-///    router's recent requests and no further copy was placed lately (`relieved`): then the
+///    router's recent requests and no further copy was placed lately (`further_lately`): then the
 ///    key is *relieved*, a further copy on the most starving instance within one request of
 ///    the least loaded (see [`RELIEF_SHARE`]);
 /// 2. else a new copy, in the band of available instances below the bound as loaded as the
@@ -269,7 +268,8 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 ///    are all at the bound) adds capacity for a hot key: the fewest requests sent, then the
 ///    fewest copies. Both per unit of weight, then the least loaded, then by rendezvous order.
 ///    The band keeps an instance that served little (one that just joined) from drawing
-///    every new copy once it is busier than the least loaded;
+///    every new copy once it is two requests busier than the least loaded (one, for a
+///    further copy);
 /// 3. else the least loaded available instance.
 ///
 /// `Prefix` if the choice is the owner, else `Overflow`. With a [`LoadBalance`] the rest follow
@@ -287,7 +287,7 @@ pub fn rank_remembering(
         remembered,
         sent,
         copies,
-        relieved,
+        further_lately,
     }: KeyHistory<impl Fn(usize) -> bool, impl Fn(usize) -> u32, impl Fn(usize) -> u32>,
 ) -> Ranking {
     let mut order = Vec::with_capacity(instances.len());
@@ -298,6 +298,14 @@ pub fn rank_remembering(
     // consistent order.
     let loads: Vec<u32> = (0..instances.len()).map(load).collect();
     let load = |index: usize| loads[index];
+    // So are the requests sent (a window's end halves them meanwhile), when they are read.
+    let sent_counts: Vec<u32> = match strategy {
+        Strategy::PrefixAware {
+            balance: Some(_), ..
+        } => (0..instances.len()).map(&sent).collect(),
+        _ => Vec::new(),
+    };
+    let sent = |index: usize| sent_counts[index];
     let route = match strategy {
         Strategy::PrefixAware {
             concurrency_threshold,
@@ -335,7 +343,7 @@ pub fn rank_remembering(
                         .min_by_key(|&position| (load(order[position]), position));
                     // Relief of a key whose holders all took far more than their share.
                     let relief = held
-                        .filter(|_| !relieved)
+                        .filter(|_| !further_lately)
                         .and_then(|_| relief(instances, order, &holder, eligible, load, &sent));
                     relief.or(held).or_else(|| {
                         // Else a new copy below the bound: a first copy on a least loaded
@@ -351,9 +359,10 @@ pub fn rank_remembering(
                             .filter(|&&i| eligible(i))
                             .map(|&i| load(i))
                             .min()?;
-                        // A first copy only on a least loaded instance (a full prefill is best
-                        // started where least is running); a further copy within one request
-                        // of it.
+                        // A first copy on a least loaded instance (a full prefill is best
+                        // started where least is running), or one request above it for an
+                        // instance far below its share; a further copy within one request of
+                        // it.
                         let band = u32::from(placed);
                         let starving = if placed {
                             Vec::new()
@@ -502,11 +511,15 @@ fn shares(
 /// A placed key whose every available holder took at least this many fair shares of the
 /// requests this router sent lately is *relieved*: one request of it goes to the most starving
 /// instance instead (a further copy: one miss of the whole prefix, so that an instance left
-/// with only cold keys takes part of a hot one). Once per window of the router's requests, and
-/// not after another further copy (`KeyHistory::relieved`). 1.75: on a Zipf workload the
-/// hottest key alone is about 1.85 fair shares of seven instances (docs/benchmarks.md section 7).
+/// with only cold keys takes part of a hot one), unless a further copy was placed lately
+/// (`KeyHistory::further_lately`; the router keeps that for one to two windows of its
+/// requests). 1.75: on a Zipf workload the hottest key alone is about 1.85 fair shares of
+/// seven instances (docs/benchmarks.md section 7). The first key whose holders are that busy
+/// is relieved, which need not be the hottest one there.
 pub const RELIEF_SHARE: f64 = 1.75;
-/// Recent requests per available instance, on average, before relief is judged at all.
+/// Recent requests per available instance, on average, before relief is judged at all. The
+/// router halves its counts every 1,024 requests, so on a variant of more than about 250
+/// instances relief is never judged (nor starving above about 500).
 pub const RELIEF_AFTER: u32 = 8;
 /// A key's first copy goes to a least loaded instance, or to one a request above it that took
 /// less than this share of its fair share lately (starving judged as for [`STARVING_SHARE`]).
@@ -1002,7 +1015,7 @@ mod tests {
             remembered,
             sent: |_: usize| 0,
             copies: |_: usize| 0,
-            relieved: false,
+            further_lately: false,
         }
     }
 
@@ -1026,7 +1039,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: |_: usize| 1,
-            relieved: false,
+            further_lately: false,
         };
         let first = rank_remembering(strategy, &instances, idle, 7, 0, even);
         assert_eq!(
@@ -1038,7 +1051,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 3,
             copies: fewer,
-            relieved: false,
+            further_lately: false,
         };
         let spread = rank_remembering(strategy, &instances, idle, 7, 0, spread);
         assert_eq!(
@@ -1050,7 +1063,7 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| if i == order[4] { 9 } else { 0 },
             copies: fewer,
-            relieved: false,
+            further_lately: false,
         };
         let by_copies = rank_remembering(strategy, &instances, idle, 7, 0, busy);
         assert_eq!(by_copies.first(), Some(order[4]));
@@ -1062,7 +1075,7 @@ mod tests {
             remembered: nowhere,
             sent: |_: usize| 0,
             copies: |i: usize| if i == order[5] { 2 } else { 1 },
-            relieved: false,
+            further_lately: false,
         };
         let chosen = rank_remembering(strategy, &heavy, idle, 7, 0, weighted).first();
         assert_eq!(chosen, Some(order[5]));
@@ -1071,7 +1084,7 @@ mod tests {
             remembered: |i: usize| i == owner,
             sent: |_: usize| 0,
             copies: |i: usize| if i == owner { 9 } else { 0 },
-            relieved: false,
+            further_lately: false,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, idle, 7, 0, held).first(),
@@ -1094,17 +1107,19 @@ mod tests {
         let (instances, order, owner) = idle_seven(strategy);
         // The key is held by its owner (order[0]) and by `also`; sent counts, loads and
         // whether a further copy was placed lately, all in the key's rendezvous order.
-        let choose = |also: Option<usize>, counts: [u32; 7], loads: [u32; 7], relieved: bool| {
-            let at = |i: usize| order.iter().position(|&o| o == i).unwrap();
-            let history = KeyHistory {
-                remembered: |i: usize| at(i) == 0 || Some(at(i)) == also,
-                sent: |i: usize| counts[at(i)],
-                copies: |_: usize| 0,
-                relieved,
+        let choose =
+            |also: Option<usize>, counts: [u32; 7], loads: [u32; 7], further_lately: bool| {
+                let at = |i: usize| order.iter().position(|&o| o == i).unwrap();
+                let history = KeyHistory {
+                    remembered: |i: usize| at(i) == 0 || Some(at(i)) == also,
+                    sent: |i: usize| counts[at(i)],
+                    copies: |_: usize| 0,
+                    further_lately,
+                };
+                let ranking =
+                    rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history);
+                (ranking.first().map(at), ranking.route)
             };
-            let ranking = rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history);
-            (ranking.first().map(at), ranking.route)
-        };
         // 56 sent (8 an instance on average, enough to judge): the owner took 14, 1.75 fair
         // shares; order[3] took 4 (half its share), the most starving: it takes the request.
         let counts = [14, 10, 7, 4, 7, 7, 7];
@@ -1125,7 +1140,7 @@ mod tests {
         );
         assert_eq!(choose(None, [14, 9, 7, 4, 7, 7, 7], idle, false).0, Some(0));
         // Every holder must be that far above: a second holder below keeps the key (the
-        // least loaded holder, then the earliest); two holders at 14 each are relieved.
+        // least loaded holder, then the earliest); two holders at 14 each are further_lately.
         assert_eq!(choose(Some(2), counts, idle, false).0, Some(0));
         assert_eq!(
             choose(Some(1), [14, 14, 7, 5, 7, 6, 3], idle, false).0,
@@ -1146,7 +1161,7 @@ mod tests {
             choose(None, [14, 8, 8, 2, 8, 8, 8], [0, 0, 0, 2, 0, 0, 0], false).0,
             Some(0)
         );
-        // A holder at the bound is not relieved: the key takes a further copy as before.
+        // A holder at the bound is not further_lately: the key takes a further copy as before.
         let full = [16, 0, 0, 0, 0, 0, 0];
         assert_eq!(choose(None, counts, full, false).0, Some(3));
         assert_eq!(choose(None, counts, full, true).0, Some(3));
@@ -1163,7 +1178,7 @@ mod tests {
                 remembered: |_: usize| false,
                 sent: |i: usize| counts[at(i)],
                 copies: |_: usize| 0,
-                relieved: false,
+                further_lately: false,
             };
             let ranking = rank_remembering(strategy, &instances, |i| loads[at(i)], 7, 0, history);
             ranking.first().map(at)
@@ -1193,7 +1208,7 @@ mod tests {
                 remembered: nowhere,
                 sent,
                 copies,
-                relieved: false,
+                further_lately: false,
             };
             rank_remembering(strategy, &instances, idle, 7, 0, history).first()
         };
@@ -1225,7 +1240,7 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
-            relieved: false,
+            further_lately: false,
         };
         // (A key that order[3], heavier now, does not own.)
         let key = (0..64)
@@ -1248,7 +1263,7 @@ mod tests {
                 _ => 5,
             },
             copies: |_: usize| 0,
-            relieved: false,
+            further_lately: false,
         };
         assert_eq!(
             rank_remembering(strategy, &ejected, idle, 7, 0, without).first(),
@@ -1262,7 +1277,7 @@ mod tests {
             remembered: nowhere,
             sent: |i: usize| [5, 5, 5, 1, 4, 4, 4][order.iter().position(|&o| o == i).unwrap()],
             copies: |_: usize| 0,
-            relieved: false,
+            further_lately: false,
         };
         assert_eq!(
             rank_remembering(strategy, &instances, busy, 7, 0, history).first(),
@@ -1283,7 +1298,7 @@ mod tests {
                 calls.get().is_multiple_of(2)
             },
             sent: |_: usize| 0,
-            relieved: false,
+            further_lately: false,
         };
         let load = |i: usize| (i % 5) as u32 * 3;
         let ranking = rank_remembering(bounded(1.0, 0, 16), &instances, load, 7, 0, flipping);
@@ -1318,7 +1333,7 @@ mod tests {
             copies: |_: usize| 0,
             remembered: |i: usize| i == owner,
             sent: |i: usize| if i == third { 9 } else { 1 },
-            relieved: false,
+            further_lately: false,
         };
         let near = |i: usize| if i == second { 1 } else { load(i) };
         let spread = rank_remembering(strategy, &instances, near, 7, 0, served);
@@ -1519,7 +1534,7 @@ mod tests {
             weights in proptest::collection::vec(proptest::prop_oneof![proptest::strategy::Just(1.0f64), 0.5f64..4.0], 30),
             factor in 1.0f64..3.0,
             slack in 0u32..4,
-            relieved in any::<bool>(),
+            further_lately in any::<bool>(),
         ) {
             let mut instances = views(loads.len());
             for ((instance, ejected), weight) in instances.iter_mut().zip(&ejected).zip(&weights) {
@@ -1529,7 +1544,7 @@ mod tests {
             let strategy = bounded(factor, slack, 1024);
             let balance = LoadBalance { factor, slack };
             let bound = prefix_aware_bound(1024, Some(balance), &loads);
-            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i], relieved };
+            let history = KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies: |i: usize| copies[i], further_lately };
             let ranking = rank_remembering(strategy, &instances, |i| loads[i], key, 0, history);
             let first = ranking.first().unwrap();
             let mut order = Vec::new();
@@ -1549,7 +1564,7 @@ mod tests {
             // Relief: every available holder took 1.75 fair shares or more (judged after 8
             // an instance); the most starving non-holder below its fair share within one
             // request of the least loaded, then the least loaded, then the earliest.
-            let overloaded = !relieved && judged(8.0)
+            let overloaded = !further_lately && judged(8.0)
                 && (0..loads.len()).filter(|&i| holder(i) && instances[i].available).all(|i| share(i) >= 1.75);
             let reliever = |i: usize| overloaded && eligible(i) && !holder(i) && Some(loads[i]) <= floor.map(|f| f + 1) && share(i) < 1.0;
             let relief = (0..loads.len()).filter(|&i| reliever(i)).min_by(|&a, &b| share(a).total_cmp(&share(b)).then(loads[a].cmp(&loads[b])));
@@ -1640,8 +1655,8 @@ mod tests {
             other_sent.reverse();
             let copies = |i: usize| (instances[i].id_hash % 3) as u32;
             let other_copies = |i: usize| (other_instances[i].id_hash % 3) as u32;
-            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies, relieved: false });
-            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies, relieved: false });
+            let c = rank_remembering(strategy, &instances, |i| loads[i], key, 1, KeyHistory { remembered: |i: usize| remembered[i], sent: |i: usize| sent[i], copies, further_lately: false });
+            let d = rank_remembering(strategy, &other_instances, |i| other_loads[i], key, 99, KeyHistory { remembered: |i: usize| other_remembered[i], sent: |i: usize| other_sent[i], copies: other_copies, further_lately: false });
             let ids_c: Vec<u64> = c.order.iter().map(|&i| instances[i].id_hash).collect();
             let ids_d: Vec<u64> = d.order.iter().map(|&i| other_instances[i].id_hash).collect();
             prop_assert_eq!(ids_c, ids_d);

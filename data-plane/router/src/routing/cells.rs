@@ -44,9 +44,12 @@ pub struct InstanceCell {
     /// router, or by others as announced), halved like `recent`. Each is a miss of a whole
     /// prefix: a new copy goes where the fewest were placed, so those prefills spread.
     pub copies: AtomicU32,
-    /// Bounded PREFIX_AWARE: further copies placed on the instance lately (of keys another
-    /// instance held; by this router, or by others as announced), cleared when the variant's
-    /// window ends. While any instance of the variant has one, no key is relieved.
+    /// Bounded PREFIX_AWARE: whether a further copy (of a key another instance of the variant
+    /// held) was placed on the instance lately, by this router or by another as announced:
+    /// [`FURTHER_NOW`] in the variant's current window of requests, [`FURTHER_BEFORE`] in the
+    /// one before ([`age_further`]). While any instance of the variant has either, no key is
+    /// relieved, so a copy another router announced holds this router back for at least one
+    /// whole window of its own.
     pub further: AtomicU32,
     /// MaxInFlightPerInstance: the flow-control queue of the instance's variant, told when a
     /// slot frees here (set by the first request that waits for the variant).
@@ -201,6 +204,28 @@ pub struct SendWindow {
 
 pub const WINDOW_REQUESTS: u64 = 1024;
 
+/// [`InstanceCell::further`]: a further copy placed in the current window.
+pub const FURTHER_NOW: u32 = 1;
+/// [`InstanceCell::further`]: a further copy placed in the window before.
+pub const FURTHER_BEFORE: u32 = 2;
+
+/// Marks a further copy placed on the instance of `further` ([`InstanceCell::further`]).
+pub fn mark_further(further: &AtomicU32) {
+    further.fetch_or(FURTHER_NOW, Ordering::Relaxed);
+}
+
+/// At a window's end: what was placed in it now dates from the window before; what was placed
+/// before that is forgotten.
+pub fn age_further(further: &AtomicU32) {
+    let _ = further.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |flags| {
+        Some(if flags & FURTHER_NOW != 0 {
+            FURTHER_BEFORE
+        } else {
+            0
+        })
+    });
+}
+
 impl SendWindow {
     /// Counts one request; whether it closed a window.
     pub fn record(&self) -> bool {
@@ -319,28 +344,30 @@ impl InstanceCell {
 /// or a stream that cannot keep up) new ones are dropped, which costs other routers a copy
 /// at most.
 #[derive(Debug, Default)]
-pub struct Announcements(Mutex<Vec<u64>>);
+pub struct Announcements(Mutex<Vec<(u64, bool)>>);
 
 /// The most keys waiting to be announced per instance.
 pub const MOST_ANNOUNCED: usize = 1024;
 
 impl Announcements {
-    fn keys(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+    fn keys(&self) -> std::sync::MutexGuard<'_, Vec<(u64, bool)>> {
         self.0.lock().unwrap_or_else(|poison| poison.into_inner())
     }
 
-    /// Queues `key`; false if the queue is full (the key is not announced).
-    pub fn push(&self, key: u64) -> bool {
+    /// Queues `key`, and whether it was a further copy (another instance of the variant held
+    /// it); false if the queue is full (the key is not announced).
+    pub fn push(&self, key: u64, further: bool) -> bool {
         let mut keys = self.keys();
         if keys.len() >= MOST_ANNOUNCED {
             return false;
         }
-        keys.push(key);
+        keys.push((key, further));
         true
     }
 
-    /// At most `most` of the keys waiting, oldest first, taken off the queue.
-    pub fn take(&self, most: usize) -> Vec<u64> {
+    /// At most `most` of the keys waiting (with their further-copy flag), oldest first, taken
+    /// off the queue.
+    pub fn take(&self, most: usize) -> Vec<(u64, bool)> {
         let mut keys = self.keys();
         let most = most.min(keys.len());
         keys.drain(..most).collect()
@@ -517,11 +544,29 @@ mod tests {
         // Announcements wait in order, bounded, and are taken a number at a time.
         let queue = Announcements::default();
         for key in 0..MOST_ANNOUNCED as u64 {
-            assert!(queue.push(key));
+            assert!(queue.push(key, key == 1));
         }
-        assert!(!queue.push(u64::MAX), "full");
-        assert_eq!(queue.take(2), [0, 1]);
+        assert!(!queue.push(u64::MAX, false), "full");
+        assert_eq!(queue.take(2), [(0, false), (1, true)]);
         assert_eq!(queue.take(usize::MAX).len(), MOST_ANNOUNCED - 2);
+        // A further copy is kept for the rest of the window and the next one.
+        let further = AtomicU32::new(0);
+        age_further(&further);
+        assert_eq!(further.load(Ordering::Relaxed), 0);
+        mark_further(&further);
+        mark_further(&further);
+        assert_eq!(further.load(Ordering::Relaxed), FURTHER_NOW);
+        age_further(&further);
+        assert_eq!(further.load(Ordering::Relaxed), FURTHER_BEFORE);
+        mark_further(&further);
+        assert_eq!(
+            further.load(Ordering::Relaxed),
+            FURTHER_NOW | FURTHER_BEFORE
+        );
+        age_further(&further);
+        assert_eq!(further.load(Ordering::Relaxed), FURTHER_BEFORE);
+        age_further(&further);
+        assert_eq!(further.load(Ordering::Relaxed), 0);
         // Counts stop at the top instead of wrapping.
         let count = AtomicU32::new(u32::MAX - 1);
         saturating_increment(&count);

@@ -814,6 +814,7 @@ mod tests {
 
     #[test]
     fn a_hot_key_is_relieved_once_a_window_and_not_after_another_routers_further_copy() {
+        use crate::routing::cells::{FURTHER_BEFORE, FURTHER_NOW};
         use std::sync::atomic::Ordering;
         use switchyard_process::clock::monotonic_ms;
         use switchyard_shared::sync::KeyPlacement;
@@ -857,54 +858,65 @@ mod tests {
             cell(index).recent.store(sent, Ordering::Relaxed);
         }
         // The hot key is relieved: its next request goes to the idlest instance, a further
-        // copy there, remembered.
+        // copy there, remembered, and announced as one.
         assert_eq!(variant.rank_prefix(&views, hot).first(), Some(idlest));
-        assert_eq!(cell(idlest).further.load(Ordering::Relaxed), 1);
+        assert_eq!(cell(idlest).further.load(Ordering::Relaxed), FURTHER_NOW);
+        let queued = cell(idlest).announced.take(usize::MAX);
+        assert_eq!(queued.last(), Some(&(hot, true)));
         let mut both = vec![hot_owner, idlest];
         both.sort_unstable();
         assert_eq!(holders(hot), both);
-        // Once: with the counts as they were, another key whose holder took as much stays
-        // where it is for the rest of the window.
-        cell(warm_owner).recent.store(16, Ordering::Relaxed);
+        // Once: another key whose holder took as much stays where it is for the rest of the
+        // window, and for the whole next one.
+        let busy = |index: usize| {
+            cell(index).recent.store(16, Ordering::Relaxed);
+            for other in (0..4).filter(|&other| other != index) {
+                cell(other).recent.store(6, Ordering::Relaxed);
+            }
+        };
+        busy(warm_owner);
         assert_eq!(variant.rank_prefix(&views, warm).first(), Some(warm_owner));
-        // The window's end clears it (the 1,024th request of the variant, 4 made so far; the
-        // counts halved, 17 sent are too few to judge again).
+        // (The window's end: the variant's 1,024th request, 4 made so far.)
         let window = variant.window.as_ref().unwrap();
-        for _ in 0..crate::routing::cells::WINDOW_REQUESTS - 5 {
-            assert!(!window.record());
-        }
-        variant.rank_prefix(&views, warm);
+        let close_window = |made: u64| {
+            for _ in 0..crate::routing::cells::WINDOW_REQUESTS - made - 1 {
+                assert!(!window.record());
+            }
+            variant.rank_prefix(&views, warm);
+            busy(warm_owner);
+        };
+        close_window(4);
+        assert_eq!(cell(idlest).further.load(Ordering::Relaxed), FURTHER_BEFORE);
+        assert_eq!(variant.rank_prefix(&views, warm).first(), Some(warm_owner));
+        close_window(1);
         assert!((0..4).all(|index| cell(index).further.load(Ordering::Relaxed) == 0));
-        // Another router's further copy counts as this router's own: a placement announced
-        // for an instance of a key another holds.
+        // Another router's further copy counts as this router's own; a placement that was
+        // not one (the first of a key) does not.
         let announced = (0..4)
             .find(|&index| !holders(warm).contains(&index))
             .unwrap();
-        let learned = crate::routing::sync_client::apply_placements(
-            &registry,
-            &[KeyPlacement {
-                instance: InstanceKey::new(
-                    EndpointName::new("chat").unwrap(),
-                    variant.instances[announced].id.clone(),
-                ),
-                key: warm,
-            }],
-        );
-        assert_eq!(learned, 1);
-        assert_eq!(cell(announced).further.load(Ordering::Relaxed), 1);
-        // A first placement (a key held nowhere) is not a further copy.
-        let fresh = 0xf00d_u64;
-        crate::routing::sync_client::apply_placements(
-            &registry,
-            &[KeyPlacement {
-                instance: InstanceKey::new(
-                    EndpointName::new("chat").unwrap(),
-                    variant.instances[hot_owner].id.clone(),
-                ),
-                key: fresh,
-            }],
-        );
-        assert_eq!(cell(hot_owner).further.load(Ordering::Relaxed), 0);
+        let place = |index: usize, key: u64, further: bool| {
+            crate::routing::sync_client::apply_placements(
+                &registry,
+                &[KeyPlacement {
+                    instance: InstanceKey::new(
+                        EndpointName::new("chat").unwrap(),
+                        variant.instances[index].id.clone(),
+                    ),
+                    key,
+                    further,
+                }],
+            )
+        };
+        assert_eq!(place(announced, 0xf00d, false), 1);
+        assert!((0..4).all(|index| cell(index).further.load(Ordering::Relaxed) == 0));
+        assert_eq!(place(announced, warm, true), 1);
+        assert_eq!(cell(announced).further.load(Ordering::Relaxed), FURTHER_NOW);
+        // Until then, the warm key was not relieved: it is held where it was placed, and
+        // now (as announced) there.
+        let mut warm_holders = vec![warm_owner, announced];
+        warm_holders.sort_unstable();
+        assert_eq!(holders(warm), warm_holders);
     }
 
     #[test]
@@ -943,7 +955,7 @@ mod tests {
         assert!(held[owner]);
         let cell = &variant.instances[owner].cell;
         assert_eq!(cell.copies.load(Ordering::Relaxed), 1);
-        assert_eq!(cell.announced.take(usize::MAX), [key]);
+        assert_eq!(cell.announced.take(usize::MAX), [(key, false)]);
         // 8 in flight over 4: bound ⌈9 / 4⌉ = 3. The owner is at 5; the third choice is idler
         // than the second, so the first spill goes there and is remembered.
         let set = |loads: [(usize, u32); 4]| {

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::observe::metrics::SyncMetrics;
-use crate::routing::cells::{LoadRegistry, Remembered, saturating_increment};
+use crate::routing::cells::{LoadRegistry, Remembered, mark_further, saturating_increment};
 use crate::routing::membership::{ApplyError, Membership};
 
 /// How often replaced tables and departed instances' cells are checked for freeing.
@@ -401,15 +401,13 @@ fn send_placements(registry: &LoadRegistry, outbound: &mpsc::Sender<pb::RouterMe
         let mut placements = Vec::new();
         registry.for_each(|instance, cell| {
             let room = PLACEMENTS_PER_MESSAGE - placements.len();
-            placements.extend(
-                cell.announced
-                    .take(room)
-                    .into_iter()
-                    .map(|key| KeyPlacement {
-                        instance: instance.clone(),
-                        key,
-                    }),
-            );
+            placements.extend(cell.announced.take(room).into_iter().map(|(key, further)| {
+                KeyPlacement {
+                    instance: instance.clone(),
+                    key,
+                    further,
+                }
+            }));
         });
         if placements.is_empty() {
             break;
@@ -439,8 +437,8 @@ fn forget_placements(registry: &LoadRegistry) {
 }
 
 /// Remembers the keys other routers placed, as if this router had sent them there (a copy it
-/// did not know of counts among the instance's copies, and among its further copies if
-/// another instance held the key); how many named an instance this router knows.
+/// did not know of counts among the instance's copies, and a further copy as one this router
+/// placed); how many named an instance this router knows.
 pub fn apply_placements(registry: &LoadRegistry, placements: &[KeyPlacement]) -> u64 {
     let now_ms = switchyard_process::clock::monotonic_ms();
     let mut learned = 0;
@@ -448,14 +446,8 @@ pub fn apply_placements(registry: &LoadRegistry, placements: &[KeyPlacement]) ->
         if let Some(cell) = registry.find(&placement.instance) {
             if cell.spills.remember(placement.key, now_ms) == Remembered::New {
                 saturating_increment(&cell.copies);
-                let mut elsewhere = false;
-                registry.for_each(|instance, other| {
-                    elsewhere |= instance.endpoint == placement.instance.endpoint
-                        && *instance != placement.instance
-                        && other.spills.remembers(placement.key, now_ms);
-                });
-                if elsewhere {
-                    saturating_increment(&cell.further);
+                if placement.further {
+                    mark_further(&cell.further);
                 }
             }
             learned += 1;

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::routing::cells::{
-    InstanceCell, LoadRegistry, Remembered, SendWindow, saturating_increment,
+    InstanceCell, LoadRegistry, Remembered, SendWindow, age_further, mark_further,
+    saturating_increment,
 };
 use switchyard_policy::rank::{self, InstanceView, KeyHistory, LoadBalance, Strategy};
 use switchyard_shared::{
@@ -128,7 +129,7 @@ impl VariantRoute {
             for instance in &self.instances {
                 halve(&instance.cell.recent);
                 halve(&instance.cell.copies);
-                instance.cell.further.store(0, Ordering::Relaxed);
+                age_further(&instance.cell.further);
             }
         }
         let now_ms = switchyard_process::clock::monotonic_ms();
@@ -144,16 +145,19 @@ impl VariantRoute {
             // here, so that their memory of it does not run out while this router's is kept.
             if views[first].available {
                 let before = cell.spills.remember(key, now_ms);
+                // A further copy: another instance of the variant held the key (a hot key
+                // spread, or further_lately); announced as such.
+                let mut further = false;
                 if before == Remembered::New {
                     saturating_increment(&cell.copies);
-                    let elsewhere = (0..self.instances.len()).any(|index| {
+                    further = (0..self.instances.len()).any(|index| {
                         index != first && self.instances[index].cell.spills.remembers(key, now_ms)
                     });
-                    if elsewhere {
-                        saturating_increment(&cell.further);
+                    if further {
+                        mark_further(&cell.further);
                     }
                 }
-                if before != Remembered::Fresh && !cell.announced.push(key) {
+                if before != Remembered::Fresh && !cell.announced.push(key, further) {
                     tracing::debug!("too many placements waiting to be announced; one dropped");
                 }
             }
@@ -178,7 +182,7 @@ impl VariantRoute {
             },
             sent: |index: usize| self.instances[index].cell.recent.load(Ordering::Relaxed),
             copies: |index: usize| self.instances[index].cell.copies.load(Ordering::Relaxed),
-            relieved: self
+            further_lately: self
                 .instances
                 .iter()
                 .any(|instance| instance.cell.further.load(Ordering::Relaxed) > 0),
