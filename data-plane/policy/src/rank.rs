@@ -1186,6 +1186,18 @@ mod tests {
         // 28 sent: order[3] took 2 of its fair 4, below three quarters of it.
         let counts = [5, 5, 4, 2, 4, 4, 4];
         assert_eq!(first_copy(counts, [0, 0, 0, 1, 0, 0, 0]), Some(3));
+        // A retry tries the key's owner first (its holder, the key being sent nowhere yet),
+        // then the rest in the key's order.
+        let history = KeyHistory {
+            remembered: |_: usize| false,
+            sent: |i: usize| counts[order.iter().position(|&o| o == i).unwrap()],
+            copies: |_: usize| 0,
+            further_lately: false,
+        };
+        let loads = |i: usize| u32::from(i == order[3]);
+        let ranking = rank_remembering(strategy, &instances, loads, 7, 0, history);
+        let expected = [3, 0, 1, 2, 4, 5, 6].map(|position| order[position]);
+        assert_eq!(ranking.order, expected);
         // Two above, not: the least loaded (none of them below its share): the owner.
         assert_eq!(first_copy(counts, [0, 0, 0, 2, 0, 0, 0]), Some(0));
         // Three quarters exactly (3 of 4) is not reached for either.
