@@ -251,9 +251,9 @@ impl KeyHistory<fn(usize) -> bool, fn(usize) -> u32, fn(usize) -> u32> {
 /// 1. a key sent somewhere: the least loaded of its holders that is available and below the
 ///    bound ([`prefix_aware_bound`]); ties go to the earlier in the key's rendezvous order.
 ///    Unless every available holder took [`RELIEF_SHARE`] fair shares or more of this
-///    router's recent requests and no further copy was placed lately (`further_lately`): then the
-///    key is *relieved*, a further copy on the most starving instance within one request of
-///    the least loaded (see [`RELIEF_SHARE`]);
+///    router's recent requests and no further copy was placed lately (`further_lately`):
+///    then the key is *relieved*, a further copy on the most starving instance within one
+///    request of the least loaded (see [`RELIEF_SHARE`]);
 /// 2. else a new copy, in the band of available instances below the bound as loaded as the
 ///    least loaded of them (a first copy; an instance below [`REACH_SHARE`] of its fair share
 ///    also one request above it) or within one request of it (a further copy). A key
@@ -1140,7 +1140,7 @@ mod tests {
         );
         assert_eq!(choose(None, [14, 9, 7, 4, 7, 7, 7], idle, false).0, Some(0));
         // Every holder must be that far above: a second holder below keeps the key (the
-        // least loaded holder, then the earliest); two holders at 14 each are further_lately.
+        // least loaded holder, then the earliest); two holders at 14 each are relieved.
         assert_eq!(choose(Some(2), counts, idle, false).0, Some(0));
         assert_eq!(
             choose(Some(1), [14, 14, 7, 5, 7, 6, 3], idle, false).0,
@@ -1161,7 +1161,7 @@ mod tests {
             choose(None, [14, 8, 8, 2, 8, 8, 8], [0, 0, 0, 2, 0, 0, 0], false).0,
             Some(0)
         );
-        // A holder at the bound is not further_lately: the key takes a further copy as before.
+        // A holder at the bound is not relieved: the key takes a further copy as before.
         let full = [16, 0, 0, 0, 0, 0, 0];
         assert_eq!(choose(None, counts, full, false).0, Some(3));
         assert_eq!(choose(None, counts, full, true).0, Some(3));

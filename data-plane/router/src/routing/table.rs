@@ -146,7 +146,7 @@ impl VariantRoute {
             if views[first].available {
                 let before = cell.spills.remember(key, now_ms);
                 // A further copy: another instance of the variant held the key (a hot key
-                // spread, or further_lately); announced as such.
+                // spread, or relieved); announced as such.
                 let mut further = false;
                 if before == Remembered::New {
                     saturating_increment(&cell.copies);
