@@ -481,9 +481,8 @@ pub const STARVING_AFTER: u32 = 4;
 /// instances are read.
 fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64> {
     match shares(instances, sent, STARVING_AFTER) {
-        Some(shares) => shares
-            .into_iter()
-            .map(|share| share.min(STARVING_SHARE))
+        Some(share) => (0..instances.len())
+            .map(|index| share(index).min(STARVING_SHARE))
             .collect(),
         None => vec![STARVING_SHARE; instances.len()],
     }
@@ -492,19 +491,17 @@ fn starving(instances: &[InstanceView], sent: &impl Fn(usize) -> u32) -> Vec<f64
 /// Each instance's share of the requests this router sent the variant lately over its fair
 /// share (by weight, among the available instances), once those requests average `after` an
 /// available instance; `None` before.
-fn shares(
-    instances: &[InstanceView],
-    sent: &impl Fn(usize) -> u32,
+fn shares<'a>(
+    instances: &'a [InstanceView],
+    sent: &'a impl Fn(usize) -> u32,
     after: u32,
-) -> Option<Vec<f64>> {
+) -> Option<impl Fn(usize) -> f64 + 'a> {
     let available = || (0..instances.len()).filter(|&index| instances[index].available);
     let total: f64 = available().map(|index| f64::from(sent(index))).sum();
     let weights: f64 = available().map(|index| instances[index].weight).sum();
     let judged = total >= f64::from(after) * available().count() as f64 && weights > 0.0;
-    judged.then(|| {
-        (0..instances.len())
-            .map(|index| f64::from(sent(index)) / (total * instances[index].weight / weights))
-            .collect()
+    judged.then_some(move |index: usize| {
+        f64::from(sent(index)) / (total * instances[index].weight / weights)
     })
 }
 
@@ -538,10 +535,10 @@ fn relief(
     load: impl Fn(usize) -> u32,
     sent: &impl Fn(usize) -> u32,
 ) -> Option<usize> {
-    let shares = shares(instances, sent, RELIEF_AFTER)?;
+    let share = shares(instances, sent, RELIEF_AFTER)?;
     let overloaded = (0..instances.len())
         .filter(|&index| holder[index] && instances[index].available)
-        .all(|index| shares[index] >= RELIEF_SHARE);
+        .all(|index| share(index) >= RELIEF_SHARE);
     if !overloaded {
         return None;
     }
@@ -556,12 +553,12 @@ fn relief(
             eligible(index)
                 && !holder[index]
                 && load(index) <= floor + 1
-                && shares[index] < STARVING_SHARE
+                && share(index) < STARVING_SHARE
         })
         .min_by(|&a, &b| {
             let (a_index, b_index) = (order[a], order[b]);
-            shares[a_index]
-                .total_cmp(&shares[b_index])
+            share(a_index)
+                .total_cmp(&share(b_index))
                 .then((load(a_index), a).cmp(&(load(b_index), b)))
         })
 }

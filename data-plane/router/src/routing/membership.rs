@@ -812,6 +812,19 @@ mod tests {
         );
     }
 
+    /// Endpoint `chat`: one bounded PREFIX_AWARE variant `v` (PrefixLength 4096, threshold 16,
+    /// the factor and slack given) over instances a, b, c, d.
+    fn bounded_four(factor: &str, slack: u32) -> StaticConfig {
+        parse(&format!(
+            r#"{{"Endpoints":[{{"EndpointName":"chat","ProductionVariants":[
+            {{"VariantName":"v","RoutingConfig":{{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
+              {{"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":{factor},"LoadBalanceSlack":{slack}}}}}}}],
+            "Instances":[{{"Url":"http://127.0.0.1:9001","InstanceId":"a"}},{{"Url":"http://127.0.0.1:9002","InstanceId":"b"}},
+              {{"Url":"http://127.0.0.1:9003","InstanceId":"c"}},{{"Url":"http://127.0.0.1:9004","InstanceId":"d"}}]}}]}}"#
+        ))
+        .unwrap()
+    }
+
     #[test]
     fn a_hot_key_is_relieved_once_a_window_and_not_after_another_routers_further_copy() {
         use crate::routing::cells::{FURTHER_BEFORE, FURTHER_NOW};
@@ -821,16 +834,7 @@ mod tests {
         let registry: Arc<LoadRegistry> = Arc::default();
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         let mut membership = Membership::new(Arc::clone(&registry), Arc::clone(&table));
-        membership.load_static(
-            parse(
-                r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
-                {"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
-                  {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":2.0,"LoadBalanceSlack":6}}}],
-                "Instances":[{"Url":"http://127.0.0.1:9001","InstanceId":"a"},{"Url":"http://127.0.0.1:9002","InstanceId":"b"},
-                  {"Url":"http://127.0.0.1:9003","InstanceId":"c"},{"Url":"http://127.0.0.1:9004","InstanceId":"d"}]}]}"#,
-            )
-            .unwrap(),
-        );
+        membership.load_static(bounded_four("2.0", 6));
         let current = table.load();
         let variant = &current.endpoints[&EndpointName::new("chat").unwrap()].variants[0];
         let views = variant.current_views(0);
@@ -924,16 +928,7 @@ mod tests {
         use std::sync::atomic::Ordering;
         use switchyard_policy::rank::Route;
         use switchyard_process::clock::monotonic_ms;
-        let config = || {
-            parse(
-                r#"{"Endpoints":[{"EndpointName":"chat","ProductionVariants":[
-                {"VariantName":"v","RoutingConfig":{"RoutingStrategy":"PREFIX_AWARE","PrefixAwareRoutingConfig":
-                  {"PrefixLength":4096,"ConcurrencyThreshold":16,"LoadBalanceFactor":1.0,"LoadBalanceSlack":0}}}],
-                "Instances":[{"Url":"http://127.0.0.1:9001","InstanceId":"a"},{"Url":"http://127.0.0.1:9002","InstanceId":"b"},
-                  {"Url":"http://127.0.0.1:9003","InstanceId":"c"},{"Url":"http://127.0.0.1:9004","InstanceId":"d"}]}]}"#,
-            )
-            .unwrap()
-        };
+        let config = || bounded_four("1.0", 0);
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::default()));
         let mut membership = Membership::new(Arc::default(), Arc::clone(&table));
         membership.load_static(config());
