@@ -178,6 +178,7 @@ fn tokenize_decide(c: &mut Criterion) {
         b.iter(|| black_box(decide(black_box(&tokens))))
     });
     group.finish();
+    multi_turn(c, &dir);
     // The same warm decision after 64 MiB were written (the setup, not timed): the CPU caches
     // hold none of the tokenizer's tables, the piece cache or the index, as on a serving thread
     // that proxied other requests' streams in between (docs/benchmarks.md section 13b).
@@ -204,6 +205,59 @@ fn tokenize_decide(c: &mut Criterion) {
     cold.finish();
     drop(thrash);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A multi-turn chat as `compare --workload sharegpt` sends them: a shared system prompt of
+/// about 1,000 tokens, then turns of a question (about 100 words) and an answer (about 150);
+/// each request resends the history with the last answer and a new question, so what the piece
+/// cache has not seen is about 1.5 KiB of text, in words of the 5,000-word vocabulary (as
+/// `compare`'s 4,096) and a new number.
+fn chat(system: &str, conversation: usize, turns: usize) -> Vec<u8> {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    for turn in 0..turns {
+        let seed = (conversation * 16 + turn) as u64;
+        messages.push(serde_json::json!({"role": "user",
+            "content": format!("Chat {conversation}.{turn}. {}", words(100, seed))}));
+        if turn + 1 < turns {
+            messages.push(serde_json::json!({"role": "assistant",
+                "content": words(150, seed + 1_000_000)}));
+        }
+    }
+    serde_json::json!({"model": "m", "messages": messages})
+        .to_string()
+        .into_bytes()
+}
+
+fn multi_turn(c: &mut Criterion, dir: &std::path::Path) {
+    let tokenizer = EngineTokenizer::load(dir, 64 << 20).expect("the tokenizer folder");
+    let system = words(800, 11);
+    // Each iteration is the next turn of a conversation whose previous turn the one before
+    // tokenized; six turns a conversation.
+    let mut step = 0usize;
+    let mut next = move || {
+        step += 1;
+        let (conversation, turn) = (step / 6, step % 6 + 1);
+        (conversation, turn)
+    };
+    // Warm the template's pieces and the system prompt.
+    tokenizer.tokenize(&chat(&system, 0, 1)).unwrap();
+    let tokens = tokenizer.tokenize(&chat(&system, 0, 4)).unwrap().len();
+    let mut group = c.benchmark_group("tokenize_multi_turn");
+    group.bench_function(BenchmarkId::new("tokenize_warm_history", tokens), |b| {
+        b.iter_batched(
+            || {
+                let (conversation, turn) = next();
+                if turn == 1 {
+                    // The previous request of this turn: what a serving router saw before.
+                    tokenizer.tokenize(&chat(&system, conversation, 1)).unwrap();
+                }
+                chat(&system, conversation, turn + 1)
+            },
+            |body| black_box(tokenizer.tokenize(black_box(&body)).unwrap()),
+            BatchSize::SmallInput,
+        )
+    });
+    group.finish();
 }
 
 criterion_group!(benches, tokenize_decide);

@@ -505,7 +505,10 @@ impl EngineTokenizer {
         let conversation = messages::conversation(messages, template.content_format())?;
         template
             .render(
-                conversation.iter().map(Json::to_value).collect(),
+                conversation
+                    .into_iter()
+                    .map(messages::Message::into_value)
+                    .collect(),
                 variables,
                 continue_final_message,
             )

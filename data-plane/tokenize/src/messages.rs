@@ -17,12 +17,69 @@
 
 use std::sync::Arc;
 
+use minijinja::Value;
+use minijinja::value::{Enumerator, Object, ObjectRepr};
+
 use crate::json::Json;
 use crate::template::ContentFormat;
 use crate::{Invalid, Refusal, Unsupported};
 
+/// One message of the conversation: the fields kept, in the order vLLM writes them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message(Vec<(&'static str, Json)>);
+
+impl Message {
+    /// As JSON (tests).
+    #[cfg(test)]
+    fn to_json(&self) -> Json {
+        Json::Object(
+            self.0
+                .iter()
+                .map(|(name, value)| ((*name).to_owned(), value.clone()))
+                .collect(),
+        )
+    }
+
+    /// The mapping a template sees: one object over the fields, not a map built per message
+    /// (a long conversation has many).
+    pub fn into_value(self) -> Value {
+        Value::from_object(Fields(
+            self.0
+                .into_iter()
+                .map(|(name, value)| (name, value.to_value()))
+                .collect(),
+        ))
+    }
+}
+
+/// A message's fields as a template mapping: lookups by name, keys in their order.
+#[derive(Debug)]
+struct Fields(Vec<(&'static str, Value)>);
+
+impl Object for Fields {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        let key = key.as_str()?;
+        self.0
+            .iter()
+            .find(|(name, _)| *name == key)
+            .map(|(_, value)| value.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.0.iter().map(|(name, _)| Value::from(*name)).collect())
+    }
+
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
 /// The conversation for the template.
-pub fn conversation(messages: &Json, format: ContentFormat) -> Result<Vec<Json>, Refusal> {
+pub fn conversation(messages: &Json, format: ContentFormat) -> Result<Vec<Message>, Refusal> {
     let Json::Array(messages) = messages else {
         return Err(Refusal::Invalid(Invalid("messages must be a list".into())));
     };
@@ -32,7 +89,7 @@ pub fn conversation(messages: &Json, format: ContentFormat) -> Result<Vec<Json>,
         .collect()
 }
 
-fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
+fn convert(message: &Json, format: ContentFormat) -> Result<Message, Refusal> {
     let Json::Object(_) = message else {
         return Err(Refusal::Invalid(Invalid(
             "a message must be an object".into(),
@@ -53,7 +110,8 @@ fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
     {
         return Err(Refusal::Engine(Unsupported::Message));
     }
-    let mut out: Vec<(String, Json)> = vec![("role".into(), Json::String(role.into()))];
+    let mut out: Vec<(&'static str, Json)> = Vec::with_capacity(2);
+    out.push(("role", Json::String(role.into())));
     let content = if role == "tool" || format == ContentFormat::String {
         match texts.as_slice() {
             [text] => Json::String(Arc::clone(text)),
@@ -72,7 +130,7 @@ fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
                 .collect(),
         )
     };
-    out.push(("content".into(), content));
+    out.push(("content", content));
     match role {
         "assistant" => {
             if let Some(calls) = message.get("tool_calls")
@@ -80,29 +138,29 @@ fn convert(message: &Json, format: ContentFormat) -> Result<Json, Refusal> {
             {
                 let calls = tool_calls(calls)?;
                 if !calls.is_empty() {
-                    out.push(("tool_calls".into(), Json::Array(calls)));
+                    out.push(("tool_calls", Json::Array(calls)));
                 }
             }
             if let Some(reasoning) = message.get("reasoning")
                 && *reasoning != Json::Null
             {
-                out.push(("reasoning".into(), reasoning.clone()));
-                out.push(("reasoning_content".into(), reasoning.clone()));
+                out.push(("reasoning", reasoning.clone()));
+                out.push(("reasoning_content", reasoning.clone()));
             }
         }
         "tool" => {
             if let Some(id) = message.get("tool_call_id") {
-                out.push(("tool_call_id".into(), id.clone()));
+                out.push(("tool_call_id", id.clone()));
             }
         }
         _ => {}
     }
     for field in ["name", "task"] {
         if let Some(value @ Json::String(_)) = message.get(field) {
-            out.push((field.into(), value.clone()));
+            out.push((field, value.clone()));
         }
     }
-    Ok(Json::Object(out))
+    Ok(Message(out))
 }
 
 /// The texts of a message's content (shared, not copied).
@@ -224,13 +282,21 @@ mod tests {
             {"role": "assistant", "content": null}
         ]"#,
         );
-        let string = conversation(&messages, ContentFormat::String).unwrap();
+        let string: Vec<Json> = conversation(&messages, ContentFormat::String)
+            .unwrap()
+            .iter()
+            .map(Message::to_json)
+            .collect();
         assert_eq!(
             string[0],
             json(r#"{"role": "user", "content": "a\nb", "name": "x"}"#)
         );
         assert_eq!(string[1], json(r#"{"role": "assistant", "content": ""}"#));
-        let openai = conversation(&messages, ContentFormat::OpenAi).unwrap();
+        let openai: Vec<Json> = conversation(&messages, ContentFormat::OpenAi)
+            .unwrap()
+            .iter()
+            .map(Message::to_json)
+            .collect();
         assert_eq!(
             openai[0].get("content").unwrap(),
             &json(r#"[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]"#)
@@ -251,7 +317,11 @@ mod tests {
             {"role": "tool", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}], "tool_call_id": "c1"}
         ]"#,
         );
-        let out = conversation(&messages, ContentFormat::OpenAi).unwrap();
+        let out: Vec<Json> = conversation(&messages, ContentFormat::OpenAi)
+            .unwrap()
+            .iter()
+            .map(Message::to_json)
+            .collect();
         let calls = out[0].get("tool_calls").unwrap();
         let Json::Array(calls) = calls else { panic!() };
         let arguments = |i: usize| {
