@@ -258,6 +258,31 @@ fn multi_turn(c: &mut Criterion, dir: &std::path::Path) {
         )
     });
     group.finish();
+    // The same after 64 MiB were written (not timed), as `warm_cold_caches` above.
+    let mut cold = c.benchmark_group("tokenize_multi_turn_cold");
+    cold.sample_size(10)
+        .warm_up_time(std::time::Duration::from_millis(200))
+        .measurement_time(std::time::Duration::from_secs(1));
+    let mut thrash = vec![0u8; 64 << 20];
+    let mut round = 0u8;
+    cold.bench_function(BenchmarkId::new("warm_history_cold_caches", tokens), |b| {
+        b.iter_batched(
+            || {
+                let (conversation, turn) = next();
+                if turn == 1 {
+                    tokenizer.tokenize(&chat(&system, conversation, 1)).unwrap();
+                }
+                round = round.wrapping_add(1);
+                for line in thrash.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(round);
+                }
+                chat(&system, conversation, turn + 1)
+            },
+            |body| black_box(tokenizer.tokenize(black_box(&body)).unwrap()),
+            BatchSize::PerIteration,
+        )
+    });
+    cold.finish();
 }
 
 criterion_group!(benches, tokenize_decide);
