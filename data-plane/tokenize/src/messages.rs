@@ -363,6 +363,37 @@ mod tests {
     }
 
     #[test]
+    fn a_message_object_reads_in_a_template_as_the_map_it_stands_for() {
+        // Every way a chat template reads a message, rendered once with the message objects
+        // and once with plain template maps of the same fields: the same text.
+        let source = "{% for m in messages %}{{ m.role }}|{{ m['content'] }}|{{ m.name }}|\
+            {{ m.missing is defined }}|{{ 'content' in m }}|{{ 'x' in m }}|{{ m | length }}|\
+            {{ m is mapping }}|{{ m.get('name', 'none') }}|{{ m.get('role') }}|\
+            {% for k, v in m.items() %}{{ k }}={{ v }},{% endfor %}|{{ m.keys() | list }}|\
+            {{ m | tojson }}|{{ m | tojson(indent=2) }}|{{ m | dictsort }}|{{ m == m }}|\
+            {% for k in m %}{{ k }};{% endfor %}|{{ m }}|{{ m.content is string }}|\
+            {{ m.tool_calls[0].function.arguments | tojson if m.tool_calls else '' }}|\
+            {{ m | first if m else '' }}{% endfor %}";
+        let template = crate::template::ChatTemplate::new(source.to_owned()).unwrap();
+        let messages = json(
+            r#"[{"role": "user", "content": "a", "name": "n"},
+                {"role": "assistant", "content": null, "reasoning": "r",
+                 "tool_calls": [{"id": "c", "type": "function",
+                                 "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2]}"}}]},
+                {"role": "tool", "content": ["x", {"type": "text", "text": "y"}], "tool_call_id": "c"}]"#,
+        );
+        let converted = conversation(&messages, ContentFormat::String).unwrap();
+        let render = |values: Vec<Value>| template.render(values, Vec::new(), false).unwrap();
+        let objects = render(converted.iter().cloned().map(Message::into_value).collect());
+        let maps = render(converted.iter().map(|m| m.to_json().to_value()).collect());
+        assert_eq!(objects, maps);
+        assert!(objects.starts_with(
+            "user|a|n|False|True|False|3|True|n|user|role=user,content=a,name=n,|\
+             ['role', 'content', 'name']|{\"role\": \"user\", \"content\": \"a\", \"name\": \"n\"}|"
+        ));
+    }
+
+    #[test]
     fn what_is_not_plain_text_is_left_to_the_engine() {
         for messages in [
             r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]"#,
