@@ -22,6 +22,7 @@
 
 pub mod fast;
 pub mod json;
+mod markers;
 mod messages;
 pub mod pieces;
 pub mod template;

@@ -16,9 +16,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128;
+
+use crate::markers::Markers;
 
 // Every piece is cached, however short: a short one (a role name, `"\n\n"`) costs the
 // tokenizer several microseconds of fixed work per call, more than a lookup, and a unique one
@@ -29,15 +30,14 @@ const ENTRY_OVERHEAD_BYTES: usize = 64;
 
 /// The markers to cut at, with their ids, and the cache.
 pub struct Pieces {
-    markers: AhoCorasick,
-    marker_ids: Vec<u32>,
+    markers: Markers,
     cache: PieceCache,
 }
 
 impl std::fmt::Debug for Pieces {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pieces")
-            .field("markers", &self.marker_ids.len())
+            .field("markers", &self.markers.len())
             .finish_non_exhaustive()
     }
 }
@@ -66,20 +66,9 @@ impl Pieces {
             }
             markers.push((token.content.clone(), id));
         }
-        if markers.is_empty() {
-            return None;
-        }
         markers.sort();
-        // A DFA: the markers are a few hundred short strings, and a prompt is scanned whole
-        // on every request.
-        let automaton = AhoCorasick::builder()
-            .match_kind(MatchKind::LeftmostLongest)
-            .kind(Some(aho_corasick::AhoCorasickKind::DFA))
-            .build(markers.iter().map(|(content, _)| content.as_str()))
-            .ok()?;
         Some(Self {
-            markers: automaton,
-            marker_ids: markers.into_iter().map(|(_, id)| id).collect(),
+            markers: Markers::new(&markers)?,
             cache: PieceCache::new(budget_bytes),
         })
     }
@@ -130,11 +119,11 @@ impl Pieces {
             fresh <= fresh_bytes && parts.len() <= most_parts
         };
         for found in self.markers.find_iter(text) {
-            if !cut(at, found.start(), &mut parts) {
+            if !cut(at, found.start, &mut parts) {
                 return Ok(None);
             }
-            parts.push(Part::Marker(self.marker_ids[found.pattern().as_usize()]));
-            at = found.end();
+            parts.push(Part::Marker(found.id));
+            at = found.end;
         }
         if !cut(at, text.len(), &mut parts) {
             return Ok(None);

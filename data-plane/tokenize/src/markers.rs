@@ -1,0 +1,263 @@
+//! Where a tokenizer's raw-text added tokens (the chat template's *markers*) stand in a text:
+//! leftmost first, the longest of those starting there, as the tokenizer cuts.
+//!
+//! Most chat models' markers share an opening and a closing byte that stands nowhere else in
+//! them (`<|eot_id|>`, `<|im_start|>`, `<tool_call>`, `<start_of_turn>`). Then a marker can
+//! start only at the opening byte and ends at the first closing byte after it, so one scan for
+//! the opening byte and one lookup per occurrence find them all. That reads a few cache lines
+//! per marker, where an automaton over a few hundred markers walks a state per byte of each
+//! (on a serving thread, whose caches hold other requests' streams, each a miss). Other
+//! markers are found by an Aho-Corasick automaton.
+
+use std::collections::HashMap;
+
+use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
+
+/// A tokenizer's markers, ready to be found.
+pub struct Markers(Finder);
+
+enum Finder {
+    /// Every marker starts with `open` and ends with `close`, which stands nowhere else in it.
+    Delimited {
+        open: u8,
+        close: u8,
+        /// The longest marker's length in bytes.
+        longest: usize,
+        ids: HashMap<Box<[u8]>, u32>,
+    },
+    Automaton {
+        automaton: AhoCorasick,
+        ids: Vec<u32>,
+    },
+}
+
+/// One marker found: its bytes `start..end` in the text, and its id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub start: usize,
+    pub end: usize,
+    pub id: u32,
+}
+
+impl Markers {
+    /// For `markers` (text, id); None when there are none, or an automaton cannot be made.
+    pub fn new(markers: &[(String, u32)]) -> Option<Self> {
+        if markers.is_empty() {
+            return None;
+        }
+        match delimiters(markers) {
+            Some((open, close)) => Some(Self(Finder::Delimited {
+                open,
+                close,
+                longest: markers.iter().map(|(text, _)| text.len()).max()?,
+                ids: markers
+                    .iter()
+                    .map(|(text, id)| (Box::from(text.as_bytes()), *id))
+                    .collect(),
+            })),
+            None => Self::automaton(markers),
+        }
+    }
+
+    /// Always the automaton (tests compare both ways).
+    fn automaton(markers: &[(String, u32)]) -> Option<Self> {
+        // A DFA: the markers are a few hundred short strings, and a prompt is scanned whole
+        // on every request.
+        let automaton = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .kind(Some(AhoCorasickKind::DFA))
+            .build(markers.iter().map(|(text, _)| text.as_str()))
+            .ok()?;
+        Some(Self(Finder::Automaton {
+            automaton,
+            ids: markers.iter().map(|(_, id)| *id).collect(),
+        }))
+    }
+
+    /// How many markers there are.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Finder::Delimited { ids, .. } => ids.len(),
+            Finder::Automaton { ids, .. } => ids.len(),
+        }
+    }
+
+    /// The markers in `text`, left to right, none overlapping.
+    pub fn find_iter<'a>(&'a self, text: &'a str) -> Box<dyn Iterator<Item = Found> + 'a> {
+        match &self.0 {
+            Finder::Delimited {
+                open,
+                close,
+                longest,
+                ids,
+            } => Box::new(Delimited {
+                text: text.as_bytes(),
+                at: 0,
+                open: *open,
+                close: *close,
+                longest: *longest,
+                ids,
+            }),
+            Finder::Automaton { automaton, ids } => {
+                Box::new(automaton.find_iter(text).map(|found| Found {
+                    start: found.start(),
+                    end: found.end(),
+                    id: ids[found.pattern().as_usize()],
+                }))
+            }
+        }
+    }
+}
+
+/// The opening and closing bytes every marker has, when the closing one stands nowhere else
+/// in any of them (and is not the opening one): then at most one marker starts at a position.
+fn delimiters(markers: &[(String, u32)]) -> Option<(u8, u8)> {
+    let (first, _) = markers.first()?;
+    let (&open, &close) = (first.as_bytes().first()?, first.as_bytes().last()?);
+    let fits = |text: &str| {
+        let bytes = text.as_bytes();
+        bytes.len() >= 2
+            && bytes[0] == open
+            && bytes[bytes.len() - 1] == close
+            && !bytes[..bytes.len() - 1].contains(&close)
+    };
+    (open != close && markers.iter().all(|(text, _)| fits(text))).then_some((open, close))
+}
+
+/// [`Markers::find_iter`] for delimited markers.
+struct Delimited<'a> {
+    text: &'a [u8],
+    at: usize,
+    open: u8,
+    close: u8,
+    longest: usize,
+    ids: &'a HashMap<Box<[u8]>, u32>,
+}
+
+impl Iterator for Delimited<'_> {
+    type Item = Found;
+
+    fn next(&mut self) -> Option<Found> {
+        while self.at < self.text.len() {
+            let start = self.at + position(&self.text[self.at..], self.open)?;
+            // The only marker that can start here ends at the first closing byte after it.
+            let most = (start + self.longest).min(self.text.len());
+            let end = position(&self.text[start + 1..most], self.close).map(|at| start + at + 2);
+            if let Some(end) = end
+                && let Some(&id) = self.ids.get(&self.text[start..end])
+            {
+                self.at = end;
+                return Some(Found { start, end, id });
+            }
+            self.at = start + 1;
+        }
+        None
+    }
+}
+
+/// The first `byte` in `bytes`.
+fn position(bytes: &[u8], byte: u8) -> Option<usize> {
+    memchr::memchr(byte, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(markers: &Markers, text: &str) -> Vec<Found> {
+        markers.find_iter(text).collect()
+    }
+
+    #[test]
+    fn delimited_markers_are_found_as_the_automaton_finds_them() {
+        let markers: Vec<(String, u32)> = [
+            "<|eot_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<||>",
+            "<<|x|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|reserved_special_token_250|>",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(id, text)| ((*text).to_owned(), id as u32 + 100))
+        .collect();
+        let fast = Markers::new(&markers).unwrap();
+        assert!(matches!(fast.0, Finder::Delimited { .. }));
+        let automaton = Markers::automaton(&markers).unwrap();
+        // Pseudo-random texts of marker fragments, near misses and plain text.
+        let parts = [
+            "<",
+            "|",
+            ">",
+            "<|",
+            "|>",
+            "a",
+            " ",
+            "é",
+            "\n",
+            "<|eot_id|>",
+            "<|eot_id",
+            "eot_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|",
+            "<||>",
+            "<<|x|>",
+            "<|x|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool",
+            "<|reserved_special_token_250|>",
+            "<|reserved_special_token_2500|>",
+            "<<",
+            ">>",
+        ];
+        let mut state = 7_u64;
+        for _ in 0..20_000 {
+            let mut text = String::new();
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            for _ in 0..(state >> 60) + 1 {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1);
+                text.push_str(parts[(state >> 33) as usize % parts.len()]);
+            }
+            assert_eq!(all(&fast, &text), all(&automaton, &text), "{text:?}");
+        }
+        assert_eq!(
+            all(&fast, "a<|eot_id|><<|x|>"),
+            vec![
+                Found {
+                    start: 1,
+                    end: 11,
+                    id: 100
+                },
+                Found {
+                    start: 11,
+                    end: 17,
+                    id: 104
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn other_markers_take_the_automaton() {
+        for markers in [
+            // Two opening bytes; a closing byte inside a marker; one byte.
+            vec!["<s>", "[INST]"],
+            vec!["<a>b>"],
+            vec!["<"],
+        ] {
+            let markers: Vec<(String, u32)> =
+                markers.iter().map(|text| ((*text).to_owned(), 1)).collect();
+            let found = Markers::new(&markers).unwrap();
+            assert!(matches!(found.0, Finder::Automaton { .. }), "{markers:?}");
+        }
+        assert!(Markers::new(&[]).is_none());
+    }
+}
