@@ -45,6 +45,14 @@ impl Markers {
         if markers.is_empty() {
             return None;
         }
+        debug_assert!(
+            {
+                let mut texts: Vec<&str> = markers.iter().map(|(text, _)| text.as_str()).collect();
+                texts.sort_unstable();
+                texts.windows(2).all(|pair| pair[0] != pair[1])
+            },
+            "one id per marker text"
+        );
         match delimiters(markers) {
             Some((open, close)) => Some(Self(Finder::Delimited {
                 open,
@@ -243,6 +251,55 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[test]
+    fn random_delimited_marker_sets_are_found_as_the_automaton_finds_them() {
+        // Marker sets drawn from a small alphabet with multi-byte characters, inside and as the
+        // delimiters (DeepSeek's `<｜User｜>`, an opening `「`), over texts of the same
+        // alphabet, so that near misses and overlaps are common.
+        let alphabet = ["a", "b", "｜", "é", "<", "「", ">"];
+        let mut state = 11_u64;
+        let mut next = |bound: usize| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 33) as usize % bound
+        };
+        let mut delimited = 0;
+        for _ in 0..300 {
+            let (open, close) = [("<", ">"), ("「", "」"), ("<｜", "｜>")][next(3)];
+            let mut markers: Vec<(String, u32)> = Vec::new();
+            for id in 0..next(6) + 1 {
+                let inner: String = (0..next(4))
+                    .map(|_| alphabet[next(alphabet.len())])
+                    .collect();
+                let text = format!("{open}{inner}{close}");
+                if !markers.iter().any(|(known, _)| *known == text) {
+                    markers.push((text, id as u32));
+                }
+            }
+            let fast = Markers::new(&markers).unwrap();
+            delimited += usize::from(matches!(fast.0, Finder::Delimited { .. }));
+            let automaton = Markers::automaton(&markers).unwrap();
+            for _ in 0..50 {
+                let mut text = String::new();
+                for _ in 0..next(24) {
+                    match next(4) {
+                        0 => text.push_str(&markers[next(markers.len())].0),
+                        1 => text.push_str(close),
+                        _ => text.push_str(alphabet[next(alphabet.len())]),
+                    }
+                }
+                assert_eq!(
+                    all(&fast, &text),
+                    all(&automaton, &text),
+                    "{markers:?} {text:?}"
+                );
+            }
+        }
+        // Both kinds come up (a set is not delimited when a marker holds `>` inside).
+        assert!((100..300).contains(&delimited), "{delimited}");
     }
 
     #[test]

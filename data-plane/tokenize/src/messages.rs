@@ -370,10 +370,16 @@ mod tests {
             {{ m.missing is defined }}|{{ 'content' in m }}|{{ 'x' in m }}|{{ m | length }}|\
             {{ m is mapping }}|{{ m.get('name', 'none') }}|{{ m.get('role') }}|\
             {% for k, v in m.items() %}{{ k }}={{ v }},{% endfor %}|{{ m.keys() | list }}|\
-            {{ m | tojson }}|{{ m | tojson(indent=2) }}|{{ m | dictsort }}|{{ m == m }}|\
+            {{ m | tojson }}|{{ m | tojson(indent=2) }}|{{ m | dictsort }}|\
+            {{ m == {'role': 'user', 'content': 'a', 'name': 'n'} }}|{{ m == messages[0] }}|\
+            {{ m.values() | list }}|{{ m | list | reverse | list }}|{{ dict(m) }}|{{ m ~ '' }}|\
+            {{ {m.role: 1}[m.role] }}|{{ [m, m] | unique | list | length }}|\
             {% for k in m %}{{ k }};{% endfor %}|{{ m }}|{{ m.content is string }}|\
             {{ m.tool_calls[0].function.arguments | tojson if m.tool_calls else '' }}|\
-            {{ m | first if m else '' }}{% endfor %}";
+            {{ m | first if m else '' }}{% endfor %}\
+            {{ messages | selectattr('role', 'equalto', 'tool') | map(attribute='tool_call_id') | list }}\
+            {{ messages | map(attribute='role') | list }}{{ messages | reverse | map(attribute='role') | list }}\
+            {{ messages | groupby('role') | length }}";
         let template = crate::template::ChatTemplate::new(source.to_owned()).unwrap();
         let messages = json(
             r#"[{"role": "user", "content": "a", "name": "n"},
@@ -383,10 +389,22 @@ mod tests {
                 {"role": "tool", "content": ["x", {"type": "text", "text": "y"}], "tool_call_id": "c"}]"#,
         );
         let converted = conversation(&messages, ContentFormat::String).unwrap();
-        let render = |values: Vec<Value>| template.render(values, Vec::new(), false).unwrap();
-        let objects = render(converted.iter().cloned().map(Message::into_value).collect());
-        let maps = render(converted.iter().map(|m| m.to_json().to_value()).collect());
-        assert_eq!(objects, maps);
+        // Both ways, and with the final message continued (then it is a plain map, rebuilt
+        // with its content tagged, beside the objects).
+        for continued in [false, true] {
+            let render =
+                |values: Vec<Value>| template.render(values, Vec::new(), continued).unwrap();
+            let objects = render(converted.iter().cloned().map(Message::into_value).collect());
+            let maps = render(converted.iter().map(|m| m.to_json().to_value()).collect());
+            assert_eq!(objects, maps, "continue_final_message {continued}");
+        }
+        let objects = template
+            .render(
+                converted.iter().cloned().map(Message::into_value).collect(),
+                Vec::new(),
+                false,
+            )
+            .unwrap();
         assert!(objects.starts_with(
             "user|a|n|False|True|False|3|True|n|user|role=user,content=a,name=n,|\
              ['role', 'content', 'name']|{\"role\": \"user\", \"content\": \"a\", \"name\": \"n\"}|"
