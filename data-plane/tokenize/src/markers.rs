@@ -23,6 +23,9 @@ enum Finder {
         close: u8,
         /// The longest marker's length in bytes.
         longest: usize,
+        /// Bit `n` set: a marker is `n` bytes long (bit 63: 63 or more), so that a candidate
+        /// of another length is passed over without a lookup (text made of near misses).
+        lengths: u64,
         ids: HashMap<Box<[u8]>, u32>,
     },
     Automaton {
@@ -58,6 +61,9 @@ impl Markers {
                 open,
                 close,
                 longest: markers.iter().map(|(text, _)| text.len()).max()?,
+                lengths: markers
+                    .iter()
+                    .fold(0, |lengths, (text, _)| lengths | length_bit(text.len())),
                 ids: markers
                     .iter()
                     .map(|(text, id)| (Box::from(text.as_bytes()), *id))
@@ -97,6 +103,7 @@ impl Markers {
                 open,
                 close,
                 longest,
+                lengths,
                 ids,
             } => Box::new(Delimited {
                 text: text.as_bytes(),
@@ -104,7 +111,9 @@ impl Markers {
                 open: *open,
                 close: *close,
                 longest: *longest,
+                lengths: *lengths,
                 ids,
+                seen: None,
             }),
             Finder::Automaton { automaton, ids } => {
                 Box::new(automaton.find_iter(text).map(|found| Found {
@@ -139,7 +148,15 @@ struct Delimited<'a> {
     open: u8,
     close: u8,
     longest: usize,
+    lengths: u64,
     ids: &'a HashMap<Box<[u8]>, u32>,
+    /// The last search for a closing byte: from, to, the first found.
+    seen: Option<(usize, usize, Option<usize>)>,
+}
+
+/// A length's bit in [`Finder::Delimited`]'s `lengths`.
+fn length_bit(length: usize) -> u64 {
+    1 << length.min(63)
 }
 
 impl Iterator for Delimited<'_> {
@@ -150,8 +167,9 @@ impl Iterator for Delimited<'_> {
             let start = self.at + position(&self.text[self.at..], self.open)?;
             // The only marker that can start here ends at the first closing byte after it.
             let most = (start + self.longest).min(self.text.len());
-            let end = position(&self.text[start + 1..most], self.close).map(|at| start + at + 2);
+            let end = self.first_close(start + 1, most).map(|at| at + 1);
             if let Some(end) = end
+                && self.lengths & length_bit(end - start) != 0
                 && let Some(&id) = self.ids.get(&self.text[start..end])
             {
                 self.at = end;
@@ -163,9 +181,41 @@ impl Iterator for Delimited<'_> {
     }
 }
 
-/// The first `byte` in `bytes`.
+impl Delimited<'_> {
+    /// The first closing byte in `from..to` (`from` never below an earlier call's), from what
+    /// the last search saw where it can: a text of opening bytes costs one pass, not one
+    /// search of up to the longest marker's length per byte.
+    fn first_close(&mut self, from: usize, to: usize) -> Option<usize> {
+        let search_from = match self.seen {
+            // The first closing byte at or after `seen_from`, so also after `from`.
+            Some((seen_from, _, Some(at))) if seen_from <= from && at >= from => {
+                return (at < to).then_some(at);
+            }
+            // None in `seen_from..seen_to`.
+            Some((seen_from, seen_to, None)) if seen_from <= from => {
+                if to <= seen_to {
+                    return None;
+                }
+                seen_to.max(from)
+            }
+            _ => from,
+        };
+        let found = position(&self.text[search_from..to], self.close).map(|at| search_from + at);
+        self.seen = Some((from, to, found));
+        found
+    }
+}
+
+/// The first `byte` in `bytes` (a short slice read directly: in a run of opening bytes each
+/// search is a byte or two, and a call per byte would cost more than the automaton).
 fn position(bytes: &[u8], byte: u8) -> Option<usize> {
-    memchr::memchr(byte, bytes)
+    match bytes.get(..16) {
+        None => bytes.iter().position(|&found| found == byte),
+        Some(head) => match head.iter().position(|&found| found == byte) {
+            Some(at) => Some(at),
+            None => memchr::memchr(byte, &bytes[16..]).map(|at| at + 16),
+        },
+    }
 }
 
 #[cfg(test)]
