@@ -96,8 +96,9 @@ impl Markers {
         }
     }
 
-    /// The markers in `text`, left to right, none overlapping.
-    pub fn find_iter<'a>(&'a self, text: &'a str) -> Box<dyn Iterator<Item = Found> + 'a> {
+    /// The markers in `text`, left to right, none overlapping (no allocation: this runs on
+    /// every request).
+    pub fn find_iter<'a>(&'a self, text: &'a str) -> FindIter<'a> {
         match &self.0 {
             Finder::Delimited {
                 open,
@@ -105,7 +106,7 @@ impl Markers {
                 longest,
                 lengths,
                 ids,
-            } => Box::new(Delimited {
+            } => FindIter::Delimited(Delimited {
                 text: text.as_bytes(),
                 at: 0,
                 open: *open,
@@ -116,12 +117,29 @@ impl Markers {
                 seen: None,
             }),
             Finder::Automaton { automaton, ids } => {
-                Box::new(automaton.find_iter(text).map(|found| Found {
-                    start: found.start(),
-                    end: found.end(),
-                    id: ids[found.pattern().as_usize()],
-                }))
+                FindIter::Automaton(automaton.find_iter(text), ids)
             }
+        }
+    }
+}
+
+/// [`Markers::find_iter`].
+pub enum FindIter<'a> {
+    Delimited(Delimited<'a>),
+    Automaton(aho_corasick::FindIter<'a, 'a>, &'a [u32]),
+}
+
+impl Iterator for FindIter<'_> {
+    type Item = Found;
+
+    fn next(&mut self) -> Option<Found> {
+        match self {
+            FindIter::Delimited(delimited) => delimited.next(),
+            FindIter::Automaton(found, ids) => found.next().map(|found| Found {
+                start: found.start(),
+                end: found.end(),
+                id: ids[found.pattern().as_usize()],
+            }),
         }
     }
 }
@@ -142,7 +160,7 @@ fn delimiters(markers: &[(String, u32)]) -> Option<(u8, u8)> {
 }
 
 /// [`Markers::find_iter`] for delimited markers.
-struct Delimited<'a> {
+pub struct Delimited<'a> {
     text: &'a [u8],
     at: usize,
     open: u8,
