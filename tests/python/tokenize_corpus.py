@@ -1,8 +1,9 @@
 """Writes varied OpenAI request bodies, one JSON object per line, for the exactness check of
 in-router tokenization (tests/tests/real_vllm.rs): chat and completions, multi-turn, system
 prompts, names, text parts, unicode, whitespace, special-token text inside user content,
-long prompts, generation-prompt and continue-final-message variants, template kwargs, tools
-and tool calls. Deterministic for a seed.
+long prompts, generation-prompt and continue-final-message variants, completions with
+add_special_tokens true or false, template kwargs, tools and tool calls. Deterministic for a
+seed.
 
 Usage: tokenize_corpus.py COUNT SEED [--tools]
 Each line: {"kind": "chat" | "completion", "body": {...}} (the body as a client sends it).
@@ -137,6 +138,8 @@ def chat(rng, tools):
 
 def completion(rng):
     body = {"model": "smol", "prompt": text(rng, length(rng)) or "x", "max_tokens": 1}
+    if rng.random() < 0.2:
+        body["add_special_tokens"] = rng.random() < 0.5
     return body
 
 

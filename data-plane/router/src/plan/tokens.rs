@@ -4,8 +4,8 @@
 //! `POST /tokenize`, which the settle phase sends: `request::tokenize`), or why the request has
 //! none ([`TokenizeError`]: it is then routed by load).
 //!
-//! Body sent: completions `{"model", "prompt"}` (a string prompt; a token-id prompt needs no
-//! round trip); chat `{"model", "messages", …}` with the fields that
+//! Body sent: completions `{"model", "prompt"}` and `add_special_tokens` if given (a string
+//! prompt; a token-id prompt needs no round trip); chat `{"model", "messages", …}` with the fields that
 //! change the templated prompt copied over (`add_generation_prompt`,
 //! `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
 //! `tools`, `documents`). The answer's `tokens` are the ids.
@@ -18,6 +18,10 @@ use switchyard_kv::ChainKey;
 
 use crate::operation::Operation;
 use crate::routing::table::VariantRoute;
+
+/// Completions fields that change the ids of the prompt: `add_special_tokens` false leaves the
+/// BOS out, for the completion as for vLLM's `/tokenize` of a prompt.
+const COMPLETION_FIELDS: &[&str] = &["add_special_tokens"];
 
 /// Chat fields that change the prompt the template renders.
 const CHAT_TEMPLATE_FIELDS: &[&str] = &[
@@ -122,24 +126,26 @@ fn body_of(
     if let Some(model) = fields.get("model") {
         out.push(("model", model));
     }
-    match kind {
+    let copied = match kind {
         PromptKind::Completion => {
             let prompt = fields
                 .get("prompt")
                 .filter(|prompt| prompt.get().trim_start().starts_with('"'))
                 .ok_or_else(|| TokenizeError::Input("prompt is not a string".into()))?;
             out.push(("prompt", prompt));
+            COMPLETION_FIELDS
         }
         PromptKind::Chat => {
             let messages = fields
                 .get("messages")
                 .ok_or_else(|| TokenizeError::Input("no messages".into()))?;
             out.push(("messages", messages));
-            for name in CHAT_TEMPLATE_FIELDS {
-                if let Some(value) = fields.get(*name) {
-                    out.push((name, value));
-                }
-            }
+            CHAT_TEMPLATE_FIELDS
+        }
+    };
+    for name in copied {
+        if let Some(value) = fields.get(*name) {
+            out.push((name, value));
         }
     }
     let mut body = Vec::with_capacity(size_hint + 16);
@@ -330,6 +336,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(body, r#"{"model":"m","prompt":"hi there"}"#);
+        // Without its BOS the engine caches other ids, so the router must count without it too.
+        let body = tokenize_body(
+            PromptKind::Completion,
+            br#"{"model":"m","prompt":"hi","add_special_tokens":false,"temperature":0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            body,
+            r#"{"model":"m","prompt":"hi","add_special_tokens":false}"#
+        );
         let body = tokenize_body(
             PromptKind::Chat,
             br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":0,
