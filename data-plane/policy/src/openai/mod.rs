@@ -118,6 +118,8 @@ struct Body<'a> {
     safety_identifier: Option<&'a RawValue>,
     #[serde(borrow, default)]
     user: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
 }
 
 /// The fields other APIs than chat and completions take their text from.
@@ -197,6 +199,9 @@ pub struct OpenAiRequest<'a> {
     /// Whom the request is for, for fair queueing: `safety_identifier`, else `user`, when a
     /// non-empty string.
     pub end_user: Option<Cow<'a, str>>,
+    /// vLLM's `cache_salt` (a salted request reuses only blocks cached under the same salt),
+    /// when a non-empty string (vLLM ignores an empty one; an engine refuses a malformed one).
+    pub cache_salt: Option<Cow<'a, str>>,
 }
 
 impl std::fmt::Debug for OpenAiRequest<'_> {
@@ -266,12 +271,14 @@ impl<'a> OpenAiRequest<'a> {
                 .filter(|text| !text.is_empty())
         };
         let end_user = text(parsed.safety_identifier).or_else(|| text(parsed.user));
+        let cache_salt = text(parsed.cache_salt);
         let priority = parsed
             .priority
             .and_then(|raw| serde_json::from_str::<i64>(raw.get()).ok());
         Ok(Self {
             priority,
             end_user,
+            cache_salt,
             body,
             model,
             model_span,
@@ -294,6 +301,16 @@ impl<'a> OpenAiRequest<'a> {
                 tokens: parsed.tokens,
             },
         })
+    }
+
+    /// Whether the body has a `messages` array (a null one is none).
+    pub fn has_messages(&self) -> bool {
+        self.messages.is_some()
+    }
+
+    /// The body's `prompt`, unparsed.
+    pub fn prompt(&self) -> Option<&'a RawValue> {
+        self.prompt
     }
 
     /// How many messages a chat request has (0 for completions).

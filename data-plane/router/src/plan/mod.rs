@@ -287,8 +287,19 @@ pub fn plan(
     let kv_aware = matches!(target.destination, Destination::Variant(_))
         && target.routing.session.is_none()
         && matches!(variant.strategy, Strategy::KvAware { .. });
-    // The client's body is let go before the prefill copy and the `/tokenize` body are made
-    // (a rewritten body is a copy: the two need not be held at once).
+    // What settling needs to get the prompt's ids, read from the fields planning parsed for
+    // routing (a native body is parsed for it below).
+    let needs_tokens = match &split {
+        Some(split) => split.pending.is_some(),
+        None => kv_aware,
+    };
+    let kv_input = target
+        .openai
+        .as_ref()
+        .filter(|_| needs_tokens)
+        .map(|request| KvInput::of_openai(operation, request, &engine_body, variant));
+    // The client's body is let go before the prefill copy is made (a rewritten body is a
+    // copy: the two need not be held at once).
     drop(target);
     drop(body);
     let mut plan = Plan {
@@ -326,7 +337,8 @@ pub fn plan(
     Ok(match purpose {
         None => Planned::Ready(plan),
         Some(purpose) => {
-            let (input, chain) = KvInput::of(operation, &plan.body, plan.variant());
+            let (input, chain) =
+                kv_input.unwrap_or_else(|| KvInput::of(operation, &plan.body, plan.variant()));
             Planned::NeedsTokens {
                 input,
                 needs: NeedsTokens {
@@ -846,7 +858,9 @@ Endpoints:
         to_k.insert(TARGET_VARIANT, "k".parse().unwrap());
         let ask = |(_, input): &(NeedsTokens, KvInput)| -> serde_json::Value {
             match input {
-                KvInput::Tokens(PromptTokens::Ask(body)) => serde_json::from_slice(body).unwrap(),
+                KvInput::Tokens(PromptTokens::Ask(prompt)) => {
+                    serde_json::from_slice(&prompt.tokenize_body().unwrap()).unwrap()
+                }
                 other => panic!("expected a /tokenize body, got {other:?}"),
             }
         };

@@ -1,20 +1,25 @@
 //! The prompt's token ids as the engine sees them (chat template included), for KV_AWARE and
 //! a disaggregated endpoint's KV_AWARE prefill pool or UNCACHED_TOKENS: read from the body on
-//! the CPU side ([`PromptTokens::of`]: a token-id prompt as given, else the body of vLLM's
-//! `POST /tokenize`, which the settle phase sends: `request::tokenize`), or why the request has
-//! none ([`TokenizeError`]: it is then routed by load).
+//! the CPU side ([`KvInput`]: a token-id prompt as given, else the [`Prompt`] to tokenize, from
+//! the fields planning parsed for routing, so an OpenAI body is not parsed again), or why the
+//! request has none ([`TokenizeError`]: it is then routed by load). The settle phase gives the
+//! body to the router's tokenizer as it is, or sends an engine vLLM's `POST /tokenize` body
+//! (`request::tokenize`), made then.
 //!
-//! Body sent: completions `{"model", "prompt"}` and `add_special_tokens` if given (a string
-//! prompt; a token-id prompt needs no round trip); chat `{"model", "messages", …}` with the fields that
-//! change the templated prompt copied over (`add_generation_prompt`,
+//! The `/tokenize` body: completions `{"model", "prompt"}` and `add_special_tokens` if given (a
+//! string prompt; a token-id prompt needs no round trip); chat `{"model", "messages", …}` with
+//! the fields that change the templated prompt copied over (`add_generation_prompt`,
 //! `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
-//! `tools`, `documents`). The answer's `tokens` are the ids.
+//! `tools`, `documents`). The answer's `tokens` are the ids. The router's tokenizer reads these
+//! fields and no other, so it may read the request's own body instead (but a completions body
+//! with `messages`, which it would read as a chat).
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use switchyard_kv::ChainKey;
+use switchyard_policy::openai::OpenAiRequest;
 
 use crate::operation::Operation;
 use crate::routing::table::VariantRoute;
@@ -107,6 +112,13 @@ fn fields(request: &[u8]) -> Result<Fields<'_>, TokenizeError> {
         .map_err(|err| TokenizeError::Input(format!("invalid JSON: {err}")))
 }
 
+/// Whether the body has `name`, not null (as a request's parsed fields see it).
+fn has(fields: &Fields<'_>, name: &str) -> bool {
+    fields
+        .get(name)
+        .is_some_and(|value| value.get().trim() != "null")
+}
+
 /// A completions prompt given as token ids (`[1, 2, 3]`): no need to ask the engine.
 fn token_ids_of(fields: &Fields<'_>) -> Option<Vec<u32>> {
     serde_json::from_str(fields.get("prompt")?.get()).ok()
@@ -128,11 +140,9 @@ fn body_of(
     }
     let copied = match kind {
         PromptKind::Completion => {
-            let prompt = fields
-                .get("prompt")
-                .filter(|prompt| prompt.get().trim_start().starts_with('"'))
-                .ok_or_else(|| TokenizeError::Input("prompt is not a string".into()))?;
-            out.push(("prompt", prompt));
+            let prompt = fields.get("prompt").copied();
+            check_prompt(prompt)?;
+            out.extend(prompt.map(|prompt| ("prompt", prompt)));
             COMPLETION_FIELDS
         }
         PromptKind::Chat => {
@@ -164,54 +174,99 @@ fn body_of(
     Ok(Bytes::from(body))
 }
 
-/// A request's token ids, known from its body or to be asked of an engine. Made on the CPU
-/// side of the request path ([`PromptTokens::of`], one parse of the body), fetched on the async
-/// side (`request::tokenize::TokenizeClient::token_ids`).
+/// A request's token ids, known from its body or to be asked for. Made on the CPU side of the
+/// request path ([`PromptTokens::of`], [`KvInput::of`] and [`KvInput::of_openai`]), tokenized
+/// by the router's tokenizer or fetched from an engine on the async side
+/// (`request::tokenize::TokenizeClient::token_ids`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptTokens {
     /// A completions prompt given as token ids.
     Known(Vec<u32>),
-    /// The `/tokenize` body to send (see [`tokenize_body`]).
-    Ask(Bytes),
+    /// A prompt to tokenize.
+    Ask(Prompt),
+}
+
+/// A request's prompt to tokenize: the body as the engine gets it, of which vLLM's `/tokenize`
+/// body ([`tokenize_body`]) is made only when an engine is asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    kind: PromptKind,
+    body: Bytes,
+    /// The router's tokenizer may read `body` itself: it reads the fields the `/tokenize` body
+    /// would carry and no other, and tells a chat from a completion by `messages`, which a
+    /// completions body has not (else it is given the `/tokenize` body).
+    direct: bool,
+}
+
+impl Prompt {
+    /// What the router's tokenizer reads: the body itself (no copy), or its `/tokenize` body.
+    pub fn for_tokenizer(&self) -> Result<Bytes, TokenizeError> {
+        if self.direct {
+            Ok(self.body.clone())
+        } else {
+            self.tokenize_body()
+        }
+    }
+
+    /// vLLM's `/tokenize` body for the request ([`tokenize_body`]).
+    pub fn tokenize_body(&self) -> Result<Bytes, TokenizeError> {
+        tokenize_body(self.kind, &self.body)
+    }
 }
 
 impl PromptTokens {
     /// For an OpenAI body of `kind`.
     pub fn of(kind: PromptKind, request: &[u8]) -> Result<Self, TokenizeError> {
-        Self::of_fields(kind, &fields(request)?, request.len())
+        Self::of_fields(kind, &fields(request)?, Bytes::copy_from_slice(request))
     }
 
     fn of_fields(
         kind: PromptKind,
         fields: &Fields<'_>,
-        size_hint: usize,
+        body: Bytes,
     ) -> Result<Self, TokenizeError> {
-        if kind == PromptKind::Completion
-            && let Some(ids) = token_ids_of(fields)
-        {
-            return Ok(Self::Known(ids));
+        match kind {
+            PromptKind::Completion => {
+                if let Some(ids) = token_ids_of(fields) {
+                    return Ok(Self::Known(ids));
+                }
+                check_prompt(fields.get("prompt").copied())?;
+            }
+            PromptKind::Chat if !has(fields, "messages") => {
+                return Err(TokenizeError::Input("no messages".into()));
+            }
+            PromptKind::Chat => {}
         }
-        body_of(kind, fields, size_hint).map(Self::Ask)
+        let direct = kind == PromptKind::Chat || !has(fields, "messages");
+        Ok(Self::Ask(Prompt { kind, body, direct }))
     }
 
     /// For a native (`/invocations`) body: a JSON object with `messages` is read as a chat
     /// request, else one with `prompt` as a completions request (the rule the simulator's
     /// `/invocations` follows); anything else has no prompt to tokenize.
     pub fn of_native(request: &[u8]) -> Result<Self, TokenizeError> {
-        Self::of_native_fields(&fields(request)?, request.len())
+        Self::of_native_fields(&fields(request)?, Bytes::copy_from_slice(request))
     }
 
-    fn of_native_fields(fields: &Fields<'_>, size_hint: usize) -> Result<Self, TokenizeError> {
-        let kind = if fields.contains_key("messages") {
+    fn of_native_fields(fields: &Fields<'_>, body: Bytes) -> Result<Self, TokenizeError> {
+        let kind = if has(fields, "messages") {
             PromptKind::Chat
-        } else if fields.contains_key("prompt") {
+        } else if has(fields, "prompt") {
             PromptKind::Completion
         } else {
             return Err(TokenizeError::Input(
                 "the body has neither `messages` nor `prompt`".into(),
             ));
         };
-        Self::of_fields(kind, fields, size_hint)
+        Self::of_fields(kind, fields, body)
+    }
+}
+
+/// A completions `prompt` the `/tokenize` body can carry: a string.
+fn check_prompt(prompt: Option<&RawValue>) -> Result<(), TokenizeError> {
+    match prompt {
+        Some(prompt) if prompt.get().trim_start().starts_with('"') => Ok(()),
+        _ => Err(TokenizeError::Input("prompt is not a string".into())),
     }
 }
 
@@ -254,7 +309,7 @@ impl RequestChain {
 /// A KV_AWARE request's way to its token ids, read from the body on the CPU side.
 #[derive(Debug)]
 pub enum KvInput {
-    /// Token ids given, or the `/tokenize` body to ask an engine with.
+    /// Token ids given, or the prompt to tokenize.
     Tokens(PromptTokens),
     /// The body has no prompt to tokenize: the request is routed by load.
     Unusable(TokenizeError),
@@ -264,33 +319,94 @@ impl KvInput {
     /// How a request on `operation` gets its token ids: OpenAI bodies by their API; a native
     /// body as a chat request if it is a JSON object with `messages`, as a completions request
     /// if it has `prompt`, else not at all (routed by load). With what its chain is keyed by on
-    /// `variant` (one parse of the body for both).
-    pub fn of(operation: Operation, body: &[u8], variant: &VariantRoute) -> (Self, RequestChain) {
-        let kind = match operation {
-            Operation::ChatCompletions => Some(PromptKind::Chat),
-            Operation::Completions => Some(PromptKind::Completion),
-            Operation::Invocations | Operation::InvocationsStream => None,
-            _ => {
-                return (
-                    KvInput::Unusable(TokenizeError::Input(format!(
-                        "{operation:?} requests are routed by load under KV_AWARE"
-                    ))),
-                    RequestChain::default(),
-                );
-            }
+    /// `variant` (one parse of `body`, the body the engine gets, for both).
+    pub fn of(operation: Operation, body: &Bytes, variant: &VariantRoute) -> (Self, RequestChain) {
+        let kind = match Self::kind(operation) {
+            Ok(kind) => kind,
+            Err(err) => return (KvInput::Unusable(err), RequestChain::default()),
         };
         let fields = match fields(body) {
             Ok(fields) => fields,
             Err(err) => return (KvInput::Unusable(err), RequestChain::default()),
         };
         let tokens = match kind {
-            Some(kind) => PromptTokens::of_fields(kind, &fields, body.len()),
-            None => PromptTokens::of_native_fields(&fields, body.len()),
+            Some(kind) => PromptTokens::of_fields(kind, &fields, body.clone()),
+            None => PromptTokens::of_native_fields(&fields, body.clone()),
         };
-        let chain = RequestChain::of(&fields, variant);
+        (Self::from(tokens), RequestChain::of(&fields, variant))
+    }
+
+    /// [`KvInput::of`] for an OpenAI body planning has read already (`request`; `body`, the
+    /// body the engine gets, which differs from it in `model` at most): the body is not
+    /// parsed again.
+    pub fn of_openai(
+        operation: Operation,
+        request: &OpenAiRequest<'_>,
+        body: &Bytes,
+        variant: &VariantRoute,
+    ) -> (Self, RequestChain) {
+        let kind = match Self::kind(operation) {
+            Ok(kind) => kind,
+            Err(err) => return (Self::Unusable(err), RequestChain::default()),
+        };
+        let chain = RequestChain {
+            lora_name: variant.adapter(request.model.as_deref()).map(str::to_owned),
+            cache_salt: request.cache_salt.as_deref().map(str::to_owned),
+        };
+        let kind = match kind {
+            Some(kind) => kind,
+            // A native body read as OpenAI's: by the native rule.
+            None if request.has_messages() => PromptKind::Chat,
+            None if request.prompt().is_some() => PromptKind::Completion,
+            None => {
+                let err = "the body has neither `messages` nor `prompt`";
+                return (Self::Unusable(TokenizeError::Input(err.into())), chain);
+            }
+        };
+        let tokens = match kind {
+            PromptKind::Completion => {
+                let prompt = request.prompt();
+                match prompt.and_then(|prompt| serde_json::from_str(prompt.get()).ok()) {
+                    Some(ids) => Ok(PromptTokens::Known(ids)),
+                    None => check_prompt(prompt).map(|()| {
+                        PromptTokens::Ask(Prompt {
+                            kind,
+                            body: body.clone(),
+                            direct: !request.has_messages(),
+                        })
+                    }),
+                }
+            }
+            PromptKind::Chat if !request.has_messages() => {
+                Err(TokenizeError::Input("no messages".into()))
+            }
+            PromptKind::Chat => Ok(PromptTokens::Ask(Prompt {
+                kind,
+                body: body.clone(),
+                direct: true,
+            })),
+        };
+        (Self::from(tokens), chain)
+    }
+
+    /// The API of `operation`'s bodies (None: a native body, told by its fields).
+    fn kind(operation: Operation) -> Result<Option<PromptKind>, TokenizeError> {
+        match operation {
+            Operation::ChatCompletions => Ok(Some(PromptKind::Chat)),
+            Operation::Completions => Ok(Some(PromptKind::Completion)),
+            Operation::Invocations | Operation::InvocationsStream => Ok(None),
+            _ => Err(TokenizeError::Input(format!(
+                "{operation:?} requests are routed by load under KV_AWARE"
+            ))),
+        }
+    }
+}
+
+impl From<Result<PromptTokens, TokenizeError>> for KvInput {
+    fn from(tokens: Result<PromptTokens, TokenizeError>) -> Self {
         match tokens {
-            Ok(tokens) => (KvInput::Tokens(tokens), chain),
-            Err(err) => (KvInput::Unusable(err), chain),
+            Ok(tokens) => Self::Tokens(tokens),
+            Err(err) => Self::Unusable(err),
         }
     }
 }
@@ -302,7 +418,9 @@ mod tests {
     #[test]
     fn the_adapter_and_cache_salt_come_with_the_tokens_from_one_parse() {
         let variant = VariantRoute::bare("v", Some("m"), &["sql-lora"]);
-        let of = |operation, body: &[u8]| KvInput::of(operation, body, &variant);
+        let of = |operation, body: &[u8]| {
+            KvInput::of(operation, &Bytes::copy_from_slice(body), &variant)
+        };
         let (input, chain) = of(
             Operation::Completions,
             br#"{"model":"m","prompt":[1,2],"cache_salt":"tenant-a"}"#,
@@ -326,6 +444,70 @@ mod tests {
             br#"{"model":"sql-lora","messages":[{"role":"user","content":"x"}]}"#,
         );
         assert_eq!(chain.lora_name.as_deref(), Some("sql-lora"));
+    }
+
+    #[test]
+    fn a_body_read_for_routing_gives_what_a_second_parse_would() {
+        let variant = VariantRoute::bare("v", Some("m"), &["sql-lora"]);
+        let chat = r#""messages":[{"role":"user","content":"x"}]"#;
+        let bodies = [
+            r#"{"model":"m","prompt":"hi","max_tokens":2}"#.to_owned(),
+            r#"{"model":"sql-lora","prompt":[1,2],"cache_salt":"a"}"#.to_owned(),
+            r#"{"prompt":["a","b"]}"#.to_owned(),
+            r#"{"prompt":null}"#.to_owned(),
+            r#"{"prompt":"hi","add_special_tokens":false,"cache_salt":""}"#.to_owned(),
+            format!(r#"{{"prompt":"hi",{chat}}}"#),
+            format!(r#"{{"model":"sql-lora",{chat},"cache_salt":"b","tools":[]}}"#),
+            format!(r#"{{{chat},"add_generation_prompt":false,"chat_template_kwargs":{{"x":1}}}}"#),
+            r#"{"model":"m"}"#.to_owned(),
+            r#"{"messages":null,"prompt":"p"}"#.to_owned(),
+        ];
+        let operations = [
+            Operation::Completions,
+            Operation::ChatCompletions,
+            Operation::Invocations,
+            Operation::Embeddings,
+        ];
+        // What settling gets from a prompt: the ids, or what the router's tokenizer reads and
+        // what an engine is sent.
+        let seen = |input: &KvInput| match input {
+            KvInput::Tokens(PromptTokens::Known(ids)) => format!("ids {ids:?}"),
+            KvInput::Tokens(PromptTokens::Ask(prompt)) => format!(
+                "read {:?}, sent {:?}",
+                prompt.for_tokenizer().ok(),
+                prompt.tokenize_body().ok()
+            ),
+            KvInput::Unusable(err) => format!("unusable: {err}"),
+        };
+        for body in &bodies {
+            let bytes = Bytes::from(body.clone());
+            let request = OpenAiRequest::parse(body.as_bytes()).unwrap();
+            for operation in operations {
+                let (parsed, parsed_chain) = KvInput::of(operation, &bytes, &variant);
+                let (read, read_chain) = KvInput::of_openai(operation, &request, &bytes, &variant);
+                assert_eq!(seen(&read), seen(&parsed), "{operation:?} {body}");
+                assert_eq!(read_chain, parsed_chain, "{operation:?} {body}");
+            }
+        }
+        // The tokenizer reads a chat's body itself, and a completion's unless it has messages.
+        let (input, _) = KvInput::of(
+            Operation::Completions,
+            &Bytes::from(bodies[5].clone()),
+            &variant,
+        );
+        let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
+            panic!("{input:?}");
+        };
+        assert_eq!(prompt.for_tokenizer().unwrap(), r#"{"prompt":"hi"}"#);
+        let (input, _) = KvInput::of(
+            Operation::ChatCompletions,
+            &Bytes::from(bodies[6].clone()),
+            &variant,
+        );
+        let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
+            panic!("{input:?}");
+        };
+        assert_eq!(prompt.for_tokenizer().unwrap(), bodies[6]);
     }
 
     #[test]

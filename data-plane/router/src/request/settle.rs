@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::local_tokens::{CheckTicket, Local};
 use super::worker::Worker;
 use crate::errors::ApiError;
-use crate::plan::tokens::{KvInput, PromptTokens};
+use crate::plan::tokens::{KvInput, Prompt, PromptTokens};
 use crate::plan::{KvOrNot, NeedsTokens, Plan, Planned, kv};
 use crate::routing::table::EndpointRoute;
 use switchyard_kv::ChainKey;
@@ -87,8 +87,10 @@ async fn token_ids(
     input: KvInput,
 ) -> Option<Vec<u32>> {
     let variant = &endpoint.variants[position];
-    if let (Some(name), KvInput::Tokens(PromptTokens::Ask(body))) = (local, &input) {
-        match local_ids(worker, name, body).await {
+    if let (Some(name), KvInput::Tokens(PromptTokens::Ask(prompt))) = (local, &input)
+        && let Ok(body) = prompt.for_tokenizer()
+    {
+        match local_ids(worker, name, &body).await {
             Local::Ids { ids, check: None } => return Some(ids),
             Local::Ids {
                 ids,
@@ -98,7 +100,7 @@ async fn token_ids(
                     endpoint: Arc::clone(endpoint),
                     position,
                     tokenizer: Arc::clone(name),
-                    body: body.clone(),
+                    prompt: prompt.clone(),
                     ids: ids.clone(),
                     ticket,
                 };
@@ -143,7 +145,7 @@ struct Check {
     endpoint: Arc<EndpointRoute>,
     position: usize,
     tokenizer: Arc<str>,
-    body: bytes::Bytes,
+    prompt: Prompt,
     ids: Vec<u32>,
     ticket: CheckTicket,
 }
@@ -159,7 +161,7 @@ fn check_later(worker: &Worker, check: Check) {
         let variant = &check.endpoint.variants[check.position];
         let fetched = client
             .token_ids(
-                PromptTokens::Ask(check.body),
+                PromptTokens::Ask(check.prompt),
                 variant,
                 switchyard_process::clock::unix_ms(),
             )

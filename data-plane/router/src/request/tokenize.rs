@@ -158,7 +158,7 @@ impl TokenizeClient {
     ) -> Result<Vec<u32>, TokenizeError> {
         let body = match tokens {
             PromptTokens::Known(ids) => return Ok(ids),
-            PromptTokens::Ask(body) => body,
+            PromptTokens::Ask(prompt) => prompt.tokenize_body()?,
         };
         let clock = switchyard_process::clock::monotonic_ms;
         let asked = clock();
