@@ -2,8 +2,8 @@
 in-router tokenization (tests/tests/real_vllm.rs): chat and completions, multi-turn, system
 prompts, names, text parts, unicode, whitespace, special-token text inside user content,
 long prompts, generation-prompt and continue-final-message variants, completions with
-add_special_tokens true or false, template kwargs, tools and tool calls. Deterministic for a
-seed.
+add_special_tokens true or false, booleans spelled as pydantic also reads them (1, "yes"),
+template kwargs, tools and tool calls. Deterministic for a seed.
 
 Usage: tokenize_corpus.py COUNT SEED [--tools]
 Each line: {"kind": "chat" | "completion", "body": {...}} (the body as a client sends it).
@@ -133,6 +133,15 @@ def chat(rng, tools):
         body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
     if tools and rng.random() < 0.6:
         body["tools"] = rng.sample(TOOLS, rng.randint(1, len(TOOLS)))
+    return loose_flags(rng, body)
+
+
+def loose_flags(rng, body):
+    """Some booleans written as vLLM's request models also read them (pydantic's lax mode)."""
+    for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+        if name in body and rng.random() < 0.3:
+            spellings = {True: [1, "true", "Yes", "on", "T"], False: [0, "false", "no", "OFF", "f"]}
+            body[name] = rng.choice(spellings[body[name]])
     return body
 
 
@@ -140,7 +149,7 @@ def completion(rng):
     body = {"model": "smol", "prompt": text(rng, length(rng)) or "x", "max_tokens": 1}
     if rng.random() < 0.2:
         body["add_special_tokens"] = rng.random() < 0.5
-    return body
+    return loose_flags(rng, body)
 
 
 def main():

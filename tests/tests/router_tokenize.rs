@@ -357,7 +357,8 @@ async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engi
     }]});
     std::fs::write(&path, tokenizer.to_string())?;
     let (a, b) = sims(&folder).await?;
-    let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
+    // Every request checked: the engine's /tokenize of the body the router makes must agree.
+    let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 1.0).await?;
     // A long prompt without its BOS, placed on e0: e0 caches the ids that start with its text.
     let completion = |tail: &str| {
         json!({"model": "sim", "max_tokens": 2, "add_special_tokens": false,
@@ -389,6 +390,22 @@ async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engi
         1.0,
         "tokenized here"
     );
+    let checks = |outcome: &str| {
+        format!(
+            r#"switchyard_router_local_tokenize_checks_total{{tokenizer="llama3",outcome="{outcome}"}}"#
+        )
+    };
+    eventually(WAIT, "the check of the request's ids", || {
+        let (url, matched) = (router.url(), checks("match"));
+        async move {
+            Metrics::scrape(&url)
+                .await
+                .is_ok_and(|metrics| metrics.value(&matched).is_ok_and(|value| value == 1.0))
+        }
+    })
+    .await?;
+    let metrics = Metrics::scrape(&router.url()).await?;
+    assert_eq!(metrics.value(&checks("mismatch"))?, 0.0);
     router.shutdown().await;
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use minijinja::Value;
 use minijinja::value::ValueKind;
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
 /// A JSON value whose objects keep their key order. Strings are shared, so that a long
 /// message's text is copied once, from the body, and reaches the template without another copy.
@@ -147,6 +147,48 @@ impl<'de> Deserialize<'de> for Json {
             }
         }
         deserializer.deserialize_any(JsonVisitor)
+    }
+}
+
+/// The fields `names` of the JSON object `body`, as a [`Json`] object (a repeated one keeps its
+/// last value). The values of the other fields are passed over without being decoded, so a
+/// value in a field nobody reads (a lone surrogate escape, `1e400`: Python reads both) cannot
+/// fail the whole body.
+pub fn read_fields(body: &[u8], names: &[&str]) -> serde_json::Result<Json> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let fields = FieldsSeed(names).deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(fields)
+}
+
+struct FieldsSeed<'n>(&'n [&'n str]);
+
+impl<'de> DeserializeSeed<'de> for FieldsSeed<'_> {
+    type Value = Json;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Json, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for FieldsSeed<'_> {
+    type Value = Json;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
+        let mut fields: Vec<(String, Json)> = Vec::new();
+        while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if !self.0.contains(&name.as_ref()) {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let value = map.next_value::<Json>()?;
+            match fields.iter_mut().find(|(known, _)| *known == name) {
+                Some((_, kept)) => *kept = value,
+                None => fields.push((name.into_owned(), value)),
+            }
+        }
+        Ok(Json::Object(fields))
     }
 }
 
@@ -360,6 +402,34 @@ mod tests {
 
     fn parsed(text: &str) -> Value {
         serde_json::from_str::<Json>(text).unwrap().to_value()
+    }
+
+    #[test]
+    fn only_the_fields_read_are_decoded() {
+        let names = &["prompt", "messages"];
+        let read = |body: &str| read_fields(body.as_bytes(), names).map_err(|err| err.to_string());
+        // Values Python reads and this parser would refuse, in fields nobody reads.
+        let fields = read(r#"{"stop":"\ud800","temperature":1e400,"prompt":"x","n":[{"a":1}]}"#);
+        assert_eq!(
+            fields,
+            Ok(Json::Object(vec![(
+                "prompt".into(),
+                Json::String("x".into())
+            )]))
+        );
+        // In a field read, the same value fails the body.
+        assert!(read(r#"{"prompt":"\ud800"}"#).is_err());
+        // A repeated field keeps its first place and last value; escaped names are names.
+        let fields = read(r#"{"prompt":"a","m\u0065ssages":null,"prompt":"b"}"#).unwrap();
+        assert_eq!(
+            fields,
+            Json::Object(vec![
+                ("prompt".into(), Json::String("b".into())),
+                ("messages".into(), Json::Null),
+            ])
+        );
+        assert!(read("[1]").is_err());
+        assert!(read(r#"{"prompt":"x"} trailing"#).is_err());
     }
 
     #[test]

@@ -155,6 +155,55 @@ const CALL_PARAMETERS: &[&str] = &[
     "tokenizer_kwargs",
 ];
 
+/// The fields of a `/tokenize` body (or a completions or chat body) the tokenizer reads; the
+/// others are passed over ([`json::read_fields`]).
+const READ_FIELDS: &[&str] = &[
+    "messages",
+    "prompt",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+];
+
+/// A field of a body read with [`READ_FIELDS`].
+fn field<'a>(body: &'a Json, name: &str) -> Option<&'a Json> {
+    debug_assert!(
+        READ_FIELDS.contains(&name),
+        "{name} is not read from bodies"
+    );
+    body.get(name)
+}
+
+/// A boolean field of a body, `default` when absent or null, read as vLLM's request models
+/// read it (pydantic's lax booleans: `true`, `1`, `1.0`, and the strings `"true"`, `"yes"`,
+/// `"on"`, `"t"`, `"y"`, `"1"` in any case, and their opposites); anything else is refused, as
+/// vLLM refuses it.
+fn flag(body: &Json, name: &str, default: bool) -> Result<bool, Refusal> {
+    let value = match field(body, name) {
+        None | Some(Json::Null) => return Ok(default),
+        Some(value) => value,
+    };
+    let read = match value {
+        Json::Bool(value) => Some(*value),
+        Json::Number(number) => match number.as_f64() {
+            Some(1.0) => Some(true),
+            Some(0.0) => Some(false),
+            _ => None,
+        },
+        Json::String(text) => match text.to_ascii_lowercase().as_str() {
+            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+            _ => None,
+        },
+        Json::Array(_) | Json::Object(_) | Json::Null => None,
+    };
+    read.ok_or_else(|| Refusal::Invalid(Invalid(format!("{name} must be a boolean"))))
+}
+
 /// The special-token names Hugging Face passes to every template (`special_tokens_map`).
 const SPECIAL_TOKENS: &[&str] = &[
     "bos_token",
@@ -363,9 +412,11 @@ impl EngineTokenizer {
         if body.len() > MOST_BODY_BYTES {
             return Err(Refusal::Engine(Unsupported::Large));
         }
-        let body: Json = serde_json::from_slice(body)
+        let body = json::read_fields(body, READ_FIELDS)
             .map_err(|err| Refusal::Invalid(Invalid(format!("invalid JSON: {err}"))))?;
-        if let Some(messages) = body.get("messages") {
+        // A null `messages` is none: vLLM reads such a body as a completions one.
+        if let Some(messages) = field(&body, "messages").filter(|messages| **messages != Json::Null)
+        {
             // A long conversation's render is work enough whatever is cached.
             let many =
                 matches!(messages, Json::Array(messages) if messages.len() > MOST_MESSAGES_WITHIN);
@@ -400,18 +451,10 @@ impl EngineTokenizer {
         if self.completions_unsupported {
             return Err(Refusal::Engine(Unsupported::Field));
         }
-        let Some(prompt) = body.get("prompt").and_then(Json::as_str) else {
+        let Some(prompt) = field(body, "prompt").and_then(Json::as_str) else {
             return Err(Refusal::Engine(Unsupported::Field));
         };
-        let add_special = match body.get("add_special_tokens") {
-            None | Some(Json::Null) => true,
-            Some(Json::Bool(add)) => *add,
-            Some(_) => {
-                return Err(Refusal::Invalid(Invalid(
-                    "add_special_tokens must be a boolean".into(),
-                )));
-            }
-        };
+        let add_special = flag(body, "add_special_tokens", true)?;
         let special = match &self.special_prefix {
             _ if !add_special => Special::None,
             Some(prefix) => Special::Prefix(prefix),
@@ -426,11 +469,11 @@ impl EngineTokenizer {
             .template
             .as_ref()
             .map_err(|reason| Refusal::Engine(*reason))?;
-        let present = |name: &str| body.get(name).is_some_and(|value| *value != Json::Null);
+        let present = |name: &str| field(body, name).is_some_and(|value| *value != Json::Null);
         if self.tool_use_template && present("tools") {
             return Err(Refusal::Engine(Unsupported::Field));
         }
-        match body.get("messages") {
+        match field(body, "messages") {
             Some(Json::Array(messages)) if messages.is_empty() => {
                 return Err(Refusal::Engine(Unsupported::Message));
             }
@@ -442,20 +485,11 @@ impl EngineTokenizer {
         if present("chat_template") {
             return Err(Refusal::Engine(Unsupported::RequestTemplate));
         }
-        if present("documents")
-            || body.get("add_special_tokens").and_then(Json::as_bool) == Some(true)
-        {
+        if present("documents") || flag(body, "add_special_tokens", false)? {
             return Err(Refusal::Engine(Unsupported::Field));
         }
-        let flag = |name: &str, default: bool| match body.get(name) {
-            None | Some(Json::Null) => Ok(default),
-            Some(Json::Bool(value)) => Ok(*value),
-            Some(_) => Err(Refusal::Invalid(Invalid(format!(
-                "{name} must be a boolean"
-            )))),
-        };
-        let add_generation_prompt = flag("add_generation_prompt", true)?;
-        let continue_final_message = flag("continue_final_message", false)?;
+        let add_generation_prompt = flag(body, "add_generation_prompt", true)?;
+        let continue_final_message = flag(body, "continue_final_message", false)?;
         if add_generation_prompt && continue_final_message {
             return Err(Refusal::Invalid(Invalid(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -463,7 +497,7 @@ impl EngineTokenizer {
             )));
         }
         let mut variables = self.special_tokens.clone();
-        match body.get("chat_template_kwargs") {
+        match field(body, "chat_template_kwargs") {
             None | Some(Json::Null) => {}
             Some(Json::Object(kwargs)) => {
                 for (name, value) in kwargs {
@@ -492,7 +526,7 @@ impl EngineTokenizer {
                 )));
             }
         }
-        let tools = match body.get("tools") {
+        let tools = match field(body, "tools") {
             None | Some(Json::Null) => Value::from(()),
             Some(tools) => tools_as_vllm_dumps(tools)?.to_value(),
         };
@@ -502,7 +536,7 @@ impl EngineTokenizer {
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
         ));
-        let messages = body.get("messages").unwrap_or(&Json::Null);
+        let messages = field(body, "messages").unwrap_or(&Json::Null);
         let conversation = messages::conversation(messages, template.content_format())?;
         template
             .render(

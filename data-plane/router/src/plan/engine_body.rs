@@ -30,11 +30,7 @@ pub(super) fn for_engine(
     disaggregated_endpoint: bool,
 ) -> Bytes {
     let rewritten = openai.and_then(|request| {
-        let asked = request.model.as_deref();
-        let model = variant
-            .model_name
-            .as_deref()
-            .filter(|model| asked != Some(*model) && variant.adapter(asked).is_none());
+        let model = rewritten_model(request.model.as_deref(), variant);
         (model.is_some() || previous_id.is_some()).then(|| request.rewrite(model, previous_id))
     });
     let body = rewritten.map_or(body, Bytes::from);
@@ -43,6 +39,18 @@ pub(super) fn for_engine(
     } else {
         body
     }
+}
+
+/// The `model` the engine gets instead of `asked`: the variant's ModelName, when `asked` is
+/// another name and none of the variant's LoRA adapters.
+pub(super) fn rewritten_model<'a>(
+    asked: Option<&str>,
+    variant: &'a VariantRoute,
+) -> Option<&'a str> {
+    variant
+        .model_name
+        .as_deref()
+        .filter(|model| asked != Some(*model) && variant.adapter(asked).is_none())
 }
 
 /// A disaggregated endpoint's request without the `kv_transfer_params` a client sent (however

@@ -199,13 +199,15 @@ pub struct Prompt {
 }
 
 impl Prompt {
-    /// What the router's tokenizer reads: the body itself (no copy), or its `/tokenize` body.
-    pub fn for_tokenizer(&self) -> Result<Bytes, TokenizeError> {
-        if self.direct {
-            Ok(self.body.clone())
-        } else {
-            self.tokenize_body()
-        }
+    /// The body, when the router's tokenizer may read it as it is (else it reads the
+    /// `/tokenize` body).
+    pub fn direct_body(&self) -> Option<Bytes> {
+        self.direct.then(|| self.body.clone())
+    }
+
+    /// The size of the request's body.
+    pub fn body_len(&self) -> usize {
+        self.body.len()
     }
 
     /// vLLM's `/tokenize` body for the request ([`tokenize_body`]).
@@ -349,8 +351,11 @@ impl KvInput {
             Ok(kind) => kind,
             Err(err) => return (Self::Unusable(err), RequestChain::default()),
         };
+        // The adapter the engine's body names (planning may have rewritten `model`).
+        let asked = request.model.as_deref();
+        let model = super::engine_body::rewritten_model(asked, variant).or(asked);
         let chain = RequestChain {
-            lora_name: variant.adapter(request.model.as_deref()).map(str::to_owned),
+            lora_name: variant.adapter(model).map(str::to_owned),
             cache_salt: request.cache_salt.as_deref().map(str::to_owned),
         };
         let kind = match kind {
@@ -474,7 +479,7 @@ mod tests {
             KvInput::Tokens(PromptTokens::Known(ids)) => format!("ids {ids:?}"),
             KvInput::Tokens(PromptTokens::Ask(prompt)) => format!(
                 "read {:?}, sent {:?}",
-                prompt.for_tokenizer().ok(),
+                prompt.direct_body(),
                 prompt.tokenize_body().ok()
             ),
             KvInput::Unusable(err) => format!("unusable: {err}"),
@@ -489,6 +494,25 @@ mod tests {
                 assert_eq!(read_chain, parsed_chain, "{operation:?} {body}");
             }
         }
+        // The engine's body names another model than the client's: the chain follows the
+        // engine's (a ModelName that is also one of the variant's adapters).
+        let renamed = VariantRoute::bare("v", Some("sql-lora"), &["sql-lora"]);
+        let client = r#"{"model":"other","prompt":"x","cache_salt":null}"#;
+        let request = OpenAiRequest::parse(client.as_bytes()).unwrap();
+        let engine = super::super::engine_body::for_engine(
+            Bytes::from(client),
+            Some(&request),
+            &renamed,
+            None,
+            false,
+        );
+        assert_ne!(engine, client);
+        let (parsed, parsed_chain) = KvInput::of(Operation::Completions, &engine, &renamed);
+        let (read, read_chain) =
+            KvInput::of_openai(Operation::Completions, &request, &engine, &renamed);
+        assert_eq!(seen(&read), seen(&parsed));
+        assert_eq!(read_chain, parsed_chain);
+        assert_eq!(read_chain.lora_name.as_deref(), Some("sql-lora"));
         // The tokenizer reads a chat's body itself, and a completion's unless it has messages.
         let (input, _) = KvInput::of(
             Operation::Completions,
@@ -498,7 +522,8 @@ mod tests {
         let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
             panic!("{input:?}");
         };
-        assert_eq!(prompt.for_tokenizer().unwrap(), r#"{"prompt":"hi"}"#);
+        assert_eq!(prompt.direct_body(), None);
+        assert_eq!(prompt.tokenize_body().unwrap(), r#"{"prompt":"hi"}"#);
         let (input, _) = KvInput::of(
             Operation::ChatCompletions,
             &Bytes::from(bodies[6].clone()),
@@ -507,7 +532,7 @@ mod tests {
         let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
             panic!("{input:?}");
         };
-        assert_eq!(prompt.for_tokenizer().unwrap(), bodies[6]);
+        assert_eq!(prompt.direct_body().unwrap(), bodies[6]);
     }
 
     #[test]

@@ -666,6 +666,16 @@ mod tests {
             tokenizers.tokenize(&name, chat),
             Local::Ids { ids, check: None } if ids == [0, 3, 5, 6, 1, 0, 4]
         ));
+        // A completions body whose `messages` is null is read as vLLM reads it: its prompt.
+        let prompt = br#"{"model":"m","prompt":"hello world"}"#;
+        let null_messages = br#"{"model":"m","prompt":"hello world","messages":null}"#;
+        let Local::Ids { ids, .. } = tokenizers.tokenize(&name, prompt) else {
+            panic!("a prompt is tokenized here");
+        };
+        assert!(matches!(
+            tokenizers.tokenize(&name, null_messages),
+            Local::Ids { ids: same, .. } if same == ids
+        ));
         let image = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
         assert!(matches!(tokenizers.tokenize(&name, image), Local::Engine));
         let both = br#"{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}"#;
@@ -678,7 +688,7 @@ mod tests {
         let text = out.finish();
         assert!(
             text.contains(
-                r#"switchyard_router_local_tokenize_total{tokenizer="m",outcome="local"} 1"#
+                r#"switchyard_router_local_tokenize_total{tokenizer="m",outcome="local"} 3"#
             ),
             "{text}"
         );
@@ -687,6 +697,67 @@ mod tests {
             text.contains(r#"switchyard_router_local_tokenizer_usable{tokenizer="m"} 1"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn boolean_fields_are_read_as_vllm_reads_them() {
+        use serde_json::json;
+        let (_dir, tokenizers, _) = templated(0.0);
+        let name: Arc<str> = Arc::from("m");
+        let ids = |body: serde_json::Value| match tokenizers
+            .tokenize(&name, body.to_string().as_bytes())
+        {
+            Local::Ids { ids, .. } => Ok(ids),
+            Local::Refused(reason) => Err(reason),
+            other => Err(format!("{other:?}")),
+        };
+        let chat = |flag: serde_json::Value| {
+            serde_json::json!({"messages": [{"role": "user", "content": "hello"}],
+                "add_generation_prompt": flag})
+        };
+        let (with, without) = (
+            ids(chat(true.into())).unwrap(),
+            ids(chat(false.into())).unwrap(),
+        );
+        assert_ne!(with, without);
+        // pydantic's lax booleans, as vLLM's request models take them.
+        for yes in [
+            json!(1),
+            json!(1.0),
+            json!("true"),
+            json!("Yes"),
+            json!("ON"),
+            json!("t"),
+        ] {
+            assert_eq!(ids(chat(yes.clone())), Ok(with.clone()), "{yes}");
+        }
+        for no in [
+            json!(0),
+            json!("false"),
+            json!("No"),
+            json!("off"),
+            json!("f"),
+            json!("0"),
+        ] {
+            assert_eq!(ids(chat(no.clone())), Ok(without.clone()), "{no}");
+        }
+        for neither in [
+            json!(2),
+            json!(0.5),
+            json!("maybe"),
+            json!(" true"),
+            json!([]),
+        ] {
+            assert!(ids(chat(neither.clone())).is_err(), "{neither}");
+        }
+        // A chat's add_special_tokens "true" adds a BOS the template does not write: the
+        // engine is asked.
+        let special = json!({"messages": [{"role": "user", "content": "hello"}],
+            "add_special_tokens": "true"});
+        assert!(matches!(
+            tokenizers.tokenize(&name, special.to_string().as_bytes()),
+            Local::Engine
+        ));
     }
 
     #[test]

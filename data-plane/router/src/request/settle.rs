@@ -87,8 +87,15 @@ async fn token_ids(
     input: KvInput,
 ) -> Option<Vec<u32>> {
     let variant = &endpoint.variants[position];
-    if let (Some(name), KvInput::Tokens(PromptTokens::Ask(prompt))) = (local, &input)
-        && let Ok(body) = prompt.for_tokenizer()
+    let read = match (local, &input) {
+        (Some(_), KvInput::Tokens(PromptTokens::Ask(prompt))) => match prompt.direct_body() {
+            Some(body) => Some(body),
+            None => super::tokenize::tokenize_body(prompt).await.ok(),
+        },
+        _ => None,
+    };
+    if let (Some(name), Some(body), KvInput::Tokens(PromptTokens::Ask(prompt))) =
+        (local, read, &input)
     {
         match local_ids(worker, name, &body).await {
             Local::Ids { ids, check: None } => return Some(ids),

@@ -23,7 +23,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
-use crate::plan::tokens::{PromptKind, PromptTokens, TokenizeError};
+use crate::plan::tokens::{Prompt, PromptKind, PromptTokens, TokenizeError};
+use crate::request::read::OFFLOAD_BYTES;
 use crate::routing::cells::InstanceCell;
 use crate::routing::table::VariantRoute;
 
@@ -89,6 +90,18 @@ fn least(variant: &VariantRoute, wanted: impl Fn(usize, &InstanceCell) -> bool) 
         .filter(|(index, instance)| wanted(*index, &instance.cell))
         .min_by_key(|(position, instance)| (instance.cell.fleet_load(), *position))
         .map(|(position, _)| position)
+}
+
+/// `prompt`'s `/tokenize` body ([`Prompt::tokenize_body`]: a parse and a copy of the request's
+/// body), made on a blocking thread for a body above [`OFFLOAD_BYTES`] as planning is.
+pub(crate) async fn tokenize_body(prompt: &Prompt) -> Result<Bytes, TokenizeError> {
+    if prompt.body_len() <= OFFLOAD_BYTES {
+        return prompt.tokenize_body();
+    }
+    let prompt = prompt.clone();
+    tokio::task::spawn_blocking(move || prompt.tokenize_body())
+        .await
+        .unwrap_or_else(|err| Err(TokenizeError::Input(err.to_string())))
 }
 
 #[derive(Deserialize)]
@@ -158,7 +171,7 @@ impl TokenizeClient {
     ) -> Result<Vec<u32>, TokenizeError> {
         let body = match tokens {
             PromptTokens::Known(ids) => return Ok(ids),
-            PromptTokens::Ask(prompt) => prompt.tokenize_body()?,
+            PromptTokens::Ask(prompt) => tokenize_body(&prompt).await?,
         };
         let clock = switchyard_process::clock::monotonic_ms;
         let asked = clock();
