@@ -260,9 +260,13 @@ pub(crate) fn parse_request(
         ApiKind::Completion
     });
     let lora = lora_of(body.model.as_deref());
+    // A chat without messages (null too) is refused as vLLM refuses it, below; the model's
+    // tokenizer would read such a body as a completions one.
     let tokens = match tokenizer {
         Some(tokenizer)
-            if kind == ApiKind::Chat || matches!(body.prompt, Some(Value::String(_))) =>
+            if (kind == ApiKind::Chat && body.messages.is_some())
+                || (kind == ApiKind::Completion
+                    && matches!(body.prompt, Some(Value::String(_)))) =>
         {
             model_tokens(tokenizer, bytes, kind)
         }

@@ -382,12 +382,22 @@ async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engi
         cached.unwrap_or(0) >= 400,
         "the shared start is found: {cached:?} tokens"
     );
+    // A null `messages` in a completions body is no chat, for the router as for vLLM.
+    let mut third = completion("Third.");
+    third["messages"] = Value::Null;
+    let (instance, route, cached) = routed_choice(&send(&url, &third).await?);
+    assert_eq!((instance.as_str(), route.as_str()), ("e0", "kv"));
+    assert!(cached.unwrap_or(0) >= 400, "{cached:?} tokens");
+    // A chat without messages is refused, by the simulator as by vLLM.
+    let chat_url = format!("{}/v1/chat/completions", a.url);
+    let reply = http_post(&chat_url, &[], third.to_string()).await?;
+    assert_eq!(reply.status, 400, "{}", reply.body);
     let metrics = Metrics::scrape(&router.url()).await?;
     assert_eq!(
         metrics.value(
             r#"switchyard_router_local_tokenize_total{tokenizer="llama3",outcome="local"}"#
         )?,
-        1.0,
+        2.0,
         "tokenized here"
     );
     let checks = |outcome: &str| {
@@ -395,12 +405,12 @@ async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engi
             r#"switchyard_router_local_tokenize_checks_total{{tokenizer="llama3",outcome="{outcome}"}}"#
         )
     };
-    eventually(WAIT, "the check of the request's ids", || {
+    eventually(WAIT, "the checks of the requests' ids", || {
         let (url, matched) = (router.url(), checks("match"));
         async move {
             Metrics::scrape(&url)
                 .await
-                .is_ok_and(|metrics| metrics.value(&matched).is_ok_and(|value| value == 1.0))
+                .is_ok_and(|metrics| metrics.value(&matched).is_ok_and(|value| value == 2.0))
         }
     })
     .await?;

@@ -178,14 +178,13 @@ fn field<'a>(body: &'a Json, name: &str) -> Option<&'a Json> {
     body.get(name)
 }
 
-/// A boolean field of a body, `default` when absent or null, read as vLLM's request models
-/// read it (pydantic's lax booleans: `true`, `1`, `1.0`, and the strings `"true"`, `"yes"`,
-/// `"on"`, `"t"`, `"y"`, `"1"` in any case, and their opposites); anything else is refused, as
-/// vLLM refuses it.
+/// A boolean field of a body, `default` when absent, read as vLLM's request models read it
+/// (pydantic's lax booleans: `true`, `1`, `1.0`, and the strings `"true"`, `"yes"`, `"on"`,
+/// `"t"`, `"y"`, `"1"` in any case, and their opposites); anything else, null included, is
+/// refused, as vLLM refuses it.
 fn flag(body: &Json, name: &str, default: bool) -> Result<bool, Refusal> {
-    let value = match field(body, name) {
-        None | Some(Json::Null) => return Ok(default),
-        Some(value) => value,
+    let Some(value) = field(body, name) else {
+        return Ok(default);
     };
     let read = match value {
         Json::Bool(value) => Some(*value),
@@ -202,6 +201,18 @@ fn flag(body: &Json, name: &str, default: bool) -> Result<bool, Refusal> {
         Json::Array(_) | Json::Object(_) | Json::Null => None,
     };
     read.ok_or_else(|| Refusal::Invalid(Invalid(format!("{name} must be a boolean"))))
+}
+
+/// Whether Python takes the value for true (`bool(value)`).
+fn truthy(value: &Json) -> bool {
+    match value {
+        Json::Null => false,
+        Json::Bool(value) => *value,
+        Json::Number(number) => number.as_f64() != Some(0.0),
+        Json::String(text) => !text.is_empty(),
+        Json::Array(items) => !items.is_empty(),
+        Json::Object(fields) => !fields.is_empty(),
+    }
 }
 
 /// The special-token names Hugging Face passes to every template (`special_tokens_map`).
@@ -488,9 +499,13 @@ impl EngineTokenizer {
         if present("documents") || flag(body, "add_special_tokens", false)? {
             return Err(Refusal::Engine(Unsupported::Field));
         }
+        // vLLM's models test the two as given, before reading them as booleans: `"false"` is
+        // a non-empty string there, so true.
+        let given = |name| field(body, name).is_some_and(truthy);
+        let both_given = given("add_generation_prompt") && given("continue_final_message");
         let add_generation_prompt = flag(body, "add_generation_prompt", true)?;
         let continue_final_message = flag(body, "continue_final_message", false)?;
-        if add_generation_prompt && continue_final_message {
+        if both_given || add_generation_prompt && continue_final_message {
             return Err(Refusal::Invalid(Invalid(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
                     .into(),

@@ -742,6 +742,7 @@ mod tests {
             assert_eq!(ids(chat(no.clone())), Ok(without.clone()), "{no}");
         }
         for neither in [
+            json!(null),
             json!(2),
             json!(0.5),
             json!("maybe"),
@@ -750,6 +751,14 @@ mod tests {
         ] {
             assert!(ids(chat(neither.clone())).is_err(), "{neither}");
         }
+        // vLLM tests the two flags as given before it reads them: "false" is a non-empty
+        // string, so this asks for both and is refused.
+        let mut both = chat(json!("false"));
+        both["continue_final_message"] = json!(true);
+        assert!(ids(both).is_err());
+        let mut continued = chat(json!(false));
+        continued["continue_final_message"] = json!("yes");
+        assert!(ids(continued).is_ok());
         // A chat's add_special_tokens "true" adds a BOS the template does not write: the
         // engine is asked.
         let special = json!({"messages": [{"role": "user", "content": "hello"}],
