@@ -514,25 +514,21 @@ mod tests {
         assert_eq!(read_chain, parsed_chain);
         assert_eq!(read_chain.lora_name.as_deref(), Some("sql-lora"));
         // The tokenizer reads a chat's body itself, and a completion's unless it has messages.
-        let (input, _) = KvInput::of(
-            Operation::Completions,
-            &Bytes::from(bodies[5].clone()),
+        let ask = |operation, body: &str| match KvInput::of(
+            operation,
+            &Bytes::from(body.to_owned()),
             &variant,
-        );
-        let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
-            panic!("{input:?}");
+        )
+        .0
+        {
+            KvInput::Tokens(PromptTokens::Ask(prompt)) => prompt,
+            other => panic!("{other:?}"),
         };
-        assert_eq!(prompt.direct_body(), None);
-        assert_eq!(prompt.tokenize_body().unwrap(), r#"{"prompt":"hi"}"#);
-        let (input, _) = KvInput::of(
-            Operation::ChatCompletions,
-            &Bytes::from(bodies[6].clone()),
-            &variant,
-        );
-        let KvInput::Tokens(PromptTokens::Ask(prompt)) = input else {
-            panic!("{input:?}");
-        };
-        assert_eq!(prompt.direct_body().unwrap(), bodies[6]);
+        let completion = ask(Operation::Completions, &bodies[5]);
+        assert_eq!(completion.direct_body(), None);
+        assert_eq!(completion.tokenize_body().unwrap(), r#"{"prompt":"hi"}"#);
+        let chat = ask(Operation::ChatCompletions, &bodies[6]);
+        assert_eq!(chat.direct_body().unwrap(), bodies[6]);
     }
 
     #[test]
