@@ -577,7 +577,7 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json
             std::future::pending::<()>().await;
         }
     }
-    let parsed = parse_off_thread(&shared, body, None).await?;
+    let parsed = parse_off_thread(&shared, without_served_fields(body), None).await?;
     check_model(&shared.config, parsed.body.model.as_deref())?;
     let prompt = parsed.prompt?;
     Ok(Json(json!({
@@ -586,6 +586,28 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json
         "tokens": prompt.tokens,
         "token_strs": null,
     })))
+}
+
+/// A `/tokenize` body without the chat completion's own `documents` and `reasoning_effort`,
+/// which vLLM's `/tokenize` passes over and the model's tokenizer would render (as vLLM's chat
+/// completion does).
+fn without_served_fields(body: Bytes) -> Bytes {
+    let mentions = |name: &[u8]| body.windows(name.len()).any(|window| window == name);
+    if !mentions(b"\"documents\"") && !mentions(b"\"reasoning_effort\"") {
+        return body;
+    }
+    // The other values stay as written (nested keys in their order).
+    type Fields<'a> = std::collections::BTreeMap<String, &'a serde_json::value::RawValue>;
+    match serde_json::from_slice::<Fields<'_>>(&body) {
+        Ok(mut fields)
+            if fields.contains_key("documents") || fields.contains_key("reasoning_effort") =>
+        {
+            fields.remove("documents");
+            fields.remove("reasoning_effort");
+            serde_json::to_vec(&fields).map_or(body, Bytes::from)
+        }
+        _ => body,
+    }
 }
 
 async fn sim_requests(State(shared): State<Arc<Shared>>) -> Json<Vec<ReceivedRequest>> {
@@ -710,4 +732,25 @@ async fn set_sim_faults(
     shared.faults.set(faults);
     tracing::info!(?faults, "fault knobs changed");
     Ok(Json(faults))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tokenize_body_loses_only_the_chat_completions_own_fields() {
+        let plain = Bytes::from_static(br#"{"messages":[{"role":"user","content":"documents"}]}"#);
+        assert_eq!(without_served_fields(plain.clone()), plain);
+        let served = Bytes::from_static(
+            br#"{"messages":[],"documents":[{"text":"x"}],"reasoning_effort":"low","chat_template_kwargs":{"documents":[]}}"#,
+        );
+        let kept: Value = serde_json::from_slice(&without_served_fields(served)).unwrap();
+        assert_eq!(
+            kept,
+            json!({"messages": [], "chat_template_kwargs": {"documents": []}})
+        );
+        let broken = Bytes::from_static(br#"{"documents": "#);
+        assert_eq!(without_served_fields(broken.clone()), broken);
+    }
 }

@@ -133,6 +133,17 @@ def chat(rng, tools):
         body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
     if tools and rng.random() < 0.6:
         body["tools"] = rng.sample(TOOLS, rng.randint(1, len(TOOLS)))
+    # Fields vLLM's chat completion passes to the template and its /tokenize does not take:
+    # the router's /tokenize body carries them in chat_template_kwargs.
+    if rng.random() < 0.15:
+        body["reasoning_effort"] = rng.choice(["none", "minimal", "low", "medium", "high", "xhigh", "max"])
+        if rng.random() < 0.3:
+            body.setdefault("chat_template_kwargs", {})["reasoning_effort"] = "overridden"
+    if rng.random() < 0.1:
+        body["documents"] = [
+            {"title": text(rng, 3).strip() or "notes", "text": text(rng, rng.randint(3, 40))}
+            for _ in range(rng.randint(1, 3))
+        ]
     return loose_flags(rng, body)
 
 

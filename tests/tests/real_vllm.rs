@@ -837,7 +837,9 @@ async fn migration(
 /// tests/fixtures/tool-chat-template.jinja`: content parts, tools, tool calls) and gets the
 /// half of the requests that carry tools. Each request is turned into the `/tokenize` body the
 /// router builds (`tokenize_body`), which both sides tokenize; every difference is printed
-/// with its request.
+/// with its request. Every third request that fits the engines' context is also served
+/// (`return_token_ids`, one token), and the prompt ids the engine served (what it caches and
+/// announces in its KV events) must equal the router's for the request as sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real vLLM: scripts/test --real-vllm"]
 async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> anyhow::Result<()> {
@@ -871,6 +873,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
         (&tools, folder("tools", &fixture)?, "2", "--tools"),
     ];
     let (mut compared, mut differences) = (0, Vec::new());
+    let (mut served, mut served_differences) = (0, Vec::new());
     for (engine, folder, seed, flag) in &cases {
         let tokenizer = switchyard_tokenize::EngineTokenizer::load(folder, 64 << 20)?;
         anyhow::ensure!(
@@ -889,7 +892,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
             "{}",
             String::from_utf8_lossy(&corpus.stderr)
         );
-        for line in String::from_utf8(corpus.stdout)?.lines() {
+        for (index, line) in String::from_utf8(corpus.stdout)?.lines().enumerate() {
             let case: Value = serde_json::from_str(line)?;
             let kind = if case["kind"] == "chat" {
                 switchyard_router::parts::PromptKind::Chat
@@ -915,6 +918,59 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
                         .map_or_else(|| answer.to_string(), |ids| format!("{} ids", ids.len())),
                 ));
             }
+            // What the engine serves, which is what it caches: every third request that fits
+            // the engine's context, served with its prompt's ids returned. The router reads
+            // the engine's body as it is, so its ids are computed from the request itself.
+            let ours = tokenizer.tokenize(request.as_bytes());
+            // The `/tokenize` body says what the request does (the fields vLLM's `/tokenize`
+            // does not take travel in its kwargs).
+            if let Ok(ids) = ours.as_ref()
+                && tokenizer.tokenize(&body).as_ref() != Ok(ids)
+            {
+                differences.push(format!(
+                    "{}: the /tokenize body tokenizes otherwise than the request: {request}",
+                    engine.name
+                ));
+            }
+            if let Ok(ids) = ours.as_ref()
+                && index % 3 == 0
+                && ids.len() < SERVED_PROMPT_TOKENS
+            {
+                let (path, at) = match kind {
+                    switchyard_router::parts::PromptKind::Chat => {
+                        ("/v1/chat/completions", "/prompt_token_ids")
+                    }
+                    _ => ("/v1/completions", "/choices/0/prompt_token_ids"),
+                };
+                let mut body = case["body"].clone();
+                body["return_token_ids"] = json!(true);
+                body["max_tokens"] = json!(1);
+                // With tools, tool_choice defaults to "auto", which these engines (no tool
+                // parser) refuse; "none" renders the tools the same way.
+                if body.get("tools").is_some() && body.get("tool_choice").is_none() {
+                    body["tool_choice"] = json!("none");
+                }
+                let (status, answer) = http_post_status(
+                    &format!("{}{path}", engine.url()),
+                    body.to_string().as_bytes(),
+                )
+                .await?;
+                served += 1;
+                let theirs: Option<Vec<u32>> = answer
+                    .pointer(at)
+                    .and_then(|ids| serde_json::from_value(ids.clone()).ok());
+                if status != 200 || theirs.as_ref() != Some(ids) {
+                    served_differences.push(format!(
+                        "{} {path}: router {} ids, vLLM {status} {}: {request}",
+                        engine.name,
+                        ids.len(),
+                        theirs.map_or_else(
+                            || answer.to_string(),
+                            |theirs| format!("{} ids", theirs.len())
+                        ),
+                    ));
+                }
+            }
         }
         let stats = tokenizer.cache_stats();
         println!(
@@ -929,7 +985,20 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
     for difference in &differences {
         println!("DIFFERENT {difference}");
     }
+    println!(
+        "served prompts compared: {served}, different: {}",
+        served_differences.len()
+    );
+    for difference in &served_differences {
+        println!("SERVED DIFFERENT {difference}");
+    }
     anyhow::ensure!(compared == 1000, "{compared} requests compared");
+    anyhow::ensure!(served >= 100, "only {served} served prompts compared");
+    anyhow::ensure!(
+        served_differences.is_empty(),
+        "{} of {served} served prompts differ",
+        served_differences.len()
+    );
     anyhow::ensure!(
         differences.is_empty(),
         "{} of {compared} differ",
@@ -937,6 +1006,10 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
     );
     Ok(())
 }
+
+/// Prompts shorter than this are also served (the engines' `--max-model-len` is 2048; one
+/// token is generated).
+const SERVED_PROMPT_TOKENS: usize = 2000;
 
 /// POSTs `body` as JSON; the status and the answer's JSON (null if none).
 async fn http_post_status(url: &str, body: &[u8]) -> anyhow::Result<(u16, Value)> {

@@ -51,8 +51,8 @@ pub enum Unsupported {
     NonText,
     /// A message this crate does not rewrite as vLLM does (`developer`, billing headers).
     Message,
-    /// A body field whose effect is not followed here (`documents`, `add_special_tokens` on a
-    /// chat body, kwargs that are `apply_chat_template`'s own parameters).
+    /// A body field whose effect is not followed here (`add_special_tokens` on a chat body,
+    /// kwargs that are `apply_chat_template`'s own parameters).
     Field,
     /// A body past [`MOST_BODY_BYTES`], [`MOST_MESSAGES`] or [`MOST_PARTS`].
     Large,
@@ -145,7 +145,6 @@ pub enum LoadError {
 const CALL_PARAMETERS: &[&str] = &[
     "conversation",
     "tools",
-    "documents",
     "padding",
     "truncation",
     "max_length",
@@ -167,7 +166,12 @@ const READ_FIELDS: &[&str] = &[
     "chat_template_kwargs",
     "tools",
     "documents",
+    "reasoning_effort",
 ];
+
+/// The values vLLM's chat completion takes for `reasoning_effort`.
+pub const REASONING_EFFORTS: &[&str] =
+    &["none", "minimal", "low", "medium", "high", "xhigh", "max"];
 
 /// A field of a body read with [`READ_FIELDS`].
 fn field<'a>(body: &'a Json, name: &str) -> Option<&'a Json> {
@@ -496,9 +500,27 @@ impl EngineTokenizer {
         if present("chat_template") {
             return Err(Refusal::Engine(Unsupported::RequestTemplate));
         }
-        if present("documents") || flag(body, "add_special_tokens", false)? {
+        if flag(body, "add_special_tokens", false)? {
             return Err(Refusal::Engine(Unsupported::Field));
         }
+        // Two fields of vLLM's chat completion reach the template as variables (its
+        // `/tokenize` has neither: the router moves them into the kwargs of the `/tokenize`
+        // body it sends): `documents`, and `reasoning_effort`, with `enable_thinking` set by
+        // it unless the kwargs name that. Both override the kwargs of the same name.
+        let documents = match field(body, "documents") {
+            None | Some(Json::Null) => None,
+            Some(documents) => Some(documents_as_vllm_reads(documents)?),
+        };
+        let reasoning_effort = match field(body, "reasoning_effort") {
+            None | Some(Json::Null) => None,
+            Some(Json::String(effort)) if REASONING_EFFORTS.contains(&&**effort) => Some(effort),
+            Some(_) => {
+                return Err(Refusal::Invalid(Invalid(format!(
+                    "reasoning_effort must be one of {}",
+                    REASONING_EFFORTS.join(", ")
+                ))));
+            }
+        };
         // vLLM's models test the two as given, before reading them as booleans: `"false"` is
         // a non-empty string there, so true.
         let given = |name| field(body, name).is_some_and(truthy);
@@ -512,11 +534,14 @@ impl EngineTokenizer {
             )));
         }
         let mut variables = self.special_tokens.clone();
+        let (mut kwargs_documents, mut kwargs_enable_thinking) = (false, false);
         match field(body, "chat_template_kwargs") {
             None | Some(Json::Null) => {}
             Some(Json::Object(kwargs)) => {
+                kwargs_enable_thinking = kwargs.iter().any(|(name, _)| name == "enable_thinking");
                 for (name, value) in kwargs {
-                    // vLLM's merge drops these values; its own fields set the two flags.
+                    // vLLM's renderer merges the kwargs over its defaults (never empty) and
+                    // drops these values; its own fields set the two flags.
                     if *value == Json::Null
                         || value.as_str() == Some("auto")
                         || name == "add_generation_prompt"
@@ -532,6 +557,10 @@ impl EngineTokenizer {
                     if CALL_PARAMETERS.contains(&name.as_str()) {
                         return Err(Refusal::Engine(Unsupported::Field));
                     }
+                    if name == "documents" {
+                        kwargs_documents_as_hf_reads(value)?;
+                        kwargs_documents = true;
+                    }
                     variables.push((name.clone(), value.to_value()));
                 }
             }
@@ -546,7 +575,18 @@ impl EngineTokenizer {
             Some(tools) => tools_as_vllm_dumps(tools)?.to_value(),
         };
         variables.push(("tools".into(), tools));
-        variables.push(("documents".into(), Value::from(())));
+        // Later variables win over earlier ones of the same name (the kwargs).
+        match documents {
+            Some(documents) => variables.push(("documents".into(), documents.to_value())),
+            None if kwargs_documents => {}
+            None => variables.push(("documents".into(), Value::from(()))),
+        }
+        if let Some(effort) = reasoning_effort {
+            variables.push(("reasoning_effort".into(), Value::from(&**effort)));
+            if !kwargs_enable_thinking {
+                variables.push(("enable_thinking".into(), Value::from(&**effort != "none")));
+            }
+        }
         variables.push((
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
@@ -644,6 +684,37 @@ enum Special<'a> {
     Prefix(&'a [u32]),
     /// Another post-processor: the prompt is tokenized whole with it.
     PostProcessor,
+}
+
+/// A chat completion's `documents` as vLLM's request model reads them: a list of objects whose
+/// values are strings (`list[dict[str, str]]`), else the request is invalid.
+fn documents_as_vllm_reads(documents: &Json) -> Result<&Json, Refusal> {
+    documents_of(documents, |value| matches!(value, Json::String(_)))
+        .ok_or_else(|| invalid("documents must be a list of objects with string values"))
+}
+
+/// `documents` in `chat_template_kwargs`, which vLLM hands to Hugging Face's
+/// `apply_chat_template`: it refuses anything but a list of objects.
+fn kwargs_documents_as_hf_reads(documents: &Json) -> Result<&Json, Refusal> {
+    documents_of(documents, |_| true)
+        .ok_or_else(|| invalid("Documents should be a list of dicts with 'title' and 'text' keys!"))
+}
+
+/// `documents` if it is a list of objects whose values all pass `value`.
+fn documents_of(documents: &Json, value: impl Fn(&Json) -> bool) -> Option<&Json> {
+    let Json::Array(list) = documents else {
+        return None;
+    };
+    list.iter()
+        .all(|document| match document {
+            Json::Object(fields) => fields.iter().all(|(_, field)| value(field)),
+            _ => false,
+        })
+        .then_some(documents)
+}
+
+fn invalid(reason: &str) -> Refusal {
+    Refusal::Invalid(Invalid(reason.into()))
 }
 
 /// The tools as vLLM 0.32 hands them to the template (`ChatCompletionToolsParam.model_dump()`):

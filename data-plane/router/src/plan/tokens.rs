@@ -10,9 +10,11 @@
 //! string prompt; a token-id prompt needs no round trip); chat `{"model", "messages", …}` with
 //! the fields that change the templated prompt copied over (`add_generation_prompt`,
 //! `continue_final_message`, `add_special_tokens`, `chat_template`, `chat_template_kwargs`,
-//! `tools`, `documents`). The answer's `tokens` are the ids. The router's tokenizer reads these
-//! fields and no other, so it may read the request's own body instead (but a completions body
-//! with `messages`, which it would read as a chat).
+//! `tools`), and a chat completion's `documents` and `reasoning_effort`, which `/tokenize` does
+//! not take, moved into `chat_template_kwargs` as the chat completion passes them to the
+//! template. The answer's `tokens` are the ids of the prompt the engine serves. The router's
+//! tokenizer reads these fields and no other, so it may read the request's own body instead
+//! (but a completions body with `messages`, which it would read as a chat).
 
 use std::time::Duration;
 
@@ -28,15 +30,15 @@ use crate::routing::table::VariantRoute;
 /// BOS out, for the completion as for vLLM's `/tokenize` of a prompt.
 const COMPLETION_FIELDS: &[&str] = &["add_special_tokens"];
 
-/// Chat fields that change the prompt the template renders.
+/// Chat fields that change the prompt the template renders, copied as they are. A chat
+/// completion's `documents` and `reasoning_effort`, which vLLM's `/tokenize` does not take, go
+/// into `chat_template_kwargs` ([`served_kwargs`]).
 const CHAT_TEMPLATE_FIELDS: &[&str] = &[
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
     "chat_template",
-    "chat_template_kwargs",
     "tools",
-    "documents",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +136,7 @@ fn body_of(
     fields: &Fields<'_>,
     size_hint: usize,
 ) -> Result<Bytes, TokenizeError> {
+    let kwargs: Option<Box<RawValue>>;
     let mut out: Vec<(&str, &RawValue)> = Vec::new();
     if let Some(model) = fields.get("model") {
         out.push(("model", model));
@@ -150,6 +153,12 @@ fn body_of(
                 .get("messages")
                 .ok_or_else(|| TokenizeError::Input("no messages".into()))?;
             out.push(("messages", messages));
+            kwargs = served_kwargs(fields);
+            match (&kwargs, fields.get("chat_template_kwargs")) {
+                (Some(kwargs), _) => out.push(("chat_template_kwargs", kwargs)),
+                (None, Some(given)) => out.push(("chat_template_kwargs", given)),
+                (None, None) => {}
+            }
             CHAT_TEMPLATE_FIELDS
         }
     };
@@ -172,6 +181,48 @@ fn body_of(
     }
     body.push(b'}');
     Ok(Bytes::from(body))
+}
+
+/// A chat's `chat_template_kwargs` as vLLM's chat completion passes them to the template, when
+/// that differs from the kwargs given: a `documents` list and a valid `reasoning_effort`
+/// override the kwargs of the same name, and `enable_thinking` is `reasoning_effort != "none"`
+/// unless the kwargs name it. None when the request has neither field (not null), or its kwargs
+/// are not an object (vLLM refuses such a request).
+fn served_kwargs(fields: &Fields<'_>) -> Option<Box<RawValue>> {
+    let documents = fields
+        .get("documents")
+        .copied()
+        .filter(|_| has(fields, "documents"));
+    let effort = fields
+        .get("reasoning_effort")
+        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        .filter(|effort| switchyard_tokenize::REASONING_EFFORTS.contains(&effort.as_str()));
+    if documents.is_none() && effort.is_none() {
+        return None;
+    }
+    // The values stay as written (a nested object's keys in their order, numbers as given);
+    // a key given twice keeps its last value, as Python reads it.
+    let mut kwargs: Fields<'_> = match fields.get("chat_template_kwargs") {
+        None => Fields::new(),
+        Some(raw) if raw.get().trim() == "null" => Fields::new(),
+        Some(raw) => serde_json::from_str(raw.get()).ok()?,
+    };
+    let literal = |json: &'static str| -> &'static RawValue {
+        serde_json::from_str(json).expect("a JSON literal")
+    };
+    if let Some(documents) = documents {
+        kwargs.insert("documents".into(), documents);
+    }
+    let effort_value;
+    if let Some(effort) = effort {
+        if !kwargs.contains_key("enable_thinking") {
+            let thinking = if effort == "none" { "false" } else { "true" };
+            kwargs.insert("enable_thinking".into(), literal(thinking));
+        }
+        effort_value = serde_json::value::to_raw_value(&effort).ok()?;
+        kwargs.insert("reasoning_effort".into(), &effort_value);
+    }
+    serde_json::value::to_raw_value(&kwargs).ok()
 }
 
 /// A request's token ids, known from its body or to be asked for. Made on the CPU side of the

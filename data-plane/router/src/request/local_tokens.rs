@@ -905,6 +905,143 @@ mod tests {
     }
 
     #[test]
+    fn what_a_chat_completion_adds_to_the_template_is_rendered_and_sent_in_the_kwargs() {
+        use crate::plan::tokens::{PromptKind, tokenize_body};
+        use serde_json::json;
+        // Documents' texts, then "hello" if thinking, "world" if not, then the effort (an
+        // unknown word: 2), then the conversation.
+        let dir = folder(Some(
+            "{% for d in documents or [] %}{{ d.text }} {% endfor %}\
+             {% if enable_thinking is defined %}{{ 'hello' if enable_thinking else 'world' }} {% endif %}\
+             {% if reasoning_effort is defined %}{{ reasoning_effort }} {% endif %}\
+             {% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}",
+        ));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let ids = |body: &[u8]| match tokenizers.tokenize(&name, body) {
+            Local::Ids { ids, .. } => Ok(ids),
+            other => Err(format!("{other:?}")),
+        };
+        // As the request's own body, and as the `/tokenize` body an engine would be sent.
+        let both = |extra: serde_json::Value| {
+            let mut body =
+                json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
+            for (name, value) in extra.as_object().unwrap() {
+                body[name] = value.clone();
+            }
+            let body = body.to_string();
+            let direct = ids(body.as_bytes());
+            let sent = tokenize_body(PromptKind::Chat, body.as_bytes()).unwrap();
+            // vLLM's `/tokenize` takes neither field: they travel in the kwargs.
+            let fields: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+            assert!(fields.get("documents").is_none(), "{fields}");
+            assert!(fields.get("reasoning_effort").is_none(), "{fields}");
+            (direct, ids(&sent))
+        };
+        let chat = [0, 3, 5, 1];
+        let with = |head: &[u32]| Ok(head.iter().chain(&chat).copied().collect::<Vec<u32>>());
+        for (extra, expected) in [
+            (json!({}), with(&[])),
+            (
+                json!({"documents": [{"title": "t", "text": "world"}]}),
+                with(&[6]),
+            ),
+            // The request's documents win over the kwargs'; the kwargs' alone are rendered.
+            (
+                json!({"documents": [{"text": "world"}],
+                       "chat_template_kwargs": {"documents": [{"text": "hello"}]}}),
+                with(&[6]),
+            ),
+            (
+                json!({"chat_template_kwargs": {"documents": [{"text": "hello"}]}}),
+                with(&[5]),
+            ),
+            (json!({"reasoning_effort": "none"}), with(&[6, 2])),
+            (json!({"reasoning_effort": "high"}), with(&[5, 2])),
+            // The kwargs' enable_thinking stays; the request's effort wins over theirs.
+            (
+                json!({"reasoning_effort": "high",
+                       "chat_template_kwargs": {"enable_thinking": false, "reasoning_effort": "low"}}),
+                with(&[6, 2]),
+            ),
+            (
+                json!({"reasoning_effort": null, "documents": null}),
+                with(&[]),
+            ),
+            // A kwarg named enable_thinking keeps vLLM from setting it, even a null or
+            // "auto" one, which its renderer then drops.
+            (
+                json!({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": null}}),
+                with(&[2]),
+            ),
+            (
+                json!({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": "auto"}}),
+                with(&[2]),
+            ),
+        ] {
+            let (direct, sent) = both(extra.clone());
+            assert_eq!(direct, expected, "{extra}");
+            assert_eq!(sent, expected, "{extra} as the /tokenize body");
+        }
+        // What vLLM refuses is refused here; the `/tokenize` body leaves it out.
+        for bad in [
+            json!({"reasoning_effort": "bogus"}),
+            json!({"reasoning_effort": 3}),
+            json!({"documents": [{"text": 5}]}),
+            json!({"documents": {"text": "x"}}),
+            json!({"chat_template_kwargs": {"documents": "abc"}}),
+            json!({"chat_template_kwargs": {"documents": [1]}}),
+        ] {
+            let (direct, _) = both(bad.clone());
+            assert!(
+                direct.as_ref().is_err_and(|why| why.contains("Refused")),
+                "{bad}: {direct:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn documents_reach_the_engine_with_their_keys_in_the_order_given() {
+        use crate::plan::tokens::{PromptKind, tokenize_body};
+        let dir = folder(Some(
+            "{{ documents | tojson }} {% for m in messages %}{{ m.content }}{% endfor %}",
+        ));
+        let tokenizers = LocalTokenizers::new(Some(dir.path().into()), 1 << 20, 0.0);
+        loaded(&tokenizers);
+        let name: Arc<str> = Arc::from("m");
+        let ids = |body: &[u8]| match tokenizers.tokenize(&name, body) {
+            Local::Ids { ids, .. } => ids,
+            other => panic!("{other:?}"),
+        };
+        // "title" before "text", as Python keeps them; and with a reasoning_effort, which
+        // rewrites the kwargs, and a number Rust's f64 would round.
+        for body in [
+            r#"{"messages":[{"role":"user","content":"hello"}],"documents":[{"title":"hello","text":"world"}]}"#,
+            r#"{"messages":[{"role":"user","content":"hello"}],"documents":[{"title":"hello","text":"world"}],
+               "reasoning_effort":"low","chat_template_kwargs":{"n":{"b":1,"a":100000000000000000001}}}"#,
+        ] {
+            let direct = ids(body.as_bytes());
+            let hello = direct.iter().position(|&id| id == 5).unwrap();
+            let world = direct.iter().position(|&id| id == 6).unwrap();
+            assert!(hello < world, "{direct:?}");
+            let sent = tokenize_body(PromptKind::Chat, body.as_bytes()).unwrap();
+            assert_eq!(ids(&sent), direct, "{}", String::from_utf8_lossy(&sent));
+            let text = String::from_utf8_lossy(&sent);
+            assert!(
+                text.contains(r#"{"title":"hello","text":"world"}"#),
+                "{text}"
+            );
+            if body.contains("reasoning_effort") {
+                assert!(
+                    text.contains(r#"{"b":1,"a":100000000000000000001}"#),
+                    "{text}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn a_missing_folder_or_template_leaves_the_requests_to_the_engine() {
         let tokenizers = LocalTokenizers::new(Some("/nonexistent-switchyard".into()), 1 << 20, 0.0);
         loaded(&tokenizers);
