@@ -35,6 +35,10 @@ pub(crate) struct InferenceBody {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's extra sampling arguments; the simulator reads `kv_cache_report_mode`.
     pub vllm_xargs: Option<Value>,
+    /// A chat's `reasoning_effort` and `documents`, which vLLM validates and passes to the
+    /// chat template (the model's tokenizer renders them, `--tokenizer`).
+    pub reasoning_effort: Option<Value>,
+    pub documents: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -259,6 +263,9 @@ pub(crate) fn parse_request(
     } else {
         ApiKind::Completion
     });
+    if kind == ApiKind::Chat {
+        check_chat_fields(&body)?;
+    }
     let lora = lora_of(body.model.as_deref());
     // A chat without messages (null too) is refused as vLLM refuses it, below; the model's
     // tokenizer would read such a body as a completions one.
@@ -278,6 +285,39 @@ pub(crate) fn parse_request(
         lora,
     });
     Ok(ParsedRequest { body, kind, prompt })
+}
+
+/// What vLLM's chat request model refuses in `reasoning_effort` (one of its values, or null)
+/// and `documents` (a list of objects with string values, or null).
+fn check_chat_fields(body: &InferenceBody) -> Result<(), ApiError> {
+    match &body.reasoning_effort {
+        None | Some(Value::Null) => {}
+        Some(Value::String(effort))
+            if switchyard_tokenize::REASONING_EFFORTS.contains(&effort.as_str()) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(format!(
+                "reasoning_effort must be one of {}",
+                switchyard_tokenize::REASONING_EFFORTS.join(", ")
+            ))
+            .param("reasoning_effort"));
+        }
+    }
+    let documents_valid = match &body.documents {
+        None | Some(Value::Null) => true,
+        Some(Value::Array(documents)) => documents.iter().all(|document| {
+            document
+                .as_object()
+                .is_some_and(|fields| fields.values().all(Value::is_string))
+        }),
+        Some(_) => false,
+    };
+    if !documents_valid {
+        return Err(ApiError::bad_request(
+            "documents must be a list of objects with string values".to_owned(),
+        )
+        .param("documents"));
+    }
+    Ok(())
 }
 
 /// The prompt's ids from the model's own tokenizer (`--tokenizer`), as vLLM computes them; a

@@ -1284,3 +1284,43 @@ async fn a_data_parallel_rank_outside_the_servers_is_refused_as_vllm_does() -> R
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_chats_reasoning_effort_and_documents_are_checked_as_vllm_checks_them() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (name, value) in extra.as_object().unwrap() {
+            body[name] = value.clone();
+        }
+        body
+    };
+    for good in [
+        json!({"reasoning_effort": "low", "documents": [{"title": "t", "text": "x"}]}),
+        json!({"reasoning_effort": null, "documents": null}),
+        json!({"documents": []}),
+    ] {
+        let reply = post(sim.addr, "/v1/chat/completions", &chat(good.clone())).await?;
+        assert_eq!(reply.status, StatusCode::OK, "{good}");
+    }
+    for (bad, param) in [
+        (json!({"reasoning_effort": "bogus"}), "reasoning_effort"),
+        (json!({"reasoning_effort": 1}), "reasoning_effort"),
+        (json!({"documents": [{"text": 5}]}), "documents"),
+        (json!({"documents": {"text": "x"}}), "documents"),
+    ] {
+        let reply = post(sim.addr, "/v1/chat/completions", &chat(bad.clone())).await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert_eq!(reply.json()["error"]["param"], param, "{bad}");
+    }
+    // A completion has no such fields: vLLM passes them over.
+    let reply = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 2, "reasoning_effort": "bogus"}),
+    )
+    .await?;
+    assert_eq!(reply.status, StatusCode::OK);
+    sim.shutdown().await;
+    Ok(())
+}
