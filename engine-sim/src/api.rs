@@ -242,16 +242,16 @@ async fn parse_off_thread(
     body: Bytes,
     kind: Option<ApiKind>,
 ) -> Result<ParsedRequest, ApiError> {
-    let block_size = shared.config.block_size;
+    let limits = (shared.config.block_size, shared.config.max_model_len);
     let tokenizer = shared.tokenizer.clone();
     if body.len() <= PARSE_INLINE_LIMIT {
-        return parse_request(&body, kind, block_size, tokenizer.as_deref(), |model| {
+        return parse_request(&body, kind, limits, tokenizer.as_deref(), |model| {
             shared.config.lora(model)
         });
     }
     let modules = shared.config.lora_modules.clone();
     tokio::task::spawn_blocking(move || {
-        parse_request(&body, kind, block_size, tokenizer.as_deref(), |model| {
+        parse_request(&body, kind, limits, tokenizer.as_deref(), |model| {
             lora_of(&modules, model)
         })
     })

@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use crate::cache::{Lora, block_hashes_under};
 use crate::tokenizer::{chat_prompt_text, tokenize};
+use switchyard_tokenize::truncation::{Cut, Truncation, context_kept};
 
 /// Chat completions or (text) completions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +40,11 @@ pub(crate) struct InferenceBody {
     /// chat template (the model's tokenizer renders them, `--tokenizer`).
     pub reasoning_effort: Option<Value>,
     pub documents: Option<Value>,
+    /// vLLM's prompt truncation: the engine serves only the ids these keep.
+    pub truncate_prompt_tokens: Option<Value>,
+    pub truncation_side: Option<Value>,
+    /// Read for the truncation only (whether the tokenizer added a BOS to cut around).
+    pub add_special_tokens: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -117,6 +123,59 @@ impl InferenceBody {
                 _ => 0,
             }),
         }
+    }
+
+    /// The request's truncation and what -1 keeps, as vLLM reads and checks them (a 400
+    /// naming the field otherwise).
+    fn truncation(
+        &self,
+        kind: ApiKind,
+        max_model_len: u32,
+    ) -> Result<Option<(Truncation, u64)>, ApiError> {
+        let param = |message: &str| {
+            if message.starts_with("truncation_side") {
+                "truncation_side"
+            } else {
+                "truncate_prompt_tokens"
+            }
+        };
+        let invalid = |err: switchyard_tokenize::Invalid| {
+            let field = param(&err.0);
+            ApiError::bad_request(err.0).param(field)
+        };
+        let Some(truncation) = Truncation::read(
+            self.truncate_prompt_tokens.as_ref(),
+            self.truncation_side.as_ref(),
+        )
+        .map_err(invalid)?
+        else {
+            return Ok(None);
+        };
+        truncation.check(max_model_len).map_err(invalid)?;
+        // vLLM's `max_completion_tokens or max_tokens` (chat), `max_tokens` (completions),
+        // read with `or 0`.
+        let asked = match kind {
+            ApiKind::Chat => self.max_completion_tokens.or(self.max_tokens),
+            ApiKind::Completion => self.max_tokens,
+        };
+        let asked = asked.map(|tokens| u64::from(tokens != 0));
+        Ok(Some((truncation, context_kept(max_model_len, asked))))
+    }
+
+    /// Whether the model's tokenizer adds its special tokens to the prompt: a completions
+    /// text prompt unless `add_special_tokens` is false (read as vLLM reads a boolean).
+    fn adds_special_tokens(&self, kind: ApiKind) -> bool {
+        let text = matches!(self.prompt, Some(Value::String(_)));
+        let off = match &self.add_special_tokens {
+            Some(Value::Bool(add)) => !add,
+            Some(Value::Number(number)) => number.as_f64() == Some(0.0),
+            Some(Value::String(text)) => matches!(
+                text.to_ascii_lowercase().as_str(),
+                "0" | "off" | "f" | "false" | "n" | "no"
+            ),
+            _ => false,
+        };
+        kind == ApiKind::Completion && text && !off
     }
 
     /// Whether `vllm_xargs.kv_cache_report_mode` is "full": vLLM 0.32 then publishes a
@@ -253,7 +312,7 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
 pub(crate) fn parse_request(
     bytes: &[u8],
     kind: Option<ApiKind>,
-    block_size: usize,
+    (block_size, max_model_len): (usize, u32),
     tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
     lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
@@ -266,6 +325,7 @@ pub(crate) fn parse_request(
     if kind == ApiKind::Chat {
         check_chat_fields(&body)?;
     }
+    let truncation = body.truncation(kind, max_model_len)?;
     let lora = lora_of(body.model.as_deref());
     // A chat without messages (null too) is refused as vLLM refuses it, below; the model's
     // tokenizer would read such a body as a completions one.
@@ -278,6 +338,16 @@ pub(crate) fn parse_request(
             model_tokens(tokenizer, bytes, kind)
         }
         _ => prompt_tokens(&body, kind),
+    };
+    let tokens = match truncation {
+        Some((truncation, context)) => tokens.map(|tokens| {
+            let cut = match tokenizer {
+                Some(tokenizer) => tokenizer.truncation_cut(body.adds_special_tokens(kind)),
+                None => Cut::LEFT,
+            };
+            truncation.apply(tokens, cut, Some(context))
+        }),
+        None => tokens,
     };
     let prompt = tokens.map(|tokens| Prompt {
         block_hashes: block_hashes_under(lora.as_ref(), &tokens, block_size),
@@ -714,7 +784,7 @@ mod tests {
         let chat = parse_request(
             br#"{"model":"sim","messages":[{"role":"user","content":"the cat sat"}],"unknown":1}"#,
             Some(ApiKind::Chat),
-            16,
+            (16, 2048),
             None,
             |_| None,
         )
@@ -722,30 +792,100 @@ mod tests {
         assert_eq!(chat.kind, ApiKind::Chat);
         assert_eq!(chat.prompt.unwrap().tokens.len(), 5 + 3 + 6);
 
-        let completion =
-            parse_request(br#"{"prompt":["the cat", " sat"]}"#, None, 16, None, |_| {
-                None
-            })
-            .unwrap();
+        let completion = parse_request(
+            br#"{"prompt":["the cat", " sat"]}"#,
+            None,
+            (16, 2048),
+            None,
+            |_| None,
+        )
+        .unwrap();
         assert_eq!(completion.kind, ApiKind::Completion);
         assert_eq!(completion.prompt.unwrap().tokens.len(), 3);
 
-        let ids = parse_request(br#"{"prompt":[1,2,3]}"#, None, 16, None, |_| None).unwrap();
+        let ids =
+            parse_request(br#"{"prompt":[1,2,3]}"#, None, (16, 2048), None, |_| None).unwrap();
         assert_eq!(ids.prompt.unwrap().tokens, vec![1, 2, 3]);
 
-        let invocation = parse_request(br#"{"messages":[]}"#, None, 16, None, |_| None).unwrap();
+        let invocation =
+            parse_request(br#"{"messages":[]}"#, None, (16, 2048), None, |_| None).unwrap();
         assert_eq!(invocation.kind, ApiKind::Chat);
 
-        let missing = parse_request(br#"{"model":"sim"}"#, Some(ApiKind::Chat), 16, None, |_| {
-            None
-        })
+        let missing = parse_request(
+            br#"{"model":"sim"}"#,
+            Some(ApiKind::Chat),
+            (16, 2048),
+            None,
+            |_| None,
+        )
         .unwrap();
         assert_eq!(missing.prompt.unwrap_err().param, Some("messages"));
 
-        let bad = parse_request(b"{not json", None, 16, None, |_| None).unwrap_err();
+        let bad = parse_request(b"{not json", None, (16, 2048), None, |_| None).unwrap_err();
         assert_eq!(bad.status, StatusCode::BAD_REQUEST);
         assert_eq!(bad.to_json()["error"]["type"], "BadRequestError");
         assert_eq!(bad.to_json()["error"]["code"], 400);
+    }
+
+    #[test]
+    fn the_prompt_is_truncated_as_vllm_truncates_it() {
+        let tokens = |body: &str, max_model_len: u32| {
+            parse_request(body.as_bytes(), None, (16, max_model_len), None, |_| None)
+                .map(|parsed| parsed.prompt.unwrap().tokens)
+        };
+        let ids = "[1,2,3,4,5,6,7,8,9,10]";
+        let served = |fields: &str| tokens(&format!(r#"{{"prompt":{ids}{fields}}}"#), 8);
+        assert_eq!(served("").unwrap().len(), 10);
+        // No side: the left, as vLLM sets a generating model's tokenizer.
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":3"#).unwrap(),
+            [8, 9, 10]
+        );
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":3,"truncation_side":"right""#).unwrap(),
+            [1, 2, 3]
+        );
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":"3","truncation_side":"left""#).unwrap(),
+            [8, 9, 10]
+        );
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":null,"truncation_side":"left""#)
+                .unwrap()
+                .len(),
+            10
+        );
+        // -1: the context (8), less one when output is asked for.
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":-1,"truncation_side":"left""#).unwrap(),
+            [3, 4, 5, 6, 7, 8, 9, 10]
+        );
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":-1,"max_tokens":2"#).unwrap(),
+            [4, 5, 6, 7, 8, 9, 10]
+        );
+        let chat = r#"{"messages":[{"role":"user","content":"the cat sat on the mat"}],"max_completion_tokens":1,"truncate_prompt_tokens":4,"truncation_side":"left"}"#;
+        let whole = tokens(&chat.replace(r#","truncate_prompt_tokens":4"#, ""), 64).unwrap();
+        assert_eq!(tokens(chat, 64).unwrap(), whole[whole.len() - 4..]);
+        for (fields, param) in [
+            (r#","truncate_prompt_tokens":-2"#, "truncate_prompt_tokens"),
+            (r#","truncate_prompt_tokens":2.5"#, "truncate_prompt_tokens"),
+            (r#","truncate_prompt_tokens":9"#, "truncate_prompt_tokens"),
+            (r#","truncate_prompt_tokens":[]"#, "truncate_prompt_tokens"),
+            (r#","truncation_side":"middle""#, "truncation_side"),
+            (
+                r#","truncate_prompt_tokens":2,"truncation_side":1"#,
+                "truncation_side",
+            ),
+        ] {
+            let err = served(fields).unwrap_err();
+            assert_eq!(
+                (err.status, err.param),
+                (StatusCode::BAD_REQUEST, Some(param)),
+                "{fields}: {}",
+                err.message
+            );
+        }
     }
 
     #[test]

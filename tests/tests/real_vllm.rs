@@ -873,7 +873,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
         (&tools, folder("tools", &fixture)?, "2", "--tools"),
     ];
     let (mut compared, mut differences) = (0, Vec::new());
-    let (mut served, mut served_differences) = (0, Vec::new());
+    let (mut served, mut served_differences, mut truncated) = (0, Vec::new(), 0);
     for (engine, folder, seed, flag) in &cases {
         let tokenizer = switchyard_tokenize::EngineTokenizer::load(folder, 64 << 20)?;
         anyhow::ensure!(
@@ -936,13 +936,32 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
                 && index % 3 == 0
                 && ids.len() < SERVED_PROMPT_TOKENS
             {
+                // Every other served request keeps two thirds of its prompt
+                // (`truncate_prompt_tokens`), on the tokenizer's side, the left or the right
+                // in turn: the router cuts its ids as the engine cuts the prompt.
+                let mut request = case["body"].clone();
+                if index % 6 == 0 && ids.len() > 2 {
+                    request["truncate_prompt_tokens"] = json!(ids.len() * 2 / 3);
+                    match index / 6 % 3 {
+                        1 => request["truncation_side"] = json!("left"),
+                        2 => request["truncation_side"] = json!("right"),
+                        _ => {}
+                    }
+                    truncated += 1;
+                }
+                let text = request.to_string();
+                let kept = switchyard_router::parts::kept(kind, text.as_bytes())?;
+                let ids = &kept.map_or_else(
+                    || ids.clone(),
+                    |kept| kept.apply(ids.clone(), tokenizer.truncation_cut(kept.specials_added())),
+                );
                 let (path, at) = match kind {
                     switchyard_router::parts::PromptKind::Chat => {
                         ("/v1/chat/completions", "/prompt_token_ids")
                     }
                     _ => ("/v1/completions", "/choices/0/prompt_token_ids"),
                 };
-                let mut body = case["body"].clone();
+                let mut body = request;
                 body["return_token_ids"] = json!(true);
                 body["max_tokens"] = json!(1);
                 // With tools, tool_choice defaults to "auto", which these engines (no tool
@@ -961,7 +980,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
                     .and_then(|ids| serde_json::from_value(ids.clone()).ok());
                 if status != 200 || theirs.as_ref() != Some(ids) {
                     served_differences.push(format!(
-                        "{} {path}: router {} ids, vLLM {status} {}: {request}",
+                        "{} {path}: router {} ids, vLLM {status} {}: {text}",
                         engine.name,
                         ids.len(),
                         theirs.map_or_else(
@@ -986,7 +1005,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
         println!("DIFFERENT {difference}");
     }
     println!(
-        "served prompts compared: {served}, different: {}",
+        "served prompts compared: {served} ({truncated} truncated), different: {}",
         served_differences.len()
     );
     for difference in &served_differences {
@@ -994,6 +1013,7 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
     }
     anyhow::ensure!(compared == 1000, "{compared} requests compared");
     anyhow::ensure!(served >= 100, "only {served} served prompts compared");
+    anyhow::ensure!(truncated >= 50, "only {truncated} truncated prompts served");
     anyhow::ensure!(
         served_differences.is_empty(),
         "{} of {served} served prompts differ",

@@ -237,6 +237,57 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
     Ok(())
 }
 
+/// A completion whose `truncate_prompt_tokens` drops a preamble on the left: the engine serves
+/// and caches only the passage after it, which e0 holds, and the router, cutting its own ids
+/// the same way, finds it there.
+#[tokio::test]
+async fn a_truncated_prompt_is_routed_on_the_part_its_engine_keeps() -> anyhow::Result<()> {
+    let (dir, tokenizers, folder) = llama3_folder()?;
+    let (a, b) = sims(&folder).await?;
+    let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
+    // The passage alone, placed on e0 (straight to it), without a BOS, so that its ids are
+    // the tail of the longer prompts below.
+    let passage = format!("Kept text. {}", words(0, 400));
+    let completion = |prompt: String| json!({"model": "sim", "prompt": prompt, "max_tokens": 2, "add_special_tokens": false});
+    let tokens = sim_tokens(&a, completion(passage.clone())).await?;
+    send(
+        &format!("{}/v1/completions", a.url),
+        &completion(passage.clone()),
+    )
+    .await?;
+    let blocks = (tokens.len() / 16) as u32 - 1;
+    wait_held(&router, &tokens, blocks).await?;
+    warm(&router, "llama3").await?;
+    let url = format!("{}/endpoints/chat/openai/v1/completions", router.url());
+    let mut routed = Vec::new();
+    for preamble in [50, 120, 300] {
+        let mut body = completion(format!("{}\n{passage}", words(1000, preamble)));
+        body["truncate_prompt_tokens"] = json!(tokens.len());
+        body["truncation_side"] = json!("left");
+        let reply = send(&url, &body).await?;
+        let served = reply.json()["usage"]["prompt_tokens"].clone();
+        routed.push((routed_choice(&reply), served));
+    }
+    for ((instance, route, cached), served) in &routed {
+        assert_eq!(
+            (instance.as_str(), route.as_str()),
+            ("e0", "kv"),
+            "{routed:?}"
+        );
+        assert_eq!(
+            served,
+            &json!(tokens.len()),
+            "the engine serves the passage"
+        );
+        assert!(
+            cached.unwrap_or(0) >= blocks * 16,
+            "the router finds the passage's blocks: {routed:?}"
+        );
+    }
+    router.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_router_tokenizer_that_disagrees_with_the_engines_is_caught_and_turned_off()
 -> anyhow::Result<()> {

@@ -37,7 +37,7 @@ pub mod parts {
     pub use crate::observe::metrics::SyncMetrics;
     pub use crate::plan::count::{Count, TokenCounter, TokenCounters, count_prompt};
     pub use crate::plan::kv::{KvDecision, decide};
-    pub use crate::plan::tokens::{PromptKind, TokenizeError, tokenize_body};
+    pub use crate::plan::tokens::{Kept, PromptKind, TokenizeError, kept, tokenize_body};
     pub use crate::request::tokenize::{TokenizeClient, least_loaded, request_tokens};
     pub use crate::routing::membership::Membership;
     pub use crate::routing::static_file::read_static_config;

@@ -26,6 +26,7 @@ mod markers;
 mod messages;
 pub mod pieces;
 pub mod template;
+pub mod truncation;
 
 use std::path::{Path, PathBuf};
 
@@ -247,6 +248,10 @@ pub struct EngineTokenizer {
     completions_unsupported: bool,
     /// The config names a `tool_use` template, which transformers picks when tools are given.
     tool_use_template: bool,
+    /// How a truncation without a side cuts an encoded text ([`truncation::Cut`]), special
+    /// tokens added (vLLM sets a generating model's side to the left, whatever
+    /// `tokenizer_config.json` says).
+    cut: truncation::Cut,
 }
 
 impl std::fmt::Debug for EngineTokenizer {
@@ -345,7 +350,9 @@ impl EngineTokenizer {
             .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
             .and_then(|config| fast::FastBpe::new(&config))
             .filter(|fast| fast::agrees(fast, &tokenizer));
+        let cut = added_around(&tokenizer, special_prefix.as_deref());
         let mut loaded = Self {
+            cut,
             completions_unsupported,
             tool_use_template,
             special_prefix,
@@ -365,6 +372,22 @@ impl EngineTokenizer {
             loaded.fast = None;
         }
         Ok(loaded)
+    }
+
+    /// How the engine cuts a prompt this tokenizer encoded when a request's truncation names
+    /// no side: on the left (vLLM's side for a generating model), keeping the special tokens
+    /// around the text when they were added (`specials_added`: a completions text prompt with
+    /// `add_special_tokens`).
+    pub fn truncation_cut(&self, specials_added: bool) -> truncation::Cut {
+        if specials_added {
+            self.cut
+        } else {
+            truncation::Cut {
+                added_before: 0,
+                added_after: 0,
+                ..self.cut
+            }
+        }
     }
 
     /// Why chat bodies are left to the engine, if they are.
@@ -832,6 +855,34 @@ fn special_tokens_of(config: &Json) -> Vec<(String, Value)> {
 }
 
 /// The ids the post-processor puts around a prompt, when it only puts them in front.
+/// How many ids the post-processor adds before and after a text (0 and 0 when it adds none,
+/// or adds them otherwise than around the text's own ids).
+fn added_around(tokenizer: &Tokenizer, prefix: Option<&[u32]>) -> truncation::Cut {
+    let none = truncation::Cut::LEFT;
+    if let Some(prefix) = prefix {
+        return truncation::Cut {
+            added_before: prefix.len(),
+            ..none
+        };
+    }
+    let with = |add: bool| {
+        tokenizer
+            .encode_fast("Hello world, a sample.", add)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let (Some(plain), Some(full)) = (with(false), with(true)) else {
+        return none;
+    };
+    (0..=full.len().saturating_sub(plain.len()))
+        .find(|&before| full[before..].starts_with(&plain))
+        .map_or(none, |before| truncation::Cut {
+            added_before: before,
+            added_after: full.len() - before - plain.len(),
+            ..none
+        })
+}
+
 fn special_prefix(tokenizer: &Tokenizer) -> Option<Vec<u32>> {
     let with = |text: &str, add: bool| {
         tokenizer

@@ -120,6 +120,12 @@ struct Body<'a> {
     user: Option<&'a RawValue>,
     #[serde(borrow, default)]
     cache_salt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    truncate_prompt_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    truncation_side: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    add_special_tokens: Option<&'a RawValue>,
 }
 
 /// The fields other APIs than chat and completions take their text from.
@@ -202,6 +208,17 @@ pub struct OpenAiRequest<'a> {
     /// vLLM's `cache_salt` (a salted request reuses only blocks cached under the same salt),
     /// when a non-empty string (vLLM ignores an empty one; an engine refuses a malformed one).
     pub cache_salt: Option<Cow<'a, str>>,
+    /// vLLM's `truncate_prompt_tokens`, `truncation_side` and `add_special_tokens`, unparsed
+    /// (what the engine keeps of the prompt).
+    pub truncation: Truncation<'a>,
+}
+
+/// The fields that say what part of its prompt an engine keeps, unparsed (null is absent).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Truncation<'a> {
+    pub truncate_prompt_tokens: Option<&'a RawValue>,
+    pub truncation_side: Option<&'a RawValue>,
+    pub add_special_tokens: Option<&'a RawValue>,
 }
 
 impl std::fmt::Debug for OpenAiRequest<'_> {
@@ -276,6 +293,11 @@ impl<'a> OpenAiRequest<'a> {
             .priority
             .and_then(|raw| serde_json::from_str::<i64>(raw.get()).ok());
         Ok(Self {
+            truncation: Truncation {
+                truncate_prompt_tokens: parsed.truncate_prompt_tokens,
+                truncation_side: parsed.truncation_side,
+                add_special_tokens: parsed.add_special_tokens,
+            },
             priority,
             end_user,
             cache_salt,

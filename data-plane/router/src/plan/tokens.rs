@@ -21,7 +21,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use switchyard_kv::ChainKey;
-use switchyard_policy::openai::OpenAiRequest;
+use switchyard_policy::openai::{self, OpenAiRequest};
+use switchyard_tokenize::truncation::{Cut, Truncation};
 
 use crate::operation::Operation;
 use crate::routing::table::VariantRoute;
@@ -119,6 +120,27 @@ fn has(fields: &Fields<'_>, name: &str) -> bool {
     fields
         .get(name)
         .is_some_and(|value| value.get().trim() != "null")
+}
+
+/// What the engine keeps of an OpenAI body's prompt of `kind` (`truncate_prompt_tokens`), if
+/// not all; an error for what vLLM refuses.
+pub fn kept(kind: PromptKind, request: &[u8]) -> Result<Option<Kept>, TokenizeError> {
+    let fields = fields(request)?;
+    let text_prompt = kind == PromptKind::Chat || token_ids_of(&fields).is_none();
+    Kept::of(truncation_fields(&fields), kind, text_prompt)
+}
+
+fn truncation_fields<'a>(fields: &Fields<'a>) -> openai::Truncation<'a> {
+    openai::Truncation {
+        truncate_prompt_tokens: present(fields, "truncate_prompt_tokens"),
+        truncation_side: present(fields, "truncation_side"),
+        add_special_tokens: present(fields, "add_special_tokens"),
+    }
+}
+
+/// A field's value, unless absent or null.
+fn present<'a>(fields: &Fields<'a>, name: &str) -> Option<&'a RawValue> {
+    fields.get(name).copied().filter(|_| has(fields, name))
 }
 
 /// A completions prompt given as token ids (`[1, 2, 3]`): no need to ask the engine.
@@ -247,6 +269,68 @@ pub struct Prompt {
     /// would carry and no other, and tells a chat from a completion by `messages`, which a
     /// completions body has not (else it is given the `/tokenize` body).
     direct: bool,
+    /// What part of the prompt's ids the engine keeps (`truncate_prompt_tokens`).
+    kept: Option<Kept>,
+}
+
+/// A request's `truncate_prompt_tokens` (with `truncation_side`): the engine serves, caches
+/// and announces only the ids it keeps, so the ids routed on are cut the same way
+/// ([`switchyard_tokenize::truncation`]). vLLM's `/tokenize` takes neither field, so the cut is
+/// made here, on the router's ids and on an engine's alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    truncation: Truncation,
+    /// A completions text prompt tokenized with its special tokens (`add_special_tokens` not
+    /// false): a cut without a side keeps them.
+    specials_added: bool,
+}
+
+impl Kept {
+    /// The fields as the body has them; a body vLLM refuses for them has no usable ids (the
+    /// engine answers it).
+    fn of(
+        fields: openai::Truncation<'_>,
+        kind: PromptKind,
+        text_prompt: bool,
+    ) -> Result<Option<Self>, TokenizeError> {
+        let value = |raw: Option<&RawValue>| -> Result<Option<serde_json::Value>, TokenizeError> {
+            raw.map(|raw| serde_json::from_str(raw.get()))
+                .transpose()
+                .map_err(|err| TokenizeError::Input(err.to_string()))
+        };
+        let truncation = Truncation::read(
+            value(fields.truncate_prompt_tokens)?.as_ref(),
+            value(fields.truncation_side)?.as_ref(),
+        )
+        .map_err(|err| TokenizeError::Input(err.0))?;
+        let Some(truncation) = truncation else {
+            return Ok(None);
+        };
+        let specials_off = fields.add_special_tokens.is_some_and(|raw| {
+            matches!(
+                raw.get()
+                    .trim()
+                    .trim_matches('"')
+                    .to_ascii_lowercase()
+                    .as_str(),
+                "false" | "0" | "0.0" | "off" | "f" | "n" | "no"
+            )
+        });
+        Ok(Some(Self {
+            truncation,
+            specials_added: kind == PromptKind::Completion && text_prompt && !specials_off,
+        }))
+    }
+
+    /// The ids the engine keeps of `ids`, its tokenizer cutting as `cut` says when the request
+    /// names no side (-1, the model's context, is not known here: nothing is cut for it).
+    pub fn apply(&self, ids: Vec<u32>, cut: Cut) -> Vec<u32> {
+        self.truncation.apply(ids, cut, None)
+    }
+
+    pub fn specials_added(&self) -> bool {
+        self.specials_added
+    }
 }
 
 impl Prompt {
@@ -254,6 +338,11 @@ impl Prompt {
     /// `/tokenize` body).
     pub fn direct_body(&self) -> Option<Bytes> {
         self.direct.then(|| self.body.clone())
+    }
+
+    /// What part of its ids the engine keeps, if not all.
+    pub fn kept(&self) -> Option<Kept> {
+        self.kept
     }
 
     /// The size of the request's body.
@@ -268,6 +357,15 @@ impl Prompt {
 }
 
 impl PromptTokens {
+    /// Ids given in the body, cut as the engine cuts them (on the left unless the request
+    /// says right).
+    fn known(ids: Vec<u32>, kept: Option<Kept>) -> Self {
+        Self::Known(match kept {
+            Some(kept) => kept.apply(ids, Cut::LEFT),
+            None => ids,
+        })
+    }
+
     /// For an OpenAI body of `kind`.
     pub fn of(kind: PromptKind, request: &[u8]) -> Result<Self, TokenizeError> {
         Self::of_fields(kind, &fields(request)?, Bytes::copy_from_slice(request))
@@ -278,10 +376,12 @@ impl PromptTokens {
         fields: &Fields<'_>,
         body: Bytes,
     ) -> Result<Self, TokenizeError> {
+        let truncation = truncation_fields(fields);
         match kind {
             PromptKind::Completion => {
                 if let Some(ids) = token_ids_of(fields) {
-                    return Ok(Self::Known(ids));
+                    let kept = Kept::of(truncation, kind, false)?;
+                    return Ok(Self::known(ids, kept));
                 }
                 check_prompt(fields.get("prompt").copied())?;
             }
@@ -291,7 +391,13 @@ impl PromptTokens {
             PromptKind::Chat => {}
         }
         let direct = kind == PromptKind::Chat || !has(fields, "messages");
-        Ok(Self::Ask(Prompt { kind, body, direct }))
+        let kept = Kept::of(truncation, kind, true)?;
+        Ok(Self::Ask(Prompt {
+            kind,
+            body,
+            direct,
+            kept,
+        }))
     }
 
     /// For a native (`/invocations`) body: a JSON object with `messages` is read as a chat
@@ -419,28 +525,33 @@ impl KvInput {
                 return (Self::Unusable(TokenizeError::Input(err.into())), chain);
             }
         };
+        let kept = |text_prompt| Kept::of(request.truncation, kind, text_prompt);
         let tokens = match kind {
             PromptKind::Completion => {
                 let prompt = request.prompt();
                 match prompt.and_then(|prompt| serde_json::from_str(prompt.get()).ok()) {
-                    Some(ids) => Ok(PromptTokens::Known(ids)),
-                    None => check_prompt(prompt).map(|()| {
-                        PromptTokens::Ask(Prompt {
+                    Some(ids) => kept(false).map(|kept| PromptTokens::known(ids, kept)),
+                    None => check_prompt(prompt).and_then(|()| {
+                        Ok(PromptTokens::Ask(Prompt {
                             kind,
                             body: body.clone(),
                             direct: !request.has_messages(),
-                        })
+                            kept: kept(true)?,
+                        }))
                     }),
                 }
             }
             PromptKind::Chat if !request.has_messages() => {
                 Err(TokenizeError::Input("no messages".into()))
             }
-            PromptKind::Chat => Ok(PromptTokens::Ask(Prompt {
-                kind,
-                body: body.clone(),
-                direct: true,
-            })),
+            PromptKind::Chat => kept(true).map(|kept| {
+                PromptTokens::Ask(Prompt {
+                    kind,
+                    body: body.clone(),
+                    direct: true,
+                    kept,
+                })
+            }),
         };
         (Self::from(tokens), chain)
     }
@@ -503,6 +614,75 @@ mod tests {
     }
 
     #[test]
+    fn a_truncated_prompt_is_routed_on_the_ids_the_engine_keeps() {
+        let variant = VariantRoute::bare("v", Some("m"), &[]);
+        let input = |operation, body: &str| {
+            KvInput::of(
+                operation,
+                &Bytes::copy_from_slice(body.as_bytes()),
+                &variant,
+            )
+            .0
+        };
+        let ids = |body: &str| match input(Operation::Completions, body) {
+            KvInput::Tokens(PromptTokens::Known(ids)) => ids,
+            other => panic!("{body}: {other:?}"),
+        };
+        // Given ids are cut at once: on the left unless the request says right.
+        assert_eq!(
+            ids(r#"{"prompt":[1,2,3,4,5],"truncate_prompt_tokens":2}"#),
+            [4, 5]
+        );
+        assert_eq!(
+            ids(r#"{"prompt":[1,2,3,4,5],"truncate_prompt_tokens":2,"truncation_side":"right"}"#),
+            [1, 2]
+        );
+        assert_eq!(
+            ids(r#"{"prompt":[1,2,3],"truncate_prompt_tokens":-1}"#),
+            [1, 2, 3]
+        );
+        // A prompt to tokenize carries the cut to the settle phase.
+        let kept = |operation, body: &str| match input(operation, body) {
+            KvInput::Tokens(PromptTokens::Ask(prompt)) => prompt.kept(),
+            other => panic!("{body}: {other:?}"),
+        };
+        let text = kept(
+            Operation::Completions,
+            r#"{"prompt":"a b c","truncate_prompt_tokens":2}"#,
+        )
+        .unwrap();
+        assert!(text.specials_added());
+        let bos = Cut {
+            added_before: 1,
+            ..Cut::LEFT
+        };
+        assert_eq!(text.apply(vec![0, 7, 8, 9], bos), [0, 9]);
+        assert_eq!(text.apply(vec![0, 7, 8, 9], Cut::LEFT), [8, 9]);
+        for body in [
+            r#"{"prompt":"a","truncate_prompt_tokens":2,"add_special_tokens":false}"#,
+            r#"{"prompt":"a","truncate_prompt_tokens":2,"add_special_tokens":"no"}"#,
+        ] {
+            assert!(!kept(Operation::Completions, body).unwrap().specials_added());
+        }
+        let chat = r#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":3,"truncation_side":"left"}"#;
+        let chat = kept(Operation::ChatCompletions, chat).unwrap();
+        assert!(!chat.specials_added());
+        assert_eq!(chat.apply(vec![1, 2, 3, 4], bos), [2, 3, 4]);
+        assert_eq!(kept(Operation::ChatCompletions, r#"{"messages":[]}"#), None);
+        // What vLLM refuses is routed by load (the engine answers it).
+        for body in [
+            r#"{"prompt":"a","truncate_prompt_tokens":-2}"#,
+            r#"{"prompt":"a","truncate_prompt_tokens":1.5}"#,
+            r#"{"prompt":[1],"truncation_side":"middle"}"#,
+        ] {
+            assert!(
+                matches!(input(Operation::Completions, body), KvInput::Unusable(_)),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
     fn a_body_read_for_routing_gives_what_a_second_parse_would() {
         let variant = VariantRoute::bare("v", Some("m"), &["sql-lora"]);
         let chat = r#""messages":[{"role":"user","content":"x"}]"#;
@@ -517,6 +697,14 @@ mod tests {
             format!(r#"{{{chat},"add_generation_prompt":false,"chat_template_kwargs":{{"x":1}}}}"#),
             r#"{"model":"m"}"#.to_owned(),
             r#"{"messages":null,"prompt":"p"}"#.to_owned(),
+            r#"{"prompt":[1,2,3,4],"truncate_prompt_tokens":2,"truncation_side":"left"}"#
+                .to_owned(),
+            r#"{"prompt":[1,2,3,4],"truncate_prompt_tokens":"3"}"#.to_owned(),
+            r#"{"prompt":"p","truncate_prompt_tokens":2,"add_special_tokens":false}"#.to_owned(),
+            r#"{"prompt":"p","truncate_prompt_tokens":-3}"#.to_owned(),
+            r#"{"prompt":"p","truncation_side":"up"}"#.to_owned(),
+            format!(r#"{{{chat},"truncate_prompt_tokens":5,"truncation_side":"right"}}"#),
+            format!(r#"{{{chat},"truncate_prompt_tokens":null,"truncation_side":null}}"#),
         ];
         let operations = [
             Operation::Completions,
@@ -529,9 +717,10 @@ mod tests {
         let seen = |input: &KvInput| match input {
             KvInput::Tokens(PromptTokens::Known(ids)) => format!("ids {ids:?}"),
             KvInput::Tokens(PromptTokens::Ask(prompt)) => format!(
-                "read {:?}, sent {:?}",
+                "read {:?}, sent {:?}, kept {:?}",
                 prompt.direct_body(),
-                prompt.tokenize_body().ok()
+                prompt.tokenize_body().ok(),
+                prompt.kept()
             ),
             KvInput::Unusable(err) => format!("unusable: {err}"),
         };

@@ -168,6 +168,18 @@ impl LocalTokenizers {
         Some(slot)
     }
 
+    /// How tokenizer `name`'s engine cuts a truncated prompt that names no side
+    /// ([`switchyard_tokenize::EngineTokenizer::truncation_cut`]); None until it is loaded.
+    pub fn truncation_cut(
+        &self,
+        name: &Arc<str>,
+        specials_added: bool,
+    ) -> Option<switchyard_tokenize::truncation::Cut> {
+        let slot = self.slot_or_none(name)?;
+        slot.usable()
+            .map(|tokenizer| tokenizer.truncation_cut(specials_added))
+    }
+
     /// `body` (a `/tokenize` body) tokenized by `name`'s tokenizer, or why not. CPU work:
     /// callers run long bodies on a blocking thread.
     pub fn tokenize(&self, name: &Arc<str>, body: &[u8]) -> Local {

@@ -17,6 +17,7 @@ use crate::plan::{KvOrNot, NeedsTokens, Plan, Planned, kv};
 use crate::routing::table::EndpointRoute;
 use switchyard_kv::ChainKey;
 use switchyard_tokenize::Within;
+use switchyard_tokenize::truncation::Cut;
 
 /// The plan to forward.
 pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, ApiError> {
@@ -32,7 +33,27 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
             .filter(|index| index.block_size().is_some())
     });
     let tokens = if NeedsTokens::worth_asking(&indexes) {
-        token_ids(worker, needs.tokenizer(), needs.local_tokenizer(), input).await
+        let kept = match &input {
+            KvInput::Tokens(PromptTokens::Ask(prompt)) => prompt.kept(),
+            _ => None,
+        };
+        let local = needs.local_tokenizer();
+        let ids = token_ids(worker, needs.tokenizer(), local, input).await;
+        match (ids, kept) {
+            // The engine keeps part of the prompt: its tokenizer's side, and whether it
+            // added special tokens, come from the router's copy of it when there is one.
+            (Some(ids), Some(kept)) => {
+                let cut = local
+                    .and_then(|name| {
+                        worker
+                            .local_tokens
+                            .truncation_cut(name, kept.specials_added())
+                    })
+                    .unwrap_or(Cut::LEFT);
+                Some(kept.apply(ids, cut))
+            }
+            (ids, _) => ids,
+        }
     } else {
         None
     };
