@@ -6,8 +6,9 @@
 //!
 //! - `k` is an integer from -1 up (pydantic's lax integers: `5`, `5.0`, `"5"`, `true`), at most
 //!   the model's context (`max_model_len`), else the request is refused; -1 keeps the context,
-//!   less one when the request asks for output tokens (`max_tokens` or `max_completion_tokens`
-//!   set and not 0).
+//!   less one when the request asks for output tokens (a chat's `max_completion_tokens`, else
+//!   its `max_tokens`, set and not 0; a completion's `max_tokens`, 16 when not given); 0 keeps
+//!   nothing, which vLLM then refuses as an empty prompt.
 //! - A prompt of `k` tokens or fewer is kept whole; `k` = 0 keeps nothing.
 //! - With `truncation_side` given, the whole prompt is tokenized (special tokens included) and
 //!   `"left"` keeps its last `k` ids, `"right"` its first `k`.
@@ -183,7 +184,12 @@ fn lax_integer(value: &Value) -> Option<i64> {
         }),
         Value::String(text) => {
             let text = text.trim();
-            let (digits, fraction) = text.split_once('.').unwrap_or((text, ""));
+            let (digits, fraction) = match text.split_once('.') {
+                // `5.` is refused, `5.0` read as 5.
+                Some((_, "")) => return None,
+                Some((digits, fraction)) => (digits, fraction),
+                None => (text, ""),
+            };
             if !fraction.bytes().all(|byte| byte == b'0') {
                 return None;
             }
@@ -249,7 +255,9 @@ mod tests {
             json!(-2),
             json!("abc"),
             json!("5.5"),
+            json!("5."),
             json!("_5"),
+            json!("1__0"),
             json!([]),
             json!({}),
         ] {

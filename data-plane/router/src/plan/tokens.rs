@@ -306,19 +306,21 @@ impl Kept {
         let Some(truncation) = truncation else {
             return Ok(None);
         };
-        let specials_off = fields.add_special_tokens.is_some_and(|raw| {
-            matches!(
-                raw.get()
-                    .trim()
-                    .trim_matches('"')
-                    .to_ascii_lowercase()
-                    .as_str(),
-                "false" | "0" | "0.0" | "off" | "f" | "n" | "no"
-            )
-        });
+        // `add_special_tokens` as vLLM reads it: true by default for completions, false for
+        // chats (whose templates write their own).
+        let given = |values: &[&str]| {
+            fields.add_special_tokens.is_some_and(|raw| {
+                let value = raw.get().trim().trim_matches('"').to_ascii_lowercase();
+                values.contains(&value.as_str())
+            })
+        };
+        let added = match kind {
+            PromptKind::Completion => !given(&["false", "0", "0.0", "off", "f", "n", "no"]),
+            PromptKind::Chat => given(&["true", "1", "1.0", "on", "t", "y", "yes"]),
+        };
         Ok(Some(Self {
             truncation,
-            specials_added: kind == PromptKind::Completion && text_prompt && !specials_off,
+            specials_added: text_prompt && added,
         }))
     }
 
@@ -330,6 +332,13 @@ impl Kept {
 
     pub fn specials_added(&self) -> bool {
         self.specials_added
+    }
+
+    /// Whether the cut depends on the special tokens the engine's tokenizer added around the
+    /// text (no side named, and some added): without the router's copy of the tokenizer it is
+    /// not known which of an engine's ids those are.
+    pub fn needs_tokenizer(&self) -> bool {
+        self.truncation.side.is_none() && self.specials_added
     }
 }
 
@@ -652,6 +661,10 @@ mod tests {
         )
         .unwrap();
         assert!(text.specials_added());
+        assert!(
+            text.needs_tokenizer(),
+            "which id is a BOS the engine keeps is the tokenizer's"
+        );
         let bos = Cut {
             added_before: 1,
             ..Cut::LEFT
@@ -667,6 +680,14 @@ mod tests {
         let chat = r#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":3,"truncation_side":"left"}"#;
         let chat = kept(Operation::ChatCompletions, chat).unwrap();
         assert!(!chat.specials_added());
+        assert!(
+            !chat.needs_tokenizer(),
+            "a side named: any copy of the ids cuts alike"
+        );
+        // A chat asking for the tokenizer's special tokens has them added (vLLM adds them).
+        let asked = r#"{"messages":[{"role":"user","content":"x"}],"truncate_prompt_tokens":3,"add_special_tokens":true}"#;
+        let asked = kept(Operation::ChatCompletions, asked).unwrap();
+        assert!(asked.specials_added() && asked.needs_tokenizer());
         assert_eq!(chat.apply(vec![1, 2, 3, 4], bos), [2, 3, 4]);
         assert_eq!(kept(Operation::ChatCompletions, r#"{"messages":[]}"#), None);
         // What vLLM refuses is routed by load (the engine answers it).

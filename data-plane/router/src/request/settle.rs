@@ -43,14 +43,21 @@ pub(super) async fn settle(worker: &Worker, planned: Planned) -> Result<Plan, Ap
             // The engine keeps part of the prompt: its tokenizer's side, and whether it
             // added special tokens, come from the router's copy of it when there is one.
             (Some(ids), Some(kept)) => {
-                let cut = local
-                    .and_then(|name| {
-                        worker
-                            .local_tokens
-                            .truncation_cut(name, kept.specials_added())
-                    })
-                    .unwrap_or(Cut::LEFT);
-                Some(kept.apply(ids, cut))
+                let cut = local.and_then(|name| {
+                    worker
+                        .local_tokens
+                        .truncation_cut(name, kept.specials_added())
+                });
+                match cut {
+                    Some(cut) => Some(kept.apply(ids, cut)),
+                    None if !kept.needs_tokenizer() => Some(kept.apply(ids, Cut::LEFT)),
+                    // Which of the engine's ids its tokenizer added (a BOS the cut keeps) is
+                    // not known here: routed by load rather than on shifted blocks.
+                    None => {
+                        tracing::debug!(endpoint = %endpoint.name, "a truncated prompt whose added special tokens the router cannot place; routing it by load");
+                        None
+                    }
+                }
             }
             (ids, _) => ids,
         }

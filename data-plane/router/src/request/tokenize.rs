@@ -110,9 +110,10 @@ struct Answer {
 }
 
 /// The request's token ids as the engine sees them: a token-id prompt as given, else the least
-/// loaded available instance's `/tokenize`. An error means "route by load". (The request path
-/// does the same in two steps: `PromptTokens::of` at planning, [`TokenizeClient::token_ids`]
-/// when it settles.)
+/// loaded available instance's `/tokenize`, cut as the engine cuts a truncated prompt. An
+/// error means "route by load" (also a cut that needs the model's tokenizer). (The request
+/// path does the same in two steps: `PromptTokens::of` at planning,
+/// [`TokenizeClient::token_ids`] when it settles.)
 pub async fn request_tokens(
     client: &TokenizeClient,
     variant: &VariantRoute,
@@ -121,7 +122,18 @@ pub async fn request_tokens(
     now_ms: u64,
 ) -> Result<Vec<u32>, TokenizeError> {
     let tokens = PromptTokens::of(kind, body)?;
-    client.token_ids(tokens, variant, now_ms).await
+    let kept = match &tokens {
+        PromptTokens::Ask(prompt) => prompt.kept(),
+        PromptTokens::Known(_) => None,
+    };
+    let ids = client.token_ids(tokens, variant, now_ms).await?;
+    match kept {
+        None => Ok(ids),
+        Some(kept) if kept.needs_tokenizer() => Err(TokenizeError::Input(
+            "which ids the engine's tokenizer added is not known here".into(),
+        )),
+        Some(kept) => Ok(kept.apply(ids, switchyard_tokenize::truncation::Cut::LEFT)),
+    }
 }
 
 /// A `/tokenize` client (HTTP/1.1 keep-alive, `TCP_NODELAY`), one per serving thread.

@@ -12,7 +12,9 @@
 //! once. Only whole events reach the client, so a break never leaves half an event behind.
 //!
 //! Not migrated (the stream ends with an error event, as without a limit): `n` > 1, guided
-//! decoding or `response_format`, logprobs, `echo`, a prompt that is not one string, an answer
+//! decoding or `response_format`, logprobs, `echo`, `truncate_prompt_tokens` (the engine kept
+//! only part of the prompt: the text so far appended to it would be cut otherwise), a prompt
+//! that is not one string, an answer
 //! that has begun a tool call or reasoning, an engine's own error event (vLLM reports a dead
 //! engine core so), an event longer than [`MAX_EVENT_BYTES`].
 
@@ -234,6 +236,7 @@ fn continuable(body: &Map<String, Value>, chat: bool) -> bool {
         && !truthy("logprobs")
         && !set("top_logprobs")
         && !truthy("echo")
+        && !set("truncate_prompt_tokens")
         && (chat || body.get("prompt").is_some_and(Value::is_string))
 }
 
