@@ -273,9 +273,14 @@ async fn run_request(
     let prompt = prompt?;
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
-    let max_tokens = output_budget(config, &body, &kv, prompt_len)?;
+    let asked = output_budget(config, &body, &kv, prompt_len)?;
     let resume_at = body.resume_at(kind)?;
-    check_fits(config, prompt_len, max_tokens)?;
+    let budget_field = if body.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max_tokens = check_fits(config, prompt_len, asked, budget_field)?;
     let report_reuse = body.reports_reuse()?;
     let streaming = body.stream() && !kv.do_remote_decode;
     let meta = ResponseMeta {
@@ -291,6 +296,8 @@ async fn run_request(
         ),
         kind,
         resume_at,
+        prompt_token_ids: (body.return_token_ids == Some(true))
+            .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
         return Ok(kv_load_failed(&meta, streaming, body.include_usage()));

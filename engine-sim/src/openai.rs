@@ -45,6 +45,10 @@ pub(crate) struct InferenceBody {
     pub truncation_side: Option<Value>,
     /// Read for the truncation only (whether the tokenizer added a BOS to cut around).
     pub add_special_tokens: Option<Value>,
+    /// A chat's `echo` (with it, forwarded prompt ids are not reused).
+    pub echo: Option<Value>,
+    /// `return_token_ids`: the answer carries the prompt's ids and each choice's.
+    pub return_token_ids: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -125,13 +129,15 @@ impl InferenceBody {
         }
     }
 
-    /// The request's truncation and what -1 keeps, as vLLM reads and checks them (a 400
-    /// naming the field otherwise).
+    /// The request's truncation (a 400 naming the field for what vLLM's request model
+    /// refuses), what -1 keeps, and vLLM's later refusal of a truncation longer than the
+    /// context (answered after the model is checked, as vLLM answers it).
+    #[allow(clippy::type_complexity)] // read once, taken apart at once
     fn truncation(
         &self,
         kind: ApiKind,
         max_model_len: u32,
-    ) -> Result<Option<(Truncation, u64)>, ApiError> {
+    ) -> Result<Option<(Truncation, u64, Result<(), ApiError>)>, ApiError> {
         let param = |message: &str| {
             if message.starts_with("truncation_side") {
                 "truncation_side"
@@ -151,31 +157,95 @@ impl InferenceBody {
         else {
             return Ok(None);
         };
-        truncation.check(max_model_len).map_err(invalid)?;
-        // vLLM's `max_completion_tokens or max_tokens` (chat), `max_tokens` (completions),
-        // read with `or 0`.
+        let fits = truncation.check(max_model_len).map_err(invalid);
+        // vLLM's `max_completion_tokens or max_tokens` (chat), `max_tokens` (completions, 16
+        // when not given; a null one, which vLLM reads as 0, is read as not given here), read
+        // with `or 0`.
         let asked = match kind {
             ApiKind::Chat => self.max_completion_tokens.or(self.max_tokens),
-            ApiKind::Completion => self.max_tokens,
+            ApiKind::Completion => Some(self.max_tokens.unwrap_or(16)),
         };
         let asked = asked.map(|tokens| u64::from(tokens != 0));
-        Ok(Some((truncation, context_kept(max_model_len, asked))))
+        Ok(Some((truncation, context_kept(max_model_len, asked), fits)))
+    }
+
+    /// A disaggregated decode's forwarded prompt ids (vLLM 0.32's decode-side token reuse: a
+    /// chat's `kv_transfer_params.prompt_token_ids`, served instead of rendering and
+    /// tokenizing `messages`): not used with `echo` or non-text content; refused (400) unless a
+    /// non-empty list of non-negative integers within the vocabulary.
+    fn reused_prompt_ids(
+        &self,
+        tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
+    ) -> Result<Option<Vec<u32>>, ApiError> {
+        const PARAM: &str = "kv_transfer_params.prompt_token_ids";
+        let Some(ids) = self
+            .kv_transfer_params
+            .as_ref()
+            .and_then(|params| params.get("prompt_token_ids"))
+            .filter(|ids| !ids.is_null())
+        else {
+            return Ok(None);
+        };
+        let echo = self.echo.as_ref().is_some_and(|echo| {
+            !matches!(echo, Value::Null | Value::Bool(false))
+                && echo.as_f64() != Some(0.0)
+                && echo.as_str().is_none_or(|text| {
+                    !matches!(
+                        text.to_ascii_lowercase().as_str(),
+                        "0" | "off" | "f" | "false" | "n" | "no"
+                    )
+                })
+        });
+        if echo || self.messages.as_deref().is_some_and(non_text_content) {
+            return Ok(None);
+        }
+        let malformed = || {
+            ApiError::bad_request(
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of \
+                 non-negative integers."
+                    .to_owned(),
+            )
+            .param(PARAM)
+        };
+        let ids = ids
+            .as_array()
+            .filter(|ids| !ids.is_empty())
+            .ok_or_else(malformed)?;
+        let ids: Vec<u64> = ids
+            .iter()
+            .map(Value::as_u64)
+            .collect::<Option<_>>()
+            .ok_or_else(malformed)?;
+        let vocabulary = tokenizer.map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64);
+        if let Some(id) = ids.iter().find(|id| **id >= vocabulary) {
+            return Err(
+                ApiError::bad_request(format!("Token id {id} is out of vocabulary")).param(PARAM),
+            );
+        }
+        Ok(Some(ids.into_iter().map(|id| id as u32).collect()))
     }
 
     /// Whether the model's tokenizer adds its special tokens to the prompt: a completions
-    /// text prompt unless `add_special_tokens` is false (read as vLLM reads a boolean).
+    /// text prompt unless `add_special_tokens` is false, a chat when it is true (read as vLLM
+    /// reads a boolean).
     fn adds_special_tokens(&self, kind: ApiKind) -> bool {
-        let text = matches!(self.prompt, Some(Value::String(_)));
-        let off = match &self.add_special_tokens {
-            Some(Value::Bool(add)) => !add,
-            Some(Value::Number(number)) => number.as_f64() == Some(0.0),
-            Some(Value::String(text)) => matches!(
-                text.to_ascii_lowercase().as_str(),
-                "0" | "off" | "f" | "false" | "n" | "no"
-            ),
-            _ => false,
+        let given = match &self.add_special_tokens {
+            Some(Value::Bool(add)) => Some(*add),
+            Some(Value::Number(number)) => number.as_f64().map(|number| number != 0.0),
+            Some(Value::String(text)) => match text.to_ascii_lowercase().as_str() {
+                "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+                "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+                _ => None,
+            },
+            _ => None,
         };
-        kind == ApiKind::Completion && text && !off
+        match kind {
+            ApiKind::Completion => {
+                matches!(self.prompt, Some(Value::String(_))) && given != Some(false)
+            }
+            // A chat's template writes its own; vLLM adds them too only when asked.
+            ApiKind::Chat => given == Some(true),
+        }
     }
 
     /// Whether `vllm_xargs.kv_cache_report_mode` is "full": vLLM 0.32 then publishes a
@@ -326,6 +396,10 @@ pub(crate) fn parse_request(
         check_chat_fields(&body)?;
     }
     let truncation = body.truncation(kind, max_model_len)?;
+    let reused = match kind {
+        ApiKind::Chat => body.reused_prompt_ids(tokenizer)?,
+        ApiKind::Completion => None,
+    };
     let lora = lora_of(body.model.as_deref());
     // A chat without messages (null too) is refused as vLLM refuses it, below; the model's
     // tokenizer would read such a body as a completions one.
@@ -339,15 +413,25 @@ pub(crate) fn parse_request(
         }
         _ => prompt_tokens(&body, kind),
     };
-    let tokens = match truncation {
-        Some((truncation, context)) => tokens.map(|tokens| {
+    let tokens = match (reused, truncation) {
+        // vLLM serves forwarded ids as they are: no template, no tokenizer, no truncation.
+        (Some(ids), _) => Ok(ids),
+        (None, Some((_, _, Err(too_long)))) => Err(too_long),
+        (None, Some((truncation, context, Ok(())))) => tokens.and_then(|tokens| {
             let cut = match tokenizer {
                 Some(tokenizer) => tokenizer.truncation_cut(body.adds_special_tokens(kind)),
                 None => Cut::LEFT,
             };
-            truncation.apply(tokens, cut, Some(context))
+            let kept = truncation.apply(tokens, cut, Some(context));
+            if kept.is_empty() {
+                // `truncate_prompt_tokens: 0`.
+                return Err(ApiError::bad_request(
+                    "The decoder prompt cannot be empty".to_owned(),
+                ));
+            }
+            Ok(kept)
         }),
-        None => tokens,
+        (None, None) => tokens,
     };
     let prompt = tokens.map(|tokens| Prompt {
         block_hashes: block_hashes_under(lora.as_ref(), &tokens, block_size),
@@ -355,6 +439,45 @@ pub(crate) fn parse_request(
         lora,
     });
     Ok(ParsedRequest { body, kind, prompt })
+}
+
+/// Whether a message has a content part that is not text (vLLM's `has_non_text_content`: a
+/// part whose `type`, text by default, is not one of its text types, or that carries a media
+/// key).
+fn non_text_content(messages: &[Value]) -> bool {
+    const TEXT: &[&str] = &[
+        "text",
+        "input_text",
+        "output_text",
+        "refusal",
+        "thinking",
+        "tool_reference",
+    ];
+    const MEDIA: &[&str] = &[
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    ];
+    messages
+        .iter()
+        .filter_map(|message| message.get("content")?.as_array())
+        .flatten()
+        .filter_map(Value::as_object)
+        .any(|part| {
+            MEDIA.iter().any(|key| part.contains_key(*key))
+                || match part.get("type") {
+                    None => false,
+                    Some(Value::String(kind)) => !TEXT.contains(&kind.as_str()),
+                    Some(_) => true,
+                }
+        })
 }
 
 /// What vLLM's chat request model refuses in `reasoning_effort` (one of its values, or null)
@@ -653,6 +776,11 @@ pub(crate) struct ResponseMeta {
     pub kind: ApiKind,
     /// The output word the answer starts at (`InferenceBody::resume_at`).
     pub resume_at: u32,
+    /// The prompt's ids, with `return_token_ids`: the answer then carries them and each
+    /// token's id, where vLLM 0.32 puts them (a chat's at the top, on its first chunk when
+    /// streamed; a completion's in its choice, on its first chunk). Without it the simulator
+    /// leaves those fields out, where vLLM sends them as null.
+    pub prompt_token_ids: Option<std::sync::Arc<[u32]>>,
 }
 
 impl ResponseMeta {
@@ -694,7 +822,7 @@ impl ResponseMeta {
         usage: Usage,
         kv_transfer_params: Option<Value>,
     ) -> Value {
-        let choice = match self.kind {
+        let mut choice = match self.kind {
             ApiKind::Chat => json!({
                 "index": 0,
                 "message": { "role": "assistant", "content": text, "tool_calls": [] },
@@ -710,7 +838,21 @@ impl ResponseMeta {
                 "stop_reason": null,
             }),
         };
+        let mut ids = None;
+        if let Some(prompt) = &self.prompt_token_ids {
+            let output: Vec<u32> = (self.resume_at..self.resume_at + usage.completion_tokens)
+                .map(output_token_id)
+                .collect();
+            choice["token_ids"] = json!(output);
+            match self.kind {
+                ApiKind::Chat => ids = Some(json!(&prompt[..])),
+                ApiKind::Completion => choice["prompt_token_ids"] = json!(&prompt[..]),
+            }
+        }
         let mut response = self.envelope(false, json!([choice]));
+        if let Some(ids) = ids {
+            response["prompt_token_ids"] = ids;
+        }
         response["usage"] = usage.to_json();
         response["kv_transfer_params"] = kv_transfer_params.unwrap_or(Value::Null);
         response
@@ -724,17 +866,22 @@ impl ResponseMeta {
             "logprobs": null,
             "finish_reason": null,
         });
-        self.with_null_usage(self.envelope(true, json!([choice])), include_usage)
+        let mut chunk = self.envelope(true, json!([choice]));
+        if let Some(prompt) = &self.prompt_token_ids {
+            chunk["prompt_token_ids"] = json!(&prompt[..]);
+        }
+        self.with_null_usage(chunk, include_usage)
     }
 
-    /// A chunk carrying one token's text.
+    /// A chunk carrying the text of the answer's token `index` (0-based).
     pub(crate) fn token_chunk(
         &self,
-        text: String,
+        index: u32,
         finish_reason: Option<&str>,
         include_usage: bool,
     ) -> Value {
-        let choice = match self.kind {
+        let text = self.token_text(index);
+        let mut choice = match self.kind {
             ApiKind::Chat => json!({
                 "index": 0,
                 "delta": { "content": text },
@@ -748,6 +895,16 @@ impl ResponseMeta {
                 "finish_reason": finish_reason,
             }),
         };
+        if let Some(prompt) = &self.prompt_token_ids {
+            choice["token_ids"] = json!([output_token_id(self.resume_at + index)]);
+            if self.kind == ApiKind::Completion {
+                choice["prompt_token_ids"] = if index == 0 {
+                    json!(&prompt[..])
+                } else {
+                    Value::Null
+                };
+            }
+        }
         self.with_null_usage(self.envelope(true, json!([choice])), include_usage)
     }
 
@@ -831,7 +988,7 @@ mod tests {
     fn the_prompt_is_truncated_as_vllm_truncates_it() {
         let tokens = |body: &str, max_model_len: u32| {
             parse_request(body.as_bytes(), None, (16, max_model_len), None, |_| None)
-                .map(|parsed| parsed.prompt.unwrap().tokens)
+                .and_then(|parsed| parsed.prompt.map(|prompt| prompt.tokens))
         };
         let ids = "[1,2,3,4,5,6,7,8,9,10]";
         let served = |fields: &str| tokens(&format!(r#"{{"prompt":{ids}{fields}}}"#), 8);
@@ -855,11 +1012,18 @@ mod tests {
                 .len(),
             10
         );
-        // -1: the context (8), less one when output is asked for.
+        // -1: the context (8), less one when output is asked for (a completion's max_tokens
+        // is 16 when not given).
         assert_eq!(
             served(r#","truncate_prompt_tokens":-1,"truncation_side":"left""#).unwrap(),
+            [4, 5, 6, 7, 8, 9, 10]
+        );
+        assert_eq!(
+            served(r#","truncate_prompt_tokens":-1,"max_tokens":0"#).unwrap(),
             [3, 4, 5, 6, 7, 8, 9, 10]
         );
+        let empty = served(r#","truncate_prompt_tokens":0"#).unwrap_err();
+        assert_eq!(empty.message, "The decoder prompt cannot be empty");
         assert_eq!(
             served(r#","truncate_prompt_tokens":-1,"max_tokens":2"#).unwrap(),
             [4, 5, 6, 7, 8, 9, 10]

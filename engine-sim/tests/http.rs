@@ -394,6 +394,176 @@ async fn streaming_chat_arrives_in_chunks_and_ends_with_done() -> Result<()> {
     Ok(())
 }
 
+/// The chunks of a stream (its `data:` payloads but `[DONE]`).
+async fn stream_chunks(addr: SocketAddr, path: &str, body: &Value) -> Result<Vec<Value>> {
+    let mut response = open_post(addr, path, body).await?.into_body();
+    let events = read_events(&mut response).await?;
+    anyhow::ensure!(
+        events.last().map(String::as_str) == Some("[DONE]"),
+        "{events:?}"
+    );
+    Ok(events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str(event))
+        .collect::<Result<_, _>>()?)
+}
+
+/// vLLM 0.32's `return_token_ids`, as a real vLLM answers it: a chat's prompt ids at the top
+/// (on its first chunk when streamed) and each choice's or chunk's token ids; a completion's
+/// prompt ids in its choice (on its first chunk).
+#[tokio::test]
+async fn return_token_ids_puts_the_ids_where_vllm_puts_them() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let chat = json!({"messages": [{"role": "user", "content": "the cat sat"}], "max_tokens": 3,
+                      "return_token_ids": true});
+    let prompt = |body: &Value| -> Result<Value> {
+        let sent = body.clone();
+        Ok(serde_json::to_value(
+            switchyard_engine_sim::tokenizer::tokenize(&if sent.get("messages").is_some() {
+                switchyard_engine_sim::tokenizer::chat_prompt_text(
+                    sent["messages"].as_array().unwrap(),
+                )
+            } else {
+                sent["prompt"].as_str().unwrap().to_owned()
+            }),
+        )?)
+    };
+    let whole = post(sim.addr, "/v1/chat/completions", &chat).await?.json();
+    assert_eq!(whole["prompt_token_ids"], prompt(&chat)?);
+    assert_eq!(
+        whole["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(3)
+    );
+    let completion = json!({"prompt": "the cat sat", "max_tokens": 2, "return_token_ids": true});
+    let whole = post(sim.addr, "/v1/completions", &completion).await?.json();
+    assert_eq!(
+        whole["choices"][0]["prompt_token_ids"],
+        prompt(&completion)?
+    );
+    assert_eq!(
+        whole["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(2)
+    );
+    assert!(whole.get("prompt_token_ids").is_none());
+    // Streamed: the chat's role chunk carries the prompt, each token chunk its id.
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream_chunks(sim.addr, "/v1/chat/completions", &streamed).await?;
+    assert_eq!(chunks[0]["prompt_token_ids"], prompt(&chat)?);
+    let ids: Vec<Value> = chunks[1..]
+        .iter()
+        .map(|chunk| chunk["choices"][0]["token_ids"].clone())
+        .collect();
+    let whole = post(sim.addr, "/v1/chat/completions", &chat).await?.json();
+    let one_by_one: Vec<Value> = whole["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| json!([id]))
+        .collect();
+    assert_eq!(ids, one_by_one);
+    let mut streamed = completion.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream_chunks(sim.addr, "/v1/completions", &streamed).await?;
+    assert_eq!(
+        chunks[0]["choices"][0]["prompt_token_ids"],
+        prompt(&completion)?
+    );
+    assert_eq!(chunks[1]["choices"][0]["prompt_token_ids"], Value::Null);
+    assert_eq!(
+        chunks[1]["choices"][0]["token_ids"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    // Not asked: none of it.
+    let plain = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"messages": chat["messages"], "max_tokens": 1}),
+    )
+    .await?
+    .json();
+    assert!(
+        plain.get("prompt_token_ids").is_none() && plain["choices"][0].get("token_ids").is_none()
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
+/// vLLM 0.32's decode-side token reuse: a chat's `kv_transfer_params.prompt_token_ids` are
+/// served as the prompt, not rendered from `messages` (unless `echo` or non-text content);
+/// malformed ones are refused naming the field.
+#[tokio::test]
+async fn a_chats_forwarded_prompt_ids_are_served_instead_of_its_messages() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "the cat sat on the mat"}],
+                              "max_tokens": 1, "return_token_ids": true});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let given = json!([7, 8, 9, 10]);
+    let reused = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &chat(json!({"kv_transfer_params": {"prompt_token_ids": given}})),
+    )
+    .await?
+    .json();
+    assert_eq!(reused["prompt_token_ids"], given);
+    assert_eq!(reused["usage"]["prompt_tokens"], 4);
+    let rendered = post(sim.addr, "/v1/chat/completions", &chat(json!({})))
+        .await?
+        .json();
+    assert_ne!(rendered["prompt_token_ids"], given);
+    for extra in [
+        json!({"echo": true}),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "the cat sat on the mat"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+    ] {
+        let mut extra = extra;
+        extra["kv_transfer_params"] = json!({"prompt_token_ids": given});
+        let answer = post(sim.addr, "/v1/chat/completions", &chat(extra.clone()))
+            .await?
+            .json();
+        assert_ne!(answer["prompt_token_ids"], given, "{extra}");
+    }
+    for ids in [
+        json!([]),
+        json!([-1]),
+        json!([1.0]),
+        json!("1"),
+        json!([4294967296_u64]),
+    ] {
+        let refused = post(
+            sim.addr,
+            "/v1/chat/completions",
+            &chat(json!({"kv_transfer_params": {"prompt_token_ids": ids}})),
+        )
+        .await?;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{ids}");
+        assert_eq!(
+            refused.json()["error"]["param"],
+            "kv_transfer_params.prompt_token_ids",
+            "{ids}"
+        );
+    }
+    // Completions do not reuse them (vLLM's chat path only).
+    let completion = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "the cat sat on the mat", "max_tokens": 1,
+        "return_token_ids": true, "kv_transfer_params": {"prompt_token_ids": given}}),
+    )
+    .await?
+    .json();
+    assert_ne!(completion["choices"][0]["prompt_token_ids"], given);
+    sim.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn streaming_completions_and_invocations() -> Result<()> {
     let sim = spawn(fast_config()).await?;
@@ -529,6 +699,8 @@ async fn errors_look_like_vllm() -> Result<()> {
     assert_eq!(error["error"]["type"], "BadRequestError");
     assert_eq!(error["error"]["code"], 400);
 
+    // As vLLM 0.32: a budget over the whole context is refused; one over what the prompt
+    // leaves is cut to it; a prompt past the context is refused.
     let too_long = post(
         sim.addr,
         "/v1/completions",
@@ -536,8 +708,42 @@ async fn errors_look_like_vllm() -> Result<()> {
     )
     .await?;
     assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
+    assert_eq!(too_long.json()["error"]["param"], "max_tokens");
     assert!(
         too_long.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("max_tokens=200000 cannot be greater than max_model_len=")
+    );
+    sim.shutdown().await;
+    let sim = spawn(SimConfig {
+        max_model_len: 64,
+        ..fast_config()
+    })
+    .await?;
+    let context = 64;
+    let cut = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi there", "max_tokens": context}),
+    )
+    .await?;
+    assert_eq!(cut.status, StatusCode::OK, "{}", cut.json());
+    assert_eq!(
+        cut.json()["usage"]["completion_tokens"],
+        json!(context - 2),
+        "the budget is what the context leaves"
+    );
+    let prompt = vec!["w"; context as usize + 1].join(" ");
+    let long_prompt = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}),
+    )
+    .await?;
+    assert_eq!(long_prompt.status, StatusCode::BAD_REQUEST);
+    assert!(
+        long_prompt.json()["error"]["message"]
             .as_str()
             .unwrap()
             .contains("maximum context length")

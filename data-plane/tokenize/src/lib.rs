@@ -390,6 +390,12 @@ impl EngineTokenizer {
         }
     }
 
+    /// The ids the tokenizer knows, added tokens included (an id at or above it is out of
+    /// its vocabulary).
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
     /// Why chat bodies are left to the engine, if they are.
     pub fn template_note(&self) -> Option<&str> {
         self.template_note.as_deref()

@@ -174,21 +174,36 @@ pub(super) async fn draw_fault(
     }
 }
 
-/// Refuses requests longer than the context or the whole KV cache, like vLLM.
+/// The output budget as vLLM 0.32 allows it: an ask for more than the whole context
+/// (`param`, the field that asked) is refused, as is a prompt the context cannot hold (with one
+/// output token, unless `max_tokens` is 0: pooling); otherwise the budget is cut to what the
+/// context leaves (vLLM's `get_max_tokens`). A request the whole KV cache cannot hold is
+/// refused too.
 pub(super) fn check_fits(
     config: &SimConfig,
     prompt_len: u32,
     max_tokens: u32,
-) -> Result<(), ApiError> {
-    let total = u64::from(prompt_len) + u64::from(max_tokens);
-    if total > u64::from(config.max_model_len) {
+    param: &'static str,
+) -> Result<u32, ApiError> {
+    let context = config.max_model_len;
+    if max_tokens > context {
         return Err(ApiError::bad_request(format!(
-            "This model's maximum context length is {} tokens. However, you requested {total} \
-             tokens ({prompt_len} in the messages, {max_tokens} in the completion). Please \
-             reduce the length of the messages or completion.",
-            config.max_model_len
-        )));
+            "{param}={max_tokens} cannot be greater than max_model_len={context}. Please \
+             request fewer output tokens. (parameter={param}, value={max_tokens})"
+        ))
+        .param(param));
     }
+    if prompt_len > context || (prompt_len == context && max_tokens > 0) {
+        return Err(ApiError::bad_request(format!(
+            "This model's maximum context length is {context} tokens. However, your prompt \
+             contains {prompt_len} input tokens, which exceeds this limit even without any \
+             output tokens. Please reduce the length of the input prompt. \
+             (parameter=input_tokens, value={prompt_len})"
+        ))
+        .param("input_tokens"));
+    }
+    let max_tokens = max_tokens.min(context - prompt_len);
+    let total = u64::from(prompt_len) + u64::from(max_tokens);
     let blocks = total.div_ceil(config.block_size as u64);
     if blocks > config.kv_cache_blocks as u64 {
         return Err(ApiError::bad_request(format!(
@@ -197,7 +212,7 @@ pub(super) fn check_fits(
             config.kv_cache_blocks
         )));
     }
-    Ok(())
+    Ok(max_tokens)
 }
 
 /// Waits for the engine to finish the request.
@@ -324,11 +339,8 @@ impl SseStream {
                             yield Ok(sse_data(&chunk));
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
-                        let mut chunk = self.meta.token_chunk(
-                            self.meta.token_text(sent),
-                            finish_reason,
-                            self.include_usage,
-                        );
+                        let mut chunk =
+                            self.meta.token_chunk(sent, finish_reason, self.include_usage);
                         self.usage_so_far(&mut chunk, sent + 1);
                         yield Ok(sse_data(&chunk));
                         sent += 1;

@@ -206,7 +206,8 @@ async fn run_prefills(
     let arrival = Instant::now();
     let config = &shared.config;
     for prompt in prompts {
-        check_fits(config, u32::try_from(prompt.len()).unwrap_or(u32::MAX), 1)?;
+        let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        check_fits(config, prompt_len, 0, "max_tokens")?;
     }
     // Non-streaming: a fault answers now or never (no interruption to come).
     draw_fault(shared, request_id, false, 1).await?;

@@ -267,7 +267,7 @@ async fn run(
     };
     let max_tokens = output_budget(config, &budget, &KvTransfer::default(), prompt_len)
         .map_err(|error| error.param("max_output_tokens"))?;
-    check_fits(config, prompt_len, max_tokens)?;
+    let max_tokens = check_fits(config, prompt_len, max_tokens, "max_output_tokens")?;
     let streaming = body.stream.unwrap_or(false);
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
         Ok(interruption) => interruption,
