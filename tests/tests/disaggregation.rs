@@ -969,6 +969,46 @@ async fn an_unreachable_prefill_instance_is_ejected() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A NIXL chat's prefill is asked for its prompt's ids (`return_token_ids`), which the decoder
+/// is handed in `kv_transfer_params.prompt_token_ids` (vLLM 0.32's decode-side token reuse): it
+/// serves them without rendering the conversation again. A completion's hand-off has none.
+#[tokio::test]
+async fn a_chats_prompt_ids_go_from_its_prefill_to_its_decoder() -> anyhow::Result<()> {
+    let (pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
+    let chat = serde_json::json!({"model": "pd", "max_tokens": 2,
+        "messages": [{"role": "user", "content": hellos(5000)}]});
+    let url = format!("{}/v1/chat/completions", router.url());
+    let reply = bounded(
+        "a chat",
+        http_post(&url, &[("x-request-id", "chat-1")], chat.to_string()),
+    )
+    .await?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    let mut asked = chat.clone();
+    asked["model"] = serde_json::json!("sim");
+    let expected = switchyard_tests::sim_tokens(&pool.decode[0], asked).await?;
+    let decoded = received_as(&pool.decode, "chat-1");
+    assert_eq!(decoded.len(), 1);
+    let handed = decoded[0].kv_transfer.as_ref().expect("the hand-off");
+    assert_eq!(decoded[0].handoff.as_deref(), Some("accepted"));
+    assert_eq!(
+        handed["prompt_token_ids"],
+        serde_json::json!(expected),
+        "the prefill's prompt ids reach the decoder"
+    );
+    let reply = complete(&router, &[("x-request-id", "completion-1")], long()).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    let decoded = received_as(&pool.decode, "completion-1");
+    let handed = decoded[0].kv_transfer.as_ref().expect("the hand-off");
+    assert!(
+        handed.get("prompt_token_ids").is_none(),
+        "vLLM reuses a chat's ids only: {handed}"
+    );
+    settles(&router).await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_clients_kv_transfer_params_never_reach_an_engine() -> anyhow::Result<()> {
     let (pool, router, _dir) = pool_router(NIXL, |_| {}).await?;

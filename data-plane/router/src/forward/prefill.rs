@@ -26,7 +26,11 @@
 //!
 //! Planning (on a blocking thread) removes any `kv_transfer_params` a client sent, on every
 //! path, and makes the prefill copy (`plan::body`); this module sends it, reads the hand-off
-//! from the prefill's answer and has it spliced into the decoder's request.
+//! from the prefill's answer and has it spliced into the decoder's request. A NIXL chat's
+//! prefill answers with its prompt's ids (`return_token_ids`), which go into the hand-off as
+//! `prompt_token_ids`: vLLM 0.32's decoder then serves those ids without rendering and
+//! tokenizing the conversation again (an engine without that feature ignores them), and the
+//! decoder's prompt is the one whose KV it pulls. An answer without them hands off as before.
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -451,14 +455,19 @@ async fn read_answer(
 
 /// The hand-off in a NIXL prefill answer: its `kv_transfer_params`, which must say
 /// `do_remote_prefill: true` and name the engine (`remote_engine_id`) and the blocks
-/// (`remote_block_ids`) a decoder is to pull.
+/// (`remote_block_ids`) a decoder is to pull, with the answer's `prompt_token_ids` (a chat's,
+/// asked for with `return_token_ids`) added as `prompt_token_ids` when it has a non-empty list
+/// of them.
 fn handoff_in(answer: &[u8]) -> Result<Value, &'static str> {
     #[derive(serde::Deserialize)]
     struct Answer {
         kv_transfer_params: Option<Value>,
+        #[serde(default)]
+        prompt_token_ids: Option<Value>,
     }
-    let params = serde_json::from_slice::<Answer>(answer)
-        .map_err(|_| "the answer is not a JSON object")?
+    let answer =
+        serde_json::from_slice::<Answer>(answer).map_err(|_| "the answer is not a JSON object")?;
+    let mut params = answer
         .kv_transfer_params
         .ok_or("the answer has no kv_transfer_params")?;
     if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
@@ -469,6 +478,19 @@ fn handoff_in(answer: &[u8]) -> Result<Value, &'static str> {
     }
     if !params.get("remote_block_ids").is_some_and(Value::is_array) {
         return Err("kv_transfer_params.remote_block_ids is not an array");
+    }
+    // Only what vLLM's decoder takes (a non-empty list of non-negative integers): anything
+    // else is left out and the decoder renders the prompt itself.
+    let ids = answer.prompt_token_ids.filter(|ids| {
+        ids.as_array().is_some_and(|ids| {
+            !ids.is_empty()
+                && ids
+                    .iter()
+                    .all(|id| id.as_u64().is_some_and(|id| id <= u64::from(u32::MAX)))
+        })
+    });
+    if let (Some(ids), Some(object)) = (ids, params.as_object_mut()) {
+        object.insert("prompt_token_ids".into(), ids);
     }
     Ok(params)
 }
@@ -597,6 +619,34 @@ mod tests {
             rewritten(Value::Null, "http://192.0.2.7:8000")["remote_host"],
             Value::Null
         );
+    }
+
+    #[test]
+    fn a_chats_prompt_ids_go_into_the_hand_off() {
+        let answer = |ids: &str| {
+            format!(
+                r#"{{"prompt_token_ids":{ids},"kv_transfer_params":{{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[1]}}}}"#
+            )
+        };
+        let params = handoff_in(answer("[5,0,4294967295]").as_bytes()).unwrap();
+        assert_eq!(
+            params["prompt_token_ids"],
+            serde_json::json!([5, 0, 4294967295_u64])
+        );
+        assert_eq!(params["remote_engine_id"], "e");
+        // What vLLM's decoder would refuse is left out: the decoder renders the prompt.
+        for ids in [
+            "null",
+            "[]",
+            "[-1]",
+            "[1.5]",
+            "[true]",
+            "\"1\"",
+            "[4294967296]",
+        ] {
+            let params = handoff_in(answer(ids).as_bytes()).unwrap();
+            assert!(params.get("prompt_token_ids").is_none(), "{ids}");
+        }
     }
 
     #[test]

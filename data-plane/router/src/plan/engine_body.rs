@@ -66,8 +66,11 @@ fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
 
 /// The prefill copy of an OpenAI request, as vLLM's disaggregation proxy makes it: one token
 /// (`max_tokens`, and `max_completion_tokens` if present), not streamed, no `stream_options` or
-/// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode.
-/// `None` if the body is not a JSON object (planning already refused that).
+/// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode;
+/// a NIXL chat also asks for its prompt's ids (`return_token_ids`), which the decoder is given
+/// so that it does not render and tokenize the conversation again (vLLM 0.32's decode-side
+/// token reuse, `kv_transfer_params.prompt_token_ids`). `None` if the body is not a JSON
+/// object (planning already refused that).
 pub(crate) fn prefill_body(
     body: &[u8],
     protocol: KvTransferProtocol,
@@ -85,6 +88,9 @@ pub(crate) fn prefill_body(
     with_prefill_model(object, variant);
     match protocol {
         KvTransferProtocol::Nixl => {
+            if object.contains_key("messages") {
+                object.insert("return_token_ids".into(), json!(true));
+            }
             object.insert(
                 "kv_transfer_params".into(),
                 json!({
@@ -164,6 +170,10 @@ mod tests {
         assert!(copy.get("stream_options").is_none());
         assert!(copy.get("min_tokens").is_none());
         assert_eq!(
+            copy["return_token_ids"], true,
+            "a chat's ids go to the decoder"
+        );
+        assert_eq!(
             copy["kv_transfer_params"],
             json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
                    "remote_block_ids": null, "remote_host": null, "remote_port": null})
@@ -178,6 +188,18 @@ mod tests {
         let copy: Value = serde_json::from_slice(&copy).unwrap();
         assert!(copy.get("max_completion_tokens").is_none());
         assert!(copy.get("kv_transfer_params").is_none());
+        assert!(copy.get("return_token_ids").is_none());
+        let copy = prefill_body(
+            br#"{"prompt":"x"}"#,
+            KvTransferProtocol::Nixl,
+            &variant(None),
+        )
+        .unwrap();
+        let copy: Value = serde_json::from_slice(&copy).unwrap();
+        assert!(
+            copy.get("return_token_ids").is_none(),
+            "vLLM reuses a chat's ids only"
+        );
         assert!(copy.get("model").is_none());
         assert!(prefill_body(b"[1]", KvTransferProtocol::Nixl, &variant(None)).is_none());
     }
