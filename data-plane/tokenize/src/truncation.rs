@@ -308,33 +308,23 @@ mod tests {
         assert_eq!(cut(0, Some(Side::Right)), Vec::<u32>::new());
         assert_eq!(cut(0, None), Vec::<u32>::new());
         // A BOS added by the tokenizer stays when it cuts on its own side.
-        let bos = Cut {
-            side: Side::Left,
-            added_before: 1,
-            added_after: 0,
-        };
+        let bos = cut_with(Side::Left, 1, 0);
         let left = Truncation {
             keep: Keep::Tokens(4),
             side: None,
         };
         assert_eq!(left.apply(ids.clone(), bos, None), [1, 8, 9, 10]);
-        let right = Cut {
-            side: Side::Right,
-            ..bos
-        };
-        assert_eq!(left.apply(ids.clone(), right, None), [1, 2, 3, 4]);
+        assert_eq!(
+            left.apply(ids.clone(), cut_with(Side::Right, 1, 0), None),
+            [1, 2, 3, 4]
+        );
         // Added ids on both sides (a [CLS] … [SEP] processor).
-        let both = Cut {
-            side: Side::Right,
-            added_before: 1,
-            added_after: 1,
-        };
+        let both = cut_with(Side::Right, 1, 1);
         assert_eq!(left.apply(ids.clone(), both, None), [1, 2, 3, 10]);
-        let both_left = Cut {
-            side: Side::Left,
-            ..both
-        };
-        assert_eq!(left.apply(ids.clone(), both_left, None), [1, 8, 9, 10]);
+        assert_eq!(
+            left.apply(ids.clone(), cut_with(Side::Left, 1, 1), None),
+            [1, 8, 9, 10]
+        );
         // Fewer ids kept than were added: cut on the tokenizer's side.
         let one = Truncation {
             keep: Keep::Tokens(1),
@@ -355,6 +345,15 @@ mod tests {
         assert_eq!(context_kept(2048, Some(0)), 2048);
         assert_eq!(context_kept(2048, Some(16)), 2047);
     }
+
+    fn cut_with(side: Side, added_before: usize, added_after: usize) -> Cut {
+        Cut {
+            side,
+            added_before,
+            added_after,
+        }
+    }
+
     /// Cases computed by vLLM 0.32's own `TokenizeParams` (`get_encode_kwargs`, then
     /// `_truncation_slice`) over transformers' fast tokenizer: SmolLM2's `tokenizer.json` with
     /// a post-processor that adds `<|im_start|>` (1) before the text, or it and `<|im_end|>` (2)
@@ -363,125 +362,40 @@ mod tests {
     fn vllms_own_cuts_of_a_prompt_with_special_tokens() {
         let text = [537, 827, 1296, 1876, 2531, 2976, 4962, 4475, 7462, 3772];
         let cut_of = |name: &str| match name {
-            "bos-left" => (
-                Cut {
-                    side: Side::Left,
-                    added_before: 1,
-                    added_after: 0,
-                },
-                false,
-            ),
-            "bos-eos-left" => (
-                Cut {
-                    side: Side::Left,
-                    added_before: 1,
-                    added_after: 1,
-                },
-                true,
-            ),
-            _ => (
-                Cut {
-                    side: Side::Right,
-                    added_before: 1,
-                    added_after: 1,
-                },
-                true,
-            ),
+            "bos-left" => (cut_with(Side::Left, 1, 0), false),
+            "bos-eos-left" => (cut_with(Side::Left, 1, 1), true),
+            _ => (cut_with(Side::Right, 1, 1), true),
         };
-        let cases: Vec<(&str, u64, Option<Side>, Vec<u32>)> = vec![
-            ("bos-left", 4, None, vec![1, 4475, 7462, 3772]),
+        // Per tokenizer: cases of ids kept, side asked (- for none), the ids vLLM keeps.
+        let cases = [
             (
                 "bos-left",
-                4,
-                Some(Side::Left),
-                vec![4962, 4475, 7462, 3772],
-            ),
-            ("bos-left", 4, Some(Side::Right), vec![1, 537, 827, 1296]),
-            ("bos-left", 6, None, vec![1, 2976, 4962, 4475, 7462, 3772]),
-            (
-                "bos-left",
-                6,
-                Some(Side::Left),
-                vec![2531, 2976, 4962, 4475, 7462, 3772],
-            ),
-            (
-                "bos-left",
-                6,
-                Some(Side::Right),
-                vec![1, 537, 827, 1296, 1876, 2531],
-            ),
-            ("bos-left", 2, None, vec![1, 3772]),
-            ("bos-left", 2, Some(Side::Left), vec![7462, 3772]),
-            ("bos-left", 2, Some(Side::Right), vec![1, 537]),
-            ("bos-left", 1, None, vec![1]),
-            ("bos-left", 1, Some(Side::Left), vec![3772]),
-            ("bos-left", 1, Some(Side::Right), vec![1]),
-            ("bos-eos-left", 4, None, vec![1, 7462, 3772, 2]),
-            (
-                "bos-eos-left",
-                4,
-                Some(Side::Left),
-                vec![4475, 7462, 3772, 2],
+                "4 - 1,4475,7462,3772; 4 left 4962,4475,7462,3772; 4 right 1,537,827,1296; 6 - 1,2976,4962,4475,7462,3772; 6 left 2531,2976,4962,4475,7462,3772; 6 right 1,537,827,1296,1876,2531; 2 - 1,3772; 2 left 7462,3772; 2 right 1,537; 1 - 1; 1 left 3772; 1 right 1",
             ),
             (
                 "bos-eos-left",
-                4,
-                Some(Side::Right),
-                vec![1, 537, 827, 1296],
-            ),
-            ("bos-eos-left", 6, None, vec![1, 4962, 4475, 7462, 3772, 2]),
-            (
-                "bos-eos-left",
-                6,
-                Some(Side::Left),
-                vec![2976, 4962, 4475, 7462, 3772, 2],
-            ),
-            (
-                "bos-eos-left",
-                6,
-                Some(Side::Right),
-                vec![1, 537, 827, 1296, 1876, 2531],
-            ),
-            ("bos-eos-left", 2, None, vec![1, 2]),
-            ("bos-eos-left", 2, Some(Side::Left), vec![3772, 2]),
-            ("bos-eos-left", 2, Some(Side::Right), vec![1, 537]),
-            ("bos-eos-left", 1, None, vec![2]),
-            ("bos-eos-left", 1, Some(Side::Left), vec![2]),
-            ("bos-eos-left", 1, Some(Side::Right), vec![1]),
-            ("bos-eos-right", 4, None, vec![1, 537, 827, 2]),
-            (
-                "bos-eos-right",
-                4,
-                Some(Side::Left),
-                vec![4475, 7462, 3772, 2],
+                "4 - 1,7462,3772,2; 4 left 4475,7462,3772,2; 4 right 1,537,827,1296; 6 - 1,4962,4475,7462,3772,2; 6 left 2976,4962,4475,7462,3772,2; 6 right 1,537,827,1296,1876,2531; 2 - 1,2; 2 left 3772,2; 2 right 1,537; 1 - 2; 1 left 2; 1 right 1",
             ),
             (
                 "bos-eos-right",
-                4,
-                Some(Side::Right),
-                vec![1, 537, 827, 1296],
+                "4 - 1,537,827,2; 4 left 4475,7462,3772,2; 4 right 1,537,827,1296; 6 - 1,537,827,1296,1876,2; 6 left 2976,4962,4475,7462,3772,2; 6 right 1,537,827,1296,1876,2531; 2 - 1,2; 2 left 3772,2; 2 right 1,537; 1 - 1; 1 left 2; 1 right 1",
             ),
-            ("bos-eos-right", 6, None, vec![1, 537, 827, 1296, 1876, 2]),
-            (
-                "bos-eos-right",
-                6,
-                Some(Side::Left),
-                vec![2976, 4962, 4475, 7462, 3772, 2],
-            ),
-            (
-                "bos-eos-right",
-                6,
-                Some(Side::Right),
-                vec![1, 537, 827, 1296, 1876, 2531],
-            ),
-            ("bos-eos-right", 2, None, vec![1, 2]),
-            ("bos-eos-right", 2, Some(Side::Left), vec![3772, 2]),
-            ("bos-eos-right", 2, Some(Side::Right), vec![1, 537]),
-            ("bos-eos-right", 1, None, vec![1]),
-            ("bos-eos-right", 1, Some(Side::Left), vec![2]),
-            ("bos-eos-right", 1, Some(Side::Right), vec![1]),
         ];
-        for (name, keep, side, want) in cases {
+        for (name, case) in cases
+            .iter()
+            .flat_map(|(name, cases)| cases.split("; ").map(move |case| (*name, case)))
+        {
+            let fields: Vec<&str> = case.split_whitespace().collect();
+            let [keep, side, want] = fields[..] else {
+                panic!("{case}");
+            };
+            let keep: u64 = keep.parse().unwrap();
+            let side = match side {
+                "left" => Some(Side::Left),
+                "right" => Some(Side::Right),
+                _ => None,
+            };
+            let want: Vec<u32> = want.split(',').map(|id| id.parse().unwrap()).collect();
             let (cut, eos) = cut_of(name);
             let mut full = vec![1];
             full.extend(text);

@@ -179,23 +179,15 @@ mod tests {
                    "remote_block_ids": null, "remote_host": null, "remote_port": null})
         );
         // No max_completion_tokens is added where there was none; LMCACHE sends no params.
-        let copy = prefill_body(
-            br#"{"prompt":"x"}"#,
-            KvTransferProtocol::Lmcache,
-            &variant(None),
-        )
-        .unwrap();
-        let copy: Value = serde_json::from_slice(&copy).unwrap();
+        let completion = |protocol| -> Value {
+            let copy = prefill_body(br#"{"prompt":"x"}"#, protocol, &variant(None)).unwrap();
+            serde_json::from_slice(&copy).unwrap()
+        };
+        let copy = completion(KvTransferProtocol::Lmcache);
         assert!(copy.get("max_completion_tokens").is_none());
         assert!(copy.get("kv_transfer_params").is_none());
         assert!(copy.get("return_token_ids").is_none());
-        let copy = prefill_body(
-            br#"{"prompt":"x"}"#,
-            KvTransferProtocol::Nixl,
-            &variant(None),
-        )
-        .unwrap();
-        let copy: Value = serde_json::from_slice(&copy).unwrap();
+        let copy = completion(KvTransferProtocol::Nixl);
         assert!(
             copy.get("return_token_ids").is_none(),
             "vLLM reuses a chat's ids only"
