@@ -296,8 +296,12 @@ async fn run_request(
         ),
         kind,
         resume_at,
-        prompt_token_ids: (body.return_token_ids == Some(true))
-            .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
+        prompt_token_ids: (body
+            .return_token_ids
+            .as_ref()
+            .and_then(switchyard_tokenize::reuse::lax_bool)
+            == Some(true))
+        .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
         return Ok(kv_load_failed(&meta, streaming, body.include_usage()));

@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use crate::cache::{Lora, block_hashes_under};
 use crate::tokenizer::{chat_prompt_text, tokenize};
+use switchyard_tokenize::reuse;
 use switchyard_tokenize::truncation::{Cut, Truncation, context_kept};
 
 /// Chat completions or (text) completions.
@@ -48,7 +49,7 @@ pub(crate) struct InferenceBody {
     /// A chat's `echo` (with it, forwarded prompt ids are not reused).
     pub echo: Option<Value>,
     /// `return_token_ids`: the answer carries the prompt's ids and each choice's.
-    pub return_token_ids: Option<bool>,
+    pub return_token_ids: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -186,17 +187,13 @@ impl InferenceBody {
         else {
             return Ok(None);
         };
-        let echo = self.echo.as_ref().is_some_and(|echo| {
-            !matches!(echo, Value::Null | Value::Bool(false))
-                && echo.as_f64() != Some(0.0)
-                && echo.as_str().is_none_or(|text| {
-                    !matches!(
-                        text.to_ascii_lowercase().as_str(),
-                        "0" | "off" | "f" | "false" | "n" | "no"
-                    )
-                })
-        });
-        if echo || self.messages.as_deref().is_some_and(non_text_content) {
+        let echo = lax_flag(self.echo.as_ref(), "echo")?;
+        if echo
+            || self
+                .messages
+                .as_deref()
+                .is_some_and(reuse::non_text_content)
+        {
             return Ok(None);
         }
         let malformed = || {
@@ -229,16 +226,7 @@ impl InferenceBody {
     /// text prompt unless `add_special_tokens` is false, a chat when it is true (read as vLLM
     /// reads a boolean).
     fn adds_special_tokens(&self, kind: ApiKind) -> bool {
-        let given = match &self.add_special_tokens {
-            Some(Value::Bool(add)) => Some(*add),
-            Some(Value::Number(number)) => number.as_f64().map(|number| number != 0.0),
-            Some(Value::String(text)) => match text.to_ascii_lowercase().as_str() {
-                "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
-                "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
-                _ => None,
-            },
-            _ => None,
-        };
+        let given = self.add_special_tokens.as_ref().and_then(reuse::lax_bool);
         match kind {
             ApiKind::Completion => {
                 matches!(self.prompt, Some(Value::String(_))) && given != Some(false)
@@ -396,42 +384,38 @@ pub(crate) fn parse_request(
         check_chat_fields(&body)?;
     }
     let truncation = body.truncation(kind, max_model_len)?;
+    lax_flag(body.return_token_ids.as_ref(), "return_token_ids")?;
+    lax_flag(body.echo.as_ref(), "echo")?;
+    // Forwarded ids (a chat's, with its messages) are served as they are: no template, no
+    // tokenizer, no truncation; a truncation longer than the context is still refused.
     let reused = match kind {
-        ApiKind::Chat => body.reused_prompt_ids(tokenizer)?,
-        ApiKind::Completion => None,
+        ApiKind::Chat if body.messages.is_some() => body.reused_prompt_ids(tokenizer)?,
+        ApiKind::Chat | ApiKind::Completion => None,
     };
     let lora = lora_of(body.model.as_deref());
-    // A chat without messages (null too) is refused as vLLM refuses it, below; the model's
-    // tokenizer would read such a body as a completions one.
-    let tokens = match tokenizer {
-        Some(tokenizer)
-            if (kind == ApiKind::Chat && body.messages.is_some())
-                || (kind == ApiKind::Completion
-                    && matches!(body.prompt, Some(Value::String(_)))) =>
-        {
-            model_tokens(tokenizer, bytes, kind)
-        }
-        _ => prompt_tokens(&body, kind),
-    };
     let tokens = match (reused, truncation) {
-        // vLLM serves forwarded ids as they are: no template, no tokenizer, no truncation.
+        (_, Some((_, _, Err(too_long)))) => Err(too_long),
         (Some(ids), _) => Ok(ids),
-        (None, Some((_, _, Err(too_long)))) => Err(too_long),
-        (None, Some((truncation, context, Ok(())))) => tokens.and_then(|tokens| {
-            let cut = match tokenizer {
-                Some(tokenizer) => tokenizer.truncation_cut(body.adds_special_tokens(kind)),
-                None => Cut::LEFT,
-            };
-            let kept = truncation.apply(tokens, cut, Some(context));
-            if kept.is_empty() {
-                // `truncate_prompt_tokens: 0`.
-                return Err(ApiError::bad_request(
-                    "The decoder prompt cannot be empty".to_owned(),
-                ));
+        (None, truncation) => {
+            let tokens = served_tokens(&body, bytes, kind, tokenizer);
+            match truncation {
+                Some((truncation, context, _)) => tokens.and_then(|tokens| {
+                    let cut = match tokenizer {
+                        Some(tokenizer) => tokenizer.truncation_cut(body.adds_special_tokens(kind)),
+                        None => Cut::LEFT,
+                    };
+                    let kept = truncation.apply(tokens, cut, Some(context));
+                    if kept.is_empty() {
+                        // `truncate_prompt_tokens: 0`.
+                        return Err(ApiError::bad_request(
+                            "The decoder prompt cannot be empty".to_owned(),
+                        ));
+                    }
+                    Ok(kept)
+                }),
+                None => tokens,
             }
-            Ok(kept)
-        }),
-        (None, None) => tokens,
+        }
     };
     let prompt = tokens.map(|tokens| Prompt {
         block_hashes: block_hashes_under(lora.as_ref(), &tokens, block_size),
@@ -441,43 +425,36 @@ pub(crate) fn parse_request(
     Ok(ParsedRequest { body, kind, prompt })
 }
 
-/// Whether a message has a content part that is not text (vLLM's `has_non_text_content`: a
-/// part whose `type`, text by default, is not one of its text types, or that carries a media
-/// key).
-fn non_text_content(messages: &[Value]) -> bool {
-    const TEXT: &[&str] = &[
-        "text",
-        "input_text",
-        "output_text",
-        "refusal",
-        "thinking",
-        "tool_reference",
-    ];
-    const MEDIA: &[&str] = &[
-        "input_image",
-        "image_url",
-        "image_embeds",
-        "audio_embeds",
-        "video_embeds",
-        "prompt_embeds",
-        "image_pil",
-        "audio_url",
-        "input_audio",
-        "video_url",
-    ];
-    messages
-        .iter()
-        .filter_map(|message| message.get("content")?.as_array())
-        .flatten()
-        .filter_map(Value::as_object)
-        .any(|part| {
-            MEDIA.iter().any(|key| part.contains_key(*key))
-                || match part.get("type") {
-                    None => false,
-                    Some(Value::String(kind)) => !TEXT.contains(&kind.as_str()),
-                    Some(_) => true,
-                }
-        })
+/// The prompt's ids: the model's tokenizer (`--tokenizer`) for a chat with messages or a
+/// completion's text, else the simulator's own. A chat without messages (null too) is refused
+/// as vLLM refuses it; the model's tokenizer would read such a body as a completions one.
+fn served_tokens(
+    body: &InferenceBody,
+    bytes: &[u8],
+    kind: ApiKind,
+    tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
+) -> Result<Vec<u32>, ApiError> {
+    match tokenizer {
+        Some(tokenizer)
+            if (kind == ApiKind::Chat && body.messages.is_some())
+                || (kind == ApiKind::Completion
+                    && matches!(body.prompt, Some(Value::String(_)))) =>
+        {
+            model_tokens(tokenizer, bytes, kind)
+        }
+        _ => prompt_tokens(body, kind),
+    }
+}
+
+/// A boolean field read as pydantic reads one (absent or null: false); a 400 naming it for
+/// what pydantic refuses.
+pub(crate) fn lax_flag(value: Option<&Value>, field: &'static str) -> Result<bool, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(false),
+        Some(value) => reuse::lax_bool(value).ok_or_else(|| {
+            ApiError::bad_request(format!("{field}: Input should be a valid boolean")).param(field)
+        }),
+    }
 }
 
 /// What vLLM's chat request model refuses in `reasoning_effort` (one of its values, or null)

@@ -525,11 +525,24 @@ async fn a_chats_forwarded_prompt_ids_are_served_instead_of_its_messages() -> Re
     ] {
         let mut extra = extra;
         extra["kv_transfer_params"] = json!({"prompt_token_ids": given});
-        let answer = post(sim.addr, "/v1/chat/completions", &chat(extra.clone()))
-            .await?
-            .json();
-        assert_ne!(answer["prompt_token_ids"], given, "{extra}");
+        let answer = post(sim.addr, "/v1/chat/completions", &chat(extra.clone())).await?;
+        assert_eq!(answer.status, StatusCode::OK, "{extra}");
+        let ids = &answer.json()["prompt_token_ids"];
+        assert!(ids.as_array().is_some_and(|ids| !ids.is_empty()), "{extra}");
+        assert_ne!(ids, &given, "{extra}");
     }
+    // `echo` and `return_token_ids` are read as pydantic reads booleans.
+    for (field, value) in [("echo", json!(2)), ("return_token_ids", json!("maybe"))] {
+        let mut body = chat(json!({}));
+        body[field] = value;
+        let refused = post(sim.addr, "/v1/chat/completions", &body).await?;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{field}");
+        assert_eq!(refused.json()["error"]["param"], field);
+    }
+    let mut body = chat(json!({}));
+    body["return_token_ids"] = json!("yes");
+    let answer = post(sim.addr, "/v1/chat/completions", &body).await?.json();
+    assert!(answer["prompt_token_ids"].is_array());
     for ids in [
         json!([]),
         json!([-1]),
@@ -557,9 +570,9 @@ async fn a_chats_forwarded_prompt_ids_are_served_instead_of_its_messages() -> Re
         &json!({"prompt": "the cat sat on the mat", "max_tokens": 1,
         "return_token_ids": true, "kv_transfer_params": {"prompt_token_ids": given}}),
     )
-    .await?
-    .json();
-    assert_ne!(completion["choices"][0]["prompt_token_ids"], given);
+    .await?;
+    assert_eq!(completion.status, StatusCode::OK);
+    assert_ne!(completion.json()["choices"][0]["prompt_token_ids"], given);
     sim.shutdown().await;
     Ok(())
 }

@@ -425,16 +425,24 @@ async fn a_decoder_that_refuses_the_hand_off_gets_the_request_without_it() -> an
     let pool = Pool::start_with(|_| engine(InstanceRole::Prefill), refusing.clone()).await?;
     let dir = tempfile::tempdir()?;
     let relaying = router(&dir, &pool, NIXL, |_| {}).await?;
-    let chat = |id: &str, stream: bool| {
+    let chat = |id: &str, stream: bool, ids: bool| {
+        // With `return_token_ids`, the role chunk carries the prompt's ids: past the 64 KiB
+        // read for a verdict at 8,000 tokens.
+        let words = if ids { 8000 } else { 5000 };
         serde_json::json!({"model": "pd", "max_tokens": 3, "stream": stream,
-            "messages": [{"role": "user", "content": format!("{id} {}", hellos(5000))}]})
+            "return_token_ids": ids,
+            "messages": [{"role": "user", "content": format!("{id} {}", hellos(words))}]})
         .to_string()
     };
     let chat_url = format!("{}/v1/chat/completions", relaying.url());
-    for (id, stream) in [("whole", false), ("streamed", true)] {
+    for (id, stream, ids) in [
+        ("whole", false, false),
+        ("streamed", true, false),
+        ("streamed-ids", true, true),
+    ] {
         let reply = bounded(
             "a refused hand-off",
-            http_post(&chat_url, &[("x-request-id", id)], chat(id, stream)),
+            http_post(&chat_url, &[("x-request-id", id)], chat(id, stream, ids)),
         )
         .await?;
         assert_eq!(reply.status, 200, "{id}: {}", reply.body);
@@ -473,7 +481,7 @@ async fn a_decoder_that_refuses_the_hand_off_gets_the_request_without_it() -> an
     }
     assert_eq!(
         fallbacks(&relaying, "decode_refused_handoff").await,
-        Some(2.0)
+        Some(3.0)
     );
     settles(&relaying).await?;
 
@@ -985,6 +993,11 @@ async fn a_chats_prompt_ids_go_from_its_prefill_to_its_decoder() -> anyhow::Resu
     .await?;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-switchyard-route"), Some("disaggregated"));
+    assert!(
+        reply.json().get("prompt_token_ids").is_none(),
+        "the client did not ask for the ids: {}",
+        reply.body
+    );
     let mut asked = chat.clone();
     asked["model"] = serde_json::json!("sim");
     let expected = switchyard_tests::sim_tokens(&pool.decode[0], asked).await?;

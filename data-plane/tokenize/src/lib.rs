@@ -25,6 +25,7 @@ pub mod json;
 mod markers;
 mod messages;
 pub mod pieces;
+pub mod reuse;
 pub mod template;
 pub mod truncation;
 
@@ -193,16 +194,8 @@ fn flag(body: &Json, name: &str, default: bool) -> Result<bool, Refusal> {
     };
     let read = match value {
         Json::Bool(value) => Some(*value),
-        Json::Number(number) => match number.as_f64() {
-            Some(1.0) => Some(true),
-            Some(0.0) => Some(false),
-            _ => None,
-        },
-        Json::String(text) => match text.to_ascii_lowercase().as_str() {
-            "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
-            "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
-            _ => None,
-        },
+        Json::Number(number) => reuse::number_bool(number),
+        Json::String(text) => reuse::text_bool(text),
         Json::Array(_) | Json::Object(_) | Json::Null => None,
     };
     read.ok_or_else(|| Refusal::Invalid(Invalid(format!("{name} must be a boolean"))))

@@ -193,7 +193,14 @@ pub(super) fn check_fits(
         ))
         .param(param));
     }
-    if prompt_len > context || (prompt_len == context && max_tokens > 0) {
+    if prompt_len == context && max_tokens > 0 {
+        // vLLM leaves such a request no output token, then refuses that budget.
+        return Err(
+            ApiError::bad_request("max_tokens must be at least 1, got 0.".to_owned())
+                .param("max_tokens"),
+        );
+    }
+    if prompt_len > context {
         return Err(ApiError::bad_request(format!(
             "This model's maximum context length is {context} tokens. However, your prompt \
              contains {prompt_len} input tokens, which exceeds this limit even without any \

@@ -37,6 +37,7 @@ use http::HeaderMap;
 use http::header::ACCEPT_ENCODING;
 use http_body_util::BodyExt;
 use serde_json::Value;
+use serde_json::value::RawValue;
 use switchyard_shared::KvTransferProtocol;
 use tokio::time::Instant;
 
@@ -53,8 +54,11 @@ use crate::routing::cells::SlotClaim;
 use crate::routing::table::{Disaggregation, EndpointRoute, InstanceRoute, VariantRoute};
 use crate::server::admission::BufferReservation;
 
-/// The most of a prefill answer read (a one-token answer and its hand-off are small).
+/// The most of a prefill answer read (a one-token answer and its hand-off are small), and,
+/// per byte of the prefill copy, what a chat's prompt ids may add (a token per byte at worst,
+/// up to 11 bytes an id).
 const MOST_PREFILL_ANSWER_BYTES: usize = 1 << 20;
+const PROMPT_ID_BYTES_PER_BODY_BYTE: usize = 12;
 
 /// Why a prefill was not used (the `reason` label of the fallback counter).
 type FallbackReason = &'static str;
@@ -80,7 +84,7 @@ enum ReadError {
 /// A prefill that succeeded: which instance, and the hand-off its answer carried (NIXL).
 struct Prefilled {
     instance: usize,
-    kv_transfer_params: Option<Value>,
+    handoff: Option<Handoff>,
 }
 
 impl Forwarder<'_> {
@@ -263,7 +267,7 @@ impl Forwarder<'_> {
             .await?;
         drop(in_flight);
         let instance = &endpoint.variants[pd.prefill].instances[index];
-        let kv_transfer_params = match pd.protocol {
+        let handoff = match pd.protocol {
             KvTransferProtocol::Lmcache | KvTransferProtocol::LmcachePd => None,
             KvTransferProtocol::Nixl => {
                 let params = if answer.len() > crate::request::read::OFFLOAD_BYTES {
@@ -274,7 +278,7 @@ impl Forwarder<'_> {
                     handoff_in(&answer)
                 };
                 match params {
-                    Ok(params) => Some(params),
+                    Ok(handoff) => Some(handoff),
                     Err(why) => {
                         tracing::warn!(instance = %instance.id, why, "the prefill answer has no usable kv_transfer_params (is the engine started with a NixlConnector kv-transfer-config?)");
                         return Err(NoPrefill::Fallback("bad_handoff"));
@@ -284,7 +288,7 @@ impl Forwarder<'_> {
         };
         Ok(Prefilled {
             instance: index,
-            kv_transfer_params,
+            handoff,
         })
     }
 
@@ -325,7 +329,8 @@ impl Forwarder<'_> {
                     .attempt(instance, request, deadline, "prefill", claim)
                     .await?;
                 let status = response.status();
-                let read = read_answer(response.into_body(), reservation, held).await;
+                let most = most_answer_bytes(&body);
+                let read = read_answer(response.into_body(), reservation, held, most).await;
                 Ok::<_, Failure>((status, read, in_flight))
             })
             .await;
@@ -356,7 +361,7 @@ impl Forwarder<'_> {
                     return Err(failed_after_send(error));
                 }
                 Err(ReadError::TooLarge) => {
-                    tracing::warn!(instance = %instance.id, most = MOST_PREFILL_ANSWER_BYTES, "the prefill answer is too large");
+                    tracing::warn!(instance = %instance.id, most = most_answer_bytes(&body), "the prefill answer is too large");
                     return Err(NoPrefill::Fallback("prefill_failed"));
                 }
                 Err(ReadError::BufferFull) => return Err(NoPrefill::Fallback("buffer_full")),
@@ -428,12 +433,27 @@ fn usable_partner(pd: &Disaggregation, decode: &VariantRoute, prefill: usize) ->
         .then_some(partner)
 }
 
-/// Reads a prefill answer's body, at most [`MOST_PREFILL_ANSWER_BYTES`], counting what it
-/// holds in `reservation` on top of the `held` bytes.
+/// The most of an answer to the prefill copy `body` read: [`MOST_PREFILL_ANSWER_BYTES`], and
+/// room for the prompt's ids when the copy asks for them (`return_token_ids`, which only the
+/// router sets: a client's text holding those bytes would have its quotes escaped).
+fn most_answer_bytes(body: &[u8]) -> usize {
+    const ASKED: &[u8] = br#""return_token_ids":true"#;
+    let asked = body.windows(ASKED.len()).any(|window| window == ASKED);
+    MOST_PREFILL_ANSWER_BYTES
+        + if asked {
+            body.len().saturating_mul(PROMPT_ID_BYTES_PER_BODY_BYTE)
+        } else {
+            0
+        }
+}
+
+/// Reads a prefill answer's body, at most `most` bytes, counting what it holds in
+/// `reservation` on top of the `held` bytes.
 async fn read_answer(
     mut body: hyper::body::Incoming,
     reservation: &mut BufferReservation,
     held: u64,
+    most: usize,
 ) -> Result<Bytes, ReadError> {
     let mut answer = Vec::new();
     while let Some(frame) = body.frame().await {
@@ -442,7 +462,7 @@ async fn read_answer(
             continue;
         };
         let total = answer.len() + data.len();
-        if total > MOST_PREFILL_ANSWER_BYTES {
+        if total > most {
             return Err(ReadError::TooLarge);
         }
         if !reservation.grow_within(held + total as u64) {
@@ -453,21 +473,30 @@ async fn read_answer(
     Ok(Bytes::from(answer))
 }
 
+/// A NIXL prefill's hand-off: its `kv_transfer_params`, and a chat's prompt ids as the answer
+/// wrote them (spliced into the decoder's `kv_transfer_params` as they are, not held as
+/// parsed values).
+#[derive(Debug)]
+struct Handoff {
+    params: Value,
+    prompt_token_ids: Option<Box<RawValue>>,
+}
+
 /// The hand-off in a NIXL prefill answer: its `kv_transfer_params`, which must say
 /// `do_remote_prefill: true` and name the engine (`remote_engine_id`) and the blocks
-/// (`remote_block_ids`) a decoder is to pull, with the answer's `prompt_token_ids` (a chat's,
-/// asked for with `return_token_ids`) added as `prompt_token_ids` when it has a non-empty list
-/// of them.
-fn handoff_in(answer: &[u8]) -> Result<Value, &'static str> {
+/// (`remote_block_ids`) a decoder is to pull, and the answer's `prompt_token_ids` (a chat's,
+/// asked for with `return_token_ids`) when it is what vLLM's decoder takes: a non-empty list
+/// of non-negative integers (anything else is left out, and the decoder renders the prompt).
+fn handoff_in(answer: &[u8]) -> Result<Handoff, &'static str> {
     #[derive(serde::Deserialize)]
-    struct Answer {
+    struct Answer<'a> {
         kv_transfer_params: Option<Value>,
-        #[serde(default)]
-        prompt_token_ids: Option<Value>,
+        #[serde(default, borrow)]
+        prompt_token_ids: Option<&'a RawValue>,
     }
     let answer =
         serde_json::from_slice::<Answer>(answer).map_err(|_| "the answer is not a JSON object")?;
-    let mut params = answer
+    let params = answer
         .kv_transfer_params
         .ok_or("the answer has no kv_transfer_params")?;
     if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
@@ -479,20 +508,14 @@ fn handoff_in(answer: &[u8]) -> Result<Value, &'static str> {
     if !params.get("remote_block_ids").is_some_and(Value::is_array) {
         return Err("kv_transfer_params.remote_block_ids is not an array");
     }
-    // Only what vLLM's decoder takes (a non-empty list of non-negative integers): anything
-    // else is left out and the decoder renders the prompt itself.
-    let ids = answer.prompt_token_ids.filter(|ids| {
-        ids.as_array().is_some_and(|ids| {
-            !ids.is_empty()
-                && ids
-                    .iter()
-                    .all(|id| id.as_u64().is_some_and(|id| id <= u64::from(u32::MAX)))
-        })
-    });
-    if let (Some(ids), Some(object)) = (ids, params.as_object_mut()) {
-        object.insert("prompt_token_ids".into(), ids);
-    }
-    Ok(params)
+    let prompt_token_ids = answer
+        .prompt_token_ids
+        .filter(|ids| serde_json::from_str::<Vec<u32>>(ids.get()).is_ok_and(|ids| !ids.is_empty()))
+        .map(ToOwned::to_owned);
+    Ok(Handoff {
+        params,
+        prompt_token_ids,
+    })
 }
 
 /// Turns the decode hop into the hand-off's: NIXL puts the prefill's `kv_transfer_params`
@@ -507,9 +530,11 @@ fn hand_off(
 ) -> Result<(), FallbackReason> {
     match pd.protocol {
         KvTransferProtocol::Nixl => {
-            let mut params = prefilled.kv_transfer_params.clone().ok_or("bad_handoff")?;
+            let handoff = prefilled.handoff.as_ref().ok_or("bad_handoff")?;
+            let mut params = handoff.params.clone();
             reachable_side_channel(&mut params, &prefill_instance.url);
-            let handed = with_kv_transfer_params(&hop.body, &params).ok_or("bad_handoff")?;
+            let ids = handoff.prompt_token_ids.as_deref();
+            let handed = with_kv_transfer_params(&hop.body, &params, ids).ok_or("bad_handoff")?;
             hop.plain_body = Some(std::mem::replace(&mut hop.body, handed));
             Ok(())
         }
@@ -628,12 +653,14 @@ mod tests {
                 r#"{{"prompt_token_ids":{ids},"kv_transfer_params":{{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[1]}}}}"#
             )
         };
-        let params = handoff_in(answer("[5,0,4294967295]").as_bytes()).unwrap();
+        let handoff = handoff_in(answer("[5, 0,4294967295]").as_bytes()).unwrap();
         assert_eq!(
-            params["prompt_token_ids"],
-            serde_json::json!([5, 0, 4294967295_u64])
+            handoff.prompt_token_ids.as_deref().map(RawValue::get),
+            Some("[5, 0,4294967295]"),
+            "as the answer wrote them"
         );
-        assert_eq!(params["remote_engine_id"], "e");
+        assert_eq!(handoff.params["remote_engine_id"], "e");
+        assert!(handoff.params.get("prompt_token_ids").is_none());
         // What vLLM's decoder would refuse is left out: the decoder renders the prompt.
         for ids in [
             "null",
@@ -643,16 +670,17 @@ mod tests {
             "[true]",
             "\"1\"",
             "[4294967296]",
+            "[1.0]",
         ] {
-            let params = handoff_in(answer(ids).as_bytes()).unwrap();
-            assert!(params.get("prompt_token_ids").is_none(), "{ids}");
+            let handoff = handoff_in(answer(ids).as_bytes()).unwrap();
+            assert!(handoff.prompt_token_ids.is_none(), "{ids}");
         }
     }
 
     #[test]
     fn a_hand_off_must_name_an_engine_and_blocks() {
         let good = br#"{"choices":[],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"h","remote_port":1}}"#;
-        assert_eq!(handoff_in(good).unwrap()["remote_engine_id"], "e");
+        assert_eq!(handoff_in(good).unwrap().params["remote_engine_id"], "e");
         for (answer, why) in [
             (&b"not json"[..], "not a JSON object"),
             (br#"{"choices":[]}"#, "no kv_transfer_params"),

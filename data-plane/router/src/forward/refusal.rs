@@ -20,6 +20,9 @@ use tokio::time::Instant;
 
 /// The most of a stream's opening read to look for a refusal.
 const MOST_OPENING_BYTES: usize = 64 * 1024;
+/// The most read before the stream's first whole event: a chat's role chunk carries the whole
+/// prompt's ids when the client asked `return_token_ids` (about 7 bytes a token).
+const MOST_FIRST_EVENT_BYTES: usize = 8 * 1024 * 1024;
 
 /// An instance's answer body: what was read ahead of the client, then the rest (none for an
 /// answer made by the router of what an engine said), each frame of the rest through
@@ -171,7 +174,8 @@ pub(crate) fn error_code(error: &Value) -> Option<u64> {
 
 /// Reads as much of a decoder's answer to a hand-off as tells whether it refused it: status
 /// 500; or, for an SSE stream, events up to the first that is not a bare role chunk, read
-/// within `idle` in all (comments do not extend it) and [`MOST_OPENING_BYTES`]; that event an
+/// within `idle` in all (comments do not extend it) and [`MOST_OPENING_BYTES`] after the first
+/// event (which may take up to [`MOST_FIRST_EVENT_BYTES`]); that event an
 /// error with code 500. Anything else (tokens, another status, a stall, a cut) is the answer,
 /// relayed as it came.
 pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Decoded {
@@ -191,9 +195,32 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
     }
     let deadline = last_frame + idle;
     let mut opening = BytesMut::new();
+    // Whether a line ended since the verdict was last taken (an event ends with a blank line):
+    // a long first event is not scanned again for every frame of it.
+    let mut ended_line = true;
+    // Where the first whole event ends: the opening's budget counts from there.
+    let mut first_event_end: Option<usize> = None;
     let verdict = loop {
-        match opening_verdict(&opening) {
-            Verdict::Undecided if opening.len() < MOST_OPENING_BYTES => {}
+        let verdict = if ended_line {
+            first_event_end = first_event_end.or_else(|| {
+                let end = |pattern: &[u8]| {
+                    opening
+                        .windows(pattern.len())
+                        .position(|window| window == pattern)
+                        .map(|at| at + pattern.len())
+                };
+                end(b"\n\n").into_iter().chain(end(b"\r\n\r\n")).min()
+            });
+            opening_verdict(&opening)
+        } else {
+            Verdict::Undecided
+        };
+        let budget = match first_event_end {
+            Some(end) => end + MOST_OPENING_BYTES,
+            None => MOST_FIRST_EVENT_BYTES,
+        };
+        match verdict {
+            Verdict::Undecided if opening.len() < budget.max(MOST_OPENING_BYTES) => {}
             Verdict::Refused(why) => break Some(why),
             _ => break None,
         }
@@ -201,6 +228,7 @@ pub async fn decoded(response: http::Response<Incoming>, idle: Duration) -> Deco
             Ok(Some(Ok(frame))) => {
                 last_frame = Instant::now();
                 if let Ok(data) = frame.into_data() {
+                    ended_line = data.contains(&b'\n');
                     opening.extend_from_slice(&data);
                 }
             }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use switchyard_policy::openai::OpenAiRequest;
 use switchyard_shared::disaggregation::DEFAULT_TOKENIZER;
+use switchyard_tokenize::truncation::{Keep, Truncation};
 
 /// A loaded tokenizer.
 pub enum TokenCounter {
@@ -303,8 +304,35 @@ const CHAT_TOKENS_PER_MESSAGE: usize = 4;
 /// The prompt's tokens, counted until `threshold` is certainly reached. A completions prompt
 /// of token ids is its length; a text prompt is tokenized as is; a chat is counted on its
 /// messages' text plus [`CHAT_TOKENS_PER_MESSAGE`] per message (an approximation of the
-/// template the engine applies).
+/// template the engine applies). At most the request's `truncate_prompt_tokens` (what the
+/// engine keeps of the prompt; -1, the model's context, is not known here).
 pub fn count_prompt(
+    request: &OpenAiRequest<'_>,
+    tokenizer: &TokenCounter,
+    threshold: usize,
+) -> Count {
+    let counted = count_whole_prompt(request, tokenizer, threshold);
+    match kept_tokens(request) {
+        Some(kept) if kept < counted.tokens => Count {
+            tokens: kept,
+            complete: true,
+        },
+        _ => counted,
+    }
+}
+
+/// The request's `truncate_prompt_tokens` when it keeps a number of tokens (none for -1 or a
+/// value vLLM refuses, which the engine answers).
+fn kept_tokens(request: &OpenAiRequest<'_>) -> Option<usize> {
+    let raw = request.truncation.truncate_prompt_tokens?;
+    let value: serde_json::Value = serde_json::from_str(raw.get()).ok()?;
+    match Truncation::read(Some(&value), None).ok()??.keep {
+        Keep::Tokens(kept) => usize::try_from(kept).ok(),
+        Keep::Context => None,
+    }
+}
+
+fn count_whole_prompt(
     request: &OpenAiRequest<'_>,
     tokenizer: &TokenCounter,
     threshold: usize,
@@ -541,5 +569,23 @@ mod tests {
         );
         let counted = count(serde_json::json!({"prompt": dense}), 10);
         assert!(counted.tokens >= 10, "{counted:?}");
+        // What the engine keeps: at most `truncate_prompt_tokens`.
+        let long = format!("hello{}", " hello".repeat(999));
+        let whole = count(serde_json::json!({"prompt": long}), 100);
+        assert!(!whole.complete && whole.tokens > 100, "{whole:?}");
+        for (truncation, kept) in [
+            (serde_json::json!(50), Some(50)),
+            (serde_json::json!("50"), Some(50)),
+            (serde_json::json!(5000), None),
+            (serde_json::json!(-1), None),
+            (serde_json::json!(-5), None),
+        ] {
+            let body = serde_json::json!({"prompt": long, "truncate_prompt_tokens": truncation});
+            let expected = kept.map_or(whole, |tokens| Count {
+                tokens,
+                complete: true,
+            });
+            assert_eq!(count(body, 100), expected, "{truncation}");
+        }
     }
 }

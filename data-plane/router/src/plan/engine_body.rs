@@ -7,6 +7,7 @@
 //! phase calls [`with_kv_transfer_params`]).
 
 use bytes::Bytes;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use switchyard_policy::openai::OpenAiRequest;
 use switchyard_policy::openai::edit::without_field;
@@ -69,8 +70,9 @@ fn without_client_kv_transfer_params(body: Bytes) -> Bytes {
 /// `min_tokens`, the prefill variant's ModelName, and for NIXL the request for a remote decode;
 /// a NIXL chat also asks for its prompt's ids (`return_token_ids`), which the decoder is given
 /// so that it does not render and tokenize the conversation again (vLLM 0.32's decode-side
-/// token reuse, `kv_transfer_params.prompt_token_ids`). `None` if the body is not a JSON
-/// object (planning already refused that).
+/// token reuse, `kv_transfer_params.prompt_token_ids`), unless vLLM would not use them or the
+/// client would miss what they leave out ([`asks_prompt_ids`]). `None` if the body is not a
+/// JSON object (planning already refused that).
 pub(crate) fn prefill_body(
     body: &[u8],
     protocol: KvTransferProtocol,
@@ -88,7 +90,7 @@ pub(crate) fn prefill_body(
     with_prefill_model(object, variant);
     match protocol {
         KvTransferProtocol::Nixl => {
-            if object.contains_key("messages") {
+            if asks_prompt_ids(object, body.len()) {
                 object.insert("return_token_ids".into(), json!(true));
             }
             object.insert(
@@ -112,6 +114,27 @@ pub(crate) fn prefill_body(
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
+/// The largest chat body whose prefill is asked for its prompt's ids: about 64k tokens of
+/// text, whose ids (up to 11 bytes each) stay within what a prefill answer may hold.
+pub(crate) const MOST_REUSED_BODY_BYTES: usize = 256 * 1024;
+
+/// Whether a NIXL prefill copy asks for its prompt's ids for the decoder: a chat (`messages`)
+/// of at most [`MOST_REUSED_BODY_BYTES`], without `echo` or non-text content (vLLM renders
+/// those whatever it is given) and without `return_prompt_text` (a decoder serving given ids
+/// has no prompt text to return).
+fn asks_prompt_ids(object: &serde_json::Map<String, Value>, body_bytes: usize) -> bool {
+    let set = |name: &str| {
+        object
+            .get(name)
+            .is_some_and(|value| !matches!(value, Value::Null | Value::Bool(false)))
+    };
+    let messages = object.get("messages").and_then(Value::as_array);
+    messages.is_some_and(|messages| !switchyard_tokenize::reuse::non_text_content(messages))
+        && body_bytes <= MOST_REUSED_BODY_BYTES
+        && !set("echo")
+        && !set("return_prompt_text")
+}
+
 /// `model` set to the prefill variant's ModelName, unless it names one of its LoRA adapters.
 pub(crate) fn with_prefill_model(
     object: &mut serde_json::Map<String, Value>,
@@ -127,10 +150,29 @@ pub(crate) fn with_prefill_model(
     }
 }
 
-/// The request with `kv_transfer_params` set to `params`, spliced in after the opening brace
-/// (every other byte kept). Planning removed any the client sent, so this is the only one.
-pub(crate) fn with_kv_transfer_params(body: &[u8], params: &Value) -> Option<Bytes> {
-    let params = serde_json::to_vec(params).ok()?;
+/// The request with `kv_transfer_params` set to `params`, and `prompt_token_ids` in them when
+/// given (a JSON array as the prefill answered it, copied as it is), spliced in after the
+/// opening brace (every other byte kept). Planning removed any the client sent, so this is
+/// the only one.
+pub(crate) fn with_kv_transfer_params(
+    body: &[u8],
+    params: &Value,
+    prompt_token_ids: Option<&RawValue>,
+) -> Option<Bytes> {
+    let mut params = serde_json::to_vec(params).ok()?;
+    if let Some(ids) = prompt_token_ids {
+        // `params` is an object: its closing brace gives way to the ids.
+        let object = params.pop() == Some(b'}');
+        if !object {
+            return None;
+        }
+        if params.len() > 1 {
+            params.push(b',');
+        }
+        params.extend_from_slice(br#""prompt_token_ids":"#);
+        params.extend_from_slice(ids.get().as_bytes());
+        params.push(b'}');
+    }
     let brace = body.iter().position(|byte| *byte == b'{')?;
     let rest = &body[brace + 1..];
     let empty = rest
@@ -225,13 +267,50 @@ mod tests {
     fn the_hand_off_is_spliced_into_the_original_bytes() {
         let params = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2]});
         let spliced =
-            with_kv_transfer_params(br#"{ "prompt": "x",  "stream": true }"#, &params).unwrap();
+            with_kv_transfer_params(br#"{ "prompt": "x",  "stream": true }"#, &params, None)
+                .unwrap();
         assert_eq!(
             std::str::from_utf8(&spliced).unwrap(),
             r#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2]}, "prompt": "x",  "stream": true }"#
         );
-        let empty = with_kv_transfer_params(b"{}", &params).unwrap();
+        let empty = with_kv_transfer_params(b"{}", &params, None).unwrap();
         let value: Value = serde_json::from_slice(&empty).unwrap();
         assert_eq!(value["kv_transfer_params"], params);
+        // The prefill's prompt ids go in as they came.
+        let ids: Box<RawValue> = serde_json::from_str("[1, 2,3]").unwrap();
+        let with_ids = with_kv_transfer_params(b"{}", &params, Some(&ids)).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&with_ids).unwrap(),
+            r#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2],"prompt_token_ids":[1, 2,3]}}"#
+        );
+        let only_ids = with_kv_transfer_params(b"{}", &json!({}), Some(&ids)).unwrap();
+        let value: Value = serde_json::from_slice(&only_ids).unwrap();
+        assert_eq!(
+            value["kv_transfer_params"],
+            json!({"prompt_token_ids": [1, 2, 3]})
+        );
+    }
+
+    #[test]
+    fn a_chat_asks_for_its_prompt_ids_unless_vllm_would_not_use_them() {
+        let asks = |body: Value| {
+            let bytes = body.to_string();
+            let copy = prefill_body(bytes.as_bytes(), KvTransferProtocol::Nixl, &variant(None));
+            serde_json::from_slice::<Value>(&copy.unwrap()).unwrap()["return_token_ids"] == true
+        };
+        let text = json!([{"role": "user", "content": "hi"}]);
+        assert!(asks(json!({"messages": text})));
+        assert!(asks(
+            json!({"messages": text, "echo": false, "return_prompt_text": null})
+        ));
+        assert!(!asks(json!({"messages": text, "echo": true})));
+        assert!(!asks(json!({"messages": text, "return_prompt_text": true})));
+        let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
+        assert!(!asks(json!({"messages": image})));
+        let long = "x".repeat(MOST_REUSED_BODY_BYTES);
+        assert!(!asks(
+            json!({"messages": [{"role": "user", "content": long}]})
+        ));
+        assert!(!asks(json!({"prompt": "hi"})));
     }
 }

@@ -308,15 +308,13 @@ impl Kept {
         };
         // `add_special_tokens` as vLLM reads it: true by default for completions, false for
         // chats (whose templates write their own).
-        let given = |values: &[&str]| {
-            fields.add_special_tokens.is_some_and(|raw| {
-                let value = raw.get().trim().trim_matches('"').to_ascii_lowercase();
-                values.contains(&value.as_str())
-            })
-        };
+        let given = fields
+            .add_special_tokens
+            .and_then(|raw| serde_json::from_str::<serde_json::Value>(raw.get()).ok())
+            .and_then(|value| switchyard_tokenize::reuse::lax_bool(&value));
         let added = match kind {
-            PromptKind::Completion => !given(&["false", "0", "0.0", "off", "f", "n", "no"]),
-            PromptKind::Chat => given(&["true", "1", "1.0", "on", "t", "y", "yes"]),
+            PromptKind::Completion => given != Some(false),
+            PromptKind::Chat => given == Some(true),
         };
         Ok(Some(Self {
             truncation,
