@@ -239,50 +239,56 @@ async fn kv_aware_finds_a_conversation_with_ids_computed_in_the_router() -> anyh
 
 /// A completion whose `truncate_prompt_tokens` drops a preamble on the left: the engine serves
 /// and caches only the passage after it, which e0 holds, and the router, cutting its own ids
-/// the same way, finds it there.
+/// the same way, finds it there. Twice: without special tokens and the left side named; with
+/// the tokenizer's BOS and no side, where vLLM keeps the BOS and the prompt's last ids (the
+/// router's copy of the tokenizer says which id that is).
 #[tokio::test]
 async fn a_truncated_prompt_is_routed_on_the_part_its_engine_keeps() -> anyhow::Result<()> {
     let (dir, tokenizers, folder) = llama3_folder()?;
     let (a, b) = sims(&folder).await?;
     let router = router(dir.path(), [&a, &b], &tokenizers, "llama3", 0.0).await?;
-    // The passage alone, placed on e0 (straight to it), without a BOS, so that its ids are
-    // the tail of the longer prompts below.
-    let passage = format!("Kept text. {}", words(0, 400));
-    let completion = |prompt: String| json!({"model": "sim", "prompt": prompt, "max_tokens": 2, "add_special_tokens": false});
-    let tokens = sim_tokens(&a, completion(passage.clone())).await?;
-    send(
-        &format!("{}/v1/completions", a.url),
-        &completion(passage.clone()),
-    )
-    .await?;
-    let blocks = (tokens.len() / 16) as u32 - 1;
-    wait_held(&router, &tokens, blocks).await?;
     warm(&router, "llama3").await?;
     let url = format!("{}/endpoints/chat/openai/v1/completions", router.url());
-    let mut routed = Vec::new();
-    for preamble in [50, 120, 300] {
-        let mut body = completion(format!("{}\n{passage}", words(1000, preamble)));
-        body["truncate_prompt_tokens"] = json!(tokens.len());
-        body["truncation_side"] = json!("left");
-        let reply = send(&url, &body).await?;
-        let served = reply.json()["usage"]["prompt_tokens"].clone();
-        routed.push((routed_choice(&reply), served));
-    }
-    for ((instance, route, cached), served) in &routed {
-        assert_eq!(
-            (instance.as_str(), route.as_str()),
-            ("e0", "kv"),
-            "{routed:?}"
-        );
-        assert_eq!(
-            served,
-            &json!(tokens.len()),
-            "the engine serves the passage"
-        );
-        assert!(
-            cached.unwrap_or(0) >= blocks * 16,
-            "the router finds the passage's blocks: {routed:?}"
-        );
+    for (special_tokens, side) in [(false, Some("left")), (true, None)] {
+        let completion = |prompt: String| {
+            json!({"model": "sim", "prompt": prompt, "max_tokens": 2,
+                   "add_special_tokens": special_tokens})
+        };
+        // The passage alone, placed on e0 (straight to it): its ids (after the BOS, if any)
+        // are the tail of the longer prompts below.
+        let passage = format!("Kept text {special_tokens}. {}", words(0, 400));
+        let tokens = sim_tokens(&a, completion(passage.clone())).await?;
+        let placed = completion(passage.clone());
+        send(&format!("{}/v1/completions", a.url), &placed).await?;
+        let blocks = (tokens.len() / 16) as u32 - 1;
+        wait_held(&router, &tokens, blocks).await?;
+        let mut routed = Vec::new();
+        for preamble in [50, 120, 300] {
+            let mut body = completion(format!("{}\n{passage}", words(1000, preamble)));
+            body["truncate_prompt_tokens"] = json!(tokens.len());
+            if let Some(side) = side {
+                body["truncation_side"] = json!(side);
+            }
+            let reply = send(&url, &body).await?;
+            let served = reply.json()["usage"]["prompt_tokens"].clone();
+            routed.push((routed_choice(&reply), served));
+        }
+        for ((instance, route, cached), served) in &routed {
+            assert_eq!(
+                (instance.as_str(), route.as_str()),
+                ("e0", "kv"),
+                "{side:?}: {routed:?}"
+            );
+            assert_eq!(
+                served,
+                &json!(tokens.len()),
+                "the engine serves the passage"
+            );
+            assert!(
+                cached.unwrap_or(0) >= blocks * 16,
+                "the router finds the passage's blocks ({side:?}): {routed:?}"
+            );
+        }
     }
     router.shutdown().await;
     Ok(())
