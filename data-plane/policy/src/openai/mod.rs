@@ -120,12 +120,6 @@ struct Body<'a> {
     user: Option<&'a RawValue>,
     #[serde(borrow, default)]
     cache_salt: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    truncate_prompt_tokens: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    truncation_side: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    add_special_tokens: Option<&'a RawValue>,
 }
 
 /// The fields other APIs than chat and completions take their text from.
@@ -208,9 +202,6 @@ pub struct OpenAiRequest<'a> {
     /// vLLM's `cache_salt` (a salted request reuses only blocks cached under the same salt),
     /// when a non-empty string (vLLM ignores an empty one; an engine refuses a malformed one).
     pub cache_salt: Option<Cow<'a, str>>,
-    /// vLLM's `truncate_prompt_tokens`, `truncation_side` and `add_special_tokens`, unparsed
-    /// (what the engine keeps of the prompt).
-    pub truncation: Truncation<'a>,
 }
 
 /// The fields that say what part of its prompt an engine keeps, unparsed (null is absent).
@@ -293,11 +284,6 @@ impl<'a> OpenAiRequest<'a> {
             .priority
             .and_then(|raw| serde_json::from_str::<i64>(raw.get()).ok());
         Ok(Self {
-            truncation: Truncation {
-                truncate_prompt_tokens: parsed.truncate_prompt_tokens,
-                truncation_side: parsed.truncation_side,
-                add_special_tokens: parsed.add_special_tokens,
-            },
             priority,
             end_user,
             cache_salt,
@@ -323,6 +309,33 @@ impl<'a> OpenAiRequest<'a> {
                 tokens: parsed.tokens,
             },
         })
+    }
+
+    /// vLLM's `truncate_prompt_tokens`, `truncation_side` and `add_special_tokens`, unparsed
+    /// (what the engine keeps of the prompt): none unless the body names
+    /// `truncate_prompt_tokens`, which is looked for in its bytes; only then are its top-level
+    /// fields read again (a key given twice keeps its last value, as Python reads it, where
+    /// the fields routing reads refuse a second one).
+    pub fn truncation(&self) -> Truncation<'a> {
+        if memchr::memmem::find(self.body, b"\"truncate_prompt_tokens\"").is_none() {
+            return Truncation::default();
+        }
+        let Ok(fields) = serde_json::from_slice::<
+            std::collections::BTreeMap<Cow<'a, str>, &'a RawValue>,
+        >(self.body) else {
+            return Truncation::default();
+        };
+        let field = |name: &str| {
+            fields
+                .get(name)
+                .copied()
+                .filter(|raw| raw.get().trim() != "null")
+        };
+        Truncation {
+            truncate_prompt_tokens: field("truncate_prompt_tokens"),
+            truncation_side: field("truncation_side"),
+            add_special_tokens: field("add_special_tokens"),
+        }
     }
 
     /// Whether the body has a `messages` array (a null one is none).
@@ -529,6 +542,46 @@ mod tests {
         assert_eq!(ids.message_count(), 0);
         let text = OpenAiRequest::parse(br#"{"prompt":["a","b"]}"#).unwrap();
         assert_eq!(text.prompt_token_ids(), None);
+    }
+
+    #[test]
+    fn truncation_fields_are_read_only_when_named_and_a_repeated_key_keeps_its_last_value() {
+        let read = |body: &str| {
+            let request = OpenAiRequest::parse(body.as_bytes()).unwrap();
+            let truncation = request.truncation();
+            let text = |raw: Option<&RawValue>| raw.map(|raw| raw.get().to_owned());
+            (
+                text(truncation.truncate_prompt_tokens),
+                text(truncation.truncation_side),
+                text(truncation.add_special_tokens),
+            )
+        };
+        assert_eq!(
+            read(r#"{"prompt":"x","add_special_tokens":false}"#),
+            (None, None, None)
+        );
+        assert_eq!(
+            read(
+                r#"{"prompt":"x","truncate_prompt_tokens":2,"truncation_side":"left","add_special_tokens":false}"#
+            ),
+            (
+                Some("2".into()),
+                Some(r#""left""#.into()),
+                Some("false".into())
+            )
+        );
+        // vLLM (Python's json) keeps a repeated key's last value; routing does not refuse it.
+        assert_eq!(
+            read(
+                r#"{"prompt":"x","truncate_prompt_tokens":2,"truncate_prompt_tokens":3,"truncation_side":null}"#
+            ),
+            (Some("3".into()), None, None)
+        );
+        // Named only inside a value: nothing.
+        assert_eq!(
+            read(r#"{"prompt":"say \"truncate_prompt_tokens\": 4"}"#),
+            (None, None, None)
+        );
     }
 
     #[test]

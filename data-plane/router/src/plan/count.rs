@@ -324,7 +324,7 @@ pub fn count_prompt(
 /// The request's `truncate_prompt_tokens` when it keeps a number of tokens (none for -1 or a
 /// value vLLM refuses, which the engine answers).
 fn kept_tokens(request: &OpenAiRequest<'_>) -> Option<usize> {
-    let raw = request.truncation.truncate_prompt_tokens?;
+    let raw = request.truncation().truncate_prompt_tokens?;
     let value: serde_json::Value = serde_json::from_str(raw.get()).ok()?;
     match Truncation::read(Some(&value), None).ok()??.keep {
         Keep::Tokens(kept) => usize::try_from(kept).ok(),

@@ -130,7 +130,13 @@ pub fn kept(kind: PromptKind, request: &[u8]) -> Result<Option<Kept>, TokenizeEr
     Kept::of(truncation_fields(&fields), kind, text_prompt)
 }
 
+/// The truncation fields of a body read as fields; none without `truncate_prompt_tokens`
+/// (as [`OpenAiRequest::truncation`] reads them: a side alone changes nothing, and an engine
+/// refuses a bad one itself).
 fn truncation_fields<'a>(fields: &Fields<'a>) -> openai::Truncation<'a> {
+    if present(fields, "truncate_prompt_tokens").is_none() {
+        return openai::Truncation::default();
+    }
     openai::Truncation {
         truncate_prompt_tokens: present(fields, "truncate_prompt_tokens"),
         truncation_side: present(fields, "truncation_side"),
@@ -532,7 +538,8 @@ impl KvInput {
                 return (Self::Unusable(TokenizeError::Input(err.into())), chain);
             }
         };
-        let kept = |text_prompt| Kept::of(request.truncation, kind, text_prompt);
+        let truncation = request.truncation();
+        let kept = |text_prompt| Kept::of(truncation, kind, text_prompt);
         let tokens = match kind {
             PromptKind::Completion => {
                 let prompt = request.prompt();
@@ -692,7 +699,7 @@ mod tests {
         for body in [
             r#"{"prompt":"a","truncate_prompt_tokens":-2}"#,
             r#"{"prompt":"a","truncate_prompt_tokens":1.5}"#,
-            r#"{"prompt":[1],"truncation_side":"middle"}"#,
+            r#"{"prompt":[1],"truncate_prompt_tokens":1,"truncation_side":"middle"}"#,
         ] {
             assert!(
                 matches!(input(Operation::Completions, body), KvInput::Unusable(_)),
