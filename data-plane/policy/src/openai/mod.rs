@@ -204,6 +204,12 @@ pub struct OpenAiRequest<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
 }
 
+/// Whether a body's bytes name `truncate_prompt_tokens` (written plainly: a key spelled with
+/// escapes is not seen, by this and every reader of the truncation fields alike).
+pub fn names_truncation(body: &[u8]) -> bool {
+    memchr::memmem::find(body, b"\"truncate_prompt_tokens\"").is_some()
+}
+
 /// The fields that say what part of its prompt an engine keeps, unparsed (null is absent).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Truncation<'a> {
@@ -317,7 +323,7 @@ impl<'a> OpenAiRequest<'a> {
     /// fields read again (a key given twice keeps its last value, as Python reads it, where
     /// the fields routing reads refuse a second one).
     pub fn truncation(&self) -> Truncation<'a> {
-        if memchr::memmem::find(self.body, b"\"truncate_prompt_tokens\"").is_none() {
+        if !names_truncation(self.body) {
             return Truncation::default();
         }
         let Ok(fields) = serde_json::from_slice::<

@@ -127,14 +127,14 @@ fn has(fields: &Fields<'_>, name: &str) -> bool {
 pub fn kept(kind: PromptKind, request: &[u8]) -> Result<Option<Kept>, TokenizeError> {
     let fields = fields(request)?;
     let text_prompt = kind == PromptKind::Chat || token_ids_of(&fields).is_none();
-    Kept::of(truncation_fields(&fields), kind, text_prompt)
+    Kept::of(truncation_fields(&fields, request), kind, text_prompt)
 }
 
-/// The truncation fields of a body read as fields; none without `truncate_prompt_tokens`
-/// (as [`OpenAiRequest::truncation`] reads them: a side alone changes nothing, and an engine
-/// refuses a bad one itself).
-fn truncation_fields<'a>(fields: &Fields<'a>) -> openai::Truncation<'a> {
-    if present(fields, "truncate_prompt_tokens").is_none() {
+/// The truncation fields of `body` read as `fields`; none unless its bytes name
+/// `truncate_prompt_tokens` (as [`OpenAiRequest::truncation`] reads them: a side alone changes
+/// nothing, and an engine refuses a bad one itself).
+fn truncation_fields<'a>(fields: &Fields<'a>, body: &[u8]) -> openai::Truncation<'a> {
+    if !openai::names_truncation(body) || present(fields, "truncate_prompt_tokens").is_none() {
         return openai::Truncation::default();
     }
     openai::Truncation {
@@ -389,7 +389,7 @@ impl PromptTokens {
         fields: &Fields<'_>,
         body: Bytes,
     ) -> Result<Self, TokenizeError> {
-        let truncation = truncation_fields(fields);
+        let truncation = truncation_fields(fields, &body);
         match kind {
             PromptKind::Completion => {
                 if let Some(ids) = token_ids_of(fields) {
@@ -731,6 +731,7 @@ mod tests {
             r#"{"prompt":"p","truncation_side":"up"}"#.to_owned(),
             format!(r#"{{{chat},"truncate_prompt_tokens":5,"truncation_side":"right"}}"#),
             format!(r#"{{{chat},"truncate_prompt_tokens":null,"truncation_side":null}}"#),
+            r#"{"prompt":[1,2,3,4],"truncate\u005fprompt_tokens":2}"#.to_owned(),
         ];
         let operations = [
             Operation::Completions,
