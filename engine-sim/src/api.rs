@@ -39,7 +39,8 @@ use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::{Handoff, PullError, internal_request_id, prefill_response_params};
 use crate::openai::{
-    ApiError, ApiKind, KvTransfer, ParsedRequest, ResponseMeta, parse_json, parse_request,
+    ApiError, ApiKind, Echo, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, parse_json,
+    parse_request,
 };
 use crate::records::ReceivedRequest;
 
@@ -268,12 +269,19 @@ async fn run_request(
     pull: Pull,
 ) -> Result<Response, ApiError> {
     let config = &shared.config;
-    let ParsedRequest { body, kind, prompt } = parsed;
+    let ParsedRequest {
+        body,
+        generation,
+        kind,
+        prompt,
+    } = parsed;
     check_model(config, body.model.as_deref())?;
+    generation.check_rendering(kind)?;
+    crate::openai::check_conversation(&body, kind)?;
     let prompt = prompt?;
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
-    let asked = output_budget(config, &body, &kv, prompt_len)?;
+    let asked = output_budget(config, (&body, kind), &kv, prompt_len)?;
     let resume_at = body.resume_at(kind)?;
     let budget_field = if body.max_completion_tokens.is_some() {
         "max_completion_tokens"
@@ -281,6 +289,11 @@ async fn run_request(
         "max_tokens"
     };
     let max_tokens = check_fits(config, prompt_len, asked, budget_field)?;
+    let vocabulary = shared
+        .tokenizer
+        .as_deref()
+        .map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64);
+    generation.check_sampling(kind, max_tokens, vocabulary)?;
     let report_reuse = body.reports_reuse()?;
     let streaming = body.stream() && !kv.do_remote_decode;
     let meta = ResponseMeta {
@@ -302,6 +315,7 @@ async fn run_request(
             .and_then(switchyard_tokenize::reuse::lax_bool)
             == Some(true))
         .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
+        echo: echo(shared, &body, kind, &prompt.tokens),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
         return Ok(kv_load_failed(&meta, streaming, body.include_usage()));
@@ -449,6 +463,64 @@ async fn run_request(
         return Ok(stream.into_response(events));
     }
     whole_response(&meta, events, prompt_len).await
+}
+
+/// What `echo` puts before the answer ([`Echo`]): a completion's prompt text (none with
+/// `return_token_ids`, as vLLM 0.32 answers; a prompt of ids decoded), a chat's last message
+/// if it is the assistant's (its text parts joined by new lines).
+fn echo(shared: &Shared, body: &InferenceBody, kind: ApiKind, tokens: &[u32]) -> Option<Echo> {
+    if body
+        .echo
+        .as_ref()
+        .and_then(switchyard_tokenize::reuse::lax_bool)
+        != Some(true)
+    {
+        return None;
+    }
+    let text = match kind {
+        ApiKind::Completion => {
+            if body
+                .return_token_ids
+                .as_ref()
+                .and_then(switchyard_tokenize::reuse::lax_bool)
+                == Some(true)
+            {
+                String::new()
+            } else {
+                match &body.prompt {
+                    Some(Value::String(text)) => text.clone(),
+                    Some(Value::Array(items)) if items.iter().all(Value::is_string) => {
+                        items.iter().filter_map(Value::as_str).collect::<String>()
+                    }
+                    _ => shared
+                        .tokenizer
+                        .as_deref()
+                        .and_then(|tokenizer| tokenizer.decode(tokens))
+                        .unwrap_or_else(|| crate::openai::detokenize(tokens)),
+                }
+            }
+        }
+        ApiKind::Chat => {
+            let last = body.messages.as_deref().and_then(<[Value]>::last)?;
+            if last.get("role").and_then(Value::as_str) != Some("assistant") {
+                return None;
+            }
+            match last.get("content") {
+                Some(Value::String(text)) => text.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .filter_map(|part| part.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                _ => String::new(),
+            }
+        }
+    };
+    Some(Echo {
+        text: text.into(),
+        alone: body.echo_alone(kind),
+        prompt_ids: (kind == ApiKind::Completion).then(|| std::sync::Arc::from(tokens)),
+    })
 }
 
 /// A disaggregated decode whose KV cache could not be pulled, under vLLM's default

@@ -37,6 +37,8 @@ mod metrics;
 mod nixl;
 mod openai;
 mod records;
+mod reply;
+mod sampling;
 mod server;
 pub mod tokenizer;
 

@@ -1,23 +1,16 @@
 //! vLLM's OpenAI-compatible wire format: what the simulator reads from a request body and the
 //! JSON it answers with. Unknown request fields are ignored, as vLLM does.
 
-use axum::Json;
-use axum::response::{IntoResponse, Response};
-use http::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::cache::{Lora, block_hashes_under};
+use crate::sampling::Generation;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 use switchyard_tokenize::reuse;
 use switchyard_tokenize::truncation::{Cut, Truncation, context_kept};
 
-/// Chat completions or (text) completions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ApiKind {
-    Chat,
-    Completion,
-}
+pub(crate) use crate::reply::{ApiError, ApiKind};
 
 /// The request fields the simulator reads.
 #[derive(Debug, Default, Deserialize)]
@@ -26,9 +19,15 @@ pub(crate) struct InferenceBody {
     pub model: Option<String>,
     pub messages: Option<Vec<Value>>,
     pub prompt: Option<Value>,
+    /// Read as pydantic reads an integer (`"5"` and `5.0` are 5); a value it refuses is
+    /// refused with the other generation fields ([`Generation`]), before it is used.
+    #[serde(deserialize_with = "lax_integer_field")]
     pub max_tokens: Option<i64>,
+    #[serde(deserialize_with = "lax_integer_field")]
     pub max_completion_tokens: Option<i64>,
-    pub stream: Option<bool>,
+    /// Read as pydantic reads a boolean (`"true"` and `1` stream); checked with the other
+    /// generation fields ([`crate::sampling::Generation`]).
+    pub stream: Option<Value>,
     pub stream_options: Option<StreamOptions>,
     pub kv_transfer_params: Option<Value>,
     /// vLLM's chat rendering: continue the final (assistant) message instead of starting a
@@ -62,7 +61,10 @@ pub(crate) struct StreamOptions {
 
 impl InferenceBody {
     pub(crate) fn stream(&self) -> bool {
-        self.stream.unwrap_or(false)
+        self.stream
+            .as_ref()
+            .and_then(switchyard_tokenize::reuse::lax_bool)
+            .unwrap_or(false)
     }
 
     pub(crate) fn include_usage(&self) -> bool {
@@ -82,15 +84,28 @@ impl InferenceBody {
                 .unwrap_or(false)
     }
 
+    /// A completion whose `echo` asks for the prompt alone (`max_tokens: 0`): vLLM generates
+    /// one token and answers the prompt.
+    pub(crate) fn echo_alone(&self, kind: ApiKind) -> bool {
+        kind == ApiKind::Completion
+            && self.max_tokens == Some(0)
+            && self.echo.as_ref().and_then(reuse::lax_bool) == Some(true)
+    }
+
     /// `max_completion_tokens`, else `max_tokens`; None if neither is set.
-    pub(crate) fn requested_max_tokens(&self) -> Result<Option<u32>, ApiError> {
+    pub(crate) fn requested_max_tokens(&self, kind: ApiKind) -> Result<Option<u32>, ApiError> {
+        if self.echo_alone(kind) {
+            return Ok(Some(1));
+        }
         let Some(value) = self.max_completion_tokens.or(self.max_tokens) else {
             return Ok(None);
         };
         if value < 1 {
-            return Err(ApiError::bad_request(format!(
-                "max_tokens must be at least 1, got {value}."
-            )));
+            return Err(crate::sampling::refused(
+                format!("max_tokens must be at least 1, got {value}."),
+                Some("max_tokens"),
+                Some(value.to_string()),
+            ));
         }
         Ok(Some(u32::try_from(value).unwrap_or(u32::MAX)))
     }
@@ -146,8 +161,13 @@ impl InferenceBody {
                 "truncate_prompt_tokens"
             }
         };
+        // What the request model refuses names `body.FIELD`; a truncation longer than the
+        // context is vLLM's own refusal.
         let invalid = |err: switchyard_tokenize::Invalid| {
-            let field = param(&err.0);
+            let field = match param(&err.0) {
+                "truncation_side" => "body.truncation_side",
+                _ => "body.truncate_prompt_tokens",
+            };
             ApiError::bad_request(err.0).param(field)
         };
         let Some(truncation) = Truncation::read(
@@ -158,7 +178,17 @@ impl InferenceBody {
         else {
             return Ok(None);
         };
-        let fits = truncation.check(max_model_len).map_err(invalid);
+        let fits = truncation.check(max_model_len).map_err(|err| {
+            let keep = self
+                .truncate_prompt_tokens
+                .as_ref()
+                .and_then(reuse::lax_integer);
+            crate::sampling::refused(
+                err.0,
+                Some("truncate_prompt_tokens"),
+                keep.map(|keep| keep.to_string()),
+            )
+        });
         // vLLM's `max_completion_tokens or max_tokens` (chat), `max_tokens` (completions, 16
         // when not given; a null one, which vLLM reads as 0, is read as not given here), read
         // with `or 0`.
@@ -340,10 +370,20 @@ impl BlockIds {
     }
 }
 
+/// An integer field as pydantic reads one; None for null and for what it refuses (which
+/// [`Generation::check_request`] refuses first).
+fn lax_integer_field<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<i64>, D::Error> {
+    Ok(reuse::lax_integer(&Value::deserialize(deserializer)?))
+}
+
 /// A parsed request and its tokenized prompt (or why the prompt is unusable).
 #[derive(Debug)]
 pub(crate) struct ParsedRequest {
     pub body: InferenceBody,
+    /// Its generation fields, checked once the output budget is known.
+    pub generation: Generation,
     pub kind: ApiKind,
     pub prompt: Result<Prompt, ApiError>,
 }
@@ -380,6 +420,8 @@ pub(crate) fn parse_request(
     } else {
         ApiKind::Completion
     });
+    let generation = Generation::read(bytes)?;
+    generation.check_request(kind)?;
     if kind == ApiKind::Chat {
         check_chat_fields(&body)?;
     }
@@ -422,7 +464,12 @@ pub(crate) fn parse_request(
         tokens,
         lora,
     });
-    Ok(ParsedRequest { body, kind, prompt })
+    Ok(ParsedRequest {
+        body,
+        generation,
+        kind,
+        prompt,
+    })
 }
 
 /// The prompt's ids: the model's tokenizer (`--tokenizer`) for a chat with messages or a
@@ -442,7 +489,22 @@ fn served_tokens(
         {
             model_tokens(tokenizer, bytes, kind)
         }
-        _ => prompt_tokens(body, kind),
+        _ => {
+            let tokens = prompt_tokens(body, kind)?;
+            // Given ids are checked against the model's vocabulary, as vLLM's renderer does.
+            let vocabulary = tokenizer.map(|tokenizer| tokenizer.vocab_size() as u64);
+            let given_ids = matches!(&body.prompt, Some(Value::Array(items))
+                if items.iter().all(|item| !item.is_string()));
+            if let Some(vocabulary) = vocabulary.filter(|_| given_ids)
+                && let Some(&largest) = tokens.iter().max()
+                && u64::from(largest) >= vocabulary
+            {
+                return Err(ApiError::bad_request(format!(
+                    "Token id {largest} is out of vocabulary"
+                )));
+            }
+            Ok(tokens)
+        }
     }
 }
 
@@ -457,9 +519,55 @@ pub(crate) fn lax_flag(value: Option<&Value>, field: &'static str) -> Result<boo
     }
 }
 
+/// What vLLM's chat renderer refuses once the model is known: an empty conversation, and
+/// `continue_final_message` with `add_generation_prompt` left to its default (true).
+pub(crate) fn check_conversation(body: &InferenceBody, kind: ApiKind) -> Result<(), ApiError> {
+    let Some(messages) = body.messages.as_ref().filter(|_| kind == ApiKind::Chat) else {
+        return Ok(());
+    };
+    if messages.is_empty() {
+        return Err(ApiError::bad_request(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+                .to_owned(),
+        ));
+    }
+    if body.continue_final_message == Some(true) && body.add_generation_prompt.is_none() {
+        return Err(ApiError::bad_request(
+            "continue_final_message and add_generation_prompt are not compatible. Use \
+             continue_final_message when you want the model to continue the final message, and \
+             add_generation_prompt when you want to add a header that will prompt it to start a \
+             new assistant message instead."
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}
+
 /// What vLLM's chat request model refuses in `reasoning_effort` (one of its values, or null)
 /// and `documents` (a list of objects with string values, or null).
 fn check_chat_fields(body: &InferenceBody) -> Result<(), ApiError> {
+    if let Some(messages) = &body.messages {
+        // vLLM's request model refuses both asked for (the renderer refuses the pair when
+        // `add_generation_prompt` is left to its default: [`check_conversation`]).
+        if body.continue_final_message == Some(true) && body.add_generation_prompt == Some(true) {
+            return Err(ApiError::bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                    .to_owned(),
+            ));
+        }
+        // Only an assistant's message may have a null content (its tool calls instead); a
+        // message without the key is taken as vLLM takes it.
+        let null_content = messages.iter().any(|message| {
+            message.get("role").and_then(Value::as_str) != Some("assistant")
+                && message.get("content").is_some_and(Value::is_null)
+        });
+        if null_content {
+            return Err(ApiError::bad_request(
+                "messages: only an assistant's message may have a null content".to_owned(),
+            )
+            .param("messages"));
+        }
+    }
     match &body.reasoning_effort {
         None | Some(Value::Null) => {}
         Some(Value::String(effort))
@@ -535,6 +643,11 @@ fn prompt_tokens(body: &InferenceBody, kind: ApiKind) -> Result<Vec<u32>, ApiErr
 
 /// An array prompt: strings (concatenated), token ids, or arrays of token ids (concatenated).
 fn completion_array_tokens(items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    if items.is_empty() {
+        return Err(ApiError::bad_request(
+            "You must pass at least one prompt".to_owned(),
+        ));
+    }
     let mut text = String::new();
     let mut ids = Vec::new();
     for item in items {
@@ -542,6 +655,11 @@ fn completion_array_tokens(items: &[Value]) -> Result<Vec<u32>, ApiError> {
             Value::String(part) => text.push_str(part),
             Value::Number(number) => ids.push(token_id(number)?),
             Value::Array(inner) => {
+                if inner.is_empty() {
+                    return Err(ApiError::bad_request(
+                        "The decoder prompt cannot be empty".to_owned(),
+                    ));
+                }
                 for id in inner {
                     let Value::Number(number) = id else {
                         return Err(invalid_token_id());
@@ -577,91 +695,6 @@ fn invalid_token_id() -> ApiError {
         .param("prompt")
 }
 
-/// An OpenAI-style error as vLLM sends it: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    pub error_type: &'static str,
-    pub param: Option<&'static str>,
-}
-
-impl ApiError {
-    pub(crate) fn bad_request(message: String) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message,
-            error_type: "BadRequestError",
-            param: None,
-        }
-    }
-
-    pub(crate) fn model_not_found(model: &str) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            message: format!("The model `{model}` does not exist."),
-            error_type: "NotFoundError",
-            param: Some("model"),
-        }
-    }
-
-    pub(crate) fn not_found(message: String) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            message,
-            error_type: "NotFoundError",
-            param: None,
-        }
-    }
-
-    pub(crate) fn internal(message: String) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message,
-            error_type: "InternalServerError",
-            param: None,
-        }
-    }
-
-    pub(crate) fn unavailable(message: String) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            message,
-            error_type: "ServiceUnavailableError",
-            param: None,
-        }
-    }
-
-    pub(crate) fn param(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
-        self
-    }
-
-    pub(crate) fn to_json(&self) -> Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.status.as_u16(),
-            }
-        })
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (self.status, Json(self.to_json())).into_response()
-    }
-}
-
-/// So that `?` answers a handler's `Result<_, Response>` with the error.
-impl From<ApiError> for Response {
-    fn from(error: ApiError) -> Self {
-        error.into_response()
-    }
-}
-
 /// Filler words of at most 6 letters: each is exactly one token for [`tokenize`].
 const FILLER: &[&str] = &[
     "lorem", "ipsum", "dolor", "sit", "amet", "tempor", "magna", "aliqua", "veniam", "quis",
@@ -681,6 +714,26 @@ pub(crate) fn output_token_text(index: u32) -> String {
 /// The text of the first `count` output tokens.
 pub(crate) fn output_text(count: u32) -> String {
     (0..count).map(output_token_text).collect()
+}
+
+/// The text of the simulator's own ids: its output words (with or without their leading
+/// space) as themselves, any other id as `<|ID|>`.
+pub(crate) fn detokenize(ids: &[u32]) -> String {
+    let words: Vec<(u32, String)> = (0..32)
+        .flat_map(|index| {
+            let word = output_token_text(index);
+            let bare = word.trim_start().to_owned();
+            [(tokenize(&word)[0], word), (tokenize(&bare)[0], bare)]
+        })
+        .collect();
+    let mut text = String::new();
+    for id in ids {
+        match words.iter().find(|(known, _)| known == id) {
+            Some((_, word)) => text.push_str(word),
+            None => text.push_str(&format!("<|{id}|>")),
+        }
+    }
+    text
 }
 
 /// The token id of output token `index` (its text is one token).
@@ -758,14 +811,48 @@ pub(crate) struct ResponseMeta {
     /// streamed; a completion's in its choice, on its first chunk). Without it the simulator
     /// leaves those fields out, where vLLM sends them as null.
     pub prompt_token_ids: Option<std::sync::Arc<[u32]>>,
+    /// What `echo` puts before the answer, if anything.
+    pub echo: Option<Echo>,
+}
+
+/// `echo` as vLLM 0.32 answers it: a completion's prompt text before its answer (in its first
+/// chunk when streamed, which also carries the prompt's ids), or the prompt alone for
+/// `max_tokens: 0` (one token is generated and left out); a chat's last message, when it is
+/// the assistant's, before the answer (a chunk of its own after the role chunk).
+#[derive(Debug, Clone)]
+pub(crate) struct Echo {
+    pub text: std::sync::Arc<str>,
+    /// A completion with `max_tokens: 0`: the answer is the prompt alone.
+    pub alone: bool,
+    /// A completion's prompt ids, for its first chunk.
+    pub prompt_ids: Option<std::sync::Arc<[u32]>>,
 }
 
 impl ResponseMeta {
-    /// The text of this answer's first `count` tokens.
+    /// The text of this answer's first `count` tokens (after what `echo` puts before them).
     pub(crate) fn text(&self, count: u32) -> String {
-        (self.resume_at..self.resume_at + count)
-            .map(output_token_text)
+        let echoed = self.echo.as_ref().map_or("", |echo| &echo.text);
+        if self.echo.as_ref().is_some_and(|echo| echo.alone) {
+            return echoed.to_owned();
+        }
+        std::iter::once(echoed.to_owned())
+            .chain((self.resume_at..self.resume_at + count).map(output_token_text))
             .collect()
+    }
+
+    /// A chat's echo chunk (after the role chunk), if it echoes anything.
+    pub(crate) fn echo_chunk(&self, include_usage: bool) -> Option<Value> {
+        let echo = self.echo.as_ref().filter(|_| self.kind == ApiKind::Chat)?;
+        if echo.text.is_empty() {
+            return None;
+        }
+        let choice = json!({
+            "index": 0,
+            "delta": { "content": &*echo.text },
+            "logprobs": null,
+            "finish_reason": null,
+        });
+        Some(self.with_null_usage(self.envelope(true, json!([choice])), include_usage))
     }
 
     /// The text of this answer's token `index` (0-based).
@@ -857,7 +944,16 @@ impl ResponseMeta {
         finish_reason: Option<&str>,
         include_usage: bool,
     ) -> Value {
-        let text = self.token_text(index);
+        // A completion's echo comes with its first token (alone for `max_tokens: 0`).
+        let echo = self
+            .echo
+            .as_ref()
+            .filter(|_| index == 0 && self.kind == ApiKind::Completion);
+        let text = match echo {
+            Some(echo) if echo.alone => echo.text.to_string(),
+            Some(echo) => format!("{}{}", echo.text, self.token_text(index)),
+            None => self.token_text(index),
+        };
         let mut choice = match self.kind {
             ApiKind::Chat => json!({
                 "index": 0,
@@ -872,6 +968,11 @@ impl ResponseMeta {
                 "finish_reason": finish_reason,
             }),
         };
+        if let Some(ids) = echo.and_then(|echo| echo.prompt_ids.as_ref())
+            && self.prompt_token_ids.is_none()
+        {
+            choice["prompt_token_ids"] = json!(&ids[..]);
+        }
         if let Some(prompt) = &self.prompt_token_ids {
             choice["token_ids"] = json!([output_token_id(self.resume_at + index)]);
             if self.kind == ApiKind::Completion {
@@ -904,6 +1005,7 @@ impl ResponseMeta {
 mod tests {
     use super::*;
     use crate::tokenizer::count_tokens;
+    use http::StatusCode;
 
     #[test]
     fn output_words_are_one_token_each() {
@@ -941,8 +1043,14 @@ mod tests {
             parse_request(br#"{"prompt":[1,2,3]}"#, None, (16, 2048), None, |_| None).unwrap();
         assert_eq!(ids.prompt.unwrap().tokens, vec![1, 2, 3]);
 
-        let invocation =
-            parse_request(br#"{"messages":[]}"#, None, (16, 2048), None, |_| None).unwrap();
+        let invocation = parse_request(
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+            None,
+            (16, 2048),
+            None,
+            |_| None,
+        )
+        .unwrap();
         assert_eq!(invocation.kind, ApiKind::Chat);
 
         let missing = parse_request(
@@ -1009,14 +1117,25 @@ mod tests {
         let whole = tokens(&chat.replace(r#","truncate_prompt_tokens":4"#, ""), 64).unwrap();
         assert_eq!(tokens(chat, 64).unwrap(), whole[whole.len() - 4..]);
         for (fields, param) in [
-            (r#","truncate_prompt_tokens":-2"#, "truncate_prompt_tokens"),
-            (r#","truncate_prompt_tokens":2.5"#, "truncate_prompt_tokens"),
+            // The request model's refusals name `body.FIELD`; a truncation longer than the
+            // context is vLLM's own.
+            (
+                r#","truncate_prompt_tokens":-2"#,
+                "body.truncate_prompt_tokens",
+            ),
+            (
+                r#","truncate_prompt_tokens":2.5"#,
+                "body.truncate_prompt_tokens",
+            ),
             (r#","truncate_prompt_tokens":9"#, "truncate_prompt_tokens"),
-            (r#","truncate_prompt_tokens":[]"#, "truncate_prompt_tokens"),
-            (r#","truncation_side":"middle""#, "truncation_side"),
+            (
+                r#","truncate_prompt_tokens":[]"#,
+                "body.truncate_prompt_tokens",
+            ),
+            (r#","truncation_side":"middle""#, "body.truncation_side"),
             (
                 r#","truncate_prompt_tokens":2,"truncation_side":1"#,
-                "truncation_side",
+                "body.truncation_side",
             ),
         ] {
             let err = served(fields).unwrap_err();
@@ -1036,13 +1155,13 @@ mod tests {
                 "kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1,2,3]]}}"#,
         )
         .unwrap();
-        assert_eq!(body.requested_max_tokens().unwrap(), Some(7));
+        assert_eq!(body.requested_max_tokens(ApiKind::Chat).unwrap(), Some(7));
         let kv = body.kv_transfer();
         assert!(kv.do_remote_prefill && !kv.do_remote_decode);
         assert_eq!(kv.remote_blocks, Some(3));
 
         let zero: InferenceBody = serde_json::from_str(r#"{"max_tokens":0}"#).unwrap();
-        assert!(zero.requested_max_tokens().is_err());
+        assert!(zero.requested_max_tokens(ApiKind::Chat).is_err());
     }
 
     #[test]

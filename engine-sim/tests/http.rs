@@ -1543,3 +1543,264 @@ async fn a_chats_reasoning_effort_and_documents_are_checked_as_vllm_checks_them(
     sim.shutdown().await;
     Ok(())
 }
+
+/// Generation fields vLLM 0.32 refuses are refused with its status, `param` and message, at
+/// the point where it refuses them (the request model's checks before the model name is
+/// looked up, the sampling parameters' after); what it takes (a number in a string, `"true"`
+/// for `stream`) is taken. Each answer here is the one the real vLLM gave on this machine
+/// (tests/tests/real_vllm.rs compares the two).
+#[tokio::test]
+async fn generation_fields_are_refused_where_vllm_refuses_them() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+    let completion = json!({"prompt": "hello there", "max_tokens": 3});
+    let with = |base: &Value, fields: Value| {
+        let mut body = base.clone();
+        for (key, value) in fields.as_object().into_iter().flatten() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let refused = [
+        (
+            &chat,
+            json!({"n": 0}),
+            Value::Null,
+            "n must be at least 1, got 0.",
+        ),
+        (
+            &chat,
+            json!({"temperature": -1}),
+            json!("temperature"),
+            "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+        ),
+        (
+            &chat,
+            json!({"top_p": 1.5}),
+            json!("top_p"),
+            "top_p must be in (0, 1], got 1.5. (parameter=top_p, value=1.5)",
+        ),
+        (
+            &chat,
+            json!({"min_tokens": 10}),
+            Value::Null,
+            "min_tokens must be less than or equal to max_tokens=3, got 10.",
+        ),
+        (
+            &chat,
+            json!({"stream_options": {"include_usage": true}}),
+            json!("stream_options"),
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+        ),
+        (
+            &chat,
+            json!({"top_logprobs": 3}),
+            json!("top_logprobs"),
+            "when using `top_logprobs`, `logprobs` must be set to true. \
+             (parameter=top_logprobs)",
+        ),
+        (
+            &chat,
+            json!({"tool_choice": "auto"}),
+            json!("tool_choice"),
+            "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)",
+        ),
+        (
+            &chat,
+            json!({"logit_bias": {"x": 1}}),
+            json!("logit_bias"),
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: ['x'] \
+             (parameter=logit_bias, value=['x'])",
+        ),
+        (
+            &chat,
+            json!({"messages": []}),
+            Value::Null,
+            "Cannot apply chat template to an empty conversation. Provide at least one message.",
+        ),
+        (
+            &chat,
+            json!({"max_tokens": 0}),
+            json!("max_tokens"),
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        ),
+        (
+            &completion,
+            json!({"prompt": ""}),
+            json!("prompt"),
+            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+        ),
+        (
+            &completion,
+            json!({"prompt": []}),
+            Value::Null,
+            "You must pass at least one prompt",
+        ),
+        (
+            &completion,
+            json!({"logprobs": 30}),
+            json!("logprobs"),
+            "Requested sample logprobs of 30, which is greater than max allowed: 20 \
+             (parameter=logprobs, value=30)",
+        ),
+        (
+            &completion,
+            json!({"suffix": "x"}),
+            json!("suffix"),
+            "suffix is only supported for models with FIM completion rendering",
+        ),
+        (
+            &completion,
+            json!({"stop": [""]}),
+            Value::Null,
+            "stop cannot contain an empty string.",
+        ),
+    ];
+    for (base, fields, param, message) in refused {
+        let path = if base.get("messages").is_some() {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let reply = post(sim.addr, path, &with(base, fields.clone())).await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{fields}");
+        let error = &reply.json()["error"];
+        assert_eq!(
+            (&error["param"], error["message"].as_str()),
+            (&param, Some(message))
+        );
+    }
+    // A field of the wrong type is the request model's refusal, named `body.FIELD`.
+    for (fields, param) in [
+        (json!({"temperature": "x"}), "body.temperature"),
+        (json!({"stop": 5}), "body.stop"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "body.stop"),
+        (json!({"user": 5}), "body.user"),
+        (json!({"max_tokens": 1.5}), "body.max_tokens"),
+        (
+            json!({"response_format": {"type": "bogus"}}),
+            "body.response_format.type",
+        ),
+    ] {
+        let reply = post(
+            sim.addr,
+            "/v1/chat/completions",
+            &with(&chat, fields.clone()),
+        )
+        .await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{fields}");
+        assert_eq!(reply.json()["error"]["param"], param, "{fields}");
+    }
+    // Before the model is looked up (a type), or after (a range).
+    let other = |fields: Value| with(&chat, with(&json!({"model": "other"}), fields));
+    let early = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &other(json!({"temperature": "x"})),
+    )
+    .await?;
+    assert_eq!(early.status, StatusCode::BAD_REQUEST);
+    let late = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &other(json!({"temperature": -1})),
+    )
+    .await?;
+    assert_eq!(late.status, StatusCode::NOT_FOUND);
+    // Taken as vLLM takes them.
+    for fields in [
+        json!({"temperature": "0.5", "max_tokens": "2", "top_k": -1, "min_tokens": 2}),
+        json!({"stream_options": {}, "tool_choice": "none", "logit_bias": {" 5 ": 1}}),
+        json!({"messages": [{"role": "user"}]}),
+        json!({"logprobs": true, "top_logprobs": 20}),
+    ] {
+        let reply = post(
+            sim.addr,
+            "/v1/chat/completions",
+            &with(&chat, fields.clone()),
+        )
+        .await?;
+        assert_eq!(reply.status, StatusCode::OK, "{fields}: {}", reply.json());
+    }
+    let streamed = open_post(
+        sim.addr,
+        "/v1/chat/completions",
+        &with(&chat, json!({"stream": "true"})),
+    )
+    .await?;
+    let events = read_events(&mut streamed.into_body()).await?;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    sim.shutdown().await;
+    Ok(())
+}
+
+/// `echo` as vLLM 0.32 answers it: a completion's prompt before its answer (in the first
+/// chunk, with the prompt's ids, when streamed), the prompt alone for `max_tokens: 0`; a
+/// chat's final assistant message before the answer (a chunk of its own after the role chunk).
+#[tokio::test]
+async fn echo_puts_the_prompt_before_the_answer() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let prompt = "the cat sat";
+    let plain = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2}),
+    )
+    .await?;
+    let answer = plain.json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let echoed = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "echo": true}),
+    )
+    .await?;
+    assert_eq!(
+        echoed.json()["choices"][0]["text"],
+        format!("{prompt}{answer}")
+    );
+    let alone = post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0, "echo": true}),
+    )
+    .await?;
+    let alone = alone.json();
+    assert_eq!(alone["choices"][0]["text"], prompt);
+    assert_eq!(alone["usage"]["completion_tokens"], 1);
+    let streamed = open_post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "echo": true, "stream": true}),
+    )
+    .await?;
+    let events = read_events(&mut streamed.into_body()).await?;
+    let first: Value = serde_json::from_str(&events[0])?;
+    assert!(
+        first["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(prompt)
+    );
+    assert!(
+        first["choices"][0]["prompt_token_ids"].is_array(),
+        "{first}"
+    );
+    let messages = json!([{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "Well"}]);
+    let chat = json!({"messages": messages, "max_tokens": 2, "echo": true,
+                      "continue_final_message": true, "add_generation_prompt": false});
+    let whole = post(sim.addr, "/v1/chat/completions", &chat).await?;
+    let content = whole.json()["choices"][0]["message"]["content"].clone();
+    assert!(content.as_str().unwrap().starts_with("Well"), "{content}");
+    let mut stream = chat.clone();
+    stream["stream"] = json!(true);
+    let streamed = open_post(sim.addr, "/v1/chat/completions", &stream).await?;
+    let events = read_events(&mut streamed.into_body()).await?;
+    let second: Value = serde_json::from_str(&events[1])?;
+    assert_eq!(second["choices"][0]["delta"]["content"], "Well");
+    sim.shutdown().await;
+    Ok(())
+}

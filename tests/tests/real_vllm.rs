@@ -1029,6 +1029,155 @@ async fn the_routers_token_ids_equal_vllms_for_a_thousand_varied_requests() -> a
 
 /// Prompts shorter than this are also served (the engines' `--max-model-len` is 2048; one
 /// token is generated).
+/// The simulator accepts and refuses what vLLM 0.32 does: the same requests (generation
+/// fields out of range or of the wrong type, the request model's own checks, empty prompts,
+/// `echo`), sent to a real vLLM and to the simulator serving the same model's tokenizer and
+/// context, get the same status and, for a 400, the same `param`. Every difference is printed
+/// with its request. (Where the two still differ is written in engine-sim/README.md: the
+/// `param` of a malformed message or prompt, which pydantic names by its union's path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real vLLM: scripts/test --real-vllm"]
+async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut engine = Vllm::new("vllm-0", 0, dir.path());
+    engine.start()?;
+    let sim = switchyard_engine_sim::spawn(switchyard_engine_sim::SimConfig {
+        served_model_name: MODEL.to_owned(),
+        tokenizer: Some(install().join("model")),
+        max_model_len: 2048,
+        time_scale: 0.01,
+        ..switchyard_engine_sim::SimConfig::default()
+    })
+    .await?;
+    engine.ready().await?;
+    let (chat, completions) = ("/v1/chat/completions", "/v1/completions");
+    let with = |base: Value, fields: Value| {
+        let mut body = base;
+        for (key, value) in fields.as_object().into_iter().flatten() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let a_chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 3});
+    let a_completion = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 3});
+    let mut cases = Vec::new();
+    for fields in [
+        json!({}),
+        json!({"n": 0}),
+        json!({"n": 2}),
+        json!({"n": "x"}),
+        json!({"temperature": -1}),
+        json!({"temperature": 3}),
+        json!({"temperature": "x"}),
+        json!({"temperature": "0.5"}),
+        json!({"temperature": 0, "n": 2}),
+        json!({"top_p": 0}),
+        json!({"top_p": 1.5}),
+        json!({"top_k": -1}),
+        json!({"top_k": -2}),
+        json!({"min_p": 2}),
+        json!({"presence_penalty": 3}),
+        json!({"frequency_penalty": -3}),
+        json!({"repetition_penalty": 0}),
+        json!({"min_tokens": 10}),
+        json!({"min_tokens": 3}),
+        json!({"min_tokens": null}),
+        json!({"stop": 5}),
+        json!({"stop": ""}),
+        json!({"stop": ["a", "b", "c", "d", "e"]}),
+        json!({"user": 5}),
+        json!({"seed": "1"}),
+        json!({"logprobs": true, "top_logprobs": 3}),
+        json!({"top_logprobs": 3}),
+        json!({"logprobs": true, "top_logprobs": -1}),
+        json!({"logprobs": true, "top_logprobs": 21}),
+        json!({"prompt_logprobs": 30}),
+        json!({"logit_bias": {"5": 1}}),
+        json!({"logit_bias": {"x": 1}}),
+        json!({"max_tokens": 0}),
+        json!({"max_tokens": "2"}),
+        json!({"max_tokens": 1.5}),
+        json!({"stream_options": {"include_usage": true}}),
+        json!({"stream": "true"}),
+        json!({"stream": "maybe"}),
+        json!({"response_format": {"type": "json_object"}}),
+        json!({"response_format": {"type": "bogus"}}),
+        json!({"tools": []}),
+        json!({"tool_choice": "auto"}),
+        json!({"tool_choice": "none"}),
+        json!({"continue_final_message": true}),
+        json!({"continue_final_message": true, "add_generation_prompt": true}),
+        json!({"messages": []}),
+        json!({"messages": [{"role": "user"}]}),
+        json!({"messages": [{"role": "assistant", "content": null},
+                            {"role": "user", "content": "x"}]}),
+        json!({"model": "other", "temperature": -1}),
+        json!({"model": "other", "temperature": "x"}),
+    ] {
+        cases.push((chat, with(a_chat.clone(), fields)));
+    }
+    for fields in [
+        json!({}),
+        json!({"n": null}),
+        json!({"prompt": ""}),
+        json!({"prompt": []}),
+        json!({"prompt": [[]]}),
+        json!({"prompt": [1, 2, 3]}),
+        json!({"prompt": [1_000_000_000]}),
+        json!({"prompt": vec![100; 2048]}),
+        json!({"prompt": vec![100; 2047], "max_tokens": 5, "min_tokens": 3}),
+        json!({"logprobs": 20}),
+        json!({"logprobs": 30}),
+        json!({"logprobs": -2}),
+        json!({"suffix": "x"}),
+        json!({"suffix": null}),
+        json!({"echo": true, "max_tokens": 0}),
+        json!({"echo": true}),
+        json!({"stop": [""]}),
+        json!({"truncate_prompt_tokens": 0}),
+        json!({"truncate_prompt_tokens": -2}),
+        json!({"truncate_prompt_tokens": 4096}),
+    ] {
+        cases.push((completions, with(a_completion.clone(), fields)));
+    }
+    let mut differences = Vec::new();
+    for (path, body) in &cases {
+        let bytes = body.to_string();
+        let (theirs, their_answer) =
+            http_post_status(&format!("{}{path}", engine.url()), bytes.as_bytes()).await?;
+        let (ours, our_answer) =
+            http_post_status(&format!("http://{}{path}", sim.addr), bytes.as_bytes()).await?;
+        let param = |answer: &Value| answer["error"]["param"].clone();
+        if theirs != ours || (theirs == 400 && param(&their_answer) != param(&our_answer)) {
+            let short = |text: String| text.chars().take(300).collect::<String>();
+            differences.push(format!(
+                "{path} {}\n  vLLM:      {theirs} {}\n  simulator: {ours} {}",
+                short(bytes.clone()),
+                short(their_answer.to_string()),
+                short(our_answer.to_string())
+            ));
+        }
+    }
+    println!(
+        "requests compared: {}, different: {}",
+        cases.len(),
+        differences.len()
+    );
+    for difference in &differences {
+        println!("DIFFERENT {difference}");
+    }
+    sim.shutdown().await;
+    engine.kill().await;
+    anyhow::ensure!(
+        differences.is_empty(),
+        "{} of {} requests differ",
+        differences.len(),
+        cases.len()
+    );
+    Ok(())
+}
+
 const SERVED_PROMPT_TOKENS: usize = 2000;
 
 /// POSTs `body` as JSON; the status and the answer's JSON (null if none).

@@ -389,6 +389,12 @@ impl EngineTokenizer {
         self.tokenizer.get_vocab_size(true)
     }
 
+    /// The text of `ids` (special tokens left out), as an engine echoes a prompt given as
+    /// ids; None if the tokenizer cannot decode them.
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        self.tokenizer.decode(ids, true).ok()
+    }
+
     /// Why chat bodies are left to the engine, if they are.
     pub fn template_note(&self) -> Option<&str> {
         self.template_note.as_deref()

@@ -78,6 +78,48 @@ pub(crate) fn text_bool(text: &str) -> Option<bool> {
     }
 }
 
+/// An integer as pydantic's lax mode reads one: an integer, a float without a fraction, a
+/// boolean, or a string of one (spaces around, a sign, `_` between digits, `.0`).
+pub fn lax_integer(value: &Value) -> Option<i64> {
+    match value {
+        Value::Bool(value) => Some(i64::from(*value)),
+        Value::Number(number) => number.as_i64().or_else(|| {
+            let float = number.as_f64()?;
+            (float.fract() == 0.0 && float.abs() < 9.2e18).then_some(float as i64)
+        }),
+        Value::String(text) => {
+            let text = text.trim();
+            let (digits, fraction) = match text.split_once('.') {
+                // `5.` is refused, `5.0` read as 5.
+                Some((_, "")) => return None,
+                Some((digits, fraction)) => (digits, fraction),
+                None => (text, ""),
+            };
+            if !fraction.bytes().all(|byte| byte == b'0') {
+                return None;
+            }
+            python_int(digits).and_then(|value| i64::try_from(value).ok())
+        }
+        Value::Null | Value::Array(_) | Value::Object(_) => None,
+    }
+}
+
+/// Python's `int(text)`: spaces around, a sign, digits with single `_` between them.
+pub fn python_int(text: &str) -> Option<i128> {
+    let text = text.trim();
+    let unsigned = text.strip_prefix(['+', '-']).unwrap_or(text);
+    let well_formed = !unsigned.is_empty()
+        && !unsigned.starts_with('_')
+        && !unsigned.ends_with('_')
+        && !unsigned.contains("__")
+        && unsigned
+            .bytes()
+            .all(|byte| byte.is_ascii_digit() || byte == b'_');
+    well_formed
+        .then(|| text.replace('_', "").parse().ok())
+        .flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

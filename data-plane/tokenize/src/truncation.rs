@@ -90,7 +90,7 @@ impl Truncation {
         };
         let keep = match keep {
             None | Some(Value::Null) => return Ok(None),
-            Some(value) => lax_integer(value).ok_or_else(|| {
+            Some(value) => crate::reuse::lax_integer(value).ok_or_else(|| {
                 Invalid("truncate_prompt_tokens: Input should be a valid integer".into())
             })?,
         };
@@ -170,42 +170,6 @@ pub fn context_kept(max_model_len: u32, asked_output: Option<u64>) -> u64 {
     match asked_output {
         None | Some(0) => context,
         Some(_) => context.saturating_sub(1),
-    }
-}
-
-/// An integer as pydantic's lax mode reads one: an integer, a float without a fraction, a
-/// boolean, or a string of one (spaces around, a sign, `_` between digits, `.0`).
-fn lax_integer(value: &Value) -> Option<i64> {
-    match value {
-        Value::Bool(value) => Some(i64::from(*value)),
-        Value::Number(number) => number.as_i64().or_else(|| {
-            let float = number.as_f64()?;
-            (float.fract() == 0.0 && float.abs() < 9.2e18).then_some(float as i64)
-        }),
-        Value::String(text) => {
-            let text = text.trim();
-            let (digits, fraction) = match text.split_once('.') {
-                // `5.` is refused, `5.0` read as 5.
-                Some((_, "")) => return None,
-                Some((digits, fraction)) => (digits, fraction),
-                None => (text, ""),
-            };
-            if !fraction.bytes().all(|byte| byte == b'0') {
-                return None;
-            }
-            let unsigned = digits.strip_prefix(['+', '-']).unwrap_or(digits);
-            let well_formed = !unsigned.is_empty()
-                && !unsigned.starts_with('_')
-                && !unsigned.ends_with('_')
-                && !unsigned.contains("__")
-                && unsigned
-                    .bytes()
-                    .all(|byte| byte.is_ascii_digit() || byte == b'_');
-            well_formed
-                .then(|| digits.replace('_', "").parse().ok())
-                .flatten()
-        }
-        Value::Null | Value::Array(_) | Value::Object(_) => None,
     }
 }
 

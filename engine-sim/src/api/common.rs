@@ -111,14 +111,14 @@ pub(super) fn check_model(config: &SimConfig, model: Option<&str>) -> Result<(),
 /// else `--default-max-tokens` (within the context).
 pub(super) fn output_budget(
     config: &SimConfig,
-    body: &InferenceBody,
+    (body, kind): (&InferenceBody, ApiKind),
     kv: &KvTransfer,
     prompt_len: u32,
 ) -> Result<u32, ApiError> {
     if kv.do_remote_decode {
         return Ok(1);
     }
-    Ok(match body.requested_max_tokens()? {
+    Ok(match body.requested_max_tokens(kind)? {
         Some(max_tokens) => max_tokens,
         None => config
             .default_max_tokens
@@ -195,10 +195,11 @@ pub(super) fn check_fits(
     }
     if prompt_len == context && max_tokens > 0 {
         // vLLM leaves such a request no output token, then refuses that budget.
-        return Err(
-            ApiError::bad_request("max_tokens must be at least 1, got 0.".to_owned())
-                .param("max_tokens"),
-        );
+        return Err(crate::sampling::refused(
+            "max_tokens must be at least 1, got 0.".to_owned(),
+            Some("max_tokens"),
+            Some("0".to_owned()),
+        ));
     }
     if prompt_len > context {
         return Err(ApiError::bad_request(format!(
@@ -344,6 +345,10 @@ impl SseStream {
                             let mut chunk = self.meta.role_chunk(self.include_usage);
                             self.usage_so_far(&mut chunk, 0);
                             yield Ok(sse_data(&chunk));
+                            if let Some(mut chunk) = self.meta.echo_chunk(self.include_usage) {
+                                self.usage_so_far(&mut chunk, 0);
+                                yield Ok(sse_data(&chunk));
+                            }
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
                         let mut chunk =

@@ -36,7 +36,7 @@ use super::common::{
 use crate::cache::block_hashes;
 use crate::engine::SeqSpec;
 use crate::metrics::Metrics;
-use crate::openai::{ApiError, output_token_text, parse_json};
+use crate::openai::{ApiError, parse_json};
 use crate::records::ReceivedRequest;
 use crate::tokenizer::{chat_prompt_text, tokenize};
 
@@ -479,28 +479,14 @@ async fn detokenize(_shared: Arc<Shared>, body: PoolingBody, _request_id: String
     let tokens = body.tokens.ok_or_else(|| {
         ApiError::bad_request("tokens: field required".to_owned()).param("tokens")
     })?;
-    // The simulator's output words, with and without their leading space.
-    let words: Vec<(u32, String)> = (0..32)
-        .flat_map(|index| {
-            let word = output_token_text(index);
-            let bare = word.trim_start().to_owned();
-            [(tokenize(&word)[0], word), (tokenize(&bare)[0], bare)]
-        })
-        .collect();
-    let mut prompt = String::new();
-    for token in &tokens {
-        let id = token
-            .as_u64()
-            .and_then(|id| u32::try_from(id).ok())
-            .ok_or_else(|| {
-                ApiError::bad_request("tokens must be non-negative integers".to_owned())
-                    .param("tokens")
-            })?;
-        match words.iter().find(|(known, _)| *known == id) {
-            Some((_, word)) => prompt.push_str(word),
-            None => prompt.push_str(&format!("<|{id}|>")),
-        }
-    }
+    let ids = tokens
+        .iter()
+        .map(|token| token.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| {
+            ApiError::bad_request("tokens must be non-negative integers".to_owned()).param("tokens")
+        })?;
+    let prompt = crate::openai::detokenize(&ids);
     Ok(json!({"prompt": prompt}))
 }
 

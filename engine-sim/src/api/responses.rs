@@ -40,7 +40,7 @@ use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::metrics::Metrics;
 use crate::openai::{
-    ApiError, InferenceBody, KvTransfer, output_text, output_token_text, parse_json,
+    ApiError, ApiKind, InferenceBody, KvTransfer, output_text, output_token_text, parse_json,
 };
 use crate::records::ReceivedRequest;
 use crate::tokenizer::{chat_prompt_text, tokenize};
@@ -265,8 +265,13 @@ async fn run(
         max_tokens: body.max_output_tokens,
         ..InferenceBody::default()
     };
-    let max_tokens = output_budget(config, &budget, &KvTransfer::default(), prompt_len)
-        .map_err(|error| error.param("max_output_tokens"))?;
+    let max_tokens = output_budget(
+        config,
+        (&budget, ApiKind::Chat),
+        &KvTransfer::default(),
+        prompt_len,
+    )
+    .map_err(|error| error.param("max_output_tokens"))?;
     let max_tokens = check_fits(config, prompt_len, max_tokens, "max_output_tokens")?;
     let streaming = body.stream.unwrap_or(false);
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
