@@ -570,6 +570,27 @@ async fn a_prefill_that_cannot_be_done_falls_back_to_the_decoder() -> anyhow::Re
     Ok(())
 }
 
+/// A request its engines refuse (a sampling field out of range) is answered with the engine's
+/// 400, naming the field; the prefill's refusal is counted apart from engine failures
+/// (`prefill_refused`, not `prefill_failed`), and the decoder, which checks the same fields,
+/// answers it.
+#[tokio::test]
+async fn a_request_the_prefill_refuses_is_answered_with_the_engines_400() -> anyhow::Result<()> {
+    let (_pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
+    let body = serde_json::json!({"model": "pd", "max_tokens": 2, "temperature": -1,
+                                  "prompt": hellos(5000)})
+    .to_string();
+    let reply = bounded("a refused completion", http_post(&url(&router), &[], body)).await?;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    let error: serde_json::Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(error["error"]["param"], "temperature", "{error}");
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert_eq!(fallbacks(&router, "prefill_refused").await, Some(1.0));
+    assert_eq!(fallbacks(&router, "prefill_failed").await, Some(0.0));
+    settles(&router).await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_session_keeps_its_prefill_instance() -> anyhow::Result<()> {
     let (_pool, router, _dir) = pool_router(

@@ -351,6 +351,12 @@ impl Forwarder<'_> {
                     return Err(NoPrefill::Fallback("prefill_timeout"));
                 }
             };
+            if refused_as_invalid(status) {
+                // The request itself (a client's field out of range, a prompt past the
+                // context): the decoder, which checks the same fields, answers the client.
+                tracing::debug!(instance = %instance.id, %status, "prefill refused the request");
+                return Err(NoPrefill::Fallback("prefill_refused"));
+            }
             if !status.is_success() {
                 tracing::warn!(instance = %instance.id, %status, "prefill answered an error");
                 return Err(NoPrefill::Fallback("prefill_failed"));
@@ -603,6 +609,16 @@ fn host_kind(host: &str) -> HostKind {
         Err(_) if host.eq_ignore_ascii_case("localhost") => HostKind::Loopback,
         Err(_) => HostKind::Other,
     }
+}
+
+/// An engine's refusal of the request as invalid (vLLM answers 400 for what its request
+/// model or sampling parameters refuse; 422 is FastAPI's for a body it cannot read), as opposed
+/// to the engine failing.
+fn refused_as_invalid(status: http::StatusCode) -> bool {
+    matches!(
+        status,
+        http::StatusCode::BAD_REQUEST | http::StatusCode::UNPROCESSABLE_ENTITY
+    )
 }
 
 #[cfg(test)]

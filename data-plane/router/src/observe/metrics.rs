@@ -115,10 +115,11 @@ pub struct RouterMetrics {
 
 /// Why a disaggregated request fell back to its decoder alone: the `reason` label of
 /// `switchyard_router_disaggregation_fallbacks_total`.
-pub const FALLBACK_REASONS: [&str; 13] = [
+pub const FALLBACK_REASONS: [&str; 14] = [
     "no_prefill_instance",
     "prefill_unreachable",
     "prefill_failed",
+    "prefill_refused",
     "prefill_timeout",
     "no_decode_partner",
     "bad_handoff",
