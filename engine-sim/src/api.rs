@@ -281,19 +281,36 @@ async fn run_request(
     let prompt = prompt?;
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
+    let vocabulary = shared
+        .tokenizer
+        .as_deref()
+        .map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64);
+    // A budget asked below 1 is refused among the other sampling parameters, in their order.
+    if let Some(asked) = body
+        .asked_max_tokens(kind)
+        .filter(|&asked| asked < 1 && !body.echo_alone(kind))
+    {
+        generation.check_sampling(kind, asked, vocabulary)?;
+    }
     let asked = output_budget(config, (&body, kind), &kv, prompt_len)?;
     let resume_at = body.resume_at(kind)?;
-    let budget_field = if body.max_completion_tokens.is_some() {
+    let budget_field = if kind == ApiKind::Chat && body.max_completion_tokens.is_some() {
         "max_completion_tokens"
     } else {
         "max_tokens"
     };
     let max_tokens = check_fits(config, prompt_len, asked, budget_field)?;
-    let vocabulary = shared
-        .tokenizer
-        .as_deref()
-        .map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64);
-    generation.check_sampling(kind, max_tokens, vocabulary)?;
+    // The sampling parameters are checked against vLLM's budget: what was asked, within the
+    // context; else a chat's whole context left and a completion's 16 (the simulator's own
+    // default and a prefill's one token do not count here).
+    let context_left = i64::from(config.max_model_len.saturating_sub(prompt_len));
+    let budget = match body.asked_max_tokens(kind) {
+        _ if body.echo_alone(kind) => 1,
+        Some(asked) => asked.min(context_left),
+        None if kind == ApiKind::Chat => context_left,
+        None => context_left.min(16),
+    };
+    generation.check_sampling(kind, budget, vocabulary)?;
     let report_reuse = body.reports_reuse()?;
     let streaming = body.stream() && !kv.do_remote_decode;
     let meta = ResponseMeta {
@@ -386,6 +403,7 @@ async fn run_request(
         },
         report_reuse,
         lora: prompt.lora,
+        skip_prefix_cache: generation.skips_prefix_cache(kind),
     };
     let events = shared
         .engine
@@ -466,8 +484,10 @@ async fn run_request(
 }
 
 /// What `echo` puts before the answer ([`Echo`]): a completion's prompt text (none with
-/// `return_token_ids`, as vLLM 0.32 answers; a prompt of ids decoded), a chat's last message
-/// if it is the assistant's (its text parts joined by new lines).
+/// `return_token_ids`, as vLLM 0.32 answers; a prompt of ids decoded as given, special tokens
+/// kept), a chat's last message if its role is the answer's (the assistant's, or any with
+/// `add_generation_prompt: false`, where vLLM answers in the last message's role), its text
+/// parts joined by new lines.
 fn echo(shared: &Shared, body: &InferenceBody, kind: ApiKind, tokens: &[u32]) -> Option<Echo> {
     if body
         .echo
@@ -492,17 +512,28 @@ fn echo(shared: &Shared, body: &InferenceBody, kind: ApiKind, tokens: &[u32]) ->
                     Some(Value::Array(items)) if items.iter().all(Value::is_string) => {
                         items.iter().filter_map(Value::as_str).collect::<String>()
                     }
-                    _ => shared
-                        .tokenizer
-                        .as_deref()
-                        .and_then(|tokenizer| tokenizer.decode(tokens))
-                        .unwrap_or_else(|| crate::openai::detokenize(tokens)),
+                    prompt => {
+                        // The ids as given (before any truncation), else those served.
+                        let given: Option<Vec<u32>> =
+                            prompt.as_ref().and_then(Value::as_array).and_then(|ids| {
+                                ids.iter()
+                                    .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                                    .collect()
+                            });
+                        let ids = given.as_deref().unwrap_or(tokens);
+                        shared
+                            .tokenizer
+                            .as_deref()
+                            .and_then(|tokenizer| tokenizer.decode(ids))
+                            .unwrap_or_else(|| crate::openai::detokenize(ids))
+                    }
                 }
             }
         }
         ApiKind::Chat => {
             let last = body.messages.as_deref().and_then(<[Value]>::last)?;
-            if last.get("role").and_then(Value::as_str) != Some("assistant") {
+            let answers_as_last = body.add_generation_prompt == Some(false);
+            if !answers_as_last && last.get("role").and_then(Value::as_str) != Some("assistant") {
                 return None;
             }
             match last.get("content") {

@@ -157,6 +157,9 @@ pub struct SeqSpec {
     pub report_reuse: bool,
     /// The LoRA adapter the request runs under (its blocks are keyed and published as its).
     pub lora: Option<Lora>,
+    /// vLLM's `skip_reading_prefix_cache` (prompt logprobs asked for, `echo` among them): the
+    /// request finds nothing in the cache and computes its whole prompt.
+    pub skip_prefix_cache: bool,
 }
 
 /// Why a request was refused.
@@ -571,8 +574,11 @@ impl Scheduler {
         };
         let prompt_len = seq.spec.prompt_len;
         // At least the last prompt token is computed, so at most prompt − 1 come from cache.
-        let max_hit_blocks =
-            ((prompt_len - 1) as usize / block_size).min(seq.spec.block_hashes.len());
+        let max_hit_blocks = if seq.spec.skip_prefix_cache {
+            0
+        } else {
+            ((prompt_len - 1) as usize / block_size).min(seq.spec.block_hashes.len())
+        };
         let hit_blocks = self
             .cache
             .longest_prefix(&seq.spec.block_hashes[..max_hit_blocks]);
@@ -682,6 +688,7 @@ pub(crate) mod tests {
             remote_prompt_tokens: 0,
             report_reuse: false,
             lora: None,
+            skip_prefix_cache: false,
         }
     }
 

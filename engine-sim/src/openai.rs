@@ -32,7 +32,11 @@ pub(crate) struct InferenceBody {
     pub kv_transfer_params: Option<Value>,
     /// vLLM's chat rendering: continue the final (assistant) message instead of starting a
     /// new one; it needs `add_generation_prompt: false` (vLLM's default is true).
+    /// Both read as pydantic reads a boolean (what it refuses, and both true as given, are
+    /// refused first, with the generation fields).
+    #[serde(deserialize_with = "lax_bool_field")]
     pub continue_final_message: Option<bool>,
+    #[serde(deserialize_with = "lax_bool_field")]
     pub add_generation_prompt: Option<bool>,
     /// vLLM's extra sampling arguments; the simulator reads `kv_cache_report_mode`.
     pub vllm_xargs: Option<Value>,
@@ -92,12 +96,21 @@ impl InferenceBody {
             && self.echo.as_ref().and_then(reuse::lax_bool) == Some(true)
     }
 
-    /// `max_completion_tokens`, else `max_tokens`; None if neither is set.
+    /// A chat's `max_completion_tokens`, else its `max_tokens`; a completion's `max_tokens`
+    /// (it has no `max_completion_tokens`); None if not set.
+    pub(crate) fn asked_max_tokens(&self, kind: ApiKind) -> Option<i64> {
+        match kind {
+            ApiKind::Chat => self.max_completion_tokens.or(self.max_tokens),
+            ApiKind::Completion => self.max_tokens,
+        }
+    }
+
+    /// [`InferenceBody::asked_max_tokens`], refused below 1 (1 for a completion's echo alone).
     pub(crate) fn requested_max_tokens(&self, kind: ApiKind) -> Result<Option<u32>, ApiError> {
         if self.echo_alone(kind) {
             return Ok(Some(1));
         }
-        let Some(value) = self.max_completion_tokens.or(self.max_tokens) else {
+        let Some(value) = self.asked_max_tokens(kind) else {
             return Ok(None);
         };
         if value < 1 {
@@ -217,7 +230,7 @@ impl InferenceBody {
         else {
             return Ok(None);
         };
-        let echo = lax_flag(self.echo.as_ref(), "echo")?;
+        let echo = lax_flag(self.echo.as_ref(), "body.echo")?;
         if echo
             || self
                 .messages
@@ -378,6 +391,13 @@ fn lax_integer_field<'de, D: serde::Deserializer<'de>>(
     Ok(reuse::lax_integer(&Value::deserialize(deserializer)?))
 }
 
+/// A boolean field as pydantic reads one; None for null and for what it refuses.
+fn lax_bool_field<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<bool>, D::Error> {
+    Ok(reuse::lax_bool(&Value::deserialize(deserializer)?))
+}
+
 /// A parsed request and its tokenized prompt (or why the prompt is unusable).
 #[derive(Debug)]
 pub(crate) struct ParsedRequest {
@@ -426,8 +446,8 @@ pub(crate) fn parse_request(
         check_chat_fields(&body)?;
     }
     let truncation = body.truncation(kind, max_model_len)?;
-    lax_flag(body.return_token_ids.as_ref(), "return_token_ids")?;
-    lax_flag(body.echo.as_ref(), "echo")?;
+    lax_flag(body.return_token_ids.as_ref(), "body.return_token_ids")?;
+    lax_flag(body.echo.as_ref(), "body.echo")?;
     // Forwarded ids (a chat's, with its messages) are served as they are: no template, no
     // tokenizer, no truncation; a truncation longer than the context is still refused.
     let reused = match kind {
@@ -508,13 +528,14 @@ fn served_tokens(
     }
 }
 
-/// A boolean field read as pydantic reads one (absent or null: false); a 400 naming it for
-/// what pydantic refuses.
-pub(crate) fn lax_flag(value: Option<&Value>, field: &'static str) -> Result<bool, ApiError> {
+/// A boolean field read as pydantic reads one (absent or null: false); a 400 naming it
+/// (`param`: `body.FIELD`, as pydantic names it) for what pydantic refuses.
+pub(crate) fn lax_flag(value: Option<&Value>, param: &'static str) -> Result<bool, ApiError> {
     match value {
         None | Some(Value::Null) => Ok(false),
         Some(value) => reuse::lax_bool(value).ok_or_else(|| {
-            ApiError::bad_request(format!("{field}: Input should be a valid boolean")).param(field)
+            let field = param.trim_start_matches("body.");
+            ApiError::bad_request(format!("{field}: Input should be a valid boolean")).param(param)
         }),
     }
 }
@@ -547,14 +568,6 @@ pub(crate) fn check_conversation(body: &InferenceBody, kind: ApiKind) -> Result<
 /// and `documents` (a list of objects with string values, or null).
 fn check_chat_fields(body: &InferenceBody) -> Result<(), ApiError> {
     if let Some(messages) = &body.messages {
-        // vLLM's request model refuses both asked for (the renderer refuses the pair when
-        // `add_generation_prompt` is left to its default: [`check_conversation`]).
-        if body.continue_final_message == Some(true) && body.add_generation_prompt == Some(true) {
-            return Err(ApiError::bad_request(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-                    .to_owned(),
-            ));
-        }
         // Only an assistant's message may have a null content (its tool calls instead); a
         // message without the key is taken as vLLM takes it.
         let null_content = messages.iter().any(|message| {

@@ -2,10 +2,9 @@
 //! router tested against the simulator sees the 400s a real engine would send:
 //!
 //! - while the body is read (its request model, before the model name is looked up): the
-//!   request model's own checks (`stream_options` without `stream`, `top_logprobs` without
-//!   `logprobs`, an empty `tools`, `tool_choice` without `tools`, an empty completions
-//!   prompt), then each field's type, read as pydantic reads it (`"0.5"` is a number, `"x"`
-//!   is not);
+//!   request model's own checks of the raw fields, in the order pydantic runs them (the last
+//!   defined first), then each field's type in the model's field order, read as pydantic
+//!   reads it (`"0.5"` is a number, `"x"` is not);
 //! - once the prompt and the output budget are known (its sampling parameters): the ranges
 //!   (`temperature` in [0, 2], `top_p` in (0, 1], `n` at least 1, ...), `min_tokens` within
 //!   the budget, `logit_bias` keys that are token ids, and at most 20 logprobs.
@@ -28,37 +27,126 @@ const MAX_N: i64 = 16384;
 const MAX_STOP_STRINGS: usize = 4;
 /// The `response_format` types vLLM's request model knows.
 const RESPONSE_FORMATS: [&str; 4] = ["text", "json_object", "json_schema", "structural_tag"];
+/// A temperature above 0 and below this is raised to it before the parameters are checked
+/// (vLLM's `_MAX_TEMP`), so only 0 is greedy.
+const LEAST_TEMPERATURE: f64 = 0.01;
 
-/// The generation fields of a chat or completions body, each as it came (the last of a
-/// repeated key, as vLLM reads it; null as null). Read in a pass of its own over the body, so
-/// that a repeated key is no error, as it is none for vLLM.
+/// The fields read, by name.
+const NAMES: [&str; 28] = [
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "logit_bias",
+    "stop",
+    "user",
+    "seed",
+    "tools",
+    "tool_choice",
+    "stream",
+    "stream_options",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "response_format",
+    "suffix",
+    "echo",
+    "continue_final_message",
+    "add_generation_prompt",
+];
+
+/// How pydantic reads a field's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Type {
+    Number,
+    Integer,
+    Boolean,
+    Text,
+    /// A string or at most [`MAX_STOP_STRINGS`] strings.
+    Stop,
+    /// An object of numbers.
+    Bias,
+    /// An object whose `type` is one of [`RESPONSE_FORMATS`].
+    Format,
+}
+
+/// A field of a request model: its name, the `param` a value of the wrong type is refused
+/// with, how it is read, and whether null is taken.
+type Field = (&'static str, &'static str, Type, bool);
+
+macro_rules! field {
+    ($name:literal, $kind:ident, $nullable:literal) => {
+        ($name, concat!("body.", $name), Type::$kind, $nullable)
+    };
+}
+
+/// The chat request model's fields the simulator checks, in the model's order (pydantic names
+/// the first wrong one).
+const CHAT_FIELDS: [Field; 23] = [
+    field!("frequency_penalty", Number, true),
+    field!("logit_bias", Bias, true),
+    field!("logprobs", Boolean, true),
+    field!("top_logprobs", Integer, true),
+    field!("max_tokens", Integer, true),
+    field!("max_completion_tokens", Integer, true),
+    field!("n", Integer, true),
+    field!("presence_penalty", Number, true),
+    field!("response_format", Format, true),
+    field!("seed", Integer, true),
+    field!("stop", Stop, true),
+    field!("stream", Boolean, true),
+    field!("temperature", Number, true),
+    field!("top_p", Number, true),
+    field!("user", Text, true),
+    field!("top_k", Integer, true),
+    field!("min_p", Number, true),
+    field!("repetition_penalty", Number, true),
+    field!("min_tokens", Integer, false),
+    field!("prompt_logprobs", Integer, true),
+    field!("echo", Boolean, false),
+    field!("add_generation_prompt", Boolean, false),
+    field!("continue_final_message", Boolean, false),
+];
+
+/// The completions request model's, likewise (it has no `max_completion_tokens` or
+/// `top_logprobs`: those are ignored there, as vLLM ignores unknown fields).
+const COMPLETION_FIELDS: [Field; 20] = [
+    field!("echo", Boolean, true),
+    field!("frequency_penalty", Number, true),
+    field!("logit_bias", Bias, true),
+    field!("logprobs", Integer, true),
+    field!("max_tokens", Integer, true),
+    field!("n", Integer, false),
+    field!("presence_penalty", Number, true),
+    field!("seed", Integer, true),
+    field!("stop", Stop, true),
+    field!("stream", Boolean, true),
+    field!("suffix", Text, true),
+    field!("temperature", Number, true),
+    field!("top_p", Number, true),
+    field!("user", Text, true),
+    field!("top_k", Integer, true),
+    field!("min_p", Number, true),
+    field!("repetition_penalty", Number, true),
+    field!("min_tokens", Integer, false),
+    field!("prompt_logprobs", Integer, true),
+    field!("response_format", Format, true),
+];
+
+/// The generation fields of a chat or completions body ([`NAMES`]), each as it came (the last
+/// of a repeated key, as vLLM reads it; null as null). Read in a pass of its own over the body,
+/// so that a repeated key is no error, as it is none for vLLM.
 #[derive(Debug, Default)]
 pub(crate) struct Generation {
-    n: Option<Value>,
-    temperature: Option<Value>,
-    top_p: Option<Value>,
-    top_k: Option<Value>,
-    min_p: Option<Value>,
-    presence_penalty: Option<Value>,
-    frequency_penalty: Option<Value>,
-    repetition_penalty: Option<Value>,
-    min_tokens: Option<Value>,
-    logprobs: Option<Value>,
-    top_logprobs: Option<Value>,
-    prompt_logprobs: Option<Value>,
-    logit_bias: Option<Value>,
-    stop: Option<Value>,
-    user: Option<Value>,
-    seed: Option<Value>,
-    tools: Option<Value>,
-    tool_choice: Option<Value>,
-    stream: Option<Value>,
-    stream_options: Option<Value>,
-    prompt: Option<Value>,
-    max_tokens: Option<Value>,
-    max_completion_tokens: Option<Value>,
-    response_format: Option<Value>,
-    suffix: Option<Value>,
+    values: [Option<Value>; NAMES.len()],
 }
 
 impl<'de> Deserialize<'de> for Generation {
@@ -74,11 +162,12 @@ impl<'de> Deserialize<'de> for Generation {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Generation, A::Error> {
                 let mut fields = Generation::default();
                 while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                    let Some(slot) = fields.slot(&key) else {
-                        map.next_value::<IgnoredAny>()?;
-                        continue;
-                    };
-                    *slot = Some(map.next_value()?);
+                    match NAMES.iter().position(|name| *name == key) {
+                        Some(index) => fields.values[index] = Some(map.next_value()?),
+                        None => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
                 }
                 Ok(fields)
             }
@@ -88,69 +177,87 @@ impl<'de> Deserialize<'de> for Generation {
 }
 
 impl Generation {
-    fn slot(&mut self, key: &str) -> Option<&mut Option<Value>> {
-        Some(match key {
-            "n" => &mut self.n,
-            "temperature" => &mut self.temperature,
-            "top_p" => &mut self.top_p,
-            "top_k" => &mut self.top_k,
-            "min_p" => &mut self.min_p,
-            "presence_penalty" => &mut self.presence_penalty,
-            "frequency_penalty" => &mut self.frequency_penalty,
-            "repetition_penalty" => &mut self.repetition_penalty,
-            "min_tokens" => &mut self.min_tokens,
-            "logprobs" => &mut self.logprobs,
-            "top_logprobs" => &mut self.top_logprobs,
-            "prompt_logprobs" => &mut self.prompt_logprobs,
-            "logit_bias" => &mut self.logit_bias,
-            "stop" => &mut self.stop,
-            "user" => &mut self.user,
-            "seed" => &mut self.seed,
-            "tools" => &mut self.tools,
-            "tool_choice" => &mut self.tool_choice,
-            "stream" => &mut self.stream,
-            "stream_options" => &mut self.stream_options,
-            "prompt" => &mut self.prompt,
-            "max_tokens" => &mut self.max_tokens,
-            "max_completion_tokens" => &mut self.max_completion_tokens,
-            "response_format" => &mut self.response_format,
-            "suffix" => &mut self.suffix,
-            _ => return None,
-        })
-    }
-
     /// The fields of a body already known to be a JSON object.
     pub(crate) fn read(bytes: &[u8]) -> Result<Self, ApiError> {
         serde_json::from_slice(bytes)
             .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))
     }
 
+    /// The field as it came (null too).
+    fn raw(&self, name: &str) -> Option<&Value> {
+        let index = NAMES.iter().position(|known| *known == name)?;
+        self.values[index].as_ref()
+    }
+
+    /// The field unless absent or null.
+    fn given(&self, name: &str) -> Option<&Value> {
+        self.raw(name).filter(|value| !value.is_null())
+    }
+
     /// What vLLM's request model refuses while it reads the body: its own checks of the raw
-    /// fields first, then each field's type.
+    /// fields, in the order pydantic runs them, then each field's type.
     pub(crate) fn check_request(&self, kind: ApiKind) -> Result<(), ApiError> {
-        if truthy(self.stream_options.as_ref()) && !truthy(self.stream.as_ref()) {
-            return Err(refused(
-                "Stream options can only be defined when `stream=True`.".to_owned(),
-                Some("stream_options"),
-                None,
-            ));
-        }
-        self.check_logprob_fields(kind)?;
         match kind {
-            ApiKind::Chat => self.check_tools()?,
-            ApiKind::Completion => {
-                if matches!(&self.prompt, None | Some(Value::Null))
-                    || self.prompt.as_ref().and_then(Value::as_str) == Some("")
+            ApiKind::Chat => {
+                // On the values as given: a string "false" is true here.
+                if truthy(self.raw("continue_final_message"))
+                    && truthy(self.raw("add_generation_prompt"))
                 {
+                    return Err(ApiError::bad_request(
+                        "Cannot set both `continue_final_message` and `add_generation_prompt` \
+                         to True."
+                            .to_owned(),
+                    ));
+                }
+                self.check_tools()?;
+                self.check_logprob_fields(kind)?;
+                self.check_stream_options()?;
+                self.check_response_format()?;
+            }
+            ApiKind::Completion => {
+                let prompt = self.given("prompt");
+                if prompt.is_none() || prompt.and_then(Value::as_str) == Some("") {
                     return Err(refused(
                         "Either prompt or prompt_embeds must be provided and non-empty.".to_owned(),
                         Some("prompt"),
                         None,
                     ));
                 }
+                self.check_stream_options()?;
+                self.check_logprob_fields(kind)?;
+                self.check_response_format()?;
             }
         }
         self.check_types(kind)
+    }
+
+    fn check_stream_options(&self) -> Result<(), ApiError> {
+        if truthy(self.raw("stream_options")) && !truthy(self.raw("stream")) {
+            return Err(refused(
+                "Stream options can only be defined when `stream=True`.".to_owned(),
+                Some("stream_options"),
+                None,
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_response_format(&self) -> Result<(), ApiError> {
+        let Some(format) = self.given("response_format") else {
+            return Ok(());
+        };
+        if format.get("type").and_then(Value::as_str) == Some("json_schema")
+            && format.get("json_schema").is_none_or(Value::is_null)
+        {
+            return Err(refused(
+                "When response_format type is 'json_schema', the 'json_schema' field must be \
+                 provided."
+                    .to_owned(),
+                Some("response_format"),
+                None,
+            ));
+        }
+        Ok(())
     }
 
     /// The request model's checks of the logprob fields, on the raw values (a boolean is a
@@ -161,17 +268,18 @@ impl Generation {
             ApiKind::Completion => ["prompt_logprobs", "logprobs"],
         };
         for name in names {
-            let value = self.field(name);
-            if value.is_some_and(|value| !value.is_null() && python_number(value).is_none()) {
+            if let Some(value) = self.given(name)
+                && python_number(value).is_none()
+            {
                 return Err(refused(
                     format!("`{name}` must be an integer."),
                     Some(name),
-                    value.map(python_repr),
+                    Some(python_repr(value)),
                 ));
             }
         }
-        if let Some(prompt_logprobs) = self.prompt_logprobs.as_ref().and_then(python_number) {
-            if truthy(self.stream.as_ref()) && (prompt_logprobs > 0.0 || prompt_logprobs == -1.0) {
+        if let Some(prompt_logprobs) = self.given("prompt_logprobs").and_then(python_number) {
+            if truthy(self.raw("stream")) && (prompt_logprobs > 0.0 || prompt_logprobs == -1.0) {
                 return Err(refused(
                     "`prompt_logprobs` are not available when `stream=True`.".to_owned(),
                     Some("prompt_logprobs"),
@@ -182,40 +290,31 @@ impl Generation {
                 return Err(refused(
                     "`prompt_logprobs` must be a positive value or -1.".to_owned(),
                     Some("prompt_logprobs"),
-                    self.prompt_logprobs.as_ref().map(python_repr),
+                    self.given("prompt_logprobs").map(python_repr),
                 ));
             }
         }
-        match kind {
-            ApiKind::Chat => {
-                if let Some(top) = self.top_logprobs.as_ref().and_then(python_number) {
-                    if top < 0.0 && top != -1.0 {
-                        return Err(refused(
-                            "`top_logprobs` must be a positive value or -1.".to_owned(),
-                            Some("top_logprobs"),
-                            self.top_logprobs.as_ref().map(python_repr),
-                        ));
-                    }
-                    if (top == -1.0 || top > 0.0) && !truthy(self.logprobs.as_ref()) {
-                        return Err(refused(
-                            "when using `top_logprobs`, `logprobs` must be set to true.".to_owned(),
-                            Some("top_logprobs"),
-                            None,
-                        ));
-                    }
-                }
+        let (name, count) = match kind {
+            ApiKind::Chat => ("top_logprobs", self.given("top_logprobs")),
+            ApiKind::Completion => ("logprobs", self.given("logprobs")),
+        };
+        if let Some(count) = count.and_then(python_number) {
+            if count < 0.0 && count != -1.0 {
+                return Err(refused(
+                    format!("`{name}` must be a positive value or -1."),
+                    Some(name),
+                    self.given(name).map(python_repr),
+                ));
             }
-            ApiKind::Completion => {
-                if let Some(logprobs) = self.logprobs.as_ref().and_then(python_number)
-                    && logprobs < 0.0
-                    && logprobs != -1.0
-                {
-                    return Err(refused(
-                        "`logprobs` must be a positive value or -1.".to_owned(),
-                        Some("logprobs"),
-                        self.logprobs.as_ref().map(python_repr),
-                    ));
-                }
+            if kind == ApiKind::Chat
+                && (count == -1.0 || count > 0.0)
+                && !truthy(self.raw("logprobs"))
+            {
+                return Err(refused(
+                    "when using `top_logprobs`, `logprobs` must be set to true.".to_owned(),
+                    Some("top_logprobs"),
+                    None,
+                ));
             }
         }
         Ok(())
@@ -223,7 +322,8 @@ impl Generation {
 
     /// A chat's `tools` and `tool_choice` as vLLM's request model checks them.
     fn check_tools(&self) -> Result<(), ApiError> {
-        if matches!(&self.tools, Some(Value::Array(tools)) if tools.is_empty()) {
+        let tools = self.given("tools");
+        if matches!(tools, Some(Value::Array(tools)) if tools.is_empty()) {
             return Err(refused(
                 "`tools` must not be an empty array. Either provide at least one tool or omit \
                  the field entirely."
@@ -232,143 +332,170 @@ impl Generation {
                 None,
             ));
         }
-        let choice = self.tool_choice.as_ref().filter(|choice| !choice.is_null());
-        if choice.is_some_and(|choice| choice != "none")
-            && matches!(&self.tools, None | Some(Value::Null))
-        {
+        let Some(choice) = self.given("tool_choice").filter(|choice| *choice != "none") else {
+            return Ok(());
+        };
+        let Some(tools) = tools else {
             return Err(refused(
                 "When using `tool_choice`, `tools` must be set.".to_owned(),
                 Some("tool_choice"),
                 None,
             ));
+        };
+        let usage = r#"Correct usage: `{"type": "function", "function": {"name": "my_function"}}`"#;
+        match choice {
+            Value::String(choice) if choice == "auto" || choice == "required" => Ok(()),
+            Value::Object(choice) => {
+                let Some(function) = choice.get("function").and_then(Value::as_object) else {
+                    let shown = choice
+                        .get("function")
+                        .map_or("None".to_owned(), python_repr);
+                    return Err(refused(
+                        format!(
+                            "Invalid value for `function`: `{shown}` in `tool_choice`! {usage}"
+                        ),
+                        Some("tool_choice.function"),
+                        None,
+                    ));
+                };
+                let Some(name) = function.get("name") else {
+                    return Err(refused(
+                        format!("Expected field `name` in `function` in `tool_choice`! {usage}"),
+                        Some("tool_choice.function.name"),
+                        None,
+                    ));
+                };
+                if name.as_str().is_none_or(str::is_empty) {
+                    return Err(refused(
+                        format!(
+                            "Invalid `name` in `function`: `{}` in `tool_choice`! {usage}",
+                            python_repr(name)
+                        ),
+                        Some("tool_choice.function.name"),
+                        None,
+                    ));
+                }
+                let named = tools.as_array().is_some_and(|tools| {
+                    tools
+                        .iter()
+                        .any(|tool| tool.get("function").and_then(|f| f.get("name")) == Some(name))
+                });
+                if named {
+                    Ok(())
+                } else {
+                    Err(refused(
+                        "The tool specified in `tool_choice` does not match any of the \
+                         specified `tools`"
+                            .to_owned(),
+                        Some("tool_choice"),
+                        None,
+                    ))
+                }
+            }
+            other => Err(refused(
+                format!(
+                    "Invalid value for `tool_choice`: {}! Only named tools, \"none\", \"auto\" \
+                     or \"required\" are supported.",
+                    python_repr(other)
+                ),
+                Some("tool_choice"),
+                None,
+            )),
         }
-        Ok(())
     }
 
-    /// Each field's type as pydantic reads it: a 400 naming `body.FIELD`.
+    /// Each field's type as pydantic reads it, in the request model's field order: a 400
+    /// naming `body.FIELD`.
     fn check_types(&self, kind: ApiKind) -> Result<(), ApiError> {
-        let wrong = |param: &'static str, what: &str| {
-            let field = param.trim_start_matches("body.");
-            Err(ApiError::bad_request(format!("{field}: Input should be {what}")).param(param))
+        let fields: &[Field] = match kind {
+            ApiKind::Chat => &CHAT_FIELDS,
+            ApiKind::Completion => &COMPLETION_FIELDS,
         };
-        for (value, param) in [
-            (&self.temperature, "body.temperature"),
-            (&self.top_p, "body.top_p"),
-            (&self.min_p, "body.min_p"),
-            (&self.presence_penalty, "body.presence_penalty"),
-            (&self.frequency_penalty, "body.frequency_penalty"),
-            (&self.repetition_penalty, "body.repetition_penalty"),
-        ] {
-            if value
-                .as_ref()
-                .is_some_and(|v| !v.is_null() && lax_float(v).is_none())
-            {
-                return wrong(param, "a valid number");
-            }
-        }
-        // A completion's `n` and either's `min_tokens` may not be null.
-        let n_nullable = kind == ApiKind::Chat;
-        for (value, param, nullable) in [
-            (&self.n, "body.n", n_nullable),
-            (&self.max_tokens, "body.max_tokens", true),
-            (
-                &self.max_completion_tokens,
-                "body.max_completion_tokens",
-                true,
-            ),
-            (&self.top_k, "body.top_k", true),
-            (&self.min_tokens, "body.min_tokens", false),
-            (&self.seed, "body.seed", true),
-            (&self.top_logprobs, "body.top_logprobs", true),
-            (&self.prompt_logprobs, "body.prompt_logprobs", true),
-        ] {
-            let valid = match value {
-                None => true,
-                Some(Value::Null) => nullable,
-                Some(value) => reuse::lax_integer(value).is_some(),
+        for &(name, param, kind, nullable) in fields {
+            let Some(value) = self.raw(name) else {
+                continue;
             };
-            if !valid {
-                return wrong(param, "a valid integer");
-            }
-        }
-        match kind {
-            ApiKind::Chat => {
-                if let Some(value) = self.logprobs.as_ref().filter(|v| !v.is_null())
-                    && reuse::lax_bool(value).is_none()
+            let what = match (value, kind) {
+                (Value::Null, _) if nullable => continue,
+                (Value::Null, _) => "a value, not null",
+                (value, Type::Number) if lax_float(value).is_some() => continue,
+                (_, Type::Number) => "a valid number",
+                (value, Type::Integer) if reuse::lax_integer(value).is_some() => continue,
+                (_, Type::Integer) => "a valid integer",
+                (value, Type::Boolean) if reuse::lax_bool(value).is_some() => continue,
+                (_, Type::Boolean) => "a valid boolean",
+                (Value::String(_), Type::Text | Type::Stop) => continue,
+                (_, Type::Text) => "a valid string",
+                (Value::Array(stops), Type::Stop)
+                    if stops.len() <= MAX_STOP_STRINGS && stops.iter().all(Value::is_string) =>
                 {
-                    return wrong("body.logprobs", "a valid boolean");
+                    continue;
                 }
-            }
-            ApiKind::Completion => {
-                if let Some(value) = self.logprobs.as_ref().filter(|v| !v.is_null())
-                    && reuse::lax_integer(value).is_none()
+                (_, Type::Stop) => "a valid string or a list of at most 4 strings",
+                (Value::Object(biases), Type::Bias)
+                    if biases.values().all(|bias| lax_float(bias).is_some()) =>
                 {
-                    return wrong("body.logprobs", "a valid integer");
+                    continue;
                 }
-            }
-        }
-        if let Some(value) = self.stream.as_ref().filter(|v| !v.is_null())
-            && reuse::lax_bool(value).is_none()
-        {
-            return wrong("body.stream", "a valid boolean");
-        }
-        let stop_valid = match &self.stop {
-            None | Some(Value::Null | Value::String(_)) => true,
-            Some(Value::Array(stops)) => {
-                stops.len() <= MAX_STOP_STRINGS && stops.iter().all(Value::is_string)
-            }
-            Some(_) => false,
-        };
-        if !stop_valid {
-            return wrong("body.stop", "a valid string or a list of at most 4 strings");
-        }
-        let format_valid = match &self.response_format {
-            None | Some(Value::Null) => true,
-            Some(format) => format
-                .get("type")
-                .and_then(Value::as_str)
-                .is_some_and(|kind| RESPONSE_FORMATS.contains(&kind)),
-        };
-        if !format_valid {
-            return wrong(
-                "body.response_format.type",
-                "'text', 'json_object', 'json_schema' or 'structural_tag'",
+                (_, Type::Bias) => "a valid dictionary of numbers",
+                (format, Type::Format)
+                    if format
+                        .get("type")
+                        .and_then(Value::as_str)
+                        .is_some_and(|kind| RESPONSE_FORMATS.contains(&kind)) =>
+                {
+                    continue;
+                }
+                (_, Type::Format) => {
+                    return Err(ApiError::bad_request(
+                        "response_format.type: Input should be 'text', 'json_object', \
+                         'json_schema' or 'structural_tag'"
+                            .to_owned(),
+                    )
+                    .param("body.response_format.type"));
+                }
+            };
+            return Err(
+                ApiError::bad_request(format!("{name}: Input should be {what}")).param(param),
             );
         }
-        if !matches!(&self.user, None | Some(Value::Null | Value::String(_))) {
-            return wrong("body.user", "a valid string");
-        }
-        let bias_valid = match &self.logit_bias {
-            None | Some(Value::Null) => true,
-            Some(Value::Object(biases)) => biases.values().all(|bias| lax_float(bias).is_some()),
-            Some(_) => false,
-        };
-        if !bias_valid {
-            return wrong("body.logit_bias", "a valid dictionary of numbers");
-        }
         Ok(())
     }
 
-    /// What vLLM's sampling parameters refuse, once the output budget `max_tokens` (at least
-    /// one) is known, in vLLM's order; `vocabulary`: the model's vocabulary size (what a
-    /// logprobs count of -1 asks for).
+    /// What a completion's `echo` with `prompt_logprobs` makes of the prefix cache: whether
+    /// vLLM skips reading it for this request (it does whenever prompt logprobs are asked for,
+    /// and `echo` asks for them: a chat's `top_logprobs`, 0 by default, a completion's
+    /// `logprobs` when given).
+    pub(crate) fn skips_prefix_cache(&self, kind: ApiKind) -> bool {
+        if self.given("prompt_logprobs").is_some() {
+            return true;
+        }
+        let echo = self.given("echo").and_then(reuse::lax_bool) == Some(true);
+        match kind {
+            ApiKind::Chat => echo,
+            ApiKind::Completion => echo && self.given("logprobs").is_some(),
+        }
+    }
+
+    /// What vLLM's sampling parameters refuse, once the output budget `max_tokens` (as vLLM
+    /// computes it: what was asked within the context, or the context left; it may be 0 or
+    /// less here) is known, in vLLM's order; `vocabulary`: the model's vocabulary size (what a
+    /// logprobs count of -1 asks for, and the bound of a `logit_bias` id).
     pub(crate) fn check_sampling(
         &self,
         kind: ApiKind,
-        max_tokens: u32,
+        max_tokens: i64,
         vocabulary: u64,
     ) -> Result<(), ApiError> {
-        let float = |value: &Option<Value>, default: f64| {
-            value.as_ref().and_then(lax_float).unwrap_or(default)
-        };
-        let integer = |value: &Option<Value>, default: i64| {
-            value
-                .as_ref()
+        let float =
+            |name: &str, default: f64| self.given(name).and_then(lax_float).unwrap_or(default);
+        let integer = |name: &str, default: i64| {
+            self.given(name)
                 .and_then(reuse::lax_integer)
                 .unwrap_or(default)
         };
         // `logit_bias` is converted before the parameters are checked.
-        if let Some(Value::Object(biases)) = &self.logit_bias {
+        if let Some(Value::Object(biases)) = self.given("logit_bias") {
             let invalid: Vec<&str> = biases
                 .keys()
                 .map(String::as_str)
@@ -394,7 +521,7 @@ impl Generation {
             }
         }
         let plain = |message: String| Err(refused(message, None, None));
-        let n = integer(&self.n, 1);
+        let n = integer("n", 1);
         if n < 1 {
             return plain(format!("n must be at least 1, got {n}."));
         }
@@ -404,80 +531,87 @@ impl Generation {
                  VLLM_MAX_N_SEQUENCES environment variable."
             ));
         }
-        for (value, name) in [
-            (&self.presence_penalty, "presence_penalty"),
-            (&self.frequency_penalty, "frequency_penalty"),
-        ] {
-            let penalty = float(value, 0.0);
+        for name in ["presence_penalty", "frequency_penalty"] {
+            let penalty = float(name, 0.0);
             if !(-2.0..=2.0).contains(&penalty) {
-                return plain(format!("{name} must be in [-2, 2], got {penalty:?}."));
+                return plain(format!(
+                    "{name} must be in [-2, 2], got {}.",
+                    python_float(penalty)
+                ));
             }
         }
-        let repetition = float(&self.repetition_penalty, 1.0);
+        let repetition = float("repetition_penalty", 1.0);
         if !repetition.is_finite() {
             return plain(format!(
-                "repetition_penalty must be a finite number, got {repetition:?}."
+                "repetition_penalty must be a finite number, got {}.",
+                python_float(repetition)
             ));
         }
         if repetition <= 0.0 {
             return plain(format!(
-                "repetition_penalty must be greater than zero, got {repetition:?}."
+                "repetition_penalty must be greater than zero, got {}.",
+                python_float(repetition)
             ));
         }
-        let temperature = float(&self.temperature, 1.0);
+        let mut temperature = float("temperature", 1.0);
+        if temperature > 0.0 && temperature < LEAST_TEMPERATURE {
+            temperature = LEAST_TEMPERATURE;
+        }
+        let shown = python_float(temperature);
         let bad_temperature = if !temperature.is_finite() {
-            Some(format!(
-                "temperature must be a finite number, got {temperature:?}."
-            ))
+            Some(format!("temperature must be a finite number, got {shown}."))
         } else if temperature < 0.0 {
-            Some(format!(
-                "temperature must be non-negative, got {temperature:?}."
-            ))
+            Some(format!("temperature must be non-negative, got {shown}."))
         } else if temperature > 2.0 {
-            Some(format!(
-                "temperature must be in [0, 2], got {temperature:?}."
-            ))
+            Some(format!("temperature must be in [0, 2], got {shown}."))
         } else {
             None
         };
         if let Some(message) = bad_temperature {
-            return Err(refused(
-                message,
-                Some("temperature"),
-                Some(format!("{temperature:?}")),
-            ));
+            return Err(refused(message, Some("temperature"), Some(shown)));
         }
-        let top_p = float(&self.top_p, 1.0);
+        let top_p = float("top_p", 1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
+            let shown = python_float(top_p);
             return Err(refused(
-                format!("top_p must be in (0, 1], got {top_p:?}."),
+                format!("top_p must be in (0, 1], got {shown}."),
                 Some("top_p"),
-                Some(format!("{top_p:?}")),
+                Some(shown),
             ));
         }
-        let top_k = integer(&self.top_k, 0);
+        let top_k = integer("top_k", 0);
         if top_k < -1 {
             return plain(format!(
                 "top_k must be 0 (disable), or at least 1, got {top_k}."
             ));
         }
-        let min_p = float(&self.min_p, 0.0);
+        let min_p = float("min_p", 0.0);
         if !(0.0..=1.0).contains(&min_p) {
-            return plain(format!("min_p must be in [0, 1], got {min_p:?}."));
+            return plain(format!(
+                "min_p must be in [0, 1], got {}.",
+                python_float(min_p)
+            ));
         }
-        let min_tokens = integer(&self.min_tokens, 0);
+        if max_tokens < 1 {
+            return Err(refused(
+                format!("max_tokens must be at least 1, got {max_tokens}."),
+                Some("max_tokens"),
+                Some(max_tokens.to_string()),
+            ));
+        }
+        let min_tokens = integer("min_tokens", 0);
         if min_tokens < 0 {
             return plain(format!(
                 "min_tokens must be greater than or equal to 0, got {min_tokens}."
             ));
         }
-        if min_tokens > i64::from(max_tokens) {
+        if min_tokens > max_tokens {
             return plain(format!(
                 "min_tokens must be less than or equal to max_tokens={max_tokens}, got \
                  {min_tokens}."
             ));
         }
-        let empty_stop = match &self.stop {
+        let empty_stop = match self.given("stop") {
             Some(Value::String(stop)) => stop.is_empty(),
             Some(Value::Array(stops)) => stops.iter().any(|stop| stop == ""),
             _ => false,
@@ -485,18 +619,17 @@ impl Generation {
         if empty_stop {
             return plain("stop cannot contain an empty string.".to_owned());
         }
-        if temperature < 1e-5 && n > 1 {
+        if temperature == 0.0 && n > 1 {
             return plain(format!("n must be 1 when using greedy sampling, got {n}."));
         }
         // The sampled logprobs asked for: a chat's `top_logprobs` when `logprobs` is on, a
         // completion's `logprobs`; -1 is the whole vocabulary.
         let sampled = match kind {
-            ApiKind::Chat => truthy(self.logprobs.as_ref())
-                .then(|| integer(&self.top_logprobs, 0))
+            ApiKind::Chat => truthy(self.raw("logprobs"))
+                .then(|| integer("top_logprobs", 0))
                 .filter(|&count| count != 0),
             ApiKind::Completion => self
-                .logprobs
-                .as_ref()
+                .given("logprobs")
                 .and_then(reuse::lax_integer)
                 .filter(|&count| count != 0),
         };
@@ -520,8 +653,7 @@ impl Generation {
             ));
         }
         if let Some(count) = self
-            .prompt_logprobs
-            .as_ref()
+            .given("prompt_logprobs")
             .and_then(reuse::lax_integer)
             .filter(|&count| count != 0)
             .map(whole)
@@ -536,28 +668,39 @@ impl Generation {
                 Some(count.to_string()),
             ));
         }
+        // A bias's token id must be in the vocabulary.
+        if let Some(Value::Object(biases)) = self.given("logit_bias") {
+            let outside: Vec<String> = biases
+                .keys()
+                .filter_map(|key| reuse::python_int(key))
+                .filter(|&id| id < 0 || id >= i128::from(vocabulary))
+                .map(|id| id.to_string())
+                .collect();
+            if !outside.is_empty() {
+                let listed = format!("[{}]", outside.join(", "));
+                return Err(refused(
+                    format!(
+                        "token_id(s) {listed} in logit_bias contain out-of-vocab token ids. \
+                         Vocabulary size: {vocabulary}"
+                    ),
+                    Some("logit_bias"),
+                    Some(listed),
+                ));
+            }
+        }
         Ok(())
     }
 
     /// What vLLM's renderer refuses once the model is known: a completion's `suffix` (the
     /// simulated model has no fill-in-the-middle rendering).
     pub(crate) fn check_rendering(&self, kind: ApiKind) -> Result<(), ApiError> {
-        if kind == ApiKind::Completion && self.suffix.as_ref().is_some_and(|s| !s.is_null()) {
+        if kind == ApiKind::Completion && self.given("suffix").is_some() {
             return Err(ApiError::bad_request(
                 "suffix is only supported for models with FIM completion rendering".to_owned(),
             )
             .param("suffix"));
         }
         Ok(())
-    }
-
-    fn field(&self, name: &str) -> Option<&Value> {
-        match name {
-            "prompt_logprobs" => self.prompt_logprobs.as_ref(),
-            "top_logprobs" => self.top_logprobs.as_ref(),
-            "logprobs" => self.logprobs.as_ref(),
-            _ => None,
-        }
     }
 }
 
@@ -617,6 +760,29 @@ fn python_repr(value: &Value) -> String {
     }
 }
 
+/// A float as Python's `repr` writes it: `-1.0`, `0.5`, `nan`, `inf`, `1e+20`, `1e-07`.
+fn python_float(value: f64) -> String {
+    if value.is_nan() {
+        return "nan".to_owned();
+    }
+    if value.is_infinite() {
+        return if value > 0.0 { "inf" } else { "-inf" }.to_owned();
+    }
+    let magnitude = value.abs();
+    if magnitude != 0.0 && !(1e-4..1e16).contains(&magnitude) {
+        // Python's repr switches to exponent notation outside [1e-4, 1e16): a signed,
+        // two-digit-at-least exponent.
+        let text = format!("{value:e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let (sign, digits) = match exponent.strip_prefix('-') {
+            Some(digits) => ('-', digits),
+            None => ('+', exponent),
+        };
+        return format!("{mantissa}e{sign}{digits:0>2}");
+    }
+    format!("{value:?}")
+}
+
 /// A string as Python's `repr` writes it (single quotes unless it holds one).
 fn python_str_repr(text: &str) -> String {
     if text.contains('\'') && !text.contains('"') {
@@ -627,12 +793,29 @@ fn python_str_repr(text: &str) -> String {
 }
 
 /// A number field read as pydantic reads a float: a number, a boolean, or a string that
-/// parses as one.
+/// parses as one (with `_` between digits, as Python's `float` reads it).
 fn lax_float(value: &Value) -> Option<f64> {
     match value {
         Value::Bool(value) => Some(f64::from(u8::from(*value))),
         Value::Number(number) => number.as_f64(),
-        Value::String(text) => text.trim().parse().ok(),
+        Value::String(text) => {
+            let text = text.trim();
+            if text.contains('_') {
+                let bytes = text.as_bytes();
+                let between_digits = bytes.iter().enumerate().all(|(index, &byte)| {
+                    byte != b'_'
+                        || (index > 0
+                            && index + 1 < bytes.len()
+                            && bytes[index - 1].is_ascii_digit()
+                            && bytes[index + 1].is_ascii_digit())
+                });
+                if !between_digits {
+                    return None;
+                }
+                return text.replace('_', "").parse().ok();
+            }
+            text.parse().ok()
+        }
         Value::Null | Value::Array(_) | Value::Object(_) => None,
     }
 }
@@ -653,9 +836,9 @@ mod tests {
     #[test]
     fn a_repeated_key_keeps_its_last_value() {
         let fields = generation(json!({"n": 1}));
-        assert_eq!(fields.n, Some(json!(1)));
+        assert_eq!(fields.raw("n"), Some(&json!(1)));
         let fields = Generation::read(br#"{"n": 0, "n": 2, "messages": []}"#).unwrap();
-        assert_eq!(fields.n, Some(json!(2)));
+        assert_eq!(fields.raw("n"), Some(&json!(2)));
     }
 
     #[test]
@@ -749,6 +932,122 @@ mod tests {
                 .param,
             Some("prompt_logprobs")
         );
+    }
+
+    #[test]
+    fn what_vllm_adjusts_or_ignores_is_taken() {
+        // A temperature below 0.01 is raised to it: not greedy, so n may be 2.
+        assert_eq!(sampling(json!({"temperature": 1e-6, "n": 2})), Ok(()));
+        assert!(sampling(json!({"temperature": 0, "n": 2})).is_err());
+        // A completion has no `max_completion_tokens` or `top_logprobs`: not read.
+        let completion = |body: Value| generation(body).check_request(ApiKind::Completion);
+        assert_eq!(
+            completion(json!({"prompt": "a", "max_completion_tokens": "x", "top_logprobs": "x"})),
+            Ok(())
+        );
+        // Python's float reads `_` between digits.
+        assert_eq!(lax_float(&json!("0.2_5")), Some(0.25));
+        assert_eq!(lax_float(&json!("0._25")), None);
+        assert_eq!(lax_float(&json!("1__0")), None);
+    }
+
+    #[test]
+    fn numbers_are_written_as_python_writes_them() {
+        for (value, written) in [
+            (-1.0, "-1.0"),
+            (0.5, "0.5"),
+            (f64::NAN, "nan"),
+            (f64::NEG_INFINITY, "-inf"),
+            (1e20, "1e+20"),
+            (-1e-7, "-1e-07"),
+            (1.5e-5, "1.5e-05"),
+            (12345.0, "12345.0"),
+        ] {
+            assert_eq!(python_float(value), written);
+        }
+    }
+
+    #[test]
+    fn tools_and_formats_are_checked_as_vllm_checks_them() {
+        let chat = |body: Value| generation(body).check_request(ApiKind::Chat);
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        let with_choice =
+            |choice: Value| chat(json!({"tools": tools.clone(), "tool_choice": choice}));
+        assert_eq!(with_choice(json!("auto")), Ok(()));
+        assert_eq!(
+            with_choice(json!({"type": "function", "function": {"name": "f"}})),
+            Ok(())
+        );
+        for (choice, param) in [
+            (json!("bogus"), "tool_choice"),
+            (
+                json!({"type": "function", "function": {"name": "g"}}),
+                "tool_choice",
+            ),
+            (json!({"type": "function"}), "tool_choice.function"),
+            (
+                json!({"type": "function", "function": {}}),
+                "tool_choice.function.name",
+            ),
+            (
+                json!({"type": "function", "function": {"name": ""}}),
+                "tool_choice.function.name",
+            ),
+        ] {
+            assert_eq!(
+                with_choice(choice.clone()).unwrap_err().param,
+                Some(param),
+                "{choice}"
+            );
+        }
+        let error = chat(json!({"response_format": {"type": "json_schema"}})).unwrap_err();
+        assert_eq!(error.param, Some("response_format"));
+        assert_eq!(
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            Ok(())
+        );
+        // Out of the vocabulary, a bias's id is refused once the parameters are known.
+        let error = sampling(json!({"logit_bias": {"-5": 1, "49152": 2, "7": 1}})).unwrap_err();
+        assert_eq!(
+            error.message,
+            "token_id(s) [-5, 49152] in logit_bias contain out-of-vocab token ids. Vocabulary \
+             size: 49152 (parameter=logit_bias, value=[-5, 49152])"
+        );
+    }
+
+    #[test]
+    fn pydantic_runs_the_request_models_checks_last_defined_first() {
+        let chat = |body: Value| generation(body).check_request(ApiKind::Chat);
+        let all = json!({"tools": [], "top_logprobs": 3, "stream_options": {"include_usage": true},
+                         "continue_final_message": "false", "add_generation_prompt": true});
+        // Both flags as given (a non-empty string is true), then tools, logprobs, options.
+        assert_eq!(chat(all.clone()).unwrap_err().param, None);
+        let mut body = all;
+        body["continue_final_message"] = json!(false);
+        assert_eq!(chat(body.clone()).unwrap_err().param, Some("tools"));
+        body["tools"] = Value::Null;
+        assert_eq!(chat(body.clone()).unwrap_err().param, Some("top_logprobs"));
+        body["top_logprobs"] = json!(0);
+        assert_eq!(chat(body).unwrap_err().param, Some("stream_options"));
+        let completion = |body: Value| generation(body).check_request(ApiKind::Completion);
+        let all = json!({"prompt": "", "stream_options": {"include_usage": true}, "logprobs": -2});
+        assert_eq!(completion(all.clone()).unwrap_err().param, Some("prompt"));
+        let mut body = all;
+        body["prompt"] = json!("a");
+        assert_eq!(
+            completion(body.clone()).unwrap_err().param,
+            Some("stream_options")
+        );
+        body["stream"] = json!(true);
+        assert_eq!(completion(body).unwrap_err().param, Some("logprobs"));
+        // Types in the model's field order: `n` comes before `temperature`.
+        let error = chat(json!({"temperature": "x", "n": "x"})).unwrap_err();
+        assert_eq!(error.param, Some("body.n"));
+        // Within the sampling parameters, a temperature before a budget below 1.
+        let error = generation(json!({"temperature": -1}))
+            .check_sampling(ApiKind::Chat, 0, 49152)
+            .unwrap_err();
+        assert_eq!(error.param, Some("temperature"));
     }
 
     #[test]

@@ -537,7 +537,7 @@ async fn a_chats_forwarded_prompt_ids_are_served_instead_of_its_messages() -> Re
         body[field] = value;
         let refused = post(sim.addr, "/v1/chat/completions", &body).await?;
         assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{field}");
-        assert_eq!(refused.json()["error"]["param"], field);
+        assert_eq!(refused.json()["error"]["param"], format!("body.{field}"));
     }
     let mut body = chat(json!({}));
     body["return_token_ids"] = json!("yes");
@@ -1722,6 +1722,18 @@ async fn generation_fields_are_refused_where_vllm_refuses_them() -> Result<()> {
         .await?;
         assert_eq!(reply.status, StatusCode::OK, "{fields}: {}", reply.json());
     }
+    // `min_tokens` is held against vLLM's budget: a chat without `max_tokens` has the whole
+    // context (the simulator still generates its default 16); a prefill's one token does not
+    // count.
+    let without_budget = json!({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 20});
+    let reply = post(sim.addr, "/v1/chat/completions", &without_budget).await?;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.json());
+    let prefill = with(
+        &completion,
+        json!({"max_tokens": 5, "min_tokens": 3, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    let reply = post(sim.addr, "/v1/completions", &prefill).await?;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.json());
     let streamed = open_post(
         sim.addr,
         "/v1/chat/completions",
@@ -1801,6 +1813,36 @@ async fn echo_puts_the_prompt_before_the_answer() -> Result<()> {
     let events = read_events(&mut streamed.into_body()).await?;
     let second: Value = serde_json::from_str(&events[1])?;
     assert_eq!(second["choices"][0]["delta"]["content"], "Well");
+    // Without the generation prompt vLLM answers in the last message's role: that message,
+    // a user's here, is echoed.
+    let user_last = json!({"messages": [{"role": "user", "content": "Why"}], "max_tokens": 2,
+                           "echo": true, "add_generation_prompt": false});
+    let answer = post(sim.addr, "/v1/chat/completions", &user_last)
+        .await?
+        .json();
+    let content = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(content.starts_with("Why"), "{content}");
+    // Echo asks for the prompt's logprobs, so vLLM reads nothing from the prefix cache: the
+    // same long prompt twice is cached the second time, but not for an echo.
+    let long = "lorem ipsum dolor sit amet ".repeat(40);
+    let ask = |echo: bool| json!({"prompt": long, "max_tokens": 1, "echo": echo});
+    let cached = |answer: &Value| answer["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    post(sim.addr, "/v1/completions", &ask(false)).await?;
+    let again = post(sim.addr, "/v1/completions", &ask(false)).await?.json();
+    assert_ne!(cached(&again), json!(0), "{again}");
+    let mut logprobs = ask(true);
+    logprobs["logprobs"] = json!(1);
+    let echoed = post(sim.addr, "/v1/completions", &logprobs).await?.json();
+    assert_eq!(cached(&echoed), json!(0), "{echoed}");
+    let mut prompt_logprobs = ask(false);
+    prompt_logprobs["prompt_logprobs"] = json!(0);
+    let skipped = post(sim.addr, "/v1/completions", &prompt_logprobs)
+        .await?
+        .json();
+    assert_eq!(cached(&skipped), json!(0), "{skipped}");
     sim.shutdown().await;
     Ok(())
 }

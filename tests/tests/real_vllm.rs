@@ -1114,6 +1114,28 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
                             {"role": "user", "content": "x"}]}),
         json!({"model": "other", "temperature": -1}),
         json!({"model": "other", "temperature": "x"}),
+        // No `max_tokens`: vLLM's budget is the context left (48 tokens after a prompt cut
+        // to 2,000), which the simulator does not generate but checks `min_tokens` against.
+        json!({"max_tokens": null, "min_tokens": 20, "truncate_prompt_tokens": 2000,
+               "messages": [{"role": "user", "content": "hello ".repeat(3000)}]}),
+        json!({"max_tokens": null, "min_tokens": 60, "truncate_prompt_tokens": 2000,
+               "messages": [{"role": "user", "content": "hello ".repeat(3000)}]}),
+        json!({"temperature": 1e-6, "n": 2}),
+        json!({"temperature": "0.2_5"}),
+        json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+               "tool_choice": "bogus"}),
+        json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+               "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+        json!({"response_format": {"type": "json_schema"}}),
+        json!({"logit_bias": {"-5": 1}}),
+        json!({"logit_bias": {"49152": 1}}),
+        json!({"continue_final_message": "true", "add_generation_prompt": false,
+               "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+        json!({"continue_final_message": "false", "add_generation_prompt": true}),
+        json!({"echo": true, "add_generation_prompt": false}),
+        json!({"max_tokens": 0, "temperature": -1}),
+        json!({"tools": [], "top_logprobs": 3, "stream_options": {"include_usage": true}}),
+        json!({"temperature": "x", "n": "x"}),
     ] {
         cases.push((chat, with(a_chat.clone(), fields)));
     }
@@ -1138,6 +1160,13 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         json!({"truncate_prompt_tokens": 0}),
         json!({"truncate_prompt_tokens": -2}),
         json!({"truncate_prompt_tokens": 4096}),
+        json!({"max_completion_tokens": 1, "min_tokens": 3}),
+        json!({"top_logprobs": "x"}),
+        json!({"prompt": [1, 2, 3], "echo": true, "max_tokens": 0}),
+        json!({"prompt": [28120, 665, 314, 253], "echo": true, "max_tokens": 0,
+               "truncate_prompt_tokens": 2}),
+        json!({"prompt": "", "stream_options": {"include_usage": true}, "logprobs": -2}),
+        json!({"prompt": "a", "stream_options": {"include_usage": true}, "logprobs": -2}),
     ] {
         cases.push((completions, with(a_completion.clone(), fields)));
     }
@@ -1149,7 +1178,13 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         let (ours, our_answer) =
             http_post_status(&format!("http://{}{path}", sim.addr), bytes.as_bytes()).await?;
         let param = |answer: &Value| answer["error"]["param"].clone();
-        if theirs != ours || (theirs == 400 && param(&their_answer) != param(&our_answer)) {
+        // With `echo` and `max_tokens: 0` the answer is the prompt alone: the same text.
+        let echoed = |answer: &Value| answer["choices"][0]["text"].clone();
+        let echo_alone = body["echo"] == true && body["max_tokens"] == 0;
+        if theirs != ours
+            || (theirs == 400 && param(&their_answer) != param(&our_answer))
+            || (theirs == 200 && echo_alone && echoed(&their_answer) != echoed(&our_answer))
+        {
             let short = |text: String| text.chars().take(300).collect::<String>();
             differences.push(format!(
                 "{path} {}\n  vLLM:      {theirs} {}\n  simulator: {ours} {}",

@@ -389,10 +389,10 @@ impl EngineTokenizer {
         self.tokenizer.get_vocab_size(true)
     }
 
-    /// The text of `ids` (special tokens left out), as an engine echoes a prompt given as
-    /// ids; None if the tokenizer cannot decode them.
+    /// The text of `ids`, special tokens kept, as vLLM echoes a prompt given as ids; None if
+    /// the tokenizer cannot decode them.
     pub fn decode(&self, ids: &[u32]) -> Option<String> {
-        self.tokenizer.decode(ids, true).ok()
+        self.tokenizer.decode(ids, false).ok()
     }
 
     /// Why chat bodies are left to the engine, if they are.

@@ -226,6 +226,7 @@ async fn run_prefills(
             report_reuse: false,
             // Pooling runs the base model (vLLM serves adapters for generation).
             lora: None,
+            skip_prefix_cache: false,
         };
         let events = shared
             .engine

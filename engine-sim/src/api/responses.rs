@@ -295,6 +295,7 @@ async fn run(
         remote_prompt_tokens: 0,
         report_reuse: false,
         lora,
+        skip_prefix_cache: false,
     };
     let events = shared
         .engine
