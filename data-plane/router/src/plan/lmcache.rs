@@ -152,11 +152,15 @@ pub(crate) struct DisaggSpec<'a> {
 }
 
 /// The completions object both hops start from: the engine's body with the template-only
-/// fields gone, `max_completion_tokens` folded into `max_tokens`, and `prompt` the ids.
+/// fields gone, `max_completion_tokens` folded into `max_tokens`, and `prompt` the ids. A
+/// null field is left out: it asks for the default in both APIs, but vLLM's completions model
+/// refuses a null where its chat model takes one (`n`).
 fn completions(body: &Map<String, Value>, ids: &[u32]) -> Map<String, Value> {
     let mut out: Map<String, Value> = body
         .iter()
-        .filter(|(key, _)| !TEMPLATE_ONLY.contains(&key.as_str()) && key.as_str() != "prompt")
+        .filter(|(key, value)| {
+            !value.is_null() && !TEMPLATE_ONLY.contains(&key.as_str()) && key.as_str() != "prompt"
+        })
         .map(|(key, value)| (key.clone(), value.clone()))
         .collect();
     if let Some(budget) = out.remove("max_completion_tokens") {
@@ -331,6 +335,20 @@ mod tests {
             })
         );
         assert_eq!(budget(&body), Some(8));
+        // A chat's null `n` (its default) is not carried into the completions hops, whose
+        // model refuses it.
+        let mut with_null = body.clone();
+        with_null.insert("n".into(), Value::Null);
+        with_null.remove(KV_TRANSFER_PARAMS);
+        assert_eq!(carriable(&with_null, true), None);
+        let decode: Value =
+            serde_json::from_slice(&decode_body(&with_null, &[1, 2, 3], 9, false).unwrap())
+                .unwrap();
+        assert!(decode.get("n").is_none(), "{decode}");
+        let sent: Value =
+            serde_json::from_slice(&prefill_body(&with_null, &[1, 2, 3], &spec, &prefill).unwrap())
+                .unwrap();
+        assert!(sent.get("n").is_none(), "{sent}");
     }
 
     #[test]
