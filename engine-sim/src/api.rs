@@ -293,6 +293,13 @@ async fn run_request(
         generation.check_sampling(kind, asked, vocabulary)?;
     }
     let asked = output_budget(config, (&body, kind), &kv, prompt_len)?;
+    // Without a budget the simulator's default is raised to `min_tokens` (vLLM would generate
+    // up to the context, and never fewer than the minimum).
+    let asked = if body.asked_max_tokens(kind).is_none() && !kv.do_remote_decode {
+        asked.max(generation.min_tokens())
+    } else {
+        asked
+    };
     let resume_at = body.resume_at(kind)?;
     let budget_field = if kind == ApiKind::Chat && body.max_completion_tokens.is_some() {
         "max_completion_tokens"

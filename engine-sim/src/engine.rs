@@ -610,14 +610,23 @@ impl Scheduler {
                 seq.spec.lora.clone(),
             );
         }
-        let transferred = seq.spec.remote_prompt_tokens.saturating_sub(cached_tokens);
+        // A request that skips the prefix cache skips the remote KV too: it computes its whole
+        // prompt (vLLM's scheduler drops its connector tokens).
+        let transferred = if seq.spec.skip_prefix_cache {
+            0
+        } else {
+            seq.spec.remote_prompt_tokens.saturating_sub(cached_tokens)
+        };
         if transferred > 0 {
             seq.transferred_tokens = transferred;
             seq.transfer_lands_at =
                 Some(now_s + self.model.transfer_duration(u64::from(transferred)));
         }
-        self.counters.prefix_cache_queries += u64::from(prompt_len);
-        self.counters.prefix_cache_hits += u64::from(cached_tokens);
+        // A request that skipped the lookup is not counted as a query (as vLLM's stats).
+        if !seq.spec.skip_prefix_cache {
+            self.counters.prefix_cache_queries += u64::from(prompt_len);
+            self.counters.prefix_cache_hits += u64::from(cached_tokens);
+        }
         self.counters.prompt_tokens += u64::from(prompt_len);
         self.counters.transferred_tokens += u64::from(transferred);
         self.running.push(seq);

@@ -477,6 +477,13 @@ impl Generation {
         }
     }
 
+    /// `min_tokens`, at least 0 (what the simulator generates at the least).
+    pub(crate) fn min_tokens(&self) -> u32 {
+        self.given("min_tokens")
+            .and_then(reuse::lax_integer)
+            .map_or(0, |min| u32::try_from(min.max(0)).unwrap_or(u32::MAX))
+    }
+
     /// What vLLM's sampling parameters refuse, once the output budget `max_tokens` (as vLLM
     /// computes it: what was asked within the context, or the context left; it may be 0 or
     /// less here) is known, in vLLM's order; `vocabulary`: the model's vocabulary size (what a

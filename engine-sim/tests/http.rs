@@ -1723,11 +1723,16 @@ async fn generation_fields_are_refused_where_vllm_refuses_them() -> Result<()> {
         assert_eq!(reply.status, StatusCode::OK, "{fields}: {}", reply.json());
     }
     // `min_tokens` is held against vLLM's budget: a chat without `max_tokens` has the whole
-    // context (the simulator still generates its default 16); a prefill's one token does not
-    // count.
+    // context (the simulator generates its default 16, or the minimum if more); a prefill's
+    // one token does not count.
     let without_budget = json!({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 20});
     let reply = post(sim.addr, "/v1/chat/completions", &without_budget).await?;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.json());
+    assert_eq!(
+        reply.json()["usage"]["completion_tokens"],
+        20,
+        "never fewer than the minimum"
+    );
     let prefill = with(
         &completion,
         json!({"max_tokens": 5, "min_tokens": 3, "kv_transfer_params": {"do_remote_decode": true}}),

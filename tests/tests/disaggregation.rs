@@ -572,10 +572,23 @@ async fn a_prefill_that_cannot_be_done_falls_back_to_the_decoder() -> anyhow::Re
 
 /// A request its engines refuse (a sampling field out of range) is answered with the engine's
 /// 400, naming the field; the prefill's refusal is counted apart from engine failures
-/// (`prefill_refused`, not `prefill_failed`), and the decoder, which checks the same fields,
-/// answers it.
+/// (`prefill_refused`, not `prefill_failed`) when the decoder refuses it too. A prefill that
+/// refuses what its decoder serves (here a shorter context on the prefill engines) is a
+/// failure: `prefill_failed`, and the client gets the decoder's answer.
 #[tokio::test]
 async fn a_request_the_prefill_refuses_is_answered_with_the_engines_400() -> anyhow::Result<()> {
+    let short = |_| SimConfig {
+        max_model_len: 4000,
+        ..engine(InstanceRole::Prefill)
+    };
+    let pool = Pool::start(short).await?;
+    let dir = tempfile::tempdir()?;
+    let mismatched = router(&dir, &pool, NIXL, |_| {}).await?;
+    let reply = complete(&mismatched, &[], long()).await?;
+    assert_eq!(reply.header("x-switchyard-route"), Some("fallback"));
+    assert_eq!(fallbacks(&mismatched, "prefill_failed").await, Some(1.0));
+    assert_eq!(fallbacks(&mismatched, "prefill_refused").await, Some(0.0));
+    settles(&mismatched).await?;
     let (_pool, router, _dir) = pool_router(NIXL, |_| {}).await?;
     let body = serde_json::json!({"model": "pd", "max_tokens": 2, "temperature": -1,
                                   "prompt": hellos(5000)})

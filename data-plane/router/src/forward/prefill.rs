@@ -183,11 +183,14 @@ impl Forwarder<'_> {
             Err(NoPrefill::Fallback(reason)) => Err(reason),
             Err(NoPrefill::Fail(error)) => return Err(error),
         };
+        let refused = decided == Err(REFUSED);
         match decided {
             Ok(prefill_instance) => {
                 self.metrics.count_disaggregation(RouteLabel::Disaggregated);
                 tracing::info!(request_id = request_id(client_headers), trace_id = %self.trace_id(), endpoint = %hop.endpoint.name, prompt_tokens = %tokens, basis = pd.basis.as_str(), prefill_instance, protocol = pd.protocol.as_str(), "disaggregate=True: prefilled, decoding");
             }
+            // A prefill that refused the request is counted once its decoder answered.
+            Err(reason) if reason == REFUSED => hop.label = RouteLabel::Fallback,
             Err(reason) => {
                 self.metrics.count_fallback(reason);
                 hop.label = RouteLabel::Fallback;
@@ -201,8 +204,26 @@ impl Forwarder<'_> {
         // alone after an LMCACHE prefill, which pushed the KV cache there).
         let pinned =
             hop.label == RouteLabel::Disaggregated && pd.protocol == KvTransferProtocol::Lmcache;
-        self.decode(operation, hop, client_headers, reservation, flow, pinned)
-            .await
+        let endpoint_name = hop.endpoint.name.clone();
+        let answered = self
+            .decode(operation, hop, client_headers, reservation, flow, pinned)
+            .await;
+        if refused {
+            // The request itself was refused only if the decoder refuses it too. A prefill
+            // that refuses what its decoder serves failed: the pools differ (context length,
+            // logprobs, KV cache) or the body made for the prefill is wrong.
+            let status = match &answered {
+                Ok(answered) => answered.response.status(),
+                Err(error) => error.status,
+            };
+            if status.is_client_error() {
+                self.metrics.count_fallback(REFUSED);
+            } else {
+                tracing::warn!(request_id = request_id(client_headers), endpoint = %endpoint_name, %status, "the prefill refused a request its decoder served: the two pools differ, or the prefill's copy of the request is wrong");
+                self.metrics.count_fallback("prefill_failed");
+            }
+        }
+        answered
     }
 
     /// The decode hop: it waits for its decoders' cap (for the first decoder alone when
@@ -355,7 +376,7 @@ impl Forwarder<'_> {
                 // The request itself (a client's field out of range, a prompt past the
                 // context): the decoder, which checks the same fields, answers the client.
                 tracing::debug!(instance = %instance.id, %status, "prefill refused the request");
-                return Err(NoPrefill::Fallback("prefill_refused"));
+                return Err(NoPrefill::Fallback(REFUSED));
             }
             if !status.is_success() {
                 tracing::warn!(instance = %instance.id, %status, "prefill answered an error");
@@ -610,6 +631,10 @@ fn host_kind(host: &str) -> HostKind {
         Err(_) => HostKind::Other,
     }
 }
+
+/// The fallback reason of a prefill that refused the request as invalid ([`refused_as_invalid`]),
+/// when its decoder refuses it too.
+const REFUSED: &str = "prefill_refused";
 
 /// An engine's refusal of the request as invalid (vLLM answers 400 for what its request
 /// model or sampling parameters refuse; 422 is FastAPI's for a body it cannot read), as opposed

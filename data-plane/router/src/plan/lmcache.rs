@@ -152,14 +152,16 @@ pub(crate) struct DisaggSpec<'a> {
 }
 
 /// The completions object both hops start from: the engine's body with the template-only
-/// fields gone, `max_completion_tokens` folded into `max_tokens`, and `prompt` the ids. A
-/// null field is left out: it asks for the default in both APIs, but vLLM's completions model
-/// refuses a null where its chat model takes one (`n`).
+/// fields gone, `max_completion_tokens` folded into `max_tokens`, and `prompt` the ids. A null
+/// `n` is left out: a chat's null asks for the default, which vLLM's completions model refuses
+/// as null (other nulls are carried: where both models refuse them, both hops refuse them).
 fn completions(body: &Map<String, Value>, ids: &[u32]) -> Map<String, Value> {
     let mut out: Map<String, Value> = body
         .iter()
         .filter(|(key, value)| {
-            !value.is_null() && !TEMPLATE_ONLY.contains(&key.as_str()) && key.as_str() != "prompt"
+            !TEMPLATE_ONLY.contains(&key.as_str())
+                && key.as_str() != "prompt"
+                && !(key.as_str() == "n" && value.is_null())
         })
         .map(|(key, value)| (key.clone(), value.clone()))
         .collect();
