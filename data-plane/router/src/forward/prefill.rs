@@ -216,7 +216,7 @@ impl Forwarder<'_> {
                 Ok(answered) => answered.response.status(),
                 Err(error) => error.status,
             };
-            if status.is_client_error() {
+            if refused_as_invalid(status) {
                 self.metrics.count_fallback(REFUSED);
             } else {
                 tracing::warn!(request_id = request_id(client_headers), endpoint = %endpoint_name, %status, "the prefill refused a request its decoder served: the two pools differ, or the prefill's copy of the request is wrong");
@@ -373,8 +373,8 @@ impl Forwarder<'_> {
                 }
             };
             if refused_as_invalid(status) {
-                // The request itself (a client's field out of range, a prompt past the
-                // context): the decoder, which checks the same fields, answers the client.
+                // Likely the request itself (a client's field out of range, a prompt past the
+                // context): the decoder serves it, and which it was is told by its answer.
                 tracing::debug!(instance = %instance.id, %status, "prefill refused the request");
                 return Err(NoPrefill::Fallback(REFUSED));
             }
