@@ -295,8 +295,9 @@ async fn run_request(
     let asked = output_budget(config, (&body, kind), &kv, prompt_len)?;
     // Without a budget the simulator's default is raised to `min_tokens` (vLLM would generate
     // up to the context, and never fewer than the minimum).
+    let room = config.max_model_len.saturating_sub(prompt_len);
     let asked = if body.asked_max_tokens(kind).is_none() && !kv.do_remote_decode {
-        asked.max(generation.min_tokens())
+        asked.max(generation.min_tokens().min(room))
     } else {
         asked
     };
@@ -310,7 +311,7 @@ async fn run_request(
     // The sampling parameters are checked against vLLM's budget: what was asked, within the
     // context; else a chat's whole context left and a completion's 16 (the simulator's own
     // default and a prefill's one token do not count here).
-    let context_left = i64::from(config.max_model_len.saturating_sub(prompt_len));
+    let context_left = i64::from(room);
     let budget = match body.asked_max_tokens(kind) {
         _ if body.echo_alone(kind) => 1,
         Some(asked) => asked.min(context_left),

@@ -1733,6 +1733,18 @@ async fn generation_fields_are_refused_where_vllm_refuses_them() -> Result<()> {
         20,
         "never fewer than the minimum"
     );
+    // A minimum past the context is refused against the context left, as vLLM refuses it.
+    let past = json!({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 200_000});
+    let reply = post(sim.addr, "/v1/chat/completions", &past).await?;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        message.starts_with("min_tokens must be less than or equal to max_tokens="),
+        "{message}"
+    );
     let prefill = with(
         &completion,
         json!({"max_tokens": 5, "min_tokens": 3, "kv_transfer_params": {"do_remote_decode": true}}),

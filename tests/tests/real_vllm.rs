@@ -1120,6 +1120,7 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
                "messages": [{"role": "user", "content": "hello ".repeat(3000)}]}),
         json!({"max_tokens": null, "min_tokens": 60, "truncate_prompt_tokens": 2000,
                "messages": [{"role": "user", "content": "hello ".repeat(3000)}]}),
+        json!({"max_tokens": null, "min_tokens": 5000}),
         json!({"temperature": 1e-6, "n": 2}),
         json!({"temperature": "0.2_5"}),
         json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
