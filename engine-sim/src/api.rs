@@ -341,6 +341,7 @@ async fn run_request(
             == Some(true))
         .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
         echo: echo(shared, &body, kind, &prompt.tokens),
+        role: answer_role(&body),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
         return Ok(kv_load_failed(&meta, streaming, body.include_usage()));
@@ -491,6 +492,19 @@ async fn run_request(
     whole_response(&meta, events, prompt_len).await
 }
 
+/// The role a chat is answered in: the assistant's, or the last message's when the request
+/// asks for no generation prompt (vLLM 0.32 answers in it).
+fn answer_role(body: &InferenceBody) -> String {
+    let last = body
+        .messages
+        .as_deref()
+        .and_then(<[Value]>::last)
+        .and_then(|message| message.get("role"))
+        .and_then(Value::as_str)
+        .filter(|_| body.add_generation_prompt == Some(false));
+    last.unwrap_or("assistant").to_owned()
+}
+
 /// What `echo` puts before the answer ([`Echo`]): a completion's prompt text (none with
 /// `return_token_ids`, as vLLM 0.32 answers; a prompt of ids decoded as given, special tokens
 /// kept), a chat's last message if its role is the answer's (the assistant's, or any with
@@ -540,8 +554,7 @@ fn echo(shared: &Shared, body: &InferenceBody, kind: ApiKind, tokens: &[u32]) ->
         }
         ApiKind::Chat => {
             let last = body.messages.as_deref().and_then(<[Value]>::last)?;
-            let answers_as_last = body.add_generation_prompt == Some(false);
-            if !answers_as_last && last.get("role").and_then(Value::as_str) != Some("assistant") {
+            if last.get("role").and_then(Value::as_str) != Some(answer_role(body).as_str()) {
                 return None;
             }
             match last.get("content") {

@@ -826,6 +826,9 @@ pub(crate) struct ResponseMeta {
     pub prompt_token_ids: Option<std::sync::Arc<[u32]>>,
     /// What `echo` puts before the answer, if anything.
     pub echo: Option<Echo>,
+    /// A chat answer's role: the assistant's, or with `add_generation_prompt: false` the last
+    /// message's (vLLM answers in it).
+    pub role: String,
 }
 
 /// `echo` as vLLM 0.32 answers it: a completion's prompt text before its answer (in its first
@@ -902,7 +905,7 @@ impl ResponseMeta {
         let mut choice = match self.kind {
             ApiKind::Chat => json!({
                 "index": 0,
-                "message": { "role": "assistant", "content": text, "tool_calls": [] },
+                "message": { "role": self.role, "content": text, "tool_calls": [] },
                 "logprobs": null,
                 "finish_reason": finish_reason,
                 "stop_reason": null,
@@ -939,7 +942,7 @@ impl ResponseMeta {
     pub(crate) fn role_chunk(&self, include_usage: bool) -> Value {
         let choice = json!({
             "index": 0,
-            "delta": { "role": "assistant", "content": "" },
+            "delta": { "role": self.role, "content": "" },
             "logprobs": null,
             "finish_reason": null,
         });

@@ -1842,6 +1842,13 @@ async fn echo_puts_the_prompt_before_the_answer() -> Result<()> {
         .unwrap()
         .to_owned();
     assert!(content.starts_with("Why"), "{content}");
+    assert_eq!(answer["choices"][0]["message"]["role"], "user");
+    let mut streamed_user = user_last.clone();
+    streamed_user["stream"] = json!(true);
+    let streamed = open_post(sim.addr, "/v1/chat/completions", &streamed_user).await?;
+    let events = read_events(&mut streamed.into_body()).await?;
+    let first: Value = serde_json::from_str(&events[0])?;
+    assert_eq!(first["choices"][0]["delta"]["role"], "user");
     // Echo asks for the prompt's logprobs, so vLLM reads nothing from the prefix cache: the
     // same long prompt twice is cached the second time, but not for an echo.
     let long = "lorem ipsum dolor sit amet ".repeat(40);
