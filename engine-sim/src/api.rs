@@ -301,7 +301,7 @@ async fn run_request(
     } else {
         asked
     };
-    let resume_at = body.resume_at(kind)?;
+    let resume_at = body.resume_at(kind);
     let budget_field = if kind == ApiKind::Chat && body.max_completion_tokens.is_some() {
         "max_completion_tokens"
     } else {

@@ -127,34 +127,30 @@ impl InferenceBody {
     /// continuation of the simulator's own earlier output (a chat request continuing a final
     /// assistant message that is its first k words, or a completions prompt that ends with
     /// them), k, so that the text so far plus this answer is the undisturbed answer.
-    pub(crate) fn resume_at(&self, kind: ApiKind) -> Result<u32, ApiError> {
+    /// (A chat continuing its final message with a generation prompt was refused before:
+    /// [`crate::sampling::Generation::check_request`], [`check_conversation`].)
+    pub(crate) fn resume_at(&self, kind: ApiKind) -> u32 {
         match kind {
             ApiKind::Chat => {
                 if self.continue_final_message != Some(true) {
-                    return Ok(0);
-                }
-                if self.add_generation_prompt != Some(false) {
-                    return Err(ApiError::bad_request(
-                        "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-                            .to_owned(),
-                    ));
+                    return 0;
                 }
                 let last = self.messages.as_deref().and_then(<[Value]>::last);
                 let Some(content) = last
                     .filter(|message| message["role"] == "assistant")
                     .and_then(|message| message["content"].as_str())
                 else {
-                    return Ok(0);
+                    return 0;
                 };
-                Ok(words_ending(content)
+                words_ending(content)
                     .filter(|&(_, start)| start == 0)
-                    .map_or(0, |(k, _)| k))
+                    .map_or(0, |(k, _)| k)
             }
-            ApiKind::Completion => Ok(match &self.prompt {
+            ApiKind::Completion => match &self.prompt {
                 Some(Value::String(prompt)) => words_ending(prompt).map_or(0, |(k, _)| k),
                 Some(Value::Array(ids)) => ids_ending(ids),
                 _ => 0,
-            }),
+            },
         }
     }
 
