@@ -69,8 +69,29 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .merge(responses::routes())
         .merge(pooling::routes())
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(unknown_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
+}
+
+/// A path vLLM's server does not serve: FastAPI's answer.
+async fn unknown_path() -> Response {
+    (
+        http::StatusCode::NOT_FOUND,
+        Json(serde_json::json!({"detail": "Not Found"})),
+    )
+        .into_response()
+}
+
+/// A known path with a method it does not take (`DELETE /v1/responses/{id}`): FastAPI's
+/// answer.
+async fn unknown_method() -> Response {
+    (
+        http::StatusCode::METHOD_NOT_ALLOWED,
+        Json(serde_json::json!({"detail": "Method Not Allowed"})),
+    )
+        .into_response()
 }
 
 /// The NIXL side channel, a listener apart from the HTTP port (as vLLM's handshake is): a
@@ -281,10 +302,7 @@ async fn run_request(
     let prompt = prompt?;
     let kv = body.kv_transfer();
     let prompt_len = u32::try_from(prompt.tokens.len()).unwrap_or(u32::MAX);
-    let vocabulary = shared
-        .tokenizer
-        .as_deref()
-        .map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64);
+    let vocabulary = shared.vocabulary();
     // A budget asked below 1 is refused among the other sampling parameters, in their order.
     if let Some(asked) = body
         .asked_max_tokens(kind)

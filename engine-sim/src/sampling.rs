@@ -76,6 +76,12 @@ enum Type {
     Bias,
     /// An object whose `type` is one of [`RESPONSE_FORMATS`].
     Format,
+    /// One of these strings.
+    OneOf(&'static [&'static str]),
+    /// A list of [`RESPONSES_INCLUDES`].
+    Includes,
+    /// The Responses API's `input`: a string or a list of input items.
+    Input,
 }
 
 /// A field of a request model: its name, the `param` a value of the wrong type is refused
@@ -141,6 +147,170 @@ const COMPLETION_FIELDS: [Field; 20] = [
     field!("response_format", Format, true),
 ];
 
+/// The `include` values vLLM's Responses request model knows.
+const RESPONSES_INCLUDES: [&str; 6] = [
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+];
+/// The `param` of a wrong `include` value, by its index (the eighth and later share one).
+const RESPONSES_INCLUDE_PARAMS: [&str; 8] = [
+    "body.include.0",
+    "body.include.1",
+    "body.include.2",
+    "body.include.3",
+    "body.include.4",
+    "body.include.5",
+    "body.include.6",
+    "body.include",
+];
+/// The roles of a Responses input message.
+const INPUT_ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
+
+/// The Responses request model's fields the simulator checks, in the model's order.
+const RESPONSES_FIELDS: [Field; 24] = [
+    field!("background", Boolean, true),
+    field!("include", Includes, true),
+    field!("input", Input, false),
+    field!("instructions", Text, true),
+    field!("max_output_tokens", Integer, true),
+    field!("max_tool_calls", Integer, true),
+    field!("model", Text, true),
+    field!("logit_bias", Bias, true),
+    field!("parallel_tool_calls", Boolean, true),
+    field!("previous_response_id", Text, true),
+    (
+        "service_tier",
+        "body.service_tier",
+        Type::OneOf(&["auto", "default", "flex", "scale", "priority"]),
+        false,
+    ),
+    field!("store", Boolean, true),
+    field!("stream", Boolean, true),
+    field!("temperature", Number, true),
+    field!("top_p", Number, true),
+    field!("top_k", Integer, true),
+    field!("min_p", Number, true),
+    (
+        "truncation",
+        "body.truncation",
+        Type::OneOf(&["auto", "disabled"]),
+        true,
+    ),
+    field!("user", Text, true),
+    field!("presence_penalty", Number, true),
+    field!("frequency_penalty", Number, true),
+    field!("repetition_penalty", Number, true),
+    field!("seed", Integer, true),
+    field!("stop", Stop, true),
+];
+
+/// What vLLM's Responses request model refuses while it reads a body (a JSON object): its own
+/// checks of the raw fields (the last defined first: the tool choice, a prompt template, a
+/// background response not stored), then each field's type, `input` required.
+pub(crate) fn check_responses_request(
+    body: &serde_json::Map<String, Value>,
+) -> Result<(), ApiError> {
+    let given = |name: &str| body.get(name).filter(|value| !value.is_null());
+    let tools: Vec<&Value> = match given("tools") {
+        Some(Value::Array(tools)) => tools.iter().collect(),
+        _ => Vec::new(),
+    };
+    let choice = body.get("tool_choice");
+    let named = choice
+        .filter(|choice| {
+            matches!(
+                choice.get("type").and_then(Value::as_str),
+                Some("function" | "custom")
+            )
+        })
+        .map(|choice| choice.get("name").and_then(Value::as_str).unwrap_or(""));
+    let not_found = || {
+        refused(
+            "Tool choice 'function' not found in 'tools' parameter.".to_owned(),
+            Some("tool_choice"),
+            None,
+        )
+    };
+    if tools.is_empty() {
+        if choice.and_then(Value::as_str) == Some("required") {
+            return Err(refused(
+                "Tool choice 'required' must be specified with 'tools' parameter.".to_owned(),
+                Some("tool_choice"),
+                None,
+            ));
+        }
+        if named.is_some() {
+            return Err(not_found());
+        }
+    } else if let Some(name) = named {
+        let namespaced = tools
+            .iter()
+            .any(|tool| tool.get("type").and_then(Value::as_str) == Some("namespace"));
+        let known = tools
+            .iter()
+            .any(|tool| tool.get("name").and_then(Value::as_str) == Some(name));
+        if name.is_empty() || (!namespaced && !known) {
+            return Err(not_found());
+        }
+    }
+    if given("prompt").is_some() {
+        return Err(refused(
+            "prompt template is not supported".to_owned(),
+            Some("prompt"),
+            None,
+        ));
+    }
+    // `not data.get("store", True)`: a null `store` is false here.
+    if truthy(body.get("background")) && !body.get("store").is_none_or(|store| truthy(Some(store)))
+    {
+        return Err(refused(
+            "background can only be used when `store` is true".to_owned(),
+            Some("background"),
+            None,
+        ));
+    }
+    // `input` is the third field, and required.
+    let (before, from_input) = RESPONSES_FIELDS.split_at(2);
+    check_field_types(before, |name| body.get(name))?;
+    if !body.contains_key("input") {
+        return Err(ApiError::bad_request("input: Field required".to_owned()).param("body.input"));
+    }
+    check_field_types(from_input, |name| body.get(name))
+}
+
+/// An item of a Responses `input` list that vLLM's request model takes: a message in one of
+/// [`INPUT_ROLES`] with string or list content, a function call or its output with their
+/// fields, or an item of another type (taken as it is here).
+fn input_item(item: &Value) -> bool {
+    let Some(fields) = item.as_object() else {
+        return false;
+    };
+    let text = |name: &str| fields.get(name).is_some_and(Value::is_string);
+    match fields.get("type").and_then(Value::as_str) {
+        None | Some("message") => {
+            fields
+                .get("role")
+                .and_then(Value::as_str)
+                .is_some_and(|role| INPUT_ROLES.contains(&role))
+                && fields
+                    .get("content")
+                    .is_some_and(|content| content.is_string() || content.is_array())
+        }
+        Some("function_call_output") => {
+            text("call_id")
+                && fields
+                    .get("output")
+                    .is_some_and(|output| output.is_string() || output.is_array())
+        }
+        Some("function_call") => text("call_id") && text("name") && text("arguments"),
+        Some(_) => true,
+    }
+}
+
 /// The generation fields of a chat or completions body ([`NAMES`]), each as it came (the last
 /// of a repeated key, as vLLM reads it; null as null). Read in a pass of its own over the body,
 /// so that a repeated key is no error, as it is none for vLLM.
@@ -181,6 +351,43 @@ impl Generation {
     pub(crate) fn read(bytes: &[u8]) -> Result<Self, ApiError> {
         serde_json::from_slice(bytes)
             .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))
+    }
+
+    /// The sampling fields of a Responses body (a JSON object), as its request model hands
+    /// them to `SamplingParams`: `top_logprobs` counts only when `include` asks for the
+    /// output's logprobs; the chat-only fields (`n`, `min_tokens`, prompt logprobs) are not
+    /// its fields.
+    pub(crate) fn of_responses(body: &serde_json::Map<String, Value>) -> Self {
+        const TAKEN: [&str; 10] = [
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "stop",
+            "top_logprobs",
+        ];
+        let mut fields = Generation::default();
+        for (index, name) in NAMES.iter().enumerate() {
+            if TAKEN.contains(name) {
+                fields.values[index] = body.get(*name).cloned();
+            }
+        }
+        let logprobs = body
+            .get("include")
+            .and_then(Value::as_array)
+            .is_some_and(|items| {
+                items
+                    .iter()
+                    .any(|item| item == "message.output_text.logprobs")
+            });
+        if let Some(index) = NAMES.iter().position(|name| *name == "logprobs") {
+            fields.values[index] = Some(Value::Bool(logprobs));
+        }
+        fields
     }
 
     /// The field as it came (null too).
@@ -411,57 +618,8 @@ impl Generation {
             ApiKind::Chat => &CHAT_FIELDS,
             ApiKind::Completion => &COMPLETION_FIELDS,
         };
-        for &(name, param, kind, nullable) in fields {
-            let Some(value) = self.raw(name) else {
-                continue;
-            };
-            let what = match (value, kind) {
-                (Value::Null, _) if nullable => continue,
-                (Value::Null, _) => "a value, not null",
-                (value, Type::Number) if lax_float(value).is_some() => continue,
-                (_, Type::Number) => "a valid number",
-                (value, Type::Integer) if reuse::lax_integer(value).is_some() => continue,
-                (_, Type::Integer) => "a valid integer",
-                (value, Type::Boolean) if reuse::lax_bool(value).is_some() => continue,
-                (_, Type::Boolean) => "a valid boolean",
-                (Value::String(_), Type::Text | Type::Stop) => continue,
-                (_, Type::Text) => "a valid string",
-                (Value::Array(stops), Type::Stop)
-                    if stops.len() <= MAX_STOP_STRINGS && stops.iter().all(Value::is_string) =>
-                {
-                    continue;
-                }
-                (_, Type::Stop) => "a valid string or a list of at most 4 strings",
-                (Value::Object(biases), Type::Bias)
-                    if biases.values().all(|bias| lax_float(bias).is_some()) =>
-                {
-                    continue;
-                }
-                (_, Type::Bias) => "a valid dictionary of numbers",
-                (format, Type::Format)
-                    if format
-                        .get("type")
-                        .and_then(Value::as_str)
-                        .is_some_and(|kind| RESPONSE_FORMATS.contains(&kind)) =>
-                {
-                    continue;
-                }
-                (_, Type::Format) => {
-                    return Err(ApiError::bad_request(
-                        "response_format.type: Input should be 'text', 'json_object', \
-                         'json_schema' or 'structural_tag'"
-                            .to_owned(),
-                    )
-                    .param("body.response_format.type"));
-                }
-            };
-            return Err(
-                ApiError::bad_request(format!("{name}: Input should be {what}")).param(param),
-            );
-        }
-        Ok(())
+        check_field_types(fields, |name| self.raw(name))
     }
-
     /// What a completion's `echo` with `prompt_logprobs` makes of the prefix cache: whether
     /// vLLM skips reading it for this request (it does whenever prompt logprobs are asked for,
     /// and `echo` asks for them: a chat's `top_logprobs`, 0 by default, a completion's
@@ -709,6 +867,93 @@ impl Generation {
         }
         Ok(())
     }
+}
+
+/// Each field's type as pydantic reads it, in the model's field order (`raw` gives a field as
+/// it came): a 400 naming `body.FIELD`.
+fn check_field_types<'a>(
+    fields: &[Field],
+    raw: impl Fn(&str) -> Option<&'a Value>,
+) -> Result<(), ApiError> {
+    for &(name, param, kind, nullable) in fields {
+        let Some(value) = raw(name) else {
+            continue;
+        };
+
+        let what = match (value, kind) {
+            (Value::Null, _) if nullable => continue,
+            (Value::Null, _) => "a value, not null",
+            (value, Type::Number) if lax_float(value).is_some() => continue,
+            (_, Type::Number) => "a valid number",
+            (value, Type::Integer) if reuse::lax_integer(value).is_some() => continue,
+            (_, Type::Integer) => "a valid integer",
+            (value, Type::Boolean) if reuse::lax_bool(value).is_some() => continue,
+            (_, Type::Boolean) => "a valid boolean",
+            (Value::String(_), Type::Text | Type::Stop) => continue,
+            (_, Type::Text) => "a valid string",
+            (Value::Array(stops), Type::Stop)
+                if stops.len() <= MAX_STOP_STRINGS && stops.iter().all(Value::is_string) =>
+            {
+                continue;
+            }
+            (_, Type::Stop) => "a valid string or a list of at most 4 strings",
+            (Value::Object(biases), Type::Bias)
+                if biases.values().all(|bias| lax_float(bias).is_some()) =>
+            {
+                continue;
+            }
+            (_, Type::Bias) => "a valid dictionary of numbers",
+            (format, Type::Format)
+                if format
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .is_some_and(|kind| RESPONSE_FORMATS.contains(&kind)) =>
+            {
+                continue;
+            }
+            (_, Type::Format) => {
+                return Err(ApiError::bad_request(
+                    "response_format.type: Input should be 'text', 'json_object', \
+                         'json_schema' or 'structural_tag'"
+                        .to_owned(),
+                )
+                .param("body.response_format.type"));
+            }
+            (Value::String(text), Type::OneOf(allowed)) if allowed.contains(&text.as_str()) => {
+                continue;
+            }
+            (_, Type::OneOf(allowed)) => {
+                let listed: Vec<String> =
+                    allowed.iter().map(|choice| format!("'{choice}'")).collect();
+                return Err(ApiError::bad_request(format!(
+                    "{name}: Input should be {}",
+                    listed.join(" or ")
+                ))
+                .param(param));
+            }
+            (Value::Array(items), Type::Includes) => {
+                match items.iter().position(|item| {
+                    !item
+                        .as_str()
+                        .is_some_and(|item| RESPONSES_INCLUDES.contains(&item))
+                }) {
+                    None => continue,
+                    Some(index) => {
+                        return Err(ApiError::bad_request(format!(
+                            "include.{index}: Input should be one of the include values"
+                        ))
+                        .param(RESPONSES_INCLUDE_PARAMS[index.min(7)]));
+                    }
+                }
+            }
+            (_, Type::Includes) => "a valid list",
+            (Value::String(_), Type::Input) => continue,
+            (Value::Array(items), Type::Input) if items.iter().all(input_item) => continue,
+            (_, Type::Input) => "a valid string or a list of input items",
+        };
+        return Err(ApiError::bad_request(format!("{name}: Input should be {what}")).param(param));
+    }
+    Ok(())
 }
 
 /// vLLM's `VLLMValidationError`: its message, then the parameter and the value it names.

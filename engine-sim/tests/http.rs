@@ -1258,6 +1258,7 @@ async fn responses_are_stored_and_a_follow_up_sees_the_stored_turns() -> Result<
     let cancel = post(sim.addr, &format!("/v1/responses/{id}/cancel"), &json!({})).await?;
     assert_eq!(cancel.status, StatusCode::BAD_REQUEST);
     assert_eq!(sim.stored_responses(), 2);
+    // vLLM has no DELETE here: FastAPI's 405, and the response stays.
     let deleted = send(
         sim.addr,
         Method::DELETE,
@@ -1266,20 +1267,21 @@ async fn responses_are_stored_and_a_follow_up_sees_the_stored_turns() -> Result<
         Vec::new(),
     )
     .await?;
-    assert_eq!(
-        deleted.json(),
-        json!({"id": id, "object": "response", "deleted": true})
-    );
-    let gone = get(sim.addr, &format!("/v1/responses/{id}")).await?;
+    assert_eq!(deleted.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(deleted.json(), json!({"detail": "Method Not Allowed"}));
+    assert_eq!(sim.stored_responses(), 2);
+    let gone = get(sim.addr, "/v1/responses/resp_unknown").await?;
     assert_eq!(gone.status, StatusCode::NOT_FOUND);
     assert_eq!(gone.json()["error"]["param"], "response_id");
+    assert_eq!(gone.json()["error"]["type"], "invalid_request_error");
     let unknown = post(
         sim.addr,
         "/v1/responses",
-        &json!({"input": "x", "previous_response_id": id}),
+        &json!({"input": "x", "previous_response_id": "resp_unknown"}),
     )
     .await?;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert_eq!(unknown.json()["error"]["param"], "response_id");
     let invalid = get(sim.addr, "/v1/responses/abc").await?;
     assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
     // store: false keeps nothing.
@@ -1337,7 +1339,8 @@ async fn streamed_responses_send_vllms_events_in_order() -> Result<()> {
             "response.output_text.done",
             "response.content_part.done",
             "response.output_item.done",
-            "response.incomplete",
+            // vLLM's last event, for an incomplete response too.
+            "response.completed",
         ]
     );
     for (index, event) in events.iter().enumerate() {
@@ -1349,10 +1352,132 @@ async fn streamed_responses_send_vllms_events_in_order() -> Result<()> {
     );
     let id = events[0]["response"]["id"].as_str().unwrap();
     assert_eq!(events.last().unwrap()["response"]["id"], id);
+    assert_eq!(events.last().unwrap()["response"]["status"], "incomplete");
     assert_eq!(
         get(sim.addr, &format!("/v1/responses/{id}")).await?.status,
         StatusCode::OK
     );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn background_responses_run_on_and_can_be_cancelled() -> Result<()> {
+    let sim = spawn(slow_config()).await?;
+    let addr = sim.addr;
+    let create = |max: u32| async move {
+        post(
+            addr,
+            "/v1/responses",
+            &json!({"input": "hi", "background": true, "max_output_tokens": max}),
+        )
+        .await
+    };
+    // Answered at once, queued; it runs on and is stored when done.
+    let quick = create(3).await?.json();
+    assert_eq!(quick["status"], "queued", "{quick}");
+    assert_eq!(quick["background"], true);
+    let id = quick["id"].as_str().unwrap().to_owned();
+    let mut finished = Value::Null;
+    for _ in 0..200 {
+        finished = get(sim.addr, &format!("/v1/responses/{id}")).await?.json();
+        if finished["status"] != "queued" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(finished["status"], "incomplete", "{finished}");
+    assert_eq!(finished["usage"]["output_tokens"], 3);
+    // A finished response cannot be cancelled.
+    let late = post(sim.addr, &format!("/v1/responses/{id}/cancel"), &json!({})).await?;
+    assert_eq!(late.status, StatusCode::BAD_REQUEST);
+    assert_eq!(late.json()["error"]["type"], "invalid_request_error");
+
+    // A long one is cancelled while it runs, and stays cancelled.
+    let long = create(2000).await?.json();
+    let id = long["id"].as_str().unwrap().to_owned();
+    let cancelled = post(sim.addr, &format!("/v1/responses/{id}/cancel"), &json!({})).await?;
+    assert_eq!(cancelled.status, StatusCode::OK);
+    assert_eq!(cancelled.json()["status"], "cancelled");
+    assert_eq!(cancelled.json()["id"], id.as_str());
+    let kept = get(sim.addr, &format!("/v1/responses/{id}")).await?.json();
+    assert_eq!(kept["status"], "cancelled");
+
+    // Background needs the store.
+    let unstored = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": "hi", "background": true, "store": false}),
+    )
+    .await?;
+    assert_eq!(unstored.status, StatusCode::BAD_REQUEST);
+    assert_eq!(unstored.json()["error"]["param"], "background");
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn responses_are_refused_where_vllm_refuses_them() -> Result<()> {
+    let sim = spawn(SimConfig {
+        max_model_len: 2048,
+        ..fast_config()
+    })
+    .await?;
+    let cases = [
+        (json!({"max_output_tokens": 4}), "body.input"),
+        (json!({"input": 5}), "body.input"),
+        (
+            json!({"input": [{"role": "robot", "content": "hi"}]}),
+            "body.input",
+        ),
+        (
+            json!({"input": "hi", "truncation": "bad"}),
+            "body.truncation",
+        ),
+        (
+            json!({"input": "hi", "include": ["nope"]}),
+            "body.include.0",
+        ),
+        (json!({"input": "hi", "background": "x"}), "body.background"),
+        (
+            json!({"input": "hi", "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (json!({"input": "hi", "prompt": {"id": "p"}}), "prompt"),
+        (json!({"input": "hi", "temperature": -1}), "temperature"),
+        (json!({"input": "hi", "top_p": 0}), "top_p"),
+        (json!({"input": "hi", "max_output_tokens": 0}), "max_tokens"),
+        (
+            json!({"input": "hi", "max_output_tokens": 4000}),
+            "max_output_tokens",
+        ),
+        (json!({"input": words(5000)}), "input"),
+    ];
+    for (body, param) in cases {
+        let reply = post(sim.addr, "/v1/responses", &body).await?;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(reply.json()["error"]["param"], param, "{body}");
+    }
+    let empty = post(sim.addr, "/v1/responses", &json!({"input": []})).await?;
+    assert_eq!(empty.status, StatusCode::BAD_REQUEST);
+    assert!(
+        empty.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("empty conversation")
+    );
+    // What vLLM serves: an empty string, unknown fields, a system message in the input.
+    for body in [
+        json!({"input": ""}),
+        json!({"input": "hi", "frobnicate": 1}),
+        json!({"input": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}),
+    ] {
+        let reply = post(sim.addr, "/v1/responses", &body).await?;
+        assert_eq!(reply.status, StatusCode::OK, "{body}");
+    }
+    let unknown = get(sim.addr, "/v1/responses/resp_x/input_items").await?;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert_eq!(unknown.json(), json!({"detail": "Not Found"}));
     sim.shutdown().await;
     Ok(())
 }

@@ -76,6 +76,15 @@ pub(crate) struct Shared {
     pub tokenizer: Option<Arc<switchyard_tokenize::EngineTokenizer>>,
 }
 
+impl Shared {
+    /// The served model's vocabulary size (a tokenizer's; without one, 2^32, no bound).
+    pub(crate) fn vocabulary(&self) -> u64 {
+        self.tokenizer
+            .as_deref()
+            .map_or(1 << 32, |tokenizer| tokenizer.vocab_size() as u64)
+    }
+}
+
 /// The client's `X-Request-Id` (vLLM uses it as the request id), else a random one.
 pub(super) fn request_id(headers: &HeaderMap) -> String {
     headers

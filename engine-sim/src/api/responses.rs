@@ -7,12 +7,20 @@
 //! - `POST /v1/responses`: `input` (a string, or message items whose `content` is a string or
 //!   `input_text` / `output_text` parts), `instructions` (a system message, not carried into
 //!   follow-ups, as OpenAI), `previous_response_id`, `store` (default true), `stream`,
-//!   `max_output_tokens`. The prompt is the chat template over [system(instructions)] +
-//!   the previous response's conversation + the input. Streams vLLM's events
-//!   (`response.created` … `response.completed`, `event:` and `data:` lines, no `[DONE]`).
-//! - `GET /v1/responses/{id}`: the stored response. `DELETE /v1/responses/{id}` (OpenAI's;
-//!   vLLM has none): forgets it. `POST /v1/responses/{id}/cancel`: vLLM's answer for a
-//!   response that is not running in the background (background mode is not simulated).
+//!   `background`, `max_output_tokens`. The prompt is the chat template over
+//!   [system(instructions)] + the previous response's conversation + the input. Streams
+//!   vLLM's events (`response.created` … `response.completed`, which ends an incomplete
+//!   response too; `event:` and `data:` lines, no `[DONE]`). Refused as vLLM 0.32 refuses it:
+//!   the request model's checks and field types (`param: "body.FIELD"`), then the model, the
+//!   previous response (404), an empty conversation, a prompt that fills the context
+//!   (`param: "input"`), and the sampling ranges (`param: "max_tokens"` for a
+//!   `max_output_tokens` below 1).
+//! - `background: true` (only with `store`): answered at once with the response `queued`; it
+//!   runs on, and `GET` shows it `queued` until it is done. `POST /v1/responses/{id}/cancel`
+//!   cancels it while it runs (the answer: the response, `cancelled`); a finished response
+//!   cannot be cancelled (400, vLLM's "Cannot cancel a synchronous response.").
+//! - `GET /v1/responses/{id}`: the stored response. vLLM has no `DELETE` here: 405, as for
+//!   any known path with another method (`{"detail": "Method Not Allowed"}`).
 //!
 //! The store is bounded (`--max-stored-responses`): the oldest response is forgotten first.
 
@@ -26,45 +34,102 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::HeaderMap;
-use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::common::{
-    Interruption, Shared, Strike, check_fits, check_model, draw_fault, event_stream, interrupt,
-    output_budget, random_id, request_id,
+    Interruption, Shared, Strike, check_model, draw_fault, event_stream, interrupt, random_id,
+    request_id,
 };
 use super::store::Stored;
 use crate::cache::block_hashes_under;
 use crate::driver::EngineEvent;
 use crate::engine::{FinishedSeq, SeqSpec};
 use crate::metrics::Metrics;
-use crate::openai::{
-    ApiError, ApiKind, InferenceBody, KvTransfer, output_text, output_token_text, parse_json,
-};
+use crate::openai::{ApiError, ApiKind, output_text, output_token_text, parse_json};
 use crate::records::ReceivedRequest;
+use crate::sampling::Generation;
 use crate::tokenizer::{chat_prompt_text, tokenize};
+use switchyard_tokenize::reuse;
 
 pub(super) fn routes() -> Router<Arc<Shared>> {
     Router::new()
         .route("/v1/responses", post(create))
-        .route("/v1/responses/{id}", get(retrieve).delete(delete))
+        .route("/v1/responses/{id}", get(retrieve))
         .route("/v1/responses/{id}/cancel", post(cancel))
 }
 
-/// The request fields the simulator reads (others are ignored, as vLLM ignores unknown ones).
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
+/// The request fields the simulator reads (others are ignored, as vLLM ignores unknown ones),
+/// from a body [`crate::sampling::check_responses_request`] passed.
+#[derive(Debug, Default)]
 struct CreateBody {
     model: Option<String>,
-    input: Option<Value>,
+    input: Value,
     instructions: Option<String>,
     previous_response_id: Option<String>,
-    store: Option<bool>,
-    stream: Option<bool>,
-    background: Option<bool>,
+    store: bool,
+    stream: bool,
+    background: bool,
     max_output_tokens: Option<i64>,
-    metadata: Option<Value>,
+    metadata: Value,
+    /// The tool choice a response shows: `none` when no tools were given (vLLM's rule).
+    tool_choice: Value,
+    temperature: f64,
+    top_p: f64,
+    /// The sampling fields, checked once the output budget is known.
+    sampling: Generation,
+}
+
+impl CreateBody {
+    /// Reads a body as vLLM's request model does.
+    fn read(bytes: &[u8]) -> Result<Self, ApiError> {
+        let body: Value = parse_json(bytes, "invalid JSON body")?;
+        let Value::Object(fields) = body else {
+            return Err(ApiError::bad_request(
+                "Input should be a valid dictionary or object to extract fields from".to_owned(),
+            )
+            .param("body"));
+        };
+        crate::sampling::check_responses_request(&fields)?;
+        let text = |name: &str| fields.get(name).and_then(Value::as_str).map(str::to_owned);
+        let flag = |name: &str, default: bool| {
+            fields
+                .get(name)
+                .and_then(reuse::lax_bool)
+                .unwrap_or(default)
+        };
+        let number = |name: &str| {
+            fields
+                .get(name)
+                .and_then(|value| value.as_f64().or_else(|| value.as_str()?.parse().ok()))
+                .unwrap_or(1.0)
+        };
+        let has_tools = fields
+            .get("tools")
+            .and_then(Value::as_array)
+            .is_some_and(|tools| !tools.is_empty());
+        let tool_choice = match fields.get("tool_choice") {
+            None | Some(Value::Null) if !has_tools => json!("none"),
+            Some(Value::String(choice)) if !has_tools && choice == "auto" => json!("none"),
+            None | Some(Value::Null) => json!("auto"),
+            Some(choice) => choice.clone(),
+        };
+        Ok(Self {
+            model: text("model"),
+            input: fields.get("input").cloned().unwrap_or(Value::Null),
+            instructions: text("instructions"),
+            previous_response_id: text("previous_response_id"),
+            store: flag("store", true),
+            stream: flag("stream", false),
+            background: flag("background", false),
+            max_output_tokens: fields.get("max_output_tokens").and_then(reuse::lax_integer),
+            metadata: fields.get("metadata").cloned().unwrap_or(Value::Null),
+            tool_choice,
+            temperature: number("temperature"),
+            top_p: number("top_p"),
+            sampling: Generation::of_responses(&fields),
+        })
+    }
 }
 
 /// The text of a message item's `content`: a string, or its text parts concatenated.
@@ -124,12 +189,17 @@ struct Meta {
     instructions: Option<String>,
     previous_response_id: Option<String>,
     store: bool,
+    background: bool,
     max_output_tokens: Option<i64>,
     metadata: Value,
+    tool_choice: Value,
+    temperature: f64,
+    top_p: f64,
 }
 
 impl Meta {
-    /// The response object: `output` and `usage` once done, `status` as given.
+    /// The response object, with vLLM 0.32's fields: `output` and `usage` once done,
+    /// `status` as given.
     fn response(&self, status: &str, output: Option<(&str, &FinishedSeq, u32)>) -> Value {
         let (output, usage, incomplete) = match output {
             Some((text, finished, prompt_len)) => {
@@ -138,9 +208,19 @@ impl Meta {
                     json!([self.message(text, "completed")]),
                     json!({
                         "input_tokens": prompt_len,
-                        "input_tokens_details": {"cached_tokens": cached},
+                        "input_tokens_details": {
+                            "cached_tokens": cached,
+                            "cache_write_tokens": 0,
+                            "input_tokens_per_turn": [],
+                            "cached_tokens_per_turn": [],
+                        },
                         "output_tokens": finished.completion_tokens,
-                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "output_tokens_details": {
+                            "reasoning_tokens": 0,
+                            "tool_output_tokens": 0,
+                            "output_tokens_per_turn": [],
+                            "tool_output_tokens_per_turn": [],
+                        },
                         "total_tokens": prompt_len + finished.completion_tokens,
                     }),
                     (status == "incomplete").then(|| json!({"reason": "max_output_tokens"})),
@@ -150,48 +230,53 @@ impl Meta {
         };
         json!({
             "id": self.id,
-            "object": "response",
             "created_at": self.created_at,
-            "status": status,
-            "background": false,
-            "error": null,
             "incomplete_details": incomplete,
             "instructions": self.instructions,
-            "max_output_tokens": self.max_output_tokens,
-            "max_tool_calls": null,
             "metadata": self.metadata,
             "model": self.model,
+            "object": "response",
             "output": output,
             "parallel_tool_calls": true,
+            "temperature": self.temperature,
+            "tool_choice": self.tool_choice,
+            "tools": [],
+            "top_p": self.top_p,
+            "background": self.background,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": null,
             "previous_response_id": self.previous_response_id,
             "prompt": null,
             "reasoning": null,
             "service_tier": "auto",
-            "store": self.store,
-            "temperature": 1.0,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
-            "top_logprobs": 0,
-            "top_p": 1.0,
+            "status": status,
+            "text": null,
+            "top_logprobs": null,
             "truncation": "disabled",
             "usage": usage,
             "user": null,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "kv_transfer_params": null,
+            "ec_transfer_params": null,
+            "input_messages": null,
+            "output_messages": null,
         })
     }
 
     fn message(&self, text: &str, status: &str) -> Value {
         let content = if status == "completed" {
-            json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+            json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": null}])
         } else {
             json!([])
         };
         json!({
             "id": self.message_id,
-            "type": "message",
+            "content": content,
             "role": "assistant",
             "status": status,
-            "content": content,
+            "type": "message",
+            "phase": null,
         })
     }
 
@@ -209,15 +294,13 @@ async fn create(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     let arrival = Instant::now();
     Metrics::increment(&shared.metrics.requests_received);
     let request_id = request_id(&headers);
-    let parsed = parse_json::<CreateBody>(&body, "invalid JSON body");
+    let parsed = CreateBody::read(&body);
     shared.records.record(ReceivedRequest {
         path: "/v1/responses".to_owned(),
         headers: ReceivedRequest::select_headers(&headers),
         body_bytes: body.len(),
         model: parsed.as_ref().ok().and_then(|body| body.model.clone()),
-        stream: parsed
-            .as_ref()
-            .is_ok_and(|body| body.stream.unwrap_or(false)),
+        stream: parsed.as_ref().is_ok_and(|body| body.stream),
         ..ReceivedRequest::default()
     });
     let response = match parsed {
@@ -229,6 +312,12 @@ async fn create(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     super::common::with_request_id(response, &request_id)
 }
 
+/// vLLM's 400 for an error of the request as a whole (its `invalid_request_error` type).
+fn invalid_request(mut error: ApiError) -> ApiError {
+    error.error_type = "invalid_request_error";
+    error
+}
+
 async fn run(
     shared: &Arc<Shared>,
     body: CreateBody,
@@ -237,16 +326,6 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let config = &shared.config;
     check_model(config, body.model.as_deref())?;
-    if body.background.unwrap_or(false) {
-        return Err(ApiError::bad_request(
-            "background mode is not simulated; send background: false".to_owned(),
-        )
-        .param("background"));
-    }
-    let input = body
-        .input
-        .as_ref()
-        .ok_or_else(|| ApiError::bad_request("input: field required".to_owned()).param("input"))?;
     let mut conversation = Vec::new();
     if let Some(instructions) = &body.instructions {
         conversation.push(json!({"role": "system", "content": instructions}));
@@ -255,25 +334,52 @@ async fn run(
         let stored = shared
             .responses
             .get(previous)
-            .ok_or_else(|| not_found(previous).param("previous_response_id"))?;
+            .ok_or_else(|| not_found(previous))?;
         conversation.extend(stored.conversation);
     }
-    conversation.extend(input_messages(input)?);
+    let context = config.max_model_len;
+    // Checked with the rendering's tokenization parameters.
+    if let Some(asked) = body.max_output_tokens
+        && asked > i64::from(context)
+    {
+        return Err(crate::sampling::refused(
+            format!(
+                "max_output_tokens={asked} cannot be greater than max_model_len={context}. \
+                 Please request fewer output tokens."
+            ),
+            Some("max_output_tokens"),
+            Some(asked.to_string()),
+        ));
+    }
+    conversation.extend(input_messages(&body.input)?);
+    if conversation.is_empty() {
+        return Err(ApiError::bad_request(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+                .to_owned(),
+        ));
+    }
     let tokens = tokenize(&chat_prompt_text(&conversation));
     let prompt_len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    let budget = InferenceBody {
-        max_tokens: body.max_output_tokens,
-        ..InferenceBody::default()
+    if prompt_len >= context {
+        return Err(invalid_request(
+            ApiError::bad_request(format!(
+                "The engine prompt length {prompt_len} exceeds the max_model_len {context}. \
+                 Please reduce prompt."
+            ))
+            .param("input"),
+        ));
+    }
+    // vLLM's budget: the context left, or less if asked; then its sampling checks.
+    let room = i64::from(context - prompt_len);
+    let budget = body.max_output_tokens.map_or(room, |asked| asked.min(room));
+    body.sampling
+        .check_sampling(ApiKind::Chat, budget, shared.vocabulary())?;
+    // Without a limit asked, the simulated model stops by itself (`--default-max-tokens`).
+    let max_tokens = match body.max_output_tokens {
+        Some(_) => u32::try_from(budget).unwrap_or(u32::MAX),
+        None => config.default_max_tokens.min(context - prompt_len),
     };
-    let max_tokens = output_budget(
-        config,
-        (&budget, ApiKind::Chat),
-        &KvTransfer::default(),
-        prompt_len,
-    )
-    .map_err(|error| error.param("max_output_tokens"))?;
-    let max_tokens = check_fits(config, prompt_len, max_tokens, "max_output_tokens")?;
-    let streaming = body.stream.unwrap_or(false);
+    let streaming = body.stream;
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
         Ok(interruption) => interruption,
         Err(response) => return Ok(response),
@@ -308,9 +414,13 @@ async fn run(
         model: answering_model,
         instructions: body.instructions,
         previous_response_id: body.previous_response_id,
-        store: body.store.unwrap_or(true),
+        store: body.store,
+        background: body.background,
         max_output_tokens: body.max_output_tokens,
-        metadata: body.metadata.unwrap_or(Value::Null),
+        metadata: body.metadata,
+        tool_choice: body.tool_choice,
+        temperature: body.temperature,
+        top_p: body.top_p,
     };
     let done = Done {
         shared: Arc::clone(shared),
@@ -318,6 +428,22 @@ async fn run(
         conversation,
         prompt_len,
     };
+    if body.background {
+        // Stored queued at once; it runs on, and is stored again when done.
+        let queued = done.meta.response("queued", None);
+        shared.responses.insert(
+            done.meta.id.clone(),
+            Stored {
+                response: queued.clone(),
+                conversation: done.conversation.clone(),
+            },
+        );
+        if streaming {
+            return Ok(done.stream(events, interruption));
+        }
+        done.run_in_background(events);
+        return Ok(Json(queued).into_response());
+    }
     if streaming {
         return Ok(done.stream(events, interruption));
     }
@@ -345,7 +471,7 @@ impl Done {
         if self.meta.store {
             let mut conversation = self.conversation.clone();
             conversation.push(json!({"role": "assistant", "content": text}));
-            self.shared.responses.insert(
+            self.shared.responses.finish(
                 self.meta.id.clone(),
                 Stored {
                     response: response.clone(),
@@ -354,6 +480,35 @@ impl Done {
             );
         }
         response
+    }
+
+    /// Runs a background response to its end on a task of its own, which a cancel aborts;
+    /// a request the engine fails is stored `failed`, as vLLM stores it.
+    fn run_in_background(self, mut events: UnboundedReceiver<EngineEvent>) {
+        let id = self.meta.id.clone();
+        let shared = Arc::clone(&self.shared);
+        let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = wait_registered.await;
+            match super::common::wait_finished(&mut events).await {
+                Ok(finished) => {
+                    self.finish(&finished);
+                }
+                Err(_) => {
+                    let failed = self.meta.response("failed", None);
+                    self.shared.responses.finish(
+                        self.meta.id.clone(),
+                        Stored {
+                            response: failed,
+                            conversation: self.conversation.clone(),
+                        },
+                    );
+                }
+            }
+            self.shared.responses.stopped(&self.meta.id);
+        });
+        shared.responses.running(id, task.abort_handle());
+        let _ = registered.send(());
     }
 
     /// vLLM's streamed events, one per engine token in between.
@@ -438,13 +593,9 @@ impl Done {
                             "output_index": 0,
                             "item": meta.message(&text, "completed"),
                         })));
+                        // vLLM ends an incomplete response with `response.completed` too.
                         let response = self.finish(&finished);
-                        let kind = if response["status"] == "incomplete" {
-                            "response.incomplete"
-                        } else {
-                            "response.completed"
-                        };
-                        yield Ok(event(kind, json!({"response": response})));
+                        yield Ok(event("response.completed", json!({"response": response})));
                         break;
                     }
                     EngineEvent::Rejected(rejected) => {
@@ -475,7 +626,9 @@ fn sse_event(kind: &str, data: &Value) -> Bytes {
 }
 
 fn not_found(id: &str) -> ApiError {
-    ApiError::not_found(format!("Response with id '{id}' not found.")).param("response_id")
+    invalid_request(
+        ApiError::not_found(format!("Response with id '{id}' not found.")).param("response_id"),
+    )
 }
 
 /// vLLM refuses ids that do not start with `resp` before looking them up.
@@ -499,28 +652,23 @@ async fn retrieve(
     Ok(Json(stored.response))
 }
 
-async fn delete(
+async fn cancel(
     State(shared): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_id(&id)?;
-    if !shared.responses.remove(&id) {
-        return Err(not_found(&id));
-    }
-    Ok(Json(
-        json!({"id": id, "object": "response", "deleted": true}),
-    ))
-}
-
-async fn cancel(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> ApiError {
-    if let Err(error) = check_id(&id) {
-        return error;
-    }
-    match shared.responses.get(&id) {
-        // Only background responses can be cancelled, and none runs in the background here.
-        Some(_) => ApiError::bad_request("Cannot cancel a synchronous response.".to_owned())
-            .param("response_id"),
-        None => not_found(&id),
+    match shared.responses.cancel(&id) {
+        Ok(Some(cancelled)) => {
+            if let Some(task) = shared.responses.stopped(&id) {
+                task.abort();
+            }
+            Ok(Json(cancelled))
+        }
+        Ok(None) => Err(invalid_request(
+            ApiError::bad_request("Cannot cancel a synchronous response.".to_owned())
+                .param("response_id"),
+        )),
+        Err(()) => Err(not_found(&id)),
     }
 }
 

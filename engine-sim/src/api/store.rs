@@ -18,6 +18,8 @@ pub(super) struct Stored {
 pub(crate) struct ResponseStore {
     capacity: usize,
     inner: Mutex<(HashMap<String, Stored>, VecDeque<String>)>,
+    /// The background responses running, by id: cancelling one aborts its task.
+    running: Mutex<HashMap<String, tokio::task::AbortHandle>>,
 }
 
 impl ResponseStore {
@@ -25,6 +27,7 @@ impl ResponseStore {
         Self {
             capacity: capacity.max(1),
             inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            running: Mutex::new(HashMap::new()),
         }
     }
 
@@ -52,14 +55,47 @@ impl ResponseStore {
         self.lock().0.get(id).cloned()
     }
 
-    pub(super) fn remove(&self, id: &str) -> bool {
-        let mut guard = self.lock();
-        let (map, order) = &mut *guard;
-        if map.remove(id).is_none() {
-            return false;
+    /// Stores the finished `stored` unless its response was cancelled meanwhile (vLLM keeps a
+    /// cancelled response as it was cancelled).
+    pub(super) fn finish(&self, id: String, stored: Stored) {
+        if self
+            .get(&id)
+            .is_some_and(|kept| kept.response["status"] == "cancelled")
+        {
+            return;
         }
-        order.retain(|kept| kept != id);
-        true
+        self.insert(id, stored);
+    }
+
+    /// Marks a response still queued or in progress cancelled, and gives it; `Ok(None)` if it
+    /// is finished (only a background response can be cancelled); `Err` if unknown.
+    pub(super) fn cancel(&self, id: &str) -> Result<Option<Value>, ()> {
+        let mut guard = self.lock();
+        let stored = guard.0.get_mut(id).ok_or(())?;
+        if !matches!(
+            stored.response["status"].as_str(),
+            Some("queued" | "in_progress")
+        ) {
+            return Ok(None);
+        }
+        stored.response["status"] = Value::from("cancelled");
+        Ok(Some(stored.response.clone()))
+    }
+
+    /// Notes a background response's task, until [`Self::stopped`].
+    pub(super) fn running(&self, id: String, task: tokio::task::AbortHandle) {
+        self.running
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .insert(id, task);
+    }
+
+    /// A background response's task ended (or is to end): forgets it, and gives its handle.
+    pub(super) fn stopped(&self, id: &str) -> Option<tokio::task::AbortHandle> {
+        self.running
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .remove(id)
     }
 
     /// Responses stored now.
@@ -88,8 +124,28 @@ mod tests {
         assert_eq!(store.len(), 2);
         assert!(store.get("a").is_none());
         assert!(store.get("c").is_some());
-        assert!(store.remove("b"));
-        assert!(!store.remove("b"));
-        assert_eq!(store.len(), 1);
+        assert_eq!(
+            store.cancel("b"),
+            Ok(None),
+            "a finished response is not cancelled"
+        );
+        assert_eq!(store.cancel("a"), Err(()));
+        store.insert(
+            "q".to_owned(),
+            Stored {
+                response: json!({"status": "queued"}),
+                conversation: Vec::new(),
+            },
+        );
+        assert_eq!(store.cancel("q"), Ok(Some(json!({"status": "cancelled"}))));
+        store.finish(
+            "q".to_owned(),
+            Stored {
+                response: json!({"status": "completed"}),
+                conversation: Vec::new(),
+            },
+        );
+        assert_eq!(store.get("q").unwrap().response["status"], "cancelled");
+        assert_eq!(store.len(), 2, "b made room for q");
     }
 }
