@@ -82,6 +82,8 @@ enum Type {
     Includes,
     /// The Responses API's `input`: a string or a list of input items.
     Input,
+    /// A number in [-2, 2] (the Responses request model's penalties).
+    Penalty,
 }
 
 /// A field of a request model: its name, the `param` a value of the wrong type is refused
@@ -201,8 +203,8 @@ const RESPONSES_FIELDS: [Field; 24] = [
         true,
     ),
     field!("user", Text, true),
-    field!("presence_penalty", Number, true),
-    field!("frequency_penalty", Number, true),
+    field!("presence_penalty", Penalty, true),
+    field!("frequency_penalty", Penalty, true),
     field!("repetition_penalty", Number, true),
     field!("seed", Integer, true),
     field!("stop", Stop, true),
@@ -375,6 +377,12 @@ impl Generation {
             if TAKEN.contains(name) {
                 fields.values[index] = body.get(*name).cloned();
             }
+        }
+        // `stop` only if truthy: an empty string or list is no stop string there.
+        if !truthy(body.get("stop"))
+            && let Some(index) = NAMES.iter().position(|name| *name == "stop")
+        {
+            fields.values[index] = None;
         }
         let logprobs = body
             .get("include")
@@ -947,6 +955,15 @@ fn check_field_types<'a>(
                 }
             }
             (_, Type::Includes) => "a valid list",
+            (value, Type::Penalty)
+                if lax_float(value).is_some_and(|penalty| (-2.0..=2.0).contains(&penalty)) =>
+            {
+                continue;
+            }
+            (value, Type::Penalty) if lax_float(value).is_some() => {
+                "less than or equal to 2 and greater than or equal to -2"
+            }
+            (_, Type::Penalty) => "a valid number",
             (Value::String(_), Type::Input) => continue,
             (Value::Array(items), Type::Input) if items.iter().all(input_item) => continue,
             (_, Type::Input) => "a valid string or a list of input items",

@@ -1451,7 +1451,11 @@ async fn responses_are_refused_where_vllm_refuses_them() -> Result<()> {
             json!({"input": "hi", "max_output_tokens": 4000}),
             "max_output_tokens",
         ),
-        (json!({"input": words(5000)}), "input"),
+        (json!({"input": words(5000)}), "input_tokens"),
+        (
+            json!({"input": "hi", "presence_penalty": 3}),
+            "body.presence_penalty",
+        ),
     ];
     for (body, param) in cases {
         let reply = post(sim.addr, "/v1/responses", &body).await?;
@@ -1466,9 +1470,11 @@ async fn responses_are_refused_where_vllm_refuses_them() -> Result<()> {
             .unwrap()
             .contains("empty conversation")
     );
-    // What vLLM serves: an empty string, unknown fields, a system message in the input.
+    // What vLLM serves: an empty string, unknown fields, a system message in the input, an
+    // empty stop string (no stop string there).
     for body in [
         json!({"input": ""}),
+        json!({"input": "hi", "stop": ""}),
         json!({"input": "hi", "frobnicate": 1}),
         json!({"input": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}),
     ] {

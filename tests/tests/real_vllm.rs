@@ -125,6 +125,8 @@ impl Vllm {
             .env("VLLM_CPU_OMP_THREADS_BIND", self.cpu.to_string())
             .env("OMP_NUM_THREADS", "1")
             .env("HF_HUB_OFFLINE", "1")
+            // The Responses API's store (stored responses, follow-ups, background mode).
+            .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
             .env("VLLM_NIXL_SIDE_CHANNEL_PORT", self.side_channel.to_string())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -236,8 +238,130 @@ async fn a_real_vllm_fleet_behind_the_router() -> anyhow::Result<()> {
     }
 
     nixl_disaggregation(&router, &engines).await?;
+    stored_responses(&router).await?;
     kv_aware(&router, &admin, &mut engines).await?;
     migration(&router, &mut engines).await?;
+    Ok(())
+}
+
+/// vLLM's stored responses through the router, on an endpoint that spreads by load (so only
+/// the wrapped id brings a follow-up to its instance): follow-ups, a streamed one, retrieval,
+/// cancel (of a finished response, and of a background one while it runs), and vLLM's 405
+/// for `DELETE`.
+async fn stored_responses(router: &switchyard_router::RouterHandle) -> anyhow::Result<()> {
+    let url = routed(router, "mig", "/v1/responses");
+    let create = |body: Value| {
+        let url = url.clone();
+        async move {
+            let reply = http_post(&url, &[], body.to_string()).await?;
+            anyhow::ensure!(reply.status == 200, "{}: {}", reply.status, reply.body);
+            Ok::<_, anyhow::Error>(reply)
+        }
+    };
+    let first = create(json!({"model": MODEL, "input": "Name three colours.",
+                              "max_output_tokens": 4, "temperature": 0}))
+    .await?;
+    let holder = first
+        .header("x-switchyard-instance")
+        .unwrap_or_default()
+        .to_owned();
+    let first = first.json();
+    let id = first["id"].as_str().unwrap_or_default().to_owned();
+    anyhow::ensure!(id.starts_with("resp_sy1"), "not wrapped: {first}");
+    let (mut previous, mut seen) = (
+        id.clone(),
+        first["usage"]["input_tokens"].as_u64().unwrap_or(0),
+    );
+    for turn in 0..4 {
+        let reply = create(
+            json!({"model": MODEL, "input": format!("And number {turn}?"),
+                                  "previous_response_id": previous, "max_output_tokens": 3,
+                                  "temperature": 0}),
+        )
+        .await?;
+        anyhow::ensure!(
+            reply.header("x-switchyard-instance") == Some(holder.as_str())
+                && reply.header("x-switchyard-route") == Some("response"),
+            "follow-up {turn} went to {:?}, not {holder}",
+            reply.header("x-switchyard-instance")
+        );
+        let follow = reply.json();
+        anyhow::ensure!(
+            follow["previous_response_id"] == previous.as_str(),
+            "{follow}"
+        );
+        let input = follow["usage"]["input_tokens"].as_u64().unwrap_or(0);
+        anyhow::ensure!(
+            input > seen,
+            "turn {turn}: {input} input tokens after {seen}"
+        );
+        (previous, seen) = (follow["id"].as_str().unwrap_or_default().to_owned(), input);
+    }
+    // Streamed: every event's response id wrapped, vLLM's last event.
+    let streamed = create(
+        json!({"model": MODEL, "input": "Once more.", "stream": true,
+                                 "previous_response_id": previous, "max_output_tokens": 3}),
+    )
+    .await?;
+    let events: Vec<Value> = streamed
+        .body
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str(data).ok())
+        .collect();
+    let last = events.last().cloned().unwrap_or_default();
+    anyhow::ensure!(
+        last["type"] == "response.completed"
+            && last["response"]["previous_response_id"] == previous.as_str()
+            && events
+                .iter()
+                .filter_map(|event| event["response"]["id"].as_str())
+                .all(|id| id.starts_with("resp_sy1")),
+        "streamed follow-up: {}",
+        streamed.body
+    );
+    // Retrieval, a finished response's cancel, and DELETE, which vLLM does not serve.
+    let one = |method: http::Method, suffix: &str| {
+        let url = format!("{url}/{id}{suffix}");
+        async move { http_request(method, &url, &[], Vec::new()).await }
+    };
+    let retrieved = one(http::Method::GET, "").await?;
+    anyhow::ensure!(
+        retrieved.status == 200 && retrieved.json()["id"] == id.as_str(),
+        "{}",
+        retrieved.body
+    );
+    let cancel = one(http::Method::POST, "/cancel").await?;
+    anyhow::ensure!(
+        cancel.status == 400 && cancel.body.contains("Cannot cancel"),
+        "{} {}",
+        cancel.status,
+        cancel.body
+    );
+    let delete = one(http::Method::DELETE, "").await?;
+    anyhow::ensure!(delete.status == 405, "{} {}", delete.status, delete.body);
+    // Background: queued at once; cancelled while it runs (1,000 tokens on a CPU take long).
+    let queued = create(json!({"model": MODEL, "input": "Tell a long story.",
+                               "background": true, "max_output_tokens": 1000}))
+    .await?
+    .json();
+    let background = queued["id"].as_str().unwrap_or_default().to_owned();
+    anyhow::ensure!(
+        queued["status"] == "queued" && background.starts_with("resp_sy1"),
+        "{queued}"
+    );
+    let cancelled = http_post(&format!("{url}/{background}/cancel"), &[], Vec::new()).await?;
+    anyhow::ensure!(
+        cancelled.status == 200
+            && cancelled.json()["status"] == "cancelled"
+            && cancelled.json()["id"] == background.as_str(),
+        "{} {}",
+        cancelled.status,
+        cancelled.body
+    );
+    let (status, kept) = http_get(&format!("{url}/{background}")).await?;
+    anyhow::ensure!(status == 200 && kept.contains("\"cancelled\""), "{kept}");
+    println!("stored responses: 5 turns and a stream on {holder}, a background one cancelled");
     Ok(())
 }
 
@@ -1171,6 +1295,58 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
     ] {
         cases.push((completions, with(a_completion.clone(), fields)));
     }
+    let a_response = json!({"model": MODEL, "input": "hi", "max_output_tokens": 3});
+    let tool = json!({"type": "function", "name": "f",
+                      "parameters": {"type": "object", "properties": {}}});
+    for fields in [
+        json!({}),
+        json!({"input": null}),
+        json!({"input": 5}),
+        json!({"input": []}),
+        json!({"input": ""}),
+        json!({"input": [{"role": "robot", "content": "hi"}]}),
+        json!({"input": [{"role": "user", "content": "hi"}]}),
+        json!({"input": [{"type": "message", "role": "user", "content": "hi"}]}),
+        json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}),
+        json!({"input": [{"role": "developer", "content": "x"}, {"role": "user", "content": "hi"}]}),
+        json!({"input": "hello ".repeat(3000)}),
+        json!({"instructions": "Be short."}),
+        json!({"stream": true}),
+        json!({"frobnicate": 1}),
+        json!({"temperature": -1}),
+        json!({"temperature": 3}),
+        json!({"temperature": "x"}),
+        json!({"top_p": 0}),
+        json!({"top_p": 2}),
+        json!({"top_k": -2}),
+        json!({"min_p": 2}),
+        json!({"presence_penalty": 3}),
+        json!({"stop": ""}),
+        json!({"logit_bias": {"x": 1}}),
+        json!({"max_output_tokens": 0}),
+        json!({"max_output_tokens": -1}),
+        json!({"max_output_tokens": 100_000}),
+        json!({"max_output_tokens": "x"}),
+        json!({"truncation": "bad"}),
+        json!({"truncation": "auto"}),
+        json!({"include": ["nope"]}),
+        json!({"include": ["message.output_text.logprobs"], "top_logprobs": 2}),
+        json!({"include": ["message.output_text.logprobs"], "top_logprobs": 30}),
+        json!({"top_logprobs": 30}),
+        json!({"tool_choice": "required"}),
+        json!({"tool_choice": {"type": "function", "name": "f"}}),
+        json!({"tools": [tool.clone()], "tool_choice": {"type": "function", "name": "g"}}),
+        json!({"tools": [tool.clone()], "tool_choice": {"type": "function", "name": "f"}}),
+        json!({"prompt": {"id": "p"}}),
+        json!({"background": true, "store": false}),
+        json!({"background": "x"}),
+        json!({"store": "x"}),
+        json!({"service_tier": "bogus"}),
+        json!({"model": "other"}),
+        json!({"previous_response_id": "resp_unknown"}),
+    ] {
+        cases.push(("/v1/responses", with(a_response.clone(), fields)));
+    }
     let mut differences = Vec::new();
     for (path, body) in &cases {
         let bytes = body.to_string();
@@ -1195,8 +1371,66 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
             ));
         }
     }
+    // Stored responses, each side on its own: the statuses of a follow-up, a finished
+    // response's cancel, DELETE, and a background response cancelled while it runs.
+    let mut steps = Vec::new();
+    for base in [engine.url(), format!("http://{}", sim.addr)] {
+        let responses = format!("{base}/v1/responses");
+        let first = http_post(&responses, &[], a_response.to_string())
+            .await?
+            .json();
+        let id = first["id"].as_str().unwrap_or("none").to_owned();
+        let mut statuses = vec![
+            http_post(
+                &responses,
+                &[],
+                with(a_response.clone(), json!({"previous_response_id": id})).to_string(),
+            )
+            .await?
+            .status,
+            http_post(&format!("{responses}/{id}/cancel"), &[], Vec::new())
+                .await?
+                .status,
+            http_request(
+                http::Method::DELETE,
+                &format!("{responses}/{id}"),
+                &[],
+                Vec::new(),
+            )
+            .await?
+            .status,
+            http_get(&format!("{responses}/{id}")).await?.0,
+        ];
+        let queued = http_post(
+            &responses,
+            &[],
+            with(
+                a_response.clone(),
+                json!({"background": true, "max_output_tokens": 1000}),
+            )
+            .to_string(),
+        )
+        .await?
+        .json();
+        let background = queued["id"].as_str().unwrap_or("none").to_owned();
+        let cancelled =
+            http_post(&format!("{responses}/{background}/cancel"), &[], Vec::new()).await?;
+        statuses.push(cancelled.status);
+        steps.push((
+            statuses,
+            queued["status"].clone(),
+            cancelled.json()["status"].clone(),
+        ));
+    }
+    if steps[0] != steps[1] {
+        differences.push(format!(
+            "stored responses (follow-up, cancel, DELETE, GET, background cancel; queued, \
+             cancelled)\n  vLLM:      {:?}\n  simulator: {:?}",
+            steps[0], steps[1]
+        ));
+    }
     println!(
-        "requests compared: {}, different: {}",
+        "requests compared: {} and a stored-response sequence, different: {}",
         cases.len(),
         differences.len()
     );

@@ -360,7 +360,20 @@ async fn run(
     }
     let tokens = tokenize(&chat_prompt_text(&conversation));
     let prompt_len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-    if prompt_len >= context {
+    if prompt_len > context {
+        // The tokenizer stops one token past the context, and that is refused.
+        let over = context + 1;
+        return Err(crate::sampling::refused(
+            format!(
+                "This model's maximum context length is {context} tokens. However, your prompt \
+                 contains at least {over} input tokens, which exceeds this limit even without \
+                 any output tokens. Please reduce the length of the input prompt."
+            ),
+            Some("input_tokens"),
+            Some(over.to_string()),
+        ));
+    }
+    if prompt_len == context {
         return Err(invalid_request(
             ApiError::bad_request(format!(
                 "The engine prompt length {prompt_len} exceeds the max_model_len {context}. \
