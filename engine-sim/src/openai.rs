@@ -430,20 +430,14 @@ pub(crate) fn parse_request(
     tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
     lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
-    let body: InferenceBody = parse_json(bytes, "invalid JSON body")?;
-    let kind = kind.unwrap_or(if body.messages.is_some() {
-        ApiKind::Chat
-    } else {
-        ApiKind::Completion
-    });
-    let generation = Generation::read(bytes)?;
-    generation.check_request(kind)?;
-    if kind == ApiKind::Chat {
-        check_chat_fields(&body)?;
-    }
+    let (body, generation, kind) = match kind {
+        Some(kind) => {
+            let (body, generation) = read_model(bytes, kind)?;
+            (body, generation, kind)
+        }
+        None => read_invocation(bytes)?,
+    };
     let truncation = body.truncation(kind, max_model_len)?;
-    lax_flag(body.return_token_ids.as_ref(), "body.return_token_ids")?;
-    lax_flag(body.echo.as_ref(), "body.echo")?;
     // Forwarded ids (a chat's, with its messages) are served as they are: no template, no
     // tokenizer, no truncation; a truncation longer than the context is still refused.
     let reused = match kind {
@@ -486,6 +480,63 @@ pub(crate) fn parse_request(
         kind,
         prompt,
     })
+}
+
+/// What a request model (chat or completions) checks while it reads a body.
+fn read_model(bytes: &[u8], kind: ApiKind) -> Result<(InferenceBody, Generation), ApiError> {
+    let body: InferenceBody = match parse_json(bytes, "invalid JSON body") {
+        Ok(body) => body,
+        // The completions model has no `messages`: whatever it holds is ignored there.
+        Err(error) if kind == ApiKind::Completion => {
+            let mut value: Value = parse_json(bytes, "invalid JSON body")?;
+            let removed = value
+                .as_object_mut()
+                .and_then(|fields| fields.remove("messages"));
+            if removed.is_none() {
+                return Err(error);
+            }
+            serde_json::from_value(value)
+                .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))?
+        }
+        Err(error) => return Err(error),
+    };
+    let generation = Generation::read(bytes)?;
+    generation.check_request(kind)?;
+    if kind == ApiKind::Chat {
+        check_chat_fields(&body)?;
+    }
+    lax_flag(body.return_token_ids.as_ref(), "body.return_token_ids")?;
+    lax_flag(body.echo.as_ref(), "body.echo")?;
+    Ok((body, generation))
+}
+
+/// SageMaker's `/invocations` as vLLM 0.32 serves it: the body is tried as a chat request,
+/// then as a completions one; the first whose request model takes it is served. A
+/// `VLLMValidationError` raised while a model reads it (a completion without a prompt, say)
+/// is the answer at once; if neither takes it, vLLM's 400 naming both.
+fn read_invocation(bytes: &[u8]) -> Result<(InferenceBody, Generation, ApiKind), ApiError> {
+    if let Err(err) = serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+        return Err(ApiError::bad_request(format!("JSON decode error: {err}")));
+    }
+    for kind in [ApiKind::Chat, ApiKind::Completion] {
+        let read = read_model(bytes, kind).and_then(|(body, generation)| {
+            if kind == ApiKind::Chat && body.messages.is_none() {
+                return Err(ApiError::bad_request("messages: Field required".to_owned())
+                    .param("body.messages"));
+            }
+            Ok((body, generation))
+        });
+        match read {
+            Ok((body, generation)) => return Ok((body, generation, kind)),
+            Err(error) if error.raised => return Err(error),
+            Err(_) => {}
+        }
+    }
+    Err(ApiError::bad_request(
+        "Cannot find suitable handler for request. Expected one of: \
+         ['ChatCompletionRequest', 'CompletionRequest']"
+            .to_owned(),
+    ))
 }
 
 /// The prompt's ids: the model's tokenizer (`--tokenizer`) for a chat with messages or a
@@ -620,6 +671,16 @@ fn model_tokens(
     } else {
         "prompt"
     };
+    // The tokenizer renders a body with `messages` as a chat; a completion ignores them.
+    let stripped = (kind == ApiKind::Completion
+        && bytes.windows(10).any(|window| window == b"\"messages\""))
+    .then(|| {
+        let mut value: Value = serde_json::from_slice(bytes).ok()?;
+        value.as_object_mut()?.remove("messages");
+        serde_json::to_vec(&value).ok()
+    })
+    .flatten();
+    let bytes = stripped.as_deref().unwrap_or(bytes);
     tokenizer.tokenize(bytes).map_err(|refusal| match refusal {
         Refusal::Invalid(reason) => ApiError::bad_request(reason.to_string()).param(param),
         Refusal::Engine(reason) => ApiError::bad_request(format!(

@@ -20,6 +20,10 @@ pub(crate) struct ApiError {
     pub message: String,
     pub error_type: &'static str,
     pub param: Option<&'static str>,
+    /// Raised as vLLM's `VLLMValidationError`, which passes through a request model's
+    /// validation (unlike pydantic's own errors): it ends `/invocations`' search for a
+    /// request type that fits.
+    pub raised: bool,
 }
 
 impl ApiError {
@@ -29,6 +33,7 @@ impl ApiError {
             message,
             error_type: "BadRequestError",
             param: None,
+            raised: false,
         }
     }
 
@@ -38,6 +43,7 @@ impl ApiError {
             message: format!("The model `{model}` does not exist."),
             error_type: "NotFoundError",
             param: Some("model"),
+            raised: false,
         }
     }
 
@@ -47,6 +53,7 @@ impl ApiError {
             message,
             error_type: "NotFoundError",
             param: None,
+            raised: false,
         }
     }
 
@@ -56,6 +63,7 @@ impl ApiError {
             message,
             error_type: "InternalServerError",
             param: None,
+            raised: false,
         }
     }
 
@@ -65,6 +73,7 @@ impl ApiError {
             message,
             error_type: "ServiceUnavailableError",
             param: None,
+            raised: false,
         }
     }
 

@@ -418,10 +418,14 @@ impl Generation {
                 if truthy(self.raw("continue_final_message"))
                     && truthy(self.raw("add_generation_prompt"))
                 {
-                    return Err(ApiError::bad_request(
+                    // Raised past the request model's validation (so `/invocations` answers
+                    // with it rather than trying a completion).
+                    return Err(refused(
                         "Cannot set both `continue_final_message` and `add_generation_prompt` \
                          to True."
                             .to_owned(),
+                        None,
+                        None,
                     ));
                 }
                 self.check_tools()?;
@@ -989,7 +993,8 @@ pub(crate) fn refused(
     } else {
         format!("{message} ({})", extras.join(", "))
     };
-    let error = ApiError::bad_request(message);
+    let mut error = ApiError::bad_request(message);
+    error.raised = true;
     match parameter {
         Some(parameter) => error.param(parameter),
         None => error,

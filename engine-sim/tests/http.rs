@@ -1489,6 +1489,65 @@ async fn responses_are_refused_where_vllm_refuses_them() -> Result<()> {
 }
 
 #[tokio::test]
+async fn invocations_try_a_chat_then_a_completion_as_vllm_does() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        // The chat model refuses a type: tried as a completion, which has no prompt.
+        (
+            json!({"messages": hi, "temperature": "x"}),
+            400,
+            Some("prompt"),
+        ),
+        // A range is the chat's own refusal, once it took the body.
+        (
+            json!({"messages": hi, "temperature": -1}),
+            400,
+            Some("temperature"),
+        ),
+        // Neither model takes it.
+        (json!({"prompt": "hi", "temperature": "x"}), 400, None),
+        (json!({"messages": hi, "prompt": "x", "n": "x"}), 400, None),
+        // Raised while the chat model reads it: no completion is tried.
+        (
+            json!({"messages": hi, "continue_final_message": true, "add_generation_prompt": true}),
+            400,
+            None,
+        ),
+        // `messages` that are no chat's: a completion, which ignores them.
+        (json!({"messages": "hi", "prompt": "hi"}), 200, None),
+        (json!({"messages": "hi"}), 400, Some("prompt")),
+    ];
+    for (body, status, param) in cases {
+        let reply = post(sim.addr, "/invocations", &body).await?;
+        assert_eq!(
+            reply.status.as_u16(),
+            status,
+            "{body}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        if status == 400 {
+            assert_eq!(reply.json()["error"]["param"], json!(param), "{body}");
+        }
+    }
+    let neither = post(
+        sim.addr,
+        "/invocations",
+        &json!({"prompt": "hi", "temperature": "x"}),
+    )
+    .await?;
+    assert!(
+        neither.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|message| message.contains("Cannot find suitable handler")),
+        "{}",
+        neither.json()
+    );
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
 async fn pooling_apis_answer_in_vllms_shapes() -> Result<()> {
     let sim = spawn(fast_config()).await?;
     let embeddings = post(

@@ -1295,6 +1295,26 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
     ] {
         cases.push((completions, with(a_completion.clone(), fields)));
     }
+    // SageMaker's `/invocations`: a chat's request model, then a completion's.
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for body in [
+        json!({"messages": hi, "max_tokens": 2, "temperature": "x"}),
+        json!({"messages": hi, "max_tokens": 2, "temperature": -1}),
+        json!({"prompt": "hi", "max_tokens": 2, "temperature": "x"}),
+        json!({"max_tokens": 2}),
+        json!({"messages": [], "max_tokens": 2}),
+        json!({"messages": hi, "prompt": "hello", "max_tokens": 2, "n": "x"}),
+        json!({"messages": hi, "max_tokens": 2, "suffix": "x"}),
+        json!({"messages": hi, "max_tokens": 2, "continue_final_message": true,
+               "add_generation_prompt": true}),
+        json!({"messages": hi, "prompt": "hi", "max_tokens": 2, "stream": "maybe"}),
+        json!({"messages": "hi", "prompt": "hi", "max_tokens": 2}),
+        json!({"messages": "hi", "max_tokens": 2}),
+        json!({"prompt": "", "max_tokens": 2}),
+        json!({"prompt": "hi", "max_tokens": 2, "echo": "x"}),
+    ] {
+        cases.push(("/invocations", with(json!({"model": MODEL}), body)));
+    }
     let a_response = json!({"model": MODEL, "input": "hi", "max_output_tokens": 3});
     let tool = json!({"type": "function", "name": "f",
                       "parameters": {"type": "object", "properties": {}}});
