@@ -1282,8 +1282,9 @@ async fn responses_are_stored_and_a_follow_up_sees_the_stored_turns() -> Result<
     .await?;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
     assert_eq!(unknown.json()["error"]["param"], "response_id");
-    let invalid = get(sim.addr, "/v1/responses/abc").await?;
-    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    // Any id is looked up (vLLM 0.32 checks no prefix).
+    let other = get(sim.addr, "/v1/responses/abc").await?;
+    assert_eq!(other.status, StatusCode::NOT_FOUND);
     // store: false keeps nothing.
     let unstored = post(
         sim.addr,
@@ -1402,6 +1403,53 @@ async fn background_responses_run_on_and_can_be_cancelled() -> Result<()> {
     assert_eq!(cancelled.json()["id"], id.as_str());
     let kept = get(sim.addr, &format!("/v1/responses/{id}")).await?.json();
     assert_eq!(kept["status"], "cancelled");
+    assert_eq!(kept["max_output_tokens"], 2000);
+    // Its engine work stops: the engine drops the request nobody reads.
+    let mut aborted = 0;
+    for _ in 0..200 {
+        aborted = sim.stats().requests_aborted;
+        if aborted >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(aborted, 1, "the cancelled response's work stops");
+
+    // Streamed in the background: a client that leaves does not stop it.
+    let mut streamed = open_post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": "hi", "background": true, "stream": true, "max_output_tokens": 20}),
+    )
+    .await?;
+    let first = streamed
+        .body_mut()
+        .frame()
+        .await
+        .context("a first event")??;
+    let first = String::from_utf8_lossy(first.data_ref().context("data")?).into_owned();
+    let data = first
+        .lines()
+        .find_map(|line| line.strip_prefix("data: "))
+        .context("a data line")?;
+    let id = serde_json::from_str::<Value>(data)?["response"]["id"]
+        .as_str()
+        .context("an id")?
+        .to_owned();
+    drop(streamed);
+    let mut left = Value::Null;
+    for _ in 0..300 {
+        left = get(sim.addr, &format!("/v1/responses/{id}")).await?.json();
+        if left["status"] != "queued" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        left["status"], "incomplete",
+        "done without its client: {left}"
+    );
+    assert_eq!(left["usage"]["output_tokens"], 20);
 
     // Background needs the store.
     let unstored = post(
@@ -1481,6 +1529,46 @@ async fn responses_are_refused_where_vllm_refuses_them() -> Result<()> {
         let reply = post(sim.addr, "/v1/responses", &body).await?;
         assert_eq!(reply.status, StatusCode::OK, "{body}");
     }
+    // A tool call's follow-up: the call and its output are turns of the conversation.
+    let tool_turns = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "sunny"}]},
+            {"type": "reasoning", "summary": []},
+        ]}),
+    )
+    .await?;
+    assert_eq!(tool_turns.status, StatusCode::OK, "{}", tool_turns.json());
+    // The response echoes what was asked, and vLLM's budget.
+    let echoed = post(
+        sim.addr,
+        "/v1/responses",
+        &json!({"input": "hi", "user": "u1", "truncation": "auto", "presence_penalty": 0.5,
+                "parallel_tool_calls": false, "store": null}),
+    )
+    .await?
+    .json();
+    assert_eq!(echoed["user"], "u1");
+    assert_eq!(echoed["truncation"], "auto");
+    assert_eq!(echoed["presence_penalty"], 0.5);
+    assert_eq!(echoed["parallel_tool_calls"], false);
+    assert!(
+        echoed["max_output_tokens"].as_i64().unwrap() > 2000,
+        "{echoed}"
+    );
+    let unstored = get(
+        sim.addr,
+        &format!("/v1/responses/{}", echoed["id"].as_str().unwrap()),
+    )
+    .await?;
+    assert_eq!(
+        unstored.status,
+        StatusCode::NOT_FOUND,
+        "store: null stores nothing"
+    );
     let unknown = get(sim.addr, "/v1/responses/resp_x/input_items").await?;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
     assert_eq!(unknown.json(), json!({"detail": "Not Found"}));

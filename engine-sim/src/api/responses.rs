@@ -15,14 +15,17 @@
 //!   previous response (404), an empty conversation, a prompt that fills the context
 //!   (`param: "input"`), and the sampling ranges (`param: "max_tokens"` for a
 //!   `max_output_tokens` below 1).
-//! - `background: true` (only with `store`): answered at once with the response `queued`; it
-//!   runs on, and `GET` shows it `queued` until it is done. `POST /v1/responses/{id}/cancel`
-//!   cancels it while it runs (the answer: the response, `cancelled`); a finished response
+//! - `background: true` (only with `store`): answered at once with the response `queued` (or,
+//!   with `stream`, its events as they come); it runs on a task of its own, which a client
+//!   that leaves does not stop, and `GET` shows it `queued` until it is done.
+//!   `POST /v1/responses/{id}/cancel` cancels it while it runs (the answer: the response,
+//!   `cancelled`; its task is aborted, so the engine drops the request); a finished response
 //!   cannot be cancelled (400, vLLM's "Cannot cancel a synchronous response.").
 //! - `GET /v1/responses/{id}`: the stored response. vLLM has no `DELETE` here: 405, as for
 //!   any known path with another method (`{"detail": "Method Not Allowed"}`).
 //!
-//! The store is bounded (`--max-stored-responses`): the oldest response is forgotten first.
+//! The store is bounded (`--max-stored-responses`): the oldest finished response is forgotten
+//! first; one still running is kept.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,8 +79,23 @@ struct CreateBody {
     tool_choice: Value,
     temperature: f64,
     top_p: f64,
+    /// What the response object echoes of the request (vLLM's `from_request`).
+    echoed: Echoed,
     /// The sampling fields, checked once the output budget is known.
     sampling: Generation,
+}
+
+/// The request fields a response object shows as they came (or their defaults).
+#[derive(Debug, Clone, Default)]
+struct Echoed {
+    tools: Value,
+    parallel_tool_calls: bool,
+    service_tier: Value,
+    truncation: Value,
+    user: Value,
+    text: Value,
+    presence_penalty: f64,
+    frequency_penalty: f64,
 }
 
 impl CreateBody {
@@ -114,12 +132,36 @@ impl CreateBody {
             None | Some(Value::Null) => json!("auto"),
             Some(choice) => choice.clone(),
         };
+        let given = |name: &str, default: Value| {
+            fields
+                .get(name)
+                .filter(|value| !value.is_null())
+                .cloned()
+                .unwrap_or(default)
+        };
+        let penalty = |name: &str| {
+            fields
+                .get(name)
+                .and_then(|value| value.as_f64().or_else(|| value.as_str()?.parse().ok()))
+                .unwrap_or(0.0)
+        };
+        let echoed = Echoed {
+            tools: given("tools", json!([])),
+            parallel_tool_calls: flag("parallel_tool_calls", true),
+            service_tier: given("service_tier", json!("auto")),
+            truncation: given("truncation", json!("disabled")),
+            user: given("user", Value::Null),
+            text: given("text", Value::Null),
+            presence_penalty: penalty("presence_penalty"),
+            frequency_penalty: penalty("frequency_penalty"),
+        };
         Ok(Self {
             model: text("model"),
             input: fields.get("input").cloned().unwrap_or(Value::Null),
             instructions: text("instructions"),
             previous_response_id: text("previous_response_id"),
-            store: flag("store", true),
+            // A null `store` is false there (`if request.store`).
+            store: !fields.get("store").is_some_and(Value::is_null) && flag("store", true),
             stream: flag("stream", false),
             background: flag("background", false),
             max_output_tokens: fields.get("max_output_tokens").and_then(reuse::lax_integer),
@@ -127,6 +169,7 @@ impl CreateBody {
             tool_choice,
             temperature: number("temperature"),
             top_p: number("top_p"),
+            echoed,
             sampling: Generation::of_responses(&fields),
         })
     }
@@ -154,28 +197,34 @@ fn content_text(content: &Value) -> String {
 fn input_messages(input: &Value) -> Result<Vec<Value>, ApiError> {
     match input {
         Value::String(text) => Ok(vec![json!({"role": "user", "content": text})]),
-        Value::Array(items) => items
-            .iter()
-            .map(|item| {
-                if let Some(content) = item.get("content") {
-                    let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
-                    Ok(json!({"role": role, "content": content_text(content)}))
-                } else if let Some(output) = item.get("output").and_then(Value::as_str) {
-                    // A function call's output.
-                    Ok(json!({"role": "tool", "content": output}))
-                } else {
-                    Err(ApiError::bad_request(
-                        "input items must be messages (with content) or function call outputs"
-                            .to_owned(),
-                    )
-                    .param("input"))
-                }
-            })
-            .collect(),
+        Value::Array(items) => Ok(items.iter().filter_map(input_message).collect()),
         _ => Err(
             ApiError::bad_request("input must be a string or an array of items".to_owned())
                 .param("input"),
         ),
+    }
+}
+
+/// One input item as a chat message: a message; a function call (the assistant's turn, its
+/// name and arguments); a function call's output (a tool turn); other items (reasoning, ...)
+/// add no text here.
+fn input_message(item: &Value) -> Option<Value> {
+    let text = |name: &str| item.get(name).and_then(Value::as_str).unwrap_or_default();
+    match item.get("type").and_then(Value::as_str) {
+        Some("function_call") => Some(json!({
+            "role": "assistant",
+            "content": format!("{}({})", text("name"), text("arguments")),
+        })),
+        Some("function_call_output") => Some(json!({
+            "role": "tool",
+            "content": item.get("output").map(content_text).unwrap_or_default(),
+        })),
+        None | Some("message") => {
+            let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+            let content = item.get("content").map(content_text).unwrap_or_default();
+            Some(json!({"role": role, "content": content}))
+        }
+        Some(_) => None,
     }
 }
 
@@ -190,11 +239,14 @@ struct Meta {
     previous_response_id: Option<String>,
     store: bool,
     background: bool,
-    max_output_tokens: Option<i64>,
+    /// vLLM's budget: `max_output_tokens` within the context left, else the context left
+    /// (what the response shows as `max_output_tokens`, and what makes it `incomplete`).
+    budget: i64,
     metadata: Value,
     tool_choice: Value,
     temperature: f64,
     top_p: f64,
+    echoed: Echoed,
 }
 
 impl Meta {
@@ -237,26 +289,26 @@ impl Meta {
             "model": self.model,
             "object": "response",
             "output": output,
-            "parallel_tool_calls": true,
+            "parallel_tool_calls": self.echoed.parallel_tool_calls,
             "temperature": self.temperature,
             "tool_choice": self.tool_choice,
-            "tools": [],
+            "tools": self.echoed.tools,
             "top_p": self.top_p,
             "background": self.background,
-            "max_output_tokens": self.max_output_tokens,
+            "max_output_tokens": self.budget,
             "max_tool_calls": null,
             "previous_response_id": self.previous_response_id,
             "prompt": null,
             "reasoning": null,
-            "service_tier": "auto",
+            "service_tier": self.echoed.service_tier,
             "status": status,
-            "text": null,
+            "text": self.echoed.text,
             "top_logprobs": null,
-            "truncation": "disabled",
+            "truncation": self.echoed.truncation,
             "usage": usage,
-            "user": null,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
+            "user": self.echoed.user,
+            "presence_penalty": self.echoed.presence_penalty,
+            "frequency_penalty": self.echoed.frequency_penalty,
             "kv_transfer_params": null,
             "ec_transfer_params": null,
             "input_messages": null,
@@ -280,12 +332,14 @@ impl Meta {
         })
     }
 
-    /// `completed`, or `incomplete` when the output stopped at the client's
-    /// `max_output_tokens` (vLLM's rule; without one the simulated model stops by itself).
+    /// `completed`, or `incomplete` when the output reached vLLM's budget (the client's
+    /// `max_output_tokens` within the context; without one the simulated model stops by
+    /// itself, short of the context).
     fn final_status(&self, finished: &FinishedSeq) -> &'static str {
-        match self.max_output_tokens {
-            Some(max) if i64::from(finished.completion_tokens) >= max => "incomplete",
-            _ => "completed",
+        if i64::from(finished.completion_tokens) >= self.budget {
+            "incomplete"
+        } else {
+            "completed"
         }
     }
 }
@@ -429,11 +483,12 @@ async fn run(
         previous_response_id: body.previous_response_id,
         store: body.store,
         background: body.background,
-        max_output_tokens: body.max_output_tokens,
+        budget,
         metadata: body.metadata,
         tool_choice: body.tool_choice,
         temperature: body.temperature,
         top_p: body.top_p,
+        echoed: body.echoed,
     };
     let done = Done {
         shared: Arc::clone(shared),
@@ -452,7 +507,7 @@ async fn run(
             },
         );
         if streaming {
-            return Ok(done.stream(events, interruption));
+            return Ok(done.stream_in_background(events, interruption));
         }
         done.run_in_background(events);
         return Ok(Json(queued).into_response());
@@ -503,6 +558,12 @@ impl Done {
         let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let _ = wait_registered.await;
+            // Cancelled before its task was known: its work ends here (the engine drops a
+            // request whose events nobody reads).
+            if self.shared.responses.cancelled(&self.meta.id) {
+                self.shared.responses.stopped(&self.meta.id);
+                return;
+            }
             match super::common::wait_finished(&mut events).await {
                 Ok(finished) => {
                     self.finish(&finished);
@@ -524,13 +585,70 @@ impl Done {
         let _ = registered.send(());
     }
 
+    /// A background response streamed (`background` and `stream`): its events are made on a
+    /// task of its own, as vLLM makes them, so a client that leaves does not stop the work,
+    /// and a cancel does (the stream then ends). Ended early (a fault, the engine gone), it is
+    /// stored `failed`.
+    fn stream_in_background(
+        self,
+        events: UnboundedReceiver<EngineEvent>,
+        interruption: Option<Interruption>,
+    ) -> Response {
+        let id = self.meta.id.clone();
+        let shared = Arc::clone(&self.shared);
+        let failed = Stored {
+            response: self.meta.response("failed", None),
+            conversation: self.conversation.clone(),
+        };
+        let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
+        let task_shared = Arc::clone(&shared);
+        let task_id = id.clone();
+        let task = tokio::spawn(async move {
+            let _ = wait_registered.await;
+            if !task_shared.responses.cancelled(&task_id) {
+                let made = self.events(events, interruption);
+                futures::pin_mut!(made);
+                while let Some(item) = futures::StreamExt::next(&mut made).await {
+                    // The client may have left; the work goes on.
+                    let _ = sender.send(item);
+                }
+                // Not stored as done (cut short): failed, unless cancelled.
+                if task_shared
+                    .responses
+                    .get(&task_id)
+                    .is_some_and(|kept| kept.response["status"] == "queued")
+                {
+                    task_shared.responses.finish(task_id.clone(), failed);
+                }
+            }
+            task_shared.responses.stopped(&task_id);
+        });
+        shared.responses.running(id, task.abort_handle());
+        let _ = registered.send(());
+        event_stream(async_stream::stream! {
+            while let Some(item) = receiver.recv().await {
+                yield item;
+            }
+        })
+    }
+
     /// vLLM's streamed events, one per engine token in between.
     fn stream(
         self,
-        mut events: UnboundedReceiver<EngineEvent>,
+        events: UnboundedReceiver<EngineEvent>,
         interruption: Option<Interruption>,
     ) -> Response {
-        let stream = async_stream::stream! {
+        event_stream(self.events(events, interruption))
+    }
+
+    /// The events of [`Self::stream`], the response stored when done.
+    fn events(
+        self,
+        mut events: UnboundedReceiver<EngineEvent>,
+        interruption: Option<Interruption>,
+    ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+        async_stream::stream! {
             let meta = self.meta.clone();
             let mut sequence = 0u64;
             let mut event = |kind: &str, mut data: Value| {
@@ -621,8 +739,7 @@ impl Done {
                     }
                 }
             }
-        };
-        event_stream(stream)
+        }
     }
 }
 
@@ -644,23 +761,10 @@ fn not_found(id: &str) -> ApiError {
     )
 }
 
-/// vLLM refuses ids that do not start with `resp` before looking them up.
-fn check_id(id: &str) -> Result<(), ApiError> {
-    if id.starts_with("resp") {
-        Ok(())
-    } else {
-        Err(ApiError::bad_request(format!(
-            "Invalid 'response_id': '{id}'. Expected an ID that begins with 'resp'."
-        ))
-        .param("response_id"))
-    }
-}
-
 async fn retrieve(
     State(shared): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    check_id(&id)?;
     let stored = shared.responses.get(&id).ok_or_else(|| not_found(&id))?;
     Ok(Json(stored.response))
 }
@@ -669,7 +773,6 @@ async fn cancel(
     State(shared): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    check_id(&id)?;
     match shared.responses.cancel(&id) {
         Ok(Some(cancelled)) => {
             if let Some(task) = shared.responses.stopped(&id) {

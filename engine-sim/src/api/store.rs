@@ -39,15 +39,34 @@ impl ResponseStore {
 
     pub(super) fn insert(&self, id: String, stored: Stored) {
         let mut guard = self.lock();
-        let (map, order) = &mut *guard;
+        self.insert_locked(&mut guard, id, stored);
+    }
+
+    /// Inserts, then forgets the oldest finished responses past the capacity (one still
+    /// running stays: its task will store it again, and a cancel must find it).
+    fn insert_locked(
+        &self,
+        guard: &mut (HashMap<String, Stored>, VecDeque<String>),
+        id: String,
+        stored: Stored,
+    ) {
+        let (map, order) = guard;
         if map.insert(id.clone(), stored).is_none() {
             order.push_back(id);
         }
-        while map.len() > self.capacity {
-            let Some(oldest) = order.pop_front() else {
-                break;
-            };
-            map.remove(&oldest);
+        // The newest (just inserted) stays.
+        let mut index = 0;
+        while map.len() > self.capacity && index + 1 < order.len() {
+            let running = map
+                .get(&order[index])
+                .is_some_and(|kept| unfinished(&kept.response));
+            if running {
+                index += 1;
+                continue;
+            }
+            if let Some(oldest) = order.remove(index) {
+                map.remove(&oldest);
+            }
         }
     }
 
@@ -56,15 +75,25 @@ impl ResponseStore {
     }
 
     /// Stores the finished `stored` unless its response was cancelled meanwhile (vLLM keeps a
-    /// cancelled response as it was cancelled).
+    /// cancelled response as it was cancelled), under one lock with the check.
     pub(super) fn finish(&self, id: String, stored: Stored) {
-        if self
+        let mut guard = self.lock();
+        if guard
+            .0
             .get(&id)
             .is_some_and(|kept| kept.response["status"] == "cancelled")
         {
             return;
         }
-        self.insert(id, stored);
+        self.insert_locked(&mut guard, id, stored);
+    }
+
+    /// Whether a response is stored cancelled.
+    pub(super) fn cancelled(&self, id: &str) -> bool {
+        self.lock()
+            .0
+            .get(id)
+            .is_some_and(|kept| kept.response["status"] == "cancelled")
     }
 
     /// Marks a response still queued or in progress cancelled, and gives it; `Ok(None)` if it
@@ -72,10 +101,7 @@ impl ResponseStore {
     pub(super) fn cancel(&self, id: &str) -> Result<Option<Value>, ()> {
         let mut guard = self.lock();
         let stored = guard.0.get_mut(id).ok_or(())?;
-        if !matches!(
-            stored.response["status"].as_str(),
-            Some("queued" | "in_progress")
-        ) {
+        if !unfinished(&stored.response) {
             return Ok(None);
         }
         stored.response["status"] = Value::from("cancelled");
@@ -102,6 +128,11 @@ impl ResponseStore {
     pub(crate) fn len(&self) -> usize {
         self.lock().0.len()
     }
+}
+
+/// A response still queued or in progress (a background one running).
+fn unfinished(response: &Value) -> bool {
+    matches!(response["status"].as_str(), Some("queued" | "in_progress"))
 }
 
 #[cfg(test)]
@@ -147,5 +178,24 @@ mod tests {
         );
         assert_eq!(store.get("q").unwrap().response["status"], "cancelled");
         assert_eq!(store.len(), 2, "b made room for q");
+    }
+
+    #[test]
+    fn a_running_response_is_not_forgotten_to_make_room() {
+        let store = ResponseStore::new(1);
+        let stored = |status: &str| Stored {
+            response: json!({"status": status}),
+            conversation: Vec::new(),
+        };
+        store.insert("running".to_owned(), stored("queued"));
+        store.insert("done".to_owned(), stored("completed"));
+        assert!(store.get("running").is_some(), "kept while it runs");
+        assert_eq!(store.len(), 2, "over capacity while one runs");
+        store.insert("next".to_owned(), stored("completed"));
+        assert!(store.get("done").is_none(), "the oldest finished one goes");
+        store.finish("running".to_owned(), stored("completed"));
+        store.insert("last".to_owned(), stored("completed"));
+        assert_eq!(store.len(), 1);
+        assert!(store.get("last").is_some());
     }
 }
