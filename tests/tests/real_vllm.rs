@@ -1378,16 +1378,40 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         // With `echo` and `max_tokens: 0` the answer is the prompt alone: the same text.
         let echoed = |answer: &Value| answer["choices"][0]["text"].clone();
         let echo_alone = body["echo"] == true && body["max_tokens"] == 0;
+        // A Responses answer: the same fields, and the same values of those that echo the
+        // request or vLLM's budget (the output's length is the model's).
+        let fields = |answer: &Value| {
+            let mut keys: Vec<String> = answer
+                .as_object()
+                .map(|fields| fields.keys().cloned().collect())
+                .unwrap_or_default();
+            keys.sort();
+            let echoed: Vec<Value> = RESPONSE_ECHOES
+                .iter()
+                .map(|name| answer[*name].clone())
+                .collect();
+            (keys, echoed)
+        };
+        let response_answer = *path == "/v1/responses" && theirs == 200 && body["stream"] != true;
         if theirs != ours
+            || (response_answer && fields(&their_answer) != fields(&our_answer))
             || (theirs == 400 && param(&their_answer) != param(&our_answer))
             || (theirs == 200 && echo_alone && echoed(&their_answer) != echoed(&our_answer))
         {
             let short = |text: String| text.chars().take(300).collect::<String>();
+            // A Responses answer: its fields and echoed values, where they differ.
+            let shown = |answer: &Value| {
+                if response_answer {
+                    format!("{:?}", fields(answer))
+                } else {
+                    short(answer.to_string())
+                }
+            };
             differences.push(format!(
                 "{path} {}\n  vLLM:      {theirs} {}\n  simulator: {ours} {}",
                 short(bytes.clone()),
-                short(their_answer.to_string()),
-                short(our_answer.to_string())
+                shown(&their_answer),
+                shown(&our_answer)
             ));
         }
     }
@@ -1469,6 +1493,31 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
 }
 
 const SERVED_PROMPT_TOKENS: usize = 2000;
+
+/// The fields of a Responses answer that echo the request or vLLM's budget.
+const RESPONSE_ECHOES: [&str; 21] = [
+    "object",
+    "model",
+    "background",
+    "instructions",
+    "metadata",
+    "max_output_tokens",
+    "max_tool_calls",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt",
+    "reasoning",
+    "service_tier",
+    "temperature",
+    "top_p",
+    "text",
+    "tool_choice",
+    "tools",
+    "truncation",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+];
 
 /// POSTs `body` as JSON; the status and the answer's JSON (null if none).
 async fn http_post_status(url: &str, body: &[u8]) -> anyhow::Result<(u16, Value)> {

@@ -98,6 +98,29 @@ struct Echoed {
     frequency_penalty: f64,
 }
 
+/// The tools as vLLM's request model shows them again: a function tool with every field of
+/// its model, null where not given.
+fn function_tools(mut tools: Value) -> Value {
+    const FUNCTION_TOOL_FIELDS: [&str; 6] = [
+        "allowed_callers",
+        "async",
+        "defer_loading",
+        "description",
+        "output_schema",
+        "strict",
+    ];
+    for tool in tools.as_array_mut().into_iter().flatten() {
+        if let Some(fields) = tool.as_object_mut()
+            && fields.get("type").and_then(Value::as_str) == Some("function")
+        {
+            for name in FUNCTION_TOOL_FIELDS {
+                fields.entry(name).or_insert(Value::Null);
+            }
+        }
+    }
+    tools
+}
+
 impl CreateBody {
     /// Reads a body as vLLM's request model does.
     fn read(bytes: &[u8]) -> Result<Self, ApiError> {
@@ -146,7 +169,7 @@ impl CreateBody {
                 .unwrap_or(0.0)
         };
         let echoed = Echoed {
-            tools: given("tools", json!([])),
+            tools: function_tools(given("tools", json!([]))),
             parallel_tool_calls: flag("parallel_tool_calls", true),
             service_tier: given("service_tier", json!("auto")),
             truncation: given("truncation", json!("disabled")),
