@@ -39,8 +39,8 @@ use crate::kv_events::KvEventsState;
 use crate::metrics::{Metrics, SimStats};
 use crate::nixl::{Handoff, PullError, internal_request_id, prefill_response_params};
 use crate::openai::{
-    ApiError, ApiKind, Echo, InferenceBody, KvTransfer, ParsedRequest, ResponseMeta, parse_json,
-    parse_request,
+    ApiError, ApiKind, Echo, InferenceBody, KvTransfer, ParsedRequest, Reading, ResponseMeta,
+    parse_json, parse_request,
 };
 use crate::records::ReceivedRequest;
 
@@ -156,7 +156,7 @@ async fn infer(
     let arrival = Instant::now();
     Metrics::increment(&shared.metrics.requests_received);
     let body_bytes = body.len();
-    let parsed = parse_off_thread(&shared, body, route.kind()).await;
+    let parsed = parse_off_thread(&shared, body, route.kind().into()).await;
 
     let request_id = request_id(&headers);
     let mut record = ReceivedRequest {
@@ -262,18 +262,18 @@ enum Pull {
 async fn parse_off_thread(
     shared: &Shared,
     body: Bytes,
-    kind: Option<ApiKind>,
+    reading: Reading,
 ) -> Result<ParsedRequest, ApiError> {
     let limits = (shared.config.block_size, shared.config.max_model_len);
     let tokenizer = shared.tokenizer.clone();
     if body.len() <= PARSE_INLINE_LIMIT {
-        return parse_request(&body, kind, limits, tokenizer.as_deref(), |model| {
+        return parse_request(&body, reading, limits, tokenizer.as_deref(), |model| {
             shared.config.lora(model)
         });
     }
     let modules = shared.config.lora_modules.clone();
     tokio::task::spawn_blocking(move || {
-        parse_request(&body, kind, limits, tokenizer.as_deref(), |model| {
+        parse_request(&body, reading, limits, tokenizer.as_deref(), |model| {
             lora_of(&modules, model)
         })
     })
@@ -730,7 +730,18 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json
             std::future::pending::<()>().await;
         }
     }
-    let parsed = parse_off_thread(&shared, without_served_fields(body), None).await?;
+    // vLLM's `/tokenize` takes a chat's body (with `messages`) or a completion's.
+    let kind = if has_messages(&body) {
+        ApiKind::Chat
+    } else {
+        ApiKind::Completion
+    };
+    let parsed = parse_off_thread(
+        &shared,
+        without_served_fields(body),
+        Reading::Tokenize(kind),
+    )
+    .await?;
     check_model(&shared.config, parsed.body.model.as_deref())?;
     let prompt = parsed.prompt?;
     Ok(Json(json!({
@@ -739,6 +750,16 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json
         "tokens": prompt.tokens,
         "token_strs": null,
     })))
+}
+
+/// Whether a body is a JSON object with a `messages` key.
+fn has_messages(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        messages: Option<serde::de::IgnoredAny>,
+    }
+    serde_json::from_slice::<Probe>(body).is_ok_and(|probe| probe.messages.is_some())
 }
 
 /// A `/tokenize` body without the chat completion's own `documents` and `reasoning_effort`,

@@ -425,17 +425,21 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
 /// `/invocations` rule). CPU-bound: run large bodies on a blocking thread.
 pub(crate) fn parse_request(
     bytes: &[u8],
-    kind: Option<ApiKind>,
+    reading: impl Into<Reading>,
     (block_size, max_model_len): (usize, u32),
     tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
     lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
-    let (body, generation, kind) = match kind {
-        Some(kind) => {
-            let (body, generation) = read_model(bytes, kind)?;
+    let (body, generation, kind) = match reading.into() {
+        Reading::Model(kind) => {
+            let (body, generation) = read_model(bytes, kind, true)?;
             (body, generation, kind)
         }
-        None => read_invocation(bytes)?,
+        Reading::Tokenize(kind) => {
+            let (body, generation) = read_model(bytes, kind, false)?;
+            (body, generation, kind)
+        }
+        Reading::Invocation => read_invocation(bytes)?,
     };
     let truncation = body.truncation(kind, max_model_len)?;
     // Forwarded ids (a chat's, with its messages) are served as they are: no template, no
@@ -482,8 +486,30 @@ pub(crate) fn parse_request(
     })
 }
 
-/// What a request model (chat or completions) checks while it reads a body.
-fn read_model(bytes: &[u8], kind: ApiKind) -> Result<(InferenceBody, Generation), ApiError> {
+/// How a body is read: by one request model (chat or completions), as SageMaker's
+/// `/invocations` reads it (one, then the other), or as `/tokenize` reads it (a chat's or a
+/// completion's tokenize request, which has none of the generation fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reading {
+    Model(ApiKind),
+    Invocation,
+    Tokenize(ApiKind),
+}
+
+/// A path's kind, or none for `/invocations`.
+impl From<Option<ApiKind>> for Reading {
+    fn from(kind: Option<ApiKind>) -> Self {
+        kind.map_or(Reading::Invocation, Reading::Model)
+    }
+}
+
+/// What a request model (chat or completions) checks while it reads a body; `generation`:
+/// its checks of the generation fields too (not a tokenize request's).
+fn read_model(
+    bytes: &[u8],
+    kind: ApiKind,
+    generation_checks: bool,
+) -> Result<(InferenceBody, Generation), ApiError> {
     let body: InferenceBody = match parse_json(bytes, "invalid JSON body") {
         Ok(body) => body,
         // The completions model has no `messages`: whatever it holds is ignored there.
@@ -501,7 +527,9 @@ fn read_model(bytes: &[u8], kind: ApiKind) -> Result<(InferenceBody, Generation)
         Err(error) => return Err(error),
     };
     let generation = Generation::read(bytes)?;
-    generation.check_request(kind)?;
+    if generation_checks {
+        generation.check_request(kind)?;
+    }
     if kind == ApiKind::Chat {
         check_chat_fields(&body)?;
     }
@@ -519,7 +547,7 @@ fn read_invocation(bytes: &[u8]) -> Result<(InferenceBody, Generation, ApiKind),
         return Err(ApiError::bad_request(format!("JSON decode error: {err}")));
     }
     for kind in [ApiKind::Chat, ApiKind::Completion] {
-        let read = read_model(bytes, kind).and_then(|(body, generation)| {
+        let read = read_model(bytes, kind, true).and_then(|(body, generation)| {
             if kind == ApiKind::Chat && body.messages.is_none() {
                 return Err(ApiError::bad_request("messages: Field required".to_owned())
                     .param("body.messages"));

@@ -1315,6 +1315,39 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
     ] {
         cases.push(("/invocations", with(json!({"model": MODEL}), body)));
     }
+    // `/tokenize` and `/detokenize`: a whole answer must be the same (ids, text).
+    for (path, body) in [
+        ("/tokenize", json!({"prompt": "hello world"})),
+        (
+            "/tokenize",
+            json!({"prompt": "hello world", "add_special_tokens": false}),
+        ),
+        ("/tokenize", json!({"prompt": ""})),
+        ("/tokenize", json!({"prompt": "hello ".repeat(3000)})),
+        ("/tokenize", json!({"model": "other", "prompt": "x"})),
+        ("/tokenize", json!({"messages": hi})),
+        (
+            "/tokenize",
+            json!({"messages": hi, "add_generation_prompt": false}),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": hi, "continue_final_message": true,
+                             "add_generation_prompt": false}),
+        ),
+        ("/tokenize", json!({"messages": hi, "tools": []})),
+        ("/tokenize", json!({"messages": [{"role": "user"}]})),
+        ("/tokenize", json!({"messages": hi, "temperature": -1})),
+        ("/detokenize", json!({"tokens": [1, 2, 3]})),
+        ("/detokenize", json!({"tokens": [28120, 665]})),
+        ("/detokenize", json!({"tokens": []})),
+        ("/detokenize", json!({"tokens": [-1]})),
+        ("/detokenize", json!({"tokens": [10_000_000]})),
+        ("/detokenize", json!({})),
+        ("/detokenize", json!({"model": "other", "tokens": [1]})),
+    ] {
+        cases.push((path, body));
+    }
     let a_response = json!({"model": MODEL, "input": "hi", "max_output_tokens": 3});
     let tool = json!({"type": "function", "name": "f",
                       "parameters": {"type": "object", "properties": {}}});
@@ -1393,8 +1426,10 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
             (keys, echoed)
         };
         let response_answer = *path == "/v1/responses" && theirs == 200 && body["stream"] != true;
+        let whole = matches!(*path, "/tokenize" | "/detokenize") && theirs == 200;
         if theirs != ours
             || (response_answer && fields(&their_answer) != fields(&our_answer))
+            || (whole && their_answer != our_answer)
             || (theirs == 400 && param(&their_answer) != param(&our_answer))
             || (theirs == 200 && echo_alone && echoed(&their_answer) != echoed(&our_answer))
         {

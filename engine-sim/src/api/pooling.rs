@@ -476,18 +476,31 @@ async fn rerank(shared: Arc<Shared>, body: PoolingBody, request_id: String) -> A
     }))
 }
 
-async fn detokenize(_shared: Arc<Shared>, body: PoolingBody, _request_id: String) -> Answer {
+async fn detokenize(shared: Arc<Shared>, body: PoolingBody, _request_id: String) -> Answer {
     let tokens = body.tokens.ok_or_else(|| {
-        ApiError::bad_request("tokens: field required".to_owned()).param("tokens")
+        ApiError::bad_request("tokens: Field required".to_owned()).param("body.tokens")
     })?;
-    let ids = tokens
-        .iter()
-        .map(|token| token.as_u64().and_then(|id| u32::try_from(id).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| {
-            ApiError::bad_request("tokens must be non-negative integers".to_owned()).param("tokens")
-        })?;
-    let prompt = crate::openai::detokenize(&ids);
+    let mut ids = Vec::with_capacity(tokens.len());
+    for (index, token) in tokens.iter().enumerate() {
+        let id = token.as_u64().and_then(|id| u32::try_from(id).ok());
+        ids.push(id.ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "tokens.{index}: Input should be a non-negative integer"
+            ))
+            .param(if index == 0 {
+                "body.tokens.0"
+            } else {
+                "body.tokens"
+            })
+        })?);
+    }
+    // The model's tokenizer (`--tokenizer`) decodes as vLLM does: special tokens kept, ids
+    // outside the vocabulary left out; else the simulator's own words.
+    let prompt = shared
+        .tokenizer
+        .as_deref()
+        .and_then(|tokenizer| tokenizer.decode(&ids))
+        .unwrap_or_else(|| crate::openai::detokenize(&ids));
     Ok(json!({"prompt": prompt}))
 }
 
