@@ -362,7 +362,7 @@ async fn run_request(
         role: answer_role(&body),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
-        return Ok(kv_load_failed(&meta, streaming, body.include_usage()));
+        return Ok(kv_load_failed(&meta, streaming));
     }
     let interruption = match draw_fault(shared, request_id, streaming, max_tokens).await {
         Ok(interruption) => interruption,
@@ -597,14 +597,14 @@ fn echo(shared: &Shared, body: &InferenceBody, kind: ApiKind, tokens: &[u32]) ->
 /// `kv_load_failure_policy` "fail": the request ends with vLLM's generation error (500
 /// `InternalServerError`, "Internal server error"), before any token. A stream has already
 /// begun: the error is an event after the role chunk (chat), then `[DONE]`.
-fn kv_load_failed(meta: &ResponseMeta, streaming: bool, include_usage: bool) -> Response {
+fn kv_load_failed(meta: &ResponseMeta, streaming: bool) -> Response {
     let error = ApiError::internal("Internal server error".to_owned());
     if !streaming {
         return error.into_response();
     }
     let mut events = Vec::with_capacity(3);
     if meta.kind == ApiKind::Chat {
-        events.push(sse_data(&meta.role_chunk(include_usage)));
+        events.push(sse_data(&meta.role_chunk()));
     }
     events.push(sse_data(&error.to_json()));
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));

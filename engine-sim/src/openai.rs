@@ -942,7 +942,7 @@ impl ResponseMeta {
     }
 
     /// A chat's echo chunk (after the role chunk), if it echoes anything.
-    pub(crate) fn echo_chunk(&self, include_usage: bool) -> Option<Value> {
+    pub(crate) fn echo_chunk(&self) -> Option<Value> {
         let echo = self.echo.as_ref().filter(|_| self.kind == ApiKind::Chat)?;
         if echo.text.is_empty() {
             return None;
@@ -953,7 +953,7 @@ impl ResponseMeta {
             "logprobs": null,
             "finish_reason": null,
         });
-        Some(self.with_null_usage(self.envelope(true, json!([choice])), include_usage))
+        Some(self.envelope(true, json!([choice])))
     }
 
     /// The text of this answer's token `index` (0-based).
@@ -1024,7 +1024,7 @@ impl ResponseMeta {
     }
 
     /// The first chat chunk, announcing the assistant role (vLLM sends it before any text).
-    pub(crate) fn role_chunk(&self, include_usage: bool) -> Value {
+    pub(crate) fn role_chunk(&self) -> Value {
         let choice = json!({
             "index": 0,
             "delta": { "role": self.role, "content": "" },
@@ -1035,16 +1035,11 @@ impl ResponseMeta {
         if let Some(prompt) = &self.prompt_token_ids {
             chunk["prompt_token_ids"] = json!(&prompt[..]);
         }
-        self.with_null_usage(chunk, include_usage)
+        chunk
     }
 
     /// A chunk carrying the text of the answer's token `index` (0-based).
-    pub(crate) fn token_chunk(
-        &self,
-        index: u32,
-        finish_reason: Option<&str>,
-        include_usage: bool,
-    ) -> Value {
+    pub(crate) fn token_chunk(&self, index: u32, finish_reason: Option<&str>) -> Value {
         // A completion's echo comes with its first token (alone for `max_tokens: 0`).
         let echo = self
             .echo
@@ -1084,20 +1079,13 @@ impl ResponseMeta {
                 };
             }
         }
-        self.with_null_usage(self.envelope(true, json!([choice])), include_usage)
+        self.envelope(true, json!([choice]))
     }
 
     /// The final chunk with `stream_options.include_usage`: no choices, the usage.
     pub(crate) fn usage_chunk(&self, usage: Usage) -> Value {
         let mut chunk = self.envelope(true, json!([]));
         chunk["usage"] = usage.to_json();
-        chunk
-    }
-
-    fn with_null_usage(&self, mut chunk: Value, include_usage: bool) -> Value {
-        if include_usage {
-            chunk["usage"] = Value::Null;
-        }
         chunk
     }
 }

@@ -192,6 +192,16 @@ async fn a_stream_whose_engine_dies_continues_elsewhere_as_if_undisturbed() -> a
         assert_eq!(roles, usize::from(path == "chat/completions"), "{path}");
         let usage = |streamed: &Streamed| streamed.events.last().unwrap()["usage"].clone();
         assert_eq!(usage(&migrated), usage(&undisturbed), "{path}");
+        // The continuous usage the router asked for stays out of the client's chunks: only
+        // the last carries a usage, as vLLM sends them.
+        for streamed in [&migrated, &undisturbed] {
+            let (_, before_last) = streamed.events.split_last().unwrap();
+            assert!(
+                before_last.iter().all(|event| event.get("usage").is_none()),
+                "{path}: {:?}",
+                streamed.events
+            );
+        }
     }
     assert_eq!(dies.stats().responses_cut, 2);
     let metrics = Metrics::scrape(&router.url()).await?;

@@ -1501,6 +1501,48 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
             cancelled.json()["status"].clone(),
         ));
     }
+    // A stream with `include_usage`: which chunks carry a `usage` key (vLLM: the last only).
+    for (path, body) in [
+        (
+            chat,
+            with(
+                a_chat.clone(),
+                json!({"stream": true,
+                                            "stream_options": {"include_usage": true}}),
+            ),
+        ),
+        (
+            completions,
+            with(
+                a_completion.clone(),
+                json!({"stream": true,
+                                                        "stream_options": {"include_usage": true}}),
+            ),
+        ),
+    ] {
+        let mut carried = Vec::new();
+        for base in [engine.url(), format!("http://{}", sim.addr)] {
+            let reply = http_post(&format!("{base}{path}"), &[], body.to_string()).await?;
+            let chunks: Vec<bool> = reply
+                .body
+                .lines()
+                .filter_map(|line| line.strip_prefix("data: "))
+                .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+                .map(|chunk| chunk.get("usage").is_some())
+                .collect();
+            // (any chunk before the last with one, the last with one): the answer's length
+            // is the model's.
+            let (last, before) = chunks.split_last().unwrap_or((&false, &[]));
+            carried.push((before.iter().any(|&usage| usage), *last));
+        }
+        if carried[0] != carried[1] {
+            differences.push(format!(
+                "{path} streamed with include_usage, chunks with a usage key\n  vLLM:      \
+                 {:?}\n  simulator: {:?}",
+                carried[0], carried[1]
+            ));
+        }
+    }
     if steps[0] != steps[1] {
         differences.push(format!(
             "stored responses (follow-up, cancel, DELETE, GET, background cancel; queued, \

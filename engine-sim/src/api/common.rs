@@ -351,17 +351,17 @@ impl SseStream {
                             None => {}
                         }
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
-                            let mut chunk = self.meta.role_chunk(self.include_usage);
+                            let mut chunk = self.meta.role_chunk();
                             self.usage_so_far(&mut chunk, 0);
                             yield Ok(sse_data(&chunk));
-                            if let Some(mut chunk) = self.meta.echo_chunk(self.include_usage) {
+                            if let Some(mut chunk) = self.meta.echo_chunk() {
                                 self.usage_so_far(&mut chunk, 0);
                                 yield Ok(sse_data(&chunk));
                             }
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
                         let mut chunk =
-                            self.meta.token_chunk(sent, finish_reason, self.include_usage);
+                            self.meta.token_chunk(sent, finish_reason);
                         self.usage_so_far(&mut chunk, sent + 1);
                         yield Ok(sse_data(&chunk));
                         sent += 1;
