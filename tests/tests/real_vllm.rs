@@ -682,6 +682,52 @@ async fn nixl_disaggregation(
         bodies.len(),
         "at temperature 0 a hand-off changes nothing"
     );
+    // `n` 2 (sampled): the client gets its two choices, whichever way it is served.
+    for stream in [false, true] {
+        let mut body = chat(&passage("the copper", 300), 8, stream);
+        body["n"] = json!(2);
+        body["temperature"] = json!(1.0);
+        let reply = http_post(
+            &routed(router, "pd", "/v1/chat/completions"),
+            &[],
+            body.to_string(),
+        )
+        .await?;
+        let indexes: std::collections::BTreeSet<u64> = if stream {
+            reply
+                .body
+                .lines()
+                .filter_map(|line| line.strip_prefix("data: "))
+                .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+                .flat_map(|chunk| {
+                    chunk["choices"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|choice| choice["index"].as_u64())
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        } else {
+            reply.json()["choices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|choice| choice["index"].as_u64())
+                .collect()
+        };
+        println!(
+            "DPD n=2 stream={stream}: status {} route {:?} choices {indexes:?}",
+            reply.status,
+            reply.header("x-switchyard-route")
+        );
+        anyhow::ensure!(
+            reply.status == 200 && indexes.len() == 2,
+            "n=2 stream={stream}: {} {}",
+            reply.status,
+            reply.body.chars().take(600).collect::<String>()
+        );
+    }
     let fallbacks = Metrics::scrape(&router.url()).await?;
     println!(
         "DPD router fallbacks: {:?}",
