@@ -139,11 +139,12 @@ impl CreateBody {
                 .and_then(reuse::lax_bool)
                 .unwrap_or(default)
         };
-        let number = |name: &str| {
+        // A number as the request model read it (a string of one too), or `default`.
+        let number = |name: &str, default: f64| {
             fields
                 .get(name)
                 .and_then(|value| value.as_f64().or_else(|| value.as_str()?.parse().ok()))
-                .unwrap_or(1.0)
+                .unwrap_or(default)
         };
         let has_tools = fields
             .get("tools")
@@ -162,12 +163,6 @@ impl CreateBody {
                 .cloned()
                 .unwrap_or(default)
         };
-        let penalty = |name: &str| {
-            fields
-                .get(name)
-                .and_then(|value| value.as_f64().or_else(|| value.as_str()?.parse().ok()))
-                .unwrap_or(0.0)
-        };
         let echoed = Echoed {
             tools: function_tools(given("tools", json!([]))),
             parallel_tool_calls: flag("parallel_tool_calls", true),
@@ -175,8 +170,8 @@ impl CreateBody {
             truncation: given("truncation", json!("disabled")),
             user: given("user", Value::Null),
             text: given("text", Value::Null),
-            presence_penalty: penalty("presence_penalty"),
-            frequency_penalty: penalty("frequency_penalty"),
+            presence_penalty: number("presence_penalty", 0.0),
+            frequency_penalty: number("frequency_penalty", 0.0),
         };
         Ok(Self {
             model: text("model"),
@@ -190,8 +185,8 @@ impl CreateBody {
             max_output_tokens: fields.get("max_output_tokens").and_then(reuse::lax_integer),
             metadata: fields.get("metadata").cloned().unwrap_or(Value::Null),
             tool_choice,
-            temperature: number("temperature"),
-            top_p: number("top_p"),
+            temperature: number("temperature", 1.0),
+            top_p: number("top_p", 1.0),
             echoed,
             sampling: Generation::of_responses(&fields),
         })
