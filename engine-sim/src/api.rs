@@ -360,6 +360,7 @@ async fn run_request(
         .then(|| std::sync::Arc::from(prompt.tokens.as_slice())),
         echo: echo(shared, &body, kind, &prompt.tokens),
         role: answer_role(&body),
+        choices: generation.n(),
     };
     if pull == Pull::Rejected && config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
         return Ok(kv_load_failed(&meta, streaming));

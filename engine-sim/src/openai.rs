@@ -914,6 +914,9 @@ pub(crate) struct ResponseMeta {
     /// A chat answer's role: the assistant's, or with `add_generation_prompt: false` the last
     /// message's (vLLM answers in it).
     pub role: String,
+    /// How many choices the answer has (`n`; at least 1): each the same text here, where vLLM
+    /// samples each on its own; streamed, a chunk for each in turn.
+    pub choices: u32,
 }
 
 /// `echo` as vLLM 0.32 answers it: a completion's prompt text before its answer (in its first
@@ -979,6 +982,25 @@ impl ResponseMeta {
         })
     }
 
+    /// `chunk` (one choice, index 0) once for each of the answer's choices, by index.
+    pub(crate) fn for_each_choice(&self, chunk: Value) -> Vec<Value> {
+        (0..self.choices.max(1))
+            .map(|index| {
+                let mut chunk = chunk.clone();
+                chunk["choices"][0]["index"] = json!(index);
+                chunk
+            })
+            .collect()
+    }
+
+    /// `usage` of one choice, for the whole answer: every choice's output tokens.
+    pub(crate) fn all_choices(&self, usage: Usage) -> Usage {
+        Usage {
+            completion_tokens: usage.completion_tokens * self.choices.max(1),
+            ..usage
+        }
+    }
+
     /// A whole (non-streaming) response.
     pub(crate) fn response(
         &self,
@@ -1014,11 +1036,18 @@ impl ResponseMeta {
                 ApiKind::Completion => choice["prompt_token_ids"] = json!(&prompt[..]),
             }
         }
-        let mut response = self.envelope(false, json!([choice]));
+        let choices: Vec<Value> = (0..self.choices.max(1))
+            .map(|index| {
+                let mut choice = choice.clone();
+                choice["index"] = json!(index);
+                choice
+            })
+            .collect();
+        let mut response = self.envelope(false, json!(choices));
         if let Some(ids) = ids {
             response["prompt_token_ids"] = ids;
         }
-        response["usage"] = usage.to_json();
+        response["usage"] = self.all_choices(usage).to_json();
         response["kv_transfer_params"] = kv_transfer_params.unwrap_or(Value::Null);
         response
     }
@@ -1085,7 +1114,7 @@ impl ResponseMeta {
     /// The final chunk with `stream_options.include_usage`: no choices, the usage.
     pub(crate) fn usage_chunk(&self, usage: Usage) -> Value {
         let mut chunk = self.envelope(true, json!([]));
-        chunk["usage"] = usage.to_json();
+        chunk["usage"] = self.all_choices(usage).to_json();
         chunk
     }
 }

@@ -647,6 +647,13 @@ impl Generation {
         }
     }
 
+    /// `n`, the choices asked for (1 when not given; the sampling checks keep it in range).
+    pub(crate) fn n(&self) -> u32 {
+        self.given("n")
+            .and_then(reuse::lax_integer)
+            .map_or(1, |n| u32::try_from(n.max(1)).unwrap_or(1))
+    }
+
     /// `min_tokens`, at least 0 (what the simulator generates at the least).
     pub(crate) fn min_tokens(&self) -> u32 {
         self.given("min_tokens")

@@ -1636,6 +1636,55 @@ async fn invocations_try_a_chat_then_a_completion_as_vllm_does() -> Result<()> {
 }
 
 #[tokio::test]
+async fn n_choices_are_answered_each_in_turn() -> Result<()> {
+    let sim = spawn(fast_config()).await?;
+    let whole = post(
+        sim.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 3}),
+    )
+    .await?
+    .json();
+    let indexes: Vec<u64> = whole["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|choice| choice["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [0, 1, 2], "{whole}");
+    assert_eq!(
+        whole["usage"]["completion_tokens"], 12,
+        "every choice's tokens"
+    );
+    let mut response = open_post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "n": 2, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    )
+    .await?;
+    let text = read_text(response.body_mut()).await?;
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    for index in [0, 1] {
+        let of_choice: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|chunk| chunk["choices"].as_array()?.first())
+            .filter(|choice| choice["index"] == index)
+            .collect();
+        assert_eq!(of_choice.len(), 3, "choice {index}: {text}");
+        assert_eq!(of_choice[2]["finish_reason"], "length");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
+    sim.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
 async fn pooling_apis_answer_in_vllms_shapes() -> Result<()> {
     let sim = spawn(fast_config()).await?;
     let embeddings = post(

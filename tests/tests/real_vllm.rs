@@ -1589,6 +1589,52 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
             ));
         }
     }
+    // `n` 2 (sampled): the choices' indexes, and one finish for each, whole and streamed.
+    for (path, stream) in [(chat, false), (chat, true), (completions, true)] {
+        let base_body = if path == chat { &a_chat } else { &a_completion };
+        let body = with(
+            base_body.clone(),
+            json!({"n": 2, "temperature": 1.0, "stream": stream}),
+        );
+        let mut seen = Vec::new();
+        for base in [engine.url(), format!("http://{}", sim.addr)] {
+            let reply = http_post(&format!("{base}{path}"), &[], body.to_string()).await?;
+            let choices: Vec<Value> = if stream {
+                reply
+                    .body
+                    .lines()
+                    .filter_map(|line| line.strip_prefix("data: "))
+                    .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+                    .flat_map(|chunk| chunk["choices"].as_array().cloned().unwrap_or_default())
+                    .collect()
+            } else {
+                reply.json()["choices"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            };
+            let mut finishes: Vec<(u64, usize)> = Vec::new();
+            for index in 0..2 {
+                let finished = choices
+                    .iter()
+                    .filter(|choice| choice["index"] == index && !choice["finish_reason"].is_null())
+                    .count();
+                finishes.push((index, finished));
+            }
+            let indexes: std::collections::BTreeSet<u64> = choices
+                .iter()
+                .filter_map(|choice| choice["index"].as_u64())
+                .collect();
+            seen.push((reply.status, indexes, finishes));
+        }
+        if seen[0] != seen[1] {
+            differences.push(format!(
+                "{path} n=2 stream={stream} (status, indexes, finishes per index)\n  vLLM:      \
+                 {:?}\n  simulator: {:?}",
+                seen[0], seen[1]
+            ));
+        }
+    }
     if steps[0] != steps[1] {
         differences.push(format!(
             "stored responses (follow-up, cancel, DELETE, GET, background cancel; queued, \

@@ -316,6 +316,7 @@ impl SseStream {
     /// `continuous_usage_stats`: the chunk's usage once `completion` tokens are sent.
     fn usage_so_far(&self, chunk: &mut serde_json::Value, completion: u32) {
         if self.continuous_usage {
+            let completion = completion * self.meta.choices.max(1);
             chunk["usage"] = serde_json::json!({
                 "prompt_tokens": self.prompt_len,
                 "completion_tokens": completion,
@@ -350,20 +351,25 @@ impl SseStream {
                             }
                             None => {}
                         }
+                        // One chunk for each choice in turn (`n`), as vLLM streams them.
                         if sent == 0 && self.meta.kind == ApiKind::Chat {
-                            let mut chunk = self.meta.role_chunk();
-                            self.usage_so_far(&mut chunk, 0);
-                            yield Ok(sse_data(&chunk));
-                            if let Some(mut chunk) = self.meta.echo_chunk() {
+                            for mut chunk in self.meta.for_each_choice(self.meta.role_chunk()) {
                                 self.usage_so_far(&mut chunk, 0);
                                 yield Ok(sse_data(&chunk));
                             }
+                            if let Some(chunk) = self.meta.echo_chunk() {
+                                for mut chunk in self.meta.for_each_choice(chunk) {
+                                    self.usage_so_far(&mut chunk, 0);
+                                    yield Ok(sse_data(&chunk));
+                                }
+                            }
                         }
                         let finish_reason = (sent + 1 >= self.max_tokens).then_some("length");
-                        let mut chunk =
-                            self.meta.token_chunk(sent, finish_reason);
-                        self.usage_so_far(&mut chunk, sent + 1);
-                        yield Ok(sse_data(&chunk));
+                        let chunk = self.meta.token_chunk(sent, finish_reason);
+                        for mut chunk in self.meta.for_each_choice(chunk) {
+                            self.usage_so_far(&mut chunk, sent + 1);
+                            yield Ok(sse_data(&chunk));
+                        }
                         sent += 1;
                     }
                     EngineEvent::Finished(finished) => {
