@@ -605,7 +605,7 @@ fn kv_load_failed(meta: &ResponseMeta, streaming: bool) -> Response {
     }
     let mut events = Vec::with_capacity(3);
     if meta.kind == ApiKind::Chat {
-        events.push(sse_data(&meta.role_chunk()));
+        events.extend(meta.for_each_choice(meta.role_chunk()).iter().map(sse_data));
     }
     events.push(sse_data(&error.to_json()));
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));
@@ -753,14 +753,16 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Result<Json
     })))
 }
 
-/// Whether a body is a JSON object with a `messages` key.
+/// Whether a body is a JSON object whose `messages` is a list (a chat's tokenize request;
+/// anything else is read as a completion's, which ignores `messages`).
 fn has_messages(body: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
     struct Probe {
         #[serde(default)]
-        messages: Option<serde::de::IgnoredAny>,
+        messages: Option<Value>,
     }
-    serde_json::from_slice::<Probe>(body).is_ok_and(|probe| probe.messages.is_some())
+    serde_json::from_slice::<Probe>(body)
+        .is_ok_and(|probe| probe.messages.is_some_and(|m| m.is_array()))
 }
 
 /// A `/tokenize` body without the chat completion's own `documents` and `reasoning_effort`,

@@ -430,7 +430,8 @@ pub(crate) fn parse_request(
     tokenizer: Option<&switchyard_tokenize::EngineTokenizer>,
     lora_of: impl FnOnce(Option<&str>) -> Option<Lora>,
 ) -> Result<ParsedRequest, ApiError> {
-    let (body, generation, kind) = match reading.into() {
+    let reading = reading.into();
+    let (body, generation, kind) = match reading {
         Reading::Model(kind) => {
             let (body, generation) = read_model(bytes, kind, true)?;
             (body, generation, kind)
@@ -439,13 +440,22 @@ pub(crate) fn parse_request(
             let (body, generation) = read_model(bytes, kind, false)?;
             (body, generation, kind)
         }
-        Reading::Invocation => read_invocation(bytes)?,
+        Reading::Invocation => read_invocation(bytes, max_model_len)?,
     };
-    let truncation = body.truncation(kind, max_model_len)?;
+    // A tokenize request has neither a truncation nor forwarded ids (vLLM ignores those
+    // fields there).
+    let tokenize = matches!(reading, Reading::Tokenize(_));
+    let truncation = if tokenize {
+        None
+    } else {
+        body.truncation(kind, max_model_len)?
+    };
     // Forwarded ids (a chat's, with its messages) are served as they are: no template, no
     // tokenizer, no truncation; a truncation longer than the context is still refused.
     let reused = match kind {
-        ApiKind::Chat if body.messages.is_some() => body.reused_prompt_ids(tokenizer)?,
+        ApiKind::Chat if body.messages.is_some() && !tokenize => {
+            body.reused_prompt_ids(tokenizer)?
+        }
         ApiKind::Chat | ApiKind::Completion => None,
     };
     let lora = lora_of(body.model.as_deref());
@@ -510,6 +520,12 @@ fn read_model(
     kind: ApiKind,
     generation_checks: bool,
 ) -> Result<(InferenceBody, Generation), ApiError> {
+    // The request model's own checks run before its fields' types (pydantic's before
+    // validators).
+    let generation = Generation::read(bytes)?;
+    if generation_checks {
+        generation.check_request(kind)?;
+    }
     let body: InferenceBody = match parse_json(bytes, "invalid JSON body") {
         Ok(body) => body,
         // The completions model has no `messages`: whatever it holds is ignored there.
@@ -526,15 +542,25 @@ fn read_model(
         }
         Err(error) => return Err(error),
     };
-    let generation = Generation::read(bytes)?;
-    if generation_checks {
-        generation.check_request(kind)?;
-    }
     if kind == ApiKind::Chat {
         check_chat_fields(&body)?;
     }
-    lax_flag(body.return_token_ids.as_ref(), "body.return_token_ids")?;
-    lax_flag(body.echo.as_ref(), "body.echo")?;
+    if generation_checks {
+        lax_flag(body.return_token_ids.as_ref(), "body.return_token_ids")?;
+        lax_flag(body.echo.as_ref(), "body.echo")?;
+    } else if kind == ApiKind::Chat
+        && body.continue_final_message == Some(true)
+        && body.add_generation_prompt != Some(false)
+    {
+        // A tokenize request's template rendering refuses both (Hugging Face's message).
+        return Err(ApiError::bad_request(
+            "continue_final_message and add_generation_prompt are not compatible. Use \
+             continue_final_message when you want the model to continue the final message, and \
+             add_generation_prompt when you want to add a header that will prompt it to start \
+             a new assistant message instead."
+                .to_owned(),
+        ));
+    }
     Ok((body, generation))
 }
 
@@ -542,16 +568,26 @@ fn read_model(
 /// then as a completions one; the first whose request model takes it is served. A
 /// `VLLMValidationError` raised while a model reads it (a completion without a prompt, say)
 /// is the answer at once; if neither takes it, vLLM's 400 naming both.
-fn read_invocation(bytes: &[u8]) -> Result<(InferenceBody, Generation, ApiKind), ApiError> {
+fn read_invocation(
+    bytes: &[u8],
+    max_model_len: u32,
+) -> Result<(InferenceBody, Generation, ApiKind), ApiError> {
     if let Err(err) = serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
         return Err(ApiError::bad_request(format!("JSON decode error: {err}")));
     }
+    // The field checks the request model makes of these (pydantic's): the next model is tried.
+    let field_error = |mut error: ApiError| {
+        error.raised = false;
+        error
+    };
     for kind in [ApiKind::Chat, ApiKind::Completion] {
         let read = read_model(bytes, kind, true).and_then(|(body, generation)| {
             if kind == ApiKind::Chat && body.messages.is_none() {
                 return Err(ApiError::bad_request("messages: Field required".to_owned())
                     .param("body.messages"));
             }
+            body.truncation(kind, max_model_len).map_err(field_error)?;
+            body.reports_reuse().map_err(field_error)?;
             Ok((body, generation))
         });
         match read {
@@ -1189,9 +1225,21 @@ mod tests {
 
     #[test]
     fn the_prompt_is_truncated_as_vllm_truncates_it() {
+        // Read by its own request model (the body says which), as on the OpenAI paths.
         let tokens = |body: &str, max_model_len: u32| {
-            parse_request(body.as_bytes(), None, (16, max_model_len), None, |_| None)
-                .and_then(|parsed| parsed.prompt.map(|prompt| prompt.tokens))
+            let kind = if body.contains(r#""messages""#) {
+                ApiKind::Chat
+            } else {
+                ApiKind::Completion
+            };
+            parse_request(
+                body.as_bytes(),
+                Some(kind),
+                (16, max_model_len),
+                None,
+                |_| None,
+            )
+            .and_then(|parsed| parsed.prompt.map(|prompt| prompt.tokens))
         };
         let ids = "[1,2,3,4,5,6,7,8,9,10]";
         let served = |fields: &str| tokens(&format!(r#"{{"prompt":{ids}{fields}}}"#), 8);

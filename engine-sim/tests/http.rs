@@ -813,6 +813,31 @@ async fn health_models_and_metrics() -> Result<()> {
 
     let tokenized = post(sim.addr, "/tokenize", &json!({"prompt": "the cat sat"})).await?;
     assert_eq!(tokenized.json()["count"], 3);
+    // A tokenize request as vLLM reads one: no generation checks or truncation, `messages`
+    // that are no list ignored, both generation-prompt flags refused.
+    for (body, status) in [
+        (json!({"prompt": ""}), 200),
+        (
+            json!({"prompt": "the cat sat", "truncate_prompt_tokens": 1}),
+            200,
+        ),
+        (json!({"prompt": "the cat sat", "messages": "hi"}), 200),
+        (json!({"prompt": "x", "temperature": -1, "echo": "x"}), 200),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": true}),
+            400,
+        ),
+    ] {
+        let reply = post(sim.addr, "/tokenize", &body).await?;
+        assert_eq!(reply.status.as_u16(), status, "{body}: {}", reply.json());
+    }
+    let kept = post(
+        sim.addr,
+        "/tokenize",
+        &json!({"prompt": "the cat sat", "truncate_prompt_tokens": 1}),
+    )
+    .await?;
+    assert_eq!(kept.json()["count"], 3, "not truncated");
     sim.shutdown().await;
     Ok(())
 }
@@ -1604,6 +1629,12 @@ async fn invocations_try_a_chat_then_a_completion_as_vllm_does() -> Result<()> {
         ),
         // `messages` that are no chat's: a completion, which ignores them.
         (json!({"messages": "hi", "prompt": "hi"}), 200, None),
+        // A field the chat model refuses by its type (pydantic's): the completion is tried.
+        (
+            json!({"messages": hi, "truncate_prompt_tokens": -5}),
+            400,
+            Some("prompt"),
+        ),
         (json!({"messages": "hi"}), 400, Some("prompt")),
     ];
     for (body, status, param) in cases {
@@ -1680,6 +1711,23 @@ async fn n_choices_are_answered_each_in_turn() -> Result<()> {
         assert_eq!(of_choice[2]["finish_reason"], "length");
     }
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
+    // Continuous usage counts each choice's own tokens; the last chunk sums them.
+    let mut response = open_post(
+        sim.addr,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 3, "n": 2, "stream": true,
+                "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+    )
+    .await?;
+    let text = read_text(response.body_mut()).await?;
+    let counts: Vec<u64> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str::<Value>(data).unwrap())
+        .map(|chunk| chunk["usage"]["completion_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counts, [1, 1, 2, 2, 3, 3, 6], "{text}");
     sim.shutdown().await;
     Ok(())
 }

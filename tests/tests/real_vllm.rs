@@ -1358,6 +1358,8 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         json!({"messages": "hi", "max_tokens": 2}),
         json!({"prompt": "", "max_tokens": 2}),
         json!({"prompt": "hi", "max_tokens": 2, "echo": "x"}),
+        json!({"messages": hi, "max_tokens": 2, "truncate_prompt_tokens": -5}),
+        json!({"messages": hi, "max_tokens": 2, "vllm_xargs": 5}),
     ] {
         cases.push(("/invocations", with(json!({"model": MODEL}), body)));
     }
@@ -1384,6 +1386,18 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         ("/tokenize", json!({"messages": hi, "tools": []})),
         ("/tokenize", json!({"messages": [{"role": "user"}]})),
         ("/tokenize", json!({"messages": hi, "temperature": -1})),
+        (
+            "/tokenize",
+            json!({"messages": hi, "continue_final_message": true}),
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "hello world", "messages": "hi"}),
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "hello world", "truncate_prompt_tokens": 1}),
+        ),
         ("/detokenize", json!({"tokens": [1, 2, 3]})),
         ("/detokenize", json!({"tokens": [28120, 665]})),
         ("/detokenize", json!({"tokens": []})),

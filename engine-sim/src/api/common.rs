@@ -315,8 +315,8 @@ pub(super) struct SseStream {
 impl SseStream {
     /// `continuous_usage_stats`: the chunk's usage once `completion` tokens are sent.
     fn usage_so_far(&self, chunk: &mut serde_json::Value, completion: u32) {
+        // Each choice's own count, as vLLM counts a chunk's (the last chunk sums them).
         if self.continuous_usage {
-            let completion = completion * self.meta.choices.max(1);
             chunk["usage"] = serde_json::json!({
                 "prompt_tokens": self.prompt_len,
                 "completion_tokens": completion,
