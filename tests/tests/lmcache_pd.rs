@@ -147,6 +147,10 @@ async fn router_over(
     );
     router_from_file(&dir.path().join(format!("{name}.yaml")), &yaml, |config| {
         config.lmcache_notice_bind = notice_port.map(|port| format!("tcp://127.0.0.1:{port}"));
+        // These tests assert which way a request went; on a loaded 2-core CI machine a
+        // connection to a simulator once took past the default 2 s and the request was retried
+        // elsewhere (`route: retry`). Connection failures are tested elsewhere.
+        config.connect_timeout_ms = 10_000;
     })
     .await
 }
