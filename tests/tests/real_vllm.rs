@@ -546,6 +546,23 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
     })
 }
 
+/// Every choice of an answer: a whole answer's, or each streamed chunk's in turn.
+fn answer_choices(reply: &Reply, stream: bool) -> Vec<Value> {
+    if !stream {
+        return reply.json()["choices"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+    }
+    reply
+        .body
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .flat_map(|chunk| chunk["choices"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
 fn routed(router: &switchyard_router::RouterHandle, endpoint: &str, path: &str) -> String {
     format!("{}/endpoints/{endpoint}/openai{path}", router.url())
 }
@@ -693,29 +710,10 @@ async fn nixl_disaggregation(
             body.to_string(),
         )
         .await?;
-        let indexes: std::collections::BTreeSet<u64> = if stream {
-            reply
-                .body
-                .lines()
-                .filter_map(|line| line.strip_prefix("data: "))
-                .filter_map(|data| serde_json::from_str::<Value>(data).ok())
-                .flat_map(|chunk| {
-                    chunk["choices"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|choice| choice["index"].as_u64())
-                        .collect::<Vec<_>>()
-                })
-                .collect()
-        } else {
-            reply.json()["choices"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|choice| choice["index"].as_u64())
-                .collect()
-        };
+        let indexes: std::collections::BTreeSet<u64> = answer_choices(&reply, stream)
+            .iter()
+            .filter_map(|choice| choice["index"].as_u64())
+            .collect();
         println!(
             "DPD n=2 stream={stream}: status {} route {:?} choices {indexes:?}",
             reply.status,
@@ -1613,20 +1611,7 @@ async fn the_simulator_refuses_what_vllm_refuses() -> anyhow::Result<()> {
         let mut seen = Vec::new();
         for base in [engine.url(), format!("http://{}", sim.addr)] {
             let reply = http_post(&format!("{base}{path}"), &[], body.to_string()).await?;
-            let choices: Vec<Value> = if stream {
-                reply
-                    .body
-                    .lines()
-                    .filter_map(|line| line.strip_prefix("data: "))
-                    .filter_map(|data| serde_json::from_str::<Value>(data).ok())
-                    .flat_map(|chunk| chunk["choices"].as_array().cloned().unwrap_or_default())
-                    .collect()
-            } else {
-                reply.json()["choices"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-            };
+            let choices = answer_choices(&reply, stream);
             let mut finishes: Vec<(u64, usize)> = Vec::new();
             for index in 0..2 {
                 let finished = choices
